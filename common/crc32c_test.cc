@@ -1,0 +1,33 @@
+#include "common/crc32c.h"
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace zeroshard {
+namespace {
+
+TEST(Crc32c, KnownVectors) {
+  EXPECT_EQ(Crc32c("123456789", 9), 0xe3069283u);
+  EXPECT_EQ(Crc32c("", 0), 0u);
+  std::vector<unsigned char> zeros(32, 0);
+  EXPECT_EQ(Crc32c(zeros.data(), zeros.size()), 0x8a9136aau);  // RFC 3720 B.4
+}
+
+TEST(Crc32c, HardwareEqualsPortableAndExtends) {
+  std::mt19937 rng(7);
+  std::vector<unsigned char> data(10007);
+  for (auto& b : data) b = static_cast<unsigned char>(rng());
+  for (size_t n : {0, 1, 7, 8, 9, 63, 4096, 10007}) {
+    EXPECT_EQ(Crc32c(data.data(), n), internal::Crc32cPortable(data.data(), n)) << n;
+  }
+  const uint32_t whole = Crc32c(data.data(), data.size());
+  const uint32_t parts = Crc32c(data.data() + 1000, data.size() - 1000,
+                                Crc32c(data.data(), 1000));
+  EXPECT_EQ(whole, parts);
+}
+
+}  // namespace
+}  // namespace zeroshard
