@@ -56,8 +56,10 @@ class Layout {
   // Stable 64-bit fingerprint of names, shapes, dtypes, layers and alignment.
   uint64_t fingerprint() const { return fingerprint_; }
 
- private:
+ // An empty layout (no tensors); real ones come from Create.
   Layout() = default;
+
+ private:
   std::vector<TensorPlacement> tensors_;
   std::vector<uint32_t> layers_;
   std::vector<FlatRange> layer_ranges_;  // parallel to layers_

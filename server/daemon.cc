@@ -1,0 +1,437 @@
+#include "server/daemon.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/estimator.h"
+#include "common/status_macros.h"
+#include "proto/zeroshard/v1/admin.grpc.pb.h"
+#include "proto/zeroshard/v1/control.grpc.pb.h"
+#include "proto/zeroshard/v1/shard.grpc.pb.h"
+#include "server/grpc_status.h"
+#include "server/job_config.h"
+
+namespace zeroshard {
+namespace {
+
+constexpr int kMaxMessageBytes = 80 << 20;  // a 64 MiB chunk plus headers
+constexpr uint32_t kMaxWaitMs = 600000;
+
+void Log(const std::string& line) { std::fprintf(stderr, "zeroshardd: %s\n", line.c_str()); }
+
+// Largest payload one PushGradient / InitParameters stream may carry; the
+// whole stream is held until it is applied atomically.
+uint64_t MaxStreamBytes(const JobConfig& c) { return std::max<uint64_t>(4 * c.bucket_bytes, 64 << 20); }
+
+}  // namespace
+
+// The three services share the daemon's state; each handler validates its
+// request completely before touching a job.
+class DaemonServices final : public v1::Control::Service,
+                             public v1::Shard::Service,
+                             public v1::Admin::Service {
+ public:
+  DaemonServices(const DaemonOptions& options, MemoryLedger* ledger, JobRegistry* jobs,
+                 ShardOptimizer* optimizer)
+      : options_(options), ledger_(ledger), jobs_(jobs), optimizer_(optimizer),
+        start_(absl::Now()) {}
+
+  std::atomic<bool> draining{false};
+
+  // ---- Control ----
+  grpc::Status RegisterJob(grpc::ServerContext*, const v1::RegisterJobRequest* req,
+                           v1::RegisterJobResponse* resp) override {
+    return ToGrpc(DoRegister(*req, resp));
+  }
+
+  grpc::Status JoinJob(grpc::ServerContext*, const v1::JoinJobRequest* req,
+                       v1::JoinJobResponse* resp) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
+    if (!job.ok()) return ToGrpc(job.status());
+    uint32_t ranks = 0;
+    uint64_t step = 0;
+    absl::Status s = (*job)->Join(*req, &ranks, &step);
+    if (s.ok()) {
+      resp->set_ranks_connected(ranks);
+      resp->set_committed_step(step);
+      Log(absl::StrCat("job ", req->job_id(), " rank ", req->rank(), " joined (", ranks, "/",
+                       (*job)->config().world_size, " connected)"));
+    }
+    return ToGrpc(s);
+  }
+
+  grpc::Status GetPartitionMap(grpc::ServerContext*, const v1::GetPartitionMapRequest* req,
+                               v1::PartitionMap* resp) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
+    if (!job.ok()) return ToGrpc(job.status());
+    FillPartitionMap((*job)->config(), resp);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+                         v1::HeartbeatResponse* resp) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
+    if (!job.ok()) return ToGrpc(job.status());
+    if (req->rank() >= (*job)->config().world_size) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          "rank: must be < world_size (", (*job)->config().world_size, "), got ", req->rank())));
+    }
+    resp->set_committed_step((*job)->committed_step());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Leave(grpc::ServerContext*, const v1::LeaveRequest* req,
+                     v1::LeaveResponse* resp) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
+    if (!job.ok()) return ToGrpc(job.status());
+    absl::StatusOr<bool> empty = (*job)->Leave(req->rank());
+    if (!empty.ok()) return ToGrpc(empty.status());
+    Log(absl::StrCat("job ", req->job_id(), " rank ", req->rank(), " left"));
+    if (*empty) {
+      const std::string id = req->job_id();
+      job->reset();
+      jobs_->Remove(id);
+      ledger_->RemoveJobIfEmpty(id);
+      Log(absl::StrCat("job ", id, " removed: every rank has left"));
+    }
+    resp->set_job_removed(*empty);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status SaveCheckpoint(grpc::ServerContext*, const v1::SaveCheckpointRequest*,
+                              v1::SaveCheckpointResponse*) override {
+    return ToGrpc(absl::UnimplementedError(
+        "SaveCheckpoint is not available in this version of zeroshardd"));
+  }
+
+  grpc::Status LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest*,
+                              v1::LoadCheckpointResponse*) override {
+    return ToGrpc(absl::UnimplementedError(
+        "LoadCheckpoint is not available in this version of zeroshardd"));
+  }
+
+  grpc::Status Drain(grpc::ServerContext*, const v1::DrainRequest*,
+                     v1::DrainResponse* resp) override {
+    draining = true;
+    resp->set_jobs(static_cast<uint32_t>(jobs_->size()));
+    Log("draining: new jobs are refused");
+    return grpc::Status::OK;
+  }
+
+  // ---- Shard ----
+  grpc::Status InitParameters(grpc::ServerContext* ctx,
+                              grpc::ServerReader<v1::ParameterChunk>* reader,
+                              v1::InitParametersResponse* resp) override {
+    std::vector<v1::ParameterChunk> chunks;
+    std::shared_ptr<Job> job;
+    absl::Status s = ReadStream(ctx, reader, &chunks, &job);
+    if (!s.ok()) return ToGrpc(s);
+    uint64_t elements = 0;
+    s = job->InitParameters(chunks, &elements);
+    if (s.ok()) {
+      resp->set_elements(elements);
+      Log(absl::StrCat("job ", job->config().id, ": ", elements, " initial parameters loaded"));
+    }
+    return ToGrpc(s);
+  }
+
+  grpc::Status PushGradient(grpc::ServerContext* ctx,
+                            grpc::ServerReader<v1::GradientChunk>* reader,
+                            v1::PushGradientResponse* resp) override {
+    std::vector<v1::GradientChunk> chunks;
+    std::shared_ptr<Job> job;
+    absl::Status s = ReadStream(ctx, reader, &chunks, &job);
+    if (!s.ok()) return ToGrpc(s);
+    return ToGrpc(job->PushGradient(chunks, resp));
+  }
+
+  grpc::Status Gather(grpc::ServerContext* ctx, const v1::GatherRequest* req,
+                      grpc::ServerWriter<v1::ParameterChunk>* writer) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
+    if (!job.ok()) return ToGrpc(job.status());
+    absl::StatusOr<DType> dtype = DTypeFromProto(req->dtype(), "dtype");
+    if (!dtype.ok()) return ToGrpc(dtype.status());
+    if (*dtype != DType::kFp32 && *dtype != (*job)->config().precision) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          "dtype: must be fp32 or the job's precision (",
+          DTypeName((*job)->config().precision), "), got ", DTypeName(*dtype))));
+    }
+    if (req->wait_ms() > kMaxWaitMs) {
+      return ToGrpc(absl::InvalidArgumentError(
+          absl::StrCat("wait_ms: at most ", kMaxWaitMs, ", got ", req->wait_ms())));
+    }
+    absl::Time deadline = absl::Now() + absl::Milliseconds(req->wait_ms());
+    const absl::Time rpc_deadline = absl::FromChrono(ctx->deadline());
+    if (rpc_deadline < deadline) deadline = rpc_deadline;
+    const uint64_t chunk_elements =
+        std::max<uint64_t>(1, options_.max_chunk_bytes / DTypeSize(*dtype));
+    return ToGrpc((*job)->Gather(req->after_step(), {req->range().begin(), req->range().end()},
+                                 *dtype, deadline, chunk_elements,
+                                 [writer](v1::ParameterChunk& c) { return writer->Write(c); }));
+  }
+
+  grpc::Status PrepareStep(grpc::ServerContext*, const v1::PrepareStepRequest* req,
+                           v1::PrepareStepResponse* resp) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
+    if (!job.ok()) return ToGrpc(job.status());
+    absl::StatusOr<v1::PrepareStepResponse> r = (*job)->PrepareStep(req->step());
+    if (!r.ok()) return ToGrpc(r.status());
+    *resp = *r;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status CommitStep(grpc::ServerContext*, const v1::CommitStepRequest* req,
+                          v1::CommitStepResponse* resp) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
+    if (!job.ok()) return ToGrpc(job.status());
+    absl::StatusOr<v1::CommitStepResponse> r = (*job)->CommitStep(*req);
+    if (!r.ok()) return ToGrpc(r.status());
+    *resp = *r;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ExchangeEndpoint(grpc::ServerContext*, const v1::ExchangeEndpointRequest* req,
+                                v1::ExchangeEndpointResponse*) override {
+    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
+    if (!job.ok()) return ToGrpc(job.status());
+    return ToGrpc(absl::UnimplementedError(
+        "ExchangeEndpoint: this zeroshardd serves the gRPC data path only; use "
+        "transport \"grpc\""));
+  }
+
+  // ---- Admin ----
+  grpc::Status MemoryReport(grpc::ServerContext*, const v1::MemoryReportRequest* req,
+                            v1::MemoryReportResponse* resp) override {
+    std::vector<std::shared_ptr<Job>> jobs;
+    if (!req->job_id().empty()) {
+      absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
+      if (!job.ok()) return ToGrpc(job.status());
+      jobs.push_back(*job);
+    } else {
+      jobs = jobs_->All();
+    }
+    for (const auto& job : jobs) {
+      const JobConfig& c = job->config();
+      v1::JobMemory* m = resp->add_jobs();
+      m->set_job_id(c.id);
+      const CategoryBytes bytes = ledger_->JobBytes(c.id);
+      for (int i = 0; i < kNumMemoryCategories; ++i) {
+        v1::CategoryBytes* cb = m->add_categories();
+        cb->set_category(MemoryCategoryName(static_cast<MemoryCategory>(i)));
+        cb->set_bytes(bytes[i]);
+      }
+      m->set_stage(c.stage);
+      m->set_world_size(c.world_size);
+      m->set_parameters(c.layout.parameter_count());
+      m->set_owned_partitions(static_cast<uint32_t>(job->owned_partitions().size()));
+      m->set_formula_bytes(DaemonModelStateFormulaBytes(c, job->owned_range().size()));
+    }
+    resp->set_memory_limit_bytes(ledger_->limit());
+    resp->set_total_bytes(ledger_->total());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*,
+                      v1::StatusResponse* resp) override {
+    resp->set_version(options_.version);
+    resp->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - start_));
+    resp->set_draining(draining);
+    for (const auto& job : jobs_->All()) {
+      v1::JobStatus* j = resp->add_jobs();
+      j->set_job_id(job->config().id);
+      j->set_stage(job->config().stage);
+      j->set_world_size(job->config().world_size);
+      j->set_ranks_connected(job->ranks_connected());
+      j->set_committed_step(job->committed_step());
+      j->set_parameters(job->config().layout.parameter_count());
+      for (uint32_t p : job->owned_partitions()) j->add_owned_partitions(p);
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Estimate(grpc::ServerContext*, const v1::EstimateRequest* req,
+                        v1::EstimateResponse* resp) override {
+    const double k = req->optimizer_k() == 0 ? kAdamK : req->optimizer_k();
+    for (int stage = 0; stage <= 3; ++stage) {
+      absl::StatusOr<ModelStateEstimate> e =
+          EstimateModelStates(stage, req->parameters(), req->world_size(), k);
+      if (!e.ok()) return ToGrpc(e.status());
+      v1::StageEstimate* s = resp->add_stages();
+      s->set_stage(stage);
+      s->set_model_state_bytes(e->bytes_per_rank);
+      s->set_comm_bytes_per_step(e->comm_bytes);
+      if (req->device_memory_bytes() > 0) {
+        absl::StatusOr<double> max = MaxParameters(
+            stage, static_cast<double>(req->device_memory_bytes()), req->world_size(), k);
+        if (!max.ok()) return ToGrpc(max.status());
+        s->set_max_parameters(*max);
+      }
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  absl::Status DoRegister(const v1::RegisterJobRequest& req, v1::RegisterJobResponse* resp) {
+    ASSIGN_OR_RETURN(JobConfig config, ParseJobSpec(req.spec()));
+    if (req.daemon_index() >= config.daemons.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "daemon_index: must be < the number of daemons in spec.daemons (",
+          config.daemons.size(), "), got ", req.daemon_index()));
+    }
+    absl::StatusOr<std::shared_ptr<Job>> existing = jobs_->Find(config.id);
+    if (existing.ok()) {
+      const std::string diff = DescribeSpecDifference((*existing)->spec(), req.spec());
+      if (!diff.empty()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("job ", config.id, " is registered with a different spec: ", diff));
+      }
+      if ((*existing)->daemon_index() != req.daemon_index()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "daemon_index: job ", config.id, " is registered here as daemon ",
+            (*existing)->daemon_index(), ", got ", req.daemon_index()));
+      }
+      resp->set_created(false);
+      FillRegisterResponse(**existing, resp);
+      return absl::OkStatus();
+    }
+    if (draining) {
+      return absl::UnavailableError("this daemon is draining and accepts no new jobs");
+    }
+    const std::string id = config.id;
+    ASSIGN_OR_RETURN(std::unique_ptr<Job> created,
+                     Job::Create(std::move(config), req.spec(), req.daemon_index(), ledger_,
+                                 optimizer_));
+    bool inserted = false;
+    std::shared_ptr<Job> job = jobs_->Insert(std::move(created), &inserted);
+    if (!inserted) {  // lost a race with an identical registration
+      const std::string diff = DescribeSpecDifference(job->spec(), req.spec());
+      if (!diff.empty()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("job ", id, " is registered with a different spec: ", diff));
+      }
+    }
+    resp->set_created(inserted);
+    FillRegisterResponse(*job, resp);
+    if (inserted) {
+      Log(absl::StrCat("job ", id, " registered: stage ", job->config().stage, ", N_d ",
+                       job->config().world_size, ", Ψ ", job->config().layout.parameter_count(),
+                       ", partitions ", job->owned_partitions().size(), " owned here"));
+    }
+    return absl::OkStatus();
+  }
+
+  void FillRegisterResponse(const Job& job, v1::RegisterJobResponse* resp) {
+    FillPartitionMap(job.config(), resp->mutable_partition_map());
+    for (uint32_t p : job.owned_partitions()) resp->add_owned_partitions(p);
+  }
+
+  static void FillPartitionMap(const JobConfig& c, v1::PartitionMap* m) {
+    m->set_total_elements(c.map.total_elements());
+    m->set_padded_elements(c.map.padded_elements());
+    m->set_partition_elements(c.map.partition_elements());
+    for (uint32_t i = 0; i < c.world_size; ++i) {
+      v1::Partition* p = m->add_partitions();
+      p->set_index(i);
+      p->mutable_range()->set_begin(c.map.Partition(i).begin);
+      p->mutable_range()->set_end(c.map.Partition(i).end);
+      p->set_daemon_address(c.daemons[c.map.DaemonOf(i)]);
+    }
+  }
+
+  // Reads a whole client stream; the first chunk names the job, later chunks
+  // must name the same one (or none). A stream the client abandons (cancelled
+  // or broken) yields Cancelled and nothing is applied.
+  template <typename Chunk>
+  absl::Status ReadStream(grpc::ServerContext* ctx, grpc::ServerReader<Chunk>* reader,
+                          std::vector<Chunk>* chunks, std::shared_ptr<Job>* job) {
+    Chunk chunk;
+    uint64_t bytes = 0;
+    uint64_t limit = 0;
+    while (reader->Read(&chunk)) {
+      if (chunks->empty()) {
+        ASSIGN_OR_RETURN(*job, jobs_->Find(chunk.job_id()));
+        limit = MaxStreamBytes((*job)->config());
+      } else if (!chunk.job_id().empty() && chunk.job_id() != (*job)->config().id) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "chunk ", chunks->size(), ".job_id: the stream started with job ",
+            (*job)->config().id, ", got ", chunk.job_id().substr(0, 140)));
+      }
+      bytes += chunk.data().size();
+      if (bytes > limit) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "the stream carries more than ", limit, " bytes; split pushes into buckets of at ",
+            "most bucket_bytes per stream"));
+      }
+      chunks->push_back(std::move(chunk));
+      chunk.Clear();
+    }
+    if (ctx->IsCancelled()) {
+      return absl::CancelledError("the client abandoned the stream; nothing was applied");
+    }
+    if (chunks->empty()) {
+      return absl::InvalidArgumentError("the stream carried no chunk");
+    }
+    return absl::OkStatus();
+  }
+
+  const DaemonOptions options_;
+  MemoryLedger* const ledger_;
+  JobRegistry* const jobs_;
+  ShardOptimizer* const optimizer_;
+  const absl::Time start_;
+};
+
+Daemon::Daemon(const DaemonOptions& options)
+    : options_(options), ledger_(options.memory_limit_bytes) {}
+
+Daemon::~Daemon() { Shutdown(absl::Seconds(1)); }
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
+  if (options.listen.find(':') == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--listen: must be HOST:PORT, got \"", options.listen, "\""));
+  }
+  if (options.optimizer_threads < 1 || options.optimizer_threads > 256) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--optimizer_threads: must be in 1..256, got ", options.optimizer_threads));
+  }
+  if (options.max_chunk_bytes < 1024 || options.max_chunk_bytes > (64ull << 20)) {
+    return absl::InvalidArgumentError("max_chunk_bytes: must be in 1 KiB..64 MiB");
+  }
+  std::unique_ptr<Daemon> d(new Daemon(options));
+  ShardOptimizer::Options oo;
+  oo.num_threads = options.optimizer_threads;
+  ASSIGN_OR_RETURN(d->optimizer_, ShardOptimizer::Create(oo));
+  d->services_ = std::make_unique<DaemonServices>(d->options_, &d->ledger_, &d->jobs_,
+                                                  d->optimizer_.get());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->port_);
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  builder.RegisterService(static_cast<v1::Control::Service*>(d->services_.get()));
+  builder.RegisterService(static_cast<v1::Shard::Service*>(d->services_.get()));
+  builder.RegisterService(static_cast<v1::Admin::Service*>(d->services_.get()));
+  d->server_ = builder.BuildAndStart();
+  if (d->server_ == nullptr || d->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("--listen: cannot bind ", options.listen, " (in use or not local?)"));
+  }
+  d->address_ = options.listen.substr(0, options.listen.rfind(':') + 1) + std::to_string(d->port_);
+  return d;
+}
+
+void Daemon::Shutdown(absl::Duration grace) {
+  if (shut_down_.exchange(true)) return;
+  if (server_ != nullptr) {
+    services_->draining = true;
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(absl::ToInt64Milliseconds(grace)));
+  }
+}
+
+void Daemon::Wait() {
+  if (server_ != nullptr) server_->Wait();
+}
+
+}  // namespace zeroshard

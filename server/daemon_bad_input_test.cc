@@ -1,0 +1,447 @@
+// Bad input to every RPC of the daemon: each gets a specific status code and
+// a message a person can act on, and the job's state (hashed) is unchanged.
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+
+#include "common/crc32c.h"
+#include "gtest/gtest.h"
+#include "server/daemon.h"
+#include "server/job_config.h"
+#include "server/testing/daemon_fixture.h"
+
+namespace zeroshard {
+namespace {
+
+using testing::DaemonClient;
+using testing::GradientChunks;
+using testing::MakeSpec;
+using testing::SampleLayout;
+using testing::StartDaemon;
+
+class BadInputTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    daemon_ = StartDaemon(/*memory_limit=*/64 << 20);
+    client_ = std::make_unique<DaemonClient>(daemon_->address());
+    spec_ = MakeSpec("job", SampleLayout(), 2, kWorld, {daemon_->address()});
+    config_ = *ParseJobSpec(spec_);
+    ASSERT_TRUE(client_->Register(spec_, 0).ok());
+    for (uint32_t r = 0; r < kWorld; ++r) ASSERT_TRUE(client_->Join(spec_, r).ok());
+    grad_.assign(config_.map.total_elements(), 0.25f);
+    // Rank 0 has pushed step 1 already: state with some reduction in flight.
+    ASSERT_TRUE(client_->Push(Chunks(1, 0)).ok());
+  }
+
+  std::vector<v1::GradientChunk> Chunks(uint64_t step, uint32_t rank) {
+    return GradientChunks("job", step, rank, config_.map, {0, config_.map.total_elements()},
+                          grad_.data(), 500);
+  }
+
+  uint64_t Hash() { return (*daemon_->jobs().Find("job"))->StateHash(); }
+
+  // Runs `call`, expects `code` and a message containing `text`, and that the
+  // job's state did not change.
+  template <typename Call>
+  void ExpectRejected(grpc::StatusCode code, const std::string& text, Call call) {
+    const uint64_t before = Hash();
+    const uint64_t ledger_before = daemon_->ledger().total();
+    grpc::Status s = call();
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_NE(s.error_message().find(text), std::string::npos)
+        << "message \"" << s.error_message() << "\" lacks \"" << text << "\"";
+    EXPECT_EQ(Hash(), before) << "state changed by a rejected request: " << s.error_message();
+    EXPECT_EQ(daemon_->ledger().total(), ledger_before);
+  }
+
+  static constexpr uint32_t kWorld = 3;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<DaemonClient> client_;
+  v1::JobSpec spec_;
+  JobConfig config_;
+  std::vector<float> grad_;
+};
+
+TEST_F(BadInputTest, RegisterJob) {
+  auto reg = [&](v1::JobSpec spec, uint32_t index = 0) {
+    return [this, spec, index] { return client_->Register(spec, index); };
+  };
+  v1::JobSpec s = spec_;
+  s.set_job_id("bad id!");
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.job_id", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.set_stage(0);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.stage", reg(s));
+  s.set_stage(4);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.stage", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.set_world_size(0);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.world_size", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.set_layout_fingerprint(s.layout_fingerprint() + 1);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.layout_fingerprint", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.mutable_layout()->mutable_tensors(1)->set_shape(0, -4);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.layout.tensors[1].shape[0]", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.mutable_layout()->mutable_tensors(2)->set_dtype(static_cast<v1::DType>(9));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.layout.tensors[2].dtype", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.set_precision(v1::DTYPE_UNSPECIFIED);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.precision", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.mutable_optimizer()->set_lr(-1);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.optimizer.lr", reg(s));
+  s.mutable_optimizer()->set_lr(std::nanf(""));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.optimizer.lr", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.mutable_optimizer()->set_beta1(1.5f);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.optimizer.beta1", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.mutable_optimizer()->set_eps(0);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.optimizer.eps", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.mutable_optimizer()->set_kind(v1::OPTIMIZER_KIND_UNSPECIFIED);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.optimizer.kind", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.set_reduction(v1::REDUCTION_MODE_UNSPECIFIED);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.reduction", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.set_bucket_bytes(10);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.bucket_bytes", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  s.clear_daemons();
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.daemons", reg(s));
+  s.add_daemons("no-port");
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.daemons[0]", reg(s));
+  s = spec_;
+  s.set_job_id("other");
+  ExpectRejected(grpc::INVALID_ARGUMENT, "daemon_index", reg(s, 1));
+  s = spec_;
+  s.mutable_loss_scale()->set_dynamic(true);
+  s.set_job_id("other");
+  ExpectRejected(grpc::INVALID_ARGUMENT, "spec.loss_scale.growth_interval", reg(s));
+  // The same job id with a different spec: the field and both values.
+  s = spec_;
+  s.set_stage(3);
+  ExpectRejected(grpc::FAILED_PRECONDITION, "stage: registered 2, got 3", reg(s));
+  s = spec_;
+  s.mutable_optimizer()->set_lr(0.5f);
+  ExpectRejected(grpc::FAILED_PRECONDITION, "optimizer", reg(s));
+  // Over the memory limit: refused before any allocation.
+  const Layout huge = *Layout::Create({{"w", {4096, 4096}, DType::kFp32, 0}});
+  s = MakeSpec("huge", huge, 3, 1, {daemon_->address()});
+  ExpectRejected(grpc::RESOURCE_EXHAUSTED, "--memory_limit", reg(s));
+  EXPECT_FALSE(daemon_->jobs().Contains("huge"));
+  // Registering the identical spec again is fine and changes nothing.
+  const uint64_t before = Hash();
+  v1::RegisterJobResponse resp;
+  ASSERT_TRUE(client_->Register(spec_, 0, &resp).ok());
+  EXPECT_FALSE(resp.created());
+  EXPECT_EQ(Hash(), before);
+}
+
+TEST_F(BadInputTest, JoinHeartbeatLeave) {
+  ExpectRejected(grpc::NOT_FOUND, "not registered", [&] {
+    v1::JobSpec s = spec_;
+    s.set_job_id("nope");
+    return client_->Join(s, 0);
+  });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "rank", [&] { return client_->Join(spec_, kWorld); });
+  auto join = [&](auto mutate) {
+    return [this, mutate] {
+      grpc::ClientContext ctx;
+      v1::JoinJobRequest req;
+      req.set_job_id("job");
+      req.set_rank(1);
+      req.set_layout_fingerprint(spec_.layout_fingerprint());
+      req.set_stage(spec_.stage());
+      req.set_world_size(kWorld);
+      req.set_precision(spec_.precision());
+      mutate(req);
+      v1::JoinJobResponse resp;
+      return client_->control->JoinJob(&ctx, req, &resp);
+    };
+  };
+  ExpectRejected(grpc::FAILED_PRECONDITION, "layout_fingerprint",
+                 join([](v1::JoinJobRequest& r) { r.set_layout_fingerprint(7); }));
+  ExpectRejected(grpc::FAILED_PRECONDITION, "stage differs from the registered job (registered 2",
+                 join([](v1::JoinJobRequest& r) { r.set_stage(1); }));
+  ExpectRejected(grpc::FAILED_PRECONDITION, "world_size",
+                 join([](v1::JoinJobRequest& r) { r.set_world_size(5); }));
+  ExpectRejected(grpc::FAILED_PRECONDITION, "precision",
+                 join([](v1::JoinJobRequest& r) { r.set_precision(v1::DTYPE_BF16); }));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "rank", [&] {
+    grpc::ClientContext ctx;
+    v1::HeartbeatRequest req;
+    req.set_job_id("job");
+    req.set_rank(99);
+    v1::HeartbeatResponse resp;
+    return client_->control->Heartbeat(&ctx, req, &resp);
+  });
+  ExpectRejected(grpc::NOT_FOUND, "not registered", [&] {
+    grpc::ClientContext ctx;
+    v1::LeaveRequest req;
+    req.set_job_id("nope");
+    v1::LeaveResponse resp;
+    return client_->control->Leave(&ctx, req, &resp);
+  });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "rank", [&] {
+    grpc::ClientContext ctx;
+    v1::LeaveRequest req;
+    req.set_job_id("job");
+    req.set_rank(kWorld);
+    v1::LeaveResponse resp;
+    return client_->control->Leave(&ctx, req, &resp);
+  });
+  ExpectRejected(grpc::NOT_FOUND, "not registered", [&] {
+    grpc::ClientContext ctx;
+    v1::GetPartitionMapRequest req;
+    req.set_job_id("nope");
+    v1::PartitionMap resp;
+    return client_->control->GetPartitionMap(&ctx, req, &resp);
+  });
+}
+
+TEST_F(BadInputTest, PushGradient) {
+  auto push = [&](std::vector<v1::GradientChunk> chunks) {
+    return [this, chunks] { return client_->Push(chunks); };
+  };
+  auto one = [&](auto mutate) {
+    std::vector<v1::GradientChunk> c = Chunks(1, 1);
+    mutate(c[0]);
+    return c;
+  };
+  ExpectRejected(grpc::NOT_FOUND, "not registered",
+                 push(one([](v1::GradientChunk& c) { c.set_job_id("nope"); })));
+  ExpectRejected(grpc::FAILED_PRECONDITION, "computing step 1",
+                 push(one([](v1::GradientChunk& c) { c.set_step(2); })));
+  ExpectRejected(grpc::FAILED_PRECONDITION, "computing step 1",
+                 push(one([](v1::GradientChunk& c) { c.set_step(0); })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "rank",
+                 push(one([](v1::GradientChunk& c) { c.set_rank(kWorld); })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "dtype",
+                 push(one([](v1::GradientChunk& c) { c.set_dtype(v1::DTYPE_UNSPECIFIED); })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "dtype: must be fp32 or the job's precision",
+                 push(one([](v1::GradientChunk& c) { c.set_dtype(v1::DTYPE_BF16); })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "outside the partitions", push(one([&](v1::GradientChunk& c) {
+                   c.mutable_range()->set_begin(config_.map.total_elements());
+                   c.mutable_range()->set_end(config_.map.total_elements() + 10);
+                 })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "empty",
+                 push(one([](v1::GradientChunk& c) { c.mutable_range()->set_end(c.range().begin()); })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "crosses the boundary", push(one([&](v1::GradientChunk& c) {
+                   const uint64_t edge = config_.map.partition_elements();
+                   c.mutable_range()->set_begin(edge - 4);
+                   c.mutable_range()->set_end(edge + 4);
+                   c.set_data(std::string(32, '\0'));
+                   c.set_crc32c(0);
+                 })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "bytes, expected",
+                 push(one([](v1::GradientChunk& c) { c.mutable_data()->resize(c.data().size() - 4); })));
+  ExpectRejected(grpc::DATA_LOSS, "CRC-32C",
+                 push(one([](v1::GradientChunk& c) { (*c.mutable_data())[3] ^= 1; })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "micro_batch",
+                 push(one([](v1::GradientChunk& c) { c.set_micro_batch(1); })));
+  // A duplicate of what rank 0 already pushed is never counted twice.
+  ExpectRejected(grpc::ALREADY_EXISTS, "already pushed", push(Chunks(1, 0)));
+  // A stream whose last chunk is bad applies none of its good chunks.
+  std::vector<v1::GradientChunk> tail_bad = Chunks(1, 1);
+  tail_bad.back().set_rank(77);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "rank", push(tail_bad));
+  // The same range twice within one stream.
+  std::vector<v1::GradientChunk> twice = Chunks(1, 1);
+  twice.push_back(twice.front());
+  ExpectRejected(grpc::ALREADY_EXISTS, "already pushed", push(twice));
+  // Chunk boundaries that differ from rank 0's.
+  std::vector<v1::GradientChunk> shifted = GradientChunks(
+      "job", 1, 1, config_.map, {0, config_.map.total_elements()}, grad_.data(), 499);
+  ExpectRejected(grpc::FAILED_PRECONDITION, "same chunks", push(shifted));
+  // Another micro-batch count than the step already uses.
+  ExpectRejected(grpc::FAILED_PRECONDITION, "micro-batches", push(one([](v1::GradientChunk& c) {
+                   c.set_micro_batches(2);
+                 })));
+  // Chunks of the stream naming another job.
+  std::vector<v1::GradientChunk> mixed = Chunks(1, 1);
+  mixed[1].set_job_id("zzz");
+  ExpectRejected(grpc::INVALID_ARGUMENT, "job_id", push(mixed));
+  // An empty stream.
+  ExpectRejected(grpc::INVALID_ARGUMENT, "no chunk", push({}));
+  // A client that vanishes mid-stream: nothing applied.
+  ExpectRejected(grpc::CANCELLED, "", [&] {
+    grpc::ClientContext ctx;
+    v1::PushGradientResponse resp;
+    auto writer = client_->shard->PushGradient(&ctx, &resp);
+    std::vector<v1::GradientChunk> c = Chunks(1, 2);
+    writer->Write(c[0]);
+    writer->Write(c[1]);
+    ctx.TryCancel();
+    return writer->Finish();
+  });
+  // An oversized stream is refused without holding it all.
+  ExpectRejected(grpc::RESOURCE_EXHAUSTED, "more than", [&] {
+    std::vector<v1::GradientChunk> big;
+    v1::GradientChunk c = Chunks(1, 1)[0];
+    c.mutable_data()->assign(40 << 20, '\0');
+    c.set_crc32c(0);
+    big.push_back(c);
+    big.push_back(c);
+    return client_->Push(big);
+  });
+  // After all that, ranks 1 and 2 push correctly and the step completes.
+  ASSERT_TRUE(client_->Push(Chunks(1, 1)).ok());
+  ASSERT_TRUE(client_->Push(Chunks(1, 2)).ok());
+  v1::PrepareStepResponse p;
+  ASSERT_TRUE(client_->Prepare("job", 1, &p).ok());
+  const double expected = 0.25 * 0.25 * (config_.map.total_elements());
+  EXPECT_NEAR(p.grad_sq_sum(), expected, expected * 1e-6);
+}
+
+TEST_F(BadInputTest, NanGradientsAreReportedNotFatal) {
+  grad_[5] = std::numeric_limits<float>::quiet_NaN();
+  ASSERT_TRUE(client_->Push(Chunks(1, 1)).ok());
+  ASSERT_TRUE(client_->Push(Chunks(1, 2)).ok());
+  v1::PrepareStepResponse p;
+  ASSERT_TRUE(client_->Prepare("job", 1, &p).ok());
+  EXPECT_TRUE(p.found_inf_nan());
+  // The leader skips the step: parameters stay, the step advances.
+  std::vector<float> before, after;
+  ASSERT_TRUE(client_->Gather("job", 0, {0, 100}, &before).ok());
+  v1::CommitStepResponse c;
+  ASSERT_TRUE(client_->Commit("job", 1, 0.1f, 1.0f, true, &c).ok());
+  EXPECT_TRUE(c.skipped());
+  ASSERT_TRUE(client_->Gather("job", 1, {0, 100}, &after).ok());
+  EXPECT_EQ(before, after);
+}
+
+TEST_F(BadInputTest, GatherPrepareCommitInit) {
+  std::vector<float> out;
+  const uint64_t total = config_.map.total_elements();
+  ExpectRejected(grpc::NOT_FOUND, "not registered",
+                 [&] { return client_->Gather("nope", 0, {0, 10}, &out); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "outside",
+                 [&] { return client_->Gather("job", 0, {total - 5, total + 5}, &out); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "empty",
+                 [&] { return client_->Gather("job", 0, {10, 10}, &out); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "dtype", [&] {
+    return client_->Gather("job", 0, {0, 10}, &out, 0, v1::DTYPE_UNSPECIFIED);
+  });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "dtype", [&] {
+    return client_->Gather("job", 0, {0, 10}, &out, 0, v1::DTYPE_FP16);
+  });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "wait_ms",
+                 [&] { return client_->Gather("job", 0, {0, 10}, &out, 700000); });
+  ExpectRejected(grpc::FAILED_PRECONDITION, "cannot be committed before",
+                 [&] { return client_->Gather("job", 5, {0, 10}, &out); });
+  ExpectRejected(grpc::DEADLINE_EXCEEDED, "not committed in time",
+                 [&] { return client_->Gather("job", 1, {0, 10}, &out, 50); });
+
+  v1::PrepareStepResponse p;
+  ExpectRejected(grpc::NOT_FOUND, "not registered", [&] { return client_->Prepare("nope", 1, &p); });
+  ExpectRejected(grpc::FAILED_PRECONDITION, "computing step 1",
+                 [&] { return client_->Prepare("job", 2, &p); });
+  ExpectRejected(grpc::FAILED_PRECONDITION, "waits for rank 1",
+                 [&] { return client_->Prepare("job", 1, &p); });
+
+  ExpectRejected(grpc::FAILED_PRECONDITION, "computing step 1",
+                 [&] { return client_->Commit("job", 3, 0.1f); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "lr", [&] { return client_->Commit("job", 1, -0.1f); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "lr",
+                 [&] { return client_->Commit("job", 1, std::numeric_limits<float>::infinity()); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "clip_coef",
+                 [&] { return client_->Commit("job", 1, 0.1f, 2.0f); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "clip_coef",
+                 [&] { return client_->Commit("job", 1, 0.1f, -1.0f); });
+  ExpectRejected(grpc::FAILED_PRECONDITION, "gradients incomplete",
+                 [&] { return client_->Commit("job", 1, 0.1f); });
+
+  auto init = [&](auto mutate) {
+    return [this, mutate] {
+      v1::ParameterChunk c;
+      c.set_job_id("job");
+      c.mutable_range()->set_begin(0);
+      c.mutable_range()->set_end(4);
+      c.set_dtype(v1::DTYPE_FP32);
+      c.set_data(std::string(16, '\0'));
+      mutate(c);
+      return client_->Init({c});
+    };
+  };
+  ExpectRejected(grpc::INVALID_ARGUMENT, "bytes, expected",
+                 init([](v1::ParameterChunk& c) { c.set_data("abc"); }));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "outside", init([&](v1::ParameterChunk& c) {
+                   c.mutable_range()->set_begin(total);
+                   c.mutable_range()->set_end(total + 4);
+                 }));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "dtype",
+                 init([](v1::ParameterChunk& c) { c.set_dtype(static_cast<v1::DType>(42)); }));
+  ExpectRejected(grpc::DATA_LOSS, "CRC-32C",
+                 init([](v1::ParameterChunk& c) { c.set_crc32c(12345); }));
+  // After the first commit, initial parameters are refused.
+  ASSERT_TRUE(client_->Push(Chunks(1, 1)).ok());
+  ASSERT_TRUE(client_->Push(Chunks(1, 2)).ok());
+  ASSERT_TRUE(client_->Prepare("job", 1, &p).ok());
+  ASSERT_TRUE(client_->Commit("job", 1, 0.1f).ok());
+  ExpectRejected(grpc::FAILED_PRECONDITION, "before the first step",
+                 init([](v1::ParameterChunk&) {}));
+  // Committing the committed step again is idempotent.
+  const uint64_t before = Hash();
+  ASSERT_TRUE(client_->Commit("job", 1, 0.1f).ok());
+  EXPECT_EQ(Hash(), before);
+}
+
+TEST_F(BadInputTest, AdminAndUnimplemented) {
+  ExpectRejected(grpc::NOT_FOUND, "not registered", [&] {
+    grpc::ClientContext ctx;
+    v1::MemoryReportRequest req;
+    req.set_job_id("nope");
+    v1::MemoryReportResponse resp;
+    return client_->admin->MemoryReport(&ctx, req, &resp);
+  });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "params", [&] {
+    grpc::ClientContext ctx;
+    v1::EstimateRequest req;
+    req.set_parameters(-1);
+    req.set_world_size(4);
+    v1::EstimateResponse resp;
+    return client_->admin->Estimate(&ctx, req, &resp);
+  });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "world_size", [&] {
+    grpc::ClientContext ctx;
+    v1::EstimateRequest req;
+    req.set_parameters(1e9);
+    v1::EstimateResponse resp;
+    return client_->admin->Estimate(&ctx, req, &resp);
+  });
+  ExpectRejected(grpc::UNIMPLEMENTED, "SaveCheckpoint", [&] {
+    grpc::ClientContext ctx;
+    v1::SaveCheckpointRequest req;
+    req.set_job_id("job");
+    v1::SaveCheckpointResponse resp;
+    return client_->control->SaveCheckpoint(&ctx, req, &resp);
+  });
+  grpc::ClientContext ctx;
+  v1::EstimateRequest req;
+  req.set_parameters(7.5e9);
+  req.set_world_size(64);
+  v1::EstimateResponse resp;
+  ASSERT_TRUE(client_->admin->Estimate(&ctx, req, &resp).ok());
+  EXPECT_NEAR(resp.stages(1).model_state_bytes(), 31.40625e9, 1);
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,51 @@
+// zeroshardd: the per-node shard daemon. Owns partitions of model states for
+// the jobs registered with it and serves them over gRPC.
+
+#include <csignal>
+#include <cstdio>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/time/time.h"
+#include "server/daemon.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:0",
+          "HOST:PORT to serve gRPC on; port 0 picks a free port (printed at start).");
+ABSL_FLAG(int, metrics_port, 0, "Port of the Prometheus /metrics endpoint; 0 = off.");
+ABSL_FLAG(uint64_t, memory_limit, 0, "Bytes this daemon may hold for all jobs; 0 = unlimited.");
+ABSL_FLAG(int, optimizer_threads, 1, "Threads running the optimizer step.");
+ABSL_FLAG(std::string, checkpoint_dir, "", "Directory for checkpoints.");
+ABSL_FLAG(int, drain_seconds, 10, "On SIGTERM, how long in-flight requests may finish.");
+
+namespace {
+volatile std::sig_atomic_t g_signal = 0;
+void OnSignal(int sig) { g_signal = sig; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("zeroshardd --listen=HOST:PORT [--memory_limit=BYTES] ...");
+  absl::ParseCommandLine(argc, argv);
+  zeroshard::DaemonOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit);
+  options.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
+  options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  auto daemon = zeroshard::Daemon::Start(options);
+  if (!daemon.ok()) {
+    std::fprintf(stderr, "zeroshardd: %s\n", daemon.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("zeroshardd listening on %s\n", (*daemon)->address().c_str());
+  std::fflush(stdout);
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+  while (g_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::fprintf(stderr, "zeroshardd: signal %d, draining for up to %ds\n", static_cast<int>(g_signal),
+               absl::GetFlag(FLAGS_drain_seconds));
+  (*daemon)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
+  (*daemon)->Wait();
+  std::fprintf(stderr, "zeroshardd: stopped\n");
+  return 0;
+}

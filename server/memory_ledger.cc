@@ -1,0 +1,98 @@
+#include "server/memory_ledger.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/format.h"
+
+namespace zeroshard {
+
+const char* MemoryCategoryName(MemoryCategory c) {
+  static const char* const kNames[kNumMemoryCategories] = {
+      "param_master", "param_half", "grad",   "optim_m",
+      "optim_v",      "activation", "buffer", "fragmentation"};
+  return kNames[static_cast<int>(c)];
+}
+
+void MemoryLedger::SetListener(Listener listener) { listener_ = std::move(listener); }
+
+absl::Status MemoryLedger::CheckFits(const std::string& job, uint64_t bytes) const {
+  absl::MutexLock lock(&mu_);
+  if (limit_ != 0 && (bytes > limit_ || total_ > limit_ - bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "job ", job, ": ", FormatBytes(bytes), " (", bytes, " B) more would exceed the daemon's ",
+        "--memory_limit of ", FormatBytes(limit_), " (", FormatBytes(total_), " in use)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MemoryLedger::Reserve(const std::string& job, MemoryCategory category,
+                                   uint64_t bytes) {
+  uint64_t now;
+  {
+    absl::MutexLock lock(&mu_);
+    if (limit_ != 0 && (bytes > limit_ || total_ > limit_ - bytes)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job ", job, ": ", FormatBytes(bytes), " more for ", MemoryCategoryName(category),
+          " would exceed the daemon's --memory_limit of ", FormatBytes(limit_), " (",
+          FormatBytes(total_), " in use)"));
+    }
+    total_ += bytes;
+    now = (jobs_[job][static_cast<int>(category)] += bytes);
+  }
+  Notify(job, category, now);
+  return absl::OkStatus();
+}
+
+void MemoryLedger::Release(const std::string& job, MemoryCategory category, uint64_t bytes) {
+  uint64_t now;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job);
+    if (it == jobs_.end()) return;
+    uint64_t& slot = it->second[static_cast<int>(category)];
+    const uint64_t b = std::min(bytes, slot);
+    slot -= b;
+    total_ -= b;
+    now = slot;
+  }
+  Notify(job, category, now);
+}
+
+bool MemoryLedger::RemoveJobIfEmpty(const std::string& job) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job);
+    if (it == jobs_.end()) return true;
+    for (uint64_t b : it->second) {
+      if (b != 0) return false;
+    }
+    jobs_.erase(it);
+  }
+  if (remove_listener_) remove_listener_(job);
+  return true;
+}
+
+void MemoryLedger::SetRemoveListener(std::function<void(const std::string&)> listener) {
+  remove_listener_ = std::move(listener);
+}
+
+uint64_t MemoryLedger::total() const {
+  absl::MutexLock lock(&mu_);
+  return total_;
+}
+
+std::map<std::string, CategoryBytes> MemoryLedger::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  return jobs_;
+}
+
+CategoryBytes MemoryLedger::JobBytes(const std::string& job) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? CategoryBytes{} : it->second;
+}
+
+void MemoryLedger::Notify(const std::string& job, MemoryCategory c, uint64_t bytes) {
+  if (listener_) listener_(job, c, bytes);
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,150 @@
+#pragma once
+
+// Every byte a daemon holds for a job, booked under a category. The ledger is
+// the one source of truth for MemoryReport and zeroshard_memory_bytes.
+// Thread-safe.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace zeroshard {
+
+enum class MemoryCategory : int {
+  kParamMaster = 0,  // fp32 master parameters
+  kParamHalf,        // half-precision copy served to trainers
+  kGrad,             // reduced gradient shard
+  kOptimM,           // Adam first moment / SGD momentum
+  kOptimV,           // Adam second moment
+  kActivation,       // offloaded activation checkpoints
+  kBuffer,           // staging and communication buffers
+  kFragmentation,    // reserved but unusable
+};
+inline constexpr int kNumMemoryCategories = 8;
+
+// "param_master", "param_half", "grad", "optim_m", "optim_v", "activation",
+// "buffer", "fragmentation".
+const char* MemoryCategoryName(MemoryCategory c);
+
+using CategoryBytes = std::array<uint64_t, kNumMemoryCategories>;
+
+class MemoryLedger {
+ public:
+  // limit_bytes 0 = unlimited.
+  explicit MemoryLedger(uint64_t limit_bytes) : limit_(limit_bytes) {}
+
+  // Called after every change with the job, category and new byte count (on
+  // the thread that made the change, with no ledger lock held).
+  using Listener = std::function<void(const std::string& job, MemoryCategory, uint64_t bytes)>;
+  void SetListener(Listener listener);
+
+  // Books `bytes` under (job, category) if the total stays within the limit;
+  // ResourceExhausted naming the job, the request and the limit otherwise
+  // (nothing booked).
+  absl::Status Reserve(const std::string& job, MemoryCategory category, uint64_t bytes);
+  // Checks whether `bytes` more would fit, without booking.
+  absl::Status CheckFits(const std::string& job, uint64_t bytes) const;
+  void Release(const std::string& job, MemoryCategory category, uint64_t bytes);
+  // Drops the job's entry when all its bytes are released (returns false and
+  // keeps it otherwise), then calls the remove listener.
+  bool RemoveJobIfEmpty(const std::string& job);
+  // Called after a job's entry is dropped (set once at start-up).
+  void SetRemoveListener(std::function<void(const std::string& job)> listener);
+
+  uint64_t limit() const { return limit_; }
+  uint64_t total() const;
+  std::map<std::string, CategoryBytes> Snapshot() const;
+  CategoryBytes JobBytes(const std::string& job) const;
+
+ private:
+  void Notify(const std::string& job, MemoryCategory c, uint64_t bytes);
+
+  const uint64_t limit_;
+  mutable absl::Mutex mu_;
+  uint64_t total_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, CategoryBytes> jobs_ ABSL_GUARDED_BY(mu_);
+  Listener listener_;  // set once at start-up, before concurrent use
+  std::function<void(const std::string&)> remove_listener_;
+};
+
+// A 64-byte-aligned array of T booked in a ledger for its lifetime.
+// Allocated once; never grows.
+template <typename T>
+class LedgerArray {
+ public:
+  LedgerArray() = default;
+  // Reserves n * sizeof(T) bytes in `ledger` (ResourceExhausted if over the
+  // limit), then allocates zeroed memory.
+  static absl::StatusOr<LedgerArray> Create(MemoryLedger* ledger, const std::string& job,
+                                            MemoryCategory category, size_t n);
+  LedgerArray(LedgerArray&& o) noexcept { *this = std::move(o); }
+  LedgerArray& operator=(LedgerArray&& o) noexcept {
+    Reset();
+    data_ = std::move(o.data_);
+    size_ = o.size_;
+    ledger_ = o.ledger_;
+    job_ = std::move(o.job_);
+    category_ = o.category_;
+    o.size_ = 0;
+    o.ledger_ = nullptr;
+    return *this;
+  }
+  ~LedgerArray() { Reset(); }
+
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  T& operator[](size_t i) { return data_[i]; }
+  const T& operator[](size_t i) const { return data_[i]; }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  void Reset() {
+    if (ledger_ != nullptr && size_ > 0) ledger_->Release(job_, category_, size_ * sizeof(T));
+    data_.reset();
+    size_ = 0;
+    ledger_ = nullptr;
+  }
+  std::unique_ptr<T[], Free> data_;
+  size_t size_ = 0;
+  MemoryLedger* ledger_ = nullptr;
+  std::string job_;
+  MemoryCategory category_ = MemoryCategory::kBuffer;
+};
+
+template <typename T>
+absl::StatusOr<LedgerArray<T>> LedgerArray<T>::Create(MemoryLedger* ledger, const std::string& job,
+                                                      MemoryCategory category, size_t n) {
+  LedgerArray a;
+  if (n == 0) return a;
+  const size_t bytes = n * sizeof(T);
+  if (absl::Status s = ledger->Reserve(job, category, bytes); !s.ok()) return s;
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) {
+    ledger->Release(job, category, bytes);
+    return absl::ResourceExhaustedError("out of host memory");
+  }
+  std::memset(p, 0, bytes);
+  a.data_.reset(static_cast<T*>(p));
+  a.size_ = n;
+  a.ledger_ = ledger;
+  a.job_ = job;
+  a.category_ = category;
+  return a;
+}
+
+}  // namespace zeroshard

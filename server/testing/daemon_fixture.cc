@@ -1,0 +1,190 @@
+#include "server/testing/daemon_fixture.h"
+
+#include <chrono>
+
+#include "common/crc32c.h"
+#include "gtest/gtest.h"
+#include "server/job_config.h"
+
+namespace zeroshard::testing {
+
+v1::JobSpec MakeSpec(const std::string& job_id, const Layout& layout, uint32_t stage,
+                     uint32_t world_size, const std::vector<std::string>& daemons) {
+  v1::JobSpec spec;
+  spec.set_job_id(job_id);
+  *spec.mutable_layout() = LayoutToProto(layout);
+  spec.set_layout_fingerprint(layout.fingerprint());
+  spec.set_stage(stage);
+  spec.set_world_size(world_size);
+  spec.set_precision(v1::DTYPE_FP32);
+  spec.set_reduction(v1::REDUCTION_MODE_DAEMON);
+  v1::OptimizerConfig* o = spec.mutable_optimizer();
+  o->set_kind(v1::OPTIMIZER_KIND_ADAMW);
+  o->set_lr(1e-2f);
+  o->set_beta1(0.9f);
+  o->set_beta2(0.999f);
+  o->set_eps(1e-8f);
+  o->set_weight_decay(0.01f);
+  spec.set_bucket_bytes(64 << 10);
+  for (const auto& d : daemons) spec.add_daemons(d);
+  return spec;
+}
+
+Layout SampleLayout() {
+  return *Layout::Create({{"embed", {97, 13}, DType::kFp32, 0},
+                          {"l1.w", {13, 13}, DType::kFp32, 1},
+                          {"l1.b", {13}, DType::kFp32, 1},
+                          {"big.w", {211, 37}, DType::kFp32, 2},
+                          {"big.b", {37}, DType::kFp32, 2},
+                          {"head", {5, 3}, DType::kFp32, 3}});
+}
+
+DaemonClient::DaemonClient(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(80 << 20);
+  args.SetMaxSendMessageSize(80 << 20);
+  channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  control = v1::Control::NewStub(channel);
+  shard = v1::Shard::NewStub(channel);
+  admin = v1::Admin::NewStub(channel);
+}
+
+namespace {
+void SetDeadline(grpc::ClientContext* ctx, int seconds = 30) {
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+}
+}  // namespace
+
+grpc::Status DaemonClient::Register(const v1::JobSpec& spec, uint32_t daemon_index,
+                                    v1::RegisterJobResponse* resp) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::RegisterJobRequest req;
+  *req.mutable_spec() = spec;
+  req.set_daemon_index(daemon_index);
+  v1::RegisterJobResponse local;
+  return control->RegisterJob(&ctx, req, resp ? resp : &local);
+}
+
+grpc::Status DaemonClient::Join(const v1::JobSpec& spec, uint32_t rank) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::JoinJobRequest req;
+  req.set_job_id(spec.job_id());
+  req.set_rank(rank);
+  req.set_layout_fingerprint(spec.layout_fingerprint());
+  req.set_stage(spec.stage());
+  req.set_world_size(spec.world_size());
+  req.set_precision(spec.precision());
+  v1::JoinJobResponse resp;
+  return control->JoinJob(&ctx, req, &resp);
+}
+
+grpc::Status DaemonClient::Push(const std::vector<v1::GradientChunk>& chunks,
+                                v1::PushGradientResponse* resp) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::PushGradientResponse local;
+  auto writer = shard->PushGradient(&ctx, resp ? resp : &local);
+  for (const auto& c : chunks) {
+    if (!writer->Write(c)) break;
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+grpc::Status DaemonClient::Init(const std::vector<v1::ParameterChunk>& chunks) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::InitParametersResponse resp;
+  auto writer = shard->InitParameters(&ctx, &resp);
+  for (const auto& c : chunks) {
+    if (!writer->Write(c)) break;
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+grpc::Status DaemonClient::Gather(const std::string& job, uint64_t after_step, FlatRange range,
+                                  std::vector<float>* out, uint32_t wait_ms, v1::DType dtype) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::GatherRequest req;
+  req.set_job_id(job);
+  req.set_after_step(after_step);
+  req.mutable_range()->set_begin(range.begin);
+  req.mutable_range()->set_end(range.end);
+  req.set_dtype(dtype);
+  req.set_wait_ms(wait_ms);
+  auto reader = shard->Gather(&ctx, req);
+  v1::ParameterChunk chunk;
+  out->clear();
+  while (reader->Read(&chunk)) {
+    const size_t n = chunk.range().end() - chunk.range().begin();
+    const size_t old = out->size();
+    out->resize(old + n);
+    ToFloat(static_cast<DType>(chunk.dtype()), chunk.data().data(), out->data() + old, n);
+  }
+  return reader->Finish();
+}
+
+grpc::Status DaemonClient::Prepare(const std::string& job, uint64_t step,
+                                   v1::PrepareStepResponse* resp) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::PrepareStepRequest req;
+  req.set_job_id(job);
+  req.set_step(step);
+  return shard->PrepareStep(&ctx, req, resp);
+}
+
+grpc::Status DaemonClient::Commit(const std::string& job, uint64_t step, float lr, float clip,
+                                  bool skip, v1::CommitStepResponse* resp) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::CommitStepRequest req;
+  req.set_job_id(job);
+  req.set_step(step);
+  req.set_lr(lr);
+  req.set_clip_coef(clip);
+  req.set_skip(skip);
+  v1::CommitStepResponse local;
+  return shard->CommitStep(&ctx, req, resp ? resp : &local);
+}
+
+std::vector<v1::GradientChunk> GradientChunks(const std::string& job, uint64_t step,
+                                              uint32_t rank, const PartitionMap& map,
+                                              FlatRange range, const float* values,
+                                              uint64_t chunk_elements) {
+  std::vector<v1::GradientChunk> out;
+  auto pieces = map.Split(range);
+  EXPECT_TRUE(pieces.ok());
+  for (const auto& piece : *pieces) {
+    for (uint64_t b = piece.range.begin; b < piece.range.end; b += chunk_elements) {
+      const uint64_t e = std::min(piece.range.end, b + chunk_elements);
+      v1::GradientChunk c;
+      c.set_job_id(job);
+      c.set_step(step);
+      c.set_rank(rank);
+      c.mutable_range()->set_begin(b);
+      c.mutable_range()->set_end(e);
+      c.set_dtype(v1::DTYPE_FP32);
+      c.set_data(reinterpret_cast<const char*>(values + (b - range.begin)), (e - b) * 4);
+      c.set_crc32c(Crc32c(c.data().data(), c.data().size()));
+      out.push_back(std::move(c));
+    }
+  }
+  return out;
+}
+
+std::unique_ptr<Daemon> StartDaemon(uint64_t memory_limit, int optimizer_threads) {
+  DaemonOptions options;
+  options.listen = "127.0.0.1:0";
+  options.memory_limit_bytes = memory_limit;
+  options.optimizer_threads = optimizer_threads;
+  auto d = Daemon::Start(options);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? *std::move(d) : nullptr;
+}
+
+}  // namespace zeroshard::testing

@@ -1,0 +1,59 @@
+#pragma once
+
+// Test helpers: in-process daemons on 127.0.0.1:0, job specs built from a
+// layout, and thin synchronous wrappers over the daemon's RPCs.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/layout.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/zeroshard/v1/admin.grpc.pb.h"
+#include "proto/zeroshard/v1/control.grpc.pb.h"
+#include "proto/zeroshard/v1/shard.grpc.pb.h"
+#include "server/daemon.h"
+
+namespace zeroshard::testing {
+
+// A fp32 AdamW job spec over `layout`, with the given daemons.
+v1::JobSpec MakeSpec(const std::string& job_id, const Layout& layout, uint32_t stage,
+                     uint32_t world_size, const std::vector<std::string>& daemons);
+
+// A layout of a few tensors of awkward sizes (none divisible by common N_d)
+// over three layers, one much larger than the others.
+Layout SampleLayout();
+
+struct DaemonClient {
+  explicit DaemonClient(const std::string& address);
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Control::Stub> control;
+  std::unique_ptr<v1::Shard::Stub> shard;
+  std::unique_ptr<v1::Admin::Stub> admin;
+
+  grpc::Status Register(const v1::JobSpec& spec, uint32_t daemon_index,
+                        v1::RegisterJobResponse* resp = nullptr);
+  grpc::Status Join(const v1::JobSpec& spec, uint32_t rank);
+  grpc::Status Push(const std::vector<v1::GradientChunk>& chunks,
+                    v1::PushGradientResponse* resp = nullptr);
+  grpc::Status Init(const std::vector<v1::ParameterChunk>& chunks);
+  // Gathers `range` as fp32 (or `dtype`) after `after_step`.
+  grpc::Status Gather(const std::string& job, uint64_t after_step, FlatRange range,
+                      std::vector<float>* out, uint32_t wait_ms = 5000,
+                      v1::DType dtype = v1::DTYPE_FP32);
+  grpc::Status Prepare(const std::string& job, uint64_t step, v1::PrepareStepResponse* resp);
+  grpc::Status Commit(const std::string& job, uint64_t step, float lr, float clip = 1.0f,
+                      bool skip = false, v1::CommitStepResponse* resp = nullptr);
+};
+
+// fp32 gradient chunks of `values` (flat, indexed from range.begin) for one
+// rank, cut at `chunk_elements` and at partition boundaries of `map`.
+std::vector<v1::GradientChunk> GradientChunks(const std::string& job, uint64_t step,
+                                              uint32_t rank, const PartitionMap& map,
+                                              FlatRange range, const float* values,
+                                              uint64_t chunk_elements);
+
+// Starts a daemon with default options and `memory_limit`.
+std::unique_ptr<Daemon> StartDaemon(uint64_t memory_limit = 0, int optimizer_threads = 1);
+
+}  // namespace zeroshard::testing
