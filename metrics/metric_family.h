@@ -19,7 +19,7 @@ using Labels = std::map<std::string, std::string>;
 // One series at the instant it was read.
 struct ClientMetric {
   struct Bucket {
-    double upper_bound = 0;           // The last bucket's bound is +Inf.
+    double upper_bound = 0;  // The last bucket's bound is +Inf.
     std::uint64_t cumulative_count = 0;
   };
 

@@ -11,6 +11,7 @@
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 #include "server/grpc_status.h"
 #include "server/job_config.h"
+#include "metrics/http_server.h"
 
 namespace zeroshard {
 namespace {
@@ -22,6 +23,13 @@ void Log(const std::string& line) { std::fprintf(stderr, "zeroshardd: %s\n", lin
 
 // Largest payload one PushGradient / InitParameters stream may carry; the
 // whole stream is held until it is applied atomically.
+template <typename Chunk>
+uint64_t StreamBytes(const std::vector<Chunk>& chunks) {
+  uint64_t bytes = 0;
+  for (const Chunk& c : chunks) bytes += c.data().size();
+  return bytes;
+}
+
 uint64_t MaxStreamBytes(const JobConfig& c) { return std::max<uint64_t>(4 * c.bucket_bytes, 64 << 20); }
 
 }  // namespace
@@ -33,81 +41,85 @@ class DaemonServices final : public v1::Control::Service,
                              public v1::Admin::Service {
  public:
   DaemonServices(const DaemonOptions& options, MemoryLedger* ledger, JobRegistry* jobs,
-                 ShardOptimizer* optimizer)
+                 ShardOptimizer* optimizer, DaemonMetrics* metrics)
       : options_(options), ledger_(ledger), jobs_(jobs), optimizer_(optimizer),
-        start_(absl::Now()) {}
+        metrics_(metrics), start_(absl::Now()) {}
 
   std::atomic<bool> draining{false};
 
   // ---- Control ----
   grpc::Status RegisterJob(grpc::ServerContext*, const v1::RegisterJobRequest* req,
                            v1::RegisterJobResponse* resp) override {
-    return ToGrpc(DoRegister(*req, resp));
+    return Done(__func__, DoRegister(*req, resp));
   }
 
   grpc::Status JoinJob(grpc::ServerContext*, const v1::JoinJobRequest* req,
                        v1::JoinJobResponse* resp) override {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
-    if (!job.ok()) return ToGrpc(job.status());
+    if (!job.ok()) return Done(__func__, job.status());
     uint32_t ranks = 0;
     uint64_t step = 0;
     absl::Status s = (*job)->Join(*req, &ranks, &step);
     if (s.ok()) {
       resp->set_ranks_connected(ranks);
       resp->set_committed_step(step);
+      metrics_->SetRanks(req->job_id(), ranks, (*job)->config().world_size);
       Log(absl::StrCat("job ", req->job_id(), " rank ", req->rank(), " joined (", ranks, "/",
                        (*job)->config().world_size, " connected)"));
     }
-    return ToGrpc(s);
+    return Done(__func__, s);
   }
 
   grpc::Status GetPartitionMap(grpc::ServerContext*, const v1::GetPartitionMapRequest* req,
                                v1::PartitionMap* resp) override {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
-    if (!job.ok()) return ToGrpc(job.status());
+    if (!job.ok()) return Done(__func__, job.status());
     FillPartitionMap((*job)->config(), resp);
-    return grpc::Status::OK;
+    return Done(__func__, absl::OkStatus());
   }
 
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
                          v1::HeartbeatResponse* resp) override {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
-    if (!job.ok()) return ToGrpc(job.status());
+    if (!job.ok()) return Done(__func__, job.status());
     if (req->rank() >= (*job)->config().world_size) {
-      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+      return Done(__func__, absl::InvalidArgumentError(absl::StrCat(
           "rank: must be < world_size (", (*job)->config().world_size, "), got ", req->rank())));
     }
     resp->set_committed_step((*job)->committed_step());
-    return grpc::Status::OK;
+    return Done(__func__, absl::OkStatus());
   }
 
   grpc::Status Leave(grpc::ServerContext*, const v1::LeaveRequest* req,
                      v1::LeaveResponse* resp) override {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
-    if (!job.ok()) return ToGrpc(job.status());
+    if (!job.ok()) return Done(__func__, job.status());
     absl::StatusOr<bool> empty = (*job)->Leave(req->rank());
-    if (!empty.ok()) return ToGrpc(empty.status());
+    if (!empty.ok()) return Done(__func__, empty.status());
     Log(absl::StrCat("job ", req->job_id(), " rank ", req->rank(), " left"));
+    metrics_->SetRanks(req->job_id(), (*job)->ranks_connected(), (*job)->config().world_size);
     if (*empty) {
       const std::string id = req->job_id();
       job->reset();
       jobs_->Remove(id);
       ledger_->RemoveJobIfEmpty(id);
+      metrics_->RemoveJob(id);
+      metrics_->SetJobs(jobs_->size());
       Log(absl::StrCat("job ", id, " removed: every rank has left"));
     }
     resp->set_job_removed(*empty);
-    return grpc::Status::OK;
+    return Done(__func__, absl::OkStatus());
   }
 
   grpc::Status SaveCheckpoint(grpc::ServerContext*, const v1::SaveCheckpointRequest*,
                               v1::SaveCheckpointResponse*) override {
-    return ToGrpc(absl::UnimplementedError(
+    return Done(__func__, absl::UnimplementedError(
         "SaveCheckpoint is not available in this version of zeroshardd"));
   }
 
   grpc::Status LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest*,
                               v1::LoadCheckpointResponse*) override {
-    return ToGrpc(absl::UnimplementedError(
+    return Done(__func__, absl::UnimplementedError(
         "LoadCheckpoint is not available in this version of zeroshardd"));
   }
 
@@ -116,7 +128,7 @@ class DaemonServices final : public v1::Control::Service,
     draining = true;
     resp->set_jobs(static_cast<uint32_t>(jobs_->size()));
     Log("draining: new jobs are refused");
-    return grpc::Status::OK;
+    return Done(__func__, absl::OkStatus());
   }
 
   // ---- Shard ----
@@ -126,14 +138,15 @@ class DaemonServices final : public v1::Control::Service,
     std::vector<v1::ParameterChunk> chunks;
     std::shared_ptr<Job> job;
     absl::Status s = ReadStream(ctx, reader, &chunks, &job);
-    if (!s.ok()) return ToGrpc(s);
+    if (!s.ok()) return Done(__func__, s);
     uint64_t elements = 0;
     s = job->InitParameters(chunks, &elements);
     if (s.ok()) {
       resp->set_elements(elements);
+      metrics_->RecordTraffic(job->config().id, "init", "grpc", StreamBytes(chunks));
       Log(absl::StrCat("job ", job->config().id, ": ", elements, " initial parameters loaded"));
     }
-    return ToGrpc(s);
+    return Done(__func__, s);
   }
 
   grpc::Status PushGradient(grpc::ServerContext* ctx,
@@ -142,23 +155,25 @@ class DaemonServices final : public v1::Control::Service,
     std::vector<v1::GradientChunk> chunks;
     std::shared_ptr<Job> job;
     absl::Status s = ReadStream(ctx, reader, &chunks, &job);
-    if (!s.ok()) return ToGrpc(s);
-    return ToGrpc(job->PushGradient(chunks, resp));
+    if (!s.ok()) return Done(__func__, s);
+    s = job->PushGradient(chunks, resp);
+    if (s.ok()) metrics_->RecordTraffic(job->config().id, "push", "grpc", StreamBytes(chunks));
+    return Done(__func__, s);
   }
 
   grpc::Status Gather(grpc::ServerContext* ctx, const v1::GatherRequest* req,
                       grpc::ServerWriter<v1::ParameterChunk>* writer) override {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
-    if (!job.ok()) return ToGrpc(job.status());
+    if (!job.ok()) return Done(__func__, job.status());
     absl::StatusOr<DType> dtype = DTypeFromProto(req->dtype(), "dtype");
-    if (!dtype.ok()) return ToGrpc(dtype.status());
+    if (!dtype.ok()) return Done(__func__, dtype.status());
     if (*dtype != DType::kFp32 && *dtype != (*job)->config().precision) {
-      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+      return Done(__func__, absl::InvalidArgumentError(absl::StrCat(
           "dtype: must be fp32 or the job's precision (",
           DTypeName((*job)->config().precision), "), got ", DTypeName(*dtype))));
     }
     if (req->wait_ms() > kMaxWaitMs) {
-      return ToGrpc(absl::InvalidArgumentError(
+      return Done(__func__, absl::InvalidArgumentError(
           absl::StrCat("wait_ms: at most ", kMaxWaitMs, ", got ", req->wait_ms())));
     }
     absl::Time deadline = absl::Now() + absl::Milliseconds(req->wait_ms());
@@ -166,36 +181,48 @@ class DaemonServices final : public v1::Control::Service,
     if (rpc_deadline < deadline) deadline = rpc_deadline;
     const uint64_t chunk_elements =
         std::max<uint64_t>(1, options_.max_chunk_bytes / DTypeSize(*dtype));
-    return ToGrpc((*job)->Gather(req->after_step(), {req->range().begin(), req->range().end()},
-                                 *dtype, deadline, chunk_elements,
-                                 [writer](v1::ParameterChunk& c) { return writer->Write(c); }));
+    uint64_t bytes = 0;
+    absl::Status s = (*job)->Gather(req->after_step(), {req->range().begin(), req->range().end()},
+                                    *dtype, deadline, chunk_elements,
+                                    [writer, &bytes](v1::ParameterChunk& c) {
+                                      bytes += c.data().size();
+                                      return writer->Write(c);
+                                    });
+    metrics_->RecordTraffic(req->job_id(), "gather", "grpc", bytes);
+    return Done(__func__, s);
   }
 
   grpc::Status PrepareStep(grpc::ServerContext*, const v1::PrepareStepRequest* req,
                            v1::PrepareStepResponse* resp) override {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
-    if (!job.ok()) return ToGrpc(job.status());
+    if (!job.ok()) return Done(__func__, job.status());
     absl::StatusOr<v1::PrepareStepResponse> r = (*job)->PrepareStep(req->step());
-    if (!r.ok()) return ToGrpc(r.status());
+    if (!r.ok()) return Done(__func__, r.status());
     *resp = *r;
-    return grpc::Status::OK;
+    return Done(__func__, absl::OkStatus());
   }
 
   grpc::Status CommitStep(grpc::ServerContext*, const v1::CommitStepRequest* req,
                           v1::CommitStepResponse* resp) override {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
-    if (!job.ok()) return ToGrpc(job.status());
+    if (!job.ok()) return Done(__func__, job.status());
+    const uint64_t before = (*job)->committed_step();
+    const absl::Time start = absl::Now();
     absl::StatusOr<v1::CommitStepResponse> r = (*job)->CommitStep(*req);
-    if (!r.ok()) return ToGrpc(r.status());
+    if (!r.ok()) return Done(__func__, r.status());
+    if (r->committed_step() > before && !r->skipped()) {
+      metrics_->RecordCommit(req->job_id(), absl::Now() - start,
+                             (*job)->owned_unpadded().size());
+    }
     *resp = *r;
-    return grpc::Status::OK;
+    return Done(__func__, absl::OkStatus());
   }
 
   grpc::Status ExchangeEndpoint(grpc::ServerContext*, const v1::ExchangeEndpointRequest* req,
                                 v1::ExchangeEndpointResponse*) override {
     absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
-    if (!job.ok()) return ToGrpc(job.status());
-    return ToGrpc(absl::UnimplementedError(
+    if (!job.ok()) return Done(__func__, job.status());
+    return Done(__func__, absl::UnimplementedError(
         "ExchangeEndpoint: this zeroshardd serves the gRPC data path only; use "
         "transport \"grpc\""));
   }
@@ -206,7 +233,7 @@ class DaemonServices final : public v1::Control::Service,
     std::vector<std::shared_ptr<Job>> jobs;
     if (!req->job_id().empty()) {
       absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
-      if (!job.ok()) return ToGrpc(job.status());
+      if (!job.ok()) return Done(__func__, job.status());
       jobs.push_back(*job);
     } else {
       jobs = jobs_->All();
@@ -229,7 +256,7 @@ class DaemonServices final : public v1::Control::Service,
     }
     resp->set_memory_limit_bytes(ledger_->limit());
     resp->set_total_bytes(ledger_->total());
-    return grpc::Status::OK;
+    return Done(__func__, absl::OkStatus());
   }
 
   grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*,
@@ -247,7 +274,7 @@ class DaemonServices final : public v1::Control::Service,
       j->set_parameters(job->config().layout.parameter_count());
       for (uint32_t p : job->owned_partitions()) j->add_owned_partitions(p);
     }
-    return grpc::Status::OK;
+    return Done(__func__, absl::OkStatus());
   }
 
   grpc::Status Estimate(grpc::ServerContext*, const v1::EstimateRequest* req,
@@ -256,7 +283,7 @@ class DaemonServices final : public v1::Control::Service,
     for (int stage = 0; stage <= 3; ++stage) {
       absl::StatusOr<ModelStateEstimate> e =
           EstimateModelStates(stage, req->parameters(), req->world_size(), k);
-      if (!e.ok()) return ToGrpc(e.status());
+      if (!e.ok()) return Done(__func__, e.status());
       v1::StageEstimate* s = resp->add_stages();
       s->set_stage(stage);
       s->set_model_state_bytes(e->bytes_per_rank);
@@ -264,11 +291,11 @@ class DaemonServices final : public v1::Control::Service,
       if (req->device_memory_bytes() > 0) {
         absl::StatusOr<double> max = MaxParameters(
             stage, static_cast<double>(req->device_memory_bytes()), req->world_size(), k);
-        if (!max.ok()) return ToGrpc(max.status());
+        if (!max.ok()) return Done(__func__, max.status());
         s->set_max_parameters(*max);
       }
     }
-    return grpc::Status::OK;
+    return Done(__func__, absl::OkStatus());
   }
 
  private:
@@ -313,6 +340,8 @@ class DaemonServices final : public v1::Control::Service,
     }
     resp->set_created(inserted);
     FillRegisterResponse(*job, resp);
+    metrics_->SetJobs(jobs_->size());
+    metrics_->SetRanks(id, job->ranks_connected(), job->config().world_size);
     if (inserted) {
       Log(absl::StrCat("job ", id, " registered: stage ", job->config().stage, ", N_d ",
                        job->config().world_size, ", Ψ ", job->config().layout.parameter_count(),
@@ -375,15 +404,24 @@ class DaemonServices final : public v1::Control::Service,
     return absl::OkStatus();
   }
 
+  // Counts the request under its RPC name and result code.
+  grpc::Status Done(const char* rpc, const absl::Status& status) {
+    metrics_->RecordRequest(rpc, status);
+    return ToGrpc(status);
+  }
+
   const DaemonOptions options_;
   MemoryLedger* const ledger_;
   JobRegistry* const jobs_;
   ShardOptimizer* const optimizer_;
+  DaemonMetrics* const metrics_;
   const absl::Time start_;
 };
 
 Daemon::Daemon(const DaemonOptions& options)
-    : options_(options), ledger_(options.memory_limit_bytes) {}
+    : options_(options),
+      ledger_(options.memory_limit_bytes),
+      metrics_(&registry_, &ledger_, options.version) {}
 
 Daemon::~Daemon() { Shutdown(absl::Seconds(1)); }
 
@@ -404,7 +442,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   oo.num_threads = options.optimizer_threads;
   ASSIGN_OR_RETURN(d->optimizer_, ShardOptimizer::Create(oo));
   d->services_ = std::make_unique<DaemonServices>(d->options_, &d->ledger_, &d->jobs_,
-                                                  d->optimizer_.get());
+                                                  d->optimizer_.get(), &d->metrics_);
+  if (!options.metrics_listen.empty()) {
+    d->http_ = std::make_unique<metrics::MetricsHttpServer>(d->registry_, options.metrics_listen);
+    RETURN_IF_ERROR(d->http_->Start(), "--metrics_port");
+  }
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->port_);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
@@ -428,7 +470,10 @@ void Daemon::Shutdown(absl::Duration grace) {
     server_->Shutdown(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(absl::ToInt64Milliseconds(grace)));
   }
+  if (http_ != nullptr) http_->Stop();
 }
+
+int Daemon::metrics_port() const { return http_ == nullptr ? 0 : http_->port(); }
 
 void Daemon::Wait() {
   if (server_ != nullptr) server_->Wait();

@@ -13,6 +13,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "metrics/http_server.h"
+#include "metrics/registry.h"
+#include "server/daemon_metrics.h"
 #include "server/job_registry.h"
 #include "server/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
@@ -26,6 +29,8 @@ struct DaemonOptions {
   std::string checkpoint_dir;          // empty: checkpoints disabled
   uint64_t max_chunk_bytes = 4ull << 20;  // gather chunk size
   std::string version = "dev";
+  // HOST:PORT of the Prometheus /metrics endpoint; empty = off; port 0 picks.
+  std::string metrics_listen;
 };
 
 class DaemonServices;
@@ -39,6 +44,8 @@ class Daemon {
 
   // The bound port and "HOST:PORT" with it.
   int port() const { return port_; }
+  // The bound /metrics port, or 0 when metrics are off.
+  int metrics_port() const;
   const std::string& address() const { return address_; }
 
   // Stops accepting RPCs and waits up to `grace` for those in flight, then
@@ -49,15 +56,21 @@ class Daemon {
 
   JobRegistry& jobs() { return jobs_; }
   MemoryLedger& ledger() { return ledger_; }
+  const metrics::Registry& registry() const { return registry_; }
 
  private:
   explicit Daemon(const DaemonOptions& options);
 
+  // Declaration order is destruction order in reverse: jobs release ledger
+  // bytes, which update metrics, which live in the registry.
   DaemonOptions options_;
+  metrics::Registry registry_;
   MemoryLedger ledger_;
+  DaemonMetrics metrics_;
   JobRegistry jobs_;
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<DaemonServices> services_;
+  std::unique_ptr<metrics::MetricsHttpServer> http_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::string address_;

@@ -13,7 +13,9 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0",
           "HOST:PORT to serve gRPC on; port 0 picks a free port (printed at start).");
-ABSL_FLAG(int, metrics_port, 0, "Port of the Prometheus /metrics endpoint; 0 = off.");
+ABSL_FLAG(int, metrics_port, -1,
+          "Port of the Prometheus /metrics endpoint, on the --listen host; 0 picks a free "
+          "port (printed at start); -1 = off.");
 ABSL_FLAG(uint64_t, memory_limit, 0, "Bytes this daemon may hold for all jobs; 0 = unlimited.");
 ABSL_FLAG(int, optimizer_threads, 1, "Threads running the optimizer step.");
 ABSL_FLAG(std::string, checkpoint_dir, "", "Directory for checkpoints.");
@@ -32,12 +34,19 @@ int main(int argc, char** argv) {
   options.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit);
   options.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    options.metrics_listen = options.listen.substr(0, options.listen.rfind(':') + 1) +
+                             std::to_string(absl::GetFlag(FLAGS_metrics_port));
+  }
   auto daemon = zeroshard::Daemon::Start(options);
   if (!daemon.ok()) {
     std::fprintf(stderr, "zeroshardd: %s\n", daemon.status().ToString().c_str());
     return 1;
   }
   std::printf("zeroshardd listening on %s\n", (*daemon)->address().c_str());
+  if ((*daemon)->metrics_port() != 0) {
+    std::printf("zeroshardd metrics on port %d\n", (*daemon)->metrics_port());
+  }
   std::fflush(stdout);
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);

@@ -1,0 +1,58 @@
+#pragma once
+
+// Serves a Registry's metrics over HTTP for Prometheus to scrape:
+// `GET /metrics` (and HEAD) answers 200 with the text format, any other path
+// 404, any other method 405.
+//
+//   MetricsHttpServer server(registry, "0.0.0.0:9464");
+//   RETURN_IF_ERROR(server.Start());
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "metrics/registry.h"
+
+struct mg_context;
+struct mg_connection;
+
+namespace zeroshard::metrics {
+
+class MetricsHttpServer {
+ public:
+  // `registry` is not owned and must outlive the server. `listen_address` is
+  // HOST:PORT with HOST a numeric IPv4 address, a bracketed IPv6 address
+  // ("[::1]:9464"), "localhost" or empty (all interfaces); port 0 picks a
+  // free port (see port()).
+  MetricsHttpServer(const Registry& registry, std::string listen_address);
+  MetricsHttpServer(const MetricsHttpServer&) = delete;
+  MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
+  // Stops the server (see Stop).
+  ~MetricsHttpServer();
+
+  // Binds and starts serving on the server's own threads; returns once the
+  // socket listens. InvalidArgument for a malformed address; Unavailable
+  // when the address cannot be bound (in use, not local), with the reason;
+  // FailedPrecondition if already started.
+  absl::Status Start();
+
+  // Stops accepting, waits for requests in flight to finish, closes the
+  // socket; blocks for milliseconds normally, up to ~2 s when bound to a
+  // single non-loopback address. Idempotent. Do not call concurrently with
+  // Start.
+  void Stop();
+
+  // The bound port once started (the real one when asked for port 0), else 0.
+  int port() const { return port_; }
+
+ private:
+  // civetweb's begin_request callback, on a civetweb worker thread.
+  static int HandleRequest(mg_connection* connection);
+
+  const Registry& registry_;
+  const std::string listen_address_;
+  mg_context* context_ = nullptr;
+  int port_ = 0;
+  bool ipv6_ = false;
+};
+
+}  // namespace zeroshard::metrics

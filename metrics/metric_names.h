@@ -1,0 +1,158 @@
+#pragma once
+
+// The metric families every zeroshardd exports: this list is the contract
+// between the daemon, dashboards/zeroshard.json and deploy/prometheus/*.yml,
+// whose tests check that they query nothing else. Register them with
+//
+//   Family<Gauge>& memory = BuildGauge().Spec(kMemoryBytes).Register(registry);
+//   Family<Histogram>& step = BuildHistogram()
+//                                 .Spec(kStepSeconds)
+//                                 .Buckets(LatencySecondsBuckets())
+//                                 .Register(registry);
+//
+// Label values:
+//   job        the training job's name, as its client registered it; every
+//              series of a job is removed when the job leaves
+//              (Registry::RemoveIf("job", name)).
+//   category   one of kMemoryCategories.
+//   op         the kind of transfer (e.g. push, pull), a small fixed set.
+//   transport  the transport that carried it (ucx, grpc, inproc).
+//   rpc        the gRPC method name.
+//   code       absl::StatusCodeToString of the result ("OK", "UNAVAILABLE").
+//   version    the daemon's build version.
+//
+// Prometheus scrapes the daemons with honor_labels (deploy/prometheus), so the
+// `job` label above is the training job; families without it carry the scrape
+// job's name ("zeroshard").
+
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "metrics/metric_spec.h"
+
+namespace zeroshard::metrics {
+
+inline constexpr MetricSpec kMemoryBytes = {
+    "zeroshard_memory_bytes",
+    MetricType::kGauge,
+    "Bytes this daemon holds for a job, by ledger category.",
+    {"job", "category"}};
+
+inline constexpr MetricSpec kMemoryLimitBytes = {
+    "zeroshard_memory_limit_bytes",
+    MetricType::kGauge,
+    "Bytes this daemon may hold for all jobs together; 0 means no limit.",
+    {}};
+
+inline constexpr MetricSpec kCommBytesTotal = {
+    "zeroshard_comm_bytes_total",
+    MetricType::kCounter,
+    "Payload bytes moved for a job, by operation and transport.",
+    {"job", "op", "transport"}};
+
+inline constexpr MetricSpec kRequestsTotal = {
+    "zeroshard_requests_total",
+    MetricType::kCounter,
+    "RPCs served, by method and result code.",
+    {"rpc", "code"}};
+
+inline constexpr MetricSpec kStepSeconds = {
+    "zeroshard_step_seconds",
+    MetricType::kHistogram,
+    "Wall time of a training step as seen by this daemon.",
+    {"job"}};
+
+inline constexpr MetricSpec kOptimizerSeconds = {
+    "zeroshard_optimizer_seconds",
+    MetricType::kHistogram,
+    "Wall time of one optimizer update over this daemon's partition.",
+    {"job"}};
+
+inline constexpr MetricSpec kOptimizerParamsPerSecond = {
+    "zeroshard_optimizer_params_per_second",
+    MetricType::kGauge,
+    "Parameters updated per second by the last optimizer step.",
+    {}};
+
+inline constexpr MetricSpec kJobs = {
+    "zeroshard_jobs",
+    MetricType::kGauge,
+    "Jobs currently registered with this daemon.",
+    {}};
+
+inline constexpr MetricSpec kRanksConnected = {
+    "zeroshard_ranks_connected",
+    MetricType::kGauge,
+    "Ranks of a job currently connected to this daemon.",
+    {"job"}};
+
+inline constexpr MetricSpec kWorldSize = {
+    "zeroshard_world_size",
+    MetricType::kGauge,
+    "Ranks a job was registered with (its data-parallel world size).",
+    {"job"}};
+
+inline constexpr MetricSpec kActivationHitsTotal = {
+    "zeroshard_activation_hits_total",
+    MetricType::kCounter,
+    "Activation fetches served from memory.",
+    {"job"}};
+
+inline constexpr MetricSpec kActivationMissesTotal = {
+    "zeroshard_activation_misses_total",
+    MetricType::kCounter,
+    "Activation fetches that had to be read back from a spill.",
+    {"job"}};
+
+inline constexpr MetricSpec kActivationSpillsTotal = {
+    "zeroshard_activation_spills_total",
+    MetricType::kCounter,
+    "Activations moved out of memory to make room.",
+    {"job"}};
+
+inline constexpr MetricSpec kBuildInfo = {
+    "zeroshard_build_info",
+    MetricType::kGauge,
+    "Always 1; the version label says which build runs.",
+    {"version"}};
+
+// Every family above, in name order.
+inline constexpr MetricSpec kAllMetrics[] = {
+    kActivationHitsTotal,
+    kActivationMissesTotal,
+    kActivationSpillsTotal,
+    kBuildInfo,
+    kCommBytesTotal,
+    kJobs,
+    kMemoryBytes,
+    kMemoryLimitBytes,
+    kOptimizerParamsPerSecond,
+    kOptimizerSeconds,
+    kRanksConnected,
+    kRequestsTotal,
+    kStepSeconds,
+    kWorldSize,
+};
+
+// Values of the `category` label of zeroshard_memory_bytes.
+inline constexpr absl::string_view kMemoryCategories[] = {
+    "param_master", "param_half", "grad",   "optim_m",
+    "optim_v",      "activation", "buffer", "fragmentation",
+};
+
+// Bucket bounds for zeroshard_step_seconds and zeroshard_optimizer_seconds:
+// 1 ms to 2 min, 2 to 2.5x apart.
+inline std::vector<double> LatencySecondsBuckets() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+          0.5,   1,      2.5,   5,    10,    25,   60,  120};
+}
+
+// The contract entry named `name`, or nullptr.
+inline const MetricSpec* FindMetric(absl::string_view name) {
+  for (const MetricSpec& spec : kAllMetrics) {
+    if (spec.name == name) return &spec;
+  }
+  return nullptr;
+}
+
+}  // namespace zeroshard::metrics
