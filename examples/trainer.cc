@@ -1,0 +1,243 @@
+#include "examples/trainer.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "examples/activation_store.h"
+
+namespace zeroshard::examples {
+namespace {
+
+absl::Status CheckOptions(const TrainOptions& o) {
+  RETURN_IF_ERROR(ValidateConfig(o.model));
+  if (o.steps < 1) return absl::InvalidArgumentError("steps: must be >= 1");
+  if (o.world_size < 1 || o.global_batch < 1 || o.global_batch % o.world_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "global_batch: must be a positive multiple of world_size (", o.world_size, "), got ",
+        o.global_batch));
+  }
+  return absl::OkStatus();
+}
+
+// Copies each parameter's gradient into its place in `flat` (gaps stay 0).
+void FlattenGrads(const Layout& layout, int layer, const std::vector<torch::Tensor>& params,
+                  float* flat, uint64_t flat_begin) {
+  size_t k = 0;
+  for (const TensorPlacement& t : layout.tensors()) {
+    if (t.spec.layer != static_cast<uint32_t>(layer)) continue;
+    const torch::Tensor& g = params[k++].grad();
+    float* dst = flat + (t.offset - flat_begin);
+    if (g.defined()) {
+      std::memcpy(dst, g.contiguous().data_ptr<float>(), t.numel * sizeof(float));
+    } else {
+      std::memset(dst, 0, t.numel * sizeof(float));
+    }
+  }
+}
+
+ClientConfig MakeClientConfig(const TrainOptions& o) {
+  ClientConfig c;
+  c.daemons = o.daemons;
+  c.job_id = o.job_id;
+  c.rank = o.rank;
+  c.world_size = o.world_size;
+  c.stage = o.stage;
+  c.precision = o.precision;
+  c.bucket_bytes = o.bucket_bytes;
+  c.prefetch_depth = o.prefetch_depth;
+  c.optimizer.kind = Optimizer::kAdamW;
+  c.optimizer.lr = o.lr;
+  c.optimizer.beta1 = 0.9f;
+  c.optimizer.beta2 = 0.999f;
+  c.optimizer.eps = 1e-8f;
+  c.optimizer.weight_decay = o.weight_decay;
+  c.max_grad_norm = o.max_grad_norm;
+  return c;
+}
+
+// A layer's parameters as fp32 in `scratch` (converted from the job's
+// precision when needed); returns the pointer to use.
+float* AsFloat(const void* src, DType type, uint64_t n, std::vector<float>* scratch) {
+  if (type == DType::kFp32) return const_cast<float*>(static_cast<const float*>(src));
+  scratch->resize(n);
+  ToFloat(type, src, scratch->data(), n);
+  return scratch->data();
+}
+
+}  // namespace
+
+absl::StatusOr<TrainResult> TrainSingleProcess(const TrainOptions& o,
+                                               const StepCallback& on_step) {
+  RETURN_IF_ERROR(CheckOptions(o));
+  ASSIGN_OR_RETURN(Layout layout, GptLayout(o.model));
+  ASSIGN_OR_RETURN(std::string corpus, LoadCorpus(o.corpus_dir));
+  TrainResult result;
+  result.params = GptInitialParams(o.model, layout, o.seed);
+  std::vector<torch::Tensor> params;
+  for (int l = 0; l < NumModelLayers(o.model); ++l) {
+    for (torch::Tensor& p : LayerParams(layout, l, result.params.data(), 0, true)) {
+      params.push_back(p);
+    }
+  }
+  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(o.lr)
+                                            .betas({0.9f, 0.999f})
+                                            .eps(1e-8f)
+                                            .weight_decay(o.weight_decay));
+  for (int step = 1; step <= o.steps; ++step) {
+    const absl::Time start = absl::Now();
+    torch::Tensor tokens, targets;
+    MakeBatch(corpus, o.model, step, o.global_batch, 0, 1, &tokens, &targets);
+    optimizer.zero_grad();
+    torch::Tensor x = tokens;
+    size_t k = 0;
+    for (int l = 0; l < NumModelLayers(o.model); ++l) {
+      std::vector<torch::Tensor> lp;
+      for (const TensorPlacement& t : layout.tensors()) {
+        if (t.spec.layer == static_cast<uint32_t>(l)) lp.push_back(params[k++]);
+      }
+      x = ForwardLayer(o.model, l, lp, x, targets);
+    }
+    x.backward();
+    float norm = 0;
+    if (o.max_grad_norm > 0) {
+      norm = static_cast<float>(torch::nn::utils::clip_grad_norm_(params, o.max_grad_norm));
+    }
+    optimizer.step();
+    result.losses.push_back(x.item<float>());
+    if (on_step) {
+      on_step({step, x.item<float>(), absl::ToDoubleSeconds(absl::Now() - start), 0, norm});
+    }
+  }
+  return result;
+}
+
+absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback& on_step) {
+  RETURN_IF_ERROR(CheckOptions(o));
+  if (o.stage < 1 || o.stage > 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stage: sharded training needs stage 1, 2 or 3, got ", o.stage));
+  }
+  ASSIGN_OR_RETURN(Layout layout, GptLayout(o.model));
+  ASSIGN_OR_RETURN(std::string corpus, LoadCorpus(o.corpus_dir));
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Create(MakeClientConfig(o)));
+  std::vector<float> initial = GptInitialParams(o.model, layout, o.seed);
+  RETURN_IF_ERROR(client->RegisterModel(layout, o.rank == 0 ? initial.data() : nullptr));
+
+  const int num_layers = NumModelLayers(o.model);
+  const uint64_t total = layout.total_elements();
+  const DType wire = o.precision;
+  TrainResult result;
+  // Stages 1-2 keep full parameters (and gradients) on the trainer; stage 3
+  // keeps only the layer in use.
+  std::vector<float> full_params;
+  std::vector<uint16_t> half_params;
+  if (o.stage < 3) {
+    full_params.resize(total);
+    if (wire == DType::kFp32) {
+      RETURN_IF_ERROR(client->GatherAll(full_params.data(), DType::kFp32));
+    } else {
+      half_params.resize(total);
+      RETURN_IF_ERROR(client->GatherAll(half_params.data(), wire));
+      ToFloat(wire, half_params.data(), full_params.data(), total);
+    }
+  }
+  InMemoryActivationStore checkpoints;
+  std::vector<float> layer_scratch, grad_scratch;
+  std::vector<float> full_grads(o.stage < 3 ? total : 0);
+  std::vector<PushTicket> tickets;
+
+  for (int step = 1; step <= o.steps; ++step) {
+    const absl::Time start = absl::Now();
+    torch::Tensor tokens, targets;
+    MakeBatch(corpus, o.model, step, o.global_batch, o.rank, o.world_size, &tokens, &targets);
+    tickets.clear();
+    float loss = 0;
+    if (o.stage < 3) {
+      std::vector<std::vector<torch::Tensor>> layer_params(num_layers);
+      torch::Tensor x = tokens;
+      for (int l = 0; l < num_layers; ++l) {
+        layer_params[l] = LayerParams(layout, l, full_params.data(), 0, true);
+        x = ForwardLayer(o.model, l, layer_params[l], x, targets);
+      }
+      loss = x.item<float>();
+      x.backward();
+      // Push layer by layer, last layer first, as backward produces them.
+      for (int l = num_layers - 1; l >= 0; --l) {
+        ASSIGN_OR_RETURN(FlatRange r, layout.LayerRange(l));
+        FlattenGrads(layout, l, layer_params[l], full_grads.data(), 0);
+        ASSIGN_OR_RETURN(PushTicket t, client->PushGradients(r, full_grads.data() + r.begin,
+                                                             DType::kFp32));
+        tickets.push_back(std::move(t));
+      }
+    } else {
+      // Forward: gather each layer, run it without autograd, keep its input.
+      torch::Tensor x = tokens;
+      {
+        torch::NoGradGuard no_grad;
+        for (int l = 0; l < num_layers; ++l) {
+          ASSIGN_OR_RETURN(FlatRange r, layout.LayerRange(l));
+          ASSIGN_OR_RETURN(const void* view, client->GatherView(l));
+          float* p = AsFloat(view, wire, r.size(), &layer_scratch);
+          RETURN_IF_ERROR(checkpoints.Save(l, x));
+          x = ForwardLayer(o.model, l, LayerParams(layout, l, p, r.begin, false), x, targets);
+          RETURN_IF_ERROR(client->Release(l));
+        }
+      }
+      loss = x.item<float>();
+      result.activation_bytes = std::max(result.activation_bytes, checkpoints.bytes());
+      // Backward: gather again, recompute the layer from its checkpoint,
+      // backpropagate, push its gradients, release.
+      torch::Tensor grad_out;
+      for (int l = num_layers - 1; l >= 0; --l) {
+        ASSIGN_OR_RETURN(FlatRange r, layout.LayerRange(l));
+        ASSIGN_OR_RETURN(const void* view, client->GatherView(l));
+        float* p = AsFloat(view, wire, r.size(), &layer_scratch);
+        std::vector<torch::Tensor> lp = LayerParams(layout, l, p, r.begin, true);
+        ASSIGN_OR_RETURN(torch::Tensor input, checkpoints.Load(l));
+        if (l > 0) input = input.detach().requires_grad_(true);
+        torch::Tensor y = ForwardLayer(o.model, l, lp, input, targets);
+        if (grad_out.defined()) {
+          y.backward(grad_out);
+        } else {
+          y.backward();
+        }
+        grad_scratch.assign(r.size(), 0.0f);
+        FlattenGrads(layout, l, lp, grad_scratch.data(), r.begin);
+        RETURN_IF_ERROR(client->Release(l));
+        // PushGradients copies the gradients into the client's staging pool
+        // before it returns, so the scratch buffer is free for the next layer.
+        ASSIGN_OR_RETURN(PushTicket t,
+                         client->PushGradients(r, grad_scratch.data(), DType::kFp32));
+        tickets.push_back(std::move(t));
+        if (l > 0) grad_out = input.grad();
+      }
+      checkpoints.Clear();
+    }
+    for (const PushTicket& t : tickets) RETURN_IF_ERROR(t.Wait(absl::Now() + absl::Minutes(5)));
+    ASSIGN_OR_RETURN(StepResult sr, client->Step(o.lr));
+    if (o.stage < 3) {
+      if (wire == DType::kFp32) {
+        RETURN_IF_ERROR(client->GatherAll(full_params.data(), DType::kFp32));
+      } else {
+        RETURN_IF_ERROR(client->GatherAll(half_params.data(), wire));
+        ToFloat(wire, half_params.data(), full_params.data(), total);
+      }
+    }
+    result.losses.push_back(loss);
+    if (on_step) {
+      const ClientTrafficReport t = client->TrafficReport();
+      on_step({step, loss, absl::ToDoubleSeconds(absl::Now() - start), t.last_step.total(),
+               sr.grad_norm});
+    }
+  }
+  result.client_memory = client->MemoryReport();
+  result.traffic = client->TrafficReport();
+  result.params.resize(total);
+  RETURN_IF_ERROR(client->GatherAll(result.params.data(), DType::kFp32));
+  RETURN_IF_ERROR(client->Leave());
+  return result;
+}
+
+}  // namespace zeroshard::examples

@@ -1,0 +1,65 @@
+#pragma once
+
+// The GPT trainer's loops: the single-process baseline (ZeRO stage 0, plain
+// torch::optim::AdamW on the full global batch) and the data-parallel rank
+// that trains through zeroshard at stage 1, 2 or 3. Blocking; one rank per
+// call (run ranks in threads or processes).
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/client.h"
+#include "examples/gpt.h"
+
+namespace zeroshard::examples {
+
+struct TrainOptions {
+  GptConfig model;
+  int steps = 30;
+  int global_batch = 12;  // sequences per step over all ranks; divisible by world
+  float lr = 3e-3f;
+  float weight_decay = 0.01f;
+  float max_grad_norm = 1.0f;  // 0: no clipping
+  uint64_t seed = 1;
+  std::string corpus_dir = "/usr/share/common-licenses";
+
+  // Sharded training (stage 1..3).
+  uint32_t stage = 3;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  std::vector<std::string> daemons;
+  std::string job_id = "gpt";
+  DType precision = DType::kFp32;
+  uint64_t bucket_bytes = 1 << 20;
+  uint32_t prefetch_depth = 2;
+};
+
+struct StepReport {
+  int step = 0;
+  float loss = 0;          // this rank's loss on its share of the batch
+  double seconds = 0;      // wall time of the step
+  uint64_t bytes = 0;      // bytes this rank moved to and from daemons this step
+  float grad_norm = 0;     // known on rank 0
+};
+
+struct TrainResult {
+  std::vector<float> losses;  // per step, this rank's share (or the global batch)
+  std::vector<float> params;  // final parameters, flat fp32
+  ClientMemoryReport client_memory;
+  ClientTrafficReport traffic;
+  uint64_t activation_bytes = 0;  // largest checkpoint footprint in a step
+};
+
+using StepCallback = std::function<void(const StepReport&)>;
+
+// Stage 0: one process, the whole global batch, torch AdamW, clip_grad_norm_.
+absl::StatusOr<TrainResult> TrainSingleProcess(const TrainOptions& options,
+                                               const StepCallback& on_step = nullptr);
+
+// One data-parallel rank training through zeroshard at options.stage.
+absl::StatusOr<TrainResult> TrainRank(const TrainOptions& options,
+                                      const StepCallback& on_step = nullptr);
+
+}  // namespace zeroshard::examples
