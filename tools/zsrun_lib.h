@@ -1,0 +1,203 @@
+#pragma once
+
+// The launcher behind zsrun (torchrun for zeroshard on one machine): starts
+// local zeroshardd daemons or checks remote ones, runs N trainer processes
+// with the ZS_* environment, streams their output with a rank prefix and
+// tears everything down. zsrun's main() only parses flags into LaunchOptions.
+//
+// Process model: every child (daemon or trainer) leads its own process group,
+// so a terminal's Ctrl-C reaches only the launcher, which forwards it. Signals
+// to a child go to its whole group (a trainer's `sh -c` and what it started).
+// Children get PR_SET_PDEATHSIG(SIGTERM), so they are not left behind if the
+// launcher is killed outright. Trainers read stdin from /dev/null.
+
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace zeroshard::tools {
+
+struct LaunchOptions {
+  // Local daemons to start; ignored when daemon_addresses is set.
+  int daemons = 1;
+  // HOST:PORT of running daemons to use instead of starting any.
+  std::vector<std::string> daemon_addresses;
+  // The daemon binary; empty: FindZeroshardd's search.
+  std::string zeroshardd;
+  // Extra daemon flags, appended after --listen/--metrics_port (so they win).
+  std::vector<std::string> daemon_args;
+  // Start daemons with --metrics_port=0 and export ZS_METRICS_PORTS.
+  bool metrics = false;
+  int nproc = 1;
+  // Empty: DefaultJobId().
+  std::string job_id;
+  // The trainer's argv; argv[0] without a '/' is looked up on PATH.
+  std::vector<std::string> command;
+  // Bounds reading each daemon's address and its Admin.Status answer.
+  absl::Duration startup_timeout = absl::Seconds(30);
+  // SIGTERM to SIGKILL, for trainers and for daemons.
+  absl::Duration grace = absl::Seconds(10);
+  // Where daemon-D.stdout.log / daemon-D.stderr.log go (created if missing).
+  // Empty: a fresh temporary directory, removed when the run succeeds.
+  std::string log_dir;
+  // Also echo daemon stderr as "[daemon D] ..." lines.
+  bool verbose = false;
+  // Start the daemons, print ZS_DAEMONS=..., and hold them until a signal.
+  // Takes no command.
+  bool print_daemons = false;
+  // Where prefixed trainer stdout, and trainer stderr plus the launcher's own
+  // messages, are written (blocking writes). Not closed. If one is a pipe, the
+  // caller should ignore SIGPIPE, as zsrun does.
+  int stdout_fd = STDOUT_FILENO;
+  int stderr_fd = STDERR_FILENO;
+};
+
+// One launch. Run() once; the destructor kills and reaps anything still
+// running (only after an error inside Run itself).
+class Launcher {
+ public:
+  explicit Launcher(LaunchOptions options);
+  ~Launcher();
+  Launcher(const Launcher&) = delete;
+  Launcher& operator=(const Launcher&) = delete;
+
+  // Blocks until the trainers are done (or the daemons, with print_daemons)
+  // and every child zsrun started is reaped. Returns the exit code zsrun
+  // should end with:
+  //   0            every trainer exited 0 (print_daemons: stopped by a signal);
+  //   c            the first non-zero trainer code, 128+S for signal S;
+  //   128+S        interrupted by signal S (see Interrupt) before a failure;
+  //   1            a daemon zsrun started died while trainers ran.
+  // Errors: InvalidArgument for bad options; NotFound for a missing daemon or
+  // trainer binary; Unavailable when a daemon did not start or answer
+  // Admin.Status within startup_timeout (its stderr is printed first);
+  // Internal for failing system calls.
+  absl::StatusOr<int> Run();
+
+  // Async-signal-safe; any thread. The first call forwards `sig` to the
+  // trainers and starts the grace period; a second one kills them at once.
+  // Before the trainers start it aborts the startup.
+  void Interrupt(int sig);
+
+  // The daemons in use (after Run has checked them), in ZS_DAEMONS order.
+  const std::vector<std::string>& addresses() const { return addresses_; }
+  // Where the daemon logs went; empty when no daemons were started. A
+  // temporary one no longer exists after a run that returned 0.
+  const std::string& log_dir() const { return log_dir_; }
+  // Pids of the processes Run started; all reaped once Run returns.
+  std::vector<pid_t> daemon_pids() const;
+  std::vector<pid_t> trainer_pids() const;
+
+ private:
+  struct Proc;
+  struct Stream;
+
+  // Each phase returns early with interrupt_signal_ set when interrupted.
+  absl::StatusOr<int> RunInternal();
+  absl::Status PrepareLogDir();
+  absl::Status StartDaemons();
+  absl::Status CheckDaemons();
+  int HoldDaemons();
+  absl::StatusOr<int> RunTrainers();
+  // SIGTERM, `grace`, SIGKILL, then reaps (bounded); each step skipped once
+  // nothing is left running.
+  void Stop(std::vector<std::unique_ptr<Proc>>& procs);
+  void FinishLogDir(bool success);
+
+  // Waits up to `until`, but at most one short tick, for output, signals and
+  // exits, and handles them.
+  void Pump(absl::Time until);
+  void ReadStream(Stream& stream);
+  void Reap(Proc& proc);
+  void AddStream(const Proc* owner, int fd, std::string prefix, int out_fd, int log_fd,
+                 std::function<void(absl::string_view)> on_line);
+  // Reads until the streams of exited processes reach end of file, or `until`.
+  void DrainStreams(absl::Time until);
+  void CloseStreams();
+  // Prints the daemon's stderr and returns Unavailable("daemon D <what>").
+  absl::Status DaemonFailure(const Proc& daemon, absl::string_view what);
+  void PrintStderrTail(const Proc& daemon);
+  void Say(absl::string_view message);
+  bool TakeSignal(int* sig);
+
+  LaunchOptions options_;
+  int signal_pipe_[2] = {-1, -1};
+  int devnull_ = -1;
+  std::vector<int> pending_signals_;
+  size_t signals_taken_ = 0;
+  int interrupt_signal_ = 0;
+  absl::Time startup_deadline_;
+  std::vector<std::unique_ptr<Proc>> daemons_;
+  std::vector<std::unique_ptr<Proc>> trainers_;
+  std::vector<std::unique_ptr<Stream>> streams_;
+  std::vector<std::string> addresses_;
+  std::vector<int> metrics_ports_;
+  std::string log_dir_;
+  bool temp_log_dir_ = false;
+  std::vector<std::string> log_files_;
+};
+
+// Cuts a byte stream into lines for prefixing. A line ends at "\n", "\r\n"
+// or a lone "\r" (a progress bar redrawing itself), and is passed on with its
+// terminator, so "[rank 0] 40%\r" still redraws in place. Empty "\r" segments
+// are dropped; a line longer than 64 KiB is cut with an added "\n".
+class LineSplitter {
+ public:
+  using Sink = absl::FunctionRef<void(absl::string_view line)>;
+  void Feed(absl::string_view data, Sink sink);
+  // At end of stream: passes on a partial line with "\n" appended.
+  void Finish(Sink sink);
+
+ private:
+  std::string pending_;
+};
+
+// "h:p,h:p" -> addresses; InvalidArgument for an entry without a numeric port.
+absl::StatusOr<std::vector<std::string>> ParseAddressList(absl::string_view list);
+
+// Where zsrun looks for zeroshardd, in order: `<dir of self_exe>/../server/`
+// (bazel-bin layout), `<self_exe>.runfiles/zeroshard/server/`,
+// `<runfiles_dir>/zeroshard/server/` (if set), `<dir of self_exe>/` (installed
+// side by side), then each PATH entry.
+std::vector<std::string> ZeroshardddCandidates(absl::string_view self_exe,
+                                               absl::string_view runfiles_dir,
+                                               absl::string_view path_env);
+
+// `flag` if set (NotFound unless executable), else the first executable
+// candidate for /proc/self/exe, $RUNFILES_DIR (or $TEST_SRCDIR) and $PATH;
+// NotFound naming the places tried.
+absl::StatusOr<std::string> FindZeroshardd(absl::string_view flag);
+
+// What a trainer sees on top of the launcher's environment.
+struct TrainerEnv {
+  int rank = 0;
+  int world_size = 1;
+  std::vector<std::string> daemons;
+  std::string job_id;
+  std::vector<int> metrics_ports;  // empty: ZS_METRICS_PORTS not set
+};
+
+// `base` ("K=V" entries) with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID,
+// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (and ZS_METRICS_PORTS)
+// replacing any earlier values.
+std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base,
+                                            const TrainerEnv& env);
+
+// "job-<pid>-<unix seconds>".
+std::string DefaultJobId();
+
+// waitpid status -> exit code; 128+S for a process killed by signal S.
+int ExitCodeOf(int wait_status);
+
+}  // namespace zeroshard::tools

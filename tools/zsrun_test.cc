@@ -1,0 +1,504 @@
+#include "tools/zsrun_lib.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "proto/zeroshard/v1/admin.grpc.pb.h"
+
+namespace zeroshard::tools {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+std::string Runfile(absl::string_view path) {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  return absl::StrCat(srcdir ? srcdir : ".", "/zeroshard/", path);
+}
+
+std::string TempPath(absl::string_view name) {
+  static int counter = 0;
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return absl::StrCat(tmp ? tmp : "/tmp", "/", name, ".", getpid(), ".", ++counter);
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+std::vector<std::string> Lines(const std::string& text) {
+  return absl::StrSplit(text, '\n', absl::SkipEmpty());
+}
+
+// True when Admin.Status on `address` succeeds within a second.
+bool Answers(const std::string& address) {
+  auto stub = v1::Admin::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  v1::StatusResponse response;
+  return stub->Status(&ctx, v1::StatusRequest(), &response).ok();
+}
+
+bool Gone(pid_t pid) { return kill(pid, 0) != 0 && errno == ESRCH; }
+
+// Runs a Launcher in this process with its output going to files.
+struct Launch {
+  // Unless `temp_logs`, daemon logs go under TEST_TMPDIR rather than $TMPDIR.
+  explicit Launch(LaunchOptions o, bool temp_logs = false)
+      : out_path(TempPath("out")), err_path(TempPath("err")) {
+    if (o.log_dir.empty() && !temp_logs) o.log_dir = TempPath("logs");
+    out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    err_fd = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    o.stdout_fd = out_fd;
+    o.stderr_fd = err_fd;
+    if (o.zeroshardd.empty()) o.zeroshardd = Runfile("server/zeroshardd");
+    launcher = std::make_unique<Launcher>(std::move(o));
+  }
+  ~Launch() {
+    close(out_fd);
+    close(err_fd);
+  }
+  absl::StatusOr<int> Run() {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<int> r = launcher->Run();
+    elapsed = absl::Now() - start;
+    return r;
+  }
+  std::string out() const { return ReadFile(out_path); }
+  std::string err() const { return ReadFile(err_path); }
+
+  std::string out_path, err_path;
+  int out_fd = -1, err_fd = -1;
+  std::unique_ptr<Launcher> launcher;
+  absl::Duration elapsed;
+};
+
+LaunchOptions ShellTrainers(int daemons, int nproc, const std::string& script) {
+  LaunchOptions o;
+  o.daemons = daemons;
+  o.nproc = nproc;
+  o.command = {"/bin/sh", "-c", script};
+  o.startup_timeout = absl::Seconds(20);
+  return o;
+}
+
+// The zsrun binary as a child process; stdout and stderr both go to a file.
+struct Zsrun {
+  explicit Zsrun(const std::vector<std::string>& args) : out_path(TempPath("zsrun")) {
+    std::vector<std::string> argv = {Runfile("tools/zsrun")};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::vector<char*> cargv;
+    for (auto& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    const int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    start = absl::Now();
+    pid = fork();
+    if (pid == 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      execv(cargv[0], cargv.data());
+      _exit(127);
+    }
+    close(fd);
+  }
+  ~Zsrun() {
+    if (pid > 0 && code == -1) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+  // Exit code, or -1 if it is still running after `timeout`.
+  int Wait(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (code == -1 && absl::Now() < deadline) {
+      int status;
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        code = ExitCodeOf(status);
+        elapsed = absl::Now() - start;
+      } else {
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+    }
+    return code;
+  }
+  // Waits until the output contains `text`.
+  bool WaitForOutput(absl::string_view text, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      if (absl::StrContains(output(), text)) return true;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return false;
+  }
+  std::string output() const { return ReadFile(out_path); }
+
+  std::string out_path;
+  pid_t pid = -1;
+  int code = -1;
+  absl::Time start;
+  absl::Duration elapsed;
+};
+
+// A TCP port that refuses connections: bound, never listening, held open.
+struct RefusingPort {
+  RefusingPort() {
+    fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr = {};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    socklen_t len = sizeof addr;
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+  }
+  ~RefusingPort() { close(fd); }
+  int fd;
+  int port;
+};
+
+// --- Pure helpers ---------------------------------------------------------
+
+std::vector<std::string> Split(LineSplitter& s, const std::vector<std::string>& chunks,
+                               bool finish) {
+  std::vector<std::string> lines;
+  auto sink = [&lines](absl::string_view line) { lines.emplace_back(line); };
+  for (const auto& c : chunks) s.Feed(c, sink);
+  if (finish) s.Finish(sink);
+  return lines;
+}
+
+TEST(LineSplitterTest, JoinsPartialWritesIntoWholeLines) {
+  LineSplitter s;
+  EXPECT_THAT(Split(s, {"ab", "c\nd", "e\n\n"}, false), ElementsAre("abc\n", "de\n", "\n"));
+}
+
+TEST(LineSplitterTest, CarriageReturnEndsALineAndIsKept) {
+  LineSplitter s;
+  // A progress bar: "\r 10%" "\r 20%" then a newline; empty segments vanish.
+  EXPECT_THAT(Split(s, {"\r 10%", "\r 20%", "\n"}, false), ElementsAre(" 10%\r", " 20%\n"));
+  EXPECT_THAT(Split(s, {"x\r\ny\n"}, false), ElementsAre("x\r\n", "y\n"));
+}
+
+TEST(LineSplitterTest, TrailingCarriageReturnWaitsForAPossibleNewline) {
+  LineSplitter s;
+  EXPECT_THAT(Split(s, {"done\r"}, false), IsEmpty());
+  EXPECT_THAT(Split(s, {"\nnext\r"}, false), ElementsAre("done\r\n"));
+  EXPECT_THAT(Split(s, {"more"}, false), ElementsAre("next\r"));
+}
+
+TEST(LineSplitterTest, FinishEndsAPartialLine) {
+  LineSplitter s;
+  EXPECT_THAT(Split(s, {"no newline"}, true), ElementsAre("no newline\n"));
+  EXPECT_THAT(Split(s, {"bar\r"}, true), ElementsAre("bar\r\n"));
+  EXPECT_THAT(Split(s, {"\r"}, true), IsEmpty());
+}
+
+TEST(LineSplitterTest, CutsOverlongLines) {
+  LineSplitter s;
+  const std::vector<std::string> lines = Split(s, {std::string(70000, 'x')}, false);
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0].size(), 70001u);
+  EXPECT_EQ(lines[0].back(), '\n');
+}
+
+TEST(ParseAddressListTest, AcceptsHostPortList) {
+  auto a = ParseAddressList(" 127.0.0.1:7070, node2:7071,,[::1]:9 ");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_THAT(*a, ElementsAre("127.0.0.1:7070", "node2:7071", "[::1]:9"));
+}
+
+TEST(ParseAddressListTest, RejectsEntriesWithoutAPort) {
+  for (const char* bad : {"localhost", "host:", ":80", "host:http", "host:70000"}) {
+    EXPECT_EQ(ParseAddressList(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+TEST(TrainerEnvironmentTest, SetsTheRankVariablesAndReplacesOldOnes) {
+  TrainerEnv te;
+  te.rank = 2;
+  te.world_size = 4;
+  te.daemons = {"127.0.0.1:1", "127.0.0.1:2"};
+  te.job_id = "j";
+  const std::vector<std::string> env =
+      TrainerEnvironment({"PATH=/bin", "RANK=9", "ZS_METRICS_PORTS=5"}, te);
+  EXPECT_THAT(env, ElementsAre("PATH=/bin", "ZS_RANK=2", "ZS_WORLD_SIZE=4",
+                               "ZS_DAEMONS=127.0.0.1:1,127.0.0.1:2", "ZS_JOB_ID=j", "RANK=2",
+                               "WORLD_SIZE=4", "LOCAL_RANK=2", "LOCAL_WORLD_SIZE=4"));
+  te.metrics_ports = {81, 82};
+  EXPECT_EQ(TrainerEnvironment({}, te).back(), "ZS_METRICS_PORTS=81,82");
+}
+
+TEST(FindZeroshardTest, SearchOrder) {
+  EXPECT_THAT(ZeroshardddCandidates("/b/tools/zsrun", "/r", "/usr/bin::/bin"),
+              ElementsAre("/b/tools/../server/zeroshardd",
+                          "/b/tools/zsrun.runfiles/zeroshard/server/zeroshardd",
+                          "/r/zeroshard/server/zeroshardd", "/b/tools/zeroshardd",
+                          "/usr/bin/zeroshardd", "/bin/zeroshardd"));
+}
+
+TEST(FindZeroshardTest, FlagMustNameAnExecutable) {
+  EXPECT_EQ(FindZeroshardd("/nonexistent/zeroshardd").status().code(), absl::StatusCode::kNotFound);
+  auto found = FindZeroshardd(Runfile("server/zeroshardd"));
+  ASSERT_TRUE(found.ok()) << found.status();
+  // Without the flag the test binary's own bazel-bin neighbourhood has one.
+  EXPECT_TRUE(FindZeroshardd("").ok());
+}
+
+TEST(ExitCodeTest, SignalsMapTo128Plus) {
+  EXPECT_EQ(ExitCodeOf(3 << 8), 3);
+  EXPECT_EQ(ExitCodeOf(SIGKILL), 128 + SIGKILL);
+}
+
+// --- Launcher in process ----------------------------------------------------
+
+TEST(LauncherTest, TwoDaemonsThreeTrainersSeeTheirEnvironment) {
+  Launch l(ShellTrainers(2, 3,
+                         "echo rank=$ZS_RANK world=$ZS_WORLD_SIZE daemons=$ZS_DAEMONS; "
+                         "echo oops >&2"),
+           /*temp_logs=*/true);
+  absl::StatusOr<int> code = l.Run();
+  ASSERT_TRUE(code.ok()) << code.status() << l.err();
+  EXPECT_EQ(*code, 0) << l.err();
+
+  const std::vector<std::string> lines = Lines(l.out());
+  ASSERT_EQ(lines.size(), 3u) << l.out();
+  std::set<std::string> daemon_lists;
+  std::set<int> ranks;
+  for (const std::string& line : lines) {
+    int rank = -1;
+    ASSERT_EQ(std::sscanf(line.c_str(), "[rank %d] rank=", &rank), 1) << line;
+    ranks.insert(rank);
+    EXPECT_TRUE(absl::StartsWith(line, absl::StrCat("[rank ", rank, "] rank=", rank, " world=3 ")))
+        << line;
+    daemon_lists.insert(line.substr(line.find("daemons=") + 8));
+  }
+  EXPECT_EQ(ranks, (std::set<int>{0, 1, 2}));
+  ASSERT_EQ(daemon_lists.size(), 1u);  // Every rank sees the same list.
+  const std::vector<std::string> daemons = absl::StrSplit(*daemon_lists.begin(), ',');
+  ASSERT_EQ(daemons.size(), 2u);
+  EXPECT_NE(daemons[0], daemons[1]);
+  EXPECT_EQ(daemons, l.launcher->addresses());
+  for (const std::string& d : daemons) EXPECT_TRUE(absl::StartsWith(d, "127.0.0.1:")) << d;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_THAT(l.err(), HasSubstr(absl::StrCat("[rank ", r, "] oops\n")));
+  }
+
+  // Afterwards the daemons are stopped and reaped, and the temp log dir gone.
+  for (pid_t pid : l.launcher->daemon_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+  for (pid_t pid : l.launcher->trainer_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+  for (const std::string& d : daemons) EXPECT_FALSE(Answers(d)) << d;
+  EXPECT_FALSE(l.launcher->log_dir().empty());
+  EXPECT_FALSE(Exists(l.launcher->log_dir()));
+}
+
+TEST(LauncherTest, FailingTrainerStopsTheOthersAndSetsTheExitCode) {
+  LaunchOptions o =
+      ShellTrainers(1, 3, "if [ $ZS_RANK = 1 ]; then sleep 0.3; exit 3; fi; exec sleep 60");
+  o.grace = absl::Seconds(5);
+  Launch l(std::move(o));
+  absl::StatusOr<int> code = l.Run();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 3) << l.err();
+  EXPECT_LT(l.elapsed, absl::Seconds(5));  // The sleepers died of SIGTERM.
+  EXPECT_THAT(l.err(), HasSubstr("rank 1 exited with code 3"));
+  for (pid_t pid : l.launcher->trainer_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+  for (pid_t pid : l.launcher->daemon_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+}
+
+TEST(LauncherTest, TrainerIgnoringSigtermIsKilledAfterTheGracePeriod) {
+  // `trap "" TERM` is inherited by the exec'ed sleep.
+  LaunchOptions o = ShellTrainers(
+      1, 2, "if [ $ZS_RANK = 1 ]; then sleep 0.3; exit 5; fi; trap '' TERM; exec sleep 60");
+  o.grace = absl::Seconds(1);
+  Launch l(std::move(o));
+  absl::StatusOr<int> code = l.Run();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 5) << l.err();
+  EXPECT_GE(l.elapsed, absl::Seconds(1));
+  EXPECT_LT(l.elapsed, absl::Seconds(8));
+  for (pid_t pid : l.launcher->trainer_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+}
+
+TEST(LauncherTest, TrainersReachTheDaemonsWithZsctl) {
+  Launch l(ShellTrainers(2, 2,
+                         absl::StrCat("'", Runfile("tools/zsctl"),
+                                      "' status --daemons=\"$ZS_DAEMONS\" --timeout_ms=5000")));
+  absl::StatusOr<int> code = l.Run();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << l.out() << l.err();
+  for (int r = 0; r < 2; ++r) {
+    for (const std::string& d : l.launcher->addresses()) {
+      EXPECT_THAT(l.out(), HasSubstr(absl::StrCat("[rank ", r, "] daemon ", d, "  version")));
+    }
+  }
+}
+
+TEST(LauncherTest, InterruptIsForwardedToTrainers) {
+  Launch l(ShellTrainers(1, 2, "echo ready; exec sleep 60"));
+  std::thread interrupter([&l] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < deadline && Lines(l.out()).size() < 2) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    l.launcher->Interrupt(SIGTERM);
+  });
+  absl::StatusOr<int> code = l.Run();
+  interrupter.join();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 128 + SIGTERM) << l.err();
+  EXPECT_LT(l.elapsed, absl::Seconds(15));
+  for (pid_t pid : l.launcher->trainer_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+  for (pid_t pid : l.launcher->daemon_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+}
+
+TEST(LauncherTest, DaemonDeathStopsTheTrainers) {
+  Launch l(ShellTrainers(2, 2, "echo ready; exec sleep 60"));
+  std::thread killer([&l] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < deadline && Lines(l.out()).size() < 2) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    // The trainers are running, so the daemon list no longer changes.
+    kill(l.launcher->daemon_pids()[1], SIGKILL);
+  });
+  absl::StatusOr<int> code = l.Run();
+  killer.join();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 1) << l.err();
+  EXPECT_THAT(l.err(), HasSubstr("daemon 1 exited with code 137; stopping the trainers"));
+  EXPECT_LT(l.elapsed, absl::Seconds(15));
+  for (pid_t pid : l.launcher->trainer_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+  for (pid_t pid : l.launcher->daemon_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+}
+
+TEST(LauncherTest, DaemonThatCannotStartShowsItsStderr) {
+  LaunchOptions o = ShellTrainers(1, 1, "true");
+  o.daemon_args = {"--no_such_flag"};
+  Launch l(std::move(o));
+  absl::StatusOr<int> code = l.Run();
+  EXPECT_EQ(code.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(code.status().message(), HasSubstr("daemon 0"));
+  EXPECT_THAT(l.err(), HasSubstr("[daemon 0] "));
+  EXPECT_THAT(l.err(), HasSubstr("no_such_flag"));
+  EXPECT_LT(l.elapsed, absl::Seconds(10));
+  EXPECT_TRUE(Exists(l.launcher->log_dir()));  // Kept after a failure.
+}
+
+TEST(LauncherTest, LogDirMetricsAndVerbose) {
+  LaunchOptions o = ShellTrainers(1, 1, "echo ports=$ZS_METRICS_PORTS job=$ZS_JOB_ID");
+  o.log_dir = TempPath("logs") + "/nested";
+  o.metrics = true;
+  o.verbose = true;
+  o.job_id = "my-job";
+  const std::string dir = o.log_dir;
+  Launch l(std::move(o));
+  absl::StatusOr<int> code = l.Run();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << l.err();
+  int port = 0;
+  ASSERT_EQ(std::sscanf(l.out().c_str(), "[rank 0] ports=%d job=my-job", &port), 1) << l.out();
+  EXPECT_GT(port, 0);
+  EXPECT_THAT(ReadFile(dir + "/daemon-0.stdout.log"),
+              HasSubstr(absl::StrCat("zeroshardd listening on ", l.launcher->addresses()[0])));
+  EXPECT_THAT(ReadFile(dir + "/daemon-0.stderr.log"), HasSubstr("zeroshardd: stopped"));
+  EXPECT_THAT(l.err(), HasSubstr("[daemon 0] zeroshardd: stopped"));
+  EXPECT_THAT(l.err(), HasSubstr("daemon logs are in " + dir));
+}
+
+TEST(LauncherTest, RejectsBadOptions) {
+  LaunchOptions o;
+  Launch no_command(o);
+  EXPECT_EQ(no_command.Run().status().code(), absl::StatusCode::kInvalidArgument);
+  o = ShellTrainers(1, 1, "true");
+  o.command = {"no-such-trainer-command"};
+  Launch missing(o);
+  EXPECT_EQ(missing.Run().status().code(), absl::StatusCode::kNotFound);
+}
+
+// --- The zsrun binary ---------------------------------------------------------
+
+TEST(ZsrunBinaryTest, RunsTrainersAndStopsTheDaemons) {
+  Zsrun z({"--daemons=2", "--nproc=3", "--", "/bin/sh", "-c",
+           "echo rank=$ZS_RANK world=$ZS_WORLD_SIZE daemons=$ZS_DAEMONS"});
+  ASSERT_EQ(z.Wait(absl::Seconds(30)), 0) << z.output();
+  const std::string out = z.output();
+  std::string daemons;
+  for (int r = 0; r < 3; ++r) {
+    const std::string prefix = absl::StrCat("[rank ", r, "] rank=", r, " world=3 daemons=");
+    const size_t at = out.find(prefix);
+    ASSERT_NE(at, std::string::npos) << out;
+    daemons = out.substr(at + prefix.size(), out.find('\n', at) - at - prefix.size());
+  }
+  const std::vector<std::string> list = absl::StrSplit(daemons, ',');
+  ASSERT_EQ(list.size(), 2u) << daemons;
+  EXPECT_NE(list[0], list[1]);
+  for (const std::string& d : list) {
+    EXPECT_TRUE(absl::StartsWith(d, "127.0.0.1:")) << d;
+    EXPECT_FALSE(Answers(d)) << d;
+  }
+}
+
+TEST(ZsrunBinaryTest, UnreachableDaemonAddressFailsWithinTheStartupTimeout) {
+  RefusingPort refusing;
+  const std::string address = absl::StrCat("127.0.0.1:", refusing.port);
+  Zsrun z({"--daemon_addresses=" + address, "--startup_timeout_s=2", "--", "/bin/true"});
+  EXPECT_EQ(z.Wait(absl::Seconds(15)), 1) << z.output();
+  EXPECT_LT(z.elapsed, absl::Seconds(6));
+  EXPECT_THAT(z.output(), HasSubstr(absl::StrCat("zsrun: daemon ", address,
+                                                 " did not answer Admin.Status within 2s")));
+}
+
+TEST(ZsrunBinaryTest, PrintDaemonsHoldsThemUntilSigint) {
+  Zsrun z({"--daemons=2", "--print_daemons"});
+  ASSERT_TRUE(z.WaitForOutput("SIGINT or SIGTERM stops them", absl::Seconds(20))) << z.output();
+  const std::string out = z.output();
+  const size_t at = out.find("ZS_DAEMONS=");
+  ASSERT_NE(at, std::string::npos) << out;
+  const std::vector<std::string> list =
+      absl::StrSplit(out.substr(at + 11, out.find('\n', at) - at - 11), ',');
+  ASSERT_EQ(list.size(), 2u) << out;
+  for (const std::string& d : list) EXPECT_TRUE(Answers(d)) << d;
+  kill(z.pid, SIGINT);
+  EXPECT_EQ(z.Wait(absl::Seconds(15)), 0) << z.output();
+  for (const std::string& d : list) EXPECT_FALSE(Answers(d)) << d;
+}
+
+TEST(ZsrunBinaryTest, UsageErrorsExit2) {
+  Zsrun z({"--nproc=0", "--", "/bin/true"});
+  EXPECT_EQ(z.Wait(absl::Seconds(15)), 2) << z.output();
+  Zsrun bad({"--daemon_addresses=nohost", "--", "/bin/true"});
+  EXPECT_EQ(bad.Wait(absl::Seconds(15)), 2) << bad.output();
+}
+
+}  // namespace
+}  // namespace zeroshard::tools

@@ -1,0 +1,155 @@
+// Behaviour specific to the UCX transport; the shared behaviour is in
+// transport_conformance_test.cc (over tcp and shared memory).
+#include "transport/ucx/ucx_transport.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "transport/transport.h"
+
+namespace zeroshard::transport::ucx {
+namespace {
+
+absl::Time Deadline() { return absl::Now() + absl::Seconds(10); }
+
+class UcxTransportTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  // A transport over GetParam() as UCX_TLS, or null after GTEST_SKIP.
+  std::unique_ptr<Transport> Make(TransportOptions options = {}) {
+    options.ucx_tls = GetParam();
+    auto transport = CreateUcxTransport(options);
+    if (!transport.ok()) {
+      ADD_FAILURE_AT(__FILE__, __LINE__)
+          << "unexpected: " << transport.status();
+      return nullptr;
+    }
+    return *std::move(transport);
+  }
+
+  void SetUp() override {
+    TransportOptions options;
+    options.ucx_tls = GetParam();
+    auto probe = CreateUcxTransport(options);
+    if (!probe.ok())
+      GTEST_SKIP() << "UCX_TLS=" << GetParam() << ": " << probe.status();
+  }
+};
+
+TEST_P(UcxTransportTest, RegisteredThroughTheRegistry) {
+  TransportOptions options;
+  options.ucx_tls = GetParam();
+  auto transport = CreateTransport("ucx", options);
+  ASSERT_TRUE(transport.ok()) << transport.status();
+  EXPECT_EQ((*transport)->kind(), "ucx");
+  EXPECT_FALSE((*transport)->LocalAddress().empty());
+}
+
+TEST_P(UcxTransportTest, DamagedAddressesAndRkeysAreRefusedBeforeUcxSeesThem) {
+  auto server = Make();
+  auto client = Make();
+  ASSERT_TRUE(server && client);
+  std::vector<char> memory(4096);
+  auto region = server->RegisterRegion(memory.data(), memory.size(),
+                                       Access::kRemoteReadWrite);
+  ASSERT_TRUE(region.ok()) << region.status();
+
+  std::string address = server->LocalAddress();
+  address[address.size() / 3] ^= 0x10;
+  EXPECT_TRUE(
+      absl::IsInvalidArgument(client->Connect(address, Deadline()).status()));
+
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      client->Connect("ZSIA........", Deadline()).status()));
+
+  auto connection = client->Connect(server->LocalAddress(), Deadline());
+  ASSERT_TRUE(connection.ok()) << connection.status();
+  RegionDescriptor damaged = (*region)->Descriptor();
+  damaged.rkey[10] ^= 0x01;
+  char byte = 1;
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      (*connection)->Put(&byte, 1, damaged, 0).Wait(Deadline())));
+  damaged.rkey.resize(damaged.rkey.size() / 2);
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      (*connection)->Put(&byte, 1, damaged, 0).Wait(Deadline())));
+  EXPECT_EQ(memory[0], 0);
+  // The connection is unharmed.
+  EXPECT_EQ(
+      (*connection)->Put(&byte, 1, (*region)->Descriptor(), 0).Wait(Deadline()),
+      absl::OkStatus());
+  EXPECT_EQ(memory[0], 1);
+}
+
+TEST_P(UcxTransportTest, ManySmallPiecesAndSeveralProgressThreads) {
+  TransportOptions options;
+  options.progress_threads = 2;
+  options.max_piece_bytes = 64 << 10;
+  options.max_pieces_in_flight = 2;
+  auto server = Make(options);
+  auto client = Make(options);
+  ASSERT_TRUE(server && client);
+  constexpr size_t kBytes = (10 << 20) + 7;
+  auto region = server->AllocateRegion(kBytes, Access::kRemoteReadWrite);
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::vector<unsigned char> data(kBytes), back(kBytes);
+  for (size_t i = 0; i < kBytes; ++i)
+    data[i] = static_cast<unsigned char>(i * 7 + i / 4096);
+  for (int c = 0; c < 3; ++c) {  // connections land on different workers
+    auto connection = client->Connect(server->LocalAddress(), Deadline());
+    ASSERT_TRUE(connection.ok()) << connection.status();
+    std::fill(back.begin(), back.end(), 0);
+    ASSERT_EQ((*connection)
+                  ->Put(data.data(), kBytes, (*region)->Descriptor(), 0)
+                  .Wait(Deadline()),
+              absl::OkStatus());
+    EXPECT_EQ(std::memcmp((*region)->base(), data.data(), kBytes), 0);
+    ASSERT_EQ((*connection)
+                  ->Get(back.data(), kBytes, (*region)->Descriptor(), 0)
+                  .Wait(Deadline()),
+              absl::OkStatus());
+    EXPECT_TRUE(back == data);
+  }
+}
+
+TEST_P(UcxTransportTest, UseAfterShutdownFailsCleanly) {
+  auto server = Make();
+  auto client = Make();
+  ASSERT_TRUE(server && client);
+  auto region = server->AllocateRegion(4096, Access::kRemoteReadWrite);
+  ASSERT_TRUE(region.ok());
+  auto connection = client->Connect(server->LocalAddress(), Deadline());
+  ASSERT_TRUE(connection.ok());
+  client.reset();
+  char byte = 0;
+  EXPECT_TRUE(
+      absl::IsFailedPrecondition((*connection)
+                                     ->Put(&byte, 1, (*region)->Descriptor(), 0)
+                                     .Wait(Deadline())));
+  EXPECT_TRUE(absl::IsFailedPrecondition((*connection)->Flush(Deadline())));
+  server.reset();
+  region->reset();  // after its Transport: still fine
+}
+
+INSTANTIATE_TEST_SUITE_P(Tls, UcxTransportTest,
+                         ::testing::Values("tcp", "posix,cma,self"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param == "tcp" ? std::string("tcp")
+                                                      : std::string("shm");
+                         });
+
+TEST(UcxTransportOptionsTest, UnknownTlsOrBadOptionsFailWithoutCrashing) {
+  TransportOptions options;
+  options.ucx_tls = "no_such_transport";
+  const absl::Status status = CreateUcxTransport(options).status();
+  EXPECT_TRUE(absl::IsUnavailable(status)) << status;
+  options = {};
+  options.max_piece_bytes = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(CreateUcxTransport(options).status()));
+}
+
+}  // namespace
+}  // namespace zeroshard::transport::ucx
