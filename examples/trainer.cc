@@ -113,7 +113,22 @@ absl::StatusOr<TrainResult> TrainSingleProcess(const TrainOptions& o,
   return result;
 }
 
-absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback& on_step) {
+absl::StatusOr<float> EvaluateLoss(const TrainOptions& o, const std::vector<float>& params,
+                                   uint64_t step) {
+  ASSIGN_OR_RETURN(Layout layout, GptLayout(o.model));
+  ASSIGN_OR_RETURN(std::string corpus, LoadCorpus(o.corpus_dir));
+  if (params.size() != layout.total_elements()) {
+    return absl::InvalidArgumentError("params: size does not match the model's layout");
+  }
+  torch::NoGradGuard no_grad;
+  torch::Tensor tokens, targets;
+  MakeBatch(corpus, o.model, step, o.global_batch, 0, 1, &tokens, &targets);
+  std::vector<float> copy = params;
+  return ForwardAll(o.model, layout, copy.data(), false, tokens, targets, nullptr).item<float>();
+}
+
+absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback& on_step,
+                                      const FinishCallback& on_finish) {
   RETURN_IF_ERROR(CheckOptions(o));
   if (o.stage < 1 || o.stage > 3) {
     return absl::InvalidArgumentError(
@@ -236,6 +251,7 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
   result.traffic = client->TrafficReport();
   result.params.resize(total);
   RETURN_IF_ERROR(client->GatherAll(result.params.data(), DType::kFp32));
+  if (on_finish) on_finish(*client);
   RETURN_IF_ERROR(client->Leave());
   return result;
 }

@@ -53,6 +53,9 @@ struct TrainResult {
 };
 
 using StepCallback = std::function<void(const StepReport&)>;
+// Called by TrainRank after the last step, before the rank leaves the job
+// (the daemons still hold its states), with the rank's client.
+using FinishCallback = std::function<void(Client&)>;
 
 // Stage 0: one process, the whole global batch, torch AdamW, clip_grad_norm_.
 absl::StatusOr<TrainResult> TrainSingleProcess(const TrainOptions& options,
@@ -60,6 +63,12 @@ absl::StatusOr<TrainResult> TrainSingleProcess(const TrainOptions& options,
 
 // One data-parallel rank training through zeroshard at options.stage.
 absl::StatusOr<TrainResult> TrainRank(const TrainOptions& options,
-                                      const StepCallback& on_step = nullptr);
+                                      const StepCallback& on_step = nullptr,
+                                      const FinishCallback& on_finish = nullptr);
+
+// Mean cross-entropy of `params` (flat fp32) on the global batch of step
+// `step`, for comparing runs on data none of them trained on.
+absl::StatusOr<float> EvaluateLoss(const TrainOptions& options, const std::vector<float>& params,
+                                   uint64_t step);
 
 }  // namespace zeroshard::examples

@@ -1,0 +1,316 @@
+#pragma once
+
+// zeroshard::Client: the trainer side of ZeRO-as-a-service. One Client per
+// data-parallel rank; it registers the model with the job's daemons, pushes
+// gradients, runs the two-phase optimizer step and gathers parameters.
+//
+// A step, stages 1 and 2 (the paper's 2Ψ per rank):
+//   client->GatherAll(params, DType::kBf16);        // Ψ in
+//   ... forward / backward ...
+//   client->PushGradients({0, n}, grads, DType::kBf16);  // Ψ out
+//   client->Step(lr);
+// A step, stage 3 (3Ψ per rank):
+//   for each layer l, in order:           client->Gather(l, buf);  ... forward ...
+//   for each layer l, in reverse order:   client->Gather(l, buf);  ... backward ...
+//                                         client->PushGradients(layer_range(l), grad_l, ...);
+//   client->Step(lr);
+//
+// Threads: PushGradients, the PushTicket it returns, MemoryReport and
+// TrafficReport may be used from any thread, concurrently. Every other
+// method must be called from one thread at a time (the training loop). The
+// client runs its RPCs on its own threads: `sender_threads` for gradient
+// buckets, `io_threads` for gathers, one prefetch thread.
+//
+// Deadlines: nothing blocks without one. A single RPC, or a wait for local
+// resources, is bounded by `rpc_timeout`; a wait that depends on the other
+// ranks (the step's barrier, a gather of a step not yet committed, the
+// start-up barrier) by `step_timeout`.
+//
+// Errors (one meaning per code): InvalidArgument / FailedPrecondition: the
+// caller's mistake (bad config, range, call order), nothing was sent;
+// Unavailable: a daemon (named in the message) cannot be reached or went
+// away; DeadlineExceeded: a wait ran out (the message says what it waited
+// for); ResourceExhausted: the fixed buffer pools cannot serve the request;
+// DataLoss: a corrupted reply. A daemon's own error passes through with the
+// daemon's address prefixed.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "client/collective.h"
+#include "client/data_path.h"
+#include "client/executor.h"
+#include "client/traffic.h"
+#include "common/dtype.h"
+#include "common/layout.h"
+#include "common/partition_map.h"
+
+namespace zeroshard {
+
+class DaemonControl;
+
+enum class Reduction {
+  kDaemon = 1,             // daemons sum every rank's full gradient (no GPU needed)
+  kTrainerCollective = 2,  // ranks reduce-scatter among themselves (NCCL) first
+};
+
+enum class Optimizer { kAdamW = 1, kAdam = 2, kSgdMomentum = 3 };
+
+struct OptimizerOptions {
+  Optimizer kind = Optimizer::kAdamW;
+  float lr = 1e-3f;  // step 1's; Step(lr) sets each step's
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;
+  float momentum = 0.0f;  // SGD only
+};
+
+struct LossScaleOptions {
+  bool dynamic = false;  // fp16: grow / back off the scale
+  float initial_scale = 1.0f;
+  uint32_t growth_interval = 2000;
+  float growth_factor = 2.0f;
+  float backoff_factor = 0.5f;
+};
+
+struct ClientConfig {
+  // Daemon addresses (HOST:PORT) in placement order; partition i lives on
+  // daemons[i * daemons.size() / world_size]. Every rank lists the same ones.
+  std::vector<std::string> daemons;
+  std::string job_id;  // 1..128 of [A-Za-z0-9._-]
+  uint32_t rank = 0;
+  uint32_t world_size = 1;  // N_d
+  uint32_t stage = 2;       // ZeRO stage 1..3
+  DType precision = DType::kBf16;  // what the trainer computes in (and the wire type)
+  Reduction reduction = Reduction::kDaemon;
+  uint64_t bucket_bytes = 32ull << 20;  // C_B: 4 KiB..1 GiB
+  // Staging pool for gradient pushes: this many buffers of one bucket
+  // (at most 64 MiB) each, allocated by Create.
+  uint32_t staging_buffers = 4;
+  // Stage 3: layers gathered ahead of the one the caller asks for.
+  uint32_t prefetch_depth = 2;
+  // Layer buffers for prefetching and GatherView (each as large as the
+  // largest layer); 0 means prefetch_depth + 2. Allocated by RegisterModel.
+  uint32_t layer_buffers = 0;
+  uint32_t micro_batches = 1;  // gradient accumulation: pushes per range per step
+  OptimizerOptions optimizer;
+  float max_grad_norm = 0.0f;  // 0: no clipping
+  LossScaleOptions loss_scale;
+  absl::Duration rpc_timeout = absl::Seconds(60);
+  absl::Duration step_timeout = absl::Minutes(5);
+  std::string transport = "grpc";  // bulk data path; "grpc" is the one available
+  int sender_threads = 2;
+  int io_threads = 4;
+};
+
+struct StepResult {
+  uint64_t step = 0;       // the step now committed
+  bool skipped = false;    // inf/nan in the gradient: no update anywhere
+  float loss_scale = 1.0f;  // scale for the next step's loss
+  // Global L2 norm of the averaged, unscaled gradient and the clip
+  // coefficient applied. Always known on the leader (rank 0); another rank
+  // knows them when it read every daemon's PrepareStep answer before the
+  // leader committed (the daemons keep no record afterwards).
+  bool have_norm = false;
+  float grad_norm = 0.0f;  // inf or NaN when the step was skipped for overflow
+  float clip_coef = 1.0f;
+};
+
+// Bytes the client holds, by ledger category.
+struct ClientMemoryReport {
+  uint64_t buffer = 0;      // gradient staging pool (fixed: C_B-bounded)
+  uint64_t param = 0;       // gathered-layer buffers, fp32 jobs
+  uint64_t param_half = 0;  // gathered-layer buffers, bf16/fp16 jobs
+  uint64_t total() const { return buffer + param + param_half; }
+};
+
+struct ClientTrafficReport {
+  TrafficBytes total;      // since Create
+  // Between the return of the previous Step (or of RegisterModel) and the
+  // return of the last Step.
+  TrafficBytes last_step;
+  TrafficBytes current;    // since the last Step (or RegisterModel) returned
+  uint64_t prefetch_hits = 0;    // layer gathers served by a prefetch
+  uint64_t prefetch_misses = 0;  // layer gathers fetched on demand
+};
+
+class Client {
+ public:
+  // Validates `config` (InvalidArgument naming the field), allocates the
+  // staging pool and starts the client's threads. Connects to nothing yet.
+  // `collective` replaces the built-in reduction (required for
+  // Reduction::kTrainerCollective, which has no built-in implementation:
+  // Unimplemented without one).
+  static absl::StatusOr<std::unique_ptr<Client>> Create(
+      ClientConfig config, std::unique_ptr<Collective> collective = nullptr);
+  // Waits for the client's in-flight RPCs (each bounded by its deadline). Does
+  // not leave the job: call Leave() for that.
+  ~Client();
+
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Registers the job on every daemon (idempotent across ranks), joins it as
+  // this rank and, on rank 0, uploads `initial_params` (total_elements() fp32
+  // values in flat order; alignment gaps are sent as zeros) unless the job
+  // has already committed a step (4 MiB streams, every element confirmed by
+  // the daemon; up to 4 MiB of scratch per daemon while it runs). Other
+  // ranks' `initial_params` are not read (pass null or their identical copy).
+  // Returns once every rank has joined every daemon; rank 0 joins only after
+  // its upload was confirmed, so the daemons hold the initial parameters when
+  // any rank returns. Blocks up to step_timeout for the other ranks.
+  // FailedPrecondition if the job exists with a different spec. May be
+  // retried after an error (with the same layout).
+  absl::Status RegisterModel(const Layout& layout, const float* initial_params);
+
+  // Contributes this rank's gradient for flat elements [range.begin,
+  // range.end) (range.size() elements of `dtype`, converted to the job's
+  // precision) to the next step, micro-batch `micro_batch` (< micro_batches).
+  // Any split into calls works (whole model, per layer, per tensor; ranks
+  // need not split alike), as long as every element is pushed exactly once
+  // per micro-batch before Step; gap elements need not be pushed and are
+  // sent as zeros. The client re-cuts the gradient into the job's buckets
+  // (client/bucket_plan.h: each partition cut every C_B bytes from its
+  // start), sending each one when all of its elements have arrived. Blocks
+  // only to copy into the staging pool, and while the pool is fully in
+  // flight (up to rpc_timeout; ResourceExhausted at once if the pool is full
+  // of partly pushed buckets that no other thread is completing). The client
+  // may read `grads` until the ticket completes (the built-in daemon reduce
+  // copies it before returning; other collectives need not). InvalidArgument
+  // for a range out of bounds or pushed twice. A send error reaches the
+  // ticket and the next Step.
+  absl::StatusOr<PushTicket> PushGradients(const FlatRange& range, const void* grads, DType dtype,
+                                           uint32_t micro_batch = 0);
+
+  // Ends the step: waits until this rank's pushes are accepted
+  // (FailedPrecondition if some element was not pushed), then on the leader
+  // (rank 0) waits for every rank's pushes, runs PrepareStep on every daemon,
+  // combines the norms (sum of grad_sq_sum in daemon order, norm =
+  // float(sqrt(sum)), clip = min(1, max_grad_norm / (norm + 1e-6)), skip on
+  // inf/nan) and commits on every daemon; other ranks return once every
+  // daemon has committed. Blocks up to step_timeout. All ranks must pass the
+  // same `lr`; the leader's is applied. If Step fails in its commit phase,
+  // calling it again resends the same commit (CommitStep is idempotent). If
+  // it fails before, the rank may push its whole gradient again and retry
+  // (buckets the daemons already hold count as delivered).
+  // Stage-3 layer views must be released first (FailedPrecondition);
+  // prefetched layers of the old parameters are dropped. Step gathers
+  // nothing: stages 1-2 call GatherAll for the new parameters.
+  absl::StatusOr<StepResult> Step(float lr);
+
+  // Gathers every parameter as of the last committed step into `dst`
+  // (total_elements() elements of `dtype`: fp32 or the job's precision;
+  // gaps read as zeros), from all daemons in parallel, in C_B-sized
+  // requests written straight into `dst`. Stages 1-2 call it once per step,
+  // before the forward pass. Blocks until done (each request bounded by
+  // rpc_timeout); `dst` is not written after it returns.
+  absl::Status GatherAll(void* dst, DType dtype);
+
+  // Stage 3 (works in any stage): the parameters of `layer`
+  // (Layout::LayerRange, layer_elements(layer) elements of the job's
+  // precision) as of the last committed step, copied into `dst`. Served from
+  // a prefetched buffer when there is one, else gathered from the owning
+  // daemons in parallel. Then starts prefetching the next prefetch_depth
+  // layers in the direction of travel: forward while layer ids increase,
+  // backward once a layer repeats or ids decrease.
+  absl::Status Gather(uint32_t layer, void* dst);
+  // Stage 3: like Gather, but returns a pointer into a client-owned layer
+  // buffer (layer_buffers of them, allocated by RegisterModel) that stays
+  // valid until Release(layer) or Step. Gathering a layer already held
+  // returns the same buffer without traffic. ResourceExhausted if every layer
+  // buffer is held by an unreleased view; FailedPrecondition in stages 1-2.
+  absl::StatusOr<const void*> GatherView(uint32_t layer);
+  // Drops the client's copy of `layer` (a view, or a prefetched buffer not
+  // yet used). OK if it holds none.
+  absl::Status Release(uint32_t layer);
+  // Stage 3: starts gathering `layer` into a free layer buffer in the
+  // background; a no-op if it is already there, no buffer is free, or the
+  // stage has no layer buffers.
+  absl::Status Prefetch(uint32_t layer);
+
+  // Leaves the job on every daemon (the job is freed when every rank has
+  // left). Returns the first error, after trying every daemon.
+  absl::Status Leave();
+
+  ClientMemoryReport MemoryReport() const;
+  ClientTrafficReport TrafficReport() const;
+
+  const ClientConfig& config() const { return config_; }
+  // Valid after RegisterModel.
+  const Layout& layout() const { return layout_; }
+  const PartitionMap& partition_map() const { return map_; }
+  uint64_t total_elements() const { return layout_.total_elements(); }
+  absl::StatusOr<uint64_t> layer_elements(uint32_t layer) const;
+  // The last committed step this client knows of.
+  uint64_t committed_step() const { return step_.load(); }
+  // The scale to multiply the next step's loss by (fp16 loss scaling).
+  float loss_scale() const { return loss_scale_; }
+
+ private:
+  struct LayerSlot;
+  struct PendingCommit;
+
+  Client(ClientConfig config, std::unique_ptr<Collective> collective);
+
+  absl::Time RpcDeadline() const { return absl::Now() + config_.rpc_timeout; }
+  // Runs fn(d) for every daemon in parallel on the io threads and returns
+  // once all have (first error). fn must bound its RPCs with deadlines.
+  absl::Status ForEachDaemon(const std::function<absl::Status(uint32_t)>& fn);
+  absl::Status UploadInitialParams(const float* params);
+  absl::Status AwaitAllRanksJoined();
+  // Gathers `range` (inside [0, total)) as `dtype` into dst, cut at daemon
+  // boundaries and into C_B-sized requests, in parallel on the io threads.
+  absl::Status GatherRange(const FlatRange& range, DType dtype, uint64_t after_step, void* dst);
+  absl::StatusOr<StepResult> LeaderStep(uint64_t step, float lr);
+  absl::StatusOr<StepResult> FollowerStep(uint64_t step, float lr);
+  absl::StatusOr<StepResult> Commit(const PendingCommit& commit);
+  absl::StatusOr<size_t> LayerIndex(uint32_t layer) const;
+  // The slot holding layer index `index` fetched after `step_`, if any.
+  LayerSlot* FindSlot(size_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(layer_mu_);
+  // Starts fetching layer index `index` into a free slot; null if none free.
+  LayerSlot* StartFetch(size_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(layer_mu_);
+  absl::StatusOr<LayerSlot*> AcquireLayer(size_t index);
+  void PrefetchAfter(size_t index);
+  absl::Status DiscardLayerSlots();
+
+  const ClientConfig config_;
+  std::unique_ptr<Collective> collective_;
+  TrafficCounters traffic_;
+  mutable absl::Mutex report_mu_;
+  TrafficBytes last_step_traffic_ ABSL_GUARDED_BY(report_mu_);
+
+  bool registered_ = false;
+  std::optional<uint64_t> bound_fingerprint_;  // layout the collective is bound to
+  bool slots_allocated_ = false;
+  Layout layout_;
+  PartitionMap map_;
+  std::vector<std::unique_ptr<DaemonControl>> controls_;
+  std::vector<std::unique_ptr<DataPath>> data_paths_;
+  std::atomic<uint64_t> step_{0};  // read by pushing threads
+  float loss_scale_ = 1.0f;
+  std::unique_ptr<PendingCommit> pending_commit_;
+
+  // Stage-3 layer buffers.
+  mutable absl::Mutex layer_mu_;
+  std::vector<std::unique_ptr<LayerSlot>> slots_ ABSL_GUARDED_BY(layer_mu_);
+  uint64_t layer_buffer_bytes_ = 0;
+  int64_t last_layer_index_ = -1;  // last layer gathered this step
+  std::atomic<uint64_t> prefetch_hits_{0};
+  std::atomic<uint64_t> prefetch_misses_{0};
+
+  // Destroyed first: their tasks use the members above.
+  std::unique_ptr<Executor> io_;
+  std::unique_ptr<Executor> prefetcher_;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,667 @@
+// zeroshard::Client against in-process daemons on loopback: the traffic the
+// paper promises per step (2Ψ in stages 1-2, 3Ψ in stage 3), C_B-bounded
+// staging memory, the push cut rule, stage-3 layer buffers, and the errors a
+// trainer sees when its input is wrong or a daemon goes away.
+
+#include "client/client.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "server/daemon.h"
+#include "server/testing/daemon_fixture.h"
+
+namespace zeroshard {
+namespace {
+
+using testing::SampleLayout;
+using testing::StartDaemon;
+
+struct Daemons {
+  explicit Daemons(int n) {
+    for (int i = 0; i < n; ++i) {
+      daemons.push_back(StartDaemon());
+      addresses.push_back(daemons.back()->address());
+    }
+  }
+  std::vector<std::unique_ptr<Daemon>> daemons;
+  std::vector<std::string> addresses;
+};
+
+ClientConfig MakeConfig(const std::string& job, const std::vector<std::string>& daemons,
+                        uint32_t rank, uint32_t world, uint32_t stage) {
+  ClientConfig c;
+  c.daemons = daemons;
+  c.job_id = job;
+  c.rank = rank;
+  c.world_size = world;
+  c.stage = stage;
+  c.precision = DType::kFp32;
+  c.bucket_bytes = 4096;
+  c.optimizer.lr = 1e-2f;
+  c.optimizer.weight_decay = 0.01f;
+  c.max_grad_norm = 1.0f;
+  c.rpc_timeout = absl::Seconds(10);
+  c.step_timeout = absl::Seconds(20);
+  c.io_threads = 2;
+  return c;
+}
+
+std::vector<float> InitialParams(const Layout& layout) {
+  std::vector<float> p(layout.total_elements(), 0.0f);
+  for (const TensorPlacement& t : layout.tensors()) {
+    for (uint64_t i = t.offset; i < t.offset + t.numel; ++i) {
+      p[i] = 0.01f * static_cast<float>(static_cast<int64_t>(i % 101) - 50);
+    }
+  }
+  return p;
+}
+
+// A gradient that depends on the parameters the rank holds.
+void ComputeGradient(const float* params, uint64_t begin, uint64_t end, uint32_t rank,
+                     uint64_t step, float* grad) {
+  for (uint64_t i = begin; i < end; ++i) {
+    grad[i - begin] = params[i - begin] * (0.5f + 0.1f * rank) +
+                      0.001f * static_cast<float>((i * 7 + step * 13 + rank * 31) % 17);
+  }
+}
+
+// Runs fn(rank) on one thread per rank; returns when all are done.
+void RunRanks(uint32_t world, const std::function<void(uint32_t)>& fn) {
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < world; ++r) threads.emplace_back(fn, r);
+  for (auto& t : threads) t.join();
+}
+
+std::unique_ptr<Client> Connect(const ClientConfig& config, const Layout& layout,
+                                const float* init) {
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(config);
+  EXPECT_TRUE(client.ok()) << client.status();
+  if (!client.ok()) return nullptr;
+  const absl::Status s = (*client)->RegisterModel(layout, init);
+  EXPECT_TRUE(s.ok()) << s;
+  return s.ok() ? *std::move(client) : nullptr;
+}
+
+// One training step of one rank: stages 1-2 gather everything and push the
+// whole gradient; stage 3 gathers layer by layer forward, again backward,
+// and pushes each layer's gradient after its backward gather.
+absl::StatusOr<StepResult> TrainStep(Client& client, uint64_t step, float lr,
+                                     std::vector<float>* params) {
+  const Layout& layout = client.layout();
+  const uint32_t rank = client.config().rank;
+  std::vector<float> grad(layout.total_elements());
+  if (client.config().stage < 3) {
+    if (absl::Status s = client.GatherAll(params->data(), DType::kFp32); !s.ok()) return s;
+    ComputeGradient(params->data(), 0, grad.size(), rank, step, grad.data());
+    absl::StatusOr<PushTicket> t =
+        client.PushGradients({0, grad.size()}, grad.data(), DType::kFp32);
+    if (!t.ok()) return t.status();
+  } else {
+    for (uint32_t layer : layout.layers()) {
+      const FlatRange r = *layout.LayerRange(layer);
+      if (absl::Status s = client.Gather(layer, params->data() + r.begin); !s.ok()) return s;
+    }
+    std::vector<PushTicket> tickets;
+    for (auto it = layout.layers().rbegin(); it != layout.layers().rend(); ++it) {
+      const FlatRange r = *layout.LayerRange(*it);
+      std::vector<float> layer(r.size());
+      if (absl::Status s = client.Gather(*it, layer.data()); !s.ok()) return s;
+      if (std::memcmp(layer.data(), params->data() + r.begin, r.size() * 4) != 0) {
+        return absl::InternalError("backward gather differs from forward gather");
+      }
+      ComputeGradient(layer.data(), r.begin, r.end, rank, step, grad.data() + r.begin);
+      absl::StatusOr<PushTicket> t =
+          client.PushGradients(r, grad.data() + r.begin, DType::kFp32);
+      if (!t.ok()) return t.status();
+      tickets.push_back(*t);
+    }
+  }
+  return client.Step(lr);
+}
+
+// ---- Traffic: 2Ψ per rank per step in stages 1-2, 3Ψ in stage 3 ----
+
+struct TrafficCase {
+  uint32_t world;
+  uint32_t stage;
+};
+
+class TrafficTest : public ::testing::TestWithParam<TrafficCase> {};
+
+TEST_P(TrafficTest, BytesPerRankPerStepMatchThePaper) {
+  const auto [world, stage] = GetParam();
+  Daemons daemons(2);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  const uint64_t psi = layout.parameter_count();
+  const uint64_t total = layout.total_elements();
+  const std::string job = absl::StrCat("traffic-", world, "-", stage);
+  constexpr int kSteps = 3;
+  std::vector<std::vector<ClientTrafficReport>> reports(world);
+  std::vector<std::vector<StepResult>> results(world);
+  std::atomic<int> failures{0};
+  RunRanks(world, [&](uint32_t rank) {
+    ClientConfig config = MakeConfig(job, daemons.addresses, rank, world, stage);
+    std::unique_ptr<Client> client = Connect(config, layout, init.data());
+    if (client == nullptr) {
+      ++failures;
+      return;
+    }
+    std::vector<float> params(total);
+    for (int step = 1; step <= kSteps; ++step) {
+      absl::StatusOr<StepResult> r = TrainStep(*client, step, 0.01f, &params);
+      if (!r.ok()) {
+        ADD_FAILURE() << "rank " << rank << " step " << step << ": " << r.status();
+        ++failures;
+        return;
+      }
+      results[rank].push_back(*r);
+      reports[rank].push_back(client->TrafficReport());
+    }
+    EXPECT_TRUE(client->Leave().ok());
+  });
+  ASSERT_EQ(failures.load(), 0);
+  const uint64_t factor = stage == 3 ? 3 : 2;
+  const uint64_t expected = factor * total * 4;
+  const uint64_t paper = factor * psi * 4;
+  for (uint32_t rank = 0; rank < world; ++rank) {
+    for (int s = 0; s < kSteps; ++s) {
+      const TrafficBytes& b = reports[rank][s].last_step;
+      EXPECT_EQ(b.push, total * 4) << "rank " << rank << " step " << s + 1;
+      EXPECT_EQ(b.gather, (factor - 1) * total * 4) << "rank " << rank << " step " << s + 1;
+      EXPECT_EQ(b.init, 0u);
+      EXPECT_EQ(b.total(), expected);
+      // Within the alignment padding of the paper's figure.
+      EXPECT_LE(b.total() - paper, factor * (total - psi) * 4);
+    }
+    EXPECT_EQ(reports[rank].back().total.init, rank == 0 ? total * 4 : 0);
+    EXPECT_EQ(results[rank].back().step, static_cast<uint64_t>(kSteps));
+    // Every rank that learned the norm agrees with the leader bit for bit.
+    for (int s = 0; s < kSteps; ++s) {
+      ASSERT_TRUE(results[0][s].have_norm);
+      if (results[rank][s].have_norm) {
+        EXPECT_EQ(results[rank][s].grad_norm, results[0][s].grad_norm);
+        EXPECT_EQ(results[rank][s].clip_coef, results[0][s].clip_coef);
+      }
+      EXPECT_EQ(results[rank][s].loss_scale, 1.0f);
+      EXPECT_FALSE(results[rank][s].skipped);
+    }
+  }
+  if (stage == 3) {
+    EXPECT_GT(reports[0].back().prefetch_hits, 0u);
+  }
+  std::printf("N_d=%u stage %u: measured %llu B per rank per step (push %llu + gather %llu); "
+              "%llu·Ψ·4 = %llu B; alignment padding %llu elements\n",
+              world, stage, static_cast<unsigned long long>(reports[0].back().last_step.total()),
+              static_cast<unsigned long long>(reports[0].back().last_step.push),
+              static_cast<unsigned long long>(reports[0].back().last_step.gather),
+              static_cast<unsigned long long>(factor), static_cast<unsigned long long>(paper),
+              static_cast<unsigned long long>(total - psi));
+  for (auto& d : daemons.daemons) EXPECT_FALSE(d->jobs().Contains(job));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    WorldAndStage, TrafficTest,
+    ::testing::Values(TrafficCase{2, 1}, TrafficCase{2, 2}, TrafficCase{2, 3},
+                      TrafficCase{3, 1}, TrafficCase{3, 2}, TrafficCase{3, 3},
+                      TrafficCase{4, 1}, TrafficCase{4, 2}, TrafficCase{4, 3}),
+    [](const ::testing::TestParamInfo<TrafficCase>& info) {
+      return absl::StrCat("Nd", info.param.world, "Stage", info.param.stage);
+    });
+
+// ---- Bucketization: staging memory is C_B-bounded, whatever Ψ ----
+
+TEST(ClientTest, StagingMemoryDoesNotGrowWithTheModel) {
+  uint64_t staging[2];
+  const int64_t sizes[2] = {10'000'000, 50'000'000};
+  for (int i = 0; i < 2; ++i) {
+    Daemons daemons(1);
+    const Layout layout = *Layout::Create({{"w", {sizes[i]}, DType::kFp32, 0},
+                                           {"b", {1001}, DType::kFp32, 1}});
+    const uint64_t total = layout.total_elements();
+    ClientConfig config = MakeConfig("big", daemons.addresses, 0, 1, 2);
+    config.bucket_bytes = 32ull << 20;  // the default C_B
+    config.max_grad_norm = 0;
+    std::vector<float> values(total, 0.5f);
+    std::unique_ptr<Client> client = Connect(config, layout, values.data());
+    ASSERT_NE(client, nullptr);
+    staging[i] = client->MemoryReport().total();
+    EXPECT_EQ(client->MemoryReport().buffer, staging[i]);
+    ASSERT_TRUE(client->PushGradients({0, total}, values.data(), DType::kFp32).ok());
+    absl::StatusOr<StepResult> r = client->Step(1e-3f);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(client->GatherAll(values.data(), DType::kFp32).ok());
+    const ClientTrafficReport t = client->TrafficReport();
+    EXPECT_EQ(t.last_step.push, total * 4);
+    EXPECT_EQ(t.current.gather, total * 4);
+    EXPECT_EQ(client->MemoryReport().total(), staging[i]);  // nothing grew
+    std::printf("Ψ=%lld: client staging %llu B (= %u buffers x C_B %llu B), pushed %llu B\n",
+                static_cast<long long>(sizes[i] + 1001),
+                static_cast<unsigned long long>(staging[i]), config.staging_buffers,
+                static_cast<unsigned long long>(config.bucket_bytes),
+                static_cast<unsigned long long>(t.last_step.push));
+  }
+  EXPECT_EQ(staging[0], 4 * (32ull << 20));
+  EXPECT_EQ(staging[1], staging[0]);
+}
+
+// ---- The cut rule: any split of the pushes works across ranks ----
+
+TEST(ClientTest, RanksMaySplitTheirPushesDifferently) {
+  Daemons daemons(2);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  std::vector<std::vector<float>> gathered(2);
+  std::atomic<int> failures{0};
+  RunRanks(2, [&](uint32_t rank) {
+    std::unique_ptr<Client> client =
+        Connect(MakeConfig("split", daemons.addresses, rank, 2, 2), layout, init.data());
+    if (client == nullptr) return void(++failures);
+    const uint64_t total = layout.total_elements();
+    std::vector<float> grad(total, 0.25f);
+    if (rank == 0) {  // one call, in bf16
+      std::vector<uint16_t> half(total);
+      for (uint64_t i = 0; i < total; ++i) half[i] = FloatToBf16(grad[i]);
+      if (!client->PushGradients({0, total}, half.data(), DType::kBf16).ok()) ++failures;
+    } else {  // tensor by tensor, last first
+      for (auto it = layout.tensors().rbegin(); it != layout.tensors().rend(); ++it) {
+        if (!client->PushGradients(it->range(), grad.data() + it->offset, DType::kFp32).ok()) {
+          ++failures;
+        }
+      }
+    }
+    absl::StatusOr<StepResult> r = client->Step(0.01f);
+    if (!r.ok()) {
+      ADD_FAILURE() << r.status();
+      return void(++failures);
+    }
+    gathered[rank].resize(total);
+    if (!client->GatherAll(gathered[rank].data(), DType::kFp32).ok()) ++failures;
+  });
+  ASSERT_EQ(failures.load(), 0);
+  EXPECT_EQ(gathered[0], gathered[1]);
+  EXPECT_NE(gathered[0], init);
+}
+
+// ---- Stage 3 layer buffers ----
+
+TEST(ClientTest, Stage3ViewsPrefetchAndRelease) {
+  Daemons daemons(1);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  ClientConfig config = MakeConfig("views", daemons.addresses, 0, 1, 3);
+  config.prefetch_depth = 1;
+  config.layer_buffers = 3;
+  std::unique_ptr<Client> client = Connect(config, layout, init.data());
+  ASSERT_NE(client, nullptr);
+  const auto& layers = layout.layers();
+  uint64_t largest = 0;
+  for (uint32_t l : layers) largest = std::max(largest, layout.LayerRange(l)->size());
+  EXPECT_EQ(client->MemoryReport().param, 3 * largest * 4);
+  EXPECT_EQ(client->MemoryReport().param_half, 0u);
+
+  // Forward: each view equals the initial parameters; release all but the last.
+  for (uint32_t l : layers) {
+    absl::StatusOr<const void*> view = client->GatherView(l);
+    ASSERT_TRUE(view.ok()) << view.status();
+    const FlatRange r = *layout.LayerRange(l);
+    EXPECT_EQ(0, std::memcmp(*view, init.data() + r.begin, r.size() * 4)) << "layer " << l;
+    if (l != layers.back()) {
+      ASSERT_TRUE(client->Release(l).ok());
+    }
+  }
+  const TrafficBytes forward = client->TrafficReport().current;
+  EXPECT_EQ(forward.gather, layout.total_elements() * 4);
+  // Backward starts at the held last layer: no traffic for it.
+  ASSERT_TRUE(client->GatherView(layers.back()).ok());
+  EXPECT_EQ(client->TrafficReport().current.gather, forward.gather);
+  EXPECT_GT(client->TrafficReport().prefetch_hits, 0u);
+  // Holding more layers than there are buffers.
+  ASSERT_TRUE(client->GatherView(layers[0]).ok());
+  ASSERT_TRUE(client->GatherView(layers[1]).ok());
+  absl::StatusOr<const void*> over = client->GatherView(layers[2]);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  // Step refuses while views are held.
+  std::vector<float> grad(layout.total_elements(), 0.1f);
+  ASSERT_TRUE(client->PushGradients({0, grad.size()}, grad.data(), DType::kFp32).ok());
+  EXPECT_EQ(client->Step(0.01f).status().code(), absl::StatusCode::kFailedPrecondition);
+  for (uint32_t l : layers) ASSERT_TRUE(client->Release(l).ok());
+  absl::StatusOr<StepResult> r = client->Step(0.01f);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // After the step, gathers serve the new parameters.
+  std::vector<float> after(layout.total_elements());
+  ASSERT_TRUE(client->GatherAll(after.data(), DType::kFp32).ok());
+  const FlatRange r0 = *layout.LayerRange(layers[0]);
+  std::vector<float> layer0(r0.size());
+  ASSERT_TRUE(client->Gather(layers[0], layer0.data()).ok());
+  EXPECT_EQ(0, std::memcmp(layer0.data(), after.data() + r0.begin, r0.size() * 4));
+  EXPECT_NE(0, std::memcmp(layer0.data(), init.data() + r0.begin, r0.size() * 4));
+  EXPECT_EQ(client->GatherView(99).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- The Collective seam: a trainer collective slots in ----
+
+// Stands in for NCCL: ranks in one process reduce-scatter through shared
+// memory (sum in rank order), then each pushes only its own partition, as
+// REDUCTION_MODE_TRAINER_COLLECTIVE expects.
+class InProcessExchange {
+ public:
+  explicit InProcessExchange(uint32_t world) : world_(world), grads_(world) {}
+  std::vector<float>& grads(uint32_t rank) { return grads_[rank]; }
+  // Blocks until every rank has arrived (or the deadline).
+  bool Barrier(absl::Time deadline) {
+    absl::MutexLock lock(&mu_);
+    const uint64_t generation = generation_;
+    if (++arrived_ == world_) {
+      arrived_ = 0;
+      ++generation_;
+      return true;
+    }
+    auto released = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return generation_ != generation; };
+    return mu_.AwaitWithDeadline(absl::Condition(&released), deadline);
+  }
+
+ private:
+  const uint32_t world_;
+  std::vector<std::vector<float>> grads_;
+  absl::Mutex mu_;
+  uint32_t arrived_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class ToyTrainerCollective final : public Collective {
+ public:
+  explicit ToyTrainerCollective(InProcessExchange* exchange) : exchange_(exchange) {}
+  const char* name() const override { return "toy_trainer_collective"; }
+  absl::Status Bind(const CollectiveJob& job) override {
+    job_ = job;
+    exchange_->grads(job.rank).assign(job.layout->total_elements(), 0.0f);
+    real_.assign(job.layout->total_elements(), false);
+    for (const TensorPlacement& t : job.layout->tensors()) {
+      std::fill(real_.begin() + t.offset, real_.begin() + t.offset + t.numel, true);
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<PushTicket> Reduce(uint64_t, uint32_t, const FlatRange& range, const void* grads,
+                                    DType dtype, absl::Time) override {
+    if (dtype != DType::kFp32) return absl::UnimplementedError("fp32 only");
+    std::memcpy(exchange_->grads(job_.rank).data() + range.begin, grads, range.size() * 4);
+    return PushTicket();
+  }
+  absl::Status Finish(uint64_t step, absl::Time deadline) override {
+    if (!exchange_->Barrier(deadline)) return absl::DeadlineExceededError("reduce-scatter");
+    const FlatRange mine = job_.map->UnpaddedPartition(job_.rank);
+    std::vector<float> sum(mine.size());
+    for (uint64_t i = mine.begin; i < mine.end; ++i) {
+      if (!real_[i]) continue;  // alignment gaps carry zeros, as in daemon reduce
+      float acc = exchange_->grads(0)[i];
+      for (uint32_t r = 1; r < job_.world_size; ++r) acc += exchange_->grads(r)[i];
+      sum[i - mine.begin] = acc;
+    }
+    if (!exchange_->Barrier(deadline)) return absl::DeadlineExceededError("reduce-scatter");
+    GradientPush push{job_.job_id, step, job_.rank, 0, 1, mine, DType::kFp32, sum.data()};
+    absl::StatusOr<uint64_t> sent =
+        job_.daemons[job_.map->DaemonOf(job_.rank)]->PushGradient(push, deadline);
+    if (!sent.ok()) return sent.status();
+    job_.traffic->AddPush(*sent);
+    return absl::OkStatus();
+  }
+  uint64_t staging_bytes() const override { return 0; }
+
+ private:
+  InProcessExchange* exchange_;
+  CollectiveJob job_;
+  std::vector<bool> real_;
+};
+
+TEST(ClientTest, ATrainerCollectiveSlotsInAndMatchesDaemonReduce) {
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  const uint64_t total = layout.total_elements();
+  std::vector<std::vector<float>> results;  // [mode]: rank 0's parameters after 3 steps
+  std::vector<uint64_t> pushed(2);
+  for (Reduction mode : {Reduction::kDaemon, Reduction::kTrainerCollective}) {
+    Daemons daemons(1);
+    InProcessExchange exchange(2);
+    std::vector<std::vector<float>> params(2, std::vector<float>(total));
+    std::atomic<int> failures{0};
+    RunRanks(2, [&](uint32_t rank) {
+      ClientConfig config = MakeConfig("seam", daemons.addresses, rank, 2, 2);
+      config.reduction = mode;
+      std::unique_ptr<Collective> collective;
+      if (mode == Reduction::kTrainerCollective) {
+        collective = std::make_unique<ToyTrainerCollective>(&exchange);
+      }
+      absl::StatusOr<std::unique_ptr<Client>> client =
+          Client::Create(config, std::move(collective));
+      if (!client.ok() || !(*client)->RegisterModel(layout, init.data()).ok()) {
+        return void(++failures);
+      }
+      for (int step = 1; step <= 3; ++step) {
+        absl::StatusOr<StepResult> r = TrainStep(**client, step, 0.01f, &params[rank]);
+        if (!r.ok()) {
+          ADD_FAILURE() << r.status();
+          return void(++failures);
+        }
+      }
+      if (!(*client)->GatherAll(params[rank].data(), DType::kFp32).ok()) ++failures;
+      if (rank == 0) {
+        pushed[mode == Reduction::kDaemon ? 0 : 1] = (*client)->TrafficReport().last_step.push;
+      }
+    });
+    ASSERT_EQ(failures.load(), 0);
+    EXPECT_EQ(params[0], params[1]);
+    results.push_back(params[0]);
+  }
+  // Same numbers bit for bit; the trainer collective pushes only Ψ/N_d.
+  EXPECT_EQ(0, std::memcmp(results[0].data(), results[1].data(), total * 4));
+  EXPECT_EQ(pushed[0], total * 4);
+  const PartitionMap map = *PartitionMap::Create(total, 2, 1);
+  EXPECT_EQ(pushed[1], map.UnpaddedPartition(0).size() * 4);
+}
+
+// ---- Caller mistakes ----
+
+TEST(ClientTest, BadConfigIsInvalidArgument) {
+  const std::vector<std::string> daemons = {"127.0.0.1:7000", "127.0.0.1:7001"};
+  struct Case {
+    const char* field;
+    std::function<void(ClientConfig&)> mutate;
+  };
+  const std::vector<Case> cases = {
+      {"job_id", [](ClientConfig& c) { c.job_id = "has space"; }},
+      {"job_id", [](ClientConfig& c) { c.job_id = ""; }},
+      {"world_size", [](ClientConfig& c) { c.world_size = 0; }},
+      {"rank", [](ClientConfig& c) { c.rank = 4; }},
+      {"daemons", [](ClientConfig& c) { c.daemons.clear(); }},
+      {"daemons", [](ClientConfig& c) { c.world_size = 1; c.rank = 0; }},
+      {"daemons[1]", [](ClientConfig& c) { c.daemons[1] = "no-port"; }},
+      {"daemons[1]", [](ClientConfig& c) { c.daemons[1] = c.daemons[0]; }},
+      {"stage", [](ClientConfig& c) { c.stage = 0; }},
+      {"stage", [](ClientConfig& c) { c.stage = 4; }},
+      {"precision", [](ClientConfig& c) { c.precision = static_cast<DType>(9); }},
+      {"bucket_bytes", [](ClientConfig& c) { c.bucket_bytes = 100; }},
+      {"bucket_bytes", [](ClientConfig& c) { c.bucket_bytes = 2ull << 30; }},
+      {"staging_buffers", [](ClientConfig& c) { c.staging_buffers = 1; }},
+      {"micro_batches", [](ClientConfig& c) { c.micro_batches = 0; }},
+      {"optimizer.lr", [](ClientConfig& c) { c.optimizer.lr = -1; }},
+      {"optimizer.beta1", [](ClientConfig& c) { c.optimizer.beta1 = 1.5f; }},
+      {"optimizer.beta2", [](ClientConfig& c) { c.optimizer.beta2 = -0.1f; }},
+      {"optimizer.eps", [](ClientConfig& c) { c.optimizer.eps = 0; }},
+      {"optimizer.weight_decay", [](ClientConfig& c) { c.optimizer.weight_decay = NAN; }},
+      {"max_grad_norm", [](ClientConfig& c) { c.max_grad_norm = -1; }},
+      {"loss_scale.initial_scale", [](ClientConfig& c) { c.loss_scale.initial_scale = 0; }},
+      {"loss_scale.backoff_factor",
+       [](ClientConfig& c) { c.loss_scale.dynamic = true; c.loss_scale.backoff_factor = 1; }},
+      {"rpc_timeout", [](ClientConfig& c) { c.rpc_timeout = absl::ZeroDuration(); }},
+      {"step_timeout", [](ClientConfig& c) { c.step_timeout = absl::InfiniteDuration(); }},
+      {"transport", [](ClientConfig& c) { c.transport = "carrier-pigeon"; }},
+      {"sender_threads", [](ClientConfig& c) { c.sender_threads = 0; }},
+      {"io_threads", [](ClientConfig& c) { c.io_threads = 1000; }},
+  };
+  ASSERT_TRUE(Client::Create(MakeConfig("ok", daemons, 0, 4, 2)).ok());
+  for (const Case& c : cases) {
+    ClientConfig config = MakeConfig("ok", daemons, 0, 4, 2);
+    c.mutate(config);
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(config);
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_TRUE(absl::StrContains(client.status().message(), absl::StrCat(c.field, ":")))
+        << c.field << ": " << client.status();
+  }
+  ClientConfig collective = MakeConfig("ok", daemons, 0, 4, 2);
+  collective.reduction = Reduction::kTrainerCollective;
+  EXPECT_EQ(Client::Create(collective).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+TEST(ClientTest, BadCallsAreRejectedLocally) {
+  Daemons daemons(1);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  std::unique_ptr<Client> early = *Client::Create(MakeConfig("calls", daemons.addresses, 0, 1, 2));
+  float x = 0;
+  EXPECT_EQ(early->PushGradients({0, 1}, &x, DType::kFp32).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(early->Step(0.1f).status().code(), absl::StatusCode::kFailedPrecondition);
+
+  std::unique_ptr<Client> client =
+      Connect(MakeConfig("calls", daemons.addresses, 0, 1, 2), layout, init.data());
+  ASSERT_NE(client, nullptr);
+  const uint64_t total = layout.total_elements();
+  std::vector<float> grad(total, 0.1f);
+  EXPECT_EQ(client->PushGradients({0, total + 1}, grad.data(), DType::kFp32).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client->PushGradients({5, 5}, grad.data(), DType::kFp32).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client->GatherAll(grad.data(), DType::kBf16).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client->Step(-1.0f).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client->RegisterModel(layout, nullptr).code(), absl::StatusCode::kFailedPrecondition);
+
+  // A step with part of the gradient missing names what is missing.
+  const FlatRange big = *layout.LayerRange(2);
+  ASSERT_TRUE(client->PushGradients({0, big.begin}, grad.data(), DType::kFp32).ok());
+  EXPECT_EQ(client->PushGradients({0, 10}, grad.data(), DType::kFp32).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<StepResult> r = client->Step(0.1f);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "bucket [")) << r.status();
+  EXPECT_EQ(client->committed_step(), 0u);
+  // Pushing everything again completes the step (buckets that reached the
+  // daemon the first time count as delivered).
+  ASSERT_TRUE(client->PushGradients({0, total}, grad.data(), DType::kFp32).ok());
+  r = client->Step(0.1f);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->step, 1u);
+}
+
+TEST(ClientTest, GradientAccumulationNeedsEveryMicroBatch) {
+  Daemons daemons(1);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  ClientConfig config = MakeConfig("accum", daemons.addresses, 0, 1, 2);
+  config.micro_batches = 2;
+  std::unique_ptr<Client> client = Connect(config, layout, init.data());
+  ASSERT_NE(client, nullptr);
+  const uint64_t total = layout.total_elements();
+  std::vector<float> grad(total, 0.1f);
+  ASSERT_TRUE(client->PushGradients({0, total}, grad.data(), DType::kFp32, 0).ok());
+  EXPECT_EQ(client->Step(0.1f).status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(client->PushGradients({0, total}, grad.data(), DType::kFp32, 0).ok());
+  ASSERT_TRUE(client->PushGradients({0, total}, grad.data(), DType::kFp32, 1).ok());
+  EXPECT_EQ(client->PushGradients({0, 1}, grad.data(), DType::kFp32, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<StepResult> r = client->Step(0.1f);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // Two micro-batches of 0.1 sum to the gradient 0.2 per element (the
+  // daemon averages over ranks only).
+  const double expected = 0.2 * std::sqrt(static_cast<double>(layout.parameter_count()));
+  EXPECT_NEAR(r->grad_norm, expected, 1e-3 * expected);
+}
+
+// ---- A daemon that is not there, or goes away ----
+
+TEST(ClientTest, UnknownDaemonIsUnavailableWithinTheDeadline) {
+  Daemons daemons(1);
+  std::string gone;
+  {
+    auto d = StartDaemon();  // a port nobody listens on any more
+    gone = d->address();
+    d->Shutdown(absl::ZeroDuration());
+  }
+  ClientConfig config = MakeConfig("unknown", {daemons.addresses[0], gone}, 0, 2, 2);
+  config.rpc_timeout = absl::Seconds(3);
+  std::unique_ptr<Client> client = *Client::Create(config);
+  const absl::Time start = absl::Now();
+  const absl::Status s = client->RegisterModel(SampleLayout(), nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), gone)) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4));
+}
+
+TEST(ClientTest, DaemonKilledMidRunGivesUnavailable) {
+  Daemons daemons(2);
+  const std::string victim = daemons.addresses[1];
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  std::vector<std::unique_ptr<Client>> clients(2);
+  RunRanks(2, [&](uint32_t rank) {
+    ClientConfig config = MakeConfig("killed", daemons.addresses, rank, 2, 2);
+    config.rpc_timeout = absl::Seconds(3);
+    config.step_timeout = absl::Seconds(20);
+    clients[rank] = Connect(config, layout, init.data());
+  });
+  ASSERT_NE(clients[0], nullptr);
+  ASSERT_NE(clients[1], nullptr);
+  // Step 1 runs normally.
+  RunRanks(2, [&](uint32_t rank) {
+    std::vector<float> params(layout.total_elements());
+    absl::StatusOr<StepResult> r = TrainStep(*clients[rank], 1, 0.01f, &params);
+    EXPECT_TRUE(r.ok()) << r.status();
+  });
+  // Step 2: rank 1 pushes and waits for the leader, which never pushes; the
+  // daemon dies meanwhile.
+  const uint64_t total = layout.total_elements();
+  std::vector<float> grad(total, 0.1f);
+  ASSERT_TRUE(clients[1]->PushGradients({0, total}, grad.data(), DType::kFp32).ok());
+  absl::Status follower;
+  absl::Time follower_done;
+  std::thread waiter([&] {
+    follower = clients[1]->Step(0.01f).status();
+    follower_done = absl::Now();
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time killed = absl::Now();
+  daemons.daemons[1]->Shutdown(absl::ZeroDuration());
+  daemons.daemons[1].reset();
+  waiter.join();
+  EXPECT_EQ(follower.code(), absl::StatusCode::kUnavailable) << follower;
+  EXPECT_TRUE(absl::StrContains(follower.message(), victim)) << follower;
+  EXPECT_LT(follower_done - killed, absl::Seconds(5));
+  // The leader's pushes to the dead daemon fail, and so does its step.
+  const absl::Time start = absl::Now();
+  absl::StatusOr<PushTicket> t =
+      clients[0]->PushGradients({0, total}, grad.data(), DType::kFp32);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const absl::Status pushed = t->Wait(absl::Now() + absl::Seconds(10));
+  EXPECT_EQ(pushed.code(), absl::StatusCode::kUnavailable) << pushed;
+  const absl::Status step = clients[0]->Step(0.01f).status();
+  EXPECT_EQ(step.code(), absl::StatusCode::kUnavailable) << step;
+  EXPECT_TRUE(absl::StrContains(step.message(), victim)) << step;
+  std::vector<float> params(total);
+  const absl::Status gather = clients[0]->GatherAll(params.data(), DType::kFp32);
+  EXPECT_EQ(gather.code(), absl::StatusCode::kUnavailable) << gather;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,98 @@
+#pragma once
+
+// The gradient-reduction seam. The client hands every gradient contribution
+// to a Collective, which gets it reduced into the daemons' gradient shards:
+//  - DaemonReduceCollective (client/daemon_reduce_collective.h): every rank
+//    pushes its whole gradient, bucket by bucket, to the owning daemons, which
+//    sum the N_d contributions (REDUCTION_MODE_DAEMON).
+//  - a trainer collective (NCCL reduce-scatter among the ranks, then a push of
+//    this rank's reduced shard to its daemon; REDUCTION_MODE_TRAINER_COLLECTIVE)
+//    implements the same interface.
+// Both must deliver the same numbers: every element of [0, total_elements)
+// reaches the daemons each step, alignment gaps as zeros (the daemons count
+// them in the gradient norm), summed over ranks in rank order.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/data_path.h"
+#include "client/executor.h"
+#include "client/traffic.h"
+#include "common/dtype.h"
+#include "common/layout.h"
+#include "common/partition_map.h"
+
+namespace zeroshard {
+
+// Completion of one PushGradients call: done once every byte of it has been
+// accepted by the daemons (or has failed). Copyable; all copies share state.
+class PushTicket {
+ public:
+  // A ticket that is already complete and OK.
+  PushTicket() = default;
+  explicit PushTicket(std::shared_ptr<CountDown> state) : state_(std::move(state)) {}
+
+  // Blocks until the push completes (its status) or `deadline`
+  // (DeadlineExceeded; the push goes on). May be called from any thread, any
+  // number of times.
+  absl::Status Wait(absl::Time deadline) const {
+    if (state_ == nullptr) return absl::OkStatus();
+    return state_->Wait(deadline, "PushGradients");
+  }
+  bool done() const { return state_ == nullptr || state_->done(); }
+
+ private:
+  std::shared_ptr<CountDown> state_;
+};
+
+// What a collective needs to know about the job; the pointers stay valid for
+// the collective's lifetime once bound.
+struct CollectiveJob {
+  std::string job_id;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  const Layout* layout = nullptr;
+  const PartitionMap* map = nullptr;
+  DType wire_dtype = DType::kFp32;  // the job's precision
+  uint64_t bucket_bytes = 0;        // C_B
+  uint32_t micro_batches = 1;
+  std::vector<DataPath*> daemons;   // by daemon index
+  TrafficCounters* traffic = nullptr;
+  absl::Duration rpc_timeout = absl::Seconds(60);
+};
+
+class Collective {
+ public:
+  virtual ~Collective() = default;
+
+  virtual const char* name() const = 0;
+
+  // Called once by Client::RegisterModel. InvalidArgument if the collective
+  // cannot serve this job (e.g. a reduction mode it does not implement).
+  virtual absl::Status Bind(const CollectiveJob& job) = 0;
+
+  // Contributes `grads` (range.size() elements of `dtype`, flat indices
+  // [range.begin, range.end)) of micro-batch `micro_batch` to step `step`.
+  // May be called from several threads at once. Blocks at most until
+  // `deadline` for buffer space. The collective may read `grads` until the
+  // returned ticket completes; the caller must not modify it before then.
+  // InvalidArgument: part of the range was already contributed this step.
+  virtual absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch,
+                                            const FlatRange& range, const void* grads,
+                                            DType dtype, absl::Time deadline) = 0;
+
+  // Blocks until every contribution of `step` has been accepted (first error
+  // otherwise). FailedPrecondition (naming the first missing range) if this
+  // rank has not contributed every element its role requires. Afterwards the
+  // collective is ready for step + 1, whatever the result.
+  virtual absl::Status Finish(uint64_t step, absl::Time deadline) = 0;
+
+  // Bytes of memory the collective holds (staging buffers), fixed once bound.
+  virtual uint64_t staging_bytes() const = 0;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,104 @@
+#include "client/daemon_control.h"
+
+#include "absl/strings/str_cat.h"
+#include "client/rpc.h"
+
+namespace zeroshard {
+
+DaemonControl::DaemonControl(std::string address, std::shared_ptr<grpc::Channel> channel)
+    : address_(std::move(address)),
+      channel_(std::move(channel)),
+      control_(v1::Control::NewStub(channel_)),
+      shard_(v1::Shard::NewStub(channel_)),
+      admin_(v1::Admin::NewStub(channel_)) {}
+
+absl::StatusOr<v1::RegisterJobResponse> DaemonControl::RegisterJob(const v1::JobSpec& spec,
+                                                                   uint32_t daemon_index,
+                                                                   absl::Time deadline) {
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::RegisterJobRequest request;
+  *request.mutable_spec() = spec;
+  request.set_daemon_index(daemon_index);
+  v1::RegisterJobResponse response;
+  const grpc::Status s = control_->RegisterJob(&context, request, &response);
+  if (!s.ok()) return DaemonError(s, address_, absl::StrCat("RegisterJob ", spec.job_id()));
+  return response;
+}
+
+absl::StatusOr<v1::JoinJobResponse> DaemonControl::JoinJob(const v1::JoinJobRequest& request,
+                                                           absl::Time deadline) {
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::JoinJobResponse response;
+  const grpc::Status s = control_->JoinJob(&context, request, &response);
+  if (!s.ok()) {
+    return DaemonError(s, address_,
+                       absl::StrCat("JoinJob ", request.job_id(), " rank ", request.rank()));
+  }
+  return response;
+}
+
+absl::StatusOr<v1::JobStatus> DaemonControl::JobStatus(const std::string& job_id,
+                                                       absl::Time deadline) {
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::StatusResponse response;
+  const grpc::Status s = admin_->Status(&context, v1::StatusRequest(), &response);
+  if (!s.ok()) return DaemonError(s, address_, "Status");
+  for (const v1::JobStatus& job : response.jobs()) {
+    if (job.job_id() == job_id) return job;
+  }
+  return absl::NotFoundError(
+      absl::StrCat("daemon ", address_, ": job ", job_id, " is not registered"));
+}
+
+absl::StatusOr<uint64_t> DaemonControl::Heartbeat(const std::string& job_id, uint32_t rank,
+                                                  absl::Time deadline) {
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::HeartbeatRequest request;
+  request.set_job_id(job_id);
+  request.set_rank(rank);
+  v1::HeartbeatResponse response;
+  const grpc::Status s = control_->Heartbeat(&context, request, &response);
+  if (!s.ok()) return DaemonError(s, address_, "Heartbeat");
+  return response.committed_step();
+}
+
+absl::StatusOr<v1::PrepareStepResponse> DaemonControl::PrepareStep(const std::string& job_id,
+                                                                   uint64_t step,
+                                                                   absl::Time deadline) {
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::PrepareStepRequest request;
+  request.set_job_id(job_id);
+  request.set_step(step);
+  v1::PrepareStepResponse response;
+  const grpc::Status s = shard_->PrepareStep(&context, request, &response);
+  if (!s.ok()) return DaemonError(s, address_, absl::StrCat("PrepareStep ", step));
+  return response;
+}
+
+absl::StatusOr<v1::CommitStepResponse> DaemonControl::CommitStep(
+    const v1::CommitStepRequest& request, absl::Time deadline) {
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::CommitStepResponse response;
+  const grpc::Status s = shard_->CommitStep(&context, request, &response);
+  if (!s.ok()) return DaemonError(s, address_, absl::StrCat("CommitStep ", request.step()));
+  return response;
+}
+
+absl::Status DaemonControl::Leave(const std::string& job_id, uint32_t rank,
+                                  absl::Time deadline) {
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::LeaveRequest request;
+  request.set_job_id(job_id);
+  request.set_rank(rank);
+  v1::LeaveResponse response;
+  return DaemonError(control_->Leave(&context, request, &response), address_, "Leave");
+}
+
+}  // namespace zeroshard

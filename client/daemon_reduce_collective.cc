@@ -1,0 +1,362 @@
+#include "client/daemon_reduce_collective.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace zeroshard {
+
+void ConvertElements(DType from, const void* src, DType to, void* dst, size_t n) {
+  if (from == to) {
+    std::memcpy(dst, src, n * DTypeSize(from));
+  } else if (to == DType::kFp32) {
+    ToFloat(from, src, static_cast<float*>(dst), n);
+  } else if (from == DType::kFp32) {
+    FromFloat(to, static_cast<const float*>(src), dst, n);
+  } else {  // half to the other half, through fp32 in small blocks
+    constexpr size_t kBlock = 1024;
+    float tmp[kBlock];
+    const auto* s = static_cast<const uint8_t*>(src);
+    auto* d = static_cast<uint8_t*>(dst);
+    for (size_t i = 0; i < n; i += kBlock) {
+      const size_t m = std::min(kBlock, n - i);
+      ToFloat(from, s + i * 2, tmp, m);
+      FromFloat(to, tmp, d + i * 2, m);
+    }
+  }
+}
+
+DaemonReduceCollective::DaemonReduceCollective(const Options& options)
+    : options_(options),
+      buffer_bytes_(BucketPlan::StagingBytes(options.bucket_bytes, options.wire_dtype)),
+      buffer_count_(options.staging_buffers) {}
+
+absl::StatusOr<std::unique_ptr<DaemonReduceCollective>> DaemonReduceCollective::Create(
+    const Options& options) {
+  if (options.staging_buffers < 2 || options.staging_buffers > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "staging_buffers: must be in 2..1024, got ", options.staging_buffers));
+  }
+  if (options.sender_threads < 1 || options.sender_threads > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sender_threads: must be in 1..64, got ", options.sender_threads));
+  }
+  if (BucketPlan::StagingBytes(options.bucket_bytes, options.wire_dtype) == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bucket_bytes: too small, got ", options.bucket_bytes));
+  }
+  std::unique_ptr<DaemonReduceCollective> c(new DaemonReduceCollective(options));
+  c->storage_.reset(new uint8_t[c->buffer_bytes_ * c->buffer_count_]);
+  {
+    absl::MutexLock lock(&c->mu_);
+    for (int i = static_cast<int>(c->buffer_count_) - 1; i >= 0; --i) c->free_.push_back(i);
+  }
+  c->senders_ = std::make_unique<Executor>(options.sender_threads);
+  return c;
+}
+
+DaemonReduceCollective::~DaemonReduceCollective() { senders_.reset(); }
+
+absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
+  if (bound_) return absl::FailedPreconditionError("the collective is already bound to a job");
+  if (job.layout == nullptr || job.map == nullptr || job.traffic == nullptr) {
+    return absl::InvalidArgumentError("CollectiveJob: layout, map and traffic are required");
+  }
+  if (job.bucket_bytes != options_.bucket_bytes || job.wire_dtype != options_.wire_dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the staging pool was sized for bucket_bytes ", options_.bucket_bytes, " of ",
+        DTypeName(options_.wire_dtype), ", the job uses ", job.bucket_bytes, " of ",
+        DTypeName(job.wire_dtype)));
+  }
+  if (job.daemons.size() != job.map->num_daemons()) {
+    return absl::InvalidArgumentError(absl::StrCat("CollectiveJob: ", job.daemons.size(),
+                                                   " data paths for ", job.map->num_daemons(),
+                                                   " daemons"));
+  }
+  if (job.micro_batches < 1) {
+    return absl::InvalidArgumentError("CollectiveJob: micro_batches must be >= 1");
+  }
+  absl::StatusOr<BucketPlan> plan =
+      BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes, job.wire_dtype);
+  if (!plan.ok()) return plan.status();
+  job_ = job;
+  plan_ = *std::move(plan);
+  absl::MutexLock lock(&mu_);
+  sent_.assign(plan_.buckets().size() * job.micro_batches, 0);
+  bound_ = true;
+  return absl::OkStatus();
+}
+
+uint32_t DaemonReduceCollective::peak_buffers_in_use() const {
+  absl::MutexLock lock(&mu_);
+  return peak_in_use_;
+}
+
+std::string DaemonReduceCollective::DescribeBucket(uint64_t key) const {
+  const size_t nb = plan_.buckets().size();
+  const Bucket& b = plan_.buckets()[key % nb];
+  std::string s = absl::StrCat("bucket [", b.range.begin, ", ", b.range.end, ") of partition ",
+                               b.partition, " (daemon ", job_.daemons[b.daemon]->address(), ")");
+  if (job_.micro_batches > 1) absl::StrAppend(&s, ", micro-batch ", key / nb);
+  return s;
+}
+
+absl::StatusOr<int> DaemonReduceCollective::AcquireBuffer(absl::Time deadline,
+                                                          int own_pushers) {
+  auto ready = [this, own_pushers]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !free_.empty() || (in_flight_ == 0 && pushers_ <= own_pushers);
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "PushGradients: no staging buffer became free before the deadline (", buffer_count_,
+        " buffers of ", buffer_bytes_, " bytes, ", in_flight_, " in flight)"));
+  }
+  if (free_.empty()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "PushGradients: all ", buffer_count_, " staging buffers hold partly pushed buckets and ",
+        "none is in flight; push gradient ranges in flat order or raise staging_buffers"));
+  }
+  const int b = free_.back();
+  free_.pop_back();
+  peak_in_use_ = std::max<uint32_t>(peak_in_use_, buffer_count_ - free_.size());
+  return b;
+}
+
+absl::StatusOr<DaemonReduceCollective::Active*> DaemonReduceCollective::StartBucket(
+    uint64_t key, size_t index, absl::Time deadline, int own_pushers) {
+  absl::StatusOr<int> b = AcquireBuffer(deadline, own_pushers);
+  if (!b.ok()) return b.status();
+  // Another thread may have started the bucket while this one waited.
+  auto it = active_.find(key);
+  if (it != active_.end() || sent_[key]) {
+    free_.push_back(*b);
+    if (it != active_.end()) return &it->second;
+    return absl::InvalidArgumentError(
+        absl::StrCat("PushGradients: ", DescribeBucket(key), " was already pushed for step ",
+                     step_));
+  }
+  Active& a = active_[key];
+  a.buffer = *b;
+  const Bucket& bucket = plan_.buckets()[index];
+  const size_t esize = DTypeSize(plan_.wire_dtype());
+  uint8_t* base = buffer(a.buffer);
+  plan_.ForEachGapSegment(bucket.range, [&](const FlatRange& g) {
+    std::memset(base + (g.begin - bucket.range.begin) * esize, 0, g.size() * esize);
+  });
+  return &a;
+}
+
+absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_t micro_batch,
+                                                          const FlatRange& range,
+                                                          const void* grads, DType dtype,
+                                                          absl::Time deadline) {
+  if (!bound_) return absl::FailedPreconditionError("PushGradients before RegisterModel");
+  if (micro_batch >= job_.micro_batches) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "micro_batch: must be < micro_batches (", job_.micro_batches, "), got ", micro_batch));
+  }
+  if (range.empty() || range.end > plan_.total_elements()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("range: [", range.begin, ", ", range.end, ") is empty or outside the ",
+                     "flat space [0, ", plan_.total_elements(), ")"));
+  }
+  if (grads == nullptr) return absl::InvalidArgumentError("grads: null");
+  const size_t nb = plan_.buckets().size();
+  const auto [first, last] = plan_.Overlapping(range);
+  auto overlap = [&](const Active& a, const FlatRange& r) {
+    for (const FlatRange& w : a.written) {
+      if (!w.Intersect(r).empty()) return true;
+    }
+    return false;
+  };
+  auto ticket = std::make_shared<CountDown>(0);
+  {
+    absl::MutexLock lock(&mu_);
+    if (step_ != step) {
+      if (step_ != 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "PushGradients for step ", step, " while pushes of step ", step_,
+            " are pending; call Step first"));
+      }
+      step_ = step;
+    }
+    // Reject an overlap before staging anything.
+    for (size_t i = first; i < last; ++i) {
+      const uint64_t key = micro_batch * nb + i;
+      const FlatRange clip = plan_.buckets()[i].range.Intersect(range);
+      auto it = active_.find(key);
+      if (sent_[key] || (it != active_.end() && overlap(it->second, clip))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "PushGradients: range [", clip.begin, ", ", clip.end, ") of ",
+            DescribeBucket(key), " was already pushed for step ", step));
+      }
+    }
+    ++pushers_;
+  }
+  const size_t wire_size = DTypeSize(plan_.wire_dtype());
+  const size_t src_size = DTypeSize(dtype);
+  absl::Status status;
+  for (size_t i = first; i < last && status.ok(); ++i) {
+    const Bucket& bucket = plan_.buckets()[i];
+    const uint64_t key = micro_batch * nb + i;
+    const FlatRange clip = bucket.range.Intersect(range);
+    uint8_t* base = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      Active* a = nullptr;
+      auto it = active_.find(key);
+      if (it != active_.end()) {
+        a = &it->second;
+      } else {
+        absl::StatusOr<Active*> started = StartBucket(key, i, deadline, 1);
+        if (!started.ok()) {
+          status = started.status();
+          break;
+        }
+        a = *started;
+      }
+      if (overlap(*a, clip)) {
+        status = absl::InvalidArgumentError(
+            absl::StrCat("PushGradients: range [", clip.begin, ", ", clip.end, ") of ",
+                         DescribeBucket(key), " was already pushed for step ", step));
+        break;
+      }
+      a->written.push_back(clip);
+      ++a->writers;
+      ticket->Add(1);
+      a->tickets.push_back(ticket);
+      base = buffer(a->buffer);
+    }
+    // Copy outside the lock: the claimed range is this thread's alone.
+    uint64_t real = 0;
+    plan_.ForEachRealSegment(clip, [&](const FlatRange& s) {
+      ConvertElements(dtype, static_cast<const uint8_t*>(grads) + (s.begin - range.begin) * src_size,
+                      plan_.wire_dtype(), base + (s.begin - bucket.range.begin) * wire_size,
+                      s.size());
+      real += s.size();
+    });
+    absl::MutexLock lock(&mu_);
+    auto it = active_.find(key);
+    Active& a = it->second;
+    a.written_real += real;
+    --a.writers;
+    if (a.writers == 0 && a.written_real == bucket.real_elements) {
+      Active done = std::move(a);
+      active_.erase(it);
+      Send(key, std::move(done));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  --pushers_;
+  if (!status.ok()) return status;
+  return PushTicket(std::move(ticket));
+}
+
+void DaemonReduceCollective::Send(uint64_t key, Active active) {
+  sent_[key] = 1;
+  ++sent_count_;
+  ++in_flight_;
+  senders_->Submit([this, step = step_, key, buffer = active.buffer,
+                    tickets = std::move(active.tickets)]() mutable {
+    RunSend(step, key, buffer, std::move(tickets));
+  });
+}
+
+void DaemonReduceCollective::RunSend(uint64_t step, uint64_t key, int buffer_index,
+                                     std::vector<std::shared_ptr<CountDown>> tickets) {
+  const size_t nb = plan_.buckets().size();
+  const Bucket& bucket = plan_.buckets()[key % nb];
+  GradientPush push;
+  push.job_id = job_.job_id;
+  push.step = step;
+  push.rank = job_.rank;
+  push.micro_batch = static_cast<uint32_t>(key / nb);
+  push.micro_batches = job_.micro_batches;
+  push.range = bucket.range;
+  push.dtype = plan_.wire_dtype();
+  push.data = buffer(buffer_index);
+  absl::StatusOr<uint64_t> sent =
+      job_.daemons[bucket.daemon]->PushGradient(push, absl::Now() + job_.rpc_timeout);
+  absl::Status status = sent.status();
+  if (sent.ok()) {
+    job_.traffic->AddPush(*sent);
+  } else if (absl::IsAlreadyExists(status)) {
+    // An earlier attempt of this step already delivered this exact bucket.
+    status = absl::OkStatus();
+  }
+  for (const auto& t : tickets) t->Done(status);
+  absl::MutexLock lock(&mu_);
+  free_.push_back(buffer_index);
+  --in_flight_;
+  if (!status.ok() && error_.ok()) error_ = status;
+}
+
+void DaemonReduceCollective::ResetStep(const absl::Status& reason) {
+  for (auto& [key, a] : active_) {
+    for (const auto& t : a.tickets) t->Done(reason);
+    free_.push_back(a.buffer);
+  }
+  active_.clear();
+  std::fill(sent_.begin(), sent_.end(), 0);
+  sent_count_ = 0;
+  error_ = absl::OkStatus();
+  step_ = 0;
+}
+
+absl::Status DaemonReduceCollective::Finish(uint64_t step, absl::Time deadline) {
+  if (!bound_) return absl::FailedPreconditionError("Step before RegisterModel");
+  absl::MutexLock lock(&mu_);
+  if (step_ != 0 && step_ != step) {
+    return absl::InternalError(
+        absl::StrCat("Finish(", step, ") while holding pushes of step ", step_));
+  }
+  step_ = step;
+  auto no_pushers = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pushers_ == 0; };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&no_pushers), deadline)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("Step ", step, ": PushGradients calls still running at the deadline"));
+  }
+  const size_t nb = plan_.buckets().size();
+  absl::Status status;
+  if (!active_.empty()) {
+    auto it = std::min_element(active_.begin(), active_.end(),
+                               [](const auto& a, const auto& b) { return a.first < b.first; });
+    status = absl::FailedPreconditionError(absl::StrCat(
+        "Step ", step, ": rank ", job_.rank, " pushed only ", it->second.written_real, " of ",
+        plan_.buckets()[it->first % nb].real_elements, " tensor elements of ",
+        DescribeBucket(it->first)));
+  }
+  // Buckets without tensor elements carry only zeros; nobody pushes them.
+  for (uint64_t key = 0; key < sent_.size() && status.ok() && error_.ok(); ++key) {
+    const size_t i = key % nb;
+    if (sent_[key] || plan_.buckets()[i].real_elements != 0) continue;
+    absl::StatusOr<Active*> a = StartBucket(key, i, deadline, 0);
+    if (!a.ok()) {
+      status = a.status();
+      break;
+    }
+    Active done = std::move(**a);
+    active_.erase(key);
+    Send(key, std::move(done));
+  }
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "Step ", step, ": ", in_flight_, " gradient bucket(s) still in flight at the deadline"));
+  }
+  if (status.ok()) status = error_;
+  if (status.ok() && sent_count_ != sent_.size()) {
+    uint64_t key = 0;
+    while (key < sent_.size() && sent_[key]) ++key;
+    status = absl::FailedPreconditionError(absl::StrCat(
+        "Step ", step, ": rank ", job_.rank, " pushed ", sent_count_, " of ", sent_.size(),
+        " gradient buckets; nothing was pushed for ", DescribeBucket(key)));
+  }
+  ResetStep(status.ok() ? absl::OkStatus()
+                        : absl::AbortedError(absl::StrCat("step ", step, " failed: ",
+                                                          status.message())));
+  return status;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,117 @@
+#pragma once
+
+// Daemon reduce (REDUCTION_MODE_DAEMON): every rank pushes its whole gradient,
+// cut into the job's constant-size buckets (client/bucket_plan.h), to the
+// daemon owning each bucket; the daemons sum the N_d contributions in rank
+// order. Per rank and step that is Ψ elements out.
+//
+// Staging: a fixed pool of `staging_buffers` buffers of one bucket each is
+// allocated by Create and reused for the life of the collective; nothing on
+// the push path allocates per step. Reduce copies (and converts to the wire
+// dtype) the caller's gradient into the staging buffer of each bucket it
+// touches; a bucket is sent, on one of `sender_threads` threads, as soon as
+// all of its tensor elements have been written (in whatever order and by
+// whatever mix of calls), and its buffer returns to the pool when the daemon
+// has answered. Gap elements (alignment padding between tensors) are sent as
+// zeros. Buckets that hold only gap elements are sent by Finish.
+//
+// Reduce blocks (up to its deadline) while every staging buffer is in
+// flight. If every buffer holds a partly written bucket and nothing is in
+// flight or being pushed by another thread, waiting cannot help:
+// ResourceExhausted at once (push ranges in flat order, or raise
+// staging_buffers).
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "client/bucket_plan.h"
+#include "client/collective.h"
+#include "client/executor.h"
+
+namespace zeroshard {
+
+class DaemonReduceCollective final : public Collective {
+ public:
+  struct Options {
+    uint64_t bucket_bytes = 32ull << 20;  // C_B
+    DType wire_dtype = DType::kFp32;       // the job's precision
+    uint32_t staging_buffers = 4;          // >= 2
+    int sender_threads = 2;                // >= 1
+  };
+
+  // Allocates the staging pool. InvalidArgument for a bad option.
+  static absl::StatusOr<std::unique_ptr<DaemonReduceCollective>> Create(const Options& options);
+  // Waits for sends in flight (each bounded by its RPC deadline).
+  ~DaemonReduceCollective() override;
+
+  const char* name() const override { return "daemon_reduce"; }
+  absl::Status Bind(const CollectiveJob& job) override;
+  absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch, const FlatRange& range,
+                                    const void* grads, DType dtype, absl::Time deadline) override;
+  absl::Status Finish(uint64_t step, absl::Time deadline) override;
+  uint64_t staging_bytes() const override { return buffer_bytes_ * buffer_count_; }
+
+  // The bucket plan (valid after Bind).
+  const BucketPlan& plan() const { return plan_; }
+  // Most staging buffers ever in use at once.
+  uint32_t peak_buffers_in_use() const;
+
+ private:
+  // A bucket being filled.
+  struct Active {
+    int buffer = -1;
+    uint64_t written_real = 0;          // tensor elements written so far
+    int writers = 0;                    // copies in progress
+    std::vector<FlatRange> written;     // ranges claimed, for overlap checks
+    std::vector<std::shared_ptr<CountDown>> tickets;
+  };
+
+  explicit DaemonReduceCollective(const Options& options);
+
+  uint8_t* buffer(int i) { return storage_.get() + static_cast<size_t>(i) * buffer_bytes_; }
+  // Takes a free staging buffer, waiting up to `deadline`; `own_pushers` is
+  // how many Reduce calls the caller itself accounts for in pushers_.
+  absl::StatusOr<int> AcquireBuffer(absl::Time deadline, int own_pushers)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new Active for bucket `index` with its gap elements zeroed.
+  absl::StatusOr<Active*> StartBucket(uint64_t key, size_t index, absl::Time deadline,
+                                      int own_pushers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves a complete bucket to the senders.
+  void Send(uint64_t key, Active active) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunSend(uint64_t step, uint64_t key, int buffer,
+               std::vector<std::shared_ptr<CountDown>> tickets);
+  std::string DescribeBucket(uint64_t key) const;
+  void ResetStep(const absl::Status& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Options options_;
+  const uint64_t buffer_bytes_;
+  const uint32_t buffer_count_;
+  std::unique_ptr<uint8_t[]> storage_;  // buffer_count_ * buffer_bytes_
+
+  CollectiveJob job_;
+  BucketPlan plan_;
+  bool bound_ = false;
+
+  mutable absl::Mutex mu_;
+  std::vector<int> free_ ABSL_GUARDED_BY(mu_);
+  uint32_t peak_in_use_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;  // step of the pushes held (0: none)
+  absl::flat_hash_map<uint64_t, Active> active_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint8_t> sent_ ABSL_GUARDED_BY(mu_);  // by key: handed to a sender
+  uint64_t sent_count_ ABSL_GUARDED_BY(mu_) = 0;
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  int pushers_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);  // first failed send of the step
+
+  // Last member: destroyed first, so sends finish while the buffers live.
+  std::unique_ptr<Executor> senders_;
+};
+
+// Converts n elements from `from` to `to` (same type: a copy).
+void ConvertElements(DType from, const void* src, DType to, void* dst, size_t n);
+
+}  // namespace zeroshard

@@ -1,0 +1,339 @@
+#include "client/daemon_reduce_collective.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
+#include "gtest/gtest.h"
+
+namespace zeroshard {
+namespace {
+
+// Records pushes in memory.
+class FakeDataPath final : public DataPath {
+ public:
+  struct Received {
+    uint64_t step;
+    uint32_t micro_batch;
+    FlatRange range;
+    std::string data;
+  };
+
+  explicit FakeDataPath(std::string address) : address_(std::move(address)) {}
+
+  const std::string& address() const override { return address_; }
+  const char* name() const override { return "fake"; }
+
+  absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time) override {
+    absl::SleepFor(delay);
+    absl::MutexLock lock(&mu);
+    if (!fail.ok()) return fail;
+    const size_t bytes = push.range.size() * DTypeSize(push.dtype);
+    received.push_back({push.step, push.micro_batch, push.range,
+                        keep_data ? std::string(static_cast<const char*>(push.data), bytes) : ""});
+    return bytes;
+  }
+  absl::StatusOr<uint64_t> InitParameters(const ParameterUpload&, absl::Time) override {
+    return absl::UnimplementedError("fake");
+  }
+  absl::StatusOr<uint64_t> Gather(const GatherRequestSpec&, void*, absl::Time) override {
+    return absl::UnimplementedError("fake");
+  }
+
+  absl::Mutex mu;
+  std::vector<Received> received ABSL_GUARDED_BY(mu);
+  absl::Status fail ABSL_GUARDED_BY(mu);
+  absl::Duration delay = absl::ZeroDuration();
+  bool keep_data = true;
+
+ private:
+  std::string address_;
+};
+
+Layout TestLayout() {
+  return *Layout::Create({{"embed", {97, 13}, DType::kFp32, 0},
+                          {"l1.w", {13, 13}, DType::kFp32, 1},
+                          {"l1.b", {13}, DType::kFp32, 1},
+                          {"big.w", {211, 37}, DType::kFp32, 2},
+                          {"big.b", {37}, DType::kFp32, 2},
+                          {"head", {5, 3}, DType::kFp32, 3}});
+}
+
+// A collective bound to fake daemons.
+struct Rig {
+  Rig(const Layout& l, uint32_t world, uint32_t daemons, uint64_t bucket_bytes,
+      uint32_t staging = 4, DType wire = DType::kFp32, uint32_t micro_batches = 1)
+      : layout(l), map(*PartitionMap::Create(l.total_elements(), world, daemons)) {
+    for (uint32_t d = 0; d < daemons; ++d) {
+      paths.push_back(std::make_unique<FakeDataPath>("fake:" + std::to_string(d)));
+    }
+    DaemonReduceCollective::Options o;
+    o.bucket_bytes = bucket_bytes;
+    o.wire_dtype = wire;
+    o.staging_buffers = staging;
+    collective = *DaemonReduceCollective::Create(o);
+    CollectiveJob job;
+    job.job_id = "job";
+    job.world_size = world;
+    job.layout = &layout;
+    job.map = &map;
+    job.wire_dtype = wire;
+    job.bucket_bytes = bucket_bytes;
+    job.micro_batches = micro_batches;
+    for (auto& p : paths) job.daemons.push_back(p.get());
+    job.traffic = &traffic;
+    EXPECT_TRUE(collective->Bind(job).ok());
+  }
+
+  absl::StatusOr<PushTicket> Push(uint64_t step, const FlatRange& r, const float* grads,
+                                  uint32_t mb = 0) {
+    return collective->Reduce(step, mb, r, grads + r.begin, DType::kFp32,
+                              absl::Now() + absl::Seconds(10));
+  }
+  absl::Status Finish(uint64_t step) {
+    return collective->Finish(step, absl::Now() + absl::Seconds(10));
+  }
+  // Every push received, ordered by (daemon, range).
+  std::vector<std::pair<FlatRange, std::string>> Received() {
+    std::vector<std::pair<FlatRange, std::string>> out;
+    for (auto& p : paths) {
+      absl::MutexLock lock(&p->mu);
+      for (const auto& r : p->received) out.push_back({r.range, r.data});
+    }
+    std::sort(out.begin(), out.end(),
+              [](const auto& a, const auto& b) { return a.first.begin < b.first.begin; });
+    return out;
+  }
+
+  Layout layout;
+  PartitionMap map;
+  std::vector<std::unique_ptr<FakeDataPath>> paths;
+  TrafficCounters traffic;
+  std::unique_ptr<DaemonReduceCollective> collective;
+};
+
+std::vector<float> Gradient(const Layout& layout, float gap_value) {
+  std::vector<float> g(layout.total_elements(), gap_value);
+  for (const TensorPlacement& t : layout.tensors()) {
+    for (uint64_t i = t.offset; i < t.offset + t.numel; ++i) g[i] = 0.001f * i + 1.0f;
+  }
+  return g;
+}
+
+// The chunks a daemon sees depend on the layout, N_d and C_B only: a whole-model
+// push, per-layer pushes in backward order and per-tensor pushes in random order
+// produce the same chunk ranges and bytes (gaps as zeros).
+TEST(DaemonReduceCollectiveTest, ChunksDoNotDependOnHowPushesAreSplit) {
+  const Layout layout = TestLayout();
+  std::vector<std::vector<std::pair<FlatRange, std::string>>> results;
+  for (int mode = 0; mode < 3; ++mode) {
+    Rig rig(layout, 3, 2, 4096);
+    // Garbage in the gaps of the caller's buffer must not reach the wire.
+    const std::vector<float> g = Gradient(layout, mode == 0 ? 7.0f : 0.0f);
+    std::vector<PushTicket> tickets;
+    if (mode == 0) {
+      tickets.push_back(*rig.Push(1, {0, layout.total_elements()}, g.data()));
+    } else if (mode == 1) {
+      for (auto it = layout.layers().rbegin(); it != layout.layers().rend(); ++it) {
+        tickets.push_back(*rig.Push(1, *layout.LayerRange(*it), g.data()));
+      }
+    } else {
+      std::vector<FlatRange> ranges;
+      for (const TensorPlacement& t : layout.tensors()) ranges.push_back(t.range());
+      std::shuffle(ranges.begin(), ranges.end(), std::mt19937(3));
+      for (const FlatRange& r : ranges) tickets.push_back(*rig.Push(1, r, g.data()));
+    }
+    ASSERT_TRUE(rig.Finish(1).ok());
+    for (const PushTicket& t : tickets) EXPECT_TRUE(t.Wait(absl::Now()).ok());
+    results.push_back(rig.Received());
+    EXPECT_EQ(rig.traffic.Total().push, layout.total_elements() * 4);
+  }
+  ASSERT_EQ(results[0].size(), results[1].size());
+  EXPECT_EQ(results[0], results[1]);
+  EXPECT_EQ(results[0], results[2]);
+  // Gaps are zeros.
+  const Layout& l = layout;
+  for (const auto& [range, data] : results[0]) {
+    const float* v = reinterpret_cast<const float*>(data.data());
+    for (uint64_t i = range.begin; i < range.end; ++i) {
+      bool real = false;
+      for (const TensorPlacement& t : l.tensors()) real = real || t.range().Contains({i, i + 1});
+      if (!real) {
+        ASSERT_EQ(v[i - range.begin], 0.0f) << i;
+      }
+    }
+  }
+}
+
+TEST(DaemonReduceCollectiveTest, ConvertsToTheWireType) {
+  const Layout layout = TestLayout();
+  Rig rig(layout, 2, 1, 8192, 4, DType::kBf16);
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  ASSERT_TRUE(rig.Push(1, {0, layout.total_elements()}, g.data()).ok());
+  ASSERT_TRUE(rig.Finish(1).ok());
+  for (const auto& [range, data] : rig.Received()) {
+    ASSERT_EQ(data.size(), range.size() * 2);
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(data.data());
+    for (uint64_t i = range.begin; i < range.end; ++i) {
+      ASSERT_EQ(v[i - range.begin], FloatToBf16(g[i]));
+    }
+  }
+  EXPECT_EQ(rig.traffic.Total().push, layout.total_elements() * 2);
+}
+
+// The staging pool is sized by C_B and the buffer count alone: the same for a
+// 10M- and a 500M-parameter model, and never exceeded while pushing.
+TEST(DaemonReduceCollectiveTest, StagingMemoryIsBoundedByTheBucketSize) {
+  const uint64_t cb = 1 << 20;
+  uint64_t staging[2];
+  const int64_t sizes[2] = {10'000'000, 500'000'000};
+  for (int i = 0; i < 2; ++i) {
+    const Layout layout = *Layout::Create({{"w", {sizes[i]}, DType::kFp32, 0}});
+    Rig rig(layout, 8, 2, cb, 4);
+    rig.paths[0]->delay = rig.paths[1]->delay = absl::Milliseconds(2);
+    rig.paths[0]->keep_data = rig.paths[1]->keep_data = false;
+    staging[i] = rig.collective->staging_bytes();
+    // Push about 4M elements (16 buckets) through 4 buffers, ending on a
+    // bucket boundary so that every bucket completes.
+    uint64_t end = 0;
+    for (const Bucket& b : rig.collective->plan().buckets()) {
+      if (b.range.end <= (4u << 20)) end = b.range.end;
+    }
+    ASSERT_GE(end, 15u * (cb / 4));
+    std::vector<float> g(end, 1.0f);
+    absl::StatusOr<PushTicket> t = rig.collective->Reduce(
+        1, 0, {0, g.size()}, g.data(), DType::kFp32, absl::Now() + absl::Seconds(10));
+    ASSERT_TRUE(t.ok());
+    ASSERT_TRUE(t->Wait(absl::Now() + absl::Seconds(10)).ok());
+    EXPECT_EQ(rig.collective->peak_buffers_in_use(), 4u);
+    EXPECT_EQ(rig.traffic.Total().push, g.size() * 4);
+  }
+  EXPECT_EQ(staging[0], 4 * cb);
+  EXPECT_EQ(staging[1], staging[0]);
+}
+
+TEST(DaemonReduceCollectiveTest, RejectsOverlappingPushes) {
+  const Layout layout = TestLayout();
+  Rig rig(layout, 2, 1, 4096);
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  ASSERT_TRUE(rig.Push(1, {0, 100}, g.data()).ok());
+  absl::StatusOr<PushTicket> again = rig.Push(1, {50, 150}, g.data());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(again.status().message(), "already pushed")) << again.status();
+  ASSERT_TRUE(rig.Push(1, {100, layout.total_elements()}, g.data()).ok());
+  // Every bucket is complete and sent now; any range is a duplicate.
+  EXPECT_EQ(rig.Push(1, {5000, 5001}, g.data()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(rig.Finish(1).ok());
+}
+
+TEST(DaemonReduceCollectiveTest, PartlyFilledBucketsThatExhaustThePoolFailAtOnce) {
+  const Layout layout = TestLayout();
+  Rig rig(layout, 1, 1, 4096, 2);
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  ASSERT_TRUE(rig.Push(1, {0, 10}, g.data()).ok());
+  ASSERT_TRUE(rig.Push(1, {1024, 1030}, g.data()).ok());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<PushTicket> third = rig.Push(1, {2048, 2050}, g.data());
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
+TEST(DaemonReduceCollectiveTest, FinishNamesWhatWasNotPushed) {
+  const Layout layout = TestLayout();
+  Rig rig(layout, 2, 2, 4096);
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  const FlatRange big = *layout.LayerRange(2);
+  ASSERT_TRUE(rig.Push(1, {0, big.begin}, g.data()).ok());
+  ASSERT_TRUE(rig.Push(1, {big.end, layout.total_elements()}, g.data()).ok());
+  const absl::Status s = rig.Finish(1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(s.message(), "fake:")) << s;
+  // The next step starts clean.
+  ASSERT_TRUE(rig.Push(2, {0, layout.total_elements()}, g.data()).ok());
+  EXPECT_TRUE(rig.Finish(2).ok());
+}
+
+TEST(DaemonReduceCollectiveTest, BucketsOfPaddingOnlyAreSentByFinish) {
+  // 4096-element alignment with 1024-element buckets: most buckets hold no
+  // tensor element at all.
+  const Layout layout = *Layout::Create({{"a", {10}, DType::kFp32, 0},
+                                         {"b", {20}, DType::kFp32, 1}},
+                                        4096);
+  Rig rig(layout, 2, 1, 4096);
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  for (const TensorPlacement& t : layout.tensors()) ASSERT_TRUE(rig.Push(1, t.range(), g.data()).ok());
+  ASSERT_TRUE(rig.Finish(1).ok());
+  EXPECT_EQ(rig.Received().size(), rig.collective->plan().buckets().size());
+  EXPECT_EQ(rig.traffic.Total().push, layout.total_elements() * 4);
+}
+
+TEST(DaemonReduceCollectiveTest, SendErrorsReachTicketsAndFinish) {
+  const Layout layout = TestLayout();
+  Rig rig(layout, 2, 2, 4096);
+  {
+    absl::MutexLock lock(&rig.paths[1]->mu);
+    rig.paths[1]->fail = absl::UnavailableError("daemon fake:1: gone");
+  }
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  absl::StatusOr<PushTicket> t = rig.Push(1, {0, layout.total_elements()}, g.data());
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(t->Wait(absl::Now() + absl::Seconds(10)).code(), absl::StatusCode::kUnavailable);
+  const absl::Status s = rig.Finish(1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(s.message(), "fake:1")) << s;
+  // A retry of the step: the daemon already holds the buckets that arrived
+  // (AlreadyExists), which counts as delivered.
+  {
+    absl::MutexLock lock(&rig.paths[1]->mu);
+    rig.paths[1]->fail = absl::OkStatus();
+  }
+  {
+    absl::MutexLock lock(&rig.paths[0]->mu);
+    rig.paths[0]->fail = absl::AlreadyExistsError("already pushed");
+  }
+  ASSERT_TRUE(rig.Push(1, {0, layout.total_elements()}, g.data()).ok());
+  EXPECT_TRUE(rig.Finish(1).ok());
+}
+
+TEST(DaemonReduceCollectiveTest, MicroBatchesArePushedSeparately) {
+  const Layout layout = TestLayout();
+  Rig rig(layout, 2, 1, 4096, 4, DType::kFp32, 2);
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  ASSERT_TRUE(rig.Push(1, {0, layout.total_elements()}, g.data(), 0).ok());
+  EXPECT_EQ(rig.Push(1, {0, 10}, g.data(), 2).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(rig.Finish(1).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(rig.Push(2, {0, layout.total_elements()}, g.data(), 1).ok());
+  ASSERT_TRUE(rig.Push(2, {0, layout.total_elements()}, g.data(), 0).ok());
+  EXPECT_TRUE(rig.Finish(2).ok());
+}
+
+TEST(DaemonReduceCollectiveTest, ConcurrentPushersShareBuckets) {
+  const Layout layout = TestLayout();
+  Rig rig(layout, 3, 2, 4096, 3);
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  const std::vector<TensorPlacement>& ts = layout.tensors();
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      for (size_t i = t; i < ts.size(); i += 3) {
+        if (!rig.Push(1, ts[i].range(), g.data()).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  ASSERT_TRUE(rig.Finish(1).ok());
+  Rig whole(layout, 3, 2, 4096);
+  ASSERT_TRUE(whole.Push(1, {0, layout.total_elements()}, g.data()).ok());
+  ASSERT_TRUE(whole.Finish(1).ok());
+  EXPECT_EQ(rig.Received(), whole.Received());
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,86 @@
+#pragma once
+
+// The bulk-data seam between a trainer and ONE daemon: gradient pushes,
+// initial parameters, parameter gathers. Implementations: gRPC streaming
+// (client/grpc_data_path.h, always available); a UCX one over //transport
+// later. The control plane (jobs, step phases) always goes over gRPC and is
+// not part of this interface.
+//
+// Threads: every method is thread-safe and may be called concurrently from
+// several threads; each call blocks its calling thread until done or until
+// its deadline.
+//
+// Buffers: the caller owns every buffer; an implementation reads or writes
+// it only during the call (it may not keep a pointer after returning).
+//
+// Errors (one meaning per code), with the daemon's address in the message:
+//   Unavailable       the daemon went away or cannot be reached;
+//   DeadlineExceeded  the deadline passed first;
+//   DataLoss          a checksum or a reply's shape did not match;
+//   others            as the daemon returned them (InvalidArgument,
+//                     FailedPrecondition, AlreadyExists, ResourceExhausted...).
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/dtype.h"
+#include "common/flat_range.h"
+
+namespace zeroshard {
+
+// One atomic gradient contribution: a single chunk (one bucket).
+struct GradientPush {
+  std::string job_id;
+  uint64_t step = 0;
+  uint32_t rank = 0;
+  uint32_t micro_batch = 0;
+  uint32_t micro_batches = 1;
+  FlatRange range;            // inside one partition the daemon owns
+  DType dtype = DType::kFp32;  // of `data`
+  const void* data = nullptr;  // range.size() * DTypeSize(dtype) bytes
+};
+
+// Initial fp32 parameters for a range the daemon owns.
+struct ParameterUpload {
+  std::string job_id;
+  uint32_t rank = 0;
+  FlatRange range;
+  const float* values = nullptr;  // range.size() elements
+};
+
+struct GatherRequestSpec {
+  std::string job_id;
+  uint32_t rank = 0;
+  uint64_t after_step = 0;  // served once this step is committed
+  FlatRange range;          // inside the daemon's parameters
+  DType dtype = DType::kFp32;
+  absl::Duration wait = absl::ZeroDuration();  // how long the daemon may wait for the commit
+};
+
+class DataPath {
+ public:
+  virtual ~DataPath() = default;
+
+  // "HOST:PORT" of the daemon.
+  virtual const std::string& address() const = 0;
+  // Transport name ("grpc", "ucx", ...).
+  virtual const char* name() const = 0;
+
+  // Sends one contribution; returns the payload bytes sent once the daemon
+  // has applied it (atomically: on error it applied nothing).
+  virtual absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) = 0;
+
+  // Stores initial parameters; returns the payload bytes sent once the
+  // daemon confirmed every element. The payload is at most 64 MiB per call.
+  virtual absl::StatusOr<uint64_t> InitParameters(const ParameterUpload& upload,
+                                                  absl::Time deadline) = 0;
+
+  // Writes range.size() elements of `request.dtype` into `dst`; returns the
+  // payload bytes received. On error `dst` may be partly written.
+  virtual absl::StatusOr<uint64_t> Gather(const GatherRequestSpec& request, void* dst,
+                                          absl::Time deadline) = 0;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,150 @@
+#include "client/grpc_data_path.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "client/rpc.h"
+#include "common/crc32c.h"
+
+namespace zeroshard {
+namespace {
+
+constexpr uint64_t kInitChunkBytes = 4ull << 20;
+
+v1::DType WireDType(DType t) { return static_cast<v1::DType>(DTypeToProto(t)); }
+
+}  // namespace
+
+GrpcDataPath::GrpcDataPath(std::string address, std::shared_ptr<grpc::Channel> channel)
+    : address_(std::move(address)),
+      channel_(std::move(channel)),
+      stub_(v1::Shard::NewStub(channel_)) {}
+
+absl::StatusOr<uint64_t> GrpcDataPath::PushGradient(const GradientPush& push,
+                                                    absl::Time deadline) {
+  const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
+  v1::GradientChunk chunk;
+  chunk.set_job_id(push.job_id);
+  chunk.set_step(push.step);
+  chunk.set_rank(push.rank);
+  chunk.mutable_range()->set_begin(push.range.begin);
+  chunk.mutable_range()->set_end(push.range.end);
+  chunk.set_dtype(WireDType(push.dtype));
+  chunk.set_data(static_cast<const char*>(push.data), bytes);
+  chunk.set_crc32c(Crc32c(push.data, bytes));
+  chunk.set_micro_batch(push.micro_batch);
+  chunk.set_micro_batches(push.micro_batches);
+
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::PushGradientResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::GradientChunk>> writer =
+      stub_->PushGradient(&context, &response);
+  // A failed Write means the stream is broken; Finish reports why.
+  if (writer->Write(chunk)) writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  const std::string what = absl::StrCat("PushGradient step ", push.step, " range [",
+                                        push.range.begin, ", ", push.range.end, ")");
+  if (!status.ok()) return DaemonError(status, address_, what);
+  if (response.elements() != push.range.size()) {
+    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what, ": accepted ",
+                                            response.elements(), " elements, sent ",
+                                            push.range.size()));
+  }
+  return bytes;
+}
+
+absl::StatusOr<uint64_t> GrpcDataPath::InitParameters(const ParameterUpload& upload,
+                                                      absl::Time deadline) {
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::InitParametersResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::ParameterChunk>> writer =
+      stub_->InitParameters(&context, &response);
+  const uint64_t step = kInitChunkBytes / sizeof(float);
+  v1::ParameterChunk chunk;
+  chunk.set_job_id(upload.job_id);
+  chunk.set_rank(upload.rank);
+  chunk.set_dtype(v1::DTYPE_FP32);
+  bool broken = false;
+  for (uint64_t b = upload.range.begin; b < upload.range.end && !broken; b += step) {
+    const uint64_t e = std::min(upload.range.end, b + step);
+    const char* src = reinterpret_cast<const char*>(upload.values + (b - upload.range.begin));
+    chunk.mutable_range()->set_begin(b);
+    chunk.mutable_range()->set_end(e);
+    chunk.set_data(src, (e - b) * sizeof(float));
+    chunk.set_crc32c(Crc32c(chunk.data().data(), chunk.data().size()));
+    broken = !writer->Write(chunk);
+  }
+  if (!broken) writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  const std::string what = absl::StrCat("InitParameters range [", upload.range.begin, ", ",
+                                        upload.range.end, ")");
+  if (!status.ok()) return DaemonError(status, address_, what);
+  if (response.elements() != upload.range.size()) {
+    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what, ": stored ",
+                                            response.elements(), " elements, sent ",
+                                            upload.range.size()));
+  }
+  return upload.range.size() * sizeof(float);
+}
+
+absl::StatusOr<uint64_t> GrpcDataPath::Gather(const GatherRequestSpec& request, void* dst,
+                                              absl::Time deadline) {
+  const std::string what =
+      absl::StrCat("Gather after step ", request.after_step, " range [", request.range.begin,
+                   ", ", request.range.end, ")");
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::GatherRequest req;
+  req.set_job_id(request.job_id);
+  req.set_rank(request.rank);
+  req.set_after_step(request.after_step);
+  req.mutable_range()->set_begin(request.range.begin);
+  req.mutable_range()->set_end(request.range.end);
+  req.set_dtype(WireDType(request.dtype));
+  req.set_wait_ms(static_cast<uint32_t>(
+      std::clamp<int64_t>(absl::ToInt64Milliseconds(request.wait), 0, 600000)));
+  std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader = stub_->Gather(&context, req);
+  const size_t esize = DTypeSize(request.dtype);
+  uint64_t pos = request.range.begin;
+  uint64_t bytes = 0;
+  v1::ParameterChunk chunk;
+  absl::Status bad;
+  while (reader->Read(&chunk)) {
+    const uint64_t b = chunk.range().begin(), e = chunk.range().end();
+    if (b != pos || e <= b || e > request.range.end ||
+        chunk.dtype() != WireDType(request.dtype) || chunk.data().size() != (e - b) * esize) {
+      bad = absl::DataLossError(absl::StrCat(
+          "daemon ", address_, ": ", what, ": unexpected chunk [", b, ", ", e, ") of ",
+          chunk.data().size(), " bytes, dtype ", chunk.dtype(), ", expected one starting at ",
+          pos));
+      break;
+    }
+    if (chunk.crc32c() != 0 &&
+        Crc32c(chunk.data().data(), chunk.data().size()) != chunk.crc32c()) {
+      bad = absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what, ": chunk [", b,
+                                             ", ", e, ") fails its CRC-32C"));
+      break;
+    }
+    std::memcpy(static_cast<char*>(dst) + (b - request.range.begin) * esize,
+                chunk.data().data(), chunk.data().size());
+    bytes += chunk.data().size();
+    pos = e;
+  }
+  if (!bad.ok()) {
+    context.TryCancel();
+    reader->Finish();
+    return bad;
+  }
+  const grpc::Status status = reader->Finish();
+  if (!status.ok()) return DaemonError(status, address_, what);
+  if (pos != request.range.end) {
+    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what,
+                                            ": the stream ended at element ", pos));
+  }
+  return bytes;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,40 @@
+#pragma once
+
+// DataPath over the Shard service's streaming RPCs (the always-available
+// fallback data path): a push is one PushGradient stream of one chunk, initial
+// parameters one InitParameters stream of <= 4 MiB chunks, a gather one
+// Gather stream read straight into the caller's buffer.
+//
+// Every chunk sent carries its CRC-32C; every chunk received is checked
+// against its CRC-32C, its range and its size (DataLoss otherwise).
+
+#include <memory>
+#include <string>
+
+#include "client/data_path.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/zeroshard/v1/shard.grpc.pb.h"
+
+namespace zeroshard {
+
+class GrpcDataPath final : public DataPath {
+ public:
+  // `channel` is the daemon's channel (shared with the control plane).
+  GrpcDataPath(std::string address, std::shared_ptr<grpc::Channel> channel);
+
+  const std::string& address() const override { return address_; }
+  const char* name() const override { return "grpc"; }
+
+  absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) override;
+  absl::StatusOr<uint64_t> InitParameters(const ParameterUpload& upload,
+                                          absl::Time deadline) override;
+  absl::StatusOr<uint64_t> Gather(const GatherRequestSpec& request, void* dst,
+                                  absl::Time deadline) override;
+
+ private:
+  const std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Shard::Stub> stub_;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,92 @@
+#include "client/grpc_data_path.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "client/rpc.h"
+#include "gtest/gtest.h"
+#include "server/testing/daemon_fixture.h"
+
+namespace zeroshard {
+namespace {
+
+using testing::DaemonClient;
+using testing::MakeSpec;
+using testing::SampleLayout;
+using testing::StartDaemon;
+
+absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
+
+TEST(GrpcDataPathTest, InitPushGather) {
+  auto daemon = StartDaemon();
+  const Layout layout = SampleLayout();
+  const uint64_t n = layout.total_elements();
+  DaemonClient control(daemon->address());
+  const v1::JobSpec spec = MakeSpec("dp", layout, 2, 1, {daemon->address()});
+  ASSERT_TRUE(control.Register(spec, 0).ok());
+  ASSERT_TRUE(control.Join(spec, 0).ok());
+
+  GrpcDataPath path(daemon->address(), MakeDaemonChannel(daemon->address()));
+  EXPECT_STREQ(path.name(), "grpc");
+  std::vector<float> params(n);
+  for (uint64_t i = 0; i < n; ++i) params[i] = 0.25f * static_cast<float>(i % 17);
+  absl::StatusOr<uint64_t> sent =
+      path.InitParameters({"dp", 0, {0, n}, params.data()}, Soon());
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  EXPECT_EQ(*sent, n * 4);
+
+  std::vector<float> got(n);
+  GatherRequestSpec g{"dp", 0, 0, {0, n}, DType::kFp32, absl::ZeroDuration()};
+  absl::StatusOr<uint64_t> received = path.Gather(g, got.data(), Soon());
+  ASSERT_TRUE(received.ok()) << received.status();
+  EXPECT_EQ(*received, n * 4);
+  EXPECT_EQ(0, std::memcmp(got.data(), params.data(), n * 4));
+
+  // A gather of a step not committed yet waits for it, up to `wait`.
+  g.after_step = 1;
+  g.wait = absl::Milliseconds(100);
+  EXPECT_EQ(path.Gather(g, got.data(), Soon()).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+
+  // One push covering the whole flat space (one partition), then a step.
+  std::vector<float> grad(n, 0.5f);
+  GradientPush push{"dp", 1, 0, 0, 1, {0, n}, DType::kFp32, grad.data()};
+  absl::StatusOr<uint64_t> pushed = path.PushGradient(push, Soon());
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(*pushed, n * 4);
+  // The same contribution again is a duplicate.
+  EXPECT_EQ(path.PushGradient(push, Soon()).status().code(), absl::StatusCode::kAlreadyExists);
+  v1::PrepareStepResponse prep;
+  ASSERT_TRUE(control.Prepare("dp", 1, &prep).ok());
+  ASSERT_TRUE(control.Commit("dp", 1, 0.1f).ok());
+  g.after_step = 1;
+  ASSERT_TRUE(path.Gather(g, got.data(), Soon()).ok());
+  EXPECT_NE(0, std::memcmp(got.data(), params.data(), n * 4));
+}
+
+TEST(GrpcDataPathTest, ErrorsNameTheDaemon) {
+  auto daemon = StartDaemon();
+  const std::string address = daemon->address();
+  GrpcDataPath path(address, MakeDaemonChannel(address));
+  std::vector<float> buf(16);
+  GatherRequestSpec g{"nope", 0, 0, {0, 16}, DType::kFp32, absl::ZeroDuration()};
+  absl::Status s = path.Gather(g, buf.data(), Soon()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(s.message(), address)) << s;
+
+  daemon->Shutdown(absl::ZeroDuration());
+  daemon.reset();
+  const absl::Time start = absl::Now();
+  s = path.Gather(g, buf.data(), Soon()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), address)) << s;
+  GradientPush push{"nope", 1, 0, 0, 1, {0, 16}, DType::kFp32, buf.data()};
+  s = path.PushGradient(push, Soon()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), address)) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,33 @@
+#pragma once
+
+// gRPC plumbing shared by the client's control and data paths: channels with
+// the project's message limits, deadlines, and status conversion that names
+// the daemon.
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+
+namespace zeroshard {
+
+// Messages up to 80 MiB (a 64 MiB chunk plus headers) each way.
+inline constexpr int kMaxGrpcMessageBytes = 80 << 20;
+
+// An insecure channel to `address` ("HOST:PORT") with the limits above. Does
+// not connect: the first RPC does.
+std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address);
+
+void SetDeadline(grpc::ClientContext* context, absl::Time deadline);
+
+// `status` as an absl::Status whose message starts with
+// "daemon <address>: <what>: ". A daemon that cannot be reached, closed the
+// connection, or cancelled the call (it was shutting down) gives Unavailable;
+// the other codes pass through.
+absl::Status DaemonError(const grpc::Status& status, absl::string_view address,
+                         absl::string_view what);
+
+}  // namespace zeroshard
