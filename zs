@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # zeroshard's two entry points for a Debian 12 machine (run as root or with sudo):
-#   ./zs demo   the main job
+#   ./zs demo   the main job: trains a GPT at ZeRO stage 3 on 2 daemons + 2 ranks
 #   ./zs test   every test
 # Each first installs the Debian packages it needs (only those missing) and is
 # safe to run again.
@@ -39,12 +39,13 @@ cmd_test() {
 
 cmd_demo() {
   ensure_packages
-  log "building zsctl"
-  bazel build //tools:zsctl
-  log "the ZeRO paper's memory table for a 7.5B-parameter model over 64 data-parallel ranks"
+  log "building zeroshardd, zsrun, zsctl and the GPT trainer (the first build takes a while)"
+  bazel build //server:zeroshardd //tools:zsrun //tools:zsctl //examples:gpt_train
+  log "the ZeRO paper's per-rank memory for a 7.5B-parameter model over 64 ranks"
   bazel-bin/tools/zsctl estimate --params 7.5e9 --dp 64 --device_memory 32GB
-  log "and for 1T parameters over 1024 ranks"
-  bazel-bin/tools/zsctl estimate --params 1e12 --dp 1024
+  log "training a GPT at ZeRO stage 3: 2 shard daemons, 2 trainer ranks on loopback"
+  bazel-bin/tools/zsrun --daemons=2 --nproc=2 --metrics -- \
+    bazel-bin/examples/gpt_train --stage=3 --steps="${ZS_DEMO_STEPS:-200}" "$@"
 }
 
 case "${1:-}" in
