@@ -24,6 +24,8 @@
 namespace zeroshard::dashboards {
 namespace {
 
+using ::zeroshard::metrics::testing::ReadRunfile;
+
 using ::testing::IsSupersetOf;
 
 // Just enough JSON for the checks below.
@@ -248,18 +250,6 @@ class JsonParser {
 };
 
 constexpr absl::string_view kDatasourceUid = "${DS_PROMETHEUS}";
-
-std::string ReadRunfile(const std::string& path) {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  const std::string full = srcdir != nullptr && workspace != nullptr
-                               ? absl::StrCat(srcdir, "/", workspace, "/", path)
-                               : path;
-  std::ifstream in(full);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
 
 class DashboardTest : public ::testing::Test {
  protected:

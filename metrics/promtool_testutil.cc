@@ -9,6 +9,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -94,6 +96,18 @@ HttpResponse Fetch(int port, const std::string& method,
   response.body = raw.substr(end + 4);
   response.status = std::atoi(raw.c_str() + raw.find(' ') + 1);
   return response;
+}
+
+std::string ReadRunfile(const std::string& path) {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  const char* workspace = std::getenv("TEST_WORKSPACE");
+  const std::string full = srcdir != nullptr && workspace != nullptr
+                               ? absl::StrCat(srcdir, "/", workspace, "/", path)
+                               : path;
+  std::ifstream in(full);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
 }
 
 }  // namespace zeroshard::metrics::testing

@@ -25,6 +25,11 @@ struct CommandResult {
 CommandResult RunPromtool(const std::string& promtool, const std::string& args,
                           absl::string_view input);
 
+// The contents of a data file of the test, `path` relative to the workspace
+// root (through $TEST_SRCDIR/$TEST_WORKSPACE under `bazel test`); "" when
+// unreadable.
+std::string ReadRunfile(const std::string& path);
+
 struct HttpResponse {
   int status = 0;
   std::string headers;  // Status line and headers, CRLF-separated.

@@ -15,24 +15,15 @@
 #include "absl/strings/strip.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "metrics/promtool_testutil.h"
 #include "metrics/promql_names.h"
 
 namespace zeroshard::deploy {
 namespace {
 
-using ::testing::IsSupersetOf;
+using ::zeroshard::metrics::testing::ReadRunfile;
 
-std::string ReadRunfile(const std::string& path) {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  const std::string full = srcdir != nullptr && workspace != nullptr
-                               ? absl::StrCat(srcdir, "/", workspace, "/", path)
-                               : path;
-  std::ifstream in(full);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
+using ::testing::IsSupersetOf;
 
 size_t Indent(absl::string_view line) {
   return line.find_first_not_of(' ') == absl::string_view::npos
