@@ -1,0 +1,86 @@
+#include "cuda/cuda_ops.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace zeroshard::cuda_internal {
+cudaError_t LaunchToBf16(const float* src, void* dst, size_t n, cudaStream_t stream);
+cudaError_t LaunchToHalf(const float* src, void* dst, size_t n, cudaStream_t stream);
+cudaError_t LaunchFromBf16(const void* src, float* dst, size_t n, cudaStream_t stream);
+cudaError_t LaunchFromHalf(const void* src, float* dst, size_t n, cudaStream_t stream);
+cudaError_t LaunchUnscale(float* grads, size_t n, float inv_scale, int* found_inf,
+                          cudaStream_t stream);
+}  // namespace zeroshard::cuda_internal
+
+namespace zeroshard::cuda {
+namespace {
+
+// Converts a CUDA result to a Status and clears the sticky error.
+absl::Status Check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+
+}  // namespace
+
+absl::StatusOr<int> DeviceCount() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::UnavailableError(absl::StrCat("no CUDA device: ", cudaGetErrorString(e)));
+  }
+  if (n == 0) return absl::UnavailableError("no CUDA device visible");
+  return n;
+}
+
+absl::Status PackFromFloat(const float* src, void* dst, DType to, size_t n, cudaStream_t stream) {
+  switch (to) {
+    case DType::kBf16: return Check(cuda_internal::LaunchToBf16(src, dst, n, stream), "pack bf16");
+    case DType::kFp16: return Check(cuda_internal::LaunchToHalf(src, dst, n, stream), "pack fp16");
+    case DType::kFp32:
+      return Check(cudaMemcpyAsync(dst, src, n * 4, cudaMemcpyDeviceToDevice, stream), "copy");
+  }
+  return absl::InvalidArgumentError("to: unknown dtype");
+}
+
+absl::Status UnpackToFloat(const void* src, DType from, float* dst, size_t n,
+                           cudaStream_t stream) {
+  switch (from) {
+    case DType::kBf16:
+      return Check(cuda_internal::LaunchFromBf16(src, dst, n, stream), "unpack bf16");
+    case DType::kFp16:
+      return Check(cuda_internal::LaunchFromHalf(src, dst, n, stream), "unpack fp16");
+    case DType::kFp32:
+      return Check(cudaMemcpyAsync(dst, src, n * 4, cudaMemcpyDeviceToDevice, stream), "copy");
+  }
+  return absl::InvalidArgumentError("from: unknown dtype");
+}
+
+absl::StatusOr<bool> UnscaleAndCheckOverflow(float* grads, size_t n, float loss_scale, int* flag,
+                                             cudaStream_t stream) {
+  if (!(loss_scale > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("loss_scale: must be > 0, got ", loss_scale));
+  }
+  if (absl::Status s = Check(cudaMemsetAsync(flag, 0, sizeof(int), stream), "clear flag");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = Check(cuda_internal::LaunchUnscale(grads, n, 1.0f / loss_scale, flag,
+                                                          stream),
+                             "unscale");
+      !s.ok()) {
+    return s;
+  }
+  int host = 0;
+  if (absl::Status s = Check(cudaMemcpyAsync(&host, flag, sizeof(int), cudaMemcpyDeviceToHost,
+                                             stream),
+                             "read flag");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = Check(cudaStreamSynchronize(stream), "synchronize"); !s.ok()) return s;
+  return host != 0;
+}
+
+}  // namespace zeroshard::cuda

@@ -1,0 +1,34 @@
+#pragma once
+
+// The trainer's GPU helpers: pack fp32 to bf16/fp16 and back (the wire types
+// of gradients and gathered parameters), and unscale gradients while checking
+// for overflow (dynamic loss scaling). Every call checks its CUDA result and
+// clears the sticky error state; none throws. Calls launch on `stream` and do
+// not synchronise unless they say so. Device pointers are the caller's.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+
+namespace zeroshard::cuda {
+
+// Number of visible CUDA devices; Unavailable (with CUDA's message) when there
+// is no driver or no device, so GPU code paths can be skipped cleanly.
+absl::StatusOr<int> DeviceCount();
+
+// dst (n elements of `to`, bf16 or fp16) = src (fp32), round to nearest even.
+absl::Status PackFromFloat(const float* src, void* dst, DType to, size_t n, cudaStream_t stream);
+// dst (fp32) = src (n elements of `from`, bf16 or fp16).
+absl::Status UnpackToFloat(const void* src, DType from, float* dst, size_t n,
+                           cudaStream_t stream);
+
+// grads *= 1 / loss_scale in place; returns whether any result is inf/nan.
+// Synchronises `stream` to read the flag. `flag` is a device int the caller
+// owns (allocated once, reused).
+absl::StatusOr<bool> UnscaleAndCheckOverflow(float* grads, size_t n, float loss_scale, int* flag,
+                                             cudaStream_t stream);
+
+}  // namespace zeroshard::cuda
