@@ -1,0 +1,145 @@
+"""End to end: two zeroshardd daemons, two trainer processes using
+ShardedOptimizer, checked against single-process torch.optim.AdamW."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import train_common as tc
+import zeroshard
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORLD_SIZE = 2
+TOLERANCE = 1e-5
+
+
+def _daemon_binary():
+    # Set by pytest_test.sh; otherwise a `bazel build //server:zeroshardd`.
+    path = os.environ.get("ZEROSHARDD")
+    if path is None:
+        path = HERE.parents[1] / "bazel-bin" / "server" / "zeroshardd"
+    if not os.access(path, os.X_OK):
+        pytest.skip(f"zeroshardd not found at {path}")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def daemons():
+    binary = _daemon_binary()
+    procs, addresses = [], []
+    try:
+        for _ in range(2):
+            proc = subprocess.Popen([binary, "--listen=127.0.0.1:0"],
+                                    stdout=subprocess.PIPE, text=True)
+            procs.append(proc)
+            line = proc.stdout.readline()
+            prefix = "zeroshardd listening on "
+            assert line.startswith(prefix), f"daemon said {line!r}"
+            addresses.append(line[len(prefix):].strip())
+        yield addresses
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _relative_error(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("stage,max_grad_norm", [(1, 0.0), (2, 0.5)])
+def test_matches_single_process_adamw(daemons, tmp_path, stage, max_grad_norm):
+    job = f"pytest-stage{stage}"
+    workers, outputs = [], []
+    for rank in range(WORLD_SIZE):
+        config = dict(daemons=daemons, job_id=job, rank=rank,
+                      world_size=WORLD_SIZE, bucket_bytes=4096, stage=stage,
+                      max_grad_norm=max_grad_norm, rpc_timeout=30.0,
+                      step_timeout=60.0)
+        out = tmp_path / f"rank{rank}.npz"
+        outputs.append(out)
+        workers.append(subprocess.Popen(
+            [sys.executable, str(HERE / "sharded_worker.py"),
+             json.dumps(config), str(out)]))
+    for rank, worker in enumerate(workers):
+        try:
+            assert worker.wait(timeout=240) == 0, f"rank {rank} failed"
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+
+    expected, expected_norms = tc.train_reference(max_grad_norm)
+    results = [np.load(out) for out in outputs]
+    for rank, r in enumerate(results):
+        err = _relative_error(r["params"], expected)
+        print(f"stage {stage} rank {rank}: relative error {err:.3e}")
+        assert err < TOLERANCE
+    np.testing.assert_array_equal(results[0]["params"], results[1]["params"])
+    if max_grad_norm > 0:
+        np.testing.assert_allclose(results[0]["norms"], expected_norms,
+                                   rtol=1e-5)
+        assert max(expected_norms) > max_grad_norm  # clipping took effect
+
+
+def test_bad_buffers_raise(daemons):
+    client = zeroshard.Client(daemons[:1], "pytest-bad-input", rank=0,
+                              world_size=1, stage=1, bucket_bytes=4096)
+    layout = zeroshard.Layout([("w", (5, 3), 0), ("b", (5,), 0)])
+    assert layout.offsets == [0, 64]
+    with pytest.raises(TypeError, match="float32"):
+        client.register_model(
+            layout, np.zeros(layout.total_elements, dtype=np.float64))
+    with pytest.raises(ValueError, match="elements"):
+        client.register_model(layout, np.zeros(3, dtype=np.float32))
+    with pytest.raises(zeroshard.Error) as info:
+        client.gather_all(np.zeros(layout.total_elements, dtype=np.float32))
+    assert info.value.code == "FAILED_PRECONDITION"
+
+    client.register_model(layout,
+                          np.ones(layout.total_elements, dtype=np.float32))
+    n = layout.total_elements
+    with pytest.raises(TypeError):
+        client.push_gradients(0, n, torch.zeros(n))  # a tensor, not a buffer
+    with pytest.raises(TypeError, match="float32"):
+        client.push_gradients(0, n, np.zeros(n, dtype=np.int32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        client.push_gradients(0, n, np.zeros(2 * n, dtype=np.float32)[::2])
+    with pytest.raises(zeroshard.Error) as info:
+        client.push_gradients(0, n + 64, np.zeros(n + 64, dtype=np.float32))
+    assert info.value.code == "INVALID_ARGUMENT"
+
+    # The client is still usable after the errors.
+    client.push_gradients(0, n, np.zeros(n, dtype=np.float32))
+    result = client.step(1e-3)
+    assert result["step"] == 1 and not result["skipped"]
+    out = np.zeros(n, dtype=np.float32)
+    client.gather_all(out)
+    assert out[0] < 1.0 and out[20] == 0.0  # decayed; gaps read as zeros
+    assert client.traffic_report()["total"]["push"] > 0
+    assert client.memory_report()["buffer"] > 0
+    client.leave()
+
+
+def test_unreachable_daemon_raises():
+    client = zeroshard.Client(["127.0.0.1:1"], "pytest-unreachable", rank=0,
+                              world_size=1, stage=1, bucket_bytes=4096,
+                              rpc_timeout=5.0, step_timeout=5.0)
+    with pytest.raises(zeroshard.Error) as info:
+        client.register_model([("w", (4,), 0)], None)
+    assert info.value.code == "UNAVAILABLE"
+    assert "127.0.0.1:1" in str(info.value)
+
+
+def test_bad_config_raises():
+    with pytest.raises(zeroshard.Error) as info:
+        zeroshard.Client([], "x", rank=0, world_size=1)
+    assert info.value.code == "INVALID_ARGUMENT"
+    with pytest.raises(ValueError, match="precision"):
+        zeroshard.Client(["127.0.0.1:1"], "x", rank=0, world_size=1,
+                         precision="fp8")

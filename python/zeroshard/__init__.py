@@ -1,0 +1,10 @@
+"""ZeRO-as-a-service client: shard optimizer states on zeroshardd daemons.
+
+`Client` pushes gradients, runs the two-phase step and gathers parameters;
+`zeroshard.torch.ShardedOptimizer` wraps it as a drop-in for AdamW.
+Failures raise `Error` (a RuntimeError) whose `.code` names the status code.
+"""
+
+from zeroshard._zeroshard import Client, Error, Layout
+
+__all__ = ["Client", "Error", "Layout"]

@@ -1,0 +1,320 @@
+// Python bindings for zeroshard::Client: the module `zeroshard._zeroshard`.
+//
+// Buffers cross the boundary through the buffer protocol (numpy arrays, or a
+// CPU torch tensor's .numpy()): C-contiguous float32 only, never copied here.
+// Every call that waits on the network releases the GIL. A failed call raises
+// zeroshard.Error (a RuntimeError) whose .code is the absl status code name.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "common/dtype.h"
+#include "common/layout.h"
+
+namespace zeroshard::python {
+namespace {
+
+namespace py = pybind11;
+
+// The module's exception type; set once at import.
+PyObject* g_error_type = nullptr;
+
+// Raises zeroshard.Error for a non-OK status. Needs the GIL.
+[[noreturn]] void ThrowStatus(const absl::Status& status) {
+  py::object type = py::reinterpret_borrow<py::object>(g_error_type);
+  py::object error = type(std::string(status.message()));
+  error.attr("code") = std::string(absl::StatusCodeToString(status.code()));
+  PyErr_SetObject(g_error_type, error.ptr());
+  throw py::error_already_set();
+}
+
+void Check(const absl::Status& status) {
+  if (!status.ok()) ThrowStatus(status);
+}
+
+template <typename T>
+T Check(absl::StatusOr<T> result) {
+  if (!result.ok()) ThrowStatus(result.status());
+  return *std::move(result);
+}
+
+DType ParsePrecision(const std::string& name) {
+  if (name == "fp32") return DType::kFp32;
+  if (name == "bf16") return DType::kBf16;
+  if (name == "fp16") return DType::kFp16;
+  throw py::value_error(
+      absl::StrCat("precision: expected 'fp32', 'bf16' or 'fp16', got '", name, "'"));
+}
+
+// A float32 view of `buffer` with `expected` elements (any shape), checked.
+// The pointer stays valid while the caller holds `buffer`.
+py::buffer_info Float32Buffer(const py::buffer& buffer, bool writable, uint64_t expected,
+                              const char* what) {
+  py::buffer_info info = buffer.request(writable);
+  if (info.itemsize != sizeof(float) || info.format != py::format_descriptor<float>::format()) {
+    throw py::type_error(absl::StrCat(what, ": expected a float32 buffer, got format '",
+                                      info.format, "' with itemsize ", info.itemsize));
+  }
+  py::ssize_t stride = sizeof(float);
+  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+    if (info.shape[d] > 1 && info.strides[d] != stride) {
+      throw py::value_error(absl::StrCat(what, ": the buffer must be C-contiguous"));
+    }
+    stride *= info.shape[d];
+  }
+  if (static_cast<uint64_t>(info.size) != expected) {
+    throw py::value_error(absl::StrCat(what, ": expected ", expected, " elements, got ",
+                                       info.size));
+  }
+  return info;
+}
+
+using TensorTuple = std::tuple<std::string, std::vector<int64_t>, uint32_t>;
+
+Layout MakeLayout(const std::vector<TensorTuple>& tensors, uint64_t alignment) {
+  std::vector<TensorSpec> specs;
+  specs.reserve(tensors.size());
+  for (const auto& [name, shape, layer] : tensors) {
+    TensorSpec spec;
+    spec.name = name;
+    spec.shape = shape;
+    spec.layer = layer;
+    specs.push_back(std::move(spec));
+  }
+  return Check(Layout::Create(std::move(specs), alignment));
+}
+
+py::dict TrafficDict(const TrafficBytes& b) {
+  py::dict d;
+  d["push"] = b.push;
+  d["gather"] = b.gather;
+  d["init"] = b.init;
+  return d;
+}
+
+// Owns the C++ client. Like the client, every method except push_gradients,
+// memory_report and traffic_report must be called from one thread at a time.
+class PyClient {
+ public:
+  PyClient(std::vector<std::string> daemons, std::string job_id, uint32_t rank,
+           uint32_t world_size, uint32_t stage, const std::string& precision, float lr,
+           std::pair<float, float> betas, float eps, float weight_decay, float max_grad_norm,
+           uint64_t bucket_bytes, double rpc_timeout, double step_timeout) {
+    ClientConfig c;
+    c.daemons = std::move(daemons);
+    c.job_id = std::move(job_id);
+    c.rank = rank;
+    c.world_size = world_size;
+    c.stage = stage;
+    c.precision = ParsePrecision(precision);
+    c.bucket_bytes = bucket_bytes;
+    c.optimizer.kind = Optimizer::kAdamW;
+    c.optimizer.lr = lr;
+    c.optimizer.beta1 = betas.first;
+    c.optimizer.beta2 = betas.second;
+    c.optimizer.eps = eps;
+    c.optimizer.weight_decay = weight_decay;
+    c.max_grad_norm = max_grad_norm;
+    c.rpc_timeout = absl::Seconds(rpc_timeout);
+    c.step_timeout = absl::Seconds(step_timeout);
+    client_ = Check(Client::Create(std::move(c)));
+  }
+
+  ~PyClient() {
+    // The client's destructor waits for its in-flight RPCs.
+    py::gil_scoped_release release;
+    client_.reset();
+  }
+
+  void RegisterModel(const Layout& layout, const py::object& initial_params) {
+    const float* params = nullptr;
+    py::buffer_info info;
+    if (!initial_params.is_none()) {
+      info = Float32Buffer(initial_params.cast<py::buffer>(), false, layout.total_elements(),
+                           "initial_params");
+      params = static_cast<const float*>(info.ptr);
+    }
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = client_->RegisterModel(layout, params);
+    }
+    Check(status);
+  }
+
+  void PushGradients(uint64_t begin, uint64_t end, const py::buffer& grads) {
+    if (end < begin) throw py::value_error("push_gradients: end < begin");
+    py::buffer_info info = Float32Buffer(grads, false, end - begin, "grads");
+    absl::StatusOr<PushTicket> ticket;
+    {
+      py::gil_scoped_release release;
+      ticket = client_->PushGradients({begin, end}, info.ptr, DType::kFp32);
+    }
+    Check(ticket.status());
+  }
+
+  py::dict Step(float lr) {
+    absl::StatusOr<StepResult> result;
+    {
+      py::gil_scoped_release release;
+      result = client_->Step(lr);
+    }
+    StepResult r = Check(std::move(result));
+    py::dict d;
+    d["step"] = r.step;
+    d["skipped"] = r.skipped;
+    d["grad_norm"] = r.have_norm ? py::object(py::float_(r.grad_norm)) : py::object(py::none());
+    d["clip_coef"] = r.have_norm ? py::object(py::float_(r.clip_coef)) : py::object(py::none());
+    d["loss_scale"] = r.loss_scale;
+    return d;
+  }
+
+  void GatherAll(const py::buffer& out) {
+    RequireRegistered("gather_all");
+    py::buffer_info info = Float32Buffer(out, true, client_->total_elements(), "out");
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = client_->GatherAll(info.ptr, DType::kFp32);
+    }
+    Check(status);
+  }
+
+  void Leave() {
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = client_->Leave();
+    }
+    Check(status);
+  }
+
+  py::dict MemoryReport() const {
+    ClientMemoryReport r = client_->MemoryReport();
+    py::dict d;
+    d["buffer"] = r.buffer;
+    d["param"] = r.param;
+    d["param_half"] = r.param_half;
+    d["total"] = r.total();
+    return d;
+  }
+
+  py::dict TrafficReport() const {
+    ClientTrafficReport r = client_->TrafficReport();
+    py::dict d;
+    d["total"] = TrafficDict(r.total);
+    d["last_step"] = TrafficDict(r.last_step);
+    d["current"] = TrafficDict(r.current);
+    d["prefetch_hits"] = r.prefetch_hits;
+    d["prefetch_misses"] = r.prefetch_misses;
+    return d;
+  }
+
+  uint64_t total_elements() const { return client_->total_elements(); }
+  uint64_t committed_step() const { return client_->committed_step(); }
+
+ private:
+  void RequireRegistered(const char* what) const {
+    if (client_->total_elements() == 0) {
+      ThrowStatus(absl::FailedPreconditionError(
+          absl::StrCat(what, ": call register_model first")));
+    }
+  }
+
+  std::unique_ptr<Client> client_;
+};
+
+std::vector<uint64_t> Offsets(const Layout& layout) {
+  std::vector<uint64_t> v;
+  for (const TensorPlacement& t : layout.tensors()) v.push_back(t.offset);
+  return v;
+}
+
+std::vector<uint64_t> Numels(const Layout& layout) {
+  std::vector<uint64_t> v;
+  for (const TensorPlacement& t : layout.tensors()) v.push_back(t.numel);
+  return v;
+}
+
+}  // namespace
+}  // namespace zeroshard::python
+
+PYBIND11_MODULE(_zeroshard, m) {
+  namespace py = pybind11;
+  using namespace zeroshard;          // NOLINT: the module's one scope
+  using namespace zeroshard::python;  // NOLINT
+  m.doc() = "ZeRO-as-a-service client: push gradients, step, gather parameters.";
+
+  g_error_type = PyErr_NewExceptionWithDoc(
+      "zeroshard.Error",
+      "A zeroshard call failed; .code is the status code name (e.g. 'UNAVAILABLE').",
+      PyExc_RuntimeError, nullptr);
+  m.add_object("Error", py::handle(g_error_type));
+
+  py::class_<Layout>(m, "Layout",
+                     "The flat parameter space: each tensor starts at a multiple of the "
+                     "alignment (64 elements by default); gaps hold zeros.")
+      .def(py::init(&MakeLayout), py::arg("tensors"), py::arg("alignment") = 0,
+           "tensors: list of (name, shape, layer), layers non-decreasing.")
+      .def_property_readonly("offsets", &Offsets, "First flat element of each tensor.")
+      .def_property_readonly("numels", &Numels)
+      .def_property_readonly("total_elements", &Layout::total_elements,
+                             "Size of the flat space, gaps included.")
+      .def_property_readonly("parameter_count", &Layout::parameter_count)
+      .def_property_readonly("alignment", &Layout::alignment);
+
+  py::class_<PyClient>(m, "Client")
+      .def(py::init<std::vector<std::string>, std::string, uint32_t, uint32_t, uint32_t,
+                    const std::string&, float, std::pair<float, float>, float, float, float,
+                    uint64_t, double, double>(),
+           py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
+           py::arg("stage") = 2, py::arg("precision") = "fp32", py::arg("lr") = 1e-3f,
+           py::arg("betas") = std::make_pair(0.9f, 0.999f), py::arg("eps") = 1e-8f,
+           py::arg("weight_decay") = 0.01f, py::arg("max_grad_norm") = 0.0f,
+           py::arg("bucket_bytes") = uint64_t{32} << 20, py::arg("rpc_timeout") = 60.0,
+           py::arg("step_timeout") = 300.0,
+           "Validates the config and starts the client's threads; connects to nothing. "
+           "Timeouts in seconds.")
+      .def(
+          "register_model",
+          [](PyClient& self, const py::object& layout, const py::object& initial_params) {
+            if (py::isinstance<Layout>(layout)) {
+              self.RegisterModel(layout.cast<const Layout&>(), initial_params);
+            } else {
+              self.RegisterModel(MakeLayout(layout.cast<std::vector<TensorTuple>>(), 0),
+                                 initial_params);
+            }
+          },
+          py::arg("layout"), py::arg("initial_params") = py::none(),
+          "Registers and joins the job; rank 0 uploads initial_params (total_elements "
+          "float32 values). Blocks until every rank has joined.")
+      .def("push_gradients", &PyClient::PushGradients, py::arg("begin"), py::arg("end"),
+           py::arg("grads"),
+           "Contributes float32 gradients for flat [begin, end) to the next step. The "
+           "values are copied before it returns.")
+      .def("step", &PyClient::Step, py::arg("lr"),
+           "Runs the two-phase step; returns dict(step, grad_norm, clip_coef, skipped, "
+           "loss_scale). grad_norm and clip_coef are None where this rank does not know "
+           "them (rank 0 always does).")
+      .def("gather_all", &PyClient::GatherAll, py::arg("out"),
+           "Writes every parameter of the last committed step into out (total_elements "
+           "float32 values).")
+      .def("leave", &PyClient::Leave)
+      .def("memory_report", &PyClient::MemoryReport)
+      .def("traffic_report", &PyClient::TrafficReport)
+      .def_property_readonly("total_elements", &PyClient::total_elements,
+                             "0 until register_model succeeds.")
+      .def_property_readonly("committed_step", &PyClient::committed_step);
+}
