@@ -11,6 +11,7 @@
 #include "client/daemon_control.h"
 #include "client/daemon_reduce_collective.h"
 #include "client/grpc_data_path.h"
+#include "client/ucx_data_path.h"
 #include "client/rpc.h"
 #include "common/status_macros.h"
 
@@ -161,9 +162,9 @@ absl::Status ValidateConfig(const ClientConfig& c) {
   if (c.step_timeout <= absl::ZeroDuration() || c.step_timeout == absl::InfiniteDuration()) {
     return Invalid("step_timeout", "must be positive and finite");
   }
-  if (c.transport != "grpc") {
-    return Invalid("transport",
-                   absl::StrCat("unknown transport \"", c.transport, "\" (available: grpc)"));
+  if (c.transport != "grpc" && c.transport != "ucx") {
+    return Invalid("transport", absl::StrCat("unknown transport \"", c.transport,
+                                             "\" (available: grpc, ucx)"));
   }
   if (c.sender_threads < 1 || c.sender_threads > 64) {
     return Invalid("sender_threads", absl::StrCat("must be in 1..64, got ", c.sender_threads));
@@ -221,8 +222,12 @@ v1::JobSpec BuildJobSpec(const ClientConfig& c, const Layout& layout) {
 
 // The data path of `transport` (ValidateConfig admits only the ones here).
 std::unique_ptr<DataPath> MakeDataPath(const std::string& transport, const std::string& address,
-                                       std::shared_ptr<grpc::Channel> channel) {
+                                       std::shared_ptr<grpc::Channel> channel,
+                                       std::shared_ptr<transport::Transport> bulk) {
   if (transport == "grpc") return std::make_unique<GrpcDataPath>(address, std::move(channel));
+  if (transport == "ucx") {
+    return std::make_unique<UcxDataPath>(address, std::move(channel), std::move(bulk));
+  }
   return nullptr;
 }
 
@@ -264,10 +269,19 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientConfig config,
   }
   std::unique_ptr<Client> client(new Client(std::move(config), std::move(collective)));
   const ClientConfig& c = client->config_;
+  if (c.transport == "ucx") {
+    transport::TransportOptions to;
+    to.name = absl::StrCat("client ", c.job_id, " rank ", c.rank);
+    to.ucx_tls = c.ucx_tls;
+    ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> t,
+                     transport::CreateTransport("ucx", to), "ClientConfig.transport \"ucx\"");
+    client->transport_ = std::move(t);
+  }
   for (const std::string& address : c.daemons) {
     std::shared_ptr<grpc::Channel> channel = MakeDaemonChannel(address);
     client->controls_.push_back(std::make_unique<DaemonControl>(address, channel));
-    client->data_paths_.push_back(MakeDataPath(c.transport, address, channel));
+    client->data_paths_.push_back(
+        MakeDataPath(c.transport, address, channel, client->transport_));
   }
   client->io_ = std::make_unique<Executor>(c.io_threads);
   client->prefetcher_ = std::make_unique<Executor>(1);

@@ -53,6 +53,7 @@
 #include "common/dtype.h"
 #include "common/layout.h"
 #include "common/partition_map.h"
+#include "transport/transport.h"
 
 namespace zeroshard {
 
@@ -108,7 +109,13 @@ struct ClientConfig {
   LossScaleOptions loss_scale;
   absl::Duration rpc_timeout = absl::Seconds(60);
   absl::Duration step_timeout = absl::Minutes(5);
-  std::string transport = "grpc";  // bulk data path; "grpc" is the one available
+  // Bulk data path: "grpc" (streaming RPCs, always available) or "ucx"
+  // (client/ucx_data_path.h; Create fails with Unavailable when UCX cannot
+  // initialise, and the daemons must serve UCX). The control plane is gRPC.
+  std::string transport = "grpc";
+  // UCX_TLS of the client's UCX transport, e.g. "posix,cma,self" or "tcp";
+  // empty = UCX's choice (or the UCX_TLS environment variable).
+  std::string ucx_tls;
   int sender_threads = 2;
   int io_threads = 4;
 };
@@ -295,6 +302,7 @@ class Client {
   Layout layout_;
   PartitionMap map_;
   std::vector<std::unique_ptr<DaemonControl>> controls_;
+  std::shared_ptr<transport::Transport> transport_;  // "ucx" only
   std::vector<std::unique_ptr<DataPath>> data_paths_;
   std::atomic<uint64_t> step_{0};  // read by pushing threads
   float loss_scale_ = 1.0f;

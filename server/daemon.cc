@@ -1,9 +1,12 @@
 #include "server/daemon.h"
 
 #include <chrono>
+#include <map>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/crc32c.h"
 #include "common/estimator.h"
 #include "common/status_macros.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
@@ -32,6 +35,22 @@ uint64_t StreamBytes(const std::vector<Chunk>& chunks) {
 
 uint64_t MaxStreamBytes(const JobConfig& c) { return std::max<uint64_t>(4 * c.bucket_bytes, 64 << 20); }
 
+// A rank's gradient staging region: two slots of one bucket (at most 64 MiB)
+// each, booked as `buffer` for as long as it exists.
+constexpr uint64_t kStagingSlots = 2;
+uint64_t StagingBytes(const JobConfig& c) {
+  return kStagingSlots * std::min<uint64_t>(c.bucket_bytes, 64ull << 20);
+}
+
+struct Staging {
+  Staging(MemoryLedger* ledger, std::string job, std::unique_ptr<transport::Region> region)
+      : ledger(ledger), job(std::move(job)), region(std::move(region)) {}
+  ~Staging() { ledger->Release(job, MemoryCategory::kBuffer, region->length()); }
+  MemoryLedger* const ledger;
+  const std::string job;
+  const std::unique_ptr<transport::Region> region;
+};
+
 }  // namespace
 
 // The three services share the daemon's state; each handler validates its
@@ -40,10 +59,13 @@ class DaemonServices final : public v1::Control::Service,
                              public v1::Shard::Service,
                              public v1::Admin::Service {
  public:
+  // `transport` (may be null: no UCX data path) must outlive the services.
   DaemonServices(const DaemonOptions& options, MemoryLedger* ledger, JobRegistry* jobs,
-                 ShardOptimizer* optimizer, DaemonMetrics* metrics)
+                 ShardOptimizer* optimizer, DaemonMetrics* metrics,
+                 transport::Transport* transport, std::string transport_error)
       : options_(options), ledger_(ledger), jobs_(jobs), optimizer_(optimizer),
-        metrics_(metrics), start_(absl::Now()) {}
+        metrics_(metrics), transport_(transport),
+        transport_error_(std::move(transport_error)), start_(absl::Now()) {}
 
   std::atomic<bool> draining{false};
 
@@ -100,6 +122,7 @@ class DaemonServices final : public v1::Control::Service,
     metrics_->SetRanks(req->job_id(), (*job)->ranks_connected(), (*job)->config().world_size);
     if (*empty) {
       const std::string id = req->job_id();
+      DropStaging(id);
       job->reset();
       jobs_->Remove(id);
       ledger_->RemoveJobIfEmpty(id);
@@ -156,8 +179,19 @@ class DaemonServices final : public v1::Control::Service,
     std::shared_ptr<Job> job;
     absl::Status s = ReadStream(ctx, reader, &chunks, &job);
     if (!s.ok()) return Done(__func__, s);
-    s = job->PushGradient(chunks, resp);
-    if (s.ok()) metrics_->RecordTraffic(job->config().id, "push", "grpc", StreamBytes(chunks));
+    // Staged chunks point into the sender's staging region, which stays
+    // alive (held here) until the push is applied.
+    std::vector<absl::string_view> payloads;
+    std::vector<std::shared_ptr<Staging>> held;
+    uint64_t staged_bytes = 0;
+    s = ResolvePayloads(*job, chunks, &payloads, &held, &staged_bytes);
+    if (!s.ok()) return Done(__func__, s);
+    s = job->PushGradient(chunks, payloads, resp);
+    if (s.ok()) {
+      const uint64_t inline_bytes = StreamBytes(chunks);
+      if (inline_bytes > 0) metrics_->RecordTraffic(job->config().id, "push", "grpc", inline_bytes);
+      if (staged_bytes > 0) metrics_->RecordTraffic(job->config().id, "push", "ucx", staged_bytes);
+    }
     return Done(__func__, s);
   }
 
@@ -181,6 +215,16 @@ class DaemonServices final : public v1::Control::Service,
     if (rpc_deadline < deadline) deadline = rpc_deadline;
     const uint64_t chunk_elements =
         std::max<uint64_t>(1, options_.max_chunk_bytes / DTypeSize(*dtype));
+    if (req->wait_only()) {
+      // The caller reads the range from the parameter regions itself.
+      absl::Status s = (*job)->Gather(req->after_step(), {req->range().begin(), req->range().end()},
+                                      *dtype, deadline, chunk_elements, nullptr);
+      if (s.ok()) {
+        metrics_->RecordTraffic(req->job_id(), "gather", "ucx",
+                                (req->range().end() - req->range().begin()) * DTypeSize(*dtype));
+      }
+      return Done(__func__, s);
+    }
     uint64_t bytes = 0;
     absl::Status s = (*job)->Gather(req->after_step(), {req->range().begin(), req->range().end()},
                                     *dtype, deadline, chunk_elements,
@@ -219,12 +263,8 @@ class DaemonServices final : public v1::Control::Service,
   }
 
   grpc::Status ExchangeEndpoint(grpc::ServerContext*, const v1::ExchangeEndpointRequest* req,
-                                v1::ExchangeEndpointResponse*) override {
-    absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Find(req->job_id());
-    if (!job.ok()) return Done(__func__, job.status());
-    return Done(__func__, absl::UnimplementedError(
-        "ExchangeEndpoint: this zeroshardd serves the gRPC data path only; use "
-        "transport \"grpc\""));
+                                v1::ExchangeEndpointResponse* resp) override {
+    return Done(__func__, DoExchangeEndpoint(*req, resp));
   }
 
   // ---- Admin ----
@@ -299,6 +339,121 @@ class DaemonServices final : public v1::Control::Service,
   }
 
  private:
+  absl::Status DoExchangeEndpoint(const v1::ExchangeEndpointRequest& req,
+                                  v1::ExchangeEndpointResponse* resp) {
+    ASSIGN_OR_RETURN(std::shared_ptr<Job> job, jobs_->Find(req.job_id()));
+    const JobConfig& c = job->config();
+    if (req.rank() >= c.world_size) {
+      return absl::InvalidArgumentError(absl::StrCat("rank: must be < world_size (",
+                                                     c.world_size, "), got ", req.rank()));
+    }
+    if (req.transport() != v1::TRANSPORT_KIND_UCX) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "transport: only TRANSPORT_KIND_UCX has endpoints to exchange, got ",
+          v1::TransportKind_Name(req.transport())));
+    }
+    if (transport_ == nullptr) {
+      return absl::UnavailableError(absl::StrCat(
+          "this zeroshardd does not serve the UCX data path (", transport_error_,
+          "); use transport \"grpc\""));
+    }
+    std::shared_ptr<Staging> staging;
+    {
+      absl::MutexLock lock(&staging_mu_);
+      std::shared_ptr<Staging>& slot = staging_[{c.id, req.rank()}];
+      if (slot == nullptr) {
+        const uint64_t bytes = StagingBytes(c);
+        absl::Status s = ledger_->Reserve(c.id, MemoryCategory::kBuffer, bytes);
+        absl::StatusOr<std::unique_ptr<transport::Region>> region =
+            s.ok() ? transport_->AllocateRegion(bytes, transport::Access::kRemoteReadWrite)
+                   : absl::StatusOr<std::unique_ptr<transport::Region>>(s);
+        if (!region.ok()) {
+          if (s.ok()) ledger_->Release(c.id, MemoryCategory::kBuffer, bytes);
+          staging_.erase({c.id, req.rank()});
+          return region.status();
+        }
+        slot = std::make_shared<Staging>(ledger_, c.id, *std::move(region));
+        Log(absl::StrCat("job ", c.id, " rank ", req.rank(), ": UCX endpoint exchanged (",
+                         bytes, " staging bytes)"));
+      }
+      staging = slot;
+    }
+    resp->set_worker_address(transport_->LocalAddress());
+    v1::RemoteRegion* r = resp->add_regions();
+    const transport::RegionDescriptor& d = staging->region->Descriptor();
+    r->set_purpose("grad_staging");
+    r->set_address(d.address);
+    r->set_length(d.length);
+    r->set_rkey(d.rkey);
+    job->FillParameterRegions(resp);
+    return absl::OkStatus();
+  }
+
+  // Points payloads[i] at chunk i's bytes: its `data`, or for a staged chunk
+  // the bytes in the rank's staging region (validated here: the region
+  // exists, `data` is empty, the bytes lie inside it). `held` keeps the
+  // regions alive; `staged_bytes` counts what the staged chunks carry.
+  absl::Status ResolvePayloads(const Job& job, const std::vector<v1::GradientChunk>& chunks,
+                               std::vector<absl::string_view>* payloads,
+                               std::vector<std::shared_ptr<Staging>>* held,
+                               uint64_t* staged_bytes) {
+    const JobConfig& config = job.config();
+    payloads->reserve(chunks.size());
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const v1::GradientChunk& c = chunks[i];
+      if (!c.staged()) {
+        payloads->push_back(c.data());
+        continue;
+      }
+      const std::string where = absl::StrCat("chunk ", i);
+      if (!c.data().empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": a staged chunk carries no data, got ", c.data().size(),
+                         " bytes"));
+      }
+      if (c.rank() >= config.world_size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ".rank: must be < world_size (", config.world_size, "), got ", c.rank()));
+      }
+      absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), where + ".dtype");
+      if (!dt.ok()) return dt.status();
+      if (c.range().end() <= c.range().begin() ||
+          c.range().end() - c.range().begin() > (64ull << 20)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ".range [", c.range().begin(), ", ", c.range().end(),
+            ") is empty or too long for a staged chunk"));
+      }
+      const uint64_t length = (c.range().end() - c.range().begin()) * DTypeSize(*dt);
+      std::shared_ptr<Staging> staging;
+      {
+        absl::MutexLock lock(&staging_mu_);
+        auto it = staging_.find({config.id, c.rank()});
+        if (it != staging_.end()) staging = it->second;
+      }
+      if (staging == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            where, ": staged, but rank ", c.rank(), " of job ", config.id,
+            " has no staging region here; call ExchangeEndpoint first"));
+      }
+      const uint64_t region_length = staging->region->length();
+      if (c.staging_offset() > region_length || length > region_length - c.staging_offset()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": staged bytes [", c.staging_offset(), ", +", length,
+            ") lie outside the staging region of ", region_length, " bytes"));
+      }
+      payloads->push_back(absl::string_view(
+          static_cast<const char*>(staging->region->base()) + c.staging_offset(), length));
+      *staged_bytes += length;
+      held->push_back(std::move(staging));
+    }
+    return absl::OkStatus();
+  }
+
+  void DropStaging(const std::string& job) {
+    absl::MutexLock lock(&staging_mu_);
+    staging_.erase(staging_.lower_bound({job, 0}), staging_.upper_bound({job, UINT32_MAX}));
+  }
+
   absl::Status DoRegister(const v1::RegisterJobRequest& req, v1::RegisterJobResponse* resp) {
     ASSIGN_OR_RETURN(JobConfig config, ParseJobSpec(req.spec()));
     if (req.daemon_index() >= config.daemons.size()) {
@@ -328,7 +483,7 @@ class DaemonServices final : public v1::Control::Service,
     const std::string id = config.id;
     ASSIGN_OR_RETURN(std::unique_ptr<Job> created,
                      Job::Create(std::move(config), req.spec(), req.daemon_index(), ledger_,
-                                 optimizer_));
+                                 optimizer_, transport_));
     bool inserted = false;
     std::shared_ptr<Job> job = jobs_->Insert(std::move(created), &inserted);
     if (!inserted) {  // lost a race with an identical registration
@@ -415,7 +570,12 @@ class DaemonServices final : public v1::Control::Service,
   JobRegistry* const jobs_;
   ShardOptimizer* const optimizer_;
   DaemonMetrics* const metrics_;
+  transport::Transport* const transport_;
+  const std::string transport_error_;  // why transport_ is null
   const absl::Time start_;
+  absl::Mutex staging_mu_;
+  std::map<std::pair<std::string, uint32_t>, std::shared_ptr<Staging>> staging_
+      ABSL_GUARDED_BY(staging_mu_);
 };
 
 Daemon::Daemon(const DaemonOptions& options)
@@ -441,8 +601,22 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ShardOptimizer::Options oo;
   oo.num_threads = options.optimizer_threads;
   ASSIGN_OR_RETURN(d->optimizer_, ShardOptimizer::Create(oo));
+  std::string transport_error = "started without --ucx";
+  if (options.ucx) {
+    transport::TransportOptions to;
+    to.name = absl::StrCat("zeroshardd ", options.listen);
+    to.ucx_tls = options.ucx_tls;
+    absl::StatusOr<std::unique_ptr<transport::Transport>> t = transport::CreateTransport("ucx", to);
+    if (t.ok()) {
+      d->transport_ = *std::move(t);
+    } else {
+      transport_error = absl::StrCat("UCX did not initialise: ", t.status().message());
+      Log(absl::StrCat("serving the gRPC data path only: ", transport_error));
+    }
+  }
   d->services_ = std::make_unique<DaemonServices>(d->options_, &d->ledger_, &d->jobs_,
-                                                  d->optimizer_.get(), &d->metrics_);
+                                                  d->optimizer_.get(), &d->metrics_,
+                                                  d->transport_.get(), transport_error);
   if (!options.metrics_listen.empty()) {
     d->http_ = std::make_unique<metrics::MetricsHttpServer>(d->registry_, options.metrics_listen);
     RETURN_IF_ERROR(d->http_->Start(), "--metrics_port");

@@ -19,6 +19,7 @@
 #include "server/job_registry.h"
 #include "server/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
+#include "transport/transport.h"
 
 namespace zeroshard {
 
@@ -31,6 +32,13 @@ struct DaemonOptions {
   std::string version = "dev";
   // HOST:PORT of the Prometheus /metrics endpoint; empty = off; port 0 picks.
   std::string metrics_listen;
+  // Serve the UCX bulk data path: a UCX transport is created at start (a
+  // failure is logged and leaves the gRPC path only), job parameters are
+  // allocated through it, and ExchangeEndpoint hands out regions. zeroshardd
+  // turns it on by default (--ucx).
+  bool ucx = false;
+  // UCX_TLS for that transport; empty = UCX's choice.
+  std::string ucx_tls;
 };
 
 class DaemonServices;
@@ -56,6 +64,8 @@ class Daemon {
 
   JobRegistry& jobs() { return jobs_; }
   MemoryLedger& ledger() { return ledger_; }
+  // Whether the UCX data path is being served (see DaemonOptions::ucx).
+  bool ucx_enabled() const { return transport_ != nullptr; }
   const metrics::Registry& registry() const { return registry_; }
 
  private:
@@ -67,6 +77,7 @@ class Daemon {
   metrics::Registry registry_;
   MemoryLedger ledger_;
   DaemonMetrics metrics_;
+  std::unique_ptr<transport::Transport> transport_;  // null: gRPC data path only
   JobRegistry jobs_;
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<DaemonServices> services_;

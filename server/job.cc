@@ -52,7 +52,8 @@ Job::~Job() {
 
 absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec spec,
                                                  uint32_t daemon_index, MemoryLedger* ledger,
-                                                 ShardOptimizer* optimizer) {
+                                                 ShardOptimizer* optimizer,
+                                                 transport::Transport* transport) {
   if (daemon_index >= config.daemons.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "daemon_index: must be < the number of daemons in spec.daemons (",
@@ -75,10 +76,26 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
   const MemoryCategory grad_cat = c.stage >= 2 ? MemoryCategory::kGrad : MemoryCategory::kBuffer;
   const MemoryCategory half_cat =
       c.stage == 3 ? MemoryCategory::kParamHalf : MemoryCategory::kBuffer;
+  // With a transport, the arrays trainers read directly are allocated by it
+  // (placed for remote access), and booked once, as the arrays themselves.
+  auto remote_memory = [&](size_t bytes,
+                           std::unique_ptr<transport::Region>* region) -> absl::StatusOr<void*> {
+    if (transport == nullptr || bytes == 0) return nullptr;
+    absl::StatusOr<std::unique_ptr<transport::Region>> r =
+        transport->AllocateRegion(bytes, transport::Access::kRemoteRead);
+    if (!r.ok()) return r.status();
+    *region = *std::move(r);
+    return (*region)->base();
+  };
   {
     absl::MutexLock params_lock(&job->params_mu_);
+    absl::StatusOr<void*> master_memory = remote_memory(n * sizeof(float), &job->master_region_);
+    if (!master_memory.ok()) return master_memory.status();
     absl::StatusOr<LedgerArray<float>> master =
-        LedgerArray<float>::Create(ledger, id, MemoryCategory::kParamMaster, n);
+        *master_memory != nullptr
+            ? LedgerArray<float>::CreateIn(ledger, id, MemoryCategory::kParamMaster, n,
+                                           *master_memory)
+            : LedgerArray<float>::Create(ledger, id, MemoryCategory::kParamMaster, n);
     if (!master.ok()) return master.status();
     job->master_ = *std::move(master);
     absl::StatusOr<LedgerArray<float>> m =
@@ -92,8 +109,12 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
       job->v_ = *std::move(v);
     }
     if (half) {
+      absl::StatusOr<void*> half_memory = remote_memory(n * sizeof(uint16_t), &job->half_region_);
+      if (!half_memory.ok()) return half_memory.status();
       absl::StatusOr<LedgerArray<uint16_t>> h =
-          LedgerArray<uint16_t>::Create(ledger, id, half_cat, n);
+          *half_memory != nullptr
+              ? LedgerArray<uint16_t>::CreateIn(ledger, id, half_cat, n, *half_memory)
+              : LedgerArray<uint16_t>::Create(ledger, id, half_cat, n);
       if (!h.ok()) return h.status();
       job->half_ = *std::move(h);
     }
@@ -204,7 +225,8 @@ uint32_t Job::ExpectedContributions() const {
   return config_.reduction == ReductionMode::kDaemon ? config_.world_size * mb : mb;
 }
 
-absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index) const {
+absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index,
+                             absl::string_view payload) const {
   const std::string where = absl::StrCat("chunk ", index);
   if (c.step() != committed_step_ + 1) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -239,10 +261,10 @@ absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index) const {
         where, ": in trainer-collective mode only rank ", partition, " pushes partition ",
         partition, ", got rank ", c.rank()));
   }
-  if (c.data().size() != r.size() * DTypeSize(*dt)) {
+  if (payload.size() != r.size() * DTypeSize(*dt)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ".data: ", c.data().size(), " bytes, expected ", r.size() * DTypeSize(*dt),
-        " for ", r.size(), " ", DTypeName(*dt), " elements"));
+        where, c.staged() ? " (staged)" : ".data", ": ", payload.size(), " bytes, expected ",
+        r.size() * DTypeSize(*dt), " for ", r.size(), " ", DTypeName(*dt), " elements"));
   }
   const uint32_t mbs = std::max<uint32_t>(c.micro_batches(), 1);
   if (c.micro_batch() >= mbs) {
@@ -258,7 +280,7 @@ absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index) const {
         where, ".micro_batches: step ", c.step(), " uses ", micro_batches_,
         " micro-batches per rank, got ", mbs));
   }
-  if (c.crc32c() != 0 && Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
+  if (c.crc32c() != 0 && Crc32c(payload.data(), payload.size()) != c.crc32c()) {
     return absl::DataLossError(absl::StrCat(where, ": CRC-32C of the data does not match ",
                                             "(corrupted in transit); resend the chunk"));
   }
@@ -267,6 +289,18 @@ absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index) const {
 
 absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
                                v1::PushGradientResponse* response) {
+  std::vector<absl::string_view> payloads;
+  payloads.reserve(chunks.size());
+  for (const v1::GradientChunk& c : chunks) payloads.push_back(c.data());
+  return PushGradient(chunks, payloads, response);
+}
+
+absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
+                               const std::vector<absl::string_view>& payloads,
+                               v1::PushGradientResponse* response) {
+  if (chunks.size() != payloads.size()) {
+    return absl::InternalError("PushGradient: one payload per chunk expected");
+  }
   if (chunks.empty()) {
     return absl::InvalidArgumentError("PushGradient: the stream carried no chunk");
   }
@@ -287,7 +321,7 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
   micro_batches_ = micro_batches_ == 0 ? mbs : micro_batches_;
   for (size_t i = 0; i < chunks.size() && status.ok(); ++i) {
     const v1::GradientChunk& c = chunks[i];
-    status = CheckChunk(c, i);
+    status = CheckChunk(c, i, payloads[i]);
     if (!status.ok()) break;
     const uint64_t b = c.range().begin(), e = c.range().end();
     const uint32_t order = config_.reduction == ReductionMode::kDaemon
@@ -352,7 +386,7 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
       it->second.end = p.end;
       it->second.partition = static_cast<uint32_t>(p.begin / config_.map.partition_elements());
     }
-    ApplyContribution(it->second, p.begin, p.order, c.data().data(),
+    ApplyContribution(it->second, p.begin, p.order, payloads[i].data(),
                       static_cast<DType>(c.dtype()), n);
     elements += n;
   }
@@ -464,6 +498,7 @@ absl::Status Job::Gather(uint64_t after_step, const FlatRange& range, DType dtyp
           committed_step_, ")"));
     }
   }
+  if (!write) return absl::OkStatus();
   absl::ReaderMutexLock lock(&params_mu_);
   v1::ParameterChunk chunk;
   chunk.set_job_id(config_.id);
@@ -592,6 +627,21 @@ absl::Status Job::RunOptimizer(double lr, double grad_scale) {
   if (absl::Status s = optimizer_->Step(hp, b); !s.ok()) return s;
   ++optimizer_steps_;
   return absl::OkStatus();
+}
+
+void Job::FillParameterRegions(v1::ExchangeEndpointResponse* response) const {
+  auto add = [&](const char* purpose, const transport::Region* region) {
+    if (region == nullptr) return;
+    v1::RemoteRegion* r = response->add_regions();
+    r->set_purpose(purpose);
+    r->set_address(region->Descriptor().address);
+    r->set_length(region->Descriptor().length);
+    r->set_rkey(region->Descriptor().rkey);
+    r->mutable_range()->set_begin(owned_.begin);
+    r->mutable_range()->set_end(owned_.end);
+  };
+  add("param_master", master_region_.get());
+  add("param_half", half_region_.get());
 }
 
 uint64_t Job::committed_step() const {

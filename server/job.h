@@ -20,6 +20,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "proto/zeroshard/v1/common.pb.h"
 #include "proto/zeroshard/v1/control.pb.h"
@@ -27,6 +28,7 @@
 #include "server/job_config.h"
 #include "server/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
+#include "transport/transport.h"
 
 namespace zeroshard {
 
@@ -34,10 +36,14 @@ class Job {
  public:
   // Allocates the owned partitions' states (checked against the ledger's
   // limit before any allocation: ResourceExhausted). `optimizer` is shared by
-  // all jobs of the daemon and must outlive the job.
+  // all jobs of the daemon and must outlive the job. With a `transport`, the
+  // fp32 masters and the half-precision copy are allocated by it
+  // (AllocateRegion, remote-readable) so trainers can read them directly
+  // (FillParameterRegions); the job does not keep the pointer.
   static absl::StatusOr<std::unique_ptr<Job>> Create(JobConfig config, v1::JobSpec spec,
                                                       uint32_t daemon_index, MemoryLedger* ledger,
-                                                      ShardOptimizer* optimizer);
+                                                      ShardOptimizer* optimizer,
+                                                      transport::Transport* transport = nullptr);
   ~Job();
 
   const JobConfig& config() const { return config_; }
@@ -65,16 +71,33 @@ class Job {
   // nothing changes.
   absl::Status PushGradient(const std::vector<v1::GradientChunk>& chunks,
                             v1::PushGradientResponse* response);
+  // The same, with each chunk's payload given separately (`payloads[i]` for
+  // `chunks[i]`, e.g. bytes in a staging region; chunks[i].data() is then
+  // ignored). The payloads are read only during the call; the caller keeps
+  // them unchanged until it returns.
+  absl::Status PushGradient(const std::vector<v1::GradientChunk>& chunks,
+                            const std::vector<absl::string_view>& payloads,
+                            v1::PushGradientResponse* response);
 
   // Waits until `after_step` is committed (or `deadline`: DeadlineExceeded),
   // then calls `write` with consecutive chunks of at most max_chunk_elements
   // covering `range` in `dtype`. `write` returning false stops (Cancelled).
+  // An empty `write` only validates and waits (the caller reads the range
+  // from the parameter regions itself).
   absl::Status Gather(uint64_t after_step, const FlatRange& range, DType dtype,
                       absl::Time deadline, uint64_t max_chunk_elements,
                       const std::function<bool(v1::ParameterChunk&)>& write);
 
   absl::StatusOr<v1::PrepareStepResponse> PrepareStep(uint64_t step);
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request);
+
+  // Adds "param_master" (and "param_half" for half-precision jobs)
+  // RemoteRegions covering owned_range(), when the job was created with a
+  // transport; nothing otherwise. Readers see the parameters of the last
+  // committed step only while no commit runs: callers wait for the commit
+  // (Gather with an empty `write`) and the next one cannot start before
+  // every rank has pushed again.
+  void FillParameterRegions(v1::ExchangeEndpointResponse* response) const;
 
   uint64_t committed_step() const;
   uint32_t ranks_connected() const;
@@ -99,7 +122,8 @@ class Job {
   Job(JobConfig config, v1::JobSpec spec, uint32_t daemon_index, MemoryLedger* ledger,
       ShardOptimizer* optimizer);
   uint32_t ExpectedContributions() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckChunk(const v1::GradientChunk& chunk, size_t index) const
+  absl::Status CheckChunk(const v1::GradientChunk& chunk, size_t index,
+                          absl::string_view payload) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds `n` elements of `src` (type `type`) for the key at `begin` as
   // contribution number `order` if its turn has come (then drains pending
@@ -123,6 +147,11 @@ class Job {
   std::vector<uint32_t> owned_partitions_;
   FlatRange owned_;
   FlatRange owned_unpadded_;
+
+  // Transport memory behind master_ / half_ when created with a transport;
+  // declared first so it is freed after the arrays.
+  std::unique_ptr<transport::Region> master_region_;
+  std::unique_ptr<transport::Region> half_region_;
 
   // Parameters and optimizer states, indexed from owned_.begin.
   mutable absl::Mutex params_mu_ ABSL_ACQUIRED_AFTER(mu_);

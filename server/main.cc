@@ -19,6 +19,12 @@ ABSL_FLAG(int, metrics_port, -1,
 ABSL_FLAG(uint64_t, memory_limit, 0, "Bytes this daemon may hold for all jobs; 0 = unlimited.");
 ABSL_FLAG(int, optimizer_threads, 1, "Threads running the optimizer step.");
 ABSL_FLAG(std::string, checkpoint_dir, "", "Directory for checkpoints.");
+ABSL_FLAG(bool, ucx, true,
+          "Serve the UCX bulk data path (ExchangeEndpoint); without it, or when UCX cannot "
+          "initialise, trainers use the gRPC data path.");
+ABSL_FLAG(std::string, ucx_tls, "",
+          "UCX_TLS for the UCX data path, e.g. \"posix,cma,self\" or \"tcp\"; empty = UCX's "
+          "choice (or the UCX_TLS environment variable).");
 ABSL_FLAG(int, drain_seconds, 10, "On SIGTERM, how long in-flight requests may finish.");
 
 namespace {
@@ -34,6 +40,8 @@ int main(int argc, char** argv) {
   options.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit);
   options.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  options.ucx = absl::GetFlag(FLAGS_ucx);
+  options.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
     options.metrics_listen = options.listen.substr(0, options.listen.rfind(':') + 1) +
                              std::to_string(absl::GetFlag(FLAGS_metrics_port));

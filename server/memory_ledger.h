@@ -88,6 +88,12 @@ class LedgerArray {
   // limit), then allocates zeroed memory.
   static absl::StatusOr<LedgerArray> Create(MemoryLedger* ledger, const std::string& job,
                                             MemoryCategory category, size_t n);
+  // Like Create, but the elements live in `memory` (at least n * sizeof(T)
+  // bytes, zeroed, suitably aligned), which stays the caller's: it must
+  // outlive the array and is not freed by it. Used for memory a transport
+  // allocated for remote access.
+  static absl::StatusOr<LedgerArray> CreateIn(MemoryLedger* ledger, const std::string& job,
+                                              MemoryCategory category, size_t n, void* memory);
   LedgerArray(LedgerArray&& o) noexcept { *this = std::move(o); }
   LedgerArray& operator=(LedgerArray&& o) noexcept {
     Reset();
@@ -111,7 +117,10 @@ class LedgerArray {
 
  private:
   struct Free {
-    void operator()(T* p) const { std::free(p); }
+    bool owned = true;
+    void operator()(T* p) const {
+      if (owned) std::free(p);
+    }
   };
   void Reset() {
     if (ledger_ != nullptr && size_ > 0) ledger_->Release(job_, category_, size_ * sizeof(T));
@@ -140,6 +149,22 @@ absl::StatusOr<LedgerArray<T>> LedgerArray<T>::Create(MemoryLedger* ledger, cons
   }
   std::memset(p, 0, bytes);
   a.data_.reset(static_cast<T*>(p));
+  a.size_ = n;
+  a.ledger_ = ledger;
+  a.job_ = job;
+  a.category_ = category;
+  return a;
+}
+
+template <typename T>
+absl::StatusOr<LedgerArray<T>> LedgerArray<T>::CreateIn(MemoryLedger* ledger,
+                                                        const std::string& job,
+                                                        MemoryCategory category, size_t n,
+                                                        void* memory) {
+  LedgerArray a;
+  if (n == 0) return a;
+  if (absl::Status s = ledger->Reserve(job, category, n * sizeof(T)); !s.ok()) return s;
+  a.data_ = std::unique_ptr<T[], Free>(static_cast<T*>(memory), Free{false});
   a.size_ = n;
   a.ledger_ = ledger;
   a.job_ = job;

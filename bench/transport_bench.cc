@@ -1,0 +1,256 @@
+// Push+gather bandwidth of the client's bulk data path, in one process:
+//   ucx       zeroshard::Client with transport "ucx" over shared memory
+//             (UCX_TLS=posix,cma,self) against an in-process daemon;
+//   grpc      the same client and daemon with transport "grpc";
+//   perftest  `ucx_perftest -t ucp_put_bw` between two processes on
+//             loopback, same UCX_TLS, message size = the client's bucket C_B:
+//             what UCX itself moves with these settings.
+// A job of --bytes fp32 parameters (one rank, stage 2) pushes its whole
+// gradient and gathers all parameters per repetition; the figure is
+// (pushed + gathered bytes) / (push time + gather time), the optimizer step
+// in between not counted, over --reps repetitions after one warm-up. The last
+// line is the summary:
+//   ucx_gbps=X grpc_gbps=Y perftest_gbps=Z ucx_fraction=X/Z
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "server/daemon.h"
+
+ABSL_FLAG(uint64_t, bytes, 268435456, "bytes of fp32 parameters in the job (Ψ * 4)");
+ABSL_FLAG(uint64_t, bucket_bytes, 32ull << 20, "the client's bucket C_B (and perftest's message)");
+ABSL_FLAG(int, reps, 3, "timed repetitions after one warm-up");
+ABSL_FLAG(std::string, ucx_tls, "posix,cma,self", "UCX_TLS for the client, daemon and perftest");
+ABSL_FLAG(std::string, perftest, "ucx_perftest", "the ucx_perftest binary (PATH is searched)");
+
+extern char** environ;
+
+namespace zeroshard {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+struct PathResult {
+  double gbps = NAN;
+  uint64_t client_buffer = 0;
+  double push_s = 0, gather_s = 0;
+};
+
+absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport) {
+  const uint64_t n = absl::GetFlag(FLAGS_bytes) / sizeof(float);
+  absl::StatusOr<Layout> layout = Layout::Create({{"w", {static_cast<int64_t>(n)}, DType::kFp32, 0}});
+  if (!layout.ok()) return layout.status();
+  ClientConfig c;
+  c.daemons = {daemon.address()};
+  c.job_id = "bench-" + transport;
+  c.stage = 2;
+  c.precision = DType::kFp32;
+  c.bucket_bytes = absl::GetFlag(FLAGS_bucket_bytes);
+  c.max_grad_norm = 0;
+  c.transport = transport;
+  c.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  c.rpc_timeout = absl::Seconds(120);
+  c.step_timeout = absl::Seconds(300);
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(c);
+  if (!client.ok()) return client.status();
+  const uint64_t total = layout->total_elements();
+  std::vector<float> params(total, 0.5f), grads(total, 1e-3f);
+  if (absl::Status s = (*client)->RegisterModel(*layout, params.data()); !s.ok()) return s;
+  PathResult r;
+  const int reps = absl::GetFlag(FLAGS_reps);
+  for (int rep = 0; rep <= reps; ++rep) {
+    const double t0 = Now();
+    absl::StatusOr<PushTicket> t = (*client)->PushGradients({0, total}, grads.data(), DType::kFp32);
+    if (!t.ok()) return t.status();
+    if (absl::Status s = t->Wait(absl::Now() + absl::Seconds(300)); !s.ok()) return s;
+    const double t1 = Now();
+    absl::StatusOr<StepResult> step = (*client)->Step(1e-4f);
+    if (!step.ok()) return step.status();
+    const double t2 = Now();
+    if (absl::Status s = (*client)->GatherAll(params.data(), DType::kFp32); !s.ok()) return s;
+    const double t3 = Now();
+    if (rep > 0) {  // rep 0 warms up
+      r.push_s += t1 - t0;
+      r.gather_s += t3 - t2;
+    }
+  }
+  r.gbps = 2.0 * total * sizeof(float) * reps / (r.push_s + r.gather_s) / 1e9;
+  r.client_buffer = (*client)->MemoryReport().buffer;
+  (*client)->Leave().IgnoreError();
+  return r;
+}
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// Starts `args` with UCX_TLS set and stdout to `out_path`; returns its pid or -1.
+pid_t Spawn(const std::vector<std::string>& args, const std::string& out_path) {
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::string(*e).rfind("UCX_TLS=", 0) != 0) env_strings.push_back(*e);
+  }
+  env_strings.push_back("UCX_TLS=" + absl::GetFlag(FLAGS_ucx_tls));
+  std::vector<char*> env, argv;
+  for (auto& s : env_strings) env.push_back(s.data());
+  env.push_back(nullptr);
+  std::vector<std::string> copy = args;
+  for (auto& s : copy) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = -1;
+  const int rc = posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), env.data());
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+// Waits for `pid` up to `timeout`; kills it past that. Returns its exit code, or -1.
+int WaitFor(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  int status = 0;
+  while (absl::Now() < deadline) {
+    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+  return -1;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::string s;
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    char buf[4096];
+    size_t k;
+    while ((k = std::fread(buf, 1, sizeof(buf), f)) > 0) s.append(buf, k);
+    std::fclose(f);
+  }
+  return s;
+}
+
+// ucx_perftest's "Final:" line: iterations, three latencies, then bandwidth
+// average and overall (MB/s = MiB/s); returns the overall one in GB/s.
+double PerftestGbps(uint64_t size, std::string* why) {
+  const uint64_t iters = std::max<uint64_t>(20, (2ull << 30) / size);
+  const std::string dir = std::getenv("TMPDIR") != nullptr ? std::getenv("TMPDIR") : "/tmp";
+  const std::string server_out = absl::StrCat(dir, "/transport_bench_server.", getpid());
+  const std::string client_out = absl::StrCat(dir, "/transport_bench_client.", getpid());
+  const std::string bin = absl::GetFlag(FLAGS_perftest);
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const std::string port = std::to_string(FreePort());
+    const pid_t server = Spawn({bin, "-p", port}, server_out);
+    if (server < 0) {
+      *why = bin + " could not be started (not installed?)";
+      return NAN;
+    }
+    absl::SleepFor(absl::Milliseconds(300 * (attempt + 1)));
+    const pid_t client = Spawn({bin, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s",
+                                std::to_string(size), "-n", std::to_string(iters)},
+                               client_out);
+    const int rc = client < 0 ? -1 : WaitFor(client, absl::Seconds(120));
+    WaitFor(server, absl::Seconds(rc == 0 ? 10 : 1));
+    const std::string out = ReadFile(client_out);
+    std::remove(client_out.c_str());
+    std::remove(server_out.c_str());
+    for (absl::string_view line : absl::StrSplit(out, '\n')) {
+      if (line.rfind("Final:", 0) != 0) continue;
+      std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (f.size() >= 7) return std::atof(std::string(f[6]).c_str()) * 1048576.0 / 1e9;
+    }
+    *why = absl::StrCat(bin, " gave no Final line (exit ", rc, "): ", out.substr(0, 300));
+  }
+  return NAN;
+}
+
+int Main() {
+  DaemonOptions o;
+  o.ucx = true;
+  o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(o);
+  if (!daemon.ok()) {
+    std::fprintf(stderr, "daemon: %s\n", daemon.status().ToString().c_str());
+    return 1;
+  }
+  const uint64_t bytes = absl::GetFlag(FLAGS_bytes);
+  std::printf("job: %llu fp32 parameters (%.1f MiB), 1 rank, stage 2, C_B %llu B, UCX_TLS=%s\n",
+              static_cast<unsigned long long>(bytes / 4), bytes / 1048576.0,
+              static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)),
+              absl::GetFlag(FLAGS_ucx_tls).c_str());
+  double gbps[2] = {NAN, NAN};
+  const char* names[2] = {"ucx", "grpc"};
+  for (int i = 0; i < 2; ++i) {
+    if (i == 0 && !(*daemon)->ucx_enabled()) {
+      std::printf("ucx: the daemon could not initialise UCX; skipped\n");
+      continue;
+    }
+    absl::StatusOr<PathResult> r = Measure(**daemon, names[i]);
+    if (!r.ok()) {
+      std::printf("%s: failed: %s\n", names[i], r.status().ToString().c_str());
+      continue;
+    }
+    gbps[i] = r->gbps;
+    std::printf("%-5s push %.2f GB/s, gather %.2f GB/s, push+gather %.2f GB/s; "
+                "client staging buffer %llu B\n",
+                names[i], bytes * absl::GetFlag(FLAGS_reps) / r->push_s / 1e9,
+                bytes * absl::GetFlag(FLAGS_reps) / r->gather_s / 1e9, r->gbps,
+                static_cast<unsigned long long>(r->client_buffer));
+  }
+  std::string why;
+  const double perftest = PerftestGbps(absl::GetFlag(FLAGS_bucket_bytes), &why);
+  if (std::isnan(perftest)) {
+    std::printf("perftest: %s\n", why.c_str());
+  } else {
+    std::printf("perftest ucp_put_bw, %llu B messages: %.2f GB/s\n",
+                static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)), perftest);
+  }
+  std::printf("ucx_gbps=%.3f grpc_gbps=%.3f perftest_gbps=%.3f ucx_fraction=%.3f\n", gbps[0],
+              gbps[1], perftest, gbps[0] / perftest);
+  return 0;
+}
+
+}  // namespace
+}  // namespace zeroshard
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return zeroshard::Main();
+}

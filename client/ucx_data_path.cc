@@ -1,0 +1,241 @@
+#include "client/ucx_data_path.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "client/rpc.h"
+#include "common/crc32c.h"
+
+namespace zeroshard {
+namespace {
+
+constexpr int kStagingSlots = 2;
+
+v1::DType WireDType(DType t) { return static_cast<v1::DType>(DTypeToProto(t)); }
+
+transport::RegionDescriptor ToDescriptor(const v1::RemoteRegion& r) {
+  transport::RegionDescriptor d;
+  d.address = r.address();
+  d.length = r.length();
+  d.rkey = r.rkey();
+  return d;
+}
+
+}  // namespace
+
+UcxDataPath::UcxDataPath(std::string address, std::shared_ptr<grpc::Channel> channel,
+                         std::shared_ptr<transport::Transport> transport)
+    : address_(std::move(address)),
+      channel_(channel),
+      stub_(v1::Shard::NewStub(channel)),
+      transport_(std::move(transport)),
+      fallback_(address_, channel),
+      slot_busy_(kStagingSlots, false) {}
+
+UcxDataPath::~UcxDataPath() = default;
+
+absl::StatusOr<const UcxDataPath::Endpoint*> UcxDataPath::GetEndpoint(const std::string& job_id,
+                                                                     uint32_t rank,
+                                                                     absl::Time deadline) {
+  const Endpoint* ready = ready_.load(std::memory_order_acquire);
+  if (ready == nullptr) {
+    absl::MutexLock lock(&setup_mu_);
+    if (endpoint_ == nullptr) {
+      v1::ExchangeEndpointRequest req;
+      req.set_job_id(job_id);
+      req.set_rank(rank);
+      req.set_transport(v1::TRANSPORT_KIND_UCX);
+      req.set_worker_address(transport_->LocalAddress());
+      v1::ExchangeEndpointResponse resp;
+      grpc::ClientContext context;
+      SetDeadline(&context, deadline);
+      const grpc::Status status = stub_->ExchangeEndpoint(&context, req, &resp);
+      if (!status.ok()) return DaemonError(status, address_, "ExchangeEndpoint");
+      auto endpoint = std::make_unique<Endpoint>();
+      endpoint->job_id = job_id;
+      bool has_staging = false, has_master = false;
+      for (const v1::RemoteRegion& r : resp.regions()) {
+        const FlatRange range{r.range().begin(), r.range().end()};
+        if (r.purpose() == "grad_staging") {
+          endpoint->staging = ToDescriptor(r);
+          endpoint->slot_bytes = r.length() / kStagingSlots;
+          has_staging = true;
+        } else if (r.purpose() == "param_master") {
+          endpoint->master = ToDescriptor(r);
+          endpoint->master_range = range;
+          has_master = r.length() >= range.size() * sizeof(float);
+        } else if (r.purpose() == "param_half") {
+          endpoint->half = ToDescriptor(r);
+          endpoint->half_range = range;
+          endpoint->has_half = r.length() >= range.size() * sizeof(uint16_t);
+        }
+      }
+      if (!has_staging || !has_master) {
+        return absl::DataLossError(absl::StrCat(
+            "daemon ", address_, ": ExchangeEndpoint: the reply lacks a grad_staging or a ",
+            "well-formed param_master region"));
+      }
+      absl::StatusOr<std::unique_ptr<transport::Connection>> connection =
+          transport_->Connect(resp.worker_address(), deadline);
+      if (!connection.ok()) {
+        return absl::Status(connection.status().code(),
+                            absl::StrCat("daemon ", address_, ": UCX connect: ",
+                                         connection.status().message()));
+      }
+      endpoint->connection = *std::move(connection);
+      endpoint_ = std::move(endpoint);
+      ready_.store(endpoint_.get(), std::memory_order_release);
+    }
+    ready = endpoint_.get();
+  }
+  if (ready->job_id != job_id) {
+    return absl::InvalidArgumentError(absl::StrCat("job_id: this data path serves job ",
+                                                   ready->job_id, ", got ", job_id));
+  }
+  return ready;
+}
+
+absl::StatusOr<int> UcxDataPath::AcquireSlot(absl::Time deadline) {
+  absl::MutexLock lock(&slot_mu_);
+  auto free_slot = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot_mu_) {
+    return std::find(slot_busy_.begin(), slot_busy_.end(), false) != slot_busy_.end();
+  };
+  if (!slot_mu_.AwaitWithDeadline(absl::Condition(&free_slot), deadline)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("daemon ", address_, ": no staging slot became free in time"));
+  }
+  const int slot =
+      static_cast<int>(std::find(slot_busy_.begin(), slot_busy_.end(), false) - slot_busy_.begin());
+  slot_busy_[slot] = true;
+  return slot;
+}
+
+void UcxDataPath::ReleaseSlot(int slot) {
+  absl::MutexLock lock(&slot_mu_);
+  slot_busy_[slot] = false;
+}
+
+absl::Status UcxDataPath::Finish(transport::Completion& completion, absl::Time deadline,
+                                 const std::string& what) {
+  absl::Status s = completion.Wait(deadline);
+  if (absl::IsDeadlineExceeded(s)) {
+    completion.Abort();
+    // The caller's buffer is in use until the transport lets go of it.
+    completion.Wait(absl::Now() + transport::Completion::kDestroyWait).IgnoreError();
+  }
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("daemon ", address_, ": ", what, ": ", s.message()));
+}
+
+absl::StatusOr<uint64_t> UcxDataPath::PushGradient(const GradientPush& push, absl::Time deadline) {
+  const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
+  absl::StatusOr<const Endpoint*> ep = GetEndpoint(push.job_id, push.rank, deadline);
+  if (!ep.ok()) return ep.status();
+  // A chunk larger than a slot (a bucket wider in fp32 than in the wire
+  // type) goes inline.
+  if (bytes > (*ep)->slot_bytes) return fallback_.PushGradient(push, deadline);
+  const std::string what = absl::StrCat("PushGradient step ", push.step, " range [",
+                                        push.range.begin, ", ", push.range.end, ")");
+  absl::StatusOr<int> slot = AcquireSlot(deadline);
+  if (!slot.ok()) return slot.status();
+  const uint64_t offset = static_cast<uint64_t>(*slot) * (*ep)->slot_bytes;
+  absl::Status s;
+  {
+    transport::Completion put =
+        (*ep)->connection->Put(push.data, bytes, (*ep)->staging, offset);
+    s = Finish(put, deadline, what + ": Put");
+  }
+  v1::PushGradientResponse response;
+  if (s.ok()) {
+    v1::GradientChunk chunk;
+    chunk.set_job_id(push.job_id);
+    chunk.set_step(push.step);
+    chunk.set_rank(push.rank);
+    chunk.mutable_range()->set_begin(push.range.begin);
+    chunk.mutable_range()->set_end(push.range.end);
+    chunk.set_dtype(WireDType(push.dtype));
+    chunk.set_crc32c(Crc32c(push.data, bytes));
+    chunk.set_micro_batch(push.micro_batch);
+    chunk.set_micro_batches(push.micro_batches);
+    chunk.set_staged(true);
+    chunk.set_staging_offset(offset);
+    grpc::ClientContext context;
+    SetDeadline(&context, deadline);
+    std::unique_ptr<grpc::ClientWriter<v1::GradientChunk>> writer =
+        stub_->PushGradient(&context, &response);
+    if (writer->Write(chunk)) writer->WritesDone();
+    // The daemon reads the slot until the RPC returns.
+    const grpc::Status status = writer->Finish();
+    if (!status.ok()) s = DaemonError(status, address_, what);
+  }
+  ReleaseSlot(*slot);
+  if (!s.ok()) return s;
+  if (response.elements() != push.range.size()) {
+    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what, ": accepted ",
+                                            response.elements(), " elements, sent ",
+                                            push.range.size()));
+  }
+  return bytes;
+}
+
+absl::StatusOr<uint64_t> UcxDataPath::InitParameters(const ParameterUpload& upload,
+                                                     absl::Time deadline) {
+  return fallback_.InitParameters(upload, deadline);
+}
+
+absl::StatusOr<uint64_t> UcxDataPath::Gather(const GatherRequestSpec& request, void* dst,
+                                             absl::Time deadline) {
+  const std::string what =
+      absl::StrCat("Gather after step ", request.after_step, " range [", request.range.begin,
+                   ", ", request.range.end, ")");
+  absl::StatusOr<const Endpoint*> ep = GetEndpoint(request.job_id, request.rank, deadline);
+  if (!ep.ok()) return ep.status();
+  // The daemon validates the request and waits for the commit.
+  {
+    v1::GatherRequest req;
+    req.set_job_id(request.job_id);
+    req.set_rank(request.rank);
+    req.set_after_step(request.after_step);
+    req.mutable_range()->set_begin(request.range.begin);
+    req.mutable_range()->set_end(request.range.end);
+    req.set_dtype(WireDType(request.dtype));
+    req.set_wait_ms(static_cast<uint32_t>(
+        std::clamp<int64_t>(absl::ToInt64Milliseconds(request.wait), 0, 600000)));
+    req.set_wait_only(true);
+    grpc::ClientContext context;
+    SetDeadline(&context, deadline);
+    std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader = stub_->Gather(&context, req);
+    v1::ParameterChunk chunk;
+    bool unexpected = false;
+    while (reader->Read(&chunk)) unexpected = true;
+    const grpc::Status status = reader->Finish();
+    if (!status.ok()) return DaemonError(status, address_, what);
+    if (unexpected) {
+      return absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what,
+                                              ": a wait_only gather returned data"));
+    }
+  }
+  // Fp32 comes from the masters; the job's half precision from its copy.
+  const bool half = request.dtype != DType::kFp32;
+  if (half && !(*ep)->has_half) {
+    return absl::InvalidArgumentError(absl::StrCat("daemon ", address_, ": ", what, ": dtype ",
+                                                   DTypeName(request.dtype),
+                                                   " is not served by this job"));
+  }
+  const transport::RegionDescriptor& region = half ? (*ep)->half : (*ep)->master;
+  const FlatRange& held = half ? (*ep)->half_range : (*ep)->master_range;
+  if (!held.Contains(request.range)) {
+    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what,
+                                            ": outside the region's range [", held.begin, ", ",
+                                            held.end, ")"));
+  }
+  const size_t esize = DTypeSize(request.dtype);
+  const uint64_t bytes = request.range.size() * esize;
+  transport::Completion get =
+      (*ep)->connection->Get(dst, bytes, region, (request.range.begin - held.begin) * esize);
+  absl::Status s = Finish(get, deadline, what + ": Get");
+  if (!s.ok()) return s;
+  return bytes;
+}
+
+}  // namespace zeroshard
