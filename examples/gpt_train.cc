@@ -39,6 +39,8 @@ ABSL_FLAG(int, rank, -1, "Rank (default: $ZS_RANK).");
 ABSL_FLAG(int, world_size, -1, "N_d (default: $ZS_WORLD_SIZE).");
 ABSL_FLAG(std::string, daemons, "", "Daemon addresses (default: $ZS_DAEMONS).");
 ABSL_FLAG(std::string, job_id, "", "Job id (default: $ZS_JOB_ID, else gpt).");
+ABSL_FLAG(std::string, transport, "ucx", "Bulk data path to the daemons: ucx or grpc.");
+ABSL_FLAG(std::string, ucx_tls, "", "UCX_TLS for --transport=ucx (empty: UCX's choice).");
 ABSL_FLAG(int, threads, 0, "Torch threads per rank; 0 = the cores shared among the ranks.");
 ABSL_FLAG(bool, report, true, "Rank 0: print the memory/traffic/loss report at the end.");
 
@@ -79,6 +81,8 @@ int Main() {
   o.max_grad_norm = static_cast<float>(absl::GetFlag(FLAGS_max_grad_norm));
   o.bucket_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_bucket_bytes));
   o.corpus_dir = absl::GetFlag(FLAGS_corpus);
+  o.transport = absl::GetFlag(FLAGS_transport);
+  o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   o.stage = static_cast<uint32_t>(absl::GetFlag(FLAGS_stage));
   o.rank = static_cast<uint32_t>(EnvInt("ZS_RANK", absl::GetFlag(FLAGS_rank), 0));
   o.world_size = static_cast<uint32_t>(EnvInt("ZS_WORLD_SIZE", absl::GetFlag(FLAGS_world_size), 1));
@@ -107,10 +111,11 @@ int Main() {
   const double psi = static_cast<double>(layout->parameter_count());
   if (leader) {
     std::printf("GPT: %d blocks, width %d, %d heads, %d tokens; Ψ = %s parameters (%zu layers); "
-                "global batch %d; ZeRO stage %u; N_d = %u; %zu daemon(s); %s\n",
+                "global batch %d; ZeRO stage %u; N_d = %u; %zu daemon(s); %s over %s\n",
                 o.model.layers, o.model.width, o.model.heads, o.model.seq_len,
                 FormatCount(psi).c_str(), layout->layers().size(), o.global_batch, o.stage,
-                o.world_size, o.daemons.size(), std::string(DTypeName(o.precision)).c_str());
+                o.world_size, o.daemons.size(), std::string(DTypeName(o.precision)).c_str(),
+                o.transport.c_str());
   }
   const StepCallback progress = [&](const StepReport& r) {
     if (leader) ProgressBar(r, o.steps);

@@ -47,6 +47,8 @@ ClientConfig MakeClientConfig(const TrainOptions& o) {
   c.precision = o.precision;
   c.bucket_bytes = o.bucket_bytes;
   c.prefetch_depth = o.prefetch_depth;
+  c.transport = o.transport;
+  c.ucx_tls = o.ucx_tls;
   c.optimizer.kind = Optimizer::kAdamW;
   c.optimizer.lr = o.lr;
   c.optimizer.beta1 = 0.9f;
