@@ -12,7 +12,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev libabsl-dev
   libucx-dev ucx-utils libcivetweb-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libtorch-dev python3-torch pybind11-dev python3-pytest
+  libtorch-dev python3-torch python3-numpy pybind11-dev python3-pytest
   prometheus curl
 )
 
