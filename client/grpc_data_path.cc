@@ -12,8 +12,6 @@ namespace {
 
 constexpr uint64_t kInitChunkBytes = 4ull << 20;
 
-v1::DType WireDType(DType t) { return static_cast<v1::DType>(DTypeToProto(t)); }
-
 }  // namespace
 
 GrpcDataPath::GrpcDataPath(std::string address, std::shared_ptr<grpc::Channel> channel)
@@ -21,9 +19,9 @@ GrpcDataPath::GrpcDataPath(std::string address, std::shared_ptr<grpc::Channel> c
       channel_(std::move(channel)),
       stub_(v1::Shard::NewStub(channel_)) {}
 
-absl::StatusOr<uint64_t> GrpcDataPath::PushGradient(const GradientPush& push,
-                                                    absl::Time deadline) {
-  const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
+v1::DType WireDType(DType t) { return static_cast<v1::DType>(DTypeToProto(t)); }
+
+v1::GradientChunk GradientChunkHeader(const GradientPush& push) {
   v1::GradientChunk chunk;
   chunk.set_job_id(push.job_id);
   chunk.set_step(push.step);
@@ -31,27 +29,41 @@ absl::StatusOr<uint64_t> GrpcDataPath::PushGradient(const GradientPush& push,
   chunk.mutable_range()->set_begin(push.range.begin);
   chunk.mutable_range()->set_end(push.range.end);
   chunk.set_dtype(WireDType(push.dtype));
-  chunk.set_data(static_cast<const char*>(push.data), bytes);
-  chunk.set_crc32c(Crc32c(push.data, bytes));
   chunk.set_micro_batch(push.micro_batch);
   chunk.set_micro_batches(push.micro_batches);
+  return chunk;
+}
 
+absl::Status SendGradientChunk(v1::Shard::Stub* stub, const v1::GradientChunk& chunk,
+                               const GradientPush& push, absl::Time deadline,
+                               absl::string_view address) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   v1::PushGradientResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::GradientChunk>> writer =
-      stub_->PushGradient(&context, &response);
+      stub->PushGradient(&context, &response);
   // A failed Write means the stream is broken; Finish reports why.
   if (writer->Write(chunk)) writer->WritesDone();
   const grpc::Status status = writer->Finish();
   const std::string what = absl::StrCat("PushGradient step ", push.step, " range [",
                                         push.range.begin, ", ", push.range.end, ")");
-  if (!status.ok()) return DaemonError(status, address_, what);
+  if (!status.ok()) return DaemonError(status, address, what);
   if (response.elements() != push.range.size()) {
-    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what, ": accepted ",
+    return absl::DataLossError(absl::StrCat("daemon ", address, ": ", what, ": accepted ",
                                             response.elements(), " elements, sent ",
                                             push.range.size()));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> GrpcDataPath::PushGradient(const GradientPush& push,
+                                                    absl::Time deadline) {
+  const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
+  v1::GradientChunk chunk = GradientChunkHeader(push);
+  chunk.set_data(static_cast<const char*>(push.data), bytes);
+  chunk.set_crc32c(Crc32c(push.data, bytes));
+  absl::Status s = SendGradientChunk(stub_.get(), chunk, push, deadline, address_);
+  if (!s.ok()) return s;
   return bytes;
 }
 

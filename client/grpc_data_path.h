@@ -17,6 +17,21 @@
 
 namespace zeroshard {
 
+// The wire enum of `t`.
+v1::DType WireDType(DType t);
+
+// The chunk of `push` without payload or checksum: job, step, rank, range,
+// dtype, micro-batch.
+v1::GradientChunk GradientChunkHeader(const GradientPush& push);
+
+// Sends `chunk` as a one-chunk PushGradient stream on `stub` and checks that
+// the daemon at `address` accepted push.range.size() elements. Blocks until
+// the daemon answers or `deadline` (the daemon may read memory the chunk
+// refers to until then). Errors name the daemon, the step and the range.
+absl::Status SendGradientChunk(v1::Shard::Stub* stub, const v1::GradientChunk& chunk,
+                               const GradientPush& push, absl::Time deadline,
+                               absl::string_view address);
+
 class GrpcDataPath final : public DataPath {
  public:
   // `channel` is the daemon's channel (shared with the control plane).

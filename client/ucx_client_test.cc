@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/testing/training_data.h"
 #include "gtest/gtest.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
@@ -21,30 +22,15 @@
 namespace zeroshard {
 namespace {
 
+using testing::ComputeGradient;
+using testing::InitialParams;
+
 struct UcxCase {
   const char* tls;
   uint32_t stage;
   uint32_t world;
   DType precision;
 };
-
-std::vector<float> InitialParams(const Layout& layout) {
-  std::vector<float> p(layout.total_elements(), 0.0f);
-  for (const TensorPlacement& t : layout.tensors()) {
-    for (uint64_t i = t.offset; i < t.offset + t.numel; ++i) {
-      p[i] = 0.01f * static_cast<float>(static_cast<int64_t>(i % 101) - 50);
-    }
-  }
-  return p;
-}
-
-void ComputeGradient(const float* params, uint64_t begin, uint64_t end, uint32_t rank,
-                     uint64_t step, float* grad) {
-  for (uint64_t i = begin; i < end; ++i) {
-    grad[i - begin] = params[i - begin] * (0.5f + 0.1f * rank) +
-                      0.001f * static_cast<float>((i * 7 + step * 13 + rank * 31) % 17);
-  }
-}
 
 // One step: stages 1-2 gather all and push all; stage 3 gathers layer by
 // layer (forward, then backward, pushing each layer's gradient).

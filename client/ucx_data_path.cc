@@ -10,8 +10,6 @@ namespace {
 
 constexpr int kStagingSlots = 2;
 
-v1::DType WireDType(DType t) { return static_cast<v1::DType>(DTypeToProto(t)); }
-
 transport::RegionDescriptor ToDescriptor(const v1::RemoteRegion& r) {
   transport::RegionDescriptor d;
   d.address = r.address();
@@ -144,39 +142,18 @@ absl::StatusOr<uint64_t> UcxDataPath::PushGradient(const GradientPush& push, abs
         (*ep)->connection->Put(push.data, bytes, (*ep)->staging, offset);
     s = Finish(put, deadline, what + ": Put");
   }
-  v1::PushGradientResponse response;
   if (s.ok()) {
-    v1::GradientChunk chunk;
-    chunk.set_job_id(push.job_id);
-    chunk.set_step(push.step);
-    chunk.set_rank(push.rank);
-    chunk.mutable_range()->set_begin(push.range.begin);
-    chunk.mutable_range()->set_end(push.range.end);
-    chunk.set_dtype(WireDType(push.dtype));
+    v1::GradientChunk chunk = GradientChunkHeader(push);
     // No checksum: UCX delivers the bytes intact (TCP checksums them, shared
     // memory cannot corrupt them), and a CRC pass on each side would cost
     // two more sweeps over the gradient.
-    chunk.set_crc32c(0);
-    chunk.set_micro_batch(push.micro_batch);
-    chunk.set_micro_batches(push.micro_batches);
     chunk.set_staged(true);
     chunk.set_staging_offset(offset);
-    grpc::ClientContext context;
-    SetDeadline(&context, deadline);
-    std::unique_ptr<grpc::ClientWriter<v1::GradientChunk>> writer =
-        stub_->PushGradient(&context, &response);
-    if (writer->Write(chunk)) writer->WritesDone();
     // The daemon reads the slot until the RPC returns.
-    const grpc::Status status = writer->Finish();
-    if (!status.ok()) s = DaemonError(status, address_, what);
+    s = SendGradientChunk(stub_.get(), chunk, push, deadline, address_);
   }
   ReleaseSlot(*slot);
   if (!s.ok()) return s;
-  if (response.elements() != push.range.size()) {
-    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what, ": accepted ",
-                                            response.elements(), " elements, sent ",
-                                            push.range.size()));
-  }
   return bytes;
 }
 
