@@ -8,8 +8,11 @@
 // A job of --bytes fp32 parameters (one rank, stage 2) pushes its whole
 // gradient and gathers all parameters per repetition; the figure is
 // (pushed + gathered bytes) / (push time + gather time), the optimizer step
-// in between not counted, over --reps repetitions after one warm-up. The last
-// line is the summary:
+// in between not counted, over --reps repetitions after one warm-up. The
+// gradient buffer is borrowed (BufferUse::kBorrow, as a trainer with a
+// persistent gradient buffer pushes); the UCX path is also measured with
+// copied pushes (BufferUse::kCopy: one more sweep through the client's
+// staging pool) for comparison. The last line is the summary:
 //   ucx_gbps=X grpc_gbps=Y perftest_gbps=Z ucx_fraction=X/Z
 
 #include <fcntl.h>
@@ -60,13 +63,14 @@ struct PathResult {
   double push_s = 0, gather_s = 0;
 };
 
-absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport) {
+absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport,
+                                   BufferUse use) {
   const uint64_t n = absl::GetFlag(FLAGS_bytes) / sizeof(float);
   absl::StatusOr<Layout> layout = Layout::Create({{"w", {static_cast<int64_t>(n)}, DType::kFp32, 0}});
   if (!layout.ok()) return layout.status();
   ClientConfig c;
   c.daemons = {daemon.address()};
-  c.job_id = "bench-" + transport;
+  c.job_id = absl::StrCat("bench-", transport, use == BufferUse::kBorrow ? "-borrow" : "-copy");
   c.stage = 2;
   c.precision = DType::kFp32;
   c.bucket_bytes = absl::GetFlag(FLAGS_bucket_bytes);
@@ -84,7 +88,7 @@ absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport)
   const int reps = absl::GetFlag(FLAGS_reps);
   for (int rep = 0; rep <= reps; ++rep) {
     const double t0 = Now();
-    absl::StatusOr<PushTicket> t = (*client)->PushGradients({0, total}, grads.data(), DType::kFp32);
+    absl::StatusOr<PushTicket> t = (*client)->PushGradients({0, total}, grads.data(), DType::kFp32, 0, use);
     if (!t.ok()) return t.status();
     if (absl::Status s = t->Wait(absl::Now() + absl::Seconds(300)); !s.ok()) return s;
     const double t1 = Now();
@@ -215,25 +219,33 @@ int Main() {
               static_cast<unsigned long long>(bytes / 4), bytes / 1048576.0,
               static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)),
               absl::GetFlag(FLAGS_ucx_tls).c_str());
-  double gbps[2] = {NAN, NAN};
-  const char* names[2] = {"ucx", "grpc"};
-  for (int i = 0; i < 2; ++i) {
-    if (i == 0 && !(*daemon)->ucx_enabled()) {
-      std::printf("ucx: the daemon could not initialise UCX; skipped\n");
+  struct Run {
+    const char* transport;
+    BufferUse use;
+    const char* label;
+    double gbps = NAN;
+  };
+  Run runs[3] = {{"ucx", BufferUse::kCopy, "ucx (copied push)"},
+                 {"ucx", BufferUse::kBorrow, "ucx"},
+                 {"grpc", BufferUse::kBorrow, "grpc"}};
+  for (Run& run : runs) {
+    if (std::string(run.transport) == "ucx" && !(*daemon)->ucx_enabled()) {
+      std::printf("%s: the daemon could not initialise UCX; skipped\n", run.label);
       continue;
     }
-    absl::StatusOr<PathResult> r = Measure(**daemon, names[i]);
+    absl::StatusOr<PathResult> r = Measure(**daemon, run.transport, run.use);
     if (!r.ok()) {
-      std::printf("%s: failed: %s\n", names[i], r.status().ToString().c_str());
+      std::printf("%s: failed: %s\n", run.label, r.status().ToString().c_str());
       continue;
     }
-    gbps[i] = r->gbps;
-    std::printf("%-5s push %.2f GB/s, gather %.2f GB/s, push+gather %.2f GB/s; "
+    run.gbps = r->gbps;
+    std::printf("%-17s push %.2f GB/s, gather %.2f GB/s, push+gather %.2f GB/s; "
                 "client staging buffer %llu B\n",
-                names[i], bytes * absl::GetFlag(FLAGS_reps) / r->push_s / 1e9,
+                run.label, bytes * absl::GetFlag(FLAGS_reps) / r->push_s / 1e9,
                 bytes * absl::GetFlag(FLAGS_reps) / r->gather_s / 1e9, r->gbps,
                 static_cast<unsigned long long>(r->client_buffer));
   }
+  const double gbps[2] = {runs[1].gbps, runs[2].gbps};
   std::string why;
   const double perftest = PerftestGbps(absl::GetFlag(FLAGS_bucket_bytes), &why);
   if (std::isnan(perftest)) {

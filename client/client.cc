@@ -457,7 +457,8 @@ absl::Status Client::AwaitAllRanksJoined() {
 }
 
 absl::StatusOr<PushTicket> Client::PushGradients(const FlatRange& range, const void* grads,
-                                                 DType dtype, uint32_t micro_batch) {
+                                                 DType dtype, uint32_t micro_batch,
+                                                 BufferUse use) {
   if (!registered_) return absl::FailedPreconditionError("PushGradients before RegisterModel");
   if (dtype != DType::kFp32 && dtype != DType::kBf16 && dtype != DType::kFp16) {
     return absl::InvalidArgumentError(
@@ -468,7 +469,7 @@ absl::StatusOr<PushTicket> Client::PushGradients(const FlatRange& range, const v
         absl::StrCat("range: [", range.begin, ", ", range.end, ") is empty or outside the ",
                      "flat space [0, ", layout_.total_elements(), ")"));
   }
-  return collective_->Reduce(step_ + 1, micro_batch, range, grads, dtype, RpcDeadline());
+  return collective_->Reduce(step_ + 1, micro_batch, range, grads, dtype, use, RpcDeadline());
 }
 
 absl::StatusOr<StepResult> Client::Step(float lr) {

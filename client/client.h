@@ -188,16 +188,27 @@ class Client {
   // per micro-batch before Step; gap elements need not be pushed and are
   // sent as zeros. The client re-cuts the gradient into the job's buckets
   // (client/bucket_plan.h: each partition cut every C_B bytes from its
-  // start), sending each one when all of its elements have arrived. Blocks
-  // only to copy into the staging pool, and while the pool is fully in
-  // flight (up to rpc_timeout; ResourceExhausted at once if the pool is full
-  // of partly pushed buckets that no other thread is completing). The client
-  // may read `grads` until the ticket completes (the built-in daemon reduce
-  // copies it before returning; other collectives need not). InvalidArgument
-  // for a range out of bounds or pushed twice. A send error reaches the
-  // ticket and the next Step.
+  // start), sending each one when all of its elements have arrived.
+  // Buffer use:
+  //  - BufferUse::kCopy (the default): `grads` is copied (and converted to
+  //    the wire dtype) into the staging pool before the call returns, so the
+  //    caller may reuse it at once. Blocks to copy, and while the pool is
+  //    fully in flight (up to rpc_timeout; ResourceExhausted at once if the
+  //    pool is full of partly pushed buckets that no other thread is
+  //    completing).
+  //  - BufferUse::kBorrow: the client reads `grads` until the ticket
+  //    completes; the caller must neither modify nor free it before then,
+  //    errors included (a Wait that times out does not stop the send;
+  //    destroying the Client waits for every send in flight).
+  //    Every bucket the call covers whole, in the wire dtype and without
+  //    alignment gaps, is sent straight from `grads` (no staging copy, no
+  //    staging buffer held); the rest is staged as with kCopy. What DDP-style
+  //    trainers with persistent gradient buffers want.
+  // InvalidArgument for a range out of bounds or pushed twice. A send error
+  // reaches the ticket and the next Step.
   absl::StatusOr<PushTicket> PushGradients(const FlatRange& range, const void* grads, DType dtype,
-                                           uint32_t micro_batch = 0);
+                                           uint32_t micro_batch = 0,
+                                           BufferUse use = BufferUse::kCopy);
 
   // Ends the step: waits until this rank's pushes are accepted
   // (FailedPrecondition if some element was not pushed), then on the leader

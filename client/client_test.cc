@@ -378,7 +378,7 @@ class ToyTrainerCollective final : public Collective {
     return absl::OkStatus();
   }
   absl::StatusOr<PushTicket> Reduce(uint64_t, uint32_t, const FlatRange& range, const void* grads,
-                                    DType dtype, absl::Time) override {
+                                    DType dtype, BufferUse, absl::Time) override {
     if (dtype != DType::kFp32) return absl::UnimplementedError("fp32 only");
     std::memcpy(exchange_->grads(job_.rank).data() + range.begin, grads, range.size() * 4);
     return PushTicket();

@@ -49,6 +49,12 @@ class PushTicket {
   std::shared_ptr<CountDown> state_;
 };
 
+// Who owns a pushed gradient buffer while its push is in flight.
+enum class BufferUse {
+  kCopy,    // the callee copies what it needs before returning
+  kBorrow,  // the callee may read the buffer until the push's ticket completes
+};
+
 // What a collective needs to know about the job; the pointers stay valid for
 // the collective's lifetime once bound.
 struct CollectiveJob {
@@ -78,12 +84,15 @@ class Collective {
   // Contributes `grads` (range.size() elements of `dtype`, flat indices
   // [range.begin, range.end)) of micro-batch `micro_batch` to step `step`.
   // May be called from several threads at once. Blocks at most until
-  // `deadline` for buffer space. The collective may read `grads` until the
-  // returned ticket completes; the caller must not modify it before then.
+  // `deadline` for buffer space. With BufferUse::kCopy the collective is done
+  // with `grads` when Reduce returns; with kBorrow it may read `grads` until
+  // the returned ticket completes (the caller must neither modify nor free it
+  // before then).
   // InvalidArgument: part of the range was already contributed this step.
   virtual absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch,
                                             const FlatRange& range, const void* grads,
-                                            DType dtype, absl::Time deadline) = 0;
+                                            DType dtype, BufferUse use,
+                                            absl::Time deadline) = 0;
 
   // Blocks until every contribution of `step` has been accepted (first error
   // otherwise). FailedPrecondition (naming the first missing range) if this

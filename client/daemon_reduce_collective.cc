@@ -150,7 +150,7 @@ absl::StatusOr<DaemonReduceCollective::Active*> DaemonReduceCollective::StartBuc
 absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_t micro_batch,
                                                           const FlatRange& range,
                                                           const void* grads, DType dtype,
-                                                          absl::Time deadline) {
+                                                          BufferUse use, absl::Time deadline) {
   if (!bound_) return absl::FailedPreconditionError("PushGradients before RegisterModel");
   if (micro_batch >= job_.micro_batches) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -201,11 +201,26 @@ absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_
     const Bucket& bucket = plan_.buckets()[i];
     const uint64_t key = micro_batch * nb + i;
     const FlatRange clip = bucket.range.Intersect(range);
+    const uint8_t* src = static_cast<const uint8_t*>(grads) + (clip.begin - range.begin) * src_size;
     uint8_t* base = nullptr;
     {
       absl::MutexLock lock(&mu_);
       Active* a = nullptr;
       auto it = active_.find(key);
+      // A borrowed buffer that holds a whole gap-free bucket in the wire
+      // dtype is sent from where it is.
+      if (use == BufferUse::kBorrow && it == active_.end() && dtype == plan_.wire_dtype() &&
+          clip == bucket.range && bucket.real_elements == bucket.range.size()) {
+        if (sent_[key]) {
+          status = absl::InvalidArgumentError(
+              absl::StrCat("PushGradients: ", DescribeBucket(key), " was already pushed for step ",
+                           step));
+          break;
+        }
+        ticket->Add(1);
+        Send(key, /*buffer=*/-1, src, {ticket});
+        continue;
+      }
       if (it != active_.end()) {
         a = &it->second;
       } else {
@@ -231,9 +246,8 @@ absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_
     // Copy outside the lock: the claimed range is this thread's alone.
     uint64_t real = 0;
     plan_.ForEachRealSegment(clip, [&](const FlatRange& s) {
-      ConvertElements(dtype, static_cast<const uint8_t*>(grads) + (s.begin - range.begin) * src_size,
-                      plan_.wire_dtype(), base + (s.begin - bucket.range.begin) * wire_size,
-                      s.size());
+      ConvertElements(dtype, src + (s.begin - clip.begin) * src_size, plan_.wire_dtype(),
+                      base + (s.begin - bucket.range.begin) * wire_size, s.size());
       real += s.size();
     });
     absl::MutexLock lock(&mu_);
@@ -244,7 +258,7 @@ absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_
     if (a.writers == 0 && a.written_real == bucket.real_elements) {
       Active done = std::move(a);
       active_.erase(it);
-      Send(key, std::move(done));
+      Send(key, done.buffer, buffer(done.buffer), std::move(done.tickets));
     }
   }
   absl::MutexLock lock(&mu_);
@@ -253,17 +267,19 @@ absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_
   return PushTicket(std::move(ticket));
 }
 
-void DaemonReduceCollective::Send(uint64_t key, Active active) {
+void DaemonReduceCollective::Send(uint64_t key, int buffer_index, const uint8_t* data,
+                                  std::vector<std::shared_ptr<CountDown>> tickets) {
   sent_[key] = 1;
   ++sent_count_;
   ++in_flight_;
-  senders_->Submit([this, step = step_, key, buffer = active.buffer,
-                    tickets = std::move(active.tickets)]() mutable {
-    RunSend(step, key, buffer, std::move(tickets));
+  senders_->Submit([this, step = step_, key, buffer_index, data,
+                    tickets = std::move(tickets)]() mutable {
+    RunSend(step, key, buffer_index, data, std::move(tickets));
   });
 }
 
 void DaemonReduceCollective::RunSend(uint64_t step, uint64_t key, int buffer_index,
+                                     const uint8_t* data,
                                      std::vector<std::shared_ptr<CountDown>> tickets) {
   const size_t nb = plan_.buckets().size();
   const Bucket& bucket = plan_.buckets()[key % nb];
@@ -275,7 +291,7 @@ void DaemonReduceCollective::RunSend(uint64_t step, uint64_t key, int buffer_ind
   push.micro_batches = job_.micro_batches;
   push.range = bucket.range;
   push.dtype = plan_.wire_dtype();
-  push.data = buffer(buffer_index);
+  push.data = data;
   absl::StatusOr<uint64_t> sent =
       job_.daemons[bucket.daemon]->PushGradient(push, absl::Now() + job_.rpc_timeout);
   absl::Status status = sent.status();
@@ -287,7 +303,7 @@ void DaemonReduceCollective::RunSend(uint64_t step, uint64_t key, int buffer_ind
   }
   for (const auto& t : tickets) t->Done(status);
   absl::MutexLock lock(&mu_);
-  free_.push_back(buffer_index);
+  if (buffer_index >= 0) free_.push_back(buffer_index);
   --in_flight_;
   if (!status.ok() && error_.ok()) error_ = status;
 }
@@ -338,7 +354,7 @@ absl::Status DaemonReduceCollective::Finish(uint64_t step, absl::Time deadline) 
     }
     Active done = std::move(**a);
     active_.erase(key);
-    Send(key, std::move(done));
+    Send(key, done.buffer, buffer(done.buffer), std::move(done.tickets));
   }
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
   if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {

@@ -9,7 +9,8 @@
 // allocated by Create and reused for the life of the collective; nothing on
 // the push path allocates per step. Reduce copies (and converts to the wire
 // dtype) the caller's gradient into the staging buffer of each bucket it
-// touches; a bucket is sent, on one of `sender_threads` threads, as soon as
+// touches (a borrowed buffer's whole, gap-free, wire-dtype buckets are sent
+// from the caller's memory instead); a bucket is sent, on one of `sender_threads` threads, as soon as
 // all of its tensor elements have been written (in whatever order and by
 // whatever mix of calls), and its buffer returns to the pool when the daemon
 // has answered. Gap elements (alignment padding between tensors) are sent as
@@ -51,7 +52,8 @@ class DaemonReduceCollective final : public Collective {
   const char* name() const override { return "daemon_reduce"; }
   absl::Status Bind(const CollectiveJob& job) override;
   absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch, const FlatRange& range,
-                                    const void* grads, DType dtype, absl::Time deadline) override;
+                                    const void* grads, DType dtype, BufferUse use,
+                                    absl::Time deadline) override;
   absl::Status Finish(uint64_t step, absl::Time deadline) override;
   uint64_t staging_bytes() const override { return buffer_bytes_ * buffer_count_; }
 
@@ -80,9 +82,12 @@ class DaemonReduceCollective final : public Collective {
   // A new Active for bucket `index` with its gap elements zeroed.
   absl::StatusOr<Active*> StartBucket(uint64_t key, size_t index, absl::Time deadline,
                                       int own_pushers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Moves a complete bucket to the senders.
-  void Send(uint64_t key, Active active) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunSend(uint64_t step, uint64_t key, int buffer,
+  // Hands a complete bucket to the senders: its bytes are `data`, in staging
+  // buffer `buffer_index` (returned to the pool once sent) or, with -1, in a
+  // borrowed caller buffer.
+  void Send(uint64_t key, int buffer_index, const uint8_t* data,
+            std::vector<std::shared_ptr<CountDown>> tickets) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunSend(uint64_t step, uint64_t key, int buffer_index, const uint8_t* data,
                std::vector<std::shared_ptr<CountDown>> tickets);
   std::string DescribeBucket(uint64_t key) const;
   void ResetStep(const absl::Status& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -138,6 +138,10 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
   }
   ASSIGN_OR_RETURN(Layout layout, GptLayout(o.model));
   ASSIGN_OR_RETURN(std::string corpus, LoadCorpus(o.corpus_dir));
+  // Stages 1-2 push from full_grads without a copy (BufferUse::kBorrow): it
+  // is declared before the client, so that on an early return the client
+  // (whose destructor waits for sends in flight) goes first.
+  std::vector<float> full_grads(o.stage < 3 ? layout.total_elements() : 0);
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Create(MakeClientConfig(o)));
   std::vector<float> initial = GptInitialParams(o.model, layout, o.seed);
   RETURN_IF_ERROR(client->RegisterModel(layout, o.rank == 0 ? initial.data() : nullptr));
@@ -162,7 +166,6 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
   }
   InMemoryActivationStore checkpoints;
   std::vector<float> layer_scratch, grad_scratch;
-  std::vector<float> full_grads(o.stage < 3 ? total : 0);
   std::vector<PushTicket> tickets;
 
   for (int step = 1; step <= o.steps; ++step) {
@@ -181,11 +184,14 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
       loss = x.item<float>();
       x.backward();
       // Push layer by layer, last layer first, as backward produces them.
+      // full_grads is not touched again before the tickets complete, so the
+      // client may send from it directly.
       for (int l = num_layers - 1; l >= 0; --l) {
         ASSIGN_OR_RETURN(FlatRange r, layout.LayerRange(l));
         FlattenGrads(layout, l, layer_params[l], full_grads.data(), 0);
-        ASSIGN_OR_RETURN(PushTicket t, client->PushGradients(r, full_grads.data() + r.begin,
-                                                             DType::kFp32));
+        ASSIGN_OR_RETURN(PushTicket t,
+                         client->PushGradients(r, full_grads.data() + r.begin, DType::kFp32,
+                                               /*micro_batch=*/0, BufferUse::kBorrow));
         tickets.push_back(std::move(t));
       }
     } else {

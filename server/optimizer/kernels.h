@@ -75,7 +75,7 @@ struct KernelSet {
   size_t vector_bytes;  // bytes per vector of floats
   StepFn step[kNumStepKinds][kNumCopyKinds][2];  // [kind][copy][stream]
   InFn accumulate[kNumCopyKinds];                // by source type; kNone unused
-  InFn convert_in[kNumCopyKinds];
+  InFn convert_in[kNumCopyKinds][2];             // [source type][stream]
   OutFn convert_out[kNumCopyKinds];
   SumSquaresFn sum_squares;
 };

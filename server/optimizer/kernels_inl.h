@@ -178,14 +178,16 @@ ZS_KERNEL_TARGET void Accumulate(float* dst, const void* src, size_t n) {
   for (; i < n; ++i) dst[i] = dst[i] + LoadAs<ScalarIsa, kSrc>(src, i);
 }
 
-template <class Isa, CopyKind kSrc>
+// kStream: dst must be aligned to one vector.
+template <class Isa, CopyKind kSrc, bool kStream>
 ZS_KERNEL_TARGET void ConvertIn(float* dst, const void* src, size_t n) {
   constexpr size_t kW = Isa::kWidth;
   size_t i = 0;
   for (; i + kW <= n; i += kW) {
-    Isa::template Store<false>(dst + i, LoadAs<Isa, kSrc>(src, i));
+    Isa::template Store<kStream>(dst + i, LoadAs<Isa, kSrc>(src, i));
   }
   for (; i < n; ++i) dst[i] = LoadAs<ScalarIsa, kSrc>(src, i);
+  if constexpr (kStream) Isa::Fence();
 }
 
 template <class Isa, CopyKind kDst>
@@ -238,9 +240,12 @@ constexpr KernelSet MakeKernelSet(const char* name, size_t vector_bytes,
   s.accumulate[1] = &Accumulate<Isa, CopyKind::kFp32>;
   s.accumulate[2] = &Accumulate<Isa, CopyKind::kBf16>;
   s.accumulate[3] = &Accumulate<Isa, CopyKind::kFp16>;
-  s.convert_in[1] = &ConvertIn<Isa, CopyKind::kFp32>;
-  s.convert_in[2] = &ConvertIn<Isa, CopyKind::kBf16>;
-  s.convert_in[3] = &ConvertIn<Isa, CopyKind::kFp16>;
+  s.convert_in[1][0] = &ConvertIn<Isa, CopyKind::kFp32, false>;
+  s.convert_in[2][0] = &ConvertIn<Isa, CopyKind::kBf16, false>;
+  s.convert_in[3][0] = &ConvertIn<Isa, CopyKind::kFp16, false>;
+  s.convert_in[1][1] = &ConvertIn<Isa, CopyKind::kFp32, true>;
+  s.convert_in[2][1] = &ConvertIn<Isa, CopyKind::kBf16, true>;
+  s.convert_in[3][1] = &ConvertIn<Isa, CopyKind::kFp16, true>;
   s.convert_out[1] = &ConvertOut<Isa, CopyKind::kFp32>;
   s.convert_out[2] = &ConvertOut<Isa, CopyKind::kBf16>;
   s.convert_out[3] = &ConvertOut<Isa, CopyKind::kFp16>;

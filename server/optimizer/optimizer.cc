@@ -392,7 +392,9 @@ void ShardOptimizer::Accumulate(float* dst, const void* src, DType src_type,
 void ShardOptimizer::ConvertIn(float* dst, const void* src, DType src_type,
                                size_t n) {
   if (n == 0) return;
-  const auto fn = kernels_->convert_in[CopyIndex(src_type)];
+  const bool stream =
+      streaming_stores_ && n >= kStreamMinElems && Aligned(dst, kernels_->vector_bytes);
+  const auto fn = kernels_->convert_in[CopyIndex(src_type)][stream ? 1 : 0];
   const size_t elem = DTypeSize(src_type);
   const char* s = static_cast<const char*>(src);
   absl::MutexLock lock(&call_mu_);

@@ -125,7 +125,9 @@ struct GradStats {
 // for 16-bit copies, 32 for fp32; AVX-512: twice that) writes the copy with
 // non-temporal stores: it skips the read-for-ownership and leaves the copy
 // out of the caches. Parameters and moments, which the step has just read,
-// always take plain stores (streaming them measured slower).
+// always take plain stores (streaming them measured slower). ConvertIn of at
+// least kStreamMinElems elements into a vector-aligned `dst` (a first
+// gradient contribution: written now, read at the next step) streams too.
 class ShardOptimizer {
  public:
   static constexpr size_t kBlockElems = 16384;

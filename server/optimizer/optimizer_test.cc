@@ -1,5 +1,6 @@
 #include "server/optimizer/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -512,6 +513,43 @@ TEST(ConvertTest, ConvertInAndAccumulateMatchScalar) {
       opt->Accumulate(acc.data(), src, t, n);
       for (size_t i = 0; i < n; ++i) {
         ASSERT_TRUE(SameOrBothNan(acc[i], base[i] + expected[i])) << i;
+      }
+    }
+  }
+}
+
+// Large ConvertIn calls into vector-aligned memory take streaming stores;
+// aligned or not, every path writes the same values.
+TEST(ConvertTest, LargeConvertInGivesTheSameBitsAlignedOrNot) {
+  const size_t n = ShardOptimizer::kStreamMinElems + 29;
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<uint32_t> bits;
+  std::vector<uint16_t> bf(n);
+  std::vector<float> f32(n);
+  for (size_t i = 0; i < n; ++i) {
+    bf[i] = static_cast<uint16_t>(bits(rng));
+    f32[i] = BitsToFloat(bits(rng));
+  }
+  // One spare float in front, so that dst can be aligned or not.
+  std::unique_ptr<float, decltype(&std::free)> storage(
+      static_cast<float*>(std::aligned_alloc(64, (n + 16) * sizeof(float))), &std::free);
+  ASSERT_NE(storage, nullptr);
+  for (KernelPath path : {KernelPath::kScalar, KernelPath::kAvx2, KernelPath::kAvx512}) {
+    if (!KernelPathSupported(path)) continue;
+    auto opt = MakeOptimizer(path, 2);
+    for (DType t : {DType::kFp32, DType::kBf16}) {
+      const void* src = t == DType::kFp32 ? static_cast<const void*>(f32.data())
+                                          : static_cast<const void*>(bf.data());
+      std::vector<float> expected(n);
+      ToFloat(t, src, expected.data(), n);
+      for (size_t shift : {0, 1}) {
+        SCOPED_TRACE(absl::StrCat(KernelPathName(path), " ", DTypeName(t), " shift ", shift));
+        float* dst = storage.get() + shift;
+        std::fill(dst, dst + n, -1.0f);
+        opt->ConvertIn(dst, src, t, n);
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_TRUE(SameOrBothNan(dst[i], expected[i])) << i;
+        }
       }
     }
   }

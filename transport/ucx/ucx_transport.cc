@@ -37,8 +37,12 @@ namespace {
 
 // How long teardown waits for UCX to finish closing endpoints.
 constexpr absl::Duration kCloseWait = absl::Seconds(2);
-// Empty progress rounds after the last event before a worker sleeps.
-constexpr int kSpinRounds = 2000;
+// Empty progress rounds (each yields the CPU) after the last event before a
+// worker sleeps on its event fd: about 0.1-0.2 ms. Kept short because on a
+// host with few cores a spinning progress thread takes the CPU from the
+// threads doing the copies it waits for (2000 rounds cost a third of the
+// push bandwidth of bench/transport_bench on 2 cores).
+constexpr int kSpinRounds = 100;
 // How often a process on this host is checked for being alive, when UCX
 // cannot report its death (see PeerIdentity).
 constexpr absl::Duration kLivenessInterval = absl::Milliseconds(100);
