@@ -6,9 +6,12 @@
 //             loopback, same UCX_TLS, message size = the client's bucket C_B:
 //             what UCX itself moves with these settings.
 // A job of --bytes fp32 parameters (one rank, stage 2) pushes its whole
-// gradient and gathers all parameters per repetition; the figure is
-// (pushed + gathered bytes) / (push time + gather time), the optimizer step
-// in between not counted, over --reps repetitions after one warm-up. The
+// gradient and gathers all parameters per repetition; a repetition's figure
+// is (pushed + gathered bytes) / (push time + gather time), the optimizer
+// step in between not counted. Each path reports the median of --reps
+// repetitions after one warm-up, perftest the median of --perftest_runs
+// runs: the host is shared, and medians keep one noisy moment from deciding
+// the ratio. The
 // gradient buffer is borrowed (BufferUse::kBorrow, as a trainer with a
 // persistent gradient buffer pushes); the UCX path is also measured with
 // copied pushes (BufferUse::kCopy: one more sweep through the client's
@@ -23,6 +26,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -37,13 +41,15 @@
 #include "absl/flags/parse.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "server/daemon.h"
 
 ABSL_FLAG(uint64_t, bytes, 268435456, "bytes of fp32 parameters in the job (Ψ * 4)");
 ABSL_FLAG(uint64_t, bucket_bytes, 32ull << 20, "the client's bucket C_B (and perftest's message)");
-ABSL_FLAG(int, reps, 3, "timed repetitions after one warm-up");
+ABSL_FLAG(int, reps, 5, "timed repetitions after one warm-up (the median is reported)");
+ABSL_FLAG(int, perftest_runs, 3, "ucx_perftest runs (the median is reported)");
 ABSL_FLAG(std::string, ucx_tls, "posix,cma,self", "UCX_TLS for the client, daemon and perftest");
 ABSL_FLAG(std::string, perftest, "ucx_perftest", "the ucx_perftest binary (PATH is searched)");
 
@@ -60,8 +66,15 @@ double Now() {
 struct PathResult {
   double gbps = NAN;
   uint64_t client_buffer = 0;
-  double push_s = 0, gather_s = 0;
+  double push_gbps = NAN, gather_gbps = NAN;
 };
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 == 1 ? v[m] : (v[m - 1] + v[m]) / 2;
+}
 
 absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport,
                                    BufferUse use) {
@@ -85,10 +98,13 @@ absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport,
   std::vector<float> params(total, 0.5f), grads(total, 1e-3f);
   if (absl::Status s = (*client)->RegisterModel(*layout, params.data()); !s.ok()) return s;
   PathResult r;
-  const int reps = absl::GetFlag(FLAGS_reps);
+  const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
+  const double bytes = static_cast<double>(total) * sizeof(float);
+  std::vector<double> push, gather, both;
   for (int rep = 0; rep <= reps; ++rep) {
     const double t0 = Now();
-    absl::StatusOr<PushTicket> t = (*client)->PushGradients({0, total}, grads.data(), DType::kFp32, 0, use);
+    absl::StatusOr<PushTicket> t =
+        (*client)->PushGradients({0, total}, grads.data(), DType::kFp32, 0, use);
     if (!t.ok()) return t.status();
     if (absl::Status s = t->Wait(absl::Now() + absl::Seconds(300)); !s.ok()) return s;
     const double t1 = Now();
@@ -98,11 +114,14 @@ absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport,
     if (absl::Status s = (*client)->GatherAll(params.data(), DType::kFp32); !s.ok()) return s;
     const double t3 = Now();
     if (rep > 0) {  // rep 0 warms up
-      r.push_s += t1 - t0;
-      r.gather_s += t3 - t2;
+      push.push_back(bytes / (t1 - t0) / 1e9);
+      gather.push_back(bytes / (t3 - t2) / 1e9);
+      both.push_back(2 * bytes / ((t1 - t0) + (t3 - t2)) / 1e9);
     }
   }
-  r.gbps = 2.0 * total * sizeof(float) * reps / (r.push_s + r.gather_s) / 1e9;
+  r.push_gbps = Median(push);
+  r.gather_gbps = Median(gather);
+  r.gbps = Median(both);
   r.client_buffer = (*client)->MemoryReport().buffer;
   (*client)->Leave().IgnoreError();
   return r;
@@ -241,18 +260,28 @@ int Main() {
     run.gbps = r->gbps;
     std::printf("%-17s push %.2f GB/s, gather %.2f GB/s, push+gather %.2f GB/s; "
                 "client staging buffer %llu B\n",
-                run.label, bytes * absl::GetFlag(FLAGS_reps) / r->push_s / 1e9,
-                bytes * absl::GetFlag(FLAGS_reps) / r->gather_s / 1e9, r->gbps,
+                run.label, r->push_gbps, r->gather_gbps, r->gbps,
                 static_cast<unsigned long long>(r->client_buffer));
   }
   const double gbps[2] = {runs[1].gbps, runs[2].gbps};
   std::string why;
-  const double perftest = PerftestGbps(absl::GetFlag(FLAGS_bucket_bytes), &why);
+  std::vector<double> perftest_runs;
+  for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_perftest_runs)); ++i) {
+    const double g = PerftestGbps(absl::GetFlag(FLAGS_bucket_bytes), &why);
+    if (std::isnan(g)) break;
+    perftest_runs.push_back(g);
+  }
+  const double perftest = Median(perftest_runs);
   if (std::isnan(perftest)) {
     std::printf("perftest: %s\n", why.c_str());
   } else {
-    std::printf("perftest ucp_put_bw, %llu B messages: %.2f GB/s\n",
-                static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)), perftest);
+    std::string each;
+    for (double g : perftest_runs) {
+      absl::StrAppend(&each, each.empty() ? "" : ", ", absl::StrFormat("%.2f", g));
+    }
+    std::printf("perftest ucp_put_bw, %llu B messages: %.2f GB/s (median of %s)\n",
+                static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)), perftest,
+                each.c_str());
   }
   std::printf("ucx_gbps=%.3f grpc_gbps=%.3f perftest_gbps=%.3f ucx_fraction=%.3f\n", gbps[0],
               gbps[1], perftest, gbps[0] / perftest);

@@ -10,11 +10,12 @@
 // the push path allocates per step. Reduce copies (and converts to the wire
 // dtype) the caller's gradient into the staging buffer of each bucket it
 // touches (a borrowed buffer's whole, gap-free, wire-dtype buckets are sent
-// from the caller's memory instead); a bucket is sent, on one of `sender_threads` threads, as soon as
-// all of its tensor elements have been written (in whatever order and by
-// whatever mix of calls), and its buffer returns to the pool when the daemon
-// has answered. Gap elements (alignment padding between tensors) are sent as
-// zeros. Buckets that hold only gap elements are sent by Finish.
+// from the caller's memory instead); a bucket is sent, on one of
+// `sender_threads` threads, as soon as all of its tensor elements have been
+// written (in whatever order and by whatever mix of calls), and its buffer
+// returns to the pool when the daemon has answered. Gap elements (alignment
+// padding between tensors) are sent as zeros. Buckets that hold only gap
+// elements are sent by Finish.
 //
 // Reduce blocks (up to its deadline) while every staging buffer is in
 // flight. If every buffer holds a partly written bucket and nothing is in
