@@ -5,7 +5,8 @@
 // parameters it gathered, so a wrong gather shows. At every step, every rank's
 // parameters must equal, bit for bit, a single-process reference doing the
 // same math: the rank gradients summed in rank order, divided by N_d, the norm
-// combined from per-daemon partial sums, clipped, and one AdamW step.
+// combined from per-daemon partial sums, clipped, and one AdamW step. Two
+// ranks lend their gradient buffers (BufferUse::kBorrow), two have them copied.
 
 #include <algorithm>
 #include <atomic>
@@ -123,6 +124,10 @@ Reference ComputeReference(const Layout& layout, const PartitionMap& map,
   return ref;
 }
 
+// Ranks 0 and 1 lend their gradient buffers to the client (sent without a
+// copy where a push covers whole buckets), ranks 2 and 3 have them copied.
+BufferUse BufferUseOf(uint32_t rank) { return rank < 2 ? BufferUse::kBorrow : BufferUse::kCopy; }
+
 // Pushes `grad` (the whole flat gradient) split the way `rank` likes: ranks
 // need not agree on the split.
 absl::Status PushAll(Client& client, uint32_t rank, const std::vector<float>& grad) {
@@ -142,7 +147,8 @@ absl::Status PushAll(Client& client, uint32_t rank, const std::vector<float>& gr
   }
   std::vector<PushTicket> tickets;
   for (const FlatRange& r : ranges) {
-    absl::StatusOr<PushTicket> t = client.PushGradients(r, grad.data() + r.begin, DType::kFp32);
+    absl::StatusOr<PushTicket> t =
+        client.PushGradients(r, grad.data() + r.begin, DType::kFp32, 0, BufferUseOf(rank));
     if (!t.ok()) return t.status();
     tickets.push_back(*t);
   }
@@ -201,13 +207,15 @@ TEST_P(IntegrationTest, FourRanksTwoDaemonsMatchOneProcessBitForBit) {
     config.rpc_timeout = absl::Seconds(20);
     config.step_timeout = absl::Seconds(40);
     config.io_threads = 2;
+    // Before the client: a borrowed `grad` must outlive the sends, which the
+    // client's destructor waits for.
+    std::vector<float> params(n), backward(n), grad(n);
     absl::StatusOr<std::unique_ptr<Client>> created = Client::Create(config);
     if (!created.ok()) return fail(created.status().ToString());
     Client& client = **created;
     // Rank 0 uploads; the others pass their identical copy or nothing.
     absl::Status s = client.RegisterModel(layout, rank % 2 == 0 ? init.data() : nullptr);
     if (!s.ok()) return fail(s.ToString());
-    std::vector<float> params(n), backward(n), grad(n);
     for (int step = 1; step <= kSteps; ++step) {
       const std::vector<float>& expected = ref.params[step - 1];
       if (stage < 3) {
@@ -228,8 +236,8 @@ TEST_P(IntegrationTest, FourRanksTwoDaemonsMatchOneProcessBitForBit) {
           for (uint64_t i = r.begin; i < r.end; ++i) {
             grad[i] = Gradient(backward[i], i, step, rank);
           }
-          absl::StatusOr<PushTicket> t =
-              client.PushGradients(r, grad.data() + r.begin, DType::kFp32);
+          absl::StatusOr<PushTicket> t = client.PushGradients(
+              r, grad.data() + r.begin, DType::kFp32, 0, BufferUseOf(rank));
           if (!t.ok()) return fail(t.status().ToString());
         }
         if (std::memcmp(backward.data(), expected.data(), n * 4) != 0) {
