@@ -100,6 +100,8 @@ int Main(int argc, char** argv) {
       {"ucx shm (allocated)", "ucx", "posix,cma,self", true},
       {"ucx tcp (registered)", "ucx", "tcp", false},
       {"ucx tcp (allocated)", "ucx", "tcp", true},
+      {"grpc (registered)", "grpc", "", false},
+      {"grpc (allocated)", "grpc", "", true},
   };
   for (const Case& c : cases) {
     TransportOptions options;

@@ -221,6 +221,9 @@ struct TransportOptions {
   // `max_pieces_in_flight` of them outstanding per operation.
   size_t max_piece_bytes = size_t{8} << 20;
   int max_pieces_in_flight = 4;
+  // gRPC transport: "HOST:PORT" to serve regions on; empty means
+  // "127.0.0.1:0" (loopback, any port).
+  std::string listen_address;
 };
 
 // One per process side (a daemon or a trainer usually has one). Destroying it

@@ -1,6 +1,6 @@
 // One suite, run against every transport: inproc, UCX over tcp, UCX over
-// shared memory. Both sides of a UCX case are two Transports in this process,
-// except the peer-death case, which kills a real peer process.
+// shared memory, gRPC. Both sides of a UCX or gRPC case are two Transports in
+// this process, except the peer-death case, which kills a real peer process.
 
 #include <poll.h>
 #include <signal.h>
@@ -623,7 +623,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(TransportCase{"inproc", "inproc", "", false, true, true},
                       TransportCase{"ucx_tcp", "ucx", "tcp", true, true, false},
                       TransportCase{"ucx_shm", "ucx", "posix,cma,self", true,
-                                    true, false}),
+                                    true, false},
+                      TransportCase{"grpc", "grpc", "", true, true, true}),
     CaseName);
 
 }  // namespace

@@ -2,6 +2,8 @@
 //
 //   transport_test_peer <transport> <ucx_tls> <region_bytes> [allocate]
 //
+// <transport> is any linked-in one: "inproc", "ucx" or "grpc" (which serves
+// on loopback, any port; it ignores <ucx_tls>).
 // Creates the transport (named "test-peer"), registers (or, with "allocate",
 // allocates) one read-write region of <region_bytes> bytes whose byte i is
 // (i * 131 + 7) mod 256, prints
