@@ -169,6 +169,10 @@ absl::Status ValidateConfig(const ClientConfig& c) {
   if (c.sender_threads < 1 || c.sender_threads > 64) {
     return Invalid("sender_threads", absl::StrCat("must be in 1..64, got ", c.sender_threads));
   }
+  if (c.ucx_progress_threads < 1 || c.ucx_progress_threads > 16) {
+    return Invalid("ucx_progress_threads",
+                   absl::StrCat("must be in 1..16, got ", c.ucx_progress_threads));
+  }
   if (c.io_threads < 1 || c.io_threads > 64) {
     return Invalid("io_threads", absl::StrCat("must be in 1..64, got ", c.io_threads));
   }
@@ -221,12 +225,13 @@ v1::JobSpec BuildJobSpec(const ClientConfig& c, const Layout& layout) {
 }
 
 // The data path of `transport` (ValidateConfig admits only the ones here).
-std::unique_ptr<DataPath> MakeDataPath(const std::string& transport, const std::string& address,
+std::unique_ptr<DataPath> MakeDataPath(const ClientConfig& c, const std::string& address,
                                        std::shared_ptr<grpc::Channel> channel,
                                        std::shared_ptr<transport::Transport> bulk) {
-  if (transport == "grpc") return std::make_unique<GrpcDataPath>(address, std::move(channel));
-  if (transport == "ucx") {
-    return std::make_unique<UcxDataPath>(address, std::move(channel), std::move(bulk));
+  if (c.transport == "grpc") return std::make_unique<GrpcDataPath>(address, std::move(channel));
+  if (c.transport == "ucx") {
+    return std::make_unique<UcxDataPath>(address, std::move(channel), std::move(bulk),
+                                         c.ucx_progress_threads);
   }
   return nullptr;
 }
@@ -273,6 +278,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientConfig config,
     transport::TransportOptions to;
     to.name = absl::StrCat("client ", c.job_id, " rank ", c.rank);
     to.ucx_tls = c.ucx_tls;
+    to.progress_threads = c.ucx_progress_threads;
     ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> t,
                      transport::CreateTransport("ucx", to), "ClientConfig.transport \"ucx\"");
     client->transport_ = std::move(t);
@@ -281,7 +287,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientConfig config,
     std::shared_ptr<grpc::Channel> channel = MakeDaemonChannel(address);
     client->controls_.push_back(std::make_unique<DaemonControl>(address, channel));
     client->data_paths_.push_back(
-        MakeDataPath(c.transport, address, channel, client->transport_));
+        MakeDataPath(c, address, channel, client->transport_));
   }
   client->io_ = std::make_unique<Executor>(c.io_threads);
   client->prefetcher_ = std::make_unique<Executor>(1);

@@ -116,6 +116,10 @@ struct ClientConfig {
   // UCX_TLS of the client's UCX transport, e.g. "posix,cma,self" or "tcp";
   // empty = UCX's choice (or the UCX_TLS environment variable).
   std::string ucx_tls;
+  // UCX progress threads (1..16), each with its own UCX worker and one
+  // connection to every daemon. A gather's Gets are spread over them, so
+  // they copy in parallel; a daemon's gradient Puts all take the first.
+  int ucx_progress_threads = 2;
   int sender_threads = 2;
   int io_threads = 4;
 };

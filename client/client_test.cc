@@ -493,6 +493,7 @@ TEST(ClientTest, BadConfigIsInvalidArgument) {
       {"transport", [](ClientConfig& c) { c.transport = "carrier-pigeon"; }},
       {"sender_threads", [](ClientConfig& c) { c.sender_threads = 0; }},
       {"io_threads", [](ClientConfig& c) { c.io_threads = 1000; }},
+      {"ucx_progress_threads", [](ClientConfig& c) { c.ucx_progress_threads = 0; }},
   };
   ASSERT_TRUE(Client::Create(MakeConfig("ok", daemons, 0, 4, 2)).ok());
   for (const Case& c : cases) {

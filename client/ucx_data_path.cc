@@ -21,12 +21,13 @@ transport::RegionDescriptor ToDescriptor(const v1::RemoteRegion& r) {
 }  // namespace
 
 UcxDataPath::UcxDataPath(std::string address, std::shared_ptr<grpc::Channel> channel,
-                         std::shared_ptr<transport::Transport> transport)
+                         std::shared_ptr<transport::Transport> transport, int connections)
     : address_(std::move(address)),
       channel_(channel),
       stub_(v1::Shard::NewStub(channel)),
       transport_(std::move(transport)),
       fallback_(address_, channel),
+      connections_(std::max(1, connections)),
       slot_busy_(kStagingSlots, false) {}
 
 UcxDataPath::~UcxDataPath() = default;
@@ -72,14 +73,16 @@ absl::StatusOr<const UcxDataPath::Endpoint*> UcxDataPath::GetEndpoint(const std:
             "daemon ", address_, ": ExchangeEndpoint: the reply lacks a grad_staging or a ",
             "well-formed param_master region"));
       }
-      absl::StatusOr<std::unique_ptr<transport::Connection>> connection =
-          transport_->Connect(resp.worker_address(), deadline);
-      if (!connection.ok()) {
-        return absl::Status(connection.status().code(),
-                            absl::StrCat("daemon ", address_, ": UCX connect: ",
-                                         connection.status().message()));
+      for (int i = 0; i < connections_; ++i) {
+        absl::StatusOr<std::unique_ptr<transport::Connection>> connection =
+            transport_->Connect(resp.worker_address(), deadline);
+        if (!connection.ok()) {
+          return absl::Status(connection.status().code(),
+                              absl::StrCat("daemon ", address_, ": UCX connect: ",
+                                           connection.status().message()));
+        }
+        endpoint->connections.push_back(*std::move(connection));
       }
-      endpoint->connection = *std::move(connection);
       endpoint_ = std::move(endpoint);
       ready_.store(endpoint_.get(), std::memory_order_release);
     }
@@ -139,7 +142,7 @@ absl::StatusOr<uint64_t> UcxDataPath::PushGradient(const GradientPush& push, abs
   absl::Status s;
   {
     transport::Completion put =
-        (*ep)->connection->Put(push.data, bytes, (*ep)->staging, offset);
+        (*ep)->connections[0]->Put(push.data, bytes, (*ep)->staging, offset);
     s = Finish(put, deadline, what + ": Put");
   }
   if (s.ok()) {
@@ -210,8 +213,11 @@ absl::StatusOr<uint64_t> UcxDataPath::Gather(const GatherRequestSpec& request, v
   }
   const size_t esize = DTypeSize(request.dtype);
   const uint64_t bytes = request.range.size() * esize;
+  const Endpoint& e = **ep;
+  transport::Connection& connection =
+      *e.connections[e.next_get.fetch_add(1, std::memory_order_relaxed) % e.connections.size()];
   transport::Completion get =
-      (*ep)->connection->Get(dst, bytes, region, (request.range.begin - held.begin) * esize);
+      connection.Get(dst, bytes, region, (request.range.begin - held.begin) * esize);
   absl::Status s = Finish(get, deadline, what + ": Get");
   if (!s.ok()) return s;
   return bytes;

@@ -16,6 +16,12 @@
 // from its Put until the daemon has applied the chunk, so at most that many
 // pushes to one daemon are in flight and further ones wait (until their
 // deadline) for a slot. Nothing is allocated per push.
+//
+// Connections: one per progress thread of the transport. The Puts of all
+// pushes take the first, so one thread copies gradients while the daemon
+// applies the previous slot (spreading them measured slower: the daemon's
+// apply needs a core too); the Gets of a gather take each connection in
+// turn and copy in parallel.
 
 #include <atomic>
 #include <cstdint>
@@ -36,9 +42,11 @@ namespace zeroshard {
 class UcxDataPath final : public DataPath {
  public:
   // `channel` is the daemon's channel (shared with the control plane);
-  // `transport` is the client's transport, shared by its data paths.
+  // `transport` is the client's transport, shared by its data paths;
+  // `connections` (>= 1): how many UCX connections to open to the daemon,
+  // one per progress thread of `transport`.
   UcxDataPath(std::string address, std::shared_ptr<grpc::Channel> channel,
-              std::shared_ptr<transport::Transport> transport);
+              std::shared_ptr<transport::Transport> transport, int connections);
   // Waits for nothing: every operation has finished when its call returned.
   ~UcxDataPath() override;
 
@@ -58,7 +66,9 @@ class UcxDataPath final : public DataPath {
  private:
   struct Endpoint {
     std::string job_id;
-    std::unique_ptr<transport::Connection> connection;
+    // connections[0] carries the Puts; Gets take each in turn.
+    std::vector<std::unique_ptr<transport::Connection>> connections;
+    mutable std::atomic<size_t> next_get{0};
     transport::RegionDescriptor staging;
     uint64_t slot_bytes = 0;
     transport::RegionDescriptor master;
@@ -84,6 +94,7 @@ class UcxDataPath final : public DataPath {
   std::unique_ptr<v1::Shard::Stub> stub_;
   std::shared_ptr<transport::Transport> transport_;
   GrpcDataPath fallback_;
+  const int connections_;
 
   absl::Mutex setup_mu_;
   std::unique_ptr<Endpoint> endpoint_ ABSL_GUARDED_BY(setup_mu_);
