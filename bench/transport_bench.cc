@@ -92,10 +92,12 @@ absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport,
   c.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   c.rpc_timeout = absl::Seconds(120);
   c.step_timeout = absl::Seconds(300);
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(c);
-  if (!client.ok()) return client.status();
+  // Before the client: a borrowed `grads` must outlive the sends, which the
+  // client's destructor waits for.
   const uint64_t total = layout->total_elements();
   std::vector<float> params(total, 0.5f), grads(total, 1e-3f);
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(c);
+  if (!client.ok()) return client.status();
   if (absl::Status s = (*client)->RegisterModel(*layout, params.data()); !s.ok()) return s;
   PathResult r;
   const int reps = std::max(1, absl::GetFlag(FLAGS_reps));

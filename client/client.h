@@ -224,7 +224,9 @@ class Client {
   // same `lr`; the leader's is applied. If Step fails in its commit phase,
   // calling it again resends the same commit (CommitStep is idempotent). If
   // it fails before, the rank may push its whole gradient again and retry
-  // (buckets the daemons already hold count as delivered).
+  // (buckets the daemons already hold count as delivered); a borrowed
+  // gradient buffer stays in use until the tickets of its pushes complete,
+  // also after a failed Step (one that timed out may leave sends running).
   // Stage-3 layer views must be released first (FailedPrecondition);
   // prefetched layers of the old parameters are dropped. Step gathers
   // nothing: stages 1-2 call GatherAll for the new parameters.

@@ -10,7 +10,8 @@ namespace zeroshard {
 
 void ConvertElements(DType from, const void* src, DType to, void* dst, size_t n) {
   if (from == to) {
-    StreamCopy(dst, src, n * DTypeSize(from));  // the staging buffer is sent, not read
+    // Non-temporal: skips reading the staging buffer's old contents in.
+    StreamCopy(dst, src, n * DTypeSize(from));
   } else if (to == DType::kFp32) {
     ToFloat(from, src, static_cast<float*>(dst), n);
   } else if (from == DType::kFp32) {
@@ -106,12 +107,12 @@ std::string DaemonReduceCollective::DescribeBucket(uint64_t key) const {
 absl::StatusOr<int> DaemonReduceCollective::AcquireBuffer(absl::Time deadline,
                                                           int own_pushers) {
   auto ready = [this, own_pushers]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !free_.empty() || (in_flight_ == 0 && pushers_ <= own_pushers);
+    return !free_.empty() || (staged_in_flight_ == 0 && pushers_ <= own_pushers);
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "PushGradients: no staging buffer became free before the deadline (", buffer_count_,
-        " buffers of ", buffer_bytes_, " bytes, ", in_flight_, " in flight)"));
+        " buffers of ", buffer_bytes_, " bytes, ", staged_in_flight_, " in flight)"));
   }
   if (free_.empty()) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -197,6 +198,14 @@ absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_
   }
   const size_t wire_size = DTypeSize(plan_.wire_dtype());
   const size_t src_size = DTypeSize(dtype);
+  // Borrowed buckets are reserved (marked sent) in the loop and handed to
+  // the senders only once the whole call has succeeded: a call that fails
+  // leaves nothing reading `grads` behind it.
+  struct Borrowed {
+    uint64_t key;
+    const uint8_t* data;
+  };
+  std::vector<Borrowed> borrowed;
   absl::Status status;
   for (size_t i = first; i < last && status.ok(); ++i) {
     const Bucket& bucket = plan_.buckets()[i];
@@ -218,8 +227,9 @@ absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_
                            step));
           break;
         }
-        ticket->Add(1);
-        Send(key, /*buffer=*/-1, src, {ticket});
+        sent_[key] = 1;
+        ++sent_count_;
+        borrowed.push_back({key, src});
         continue;
       }
       if (it != active_.end()) {
@@ -264,6 +274,15 @@ absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_
   }
   absl::MutexLock lock(&mu_);
   --pushers_;
+  for (const Borrowed& b : borrowed) {
+    if (status.ok()) {
+      ticket->Add(1);
+      Dispatch(b.key, /*buffer_index=*/-1, b.data, {ticket});
+    } else {
+      sent_[b.key] = 0;
+      --sent_count_;
+    }
+  }
   if (!status.ok()) return status;
   return PushTicket(std::move(ticket));
 }
@@ -272,7 +291,13 @@ void DaemonReduceCollective::Send(uint64_t key, int buffer_index, const uint8_t*
                                   std::vector<std::shared_ptr<CountDown>> tickets) {
   sent_[key] = 1;
   ++sent_count_;
+  Dispatch(key, buffer_index, data, std::move(tickets));
+}
+
+void DaemonReduceCollective::Dispatch(uint64_t key, int buffer_index, const uint8_t* data,
+                                      std::vector<std::shared_ptr<CountDown>> tickets) {
   ++in_flight_;
+  if (buffer_index >= 0) ++staged_in_flight_;
   senders_->Submit([this, step = step_, key, buffer_index, data,
                     tickets = std::move(tickets)]() mutable {
     RunSend(step, key, buffer_index, data, std::move(tickets));
@@ -304,7 +329,10 @@ void DaemonReduceCollective::RunSend(uint64_t step, uint64_t key, int buffer_ind
   }
   for (const auto& t : tickets) t->Done(status);
   absl::MutexLock lock(&mu_);
-  if (buffer_index >= 0) free_.push_back(buffer_index);
+  if (buffer_index >= 0) {
+    free_.push_back(buffer_index);
+    --staged_in_flight_;
+  }
   --in_flight_;
   if (!status.ok() && error_.ok()) error_ = status;
 }

@@ -83,11 +83,15 @@ class DaemonReduceCollective final : public Collective {
   // A new Active for bucket `index` with its gap elements zeroed.
   absl::StatusOr<Active*> StartBucket(uint64_t key, size_t index, absl::Time deadline,
                                       int own_pushers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Hands a complete bucket to the senders: its bytes are `data`, in staging
-  // buffer `buffer_index` (returned to the pool once sent) or, with -1, in a
-  // borrowed caller buffer.
+  // Marks bucket `key` sent and hands it to the senders: its bytes are
+  // `data`, in staging buffer `buffer_index` (returned to the pool once sent)
+  // or, with -1, in a borrowed caller buffer.
   void Send(uint64_t key, int buffer_index, const uint8_t* data,
             std::vector<std::shared_ptr<CountDown>> tickets) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Send for a bucket already marked sent.
+  void Dispatch(uint64_t key, int buffer_index, const uint8_t* data,
+                std::vector<std::shared_ptr<CountDown>> tickets)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunSend(uint64_t step, uint64_t key, int buffer_index, const uint8_t* data,
                std::vector<std::shared_ptr<CountDown>> tickets);
   std::string DescribeBucket(uint64_t key) const;
@@ -109,7 +113,8 @@ class DaemonReduceCollective final : public Collective {
   absl::flat_hash_map<uint64_t, Active> active_ ABSL_GUARDED_BY(mu_);
   std::vector<uint8_t> sent_ ABSL_GUARDED_BY(mu_);  // by key: handed to a sender
   uint64_t sent_count_ ABSL_GUARDED_BY(mu_) = 0;
-  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;         // buckets handed to the senders
+  int staged_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // those of them in staging buffers
   int pushers_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);  // first failed send of the step
 

@@ -274,6 +274,30 @@ TEST(DaemonReduceCollectiveTest, BorrowedWholeBucketsAreSentFromTheCallersBuffer
   EXPECT_EQ(rig.Received(), copied);
 }
 
+// A borrowed push that fails part-way sends nothing from the caller's buffer
+// (the caller gets no ticket to wait on) and leaves its whole buckets free to
+// be pushed again.
+TEST(DaemonReduceCollectiveTest, AFailedBorrowedPushSendsNothingFromTheBuffer) {
+  const Layout layout = *Layout::Create({{"w", {10 * 1024}, DType::kFp32, 0}});
+  std::vector<float> g(layout.total_elements());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = 0.5f * static_cast<float>(i);
+  Rig rig(layout, 2, 2, 4096, /*staging=*/2);
+  // Both staging buffers hold partly pushed buckets ([0, 1024) and [1024, 2048)).
+  ASSERT_TRUE(rig.Push(1, {0, 10}, g.data()).ok());
+  ASSERT_TRUE(rig.Push(1, {1024, 1030}, g.data()).ok());
+  // Whole bucket [2048, 3072), then part of [3072, 4096), which needs a buffer.
+  absl::StatusOr<PushTicket> t = rig.Push(1, {2048, 3100}, g.data(), 0, BufferUse::kBorrow);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kResourceExhausted) << t.status();
+  EXPECT_TRUE(rig.Received().empty());
+  // Complete the two partial buckets; the whole one can be pushed again.
+  ASSERT_TRUE(rig.Push(1, {10, 1024}, g.data()).ok());
+  ASSERT_TRUE(rig.Push(1, {1030, 2048}, g.data()).ok());
+  ASSERT_TRUE(rig.Push(1, {2048, g.size()}, g.data(), 0, BufferUse::kBorrow).ok());
+  ASSERT_TRUE(rig.Finish(1).ok());
+  EXPECT_EQ(rig.traffic.Total().push, g.size() * 4);
+  EXPECT_EQ(rig.PushesReadFrom(g.data(), g.data() + g.size()), 8);  // [2048, 10240)
+}
+
 // A borrowed buffer in another dtype than the wire's is converted, so staged.
 TEST(DaemonReduceCollectiveTest, BorrowedBuffersOfAnotherDtypeAreStaged) {
   const Layout layout = *Layout::Create({{"w", {4096}, DType::kFp32, 0}});

@@ -1,6 +1,7 @@
 #include "client/ucx_data_path.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "client/rpc.h"
@@ -73,6 +74,11 @@ absl::StatusOr<const UcxDataPath::Endpoint*> UcxDataPath::GetEndpoint(const std:
             "daemon ", address_, ": ExchangeEndpoint: the reply lacks a grad_staging or a ",
             "well-formed param_master region"));
       }
+      // The transport hands connections to its progress threads in turn;
+      // opening this daemon's connections back to back, with no other data
+      // path's in between, puts them on different threads.
+      static absl::Mutex* const connect_mu = new absl::Mutex;
+      absl::MutexLock connect_lock(connect_mu);
       for (int i = 0; i < connections_; ++i) {
         absl::StatusOr<std::unique_ptr<transport::Connection>> connection =
             transport_->Connect(resp.worker_address(), deadline);
@@ -120,8 +126,17 @@ absl::Status UcxDataPath::Finish(transport::Completion& completion, absl::Time d
   absl::Status s = completion.Wait(deadline);
   if (absl::IsDeadlineExceeded(s)) {
     completion.Abort();
-    // The caller's buffer is in use until the transport lets go of it.
-    completion.Wait(absl::Now() + transport::Completion::kDestroyWait).IgnoreError();
+    // The caller's buffer (a staging buffer, or a trainer's borrowed
+    // gradients) is in use until the transport lets go of it, which an
+    // aborted operation does promptly; returning earlier would let the
+    // caller free memory the transport still reads or writes.
+    while (absl::IsDeadlineExceeded(
+        completion.Wait(absl::Now() + transport::Completion::kDestroyWait))) {
+      std::fprintf(stderr,
+                   "zeroshard client: daemon %s: %s: the transport still holds the buffer "
+                   "after an abort; waiting\n",
+                   address_.c_str(), what.c_str());
+    }
   }
   if (s.ok()) return s;
   return absl::Status(s.code(), absl::StrCat("daemon ", address_, ": ", what, ": ", s.message()));

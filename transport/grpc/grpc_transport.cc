@@ -586,7 +586,7 @@ class ConnectionCore {
     while (reader->Read(&get_chunk_)) {
       const std::string& data = get_chunk_.data();
       if (data.size() > op.length - received) {
-        broken = absl::InternalError(absl::StrCat(
+        broken = absl::UnavailableError(absl::StrCat(
             "grpc get on peer \"", peer_name_, "\": it sent more than the ",
             op.length, " bytes asked for"));
         context.TryCancel();
@@ -600,7 +600,7 @@ class ConnectionCore {
     const absl::Status status = FromRpc(reader->Finish(), "get");
     if (!broken.ok()) return broken;
     if (status.ok() && received != op.length) {
-      return absl::InternalError(absl::StrCat(
+      return absl::UnavailableError(absl::StrCat(
           "grpc get on peer \"", peer_name_, "\": stream ended after ",
           received, " of ", op.length, " bytes"));
     }

@@ -4,6 +4,11 @@
 
 #include "transport/grpc/grpc_transport.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -161,19 +166,24 @@ TEST_F(GrpcTransportTest, ConnectToMalformedAddressIsInvalidArgument) {
 }
 
 TEST_F(GrpcTransportTest, ConnectToNobodyFailsByTheDeadline) {
-  // Find a port nobody listens on: one a destroyed Transport had.
-  std::string address;
-  {
-    std::unique_ptr<Transport> gone = NewTransport("gone");
-    ASSERT_NE(gone, nullptr);
-    address = gone->LocalAddress();
-  }
+  // A port nobody listens on: bound (so nobody else can take it) but not
+  // listening, so connections to it are refused.
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const std::string address = absl::StrCat("127.0.0.1:", ntohs(a.sin_port));
   const absl::Time start = absl::Now();
   auto connection = client_->Connect(address, absl::Now() + absl::Seconds(1));
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   EXPECT_TRUE(absl::IsUnavailable(connection.status()) ||
               absl::IsDeadlineExceeded(connection.status()))
       << connection.status();
+  close(fd);
 }
 
 TEST_F(GrpcTransportTest, PeerNameAndRoundTrip) {
