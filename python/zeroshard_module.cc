@@ -133,7 +133,8 @@ class PyClient {
   }
 
   ~PyClient() {
-    // The client's destructor waits for its in-flight RPCs.
+    // The client's destructor waits for its in-flight RPCs (borrowed buffers
+    // in lent_ are released after it).
     py::gil_scoped_release release;
     client_.reset();
   }
@@ -154,15 +155,19 @@ class PyClient {
     Check(status);
   }
 
-  void PushGradients(uint64_t begin, uint64_t end, const py::buffer& grads) {
+  void PushGradients(uint64_t begin, uint64_t end, const py::buffer& grads, bool borrow) {
     if (end < begin) throw py::value_error("push_gradients: end < begin");
     py::buffer_info info = Float32Buffer(grads, false, end - begin, "grads");
     absl::StatusOr<PushTicket> ticket;
     {
       py::gil_scoped_release release;
-      ticket = client_->PushGradients({begin, end}, info.ptr, DType::kFp32);
+      ticket = client_->PushGradients({begin, end}, info.ptr, DType::kFp32, 0,
+                                      borrow ? BufferUse::kBorrow : BufferUse::kCopy);
     }
     Check(ticket.status());
+    // The client reads a borrowed buffer until the step has taken it in:
+    // keep the object (and so its memory) alive until then.
+    if (borrow) lent_.push_back(grads);
   }
 
   py::dict Step(float lr) {
@@ -172,6 +177,7 @@ class PyClient {
       result = client_->Step(lr);
     }
     StepResult r = Check(std::move(result));
+    lent_.clear();  // every push of the step has been accepted
     py::dict d;
     d["step"] = r.step;
     d["skipped"] = r.skipped;
@@ -234,6 +240,9 @@ class PyClient {
   }
 
   std::unique_ptr<Client> client_;
+  // Buffers lent by push_gradients(borrow=True) since the last successful
+  // step; touched with the GIL held.
+  std::vector<py::object> lent_;
 };
 
 std::vector<uint64_t> Offsets(const Layout& layout) {
@@ -301,9 +310,11 @@ PYBIND11_MODULE(_zeroshard, m) {
           "Registers and joins the job; rank 0 uploads initial_params (total_elements "
           "float32 values). Blocks until every rank has joined.")
       .def("push_gradients", &PyClient::PushGradients, py::arg("begin"), py::arg("end"),
-           py::arg("grads"),
+           py::arg("grads"), py::arg("borrow") = false,
            "Contributes float32 gradients for flat [begin, end) to the next step. The "
-           "values are copied before it returns.")
+           "values are copied before it returns, or with borrow=True read from `grads` "
+           "until the next successful step() (one copy fewer; the client keeps a "
+           "reference, and the caller must not change the values before then).")
       .def("step", &PyClient::Step, py::arg("lr"),
            "Runs the two-phase step; returns dict(step, grad_norm, clip_coef, skipped, "
            "loss_scale). grad_norm and clip_coef are None where this rank does not know "

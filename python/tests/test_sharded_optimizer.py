@@ -1,6 +1,7 @@
 """End to end: two zeroshardd daemons, two trainer processes using
 ShardedOptimizer, checked against single-process torch.optim.AdamW."""
 
+import gc
 import json
 import os
 import pathlib
@@ -118,6 +119,11 @@ def test_bad_buffers_raise(daemons):
     client.push_gradients(0, n, np.zeros(n, dtype=np.float32))
     result = client.step(1e-3)
     assert result["step"] == 1 and not result["skipped"]
+    # A lent buffer nobody else references stays alive until the step.
+    client.push_gradients(0, n, np.zeros(n, dtype=np.float32), borrow=True)
+    gc.collect()
+    result = client.step(1e-3)
+    assert result["step"] == 2 and not result["skipped"]
     out = np.zeros(n, dtype=np.float32)
     client.gather_all(out)
     assert out[0] < 1.0 and out[20] == 0.0  # decayed; gaps read as zeros

@@ -97,7 +97,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     dst.zero_()
                 else:
                     dst.copy_(p.grad.reshape(-1))
-        self._client.push_gradients(0, len(self._flat_grads), self._flat_grads)
+        # Lent, not copied: _flat_grads is not written again before step()
+        # has taken the pushes in.
+        self._client.push_gradients(0, len(self._flat_grads), self._flat_grads,
+                                    borrow=True)
         self.last_result = self._client.step(float(self.param_groups[0]["lr"]))
         self._load_params()
         return loss
