@@ -16,8 +16,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
-#include "absl/random/random.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
@@ -28,6 +26,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "transport/grpc/region_access.grpc.pb.h"
+#include "transport/region_table.h"
 
 namespace zeroshard::transport::grpc {
 namespace {
@@ -153,64 +152,12 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view address,
 // ---------------------------------------------------------------------------
 // Serving side.
 
-// One registration, shared by the table, its Region and running handlers.
-struct RegionRecord {
-  uint64_t id = 0;
-  uint64_t token = 0;  // random; a peer must present it with the id
-  char* base = nullptr;
-  size_t length = 0;
-  Access access = Access::kRemoteReadWrite;
-  // Handlers hold it shared while they copy one chunk; revocation takes it
-  // exclusively, so once a Region is destroyed no handler touches its memory.
-  absl::Mutex mu;
-  bool live ABSL_GUARDED_BY(mu) = true;
-};
-
-// The regions of one Transport, by id. Shared by the Transport, its server
-// and its Regions (which may outlive the Transport).
-class RegionTable {
- public:
-  std::shared_ptr<RegionRecord> Add(char* base, size_t length, Access access) {
-    auto record = std::make_shared<RegionRecord>();
-    record->base = base;
-    record->length = length;
-    record->access = access;
-    absl::MutexLock lock(&mu_);
-    record->id = next_id_++;
-    record->token = absl::Uniform<uint64_t>(bitgen_);
-    regions_[record->id] = record;
-    return record;
-  }
-
-  // Removes the record and waits for chunk copies that are under way.
-  void Revoke(RegionRecord& record) {
-    {
-      absl::MutexLock lock(&mu_);
-      regions_.erase(record.id);
-    }
-    absl::MutexLock lock(&record.mu);
-    record.live = false;
-  }
-
-  // Null if `id` is not registered.
-  std::shared_ptr<RegionRecord> Find(uint64_t id) {
-    absl::MutexLock lock(&mu_);
-    auto it = regions_.find(id);
-    return it == regions_.end() ? nullptr : it->second;
-  }
-
- private:
-  absl::Mutex mu_;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  absl::BitGen bitgen_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, std::shared_ptr<RegionRecord>> regions_
-      ABSL_GUARDED_BY(mu_);
-};
-
 struct FreeDeleter {
   void operator()(char* p) const { std::free(p); }
 };
 
+// One record (owner 0) in its Transport's RegionTable. The rkey carries the
+// record's id and random token; a peer must present both.
 class GrpcRegion : public Region {
  public:
   // `owned` is the memory when the region allocated it (freed after the
@@ -750,7 +697,8 @@ class GrpcTransport : public Transport {
                        ", length ", length, ")"));
     }
     return std::make_unique<GrpcRegion>(
-        regions_, regions_->Add(static_cast<char*>(base), length, access));
+        regions_,
+        regions_->Add(/*owner=*/0, static_cast<char*>(base), length, access));
   }
 
   absl::StatusOr<std::unique_ptr<Region>> AllocateRegion(
@@ -772,7 +720,7 @@ class GrpcTransport : public Transport {
           "grpc AllocateRegion: cannot allocate ", length, " bytes"));
     }
     std::memset(memory.get(), 0, rounded);
-    auto record = regions_->Add(memory.get(), length, access);
+    auto record = regions_->Add(/*owner=*/0, memory.get(), length, access);
     return std::make_unique<GrpcRegion>(regions_, std::move(record),
                                         std::move(memory));
   }
@@ -853,6 +801,7 @@ class GrpcTransport : public Transport {
  private:
   const std::string name_;
   const size_t chunk_bytes_;
+  // Shared with the service and the Regions (which may outlive the Transport).
   const std::shared_ptr<RegionTable> regions_;
   // The service outlives the server that calls it.
   const std::unique_ptr<RegionAccessService> service_;

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "transport/region_table.h"
 
 namespace zeroshard::transport::inproc {
 namespace {
@@ -33,20 +34,8 @@ uint64_t ReadU64(const char* p) {
   return v;
 }
 
-// One registration, shared by the directory, the Region and running copies.
-struct RegionRecord {
-  uint64_t id = 0;
-  uint64_t owner = 0;  // transport id
-  char* base = nullptr;
-  size_t length = 0;
-  Access access = Access::kRemoteReadWrite;
-  // Copies hold it shared; revocation takes it exclusively, so once a Region
-  // is destroyed no copy touches its memory.
-  absl::Mutex mu;
-  bool live ABSL_GUARDED_BY(mu) = true;
-};
-
-// Process-wide table of live transports and regions.
+// Process-wide table of live transports and their regions (a record's owner
+// is its transport's id).
 class Directory {
  public:
   static Directory& Get() {
@@ -63,20 +52,11 @@ class Directory {
 
   // Revokes the transport's regions; waits for copies touching them.
   void RemoveTransport(uint64_t id) {
-    std::vector<std::shared_ptr<RegionRecord>> owned;
     {
       absl::MutexLock lock(&mu_);
       transports_.erase(id);
-      for (auto it = regions_.begin(); it != regions_.end();) {
-        if (it->second->owner == id) {
-          owned.push_back(it->second);
-          regions_.erase(it++);
-        } else {
-          ++it;
-        }
-      }
     }
-    for (auto& record : owned) Kill(*record);
+    regions_.RevokeOwnedBy(id);
   }
 
   bool TransportLive(uint64_t id) {
@@ -91,44 +71,13 @@ class Directory {
     return it == transports_.end() ? std::string() : it->second;
   }
 
-  std::shared_ptr<RegionRecord> AddRegion(uint64_t owner, char* base,
-                                          size_t length, Access access) {
-    auto record = std::make_shared<RegionRecord>();
-    record->owner = owner;
-    record->base = base;
-    record->length = length;
-    record->access = access;
-    absl::MutexLock lock(&mu_);
-    record->id = next_id_++;
-    regions_[record->id] = record;
-    return record;
-  }
-
-  void RemoveRegion(const std::shared_ptr<RegionRecord>& record) {
-    {
-      absl::MutexLock lock(&mu_);
-      regions_.erase(record->id);
-    }
-    Kill(*record);
-  }
-
-  std::shared_ptr<RegionRecord> FindRegion(uint64_t id) {
-    absl::MutexLock lock(&mu_);
-    auto it = regions_.find(id);
-    return it == regions_.end() ? nullptr : it->second;
-  }
+  RegionTable& regions() { return regions_; }
 
  private:
-  static void Kill(RegionRecord& record) {
-    absl::MutexLock lock(&record.mu);
-    record.live = false;
-  }
-
   absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::string> transports_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, std::shared_ptr<RegionRecord>> regions_
-      ABSL_GUARDED_BY(mu_);
+  RegionTable regions_;
 };
 
 class InprocRegion : public Region {
@@ -143,7 +92,7 @@ class InprocRegion : public Region {
     AppendU64(&descriptor_.rkey, record_->id);
     AppendU64(&descriptor_.rkey, record_->owner);
   }
-  ~InprocRegion() override { Directory::Get().RemoveRegion(record_); }
+  ~InprocRegion() override { Directory::Get().regions().Revoke(*record_); }
 
   const RegionDescriptor& Descriptor() const override { return descriptor_; }
   void* base() const override { return record_->base; }
@@ -198,7 +147,7 @@ absl::Status Execute(Op& op) {
   if (!directory.TransportLive(op.peer)) return PeerGone(op);
   if (op.kind == Op::Kind::kFlush) return absl::OkStatus();
 
-  std::shared_ptr<RegionRecord> record = directory.FindRegion(op.region_id);
+  std::shared_ptr<RegionRecord> record = directory.regions().Find(op.region_id);
   if (record == nullptr) {
     return absl::UnavailableError(absl::StrCat("inproc peer \"", op.peer_name,
                                                "\": region ", op.region_id,
@@ -412,7 +361,7 @@ class InprocTransport : public Transport {
                        absl::Hex(reinterpret_cast<uintptr_t>(base)),
                        ", length ", length, ")"));
     }
-    return std::make_unique<InprocRegion>(Directory::Get().AddRegion(
+    return std::make_unique<InprocRegion>(Directory::Get().regions().Add(
         id_, static_cast<char*>(base), length, access));
   }
 
@@ -426,7 +375,8 @@ class InprocTransport : public Transport {
       return absl::ResourceExhaustedError(absl::StrCat(
           "inproc AllocateRegion: cannot allocate ", length, " bytes"));
     }
-    auto record = Directory::Get().AddRegion(id_, memory.get(), length, access);
+    auto record =
+        Directory::Get().regions().Add(id_, memory.get(), length, access);
     return std::make_unique<InprocRegion>(std::move(record), std::move(memory));
   }
 
