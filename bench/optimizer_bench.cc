@@ -28,6 +28,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "bench/stats.h"
 #include "server/optimizer/optimizer.h"
 
 ABSL_FLAG(int64_t, params, 50000000, "parameters in the shard");
@@ -37,6 +38,8 @@ ABSL_FLAG(int, warmup, 1, "untimed repetitions first");
 
 namespace zeroshard {
 namespace {
+
+using bench::Median;
 
 // 64-byte aligned, zero-filled array.
 template <typename T>
@@ -58,12 +61,6 @@ double Seconds(const std::function<void()>& fn) {
   fn();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
       .count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 // Runs fn(begin, end) over `threads` contiguous parts of [0, n), in parallel.

@@ -43,6 +43,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "bench/stats.h"
 #include "client/client.h"
 #include "server/daemon.h"
 
@@ -58,6 +59,8 @@ extern char** environ;
 namespace zeroshard {
 namespace {
 
+using bench::Median;
+
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -68,13 +71,6 @@ struct PathResult {
   uint64_t client_buffer = 0;
   double push_gbps = NAN, gather_gbps = NAN;
 };
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return NAN;
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 == 1 ? v[m] : (v[m - 1] + v[m]) / 2;
-}
 
 absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport,
                                    BufferUse use) {

@@ -7,12 +7,12 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "client/daemon_control.h"
 #include "client/daemon_reduce_collective.h"
 #include "client/grpc_data_path.h"
 #include "client/ucx_data_path.h"
 #include "client/rpc.h"
+#include "common/job_id.h"
 #include "common/status_macros.h"
 
 namespace zeroshard {
@@ -46,19 +46,9 @@ absl::Status Invalid(absl::string_view field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat("ClientConfig.", field, ": ", what));
 }
 
-bool ValidJobId(const std::string& id) {
-  if (id.empty() || id.size() > 128) return false;
-  for (char c : id) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
-      return false;
-    }
-  }
-  return true;
-}
-
 absl::Status ValidateConfig(const ClientConfig& c) {
-  if (!ValidJobId(c.job_id)) {
-    return Invalid("job_id", absl::StrCat("must be 1..128 bytes of [A-Za-z0-9._-], got \"",
+  if (!IsValidJobId(c.job_id)) {
+    return Invalid("job_id", absl::StrCat("must be ", kJobIdRule, ", got \"",
                                           c.job_id.substr(0, 140), "\""));
   }
   if (c.world_size < 1 || c.world_size > PartitionMap::kMaxWorldSize) {
@@ -179,7 +169,18 @@ absl::Status ValidateConfig(const ClientConfig& c) {
   return absl::OkStatus();
 }
 
-v1::DType ToProto(DType t) { return static_cast<v1::DType>(DTypeToProto(t)); }
+// The global gradient norm from every daemon's partial sum of squares,
+// summed in daemon order, so that every rank computes the same bits.
+float GlobalNorm(const std::vector<std::optional<v1::PrepareStepResponse>>& prepared) {
+  double sum_sq = 0;
+  for (const auto& p : prepared) sum_sq += p->grad_sq_sum();
+  return static_cast<float>(std::sqrt(sum_sq));
+}
+
+// torch.nn.utils.clip_grad_norm_'s coefficient.
+float ClipCoef(float norm, float max_grad_norm) {
+  return std::min(1.0f, max_grad_norm / (norm + 1e-6f));
+}
 
 v1::JobSpec BuildJobSpec(const ClientConfig& c, const Layout& layout) {
   v1::JobSpec spec;
@@ -190,13 +191,13 @@ v1::JobSpec BuildJobSpec(const ClientConfig& c, const Layout& layout) {
     v1::TensorSpec* s = l->add_tensors();
     s->set_name(t.spec.name);
     for (int64_t d : t.spec.shape) s->add_shape(d);
-    s->set_dtype(ToProto(t.spec.dtype));
+    s->set_dtype(WireDType(t.spec.dtype));
     s->set_layer(t.spec.layer);
   }
   spec.set_layout_fingerprint(layout.fingerprint());
   spec.set_stage(c.stage);
   spec.set_world_size(c.world_size);
-  spec.set_precision(ToProto(c.precision));
+  spec.set_precision(WireDType(c.precision));
   spec.set_reduction(c.reduction == Reduction::kDaemon ? v1::REDUCTION_MODE_DAEMON
                                                        : v1::REDUCTION_MODE_TRAINER_COLLECTIVE);
   v1::OptimizerConfig* o = spec.mutable_optimizer();
@@ -369,7 +370,7 @@ absl::Status Client::RegisterModel(const Layout& layout, const float* initial_pa
   join.set_layout_fingerprint(layout_.fingerprint());
   join.set_stage(config_.stage);
   join.set_world_size(config_.world_size);
-  join.set_precision(ToProto(config_.precision));
+  join.set_precision(WireDType(config_.precision));
   std::vector<uint64_t> committed(controls_.size());
   RETURN_IF_ERROR(ForEachDaemon([&](uint32_t d) -> absl::Status {
     ASSIGN_OR_RETURN(v1::JoinJobResponse r, controls_[d]->JoinJob(join, RpcDeadline()));
@@ -386,19 +387,22 @@ absl::Status Client::RegisterModel(const Layout& layout, const float* initial_pa
   }
   step_ = committed[0];
   RETURN_IF_ERROR(AwaitAllRanksJoined());
-  if (config_.stage == 3 && !slots_allocated_) {
-    uint64_t largest = 0;
-    for (uint32_t l : layout_.layers()) largest = std::max(largest, layout_.LayerRange(l)->size());
-    layer_buffer_bytes_ = largest * DTypeSize(config_.precision);
-    const uint32_t count =
-        config_.layer_buffers != 0 ? config_.layer_buffers : config_.prefetch_depth + 2;
+  if (config_.stage == 3) {
     absl::MutexLock lock(&layer_mu_);
-    for (uint32_t i = 0; i < count; ++i) {
-      auto slot = std::make_unique<LayerSlot>();
-      slot->data.reset(new uint8_t[layer_buffer_bytes_]);
-      slots_.push_back(std::move(slot));
+    if (slots_.empty()) {  // a retried RegisterModel keeps them
+      uint64_t largest = 0;
+      for (uint32_t l : layout_.layers()) {
+        largest = std::max(largest, layout_.LayerRange(l)->size());
+      }
+      layer_buffer_bytes_ = largest * DTypeSize(config_.precision);
+      const uint32_t count =
+          config_.layer_buffers != 0 ? config_.layer_buffers : config_.prefetch_depth + 2;
+      for (uint32_t i = 0; i < count; ++i) {
+        auto slot = std::make_unique<LayerSlot>();
+        slot->data.reset(new uint8_t[layer_buffer_bytes_]);
+        slots_.push_back(std::move(slot));
+      }
     }
-    slots_allocated_ = true;
   }
   registered_ = true;
   // Step windows count from here; the upload stays in the totals.
@@ -551,19 +555,15 @@ absl::StatusOr<StepResult> Client::LeaderStep(uint64_t step, float lr) {
     }
     Backoff(&backoff, deadline);
   }
-  double sum_sq = 0;
   bool found_inf_nan = false;
-  for (size_t d = 0; d < n; ++d) {
-    sum_sq += prepared[d]->grad_sq_sum();
-    found_inf_nan = found_inf_nan || prepared[d]->found_inf_nan();
-  }
+  for (size_t d = 0; d < n; ++d) found_inf_nan = found_inf_nan || prepared[d]->found_inf_nan();
   auto commit = std::make_unique<PendingCommit>();
   commit->step = step;
   commit->lr = lr;
-  commit->grad_norm = static_cast<float>(std::sqrt(sum_sq));
+  commit->grad_norm = GlobalNorm(prepared);
   commit->skip = found_inf_nan || !std::isfinite(commit->grad_norm);
   if (!commit->skip && config_.max_grad_norm > 0) {
-    commit->clip_coef = std::min(1.0f, config_.max_grad_norm / (commit->grad_norm + 1e-6f));
+    commit->clip_coef = ClipCoef(commit->grad_norm, config_.max_grad_norm);
   }
   pending_commit_ = std::move(commit);
   return Commit(*pending_commit_);
@@ -652,11 +652,9 @@ absl::StatusOr<StepResult> Client::FollowerStep(uint64_t step, float lr) {
   result.have_norm = std::all_of(prepared.begin(), prepared.end(),
                                  [](const auto& p) { return p.has_value(); });
   if (result.have_norm) {
-    double sum_sq = 0;
-    for (const auto& p : prepared) sum_sq += p->grad_sq_sum();
-    result.grad_norm = static_cast<float>(std::sqrt(sum_sq));
+    result.grad_norm = GlobalNorm(prepared);
     if (!result.skipped && config_.max_grad_norm > 0) {
-      result.clip_coef = std::min(1.0f, config_.max_grad_norm / (result.grad_norm + 1e-6f));
+      result.clip_coef = ClipCoef(result.grad_norm, config_.max_grad_norm);
     }
   }
   return result;

@@ -315,7 +315,6 @@ class Client {
 
   bool registered_ = false;
   std::optional<uint64_t> bound_fingerprint_;  // layout the collective is bound to
-  bool slots_allocated_ = false;
   Layout layout_;
   PartitionMap map_;
   std::vector<std::unique_ptr<DaemonControl>> controls_;

@@ -2,9 +2,9 @@
 
 // The bulk-data seam between a trainer and ONE daemon: gradient pushes,
 // initial parameters, parameter gathers. Implementations: gRPC streaming
-// (client/grpc_data_path.h, always available); a UCX one over //transport
-// later. The control plane (jobs, step phases) always goes over gRPC and is
-// not part of this interface.
+// (client/grpc_data_path.h, always available) and UCX put/get over
+// //transport (client/ucx_data_path.h). The control plane (jobs, step phases)
+// always goes over gRPC and is not part of this interface.
 //
 // Threads: every method is thread-safe and may be called concurrently from
 // several threads; each call blocks its calling thread until done or until

@@ -31,8 +31,6 @@ class Executor {
   // Queues `fn`; never blocks. `fn` runs on one of the workers.
   void Submit(std::function<void()> fn);
 
-  int threads() const { return static_cast<int>(workers_.size()); }
-
  private:
   void Loop();
 

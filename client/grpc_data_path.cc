@@ -11,13 +11,37 @@ namespace zeroshard {
 namespace {
 
 constexpr uint64_t kInitChunkBytes = 4ull << 20;
+// The longest a daemon waits for a commit on a gather's behalf
+// (GatherRequest.wait_ms).
+constexpr int64_t kMaxGatherWaitMs = 600000;
 
 }  // namespace
 
 GrpcDataPath::GrpcDataPath(std::string address, std::shared_ptr<grpc::Channel> channel)
-    : address_(std::move(address)),
-      channel_(std::move(channel)),
-      stub_(v1::Shard::NewStub(channel_)) {}
+    : address_(std::move(address)), stub_(v1::Shard::NewStub(channel)) {}
+
+std::string DescribePush(const GradientPush& push) {
+  return absl::StrCat("PushGradient step ", push.step, " range [", push.range.begin, ", ",
+                      push.range.end, ")");
+}
+
+std::string DescribeGather(const GatherRequestSpec& request) {
+  return absl::StrCat("Gather after step ", request.after_step, " range [",
+                      request.range.begin, ", ", request.range.end, ")");
+}
+
+v1::GatherRequest GatherRequestProto(const GatherRequestSpec& request) {
+  v1::GatherRequest req;
+  req.set_job_id(request.job_id);
+  req.set_rank(request.rank);
+  req.set_after_step(request.after_step);
+  req.mutable_range()->set_begin(request.range.begin);
+  req.mutable_range()->set_end(request.range.end);
+  req.set_dtype(WireDType(request.dtype));
+  req.set_wait_ms(static_cast<uint32_t>(
+      std::clamp<int64_t>(absl::ToInt64Milliseconds(request.wait), 0, kMaxGatherWaitMs)));
+  return req;
+}
 
 v1::DType WireDType(DType t) { return static_cast<v1::DType>(DTypeToProto(t)); }
 
@@ -45,13 +69,11 @@ absl::Status SendGradientChunk(v1::Shard::Stub* stub, const v1::GradientChunk& c
   // A failed Write means the stream is broken; Finish reports why.
   if (writer->Write(chunk)) writer->WritesDone();
   const grpc::Status status = writer->Finish();
-  const std::string what = absl::StrCat("PushGradient step ", push.step, " range [",
-                                        push.range.begin, ", ", push.range.end, ")");
-  if (!status.ok()) return DaemonError(status, address, what);
+  if (!status.ok()) return DaemonError(status, address, DescribePush(push));
   if (response.elements() != push.range.size()) {
-    return absl::DataLossError(absl::StrCat("daemon ", address, ": ", what, ": accepted ",
-                                            response.elements(), " elements, sent ",
-                                            push.range.size()));
+    return absl::DataLossError(absl::StrCat("daemon ", address, ": ", DescribePush(push),
+                                            ": accepted ", response.elements(),
+                                            " elements, sent ", push.range.size()));
   }
   return absl::OkStatus();
 }
@@ -104,21 +126,11 @@ absl::StatusOr<uint64_t> GrpcDataPath::InitParameters(const ParameterUpload& upl
 
 absl::StatusOr<uint64_t> GrpcDataPath::Gather(const GatherRequestSpec& request, void* dst,
                                               absl::Time deadline) {
-  const std::string what =
-      absl::StrCat("Gather after step ", request.after_step, " range [", request.range.begin,
-                   ", ", request.range.end, ")");
+  const std::string what = DescribeGather(request);
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
-  v1::GatherRequest req;
-  req.set_job_id(request.job_id);
-  req.set_rank(request.rank);
-  req.set_after_step(request.after_step);
-  req.mutable_range()->set_begin(request.range.begin);
-  req.mutable_range()->set_end(request.range.end);
-  req.set_dtype(WireDType(request.dtype));
-  req.set_wait_ms(static_cast<uint32_t>(
-      std::clamp<int64_t>(absl::ToInt64Milliseconds(request.wait), 0, 600000)));
-  std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader = stub_->Gather(&context, req);
+  std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader =
+      stub_->Gather(&context, GatherRequestProto(request));
   const size_t esize = DTypeSize(request.dtype);
   uint64_t pos = request.range.begin;
   uint64_t bytes = 0;
@@ -157,6 +169,25 @@ absl::StatusOr<uint64_t> GrpcDataPath::Gather(const GatherRequestSpec& request, 
                                             ": the stream ended at element ", pos));
   }
   return bytes;
+}
+
+absl::Status GrpcDataPath::AwaitCommitted(const GatherRequestSpec& request,
+                                          absl::Time deadline) {
+  v1::GatherRequest req = GatherRequestProto(request);
+  req.set_wait_only(true);
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader = stub_->Gather(&context, req);
+  v1::ParameterChunk chunk;
+  bool unexpected = false;
+  while (reader->Read(&chunk)) unexpected = true;
+  const grpc::Status status = reader->Finish();
+  if (!status.ok()) return DaemonError(status, address_, DescribeGather(request));
+  if (unexpected) {
+    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ", DescribeGather(request),
+                                            ": a wait_only gather returned data"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace zeroshard

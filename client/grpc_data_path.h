@@ -24,6 +24,14 @@ v1::DType WireDType(DType t);
 // dtype, micro-batch.
 v1::GradientChunk GradientChunkHeader(const GradientPush& push);
 
+// How errors name a push and a gather: "PushGradient step S range [b, e)",
+// "Gather after step S range [b, e)".
+std::string DescribePush(const GradientPush& push);
+std::string DescribeGather(const GatherRequestSpec& request);
+
+// The Gather request for `request` (wait_ms clamped to the daemon's limit).
+v1::GatherRequest GatherRequestProto(const GatherRequestSpec& request);
+
 // Sends `chunk` as a one-chunk PushGradient stream on `stub` and checks that
 // the daemon at `address` accepted push.range.size() elements. Blocks until
 // the daemon answers or `deadline` (the daemon may read memory the chunk
@@ -46,9 +54,15 @@ class GrpcDataPath final : public DataPath {
   absl::StatusOr<uint64_t> Gather(const GatherRequestSpec& request, void* dst,
                                   absl::Time deadline) override;
 
+  // A Gather with wait_only: blocks until the daemon has checked `request`
+  // and the step it asks for is committed, or `deadline`; moves no data.
+  absl::Status AwaitCommitted(const GatherRequestSpec& request, absl::Time deadline);
+
+  // The Shard stub on the daemon's channel, for data paths that share it.
+  v1::Shard::Stub* stub() const { return stub_.get(); }
+
  private:
   const std::string address_;
-  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Shard::Stub> stub_;
 };
 

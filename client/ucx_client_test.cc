@@ -16,6 +16,7 @@
 #include "client/client.h"
 #include "client/testing/training_data.h"
 #include "gtest/gtest.h"
+#include "metrics/registry.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
 
@@ -72,7 +73,25 @@ struct RunResult {
   std::vector<float> fp32;         // rank 0's parameters after the run
   std::vector<uint16_t> half;      // the same in the job's half precision
   TrafficBytes last_step;          // rank 0's
+  double ucx_push_bytes = 0;       // what the daemons counted as pushed over UCX
 };
+
+// Bytes the daemon counted under zeroshard_comm_bytes_total{op="push",
+// transport="ucx"}.
+double UcxPushBytes(const Daemon& daemon) {
+  double bytes = 0;
+  for (const metrics::MetricFamily& f : daemon.registry().Collect()) {
+    if (f.name != "zeroshard_comm_bytes_total") continue;
+    for (const metrics::ClientMetric& m : f.metrics) {
+      auto op = m.labels.find("op"), transport = m.labels.find("transport");
+      if (op != m.labels.end() && op->second == "push" && transport != m.labels.end() &&
+          transport->second == "ucx") {
+        bytes += m.value;
+      }
+    }
+  }
+  return bytes;
+}
 
 RunResult RunSteps(const UcxCase& c, const std::string& transport) {
   RunResult result;
@@ -131,6 +150,8 @@ RunResult RunSteps(const UcxCase& c, const std::string& transport) {
       ASSERT_TRUE((*client)->GatherAll(params[rank].data(), DType::kFp32).ok());
       if (rank == 0) {
         result.last_step = (*client)->TrafficReport().last_step;
+        // Before rank 0 leaves: the daemons drop a job's series with it.
+        for (const auto& d : daemons) result.ucx_push_bytes += UcxPushBytes(*d);
         if (c.precision != DType::kFp32) {
           result.half.resize(total);
           ASSERT_TRUE((*client)->GatherAll(result.half.data(), c.precision).ok());
@@ -166,6 +187,9 @@ TEST_P(UcxClientTest, ParametersAreBitIdenticalToGrpc) {
   EXPECT_EQ(ucx.last_step.push, grpc.last_step.push);
   EXPECT_EQ(ucx.last_step.gather, grpc.last_step.gather);
   EXPECT_GT(ucx.last_step.push, 0u);
+  // The pushes really went over UCX (not the gRPC fallback), and only there.
+  EXPECT_GT(ucx.ucx_push_bytes, 0);
+  EXPECT_EQ(grpc.ucx_push_bytes, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -23,11 +23,8 @@ transport::RegionDescriptor ToDescriptor(const v1::RemoteRegion& r) {
 
 UcxDataPath::UcxDataPath(std::string address, std::shared_ptr<grpc::Channel> channel,
                          std::shared_ptr<transport::Transport> transport, int connections)
-    : address_(std::move(address)),
-      channel_(channel),
-      stub_(v1::Shard::NewStub(channel)),
-      transport_(std::move(transport)),
-      fallback_(address_, channel),
+    : transport_(std::move(transport)),
+      fallback_(std::move(address), std::move(channel)),
       connections_(std::max(1, connections)),
       slot_busy_(kStagingSlots, false) {}
 
@@ -48,8 +45,8 @@ absl::StatusOr<const UcxDataPath::Endpoint*> UcxDataPath::GetEndpoint(const std:
       v1::ExchangeEndpointResponse resp;
       grpc::ClientContext context;
       SetDeadline(&context, deadline);
-      const grpc::Status status = stub_->ExchangeEndpoint(&context, req, &resp);
-      if (!status.ok()) return DaemonError(status, address_, "ExchangeEndpoint");
+      const grpc::Status status = fallback_.stub()->ExchangeEndpoint(&context, req, &resp);
+      if (!status.ok()) return DaemonError(status, address(), "ExchangeEndpoint");
       auto endpoint = std::make_unique<Endpoint>();
       endpoint->job_id = job_id;
       bool has_staging = false, has_master = false;
@@ -71,7 +68,7 @@ absl::StatusOr<const UcxDataPath::Endpoint*> UcxDataPath::GetEndpoint(const std:
       }
       if (!has_staging || !has_master) {
         return absl::DataLossError(absl::StrCat(
-            "daemon ", address_, ": ExchangeEndpoint: the reply lacks a grad_staging or a ",
+            "daemon ", address(), ": ExchangeEndpoint: the reply lacks a grad_staging or a ",
             "well-formed param_master region"));
       }
       // The transport hands connections to its progress threads in turn;
@@ -84,7 +81,7 @@ absl::StatusOr<const UcxDataPath::Endpoint*> UcxDataPath::GetEndpoint(const std:
             transport_->Connect(resp.worker_address(), deadline);
         if (!connection.ok()) {
           return absl::Status(connection.status().code(),
-                              absl::StrCat("daemon ", address_, ": UCX connect: ",
+                              absl::StrCat("daemon ", address(), ": UCX connect: ",
                                            connection.status().message()));
         }
         endpoint->connections.push_back(*std::move(connection));
@@ -108,7 +105,7 @@ absl::StatusOr<int> UcxDataPath::AcquireSlot(absl::Time deadline) {
   };
   if (!slot_mu_.AwaitWithDeadline(absl::Condition(&free_slot), deadline)) {
     return absl::DeadlineExceededError(
-        absl::StrCat("daemon ", address_, ": no staging slot became free in time"));
+        absl::StrCat("daemon ", address(), ": no staging slot became free in time"));
   }
   const int slot =
       static_cast<int>(std::find(slot_busy_.begin(), slot_busy_.end(), false) - slot_busy_.begin());
@@ -122,7 +119,7 @@ void UcxDataPath::ReleaseSlot(int slot) {
 }
 
 absl::Status UcxDataPath::Finish(transport::Completion& completion, absl::Time deadline,
-                                 const std::string& what) {
+                                 absl::FunctionRef<std::string()> what) {
   absl::Status s = completion.Wait(deadline);
   if (absl::IsDeadlineExceeded(s)) {
     completion.Abort();
@@ -135,11 +132,12 @@ absl::Status UcxDataPath::Finish(transport::Completion& completion, absl::Time d
       std::fprintf(stderr,
                    "zeroshard client: daemon %s: %s: the transport still holds the buffer "
                    "after an abort; waiting\n",
-                   address_.c_str(), what.c_str());
+                   address().c_str(), what().c_str());
     }
   }
   if (s.ok()) return s;
-  return absl::Status(s.code(), absl::StrCat("daemon ", address_, ": ", what, ": ", s.message()));
+  return absl::Status(s.code(),
+                      absl::StrCat("daemon ", address(), ": ", what(), ": ", s.message()));
 }
 
 absl::StatusOr<uint64_t> UcxDataPath::PushGradient(const GradientPush& push, absl::Time deadline) {
@@ -149,8 +147,6 @@ absl::StatusOr<uint64_t> UcxDataPath::PushGradient(const GradientPush& push, abs
   // A chunk larger than a slot (a bucket wider in fp32 than in the wire
   // type) goes inline.
   if (bytes > (*ep)->slot_bytes) return fallback_.PushGradient(push, deadline);
-  const std::string what = absl::StrCat("PushGradient step ", push.step, " range [",
-                                        push.range.begin, ", ", push.range.end, ")");
   absl::StatusOr<int> slot = AcquireSlot(deadline);
   if (!slot.ok()) return slot.status();
   const uint64_t offset = static_cast<uint64_t>(*slot) * (*ep)->slot_bytes;
@@ -158,7 +154,7 @@ absl::StatusOr<uint64_t> UcxDataPath::PushGradient(const GradientPush& push, abs
   {
     transport::Completion put =
         (*ep)->connections[0]->Put(push.data, bytes, (*ep)->staging, offset);
-    s = Finish(put, deadline, what + ": Put");
+    s = Finish(put, deadline, [&] { return DescribePush(push) + ": Put"; });
   }
   if (s.ok()) {
     v1::GradientChunk chunk = GradientChunkHeader(push);
@@ -168,7 +164,7 @@ absl::StatusOr<uint64_t> UcxDataPath::PushGradient(const GradientPush& push, abs
     chunk.set_staged(true);
     chunk.set_staging_offset(offset);
     // The daemon reads the slot until the RPC returns.
-    s = SendGradientChunk(stub_.get(), chunk, push, deadline, address_);
+    s = SendGradientChunk(fallback_.stub(), chunk, push, deadline, address());
   }
   ReleaseSlot(*slot);
   if (!s.ok()) return s;
@@ -182,47 +178,22 @@ absl::StatusOr<uint64_t> UcxDataPath::InitParameters(const ParameterUpload& uplo
 
 absl::StatusOr<uint64_t> UcxDataPath::Gather(const GatherRequestSpec& request, void* dst,
                                              absl::Time deadline) {
-  const std::string what =
-      absl::StrCat("Gather after step ", request.after_step, " range [", request.range.begin,
-                   ", ", request.range.end, ")");
   absl::StatusOr<const Endpoint*> ep = GetEndpoint(request.job_id, request.rank, deadline);
   if (!ep.ok()) return ep.status();
   // The daemon validates the request and waits for the commit.
-  {
-    v1::GatherRequest req;
-    req.set_job_id(request.job_id);
-    req.set_rank(request.rank);
-    req.set_after_step(request.after_step);
-    req.mutable_range()->set_begin(request.range.begin);
-    req.mutable_range()->set_end(request.range.end);
-    req.set_dtype(WireDType(request.dtype));
-    req.set_wait_ms(static_cast<uint32_t>(
-        std::clamp<int64_t>(absl::ToInt64Milliseconds(request.wait), 0, 600000)));
-    req.set_wait_only(true);
-    grpc::ClientContext context;
-    SetDeadline(&context, deadline);
-    std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader = stub_->Gather(&context, req);
-    v1::ParameterChunk chunk;
-    bool unexpected = false;
-    while (reader->Read(&chunk)) unexpected = true;
-    const grpc::Status status = reader->Finish();
-    if (!status.ok()) return DaemonError(status, address_, what);
-    if (unexpected) {
-      return absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what,
-                                              ": a wait_only gather returned data"));
-    }
-  }
+  if (absl::Status s = fallback_.AwaitCommitted(request, deadline); !s.ok()) return s;
   // Fp32 comes from the masters; the job's half precision from its copy.
   const bool half = request.dtype != DType::kFp32;
   if (half && !(*ep)->has_half) {
-    return absl::InvalidArgumentError(absl::StrCat("daemon ", address_, ": ", what, ": dtype ",
+    return absl::InvalidArgumentError(absl::StrCat("daemon ", address(), ": ",
+                                                   DescribeGather(request), ": dtype ",
                                                    DTypeName(request.dtype),
                                                    " is not served by this job"));
   }
   const transport::RegionDescriptor& region = half ? (*ep)->half : (*ep)->master;
   const FlatRange& held = half ? (*ep)->half_range : (*ep)->master_range;
   if (!held.Contains(request.range)) {
-    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what,
+    return absl::DataLossError(absl::StrCat("daemon ", address(), ": ", DescribeGather(request),
                                             ": outside the region's range [", held.begin, ", ",
                                             held.end, ")"));
   }
@@ -233,7 +204,7 @@ absl::StatusOr<uint64_t> UcxDataPath::Gather(const GatherRequestSpec& request, v
       *e.connections[e.next_get.fetch_add(1, std::memory_order_relaxed) % e.connections.size()];
   transport::Completion get =
       connection.Get(dst, bytes, region, (request.range.begin - held.begin) * esize);
-  absl::Status s = Finish(get, deadline, what + ": Get");
+  absl::Status s = Finish(get, deadline, [&] { return DescribeGather(request) + ": Get"; });
   if (!s.ok()) return s;
   return bytes;
 }

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 #include "client/data_path.h"
 #include "client/grpc_data_path.h"
@@ -50,7 +51,7 @@ class UcxDataPath final : public DataPath {
   // Waits for nothing: every operation has finished when its call returned.
   ~UcxDataPath() override;
 
-  const std::string& address() const override { return address_; }
+  const std::string& address() const override { return fallback_.address(); }
   const char* name() const override { return "ucx"; }
 
   // Blocks until the daemon applied the chunk. `push.data` is read by the
@@ -87,13 +88,13 @@ class UcxDataPath final : public DataPath {
   // Waits for `completion` until `deadline`; past it, aborts the operation
   // and waits until the transport has let go of the buffer (which an aborted
   // operation does promptly; a line on stderr every 10 s while it has not).
+  // `what` names the operation in an error (built only then).
   absl::Status Finish(transport::Completion& completion, absl::Time deadline,
-                      const std::string& what);
+                      absl::FunctionRef<std::string()> what);
 
-  const std::string address_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Shard::Stub> stub_;
   std::shared_ptr<transport::Transport> transport_;
+  // Serves what UCX does not (initial parameters, oversized pushes) and
+  // shares its Shard stub and address.
   GrpcDataPath fallback_;
   const int connections_;
 

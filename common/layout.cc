@@ -4,20 +4,16 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/fnv.h"
 
 namespace zeroshard {
 namespace {
 
-constexpr uint64_t kFnvOffset = 1469598103934665603ull;
-constexpr uint64_t kFnvPrime = 1099511628211ull;
+// The fingerprint's starting value (part of the wire contract: client and
+// daemon compare fingerprints).
+constexpr uint64_t kFingerprintSeed = 1469598103934665603ull;
 
-void Mix(uint64_t& h, const void* data, size_t n) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= kFnvPrime;
-  }
-}
+void Mix(uint64_t& h, const void* data, size_t n) { Fnv1aMix(h, data, n); }
 void MixU64(uint64_t& h, uint64_t v) {
   unsigned char b[8];
   for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
@@ -55,7 +51,7 @@ absl::StatusOr<Layout> Layout::Create(std::vector<TensorSpec> tensors, uint64_t 
   Layout layout;
   layout.alignment_ = alignment;
   absl::flat_hash_set<std::string> names;
-  uint64_t h = kFnvOffset;
+  uint64_t h = kFingerprintSeed;
   MixU64(h, alignment);
   uint64_t cursor = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {

@@ -27,7 +27,6 @@ struct DaemonOptions {
   std::string listen = "127.0.0.1:0";  // HOST:PORT; port 0 picks a free one
   uint64_t memory_limit_bytes = 0;     // 0 = unlimited
   int optimizer_threads = 1;
-  std::string checkpoint_dir;          // empty: checkpoints disabled
   uint64_t max_chunk_bytes = 4ull << 20;  // gather chunk size
   std::string version = "dev";
   // HOST:PORT of the Prometheus /metrics endpoint; empty = off; port 0 picks.

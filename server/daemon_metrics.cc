@@ -32,10 +32,6 @@ DaemonMetrics::DaemonMetrics(metrics::Registry* registry, MemoryLedger* ledger,
       .Add({})
       .Set(static_cast<double>(ledger->limit()));
   Register<metrics::Gauge>(registry, metrics::kBuildInfo).Add({{"version", version}}).Set(1);
-  // Activation-store families exist from the start so dashboards find them.
-  Register<metrics::Counter>(registry, metrics::kActivationHitsTotal);
-  Register<metrics::Counter>(registry, metrics::kActivationMissesTotal);
-  Register<metrics::Counter>(registry, metrics::kActivationSpillsTotal);
   ledger->SetListener([this](const std::string& job, MemoryCategory c, uint64_t bytes) {
     memory_.Add({{"job", job}, {"category", MemoryCategoryName(c)}})
         .Set(static_cast<double>(bytes));

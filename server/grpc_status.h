@@ -1,6 +1,6 @@
 #pragma once
 
-// absl::Status <-> grpc::Status, code for code, message unchanged.
+// absl::Status -> grpc::Status, code for code, message unchanged.
 
 #include "absl/status/status.h"
 #include "grpcpp/grpcpp.h"
@@ -10,11 +10,6 @@ namespace zeroshard {
 inline grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-
-inline absl::Status FromGrpc(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
 }  // namespace zeroshard

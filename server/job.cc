@@ -6,19 +6,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
+#include "common/fnv.h"
 
 namespace zeroshard {
 namespace {
 
-constexpr uint64_t kFnvPrime = 1099511628211ull;
+void HashBytes(uint64_t& h, const void* data, size_t n) { Fnv1aMix(h, data, n); }
 
-void HashBytes(uint64_t& h, const void* data, size_t n) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= kFnvPrime;
-  }
-}
 template <typename T>
 void HashValue(uint64_t& h, const T& v) {
   HashBytes(h, &v, sizeof(v));
@@ -28,7 +22,6 @@ std::string RangeString(const v1::FlatRange& r) {
   return absl::StrCat("[", r.begin(), ", ", r.end(), ")");
 }
 
-bool IsFinite(float f) { return std::isfinite(f); }
 
 }  // namespace
 
@@ -285,14 +278,6 @@ absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index,
                                             "(corrupted in transit); resend the chunk"));
   }
   return absl::OkStatus();
-}
-
-absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
-                               v1::PushGradientResponse* response) {
-  std::vector<absl::string_view> payloads;
-  payloads.reserve(chunks.size());
-  for (const v1::GradientChunk& c : chunks) payloads.push_back(c.data());
-  return PushGradient(chunks, payloads, response);
 }
 
 absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
@@ -662,7 +647,7 @@ float Job::loss_scale() const {
 uint64_t Job::StateHash() const {
   absl::MutexLock lock(&mu_);
   absl::ReaderMutexLock params_lock(&params_mu_);
-  uint64_t h = 1469598103934665603ull;
+  uint64_t h = kFnv1aOffset;
   HashBytes(h, master_.data(), master_.size() * sizeof(float));
   HashBytes(h, m_.data(), m_.size() * sizeof(float));
   HashBytes(h, v_.data(), v_.size() * sizeof(float));

@@ -68,13 +68,10 @@ class Job {
 
   // Applies one pushed stream atomically: every chunk is validated against
   // the request rules and the step's reduction state first; on any error
-  // nothing changes.
-  absl::Status PushGradient(const std::vector<v1::GradientChunk>& chunks,
-                            v1::PushGradientResponse* response);
-  // The same, with each chunk's payload given separately (`payloads[i]` for
-  // `chunks[i]`, e.g. bytes in a staging region; chunks[i].data() is then
-  // ignored). The payloads are read only during the call; the caller keeps
-  // them unchanged until it returns.
+  // nothing changes. Each chunk's payload is given separately (`payloads[i]`
+  // for `chunks[i]`: its data(), or bytes in a staging region); the payloads
+  // are read only during the call; the caller keeps them unchanged until it
+  // returns.
   absl::Status PushGradient(const std::vector<v1::GradientChunk>& chunks,
                             const std::vector<absl::string_view>& payloads,
                             v1::PushGradientResponse* response);

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/job_id.h"
 #include "google/protobuf/util/message_differencer.h"
 
 namespace zeroshard {
@@ -11,16 +12,6 @@ namespace {
 
 absl::Status Invalid(absl::string_view field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
-
-bool ValidJobId(const std::string& id) {
-  if (id.empty() || id.size() > 128) return false;
-  for (char c : id) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
-      return false;
-    }
-  }
-  return true;
 }
 
 }  // namespace
@@ -57,8 +48,8 @@ v1::Layout LayoutToProto(const Layout& layout) {
 
 absl::StatusOr<JobConfig> ParseJobSpec(const v1::JobSpec& spec) {
   JobConfig c;
-  if (!ValidJobId(spec.job_id())) {
-    return Invalid("spec.job_id", absl::StrCat("must be 1..128 bytes of [A-Za-z0-9._-], got \"",
+  if (!IsValidJobId(spec.job_id())) {
+    return Invalid("spec.job_id", absl::StrCat("must be ", kJobIdRule, ", got \"",
                                                spec.job_id().substr(0, 140), "\""));
   }
   c.id = spec.job_id();

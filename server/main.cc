@@ -18,7 +18,8 @@ ABSL_FLAG(int, metrics_port, -1,
           "port (printed at start); -1 = off.");
 ABSL_FLAG(uint64_t, memory_limit, 0, "Bytes this daemon may hold for all jobs; 0 = unlimited.");
 ABSL_FLAG(int, optimizer_threads, 1, "Threads running the optimizer step.");
-ABSL_FLAG(std::string, checkpoint_dir, "", "Directory for checkpoints.");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "Reserved: checkpoints are not implemented yet and the value is ignored.");
 ABSL_FLAG(bool, ucx, true,
           "Serve the UCX bulk data path (ExchangeEndpoint); without it, or when UCX cannot "
           "initialise, trainers use the gRPC data path.");
@@ -39,7 +40,6 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   options.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit);
   options.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
-  options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.ucx = absl::GetFlag(FLAGS_ucx);
   options.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {

@@ -1,15 +1,19 @@
 #include "server/memory_ledger.h"
 
+#include <iterator>
+
 #include "absl/strings/str_cat.h"
 #include "common/format.h"
+#include "metrics/metric_names.h"
 
 namespace zeroshard {
 
+static_assert(static_cast<int>(std::size(metrics::kMemoryCategories)) == kNumMemoryCategories,
+              "one exported category name per MemoryCategory");
+
 const char* MemoryCategoryName(MemoryCategory c) {
-  static const char* const kNames[kNumMemoryCategories] = {
-      "param_master", "param_half", "grad",   "optim_m",
-      "optim_v",      "activation", "buffer", "fragmentation"};
-  return kNames[static_cast<int>(c)];
+  // The names are string literals, so data() is NUL-terminated.
+  return metrics::kMemoryCategories[static_cast<int>(c)].data();
 }
 
 void MemoryLedger::SetListener(Listener listener) { listener_ = std::move(listener); }

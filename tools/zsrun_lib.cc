@@ -29,7 +29,6 @@ namespace zeroshard::tools {
 // One child zsrun started; pid is also its process-group id.
 struct Launcher::Proc {
   std::string label;  // "rank 0", "daemon 1"
-  int index = 0;
   pid_t pid = -1;
   bool running = false;
   bool seen = false;  // Its exit has been acted on.
@@ -578,7 +577,6 @@ absl::Status Launcher::StartDaemons() {
   for (int d = 0; d < options_.daemons; ++d) {
     auto proc = std::make_unique<Proc>();
     proc->label = absl::StrCat("daemon ", d);
-    proc->index = d;
     const std::string out_path = absl::StrCat(log_dir_, "/daemon-", d, ".stdout.log");
     proc->stderr_path = absl::StrCat(log_dir_, "/daemon-", d, ".stderr.log");
     int out_log = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -767,7 +765,6 @@ absl::StatusOr<int> Launcher::RunTrainers() {
   for (int rank = 0; rank < options_.nproc; ++rank) {
     auto proc = std::make_unique<Proc>();
     proc->label = absl::StrCat("rank ", rank);
-    proc->index = rank;
     int out[2] = {-1, -1};
     int err[2] = {-1, -1};
     absl::Status piped = MakePipe(out);

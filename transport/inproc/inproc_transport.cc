@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -43,10 +43,10 @@ class Directory {
     return *directory;
   }
 
-  uint64_t AddTransport(const std::string& name) {
+  uint64_t AddTransport() {
     absl::MutexLock lock(&mu_);
     const uint64_t id = next_id_++;
-    transports_[id] = name;
+    transports_.insert(id);
     return id;
   }
 
@@ -64,19 +64,12 @@ class Directory {
     return transports_.contains(id);
   }
 
-  // Empty if `id` is not live.
-  std::string TransportName(uint64_t id) {
-    absl::MutexLock lock(&mu_);
-    auto it = transports_.find(id);
-    return it == transports_.end() ? std::string() : it->second;
-  }
-
   RegionTable& regions() { return regions_; }
 
  private:
   absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  absl::flat_hash_map<uint64_t, std::string> transports_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<uint64_t> transports_ ABSL_GUARDED_BY(mu_);
   RegionTable regions_;
 };
 
@@ -337,7 +330,7 @@ class InprocTransport : public Transport {
     name_ = options.name.empty()
                 ? absl::StrCat("inproc:", getpid(), ":", instances++)
                 : options.name;
-    id_ = Directory::Get().AddTransport(name_);
+    id_ = Directory::Get().AddTransport();
     address_.assign(kAddressMagic, sizeof(kAddressMagic));
     AppendU64(&address_, id_);
     address_ += name_;

@@ -31,6 +31,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "common/fnv.h"
 
 namespace zeroshard::transport::ucx {
 namespace {
@@ -54,15 +55,6 @@ constexpr absl::Duration kLivenessInterval = absl::Milliseconds(100);
 
 constexpr char kAddressMagic[4] = {'Z', 'S', 'U', 'A'};
 constexpr char kRkeyMagic[4] = {'Z', 'S', 'U', 'K'};
-
-uint64_t Fnv1a(absl::string_view bytes) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : bytes) {
-    h ^= c;
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
 
 void AppendU32(std::string* out, uint32_t v) {
   for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>(v >> (8 * i)));
@@ -1169,9 +1161,10 @@ class UcxConnection : public Connection {
     const char* what = kind == Op::Kind::kPut ? "UCX put" : "UCX get";
     absl::Status status = CheckRange(remote, offset, length, what);
     if (!status.ok()) return Completion::Ready(std::move(status));
-    absl::StatusOr<absl::string_view> rkey =
-        Unwrap(kRkeyMagic, remote.rkey,
-               absl::StrCat(what, ": descriptor's rkey"), nullptr);
+    absl::StatusOr<absl::string_view> rkey = Unwrap(
+        kRkeyMagic, remote.rkey,
+        kind == Op::Kind::kPut ? "UCX put: descriptor's rkey" : "UCX get: descriptor's rkey",
+        nullptr);
     if (!rkey.ok()) return Completion::Ready(rkey.status());
     if (length == 0) return Completion::Ready(absl::OkStatus());
     if (local == nullptr) {
