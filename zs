@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # zeroshard's two entry points for a Debian 12 machine (run as root or with sudo):
 #   ./zs demo   the main job: trains a GPT at ZeRO stage 3 on 2 daemons + 2 ranks
-#   ./zs test   every test
+#   ./zs test   every test with clang's lock-annotation checks, the concurrency
+#               tests under ASan+UBSan, then the `stress`-tagged tests repeated
 # Each first installs the Debian packages it needs (only those missing) and is
 # safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 PACKAGES=(
-  g++ bazel-bootstrap
+  g++ bazel-bootstrap clang-14 libclang-rt-14-dev lld-14
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev libabsl-dev
   libucx-dev ucx-utils libcivetweb-dev
   libgtest-dev libgmock-dev libbenchmark-dev
@@ -31,16 +32,76 @@ ensure_packages() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
+# Runs one `bazel test` phase, teeing its output, and adds the per-target
+# results bazel printed to PASSED/FAILED. A test target counts as passed only
+# when bazel reports it PASSED (with --runs_per_test: every run passed);
+# FAILED, FLAKY, TIMEOUT, NO STATUS, FAILED TO BUILD, INCOMPLETE count as
+# failed. A bazel failure that names no test (loading, analysis, a build error
+# outside any test) counts as one failure. Exit 4 ("no test targets") is an
+# error unless the phase is told it is fine.
+PASSED=0
+FAILED=0
+FAILED_NAMES=()
+run_phase() {
+  local name="$1" no_tests_ok="$2"
+  shift 2
+  local out
+  out="$(mktemp "${TMPDIR:-/tmp}/zs-test-${name}.XXXXXX")"
+  log "[${name}] $*"
+  local rc=0
+  { "$@" 2>&1 | tee "$out"; rc=${PIPESTATUS[0]}; } || true
+  local p f
+  local -a failed_lines
+  # Bazel's summary: "//pkg:target   [(cached) ]STATUS[ in ...]", one per target.
+  p=$(sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$out" |
+      grep -cE '^//[^ ]+ +(\(cached\) )?PASSED( |$)' || true)
+  mapfile -t failed_lines < <(sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$out" |
+      grep -E '^//[^ ]+ +(\(cached\) )?(FAILED|FLAKY|TIMEOUT|NO STATUS|INCOMPLETE|REMOTE FAILURE)' || true)
+  f=${#failed_lines[@]}
+  for l in "${failed_lines[@]}"; do FAILED_NAMES+=("[${name}] ${l%% *}"); done
+  if [ "$rc" -eq 4 ] && [ "$no_tests_ok" = yes ]; then
+    log "[${name}] no test targets matched: nothing to run"
+  elif [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    log "[${name}] bazel exited $rc without naming a failed test; counted as 1 failure"
+    f=1
+    FAILED_NAMES+=("[${name}] bazel exit $rc")
+  fi
+  log "[${name}] ${p} passed, ${f} failed (bazel exit ${rc})"
+  PASSED=$((PASSED + p))
+  FAILED=$((FAILED + f))
+  rm -f "$out"
+}
+
 cmd_test() {
   ensure_packages
-  log "bazel test //...  (GPU-tagged tests are skipped on machines without a GPU)"
-  bazel test //... "$@"
+  local runs="${ZS_STRESS_RUNS:-20}"
+  # (a) Every test, built with clang-14 and -Werror=thread-safety: a member
+  #     read or written without the mutex its ABSL_GUARDED_BY names fails the
+  #     build. GPU-tagged tests are skipped on machines without a GPU.
+  run_phase clang no bazel test --config=clang -k //... "$@"
+  # (b) The concurrency-relevant tests under ASan+UBSan (own output directory).
+  #     Tests tagged no_asan say in their BUILD file why they cannot run there.
+  run_phase asan no bazel test --config=asan -k --build_tests_only \
+    --test_tag_filters=-gpu,-manual,-no_asan \
+    //server:all //client:all //transport/... //tests:all "$@"
+  # (c) Tests tagged `stress`, each run ${runs} times under ASan+UBSan
+  #     (ZS_STRESS_RUNS overrides). None tagged yet is not a failure.
+  run_phase stress yes bazel test --config=asan -k --build_tests_only \
+    --test_tag_filters=stress,-gpu,-manual,-no_asan --runs_per_test="${runs}" \
+    //... "$@"
+  if [ ${#FAILED_NAMES[@]} -gt 0 ]; then
+    log "failed:"
+    printf '  %s\n' "${FAILED_NAMES[@]}" >&2
+  fi
+  echo "tests: ${PASSED} passed, ${FAILED} failed"
+  [ "$FAILED" -eq 0 ]
 }
 
 cmd_demo() {
   ensure_packages
   log "building zeroshardd, zsrun, zsctl and the GPT trainer (the first build takes a while)"
-  bazel build //server:zeroshardd //tools:zsrun //tools:zsctl //examples:gpt_train
+  # --config=clang: the toolchain `./zs test` uses, so neither rebuilds the other.
+  bazel build --config=clang //server:zeroshardd //tools:zsrun //tools:zsctl //examples:gpt_train
   log "the ZeRO paper's per-rank memory for a 7.5B-parameter model over 64 ranks"
   bazel-bin/tools/zsctl estimate --params 7.5e9 --dp 64 --device_memory 32GB
   log "training a GPT at ZeRO stage 3: 2 shard daemons, 2 trainer ranks on loopback"

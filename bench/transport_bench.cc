@@ -1,7 +1,9 @@
 // Push+gather bandwidth of the client's bulk data path, in one process:
 //   ucx       zeroshard::Client with transport "ucx" over shared memory
-//             (UCX_TLS=posix,cma,self) against an in-process daemon;
-//   grpc      the same client and daemon with transport "grpc";
+//             (UCX_TLS=posix,cma,self) against an in-process daemon serving
+//             --bulk_transport=ucx;
+//   stream    the same client and daemon with transport "stream" (the Shard
+//             streaming RPCs);
 //   perftest  `ucx_perftest -t ucp_put_bw` between two processes on
 //             loopback, same UCX_TLS, message size = the client's bucket C_B:
 //             what UCX itself moves with these settings.
@@ -16,7 +18,7 @@
 // persistent gradient buffer pushes); the UCX path is also measured with
 // copied pushes (BufferUse::kCopy: one more sweep through the client's
 // staging pool) for comparison. The last line is the summary:
-//   ucx_gbps=X grpc_gbps=Y perftest_gbps=Z ucx_fraction=X/Z
+//   ucx_gbps=X stream_gbps=Y perftest_gbps=Z ucx_fraction=X/Z
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -224,7 +226,7 @@ double PerftestGbps(uint64_t size, std::string* why) {
 
 int Main() {
   DaemonOptions o;
-  o.ucx = true;
+  o.bulk_transport = "ucx";
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(o);
   if (!daemon.ok()) {
@@ -244,9 +246,9 @@ int Main() {
   };
   Run runs[3] = {{"ucx", BufferUse::kCopy, "ucx (copied push)"},
                  {"ucx", BufferUse::kBorrow, "ucx"},
-                 {"grpc", BufferUse::kBorrow, "grpc"}};
+                 {"stream", BufferUse::kBorrow, "stream"}};
   for (Run& run : runs) {
-    if (std::string(run.transport) == "ucx" && !(*daemon)->ucx_enabled()) {
+    if (std::string(run.transport) == "ucx" && (*daemon)->bulk_transport() == nullptr) {
       std::printf("%s: the daemon could not initialise UCX; skipped\n", run.label);
       continue;
     }
@@ -281,7 +283,7 @@ int Main() {
                 static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)), perftest,
                 each.c_str());
   }
-  std::printf("ucx_gbps=%.3f grpc_gbps=%.3f perftest_gbps=%.3f ucx_fraction=%.3f\n", gbps[0],
+  std::printf("ucx_gbps=%.3f stream_gbps=%.3f perftest_gbps=%.3f ucx_fraction=%.3f\n", gbps[0],
               gbps[1], perftest, gbps[0] / perftest);
   return 0;
 }

@@ -4,7 +4,7 @@
 //
 // The cut rule, identical on every rank of a job: the real part of each
 // partition p, [p * P, min((p + 1) * P, total_elements)), is cut every
-// E = min(C_B, 64 MiB) / sizeof(precision) elements, counted from the
+// E = min(C_B, kMaxChunkBytes) / sizeof(precision) elements, counted from the
 // partition's first element. A bucket therefore never crosses a partition
 // (nor a daemon) boundary and never reaches into the partition padding.
 // Buckets depend only on (layout, N_d, C_B, precision): not on how a rank
@@ -24,6 +24,7 @@
 #include "common/flat_range.h"
 #include "common/layout.h"
 #include "common/partition_map.h"
+#include "common/protocol.h"
 
 namespace zeroshard {
 
@@ -36,9 +37,6 @@ struct Bucket {
 
 class BucketPlan {
  public:
-  // Largest chunk one PushGradient stream may carry.
-  static constexpr uint64_t kMaxChunkBytes = 64ull << 20;
-
   // InvalidArgument when `bucket_bytes` is under one element or the map was
   // not made for this layout (total elements differ).
   static absl::StatusOr<BucketPlan> Create(const Layout& layout, const PartitionMap& map,

@@ -19,7 +19,14 @@
 // TrafficReport may be used from any thread, concurrently. Every other
 // method must be called from one thread at a time (the training loop). The
 // client runs its RPCs on its own threads: `sender_threads` for gradient
-// buckets, `io_threads` for gathers, one prefetch thread.
+// buckets, `io_threads` for gathers and per-daemon calls, one prefetch
+// thread, and one heartbeat thread from RegisterModel until Leave or
+// destruction.
+//
+// Incarnation: Create picks this process's incarnation for the rank (its
+// start time in microseconds since the Unix epoch, strictly increasing within
+// the process), which every request of the rank carries. A restarted trainer
+// joins with a larger one, and the daemons then refuse the old process.
 //
 // Deadlines: nothing blocks without one. A single RPC, or a wait for local
 // resources, is bounded by `rpc_timeout`; a wait that depends on the other
@@ -49,54 +56,27 @@
 #include "client/collective.h"
 #include "client/data_path.h"
 #include "client/executor.h"
+#include "client/step_coordinator.h"
 #include "client/traffic.h"
 #include "common/dtype.h"
+#include "common/job_spec.h"
 #include "common/layout.h"
 #include "common/partition_map.h"
-#include "transport/transport.h"
 
 namespace zeroshard {
 
+class BulkTransport;
 class DaemonControl;
+class HeartbeatLoop;
+class LayerCache;
 
-enum class Reduction {
-  kDaemon = 1,             // daemons sum every rank's full gradient (no GPU needed)
-  kTrainerCollective = 2,  // ranks reduce-scatter among themselves (NCCL) first
-};
-
-enum class Optimizer { kAdamW = 1, kAdam = 2, kSgdMomentum = 3 };
-
-struct OptimizerOptions {
-  Optimizer kind = Optimizer::kAdamW;
-  float lr = 1e-3f;  // step 1's; Step(lr) sets each step's
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.01f;
-  float momentum = 0.0f;  // SGD only
-};
-
-struct LossScaleOptions {
-  bool dynamic = false;  // fp16: grow / back off the scale
-  float initial_scale = 1.0f;
-  uint32_t growth_interval = 2000;
-  float growth_factor = 2.0f;
-  float backoff_factor = 0.5f;
-};
-
-struct ClientConfig {
-  // Daemon addresses (HOST:PORT) in placement order; partition i lives on
-  // daemons[i * daemons.size() / world_size]. Every rank lists the same ones.
-  std::vector<std::string> daemons;
-  std::string job_id;  // 1..128 of [A-Za-z0-9._-]
+// The job's settings (common/job_spec.h: job_id, stage, world_size,
+// precision, reduction, optimizer, loss_scale, bucket_bytes, daemons; every
+// rank passes the same) plus this rank's and this client's own.
+struct ClientConfig : JobSettings {
   uint32_t rank = 0;
-  uint32_t world_size = 1;  // N_d
-  uint32_t stage = 2;       // ZeRO stage 1..3
-  DType precision = DType::kBf16;  // what the trainer computes in (and the wire type)
-  Reduction reduction = Reduction::kDaemon;
-  uint64_t bucket_bytes = 32ull << 20;  // C_B: 4 KiB..1 GiB
   // Staging pool for gradient pushes: this many buffers of one bucket
-  // (at most 64 MiB) each, allocated by Create.
+  // (at most kMaxChunkBytes) each, allocated by Create.
   uint32_t staging_buffers = 4;
   // Stage 3: layers gathered ahead of the one the caller asks for.
   uint32_t prefetch_depth = 2;
@@ -104,38 +84,32 @@ struct ClientConfig {
   // largest layer); 0 means prefetch_depth + 2. Allocated by RegisterModel.
   uint32_t layer_buffers = 0;
   uint32_t micro_batches = 1;  // gradient accumulation: pushes per range per step
-  OptimizerOptions optimizer;
-  float max_grad_norm = 0.0f;  // 0: no clipping
-  LossScaleOptions loss_scale;
+  float max_grad_norm = 0.0f;  // 0: no clipping (the leader's applies)
   absl::Duration rpc_timeout = absl::Seconds(60);
   absl::Duration step_timeout = absl::Minutes(5);
-  // Bulk data path: "grpc" (streaming RPCs, always available) or "ucx"
-  // (client/ucx_data_path.h; Create fails with Unavailable when UCX cannot
-  // initialise, and the daemons must serve UCX). The control plane is gRPC.
-  std::string transport = "grpc";
-  // UCX_TLS of the client's UCX transport, e.g. "posix,cma,self" or "tcp";
-  // empty = UCX's choice (or the UCX_TLS environment variable).
+  // Liveness: every this often the client tells each daemon the rank is
+  // alive (from RegisterModel until Leave or destruction). 0 disables it
+  // (the daemons then count the rank connected only while it pushes).
+  absl::Duration heartbeat_interval = absl::Seconds(5);
+  // Data path: "stream" (the Shard streaming RPCs, always available), or a
+  // bulk transport, which must be the daemons' --bulk_transport: "ucx",
+  // "grpc" (transport/grpc one-sided Put/Get) or "inproc" (daemons in the
+  // same process; tests). Create fails with Unavailable when the bulk
+  // transport cannot initialise (UCX). The control plane is gRPC.
+  std::string transport = "stream";
+  // UCX_TLS of a "ucx" transport, e.g. "posix,cma,self" or "tcp"; empty =
+  // UCX's choice (or the UCX_TLS environment variable).
   std::string ucx_tls;
-  // UCX progress threads (1..16), each with its own UCX worker and one
-  // connection to every daemon. A gather's Gets are spread over them, so
-  // they copy in parallel; a daemon's gradient Puts all take the first.
-  int ucx_progress_threads = 2;
+  // Bulk transports: progress threads (1..16), with one connection per
+  // thread to every daemon. A gather's Gets are spread over them, so they
+  // copy in parallel; a daemon's gradient Puts all take the first.
+  int bulk_progress_threads = 2;
   int sender_threads = 2;
   int io_threads = 4;
 };
 
-struct StepResult {
-  uint64_t step = 0;       // the step now committed
-  bool skipped = false;    // inf/nan in the gradient: no update anywhere
-  float loss_scale = 1.0f;  // scale for the next step's loss
-  // Global L2 norm of the averaged, unscaled gradient and the clip
-  // coefficient applied. Always known on the leader (rank 0); another rank
-  // knows them when it read every daemon's PrepareStep answer before the
-  // leader committed (the daemons keep no record afterwards).
-  bool have_norm = false;
-  float grad_norm = 0.0f;  // inf or NaN when the step was skipped for overflow
-  float clip_coef = 1.0f;
-};
+// OK, or InvalidArgument naming the field ("ClientConfig.<field>: ...").
+absl::Status ValidateConfig(const ClientConfig& config);
 
 // Bytes the client holds, by ledger category.
 struct ClientMemoryReport {
@@ -158,14 +132,14 @@ struct ClientTrafficReport {
 class Client {
  public:
   // Validates `config` (InvalidArgument naming the field), allocates the
-  // staging pool and starts the client's threads. Connects to nothing yet.
-  // `collective` replaces the built-in reduction (required for
-  // Reduction::kTrainerCollective, which has no built-in implementation:
-  // Unimplemented without one).
+  // staging pool, creates the bulk transport and starts the client's
+  // threads. Connects to nothing yet. `collective` replaces the built-in
+  // reduction (required for ReductionMode::kTrainerCollective, which has no
+  // built-in implementation: Unimplemented without one).
   static absl::StatusOr<std::unique_ptr<Client>> Create(
       ClientConfig config, std::unique_ptr<Collective> collective = nullptr);
-  // Waits for the client's in-flight RPCs (each bounded by its deadline). Does
-  // not leave the job: call Leave() for that.
+  // Stops heartbeats and waits for the client's in-flight RPCs (each bounded
+  // by its deadline). Does not leave the job: call Leave() for that.
   ~Client();
 
   Client(const Client&) = delete;
@@ -220,16 +194,22 @@ class Client {
   // combines the norms (sum of grad_sq_sum in daemon order, norm =
   // float(sqrt(sum)), clip = min(1, max_grad_norm / (norm + 1e-6)), skip on
   // inf/nan) and commits on every daemon; other ranks return once every
-  // daemon has committed. Blocks up to step_timeout. All ranks must pass the
+  // daemon has committed, with the leader's decisions read from the daemons
+  // (GetStepState). Blocks up to step_timeout. All ranks must pass the
   // same `lr`; the leader's is applied. If Step fails in its commit phase,
   // calling it again resends the same commit (CommitStep is idempotent). If
-  // it fails before, the rank may push its whole gradient again and retry
-  // (buckets the daemons already hold count as delivered); a borrowed
-  // gradient buffer stays in use until the tickets of its pushes complete,
-  // also after a failed Step (one that timed out may leave sends running).
-  // Stage-3 layer views must be released first (FailedPrecondition);
-  // prefetched layers of the old parameters are dropped. Step gathers
-  // nothing: stages 1-2 call GatherAll for the new parameters.
+  // it fails before, the rank retries by pushing its whole gradient again
+  // and calling Step: buckets the daemons confirmed in the failed attempt
+  // count as delivered and are not sent again (when all were confirmed, as
+  // after a timeout waiting for the other ranks or the leader, Step may also
+  // be called again without pushing). A borrowed gradient buffer stays in use until
+  // the tickets of its pushes complete, also after a failed Step (one that
+  // timed out may leave sends running). Stage-3 layer views must be released
+  // first (FailedPrecondition); prefetched layers of the old parameters are
+  // dropped without waiting (a prefetch still running frees its buffer when
+  // it ends). Once the commit succeeded Step returns OK: it never advances
+  // committed_step() and then fails. Step gathers nothing: stages 1-2 call
+  // GatherAll for the new parameters.
   absl::StatusOr<StepResult> Step(float lr);
 
   // Gathers every parameter as of the last committed step into `dst`
@@ -262,8 +242,9 @@ class Client {
   // stage has no layer buffers.
   absl::Status Prefetch(uint32_t layer);
 
-  // Leaves the job on every daemon (the job is freed when every rank has
-  // left). Returns the first error, after trying every daemon.
+  // Stops the heartbeats and leaves the job on every daemon (the job is
+  // freed when every rank has left). Returns the first error, after trying
+  // every daemon.
   absl::Status Leave();
 
   ClientMemoryReport MemoryReport() const;
@@ -278,63 +259,58 @@ class Client {
   // The last committed step this client knows of.
   uint64_t committed_step() const { return step_.load(); }
   // The scale to multiply the next step's loss by (fp16 loss scaling).
-  float loss_scale() const { return loss_scale_; }
+  float loss_scale() const { return loss_scale_.load(); }
+  // This process's incarnation for the rank (>= 1), fixed by Create.
+  uint64_t incarnation() const { return incarnation_; }
 
  private:
-  struct LayerSlot;
-  struct PendingCommit;
+  friend class ClientTestPeer;  // tests: replaces data paths before RegisterModel
 
   Client(ClientConfig config, std::unique_ptr<Collective> collective);
 
   absl::Time RpcDeadline() const { return absl::Now() + config_.rpc_timeout; }
-  // Runs fn(d) for every daemon in parallel on the io threads and returns
-  // once all have (first error). fn must bound its RPCs with deadlines.
+  RankId rank_id() const { return {config_.job_id, config_.rank, incarnation_}; }
+  // Creates the controls, data paths, executor and step coordinator.
+  absl::Status Connect();
+  // Runs fn(d) for every daemon in parallel on the io threads (first error).
   absl::Status ForEachDaemon(const std::function<absl::Status(uint32_t)>& fn);
+  // RegisterJob on every daemon; checks their partition maps against `map`.
+  absl::Status RegisterJobEverywhere(const Layout& layout, const PartitionMap& map);
+  absl::Status BindCollective();
   absl::Status UploadInitialParams(const float* params);
-  absl::Status AwaitAllRanksJoined();
+  // JoinJob on every daemon; returns the committed step they agree on.
+  absl::StatusOr<uint64_t> JoinEverywhere();
   // Gathers `range` (inside [0, total)) as `dtype` into dst, cut at daemon
   // boundaries and into C_B-sized requests, in parallel on the io threads.
   absl::Status GatherRange(const FlatRange& range, DType dtype, uint64_t after_step, void* dst);
-  absl::StatusOr<StepResult> LeaderStep(uint64_t step, float lr);
-  absl::StatusOr<StepResult> FollowerStep(uint64_t step, float lr);
-  absl::StatusOr<StepResult> Commit(const PendingCommit& commit);
   absl::StatusOr<size_t> LayerIndex(uint32_t layer) const;
-  // The slot holding layer index `index` fetched after `step_`, if any.
-  LayerSlot* FindSlot(size_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(layer_mu_);
-  // Starts fetching layer index `index` into a free slot; null if none free.
-  LayerSlot* StartFetch(size_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(layer_mu_);
-  absl::StatusOr<LayerSlot*> AcquireLayer(size_t index);
-  void PrefetchAfter(size_t index);
-  absl::Status DiscardLayerSlots();
+  bool registered() const { return registered_.load(std::memory_order_acquire); }
 
   const ClientConfig config_;
+  const uint64_t incarnation_;
   std::unique_ptr<Collective> collective_;
   TrafficCounters traffic_;
   mutable absl::Mutex report_mu_;
   TrafficBytes last_step_traffic_ ABSL_GUARDED_BY(report_mu_);
 
-  bool registered_ = false;
+  // Set (release) once RegisterModel succeeded; layout_ and map_ are written
+  // before and never again, so threads that saw it set may read them.
+  std::atomic<bool> registered_{false};
+  // Training thread only.
   std::optional<uint64_t> bound_fingerprint_;  // layout the collective is bound to
   Layout layout_;
   PartitionMap map_;
   std::vector<std::unique_ptr<DaemonControl>> controls_;
-  std::shared_ptr<transport::Transport> transport_;  // "ucx" only
+  std::shared_ptr<BulkTransport> bulk_;  // null for "stream"
   std::vector<std::unique_ptr<DataPath>> data_paths_;
   std::atomic<uint64_t> step_{0};  // read by pushing threads
-  float loss_scale_ = 1.0f;
-  std::unique_ptr<PendingCommit> pending_commit_;
+  std::atomic<float> loss_scale_{1.0f};
+  std::unique_ptr<StepCoordinator> coordinator_;
 
-  // Stage-3 layer buffers.
-  mutable absl::Mutex layer_mu_;
-  std::vector<std::unique_ptr<LayerSlot>> slots_ ABSL_GUARDED_BY(layer_mu_);
-  uint64_t layer_buffer_bytes_ = 0;
-  int64_t last_layer_index_ = -1;  // last layer gathered this step
-  std::atomic<uint64_t> prefetch_hits_{0};
-  std::atomic<uint64_t> prefetch_misses_{0};
-
-  // Destroyed first: their tasks use the members above.
+  // Destroyed first, in this order: their threads use the members above.
   std::unique_ptr<Executor> io_;
-  std::unique_ptr<Executor> prefetcher_;
+  std::unique_ptr<LayerCache> layers_;        // created by RegisterModel
+  std::unique_ptr<HeartbeatLoop> heartbeat_;  // RegisterModel until Leave
 };
 
 }  // namespace zeroshard

@@ -1,7 +1,9 @@
-// zeroshard::Client against in-process daemons on loopback: the traffic the
-// paper promises per step (2Ψ in stages 1-2, 3Ψ in stage 3), C_B-bounded
-// staging memory, the push cut rule, stage-3 layer buffers, and the errors a
-// trainer sees when its input is wrong or a daemon goes away.
+// zeroshard::Client against in-process daemons on loopback, over the
+// streaming RPCs and over the "inproc" bulk transport (no UCX needed): the
+// traffic the paper promises per step (2Ψ in stages 1-2, 3Ψ in stage 3),
+// C_B-bounded staging memory, the push cut rule, stage-3 layer buffers, the
+// step's retry contract, liveness, and the errors a trainer sees when its
+// input is wrong or a daemon goes away.
 
 #include "client/client.h"
 
@@ -16,19 +18,42 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "client/data_path.h"
 #include "client/testing/training_data.h"
 #include "gtest/gtest.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {
+
+// Reaches into a Client for tests: swaps a data path before RegisterModel.
+class ClientTestPeer {
+ public:
+  static void WrapDataPath(
+      Client& client, size_t daemon,
+      const std::function<std::unique_ptr<DataPath>(std::unique_ptr<DataPath>)>& wrap) {
+    client.data_paths_[daemon] = wrap(std::move(client.data_paths_[daemon]));
+  }
+};
+
 namespace {
 
 using testing::ComputeGradient;
 using testing::InitialParams;
 
+using testing::DaemonClient;
 using testing::SampleLayout;
-using testing::StartDaemon;
+
+// Daemons serving both the streaming RPCs and the "inproc" bulk transport.
+std::unique_ptr<Daemon> StartDaemon(absl::Duration rank_timeout = absl::Seconds(30)) {
+  DaemonOptions o;
+  o.bulk_transport = "inproc";
+  o.rank_timeout = rank_timeout;
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? *std::move(d) : nullptr;
+}
 
 struct Daemons {
   explicit Daemons(int n) {
@@ -41,8 +66,15 @@ struct Daemons {
   std::vector<std::string> addresses;
 };
 
+// Whether the daemon at `address` still has job `job`.
+bool HasJob(const std::string& address, const std::string& job) {
+  v1::StepState state;
+  return DaemonClient(address).StepState(job, &state).error_code() != grpc::StatusCode::NOT_FOUND;
+}
+
 ClientConfig MakeConfig(const std::string& job, const std::vector<std::string>& daemons,
-                        uint32_t rank, uint32_t world, uint32_t stage) {
+                        uint32_t rank, uint32_t world, uint32_t stage,
+                        const std::string& transport = "stream") {
   ClientConfig c;
   c.daemons = daemons;
   c.job_id = job;
@@ -57,6 +89,7 @@ ClientConfig MakeConfig(const std::string& job, const std::vector<std::string>& 
   c.rpc_timeout = absl::Seconds(10);
   c.step_timeout = absl::Seconds(20);
   c.io_threads = 2;
+  c.transport = transport;
   return c;
 }
 
@@ -119,24 +152,26 @@ absl::StatusOr<StepResult> TrainStep(Client& client, uint64_t step, float lr,
 struct TrafficCase {
   uint32_t world;
   uint32_t stage;
+  const char* transport;
 };
 
 class TrafficTest : public ::testing::TestWithParam<TrafficCase> {};
 
 TEST_P(TrafficTest, BytesPerRankPerStepMatchThePaper) {
-  const auto [world, stage] = GetParam();
+  const uint32_t world = GetParam().world, stage = GetParam().stage;
+  const std::string transport = GetParam().transport;
   Daemons daemons(2);
   const Layout layout = SampleLayout();
   const std::vector<float> init = InitialParams(layout);
   const uint64_t psi = layout.parameter_count();
   const uint64_t total = layout.total_elements();
-  const std::string job = absl::StrCat("traffic-", world, "-", stage);
+  const std::string job = absl::StrCat("traffic-", world, "-", stage, "-", transport);
   constexpr int kSteps = 3;
   std::vector<std::vector<ClientTrafficReport>> reports(world);
   std::vector<std::vector<StepResult>> results(world);
   std::atomic<int> failures{0};
   RunRanks(world, [&](uint32_t rank) {
-    ClientConfig config = MakeConfig(job, daemons.addresses, rank, world, stage);
+    ClientConfig config = MakeConfig(job, daemons.addresses, rank, world, stage, transport);
     std::unique_ptr<Client> client = Connect(config, layout, init.data());
     if (client == nullptr) {
       ++failures;
@@ -171,13 +206,11 @@ TEST_P(TrafficTest, BytesPerRankPerStepMatchThePaper) {
     }
     EXPECT_EQ(reports[rank].back().total.init, rank == 0 ? total * 4 : 0);
     EXPECT_EQ(results[rank].back().step, static_cast<uint64_t>(kSteps));
-    // Every rank that learned the norm agrees with the leader bit for bit.
+    // Every rank learns the leader's norm and clip coefficient, bit for bit.
     for (int s = 0; s < kSteps; ++s) {
-      ASSERT_TRUE(results[0][s].have_norm);
-      if (results[rank][s].have_norm) {
-        EXPECT_EQ(results[rank][s].grad_norm, results[0][s].grad_norm);
-        EXPECT_EQ(results[rank][s].clip_coef, results[0][s].clip_coef);
-      }
+      ASSERT_TRUE(results[rank][s].have_norm);
+      EXPECT_EQ(results[rank][s].grad_norm, results[0][s].grad_norm);
+      EXPECT_EQ(results[rank][s].clip_coef, results[0][s].clip_coef);
       EXPECT_EQ(results[rank][s].loss_scale, 1.0f);
       EXPECT_FALSE(results[rank][s].skipped);
     }
@@ -192,53 +225,20 @@ TEST_P(TrafficTest, BytesPerRankPerStepMatchThePaper) {
               static_cast<unsigned long long>(reports[0].back().last_step.gather),
               static_cast<unsigned long long>(factor), static_cast<unsigned long long>(paper),
               static_cast<unsigned long long>(total - psi));
-  for (auto& d : daemons.daemons) EXPECT_FALSE(d->jobs().Contains(job));
+  for (const std::string& a : daemons.addresses) EXPECT_FALSE(HasJob(a, job));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     WorldAndStage, TrafficTest,
-    ::testing::Values(TrafficCase{2, 1}, TrafficCase{2, 2}, TrafficCase{2, 3},
-                      TrafficCase{3, 1}, TrafficCase{3, 2}, TrafficCase{3, 3},
-                      TrafficCase{4, 1}, TrafficCase{4, 2}, TrafficCase{4, 3}),
+    ::testing::Values(TrafficCase{2, 1, "stream"}, TrafficCase{2, 2, "stream"},
+                      TrafficCase{2, 3, "stream"}, TrafficCase{3, 1, "inproc"},
+                      TrafficCase{3, 2, "inproc"}, TrafficCase{3, 3, "inproc"},
+                      TrafficCase{4, 1, "stream"}, TrafficCase{4, 2, "inproc"},
+                      TrafficCase{4, 3, "stream"}),
     [](const ::testing::TestParamInfo<TrafficCase>& info) {
-      return absl::StrCat("Nd", info.param.world, "Stage", info.param.stage);
+      return absl::StrCat("Nd", info.param.world, "Stage", info.param.stage, "_",
+                          info.param.transport);
     });
-
-// ---- Bucketization: staging memory is C_B-bounded, whatever Ψ ----
-
-TEST(ClientTest, StagingMemoryDoesNotGrowWithTheModel) {
-  uint64_t staging[2];
-  const int64_t sizes[2] = {10'000'000, 50'000'000};
-  for (int i = 0; i < 2; ++i) {
-    Daemons daemons(1);
-    const Layout layout = *Layout::Create({{"w", {sizes[i]}, DType::kFp32, 0},
-                                           {"b", {1001}, DType::kFp32, 1}});
-    const uint64_t total = layout.total_elements();
-    ClientConfig config = MakeConfig("big", daemons.addresses, 0, 1, 2);
-    config.bucket_bytes = 32ull << 20;  // the default C_B
-    config.max_grad_norm = 0;
-    std::vector<float> values(total, 0.5f);
-    std::unique_ptr<Client> client = Connect(config, layout, values.data());
-    ASSERT_NE(client, nullptr);
-    staging[i] = client->MemoryReport().total();
-    EXPECT_EQ(client->MemoryReport().buffer, staging[i]);
-    ASSERT_TRUE(client->PushGradients({0, total}, values.data(), DType::kFp32).ok());
-    absl::StatusOr<StepResult> r = client->Step(1e-3f);
-    ASSERT_TRUE(r.ok()) << r.status();
-    ASSERT_TRUE(client->GatherAll(values.data(), DType::kFp32).ok());
-    const ClientTrafficReport t = client->TrafficReport();
-    EXPECT_EQ(t.last_step.push, total * 4);
-    EXPECT_EQ(t.current.gather, total * 4);
-    EXPECT_EQ(client->MemoryReport().total(), staging[i]);  // nothing grew
-    std::printf("Ψ=%lld: client staging %llu B (= %u buffers x C_B %llu B), pushed %llu B\n",
-                static_cast<long long>(sizes[i] + 1001),
-                static_cast<unsigned long long>(staging[i]), config.staging_buffers,
-                static_cast<unsigned long long>(config.bucket_bytes),
-                static_cast<unsigned long long>(t.last_step.push));
-  }
-  EXPECT_EQ(staging[0], 4 * (32ull << 20));
-  EXPECT_EQ(staging[1], staging[0]);
-}
 
 // ---- The cut rule: any split of the pushes works across ranks ----
 
@@ -394,7 +394,9 @@ class ToyTrainerCollective final : public Collective {
       sum[i - mine.begin] = acc;
     }
     if (!exchange_->Barrier(deadline)) return absl::DeadlineExceededError("reduce-scatter");
-    GradientPush push{job_.job_id, step, job_.rank, 0, 1, mine, DType::kFp32, sum.data()};
+    GradientPush push{job_.job_id, step,  job_.rank,   job_.incarnation,
+                      0,           1,     mine,        DType::kFp32,
+                      sum.data()};
     absl::StatusOr<uint64_t> sent =
         job_.daemons[job_.map->DaemonOf(job_.rank)]->PushGradient(push, deadline);
     if (!sent.ok()) return sent.status();
@@ -415,7 +417,7 @@ TEST(ClientTest, ATrainerCollectiveSlotsInAndMatchesDaemonReduce) {
   const uint64_t total = layout.total_elements();
   std::vector<std::vector<float>> results;  // [mode]: rank 0's parameters after 3 steps
   std::vector<uint64_t> pushed(2);
-  for (Reduction mode : {Reduction::kDaemon, Reduction::kTrainerCollective}) {
+  for (ReductionMode mode : {ReductionMode::kDaemon, ReductionMode::kTrainerCollective}) {
     Daemons daemons(1);
     InProcessExchange exchange(2);
     std::vector<std::vector<float>> params(2, std::vector<float>(total));
@@ -424,7 +426,7 @@ TEST(ClientTest, ATrainerCollectiveSlotsInAndMatchesDaemonReduce) {
       ClientConfig config = MakeConfig("seam", daemons.addresses, rank, 2, 2);
       config.reduction = mode;
       std::unique_ptr<Collective> collective;
-      if (mode == Reduction::kTrainerCollective) {
+      if (mode == ReductionMode::kTrainerCollective) {
         collective = std::make_unique<ToyTrainerCollective>(&exchange);
       }
       absl::StatusOr<std::unique_ptr<Client>> client =
@@ -441,7 +443,8 @@ TEST(ClientTest, ATrainerCollectiveSlotsInAndMatchesDaemonReduce) {
       }
       if (!(*client)->GatherAll(params[rank].data(), DType::kFp32).ok()) ++failures;
       if (rank == 0) {
-        pushed[mode == Reduction::kDaemon ? 0 : 1] = (*client)->TrafficReport().last_step.push;
+        pushed[mode == ReductionMode::kDaemon ? 0 : 1] =
+            (*client)->TrafficReport().last_step.push;
       }
     });
     ASSERT_EQ(failures.load(), 0);
@@ -490,10 +493,15 @@ TEST(ClientTest, BadConfigIsInvalidArgument) {
        [](ClientConfig& c) { c.loss_scale.dynamic = true; c.loss_scale.backoff_factor = 1; }},
       {"rpc_timeout", [](ClientConfig& c) { c.rpc_timeout = absl::ZeroDuration(); }},
       {"step_timeout", [](ClientConfig& c) { c.step_timeout = absl::InfiniteDuration(); }},
+      {"heartbeat_interval",
+       [](ClientConfig& c) { c.heartbeat_interval = -absl::Seconds(1); }},
       {"transport", [](ClientConfig& c) { c.transport = "carrier-pigeon"; }},
+      {"transport", [](ClientConfig& c) { c.transport = ""; }},
       {"sender_threads", [](ClientConfig& c) { c.sender_threads = 0; }},
       {"io_threads", [](ClientConfig& c) { c.io_threads = 1000; }},
-      {"ucx_progress_threads", [](ClientConfig& c) { c.ucx_progress_threads = 0; }},
+      {"bulk_progress_threads", [](ClientConfig& c) { c.bulk_progress_threads = 0; }},
+      {"reduction", [](ClientConfig& c) { c.reduction = static_cast<ReductionMode>(7); }},
+      {"optimizer.kind", [](ClientConfig& c) { c.optimizer.kind = static_cast<OptimizerKind>(0); }},
   };
   ASSERT_TRUE(Client::Create(MakeConfig("ok", daemons, 0, 4, 2)).ok());
   for (const Case& c : cases) {
@@ -504,8 +512,14 @@ TEST(ClientTest, BadConfigIsInvalidArgument) {
     EXPECT_TRUE(absl::StrContains(client.status().message(), absl::StrCat(c.field, ":")))
         << c.field << ": " << client.status();
   }
+  // Every transport name is known (inproc needs no peer to be created).
+  for (const char* t : {"stream", "inproc", "grpc"}) {
+    absl::StatusOr<std::unique_ptr<Client>> c =
+        Client::Create(MakeConfig("ok", daemons, 0, 4, 2, t));
+    EXPECT_TRUE(c.ok()) << t << ": " << c.status();
+  }
   ClientConfig collective = MakeConfig("ok", daemons, 0, 4, 2);
-  collective.reduction = Reduction::kTrainerCollective;
+  collective.reduction = ReductionMode::kTrainerCollective;
   EXPECT_EQ(Client::Create(collective).status().code(), absl::StatusCode::kUnimplemented);
 }
 
@@ -548,6 +562,8 @@ TEST(ClientTest, BadCallsAreRejectedLocally) {
   r = client->Step(0.1f);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->step, 1u);
+  // What the first attempt delivered was not sent again.
+  EXPECT_EQ(client->TrafficReport().total.push, total * 4);
 }
 
 TEST(ClientTest, GradientAccumulationNeedsEveryMicroBatch) {
@@ -647,6 +663,136 @@ TEST(ClientTest, DaemonKilledMidRunGivesUnavailable) {
   const absl::Status gather = clients[0]->GatherAll(params.data(), DType::kFp32);
   EXPECT_EQ(gather.code(), absl::StatusCode::kUnavailable) << gather;
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+// ---- The step's contract ----
+
+// A data path whose first Gather after arming blocks until released (or its
+// deadline): a stage-3 prefetch that is still running when Step commits.
+class HoldFirstGather final : public DataPath {
+ public:
+  explicit HoldFirstGather(std::unique_ptr<DataPath> inner) : inner_(std::move(inner)) {}
+  const std::string& address() const override { return inner_->address(); }
+  const char* name() const override { return inner_->name(); }
+  absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) override {
+    return inner_->PushGradient(push, deadline);
+  }
+  absl::StatusOr<uint64_t> InitParameters(const ParameterUpload& upload,
+                                          absl::Time deadline) override {
+    return inner_->InitParameters(upload, deadline);
+  }
+  absl::StatusOr<uint64_t> Gather(const GatherRequestSpec& request, void* dst,
+                                  absl::Time deadline) override {
+    if (armed.exchange(false)) {
+      holding.Notify();
+      release.WaitForNotificationWithDeadline(deadline);
+    }
+    return inner_->Gather(request, dst, deadline);
+  }
+
+  std::atomic<bool> armed{false};
+  absl::Notification holding;
+  absl::Notification release;
+
+ private:
+  std::unique_ptr<DataPath> inner_;
+};
+
+// Bug 2: Step used to wait (up to step_timeout) for stage-3 prefetches of
+// the old parameters after the commit, and returned DeadlineExceeded with
+// the step already committed, breaking the retry contract. Now a committed
+// step returns OK at once; the prefetch frees its buffer when it ends, and
+// its stale bytes are never served.
+TEST(ClientTest, StepNeverFailsAfterItsCommit) {
+  Daemons daemons(1);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  const uint64_t total = layout.total_elements();
+  ClientConfig config = MakeConfig("committed", daemons.addresses, 0, 1, 3);
+  config.prefetch_depth = 0;
+  config.layer_buffers = 2;
+  config.step_timeout = absl::Seconds(2);
+  config.rpc_timeout = absl::Seconds(8);
+  std::unique_ptr<Client> client = *Client::Create(config);
+  HoldFirstGather* hold = nullptr;
+  ClientTestPeer::WrapDataPath(*client, 0, [&](std::unique_ptr<DataPath> inner) {
+    auto h = std::make_unique<HoldFirstGather>(std::move(inner));
+    hold = h.get();
+    return h;
+  });
+  ASSERT_TRUE(client->RegisterModel(layout, init.data()).ok());
+  const uint32_t layer = layout.layers()[1];
+  const FlatRange range = *layout.LayerRange(layer);
+  hold->armed = true;
+  ASSERT_TRUE(client->Prefetch(layer).ok());
+  ASSERT_TRUE(hold->holding.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  std::vector<float> grad(total, 0.1f);
+  ASSERT_TRUE(client->PushGradients({0, total}, grad.data(), DType::kFp32).ok());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<StepResult> r = client->Step(0.01f);
+  const absl::Duration took = absl::Now() - start;
+  hold->release.Notify();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->step, 1u);
+  EXPECT_EQ(client->committed_step(), 1u);
+  EXPECT_LT(took, config.step_timeout) << "Step waited for the prefetch of the old parameters";
+  // The layer now served is step 1's.
+  std::vector<float> all(total), one(range.size());
+  ASSERT_TRUE(client->GatherAll(all.data(), DType::kFp32).ok());
+  ASSERT_TRUE(client->Gather(layer, one.data()).ok());
+  EXPECT_EQ(0, std::memcmp(one.data(), all.data() + range.begin, range.size() * 4));
+  EXPECT_NE(0, std::memcmp(one.data(), init.data() + range.begin, range.size() * 4));
+  // And the next step runs as usual.
+  ASSERT_TRUE(client->PushGradients({0, total}, grad.data(), DType::kFp32).ok());
+  r = client->Step(0.01f);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->step, 2u);
+}
+
+// ---- Liveness and incarnations ----
+
+TEST(ClientTest, HeartbeatsKeepAnIdleRankConnected) {
+  std::unique_ptr<Daemon> daemon = StartDaemon(/*rank_timeout=*/absl::Milliseconds(300));
+  ASSERT_NE(daemon, nullptr);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  for (const absl::Duration interval : {absl::Milliseconds(50), absl::ZeroDuration()}) {
+    const std::string job = absl::StrCat("alive-", absl::ToInt64Milliseconds(interval));
+    ClientConfig config = MakeConfig(job, {daemon->address()}, 0, 1, 2);
+    config.heartbeat_interval = interval;
+    std::unique_ptr<Client> client = Connect(config, layout, init.data());
+    ASSERT_NE(client, nullptr);
+    absl::SleepFor(absl::Milliseconds(900));  // idle: no pushes, no steps
+    v1::StepState state;
+    ASSERT_TRUE(DaemonClient(daemon->address()).StepState(job, &state).ok());
+    EXPECT_EQ(state.ranks_joined(), 1u);
+    EXPECT_EQ(state.ranks_connected(), interval > absl::ZeroDuration() ? 1u : 0u)
+        << "heartbeat_interval " << interval;
+    EXPECT_TRUE(client->Leave().ok());
+  }
+}
+
+TEST(ClientTest, ARestartedRankFencesItsOldProcess) {
+  Daemons daemons(1);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  const uint64_t total = layout.total_elements();
+  const ClientConfig config = MakeConfig("restarted", daemons.addresses, 0, 1, 2, "inproc");
+  std::unique_ptr<Client> old = Connect(config, layout, init.data());
+  ASSERT_NE(old, nullptr);
+  std::unique_ptr<Client> fresh = Connect(config, layout, init.data());
+  ASSERT_NE(fresh, nullptr);
+  EXPECT_GT(fresh->incarnation(), old->incarnation());
+  std::vector<float> grad(total, 0.1f);
+  // The old process's pushes are refused; the new one's step goes through.
+  absl::StatusOr<PushTicket> t = old->PushGradients({0, total}, grad.data(), DType::kFp32);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const absl::Status refused = t->Wait(absl::Now() + absl::Seconds(10));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  ASSERT_TRUE(fresh->PushGradients({0, total}, grad.data(), DType::kFp32).ok());
+  absl::StatusOr<StepResult> r = fresh->Step(0.01f);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->step, 1u);
 }
 
 }  // namespace

@@ -60,6 +60,7 @@ enum class BufferUse {
 struct CollectiveJob {
   std::string job_id;
   uint32_t rank = 0;
+  uint64_t incarnation = 0;  // the rank's, carried by every push
   uint32_t world_size = 1;
   const Layout* layout = nullptr;
   const PartitionMap* map = nullptr;
@@ -97,7 +98,9 @@ class Collective {
   // Blocks until every contribution of `step` has been accepted (first error
   // otherwise). FailedPrecondition (naming the first missing range) if this
   // rank has not contributed every element its role requires. Afterwards the
-  // collective is ready for step + 1, whatever the result.
+  // collective is ready for step + 1, or, after an error, for the caller to
+  // contribute `step` again: what the daemons confirmed in an earlier attempt
+  // of the same step counts as delivered and is not sent twice.
   virtual absl::Status Finish(uint64_t step, absl::Time deadline) = 0;
 
   // Bytes of memory the collective holds (staging buffers), fixed once bound.

@@ -9,8 +9,7 @@ DaemonControl::DaemonControl(std::string address, std::shared_ptr<grpc::Channel>
     : address_(std::move(address)),
       channel_(std::move(channel)),
       control_(v1::Control::NewStub(channel_)),
-      shard_(v1::Shard::NewStub(channel_)),
-      admin_(v1::Admin::NewStub(channel_)) {}
+      shard_(v1::Shard::NewStub(channel_)) {}
 
 absl::StatusOr<v1::RegisterJobResponse> DaemonControl::RegisterJob(const v1::JobSpec& spec,
                                                                    uint32_t daemon_index,
@@ -39,31 +38,27 @@ absl::StatusOr<v1::JoinJobResponse> DaemonControl::JoinJob(const v1::JoinJobRequ
   return response;
 }
 
-absl::StatusOr<v1::JobStatus> DaemonControl::JobStatus(const std::string& job_id,
-                                                       absl::Time deadline) {
-  grpc::ClientContext context;
-  SetDeadline(&context, deadline);
-  v1::StatusResponse response;
-  const grpc::Status s = admin_->Status(&context, v1::StatusRequest(), &response);
-  if (!s.ok()) return DaemonError(s, address_, "Status");
-  for (const v1::JobStatus& job : response.jobs()) {
-    if (job.job_id() == job_id) return job;
-  }
-  return absl::NotFoundError(
-      absl::StrCat("daemon ", address_, ": job ", job_id, " is not registered"));
-}
-
-absl::StatusOr<uint64_t> DaemonControl::Heartbeat(const std::string& job_id, uint32_t rank,
-                                                  absl::Time deadline) {
+absl::Status DaemonControl::Heartbeat(const RankId& id, absl::Time deadline) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   v1::HeartbeatRequest request;
-  request.set_job_id(job_id);
-  request.set_rank(rank);
+  request.set_job_id(id.job_id);
+  request.set_rank(id.rank);
+  request.set_incarnation(id.incarnation);
   v1::HeartbeatResponse response;
-  const grpc::Status s = control_->Heartbeat(&context, request, &response);
-  if (!s.ok()) return DaemonError(s, address_, "Heartbeat");
-  return response.committed_step();
+  return DaemonError(control_->Heartbeat(&context, request, &response), address_, "Heartbeat");
+}
+
+absl::StatusOr<v1::StepState> DaemonControl::GetStepState(const std::string& job_id,
+                                                          absl::Time deadline) {
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::GetStepStateRequest request;
+  request.set_job_id(job_id);
+  v1::StepState response;
+  const grpc::Status s = shard_->GetStepState(&context, request, &response);
+  if (!s.ok()) return DaemonError(s, address_, absl::StrCat("GetStepState ", job_id));
+  return response;
 }
 
 absl::StatusOr<v1::PrepareStepResponse> DaemonControl::PrepareStep(const std::string& job_id,
@@ -90,13 +85,13 @@ absl::StatusOr<v1::CommitStepResponse> DaemonControl::CommitStep(
   return response;
 }
 
-absl::Status DaemonControl::Leave(const std::string& job_id, uint32_t rank,
-                                  absl::Time deadline) {
+absl::Status DaemonControl::Leave(const RankId& id, absl::Time deadline) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   v1::LeaveRequest request;
-  request.set_job_id(job_id);
-  request.set_rank(rank);
+  request.set_job_id(id.job_id);
+  request.set_rank(id.rank);
+  request.set_incarnation(id.incarnation);
   v1::LeaveResponse response;
   return DaemonError(control_->Leave(&context, request, &response), address_, "Leave");
 }

@@ -1,7 +1,9 @@
 #pragma once
 
 // Control-plane calls to one daemon, as blocking calls with a deadline whose
-// errors name the daemon (see DaemonError in client/rpc.h).
+// errors name the daemon (see DaemonError in client/rpc.h). Each call is the
+// RPC its proto comment describes, used for nothing else: reads of the step
+// state go through GetStepState, never through a mutating call.
 
 #include <cstdint>
 #include <memory>
@@ -10,11 +12,17 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
-#include "proto/zeroshard/v1/admin.grpc.pb.h"
 #include "proto/zeroshard/v1/control.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 
 namespace zeroshard {
+
+// Who is calling: the job, the rank and the rank's incarnation.
+struct RankId {
+  std::string job_id;
+  uint32_t rank = 0;
+  uint64_t incarnation = 0;
+};
 
 // Thread-safe; each call blocks its calling thread until done or `deadline`.
 class DaemonControl {
@@ -27,22 +35,21 @@ class DaemonControl {
                                                       uint32_t daemon_index, absl::Time deadline);
   absl::StatusOr<v1::JoinJobResponse> JoinJob(const v1::JoinJobRequest& request,
                                               absl::Time deadline);
-  // The job's entry in the daemon's Status; NotFound if the daemon has none.
-  absl::StatusOr<v1::JobStatus> JobStatus(const std::string& job_id, absl::Time deadline);
-  absl::StatusOr<uint64_t> Heartbeat(const std::string& job_id, uint32_t rank,
-                                     absl::Time deadline);
+  // Liveness: the daemon records that `id` is alive.
+  absl::Status Heartbeat(const RankId& id, absl::Time deadline);
+  // Read-only: committed step, last commit's decisions, ranks joined.
+  absl::StatusOr<v1::StepState> GetStepState(const std::string& job_id, absl::Time deadline);
   absl::StatusOr<v1::PrepareStepResponse> PrepareStep(const std::string& job_id, uint64_t step,
                                                       absl::Time deadline);
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request,
                                                     absl::Time deadline);
-  absl::Status Leave(const std::string& job_id, uint32_t rank, absl::Time deadline);
+  absl::Status Leave(const RankId& id, absl::Time deadline);
 
  private:
   const std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Control::Stub> control_;
   std::unique_ptr<v1::Shard::Stub> shard_;
-  std::unique_ptr<v1::Admin::Stub> admin_;
 };
 
 }  // namespace zeroshard

@@ -61,15 +61,16 @@ absl::StatusOr<std::unique_ptr<DaemonReduceCollective>> DaemonReduceCollective::
 DaemonReduceCollective::~DaemonReduceCollective() { senders_.reset(); }
 
 absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
-  if (bound_) return absl::FailedPreconditionError("the collective is already bound to a job");
+  if (bound_.load())
+    return absl::FailedPreconditionError("the collective is already bound to a job");
   if (job.layout == nullptr || job.map == nullptr || job.traffic == nullptr) {
     return absl::InvalidArgumentError("CollectiveJob: layout, map and traffic are required");
   }
   if (job.bucket_bytes != options_.bucket_bytes || job.wire_dtype != options_.wire_dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the staging pool was sized for bucket_bytes ", options_.bucket_bytes, " of ",
-        DTypeName(options_.wire_dtype), ", the job uses ", job.bucket_bytes, " of ",
-        DTypeName(job.wire_dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the staging pool was sized for bucket_bytes ", options_.bucket_bytes, " of ",
+                     DTypeName(options_.wire_dtype), ", the job uses ", job.bucket_bytes, " of ",
+                     DTypeName(job.wire_dtype)));
   }
   if (job.daemons.size() != job.map->num_daemons()) {
     return absl::InvalidArgumentError(absl::StrCat("CollectiveJob: ", job.daemons.size(),
@@ -84,9 +85,12 @@ absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
   if (!plan.ok()) return plan.status();
   job_ = job;
   plan_ = *std::move(plan);
-  absl::MutexLock lock(&mu_);
-  sent_.assign(plan_.buckets().size() * job.micro_batches, 0);
-  bound_ = true;
+  {
+    absl::MutexLock lock(&mu_);
+    sent_.assign(plan_.buckets().size() * job.micro_batches, 0);
+    delivered_.assign(sent_.size(), 0);
+  }
+  bound_.store(true, std::memory_order_release);
   return absl::OkStatus();
 }
 
@@ -127,6 +131,13 @@ absl::StatusOr<int> DaemonReduceCollective::AcquireBuffer(absl::Time deadline,
 
 absl::StatusOr<DaemonReduceCollective::Active*> DaemonReduceCollective::StartBucket(
     uint64_t key, size_t index, absl::Time deadline, int own_pushers) {
+  if (Delivered(key)) {
+    if (sent_[key]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "PushGradients: ", DescribeBucket(key), " was already pushed for step ", step_));
+    }
+    return &active_[key];  // accounted only: nothing to copy or send
+  }
   absl::StatusOr<int> b = AcquireBuffer(deadline, own_pushers);
   if (!b.ok()) return b.status();
   // Another thread may have started the bucket while this one waited.
@@ -149,11 +160,12 @@ absl::StatusOr<DaemonReduceCollective::Active*> DaemonReduceCollective::StartBuc
   return &a;
 }
 
-absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_t micro_batch,
-                                                          const FlatRange& range,
-                                                          const void* grads, DType dtype,
-                                                          BufferUse use, absl::Time deadline) {
-  if (!bound_) return absl::FailedPreconditionError("PushGradients before RegisterModel");
+absl::Status DaemonReduceCollective::CheckArguments(uint32_t micro_batch,
+                                                    const FlatRange& range,
+                                                    const void* grads) const {
+  if (!bound_.load(std::memory_order_acquire)) {
+    return absl::FailedPreconditionError("PushGradients before RegisterModel");
+  }
   if (micro_batch >= job_.micro_batches) {
     return absl::InvalidArgumentError(absl::StrCat(
         "micro_batch: must be < micro_batches (", job_.micro_batches, "), got ", micro_batch));
@@ -164,123 +176,151 @@ absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_
                      "flat space [0, ", plan_.total_elements(), ")"));
   }
   if (grads == nullptr) return absl::InvalidArgumentError("grads: null");
-  const size_t nb = plan_.buckets().size();
-  const auto [first, last] = plan_.Overlapping(range);
-  auto overlap = [&](const Active& a, const FlatRange& r) {
-    for (const FlatRange& w : a.written) {
-      if (!w.Intersect(r).empty()) return true;
-    }
-    return false;
-  };
-  auto ticket = std::make_shared<CountDown>(0);
-  {
-    absl::MutexLock lock(&mu_);
-    if (step_ != step) {
-      if (step_ != 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "PushGradients for step ", step, " while pushes of step ", step_,
-            " are pending; call Step first"));
-      }
-      step_ = step;
-    }
-    // Reject an overlap before staging anything.
-    for (size_t i = first; i < last; ++i) {
-      const uint64_t key = micro_batch * nb + i;
-      const FlatRange clip = plan_.buckets()[i].range.Intersect(range);
-      auto it = active_.find(key);
-      if (sent_[key] || (it != active_.end() && overlap(it->second, clip))) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "PushGradients: range [", clip.begin, ", ", clip.end, ") of ",
-            DescribeBucket(key), " was already pushed for step ", step));
-      }
-    }
-    ++pushers_;
+  return absl::OkStatus();
+}
+
+namespace {
+
+bool Overlaps(const std::vector<FlatRange>& written, const FlatRange& r) {
+  for (const FlatRange& w : written) {
+    if (!w.Intersect(r).empty()) return true;
   }
-  const size_t wire_size = DTypeSize(plan_.wire_dtype());
-  const size_t src_size = DTypeSize(dtype);
+  return false;
+}
+
+}  // namespace
+
+absl::Status DaemonReduceCollective::BeginReduce(const Contribution& c, size_t first,
+                                                 size_t last) {
+  absl::MutexLock lock(&mu_);
+  if (step_ != c.step) {
+    if (step_ != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "PushGradients for step ", c.step, " while pushes of step ", step_,
+          " are pending; call Step first"));
+    }
+    step_ = c.step;
+  }
+  if (delivered_step_ != c.step) {  // what earlier attempts delivered was for another step
+    std::fill(delivered_.begin(), delivered_.end(), 0);
+    delivered_step_ = c.step;
+  }
+  for (size_t i = first; i < last; ++i) {
+    const uint64_t key = KeyOf(c.micro_batch, i);
+    const FlatRange clip = plan_.buckets()[i].range.Intersect(c.range);
+    auto it = active_.find(key);
+    if (sent_[key] || (it != active_.end() && Overlaps(it->second.written, clip))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "PushGradients: range [", clip.begin, ", ", clip.end, ") of ", DescribeBucket(key),
+          " was already pushed for step ", c.step));
+    }
+  }
+  ++pushers_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_t micro_batch,
+                                                          const FlatRange& range,
+                                                          const void* grads, DType dtype,
+                                                          BufferUse use, absl::Time deadline) {
+  if (absl::Status s = CheckArguments(micro_batch, range, grads); !s.ok()) return s;
+  const Contribution c{step,  micro_batch, range, static_cast<const uint8_t*>(grads),
+                       dtype, use,         deadline};
+  const auto [first, last] = plan_.Overlapping(range);
+  if (absl::Status s = BeginReduce(c, first, last); !s.ok()) return s;
+  auto ticket = std::make_shared<CountDown>(0);
   // Borrowed buckets are reserved (marked sent) in the loop and handed to
   // the senders only once the whole call has succeeded: a call that fails
   // leaves nothing reading `grads` behind it.
-  struct Borrowed {
-    uint64_t key;
-    const uint8_t* data;
-  };
   std::vector<Borrowed> borrowed;
   absl::Status status;
   for (size_t i = first; i < last && status.ok(); ++i) {
-    const Bucket& bucket = plan_.buckets()[i];
-    const uint64_t key = micro_batch * nb + i;
-    const FlatRange clip = bucket.range.Intersect(range);
-    const uint8_t* src = static_cast<const uint8_t*>(grads) + (clip.begin - range.begin) * src_size;
-    uint8_t* base = nullptr;
-    {
-      absl::MutexLock lock(&mu_);
-      Active* a = nullptr;
-      auto it = active_.find(key);
-      // A borrowed buffer that holds a whole gap-free bucket in the wire
-      // dtype is sent from where it is.
-      if (use == BufferUse::kBorrow && it == active_.end() && dtype == plan_.wire_dtype() &&
-          clip == bucket.range && bucket.real_elements == bucket.range.size()) {
-        if (sent_[key]) {
-          status = absl::InvalidArgumentError(
-              absl::StrCat("PushGradients: ", DescribeBucket(key), " was already pushed for step ",
-                           step));
-          break;
-        }
-        sent_[key] = 1;
-        ++sent_count_;
-        borrowed.push_back({key, src});
-        continue;
-      }
-      if (it != active_.end()) {
-        a = &it->second;
-      } else {
-        absl::StatusOr<Active*> started = StartBucket(key, i, deadline, 1);
-        if (!started.ok()) {
-          status = started.status();
-          break;
-        }
-        a = *started;
-      }
-      if (overlap(*a, clip)) {
-        status = absl::InvalidArgumentError(
-            absl::StrCat("PushGradients: range [", clip.begin, ", ", clip.end, ") of ",
-                         DescribeBucket(key), " was already pushed for step ", step));
-        break;
-      }
-      a->written.push_back(clip);
-      ++a->writers;
-      ticket->Add(1);
-      a->tickets.push_back(ticket);
-      base = buffer(a->buffer);
-    }
-    // Copy outside the lock: the claimed range is this thread's alone.
-    uint64_t real = 0;
-    plan_.ForEachRealSegment(clip, [&](const FlatRange& s) {
-      ConvertElements(dtype, src + (s.begin - clip.begin) * src_size, plan_.wire_dtype(),
-                      base + (s.begin - bucket.range.begin) * wire_size, s.size());
-      real += s.size();
-    });
+    status = ContributeBucket(c, i, ticket, &borrowed);
+  }
+  return EndReduce(status, std::move(ticket), borrowed);
+}
+
+absl::Status DaemonReduceCollective::ContributeBucket(const Contribution& c, size_t index,
+                                                      const std::shared_ptr<CountDown>& ticket,
+                                                      std::vector<Borrowed>* borrowed) {
+  const Bucket& bucket = plan_.buckets()[index];
+  const uint64_t key = KeyOf(c.micro_batch, index);
+  const FlatRange clip = bucket.range.Intersect(c.range);
+  const size_t src_size = DTypeSize(c.dtype);
+  const uint8_t* src = c.grads + (clip.begin - c.range.begin) * src_size;
+  auto already = [&] {
+    return absl::InvalidArgumentError(absl::StrCat("PushGradients: range [", clip.begin, ", ",
+                                                   clip.end, ") of ", DescribeBucket(key),
+                                                   " was already pushed for step ", c.step));
+  };
+  uint8_t* base = nullptr;
+  {
     absl::MutexLock lock(&mu_);
     auto it = active_.find(key);
-    Active& a = it->second;
-    a.written_real += real;
-    --a.writers;
-    if (a.writers == 0 && a.written_real == bucket.real_elements) {
-      Active done = std::move(a);
-      active_.erase(it);
-      Send(key, done.buffer, buffer(done.buffer), std::move(done.tickets));
+    // A borrowed buffer that holds a whole gap-free bucket in the wire
+    // dtype is sent from where it is.
+    if (c.use == BufferUse::kBorrow && it == active_.end() && c.dtype == plan_.wire_dtype() &&
+        clip == bucket.range && bucket.real_elements == bucket.range.size()) {
+      if (sent_[key]) return already();
+      sent_[key] = 1;
+      borrowed->push_back({key, src, Delivered(key)});
+      return absl::OkStatus();
     }
+    Active* a = nullptr;
+    if (it != active_.end()) {
+      a = &it->second;
+    } else {
+      absl::StatusOr<Active*> started = StartBucket(key, index, c.deadline, 1);
+      if (!started.ok()) return started.status();
+      a = *started;
+    }
+    if (Overlaps(a->written, clip)) return already();
+    a->written.push_back(clip);
+    ++a->writers;
+    ticket->Add(1);
+    a->tickets.push_back(ticket);
+    if (a->buffer >= 0) base = buffer(a->buffer);
   }
+  // Copy outside the lock: the claimed range is this thread's alone.
+  uint64_t real = 0;
+  const size_t wire_size = DTypeSize(plan_.wire_dtype());
+  plan_.ForEachRealSegment(clip, [&](const FlatRange& s) {
+    if (base != nullptr) {
+      ConvertElements(c.dtype, src + (s.begin - clip.begin) * src_size, plan_.wire_dtype(),
+                      base + (s.begin - bucket.range.begin) * wire_size, s.size());
+    }
+    real += s.size();
+  });
+  absl::MutexLock lock(&mu_);
+  EndWrite(key, real);
+  return absl::OkStatus();
+}
+
+void DaemonReduceCollective::EndWrite(uint64_t key, uint64_t real) {
+  auto it = active_.find(key);
+  Active& a = it->second;
+  a.written_real += real;
+  --a.writers;
+  if (a.writers == 0 &&
+      a.written_real == plan_.buckets()[key % plan_.buckets().size()].real_elements) {
+    Active done = std::move(a);
+    active_.erase(it);
+    Send(key, done.buffer, done.buffer >= 0 ? buffer(done.buffer) : nullptr,
+         std::move(done.tickets));
+  }
+}
+
+absl::StatusOr<PushTicket> DaemonReduceCollective::EndReduce(
+    const absl::Status& status, std::shared_ptr<CountDown> ticket,
+    const std::vector<Borrowed>& borrowed) {
   absl::MutexLock lock(&mu_);
   --pushers_;
   for (const Borrowed& b : borrowed) {
-    if (status.ok()) {
+    if (!status.ok()) {
+      sent_[b.key] = 0;
+    } else if (!b.delivered) {
       ticket->Add(1);
       Dispatch(b.key, /*buffer_index=*/-1, b.data, {ticket});
-    } else {
-      sent_[b.key] = 0;
-      --sent_count_;
     }
   }
   if (!status.ok()) return status;
@@ -290,7 +330,11 @@ absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_
 void DaemonReduceCollective::Send(uint64_t key, int buffer_index, const uint8_t* data,
                                   std::vector<std::shared_ptr<CountDown>> tickets) {
   sent_[key] = 1;
-  ++sent_count_;
+  if (Delivered(key)) {  // confirmed by an earlier attempt of this step
+    for (const auto& t : tickets) t->Done();
+    if (buffer_index >= 0) free_.push_back(buffer_index);
+    return;
+  }
   Dispatch(key, buffer_index, data, std::move(tickets));
 }
 
@@ -298,14 +342,14 @@ void DaemonReduceCollective::Dispatch(uint64_t key, int buffer_index, const uint
                                       std::vector<std::shared_ptr<CountDown>> tickets) {
   ++in_flight_;
   if (buffer_index >= 0) ++staged_in_flight_;
-  senders_->Submit([this, step = step_, key, buffer_index, data,
+  senders_->Submit([this, step = step_, attempt = attempt_, key, buffer_index, data,
                     tickets = std::move(tickets)]() mutable {
-    RunSend(step, key, buffer_index, data, std::move(tickets));
+    RunSend(step, attempt, key, buffer_index, data, std::move(tickets));
   });
 }
 
-void DaemonReduceCollective::RunSend(uint64_t step, uint64_t key, int buffer_index,
-                                     const uint8_t* data,
+void DaemonReduceCollective::RunSend(uint64_t step, uint64_t attempt, uint64_t key,
+                                     int buffer_index, const uint8_t* data,
                                      std::vector<std::shared_ptr<CountDown>> tickets) {
   const size_t nb = plan_.buckets().size();
   const Bucket& bucket = plan_.buckets()[key % nb];
@@ -313,6 +357,7 @@ void DaemonReduceCollective::RunSend(uint64_t step, uint64_t key, int buffer_ind
   push.job_id = job_.job_id;
   push.step = step;
   push.rank = job_.rank;
+  push.incarnation = job_.incarnation;
   push.micro_batch = static_cast<uint32_t>(key / nb);
   push.micro_batches = job_.micro_batches;
   push.range = bucket.range;
@@ -320,84 +365,114 @@ void DaemonReduceCollective::RunSend(uint64_t step, uint64_t key, int buffer_ind
   push.data = data;
   absl::StatusOr<uint64_t> sent =
       job_.daemons[bucket.daemon]->PushGradient(push, absl::Now() + job_.rpc_timeout);
-  absl::Status status = sent.status();
-  if (sent.ok()) {
-    job_.traffic->AddPush(*sent);
-  } else if (absl::IsAlreadyExists(status)) {
-    // An earlier attempt of this step already delivered this exact bucket.
-    status = absl::OkStatus();
-  }
-  for (const auto& t : tickets) t->Done(status);
+  if (sent.ok()) job_.traffic->AddPush(*sent);
+  for (const auto& t : tickets) t->Done(sent.status());
   absl::MutexLock lock(&mu_);
   if (buffer_index >= 0) {
     free_.push_back(buffer_index);
     --staged_in_flight_;
   }
   --in_flight_;
-  if (!status.ok() && error_.ok()) error_ = status;
+  if (sent.ok() && delivered_step_ == step) delivered_[key] = 1;
+  // A send of an abandoned attempt does not fail the next one.
+  if (!sent.ok() && attempt == attempt_ && error_.ok()) error_ = sent.status();
 }
 
 void DaemonReduceCollective::ResetStep(const absl::Status& reason) {
   for (auto& [key, a] : active_) {
     for (const auto& t : a.tickets) t->Done(reason);
-    free_.push_back(a.buffer);
+    if (a.buffer >= 0) free_.push_back(a.buffer);
   }
   active_.clear();
   std::fill(sent_.begin(), sent_.end(), 0);
-  sent_count_ = 0;
   error_ = absl::OkStatus();
+  ++attempt_;
   step_ = 0;
 }
 
+absl::Status DaemonReduceCollective::SendGapBuckets(absl::Time deadline) {
+  const size_t nb = plan_.buckets().size();
+  // Buckets without tensor elements carry only zeros; nobody pushes them.
+  for (uint64_t key = 0; key < sent_.size() && error_.ok(); ++key) {
+    const size_t i = key % nb;
+    if (sent_[key] || Delivered(key) || plan_.buckets()[i].real_elements != 0) continue;
+    absl::StatusOr<Active*> a = StartBucket(key, i, deadline, 0);
+    if (!a.ok()) return a.status();
+    Active done = std::move(**a);
+    active_.erase(key);
+    Send(key, done.buffer, done.buffer >= 0 ? buffer(done.buffer) : nullptr,
+         std::move(done.tickets));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonReduceCollective::IncompleteBuckets(uint64_t step) {
+  const size_t nb = plan_.buckets().size();
+  if (!active_.empty()) {
+    auto it = std::min_element(active_.begin(), active_.end(),
+                               [](const auto& a, const auto& b) { return a.first < b.first; });
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Step ", step, ": rank ", job_.rank, " pushed only ", it->second.written_real, " of ",
+        plan_.buckets()[it->first % nb].real_elements, " tensor elements of ",
+        DescribeBucket(it->first)));
+  }
+  uint64_t done = 0, missing = sent_.size();
+  for (uint64_t key = 0; key < sent_.size(); ++key) {
+    if (sent_[key] || Delivered(key)) {
+      ++done;
+    } else if (missing == sent_.size()) {
+      missing = key;
+    }
+  }
+  if (missing == sent_.size()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "Step ", step, ": rank ", job_.rank, " pushed ", done, " of ", sent_.size(),
+      " gradient buckets; nothing was pushed for ", DescribeBucket(missing)));
+}
+
+void DaemonReduceCollective::DropDeliveredActive() {
+  for (auto it = active_.begin(); it != active_.end();) {
+    if (!Delivered(it->first)) {
+      ++it;
+      continue;
+    }
+    for (const auto& t : it->second.tickets) t->Done();
+    if (it->second.buffer >= 0) free_.push_back(it->second.buffer);
+    active_.erase(it++);
+  }
+}
+
 absl::Status DaemonReduceCollective::Finish(uint64_t step, absl::Time deadline) {
-  if (!bound_) return absl::FailedPreconditionError("Step before RegisterModel");
+  if (!bound_.load(std::memory_order_acquire)) {
+    return absl::FailedPreconditionError("Step before RegisterModel");
+  }
   absl::MutexLock lock(&mu_);
   if (step_ != 0 && step_ != step) {
     return absl::InternalError(
         absl::StrCat("Finish(", step, ") while holding pushes of step ", step_));
   }
   step_ = step;
+  if (delivered_step_ != step) {
+    std::fill(delivered_.begin(), delivered_.end(), 0);
+    delivered_step_ = step;
+  }
   auto no_pushers = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pushers_ == 0; };
   if (!mu_.AwaitWithDeadline(absl::Condition(&no_pushers), deadline)) {
     return absl::DeadlineExceededError(
         absl::StrCat("Step ", step, ": PushGradients calls still running at the deadline"));
   }
-  const size_t nb = plan_.buckets().size();
-  absl::Status status;
-  if (!active_.empty()) {
-    auto it = std::min_element(active_.begin(), active_.end(),
-                               [](const auto& a, const auto& b) { return a.first < b.first; });
-    status = absl::FailedPreconditionError(absl::StrCat(
-        "Step ", step, ": rank ", job_.rank, " pushed only ", it->second.written_real, " of ",
-        plan_.buckets()[it->first % nb].real_elements, " tensor elements of ",
-        DescribeBucket(it->first)));
-  }
-  // Buckets without tensor elements carry only zeros; nobody pushes them.
-  for (uint64_t key = 0; key < sent_.size() && status.ok() && error_.ok(); ++key) {
-    const size_t i = key % nb;
-    if (sent_[key] || plan_.buckets()[i].real_elements != 0) continue;
-    absl::StatusOr<Active*> a = StartBucket(key, i, deadline, 0);
-    if (!a.ok()) {
-      status = a.status();
-      break;
-    }
-    Active done = std::move(**a);
-    active_.erase(key);
-    Send(key, done.buffer, buffer(done.buffer), std::move(done.tickets));
-  }
+  // A retry need not push again what an earlier attempt delivered, in whole
+  // or in part. A partly pushed bucket is the caller's mistake: report it
+  // first.
+  DropDeliveredActive();
+  absl::Status status = active_.empty() ? SendGapBuckets(deadline) : IncompleteBuckets(step);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
   if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
-    return absl::DeadlineExceededError(absl::StrCat(
+    status = absl::DeadlineExceededError(absl::StrCat(
         "Step ", step, ": ", in_flight_, " gradient bucket(s) still in flight at the deadline"));
   }
   if (status.ok()) status = error_;
-  if (status.ok() && sent_count_ != sent_.size()) {
-    uint64_t key = 0;
-    while (key < sent_.size() && sent_[key]) ++key;
-    status = absl::FailedPreconditionError(absl::StrCat(
-        "Step ", step, ": rank ", job_.rank, " pushed ", sent_count_, " of ", sent_.size(),
-        " gradient buckets; nothing was pushed for ", DescribeBucket(key)));
-  }
+  if (status.ok()) status = IncompleteBuckets(step);
   ResetStep(status.ok() ? absl::OkStatus()
                         : absl::AbortedError(absl::StrCat("step ", step, " failed: ",
                                                           status.message())));

@@ -22,7 +22,19 @@
 // flight or being pushed by another thread, waiting cannot help:
 // ResourceExhausted at once (push ranges in flat order, or raise
 // staging_buffers).
+//
+// Retries: the collective remembers, for the step being pushed, which
+// buckets the daemons confirmed (the data path answered OK). When a Step
+// fails (in Finish, or later while it waits for the commit) and the caller
+// pushes the step again, those buckets are taken as delivered: their
+// elements are accepted (and checked for overlap) but neither copied nor
+// sent, and a retry need not push them at all (Finish counts them). The
+// record is dropped when pushes, or Finish, of another step begin.
+// ALREADY_EXISTS from a data path is an error here; a data path that can
+// prove a duplicate carried the same bytes answers OK itself
+// (client/data_path.h).
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -66,35 +78,88 @@ class DaemonReduceCollective final : public Collective {
  private:
   // A bucket being filled.
   struct Active {
-    int buffer = -1;
+    int buffer = -1;                    // -1: delivered in an earlier attempt, nothing to copy
     uint64_t written_real = 0;          // tensor elements written so far
     int writers = 0;                    // copies in progress
     std::vector<FlatRange> written;     // ranges claimed, for overlap checks
     std::vector<std::shared_ptr<CountDown>> tickets;
   };
+  // One Reduce call's arguments.
+  struct Contribution {
+    uint64_t step;
+    uint32_t micro_batch;
+    FlatRange range;
+    const uint8_t* grads;
+    DType dtype;
+    BufferUse use;
+    absl::Time deadline;
+  };
+  // A whole bucket of a borrowed buffer reserved by Reduce, sent (unless
+  // delivered already) once the whole call has succeeded.
+  struct Borrowed {
+    uint64_t key;
+    const uint8_t* data;
+    bool delivered;
+  };
 
   explicit DaemonReduceCollective(const Options& options);
 
   uint8_t* buffer(int i) { return storage_.get() + static_cast<size_t>(i) * buffer_bytes_; }
+  uint64_t KeyOf(uint32_t micro_batch, size_t index) const {
+    return micro_batch * plan_.buckets().size() + index;
+  }
+  bool Delivered(uint64_t key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return delivered_step_ == step_ && delivered_[key] != 0;
+  }
+  // InvalidArgument / FailedPrecondition for a call that cannot be served.
+  absl::Status CheckArguments(uint32_t micro_batch, const FlatRange& range,
+                              const void* grads) const;
+  // Enters step `c.step` and rejects an overlap with what was pushed before
+  // staging anything; counts the caller in pushers_ on success.
+  absl::Status BeginReduce(const Contribution& c, size_t first, size_t last);
+  // Writes the part of `c` in bucket `index` (staged, borrowed or, for a
+  // delivered bucket, only accounted) and sends the bucket once complete.
+  absl::Status ContributeBucket(const Contribution& c, size_t index,
+                                const std::shared_ptr<CountDown>& ticket,
+                                std::vector<Borrowed>* borrowed);
+  // Hands the borrowed buckets to the senders (or releases their
+  // reservation after an error) and ends the call.
+  absl::StatusOr<PushTicket> EndReduce(const absl::Status& status,
+                                       std::shared_ptr<CountDown> ticket,
+                                       const std::vector<Borrowed>& borrowed);
   // Takes a free staging buffer, waiting up to `deadline`; `own_pushers` is
   // how many Reduce calls the caller itself accounts for in pushers_.
   absl::StatusOr<int> AcquireBuffer(absl::Time deadline, int own_pushers)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A new Active for bucket `index` with its gap elements zeroed.
+  // A new Active for bucket `index` with its gap elements zeroed (no buffer
+  // for a delivered bucket).
   absl::StatusOr<Active*> StartBucket(uint64_t key, size_t index, absl::Time deadline,
                                       int own_pushers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts `real` elements written into active bucket `key`; sends it when
+  // complete.
+  void EndWrite(uint64_t key, uint64_t real) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks bucket `key` sent and hands it to the senders: its bytes are
   // `data`, in staging buffer `buffer_index` (returned to the pool once sent)
-  // or, with -1, in a borrowed caller buffer.
+  // or, with -1, in a borrowed caller buffer. A delivered bucket completes
+  // its tickets at once instead.
   void Send(uint64_t key, int buffer_index, const uint8_t* data,
             std::vector<std::shared_ptr<CountDown>> tickets) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Send for a bucket already marked sent.
   void Dispatch(uint64_t key, int buffer_index, const uint8_t* data,
                 std::vector<std::shared_ptr<CountDown>> tickets)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunSend(uint64_t step, uint64_t key, int buffer_index, const uint8_t* data,
-               std::vector<std::shared_ptr<CountDown>> tickets);
+  void RunSend(uint64_t step, uint64_t attempt, uint64_t key, int buffer_index,
+               const uint8_t* data, std::vector<std::shared_ptr<CountDown>> tickets);
+  // Sends the buckets that hold no tensor element (zeros) not sent yet.
+  absl::Status SendGapBuckets(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why the step cannot finish: a partly pushed bucket, or a missing one
+  // (neither pushed nor delivered before).
+  absl::Status IncompleteBuckets(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Completes the partly pushed buckets that an earlier attempt delivered.
+  void DropDeliveredActive() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string DescribeBucket(uint64_t key) const;
+  // Ends the attempt: drops partial buckets (their tickets get `reason`);
+  // the delivered record stays (for a retry of the same step).
   void ResetStep(const absl::Status& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
@@ -102,21 +167,25 @@ class DaemonReduceCollective final : public Collective {
   const uint32_t buffer_count_;
   std::unique_ptr<uint8_t[]> storage_;  // buffer_count_ * buffer_bytes_
 
+  // Written once by Bind, before bound_ is set; read-only afterwards.
   CollectiveJob job_;
   BucketPlan plan_;
-  bool bound_ = false;
+  std::atomic<bool> bound_{false};
 
   mutable absl::Mutex mu_;
   std::vector<int> free_ ABSL_GUARDED_BY(mu_);
   uint32_t peak_in_use_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;  // step of the pushes held (0: none)
+  uint64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;  // bumped by ResetStep
   absl::flat_hash_map<uint64_t, Active> active_ ABSL_GUARDED_BY(mu_);
   std::vector<uint8_t> sent_ ABSL_GUARDED_BY(mu_);  // by key: handed to a sender
-  uint64_t sent_count_ ABSL_GUARDED_BY(mu_) = 0;
+  // By key: confirmed by the daemon in an attempt of delivered_step_.
+  std::vector<uint8_t> delivered_ ABSL_GUARDED_BY(mu_);
+  uint64_t delivered_step_ ABSL_GUARDED_BY(mu_) = 0;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;         // buckets handed to the senders
   int staged_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // those of them in staging buffers
   int pushers_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Status error_ ABSL_GUARDED_BY(mu_);  // first failed send of the step
+  absl::Status error_ ABSL_GUARDED_BY(mu_);  // first failed send of the attempt
 
   // Last member: destroyed first, so sends finish while the buffers live.
   std::unique_ptr<Executor> senders_;

@@ -22,6 +22,7 @@ class FakeDataPath final : public DataPath {
     FlatRange range;
     std::string data;
     const void* source;  // where the bytes were read from
+    uint64_t incarnation;
   };
 
   explicit FakeDataPath(std::string address) : address_(std::move(address)) {}
@@ -36,7 +37,7 @@ class FakeDataPath final : public DataPath {
     const size_t bytes = push.range.size() * DTypeSize(push.dtype);
     received.push_back({push.step, push.micro_batch, push.range,
                         keep_data ? std::string(static_cast<const char*>(push.data), bytes) : "",
-                        push.data});
+                        push.data, push.incarnation});
     return bytes;
   }
   absl::StatusOr<uint64_t> InitParameters(const ParameterUpload&, absl::Time) override {
@@ -80,6 +81,7 @@ struct Rig {
     collective = *DaemonReduceCollective::Create(o);
     CollectiveJob job;
     job.job_id = "job";
+    job.incarnation = 42;
     job.world_size = world;
     job.layout = &layout;
     job.map = &map;
@@ -359,7 +361,8 @@ TEST(DaemonReduceCollectiveTest, BucketsOfPaddingOnlyAreSentByFinish) {
                                         4096);
   Rig rig(layout, 2, 1, 4096);
   const std::vector<float> g = Gradient(layout, 0.0f);
-  for (const TensorPlacement& t : layout.tensors()) ASSERT_TRUE(rig.Push(1, t.range(), g.data()).ok());
+  for (const TensorPlacement& t : layout.tensors())
+    ASSERT_TRUE(rig.Push(1, t.range(), g.data()).ok());
   ASSERT_TRUE(rig.Finish(1).ok());
   EXPECT_EQ(rig.Received().size(), rig.collective->plan().buckets().size());
   EXPECT_EQ(rig.traffic.Total().push, layout.total_elements() * 4);
@@ -379,18 +382,104 @@ TEST(DaemonReduceCollectiveTest, SendErrorsReachTicketsAndFinish) {
   const absl::Status s = rig.Finish(1);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(absl::StrContains(s.message(), "fake:1")) << s;
-  // A retry of the step: the daemon already holds the buckets that arrived
-  // (AlreadyExists), which counts as delivered.
+}
+
+// A retry of a failed step sends only what the daemons did not confirm: the
+// buckets daemon 0 took in the first attempt count as delivered and are not
+// sent again (were they, this daemon would answer ALREADY_EXISTS, which is
+// an error now), whatever the split of the retry's pushes.
+TEST(DaemonReduceCollectiveTest, ARetrySkipsTheBucketsDeliveredBefore) {
+  const Layout layout = TestLayout();
+  Rig rig(layout, 2, 2, 4096);
+  {
+    absl::MutexLock lock(&rig.paths[1]->mu);
+    rig.paths[1]->fail = absl::UnavailableError("daemon fake:1: gone");
+  }
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  ASSERT_TRUE(rig.Push(1, {0, layout.total_elements()}, g.data()).ok());
+  EXPECT_EQ(rig.Finish(1).code(), absl::StatusCode::kUnavailable);
+  size_t first_attempt = 0;
+  {
+    absl::MutexLock lock(&rig.paths[0]->mu);
+    first_attempt = rig.paths[0]->received.size();
+    rig.paths[0]->fail = absl::AlreadyExistsError("already pushed");
+  }
   {
     absl::MutexLock lock(&rig.paths[1]->mu);
     rig.paths[1]->fail = absl::OkStatus();
   }
+  ASSERT_GT(first_attempt, 0u);
+  const uint64_t pushed_before = rig.traffic.Total().push;
+  // The retry pushes tensor by tensor, last first, half of them borrowed.
+  std::vector<PushTicket> tickets;
+  int k = 0;
+  for (auto it = layout.tensors().rbegin(); it != layout.tensors().rend(); ++it, ++k) {
+    absl::StatusOr<PushTicket> p =
+        rig.Push(1, it->range(), g.data(), 0, k % 2 ? BufferUse::kBorrow : BufferUse::kCopy);
+    ASSERT_TRUE(p.ok()) << p.status();
+    tickets.push_back(*p);
+  }
+  const absl::Status s = rig.Finish(1);
+  ASSERT_TRUE(s.ok()) << s;
+  for (const PushTicket& p : tickets) EXPECT_TRUE(p.Wait(absl::Now()).ok());
   {
     absl::MutexLock lock(&rig.paths[0]->mu);
-    rig.paths[0]->fail = absl::AlreadyExistsError("already pushed");
+    EXPECT_EQ(rig.paths[0]->received.size(), first_attempt);
   }
+  // Every element went out exactly once over the two attempts.
+  EXPECT_EQ(rig.traffic.Total().push, layout.total_elements() * 4);
+  EXPECT_GT(rig.traffic.Total().push, pushed_before);
+  // The next step sends everything again.
+  {
+    absl::MutexLock lock(&rig.paths[0]->mu);
+    rig.paths[0]->fail = absl::OkStatus();
+  }
+  ASSERT_TRUE(rig.Push(2, {0, layout.total_elements()}, g.data()).ok());
+  ASSERT_TRUE(rig.Finish(2).ok());
+  EXPECT_EQ(rig.traffic.Total().push, 2 * layout.total_elements() * 4);
+}
+
+// After a Step that failed later than Finish (waiting for the other ranks),
+// the retry may call Finish again without pushing: everything was delivered.
+TEST(DaemonReduceCollectiveTest, FinishingAgainNeedsNoPushWhenEverythingWasDelivered) {
+  const Layout layout = TestLayout();
+  Rig rig(layout, 2, 2, 4096);
+  const std::vector<float> g = Gradient(layout, 0.0f);
   ASSERT_TRUE(rig.Push(1, {0, layout.total_elements()}, g.data()).ok());
+  ASSERT_TRUE(rig.Finish(1).ok());
+  const uint64_t pushed = rig.traffic.Total().push;
   EXPECT_TRUE(rig.Finish(1).ok());
+  // Pushing it again is allowed too, and sends nothing.
+  ASSERT_TRUE(rig.Push(1, {0, 100}, g.data()).ok());
+  EXPECT_TRUE(rig.Finish(1).ok());
+  EXPECT_EQ(rig.traffic.Total().push, pushed);
+  // A new step needs its own pushes.
+  EXPECT_EQ(rig.Finish(2).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// ALREADY_EXISTS is an error to the collective: only a data path that can
+// prove the bytes equal turns a duplicate into "delivered".
+TEST(DaemonReduceCollectiveTest, AlreadyExistsIsNotDelivered) {
+  const Layout layout = TestLayout();
+  Rig rig(layout, 2, 1, 4096);
+  {
+    absl::MutexLock lock(&rig.paths[0]->mu);
+    rig.paths[0]->fail = absl::AlreadyExistsError("duplicate");
+  }
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  ASSERT_TRUE(rig.Push(1, {0, layout.total_elements()}, g.data()).ok());
+  EXPECT_EQ(rig.Finish(1).code(), absl::StatusCode::kAlreadyExists);
+}
+
+TEST(DaemonReduceCollectiveTest, PushesCarryTheRanksIncarnation) {
+  const Layout layout = TestLayout();
+  Rig rig(layout, 2, 1, 4096);
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  ASSERT_TRUE(rig.Push(1, {0, layout.total_elements()}, g.data()).ok());
+  ASSERT_TRUE(rig.Finish(1).ok());
+  absl::MutexLock lock(&rig.paths[0]->mu);
+  ASSERT_FALSE(rig.paths[0]->received.empty());
+  for (const auto& r : rig.paths[0]->received) EXPECT_EQ(r.incarnation, 42u);
 }
 
 TEST(DaemonReduceCollectiveTest, MicroBatchesArePushedSeparately) {

@@ -1,10 +1,11 @@
 #pragma once
 
 // The bulk-data seam between a trainer and ONE daemon: gradient pushes,
-// initial parameters, parameter gathers. Implementations: gRPC streaming
-// (client/grpc_data_path.h, always available) and UCX put/get over
-// //transport (client/ucx_data_path.h). The control plane (jobs, step phases)
-// always goes over gRPC and is not part of this interface.
+// initial parameters, parameter gathers. Implementations: the Shard streaming
+// RPCs ("stream", client/stream_data_path.h, always available) and one-sided
+// Put/Get over any transport::Transport ("ucx", "grpc", "inproc";
+// client/bulk_data_path.h). The control plane (jobs, step phases) always goes
+// over gRPC and is not part of this interface.
 //
 // Threads: every method is thread-safe and may be called concurrently from
 // several threads; each call blocks its calling thread until done or until
@@ -18,7 +19,13 @@
 //   DeadlineExceeded  the deadline passed first;
 //   DataLoss          a checksum or a reply's shape did not match;
 //   others            as the daemon returned them (InvalidArgument,
-//                     FailedPrecondition, AlreadyExists, ResourceExhausted...).
+//                     FailedPrecondition, NotFound, ResourceExhausted...).
+//
+// A push returns OK only when the daemon holds exactly these bytes for this
+// contribution: applied now, or applied by an earlier attempt that the
+// implementation can prove carried the same bytes (a CRC-carrying duplicate;
+// a fenced staging slot whose generation was applied). A duplicate it cannot
+// prove equal is an error, never "delivered".
 
 #include <cstdint>
 #include <string>
@@ -35,6 +42,7 @@ struct GradientPush {
   std::string job_id;
   uint64_t step = 0;
   uint32_t rank = 0;
+  uint64_t incarnation = 0;  // the rank's (JoinJobRequest.incarnation), >= 1
   uint32_t micro_batch = 0;
   uint32_t micro_batches = 1;
   FlatRange range;            // inside one partition the daemon owns
@@ -53,6 +61,7 @@ struct ParameterUpload {
 struct GatherRequestSpec {
   std::string job_id;
   uint32_t rank = 0;
+  uint64_t incarnation = 0;  // the rank's; bulk paths exchange endpoints with it
   uint64_t after_step = 0;  // served once this step is committed
   FlatRange range;          // inside the daemon's parameters
   DType dtype = DType::kFp32;
@@ -65,15 +74,18 @@ class DataPath {
 
   // "HOST:PORT" of the daemon.
   virtual const std::string& address() const = 0;
-  // Transport name ("grpc", "ucx", ...).
+  // Data path name: "stream", or the bulk transport's ("ucx", "grpc", "inproc").
   virtual const char* name() const = 0;
 
   // Sends one contribution; returns the payload bytes sent once the daemon
-  // has applied it (atomically: on error it applied nothing).
+  // has applied it (see above for duplicates). On error the daemon applied
+  // nothing of it, or the implementation could not find out (Unavailable,
+  // DeadlineExceeded): the caller may push the same bytes again.
   virtual absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) = 0;
 
   // Stores initial parameters; returns the payload bytes sent once the
-  // daemon confirmed every element. The payload is at most 64 MiB per call.
+  // daemon confirmed every element. The payload is at most kMaxChunkBytes
+  // (common/protocol.h) per call.
   virtual absl::StatusOr<uint64_t> InitParameters(const ParameterUpload& upload,
                                                   absl::Time deadline) = 0;
 

@@ -1,5 +1,6 @@
 #include "client/executor.h"
 
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -66,6 +67,17 @@ absl::Status CountDown::Wait(absl::Time deadline, const std::string& what) {
 bool CountDown::done() const {
   absl::MutexLock lock(&mu_);
   return pending_ <= 0;
+}
+
+absl::Status ParallelFor(Executor& executor, uint32_t n,
+                         const std::function<absl::Status(uint32_t)>& fn) {
+  auto group = std::make_shared<CountDown>(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    executor.Submit([group, &fn, i] { group->Done(fn(i)); });
+  }
+  // `fn` refers to the caller's state, so this must not return before every
+  // call has; each call bounds its own waits, so the wait ends.
+  return group->Wait(absl::InfiniteFuture(), "parallel calls");
 }
 
 }  // namespace zeroshard

@@ -59,4 +59,11 @@ class CountDown {
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
+// Runs fn(i) for every i in [0, n) on `executor`, in parallel, and returns
+// once every call has returned (the first error, or OK). Blocks without a
+// deadline of its own: each fn must bound its waits (its RPCs' deadlines).
+// Must not be called from one of `executor`'s own threads.
+absl::Status ParallelFor(Executor& executor, uint32_t n,
+                         const std::function<absl::Status(uint32_t)>& fn);
+
 }  // namespace zeroshard

@@ -10,15 +10,14 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/protocol.h"
 #include "grpcpp/grpcpp.h"
 
 namespace zeroshard {
 
-// Messages up to 80 MiB (a 64 MiB chunk plus headers) each way.
-inline constexpr int kMaxGrpcMessageBytes = 80 << 20;
-
-// An insecure channel to `address` ("HOST:PORT") with the limits above. Does
-// not connect: the first RPC does.
+// An insecure channel to `address` ("HOST:PORT") whose messages may be up to
+// kMaxGrpcMessageBytes (common/protocol.h) each way. Does not connect: the
+// first RPC does.
 std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address);
 
 void SetDeadline(grpc::ClientContext* context, absl::Time deadline);

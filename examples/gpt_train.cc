@@ -39,7 +39,9 @@ ABSL_FLAG(int, rank, -1, "Rank (default: $ZS_RANK).");
 ABSL_FLAG(int, world_size, -1, "N_d (default: $ZS_WORLD_SIZE).");
 ABSL_FLAG(std::string, daemons, "", "Daemon addresses (default: $ZS_DAEMONS).");
 ABSL_FLAG(std::string, job_id, "", "Job id (default: $ZS_JOB_ID, else gpt).");
-ABSL_FLAG(std::string, transport, "ucx", "Bulk data path to the daemons: ucx or grpc.");
+ABSL_FLAG(std::string, transport, "ucx",
+          "Data path to the daemons: ucx, grpc or inproc (a bulk transport, which must be the "
+          "daemons' --bulk_transport), or stream (the Shard streaming RPCs).");
 ABSL_FLAG(std::string, ucx_tls, "", "UCX_TLS for --transport=ucx (empty: UCX's choice).");
 ABSL_FLAG(int, threads, 0, "Torch threads per rank; 0 = the cores shared among the ranks.");
 ABSL_FLAG(bool, report, true, "Rank 0: print the memory/traffic/loss report at the end.");

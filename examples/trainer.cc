@@ -49,7 +49,7 @@ ClientConfig MakeClientConfig(const TrainOptions& o) {
   c.prefetch_depth = o.prefetch_depth;
   c.transport = o.transport;
   c.ucx_tls = o.ucx_tls;
-  c.optimizer.kind = Optimizer::kAdamW;
+  c.optimizer.kind = OptimizerKind::kAdamW;
   c.optimizer.lr = o.lr;
   c.optimizer.beta1 = 0.9f;
   c.optimizer.beta2 = 0.999f;

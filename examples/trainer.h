@@ -34,8 +34,8 @@ struct TrainOptions {
   DType precision = DType::kFp32;
   uint64_t bucket_bytes = 1 << 20;
   uint32_t prefetch_depth = 2;
-  std::string transport = "grpc";  // bulk data path: "grpc" or "ucx"
-  std::string ucx_tls;             // UCX_TLS for "ucx" ("" = UCX's choice)
+  std::string transport = "stream";  // data path: "stream", "ucx", "grpc" or "inproc"
+  std::string ucx_tls;               // UCX_TLS for "ucx" ("" = UCX's choice)
 };
 
 struct StepReport {

@@ -376,7 +376,7 @@ TEST(RegistryConcurrencyTest, ConcurrentIncrementsAreExact) {
                          .Register(registry);
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
+    threads.emplace_back([&] {
       // Every thread looks its series up itself, racing the first Add.
       Counter& counter = counters.Add({{"job", "a"}});
       Gauge& gauge = gauges.Add({{"job", "a"}});

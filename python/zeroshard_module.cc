@@ -120,7 +120,7 @@ class PyClient {
     c.stage = stage;
     c.precision = ParsePrecision(precision);
     c.bucket_bytes = bucket_bytes;
-    c.optimizer.kind = Optimizer::kAdamW;
+    c.optimizer.kind = OptimizerKind::kAdamW;
     c.optimizer.lr = lr;
     c.optimizer.beta1 = betas.first;
     c.optimizer.beta2 = betas.second;

@@ -1,10 +1,8 @@
 #pragma once
 
-// zeroshardd's process-wide state and its gRPC services (Control, Shard,
-// Admin). Handlers run on gRPC's synchronous-server threads; the only waits
-// inside them (a gather waiting for a commit, a stream reading its next
-// chunk) are bounded by a deadline. The optimizer step runs on the daemon's
-// ShardOptimizer threads, which the handler thread joins.
+// zeroshardd's process: options, the bulk transport, the job manager, and
+// the gRPC services (server/services.h) over them. The optimizer step runs on
+// the daemon's ShardOptimizer threads, which the committing handler joins.
 
 #include <atomic>
 #include <memory>
@@ -16,7 +14,7 @@
 #include "metrics/http_server.h"
 #include "metrics/registry.h"
 #include "server/daemon_metrics.h"
-#include "server/job_registry.h"
+#include "server/job_manager.h"
 #include "server/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 #include "transport/transport.h"
@@ -31,16 +29,30 @@ struct DaemonOptions {
   std::string version = "dev";
   // HOST:PORT of the Prometheus /metrics endpoint; empty = off; port 0 picks.
   std::string metrics_listen;
-  // Serve the UCX bulk data path: a UCX transport is created at start (a
-  // failure is logged and leaves the gRPC path only), job parameters are
-  // allocated through it, and ExchangeEndpoint hands out regions. zeroshardd
-  // turns it on by default (--ucx).
-  bool ucx = false;
-  // UCX_TLS for that transport; empty = UCX's choice.
+  // The bulk transport served to trainers ("ucx", "grpc" or "inproc"; empty:
+  // none, only the streaming RPCs): created at start (a failure is logged and
+  // leaves the streaming path only), job parameters and staging regions are
+  // allocated through it, and ExchangeEndpoint hands out its regions.
+  // zeroshardd uses "ucx" by default (--bulk_transport).
+  std::string bulk_transport;
+  // UCX_TLS for a "ucx" bulk transport; empty = UCX's choice.
   std::string ucx_tls;
+  // A removed job's memory stays mapped this long after it last handed out
+  // remote access (trainers finish their reads within it).
+  absl::Duration read_lease = absl::Seconds(30);
+  // A joined rank not heard from this long no longer counts as connected.
+  absl::Duration rank_timeout = absl::Seconds(30);
+  // Out-of-order gradient contributions each job may buffer (booked as
+  // `buffer`); pushes past it wait.
+  uint64_t reduction_buffer_bytes = 256ull << 20;
+  // Slots in each rank's staging region (each one bucket, at most 64 MiB).
+  uint32_t staging_slots = 2;
 };
 
-class DaemonServices;
+struct ServiceContext;
+class ControlService;
+class ShardService;
+class AdminService;
 
 class Daemon {
  public:
@@ -61,10 +73,10 @@ class Daemon {
   // Blocks until Shutdown has completed.
   void Wait();
 
-  JobRegistry& jobs() { return jobs_; }
+  JobManager& jobs() { return *jobs_; }
   MemoryLedger& ledger() { return ledger_; }
-  // Whether the UCX data path is being served (see DaemonOptions::ucx).
-  bool ucx_enabled() const { return transport_ != nullptr; }
+  // The bulk transport served, or null (see DaemonOptions::bulk_transport).
+  transport::Transport* bulk_transport() const { return transport_.get(); }
   const metrics::Registry& registry() const { return registry_; }
 
  private:
@@ -76,10 +88,13 @@ class Daemon {
   metrics::Registry registry_;
   MemoryLedger ledger_;
   DaemonMetrics metrics_;
-  std::unique_ptr<transport::Transport> transport_;  // null: gRPC data path only
-  JobRegistry jobs_;
+  std::unique_ptr<transport::Transport> transport_;  // null: streaming RPCs only
   std::unique_ptr<ShardOptimizer> optimizer_;
-  std::unique_ptr<DaemonServices> services_;
+  std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<ServiceContext> context_;
+  std::unique_ptr<ControlService> control_;
+  std::unique_ptr<ShardService> shard_;
+  std::unique_ptr<AdminService> admin_;
   std::unique_ptr<metrics::MetricsHttpServer> http_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

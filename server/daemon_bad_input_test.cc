@@ -8,7 +8,7 @@
 #include "common/crc32c.h"
 #include "gtest/gtest.h"
 #include "server/daemon.h"
-#include "server/job_config.h"
+#include "common/job_spec.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {
@@ -45,14 +45,7 @@ class BadInputTest : public ::testing::Test {
   // job's state did not change.
   template <typename Call>
   void ExpectRejected(grpc::StatusCode code, const std::string& text, Call call) {
-    const uint64_t before = Hash();
-    const uint64_t ledger_before = daemon_->ledger().total();
-    grpc::Status s = call();
-    EXPECT_EQ(s.error_code(), code) << s.error_message();
-    EXPECT_NE(s.error_message().find(text), std::string::npos)
-        << "message \"" << s.error_message() << "\" lacks \"" << text << "\"";
-    EXPECT_EQ(Hash(), before) << "state changed by a rejected request: " << s.error_message();
-    EXPECT_EQ(daemon_->ledger().total(), ledger_before);
+    testing::ExpectRejected(*daemon_, "job", code, text, call);
   }
 
   static constexpr uint32_t kWorld = 3;
@@ -146,7 +139,7 @@ TEST_F(BadInputTest, RegisterJob) {
   const Layout huge = *Layout::Create({{"w", {4096, 4096}, DType::kFp32, 0}});
   s = MakeSpec("huge", huge, 3, 1, {daemon_->address()});
   ExpectRejected(grpc::RESOURCE_EXHAUSTED, "--memory_limit", reg(s));
-  EXPECT_FALSE(daemon_->jobs().Contains("huge"));
+  EXPECT_FALSE(daemon_->jobs().Find("huge").ok());
   // Registering the identical spec again is fine and changes nothing.
   const uint64_t before = Hash();
   v1::RegisterJobResponse resp;
@@ -166,6 +159,7 @@ TEST_F(BadInputTest, JoinHeartbeatLeave) {
     return [this, mutate] {
       grpc::ClientContext ctx;
       v1::JoinJobRequest req;
+      req.set_incarnation(testing::kTestIncarnation);
       req.set_job_id("job");
       req.set_rank(1);
       req.set_layout_fingerprint(spec_.layout_fingerprint());
@@ -188,6 +182,7 @@ TEST_F(BadInputTest, JoinHeartbeatLeave) {
   ExpectRejected(grpc::INVALID_ARGUMENT, "rank", [&] {
     grpc::ClientContext ctx;
     v1::HeartbeatRequest req;
+    req.set_incarnation(testing::kTestIncarnation);
     req.set_job_id("job");
     req.set_rank(99);
     v1::HeartbeatResponse resp;
@@ -196,6 +191,7 @@ TEST_F(BadInputTest, JoinHeartbeatLeave) {
   ExpectRejected(grpc::NOT_FOUND, "not registered", [&] {
     grpc::ClientContext ctx;
     v1::LeaveRequest req;
+    req.set_incarnation(testing::kTestIncarnation);
     req.set_job_id("nope");
     v1::LeaveResponse resp;
     return client_->control->Leave(&ctx, req, &resp);
@@ -203,6 +199,7 @@ TEST_F(BadInputTest, JoinHeartbeatLeave) {
   ExpectRejected(grpc::INVALID_ARGUMENT, "rank", [&] {
     grpc::ClientContext ctx;
     v1::LeaveRequest req;
+    req.set_incarnation(testing::kTestIncarnation);
     req.set_job_id("job");
     req.set_rank(kWorld);
     v1::LeaveResponse resp;
@@ -266,13 +263,13 @@ TEST_F(BadInputTest, PushGradient) {
   // The same range twice within one stream.
   std::vector<v1::GradientChunk> twice = Chunks(1, 1);
   twice.push_back(twice.front());
-  ExpectRejected(grpc::ALREADY_EXISTS, "already pushed", push(twice));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "appears twice in one push", push(twice));
   // Chunk boundaries that differ from rank 0's.
   std::vector<v1::GradientChunk> shifted = GradientChunks(
       "job", 1, 1, config_.map, {0, config_.map.total_elements()}, grad_.data(), 499);
   ExpectRejected(grpc::FAILED_PRECONDITION, "same chunks", push(shifted));
-  // Another micro-batch count than the step already uses.
-  ExpectRejected(grpc::FAILED_PRECONDITION, "micro-batches", push(one([](v1::GradientChunk& c) {
+  // Another micro-batch count than the stream's other chunks use.
+  ExpectRejected(grpc::INVALID_ARGUMENT, "micro_batches", push(one([](v1::GradientChunk& c) {
                    c.set_micro_batches(2);
                  })));
   // Chunks of the stream naming another job.
@@ -366,8 +363,12 @@ TEST_F(BadInputTest, GatherPrepareCommitInit) {
                  [&] { return client_->Commit("job", 1, 0.1f, 2.0f); });
   ExpectRejected(grpc::INVALID_ARGUMENT, "clip_coef",
                  [&] { return client_->Commit("job", 1, 0.1f, -1.0f); });
-  ExpectRejected(grpc::FAILED_PRECONDITION, "gradients incomplete",
+  // Bug 4: a commit, skipping or not, needs a PrepareStep (and so complete
+  // gradients) first.
+  ExpectRejected(grpc::FAILED_PRECONDITION, "CommitStep before PrepareStep",
                  [&] { return client_->Commit("job", 1, 0.1f); });
+  ExpectRejected(grpc::FAILED_PRECONDITION, "CommitStep before PrepareStep",
+                 [&] { return client_->Commit("job", 1, 0.1f, 1.0f, /*skip=*/true); });
 
   auto init = [&](auto mutate) {
     return [this, mutate] {
@@ -396,7 +397,7 @@ TEST_F(BadInputTest, GatherPrepareCommitInit) {
   ASSERT_TRUE(client_->Push(Chunks(1, 2)).ok());
   ASSERT_TRUE(client_->Prepare("job", 1, &p).ok());
   ASSERT_TRUE(client_->Commit("job", 1, 0.1f).ok());
-  ExpectRejected(grpc::FAILED_PRECONDITION, "before the first step",
+  ExpectRejected(grpc::FAILED_PRECONDITION, "before the first commit",
                  init([](v1::ParameterChunk&) {}));
   // Committing the committed step again is idempotent.
   const uint64_t before = Hash();

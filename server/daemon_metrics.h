@@ -27,7 +27,8 @@ class DaemonMetrics {
   DaemonMetrics(metrics::Registry* registry, MemoryLedger* ledger, const std::string& version);
 
   void RecordRequest(absl::string_view rpc, const absl::Status& status);
-  // op: "push", "gather", "init"; transport: "grpc", "ucx".
+  // op: "push", "gather", "init"; transport: "stream" (the Shard streaming
+  // RPCs) or the bulk transport's kind ("ucx", "grpc", "inproc").
   void RecordTraffic(const std::string& job, absl::string_view op, absl::string_view transport,
                      uint64_t bytes);
   // A committed step: the optimizer's wall time over `elements` parameters.

@@ -10,7 +10,7 @@
 #include "gtest/gtest.h"
 #include "metrics/promtool_testutil.h"
 #include "server/daemon.h"
-#include "server/job_config.h"
+#include "common/job_spec.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {
@@ -39,6 +39,7 @@ TEST(DaemonMetrics, ExportsValidMetricsEqualToTheLedger) {
   options.listen = "127.0.0.1:0";
   options.metrics_listen = "127.0.0.1:0";
   options.memory_limit_bytes = 1 << 30;
+  options.read_lease = absl::ZeroDuration();
   auto daemon = Daemon::Start(options);
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   ASSERT_GT((*daemon)->metrics_port(), 0);
@@ -87,9 +88,9 @@ TEST(DaemonMetrics, ExportsValidMetricsEqualToTheLedger) {
   EXPECT_EQ(samples["zeroshard_jobs"], 1);
   EXPECT_EQ(samples["zeroshard_ranks_connected{job=\"m1\"}"], 2);
   EXPECT_EQ(samples["zeroshard_world_size{job=\"m1\"}"], 2);
-  EXPECT_EQ(samples["zeroshard_comm_bytes_total{job=\"m1\",op=\"push\",transport=\"grpc\"}"],
+  EXPECT_EQ(samples["zeroshard_comm_bytes_total{job=\"m1\",op=\"push\",transport=\"stream\"}"],
             static_cast<double>(pushed));
-  EXPECT_EQ(samples["zeroshard_comm_bytes_total{job=\"m1\",op=\"gather\",transport=\"grpc\"}"],
+  EXPECT_EQ(samples["zeroshard_comm_bytes_total{job=\"m1\",op=\"gather\",transport=\"stream\"}"],
             static_cast<double>(n * 2));
   EXPECT_EQ(samples["zeroshard_requests_total{code=\"OK\",rpc=\"PushGradient\"}"], 2);
   EXPECT_EQ(samples["zeroshard_requests_total{code=\"FAILED_PRECONDITION\",rpc=\"CommitStep\"}"],
@@ -102,11 +103,13 @@ TEST(DaemonMetrics, ExportsValidMetricsEqualToTheLedger) {
   for (uint32_t r = 0; r < 2; ++r) {
     grpc::ClientContext ctx;
     v1::LeaveRequest req;
+    req.set_incarnation(testing::kTestIncarnation);
     req.set_job_id("m1");
     req.set_rank(r);
     v1::LeaveResponse resp;
     ASSERT_TRUE(client.control->Leave(&ctx, req, &resp).ok());
   }
+  (*daemon)->jobs().Tick();  // the read lease (0 here) has ended: reaped
   const auto after = Fetch((*daemon)->metrics_port(), "GET", "/metrics");
   EXPECT_EQ(after.body.find("job=\"m1\""), std::string::npos) << after.body;
   EXPECT_NE(after.body.find("zeroshard_jobs 0"), std::string::npos) << after.body;

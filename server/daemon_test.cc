@@ -10,7 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "server/daemon.h"
-#include "server/job_config.h"
+#include "common/job_spec.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {
@@ -335,14 +335,16 @@ TEST(DaemonTest, LeaveByEveryRankFreesTheJob) {
   for (uint32_t r = 0; r < 2; ++r) {
     grpc::ClientContext ctx;
     v1::LeaveRequest req;
+    req.set_incarnation(testing::kTestIncarnation);
     req.set_job_id("leave");
     req.set_rank(r);
     v1::LeaveResponse resp;
     ASSERT_TRUE(client.control->Leave(&ctx, req, &resp).ok());
     EXPECT_EQ(resp.job_removed(), r == 1);
   }
+  daemon->jobs().Tick();  // the read lease (0 in tests) has ended: reaped
   EXPECT_EQ(daemon->ledger().total(), 0u);
-  EXPECT_FALSE(daemon->jobs().Contains("leave"));
+  EXPECT_FALSE(daemon->jobs().Find("leave").ok());
 }
 
 }  // namespace

@@ -9,7 +9,7 @@
 
 #include "gtest/gtest.h"
 #include "server/daemon.h"
-#include "server/job_config.h"
+#include "common/job_spec.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {
@@ -47,7 +47,10 @@ OracleResult RunOracle(float max_norm) {
   std::vector<std::unique_ptr<DaemonClient>> clients;
   clients.push_back(std::make_unique<DaemonClient>(d0->address()));
   clients.push_back(std::make_unique<DaemonClient>(d1->address()));
-  for (int d = 0; d < 2; ++d) EXPECT_TRUE(clients[d]->Register(spec, d).ok());
+  for (int d = 0; d < 2; ++d) {
+    EXPECT_TRUE(clients[d]->Register(spec, d).ok());
+    EXPECT_TRUE(clients[d]->JoinAll(spec).ok());
+  }
 
   // Torch side: one parameter tensor per layout tensor.
   std::vector<torch::Tensor> params;

@@ -5,130 +5,104 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/crc32c.h"
 #include "common/fnv.h"
 
 namespace zeroshard {
 namespace {
 
-void HashBytes(uint64_t& h, const void* data, size_t n) { Fnv1aMix(h, data, n); }
-
-template <typename T>
-void HashValue(uint64_t& h, const T& v) {
-  HashBytes(h, &v, sizeof(v));
-}
-
 std::string RangeString(const v1::FlatRange& r) {
   return absl::StrCat("[", r.begin(), ", ", r.end(), ")");
 }
 
+template <typename T>
+void HashValue(uint64_t& h, const T& v) {
+  Fnv1aMix(h, &v, sizeof(v));
+}
+
+absl::Status BadRank(uint32_t rank, uint32_t world_size, absl::string_view field) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": must be < world_size (", world_size, "), got ", rank));
+}
 
 }  // namespace
 
-Job::Job(JobConfig config, v1::JobSpec spec, uint32_t daemon_index, MemoryLedger* ledger,
-         ShardOptimizer* optimizer)
+Job::Job(JobConfig config, v1::JobSpec spec, uint32_t daemon_index, const JobResources& resources)
     : config_(std::move(config)),
       spec_(std::move(spec)),
       daemon_index_(daemon_index),
-      ledger_(ledger),
-      optimizer_(optimizer) {
+      resources_(resources) {
   owned_partitions_ = config_.map.PartitionsOfDaemon(daemon_index_);
   owned_ = config_.map.DaemonRange(daemon_index_);
   owned_unpadded_ = owned_.Intersect({0, config_.map.total_elements()});
-  loss_scale_ = config_.loss_scale.initial_scale;
 }
 
 Job::~Job() {
   absl::MutexLock lock(&mu_);
-  ResetReduction();
+  reduction_.reset();  // releases its buffer booking before grad_ goes
 }
 
 absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec spec,
-                                                 uint32_t daemon_index, MemoryLedger* ledger,
-                                                 ShardOptimizer* optimizer,
-                                                 transport::Transport* transport) {
+                                                 uint32_t daemon_index,
+                                                 const JobResources& resources) {
   if (daemon_index >= config.daemons.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "daemon_index: must be < the number of daemons in spec.daemons (",
-        config.daemons.size(), "), got ", daemon_index));
+        "daemon_index: must be < the number of daemons in spec.daemons (", config.daemons.size(),
+        "), got ", daemon_index));
   }
-  std::unique_ptr<Job> job(
-      new Job(std::move(config), std::move(spec), daemon_index, ledger, optimizer));
+  std::unique_ptr<Job> job(new Job(std::move(config), std::move(spec), daemon_index, resources));
   const JobConfig& c = job->config_;
   const uint64_t n = job->owned_.size();
-  const bool sgd = c.optimizer.kind == OptimizerKindConfig::kSgdMomentum;
-  const bool half = c.precision != DType::kFp32;
-  // Check the whole footprint against the limit before allocating anything.
-  const uint64_t bytes = n * 4 * (sgd ? 3 : 4) + (half ? n * 2 : 0);
-  if (absl::Status s = ledger->CheckFits(c.id, bytes); !s.ok()) return s;
-  const std::string& id = c.id;
-  // In stage 1 full gradients live on the trainers (the paper's 2Ψ); the
-  // daemon's reduction target is a communication buffer. From stage 2 on it
-  // is the partitioned gradient. Likewise the half-precision copy is the
-  // partitioned parameter only in stage 3; before that it stages gathers.
-  const MemoryCategory grad_cat = c.stage >= 2 ? MemoryCategory::kGrad : MemoryCategory::kBuffer;
-  const MemoryCategory half_cat =
-      c.stage == 3 ? MemoryCategory::kParamHalf : MemoryCategory::kBuffer;
-  // With a transport, the arrays trainers read directly are allocated by it
-  // (placed for remote access), and booked once, as the arrays themselves.
-  auto remote_memory = [&](size_t bytes,
-                           std::unique_ptr<transport::Region>* region) -> absl::StatusOr<void*> {
-    if (transport == nullptr || bytes == 0) return nullptr;
-    absl::StatusOr<std::unique_ptr<transport::Region>> r =
-        transport->AllocateRegion(bytes, transport::Access::kRemoteRead);
-    if (!r.ok()) return r.status();
-    *region = *std::move(r);
-    return (*region)->base();
-  };
+  // The whole footprint (the shard states and the gradient) before anything.
+  const uint64_t states = n * 4 * (c.optimizer.kind == OptimizerKind::kSgdMomentum ? 2 : 3) +
+                          (c.precision != DType::kFp32 ? n * 2 : 0);
+  if (absl::Status s = resources.ledger->CheckFits(c.job_id, states + n * 4); !s.ok()) return s;
   {
-    absl::MutexLock params_lock(&job->params_mu_);
-    absl::StatusOr<void*> master_memory = remote_memory(n * sizeof(float), &job->master_region_);
-    if (!master_memory.ok()) return master_memory.status();
-    absl::StatusOr<LedgerArray<float>> master =
-        *master_memory != nullptr
-            ? LedgerArray<float>::CreateIn(ledger, id, MemoryCategory::kParamMaster, n,
-                                           *master_memory)
-            : LedgerArray<float>::Create(ledger, id, MemoryCategory::kParamMaster, n);
-    if (!master.ok()) return master.status();
-    job->master_ = *std::move(master);
-    absl::StatusOr<LedgerArray<float>> m =
-        LedgerArray<float>::Create(ledger, id, MemoryCategory::kOptimM, n);
-    if (!m.ok()) return m.status();
-    job->m_ = *std::move(m);
-    if (!sgd) {
-      absl::StatusOr<LedgerArray<float>> v =
-          LedgerArray<float>::Create(ledger, id, MemoryCategory::kOptimV, n);
-      if (!v.ok()) return v.status();
-      job->v_ = *std::move(v);
-    }
-    if (half) {
-      absl::StatusOr<void*> half_memory = remote_memory(n * sizeof(uint16_t), &job->half_region_);
-      if (!half_memory.ok()) return half_memory.status();
-      absl::StatusOr<LedgerArray<uint16_t>> h =
-          *half_memory != nullptr
-              ? LedgerArray<uint16_t>::CreateIn(ledger, id, half_cat, n, *half_memory)
-              : LedgerArray<uint16_t>::Create(ledger, id, half_cat, n);
-      if (!h.ok()) return h.status();
-      job->half_ = *std::move(h);
-    }
+    absl::MutexLock lock(&job->params_mu_);
+    absl::StatusOr<std::unique_ptr<ShardState>> shard =
+        ShardState::Create(c, job->owned_, resources.ledger, resources.transport);
+    if (!shard.ok()) return shard.status();
+    job->shard_ = *std::move(shard);
   }
   absl::MutexLock lock(&job->mu_);
-  absl::StatusOr<LedgerArray<float>> g = LedgerArray<float>::Create(ledger, id, grad_cat, n);
+  // In stage 1 full gradients live on the trainers (the paper's 2Ψ); the
+  // daemon's reduction target is a communication buffer. From stage 2 on it
+  // is the partitioned gradient.
+  const MemoryCategory grad_cat = c.stage >= 2 ? MemoryCategory::kGrad : MemoryCategory::kBuffer;
+  absl::StatusOr<LedgerArray<float>> g =
+      LedgerArray<float>::Create(resources.ledger, c.job_id, grad_cat, n);
   if (!g.ok()) return g.status();
   job->grad_ = *std::move(g);
+  ReductionState::Options ro;
+  ro.job_id = c.job_id;
+  ro.owned = job->owned_;
+  ro.owned_unpadded = job->owned_unpadded_;
+  ro.partition_elements = c.map.partition_elements();
+  ro.world_size = c.world_size;
+  ro.mode = c.reduction;
+  ro.pending_budget_bytes = resources.reduction_buffer_bytes;
+  job->reduction_ = std::make_unique<ReductionState>(ro, job->grad_.data(), resources.optimizer,
+                                                     resources.ledger);
+  job->loss_scale_ = c.loss_scale.initial_scale;
+  {
+    absl::MutexLock ranks_lock(&job->ranks_mu_);
+    job->ranks_.resize(c.world_size);
+  }
   return job;
 }
 
-absl::Status Job::Join(const v1::JoinJobRequest& r, uint32_t* ranks_connected,
-                       uint64_t* committed_step) {
+// ---- Ranks ----
+
+absl::Status Job::Join(const v1::JoinJobRequest& r, v1::JoinJobResponse* response) {
   auto mismatch = [&](absl::string_view field, auto registered, auto got) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "job ", config_.id, ": ", field, " differs from the registered job (registered ",
+        "job ", config_.job_id, ": ", field, " differs from the registered job (registered ",
         registered, ", rank ", r.rank(), " has ", got, ")"));
   };
-  if (r.rank() >= config_.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("rank: must be < world_size (",
-                                                   config_.world_size, "), got ", r.rank()));
+  if (r.rank() >= config_.world_size) return BadRank(r.rank(), config_.world_size, "rank");
+  if (r.incarnation() == 0) {
+    return absl::InvalidArgumentError("incarnation: must be >= 1 (the client's start time in us)");
   }
   if (r.layout_fingerprint() != config_.layout.fingerprint()) {
     return mismatch("layout_fingerprint", config_.layout.fingerprint(), r.layout_fingerprint());
@@ -137,98 +111,166 @@ absl::Status Job::Join(const v1::JoinJobRequest& r, uint32_t* ranks_connected,
   if (r.world_size() != config_.world_size) {
     return mismatch("world_size", config_.world_size, r.world_size());
   }
-  if (r.precision() != DTypeToProto(config_.precision)) {
-    return mismatch("precision", DTypeToProto(config_.precision), r.precision());
+  if (r.precision() != WireDType(config_.precision)) {
+    return mismatch("precision", WireDType(config_.precision), r.precision());
   }
-  absl::MutexLock lock(&mu_);
-  ranks_.insert(r.rank());
-  *ranks_connected = static_cast<uint32_t>(ranks_.size());
-  *committed_step = committed_step_;
+  absl::MutexLock lock(&ranks_mu_);
+  if (removed_) {
+    return absl::NotFoundError(absl::StrCat("job ", config_.job_id, " was removed; register it again"));
+  }
+  RankEntry& e = ranks_[r.rank()];
+  if (r.incarnation() < e.incarnation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "incarnation: rank ", r.rank(), " of job ", config_.job_id,
+        " has joined as incarnation ", e.incarnation, " since; incarnation ", r.incarnation(),
+        " is fenced"));
+  }
+  if (r.incarnation() > e.incarnation) {
+    // A newer process for this rank: the old one's staging goes with it.
+    e.incarnation = r.incarnation();
+    e.staging.reset();
+  }
+  if (!e.joined) ranks_joined_.fetch_add(1, std::memory_order_acq_rel);
+  e.joined = true;
+  e.last_seen = absl::Now();
+  response->set_ranks_connected(ranks_joined_.load());
+  response->set_committed_step(committed_step());
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> Job::Leave(uint32_t rank) {
-  absl::MutexLock lock(&mu_);
+absl::Status Job::CheckRankLocked(uint32_t rank, uint64_t incarnation, absl::string_view field) {
   if (rank >= config_.world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank: must be < world_size (", config_.world_size, "), got ", rank));
+    return BadRank(rank, config_.world_size, absl::StrCat(field, "rank"));
   }
-  if (ranks_.erase(rank) == 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job ", config_.id, ": rank ", rank, " has not joined"));
+  if (incarnation == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, "incarnation: must be >= 1"));
   }
-  return ranks_.empty();
+  RankEntry& e = ranks_[rank];
+  if (!e.joined || incarnation > e.incarnation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of job ", config_.job_id, " has not joined as incarnation ",
+        incarnation, "; call JoinJob first"));
+  }
+  if (incarnation < e.incarnation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " incarnation ", incarnation, " is fenced: incarnation ", e.incarnation,
+        " of the same rank joined job ", config_.job_id, " since"));
+  }
+  e.last_seen = absl::Now();
+  return absl::OkStatus();
 }
+
+absl::Status Job::CheckRank(uint32_t rank, uint64_t incarnation, absl::string_view field) {
+  absl::MutexLock lock(&ranks_mu_);
+  return CheckRankLocked(rank, incarnation, field);
+}
+
+absl::StatusOr<bool> Job::Leave(uint32_t rank, uint64_t incarnation) {
+  absl::MutexLock lock(&ranks_mu_);
+  if (absl::Status s = CheckRankLocked(rank, incarnation, ""); !s.ok()) return s;
+  RankEntry& e = ranks_[rank];
+  e.joined = false;
+  e.staging.reset();
+  const uint32_t left = ranks_joined_.fetch_sub(1, std::memory_order_acq_rel) - 1;
+  if (left == 0) removed_ = true;
+  return left == 0;
+}
+
+uint32_t Job::RanksConnected(absl::Duration timeout) const {
+  const absl::Time cutoff = absl::Now() - timeout;
+  absl::MutexLock lock(&ranks_mu_);
+  uint32_t n = 0;
+  for (const RankEntry& e : ranks_) n += e.joined && e.last_seen >= cutoff ? 1 : 0;
+  return n;
+}
+
+absl::StatusOr<std::shared_ptr<RankStaging>> Job::Staging(uint32_t rank, uint64_t incarnation,
+                                                          bool create) {
+  if (resources_.transport == nullptr) {
+    return absl::FailedPreconditionError("this daemon serves no bulk transport");
+  }
+  absl::MutexLock lock(&ranks_mu_);
+  if (removed_) {
+    return absl::NotFoundError(absl::StrCat("job ", config_.job_id, " was removed"));
+  }
+  if (absl::Status s = CheckRankLocked(rank, incarnation, ""); !s.ok()) return s;
+  RankEntry& e = ranks_[rank];
+  if (e.staging == nullptr) {
+    if (!create) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " of job ", config_.job_id,
+          " has no staging region here; call ExchangeEndpoint first"));
+    }
+    const uint64_t slot_bytes = std::min(config_.bucket_bytes, kMaxChunkBytes);
+    absl::StatusOr<std::unique_ptr<RankStaging>> staging =
+        RankStaging::Create(resources_.transport, resources_.ledger, config_.job_id,
+                            resources_.staging_slots, slot_bytes);
+    if (!staging.ok()) return staging.status();
+    e.staging = *std::move(staging);
+  }
+  return e.staging;
+}
+
+// ---- Data ----
 
 absl::Status Job::InitParameters(const std::vector<v1::ParameterChunk>& chunks,
                                  uint64_t* elements) {
-  // Validate every chunk first.
-  std::vector<DType> types;
-  types.reserve(chunks.size());
+  absl::MutexLock commit_lock(&commit_mu_);
+  if (committed_step() > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", config_.job_id, " has committed step ", committed_step(),
+        "; initial parameters are only accepted before the first commit"));
+  }
+  std::vector<DType> types(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) {
     const v1::ParameterChunk& c = chunks[i];
     const std::string where = absl::StrCat("chunk ", i);
     absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), where + ".dtype");
     if (!dt.ok()) return dt.status();
+    if (*dt != DType::kFp32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".dtype: initial parameters must be fp32, got ", DTypeName(*dt)));
+    }
     const FlatRange r{c.range().begin(), c.range().end()};
     if (r.begin >= r.end || !owned_unpadded_.Contains(r)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, ".range ", RangeString(c.range()), " is empty or outside this daemon's ",
-          "parameters [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
+          where, ".range ", RangeString(c.range()), " is empty or outside the parameters this ",
+          "daemon owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
     }
-    if (c.data().size() != r.size() * DTypeSize(*dt)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ".data: ", c.data().size(), " bytes, expected ", r.size() * DTypeSize(*dt),
-          " for ", r.size(), " ", DTypeName(*dt), " elements"));
+    if (c.data().size() != r.size() * sizeof(float)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".data: ", c.data().size(),
+                                                     " bytes, expected ", r.size() * 4));
     }
     if (c.crc32c() != 0 && Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
-      return absl::DataLossError(absl::StrCat(where, ": CRC-32C mismatch"));
+      return absl::DataLossError(
+          absl::StrCat(where, ": CRC-32C of the data does not match (corrupted in transit)"));
     }
-    types.push_back(*dt);
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    if (committed_step_ != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "job ", config_.id, ": initial parameters can only be loaded before the first step ",
-          "(step ", committed_step_, " is committed)"));
-    }
+    types[i] = *dt;
   }
   absl::MutexLock lock(&params_mu_);
   uint64_t total = 0;
   for (size_t i = 0; i < chunks.size(); ++i) {
     const v1::ParameterChunk& c = chunks[i];
-    const uint64_t off = c.range().begin() - owned_.begin;
     const uint64_t n = c.range().end() - c.range().begin();
-    optimizer_->ConvertIn(master_.data() + off, c.data().data(), types[i], n);
+    shard_->WriteMasters(resources_.optimizer, c.range().begin(), c.data().data(), types[i], n);
     total += n;
   }
-  RefreshHalfCopy();
+  shard_->RefreshHalfCopy(resources_.optimizer);
+  ++params_version_;
   *elements = total;
   return absl::OkStatus();
 }
 
-void Job::RefreshHalfCopy() {
-  if (half_.empty()) return;
-  optimizer_->ConvertOut(half_.data(), config_.precision, master_.data(), master_.size());
-}
-
-uint32_t Job::ExpectedContributions() const {
-  const uint32_t mb = std::max<uint32_t>(micro_batches_, 1);
-  return config_.reduction == ReductionMode::kDaemon ? config_.world_size * mb : mb;
-}
-
-absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index,
-                             absl::string_view payload) const {
+absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index, absl::string_view payload,
+                             Contribution* out) const {
   const std::string where = absl::StrCat("chunk ", index);
-  if (c.step() != committed_step_ + 1) {
+  if (c.step() != committed_step() + 1) {
     return absl::FailedPreconditionError(absl::StrCat(
-        where, ".step: job ", config_.id, " is computing step ", committed_step_ + 1,
+        where, ".step: job ", config_.job_id, " is computing step ", committed_step() + 1,
         ", got a gradient for step ", c.step()));
   }
   if (c.rank() >= config_.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ".rank: must be < world_size (", config_.world_size, "), got ", c.rank()));
+    return BadRank(c.rank(), config_.world_size, where + ".rank");
   }
   absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), where + ".dtype");
   if (!dt.ok()) return dt.status();
@@ -247,7 +289,7 @@ absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index,
   if (!config_.map.Partition(partition).Contains(r)) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, ".range ", RangeString(c.range()), " crosses the boundary of partition ",
-        partition, " ", "(split pushes at partition boundaries)"));
+        partition, " (split pushes at partition boundaries)"));
   }
   if (config_.reduction == ReductionMode::kTrainerCollective && c.rank() != partition) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -260,203 +302,103 @@ absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index,
         r.size() * DTypeSize(*dt), " for ", r.size(), " ", DTypeName(*dt), " elements"));
   }
   const uint32_t mbs = std::max<uint32_t>(c.micro_batches(), 1);
-  if (c.micro_batch() >= mbs) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ".micro_batch: must be < micro_batches (", mbs, "), got ", c.micro_batch()));
-  }
   if (mbs > 4096) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ".micro_batches: at most 4096, got ", mbs));
   }
-  if (micro_batches_ != 0 && mbs != micro_batches_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        where, ".micro_batches: step ", c.step(), " uses ", micro_batches_,
-        " micro-batches per rank, got ", mbs));
+  if (c.micro_batch() >= mbs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".micro_batch: must be < micro_batches (", mbs, "), got ", c.micro_batch()));
   }
   if (c.crc32c() != 0 && Crc32c(payload.data(), payload.size()) != c.crc32c()) {
     return absl::DataLossError(absl::StrCat(where, ": CRC-32C of the data does not match ",
                                             "(corrupted in transit); resend the chunk"));
   }
+  out->range = r;
+  out->rank = c.rank();
+  out->micro_batch = c.micro_batch();
+  out->dtype = *dt;
+  out->payload = payload;
+  out->crc32c = c.crc32c();
   return absl::OkStatus();
 }
 
 absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
                                const std::vector<absl::string_view>& payloads,
-                               v1::PushGradientResponse* response) {
+                               absl::Time deadline, v1::PushGradientResponse* response) {
   if (chunks.size() != payloads.size()) {
     return absl::InternalError("PushGradient: one payload per chunk expected");
   }
   if (chunks.empty()) {
     return absl::InvalidArgumentError("PushGradient: the stream carried no chunk");
   }
-  absl::MutexLock lock(&mu_);
-  // Phase 1: validate every chunk against the request rules and the step's
-  // state, as if the earlier chunks of this stream had been applied.
   const uint32_t mbs = std::max<uint32_t>(chunks[0].micro_batches(), 1);
-  const uint32_t saved_mbs = micro_batches_;
-  struct Planned {
-    uint64_t begin, end;
-    uint32_t order;
-  };
-  std::vector<Planned> plan;
-  std::map<uint64_t, uint64_t> new_keys;  // begin -> end, keys this stream creates
-  std::set<std::pair<uint64_t, uint32_t>> seen;
-  uint64_t pending_needed = 0;
-  absl::Status status = absl::OkStatus();
-  micro_batches_ = micro_batches_ == 0 ? mbs : micro_batches_;
-  for (size_t i = 0; i < chunks.size() && status.ok(); ++i) {
-    const v1::GradientChunk& c = chunks[i];
-    status = CheckChunk(c, i, payloads[i]);
-    if (!status.ok()) break;
-    const uint64_t b = c.range().begin(), e = c.range().end();
-    const uint32_t order = config_.reduction == ReductionMode::kDaemon
-                               ? c.rank() * micro_batches_ + c.micro_batch()
-                               : c.micro_batch();
-    // The key must equal an existing key or not overlap any.
-    auto find_conflict = [&](const auto& m) -> std::string {
-      auto it = m.upper_bound(b);
-      if (it != m.begin()) {
-        auto prev = std::prev(it);
-        uint64_t prev_end;
-        if constexpr (std::is_same_v<std::decay_t<decltype(prev->second)>, KeyState>) {
-          prev_end = prev->second.end;
-        } else {
-          prev_end = prev->second;
-        }
-        if (prev->first == b && prev_end == e) return "";
-        if (prev_end > b) return absl::StrCat("[", prev->first, ", ", prev_end, ")");
+  absl::MutexLock lock(&mu_);
+  {
+    // Every chunk's sender must be the rank's current incarnation, checked
+    // under the reduction lock so a rank that rejoins meanwhile fences it.
+    absl::MutexLock ranks_lock(&ranks_mu_);
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (absl::Status s = CheckRankLocked(chunks[i].rank(), chunks[i].incarnation(),
+                                           absl::StrCat("chunk ", i, "."));
+          !s.ok()) {
+        return s;
       }
-      if (it != m.end() && it->first < e) return absl::StrCat("[", it->first, ", ...)");
-      return "";
-    };
-    std::string conflict = find_conflict(keys_);
-    if (conflict.empty()) conflict = find_conflict(new_keys);
-    if (!conflict.empty()) {
-      status = absl::FailedPreconditionError(absl::StrCat(
-          "chunk ", i, ".range ", RangeString(c.range()), " overlaps the chunk ", conflict,
-          " pushed for this step: every rank must cut its gradients into the same chunks"));
-      break;
     }
-    auto key = keys_.find(b);
-    const bool applied = key != keys_.end() && (order < key->second.next_order ||
-                                                key->second.pending.count(order) > 0);
-    if (applied || !seen.insert({b, order}).second) {
-      status = absl::AlreadyExistsError(absl::StrCat(
-          "chunk ", i, ": rank ", c.rank(), " micro-batch ", c.micro_batch(),
-          " already pushed range ", RangeString(c.range()), " for step ", c.step(),
-          " (a duplicate is never counted twice)"));
-      break;
-    }
-    if (key == keys_.end()) new_keys.emplace(b, e);
-    const uint32_t next = key == keys_.end() ? 0 : key->second.next_order;
-    if (order != next) pending_needed += (e - b) * sizeof(float);  // upper bound
-    plan.push_back({b, e, order});
   }
-  if (status.ok() && pending_needed > 0) {
-    status = ledger_->Reserve(config_.id, MemoryCategory::kBuffer, pending_needed);
-  }
-  if (!status.ok()) {
-    micro_batches_ = saved_mbs;
-    return status;
-  }
-  // Phase 2: apply.
-  pending_bytes_ += pending_needed;
-  uint64_t elements = 0;
+  std::vector<Contribution> batch(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) {
-    const v1::GradientChunk& c = chunks[i];
-    const Planned& p = plan[i];
-    const size_t n = p.end - p.begin;
-    auto [it, inserted] = keys_.try_emplace(p.begin);
-    if (inserted) {
-      it->second.end = p.end;
-      it->second.partition = static_cast<uint32_t>(p.begin / config_.map.partition_elements());
+    if (absl::Status s = CheckChunk(chunks[i], i, payloads[i], &batch[i]); !s.ok()) return s;
+    if (std::max<uint32_t>(chunks[i].micro_batches(), 1) != mbs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk ", i, ".micro_batches: differs from chunk 0's (", mbs, ") in one push"));
     }
-    ApplyContribution(it->second, p.begin, p.order, payloads[i].data(),
-                      static_cast<DType>(c.dtype()), n);
-    elements += n;
   }
-  // Give back what the upper bound over-reserved.
-  uint64_t still_pending = 0;
-  for (const auto& [b, k] : keys_) {
-    for (const auto& [o, pc] : k.pending) still_pending += pc.values.size() * sizeof(float);
+  if (prepared_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", config_.job_id, " step ", committed_step() + 1,
+        " is prepared: its gradient is complete and frozen until the commit"));
   }
-  if (still_pending < pending_bytes_) {
-    ledger_->Release(config_.id, MemoryCategory::kBuffer, pending_bytes_ - still_pending);
-    pending_bytes_ = still_pending;
-  }
+  uint64_t elements = 0;
+  if (absl::Status s = ApplyPush(batch, mbs, deadline, &elements); !s.ok()) return s;
   response->set_elements(elements);
-  // A rank is complete when every key has all of its contributions.
-  const uint64_t complete = CompleteElements();
-  response->set_ranks_complete(complete == owned_unpadded_.size() ? config_.world_size : 0);
+  response->set_ranks_complete(reduction_->Complete() ? config_.world_size : 0);
   return absl::OkStatus();
 }
 
-void Job::ApplyContribution(KeyState& key, uint64_t begin, uint32_t order, const void* src,
-                            DType type, size_t n) {
-  if (order != key.next_order) {
-    std::vector<float>& values = key.pending[order].values;
-    values.resize(n);
-    optimizer_->ConvertIn(values.data(), src, type, n);
-    return;
-  }
-  AccumulateInto(begin, order, src, type, n);
-  ++key.next_order;
-  for (auto it = key.pending.find(key.next_order); it != key.pending.end();
-       it = key.pending.find(key.next_order)) {
-    AccumulateInto(begin, key.next_order, it->second.values.data(), DType::kFp32, n);
-    key.pending.erase(it);
-    ++key.next_order;
-  }
-}
-
-void Job::AccumulateInto(uint64_t begin, uint32_t order, const void* src, DType type, size_t n) {
-  float* dst = grad_.data() + (begin - owned_.begin);
-  // Contribution 0 overwrites: the buffer holds the previous step's sum.
-  if (order == 0) {
-    optimizer_->ConvertIn(dst, src, type, n);
-  } else {
-    optimizer_->Accumulate(dst, src, type, n);
-  }
-}
-
-uint64_t Job::CompleteElements() const {
-  const uint32_t expected = ExpectedContributions();
-  uint64_t total = 0;
-  for (const auto& [b, k] : keys_) {
-    if (k.next_order == expected) total += k.end - b;
-  }
-  return total;
-}
-
-std::string Job::DescribeIncomplete() const {
-  const uint32_t expected = ExpectedContributions();
-  uint64_t covered = 0;
-  std::string first;
-  for (const auto& [b, k] : keys_) {
-    covered += k.end - b;
-    if (k.next_order < expected && first.empty()) {
-      const uint32_t mbs = std::max<uint32_t>(micro_batches_, 1);
-      const uint32_t rank =
-          config_.reduction == ReductionMode::kDaemon ? k.next_order / mbs : k.partition;
-      first = absl::StrCat("range [", b, ", ", k.end, ") waits for rank ", rank, " (",
-                           k.next_order, " of ", expected, " contributions in)");
+absl::Status Job::ApplyPush(const std::vector<Contribution>& batch, uint32_t micro_batches,
+                            absl::Time deadline, uint64_t* elements) {
+  const uint64_t step = committed_step() + 1;
+  for (;;) {
+    uint64_t pending = 0;
+    if (absl::Status s = reduction_->Check(batch, micro_batches, &pending); !s.ok()) return s;
+    if (reduction_->Admit(pending)) {
+      if (absl::Status s =
+              resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer, pending);
+          s.ok()) {
+        *elements = reduction_->Apply(batch, micro_batches, pending);
+        ++reduction_changes_;
+        return absl::OkStatus();
+      } else if (reduction_->pending_bytes() == 0) {
+        return s;  // over the daemon's memory limit with nothing left to drain
+      }
+    }
+    // Back-pressure: wait for earlier contributions to drain the buffer.
+    const uint64_t seen = reduction_changes_;
+    auto changed = [this, seen, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return reduction_changes_ != seen || committed_step() + 1 != step;
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&changed), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "job ", config_.job_id, " step ", step, ": the out-of-order buffer (",
+          resources_.reduction_buffer_bytes, " bytes) stayed full until the deadline; it waits ",
+          "for ", reduction_->DescribeIncomplete(), "; nothing was applied"));
+    }
+    if (committed_step() + 1 != step) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", config_.job_id, " committed step ", step, " while this push waited"));
     }
   }
-  if (first.empty() && covered < owned_unpadded_.size()) {
-    first = absl::StrCat(owned_unpadded_.size() - covered, " of ", owned_unpadded_.size(),
-                         " owned elements have no gradient yet");
-  }
-  return first;
-}
-
-void Job::ResetReduction() {
-  keys_.clear();
-  micro_batches_ = 0;
-  if (pending_bytes_ > 0) {
-    ledger_->Release(config_.id, MemoryCategory::kBuffer, pending_bytes_);
-    pending_bytes_ = 0;
-  }
-  prepared_ = false;
 }
 
 absl::Status Job::Gather(uint64_t after_step, const FlatRange& range, DType dtype,
@@ -469,36 +411,46 @@ absl::Status Job::Gather(uint64_t after_step, const FlatRange& range, DType dtyp
   }
   {
     absl::MutexLock lock(&mu_);
-    if (after_step > committed_step_ + 1) {
+    if (after_step > committed_step() + 1) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "after_step: job ", config_.id, " has committed step ", committed_step_,
-          "; step ", after_step, " cannot be committed before step ", committed_step_ + 1));
+          "after_step: job ", config_.job_id, " has committed step ", committed_step(), "; step ",
+          after_step, " cannot be committed before step ", committed_step() + 1));
     }
     auto committed = [this, after_step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return committed_step_ >= after_step;
+      return committed_step() >= after_step;
     };
     if (!mu_.AwaitWithDeadline(absl::Condition(&committed), deadline)) {
       return absl::DeadlineExceededError(absl::StrCat(
-          "job ", config_.id, ": step ", after_step, " was not committed in time (committed: ",
-          committed_step_, ")"));
+          "job ", config_.job_id, ": step ", after_step, " was not committed in time (committed: ",
+          committed_step(), ")"));
     }
   }
-  if (!write) return absl::OkStatus();
-  absl::ReaderMutexLock lock(&params_mu_);
+  if (!write) {
+    NoteRemoteAccess();
+    return absl::OkStatus();
+  }
   v1::ParameterChunk chunk;
-  chunk.set_job_id(config_.id);
-  chunk.set_dtype(static_cast<v1::DType>(DTypeToProto(dtype)));
+  chunk.set_job_id(config_.job_id);
+  chunk.set_dtype(WireDType(dtype));
   const size_t esize = DTypeSize(dtype);
+  uint64_t version = 0;
+  {
+    absl::ReaderMutexLock lock(&params_mu_);
+    version = params_version_;
+  }
   for (uint64_t pos = range.begin; pos < range.end;) {
     const uint64_t end = std::min(range.end, pos + max_chunk_elements);
-    const uint64_t n = end - pos;
-    const uint64_t off = pos - owned_.begin;
     std::string* data = chunk.mutable_data();
-    data->resize(n * esize);
-    if (dtype == config_.precision && !half_.empty()) {
-      std::memcpy(data->data(), half_.data() + off, n * esize);
-    } else {
-      FromFloat(dtype, master_.data() + off, data->data(), n);
+    data->resize((end - pos) * esize);
+    {
+      // Only the copy holds the lock; the write below holds none.
+      absl::ReaderMutexLock lock(&params_mu_);
+      if (params_version_ != version) {
+        return absl::AbortedError(absl::StrCat(
+            "job ", config_.job_id, ": the parameters changed (step ", committed_step(),
+            " was committed) while they were being gathered; gather again"));
+      }
+      shard_->Read(pos, end - pos, dtype, data->data());
     }
     chunk.mutable_range()->set_begin(pos);
     chunk.mutable_range()->set_end(end);
@@ -509,134 +461,150 @@ absl::Status Job::Gather(uint64_t after_step, const FlatRange& range, DType dtyp
   return absl::OkStatus();
 }
 
+// ---- Step ----
+
 absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step) {
-  absl::MutexLock lock(&mu_);
-  if (step != committed_step_ + 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step: job ", config_.id, " is computing step ", committed_step_ + 1, ", got ", step));
+  absl::MutexLock commit_lock(&commit_mu_);
+  const float* grad = nullptr;
+  float scale = 1.0f;
+  {
+    absl::MutexLock lock(&mu_);
+    if (step != committed_step() + 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step: job ", config_.job_id, " is computing step ", committed_step() + 1, ", got ",
+          step));
+    }
+    if (prepared_) return prepare_result_;
+    if (!reduction_->Complete()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", config_.job_id, " step ", step,
+                                                        ": gradients incomplete: ",
+                                                        reduction_->DescribeIncomplete()));
+    }
+    grad = reduction_->grad();
+    scale = 1.0f / (static_cast<float>(config_.world_size) * loss_scale_);
   }
-  if (prepared_) return prepare_result_;
-  if (CompleteElements() != owned_unpadded_.size()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", config_.id, " step ", step, ": gradients incomplete: ", DescribeIncomplete()));
-  }
-  const float scale = 1.0f / (static_cast<float>(config_.world_size) * loss_scale_);
+  // The gradient is complete, so no push changes it; commit_mu_ keeps any
+  // commit out. The sweep runs without the reduction lock.
   const uint64_t off = owned_unpadded_.begin - owned_.begin;
-  GradStats r = optimizer_->SumSquaresAndFinite(grad_.data() + off, owned_unpadded_.size(), scale);
+  const GradStats r =
+      resources_.optimizer->SumSquaresAndFinite(grad + off, owned_unpadded_.size(), scale);
+  absl::MutexLock lock(&mu_);
   prepare_result_.set_grad_sq_sum(r.sum_sq);
   prepare_result_.set_found_inf_nan(r.found_inf_nan);
   prepare_result_.set_elements(owned_unpadded_.size());
   prepare_result_.set_loss_scale(loss_scale_);
   prepared_ = true;
+  ++reduction_changes_;
   return prepare_result_;
 }
 
-absl::StatusOr<v1::CommitStepResponse> Job::CommitStep(const v1::CommitStepRequest& r) {
-  absl::MutexLock lock(&mu_);
-  if (r.step() == committed_step_ && committed_step_ > 0) return last_commit_;
-  if (r.step() != committed_step_ + 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step: job ", config_.id, " is computing step ", committed_step_ + 1, ", got ",
-        r.step()));
-  }
-  if (!std::isfinite(r.lr()) || r.lr() < 0) {
+absl::StatusOr<float> Job::CheckCommitRequest(const v1::CommitStepRequest& r) {
+  if (r.rank() != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("lr: must be finite and >= 0, got ", r.lr()));
+        absl::StrCat("rank: only the job leader (rank 0) commits, got rank ", r.rank()));
+  }
+  if (absl::Status s = CheckRank(r.rank(), r.incarnation(), ""); !s.ok()) return s;
+  if (!std::isfinite(r.lr()) || r.lr() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("lr: must be finite and >= 0, got ", r.lr()));
   }
   const float clip = r.clip_coef() == 0 ? 1.0f : r.clip_coef();
   if (!(clip > 0 && clip <= 1)) {
     return absl::InvalidArgumentError(
         absl::StrCat("clip_coef: must be in (0, 1] (0 means 1), got ", r.clip_coef()));
   }
-  if (!r.skip() && CompleteElements() != owned_unpadded_.size()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", config_.id, " step ", r.step(), ": gradients incomplete: ",
-        DescribeIncomplete()));
+  return clip;
+}
+
+void Job::UpdateLossScale(bool skipped) {
+  if (!config_.loss_scale.dynamic) return;
+  // Dynamic loss scaling, identical on every daemon of the job.
+  if (skipped) {
+    loss_scale_ = std::max(loss_scale_ * config_.loss_scale.backoff_factor, 1e-30f);
+    good_steps_ = 0;
+  } else if (++good_steps_ >= config_.loss_scale.growth_interval) {
+    const float grown = loss_scale_ * config_.loss_scale.growth_factor;
+    if (std::isfinite(grown)) loss_scale_ = grown;
+    good_steps_ = 0;
+  }
+}
+
+absl::StatusOr<v1::CommitStepResponse> Job::CommitStep(const v1::CommitStepRequest& r) {
+  absl::StatusOr<float> checked_clip = CheckCommitRequest(r);
+  if (!checked_clip.ok()) return checked_clip.status();
+  const float clip = *checked_clip;
+  absl::MutexLock commit_lock(&commit_mu_);
+  const float* grad = nullptr;
+  double grad_scale = 1.0;
+  {
+    absl::MutexLock lock(&mu_);
+    const uint64_t committed = committed_step();
+    if (r.step() == committed && committed > 0) return last_commit_.response;
+    if (r.step() != committed + 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step: job ", config_.job_id, " is computing step ", committed + 1, ", got ", r.step()));
+    }
+    if (!prepared_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", config_.job_id, " step ", r.step(), ": CommitStep before PrepareStep (",
+          reduction_->Complete() ? "gradients complete" : reduction_->DescribeIncomplete(),
+          "); the leader prepares every daemon, then commits"));
+    }
+    grad = reduction_->grad();
+    grad_scale = static_cast<double>(clip) / (static_cast<double>(config_.world_size) *
+                                              static_cast<double>(loss_scale_));
   }
   if (!r.skip()) {
+    // The frozen gradient is read without the reduction lock: pushes are
+    // refused while prepared, and commit_mu_ keeps other commits out.
     absl::MutexLock params_lock(&params_mu_);
-    absl::Status s = RunOptimizer(
-        r.lr(), static_cast<double>(clip) /
-                    (static_cast<double>(config_.world_size) * static_cast<double>(loss_scale_)));
-    if (!s.ok()) return s;
-  }
-  // Dynamic loss scaling, identical on every daemon of the job.
-  if (config_.loss_scale.dynamic) {
-    if (r.skip()) {
-      loss_scale_ = std::max(loss_scale_ * config_.loss_scale.backoff_factor, 1e-30f);
-      good_steps_ = 0;
-    } else if (++good_steps_ >= config_.loss_scale.growth_interval) {
-      const float grown = loss_scale_ * config_.loss_scale.growth_factor;
-      if (std::isfinite(grown)) loss_scale_ = grown;
-      good_steps_ = 0;
+    StepHyperParams hp = HyperParamsOf(config_.optimizer);
+    hp.lr = r.lr();
+    hp.grad_scale = grad_scale;
+    if (absl::Status s = shard_->Step(resources_.optimizer, hp, grad, owned_unpadded_); !s.ok()) {
+      return s;
     }
+    ++params_version_;
   }
-  ResetReduction();
-  ++committed_step_;
-  last_commit_.set_committed_step(committed_step_);
-  last_commit_.set_loss_scale(loss_scale_);
-  last_commit_.set_skipped(r.skip());
-  return last_commit_;
+  absl::MutexLock lock(&mu_);
+  UpdateLossScale(r.skip());
+  reduction_->Reset();
+  prepared_ = false;
+  ++reduction_changes_;
+  last_commit_.response.set_committed_step(r.step());
+  last_commit_.response.set_loss_scale(loss_scale_);
+  last_commit_.response.set_skipped(r.skip());
+  last_commit_.clip_coef = clip;
+  last_commit_.grad_norm = r.grad_norm();
+  last_commit_.lr = r.lr();
+  // Published last, under mu_: whoever sees the step sees a reset reduction.
+  committed_step_.store(r.step(), std::memory_order_release);
+  return last_commit_.response;
 }
 
-absl::Status Job::RunOptimizer(double lr, double grad_scale) {
-  StepHyperParams hp;
-  switch (config_.optimizer.kind) {
-    case OptimizerKindConfig::kAdamW: hp.kind = OptimizerKind::kAdamW; break;
-    case OptimizerKindConfig::kAdam: hp.kind = OptimizerKind::kAdam; break;
-    case OptimizerKindConfig::kSgdMomentum: hp.kind = OptimizerKind::kSgd; break;
+void Job::FillStepState(absl::Duration rank_timeout, v1::StepState* state) const {
+  state->set_world_size(config_.world_size);
+  state->set_ranks_joined(ranks_joined());
+  state->set_ranks_connected(RanksConnected(rank_timeout));
+  absl::MutexLock lock(&mu_);
+  state->set_committed_step(committed_step());
+  state->set_loss_scale(loss_scale_);
+  if (committed_step() > 0) {
+    state->set_last_skipped(last_commit_.response.skipped());
+    state->set_last_clip_coef(last_commit_.clip_coef);
+    state->set_last_grad_norm(last_commit_.grad_norm);
+    state->set_last_lr(last_commit_.lr);
   }
-  hp.lr = lr;
-  hp.beta1 = config_.optimizer.beta1;
-  hp.beta2 = config_.optimizer.beta2;
-  hp.eps = config_.optimizer.eps;
-  hp.weight_decay = config_.optimizer.weight_decay;
-  hp.momentum = config_.optimizer.momentum;
-  hp.step = static_cast<int64_t>(optimizer_steps_ + 1);
-  hp.grad_scale = grad_scale;
-  ShardBuffers b;
-  b.param = master_.data();
-  b.grad = grad_.data();
-  b.exp_avg = m_.data();
-  b.exp_avg_sq = v_.empty() ? nullptr : v_.data();
-  b.model_copy = half_.empty() ? nullptr : half_.data();
-  b.model_copy_type = config_.precision;
-  // Only real elements: the padding tail stays zero.
-  const uint64_t off = owned_unpadded_.begin - owned_.begin;
-  b.param += off;
-  b.grad += off;
-  b.exp_avg += off;
-  if (b.exp_avg_sq != nullptr) b.exp_avg_sq += off;
-  if (b.model_copy != nullptr) b.model_copy = static_cast<uint16_t*>(b.model_copy) + off;
-  b.size = owned_unpadded_.size();
-  if (absl::Status s = optimizer_->Step(hp, b); !s.ok()) return s;
-  ++optimizer_steps_;
-  return absl::OkStatus();
-}
-
-void Job::FillParameterRegions(v1::ExchangeEndpointResponse* response) const {
-  auto add = [&](const char* purpose, const transport::Region* region) {
-    if (region == nullptr) return;
-    v1::RemoteRegion* r = response->add_regions();
-    r->set_purpose(purpose);
-    r->set_address(region->Descriptor().address);
-    r->set_length(region->Descriptor().length);
-    r->set_rkey(region->Descriptor().rkey);
-    r->mutable_range()->set_begin(owned_.begin);
-    r->mutable_range()->set_end(owned_.end);
-  };
-  add("param_master", master_region_.get());
-  add("param_half", half_region_.get());
-}
-
-uint64_t Job::committed_step() const {
-  absl::MutexLock lock(&mu_);
-  return committed_step_;
-}
-
-uint32_t Job::ranks_connected() const {
-  absl::MutexLock lock(&mu_);
-  return static_cast<uint32_t>(ranks_.size());
+  state->set_prepared(prepared_);
+  state->set_complete_elements(reduction_->CompleteElements());
+  state->set_owned_elements(owned_unpadded_.size());
+  for (const MissingRange& m : reduction_->Missing(kMaxMissingReported)) {
+    v1::MissingContribution* out = state->add_missing();
+    out->mutable_range()->set_begin(m.range.begin);
+    out->mutable_range()->set_end(m.range.end);
+    out->set_rank(m.rank);
+    out->set_contributions(m.contributions);
+    out->set_expected(m.expected);
+  }
 }
 
 float Job::loss_scale() const {
@@ -644,32 +612,34 @@ float Job::loss_scale() const {
   return loss_scale_;
 }
 
+void Job::FillParameterRegions(v1::ExchangeEndpointResponse* response) const {
+  absl::ReaderMutexLock lock(&params_mu_);
+  shard_->FillRegions(response);
+}
+
+absl::Time Job::last_remote_access() const {
+  return absl::FromUnixNanos(last_remote_access_ns_.load(std::memory_order_acquire));
+}
+
+void Job::NoteRemoteAccess() {
+  last_remote_access_ns_.store(absl::ToUnixNanos(absl::Now()), std::memory_order_release);
+}
+
 uint64_t Job::StateHash() const {
   absl::MutexLock lock(&mu_);
   absl::ReaderMutexLock params_lock(&params_mu_);
   uint64_t h = kFnv1aOffset;
-  HashBytes(h, master_.data(), master_.size() * sizeof(float));
-  HashBytes(h, m_.data(), m_.size() * sizeof(float));
-  HashBytes(h, v_.data(), v_.size() * sizeof(float));
-  HashBytes(h, half_.data(), half_.size() * sizeof(uint16_t));
-  HashValue(h, optimizer_steps_);
-  HashValue(h, committed_step_);
+  shard_->Hash(h);
+  reduction_->Hash(h);
+  HashValue(h, committed_step());
   HashValue(h, loss_scale_);
   HashValue(h, good_steps_);
-  HashValue(h, micro_batches_);
-  HashValue(h, pending_bytes_);
-  for (const auto& [b, k] : keys_) {
-    HashValue(h, b);
-    HashValue(h, k.end);
-    HashValue(h, k.next_order);
-    // Only the applied part of the gradient buffer is state.
-    if (k.next_order > 0) HashBytes(h, grad_.data() + (b - owned_.begin), (k.end - b) * 4);
-    for (const auto& [o, pc] : k.pending) {
-      HashValue(h, o);
-      HashBytes(h, pc.values.data(), pc.values.size() * sizeof(float));
-    }
+  HashValue(h, prepared_);
+  absl::MutexLock ranks_lock(&ranks_mu_);
+  for (const RankEntry& e : ranks_) {
+    HashValue(h, e.incarnation);
+    HashValue(h, e.joined);
   }
-  for (uint32_t r : ranks_) HashValue(h, r);
   return h;
 }
 

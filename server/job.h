@@ -1,175 +1,192 @@
 #pragma once
 
-// One training job's model states on one daemon: the partitions the daemon
-// owns (a contiguous run of the flat space), the gradient reduction of the
-// current step, the two-phase optimizer step and the loss-scale state.
+// One training job on one daemon: the ranks (incarnations, liveness, staging
+// regions), the open step's reduction, the model states of the partitions
+// this daemon owns, and the two-phase step.
 //
-// Thread-safety: every method may be called from any thread. Reduction state
-// is guarded by mu_; parameters by params_mu_ (gathers read them under a
-// shared lock, a commit updates them under the exclusive lock). Methods that
-// wait take a deadline.
+// Locks, in the order they may be taken:
+//   commit_mu_  serialises InitParameters, PrepareStep and CommitStep (held
+//               for the optimizer's run, by nothing else);
+//   mu_         the reduction and the step bookkeeping (held for bookkeeping
+//               and the pushes' accumulation; never for the optimizer, never
+//               for network I/O);
+//   params_mu_  the model states (shared for a gather's chunk copy, exclusive
+//               for the optimizer's update);
+//   ranks_mu_   the rank table (held for bookkeeping only).
+// The committed step and the joined-rank count are atomics: Status and
+// GetStepState never wait for a step. Every wait takes a deadline.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/job_spec.h"
 #include "proto/zeroshard/v1/common.pb.h"
 #include "proto/zeroshard/v1/control.pb.h"
 #include "proto/zeroshard/v1/shard.pb.h"
-#include "server/job_config.h"
 #include "server/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
+#include "server/reduction.h"
+#include "server/shard_state.h"
+#include "server/staging.h"
 #include "transport/transport.h"
 
 namespace zeroshard {
 
+// What a job borrows from its daemon; everything must outlive the job.
+struct JobResources {
+  MemoryLedger* ledger = nullptr;
+  ShardOptimizer* optimizer = nullptr;
+  transport::Transport* transport = nullptr;  // the bulk transport; may be null
+  uint64_t reduction_buffer_bytes = 256ull << 20;  // out-of-order budget
+  uint32_t staging_slots = 2;
+};
+
 class Job {
  public:
-  // Allocates the owned partitions' states (checked against the ledger's
-  // limit before any allocation: ResourceExhausted). `optimizer` is shared by
-  // all jobs of the daemon and must outlive the job. With a `transport`, the
-  // fp32 masters and the half-precision copy are allocated by it
-  // (AllocateRegion, remote-readable) so trainers can read them directly
-  // (FillParameterRegions); the job does not keep the pointer.
+  // Allocates the owned partitions' states (the whole footprint checked
+  // against the ledger's limit before any allocation: ResourceExhausted).
   static absl::StatusOr<std::unique_ptr<Job>> Create(JobConfig config, v1::JobSpec spec,
-                                                      uint32_t daemon_index, MemoryLedger* ledger,
-                                                      ShardOptimizer* optimizer,
-                                                      transport::Transport* transport = nullptr);
+                                                      uint32_t daemon_index,
+                                                      const JobResources& resources);
   ~Job();
 
   const JobConfig& config() const { return config_; }
   const v1::JobSpec& spec() const { return spec_; }
   uint32_t daemon_index() const { return daemon_index_; }
-  // Owned partitions and their padded flat range.
   const std::vector<uint32_t>& owned_partitions() const { return owned_partitions_; }
   FlatRange owned_range() const { return owned_; }
   // Owned elements below total_elements (real parameters plus alignment gaps).
   FlatRange owned_unpadded() const { return owned_unpadded_; }
 
-  // FailedPrecondition naming the field and both values when the rank's view
-  // differs from the registered job; InvalidArgument for rank >= N_d.
-  absl::Status Join(const v1::JoinJobRequest& request, uint32_t* ranks_connected,
-                    uint64_t* committed_step);
-  // Returns true when no rank remains connected.
-  absl::StatusOr<bool> Leave(uint32_t rank);
+  // ---- Ranks ----
+  // See Control.JoinJob. FailedPrecondition naming the field and both values
+  // when the rank's view differs from the registered job, or for an
+  // incarnation older than the rank's current one; NotFound once removed.
+  absl::Status Join(const v1::JoinJobRequest& request, v1::JoinJobResponse* response);
+  // OK iff `rank` is joined as `incarnation` (and records it heard from now).
+  absl::Status CheckRank(uint32_t rank, uint64_t incarnation, absl::string_view field);
+  // Leaves; returns true when this was the last joined rank: the job is then
+  // marked removed (no staging is created for it any more) and the caller
+  // takes it out of the registry.
+  absl::StatusOr<bool> Leave(uint32_t rank, uint64_t incarnation);
+  uint32_t ranks_joined() const { return ranks_joined_.load(std::memory_order_acquire); }
+  // Joined ranks heard from within `timeout`.
+  uint32_t RanksConnected(absl::Duration timeout) const;
+  // The rank's staging region (created on first use through the transport).
+  // FailedPrecondition without a transport; NotFound once removed.
+  absl::StatusOr<std::shared_ptr<RankStaging>> Staging(uint32_t rank, uint64_t incarnation,
+                                                       bool create);
 
+  // ---- Data ----
   // Stores initial parameters; all chunks are validated before any is
   // applied. FailedPrecondition after the first commit.
   absl::Status InitParameters(const std::vector<v1::ParameterChunk>& chunks, uint64_t* elements);
-
-  // Applies one pushed stream atomically: every chunk is validated against
-  // the request rules and the step's reduction state first; on any error
-  // nothing changes. Each chunk's payload is given separately (`payloads[i]`
-  // for `chunks[i]`: its data(), or bytes in a staging region); the payloads
-  // are read only during the call; the caller keeps them unchanged until it
-  // returns.
+  // Applies one pushed stream atomically: every chunk is validated first; on
+  // any error nothing changes. `payloads[i]` holds chunk i's bytes (its data,
+  // or bytes in a staging slot the caller holds), read only during the call.
+  // When applying would overflow the out-of-order budget, waits (until
+  // `deadline`: DeadlineExceeded, nothing applied) for earlier contributions
+  // to drain it.
   absl::Status PushGradient(const std::vector<v1::GradientChunk>& chunks,
-                            const std::vector<absl::string_view>& payloads,
+                            const std::vector<absl::string_view>& payloads, absl::Time deadline,
                             v1::PushGradientResponse* response);
-
   // Waits until `after_step` is committed (or `deadline`: DeadlineExceeded),
-  // then calls `write` with consecutive chunks of at most max_chunk_elements
-  // covering `range` in `dtype`. `write` returning false stops (Cancelled).
-  // An empty `write` only validates and waits (the caller reads the range
-  // from the parameter regions itself).
+  // then calls `write` with consecutive chunks of at most
+  // max_chunk_elements covering `range` in `dtype`. `write` runs with no
+  // lock held (a slow reader delays nobody); if a commit changes the
+  // parameters between two chunks the gather fails with Aborted (ask again).
+  // `write` returning false stops (Cancelled). A null `write` only validates
+  // and waits (the caller reads the range from the parameter regions).
   absl::Status Gather(uint64_t after_step, const FlatRange& range, DType dtype,
                       absl::Time deadline, uint64_t max_chunk_elements,
                       const std::function<bool(v1::ParameterChunk&)>& write);
 
+  // ---- Step ----
   absl::StatusOr<v1::PrepareStepResponse> PrepareStep(uint64_t step);
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request);
-
-  // Adds "param_master" (and "param_half" for half-precision jobs)
-  // RemoteRegions covering owned_range(), when the job was created with a
-  // transport; nothing otherwise. Readers see the parameters of the last
-  // committed step only while no commit runs: callers wait for the commit
-  // (Gather with an empty `write`) and the next one cannot start before
-  // every rank has pushed again.
-  void FillParameterRegions(v1::ExchangeEndpointResponse* response) const;
-
-  uint64_t committed_step() const;
-  uint32_t ranks_connected() const;
+  void FillStepState(absl::Duration rank_timeout, v1::StepState* state) const;
+  uint64_t committed_step() const { return committed_step_.load(std::memory_order_acquire); }
   float loss_scale() const;
 
-  // A hash over every piece of mutable state (parameters, optimizer states,
-  // gradients, reduction bookkeeping, step, loss scale), for tests that check
-  // a rejected request changed nothing.
+  // Adds PARAM_MASTER / PARAM_HALF regions when the job has a transport.
+  void FillParameterRegions(v1::ExchangeEndpointResponse* response) const;
+  // The last time the job handed out remote access (an endpoint, a gather's
+  // go-ahead); its regions must stay mapped a read lease past it.
+  absl::Time last_remote_access() const;
+  void NoteRemoteAccess();
+
+  // A hash over every piece of mutable state, for tests that check a
+  // rejected request changed nothing.
   uint64_t StateHash() const;
 
  private:
-  struct PendingContribution {
-    std::vector<float> values;  // converted to fp32
+  struct RankEntry {
+    uint64_t incarnation = 0;  // 0: never joined
+    bool joined = false;
+    absl::Time last_seen = absl::InfinitePast();
+    std::shared_ptr<RankStaging> staging;
   };
-  struct KeyState {
-    uint64_t end = 0;
-    uint32_t partition = 0;
-    uint32_t next_order = 0;  // contributions applied so far, in order
-    std::map<uint32_t, PendingContribution> pending;  // arrived ahead of turn
+  struct LastCommit {
+    v1::CommitStepResponse response;
+    float clip_coef = 1.0f;
+    float grad_norm = 0.0f;
+    float lr = 0.0f;
   };
 
-  Job(JobConfig config, v1::JobSpec spec, uint32_t daemon_index, MemoryLedger* ledger,
-      ShardOptimizer* optimizer);
-  uint32_t ExpectedContributions() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckChunk(const v1::GradientChunk& chunk, size_t index,
-                          absl::string_view payload) const
+  Job(JobConfig config, v1::JobSpec spec, uint32_t daemon_index, const JobResources& resources);
+  absl::Status CheckChunk(const v1::GradientChunk& c, size_t index, absl::string_view payload,
+                          Contribution* out) const;
+  absl::Status CheckRankLocked(uint32_t rank, uint64_t incarnation, absl::string_view field)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ranks_mu_);
+  // Validates a CommitStep's own fields and the leader's incarnation;
+  // returns the clip coefficient (0 read as 1).
+  absl::StatusOr<float> CheckCommitRequest(const v1::CommitStepRequest& r);
+  void UpdateLossScale(bool skipped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ApplyPush(const std::vector<Contribution>& batch, uint32_t micro_batches,
+                         absl::Time deadline, uint64_t* elements)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Adds `n` elements of `src` (type `type`) for the key at `begin` as
-  // contribution number `order` if its turn has come (then drains pending
-  // ones), else keeps an fp32 copy until its turn.
-  void ApplyContribution(KeyState& key, uint64_t begin, uint32_t order, const void* src,
-                         DType type, size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AccumulateInto(uint64_t begin, uint32_t order, const void* src, DType type, size_t n)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  uint64_t CompleteElements() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::string DescribeIncomplete() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ResetReduction() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RefreshHalfCopy() ABSL_EXCLUSIVE_LOCKS_REQUIRED(params_mu_);
-  absl::Status RunOptimizer(double lr, double grad_scale)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, params_mu_);
 
   const JobConfig config_;
   const v1::JobSpec spec_;
   const uint32_t daemon_index_;
-  MemoryLedger* const ledger_;
-  ShardOptimizer* const optimizer_;
+  const JobResources resources_;
   std::vector<uint32_t> owned_partitions_;
   FlatRange owned_;
   FlatRange owned_unpadded_;
 
-  // Transport memory behind master_ / half_ when created with a transport;
-  // declared first so it is freed after the arrays.
-  std::unique_ptr<transport::Region> master_region_;
-  std::unique_ptr<transport::Region> half_region_;
+  mutable absl::Mutex commit_mu_ ABSL_ACQUIRED_BEFORE(mu_);
 
-  // Parameters and optimizer states, indexed from owned_.begin.
-  mutable absl::Mutex params_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  LedgerArray<float> master_ ABSL_GUARDED_BY(params_mu_);
-  LedgerArray<float> m_ ABSL_GUARDED_BY(params_mu_);
-  LedgerArray<float> v_ ABSL_GUARDED_BY(params_mu_);
-  LedgerArray<uint16_t> half_ ABSL_GUARDED_BY(params_mu_);  // empty for fp32 jobs
-  uint64_t optimizer_steps_ ABSL_GUARDED_BY(params_mu_) = 0;
-
-  mutable absl::Mutex mu_;
-  LedgerArray<float> grad_ ABSL_GUARDED_BY(mu_);  // reduced (summed) gradients
-  std::map<uint64_t, KeyState> keys_ ABSL_GUARDED_BY(mu_);
-  uint32_t micro_batches_ ABSL_GUARDED_BY(mu_) = 0;  // 0: no push yet this step
-  uint64_t pending_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // booked as buffer
-  uint64_t committed_step_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(params_mu_, ranks_mu_);
+  LedgerArray<float> grad_ ABSL_GUARDED_BY(mu_);  // the reduced (summed) gradient
+  std::unique_ptr<ReductionState> reduction_ ABSL_GUARDED_BY(mu_);
+  uint64_t reduction_changes_ ABSL_GUARDED_BY(mu_) = 0;  // wakes pushes waiting for budget
   bool prepared_ ABSL_GUARDED_BY(mu_) = false;
   v1::PrepareStepResponse prepare_result_ ABSL_GUARDED_BY(mu_);
-  v1::CommitStepResponse last_commit_ ABSL_GUARDED_BY(mu_);
+  LastCommit last_commit_ ABSL_GUARDED_BY(mu_);
   float loss_scale_ ABSL_GUARDED_BY(mu_) = 1.0f;
   uint32_t good_steps_ ABSL_GUARDED_BY(mu_) = 0;
-  std::set<uint32_t> ranks_ ABSL_GUARDED_BY(mu_);
+  // Written under mu_ (so waiting gathers wake), read anywhere.
+  std::atomic<uint64_t> committed_step_{0};
+
+  mutable absl::Mutex params_mu_;
+  std::unique_ptr<ShardState> shard_ ABSL_GUARDED_BY(params_mu_);
+  // Bumped by every write of the parameters: a gather that sees it change
+  // between chunks was torn by a commit.
+  uint64_t params_version_ ABSL_GUARDED_BY(params_mu_) = 0;
+
+  mutable absl::Mutex ranks_mu_;
+  std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(ranks_mu_);
+  bool removed_ ABSL_GUARDED_BY(ranks_mu_) = false;
+  std::atomic<uint32_t> ranks_joined_{0};
+  std::atomic<int64_t> last_remote_access_ns_{0};
 };
 
 }  // namespace zeroshard

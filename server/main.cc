@@ -20,9 +20,13 @@ ABSL_FLAG(uint64_t, memory_limit, 0, "Bytes this daemon may hold for all jobs; 0
 ABSL_FLAG(int, optimizer_threads, 1, "Threads running the optimizer step.");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Reserved: checkpoints are not implemented yet and the value is ignored.");
-ABSL_FLAG(bool, ucx, true,
-          "Serve the UCX bulk data path (ExchangeEndpoint); without it, or when UCX cannot "
-          "initialise, trainers use the gRPC data path.");
+ABSL_FLAG(std::string, bulk_transport, "ucx",
+          "Bulk transport served to trainers (ExchangeEndpoint): ucx, grpc or inproc; empty = "
+          "none. When it cannot initialise, trainers use the streaming (\"stream\") path.");
+ABSL_FLAG(int, rank_timeout_seconds, 30,
+          "A joined rank not heard from (heartbeat, push) this long is no longer connected.");
+ABSL_FLAG(uint64_t, reduction_buffer_bytes, 256ull << 20,
+          "Out-of-order gradient bytes each job may buffer; pushes past it wait.");
 ABSL_FLAG(std::string, ucx_tls, "",
           "UCX_TLS for the UCX data path, e.g. \"posix,cma,self\" or \"tcp\"; empty = UCX's "
           "choice (or the UCX_TLS environment variable).");
@@ -40,7 +44,9 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   options.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit);
   options.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
-  options.ucx = absl::GetFlag(FLAGS_ucx);
+  options.bulk_transport = absl::GetFlag(FLAGS_bulk_transport);
+  options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_seconds));
+  options.reduction_buffer_bytes = absl::GetFlag(FLAGS_reduction_buffer_bytes);
   options.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
     options.metrics_listen = options.listen.substr(0, options.listen.rfind(':') + 1) +

@@ -83,6 +83,7 @@ class MemoryLedger {
 template <typename T>
 class LedgerArray {
  public:
+  using value_type = T;
   LedgerArray() = default;
   // Reserves n * sizeof(T) bytes in `ledger` (ResourceExhausted if over the
   // limit), then allocates zeroed memory.

@@ -7,12 +7,18 @@
 // same math: the rank gradients summed in rank order, divided by N_d, the norm
 // combined from per-daemon partial sums, clipped, and one AdamW step. Two
 // ranks lend their gradient buffers (BufferUse::kBorrow), two have them copied.
+// The same training runs over the streaming RPCs and over the "inproc" bulk
+// transport (no UCX needed), and over "inproc" and "ucx" with the final
+// parameters compared bit for bit (the UCX run skips when UCX cannot
+// initialise).
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -160,104 +166,134 @@ absl::Status PushAll(Client& client, uint32_t rank, const std::vector<float>& gr
   return absl::OkStatus();
 }
 
-class IntegrationTest : public ::testing::TestWithParam<uint32_t> {};
+struct TrainRun {
+  uint32_t stage = 2;
+  std::string transport = "stream";  // ClientConfig.transport; daemons serve it if bulk
+  std::string ucx_tls;
+};
 
-TEST_P(IntegrationTest, FourRanksTwoDaemonsMatchOneProcessBitForBit) {
-  const uint32_t stage = GetParam();
+// Starts the daemons of `run` (appending them to `daemons`); false with
+// *skip set when the bulk transport cannot be served.
+bool StartDaemons(const TrainRun& run, std::vector<std::unique_ptr<Daemon>>* daemons,
+                  std::vector<std::string>* addresses, std::string* skip) {
+  for (int i = 0; i < kDaemons; ++i) {
+    DaemonOptions o;
+    o.bulk_transport = run.transport == "stream" ? "inproc" : run.transport;
+    o.ucx_tls = run.ucx_tls;
+    absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+    if (!d.ok()) {
+      ADD_FAILURE() << d.status();
+      return false;
+    }
+    if ((*d)->bulk_transport() == nullptr) {
+      *skip = absl::StrCat("the daemon cannot serve ", o.bulk_transport);
+      return false;
+    }
+    addresses->push_back((*d)->address());
+    daemons->push_back(*std::move(d));
+  }
+  return true;
+}
+
+ClientConfig RankConfig(const TrainRun& run, const std::vector<std::string>& addresses,
+                        uint32_t rank) {
+  ClientConfig config;
+  config.daemons = addresses;
+  config.job_id = absl::StrCat("integration-s", run.stage, "-", run.transport);
+  config.rank = rank;
+  config.world_size = kWorld;
+  config.stage = run.stage;
+  config.precision = DType::kFp32;
+  config.bucket_bytes = 16 << 10;
+  config.optimizer.lr = LearningRate(1);
+  config.optimizer.beta1 = kBeta1;
+  config.optimizer.beta2 = kBeta2;
+  config.optimizer.eps = kEps;
+  config.optimizer.weight_decay = kWeightDecay;
+  config.max_grad_norm = kMaxGradNorm;
+  config.rpc_timeout = absl::Seconds(20);
+  config.step_timeout = absl::Seconds(40);
+  config.io_threads = 2;
+  config.transport = run.transport;
+  config.ucx_tls = run.ucx_tls;
+  return config;
+}
+
+// One training step of `rank` (gathers, gradient, pushes); checks the
+// parameters it gathered against `expected`.
+absl::Status RankStep(Client& client, const Layout& layout, uint32_t rank, int step,
+                      const std::vector<float>& expected, std::vector<float>* params,
+                      std::vector<float>* backward, std::vector<float>* grad) {
+  const uint64_t n = layout.total_elements();
+  if (client.config().stage < 3) {
+    if (absl::Status s = client.GatherAll(params->data(), DType::kFp32); !s.ok()) return s;
+    for (uint64_t i = 0; i < n; ++i) (*grad)[i] = Gradient((*params)[i], i, step, rank);
+    if (absl::Status s = PushAll(client, rank, *grad); !s.ok()) return s;
+  } else {
+    for (uint32_t layer : layout.layers()) {
+      absl::Status s = client.Gather(layer, params->data() + layout.LayerRange(layer)->begin);
+      if (!s.ok()) return s;
+    }
+    for (auto it = layout.layers().rbegin(); it != layout.layers().rend(); ++it) {
+      const FlatRange r = *layout.LayerRange(*it);
+      if (absl::Status s = client.Gather(*it, backward->data() + r.begin); !s.ok()) return s;
+      for (uint64_t i = r.begin; i < r.end; ++i) {
+        (*grad)[i] = Gradient((*backward)[i], i, step, rank);
+      }
+      absl::StatusOr<PushTicket> t = client.PushGradients(r, grad->data() + r.begin,
+                                                          DType::kFp32, 0, BufferUseOf(rank));
+      if (!t.ok()) return t.status();
+    }
+    if (std::memcmp(backward->data(), expected.data(), n * 4) != 0) {
+      return absl::InternalError(
+          absl::StrCat("step ", step, ": backward gathers differ from the reference"));
+    }
+  }
+  if (std::memcmp(params->data(), expected.data(), n * 4) != 0) {
+    return absl::InternalError(
+        absl::StrCat("step ", step, ": parameters differ from the reference"));
+  }
+  return absl::OkStatus();
+}
+
+// Trains kSteps over `run` with kWorld ranks (threads) and kDaemons daemons,
+// checking every step against `ref`; returns each rank's final parameters,
+// or nothing with *skip set when the transport is not available.
+std::vector<std::vector<float>> Train(const TrainRun& run, const Layout& layout,
+                                      const std::vector<float>& init, const Reference& ref,
+                                      std::string* skip) {
   std::vector<std::unique_ptr<Daemon>> daemons;
   std::vector<std::string> addresses;
-  for (int i = 0; i < kDaemons; ++i) {
-    daemons.push_back(testing::StartDaemon());
-    addresses.push_back(daemons.back()->address());
-  }
-  const Layout layout = TestLayout();
+  if (!StartDaemons(run, &daemons, &addresses, skip)) return {};
   const uint64_t n = layout.total_elements();
-  const PartitionMap map = *PartitionMap::Create(n, kWorld, kDaemons);
-  const std::vector<bool> real = RealMask(layout);
-  std::vector<float> init(n, 0.0f);
-  for (uint64_t i = 0; i < n; ++i) {
-    if (real[i]) init[i] = static_cast<float>(Mix(i) % 1000) / 1000.0f - 0.5f;
-  }
-  const Reference ref = ComputeReference(layout, map, init);
-  int clipped = 0;
-  for (int s = 1; s <= kSteps; ++s) clipped += ref.clip[s] < 1.0f;
-  ASSERT_GT(clipped, 0) << "the test should exercise clipping";
-
   std::vector<std::vector<float>> final_params(kWorld);
-  std::atomic<int> failures{0};
+  std::atomic<int> unavailable{0};
   auto rank_main = [&](uint32_t rank) {
     auto fail = [&](const std::string& what) {
-      ADD_FAILURE() << "stage " << stage << " rank " << rank << ": " << what;
-      ++failures;
+      ADD_FAILURE() << "stage " << run.stage << " " << run.transport << " rank " << rank << ": "
+                    << what;
     };
-    ClientConfig config;
-    config.daemons = addresses;
-    config.job_id = absl::StrCat("integration-s", stage);
-    config.rank = rank;
-    config.world_size = kWorld;
-    config.stage = stage;
-    config.precision = DType::kFp32;
-    config.bucket_bytes = 16 << 10;
-    config.optimizer.lr = LearningRate(1);
-    config.optimizer.beta1 = kBeta1;
-    config.optimizer.beta2 = kBeta2;
-    config.optimizer.eps = kEps;
-    config.optimizer.weight_decay = kWeightDecay;
-    config.max_grad_norm = kMaxGradNorm;
-    config.rpc_timeout = absl::Seconds(20);
-    config.step_timeout = absl::Seconds(40);
-    config.io_threads = 2;
     // Before the client: a borrowed `grad` must outlive the sends, which the
     // client's destructor waits for.
     std::vector<float> params(n), backward(n), grad(n);
-    absl::StatusOr<std::unique_ptr<Client>> created = Client::Create(config);
+    absl::StatusOr<std::unique_ptr<Client>> created =
+        Client::Create(RankConfig(run, addresses, rank));
+    if (absl::IsUnavailable(created.status())) return void(++unavailable);
     if (!created.ok()) return fail(created.status().ToString());
     Client& client = **created;
     // Rank 0 uploads; the others pass their identical copy or nothing.
     absl::Status s = client.RegisterModel(layout, rank % 2 == 0 ? init.data() : nullptr);
     if (!s.ok()) return fail(s.ToString());
     for (int step = 1; step <= kSteps; ++step) {
-      const std::vector<float>& expected = ref.params[step - 1];
-      if (stage < 3) {
-        s = client.GatherAll(params.data(), DType::kFp32);
-        if (!s.ok()) return fail(s.ToString());
-        for (uint64_t i = 0; i < n; ++i) grad[i] = Gradient(params[i], i, step, rank);
-        s = PushAll(client, rank, grad);
-        if (!s.ok()) return fail(s.ToString());
-      } else {
-        for (uint32_t layer : layout.layers()) {
-          s = client.Gather(layer, params.data() + layout.LayerRange(layer)->begin);
-          if (!s.ok()) return fail(s.ToString());
-        }
-        for (auto it = layout.layers().rbegin(); it != layout.layers().rend(); ++it) {
-          const FlatRange r = *layout.LayerRange(*it);
-          s = client.Gather(*it, backward.data() + r.begin);
-          if (!s.ok()) return fail(s.ToString());
-          for (uint64_t i = r.begin; i < r.end; ++i) {
-            grad[i] = Gradient(backward[i], i, step, rank);
-          }
-          absl::StatusOr<PushTicket> t = client.PushGradients(
-              r, grad.data() + r.begin, DType::kFp32, 0, BufferUseOf(rank));
-          if (!t.ok()) return fail(t.status().ToString());
-        }
-        if (std::memcmp(backward.data(), expected.data(), n * 4) != 0) {
-          return fail(absl::StrCat("step ", step, ": backward gathers differ from the reference"));
-        }
-      }
-      if (std::memcmp(params.data(), expected.data(), n * 4) != 0) {
-        return fail(absl::StrCat("step ", step, ": parameters differ from the reference"));
-      }
+      s = RankStep(client, layout, rank, step, ref.params[step - 1], &params, &backward, &grad);
+      if (!s.ok()) return fail(s.ToString());
       absl::StatusOr<StepResult> r = client.Step(LearningRate(step));
       if (!r.ok()) return fail(r.status().ToString());
       EXPECT_EQ(r->step, static_cast<uint64_t>(step));
       EXPECT_FALSE(r->skipped);
-      if (rank == 0) {
-        EXPECT_TRUE(r->have_norm);
-      }
-      if (r->have_norm) {
-        EXPECT_EQ(r->grad_norm, ref.norm[step]) << "rank " << rank << " step " << step;
-        EXPECT_EQ(r->clip_coef, ref.clip[step]) << "rank " << rank << " step " << step;
-      }
+      EXPECT_TRUE(r->have_norm);
+      EXPECT_EQ(r->grad_norm, ref.norm[step]) << "rank " << rank << " step " << step;
+      EXPECT_EQ(r->clip_coef, ref.clip[step]) << "rank " << rank << " step " << step;
     }
     final_params[rank].resize(n);
     s = client.GatherAll(final_params[rank].data(), DType::kFp32);
@@ -268,19 +304,84 @@ TEST_P(IntegrationTest, FourRanksTwoDaemonsMatchOneProcessBitForBit) {
   std::vector<std::thread> threads;
   for (uint32_t r = 0; r < kWorld; ++r) threads.emplace_back(rank_main, r);
   for (auto& t : threads) t.join();
-  ASSERT_EQ(failures.load(), 0);
+  if (unavailable > 0) {
+    *skip = absl::StrCat("the client cannot create transport ", run.transport);
+    return {};
+  }
+  return final_params;
+}
+
+struct Fixture {
+  Fixture() : layout(TestLayout()), map(*PartitionMap::Create(layout.total_elements(), kWorld,
+                                                              kDaemons)) {
+    const std::vector<bool> real = RealMask(layout);
+    init.assign(layout.total_elements(), 0.0f);
+    for (uint64_t i = 0; i < init.size(); ++i) {
+      if (real[i]) init[i] = static_cast<float>(Mix(i) % 1000) / 1000.0f - 0.5f;
+    }
+    ref = ComputeReference(layout, map, init);
+  }
+  Layout layout;
+  PartitionMap map;
+  std::vector<float> init;
+  Reference ref;
+};
+
+class IntegrationTest : public ::testing::TestWithParam<std::tuple<uint32_t, const char*>> {};
+
+TEST_P(IntegrationTest, FourRanksTwoDaemonsMatchOneProcessBitForBit) {
+  const Fixture f;
+  int clipped = 0;
+  for (int s = 1; s <= kSteps; ++s) clipped += f.ref.clip[s] < 1.0f;
+  ASSERT_GT(clipped, 0) << "the test should exercise clipping";
+  TrainRun run;
+  run.stage = std::get<0>(GetParam());
+  run.transport = std::get<1>(GetParam());
+  std::string skip;
+  const std::vector<std::vector<float>> final_params = Train(run, f.layout, f.init, f.ref, &skip);
+  ASSERT_TRUE(skip.empty()) << skip;
+  ASSERT_FALSE(HasFailure());
+  const uint64_t n = f.layout.total_elements();
   for (uint32_t r = 0; r < kWorld; ++r) {
-    ASSERT_EQ(0, std::memcmp(final_params[r].data(), ref.params[kSteps].data(), n * 4))
+    ASSERT_EQ(0, std::memcmp(final_params[r].data(), f.ref.params[kSteps].data(), n * 4))
         << "rank " << r;
   }
   // Training moved the parameters.
-  EXPECT_NE(0, std::memcmp(ref.params[kSteps].data(), init.data(), n * 4));
+  EXPECT_NE(0, std::memcmp(f.ref.params[kSteps].data(), f.init.data(), n * 4));
 }
 
-INSTANTIATE_TEST_SUITE_P(Stages, IntegrationTest, ::testing::Values(1u, 2u, 3u),
-                         [](const ::testing::TestParamInfo<uint32_t>& info) {
-                           return absl::StrCat("Stage", info.param);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    StagesAndDataPaths, IntegrationTest,
+    ::testing::Combine(::testing::Values(1u, 2u, 3u), ::testing::Values("stream", "inproc")),
+    [](const ::testing::TestParamInfo<std::tuple<uint32_t, const char*>>& info) {
+      return absl::StrCat("Stage", std::get<0>(info.param), "_", std::get<1>(info.param));
+    });
+
+// The same training over the inproc bulk transport and over UCX (tcp) ends
+// in bit-identical parameters on every rank.
+TEST(IntegrationTest, InprocAndUcxGiveBitIdenticalParameters) {
+  const Fixture f;
+  const uint64_t n = f.layout.total_elements();
+  for (uint32_t stage : {2u, 3u}) {
+    TrainRun inproc;
+    inproc.stage = stage;
+    inproc.transport = "inproc";
+    TrainRun ucx = inproc;
+    ucx.transport = "ucx";
+    ucx.ucx_tls = "tcp";
+    std::string skip;
+    const std::vector<std::vector<float>> a = Train(inproc, f.layout, f.init, f.ref, &skip);
+    ASSERT_TRUE(skip.empty()) << skip;
+    ASSERT_FALSE(HasFailure());
+    const std::vector<std::vector<float>> b = Train(ucx, f.layout, f.init, f.ref, &skip);
+    if (!skip.empty()) GTEST_SKIP() << "UCX: " << skip;
+    ASSERT_FALSE(HasFailure());
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      ASSERT_EQ(0, std::memcmp(a[r].data(), b[r].data(), n * 4)) << "stage " << stage
+                                                                   << " rank " << r;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace zeroshard

@@ -20,7 +20,7 @@
 #include "gtest/gtest.h"
 #include "metrics/promtool_testutil.h"
 #include "server/daemon.h"
-#include "server/job_config.h"
+#include "common/job_spec.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {

@@ -16,7 +16,9 @@
 
 // GCC 12's AVX-512 intrinsics start from _mm*_undefined_*() values, which
 // its -Wmaybe-uninitialized reports at every inlined use.
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #define ZS_ISA_NAMESPACE avx512
 #define ZS_KERNEL_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))

@@ -11,6 +11,10 @@
 #include "absl/strings/str_cat.h"
 #include "server/optimizer/kernels.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 namespace zeroshard {
 
 using optimizer_internal::CopyKind;
@@ -26,15 +30,6 @@ static_assert(ShardOptimizer::kBlockElems == kBlockElems,
 
 // ---------------------------------------------------------------------------
 // Paths.
-
-absl::string_view OptimizerKindName(OptimizerKind kind) {
-  switch (kind) {
-    case OptimizerKind::kAdamW: return "adamw";
-    case OptimizerKind::kAdam: return "adam";
-    case OptimizerKind::kSgd: return "sgd";
-  }
-  return "unknown";
-}
 
 absl::string_view KernelPathName(KernelPath path) {
   switch (path) {
@@ -62,15 +57,25 @@ const KernelSet* KernelsFor(KernelPath path) {
   return nullptr;
 }
 
+#if defined(__x86_64__)
+// F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports does
+// not know "f16c". The AVX2 check below already covers the OS saving YMM state.
+bool CpuHasF16c() {
+  unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+  return (ecx & bit_F16C) != 0;
+}
+#endif
+
 bool CpuSupports(KernelPath path) {
 #if defined(__x86_64__)
   switch (path) {
     case KernelPath::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+             CpuHasF16c();
     case KernelPath::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+             __builtin_cpu_supports("fma") && CpuHasF16c();
     default:
       return true;
   }
@@ -138,7 +143,7 @@ StepConstants MakeConstants(const StepHyperParams& hp) {
       c.eps = static_cast<float>(hp.eps);
       break;
     }
-    case OptimizerKind::kSgd:
+    case OptimizerKind::kSgdMomentum:
       c.use_momentum = hp.momentum != 0;
       c.first_step = hp.step == 1;
       c.momentum = static_cast<float>(hp.momentum);
@@ -199,7 +204,7 @@ absl::Status ValidateHyperParams(const StepHyperParams& hp) {
         return FieldError("eps", "finite and > 0", hp.eps);
       }
       return check_weight_decay();
-    case OptimizerKind::kSgd:
+    case OptimizerKind::kSgdMomentum:
       if (absl::Status s = CheckNonNegative("momentum", hp.momentum); !s.ok()) {
         return s;
       }
@@ -341,7 +346,7 @@ absl::Status ShardOptimizer::Step(const StepHyperParams& hp,
   if (n == 0) return absl::OkStatus();
   if (shard.param == nullptr) return absl::InvalidArgumentError("param is null");
   if (shard.grad == nullptr) return absl::InvalidArgumentError("grad is null");
-  const bool adam = hp.kind != OptimizerKind::kSgd;
+  const bool adam = hp.kind != OptimizerKind::kSgdMomentum;
   if ((adam || hp.momentum != 0) && shard.exp_avg == nullptr) {
     return absl::InvalidArgumentError("exp_avg is null");
   }
@@ -361,7 +366,8 @@ absl::Status ShardOptimizer::Step(const StepHyperParams& hp,
   const bool stream = streaming_stores_ && copy != CopyKind::kNone &&
                       n >= kStreamMinElems &&
                       Aligned(shard.model_copy, copy_vec);
-  const StepFn fn = kernels_->step[static_cast<int>(hp.kind)]
+  // OptimizerKind numbers from 1 (the wire's), StepKind from 0.
+  const StepFn fn = kernels_->step[static_cast<int>(hp.kind) - 1]
                                   [static_cast<int>(copy)][stream ? 1 : 0];
   StepBuffers buffers;
   buffers.param = shard.param;

@@ -25,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/dtype.h"
+#include "common/job_spec.h"
 
 namespace zeroshard {
 
@@ -32,12 +33,6 @@ namespace optimizer_internal {
 struct KernelSet;
 }  // namespace optimizer_internal
 
-enum class OptimizerKind : uint8_t {
-  kAdamW = 0,  // Adam with decoupled weight decay: p *= 1 - lr * wd
-  kAdam = 1,   // Adam with L2 weight decay: g += wd * p
-  kSgd = 2,    // SGD with optional momentum and weight decay (no Nesterov)
-};
-absl::string_view OptimizerKindName(OptimizerKind kind);
 
 // The instruction set the kernels run with.
 enum class KernelPath : uint8_t {

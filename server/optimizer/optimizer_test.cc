@@ -132,7 +132,7 @@ StepHyperParams ParamsFor(OptimizerKind kind, int64_t step) {
       hp.weight_decay = 0.05;
       hp.grad_scale = 1.0 / 1024;
       break;
-    case OptimizerKind::kSgd:
+    case OptimizerKind::kSgdMomentum:
       hp.lr = 0.1;
       hp.momentum = 0.9;
       hp.dampening = 0.1;
@@ -165,7 +165,7 @@ void ExpectShardsEqual(const Shard& a, const Shard& b, OptimizerKind kind) {
   const size_t n = a.size();
   ExpectBitsEqual(a.param.data(), b.param.data(), n, "param");
   ExpectBitsEqual(a.exp_avg.data(), b.exp_avg.data(), n, "exp_avg");
-  if (kind != OptimizerKind::kSgd) {
+  if (kind != OptimizerKind::kSgdMomentum) {
     ExpectBitsEqual(a.exp_avg_sq.data(), b.exp_avg_sq.data(), n, "exp_avg_sq");
   }
   if (a.with_copy) {
@@ -245,7 +245,7 @@ INSTANTIATE_TEST_SUITE_P(
     AllPaths, PathAgreementTest,
     ::testing::Combine(::testing::ValuesIn(VectorPaths()),
                        ::testing::Values(OptimizerKind::kAdamW, OptimizerKind::kAdam,
-                                         OptimizerKind::kSgd),
+                                         OptimizerKind::kSgdMomentum),
                        ::testing::Values(0, 1, 2, 3), ::testing::Bool()),
     PathParamName);
 
@@ -313,7 +313,7 @@ TEST(ScalarReferenceTest, SgdFirstStepSetsMomentumToGradient) {
   Shard s(n, 0, DType::kBf16, false, 3);
   FillNormal(s.grad.data(), n, 4, 1.0f, false);
   std::vector<float> p(s.param.data(), s.param.data() + n);
-  StepHyperParams hp = ParamsFor(OptimizerKind::kSgd, 1);
+  StepHyperParams hp = ParamsFor(OptimizerKind::kSgdMomentum, 1);
   ShardBuffers b = s.buffers();
   b.exp_avg_sq = nullptr;  // not used by SGD
   ASSERT_TRUE(opt->Step(hp, b).ok());
@@ -332,7 +332,7 @@ TEST(ScalarReferenceTest, SgdWithoutMomentumTouchesNoBuffer) {
   FillNormal(s.grad.data(), n, 4, 1.0f, false);
   std::vector<float> p(s.param.data(), s.param.data() + n);
   StepHyperParams hp;
-  hp.kind = OptimizerKind::kSgd;
+  hp.kind = OptimizerKind::kSgdMomentum;
   hp.lr = 0.5;
   ShardBuffers b = s.buffers();
   b.exp_avg = nullptr;
@@ -352,7 +352,7 @@ TEST(ThreadingTest, MultiThreadedStepEqualsSingleThreaded) {
   auto three = MakeOptimizer(path, 3);
   const size_t n = 5 * kBlock + 77;
   for (OptimizerKind kind :
-       {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kSgd}) {
+       {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kSgdMomentum}) {
     SCOPED_TRACE(OptimizerKindName(kind));
     Shard a(n, 0, DType::kBf16, true, 21);
     Shard b(n, 0, DType::kBf16, true, 21);
@@ -576,8 +576,8 @@ TEST(ValidationTest, RejectsBadHyperParametersNamingTheField) {
       {"weight_decay", [](StepHyperParams& h) { h.weight_decay = -0.01; }},
       {"step", [](StepHyperParams& h) { h.step = 0; }},
       {"grad_scale", [](StepHyperParams& h) { h.grad_scale = std::nan(""); }},
-      {"momentum", [](StepHyperParams& h) { h.kind = OptimizerKind::kSgd; h.momentum = -1; }},
-      {"dampening", [](StepHyperParams& h) { h.kind = OptimizerKind::kSgd; h.dampening = 2; }},
+      {"momentum", [](StepHyperParams& h) { h.kind = OptimizerKind::kSgdMomentum; h.momentum = -1; }},
+      {"dampening", [](StepHyperParams& h) { h.kind = OptimizerKind::kSgdMomentum; h.dampening = 2; }},
   };
   auto opt = MakeOptimizer(KernelPath::kScalar, 1);
   Shard s(10, 0, DType::kBf16, false, 1);
@@ -609,7 +609,7 @@ TEST(ValidationTest, RejectsMissingBuffers) {
   b = s.buffers();
   b.grad = nullptr;
   EXPECT_EQ(opt->Step(hp, b).code(), absl::StatusCode::kInvalidArgument);
-  hp.kind = OptimizerKind::kSgd;
+  hp.kind = OptimizerKind::kSgdMomentum;
   hp.momentum = 0.9;
   b = s.buffers();
   b.exp_avg = nullptr;

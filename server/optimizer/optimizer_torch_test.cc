@@ -283,7 +283,7 @@ TEST(TorchSgdTest, MomentumMatchesTorch) {
     h.NewGradients(1.0f);
     torch_opt.step();
     StepHyperParams hp;
-    hp.kind = OptimizerKind::kSgd;
+    hp.kind = OptimizerKind::kSgdMomentum;
     hp.lr = 0.05;
     hp.momentum = 0.9;
     hp.dampening = 0.1;

@@ -4,7 +4,8 @@
 
 #include "common/crc32c.h"
 #include "gtest/gtest.h"
-#include "server/job_config.h"
+#include "common/job_spec.h"
+#include "common/protocol.h"
 
 namespace zeroshard::testing {
 
@@ -41,8 +42,8 @@ Layout SampleLayout() {
 
 DaemonClient::DaemonClient(const std::string& address) {
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(80 << 20);
-  args.SetMaxSendMessageSize(80 << 20);
+  args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
+  args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
   channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   control = v1::Control::NewStub(channel);
   shard = v1::Shard::NewStub(channel);
@@ -66,7 +67,7 @@ grpc::Status DaemonClient::Register(const v1::JobSpec& spec, uint32_t daemon_ind
   return control->RegisterJob(&ctx, req, resp ? resp : &local);
 }
 
-grpc::Status DaemonClient::Join(const v1::JobSpec& spec, uint32_t rank) {
+grpc::Status DaemonClient::Join(const v1::JobSpec& spec, uint32_t rank, uint64_t incarnation) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   v1::JoinJobRequest req;
@@ -76,6 +77,7 @@ grpc::Status DaemonClient::Join(const v1::JobSpec& spec, uint32_t rank) {
   req.set_stage(spec.stage());
   req.set_world_size(spec.world_size());
   req.set_precision(spec.precision());
+  req.set_incarnation(incarnation);
   v1::JoinJobResponse resp;
   return control->JoinJob(&ctx, req, &resp);
 }
@@ -148,6 +150,8 @@ grpc::Status DaemonClient::Commit(const std::string& job, uint64_t step, float l
   req.set_lr(lr);
   req.set_clip_coef(clip);
   req.set_skip(skip);
+  req.set_rank(0);
+  req.set_incarnation(kTestIncarnation);
   v1::CommitStepResponse local;
   return shard->CommitStep(&ctx, req, resp ? resp : &local);
 }
@@ -166,6 +170,7 @@ std::vector<v1::GradientChunk> GradientChunks(const std::string& job, uint64_t s
       c.set_job_id(job);
       c.set_step(step);
       c.set_rank(rank);
+      c.set_incarnation(kTestIncarnation);
       c.mutable_range()->set_begin(b);
       c.mutable_range()->set_end(e);
       c.set_dtype(v1::DTYPE_FP32);
@@ -177,11 +182,41 @@ std::vector<v1::GradientChunk> GradientChunks(const std::string& job, uint64_t s
   return out;
 }
 
+grpc::Status DaemonClient::JoinAll(const v1::JobSpec& spec) {
+  for (uint32_t r = 0; r < spec.world_size(); ++r) {
+    grpc::Status s = Join(spec, r);
+    if (!s.ok()) return s;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status DaemonClient::StepState(const std::string& job, v1::StepState* state) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::GetStepStateRequest req;
+  req.set_job_id(job);
+  return shard->GetStepState(&ctx, req, state);
+}
+
+void ExpectRejected(Daemon& daemon, const std::string& job, grpc::StatusCode code,
+                    const std::string& text, const std::function<grpc::Status()>& call) {
+  auto hash = [&] { return (*daemon.jobs().Find(job))->StateHash(); };
+  const uint64_t before = hash();
+  const uint64_t ledger_before = daemon.ledger().total();
+  grpc::Status s = call();
+  EXPECT_EQ(s.error_code(), code) << s.error_message();
+  EXPECT_NE(s.error_message().find(text), std::string::npos)
+      << "message \"" << s.error_message() << "\" lacks \"" << text << "\"";
+  EXPECT_EQ(hash(), before) << "state changed by a rejected request: " << s.error_message();
+  EXPECT_EQ(daemon.ledger().total(), ledger_before);
+}
+
 std::unique_ptr<Daemon> StartDaemon(uint64_t memory_limit, int optimizer_threads) {
   DaemonOptions options;
   options.listen = "127.0.0.1:0";
   options.memory_limit_bytes = memory_limit;
   options.optimizer_threads = optimizer_threads;
+  options.read_lease = absl::ZeroDuration();  // removed jobs are freed at the next reap
   auto d = Daemon::Start(options);
   EXPECT_TRUE(d.ok()) << d.status();
   return d.ok() ? *std::move(d) : nullptr;

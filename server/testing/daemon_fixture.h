@@ -3,6 +3,7 @@
 // Test helpers: in-process daemons on 127.0.0.1:0, job specs built from a
 // layout, and thin synchronous wrappers over the daemon's RPCs.
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +16,9 @@
 #include "server/daemon.h"
 
 namespace zeroshard::testing {
+
+// The incarnation the helpers below join and push as.
+inline constexpr uint64_t kTestIncarnation = 1;
 
 // A fp32 AdamW job spec over `layout`, with the given daemons.
 v1::JobSpec MakeSpec(const std::string& job_id, const Layout& layout, uint32_t stage,
@@ -33,7 +37,12 @@ struct DaemonClient {
 
   grpc::Status Register(const v1::JobSpec& spec, uint32_t daemon_index,
                         v1::RegisterJobResponse* resp = nullptr);
-  grpc::Status Join(const v1::JobSpec& spec, uint32_t rank);
+  // Joins as `incarnation`.
+  grpc::Status Join(const v1::JobSpec& spec, uint32_t rank,
+                    uint64_t incarnation = kTestIncarnation);
+  // Joins every rank of the job.
+  grpc::Status JoinAll(const v1::JobSpec& spec);
+  grpc::Status StepState(const std::string& job, v1::StepState* state);
   grpc::Status Push(const std::vector<v1::GradientChunk>& chunks,
                     v1::PushGradientResponse* resp = nullptr);
   grpc::Status Init(const std::vector<v1::ParameterChunk>& chunks);
@@ -42,6 +51,7 @@ struct DaemonClient {
                       std::vector<float>* out, uint32_t wait_ms = 5000,
                       v1::DType dtype = v1::DTYPE_FP32);
   grpc::Status Prepare(const std::string& job, uint64_t step, v1::PrepareStepResponse* resp);
+  // As the leader (rank 0, kTestIncarnation).
   grpc::Status Commit(const std::string& job, uint64_t step, float lr, float clip = 1.0f,
                       bool skip = false, v1::CommitStepResponse* resp = nullptr);
 };
@@ -52,6 +62,11 @@ std::vector<v1::GradientChunk> GradientChunks(const std::string& job, uint64_t s
                                               uint32_t rank, const PartitionMap& map,
                                               FlatRange range, const float* values,
                                               uint64_t chunk_elements);
+
+// Runs `call`, expects `code` and a message containing `text`, and that
+// neither job `job`'s state (Job::StateHash) nor the daemon's ledger changed.
+void ExpectRejected(Daemon& daemon, const std::string& job, grpc::StatusCode code,
+                    const std::string& text, const std::function<grpc::Status()>& call);
 
 // Starts a daemon with default options and `memory_limit`.
 std::unique_ptr<Daemon> StartDaemon(uint64_t memory_limit = 0, int optimizer_threads = 1);

@@ -1,8 +1,9 @@
-// zeroshard::Client with transport "ucx" against in-process daemons serving
-// UCX: a few training steps over tcp and over shared memory, 2 daemons, 2-3
-// ranks, stages 1-3, give parameters bit-identical to the same run over
-// gRPC; traffic is counted per operation as over gRPC. Skips when UCX cannot
-// initialise for the requested UCX_TLS.
+// zeroshard::Client over each bulk transport ("inproc", "grpc", and "ucx"
+// over tcp and over shared memory) against in-process daemons serving it: a
+// few training steps, 2 daemons, 2-3 ranks, stages 1-3, give parameters
+// bit-identical to the same run over the streaming RPCs ("stream"); traffic
+// is counted per operation as over the streams. UCX cases skip when UCX
+// cannot initialise for the requested UCX_TLS.
 
 #include <algorithm>
 #include <atomic>
@@ -26,8 +27,9 @@ namespace {
 using testing::ComputeGradient;
 using testing::InitialParams;
 
-struct UcxCase {
-  const char* tls;
+struct BulkCase {
+  const char* transport;
+  const char* tls;  // UCX_TLS for "ucx"
   uint32_t stage;
   uint32_t world;
   DType precision;
@@ -73,19 +75,19 @@ struct RunResult {
   std::vector<float> fp32;         // rank 0's parameters after the run
   std::vector<uint16_t> half;      // the same in the job's half precision
   TrafficBytes last_step;          // rank 0's
-  double ucx_push_bytes = 0;       // what the daemons counted as pushed over UCX
+  double bulk_push_bytes = 0;      // what the daemons counted as pushed in bulk
 };
 
 // Bytes the daemon counted under zeroshard_comm_bytes_total{op="push",
-// transport="ucx"}.
-double UcxPushBytes(const Daemon& daemon) {
+// transport=`transport`}.
+double PushBytes(const Daemon& daemon, const std::string& transport_name) {
   double bytes = 0;
   for (const metrics::MetricFamily& f : daemon.registry().Collect()) {
     if (f.name != "zeroshard_comm_bytes_total") continue;
     for (const metrics::ClientMetric& m : f.metrics) {
       auto op = m.labels.find("op"), transport = m.labels.find("transport");
       if (op != m.labels.end() && op->second == "push" && transport != m.labels.end() &&
-          transport->second == "ucx") {
+          transport->second == transport_name) {
         bytes += m.value;
       }
     }
@@ -93,7 +95,8 @@ double UcxPushBytes(const Daemon& daemon) {
   return bytes;
 }
 
-RunResult RunSteps(const UcxCase& c, const std::string& transport) {
+RunResult RunSteps(const BulkCase& c, const std::string& transport) {
+  const std::string bulk = c.transport;  // what the daemons serve
   RunResult result;
   const Layout layout = testing::SampleLayout();
   const std::vector<float> init = InitialParams(layout);
@@ -102,16 +105,16 @@ RunResult RunSteps(const UcxCase& c, const std::string& transport) {
   std::vector<std::string> addresses;
   for (int i = 0; i < 2; ++i) {
     DaemonOptions o;
-    o.ucx = transport == "ucx";
+    o.bulk_transport = bulk;
     o.ucx_tls = c.tls;
     absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
     if (!d.ok()) {
       ADD_FAILURE() << d.status();
       return result;
     }
-    if (o.ucx && !(*d)->ucx_enabled()) {
+    if ((*d)->bulk_transport() == nullptr) {
       result.skipped = true;
-      result.why = absl::StrCat("UCX cannot initialise with UCX_TLS=", c.tls);
+      result.why = absl::StrCat("the daemon cannot serve ", bulk, " (UCX_TLS=", c.tls, ")");
       return result;
     }
     addresses.push_back((*d)->address());
@@ -124,7 +127,7 @@ RunResult RunSteps(const UcxCase& c, const std::string& transport) {
     threads.emplace_back([&, rank] {
       ClientConfig config;
       config.daemons = addresses;
-      config.job_id = "ucx";
+      config.job_id = "bulk";
       config.rank = rank;
       config.world_size = c.world;
       config.stage = c.stage;
@@ -138,7 +141,7 @@ RunResult RunSteps(const UcxCase& c, const std::string& transport) {
       config.transport = transport;
       config.ucx_tls = c.tls;
       // Rank 0 gathers over one connection per daemon, the others over two.
-      config.ucx_progress_threads = rank == 0 ? 1 : 2;
+      config.bulk_progress_threads = rank == 0 ? 1 : 2;
       absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(config);
       if (absl::IsUnavailable(client.status())) return void(++skipped);
       ASSERT_TRUE(client.ok()) << client.status();
@@ -151,7 +154,7 @@ RunResult RunSteps(const UcxCase& c, const std::string& transport) {
       if (rank == 0) {
         result.last_step = (*client)->TrafficReport().last_step;
         // Before rank 0 leaves: the daemons drop a job's series with it.
-        for (const auto& d : daemons) result.ucx_push_bytes += UcxPushBytes(*d);
+        for (const auto& d : daemons) result.bulk_push_bytes += PushBytes(*d, bulk);
         if (c.precision != DType::kFp32) {
           result.half.resize(total);
           ASSERT_TRUE((*client)->GatherAll(result.half.data(), c.precision).ok());
@@ -163,7 +166,8 @@ RunResult RunSteps(const UcxCase& c, const std::string& transport) {
   for (auto& t : threads) t.join();
   if (skipped > 0) {
     result.skipped = true;
-    result.why = absl::StrCat("the client's UCX transport cannot initialise with UCX_TLS=", c.tls);
+    result.why = absl::StrCat("the client's ", bulk, " transport cannot initialise (UCX_TLS=",
+                              c.tls, ")");
     return result;
   }
   for (uint32_t r = 1; r < c.world; ++r) EXPECT_EQ(params[r], params[0]) << "rank " << r;
@@ -171,37 +175,46 @@ RunResult RunSteps(const UcxCase& c, const std::string& transport) {
   return result;
 }
 
-class UcxClientTest : public ::testing::TestWithParam<UcxCase> {};
+class BulkClientTest : public ::testing::TestWithParam<BulkCase> {};
 
-TEST_P(UcxClientTest, ParametersAreBitIdenticalToGrpc) {
-  const UcxCase& c = GetParam();
-  RunResult ucx = RunSteps(c, "ucx");
-  if (ucx.skipped) GTEST_SKIP() << ucx.why;
+TEST_P(BulkClientTest, ParametersAreBitIdenticalToStream) {
+  const BulkCase& c = GetParam();
+  RunResult bulk = RunSteps(c, c.transport);
+  if (bulk.skipped) GTEST_SKIP() << bulk.why;
   ASSERT_FALSE(HasFailure());
-  RunResult grpc = RunSteps(c, "grpc");
+  RunResult stream = RunSteps(c, "stream");
   ASSERT_FALSE(HasFailure());
-  ASSERT_EQ(ucx.fp32.size(), grpc.fp32.size());
-  EXPECT_EQ(0, std::memcmp(ucx.fp32.data(), grpc.fp32.data(), ucx.fp32.size() * 4));
-  EXPECT_EQ(ucx.half, grpc.half);
+  ASSERT_EQ(bulk.fp32.size(), stream.fp32.size());
+  EXPECT_EQ(0, std::memcmp(bulk.fp32.data(), stream.fp32.data(), bulk.fp32.size() * 4));
+  EXPECT_EQ(bulk.half, stream.half);
   // Per-operation traffic is the same whichever transport carried it.
-  EXPECT_EQ(ucx.last_step.push, grpc.last_step.push);
-  EXPECT_EQ(ucx.last_step.gather, grpc.last_step.gather);
-  EXPECT_GT(ucx.last_step.push, 0u);
-  // The pushes really went over UCX (not the gRPC fallback), and only there.
-  EXPECT_GT(ucx.ucx_push_bytes, 0);
-  EXPECT_EQ(grpc.ucx_push_bytes, 0);
+  EXPECT_EQ(bulk.last_step.push, stream.last_step.push);
+  EXPECT_EQ(bulk.last_step.gather, stream.last_step.gather);
+  EXPECT_GT(bulk.last_step.push, 0u);
+  // The pushes really went over the bulk transport (not the streams), and
+  // only there: the daemon labels streamed pushes "stream".
+  EXPECT_GT(bulk.bulk_push_bytes, 0);
+  EXPECT_EQ(stream.bulk_push_bytes, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Runs, UcxClientTest,
-    ::testing::Values(UcxCase{"tcp", 1, 2, DType::kFp32}, UcxCase{"tcp", 2, 3, DType::kBf16},
-                      UcxCase{"tcp", 3, 3, DType::kFp32},
-                      UcxCase{"posix,cma,self", 1, 3, DType::kBf16},
-                      UcxCase{"posix,cma,self", 2, 2, DType::kFp32},
-                      UcxCase{"posix,cma,self", 3, 2, DType::kFp32}),
-    [](const ::testing::TestParamInfo<UcxCase>& info) {
-      return absl::StrCat(info.param.tls[0] == 't' ? "Tcp" : "Shm", "_Stage", info.param.stage,
-                          "_World", info.param.world,
+    Runs, BulkClientTest,
+    ::testing::Values(BulkCase{"inproc", "", 1, 2, DType::kFp32},
+                      BulkCase{"inproc", "", 2, 3, DType::kBf16},
+                      BulkCase{"inproc", "", 3, 2, DType::kFp32},
+                      BulkCase{"grpc", "", 2, 2, DType::kBf16},
+                      BulkCase{"grpc", "", 3, 3, DType::kFp32},
+                      BulkCase{"ucx", "tcp", 1, 2, DType::kFp32},
+                      BulkCase{"ucx", "tcp", 2, 3, DType::kBf16},
+                      BulkCase{"ucx", "tcp", 3, 3, DType::kFp32},
+                      BulkCase{"ucx", "posix,cma,self", 1, 3, DType::kBf16},
+                      BulkCase{"ucx", "posix,cma,self", 2, 2, DType::kFp32},
+                      BulkCase{"ucx", "posix,cma,self", 3, 2, DType::kFp32}),
+    [](const ::testing::TestParamInfo<BulkCase>& info) {
+      const std::string t = info.param.transport;
+      std::string name = t == "ucx" ? (info.param.tls[0] == 't' ? "UcxTcp" : "UcxShm")
+                                    : (t == "grpc" ? "Grpc" : "Inproc");
+      return absl::StrCat(name, "_Stage", info.param.stage, "_World", info.param.world,
                           info.param.precision == DType::kFp32 ? "_Fp32" : "_Bf16");
     });
 

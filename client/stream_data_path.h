@@ -1,12 +1,15 @@
 #pragma once
 
-// DataPath over the Shard service's streaming RPCs (the always-available
-// fallback data path): a push is one PushGradient stream of one chunk, initial
-// parameters one InitParameters stream of <= 4 MiB chunks, a gather one
-// Gather stream read straight into the caller's buffer.
+// DataPath over the Shard service's streaming RPCs ("stream", the
+// always-available data path): a push is one PushGradient stream of one
+// chunk, initial parameters one InitParameters stream of <= 4 MiB chunks, a
+// gather one Gather stream read straight into the caller's buffer.
 //
 // Every chunk sent carries its CRC-32C; every chunk received is checked
-// against its CRC-32C, its range and its size (DataLoss otherwise).
+// against its CRC-32C, its range and its size (DataLoss otherwise). Because
+// a pushed chunk carries its checksum, the daemon answers a repeated push of
+// a contribution it holds with ALREADY_EXISTS only when the checksums match
+// (shard.proto), so this path reports that as delivered.
 
 #include <memory>
 #include <string>
@@ -17,11 +20,8 @@
 
 namespace zeroshard {
 
-// The wire enum of `t`.
-v1::DType WireDType(DType t);
-
-// The chunk of `push` without payload or checksum: job, step, rank, range,
-// dtype, micro-batch.
+// The chunk of `push` without payload or checksum: job, step, rank,
+// incarnation, range, dtype, micro-batch.
 v1::GradientChunk GradientChunkHeader(const GradientPush& push);
 
 // How errors name a push and a gather: "PushGradient step S range [b, e)",
@@ -29,28 +29,32 @@ v1::GradientChunk GradientChunkHeader(const GradientPush& push);
 std::string DescribePush(const GradientPush& push);
 std::string DescribeGather(const GatherRequestSpec& request);
 
-// The Gather request for `request` (wait_ms clamped to the daemon's limit).
+// The Gather request for `request` (wait_ms clamped to kMaxWaitMs).
 v1::GatherRequest GatherRequestProto(const GatherRequestSpec& request);
 
 // Sends `chunk` as a one-chunk PushGradient stream on `stub` and checks that
 // the daemon at `address` accepted push.range.size() elements. Blocks until
 // the daemon answers or `deadline` (the daemon may read memory the chunk
-// refers to until then). Errors name the daemon, the step and the range.
+// refers to until then). Errors name the daemon, the step and the range;
+// the daemon's codes pass through (ALREADY_EXISTS included).
 absl::Status SendGradientChunk(v1::Shard::Stub* stub, const v1::GradientChunk& chunk,
                                const GradientPush& push, absl::Time deadline,
                                absl::string_view address);
 
-class GrpcDataPath final : public DataPath {
+class StreamDataPath final : public DataPath {
  public:
   // `channel` is the daemon's channel (shared with the control plane).
-  GrpcDataPath(std::string address, std::shared_ptr<grpc::Channel> channel);
+  StreamDataPath(std::string address, std::shared_ptr<grpc::Channel> channel);
 
   const std::string& address() const override { return address_; }
-  const char* name() const override { return "grpc"; }
+  const char* name() const override { return "stream"; }
 
+  // OK also when the daemon already holds this contribution with the same
+  // CRC-32C (ALREADY_EXISTS: an earlier attempt delivered these bytes).
   absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) override;
   absl::StatusOr<uint64_t> InitParameters(const ParameterUpload& upload,
                                           absl::Time deadline) override;
+  // Read again (up to 3 times) when a commit tears the stream (ABORTED).
   absl::StatusOr<uint64_t> Gather(const GatherRequestSpec& request, void* dst,
                                   absl::Time deadline) override;
 
@@ -62,6 +66,9 @@ class GrpcDataPath final : public DataPath {
   v1::Shard::Stub* stub() const { return stub_.get(); }
 
  private:
+  absl::StatusOr<uint64_t> GatherOnce(const GatherRequestSpec& request, void* dst,
+                                      absl::Time deadline);
+
   const std::string address_;
   std::unique_ptr<v1::Shard::Stub> stub_;
 };

@@ -1,4 +1,4 @@
-#include "client/grpc_data_path.h"
+#include "client/stream_data_path.h"
 
 #include <cstring>
 #include <vector>
@@ -15,10 +15,11 @@ using testing::DaemonClient;
 using testing::MakeSpec;
 using testing::SampleLayout;
 using testing::StartDaemon;
+using testing::kTestIncarnation;
 
 absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
 
-TEST(GrpcDataPathTest, InitPushGather) {
+TEST(StreamDataPathTest, InitPushGather) {
   auto daemon = StartDaemon();
   const Layout layout = SampleLayout();
   const uint64_t n = layout.total_elements();
@@ -27,8 +28,8 @@ TEST(GrpcDataPathTest, InitPushGather) {
   ASSERT_TRUE(control.Register(spec, 0).ok());
   ASSERT_TRUE(control.Join(spec, 0).ok());
 
-  GrpcDataPath path(daemon->address(), MakeDaemonChannel(daemon->address()));
-  EXPECT_STREQ(path.name(), "grpc");
+  StreamDataPath path(daemon->address(), MakeDaemonChannel(daemon->address()));
+  EXPECT_STREQ(path.name(), "stream");
   std::vector<float> params(n);
   for (uint64_t i = 0; i < n; ++i) params[i] = 0.25f * static_cast<float>(i % 17);
   absl::StatusOr<uint64_t> sent =
@@ -37,7 +38,7 @@ TEST(GrpcDataPathTest, InitPushGather) {
   EXPECT_EQ(*sent, n * 4);
 
   std::vector<float> got(n);
-  GatherRequestSpec g{"dp", 0, 0, {0, n}, DType::kFp32, absl::ZeroDuration()};
+  GatherRequestSpec g{"dp", 0, kTestIncarnation, 0, {0, n}, DType::kFp32, absl::ZeroDuration()};
   absl::StatusOr<uint64_t> received = path.Gather(g, got.data(), Soon());
   ASSERT_TRUE(received.ok()) << received.status();
   EXPECT_EQ(*received, n * 4);
@@ -51,12 +52,18 @@ TEST(GrpcDataPathTest, InitPushGather) {
 
   // One push covering the whole flat space (one partition), then a step.
   std::vector<float> grad(n, 0.5f);
-  GradientPush push{"dp", 1, 0, 0, 1, {0, n}, DType::kFp32, grad.data()};
+  GradientPush push{"dp", 1, 0, kTestIncarnation, 0, 1, {0, n}, DType::kFp32, grad.data()};
   absl::StatusOr<uint64_t> pushed = path.PushGradient(push, Soon());
   ASSERT_TRUE(pushed.ok()) << pushed.status();
   EXPECT_EQ(*pushed, n * 4);
-  // The same contribution again is a duplicate.
-  EXPECT_EQ(path.PushGradient(push, Soon()).status().code(), absl::StatusCode::kAlreadyExists);
+  // The same bytes again: the daemon holds them (same CRC-32C), so the push
+  // is delivered. Other bytes for the same contribution are refused.
+  pushed = path.PushGradient(push, Soon());
+  EXPECT_TRUE(pushed.ok()) << pushed.status();
+  std::vector<float> other(n, 0.75f);
+  push.data = other.data();
+  EXPECT_EQ(path.PushGradient(push, Soon()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
   v1::PrepareStepResponse prep;
   ASSERT_TRUE(control.Prepare("dp", 1, &prep).ok());
   ASSERT_TRUE(control.Commit("dp", 1, 0.1f).ok());
@@ -65,12 +72,13 @@ TEST(GrpcDataPathTest, InitPushGather) {
   EXPECT_NE(0, std::memcmp(got.data(), params.data(), n * 4));
 }
 
-TEST(GrpcDataPathTest, ErrorsNameTheDaemon) {
+TEST(StreamDataPathTest, ErrorsNameTheDaemon) {
   auto daemon = StartDaemon();
   const std::string address = daemon->address();
-  GrpcDataPath path(address, MakeDaemonChannel(address));
+  StreamDataPath path(address, MakeDaemonChannel(address));
   std::vector<float> buf(16);
-  GatherRequestSpec g{"nope", 0, 0, {0, 16}, DType::kFp32, absl::ZeroDuration()};
+  GatherRequestSpec g{"nope", 0, kTestIncarnation, 0, {0, 16}, DType::kFp32,
+                      absl::ZeroDuration()};
   absl::Status s = path.Gather(g, buf.data(), Soon()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(absl::StrContains(s.message(), address)) << s;
@@ -81,7 +89,7 @@ TEST(GrpcDataPathTest, ErrorsNameTheDaemon) {
   s = path.Gather(g, buf.data(), Soon()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), address)) << s;
-  GradientPush push{"nope", 1, 0, 0, 1, {0, 16}, DType::kFp32, buf.data()};
+  GradientPush push{"nope", 1, 0, kTestIncarnation, 0, 1, {0, 16}, DType::kFp32, buf.data()};
   s = path.PushGradient(push, Soon()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), address)) << s;

@@ -1,4 +1,4 @@
-#include "client/grpc_data_path.h"
+#include "client/stream_data_path.h"
 
 #include <algorithm>
 #include <cstring>
@@ -6,18 +6,17 @@
 #include "absl/strings/str_cat.h"
 #include "client/rpc.h"
 #include "common/crc32c.h"
+#include "common/job_spec.h"
+#include "common/protocol.h"
 
 namespace zeroshard {
 namespace {
 
 constexpr uint64_t kInitChunkBytes = 4ull << 20;
-// The longest a daemon waits for a commit on a gather's behalf
-// (GatherRequest.wait_ms).
-constexpr int64_t kMaxGatherWaitMs = 600000;
 
 }  // namespace
 
-GrpcDataPath::GrpcDataPath(std::string address, std::shared_ptr<grpc::Channel> channel)
+StreamDataPath::StreamDataPath(std::string address, std::shared_ptr<grpc::Channel> channel)
     : address_(std::move(address)), stub_(v1::Shard::NewStub(channel)) {}
 
 std::string DescribePush(const GradientPush& push) {
@@ -39,17 +38,16 @@ v1::GatherRequest GatherRequestProto(const GatherRequestSpec& request) {
   req.mutable_range()->set_end(request.range.end);
   req.set_dtype(WireDType(request.dtype));
   req.set_wait_ms(static_cast<uint32_t>(
-      std::clamp<int64_t>(absl::ToInt64Milliseconds(request.wait), 0, kMaxGatherWaitMs)));
+      std::clamp<int64_t>(absl::ToInt64Milliseconds(request.wait), 0, kMaxWaitMs)));
   return req;
 }
-
-v1::DType WireDType(DType t) { return static_cast<v1::DType>(DTypeToProto(t)); }
 
 v1::GradientChunk GradientChunkHeader(const GradientPush& push) {
   v1::GradientChunk chunk;
   chunk.set_job_id(push.job_id);
   chunk.set_step(push.step);
   chunk.set_rank(push.rank);
+  chunk.set_incarnation(push.incarnation);
   chunk.mutable_range()->set_begin(push.range.begin);
   chunk.mutable_range()->set_end(push.range.end);
   chunk.set_dtype(WireDType(push.dtype));
@@ -78,18 +76,20 @@ absl::Status SendGradientChunk(v1::Shard::Stub* stub, const v1::GradientChunk& c
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> GrpcDataPath::PushGradient(const GradientPush& push,
+absl::StatusOr<uint64_t> StreamDataPath::PushGradient(const GradientPush& push,
                                                     absl::Time deadline) {
   const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
   v1::GradientChunk chunk = GradientChunkHeader(push);
   chunk.set_data(static_cast<const char*>(push.data), bytes);
   chunk.set_crc32c(Crc32c(push.data, bytes));
   absl::Status s = SendGradientChunk(stub_.get(), chunk, push, deadline, address_);
-  if (!s.ok()) return s;
+  // The daemon says ALREADY_EXISTS only when the contribution it holds has
+  // this chunk's CRC-32C: an earlier attempt delivered these very bytes.
+  if (!s.ok() && !absl::IsAlreadyExists(s)) return s;
   return bytes;
 }
 
-absl::StatusOr<uint64_t> GrpcDataPath::InitParameters(const ParameterUpload& upload,
+absl::StatusOr<uint64_t> StreamDataPath::InitParameters(const ParameterUpload& upload,
                                                       absl::Time deadline) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
@@ -124,8 +124,21 @@ absl::StatusOr<uint64_t> GrpcDataPath::InitParameters(const ParameterUpload& upl
   return upload.range.size() * sizeof(float);
 }
 
-absl::StatusOr<uint64_t> GrpcDataPath::Gather(const GatherRequestSpec& request, void* dst,
-                                              absl::Time deadline) {
+absl::StatusOr<uint64_t> StreamDataPath::Gather(const GatherRequestSpec& request, void* dst,
+                                                absl::Time deadline) {
+  // ABORTED: a commit tore the stream (the daemon holds no lock while it
+  // writes); the gather is idempotent, so read it again.
+  constexpr int kAttempts = 3;
+  absl::StatusOr<uint64_t> r;
+  for (int i = 0; i < kAttempts; ++i) {
+    r = GatherOnce(request, dst, deadline);
+    if (!absl::IsAborted(r.status())) break;
+  }
+  return r;
+}
+
+absl::StatusOr<uint64_t> StreamDataPath::GatherOnce(const GatherRequestSpec& request, void* dst,
+                                                    absl::Time deadline) {
   const std::string what = DescribeGather(request);
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
@@ -171,7 +184,7 @@ absl::StatusOr<uint64_t> GrpcDataPath::Gather(const GatherRequestSpec& request, 
   return bytes;
 }
 
-absl::Status GrpcDataPath::AwaitCommitted(const GatherRequestSpec& request,
+absl::Status StreamDataPath::AwaitCommitted(const GatherRequestSpec& request,
                                           absl::Time deadline) {
   v1::GatherRequest req = GatherRequestProto(request);
   req.set_wait_only(true);

@@ -1,0 +1,343 @@
+#include "client/bulk_data_path.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "client/rpc.h"
+#include "common/protocol.h"
+#include "common/status_macros.h"
+
+namespace zeroshard {
+namespace {
+
+transport::RegionDescriptor ToDescriptor(const v1::RemoteRegion& r) {
+  transport::RegionDescriptor d;
+  d.address = r.address();
+  d.length = r.length();
+  d.rkey = r.rkey();
+  return d;
+}
+
+// An answer after which the cached endpoint cannot be trusted: the daemon
+// went away, lost the job (a restart), or no longer has this rank's staging
+// region.
+bool LostDaemonOrJob(const absl::Status& s) {
+  return absl::IsUnavailable(s) || absl::IsNotFound(s) || absl::IsFailedPrecondition(s);
+}
+
+StagingSlots::PushKey KeyOf(const GradientPush& push) {
+  return {push.step, push.micro_batch, push.range};
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<BulkTransport>> BulkTransport::Create(
+    const std::string& name, const transport::TransportOptions& options) {
+  ASSIGN_OR_RETURN(v1::TransportKind kind, TransportKindFromName(name, "ClientConfig.transport"));
+  ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> t,
+                   transport::CreateTransport(name, options),
+                   "ClientConfig.transport \"", name, "\"");
+  return std::shared_ptr<BulkTransport>(new BulkTransport(kind, std::move(t)));
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<transport::Connection>>> BulkTransport::ConnectAll(
+    const std::string& peer_address, int n, absl::Time deadline) {
+  std::vector<std::unique_ptr<transport::Connection>> connections;
+  absl::MutexLock lock(&connect_mu_);
+  for (int i = 0; i < n; ++i) {
+    ASSIGN_OR_RETURN(std::unique_ptr<transport::Connection> c,
+                     transport_->Connect(peer_address, deadline));
+    connections.push_back(std::move(c));
+  }
+  return connections;
+}
+
+struct BulkDataPath::Endpoint {
+  JobKey key;
+  // connections[0] carries the Puts; Gets take each in turn.
+  std::vector<std::unique_ptr<transport::Connection>> connections;
+  mutable std::atomic<size_t> next_get{0};
+  transport::RegionDescriptor staging;
+  uint32_t slots = 0;
+  uint64_t slot_bytes = 0;
+  transport::RegionDescriptor master;
+  FlatRange master_range;
+  bool has_half = false;
+  transport::RegionDescriptor half;
+  FlatRange half_range;
+  // How long after a wait_only Gather its Gets may run.
+  absl::Duration read_lease = absl::InfiniteDuration();
+};
+
+BulkDataPath::BulkDataPath(std::string address, std::shared_ptr<grpc::Channel> channel,
+                           std::shared_ptr<BulkTransport> transport, Options options)
+    : transport_(std::move(transport)),
+      stream_(std::move(address), std::move(channel)),
+      options_(options),
+      slots_(stream_.address()) {}
+
+BulkDataPath::~BulkDataPath() = default;
+
+const char* BulkDataPath::name() const {
+  return TransportKindName(transport_->kind()).data();  // literals: NUL-terminated
+}
+
+absl::StatusOr<std::shared_ptr<const BulkDataPath::Endpoint>> BulkDataPath::GetEndpoint(
+    const JobKey& key, absl::Time deadline) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !exchanging_; };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "daemon ", address(), ": ExchangeEndpoint by another thread still running"));
+    }
+    if (endpoint_ != nullptr) {
+      const JobKey& have = endpoint_->key;
+      if (have.job_id != key.job_id || have.rank != key.rank ||
+          have.incarnation != key.incarnation) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "this data path serves job ", have.job_id, " rank ", have.rank, " incarnation ",
+            have.incarnation, ", got job ", key.job_id, " rank ", key.rank, " incarnation ",
+            key.incarnation));
+      }
+      return endpoint_;
+    }
+    exchanging_ = true;
+  }
+  absl::StatusOr<std::shared_ptr<const Endpoint>> ep = Exchange(key, deadline);
+  absl::MutexLock lock(&mu_);
+  exchanging_ = false;
+  if (ep.ok()) endpoint_ = *ep;
+  return ep;
+}
+
+absl::Status BulkDataPath::ParseEndpoint(const v1::ExchangeEndpointResponse& resp,
+                                         Endpoint* ep) const {
+  auto bad = [&](absl::string_view what) {
+    return absl::DataLossError(
+        absl::StrCat("daemon ", address(), ": ExchangeEndpoint: ", what));
+  };
+  if (resp.transport() != transport_->kind()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "daemon ", address(), " serves bulk transport ", TransportKindName(resp.transport()),
+        ", this client uses ", TransportKindName(transport_->kind())));
+  }
+  bool has_staging = false, has_master = false;
+  for (const v1::RemoteRegion& r : resp.regions()) {
+    const FlatRange range{r.range().begin(), r.range().end()};
+    switch (r.purpose()) {
+      case v1::REGION_PURPOSE_GRAD_STAGING:
+        ep->staging = ToDescriptor(r);
+        has_staging = true;
+        break;
+      case v1::REGION_PURPOSE_PARAM_MASTER:
+        ep->master = ToDescriptor(r);
+        ep->master_range = range;
+        has_master = r.length() >= range.size() * sizeof(float);
+        break;
+      case v1::REGION_PURPOSE_PARAM_HALF:
+        ep->half = ToDescriptor(r);
+        ep->half_range = range;
+        ep->has_half = r.length() >= range.size() * sizeof(uint16_t);
+        break;
+      default:
+        break;  // a purpose this client does not use
+    }
+  }
+  if (!has_staging || !has_master) {
+    return bad("the reply lacks a GRAD_STAGING or a well-formed PARAM_MASTER region");
+  }
+  const uint64_t slots = resp.staging_slots(), slot_bytes = resp.staging_slot_bytes();
+  if (slots < 1 || slot_bytes < 1 || slot_bytes > ep->staging.length / slots) {
+    return bad(absl::StrCat(slots, " staging slots of ", slot_bytes, " bytes do not fit the ",
+                            ep->staging.length, "-byte GRAD_STAGING region"));
+  }
+  ep->slots = static_cast<uint32_t>(slots);
+  ep->slot_bytes = slot_bytes;
+  if (resp.read_lease_ms() > 0) ep->read_lease = absl::Milliseconds(resp.read_lease_ms());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const BulkDataPath::Endpoint>> BulkDataPath::Exchange(
+    const JobKey& key, absl::Time deadline) {
+  v1::ExchangeEndpointRequest req;
+  req.set_job_id(key.job_id);
+  req.set_rank(key.rank);
+  req.set_incarnation(key.incarnation);
+  req.set_transport(transport_->kind());
+  req.set_worker_address(transport_->local_address());
+  v1::ExchangeEndpointResponse resp;
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  const grpc::Status status = stream_.stub()->ExchangeEndpoint(&context, req, &resp);
+  if (!status.ok()) return DaemonError(status, address(), "ExchangeEndpoint");
+  auto ep = std::make_shared<Endpoint>();
+  ep->key = key;
+  RETURN_IF_ERROR(ParseEndpoint(resp, ep.get()));
+  ASSIGN_OR_RETURN(ep->connections,
+                   transport_->ConnectAll(resp.worker_address(), std::max(1, options_.connections),
+                                          deadline),
+                   "daemon ", address(), ": ", TransportKindName(transport_->kind()), " connect");
+  slots_.SetCount(ep->slots);
+  exchanges_.fetch_add(1);
+  return std::shared_ptr<const Endpoint>(std::move(ep));
+}
+
+void BulkDataPath::DropEndpoint(const Endpoint* stale) {
+  absl::MutexLock lock(&mu_);
+  if (endpoint_.get() == stale) endpoint_.reset();
+}
+
+absl::Status BulkDataPath::Finish(transport::Completion& completion, absl::Time deadline,
+                                  absl::FunctionRef<std::string()> what) {
+  absl::Status s = completion.Wait(deadline);
+  if (absl::IsDeadlineExceeded(s)) {
+    completion.Abort();
+    // The caller's buffer (a staging buffer, or a trainer's borrowed
+    // gradients) is in use until the transport lets go of it, which an
+    // aborted operation does promptly; returning earlier would let the
+    // caller free memory the transport still reads or writes.
+    while (absl::IsDeadlineExceeded(
+        completion.Wait(absl::Now() + transport::Completion::kDestroyWait))) {
+      std::fprintf(stderr,
+                   "zeroshard client: daemon %s: %s: the transport still holds the buffer "
+                   "after an abort; waiting\n",
+                   address().c_str(), what().c_str());
+    }
+  }
+  if (s.ok()) return s;
+  return absl::Status(s.code(),
+                      absl::StrCat("daemon ", address(), ": ", what(), ": ", s.message()));
+}
+
+absl::StatusOr<uint64_t> BulkDataPath::FenceSlot(const GradientPush& push, uint32_t slot,
+                                                 uint64_t generation) {
+  v1::FenceStagingSlotRequest req;
+  req.set_job_id(push.job_id);
+  req.set_rank(push.rank);
+  req.set_incarnation(push.incarnation);
+  req.set_slot(slot);
+  req.set_generation(generation);
+  v1::FenceStagingSlotResponse resp;
+  grpc::ClientContext context;
+  SetDeadline(&context, absl::Now() + options_.fence_timeout);
+  const grpc::Status status = stream_.stub()->FenceStagingSlot(&context, req, &resp);
+  if (!status.ok()) {
+    return DaemonError(status, address(),
+                       absl::StrCat("FenceStagingSlot slot ", slot, " generation ", generation));
+  }
+  return resp.applied_generation();
+}
+
+BulkDataPath::Attempt BulkDataPath::PushStaged(const Endpoint& ep, const GradientPush& push,
+                                               absl::Time deadline) {
+  const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
+  auto fence = [&](uint32_t slot, uint64_t generation) {
+    return FenceSlot(push, slot, generation);
+  };
+  absl::StatusOr<StagingSlots::Acquired> acquired = slots_.Acquire(KeyOf(push), deadline, fence);
+  if (!acquired.ok()) return {acquired.status()};
+  if (acquired->delivered) return {bytes};
+  const StagingSlots::Lease lease = acquired->lease;
+  absl::Status s;
+  {
+    transport::Completion put =
+        ep.connections[0]->Put(push.data, bytes, ep.staging, lease.slot * ep.slot_bytes);
+    s = Finish(put, deadline, [&] { return DescribePush(push) + ": Put"; });
+  }
+  if (!s.ok()) {
+    // Nothing announced: the daemon applies no bytes of this generation.
+    slots_.Release(lease);
+    const bool lost = absl::IsUnavailable(s);
+    if (lost) DropEndpoint(&ep);
+    return {s, lost};
+  }
+  v1::GradientChunk chunk = GradientChunkHeader(push);
+  // No checksum: the transport delivers the bytes intact, and a CRC pass on
+  // each side would cost two more sweeps over the gradient. The generation
+  // tells the daemon which write of the slot this is.
+  chunk.set_staged(true);
+  chunk.set_staging_slot(lease.slot);
+  chunk.set_staging_generation(lease.generation);
+  s = SendGradientChunk(stream_.stub(), chunk, push, deadline, address());
+  if (s.ok()) {
+    slots_.Release(lease);
+    return {bytes};
+  }
+  // The daemon may still be about to read the slot, or may have applied it:
+  // fence it before the slot is written again, and learn which.
+  const absl::StatusOr<bool> applied = slots_.Resolve(lease, KeyOf(push), fence);
+  if (LostDaemonOrJob(s)) DropEndpoint(&ep);
+  if (applied.ok() && *applied) return {bytes};
+  return {s};
+}
+
+absl::StatusOr<uint64_t> BulkDataPath::PushGradient(const GradientPush& push,
+                                                    absl::Time deadline) {
+  const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
+  const JobKey key{push.job_id, push.rank, push.incarnation};
+  for (int attempt = 0;; ++attempt) {
+    ASSIGN_OR_RETURN(std::shared_ptr<const Endpoint> ep, GetEndpoint(key, deadline));
+    // A chunk larger than a slot (a bucket wider in fp32 than in the wire
+    // type) goes inline.
+    if (bytes > ep->slot_bytes) return stream_.PushGradient(push, deadline);
+    Attempt a = PushStaged(*ep, push, deadline);
+    if (!a.retry || attempt > 0) return a.result;
+  }
+}
+
+absl::StatusOr<uint64_t> BulkDataPath::InitParameters(const ParameterUpload& upload,
+                                                      absl::Time deadline) {
+  return stream_.InitParameters(upload, deadline);
+}
+
+BulkDataPath::Attempt BulkDataPath::GetOnce(const Endpoint& ep, const GatherRequestSpec& request,
+                                            void* dst, absl::Time deadline) {
+  // The daemon validates the request and waits for the commit.
+  if (absl::Status s = stream_.AwaitCommitted(request, deadline); !s.ok()) {
+    if (LostDaemonOrJob(s)) DropEndpoint(&ep);
+    return {s};
+  }
+  // The regions stay readable for the read lease after that answer.
+  const absl::Time lease_end = absl::Now() + ep.read_lease;
+  // Fp32 comes from the masters; the job's half precision from its copy.
+  const bool half = request.dtype != DType::kFp32;
+  if (half && !ep.has_half) {
+    return {absl::InvalidArgumentError(absl::StrCat("daemon ", address(), ": ",
+                                                    DescribeGather(request), ": dtype ",
+                                                    DTypeName(request.dtype),
+                                                    " is not served by this job"))};
+  }
+  const transport::RegionDescriptor& region = half ? ep.half : ep.master;
+  const FlatRange& held = half ? ep.half_range : ep.master_range;
+  if (!held.Contains(request.range)) {
+    return {absl::DataLossError(absl::StrCat("daemon ", address(), ": ", DescribeGather(request),
+                                             ": outside the region's range [", held.begin, ", ",
+                                             held.end, ")"))};
+  }
+  const size_t esize = DTypeSize(request.dtype);
+  const uint64_t bytes = request.range.size() * esize;
+  transport::Connection& connection =
+      *ep.connections[ep.next_get.fetch_add(1, std::memory_order_relaxed) % ep.connections.size()];
+  transport::Completion get =
+      connection.Get(dst, bytes, region, (request.range.begin - held.begin) * esize);
+  absl::Status s = Finish(get, std::min(deadline, lease_end),
+                          [&] { return DescribeGather(request) + ": Get"; });
+  if (s.ok()) return {bytes};
+  const bool lost = absl::IsUnavailable(s);
+  if (lost) DropEndpoint(&ep);
+  return {s, lost};
+}
+
+absl::StatusOr<uint64_t> BulkDataPath::Gather(const GatherRequestSpec& request, void* dst,
+                                              absl::Time deadline) {
+  const JobKey key{request.job_id, request.rank, request.incarnation};
+  for (int attempt = 0;; ++attempt) {
+    ASSIGN_OR_RETURN(std::shared_ptr<const Endpoint> ep, GetEndpoint(key, deadline));
+    Attempt a = GetOnce(*ep, request, dst, deadline);
+    if (!a.retry || attempt > 0) return a.result;
+  }
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,167 @@
+#pragma once
+
+// DataPath over a bulk transport (transport::Transport: "ucx", "grpc" or
+// "inproc", the daemon's --bulk_transport): gradient bytes are Put into a
+// slot of the rank's GRAD_STAGING region on the daemon and announced by a
+// PushGradient RPC whose chunk names the slot and the slot's generation
+// (`staged`); parameters are read with Get straight from the daemon's
+// PARAM_MASTER / PARAM_HALF region into the caller's buffer, after a Gather
+// RPC with `wait_only` has confirmed the step is committed, and within the
+// daemon's read lease. Initial parameters (and a push larger than a staging
+// slot) use the streaming RPCs. The control plane stays on gRPC.
+//
+// Set-up is lazy: the first push or gather exchanges endpoints
+// (ExchangeEndpoint with the rank's incarnation) and connects, bounded by
+// that call's deadline. The slot count and size come from the daemon's
+// answer. One BulkDataPath serves one job.
+//
+// The cached endpoint is dropped when the daemon seems to have gone away or
+// lost the job: a transport operation fails with Unavailable, or a push or
+// gather is answered Unavailable, NotFound (the job is unknown: a restarted
+// daemon) or FailedPrecondition (e.g. the staging region is missing). The
+// next call exchanges and connects again. A call whose Put or Get failed
+// with Unavailable before anything was announced retries once at once on a
+// fresh endpoint.
+//
+// Staging (client/staging_slots.h): a push holds one slot from its Put until
+// the daemon answered; a push whose RPC failed or timed out fences its slot
+// (FenceStagingSlot) before the slot is written again, and counts as
+// delivered when the daemon says it applied that generation. At most
+// staging_slots pushes to one daemon are in flight; further ones wait (until
+// their deadline) for a slot. Nothing is allocated per push.
+//
+// Connections: `connections` per daemon. The Puts of all pushes take the
+// first, so one progress thread copies gradients while the daemon applies the
+// previous slot; the Gets of a gather take each connection in turn.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/synchronization/mutex.h"
+#include "client/data_path.h"
+#include "client/staging_slots.h"
+#include "client/stream_data_path.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/zeroshard/v1/shard.grpc.pb.h"
+#include "transport/transport.h"
+
+namespace zeroshard {
+
+// A client's bulk transport, shared by its data paths (one per daemon).
+class BulkTransport {
+ public:
+  // transport::CreateTransport(name, options). InvalidArgument naming
+  // ClientConfig.transport for a name that is no bulk transport; the
+  // factory's error otherwise (Unavailable when UCX cannot initialise).
+  static absl::StatusOr<std::shared_ptr<BulkTransport>> Create(
+      const std::string& name, const transport::TransportOptions& options);
+
+  v1::TransportKind kind() const { return kind_; }
+  const std::string& local_address() const { return transport_->LocalAddress(); }
+
+  // Opens `n` connections to `peer_address`, back to back. The transport
+  // hands connections to its progress threads in turn, so that one data
+  // path's connections land on distinct threads, the calls of all data paths
+  // of this transport are serialised by a mutex of this object (only
+  // connection set-up waits for it, each call bounded by its `deadline`;
+  // no data operation takes it).
+  absl::StatusOr<std::vector<std::unique_ptr<transport::Connection>>> ConnectAll(
+      const std::string& peer_address, int n, absl::Time deadline);
+
+ private:
+  BulkTransport(v1::TransportKind kind, std::unique_ptr<transport::Transport> transport)
+      : kind_(kind), transport_(std::move(transport)) {}
+
+  const v1::TransportKind kind_;
+  absl::Mutex connect_mu_;
+  const std::unique_ptr<transport::Transport> transport_;
+};
+
+class BulkDataPath final : public DataPath {
+ public:
+  struct Options {
+    int connections = 1;  // >= 1, connections to the daemon
+    // Deadline of a FenceStagingSlot (its own: the push it resolves may have
+    // run out of time already).
+    absl::Duration fence_timeout = absl::Seconds(60);
+  };
+
+  // `channel` is the daemon's channel (shared with the control plane).
+  BulkDataPath(std::string address, std::shared_ptr<grpc::Channel> channel,
+               std::shared_ptr<BulkTransport> transport, Options options);
+  // Waits for nothing: every operation has finished when its call returned.
+  ~BulkDataPath() override;
+
+  const std::string& address() const override { return stream_.address(); }
+  const char* name() const override;
+
+  // Blocks until the daemon applied the chunk (or a fence proved it did).
+  // `push.data` is read by the transport only during the call.
+  absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) override;
+  absl::StatusOr<uint64_t> InitParameters(const ParameterUpload& upload,
+                                          absl::Time deadline) override;
+  // Blocks until the step is committed and the bytes are in `dst`. Range and
+  // dtype are checked by the daemon (wait_only Gather) before any Get.
+  absl::StatusOr<uint64_t> Gather(const GatherRequestSpec& request, void* dst,
+                                  absl::Time deadline) override;
+
+  // ExchangeEndpoint calls that succeeded so far (for tests).
+  uint64_t exchanges() const { return exchanges_.load(); }
+  // Staging slots quarantined now (for tests).
+  int quarantined_slots() const { return slots_.quarantined(); }
+
+ private:
+  struct Endpoint;
+  struct JobKey {
+    std::string job_id;
+    uint32_t rank = 0;
+    uint64_t incarnation = 0;
+  };
+  // One attempt of a staged push; `retry` is set when its Put failed with
+  // Unavailable (nothing announced) and the endpoint was dropped.
+  struct Attempt {
+    absl::StatusOr<uint64_t> result;
+    bool retry = false;
+  };
+
+  // The endpoint for `key`, exchanging and connecting when there is none.
+  absl::StatusOr<std::shared_ptr<const Endpoint>> GetEndpoint(const JobKey& key,
+                                                              absl::Time deadline);
+  absl::StatusOr<std::shared_ptr<const Endpoint>> Exchange(const JobKey& key,
+                                                           absl::Time deadline);
+  // Fills `ep` from the daemon's answer; DataLoss for a malformed one,
+  // FailedPrecondition when the daemon serves another bulk transport.
+  absl::Status ParseEndpoint(const v1::ExchangeEndpointResponse& resp, Endpoint* ep) const;
+  // Forgets `stale` if it is still the cached endpoint.
+  void DropEndpoint(const Endpoint* stale);
+  Attempt PushStaged(const Endpoint& ep, const GradientPush& push, absl::Time deadline);
+  Attempt GetOnce(const Endpoint& ep, const GatherRequestSpec& request, void* dst,
+                  absl::Time deadline);
+  absl::StatusOr<uint64_t> FenceSlot(const GradientPush& push, uint32_t slot,
+                                     uint64_t generation);
+  // Waits for `completion` until `deadline`; past it, aborts the operation
+  // and waits until the transport has let go of the buffer (which an aborted
+  // operation does promptly; a line on stderr every 10 s while it has not).
+  // `what` names the operation in an error (built only then).
+  absl::Status Finish(transport::Completion& completion, absl::Time deadline,
+                      absl::FunctionRef<std::string()> what);
+
+  const std::shared_ptr<BulkTransport> transport_;
+  // Serves what the bulk transport does not (initial parameters, oversized
+  // pushes, wait_only gathers) and shares its Shard stub and address.
+  StreamDataPath stream_;
+  const Options options_;
+  StagingSlots slots_;
+  std::atomic<uint64_t> exchanges_{0};
+
+  absl::Mutex mu_;
+  std::shared_ptr<const Endpoint> endpoint_ ABSL_GUARDED_BY(mu_);
+  bool exchanging_ ABSL_GUARDED_BY(mu_) = false;  // one thread sets up at a time
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,299 @@
+// BulkDataPath against a stand-in daemon (client/testing/fake_shard.h) whose
+// staged pushes can be held before or while they read their slot and whose
+// fences can fail: the staging-slot rules of shard.proto as the client must
+// keep them (bug 1: a slot whose push was not answered is never written
+// again before a fence answered; a push counts as delivered only when the
+// fence says its generation was applied).
+
+#include "client/bulk_data_path.h"
+
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/rpc.h"
+#include "client/testing/fake_shard.h"
+#include "gtest/gtest.h"
+
+namespace zeroshard {
+namespace {
+
+using testing::FakeShard;
+
+constexpr uint64_t kIncarnation = 7;
+
+struct Rig {
+  explicit Rig(FakeShard::Options o = {}) {
+    fake = *FakeShard::Start(o);
+    BulkDataPath::Options po;
+    po.connections = 2;
+    po.fence_timeout = absl::Seconds(5);
+    path = std::make_unique<BulkDataPath>(fake->address(), MakeDaemonChannel(fake->address()),
+                                          *BulkTransport::Create("inproc", {}), po);
+  }
+  std::unique_ptr<FakeShard> fake;
+  std::unique_ptr<BulkDataPath> path;
+};
+
+// 256 fp32 elements [begin, begin + 256), all `value`.
+struct Grad {
+  Grad(uint64_t begin, float value) : range{begin, begin + 256}, values(256, value) {}
+  GradientPush Push(uint64_t step = 1) const {
+    GradientPush p;
+    p.job_id = "job";
+    p.step = step;
+    p.incarnation = kIncarnation;
+    p.range = range;
+    p.dtype = DType::kFp32;
+    p.data = values.data();
+    return p;
+  }
+  std::string bytes() const {
+    return std::string(reinterpret_cast<const char*>(values.data()), values.size() * 4);
+  }
+  FlatRange range;
+  std::vector<float> values;
+};
+
+absl::Time In(absl::Duration d) { return absl::Now() + d; }
+
+int IndexOf(const std::vector<std::string>& events, const std::string& e) {
+  for (size_t i = 0; i < events.size(); ++i) {
+    if (events[i] == e) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+TEST(BulkDataPathTest, PushesGoThroughTheSlotsWithIncreasingGenerations) {
+  Rig rig;
+  const Grad a(0, 1.0f), b(256, 2.0f), c(512, 3.0f);
+  for (const Grad* g : {&a, &b, &c}) {
+    absl::StatusOr<uint64_t> sent = rig.path->PushGradient(g->Push(), In(absl::Seconds(5)));
+    ASSERT_TRUE(sent.ok()) << sent.status();
+    EXPECT_EQ(*sent, 256u * 4);
+  }
+  const std::vector<FakeShard::Applied> applied = rig.fake->applied();
+  ASSERT_EQ(applied.size(), 3u);
+  EXPECT_EQ(applied[0].bytes, a.bytes());
+  EXPECT_EQ(applied[1].bytes, b.bytes());
+  EXPECT_EQ(applied[2].bytes, c.bytes());
+  // Each slot's generations start at 1 and increase.
+  std::vector<uint64_t> last(2, 0);
+  for (const auto& e : applied) {
+    EXPECT_GT(e.generation, last[e.slot]);
+    last[e.slot] = e.generation;
+  }
+  EXPECT_EQ(applied[0].generation, 1u);
+  // A gather reads the parameter region after the wait_only check.
+  std::vector<float> got(10);
+  GatherRequestSpec g{"job", 0, kIncarnation, 0, {10, 20}, DType::kFp32, absl::ZeroDuration()};
+  absl::StatusOr<uint64_t> read = rig.path->Gather(g, got.data(), In(absl::Seconds(5)));
+  ASSERT_TRUE(read.ok()) << read.status();
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(got[i], 0.5f * (10 + i));
+  EXPECT_EQ(rig.path->exchanges(), 1u);
+  EXPECT_STREQ(rig.path->name(), "inproc");
+}
+
+// Bug 1: the push RPC times out while the daemon is still reading the slot.
+// The old client freed the slot at once, so the next push overwrote bytes
+// the daemon then applied for the first one; and a retry's ALREADY_EXISTS
+// counted as delivered. Now the slot is fenced first; the fence waits for the
+// read and says the generation was applied, so the push is delivered, with
+// its own bytes.
+TEST(BulkDataPathTest, ATimedOutPushTheDaemonAppliedIsDeliveredWithItsOwnBytes) {
+  FakeShard::Options o;
+  o.staging_slots = 1;
+  Rig rig(o);
+  rig.fake->set_delay_while_reading(absl::Milliseconds(600));
+  const Grad a(0, 1.0f), b(0, 2.0f);
+  absl::StatusOr<uint64_t> sent = rig.path->PushGradient(a.Push(), In(absl::Milliseconds(150)));
+  EXPECT_TRUE(sent.ok()) << sent.status();
+  rig.fake->set_delay_while_reading(absl::ZeroDuration());
+  sent = rig.path->PushGradient(b.Push(2), In(absl::Seconds(5)));
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  const std::vector<FakeShard::Applied> applied = rig.fake->applied();
+  ASSERT_EQ(applied.size(), 2u);
+  EXPECT_EQ(applied[0].generation, 1u);
+  EXPECT_TRUE(applied[0].bytes == a.bytes()) << "the daemon applied bytes of a later push";
+  EXPECT_EQ(applied[1].generation, 2u);
+  EXPECT_EQ(applied[1].bytes, b.bytes());
+  const std::vector<std::string> events = rig.fake->events();
+  const int fence = IndexOf(events, "fence 0 1 -> 1");
+  ASSERT_GE(fence, 0);
+  EXPECT_LT(fence, IndexOf(events, "announce 0 2"));
+}
+
+// The fence wins the race with a push still waiting to read: the daemon
+// refuses that generation, the push fails with its own error, and the slot
+// is free for the next push at once.
+TEST(BulkDataPathTest, ATimedOutPushTheDaemonDidNotApplyFailsAndIsNeverApplied) {
+  FakeShard::Options o;
+  o.staging_slots = 1;
+  Rig rig(o);
+  rig.fake->set_delay_before_read(absl::Milliseconds(500));
+  const Grad a(0, 1.0f), b(0, 2.0f);
+  absl::StatusOr<uint64_t> sent = rig.path->PushGradient(a.Push(), In(absl::Milliseconds(150)));
+  EXPECT_EQ(sent.status().code(), absl::StatusCode::kDeadlineExceeded) << sent.status();
+  rig.fake->set_delay_before_read(absl::ZeroDuration());
+  sent = rig.path->PushGradient(b.Push(), In(absl::Seconds(5)));
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  rig.fake->WaitIdle();
+  const std::vector<FakeShard::Applied> applied = rig.fake->applied();
+  ASSERT_EQ(applied.size(), 1u);
+  EXPECT_EQ(applied[0].generation, 2u);
+  EXPECT_EQ(applied[0].bytes, b.bytes());
+  const std::vector<std::string> events = rig.fake->events();
+  EXPECT_GE(IndexOf(events, "fence 0 1 -> 0"), 0);
+  EXPECT_GE(IndexOf(events, "refuse 0 1"), 0);
+  EXPECT_EQ(rig.path->quarantined_slots(), 0);
+}
+
+// A fence that fails quarantines the slot: other slots keep serving, and the
+// quarantined one is fenced again before it is written.
+TEST(BulkDataPathTest, AFailedFenceQuarantinesTheSlotUntilAFenceAnswers) {
+  Rig rig;  // two slots
+  rig.fake->set_delay_before_read(absl::Milliseconds(400));
+  rig.fake->fail_fences(1);
+  const Grad a(0, 1.0f), b(256, 2.0f), c(512, 3.0f), d(768, 4.0f);
+  absl::StatusOr<uint64_t> sent = rig.path->PushGradient(a.Push(), In(absl::Milliseconds(100)));
+  EXPECT_EQ(sent.status().code(), absl::StatusCode::kDeadlineExceeded) << sent.status();
+  EXPECT_EQ(rig.path->quarantined_slots(), 1);
+  rig.fake->set_delay_before_read(absl::ZeroDuration());
+  ASSERT_TRUE(rig.path->PushGradient(b.Push(), In(absl::Seconds(5))).ok());
+  EXPECT_EQ(rig.fake->applied().back().slot, 1u);  // slot 0 stays out of use
+  // Hold slot 1 with a slow push, so the next push needs slot 0.
+  rig.fake->set_delay_while_reading(absl::Milliseconds(300));
+  std::thread slow(
+      [&] { EXPECT_TRUE(rig.path->PushGradient(c.Push(), In(absl::Seconds(5))).ok()); });
+  while (IndexOf(rig.fake->events(), "announce 1 2") < 0) absl::SleepFor(absl::Milliseconds(1));
+  rig.fake->set_delay_while_reading(absl::ZeroDuration());
+  sent = rig.path->PushGradient(d.Push(), In(absl::Seconds(5)));
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  slow.join();
+  rig.fake->WaitIdle();
+  const std::vector<std::string> events = rig.fake->events();
+  const int failed = IndexOf(events, "fence-failed 0 1");
+  const int fenced = std::max(IndexOf(events, "fence 0 1 -> 0"), IndexOf(events, "fence 0 1 -> 1"));
+  const int reused = IndexOf(events, "announce 0 2");
+  ASSERT_GE(failed, 0);
+  ASSERT_GT(fenced, failed);
+  EXPECT_GT(reused, fenced);
+  EXPECT_EQ(rig.path->quarantined_slots(), 0);
+  // Whatever the daemon applied for slot 0 generation 1 (if the held push
+  // woke before the fence) is a's own bytes: nothing wrote the slot meanwhile.
+  for (const auto& e : rig.fake->applied()) {
+    if (e.slot == 0 && e.generation == 1) {
+      EXPECT_EQ(e.bytes, a.bytes());
+    }
+  }
+}
+
+TEST(BulkDataPathTest, WithEverySlotQuarantinedAPushIsUnavailableNamingTheDaemon) {
+  FakeShard::Options o;
+  o.staging_slots = 1;
+  Rig rig(o);
+  rig.fake->set_delay_before_read(absl::Milliseconds(300));
+  rig.fake->fail_fences(2);
+  const Grad a(0, 1.0f), b(256, 2.0f);
+  EXPECT_EQ(rig.path->PushGradient(a.Push(), In(absl::Milliseconds(100))).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  rig.fake->set_delay_before_read(absl::ZeroDuration());
+  const absl::Status s = rig.path->PushGradient(b.Push(), In(absl::Seconds(5))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), rig.fake->address())) << s;
+  // Once a fence answers, the slot serves again.
+  absl::StatusOr<uint64_t> sent = rig.path->PushGradient(b.Push(), In(absl::Seconds(5)));
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  rig.fake->WaitIdle();
+  ASSERT_EQ(rig.fake->applied().size(), 1u);
+  EXPECT_EQ(rig.fake->applied()[0].bytes, b.bytes());
+}
+
+// A retried push whose earlier attempt sits in a quarantined slot learns
+// that attempt's outcome from a fence instead of sending again (the daemon
+// would refuse a staged duplicate).
+TEST(BulkDataPathTest, ARetryOfAnAppliedButUnansweredPushIsNotSentAgain) {
+  Rig rig;
+  rig.fake->set_delay_while_reading(absl::Milliseconds(300));
+  rig.fake->fail_fences(1);
+  const Grad a(0, 1.0f);
+  EXPECT_FALSE(rig.path->PushGradient(a.Push(), In(absl::Milliseconds(100))).ok());
+  rig.fake->WaitIdle();
+  rig.fake->set_delay_while_reading(absl::ZeroDuration());
+  absl::StatusOr<uint64_t> sent = rig.path->PushGradient(a.Push(), In(absl::Seconds(5)));
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  ASSERT_EQ(rig.fake->applied().size(), 1u);
+  EXPECT_EQ(rig.fake->applied()[0].bytes, a.bytes());
+  EXPECT_EQ(IndexOf(rig.fake->events(), "announce 0 2"), -1);
+}
+
+// A staged duplicate proves nothing about the bytes: never "delivered".
+TEST(BulkDataPathTest, StagedAlreadyExistsIsAnError) {
+  Rig rig;
+  rig.fake->set_push_status(grpc::Status(grpc::StatusCode::ALREADY_EXISTS, "duplicate"));
+  const Grad a(0, 1.0f);
+  const absl::Status s = rig.path->PushGradient(a.Push(), In(absl::Seconds(5))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists) << s;
+  EXPECT_TRUE(rig.fake->applied().empty());
+}
+
+// The daemon no longer knows the job (a restart): the endpoint is dropped
+// and the next call exchanges again.
+TEST(BulkDataPathTest, NotFoundDropsTheEndpoint) {
+  Rig rig;
+  const Grad a(0, 1.0f);
+  rig.fake->set_push_status(grpc::Status(grpc::StatusCode::NOT_FOUND, "no such job"));
+  EXPECT_EQ(rig.path->PushGradient(a.Push(), In(absl::Seconds(5))).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(rig.path->exchanges(), 1u);
+  rig.fake->set_push_status(grpc::Status::OK);
+  ASSERT_TRUE(rig.path->PushGradient(a.Push(), In(absl::Seconds(5))).ok());
+  EXPECT_EQ(rig.path->exchanges(), 2u);
+  EXPECT_EQ(rig.fake->exchanges(), 2);
+}
+
+// Many threads push distinct ranges with short and long deadlines while the
+// daemon is slow at random points: every push the client calls delivered
+// was applied exactly once with its own bytes, none was applied twice, and
+// nothing applied carries another push's bytes.
+TEST(BulkDataPathTest, ConcurrentPushesWithTimeoutsNeverApplyForeignBytes) {
+  FakeShard::Options o;
+  o.staging_slots = 3;
+  Rig rig(o);
+  rig.fake->set_delay_while_reading(absl::Milliseconds(2));
+  constexpr int kThreads = 6, kPushes = 12;
+  std::vector<Grad> grads;
+  for (int i = 0; i < kThreads * kPushes; ++i) grads.emplace_back(256 * i, 1.0f + i);
+  std::vector<int> delivered(grads.size(), 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int k = 0; k < kPushes; ++k) {
+        const int i = t * kPushes + k;
+        const absl::Duration timeout = absl::Milliseconds(rng() % 3 == 0 ? 3 : 3000);
+        delivered[i] = rig.path->PushGradient(grads[i].Push(), In(timeout)).ok();
+        if (rng() % 4 == 0) absl::SleepFor(absl::Microseconds(rng() % 500));
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  rig.fake->WaitIdle();
+  std::vector<int> applied_count(grads.size(), 0);
+  for (const auto& e : rig.fake->applied()) {
+    const size_t i = e.range.begin / 256;
+    ASSERT_LT(i, grads.size());
+    ++applied_count[i];
+    EXPECT_EQ(e.bytes, grads[i].bytes()) << "push " << i;
+  }
+  // Delivered iff applied, and then once.
+  for (size_t i = 0; i < grads.size(); ++i) EXPECT_EQ(applied_count[i], delivered[i]) << i;
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,221 @@
+#include "client/testing/fake_shard.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace zeroshard::testing {
+
+absl::StatusOr<std::unique_ptr<FakeShard>> FakeShard::Start(const Options& options) {
+  std::unique_ptr<FakeShard> fake(new FakeShard(options));
+  absl::StatusOr<std::unique_ptr<transport::Transport>> t = transport::CreateTransport("inproc");
+  if (!t.ok()) return t.status();
+  fake->transport_ = *std::move(t);
+  absl::StatusOr<std::unique_ptr<transport::Region>> staging = fake->transport_->AllocateRegion(
+      options.staging_slots * options.staging_slot_bytes, transport::Access::kRemoteReadWrite);
+  if (!staging.ok()) return staging.status();
+  fake->staging_ = *std::move(staging);
+  absl::StatusOr<std::unique_ptr<transport::Region>> master = fake->transport_->AllocateRegion(
+      options.master_elements * sizeof(float), transport::Access::kRemoteRead);
+  if (!master.ok()) return master.status();
+  fake->master_ = *std::move(master);
+  float* values = static_cast<float*>(fake->master_->base());
+  for (uint64_t i = 0; i < options.master_elements; ++i) values[i] = 0.5f * static_cast<float>(i);
+  {
+    absl::MutexLock lock(&fake->mu_);
+    fake->slots_.resize(options.staging_slots);
+  }
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(fake.get());
+  fake->server_ = builder.BuildAndStart();
+  if (fake->server_ == nullptr || port == 0) {
+    return absl::UnavailableError("FakeShard: cannot listen on 127.0.0.1:0");
+  }
+  fake->address_ = absl::StrCat("127.0.0.1:", port);
+  return fake;
+}
+
+FakeShard::~FakeShard() {
+  if (server_ != nullptr) {
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    server_->Wait();
+  }
+}
+
+void FakeShard::set_delay_before_read(absl::Duration d) {
+  absl::MutexLock lock(&mu_);
+  delay_before_read_ = d;
+}
+
+void FakeShard::set_delay_while_reading(absl::Duration d) {
+  absl::MutexLock lock(&mu_);
+  delay_while_reading_ = d;
+}
+
+void FakeShard::fail_fences(int n) {
+  absl::MutexLock lock(&mu_);
+  fail_fences_ = n;
+}
+
+void FakeShard::set_push_status(grpc::Status status) {
+  absl::MutexLock lock(&mu_);
+  push_status_ = std::move(status);
+}
+
+std::vector<FakeShard::Applied> FakeShard::applied() const {
+  absl::MutexLock lock(&mu_);
+  return applied_;
+}
+
+std::vector<std::string> FakeShard::events() const {
+  absl::MutexLock lock(&mu_);
+  return events_;
+}
+
+int FakeShard::exchanges() const {
+  absl::MutexLock lock(&mu_);
+  return exchanges_;
+}
+
+void FakeShard::WaitIdle() const {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pushes_running_ == 0; };
+  mu_.AwaitWithTimeout(absl::Condition(&idle), absl::Seconds(10));
+}
+
+grpc::Status FakeShard::ExchangeEndpoint(grpc::ServerContext*,
+                                         const v1::ExchangeEndpointRequest* request,
+                                         v1::ExchangeEndpointResponse* response) {
+  if (request->transport() != v1::TRANSPORT_KIND_INPROC) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "the fake serves inproc only");
+  }
+  if (request->incarnation() < 1) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "incarnation: must be >= 1");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ++exchanges_;
+  }
+  response->set_worker_address(transport_->LocalAddress());
+  response->set_transport(v1::TRANSPORT_KIND_INPROC);
+  response->set_staging_slots(options_.staging_slots);
+  response->set_staging_slot_bytes(options_.staging_slot_bytes);
+  auto add = [&](v1::RegionPurpose purpose, const transport::Region& region) {
+    v1::RemoteRegion* r = response->add_regions();
+    r->set_purpose(purpose);
+    r->set_address(region.Descriptor().address);
+    r->set_length(region.Descriptor().length);
+    r->set_rkey(region.Descriptor().rkey);
+    return r;
+  };
+  add(v1::REGION_PURPOSE_GRAD_STAGING, *staging_);
+  v1::RemoteRegion* master = add(v1::REGION_PURPOSE_PARAM_MASTER, *master_);
+  master->mutable_range()->set_begin(0);
+  master->mutable_range()->set_end(options_.master_elements);
+  return grpc::Status::OK;
+}
+
+grpc::Status FakeShard::ApplyStaged(const v1::GradientChunk& c) {
+  const uint32_t slot = c.staging_slot();
+  const uint64_t generation = c.staging_generation();
+  const FlatRange range{c.range().begin(), c.range().end()};
+  const uint64_t bytes = range.size() * (c.dtype() == v1::DTYPE_FP32 ? 4 : 2);
+  const std::string name = absl::StrCat(slot, " ", generation);
+  absl::Duration before, during;
+  {
+    absl::MutexLock lock(&mu_);
+    if (slot >= slots_.size() || bytes > options_.staging_slot_bytes || generation < 1) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "bad slot, size or generation");
+    }
+    events_.push_back("announce " + name);
+    before = delay_before_read_;
+    during = delay_while_reading_;
+  }
+  absl::SleepFor(before);
+  {
+    absl::MutexLock lock(&mu_);
+    SlotState& s = slots_[slot];
+    if (generation <= s.fenced || generation <= s.applied) {
+      events_.push_back("refuse " + name);
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("slot ", slot, " generation ", generation,
+                                       " was fenced or applied already"));
+    }
+    s.reading = true;
+  }
+  absl::SleepFor(during);
+  std::string data(static_cast<const char*>(staging_->base()) + slot * options_.staging_slot_bytes,
+                   bytes);
+  absl::MutexLock lock(&mu_);
+  SlotState& s = slots_[slot];
+  s.reading = false;
+  if (!push_status_.ok()) {
+    events_.push_back("refuse " + name);
+    return push_status_;
+  }
+  s.applied = generation;
+  applied_.push_back({slot, generation, range, std::move(data)});
+  events_.push_back("apply " + name);
+  return grpc::Status::OK;
+}
+
+grpc::Status FakeShard::PushGradient(grpc::ServerContext*,
+                                     grpc::ServerReader<v1::GradientChunk>* reader,
+                                     v1::PushGradientResponse* response) {
+  {
+    absl::MutexLock lock(&mu_);
+    ++pushes_running_;
+  }
+  v1::GradientChunk chunk;
+  grpc::Status status;
+  if (!reader->Read(&chunk)) {
+    status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty stream");
+  } else if (!chunk.staged() || chunk.incarnation() < 1) {
+    status = grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "the fake takes staged chunks only");
+  } else {
+    status = ApplyStaged(chunk);
+  }
+  if (status.ok()) response->set_elements(chunk.range().end() - chunk.range().begin());
+  absl::MutexLock lock(&mu_);
+  --pushes_running_;
+  return status;
+}
+
+grpc::Status FakeShard::FenceStagingSlot(grpc::ServerContext*,
+                                         const v1::FenceStagingSlotRequest* request,
+                                         v1::FenceStagingSlotResponse* response) {
+  absl::MutexLock lock(&mu_);
+  const std::string name = absl::StrCat(request->slot(), " ", request->generation());
+  if (fail_fences_ > 0) {
+    --fail_fences_;
+    events_.push_back("fence-failed " + name);
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fence failed (injected)");
+  }
+  if (request->slot() >= slots_.size()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "slot out of range");
+  }
+  const uint32_t slot = request->slot();
+  auto not_reading = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !slots_[slot].reading; };
+  mu_.AwaitWithTimeout(absl::Condition(&not_reading), absl::Seconds(10));
+  SlotState& s = slots_[slot];
+  s.fenced = std::max(s.fenced, request->generation());
+  response->set_applied_generation(s.applied);
+  events_.push_back(absl::StrCat("fence ", name, " -> ", s.applied));
+  return grpc::Status::OK;
+}
+
+grpc::Status FakeShard::Gather(grpc::ServerContext*, const v1::GatherRequest* request,
+                               grpc::ServerWriter<v1::ParameterChunk>*) {
+  if (!request->wait_only()) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "the fake serves wait_only gathers");
+  }
+  if (request->range().end() > options_.master_elements) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range outside the parameters");
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace zeroshard::testing

@@ -1,0 +1,303 @@
+#include "common/job_spec.h"
+
+#include <cmath>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/job_id.h"
+#include "google/protobuf/util/message_differencer.h"
+
+namespace zeroshard {
+namespace {
+
+absl::Status Invalid(absl::string_view prefix, absl::string_view field, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(prefix, field, ": ", what));
+}
+
+bool Finite(float v) { return std::isfinite(v); }
+
+}  // namespace
+
+absl::string_view OptimizerKindName(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kAdamW: return "adamw";
+    case OptimizerKind::kAdam: return "adam";
+    case OptimizerKind::kSgdMomentum: return "sgd_momentum";
+  }
+  return "unknown";
+}
+
+absl::Status ValidateHostPort(absl::string_view address, absl::string_view field) {
+  auto bad = [&] {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": must be HOST:PORT, got \"", address.substr(0, kMaxAddressBytes + 4), "\""));
+  };
+  if (address.empty() || address.size() > kMaxAddressBytes) return bad();
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos || colon == 0) return bad();
+  const absl::string_view host = address.substr(0, colon);
+  const absl::string_view port = address.substr(colon + 1);
+  if (port.empty() || port.size() > 5) return bad();
+  for (char ch : port) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(ch))) return bad();
+  }
+  // A bare IPv6 address would put its own colons before the port.
+  if (host.find(':') != absl::string_view::npos && (host.front() != '[' || host.back() != ']')) {
+    return bad();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateJobSettings(const JobSettings& s, absl::string_view p) {
+  if (!IsValidJobId(s.job_id)) {
+    return Invalid(p, "job_id",
+                   absl::StrCat("must be ", kJobIdRule, ", got \"", s.job_id.substr(0, 140), "\""));
+  }
+  if (s.stage < 1 || s.stage > 3) {
+    return Invalid(p, "stage",
+                   absl::StrCat("must be 1, 2 or 3 (stage 0 keeps all model states on the "
+                                "trainers and needs no daemon), got ",
+                                s.stage));
+  }
+  if (s.world_size < 1 || s.world_size > PartitionMap::kMaxWorldSize) {
+    return Invalid(p, "world_size", absl::StrCat("N_d must be in 1..", PartitionMap::kMaxWorldSize,
+                                                 ", got ", s.world_size));
+  }
+  if (s.precision != DType::kFp32 && s.precision != DType::kBf16 &&
+      s.precision != DType::kFp16) {
+    return Invalid(p, "precision", absl::StrCat("unknown dtype ", static_cast<int>(s.precision)));
+  }
+  if (s.reduction != ReductionMode::kDaemon && s.reduction != ReductionMode::kTrainerCollective) {
+    return Invalid(p, "reduction",
+                   absl::StrCat("must be DAEMON (1) or TRAINER_COLLECTIVE (2), got ",
+                                static_cast<int>(s.reduction)));
+  }
+  const OptimizerSettings& o = s.optimizer;
+  if (o.kind != OptimizerKind::kAdamW && o.kind != OptimizerKind::kAdam &&
+      o.kind != OptimizerKind::kSgdMomentum) {
+    return Invalid(p, "optimizer.kind",
+                   absl::StrCat("must be ADAMW (1), ADAM (2) or SGD_MOMENTUM (3), got ",
+                                static_cast<int>(o.kind)));
+  }
+  if (!Finite(o.lr) || o.lr < 0) {
+    return Invalid(p, "optimizer.lr", absl::StrCat("must be finite and >= 0, got ", o.lr));
+  }
+  if (o.kind != OptimizerKind::kSgdMomentum) {
+    if (!(o.beta1 >= 0 && o.beta1 < 1)) {
+      return Invalid(p, "optimizer.beta1", absl::StrCat("must be in [0, 1), got ", o.beta1));
+    }
+    if (!(o.beta2 >= 0 && o.beta2 < 1)) {
+      return Invalid(p, "optimizer.beta2", absl::StrCat("must be in [0, 1), got ", o.beta2));
+    }
+    if (!(o.eps > 0) || !Finite(o.eps)) {
+      return Invalid(p, "optimizer.eps", absl::StrCat("must be finite and > 0, got ", o.eps));
+    }
+  } else if (!(o.momentum >= 0 && o.momentum < 1)) {
+    return Invalid(p, "optimizer.momentum", absl::StrCat("must be in [0, 1), got ", o.momentum));
+  }
+  if (!Finite(o.weight_decay) || o.weight_decay < 0) {
+    return Invalid(p, "optimizer.weight_decay",
+                   absl::StrCat("must be finite and >= 0, got ", o.weight_decay));
+  }
+  const LossScaleSettings& ls = s.loss_scale;
+  if (!Finite(ls.initial_scale) || ls.initial_scale <= 0) {
+    return Invalid(p, "loss_scale.initial_scale",
+                   absl::StrCat("must be finite and > 0, got ", ls.initial_scale));
+  }
+  if (ls.dynamic) {
+    if (ls.growth_interval < 1) {
+      return Invalid(p, "loss_scale.growth_interval", "must be >= 1 with dynamic scaling");
+    }
+    if (!(ls.growth_factor > 1) || !Finite(ls.growth_factor)) {
+      return Invalid(p, "loss_scale.growth_factor",
+                     absl::StrCat("must be finite and > 1, got ", ls.growth_factor));
+    }
+    if (!(ls.backoff_factor > 0 && ls.backoff_factor < 1)) {
+      return Invalid(p, "loss_scale.backoff_factor",
+                     absl::StrCat("must be in (0, 1), got ", ls.backoff_factor));
+    }
+  }
+  if (s.bucket_bytes < kMinBucketBytes || s.bucket_bytes > kMaxBucketBytes) {
+    return Invalid(p, "bucket_bytes",
+                   absl::StrCat("must be in 4 KiB..1 GiB, got ", s.bucket_bytes));
+  }
+  if (s.daemons.empty() || s.daemons.size() > s.world_size) {
+    return Invalid(p, "daemons", absl::StrCat("needs 1..world_size (", s.world_size,
+                                              ") addresses, got ", s.daemons.size()));
+  }
+  for (size_t i = 0; i < s.daemons.size(); ++i) {
+    const std::string field = absl::StrCat(p, "daemons[", i, "]");
+    if (absl::Status st = ValidateHostPort(s.daemons[i], field); !st.ok()) return st;
+    for (size_t j = 0; j < i; ++j) {
+      if (s.daemons[j] == s.daemons[i]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ": \"", s.daemons[i], "\" is listed twice"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+v1::DType WireDType(DType t) { return static_cast<v1::DType>(DTypeToProto(t)); }
+
+absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& layout) {
+  std::vector<TensorSpec> specs;
+  specs.reserve(layout.tensors_size());
+  for (int i = 0; i < layout.tensors_size(); ++i) {
+    const v1::TensorSpec& t = layout.tensors(i);
+    absl::StatusOr<DType> dtype =
+        DTypeFromProto(t.dtype(), absl::StrCat("spec.layout.tensors[", i, "].dtype"));
+    if (!dtype.ok()) return dtype.status();
+    specs.push_back(TensorSpec{t.name(), {t.shape().begin(), t.shape().end()}, *dtype, t.layer()});
+  }
+  absl::StatusOr<Layout> out = Layout::Create(std::move(specs), layout.alignment_elements());
+  if (!out.ok()) {
+    return absl::Status(out.status().code(), absl::StrCat("spec.layout.", out.status().message()));
+  }
+  return out;
+}
+
+v1::Layout LayoutToProto(const Layout& layout) {
+  v1::Layout out;
+  out.set_alignment_elements(static_cast<uint32_t>(layout.alignment()));
+  for (const TensorPlacement& t : layout.tensors()) {
+    v1::TensorSpec* s = out.add_tensors();
+    s->set_name(t.spec.name);
+    for (int64_t d : t.spec.shape) s->add_shape(d);
+    s->set_dtype(WireDType(t.spec.dtype));
+    s->set_layer(t.spec.layer);
+  }
+  return out;
+}
+
+v1::JobSpec ToJobSpec(const JobSettings& s, const Layout& layout) {
+  v1::JobSpec spec;
+  spec.set_job_id(s.job_id);
+  *spec.mutable_layout() = LayoutToProto(layout);
+  spec.set_layout_fingerprint(layout.fingerprint());
+  spec.set_stage(s.stage);
+  spec.set_world_size(s.world_size);
+  spec.set_precision(WireDType(s.precision));
+  spec.set_reduction(static_cast<v1::ReductionMode>(s.reduction));
+  v1::OptimizerConfig* o = spec.mutable_optimizer();
+  o->set_kind(static_cast<v1::OptimizerKind>(s.optimizer.kind));
+  o->set_lr(s.optimizer.lr);
+  o->set_beta1(s.optimizer.beta1);
+  o->set_beta2(s.optimizer.beta2);
+  o->set_eps(s.optimizer.eps);
+  o->set_weight_decay(s.optimizer.weight_decay);
+  o->set_momentum(s.optimizer.momentum);
+  v1::LossScaleConfig* ls = spec.mutable_loss_scale();
+  ls->set_dynamic(s.loss_scale.dynamic);
+  ls->set_initial_scale(s.loss_scale.initial_scale);
+  if (s.loss_scale.dynamic) {
+    ls->set_growth_interval(s.loss_scale.growth_interval);
+    ls->set_growth_factor(s.loss_scale.growth_factor);
+    ls->set_backoff_factor(s.loss_scale.backoff_factor);
+  }
+  spec.set_bucket_bytes(s.bucket_bytes);
+  for (const std::string& d : s.daemons) spec.add_daemons(d);
+  return spec;
+}
+
+absl::StatusOr<JobConfig> ParseJobSpec(const v1::JobSpec& spec) {
+  JobConfig c;
+  c.job_id = spec.job_id();
+  c.stage = spec.stage();
+  c.world_size = spec.world_size();
+  absl::StatusOr<DType> precision = DTypeFromProto(spec.precision(), "spec.precision");
+  if (!precision.ok()) return precision.status();
+  c.precision = *precision;
+  // Out-of-range enum values survive the casts and are refused by the
+  // validator with their number.
+  c.reduction = static_cast<ReductionMode>(spec.reduction());
+  const v1::OptimizerConfig& o = spec.optimizer();
+  c.optimizer.kind = static_cast<OptimizerKind>(o.kind());
+  c.optimizer.lr = o.lr();
+  c.optimizer.beta1 = o.beta1();
+  c.optimizer.beta2 = o.beta2();
+  c.optimizer.eps = o.eps();
+  c.optimizer.weight_decay = o.weight_decay();
+  c.optimizer.momentum = o.momentum();
+  const v1::LossScaleConfig& ls = spec.loss_scale();
+  c.loss_scale.dynamic = ls.dynamic();
+  c.loss_scale.initial_scale = ls.initial_scale() == 0 ? 1.0f : ls.initial_scale();
+  if (ls.dynamic()) {
+    c.loss_scale.growth_interval = ls.growth_interval();
+    c.loss_scale.growth_factor = ls.growth_factor();
+    c.loss_scale.backoff_factor = ls.backoff_factor();
+  }
+  c.bucket_bytes = spec.bucket_bytes() == 0 ? kDefaultBucketBytes : spec.bucket_bytes();
+  c.daemons.assign(spec.daemons().begin(), spec.daemons().end());
+  if (spec.reduction() < 0 || spec.reduction() > 255 || spec.optimizer().kind() < 0 ||
+      spec.optimizer().kind() > 255) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.reduction / spec.optimizer.kind: unknown enum value (",
+                     spec.reduction(), ", ", spec.optimizer().kind(), ")"));
+  }
+  if (absl::Status s = ValidateJobSettings(c, "spec."); !s.ok()) return s;
+  absl::StatusOr<Layout> layout = LayoutFromProto(spec.layout());
+  if (!layout.ok()) return layout.status();
+  if (spec.layout_fingerprint() != layout->fingerprint()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.layout_fingerprint: does not match the layout (got ",
+                     spec.layout_fingerprint(), ", the layout hashes to ", layout->fingerprint(),
+                     "): the trainer and daemon disagree on the layout"));
+  }
+  absl::StatusOr<PartitionMap> map = PartitionMap::Create(
+      layout->total_elements(), c.world_size, static_cast<uint32_t>(c.daemons.size()));
+  if (!map.ok()) return map.status();
+  c.layout = *std::move(layout);
+  c.map = *map;
+  return c;
+}
+
+std::string DescribeSpecDifference(const v1::JobSpec& registered, const v1::JobSpec& got) {
+  auto differ = [](absl::string_view field, auto a, auto b) -> std::string {
+    return absl::StrCat(field, ": registered ", a, ", got ", b);
+  };
+  if (registered.layout_fingerprint() != got.layout_fingerprint()) {
+    return differ("layout_fingerprint", registered.layout_fingerprint(), got.layout_fingerprint());
+  }
+  if (registered.stage() != got.stage()) return differ("stage", registered.stage(), got.stage());
+  if (registered.world_size() != got.world_size()) {
+    return differ("world_size", registered.world_size(), got.world_size());
+  }
+  if (registered.precision() != got.precision()) {
+    return differ("precision", registered.precision(), got.precision());
+  }
+  if (registered.reduction() != got.reduction()) {
+    return differ("reduction", registered.reduction(), got.reduction());
+  }
+  if (registered.bucket_bytes() != got.bucket_bytes()) {
+    return differ("bucket_bytes", registered.bucket_bytes(), got.bucket_bytes());
+  }
+  if (!google::protobuf::util::MessageDifferencer::Equals(registered.optimizer(),
+                                                          got.optimizer())) {
+    return differ("optimizer", registered.optimizer().ShortDebugString(),
+                  got.optimizer().ShortDebugString());
+  }
+  if (!google::protobuf::util::MessageDifferencer::Equals(registered.loss_scale(),
+                                                          got.loss_scale())) {
+    return differ("loss_scale", registered.loss_scale().ShortDebugString(),
+                  got.loss_scale().ShortDebugString());
+  }
+  const std::string a = absl::StrJoin(registered.daemons(), ",");
+  const std::string b = absl::StrJoin(got.daemons(), ",");
+  if (a != b) return differ("daemons", a, b);
+  if (!google::protobuf::util::MessageDifferencer::Equals(registered.layout(), got.layout())) {
+    return "layout: registered and requested layouts differ";
+  }
+  return "";
+}
+
+uint64_t DaemonModelStateFormulaBytes(const JobConfig& config, uint64_t owned_elements) {
+  const uint64_t k = config.optimizer.kind == OptimizerKind::kSgdMomentum ? 8 : 12;
+  uint64_t per = k;
+  if (config.stage >= 2) per += 4;
+  if (config.stage == 3 && config.precision != DType::kFp32) per += 2;
+  return per * owned_elements;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,42 @@
+#pragma once
+
+// The limits and names of the zeroshard v1 protocol that the client and the
+// daemon must agree on, in one place (docs/protocol.md lists them for
+// people). Everything here is a property of the wire, not a tuning knob.
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "proto/zeroshard/v1/shard.pb.h"
+
+namespace zeroshard {
+
+// Bytes of payload one GradientChunk or ParameterChunk may carry, and so the
+// largest bulk-transport push and the largest gather request.
+inline constexpr uint64_t kMaxChunkBytes = uint64_t{64} << 20;
+// Largest gRPC message either side accepts: one full chunk plus headers.
+inline constexpr int kMaxGrpcMessageBytes = 80 << 20;
+// Longest a Gather may ask the daemon to wait for a commit (wait_ms).
+inline constexpr uint32_t kMaxWaitMs = 600000;
+// Constant bucket size C_B (JobSpec.bucket_bytes).
+inline constexpr uint64_t kMinBucketBytes = 4096;
+inline constexpr uint64_t kMaxBucketBytes = uint64_t{1} << 30;
+inline constexpr uint64_t kDefaultBucketBytes = uint64_t{32} << 20;
+// A daemon address, HOST:PORT.
+inline constexpr size_t kMaxAddressBytes = 256;
+// StepState.missing lists at most this many ranges.
+inline constexpr int kMaxMissingReported = 16;
+
+// Bulk-transport names (the registry's, transport/transport.h) to the
+// protocol's TransportKind and back. InvalidArgument for a name that has no
+// kind, naming `field`.
+absl::StatusOr<v1::TransportKind> TransportKindFromName(absl::string_view name,
+                                                        absl::string_view field);
+// "ucx", "grpc", "inproc"; "unspecified" for anything else.
+absl::string_view TransportKindName(v1::TransportKind kind);
+
+// "GRAD_STAGING", "PARAM_MASTER", "PARAM_HALF" (for messages).
+absl::string_view RegionPurposeName(v1::RegionPurpose purpose);
+
+}  // namespace zeroshard

@@ -1,0 +1,118 @@
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "server/services.h"
+
+namespace zeroshard {
+namespace {
+
+void Log(const std::string& line) { std::fprintf(stderr, "zeroshardd: %s\n", line.c_str()); }
+
+}  // namespace
+
+void FillPartitionMap(const JobConfig& c, v1::PartitionMap* m) {
+  m->set_total_elements(c.map.total_elements());
+  m->set_padded_elements(c.map.padded_elements());
+  m->set_partition_elements(c.map.partition_elements());
+  for (uint32_t i = 0; i < c.world_size; ++i) {
+    v1::Partition* p = m->add_partitions();
+    p->set_index(i);
+    p->mutable_range()->set_begin(c.map.Partition(i).begin);
+    p->mutable_range()->set_end(c.map.Partition(i).end);
+    p->set_daemon_address(c.daemons[c.map.DaemonOf(i)]);
+  }
+}
+
+grpc::Status ControlService::RegisterJob(grpc::ServerContext*, const v1::RegisterJobRequest* req,
+                                         v1::RegisterJobResponse* resp) {
+  bool created = false;
+  absl::StatusOr<std::shared_ptr<Job>> job =
+      ctx_->jobs->Register(*req, ctx_->draining.load(), &created);
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  const JobConfig& c = (*job)->config();
+  resp->set_created(created);
+  FillPartitionMap(c, resp->mutable_partition_map());
+  for (uint32_t p : (*job)->owned_partitions()) resp->add_owned_partitions(p);
+  ctx_->metrics->SetJobs(ctx_->jobs->size());
+  if (created) {
+    ctx_->metrics->SetRanks(c.job_id, 0, c.world_size);
+    Log(absl::StrCat("job ", c.job_id, " registered: stage ", c.stage, ", N_d ", c.world_size,
+                     ", Ψ ", c.layout.parameter_count(), ", partitions ",
+                     (*job)->owned_partitions().size(), " owned here"));
+  }
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status ControlService::JoinJob(grpc::ServerContext*, const v1::JoinJobRequest* req,
+                                     v1::JoinJobResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  absl::Status s = (*job)->Join(*req, resp);
+  if (s.ok()) {
+    const uint32_t world = (*job)->config().world_size;
+    ctx_->metrics->SetRanks(req->job_id(),
+                            (*job)->RanksConnected(ctx_->jobs->options().rank_timeout), world);
+    Log(absl::StrCat("job ", req->job_id(), " rank ", req->rank(), " joined as incarnation ",
+                     req->incarnation(), " (", resp->ranks_connected(), "/", world, " joined)"));
+  }
+  return ctx_->Done(__func__, s);
+}
+
+grpc::Status ControlService::GetPartitionMap(grpc::ServerContext*,
+                                             const v1::GetPartitionMapRequest* req,
+                                             v1::PartitionMap* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  FillPartitionMap((*job)->config(), resp);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status ControlService::Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+                                       v1::HeartbeatResponse*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  return ctx_->Done(__func__, (*job)->CheckRank(req->rank(), req->incarnation(), ""));
+}
+
+grpc::Status ControlService::Leave(grpc::ServerContext*, const v1::LeaveRequest* req,
+                                   v1::LeaveResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  absl::StatusOr<bool> last = (*job)->Leave(req->rank(), req->incarnation());
+  if (!last.ok()) return ctx_->Done(__func__, last.status());
+  Log(absl::StrCat("job ", req->job_id(), " rank ", req->rank(), " left"));
+  const uint32_t world = (*job)->config().world_size;
+  ctx_->metrics->SetRanks(req->job_id(),
+                          (*job)->RanksConnected(ctx_->jobs->options().rank_timeout), world);
+  if (*last) {
+    // The job was marked removed under its rank lock (no staging can be
+    // created for it any more); its memory stays for the read lease.
+    ctx_->jobs->Remove(*job);
+    ctx_->metrics->SetJobs(ctx_->jobs->size());
+    Log(absl::StrCat("job ", req->job_id(), " removed: every rank has left"));
+  }
+  resp->set_job_removed(*last);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status ControlService::SaveCheckpoint(grpc::ServerContext*, const v1::SaveCheckpointRequest*,
+                                            v1::SaveCheckpointResponse*) {
+  return ctx_->Done(__func__, absl::UnimplementedError(
+                                  "SaveCheckpoint is not available in this version of zeroshardd"));
+}
+
+grpc::Status ControlService::LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest*,
+                                            v1::LoadCheckpointResponse*) {
+  return ctx_->Done(__func__, absl::UnimplementedError(
+                                  "LoadCheckpoint is not available in this version of zeroshardd"));
+}
+
+grpc::Status ControlService::Drain(grpc::ServerContext*, const v1::DrainRequest*,
+                                   v1::DrainResponse* resp) {
+  ctx_->draining = true;
+  resp->set_jobs(static_cast<uint32_t>(ctx_->jobs->size()));
+  Log("draining: new jobs are refused");
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+}  // namespace zeroshard

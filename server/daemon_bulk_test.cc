@@ -1,0 +1,344 @@
+// The daemon's side of the bulk data path, over every bulk transport
+// (inproc, and UCX where it initialises): ExchangeEndpoint hands out a
+// staging region per rank and the parameter regions, booked once in the
+// ledger; staged pushes are validated like inline ones and give the same
+// result; staging-slot generations and fences; bad input gets a specific
+// status and changes nothing.
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/crc32c.h"
+#include "gtest/gtest.h"
+#include "server/daemon.h"
+#include "common/job_spec.h"
+#include "server/testing/daemon_fixture.h"
+#include "transport/transport.h"
+
+namespace zeroshard {
+namespace {
+
+using testing::DaemonClient;
+using testing::GradientChunks;
+using testing::MakeSpec;
+using testing::SampleLayout;
+
+constexpr uint32_t kWorld = 3;
+constexpr uint64_t kChunk = 500;
+
+grpc::Status Exchange(DaemonClient& c, const std::string& job, uint32_t rank,
+                      v1::ExchangeEndpointResponse* resp,
+                      v1::TransportKind kind) {
+  grpc::ClientContext ctx;
+  v1::ExchangeEndpointRequest req;
+  req.set_job_id(job);
+  req.set_rank(rank);
+  req.set_transport(kind);
+  req.set_incarnation(testing::kTestIncarnation);
+  return c.shard->ExchangeEndpoint(&ctx, req, resp);
+}
+
+grpc::Status Fence(DaemonClient& c, uint32_t rank, uint32_t slot, uint64_t generation,
+                   v1::FenceStagingSlotResponse* resp) {
+  grpc::ClientContext ctx;
+  v1::FenceStagingSlotRequest req;
+  req.set_job_id("job");
+  req.set_rank(rank);
+  req.set_incarnation(testing::kTestIncarnation);
+  req.set_slot(slot);
+  req.set_generation(generation);
+  return c.shard->FenceStagingSlot(&ctx, req, resp);
+}
+
+struct BulkParam {
+  const char* transport;
+  const char* tls;
+  const char* name;
+};
+
+class DaemonBulkTest : public ::testing::TestWithParam<BulkParam> {
+ protected:
+  void SetUp() override {
+    DaemonOptions o;
+    o.bulk_transport = GetParam().transport;
+    o.ucx_tls = GetParam().tls;
+    o.read_lease = absl::ZeroDuration();
+    absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = *std::move(d);
+    if (daemon_->bulk_transport() == nullptr) {
+      GTEST_SKIP() << GetParam().transport << " cannot initialise with " << GetParam().tls;
+    }
+    kind_ = *TransportKindFromName(GetParam().transport, "t");
+    transport::TransportOptions to;
+    to.ucx_tls = GetParam().tls;
+    absl::StatusOr<std::unique_ptr<transport::Transport>> t =
+        transport::CreateTransport(GetParam().transport, to);
+    if (!t.ok()) GTEST_SKIP() << "cannot initialise: " << t.status();
+    transport_ = *std::move(t);
+    client_ = std::make_unique<DaemonClient>(daemon_->address());
+    spec_ = MakeSpec("job", SampleLayout(), 2, kWorld, {daemon_->address()});
+    config_ = *ParseJobSpec(spec_);
+    ASSERT_TRUE(client_->Register(spec_, 0).ok());
+    for (uint32_t r = 0; r < kWorld; ++r) ASSERT_TRUE(client_->Join(spec_, r).ok());
+    grad_.assign(config_.map.total_elements(), 0.25f);
+    const uint64_t buffer_before = Buffer();
+    grpc::Status s = Exchange(*client_, "job", 0, &endpoint_, kind_);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(endpoint_.regions_size(), 2);  // fp32 job: staging and masters
+    EXPECT_EQ(endpoint_.regions(0).purpose(), v1::REGION_PURPOSE_GRAD_STAGING);
+    EXPECT_EQ(endpoint_.regions(1).purpose(), v1::REGION_PURPOSE_PARAM_MASTER);
+    EXPECT_EQ(endpoint_.transport(), kind_);
+    EXPECT_EQ(endpoint_.staging_slots(), 2u);
+    EXPECT_EQ(endpoint_.staging_slot_bytes(), config_.bucket_bytes);
+    staging_.address = endpoint_.regions(0).address();
+    staging_.length = endpoint_.regions(0).length();
+    staging_.rkey = endpoint_.regions(0).rkey();
+    // Two slots of one bucket, booked as buffer; the masters are booked once.
+    EXPECT_EQ(staging_.length, 2 * config_.bucket_bytes);
+    EXPECT_EQ(Buffer() - buffer_before, staging_.length);
+    EXPECT_EQ(Category(MemoryCategory::kParamMaster),
+              config_.map.DaemonRange(0).size() * sizeof(float));
+    absl::StatusOr<std::unique_ptr<transport::Connection>> conn =
+        transport_->Connect(endpoint_.worker_address(), absl::Now() + absl::Seconds(10));
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    conn_ = *std::move(conn);
+  }
+
+  uint64_t Category(MemoryCategory c) {
+    return daemon_->ledger().JobBytes("job")[static_cast<int>(c)];
+  }
+  uint64_t Buffer() { return Category(MemoryCategory::kBuffer); }
+
+  // Puts the chunk's data into staging slot `slot` and turns it into a
+  // staged chunk of the next generation of that slot. No CRC: staged pushes
+  // carry none.
+  void Stage(v1::GradientChunk* c, uint32_t slot = 0) {
+    transport::Completion put =
+        conn_->Put(c->data().data(), c->data().size(), staging_, slot * endpoint_.staging_slot_bytes());
+    ASSERT_TRUE(put.Wait(absl::Now() + absl::Seconds(10)).ok());
+    c->set_staged(true);
+    c->set_staging_slot(slot);
+    c->set_staging_generation(++generation_[slot]);
+    c->set_crc32c(0);
+    c->clear_data();
+  }
+
+  template <typename Call>
+  void ExpectRejected(grpc::StatusCode code, const std::string& text, Call call) {
+    testing::ExpectRejected(*daemon_, "job", code, text, call);
+  }
+
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<transport::Connection> conn_;
+  std::unique_ptr<DaemonClient> client_;
+  v1::JobSpec spec_;
+  JobConfig config_;
+  std::vector<float> grad_;
+  v1::ExchangeEndpointResponse endpoint_;
+  transport::RegionDescriptor staging_;
+  v1::TransportKind kind_ = v1::TRANSPORT_KIND_UNSPECIFIED;
+  uint64_t generation_[2] = {0, 0};
+};
+
+TEST_P(DaemonBulkTest, ExchangeRejectsBadInput) {
+  v1::ExchangeEndpointResponse r;
+  ExpectRejected(grpc::NOT_FOUND, "nope", [&] { return Exchange(*client_, "nope", 0, &r, kind_); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "rank",
+                 [&] { return Exchange(*client_, "job", kWorld, &r, kind_); });
+  const v1::TransportKind other =
+      kind_ == v1::TRANSPORT_KIND_INPROC ? v1::TRANSPORT_KIND_UCX : v1::TRANSPORT_KIND_INPROC;
+  ExpectRejected(grpc::FAILED_PRECONDITION, "bulk transport",
+                 [&] { return Exchange(*client_, "job", 1, &r, other); });
+  // Idempotent: the same region again, nothing booked twice.
+  ExpectRejected(grpc::OK, "", [&] { return Exchange(*client_, "job", 0, &r, kind_); });
+  EXPECT_EQ(r.regions(0).address(), staging_.address);
+}
+
+TEST_P(DaemonBulkTest, StagedPushesAreValidatedAndMatchInlineOnes) {
+  std::vector<v1::GradientChunk> chunks = GradientChunks(
+      "job", 1, 0, config_.map, {0, config_.map.total_elements()}, grad_.data(), kChunk);
+  auto one = [&](size_t i, auto edit) {
+    v1::GradientChunk c = chunks[i];
+    Stage(&c);
+    edit(c);
+    return std::vector<v1::GradientChunk>{c};
+  };
+  auto push = [&](std::vector<v1::GradientChunk> c) {
+    return [this, c] { return client_->Push(c); };
+  };
+  ExpectRejected(grpc::INVALID_ARGUMENT, "staging_slot",
+                 push(one(0, [&](v1::GradientChunk& c) { c.set_staging_slot(2); })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "staging_generation",
+                 push(one(0, [&](v1::GradientChunk& c) { c.set_staging_generation(0); })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "carries no data",
+                 push(one(0, [](v1::GradientChunk& c) { c.set_data("x"); })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "rank",
+                 push(one(0, [](v1::GradientChunk& c) { c.set_rank(kWorld); })));
+  ExpectRejected(grpc::FAILED_PRECONDITION, "ExchangeEndpoint",
+                 push(one(0, [](v1::GradientChunk& c) { c.set_rank(1); })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "range",
+                 push(one(0, [](v1::GradientChunk& c) { c.mutable_range()->set_end(0); })));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "alone", [&] {
+    std::vector<v1::GradientChunk> c = {chunks[0], chunks[1]};
+    Stage(&c[0]);
+    return client_->Push(c);
+  });
+  // Rank 0 staged, ranks 1 and 2 inline: same sum as all inline.
+  for (const v1::GradientChunk& c : chunks) {
+    v1::GradientChunk s = c;
+    Stage(&s);
+    grpc::Status st = client_->Push({s});
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  for (uint32_t r = 1; r < kWorld; ++r) {
+    ASSERT_TRUE(client_->Push(GradientChunks("job", 1, r, config_.map,
+                                             {0, config_.map.total_elements()}, grad_.data(),
+                                             kChunk)).ok());
+  }
+  v1::PrepareStepResponse p;
+  ASSERT_TRUE(client_->Prepare("job", 1, &p).ok());
+  const double expected = 0.25 * 0.25 * config_.map.total_elements();
+  EXPECT_NEAR(p.grad_sq_sum(), expected, expected * 1e-6);
+  ASSERT_TRUE(client_->Commit("job", 1, 0.01f).ok());
+  // The masters read through the region equal a streaming gather.
+  std::vector<float> via_stream;
+  const uint64_t total = config_.map.total_elements();
+  ASSERT_TRUE(client_->Gather("job", 1, {0, total}, &via_stream).ok());
+  transport::RegionDescriptor master;
+  master.address = endpoint_.regions(1).address();
+  master.length = endpoint_.regions(1).length();
+  master.rkey = endpoint_.regions(1).rkey();
+  std::vector<float> via_bulk(total);
+  transport::Completion get = conn_->Get(via_bulk.data(), total * 4, master, 0);
+  ASSERT_TRUE(get.Wait(absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_EQ(0, std::memcmp(via_bulk.data(), via_stream.data(), total * 4));
+}
+
+// Bug 1: a staged push whose RPC the client gave up on must never be applied
+// after the client reused the slot. The fence answers whether it was applied,
+// and refuses the late push; a generation is applied at most once.
+TEST_P(DaemonBulkTest, FencedGenerationIsNeverApplied) {
+  std::vector<v1::GradientChunk> chunks = GradientChunks(
+      "job", 1, 0, config_.map, {0, config_.map.total_elements()}, grad_.data(), kChunk);
+  v1::GradientChunk late = chunks[0];
+  Stage(&late);  // generation 1 of slot 0, its RPC "timed out" before sending
+  v1::FenceStagingSlotResponse fenced;
+  ASSERT_TRUE(Fence(*client_, 0, 0, late.staging_generation(), &fenced).ok());
+  EXPECT_EQ(fenced.applied_generation(), 0u);  // not applied: the client resends
+  // The client reuses the slot for another bucket; the late RPC now arrives.
+  v1::GradientChunk next = chunks[1];
+  Stage(&next);  // generation 2
+  ExpectRejected(grpc::FAILED_PRECONDITION, "fenced", [&] { return client_->Push({late}); });
+  ASSERT_TRUE(client_->Push({next}).ok());
+  // Applied once; a replay of the same generation is refused.
+  ExpectRejected(grpc::FAILED_PRECONDITION, "already applied", [&] { return client_->Push({next}); });
+  ASSERT_TRUE(Fence(*client_, 0, 0, next.staging_generation(), &fenced).ok());
+  EXPECT_EQ(fenced.applied_generation(), next.staging_generation());
+  v1::FenceStagingSlotResponse r;
+  EXPECT_EQ(Fence(*client_, 0, 7, 1, &r).error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(Fence(*client_, 1, 0, 1, &r).error_code(), grpc::FAILED_PRECONDITION);
+}
+
+// Bug 4: the last rank's Leave removes the job atomically with its staging;
+// an ExchangeEndpoint that found the job before cannot re-create staging,
+// and the ledger empties once the read lease ends.
+TEST_P(DaemonBulkTest, LeaveRemovesJobWithItsStaging) {
+  std::shared_ptr<Job> held = *daemon_->jobs().Find("job");
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    grpc::ClientContext ctx;
+    v1::LeaveRequest req;
+    req.set_job_id("job");
+    req.set_rank(r);
+    req.set_incarnation(testing::kTestIncarnation);
+    v1::LeaveResponse resp;
+    ASSERT_TRUE(client_->control->Leave(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.job_removed(), r == kWorld - 1);
+  }
+  EXPECT_EQ(held->Staging(0, testing::kTestIncarnation, true).status().code(),
+            absl::StatusCode::kNotFound);
+  held.reset();
+  daemon_->jobs().Tick();  // read lease 0: reaped now
+  EXPECT_EQ(daemon_->jobs().retired(), 0u);
+  EXPECT_EQ(daemon_->ledger().total(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, DaemonBulkTest,
+                         ::testing::Values(BulkParam{"inproc", "", "Inproc"},
+                                           BulkParam{"ucx", "tcp", "UcxTcp"},
+                                           BulkParam{"ucx", "posix,cma,self", "UcxShm"}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// Bug 7: the last Leave removes the job, but its parameter regions stay
+// mapped (and booked) for the read lease after the job last handed out
+// remote access, so a peer's Get in flight still reads live memory; then
+// they are freed.
+TEST(DaemonBulkLeaseTest, RemovedJobsRegionsOutliveTheReadLease) {
+  DaemonOptions o;
+  o.bulk_transport = "inproc";
+  o.read_lease = absl::Milliseconds(600);
+  std::unique_ptr<Daemon> daemon = *Daemon::Start(o);
+  DaemonClient client(daemon->address());
+  const v1::JobSpec spec = MakeSpec("job", SampleLayout(), 2, 1, {daemon->address()});
+  const JobConfig config = *ParseJobSpec(spec);
+  ASSERT_TRUE(client.Register(spec, 0).ok());
+  ASSERT_TRUE(client.JoinAll(spec).ok());
+  v1::ExchangeEndpointResponse endpoint;
+  ASSERT_TRUE(Exchange(client, "job", 0, &endpoint, v1::TRANSPORT_KIND_INPROC).ok());
+  std::unique_ptr<transport::Transport> peer = *transport::CreateTransport("inproc");
+  std::unique_ptr<transport::Connection> conn =
+      *peer->Connect(endpoint.worker_address(), absl::Now() + absl::Seconds(10));
+  transport::RegionDescriptor master;
+  master.address = endpoint.regions(1).address();
+  master.length = endpoint.regions(1).length();
+  master.rkey = endpoint.regions(1).rkey();
+  grpc::ClientContext ctx;
+  v1::LeaveRequest leave;
+  leave.set_job_id("job");
+  leave.set_incarnation(testing::kTestIncarnation);
+  v1::LeaveResponse left;
+  ASSERT_TRUE(client.control->Leave(&ctx, leave, &left).ok());
+  ASSERT_TRUE(left.job_removed());
+  EXPECT_FALSE(daemon->jobs().Find("job").ok());
+  // Within the lease: still readable, still booked.
+  std::vector<float> out(config.map.total_elements());
+  daemon->jobs().Tick();
+  transport::Completion get = conn->Get(out.data(), out.size() * 4, master, 0);
+  EXPECT_TRUE(get.Wait(absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_GT(daemon->ledger().total(), 0u);
+  EXPECT_EQ(daemon->jobs().retired(), 1u);
+  // After it: freed, and the peer's reads fail instead of reading freed memory.
+  absl::SleepFor(absl::Milliseconds(700));
+  daemon->jobs().Tick();
+  EXPECT_EQ(daemon->jobs().retired(), 0u);
+  EXPECT_EQ(daemon->ledger().total(), 0u);
+  transport::Completion late = conn->Get(out.data(), out.size() * 4, master, 0);
+  EXPECT_FALSE(late.Wait(absl::Now() + absl::Seconds(10)).ok());
+}
+
+TEST(DaemonBulkOffTest, ExchangeWithoutBulkTransportIsUnavailable) {
+  std::unique_ptr<Daemon> daemon = testing::StartDaemon();
+  DaemonClient client(daemon->address());
+  v1::JobSpec spec = MakeSpec("job", SampleLayout(), 2, 1, {daemon->address()});
+  ASSERT_TRUE(client.Register(spec, 0).ok());
+  v1::ExchangeEndpointResponse r;
+  grpc::Status s = Exchange(client, "job", 0, &r, v1::TRANSPORT_KIND_UCX);
+  EXPECT_EQ(s.error_code(), grpc::UNAVAILABLE) << s.error_message();
+  EXPECT_NE(s.error_message().find("stream"), std::string::npos) << s.error_message();
+  ASSERT_TRUE(client.Join(spec, 0).ok());
+  // A staged chunk without a staging region.
+  const JobConfig config = *ParseJobSpec(spec);
+  std::vector<float> g(config.map.total_elements(), 1.0f);
+  std::vector<v1::GradientChunk> c =
+      GradientChunks("job", 1, 0, config.map, {0, config.map.total_elements()}, g.data(), kChunk);
+  c.resize(1);
+  c[0].clear_data();
+  c[0].set_staged(true);
+  s = client.Push(c);
+  EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION) << s.error_message();
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,151 @@
+#include "server/job_manager.h"
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace zeroshard {
+
+JobManager::JobManager(Options options, JobResources resources, DaemonMetrics* metrics)
+    : options_(options), resources_(resources), metrics_(metrics) {
+  janitor_ = std::thread([this] { RunJanitor(); });
+}
+
+JobManager::~JobManager() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  janitor_.join();
+  std::vector<Retired> retired;
+  std::map<std::string, std::shared_ptr<Job>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    retired.swap(retired_);
+    jobs.swap(jobs_);
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Job>> JobManager::Find(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("job \"", id.substr(0, 140),
+                                            "\" is not registered on this daemon"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobRequest& request,
+                                                          bool draining, bool* created) {
+  *created = false;
+  absl::StatusOr<JobConfig> config = ParseJobSpec(request.spec());
+  if (!config.ok()) return config.status();
+  if (request.daemon_index() >= config->daemons.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "daemon_index: must be < the number of daemons in spec.daemons (",
+        config->daemons.size(), "), got ", request.daemon_index()));
+  }
+  auto same = [&](const Job& job) -> absl::Status {
+    const std::string diff = DescribeSpecDifference(job.spec(), request.spec());
+    if (!diff.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", config->job_id, " is registered with a different spec: ", diff));
+    }
+    if (job.daemon_index() != request.daemon_index()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "daemon_index: job ", config->job_id, " is registered here as daemon ",
+          job.daemon_index(), ", got ", request.daemon_index()));
+    }
+    return absl::OkStatus();
+  };
+  if (absl::StatusOr<std::shared_ptr<Job>> existing = Find(config->job_id); existing.ok()) {
+    if (absl::Status s = same(**existing); !s.ok()) return s;
+    return *existing;
+  }
+  if (draining) return absl::UnavailableError("this daemon is draining and accepts no new jobs");
+  const std::string id = config->job_id;
+  absl::StatusOr<std::unique_ptr<Job>> job =
+      Job::Create(*std::move(config), request.spec(), request.daemon_index(), resources_);
+  if (!job.ok()) return job.status();
+  std::shared_ptr<Job> shared = *std::move(job);
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = jobs_.emplace(id, shared);
+  if (!inserted) {  // lost a race with another registration
+    if (absl::Status s = same(*it->second); !s.ok()) return s;
+    return it->second;
+  }
+  *created = true;
+  return shared;
+}
+
+void JobManager::Remove(const std::shared_ptr<Job>& job) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job->config().job_id);
+  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  retired_.push_back({job, job->last_remote_access() + options_.read_lease});
+}
+
+std::vector<std::shared_ptr<Job>> JobManager::All() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Job>> out;
+  out.reserve(jobs_.size());
+  for (const auto& [id, job] : jobs_) out.push_back(job);
+  return out;
+}
+
+size_t JobManager::size() const {
+  absl::MutexLock lock(&mu_);
+  return jobs_.size();
+}
+
+size_t JobManager::retired() const {
+  absl::MutexLock lock(&mu_);
+  return retired_.size();
+}
+
+void JobManager::Tick() {
+  const absl::Time now = absl::Now();
+  std::vector<std::shared_ptr<Job>> reap;
+  std::vector<std::shared_ptr<Job>> live;
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < retired_.size();) {
+      if (retired_[i].until <= now) {
+        reap.push_back(std::move(retired_[i].job));
+        retired_[i] = std::move(retired_.back());
+        retired_.pop_back();
+      } else {
+        ++i;
+      }
+    }
+    for (const auto& [id, job] : jobs_) live.push_back(job);
+  }
+  for (std::shared_ptr<Job>& job : reap) {
+    const std::string id = job->config().job_id;
+    const bool reregistered = Find(id).ok();
+    job.reset();  // frees its memory, unless an RPC still holds it
+    if (!reregistered) {
+      resources_.ledger->RemoveJobIfEmpty(id);
+      metrics_->RemoveJob(id);
+    }
+  }
+  for (const auto& job : live) {
+    metrics_->SetRanks(job->config().job_id, job->RanksConnected(options_.rank_timeout),
+                       job->config().world_size);
+  }
+}
+
+void JobManager::RunJanitor() {
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping), options_.janitor_period)) return;
+    }
+    Tick();
+  }
+}
+
+}  // namespace zeroshard

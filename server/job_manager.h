@@ -1,0 +1,80 @@
+#pragma once
+
+// The jobs a daemon serves, and their lifecycle: registration (idempotent,
+// spec-checked), removal after the last rank leaves, and retirement: a
+// removed job's memory (and so its transport regions) stays alive for the
+// read lease after it last handed out remote access, because peers may
+// still be reading it with one-sided Gets. A janitor thread reaps retired
+// jobs and refreshes the rank-liveness gauges.
+//
+// Thread-safe. Jobs are shared_ptr: an RPC in flight keeps its job alive.
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/zeroshard/v1/control.pb.h"
+#include "server/daemon_metrics.h"
+#include "server/job.h"
+
+namespace zeroshard {
+
+class JobManager {
+ public:
+  struct Options {
+    absl::Duration read_lease = absl::Seconds(30);
+    absl::Duration rank_timeout = absl::Seconds(30);
+    absl::Duration janitor_period = absl::Milliseconds(250);
+  };
+
+  // Starts the janitor. Everything borrowed must outlive the manager.
+  JobManager(Options options, JobResources resources, DaemonMetrics* metrics);
+  // Stops the janitor; frees every job.
+  ~JobManager();
+
+  // NotFound naming the job when it is not registered here.
+  absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& id) const;
+  // Creates the job (or checks `request.spec` equals the registered one:
+  // FailedPrecondition naming the first difference). *created tells which.
+  // Unavailable when `draining` and the job is new.
+  absl::StatusOr<std::shared_ptr<Job>> Register(const v1::RegisterJobRequest& request,
+                                                bool draining, bool* created);
+  // Takes `job` out of the registry (if it is still the one registered under
+  // its id) and retires it.
+  void Remove(const std::shared_ptr<Job>& job);
+  std::vector<std::shared_ptr<Job>> All() const;
+  size_t size() const;
+  // Retired jobs still holding memory.
+  size_t retired() const;
+
+  const Options& options() const { return options_; }
+
+  // One janitor pass (exposed for tests): reaps retired jobs whose lease
+  // ended and updates the ranks-connected gauges.
+  void Tick();
+
+ private:
+  struct Retired {
+    std::shared_ptr<Job> job;
+    absl::Time until;
+  };
+
+  void RunJanitor();
+
+  const Options options_;
+  const JobResources resources_;
+  DaemonMetrics* const metrics_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread janitor_;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,175 @@
+// Concurrency and fencing of one job on a daemon: rank incarnations, the
+// bounded out-of-order buffer, and gathers whose reader stalls.
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "common/job_spec.h"
+#include "gtest/gtest.h"
+#include "server/daemon.h"
+#include "server/testing/daemon_fixture.h"
+
+namespace zeroshard {
+namespace {
+
+using testing::DaemonClient;
+using testing::GradientChunks;
+using testing::MakeSpec;
+using testing::SampleLayout;
+
+std::unique_ptr<Daemon> Start(uint64_t reduction_buffer_bytes = 256ull << 20) {
+  DaemonOptions o;
+  o.reduction_buffer_bytes = reduction_buffer_bytes;
+  o.read_lease = absl::ZeroDuration();
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? *std::move(d) : nullptr;
+}
+
+// Bug 5: a second process claiming a rank fences the first; the stale
+// process's pushes are refused and change nothing.
+TEST(JobTest, NewerIncarnationFencesTheOlder) {
+  std::unique_ptr<Daemon> d = Start();
+  DaemonClient c(d->address());
+  const v1::JobSpec spec = MakeSpec("job", SampleLayout(), 2, 2, {d->address()});
+  const JobConfig config = *ParseJobSpec(spec);
+  ASSERT_TRUE(c.Register(spec, 0).ok());
+  ASSERT_TRUE(c.JoinAll(spec).ok());
+  ASSERT_TRUE(c.Join(spec, 1, 5).ok());  // a restarted rank 1
+  EXPECT_EQ(c.Join(spec, 1, 3).error_code(), grpc::FAILED_PRECONDITION);
+  std::vector<float> g(config.map.total_elements(), 1.0f);
+  auto stale = GradientChunks("job", 1, 1, config.map, {0, config.map.total_elements()}, g.data(),
+                              1000);
+  const uint64_t before = (*d->jobs().Find("job"))->StateHash();
+  grpc::Status s = c.Push(stale);  // incarnation 1: fenced
+  EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_NE(s.error_message().find("fenced"), std::string::npos) << s.error_message();
+  EXPECT_EQ((*d->jobs().Find("job"))->StateHash(), before);
+  for (auto& chunk : stale) chunk.set_incarnation(5);
+  EXPECT_TRUE(c.Push(stale).ok());
+  v1::StepState state;
+  ASSERT_TRUE(c.StepState("job", &state).ok());
+  EXPECT_EQ(state.ranks_joined(), 2u);
+  EXPECT_EQ(state.ranks_connected(), 2u);
+  ASSERT_GT(state.missing_size(), 0);
+  EXPECT_EQ(state.missing(0).rank(), 0u);  // rank 1 is in; it waits for rank 0
+}
+
+// Bug 6: when rank 0 is late, the others' early contributions fill a bounded
+// buffer; past it pushes wait instead of growing it, and the result is
+// bit-identical to in-order arrival.
+TEST(JobTest, OutOfOrderBufferIsBoundedAndExact) {
+  constexpr uint32_t kWorld = 4;
+  const Layout layout = SampleLayout();
+  std::vector<float> in_order, out_of_order;
+  for (int pass = 0; pass < 2; ++pass) {
+    const uint64_t budget = 16 << 10;  // a few chunks of fp32
+    std::unique_ptr<Daemon> d = Start(budget);
+    DaemonClient c(d->address());
+    const v1::JobSpec spec = MakeSpec("job", layout, 2, kWorld, {d->address()});
+    const JobConfig config = *ParseJobSpec(spec);
+    ASSERT_TRUE(c.Register(spec, 0).ok());
+    ASSERT_TRUE(c.JoinAll(spec).ok());
+    const uint64_t n = config.map.total_elements();
+    std::vector<std::vector<float>> grads(kWorld, std::vector<float>(n));
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      for (uint64_t i = 0; i < n; ++i) grads[r][i] = 0.1f * (r + 1) + 1e-3f * (i % 97);
+    }
+    uint64_t peak = 0;
+    std::atomic<bool> done{false};
+    std::thread watch([&] {
+      while (!done) {
+        peak = std::max<uint64_t>(
+            peak, d->ledger().JobBytes("job")[static_cast<int>(MemoryCategory::kBuffer)]);
+        absl::SleepFor(absl::Microseconds(200));
+      }
+    });
+    std::vector<std::thread> ranks;
+    std::vector<grpc::Status> results(kWorld);
+    auto push = [&](uint32_t r) {
+      results[r] = c.Push(GradientChunks("job", 1, r, config.map, {0, n}, grads[r].data(), 512));
+    };
+    if (pass == 0) {
+      for (uint32_t r = 0; r < kWorld; ++r) push(r);
+    } else {
+      for (uint32_t r = kWorld - 1; r >= 1; --r) ranks.emplace_back(push, r);
+      absl::SleepFor(absl::Milliseconds(300));  // ranks 1..3 fill the buffer and wait
+      push(0);
+      for (auto& t : ranks) t.join();
+    }
+    done = true;
+    watch.join();
+    for (uint32_t r = 0; r < kWorld; ++r) ASSERT_TRUE(results[r].ok()) << results[r].error_message();
+    // Chunks of 512 fp32 are 2 KiB; the buffer never holds more than its budget.
+    EXPECT_LE(peak, budget);
+    v1::PrepareStepResponse p;
+    ASSERT_TRUE(c.Prepare("job", 1, &p).ok());
+    ASSERT_TRUE(c.Commit("job", 1, 0.01f).ok());
+    std::vector<float>& out = pass == 0 ? in_order : out_of_order;
+    ASSERT_TRUE(c.Gather("job", 1, {0, n}, &out).ok());
+  }
+  ASSERT_EQ(in_order.size(), out_of_order.size());
+  EXPECT_EQ(0, std::memcmp(in_order.data(), out_of_order.data(), in_order.size() * 4));
+}
+
+// A client that opens a Gather and stops reading delays nobody: another job
+// on the same daemon completes 20 steps and Admin.Status answers within 1 s
+// throughout.
+TEST(JobTest, StalledReaderStallsNobody) {
+  std::unique_ptr<Daemon> d = Start();
+  const Layout big = *Layout::Create({{"w", {4 << 20}, DType::kFp32, 0}});
+  DaemonClient stalled(d->address());
+  const v1::JobSpec slow = MakeSpec("slow", big, 2, 1, {d->address()});
+  ASSERT_TRUE(stalled.Register(slow, 0).ok());
+  ASSERT_TRUE(stalled.JoinAll(slow).ok());
+  // A 16 MiB gather whose reader never reads: the server blocks in Write.
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::GatherRequest req;
+  req.set_job_id("slow");
+  req.mutable_range()->set_end(4 << 20);
+  req.set_dtype(v1::DTYPE_FP32);
+  std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader =
+      stalled.shard->Gather(&ctx, req);
+  absl::SleepFor(absl::Milliseconds(200));
+
+  DaemonClient c(d->address());
+  const v1::JobSpec spec = MakeSpec("job", SampleLayout(), 2, 1, {d->address()});
+  const JobConfig config = *ParseJobSpec(spec);
+  ASSERT_TRUE(c.Register(spec, 0).ok());
+  ASSERT_TRUE(c.JoinAll(spec).ok());
+  std::vector<float> g(config.map.total_elements(), 0.5f);
+  absl::Duration slowest_status;
+  for (uint64_t step = 1; step <= 20; ++step) {
+    ASSERT_TRUE(c.Push(GradientChunks("job", step, 0, config.map,
+                                      {0, config.map.total_elements()}, g.data(), 4096))
+                    .ok());
+    v1::PrepareStepResponse p;
+    ASSERT_TRUE(c.Prepare("job", step, &p).ok());
+    ASSERT_TRUE(c.Commit("job", step, 0.01f).ok());
+    // Also commit the stalled job's steps: its commit must not wait for the
+    // stalled reader either.
+    const absl::Time t0 = absl::Now();
+    grpc::ClientContext sctx;
+    sctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    v1::StatusResponse status;
+    ASSERT_TRUE(c.admin->Status(&sctx, v1::StatusRequest(), &status).ok());
+    slowest_status = std::max(slowest_status, absl::Now() - t0);
+  }
+  std::vector<float> slow_grad(4 << 20, 0.25f);
+  ASSERT_TRUE(stalled.Push(GradientChunks("slow", 1, 0, *PartitionMap::Create(4 << 20, 1, 1),
+                                          {0, 4 << 20}, slow_grad.data(), 1 << 20))
+                  .ok());
+  v1::PrepareStepResponse p;
+  ASSERT_TRUE(stalled.Prepare("slow", 1, &p).ok());
+  const absl::Time t0 = absl::Now();
+  ASSERT_TRUE(stalled.Commit("slow", 1, 0.01f).ok());
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5)) << "the commit waited for the stalled reader";
+  EXPECT_LT(slowest_status, absl::Seconds(1));
+  ctx.TryCancel();
+}
+
+}  // namespace
+}  // namespace zeroshard

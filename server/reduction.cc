@@ -1,0 +1,242 @@
+#include "server/reduction.h"
+
+#include <algorithm>
+#include <iterator>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "common/fnv.h"
+
+namespace zeroshard {
+namespace {
+
+std::string RangeString(const FlatRange& r) { return absl::StrCat("[", r.begin, ", ", r.end, ")"); }
+
+template <typename T>
+void HashValue(uint64_t& h, const T& v) {
+  Fnv1aMix(h, &v, sizeof(v));
+}
+
+}  // namespace
+
+ReductionState::ReductionState(Options options, float* grad, ShardOptimizer* optimizer,
+                               MemoryLedger* ledger)
+    : options_(std::move(options)), grad_(grad), optimizer_(optimizer), ledger_(ledger) {}
+
+ReductionState::~ReductionState() { Reset(); }
+
+uint32_t ReductionState::Order(const Contribution& c, uint32_t micro_batches) const {
+  return options_.mode == ReductionMode::kDaemon ? c.rank * micro_batches + c.micro_batch
+                                                 : c.micro_batch;
+}
+
+uint32_t ReductionState::Expected(uint32_t micro_batches) const {
+  const uint32_t mb = std::max<uint32_t>(micro_batches, 1);
+  return options_.mode == ReductionMode::kDaemon ? options_.world_size * mb : mb;
+}
+
+absl::Status ReductionState::CheckOne(const Contribution& c, size_t index, uint32_t order,
+                                      const std::map<uint64_t, uint64_t>& new_keys) const {
+  const FlatRange& r = c.range;
+  // The range must equal an existing key or overlap none.
+  auto conflict = [&](const auto& m, auto end_of) -> std::string {
+    auto it = m.upper_bound(r.begin);
+    if (it != m.begin()) {
+      auto prev = std::prev(it);
+      const uint64_t prev_end = end_of(prev->second);
+      if (prev->first == r.begin && prev_end == r.end) return "";
+      if (prev_end > r.begin) return RangeString({prev->first, prev_end});
+    }
+    if (it != m.end() && it->first < r.end) return absl::StrCat("[", it->first, ", ...)");
+    return "";
+  };
+  std::string clash = conflict(keys_, [](const Key& k) { return k.end; });
+  if (clash.empty()) clash = conflict(new_keys, [](uint64_t end) { return end; });
+  if (!clash.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "chunk ", index, ".range ", RangeString(r), " overlaps the chunk ", clash,
+        " pushed for this step: every rank must cut its gradients into the same chunks"));
+  }
+  auto key = keys_.find(r.begin);
+  if (key == keys_.end()) return absl::OkStatus();
+  const Key& k = key->second;
+  uint32_t applied_crc = 0;
+  if (order < k.next_order) {
+    applied_crc = k.crcs[order];
+  } else if (auto p = k.pending.find(order); p != k.pending.end()) {
+    applied_crc = p->second.crc32c;
+  } else {
+    return absl::OkStatus();
+  }
+  const std::string what = absl::StrCat("chunk ", index, ": rank ", c.rank, " micro-batch ",
+                                        c.micro_batch, " already pushed range ", RangeString(r),
+                                        " for this step");
+  if (c.crc32c != 0 && c.crc32c == applied_crc) {
+    return absl::AlreadyExistsError(
+        absl::StrCat(what, " with the same CRC-32C (a duplicate is never counted twice)"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, "; without matching CRC-32Cs the daemon cannot tell the bytes equal, so nothing "
+            "was applied (a rank pushes each range once per micro-batch and step)"));
+}
+
+absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint32_t micro_batches,
+                                   uint64_t* pending_bytes) const {
+  *pending_bytes = 0;
+  if (micro_batches_ != 0 && micro_batches != micro_batches_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "chunk 0.micro_batches: this step uses ", micro_batches_, " micro-batches per rank, got ",
+        micro_batches));
+  }
+  std::map<uint64_t, uint64_t> new_keys;  // begin -> end, keys this batch creates
+  std::set<std::pair<uint64_t, uint32_t>> seen;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Contribution& c = batch[i];
+    const uint32_t order = Order(c, micro_batches);
+    if (!seen.insert({c.range.begin, order}).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk ", i, ": rank ", c.rank, " micro-batch ", c.micro_batch, " range ",
+          RangeString(c.range), " appears twice in one push"));
+    }
+    if (absl::Status s = CheckOne(c, i, order, new_keys); !s.ok()) return s;
+    auto key = keys_.find(c.range.begin);
+    if (key == keys_.end()) new_keys.emplace(c.range.begin, c.range.end);
+    const uint32_t next = key == keys_.end() ? 0 : key->second.next_order;
+    // An upper bound: earlier chunks of the batch may bring this one's turn.
+    if (order != next) *pending_bytes += c.range.size() * sizeof(float);
+  }
+  return absl::OkStatus();
+}
+
+bool ReductionState::Admit(uint64_t pending_bytes) const {
+  return pending_bytes == 0 || pending_bytes_ + pending_bytes <= options_.pending_budget_bytes;
+}
+
+uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
+                               uint64_t reserved_bytes) {
+  micro_batches_ = micro_batches;
+  pending_bytes_ += reserved_bytes;
+  uint64_t elements = 0;
+  for (const Contribution& c : batch) {
+    const uint32_t order = Order(c, micro_batches);
+    const size_t n = c.range.size();
+    auto [it, inserted] = keys_.try_emplace(c.range.begin);
+    Key& key = it->second;
+    if (inserted) {
+      key.end = c.range.end;
+      key.partition = static_cast<uint32_t>(c.range.begin / options_.partition_elements);
+    }
+    elements += n;
+    if (order != key.next_order) {
+      Pending& p = key.pending[order];
+      p.values.resize(n);
+      p.crc32c = c.crc32c;
+      optimizer_->ConvertIn(p.values.data(), c.payload.data(), c.dtype, n);
+      continue;
+    }
+    Accumulate(c.range.begin, order, c.payload.data(), c.dtype, n);
+    key.crcs.push_back(c.crc32c);
+    ++key.next_order;
+    for (auto p = key.pending.find(key.next_order); p != key.pending.end();
+         p = key.pending.find(key.next_order)) {
+      Accumulate(c.range.begin, key.next_order, p->second.values.data(), DType::kFp32, n);
+      key.crcs.push_back(p->second.crc32c);
+      key.pending.erase(p);
+      ++key.next_order;
+    }
+  }
+  // Give back what the caller's upper bound over-reserved.
+  uint64_t held = 0;
+  for (const auto& [b, k] : keys_) {
+    for (const auto& [o, p] : k.pending) held += p.values.size() * sizeof(float);
+  }
+  if (held < pending_bytes_) {
+    ledger_->Release(options_.job_id, MemoryCategory::kBuffer, pending_bytes_ - held);
+    pending_bytes_ = held;
+  }
+  return elements;
+}
+
+void ReductionState::Accumulate(uint64_t begin, uint32_t order, const void* src, DType type,
+                                size_t n) {
+  float* dst = grad_ + (begin - options_.owned.begin);
+  // Contribution 0 overwrites: the buffer holds the previous step's sum.
+  if (order == 0) {
+    optimizer_->ConvertIn(dst, src, type, n);
+  } else {
+    optimizer_->Accumulate(dst, src, type, n);
+  }
+}
+
+uint64_t ReductionState::CompleteElements() const {
+  const uint32_t expected = Expected(micro_batches_);
+  uint64_t total = 0;
+  for (const auto& [b, k] : keys_) {
+    if (k.next_order == expected) total += k.end - b;
+  }
+  return total;
+}
+
+std::vector<MissingRange> ReductionState::Missing(size_t max) const {
+  const uint32_t expected = Expected(micro_batches_);
+  const uint32_t mbs = std::max<uint32_t>(micro_batches_, 1);
+  std::vector<MissingRange> out;
+  uint64_t pos = options_.owned_unpadded.begin;
+  auto uncovered = [&](uint64_t until) {
+    if (pos < until && out.size() < max) out.push_back({{pos, until}, 0, 0, expected});
+  };
+  for (const auto& [b, k] : keys_) {
+    uncovered(b);
+    pos = k.end;
+    if (k.next_order < expected && out.size() < max) {
+      const uint32_t rank =
+          options_.mode == ReductionMode::kDaemon ? k.next_order / mbs : k.partition;
+      out.push_back({{b, k.end}, rank, k.next_order, expected});
+    }
+  }
+  uncovered(options_.owned_unpadded.end);
+  return out;
+}
+
+std::string ReductionState::DescribeIncomplete() const {
+  const std::vector<MissingRange> missing = Missing(1);
+  if (missing.empty()) return "complete";
+  const MissingRange& m = missing[0];
+  if (m.contributions == 0 && keys_.count(m.range.begin) == 0) {
+    return absl::StrCat("range ", RangeString(m.range), " has no gradient yet (",
+                        options_.owned_unpadded.size() - CompleteElements(), " of ",
+                        options_.owned_unpadded.size(), " owned elements incomplete)");
+  }
+  return absl::StrCat("range ", RangeString(m.range), " waits for rank ", m.rank, " (",
+                      m.contributions, " of ", m.expected, " contributions in)");
+}
+
+void ReductionState::Reset() {
+  keys_.clear();
+  micro_batches_ = 0;
+  if (pending_bytes_ > 0) {
+    ledger_->Release(options_.job_id, MemoryCategory::kBuffer, pending_bytes_);
+    pending_bytes_ = 0;
+  }
+}
+
+void ReductionState::Hash(uint64_t& h) const {
+  HashValue(h, micro_batches_);
+  HashValue(h, pending_bytes_);
+  for (const auto& [b, k] : keys_) {
+    HashValue(h, b);
+    HashValue(h, k.end);
+    HashValue(h, k.next_order);
+    // Only the applied part of the gradient buffer is state.
+    if (k.next_order > 0) {
+      Fnv1aMix(h, grad_ + (b - options_.owned.begin), (k.end - b) * sizeof(float));
+    }
+    for (uint32_t crc : k.crcs) HashValue(h, crc);
+    for (const auto& [o, p] : k.pending) {
+      HashValue(h, o);
+      Fnv1aMix(h, p.values.data(), p.values.size() * sizeof(float));
+    }
+  }
+}
+
+}  // namespace zeroshard

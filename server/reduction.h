@@ -1,0 +1,131 @@
+#pragma once
+
+// One step's gradient reduction over the range a daemon owns: contributions
+// are summed in a fixed order (rank-major, then micro-batch), whatever order
+// they arrive in, so the result is bit-identical to a single process summing
+// them in rank order. A contribution that arrives ahead of its turn is kept
+// as an fp32 copy in the out-of-order buffer, which is bounded: its bytes are
+// booked in the ledger (category `buffer`) and may not exceed the budget
+// given at construction; Admit() tells the caller to wait (back-pressure)
+// rather than grow it.
+//
+// Wire-free: this sees flat ranges, order numbers and payload bytes, never a
+// protobuf. Not thread-safe: the Job calls it under its reduction lock.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "common/dtype.h"
+#include "common/flat_range.h"
+#include "common/job_spec.h"
+#include "server/memory_ledger.h"
+#include "server/optimizer/optimizer.h"
+
+namespace zeroshard {
+
+// One chunk of one rank's gradient for the open step.
+struct Contribution {
+  FlatRange range;           // inside one owned partition
+  uint32_t rank = 0;
+  uint32_t micro_batch = 0;
+  DType dtype = DType::kFp32;
+  absl::string_view payload;  // range.size() * DTypeSize(dtype) bytes, read during Apply only
+  uint32_t crc32c = 0;        // of payload as the sender computed it; 0 = unknown
+};
+
+// A range of the open step still waiting for a contribution.
+struct MissingRange {
+  FlatRange range;
+  uint32_t rank = 0;  // whose contribution it waits for next
+  uint32_t contributions = 0;
+  uint32_t expected = 0;
+};
+
+class ReductionState {
+ public:
+  struct Options {
+    std::string job_id;
+    FlatRange owned;           // padded range `grad` covers
+    FlatRange owned_unpadded;  // what must be complete
+    uint64_t partition_elements = 0;
+    uint32_t world_size = 1;
+    ReductionMode mode = ReductionMode::kDaemon;
+    uint64_t pending_budget_bytes = 0;  // out-of-order buffer bound
+  };
+
+  // `grad` (owned.size() floats), `optimizer` and `ledger` must outlive this.
+  ReductionState(Options options, float* grad, ShardOptimizer* optimizer, MemoryLedger* ledger);
+  ~ReductionState();
+
+  // Checks `batch` (all with `micro_batches` per rank, 1..4096) as if applied
+  // in order: ranges must match earlier keys exactly or not overlap them, and
+  // no (range, order) may be in already. Error codes: FailedPrecondition
+  // (overlapping cut, micro_batches differing from the step's, a duplicate
+  // whose bytes cannot be shown equal), AlreadyExists (a duplicate with the
+  // same non-zero CRC-32C as the applied one), InvalidArgument (a duplicate
+  // inside `batch`). Sets *pending_bytes to the out-of-order bytes applying
+  // it would buffer. Changes nothing.
+  absl::Status Check(const std::vector<Contribution>& batch, uint32_t micro_batches,
+                     uint64_t* pending_bytes) const;
+  // Whether a checked batch needing `pending_bytes` fits the budget now: it
+  // does when it buffers nothing, or when the buffer stays within budget.
+  bool Admit(uint64_t pending_bytes) const;
+  // Applies a batch that Check accepted and Admit admitted (nothing changed
+  // in between). The caller has booked Check's `pending_bytes` in the ledger
+  // (category buffer) and passes them as `reserved_bytes`; the state owns
+  // that booking from now on and gives back what it does not hold. Returns
+  // the elements applied.
+  uint64_t Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
+                 uint64_t reserved_bytes);
+
+  // Owned unpadded elements whose every contribution is in.
+  uint64_t CompleteElements() const;
+  bool Complete() const { return CompleteElements() == options_.owned_unpadded.size(); }
+  // The first `max` ranges still waiting, in flat order; an owned stretch
+  // nobody pushed yet is reported as waiting for rank 0 with 0 contributions.
+  std::vector<MissingRange> Missing(size_t max) const;
+  // One line for errors: the first missing range and whom it waits for.
+  std::string DescribeIncomplete() const;
+  // Forgets the step (the summed gradient in `grad` stays until overwritten
+  // by the next step's first contributions) and frees the buffer.
+  void Reset();
+
+  const float* grad() const { return grad_; }
+  uint64_t pending_bytes() const { return pending_bytes_; }
+  uint32_t micro_batches() const { return micro_batches_; }
+  // Mixes every piece of state (bookkeeping, applied gradient, buffer) into h.
+  void Hash(uint64_t& h) const;
+
+ private:
+  struct Pending {
+    std::vector<float> values;  // fp32 copy
+    uint32_t crc32c = 0;
+  };
+  struct Key {
+    uint64_t end = 0;
+    uint32_t partition = 0;
+    uint32_t next_order = 0;     // contributions applied so far, in order
+    std::vector<uint32_t> crcs;  // of the applied ones, by order
+    std::map<uint32_t, Pending> pending;  // arrived ahead of their turn
+  };
+
+  uint32_t Order(const Contribution& c, uint32_t micro_batches) const;
+  uint32_t Expected(uint32_t micro_batches) const;
+  absl::Status CheckOne(const Contribution& c, size_t index, uint32_t order,
+                        const std::map<uint64_t, uint64_t>& new_keys) const;
+  void Accumulate(uint64_t begin, uint32_t order, const void* src, DType type, size_t n);
+
+  const Options options_;
+  float* const grad_;
+  ShardOptimizer* const optimizer_;
+  MemoryLedger* const ledger_;
+  std::map<uint64_t, Key> keys_;  // by range begin
+  uint32_t micro_batches_ = 0;    // 0: nothing pushed yet this step
+  uint64_t pending_bytes_ = 0;    // booked as buffer
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,121 @@
+#pragma once
+
+// zeroshardd's gRPC services, thin layers over the JobManager: each handler
+// validates its request, finds the job, calls it, and counts the result.
+// Handlers run on gRPC's synchronous-server threads; the only waits inside
+// them (a gather waiting for a commit, a push waiting for buffer space or its
+// staging slot, a stream reading its next chunk) are bounded by a deadline,
+// and none holds a lock that another job's requests need.
+
+#include <atomic>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "proto/zeroshard/v1/admin.grpc.pb.h"
+#include "proto/zeroshard/v1/control.grpc.pb.h"
+#include "proto/zeroshard/v1/shard.grpc.pb.h"
+#include "server/daemon_metrics.h"
+#include "server/job_manager.h"
+#include "server/memory_ledger.h"
+#include "transport/transport.h"
+
+namespace zeroshard {
+
+// What the services share; owned by the Daemon, which outlives them.
+struct ServiceContext {
+  std::string version;
+  uint64_t max_chunk_bytes = 4ull << 20;  // gather chunk size
+  JobManager* jobs = nullptr;
+  MemoryLedger* ledger = nullptr;
+  DaemonMetrics* metrics = nullptr;
+  transport::Transport* bulk = nullptr;  // null: no bulk data path
+  std::string bulk_error;                // why bulk is null
+  absl::Time start;
+  std::atomic<bool> draining{false};
+
+  // Counts the request under its RPC name and result code.
+  grpc::Status Done(const char* rpc, const absl::Status& status);
+};
+
+class ControlService final : public v1::Control::Service {
+ public:
+  explicit ControlService(ServiceContext* context) : ctx_(context) {}
+  grpc::Status RegisterJob(grpc::ServerContext*, const v1::RegisterJobRequest* req,
+                           v1::RegisterJobResponse* resp) override;
+  grpc::Status JoinJob(grpc::ServerContext*, const v1::JoinJobRequest* req,
+                       v1::JoinJobResponse* resp) override;
+  grpc::Status GetPartitionMap(grpc::ServerContext*, const v1::GetPartitionMapRequest* req,
+                               v1::PartitionMap* resp) override;
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+                         v1::HeartbeatResponse* resp) override;
+  grpc::Status Leave(grpc::ServerContext*, const v1::LeaveRequest* req,
+                     v1::LeaveResponse* resp) override;
+  grpc::Status SaveCheckpoint(grpc::ServerContext*, const v1::SaveCheckpointRequest*,
+                              v1::SaveCheckpointResponse*) override;
+  grpc::Status LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest*,
+                              v1::LoadCheckpointResponse*) override;
+  grpc::Status Drain(grpc::ServerContext*, const v1::DrainRequest*,
+                     v1::DrainResponse* resp) override;
+
+ private:
+  ServiceContext* const ctx_;
+};
+
+class ShardService final : public v1::Shard::Service {
+ public:
+  explicit ShardService(ServiceContext* context) : ctx_(context) {}
+  grpc::Status InitParameters(grpc::ServerContext* ctx,
+                              grpc::ServerReader<v1::ParameterChunk>* reader,
+                              v1::InitParametersResponse* resp) override;
+  grpc::Status PushGradient(grpc::ServerContext* ctx,
+                            grpc::ServerReader<v1::GradientChunk>* reader,
+                            v1::PushGradientResponse* resp) override;
+  grpc::Status Gather(grpc::ServerContext* ctx, const v1::GatherRequest* req,
+                      grpc::ServerWriter<v1::ParameterChunk>* writer) override;
+  grpc::Status PrepareStep(grpc::ServerContext*, const v1::PrepareStepRequest* req,
+                           v1::PrepareStepResponse* resp) override;
+  grpc::Status CommitStep(grpc::ServerContext*, const v1::CommitStepRequest* req,
+                          v1::CommitStepResponse* resp) override;
+  grpc::Status GetStepState(grpc::ServerContext*, const v1::GetStepStateRequest* req,
+                            v1::StepState* resp) override;
+  grpc::Status ExchangeEndpoint(grpc::ServerContext*, const v1::ExchangeEndpointRequest* req,
+                                v1::ExchangeEndpointResponse* resp) override;
+  grpc::Status FenceStagingSlot(grpc::ServerContext*, const v1::FenceStagingSlotRequest* req,
+                                v1::FenceStagingSlotResponse* resp) override;
+
+ private:
+  absl::Status DoPush(grpc::ServerContext* ctx, grpc::ServerReader<v1::GradientChunk>* reader,
+                      v1::PushGradientResponse* resp);
+  absl::Status DoGather(grpc::ServerContext* ctx, const v1::GatherRequest& req,
+                        grpc::ServerWriter<v1::ParameterChunk>* writer);
+  absl::Status DoExchangeEndpoint(const v1::ExchangeEndpointRequest& req,
+                                  v1::ExchangeEndpointResponse* resp);
+  // Reads a whole client stream; the first chunk names the job, later chunks
+  // must name the same one (or none). A stream the client abandons yields
+  // Cancelled and nothing is applied.
+  template <typename Chunk>
+  absl::Status ReadStream(grpc::ServerContext* ctx, grpc::ServerReader<Chunk>* reader,
+                          std::vector<Chunk>* chunks, std::shared_ptr<Job>* job);
+
+  ServiceContext* const ctx_;
+};
+
+class AdminService final : public v1::Admin::Service {
+ public:
+  explicit AdminService(ServiceContext* context) : ctx_(context) {}
+  grpc::Status MemoryReport(grpc::ServerContext*, const v1::MemoryReportRequest* req,
+                            v1::MemoryReportResponse* resp) override;
+  grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*,
+                      v1::StatusResponse* resp) override;
+  grpc::Status Estimate(grpc::ServerContext*, const v1::EstimateRequest* req,
+                        v1::EstimateResponse* resp) override;
+
+ private:
+  ServiceContext* const ctx_;
+};
+
+// The wire PartitionMap of a job.
+void FillPartitionMap(const JobConfig& config, v1::PartitionMap* map);
+
+}  // namespace zeroshard

@@ -1,0 +1,271 @@
+#include <algorithm>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/protocol.h"
+#include "server/services.h"
+
+namespace zeroshard {
+namespace {
+
+// Largest payload one PushGradient / InitParameters stream may carry; the
+// whole stream is held until it is applied atomically.
+uint64_t MaxStreamBytes(const JobConfig& c) {
+  return std::max<uint64_t>(4 * c.bucket_bytes, kMaxChunkBytes);
+}
+
+template <typename Chunk>
+uint64_t StreamBytes(const std::vector<Chunk>& chunks) {
+  uint64_t bytes = 0;
+  for (const Chunk& c : chunks) bytes += c.data().size();
+  return bytes;
+}
+
+absl::Time DeadlineOf(grpc::ServerContext* ctx) { return absl::FromChrono(ctx->deadline()); }
+
+}  // namespace
+
+template <typename Chunk>
+absl::Status ShardService::ReadStream(grpc::ServerContext* ctx, grpc::ServerReader<Chunk>* reader,
+                                      std::vector<Chunk>* chunks, std::shared_ptr<Job>* job) {
+  Chunk chunk;
+  uint64_t bytes = 0;
+  uint64_t limit = 0;
+  while (reader->Read(&chunk)) {
+    if (chunks->empty()) {
+      absl::StatusOr<std::shared_ptr<Job>> found = ctx_->jobs->Find(chunk.job_id());
+      if (!found.ok()) return found.status();
+      *job = *std::move(found);
+      limit = MaxStreamBytes((*job)->config());
+    } else if (!chunk.job_id().empty() && chunk.job_id() != (*job)->config().job_id) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk ", chunks->size(), ".job_id: the stream started with job ",
+          (*job)->config().job_id, ", got ", chunk.job_id().substr(0, 140)));
+    }
+    bytes += chunk.data().size();
+    if (bytes > limit) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the stream carries more than ", limit, " bytes; split pushes into buckets of at ",
+          "most bucket_bytes per stream"));
+    }
+    chunks->push_back(std::move(chunk));
+    chunk.Clear();
+  }
+  if (ctx->IsCancelled()) {
+    return absl::CancelledError("the client abandoned the stream; nothing was applied");
+  }
+  if (chunks->empty()) return absl::InvalidArgumentError("the stream carried no chunk");
+  return absl::OkStatus();
+}
+
+grpc::Status ShardService::InitParameters(grpc::ServerContext* ctx,
+                                          grpc::ServerReader<v1::ParameterChunk>* reader,
+                                          v1::InitParametersResponse* resp) {
+  std::vector<v1::ParameterChunk> chunks;
+  std::shared_ptr<Job> job;
+  absl::Status s = ReadStream(ctx, reader, &chunks, &job);
+  if (!s.ok()) return ctx_->Done(__func__, s);
+  uint64_t elements = 0;
+  s = job->InitParameters(chunks, &elements);
+  if (s.ok()) {
+    resp->set_elements(elements);
+    ctx_->metrics->RecordTraffic(job->config().job_id, "init", "stream", StreamBytes(chunks));
+  }
+  return ctx_->Done(__func__, s);
+}
+
+absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
+                                  grpc::ServerReader<v1::GradientChunk>* reader,
+                                  v1::PushGradientResponse* resp) {
+  std::vector<v1::GradientChunk> chunks;
+  std::shared_ptr<Job> job;
+  if (absl::Status s = ReadStream(ctx, reader, &chunks, &job); !s.ok()) return s;
+  const std::string& id = job->config().job_id;
+  const absl::Time deadline = DeadlineOf(ctx);
+  const auto staged = std::count_if(chunks.begin(), chunks.end(),
+                                    [](const v1::GradientChunk& c) { return c.staged(); });
+  if (staged == 0) {
+    std::vector<absl::string_view> payloads;
+    for (const v1::GradientChunk& c : chunks) payloads.push_back(c.data());
+    absl::Status s = job->PushGradient(chunks, payloads, deadline, resp);
+    if (s.ok()) ctx_->metrics->RecordTraffic(id, "push", "stream", StreamBytes(chunks));
+    return s;
+  }
+  if (chunks.size() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a staged chunk travels alone in its push (one slot, one generation); got ",
+        chunks.size(), " chunks, ", staged, " staged"));
+  }
+  const v1::GradientChunk& c = chunks[0];
+  if (!c.data().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk 0: a staged chunk carries no data, got ", c.data().size(), " bytes"));
+  }
+  absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), "chunk 0.dtype");
+  if (!dt.ok()) return dt.status();
+  if (c.range().end() <= c.range().begin() ||
+      c.range().end() - c.range().begin() > kMaxChunkBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk 0.range [", c.range().begin(), ", ",
+                                                   c.range().end(),
+                                                   ") is empty or too long for a staged chunk"));
+  }
+  const uint64_t length = (c.range().end() - c.range().begin()) * DTypeSize(*dt);
+  absl::StatusOr<std::shared_ptr<RankStaging>> staging =
+      job->Staging(c.rank(), c.incarnation(), /*create=*/false);
+  if (!staging.ok()) return staging.status();
+  // The slot's lock is held while the job reads the bytes: a fence of the
+  // slot waits for this push, and refuses it if it came first.
+  absl::Status s = (*staging)->Apply(c.staging_slot(), c.staging_generation(), length,
+                                     [&](absl::string_view payload) {
+                                       return job->PushGradient(chunks, {payload}, deadline, resp);
+                                     });
+  if (s.ok()) ctx_->metrics->RecordTraffic(id, "push", ctx_->bulk->kind(), length);
+  return s;
+}
+
+grpc::Status ShardService::PushGradient(grpc::ServerContext* ctx,
+                                        grpc::ServerReader<v1::GradientChunk>* reader,
+                                        v1::PushGradientResponse* resp) {
+  return ctx_->Done(__func__, DoPush(ctx, reader, resp));
+}
+
+absl::Status ShardService::DoGather(grpc::ServerContext* ctx, const v1::GatherRequest& req,
+                                    grpc::ServerWriter<v1::ParameterChunk>* writer) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req.job_id());
+  if (!job.ok()) return job.status();
+  absl::StatusOr<DType> dtype = DTypeFromProto(req.dtype(), "dtype");
+  if (!dtype.ok()) return dtype.status();
+  const JobConfig& c = (*job)->config();
+  if (*dtype != DType::kFp32 && *dtype != c.precision) {
+    return absl::InvalidArgumentError(absl::StrCat("dtype: must be fp32 or the job's precision (",
+                                                   DTypeName(c.precision), "), got ",
+                                                   DTypeName(*dtype)));
+  }
+  if (req.wait_ms() > kMaxWaitMs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("wait_ms: at most ", kMaxWaitMs, ", got ", req.wait_ms()));
+  }
+  const absl::Time deadline =
+      std::min(absl::Now() + absl::Milliseconds(req.wait_ms()), DeadlineOf(ctx));
+  const uint64_t chunk_elements =
+      std::max<uint64_t>(1, ctx_->max_chunk_bytes / DTypeSize(*dtype));
+  const FlatRange range{req.range().begin(), req.range().end()};
+  if (req.wait_only()) {
+    // The caller reads the range from the parameter regions itself.
+    absl::Status s = (*job)->Gather(req.after_step(), range, *dtype, deadline, chunk_elements,
+                                    nullptr);
+    if (s.ok() && ctx_->bulk != nullptr) {
+      ctx_->metrics->RecordTraffic(req.job_id(), "gather", ctx_->bulk->kind(),
+                                   range.size() * DTypeSize(*dtype));
+    }
+    return s;
+  }
+  uint64_t bytes = 0;
+  absl::Status s = (*job)->Gather(req.after_step(), range, *dtype, deadline, chunk_elements,
+                                  [writer, &bytes](v1::ParameterChunk& chunk) {
+                                    bytes += chunk.data().size();
+                                    return writer->Write(chunk);
+                                  });
+  ctx_->metrics->RecordTraffic(req.job_id(), "gather", "stream", bytes);
+  return s;
+}
+
+grpc::Status ShardService::Gather(grpc::ServerContext* ctx, const v1::GatherRequest* req,
+                                  grpc::ServerWriter<v1::ParameterChunk>* writer) {
+  return ctx_->Done(__func__, DoGather(ctx, *req, writer));
+}
+
+grpc::Status ShardService::PrepareStep(grpc::ServerContext*, const v1::PrepareStepRequest* req,
+                                       v1::PrepareStepResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  absl::StatusOr<v1::PrepareStepResponse> r = (*job)->PrepareStep(req->step());
+  if (!r.ok()) return ctx_->Done(__func__, r.status());
+  *resp = *std::move(r);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status ShardService::CommitStep(grpc::ServerContext*, const v1::CommitStepRequest* req,
+                                      v1::CommitStepResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  const uint64_t before = (*job)->committed_step();
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::CommitStepResponse> r = (*job)->CommitStep(*req);
+  if (!r.ok()) return ctx_->Done(__func__, r.status());
+  if (r->committed_step() > before && !r->skipped()) {
+    ctx_->metrics->RecordCommit(req->job_id(), absl::Now() - start,
+                                (*job)->owned_unpadded().size());
+  }
+  *resp = *std::move(r);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status ShardService::GetStepState(grpc::ServerContext*, const v1::GetStepStateRequest* req,
+                                        v1::StepState* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  (*job)->FillStepState(ctx_->jobs->options().rank_timeout, resp);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+absl::Status ShardService::DoExchangeEndpoint(const v1::ExchangeEndpointRequest& req,
+                                              v1::ExchangeEndpointResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req.job_id());
+  if (!job.ok()) return job.status();
+  if (ctx_->bulk == nullptr) {
+    return absl::UnavailableError(absl::StrCat("this zeroshardd serves no bulk transport (",
+                                               ctx_->bulk_error,
+                                               "); use the \"stream\" data path"));
+  }
+  const absl::StatusOr<v1::TransportKind> mine =
+      TransportKindFromName(ctx_->bulk->kind(), "--bulk_transport");
+  if (!mine.ok()) return absl::InternalError(mine.status().message());
+  if (req.transport() != *mine) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "transport: this daemon's bulk transport is ", ctx_->bulk->kind(), ", got ",
+        TransportKindName(req.transport()), "; start the client with transport \"",
+        ctx_->bulk->kind(), "\""));
+  }
+  absl::StatusOr<std::shared_ptr<RankStaging>> staging =
+      (*job)->Staging(req.rank(), req.incarnation(), /*create=*/true);
+  if (!staging.ok()) return staging.status();
+  resp->set_worker_address(ctx_->bulk->LocalAddress());
+  resp->set_transport(*mine);
+  resp->set_staging_slots((*staging)->slots());
+  resp->set_staging_slot_bytes((*staging)->slot_bytes());
+  resp->set_read_lease_ms(
+      static_cast<uint32_t>(absl::ToInt64Milliseconds(ctx_->jobs->options().read_lease)));
+  v1::RemoteRegion* r = resp->add_regions();
+  const transport::RegionDescriptor& d = (*staging)->descriptor();
+  r->set_purpose(v1::REGION_PURPOSE_GRAD_STAGING);
+  r->set_address(d.address);
+  r->set_length(d.length);
+  r->set_rkey(d.rkey);
+  (*job)->FillParameterRegions(resp);
+  (*job)->NoteRemoteAccess();
+  return absl::OkStatus();
+}
+
+grpc::Status ShardService::ExchangeEndpoint(grpc::ServerContext*,
+                                            const v1::ExchangeEndpointRequest* req,
+                                            v1::ExchangeEndpointResponse* resp) {
+  return ctx_->Done(__func__, DoExchangeEndpoint(*req, resp));
+}
+
+grpc::Status ShardService::FenceStagingSlot(grpc::ServerContext*,
+                                            const v1::FenceStagingSlotRequest* req,
+                                            v1::FenceStagingSlotResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  absl::StatusOr<std::shared_ptr<RankStaging>> staging =
+      (*job)->Staging(req->rank(), req->incarnation(), /*create=*/false);
+  if (!staging.ok()) return ctx_->Done(__func__, staging.status());
+  absl::StatusOr<uint64_t> applied = (*staging)->Fence(req->slot(), req->generation());
+  if (!applied.ok()) return ctx_->Done(__func__, applied.status());
+  resp->set_applied_generation(*applied);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+}  // namespace zeroshard

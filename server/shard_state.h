@@ -1,0 +1,75 @@
+#pragma once
+
+// The model states of the partitions a daemon owns for one job: fp32
+// masters, the optimizer's moments, and (for half-precision jobs) the
+// half-precision copy trainers gather. With a bulk transport the masters and
+// the half copy live in transport regions, so trainers read them directly.
+//
+// Not thread-safe: the Job guards it with its parameter lock (gathers read
+// under the shared lock, the optimizer step and initial parameters write
+// under the exclusive one).
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+#include "common/flat_range.h"
+#include "common/job_spec.h"
+#include "proto/zeroshard/v1/shard.pb.h"
+#include "server/memory_ledger.h"
+#include "server/optimizer/optimizer.h"
+#include "transport/transport.h"
+
+namespace zeroshard {
+
+class ShardState {
+ public:
+  // Allocates the owned range's states, the whole footprint checked against
+  // the ledger's limit before anything is allocated (ResourceExhausted).
+  // `transport` may be null (no bulk data path).
+  static absl::StatusOr<std::unique_ptr<ShardState>> Create(const JobConfig& config,
+                                                            FlatRange owned, MemoryLedger* ledger,
+                                                            transport::Transport* transport);
+  ~ShardState();
+
+  // Stores fp32-converted `src` (n elements of `type`) at flat index `begin`.
+  void WriteMasters(ShardOptimizer* optimizer, uint64_t begin, const void* src, DType type,
+                    size_t n);
+  // Rewrites the half-precision copy from the masters (after WriteMasters).
+  void RefreshHalfCopy(ShardOptimizer* optimizer);
+  // Copies n elements at flat index `begin` into `dst` as `dtype` (fp32 from
+  // the masters, the job's precision from the half copy).
+  void Read(uint64_t begin, size_t n, DType dtype, void* dst) const;
+  // One optimizer update of `range` (owned, unpadded) with the reduced
+  // gradient `grad` (indexed like the owned range), also rewriting the half
+  // copy. `hp.step` is filled in here.
+  absl::Status Step(ShardOptimizer* optimizer, StepHyperParams hp, const float* grad,
+                    const FlatRange& range);
+
+  // Adds PARAM_MASTER (and PARAM_HALF) regions covering the owned range, when
+  // created with a transport.
+  void FillRegions(v1::ExchangeEndpointResponse* response) const;
+  uint64_t optimizer_steps() const { return optimizer_steps_; }
+  void Hash(uint64_t& h) const;
+
+ private:
+  ShardState(DType precision, FlatRange owned) : precision_(precision), owned_(owned) {}
+
+  const DType precision_;
+  const FlatRange owned_;
+  // Transport memory behind master_ / half_; declared first so it is freed
+  // after the arrays.
+  std::unique_ptr<transport::Region> master_region_;
+  std::unique_ptr<transport::Region> half_region_;
+  LedgerArray<float> master_;
+  LedgerArray<float> m_;
+  LedgerArray<float> v_;             // empty for SGD
+  LedgerArray<uint16_t> half_;       // empty for fp32 jobs
+  uint64_t optimizer_steps_ = 0;
+};
+
+// Hyper-parameters of a job's update rule, without the per-step fields.
+StepHyperParams HyperParamsOf(const OptimizerSettings& settings);
+
+}  // namespace zeroshard

@@ -1,0 +1,71 @@
+#pragma once
+
+// One rank's gradient staging region on a daemon: `slots` slots of
+// `slot_bytes` each, written by the rank with one-sided Puts and announced
+// by staged PushGradient chunks. Every write into a slot has a generation
+// (strictly increasing per slot, chosen by the rank). A generation is
+// applied at most once, and never after FenceStagingSlot fenced it: the
+// daemon reads a slot only while holding that slot's lock, and a fence takes
+// the same lock, so once a fence has answered nothing reads the slot's old
+// bytes any more and the rank may write it again.
+//
+// Thread-safe. Books its region as `buffer` in the ledger for its lifetime.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "server/memory_ledger.h"
+#include "transport/transport.h"
+
+namespace zeroshard {
+
+class RankStaging {
+ public:
+  // Books slots * slot_bytes in the ledger (ResourceExhausted past the limit)
+  // and allocates the region, remote-writable, through `transport`.
+  static absl::StatusOr<std::unique_ptr<RankStaging>> Create(transport::Transport* transport,
+                                                             MemoryLedger* ledger,
+                                                             std::string job_id, uint32_t slots,
+                                                             uint64_t slot_bytes);
+  ~RankStaging();
+
+  const transport::RegionDescriptor& descriptor() const { return region_->Descriptor(); }
+  uint32_t slots() const { return slots_; }
+  uint64_t slot_bytes() const { return slot_bytes_; }
+
+  // Holds slot `slot`'s lock while it checks `generation` (InvalidArgument
+  // for slot or length out of range or generation 0; FailedPrecondition when
+  // the generation was applied or fenced already), calls `apply` with the
+  // slot's first `length` bytes, and on OK records the generation as
+  // applied. Blocks while another push or a fence holds the slot.
+  absl::Status Apply(uint32_t slot, uint64_t generation, uint64_t length,
+                     absl::FunctionRef<absl::Status(absl::string_view payload)> apply);
+  // Fences every generation <= `generation` of `slot`, after waiting for a
+  // push that reads the slot to finish; returns the slot's newest applied
+  // generation (0: none). InvalidArgument for a slot out of range.
+  absl::StatusOr<uint64_t> Fence(uint32_t slot, uint64_t generation);
+
+ private:
+  struct Slot {
+    absl::Mutex mu;
+    uint64_t applied ABSL_GUARDED_BY(mu) = 0;  // newest applied generation
+    uint64_t fenced ABSL_GUARDED_BY(mu) = 0;   // every generation <= this is refused
+  };
+
+  RankStaging(MemoryLedger* ledger, std::string job_id, uint32_t slots, uint64_t slot_bytes);
+
+  MemoryLedger* const ledger_;
+  const std::string job_id_;
+  const uint32_t slots_;
+  const uint64_t slot_bytes_;
+  std::unique_ptr<transport::Region> region_;
+  std::unique_ptr<Slot[]> slot_state_;
+};
+
+}  // namespace zeroshard
