@@ -115,7 +115,7 @@ bool ReductionState::Admit(uint64_t pending_bytes) const {
 uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
                                uint64_t reserved_bytes) {
   micro_batches_ = micro_batches;
-  pending_bytes_ += reserved_bytes;
+  pending_bytes_ += reserved_bytes;  // booked; trimmed to what stays buffered below
   uint64_t elements = 0;
   for (const Contribution& c : batch) {
     const uint32_t order = Order(c, micro_batches);
@@ -132,6 +132,7 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       p.values.resize(n);
       p.crc32c = c.crc32c;
       optimizer_->ConvertIn(p.values.data(), c.payload.data(), c.dtype, n);
+      buffered_bytes_ += n * sizeof(float);
       continue;
     }
     Accumulate(c.range.begin, order, c.payload.data(), c.dtype, n);
@@ -141,18 +142,15 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
          p = key.pending.find(key.next_order)) {
       Accumulate(c.range.begin, key.next_order, p->second.values.data(), DType::kFp32, n);
       key.crcs.push_back(p->second.crc32c);
+      buffered_bytes_ -= p->second.values.size() * sizeof(float);
       key.pending.erase(p);
       ++key.next_order;
     }
   }
-  // Give back what the caller's upper bound over-reserved.
-  uint64_t held = 0;
-  for (const auto& [b, k] : keys_) {
-    for (const auto& [o, p] : k.pending) held += p.values.size() * sizeof(float);
-  }
-  if (held < pending_bytes_) {
-    ledger_->Release(options_.job_id, MemoryCategory::kBuffer, pending_bytes_ - held);
-    pending_bytes_ = held;
+  // Give back what the caller's upper bound over-reserved and what drained.
+  if (buffered_bytes_ < pending_bytes_) {
+    ledger_->Release(options_.job_id, MemoryCategory::kBuffer, pending_bytes_ - buffered_bytes_);
+    pending_bytes_ = buffered_bytes_;
   }
   return elements;
 }
@@ -214,6 +212,7 @@ std::string ReductionState::DescribeIncomplete() const {
 void ReductionState::Reset() {
   keys_.clear();
   micro_batches_ = 0;
+  buffered_bytes_ = 0;
   if (pending_bytes_ > 0) {
     ledger_->Release(options_.job_id, MemoryCategory::kBuffer, pending_bytes_);
     pending_bytes_ = 0;

@@ -126,6 +126,7 @@ class ReductionState {
   std::map<uint64_t, Key> keys_;  // by range begin
   uint32_t micro_batches_ = 0;    // 0: nothing pushed yet this step
   uint64_t pending_bytes_ = 0;    // booked as buffer
+  uint64_t buffered_bytes_ = 0;   // held in `pending` entries
 };
 
 }  // namespace zeroshard
