@@ -45,7 +45,7 @@ uint64_t NextIncarnation() {
 
 absl::StatusOr<std::unique_ptr<Collective>> DefaultCollective(const ClientConfig& config) {
   if (config.reduction == ReductionMode::kTrainerCollective) {
-    return absl::UnimplementedError(
+    return absl::InvalidArgumentError(
         "ClientConfig.reduction: the trainer collective (NCCL) is not built into this "
         "client; pass a Collective to Client::Create or use ReductionMode::kDaemon");
   }

@@ -135,7 +135,7 @@ class Client {
   // staging pool, creates the bulk transport and starts the client's
   // threads. Connects to nothing yet. `collective` replaces the built-in
   // reduction (required for ReductionMode::kTrainerCollective, which has no
-  // built-in implementation: Unimplemented without one).
+  // built-in implementation: InvalidArgument without one).
   static absl::StatusOr<std::unique_ptr<Client>> Create(
       ClientConfig config, std::unique_ptr<Collective> collective = nullptr);
   // Stops heartbeats and waits for the client's in-flight RPCs (each bounded

@@ -520,7 +520,7 @@ TEST(ClientTest, BadConfigIsInvalidArgument) {
   }
   ClientConfig collective = MakeConfig("ok", daemons, 0, 4, 2);
   collective.reduction = ReductionMode::kTrainerCollective;
-  EXPECT_EQ(Client::Create(collective).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(Client::Create(collective).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ClientTest, BadCallsAreRejectedLocally) {

@@ -95,18 +95,6 @@ grpc::Status ControlService::Leave(grpc::ServerContext*, const v1::LeaveRequest*
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-grpc::Status ControlService::SaveCheckpoint(grpc::ServerContext*, const v1::SaveCheckpointRequest*,
-                                            v1::SaveCheckpointResponse*) {
-  return ctx_->Done(__func__, absl::UnimplementedError(
-                                  "SaveCheckpoint is not available in this version of zeroshardd"));
-}
-
-grpc::Status ControlService::LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest*,
-                                            v1::LoadCheckpointResponse*) {
-  return ctx_->Done(__func__, absl::UnimplementedError(
-                                  "LoadCheckpoint is not available in this version of zeroshardd"));
-}
-
 grpc::Status ControlService::Drain(grpc::ServerContext*, const v1::DrainRequest*,
                                    v1::DrainResponse* resp) {
   ctx_->draining = true;

@@ -405,7 +405,7 @@ TEST_F(BadInputTest, GatherPrepareCommitInit) {
   EXPECT_EQ(Hash(), before);
 }
 
-TEST_F(BadInputTest, AdminAndUnimplemented) {
+TEST_F(BadInputTest, Admin) {
   ExpectRejected(grpc::NOT_FOUND, "not registered", [&] {
     grpc::ClientContext ctx;
     v1::MemoryReportRequest req;
@@ -427,13 +427,6 @@ TEST_F(BadInputTest, AdminAndUnimplemented) {
     req.set_parameters(1e9);
     v1::EstimateResponse resp;
     return client_->admin->Estimate(&ctx, req, &resp);
-  });
-  ExpectRejected(grpc::UNIMPLEMENTED, "SaveCheckpoint", [&] {
-    grpc::ClientContext ctx;
-    v1::SaveCheckpointRequest req;
-    req.set_job_id("job");
-    v1::SaveCheckpointResponse resp;
-    return client_->control->SaveCheckpoint(&ctx, req, &resp);
   });
   grpc::ClientContext ctx;
   v1::EstimateRequest req;

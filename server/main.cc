@@ -18,8 +18,6 @@ ABSL_FLAG(int, metrics_port, -1,
           "port (printed at start); -1 = off.");
 ABSL_FLAG(uint64_t, memory_limit, 0, "Bytes this daemon may hold for all jobs; 0 = unlimited.");
 ABSL_FLAG(int, optimizer_threads, 1, "Threads running the optimizer step.");
-ABSL_FLAG(std::string, checkpoint_dir, "",
-          "Reserved: checkpoints are not implemented yet and the value is ignored.");
 ABSL_FLAG(std::string, bulk_transport, "ucx",
           "Bulk transport served to trainers (ExchangeEndpoint): ucx, grpc or inproc; empty = "
           "none. When it cannot initialise, trainers use the streaming (\"stream\") path.");

@@ -51,10 +51,6 @@ class ControlService final : public v1::Control::Service {
                          v1::HeartbeatResponse* resp) override;
   grpc::Status Leave(grpc::ServerContext*, const v1::LeaveRequest* req,
                      v1::LeaveResponse* resp) override;
-  grpc::Status SaveCheckpoint(grpc::ServerContext*, const v1::SaveCheckpointRequest*,
-                              v1::SaveCheckpointResponse*) override;
-  grpc::Status LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest*,
-                              v1::LoadCheckpointResponse*) override;
   grpc::Status Drain(grpc::ServerContext*, const v1::DrainRequest*,
                      v1::DrainResponse* resp) override;
 

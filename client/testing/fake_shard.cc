@@ -174,7 +174,7 @@ grpc::Status FakeShard::PushGradient(grpc::ServerContext*,
   if (!reader->Read(&chunk)) {
     status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty stream");
   } else if (!chunk.staged() || chunk.incarnation() < 1) {
-    status = grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "the fake takes staged chunks only");
+    status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the fake takes staged chunks only");
   } else {
     status = ApplyStaged(chunk);
   }
@@ -210,7 +210,7 @@ grpc::Status FakeShard::FenceStagingSlot(grpc::ServerContext*,
 grpc::Status FakeShard::Gather(grpc::ServerContext*, const v1::GatherRequest* request,
                                grpc::ServerWriter<v1::ParameterChunk>*) {
   if (!request->wait_only()) {
-    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "the fake serves wait_only gathers");
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the fake serves wait_only gathers");
   }
   if (request->range().end() > options_.master_elements) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range outside the parameters");
