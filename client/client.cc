@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "client/bulk_data_path.h"
@@ -13,6 +14,7 @@
 #include "client/layer_cache.h"
 #include "client/rpc.h"
 #include "client/stream_data_path.h"
+#include "common/checkpoint_files.h"
 #include "common/protocol.h"
 #include "common/status_macros.h"
 
@@ -97,6 +99,11 @@ absl::Status ValidateConfig(const ClientConfig& c) {
     return Invalid("transport", absl::StrCat("unknown transport \"", c.transport.substr(0, 64),
                                              "\" (one of stream, ucx, grpc, inproc)"));
   }
+  if (!c.resume.empty() && !ValidateCheckpointName(c.resume, true).ok()) {
+    return Invalid("resume", absl::StrCat("must be \"latest\" or a checkpoint name (",
+                                          kCheckpointNameRule, "), got \"",
+                                          c.resume.substr(0, 140), "\""));
+  }
   return absl::OkStatus();
 }
 
@@ -107,6 +114,7 @@ Client::Client(ClientConfig config, std::unique_ptr<Collective> collective)
       loss_scale_(config_.loss_scale.initial_scale) {}
 
 Client::~Client() {
+  if (checkpoint_finisher_.joinable()) checkpoint_finisher_.join();  // bounded by step_timeout
   heartbeat_.reset();
   layers_.reset();  // its prefetches use io_
   io_.reset();
@@ -134,8 +142,10 @@ absl::Status Client::Connect() {
     ASSIGN_OR_RETURN(bulk_, BulkTransport::Create(c.transport, to));
   }
   std::vector<DaemonControl*> controls;
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (const std::string& address : c.daemons) {
     std::shared_ptr<grpc::Channel> channel = MakeDaemonChannel(address);
+    channels.push_back(channel);
     controls_.push_back(std::make_unique<DaemonControl>(address, channel));
     controls.push_back(controls_.back().get());
     if (bulk_ == nullptr) {
@@ -148,6 +158,7 @@ absl::Status Client::Connect() {
           std::make_unique<BulkDataPath>(address, std::move(channel), bulk_, o));
     }
   }
+  checkpoints_ = std::make_unique<CheckpointDriver>(c.job_id, c.daemons, std::move(channels));
   io_ = std::make_unique<Executor>(c.io_threads);
   StepCoordinator::Options so;
   so.id = rank_id();
@@ -200,7 +211,7 @@ absl::Status Client::BindCollective() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> Client::JoinEverywhere() {
+absl::Status Client::JoinEverywhere() {
   v1::JoinJobRequest join;
   join.set_job_id(config_.job_id);
   join.set_rank(config_.rank);
@@ -209,21 +220,59 @@ absl::StatusOr<uint64_t> Client::JoinEverywhere() {
   join.set_world_size(config_.world_size);
   join.set_precision(WireDType(config_.precision));
   join.set_incarnation(incarnation_);
-  std::vector<uint64_t> committed(controls_.size());
-  RETURN_IF_ERROR(ForEachDaemon([&](uint32_t d) -> absl::Status {
-    ASSIGN_OR_RETURN(v1::JoinJobResponse r, controls_[d]->JoinJob(join, RpcDeadline()));
-    committed[d] = r.committed_step();
-    return absl::OkStatus();
-  }));
-  for (size_t d = 1; d < committed.size(); ++d) {
-    if (committed[d] != committed[0]) {
+  return ForEachDaemon([&](uint32_t d) -> absl::Status {
+    return controls_[d]->JoinJob(join, RpcDeadline()).status();
+  });
+}
+
+absl::StatusOr<uint64_t> Client::AgreedCommittedStep() {
+  const absl::Time deadline = absl::Now() + config_.step_timeout;
+  for (;;) {
+    std::vector<v1::StepState> states(controls_.size());
+    RETURN_IF_ERROR(ForEachDaemon([&](uint32_t d) -> absl::Status {
+      ASSIGN_OR_RETURN(states[d], controls_[d]->GetStepState(config_.job_id, RpcDeadline()));
+      return absl::OkStatus();
+    }));
+    uint32_t lo = 0, hi = 0;
+    for (uint32_t d = 1; d < states.size(); ++d) {
+      if (states[d].committed_step() < states[lo].committed_step()) lo = d;
+      if (states[d].committed_step() > states[hi].committed_step()) hi = d;
+    }
+    const uint64_t low = states[lo].committed_step();
+    const uint64_t high = states[hi].committed_step();
+    if (low == high) return high;
+    if (high == low + 1 && config_.rank == 0) {
+      // The previous leader died between its CommitSteps: finish the step on
+      // the daemons behind with the decision the others recorded, so every
+      // daemon applies the same update.
+      const v1::StepState& done = states[hi];
+      RETURN_IF_ERROR(ForEachDaemon([&](uint32_t d) -> absl::Status {
+        if (states[d].committed_step() != low) return absl::OkStatus();
+        RETURN_IF_ERROR(controls_[d]->PrepareStep(config_.job_id, high, RpcDeadline()).status(),
+                        absl::StrCat("finishing step ", high, " (committed on ",
+                                     controls_[hi]->address(), ")"));
+        v1::CommitStepRequest commit;
+        commit.set_job_id(config_.job_id);
+        commit.set_step(high);
+        commit.set_lr(done.last_lr());
+        commit.set_clip_coef(done.last_clip_coef());
+        commit.set_skip(done.last_skipped());
+        commit.set_grad_norm(done.last_grad_norm());
+        commit.set_rank(0);
+        commit.set_incarnation(incarnation_);
+        return controls_[d]->CommitStep(commit, RpcDeadline()).status();
+      }));
+      continue;
+    }
+    if (high > low + 1 || config_.rank == 0 || absl::Now() >= deadline) {
       return absl::FailedPreconditionError(absl::StrCat(
           "job ", config_.job_id, ": daemons disagree on the committed step (",
-          controls_[0]->address(), " has ", committed[0], ", ", controls_[d]->address(),
-          " has ", committed[d], ")"));
+          controls_[lo]->address(), " has ", low, ", ", controls_[hi]->address(), " has ", high,
+          "); restart the trainers with a resume checkpoint (ClientConfig.resume)"));
     }
+    // Rank 0 is finishing the step; look again.
+    absl::SleepFor(absl::Milliseconds(50));
   }
-  return committed[0];
 }
 
 absl::Status Client::RegisterModel(const Layout& layout, const float* initial_params) {
@@ -241,14 +290,25 @@ absl::Status Client::RegisterModel(const Layout& layout, const float* initial_pa
   layout_ = layout;
   map_ = map;
   RETURN_IF_ERROR(BindCollective());
-  // Rank 0 uploads before it joins, so that "every rank joined" implies the
-  // parameters are in place; a job that has committed a step keeps its own.
-  if (config_.rank == 0 && initial_params != nullptr) {
+  // Rank 0 loads or uploads before it joins, so that "every rank joined"
+  // implies the state is in place; a job that has committed a step keeps
+  // its own unless resuming.
+  bool loaded = false;
+  if (config_.rank == 0 && !config_.resume.empty() && !resumed_.has_value()) {
+    absl::StatusOr<v1::LoadCheckpointResponse> r =
+        checkpoints_->Load(config_.resume, absl::Now() + config_.step_timeout);
+    if (r.ok()) {
+      resumed_ = *std::move(r);
+      loaded = true;
+    } else if (!(absl::IsNotFound(r.status()) && config_.resume == "latest")) {
+      return r.status();
+    }
+  }
+  if (config_.rank == 0 && initial_params != nullptr && !loaded && !resumed_.has_value()) {
     ASSIGN_OR_RETURN(uint64_t committed, coordinator_->MaxCommittedStep());
     if (committed == 0) RETURN_IF_ERROR(UploadInitialParams(initial_params));
   }
-  ASSIGN_OR_RETURN(uint64_t committed, JoinEverywhere());
-  step_ = committed;
+  RETURN_IF_ERROR(JoinEverywhere());
   if (heartbeat_ == nullptr && config_.heartbeat_interval > absl::ZeroDuration()) {
     std::vector<DaemonControl*> controls;
     for (const auto& c : controls_) controls.push_back(c.get());
@@ -256,6 +316,8 @@ absl::Status Client::RegisterModel(const Layout& layout, const float* initial_pa
                                                  config_.heartbeat_interval, config_.rpc_timeout);
   }
   RETURN_IF_ERROR(coordinator_->AwaitAllRanksJoined());
+  ASSIGN_OR_RETURN(uint64_t committed, AgreedCommittedStep());
+  step_ = committed;
   if (layers_ == nullptr) {
     LayerCache::Options o;
     o.dtype = config_.precision;
@@ -432,8 +494,45 @@ absl::Status Client::Prefetch(uint32_t layer) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<CheckpointStarted> Client::SaveCheckpoint(const std::string& name) {
+  if (!registered()) return absl::FailedPreconditionError("SaveCheckpoint before RegisterModel");
+  RETURN_IF_ERROR(ValidateCheckpointName(name, false));
+  if (checkpoint_finisher_.joinable()) {
+    absl::StatusOr<CheckpointCompleted> previous = AwaitCheckpoint();
+    if (!previous.ok()) {
+      return absl::Status(previous.status().code(),
+                          absl::StrCat("the previous checkpoint \"", checkpoint_pending_,
+                                       "\" failed: ", previous.status().message()));
+    }
+  }
+  ASSIGN_OR_RETURN(CheckpointStarted started,
+                   checkpoints_->Start(name, step_.load(), RpcDeadline()));
+  checkpoint_pending_ = name;
+  checkpoint_result_.reset();
+  const absl::Time deadline = absl::Now() + config_.step_timeout;
+  checkpoint_finisher_ = std::thread([this, name, deadline] {
+    // Only this thread writes the result until the training thread joins it.
+    checkpoint_result_ = checkpoints_->Finish(name, deadline);
+  });
+  return started;
+}
+
+absl::StatusOr<CheckpointCompleted> Client::AwaitCheckpoint() {
+  if (checkpoint_finisher_.joinable()) checkpoint_finisher_.join();
+  if (!checkpoint_result_.has_value()) {
+    return absl::FailedPreconditionError("AwaitCheckpoint: no checkpoint was saved");
+  }
+  return *checkpoint_result_;
+}
+
+absl::StatusOr<std::vector<v1::CheckpointInfo>> Client::ListCheckpoints() {
+  return checkpoints_->List(RpcDeadline());
+}
+
 absl::Status Client::Leave() {
   if (!registered()) return absl::FailedPreconditionError("Leave before RegisterModel");
+  // A save being completed needs the job on the daemons.
+  if (checkpoint_finisher_.joinable()) checkpoint_finisher_.join();
   heartbeat_.reset();
   return ForEachDaemon(
       [this](uint32_t d) { return controls_[d]->Leave(rank_id(), RpcDeadline()); });

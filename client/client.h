@@ -47,12 +47,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/checkpoint_driver.h"
 #include "client/collective.h"
 #include "client/data_path.h"
 #include "client/executor.h"
@@ -106,6 +108,11 @@ struct ClientConfig : JobSettings {
   int bulk_progress_threads = 2;
   int sender_threads = 2;
   int io_threads = 4;
+  // Resume: a checkpoint name, or "latest" (the complete checkpoint with the
+  // highest step), that RegisterModel on rank 0 loads into the daemons
+  // instead of uploading initial parameters. With "latest" and no complete
+  // checkpoint, the job starts from the initial parameters. Empty: no resume.
+  std::string resume;
 };
 
 // OK, or InvalidArgument naming the field ("ClientConfig.<field>: ...").
@@ -242,6 +249,25 @@ class Client {
   // stage has no layer buffers.
   absl::Status Prefetch(uint32_t layer);
 
+  // ---- Checkpoints (call from one rank, usually 0, between steps) ----
+  // Saves the committed state under `name` (client/checkpoint_driver.h):
+  // waits for this client's previous save to complete, then has every daemon
+  // snapshot its partitions and returns. The daemons write in the
+  // background, and a background thread of the client completes the
+  // checkpoint (the job manifest) once every part is on disk; the next step
+  // may run meanwhile. Blocks for the snapshots (the training stall) and up
+  // to step_timeout for a previous save. InvalidArgument for a bad name;
+  // the daemons' errors pass through (FailedPrecondition without
+  // --checkpoint_dir, ResourceExhausted when the snapshot does not fit).
+  absl::StatusOr<CheckpointStarted> SaveCheckpoint(const std::string& name);
+  // Waits (up to step_timeout) for the last save to complete; its result.
+  // FailedPrecondition if there was none.
+  absl::StatusOr<CheckpointCompleted> AwaitCheckpoint();
+  // Complete checkpoints of the job on every daemon, by step.
+  absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpoints();
+  // Whether RegisterModel resumed from a checkpoint, and which.
+  const std::optional<v1::LoadCheckpointResponse>& resumed_from() const { return resumed_; }
+
   // Stops the heartbeats and leaves the job on every daemon (the job is
   // freed when every rank has left). Returns the first error, after trying
   // every daemon.
@@ -278,8 +304,13 @@ class Client {
   absl::Status RegisterJobEverywhere(const Layout& layout, const PartitionMap& map);
   absl::Status BindCollective();
   absl::Status UploadInitialParams(const float* params);
-  // JoinJob on every daemon; returns the committed step they agree on.
-  absl::StatusOr<uint64_t> JoinEverywhere();
+  // JoinJob on every daemon.
+  absl::Status JoinEverywhere();
+  // After every rank joined: the committed step all daemons agree on. A step
+  // committed on some daemons and not others (one behind) is finished by
+  // rank 0 with the recorded decision; other ranks wait for it (up to
+  // step_timeout). FailedPrecondition for a larger split.
+  absl::StatusOr<uint64_t> AgreedCommittedStep();
   // Gathers `range` (inside [0, total)) as `dtype` into dst, cut at daemon
   // boundaries and into C_B-sized requests, in parallel on the io threads.
   absl::Status GatherRange(const FlatRange& range, DType dtype, uint64_t after_step, void* dst);
@@ -306,6 +337,12 @@ class Client {
   std::atomic<uint64_t> step_{0};  // read by pushing threads
   std::atomic<float> loss_scale_{1.0f};
   std::unique_ptr<StepCoordinator> coordinator_;
+  std::unique_ptr<CheckpointDriver> checkpoints_;
+  std::optional<v1::LoadCheckpointResponse> resumed_;
+  // The background completion of the last save (training thread only).
+  std::thread checkpoint_finisher_;
+  std::optional<absl::StatusOr<CheckpointCompleted>> checkpoint_result_;
+  std::string checkpoint_pending_;  // name of the save being completed
 
   // Destroyed first, in this order: their threads use the members above.
   std::unique_ptr<Executor> io_;

@@ -53,6 +53,45 @@ uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
   return ~(has_sse42 ? HardwareCrc(p, n, c) : TableCrc(p, n, c));
 }
 
+namespace {
+
+// GF(2) 32x32 matrices acting on CRC registers, one column per bit.
+uint32_t MatrixTimes(const uint32_t* m, uint32_t v) {
+  uint32_t sum = 0;
+  for (int i = 0; v != 0; ++i, v >>= 1) {
+    if (v & 1) sum ^= m[i];
+  }
+  return sum;
+}
+
+void MatrixSquare(uint32_t* out, const uint32_t* m) {
+  for (int i = 0; i < 32; ++i) out[i] = MatrixTimes(m, m[i]);
+}
+
+}  // namespace
+
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  if (len_b == 0) return crc_a;
+  // odd: the operator of one zero bit; squared twice, of four.
+  uint32_t odd[32], even[32];
+  odd[0] = kPoly;
+  for (int i = 1; i < 32; ++i) odd[i] = 1u << (i - 1);
+  MatrixSquare(even, odd);  // two zero bits
+  MatrixSquare(odd, even);  // four zero bits
+  // Apply len_b zero bytes to crc_a, one squaring per bit of len_b.
+  for (;;) {
+    MatrixSquare(even, odd);
+    if (len_b & 1) crc_a = MatrixTimes(even, crc_a);
+    len_b >>= 1;
+    if (len_b == 0) break;
+    MatrixSquare(odd, even);
+    if (len_b & 1) crc_a = MatrixTimes(odd, crc_a);
+    len_b >>= 1;
+    if (len_b == 0) break;
+  }
+  return crc_a ^ crc_b;
+}
+
 }  // namespace zeroshard
 
 namespace zeroshard::internal {

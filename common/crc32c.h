@@ -11,6 +11,10 @@ namespace zeroshard {
 // Extends `crc` (0 for a fresh checksum) over n bytes.
 uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0);
 
+// The CRC-32C of A followed by B, from crc_a = Crc32c(A), crc_b = Crc32c(B)
+// and B's length, without reading the bytes again (O(log len_b)).
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
 }  // namespace zeroshard
 
 namespace zeroshard::internal {

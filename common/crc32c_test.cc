@@ -1,6 +1,7 @@
 #include "common/crc32c.h"
 
 #include <cstring>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -27,6 +28,21 @@ TEST(Crc32c, HardwareEqualsPortableAndExtends) {
   const uint32_t parts = Crc32c(data.data() + 1000, data.size() - 1000,
                                 Crc32c(data.data(), 1000));
   EXPECT_EQ(whole, parts);
+}
+
+TEST(Crc32cTest, CombineEqualsTheCrcOfTheConcatenation) {
+  std::string a = "The quick brown fox ", b = "jumps over the lazy dog";
+  for (int i = 0; i < 300; ++i) b += static_cast<char>(i * 7);
+  const std::string ab = a + b;
+  EXPECT_EQ(Crc32cCombine(Crc32c(a.data(), a.size()), Crc32c(b.data(), b.size()), b.size()),
+            Crc32c(ab.data(), ab.size()));
+  EXPECT_EQ(Crc32cCombine(Crc32c(a.data(), a.size()), 0, 0), Crc32c(a.data(), a.size()));
+  for (size_t cut = 0; cut <= ab.size(); cut += 37) {
+    EXPECT_EQ(Crc32cCombine(Crc32c(ab.data(), cut), Crc32c(ab.data() + cut, ab.size() - cut),
+                            ab.size() - cut),
+              Crc32c(ab.data(), ab.size()))
+        << cut;
+  }
 }
 
 }  // namespace

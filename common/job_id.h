@@ -8,7 +8,7 @@
 namespace zeroshard {
 
 // The rule, as error messages state it.
-inline constexpr char kJobIdRule[] = "1..128 bytes of [A-Za-z0-9._-]";
+inline constexpr char kJobIdRule[] = "1..128 bytes of [A-Za-z0-9._-], not \".\" or \"..\"";
 
 // True iff `id` follows kJobIdRule.
 bool IsValidJobId(absl::string_view id);

@@ -14,6 +14,9 @@ TEST(JobIdTest, FollowsTheRule) {
   EXPECT_FALSE(IsValidJobId(std::string(129, 'x')));
   EXPECT_FALSE(IsValidJobId("a b"));
   EXPECT_FALSE(IsValidJobId("a/b"));
+  EXPECT_FALSE(IsValidJobId("."));  // would name a directory that is not the job's
+  EXPECT_FALSE(IsValidJobId(".."));
+  EXPECT_TRUE(IsValidJobId("..."));
   EXPECT_FALSE(IsValidJobId(absl::string_view("a\0b", 3)));
 }
 

@@ -391,6 +391,10 @@ TEST_F(DashboardTest, CoversTheDaemonsMetrics) {
                         "zeroshard_activation_hits_total",
                         "zeroshard_activation_misses_total",
                         "zeroshard_activation_spills_total",
+                        "zeroshard_checkpoint_seconds",
+                        "zeroshard_checkpoint_bytes_total",
+                        "zeroshard_checkpoint_last_complete_step",
+                        "zeroshard_checkpoint_last_complete_timestamp_seconds",
                     }));
 }
 

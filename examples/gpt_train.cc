@@ -5,11 +5,19 @@
 // one process with torch::optim::AdamW (the baseline). Rank 0 draws a
 // progress bar and, with --report, prints the memory, traffic and loss
 // report at the end (and trains the single-process reference to compare).
+//
+// Checkpoints (the daemons need --checkpoint_dir): --checkpoint_every=N has
+// rank 0 save "step-<k>" after every N committed steps; --resume=NAME|latest
+// continues the job from a checkpoint to --steps in all. --dump_params=PATH
+// writes the final parameters (rank 0) as raw little-endian fp32.
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -45,6 +53,19 @@ ABSL_FLAG(std::string, transport, "ucx",
 ABSL_FLAG(std::string, ucx_tls, "", "UCX_TLS for --transport=ucx (empty: UCX's choice).");
 ABSL_FLAG(int, threads, 0, "Torch threads per rank; 0 = the cores shared among the ranks.");
 ABSL_FLAG(bool, report, true, "Rank 0: print the memory/traffic/loss report at the end.");
+ABSL_FLAG(std::string, progress, "bar",
+          "Rank 0's progress: bar (one line redrawn), lines (\"step K/N loss L ...\" per step) "
+          "or none.");
+ABSL_FLAG(int, checkpoint_every, 0,
+          "Rank 0 saves checkpoint step-<k> after every this many committed steps and waits for "
+          "the last one to complete before exiting (the daemons need --checkpoint_dir); 0 = "
+          "never.");
+ABSL_FLAG(std::string, resume, "",
+          "Checkpoint to resume the job from: a name, or latest (the complete one with the "
+          "highest step; none: start fresh). Training runs on to --steps in all.");
+ABSL_FLAG(std::string, dump_params, "",
+          "Rank 0: after the last step, write every fp32 parameter (the flat layout, gaps as "
+          "zeros) to this file as raw little-endian floats.");
 
 namespace zeroshard::examples {
 namespace {
@@ -58,6 +79,52 @@ int EnvInt(const char* name, int flag, int fallback) {
   if (flag >= 0) return flag;
   int v;
   return absl::SimpleAtoi(Env(name, ""), &v) ? v : fallback;
+}
+
+// Writes `params` to `path` as little-endian fp32.
+absl::Status DumpParams(const std::string& path, const std::vector<float>& params) {
+  std::vector<unsigned char> bytes(params.size() * 4);
+  for (size_t i = 0; i < params.size(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &params[i], 4);
+    for (int b = 0; b < 4; ++b) bytes[4 * i + b] = static_cast<unsigned char>(bits >> (8 * b));
+  }
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dump_params: cannot open ", path, ": ", std::strerror(errno)));
+  }
+  const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+  const int write_errno = errno;
+  if (std::fclose(f) != 0 || !written) {
+    return absl::InternalError(absl::StrCat("dump_params: writing ", path, ": ",
+                                            std::strerror(written ? errno : write_errno)));
+  }
+  return absl::OkStatus();
+}
+
+void ProgressLine(const StepReport& r, int steps) {
+  std::printf("step %d/%d loss %.6f %.1f ms/step %s moved\n", r.step, steps, r.loss,
+              r.seconds * 1e3, FormatBytes(static_cast<double>(r.bytes)).c_str());
+  std::fflush(stdout);
+}
+
+// After a step's progress: the checkpoint saved after it, on a line of its
+// own (`midline`: a progress bar is on the current line).
+void CheckpointLine(const StepReport& r, bool midline) {
+  if (!r.checkpoint.has_value()) return;
+  const std::string name = absl::StrCat("step-", r.step);
+  if (midline) std::printf("\n");
+  if (r.checkpoint->ok()) {
+    const CheckpointStarted& c = **r.checkpoint;
+    std::printf("checkpoint %s: step %llu, %s, snapshot %.3g ms\n", c.name.c_str(),
+                static_cast<unsigned long long>(c.step),
+                FormatBytes(static_cast<double>(c.bytes)).c_str(), c.snapshot_seconds * 1e3);
+  } else {
+    std::printf("checkpoint %s not saved: %s\n", name.c_str(),
+                r.checkpoint->status().ToString().c_str());
+  }
+  std::fflush(stdout);
 }
 
 void ProgressBar(const StepReport& r, int steps) {
@@ -86,6 +153,19 @@ int Main() {
   o.transport = absl::GetFlag(FLAGS_transport);
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   o.stage = static_cast<uint32_t>(absl::GetFlag(FLAGS_stage));
+  o.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
+  o.resume = absl::GetFlag(FLAGS_resume);
+  const std::string progress_mode = absl::GetFlag(FLAGS_progress);
+  if (progress_mode != "bar" && progress_mode != "lines" && progress_mode != "none") {
+    std::fprintf(stderr, "gpt_train: --progress: bar, lines or none, got \"%s\"\n",
+                 progress_mode.c_str());
+    return 2;
+  }
+  const std::string dump_path = absl::GetFlag(FLAGS_dump_params);
+  if (o.stage == 0 && (o.checkpoint_every != 0 || !o.resume.empty())) {
+    std::fprintf(stderr, "gpt_train: checkpoints are the daemons': --stage=0 has none\n");
+    return 2;
+  }
   o.rank = static_cast<uint32_t>(EnvInt("ZS_RANK", absl::GetFlag(FLAGS_rank), 0));
   o.world_size = static_cast<uint32_t>(EnvInt("ZS_WORLD_SIZE", absl::GetFlag(FLAGS_world_size), 1));
   o.job_id = absl::GetFlag(FLAGS_job_id).empty() ? Env("ZS_JOB_ID", "gpt") : absl::GetFlag(FLAGS_job_id);
@@ -120,7 +200,25 @@ int Main() {
                 o.transport.c_str());
   }
   const StepCallback progress = [&](const StepReport& r) {
-    if (leader) ProgressBar(r, o.steps);
+    if (!leader) return;
+    if (progress_mode == "bar") {
+      ProgressBar(r, o.steps);
+      CheckpointLine(r, r.step != o.steps);
+    } else {
+      if (progress_mode == "lines") ProgressLine(r, o.steps);
+      CheckpointLine(r, false);
+    }
+  };
+  const auto dump = [&](const std::vector<float>& params) {
+    if (!leader || dump_path.empty()) return true;
+    const absl::Status s = DumpParams(dump_path, params);
+    if (!s.ok()) {
+      std::fprintf(stderr, "gpt_train: %s\n", s.ToString().c_str());
+      return false;
+    }
+    std::printf("parameters: %zu fp32 values written to %s\n", params.size(), dump_path.c_str());
+    std::fflush(stdout);
+    return true;
   };
   if (o.stage == 0) {
     auto r = TrainSingleProcess(o, progress);
@@ -128,7 +226,7 @@ int Main() {
       std::fprintf(stderr, "gpt_train: %s\n", r.status().ToString().c_str());
       return 1;
     }
-    return 0;
+    return dump(r->params) ? 0 : 1;
   }
   if (o.daemons.empty()) {
     std::fprintf(stderr, "gpt_train: no daemons: run under zsrun or pass --daemons\n");
@@ -144,11 +242,31 @@ int Main() {
     auto memory = tools::RunMemory(admin);
     daemon_report = memory.ok() ? *memory : memory.status().ToString();
   };
-  auto result = TrainRank(o, progress, report);
+  const StartCallback started = [&](Client& client) {
+    if (!leader || o.resume.empty()) return;
+    if (client.resumed_from().has_value()) {
+      const v1::LoadCheckpointResponse& r = *client.resumed_from();
+      std::printf("resumed from checkpoint %s at step %llu (daemon 0 read %s in %.2f s)\n",
+                  r.name().c_str(), static_cast<unsigned long long>(r.step()),
+                  FormatBytes(static_cast<double>(r.bytes_read())).c_str(), r.seconds());
+    } else {
+      std::printf("no checkpoint of job %s to resume from: starting at step %llu\n",
+                  o.job_id.c_str(), static_cast<unsigned long long>(client.committed_step() + 1));
+    }
+    std::fflush(stdout);
+  };
+  auto result = TrainRank(o, progress, report, started);
   if (!result.ok()) {
     std::fprintf(stderr, "gpt_train rank %u: %s\n", o.rank, result.status().ToString().c_str());
     return 1;
   }
+  if (leader && result->last_checkpoint.has_value()) {
+    const CheckpointCompleted& c = *result->last_checkpoint;
+    std::printf("checkpoint %s complete: step %llu, %s written in %.2f s\n", c.name.c_str(),
+                static_cast<unsigned long long>(c.step),
+                FormatBytes(static_cast<double>(c.bytes)).c_str(), c.write_seconds);
+  }
+  if (!dump(result->params)) return 1;
   activation_bytes = result->activation_bytes;
   if (!leader || !absl::GetFlag(FLAGS_report)) return 0;
 
@@ -187,9 +305,13 @@ int Main() {
   auto reference_eval = EvaluateLoss(o, reference->params, o.steps + 1);
   if (!sharded_eval.ok() || !reference_eval.ok()) return 1;
   std::printf("Loss on a held-out batch after %d steps: zeroshard %.5f, single-process torch "
-              "%.5f (difference %.2g); first step's loss %.4f -> last %.4f\n",
-              o.steps, *sharded_eval, *reference_eval, *sharded_eval - *reference_eval,
-              result->losses.front(), result->losses.back());
+              "%.5f (difference %.2g)",
+              o.steps, *sharded_eval, *reference_eval, *sharded_eval - *reference_eval);
+  if (!result->losses.empty()) {
+    std::printf("; step %d's loss %.4f -> last %.4f", result->first_step,
+                result->losses.front(), result->losses.back());
+  }
+  std::printf("\n");
   return 0;
 }
 

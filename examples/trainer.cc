@@ -1,6 +1,7 @@
 #include "examples/trainer.h"
 
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -13,6 +14,10 @@ namespace {
 absl::Status CheckOptions(const TrainOptions& o) {
   RETURN_IF_ERROR(ValidateConfig(o.model));
   if (o.steps < 1) return absl::InvalidArgumentError("steps: must be >= 1");
+  if (o.checkpoint_every < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint_every: must be >= 0, got ", o.checkpoint_every));
+  }
   if (o.world_size < 1 || o.global_batch < 1 || o.global_batch % o.world_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "global_batch: must be a positive multiple of world_size (", o.world_size, "), got ",
@@ -56,6 +61,7 @@ ClientConfig MakeClientConfig(const TrainOptions& o) {
   c.optimizer.eps = 1e-8f;
   c.optimizer.weight_decay = o.weight_decay;
   c.max_grad_norm = o.max_grad_norm;
+  c.resume = o.resume;
   return c;
 }
 
@@ -130,7 +136,8 @@ absl::StatusOr<float> EvaluateLoss(const TrainOptions& o, const std::vector<floa
 }
 
 absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback& on_step,
-                                      const FinishCallback& on_finish) {
+                                      const FinishCallback& on_finish,
+                                      const StartCallback& on_start) {
   RETURN_IF_ERROR(CheckOptions(o));
   if (o.stage < 1 || o.stage > 3) {
     return absl::InvalidArgumentError(
@@ -143,6 +150,8 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
   // (whose destructor waits for sends in flight) goes first.
   std::vector<float> full_grads(o.stage < 3 ? layout.total_elements() : 0);
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Create(MakeClientConfig(o)));
+  // With a resume, rank 0's RegisterModel loads the checkpoint instead of
+  // uploading these (unless there is none to resume from).
   std::vector<float> initial = GptInitialParams(o.model, layout, o.seed);
   RETURN_IF_ERROR(client->RegisterModel(layout, o.rank == 0 ? initial.data() : nullptr));
 
@@ -167,8 +176,13 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
   InMemoryActivationStore checkpoints;
   std::vector<float> layer_scratch, grad_scratch;
   std::vector<PushTicket> tickets;
+  result.resumed_from = client->resumed_from();
+  result.first_step = static_cast<int>(client->committed_step()) + 1;
+  const bool saves = o.rank == 0 && o.checkpoint_every > 0;
+  bool saved = false;
+  if (on_start) on_start(*client);
 
-  for (int step = 1; step <= o.steps; ++step) {
+  for (int step = result.first_step; step <= o.steps; ++step) {
     const absl::Time start = absl::Now();
     torch::Tensor tokens, targets;
     MakeBatch(corpus, o.model, step, o.global_batch, o.rank, o.world_size, &tokens, &targets);
@@ -240,6 +254,17 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
     }
     for (const PushTicket& t : tickets) RETURN_IF_ERROR(t.Wait(absl::Now() + absl::Minutes(5)));
     ASSIGN_OR_RETURN(StepResult sr, client->Step(o.lr));
+    std::optional<absl::StatusOr<CheckpointStarted>> saving;
+    if (saves && step % o.checkpoint_every == 0) {
+      // Blocks for the daemons' snapshots (and for the previous save to
+      // complete); the write goes on during the next steps.
+      saving = client->SaveCheckpoint(absl::StrCat("step-", step));
+      if (saving->ok()) {
+        saved = true;
+      } else if (!absl::IsAlreadyExists(saving->status())) {
+        return saving->status();
+      }
+    }
     if (o.stage < 3) {
       if (wire == DType::kFp32) {
         RETURN_IF_ERROR(client->GatherAll(full_params.data(), DType::kFp32));
@@ -252,8 +277,12 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
     if (on_step) {
       const ClientTrafficReport t = client->TrafficReport();
       on_step({step, loss, absl::ToDoubleSeconds(absl::Now() - start), t.last_step.total(),
-               sr.grad_norm});
+               sr.grad_norm, std::move(saving)});
     }
+  }
+  if (saved) {
+    ASSIGN_OR_RETURN(CheckpointCompleted done, client->AwaitCheckpoint());
+    result.last_checkpoint = std::move(done);
   }
   result.client_memory = client->MemoryReport();
   result.traffic = client->TrafficReport();

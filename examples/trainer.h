@@ -6,6 +6,7 @@
 // call (run ranks in threads or processes).
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,18 @@ struct TrainOptions {
   uint32_t prefetch_depth = 2;
   std::string transport = "stream";  // data path: "stream", "ucx", "grpc" or "inproc"
   std::string ucx_tls;               // UCX_TLS for "ucx" ("" = UCX's choice)
+
+  // Checkpoints (the daemons need --checkpoint_dir). Every this many
+  // committed steps rank 0 saves checkpoint "step-<k>" (k the committed
+  // step); 0: never. The last save is awaited before the rank leaves. A
+  // save that fails ends the training with its error, except AlreadyExists
+  // (StepReport::checkpoint).
+  int checkpoint_every = 0;
+  // ClientConfig.resume: a checkpoint name or "latest"; empty: start fresh.
+  // Training continues at the committed step the job resumed at and runs
+  // until `steps` in all. The batch of step k depends only on k (MakeBatch),
+  // so a resumed run takes the same steps as one that was never stopped.
+  std::string resume;
 };
 
 struct StepReport {
@@ -44,17 +57,32 @@ struct StepReport {
   double seconds = 0;      // wall time of the step
   uint64_t bytes = 0;      // bytes this rank moved to and from daemons this step
   float grad_norm = 0;     // known on rank 0
+  // Rank 0 with checkpoint_every, after a step it saved at: the save
+  // started (the daemons write it in the background), or AlreadyExists when
+  // a complete checkpoint of that name was there before (it is left as it
+  // is and training goes on).
+  std::optional<absl::StatusOr<CheckpointStarted>> checkpoint;
 };
 
 struct TrainResult {
-  std::vector<float> losses;  // per step, this rank's share (or the global batch)
+  // Per step trained by this run (first_step onwards), this rank's share (or
+  // the global batch).
+  std::vector<float> losses;
+  int first_step = 1;         // the committed step at the start, plus one
   std::vector<float> params;  // final parameters, flat fp32
   ClientMemoryReport client_memory;
   ClientTrafficReport traffic;
   uint64_t activation_bytes = 0;  // largest checkpoint footprint in a step
+  // The checkpoint the job resumed from (TrainOptions::resume).
+  std::optional<v1::LoadCheckpointResponse> resumed_from;
+  // Rank 0 with checkpoint_every: the last save, completed.
+  std::optional<CheckpointCompleted> last_checkpoint;
 };
 
 using StepCallback = std::function<void(const StepReport&)>;
+// Called by TrainRank once the rank has registered the model (and the job
+// resumed, if it did), before its first step, with the rank's client.
+using StartCallback = std::function<void(Client&)>;
 // Called by TrainRank after the last step, before the rank leaves the job
 // (the daemons still hold its states), with the rank's client.
 using FinishCallback = std::function<void(Client&)>;
@@ -63,10 +91,13 @@ using FinishCallback = std::function<void(Client&)>;
 absl::StatusOr<TrainResult> TrainSingleProcess(const TrainOptions& options,
                                                const StepCallback& on_step = nullptr);
 
-// One data-parallel rank training through zeroshard at options.stage.
+// One data-parallel rank training through zeroshard at options.stage, from
+// the job's committed step (0, or the step of the checkpoint it resumed
+// from) to options.steps. The callbacks run on the calling thread.
 absl::StatusOr<TrainResult> TrainRank(const TrainOptions& options,
                                       const StepCallback& on_step = nullptr,
-                                      const FinishCallback& on_finish = nullptr);
+                                      const FinishCallback& on_finish = nullptr,
+                                      const StartCallback& on_start = nullptr);
 
 // Mean cross-entropy of `params` (flat fp32) on the global batch of step
 // `step`, for comparing runs on data none of them trained on.

@@ -17,6 +17,7 @@
 //   category   one of kMemoryCategories.
 //   op         the kind of transfer (e.g. push, pull), a small fixed set.
 //   transport  the transport that carried it (ucx, grpc, inproc).
+//   phase      a checkpoint save's phase: snapshot or write.
 //   rpc        the gRPC method name.
 //   code       absl::StatusCodeToString of the result ("OK", "UNAVAILABLE").
 //   version    the daemon's build version.
@@ -110,6 +111,30 @@ inline constexpr MetricSpec kActivationSpillsTotal = {
     "Activations moved out of memory to make room.",
     {"job"}};
 
+inline constexpr MetricSpec kCheckpointSeconds = {
+    "zeroshard_checkpoint_seconds",
+    MetricType::kHistogram,
+    "Wall time of a checkpoint save's phases: snapshot (the training stall) and write.",
+    {"job", "phase"}};
+
+inline constexpr MetricSpec kCheckpointBytesTotal = {
+    "zeroshard_checkpoint_bytes_total",
+    MetricType::kCounter,
+    "Bytes of checkpoint data this daemon wrote for a job.",
+    {"job"}};
+
+inline constexpr MetricSpec kCheckpointLastCompleteStep = {
+    "zeroshard_checkpoint_last_complete_step",
+    MetricType::kGauge,
+    "Step of the job's last checkpoint completed (manifest written) through this daemon.",
+    {"job"}};
+
+inline constexpr MetricSpec kCheckpointLastCompleteTimestamp = {
+    "zeroshard_checkpoint_last_complete_timestamp_seconds",
+    MetricType::kGauge,
+    "Unix time at which the job's last checkpoint was completed through this daemon.",
+    {"job"}};
+
 inline constexpr MetricSpec kBuildInfo = {
     "zeroshard_build_info",
     MetricType::kGauge,
@@ -122,6 +147,10 @@ inline constexpr MetricSpec kAllMetrics[] = {
     kActivationMissesTotal,
     kActivationSpillsTotal,
     kBuildInfo,
+    kCheckpointBytesTotal,
+    kCheckpointLastCompleteStep,
+    kCheckpointLastCompleteTimestamp,
+    kCheckpointSeconds,
     kCommBytesTotal,
     kJobs,
     kMemoryBytes,
@@ -140,7 +169,8 @@ inline constexpr absl::string_view kMemoryCategories[] = {
     "optim_v",      "activation", "buffer", "fragmentation",
 };
 
-// Bucket bounds for zeroshard_step_seconds and zeroshard_optimizer_seconds:
+// Bucket bounds for zeroshard_step_seconds, zeroshard_optimizer_seconds and
+// zeroshard_checkpoint_seconds:
 // 1 ms to 2 min, 2 to 2.5x apart.
 inline std::vector<double> LatencySecondsBuckets() {
   return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,

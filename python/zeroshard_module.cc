@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -22,6 +23,7 @@
 #include "client/client.h"
 #include "common/dtype.h"
 #include "common/layout.h"
+#include "proto/zeroshard/v1/checkpoint.pb.h"
 
 namespace zeroshard::python {
 namespace {
@@ -111,7 +113,8 @@ class PyClient {
   PyClient(std::vector<std::string> daemons, std::string job_id, uint32_t rank,
            uint32_t world_size, uint32_t stage, const std::string& precision, float lr,
            std::pair<float, float> betas, float eps, float weight_decay, float max_grad_norm,
-           uint64_t bucket_bytes, double rpc_timeout, double step_timeout) {
+           uint64_t bucket_bytes, double rpc_timeout, double step_timeout,
+           std::optional<std::string> resume) {
     ClientConfig c;
     c.daemons = std::move(daemons);
     c.job_id = std::move(job_id);
@@ -129,6 +132,7 @@ class PyClient {
     c.max_grad_norm = max_grad_norm;
     c.rpc_timeout = absl::Seconds(rpc_timeout);
     c.step_timeout = absl::Seconds(step_timeout);
+    c.resume = resume.value_or("");
     client_ = Check(Client::Create(std::move(c)));
   }
 
@@ -228,6 +232,68 @@ class PyClient {
     return d;
   }
 
+  py::dict SaveCheckpoint(const std::string& name) {
+    absl::StatusOr<CheckpointStarted> started;
+    {
+      py::gil_scoped_release release;
+      started = client_->SaveCheckpoint(name);
+    }
+    CheckpointStarted r = Check(std::move(started));
+    py::dict d;
+    d["name"] = r.name;
+    d["step"] = r.step;
+    d["bytes"] = r.bytes;
+    d["snapshot_seconds"] = r.snapshot_seconds;
+    return d;
+  }
+
+  py::dict AwaitCheckpoint() {
+    absl::StatusOr<CheckpointCompleted> completed;
+    {
+      py::gil_scoped_release release;
+      completed = client_->AwaitCheckpoint();
+    }
+    CheckpointCompleted r = Check(std::move(completed));
+    py::dict d;
+    d["name"] = r.name;
+    d["step"] = r.step;
+    d["bytes"] = r.bytes;
+    d["write_seconds"] = r.write_seconds;
+    return d;
+  }
+
+  py::list ListCheckpoints() {
+    absl::StatusOr<std::vector<v1::CheckpointInfo>> listed;
+    {
+      py::gil_scoped_release release;
+      listed = client_->ListCheckpoints();
+    }
+    py::list out;
+    for (const v1::CheckpointInfo& c : Check(std::move(listed))) {
+      py::dict d;
+      d["name"] = c.name();
+      d["step"] = c.step();
+      d["world_size"] = c.world_size();
+      d["daemon_count"] = c.daemon_count();
+      d["stage"] = c.stage();
+      d["bytes"] = c.bytes();
+      d["completed_unix_ms"] = c.completed_unix_ms();
+      out.append(std::move(d));
+    }
+    return out;
+  }
+
+  py::object ResumedFrom() const {
+    const std::optional<v1::LoadCheckpointResponse>& r = client_->resumed_from();
+    if (!r.has_value()) return py::none();
+    py::dict d;
+    d["name"] = r->name();
+    d["step"] = r->step();
+    d["bytes_read"] = r->bytes_read();
+    d["seconds"] = r->seconds();
+    return std::move(d);
+  }
+
   uint64_t total_elements() const { return client_->total_elements(); }
   uint64_t committed_step() const { return client_->committed_step(); }
 
@@ -287,15 +353,18 @@ PYBIND11_MODULE(_zeroshard, m) {
   py::class_<PyClient>(m, "Client")
       .def(py::init<std::vector<std::string>, std::string, uint32_t, uint32_t, uint32_t,
                     const std::string&, float, std::pair<float, float>, float, float, float,
-                    uint64_t, double, double>(),
+                    uint64_t, double, double, std::optional<std::string>>(),
            py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
            py::arg("stage") = 2, py::arg("precision") = "fp32", py::arg("lr") = 1e-3f,
            py::arg("betas") = std::make_pair(0.9f, 0.999f), py::arg("eps") = 1e-8f,
            py::arg("weight_decay") = 0.01f, py::arg("max_grad_norm") = 0.0f,
            py::arg("bucket_bytes") = uint64_t{32} << 20, py::arg("rpc_timeout") = 60.0,
-           py::arg("step_timeout") = 300.0,
+           py::arg("step_timeout") = 300.0, py::arg("resume") = py::none(),
            "Validates the config and starts the client's threads; connects to nothing. "
-           "Timeouts in seconds.")
+           "Timeouts in seconds. resume: None, a checkpoint name or 'latest' (the complete "
+           "checkpoint with the highest step): register_model on rank 0 then loads it into "
+           "the daemons instead of uploading initial_params ('latest' with no complete "
+           "checkpoint starts from initial_params).")
       .def(
           "register_model",
           [](PyClient& self, const py::object& layout, const py::object& initial_params) {
@@ -322,6 +391,22 @@ PYBIND11_MODULE(_zeroshard, m) {
       .def("gather_all", &PyClient::GatherAll, py::arg("out"),
            "Writes every parameter of the last committed step into out (total_elements "
            "float32 values).")
+      .def("save_checkpoint", &PyClient::SaveCheckpoint, py::arg("name"),
+           "Saves the committed state under `name` (one rank, between steps; the daemons "
+           "need --checkpoint_dir). Waits for this client's previous save to complete, then "
+           "returns once every daemon holds its snapshot: dict(name, step, bytes, "
+           "snapshot_seconds). The daemons write in the background and the client completes "
+           "the checkpoint when every part is on disk; training may go on meanwhile.")
+      .def("await_checkpoint", &PyClient::AwaitCheckpoint,
+           "Waits (up to step_timeout) for the last save to complete: dict(name, step, bytes, "
+           "write_seconds). Raises FAILED_PRECONDITION if there was none.")
+      .def("list_checkpoints", &PyClient::ListCheckpoints,
+           "The job's checkpoints complete on every daemon, by step: a list of dict(name, "
+           "step, world_size, daemon_count, stage, bytes, completed_unix_ms).")
+      .def_property_readonly("resumed_from", &PyClient::ResumedFrom,
+                             "On rank 0 after register_model with resume: dict(name, step, "
+                             "bytes_read, seconds) of the checkpoint it loaded; None otherwise "
+                             "(and on the other ranks).")
       .def("leave", &PyClient::Leave)
       .def("memory_report", &PyClient::MemoryReport)
       .def("traffic_report", &PyClient::TrafficReport)

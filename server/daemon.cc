@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/checkpoint_files.h"
 #include "common/job_spec.h"
 #include "common/protocol.h"
 #include "common/status_macros.h"
@@ -76,6 +77,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ShardOptimizer::Options oo;
   oo.num_threads = options.optimizer_threads;
   ASSIGN_OR_RETURN(d->optimizer_, ShardOptimizer::Create(oo));
+  if (!options.checkpoint_dir.empty()) {
+    RETURN_IF_ERROR(MakeDirectories(options.checkpoint_dir), "--checkpoint_dir");
+  }
   std::string bulk_error;
   d->transport_ = CreateBulkTransport(options, &bulk_error);
   JobManager::Options jo;
@@ -87,6 +91,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   resources.transport = d->transport_.get();
   resources.reduction_buffer_bytes = options.reduction_buffer_bytes;
   resources.staging_slots = options.staging_slots;
+  resources.checkpoint_dir = options.checkpoint_dir;
+  resources.metrics = &d->metrics_;
   d->jobs_ = std::make_unique<JobManager>(jo, resources, &d->metrics_);
   d->context_ = std::make_unique<ServiceContext>();
   ServiceContext& ctx = *d->context_;
@@ -97,10 +103,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ctx.metrics = &d->metrics_;
   ctx.bulk = d->transport_.get();
   ctx.bulk_error = bulk_error;
+  ctx.checkpoint_dir = options.checkpoint_dir;
   ctx.start = absl::Now();
   d->control_ = std::make_unique<ControlService>(&ctx);
   d->shard_ = std::make_unique<ShardService>(&ctx);
   d->admin_ = std::make_unique<AdminService>(&ctx);
+  d->checkpoint_ = std::make_unique<CheckpointService>(&ctx);
   if (!options.metrics_listen.empty()) {
     d->http_ = std::make_unique<metrics::MetricsHttpServer>(d->registry_, options.metrics_listen);
     RETURN_IF_ERROR(d->http_->Start(), "--metrics_port");
@@ -112,6 +120,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   builder.RegisterService(d->control_.get());
   builder.RegisterService(d->shard_.get());
   builder.RegisterService(d->admin_.get());
+  builder.RegisterService(d->checkpoint_.get());
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || d->port_ == 0) {
     return absl::UnavailableError(

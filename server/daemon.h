@@ -47,12 +47,17 @@ struct DaemonOptions {
   uint64_t reduction_buffer_bytes = 256ull << 20;
   // Slots in each rank's staging region (each one bucket, at most 64 MiB).
   uint32_t staging_slots = 2;
+  // Where checkpoints are written and read (created if missing); empty: the
+  // Checkpoint RPCs are refused. Resharding a checkpoint across daemons
+  // needs every part readable here: a shared filesystem, or copies.
+  std::string checkpoint_dir;
 };
 
 struct ServiceContext;
 class ControlService;
 class ShardService;
 class AdminService;
+class CheckpointService;
 
 class Daemon {
  public:
@@ -95,6 +100,7 @@ class Daemon {
   std::unique_ptr<ControlService> control_;
   std::unique_ptr<ShardService> shard_;
   std::unique_ptr<AdminService> admin_;
+  std::unique_ptr<CheckpointService> checkpoint_;
   std::unique_ptr<metrics::MetricsHttpServer> http_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

@@ -23,6 +23,11 @@ DaemonMetrics::DaemonMetrics(metrics::Registry* registry, MemoryLedger* ledger,
       requests_(Register<metrics::Counter>(registry, metrics::kRequestsTotal)),
       step_seconds_(Register<metrics::Histogram>(registry, metrics::kStepSeconds)),
       optimizer_seconds_(Register<metrics::Histogram>(registry, metrics::kOptimizerSeconds)),
+      checkpoint_seconds_(Register<metrics::Histogram>(registry, metrics::kCheckpointSeconds)),
+      checkpoint_bytes_(Register<metrics::Counter>(registry, metrics::kCheckpointBytesTotal)),
+      checkpoint_step_(Register<metrics::Gauge>(registry, metrics::kCheckpointLastCompleteStep)),
+      checkpoint_time_(
+          Register<metrics::Gauge>(registry, metrics::kCheckpointLastCompleteTimestamp)),
       params_per_second_(
           Register<metrics::Gauge>(registry, metrics::kOptimizerParamsPerSecond).Add({})),
       jobs_(Register<metrics::Gauge>(registry, metrics::kJobs).Add({})),
@@ -63,6 +68,23 @@ void DaemonMetrics::RecordCommit(const std::string& job, absl::Duration optimize
     step_seconds_.Add({{"job", job}}).Observe(absl::ToDoubleSeconds(now - it->second));
     it->second = now;
   }
+}
+
+void DaemonMetrics::RecordCheckpointSnapshot(const std::string& job, absl::Duration took,
+                                             uint64_t) {
+  checkpoint_seconds_.Add({{"job", job}, {"phase", "snapshot"}})
+      .Observe(absl::ToDoubleSeconds(took));
+}
+
+void DaemonMetrics::RecordCheckpointWrite(const std::string& job, absl::Duration took,
+                                          uint64_t bytes) {
+  checkpoint_seconds_.Add({{"job", job}, {"phase", "write"}}).Observe(absl::ToDoubleSeconds(took));
+  checkpoint_bytes_.Add({{"job", job}}).Increment(static_cast<double>(bytes));
+}
+
+void DaemonMetrics::SetCheckpointComplete(const std::string& job, uint64_t step) {
+  checkpoint_step_.Add({{"job", job}}).Set(static_cast<double>(step));
+  checkpoint_time_.Add({{"job", job}}).Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
 }
 
 void DaemonMetrics::SetJobs(size_t jobs) { jobs_.Set(static_cast<double>(jobs)); }

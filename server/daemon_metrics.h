@@ -33,6 +33,11 @@ class DaemonMetrics {
                      uint64_t bytes);
   // A committed step: the optimizer's wall time over `elements` parameters.
   void RecordCommit(const std::string& job, absl::Duration optimizer, uint64_t elements);
+  // A checkpoint save's snapshot (the stall) and its background write.
+  void RecordCheckpointSnapshot(const std::string& job, absl::Duration took, uint64_t bytes);
+  void RecordCheckpointWrite(const std::string& job, absl::Duration took, uint64_t bytes);
+  // A checkpoint of the job at `step` was completed (its manifest written).
+  void SetCheckpointComplete(const std::string& job, uint64_t step);
   void SetJobs(size_t jobs);
   void SetRanks(const std::string& job, uint32_t connected, uint32_t world_size);
   // Removes every series labelled with the job.
@@ -45,6 +50,10 @@ class DaemonMetrics {
   metrics::Family<metrics::Counter>& requests_;
   metrics::Family<metrics::Histogram>& step_seconds_;
   metrics::Family<metrics::Histogram>& optimizer_seconds_;
+  metrics::Family<metrics::Histogram>& checkpoint_seconds_;
+  metrics::Family<metrics::Counter>& checkpoint_bytes_;
+  metrics::Family<metrics::Gauge>& checkpoint_step_;
+  metrics::Family<metrics::Gauge>& checkpoint_time_;
   metrics::Gauge& params_per_second_;
   metrics::Gauge& jobs_;
   metrics::Family<metrics::Gauge>& ranks_;

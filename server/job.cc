@@ -4,8 +4,11 @@
 #include <cmath>
 #include <cstring>
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/checkpoint_files.h"
 #include "common/crc32c.h"
 #include "common/fnv.h"
 
@@ -85,6 +88,16 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
   job->reduction_ = std::make_unique<ReductionState>(ro, job->grad_.data(), resources.optimizer,
                                                      resources.ledger);
   job->loss_scale_ = c.loss_scale.initial_scale;
+  if (!resources.checkpoint_dir.empty()) {
+    JobCheckpoints::Options co;
+    co.root = resources.checkpoint_dir;
+    co.job_id = c.job_id;
+    co.daemon_index = daemon_index;
+    co.daemon_count = static_cast<uint32_t>(c.daemons.size());
+    co.ledger = resources.ledger;
+    co.metrics = resources.metrics;
+    job->checkpoints_ = std::make_unique<JobCheckpoints>(co);
+  }
   {
     absl::MutexLock ranks_lock(&job->ranks_mu_);
     job->ranks_.resize(c.world_size);
@@ -579,6 +592,211 @@ absl::StatusOr<v1::CommitStepResponse> Job::CommitStep(const v1::CommitStepReque
   // Published last, under mu_: whoever sees the step sees a reset reduction.
   committed_step_.store(r.step(), std::memory_order_release);
   return last_commit_.response;
+}
+
+// ---- Checkpoints ----
+
+absl::Status Job::CheckpointsEnabled() const {
+  if (checkpoints_ != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "checkpoints: this daemon was started without --checkpoint_dir");
+}
+
+absl::StatusOr<v1::SaveCheckpointResponse> Job::SaveCheckpoint(
+    const v1::SaveCheckpointRequest& r) {
+  if (absl::Status s = CheckpointsEnabled(); !s.ok()) return s;
+  if (absl::Status s = ValidateCheckpointName(r.name(), false); !s.ok()) return s;
+  const std::string manifest =
+      absl::StrCat(CheckpointDir(checkpoints_->root(), config_.job_id, r.name()), "/",
+                   kManifestFile);
+  if (::access(manifest.c_str(), F_OK) == 0) {
+    return absl::AlreadyExistsError(absl::StrCat("checkpoint ", config_.job_id, "/", r.name(),
+                                                 " exists and is complete; save under a new name"));
+  }
+  const std::vector<std::string> files = ArrayFilesOf(spec_);
+  const uint64_t n = owned_unpadded_.size();
+  // The buffers are claimed (allocated and faulted in on the first save)
+  // before the commit lock: training goes on meanwhile.
+  if (absl::Status s = checkpoints_->Claim(n, files.size()); !s.ok()) return s;
+  // Holding the commit lock keeps every step out while the copy runs: the
+  // training stall. Gathers go on (they share the parameter lock).
+  absl::MutexLock commit_lock(&commit_mu_);
+  if (r.step() != committed_step()) {
+    checkpoints_->Release(/*failed=*/true);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step: job ", config_.job_id, " has committed step ", committed_step(), ", asked to save ",
+        r.step()));
+  }
+  const absl::Time start = absl::Now();
+  v1::TrainingState state;
+  {
+    absl::MutexLock lock(&mu_);
+    state.set_committed_step(committed_step());
+    state.set_loss_scale(loss_scale_);
+    state.set_good_steps(good_steps_);
+    if (committed_step() > 0) {
+      v1::CommitRecord* c = state.mutable_last_commit();
+      c->set_step(committed_step());
+      c->set_lr(last_commit_.lr);
+      c->set_clip_coef(last_commit_.clip_coef);
+      c->set_skipped(last_commit_.response.skipped());
+      c->set_grad_norm(last_commit_.grad_norm);
+    }
+  }
+  {
+    absl::ReaderMutexLock params_lock(&params_mu_);
+    std::vector<float*> dst;
+    for (size_t i = 0; i < files.size(); ++i) dst.push_back(checkpoints_->buffer(i));
+    shard_->CopyOut(n, dst.data());
+    state.set_optimizer_steps(shard_->optimizer_steps());
+  }
+  const absl::Duration stall = absl::Now() - start;
+  checkpoints_->StartWrite(r.name(), owned_unpadded_, files, state);
+  v1::SaveCheckpointResponse out;
+  out.set_step(state.committed_step());
+  out.set_bytes(n * sizeof(float) * files.size());
+  out.set_snapshot_seconds(absl::ToDoubleSeconds(stall));
+  if (resources_.metrics != nullptr) {
+    resources_.metrics->RecordCheckpointSnapshot(config_.job_id, stall, out.bytes());
+  }
+  return out;
+}
+
+absl::StatusOr<v1::CheckpointStatus> Job::CheckpointStatus(const std::string& name,
+                                                           absl::Duration wait) {
+  if (absl::Status s = CheckpointsEnabled(); !s.ok()) return s;
+  return checkpoints_->Status(name, wait);
+}
+
+absl::StatusOr<v1::CompleteCheckpointResponse> Job::CompleteCheckpoint(
+    const v1::CompleteCheckpointRequest& r, const v1::PartitionMap& map) {
+  if (absl::Status s = CheckpointsEnabled(); !s.ok()) return s;
+  if (absl::Status s = ValidateCheckpointName(r.name(), false); !s.ok()) return s;
+  const uint32_t daemons = static_cast<uint32_t>(config_.daemons.size());
+  if (r.parts_size() != static_cast<int>(daemons)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parts: job ", config_.job_id, " has ", daemons, " daemons, got ", r.parts_size(), " parts"));
+  }
+  // This daemon's part must be the one it wrote.
+  v1::PartManifest mine;
+  const std::string root = checkpoints_->root();
+  if (absl::Status s = ReadProtoFile(
+          absl::StrCat(CheckpointPartDir(root, config_.job_id, r.name(), daemon_index_), "/",
+                       kPartManifestFile),
+          &mine);
+      !s.ok()) {
+    if (absl::IsNotFound(s)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint ", config_.job_id, "/", r.name(), ": this daemon (part ", daemon_index_,
+          ") has not written its part; wait for GetCheckpointStatus to report it written"));
+    }
+    return s;
+  }
+  if (mine.SerializeAsString() != r.parts(static_cast<int>(daemon_index_)).SerializeAsString()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parts[", daemon_index_, "]: differs from the part this daemon wrote for checkpoint ",
+        config_.job_id, "/", r.name()));
+  }
+  v1::CheckpointManifest m;
+  m.set_format_version(kCheckpointFormatVersion);
+  m.set_job_id(config_.job_id);
+  m.set_name(r.name());
+  *m.mutable_spec() = spec_;
+  *m.mutable_partition_map() = map;
+  *m.mutable_state() = mine.state();
+  *m.mutable_parts() = r.parts();
+  if (absl::Status s = CheckManifest(m); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("parts: ", s.message()));
+  }
+  absl::StatusOr<v1::CheckpointManifest> existing = ReadManifest(root, config_.job_id, r.name());
+  if (existing.ok()) {
+    // Idempotent: the same parts again.
+    existing->clear_completed_unix_ms();
+    if (existing->SerializeAsString() != m.SerializeAsString()) {
+      return absl::AlreadyExistsError(absl::StrCat("checkpoint ", config_.job_id, "/", r.name(),
+                                                   " is complete with other parts"));
+    }
+  } else {
+    m.set_completed_unix_ms(absl::ToUnixMillis(absl::Now()));
+    if (absl::Status s =
+            WriteProtoFile(CheckpointDir(root, config_.job_id, r.name()), kManifestFile, m);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (resources_.metrics != nullptr) {
+    resources_.metrics->SetCheckpointComplete(config_.job_id, m.state().committed_step());
+  }
+  v1::CompleteCheckpointResponse out;
+  out.set_step(m.state().committed_step());
+  return out;
+}
+
+absl::StatusOr<v1::LoadCheckpointResponse> Job::LoadCheckpoint(const std::string& requested) {
+  if (absl::Status s = CheckpointsEnabled(); !s.ok()) return s;
+  const absl::Time start = absl::Now();
+  const std::string root = checkpoints_->root();
+  absl::StatusOr<std::string> name = ResolveCheckpointName(root, config_.job_id, requested);
+  if (!name.ok()) return name.status();
+  absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(root, config_.job_id, *name);
+  if (!m.ok()) return m.status();
+  if (m->spec().layout_fingerprint() != spec_.layout_fingerprint()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", config_.job_id, "/", *name, " is of another model (layout fingerprint ",
+        m->spec().layout_fingerprint(), ", this job's is ", spec_.layout_fingerprint(), ")"));
+  }
+  if (m->spec().optimizer().kind() != spec_.optimizer().kind()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", config_.job_id, "/", *name, " holds the state of optimizer kind ",
+        m->spec().optimizer().kind(), ", this job uses ", spec_.optimizer().kind()));
+  }
+  const std::vector<std::string> files = ArrayFilesOf(spec_);
+  CheckpointReader reader(root, *m);
+  if (absl::Status s = reader.CheckReadable(owned_unpadded_, files); !s.ok()) return s;
+  const uint64_t n = owned_unpadded_.size();
+  if (absl::Status s = checkpoints_->Claim(n, files.size()); !s.ok()) return s;
+  // Read and check everything before touching the state, with no lock held.
+  uint64_t bytes_read = 0;
+  std::vector<const float*> src;
+  for (size_t i = 0; i < files.size(); ++i) {
+    float* dst = checkpoints_->buffer(i);
+    if (absl::Status s = reader.ReadRange(files[i], owned_unpadded_, dst, &bytes_read); !s.ok()) {
+      checkpoints_->Release(/*failed=*/true);
+      return s;
+    }
+    src.push_back(dst);
+  }
+  const v1::TrainingState& state = m->state();
+  {
+    absl::MutexLock commit_lock(&commit_mu_);
+    absl::MutexLock lock(&mu_);
+    {
+      absl::MutexLock params_lock(&params_mu_);
+      shard_->Restore(resources_.optimizer, n, src.data(), state.optimizer_steps());
+      ++params_version_;
+    }
+    // The open step's contributions belong to the replaced state.
+    reduction_->Reset();
+    prepared_ = false;
+    ++reduction_changes_;
+    loss_scale_ = state.loss_scale();
+    good_steps_ = state.good_steps();
+    last_commit_ = LastCommit();
+    last_commit_.response.set_committed_step(state.committed_step());
+    last_commit_.response.set_loss_scale(loss_scale_);
+    last_commit_.response.set_skipped(state.last_commit().skipped());
+    last_commit_.clip_coef = state.last_commit().clip_coef();
+    last_commit_.grad_norm = state.last_commit().grad_norm();
+    last_commit_.lr = state.last_commit().lr();
+    committed_step_.store(state.committed_step(), std::memory_order_release);
+  }
+  checkpoints_->Release(/*failed=*/false);
+  v1::LoadCheckpointResponse out;
+  out.set_name(*name);
+  out.set_step(state.committed_step());
+  out.set_bytes_read(bytes_read);
+  out.set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  return out;
 }
 
 void Job::FillStepState(absl::Duration rank_timeout, v1::StepState* state) const {

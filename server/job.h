@@ -31,6 +31,9 @@
 #include "proto/zeroshard/v1/common.pb.h"
 #include "proto/zeroshard/v1/control.pb.h"
 #include "proto/zeroshard/v1/shard.pb.h"
+#include "proto/zeroshard/v1/checkpoint.pb.h"
+#include "server/daemon_metrics.h"
+#include "server/job_checkpoint.h"
 #include "server/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 #include "server/reduction.h"
@@ -47,6 +50,8 @@ struct JobResources {
   transport::Transport* transport = nullptr;  // the bulk transport; may be null
   uint64_t reduction_buffer_bytes = 256ull << 20;  // out-of-order budget
   uint32_t staging_slots = 2;
+  std::string checkpoint_dir;        // empty: no checkpoints
+  DaemonMetrics* metrics = nullptr;  // may be null
 };
 
 class Job {
@@ -116,6 +121,21 @@ class Job {
   uint64_t committed_step() const { return committed_step_.load(std::memory_order_acquire); }
   float loss_scale() const;
 
+  // ---- Checkpoints (proto/zeroshard/v1/checkpoint.proto) ----
+  // All: FailedPrecondition when the daemon has no --checkpoint_dir.
+  // Snapshots the committed state (holding the commit lock for the copy
+  // only) and starts writing it in the background.
+  absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(const v1::SaveCheckpointRequest& r);
+  absl::StatusOr<v1::CheckpointStatus> CheckpointStatus(const std::string& name,
+                                                        absl::Duration wait);
+  // Writes MANIFEST from every daemon's part (`map` is this job's).
+  absl::StatusOr<v1::CompleteCheckpointResponse> CompleteCheckpoint(
+      const v1::CompleteCheckpointRequest& r, const v1::PartitionMap& map);
+  // Reads the owned range of a complete checkpoint (no lock held), then
+  // replaces the state with it (under every lock, a copy). Nothing changes
+  // on any error.
+  absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(const std::string& name);
+
   // Adds PARAM_MASTER / PARAM_HALF regions when the job has a transport.
   void FillParameterRegions(v1::ExchangeEndpointResponse* response) const;
   // The last time the job handed out remote access (an endpoint, a gather's
@@ -150,6 +170,7 @@ class Job {
   // returns the clip coefficient (0 read as 1).
   absl::StatusOr<float> CheckCommitRequest(const v1::CommitStepRequest& r);
   void UpdateLossScale(bool skipped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckpointsEnabled() const;
   absl::Status ApplyPush(const std::vector<Contribution>& batch, uint32_t micro_batches,
                          absl::Time deadline, uint64_t* elements)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -187,6 +208,8 @@ class Job {
   bool removed_ ABSL_GUARDED_BY(ranks_mu_) = false;
   std::atomic<uint32_t> ranks_joined_{0};
   std::atomic<int64_t> last_remote_access_ns_{0};
+
+  std::unique_ptr<JobCheckpoints> checkpoints_;  // null without a checkpoint_dir
 };
 
 }  // namespace zeroshard

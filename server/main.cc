@@ -28,6 +28,9 @@ ABSL_FLAG(uint64_t, reduction_buffer_bytes, 256ull << 20,
 ABSL_FLAG(std::string, ucx_tls, "",
           "UCX_TLS for the UCX data path, e.g. \"posix,cma,self\" or \"tcp\"; empty = UCX's "
           "choice (or the UCX_TLS environment variable).");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "Directory for checkpoints (created if missing); empty: checkpoints are refused. "
+          "Resharding reads other daemons' parts: share it between the daemons of a job.");
 ABSL_FLAG(int, drain_seconds, 10, "On SIGTERM, how long in-flight requests may finish.");
 
 namespace {
@@ -46,6 +49,7 @@ int main(int argc, char** argv) {
   options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_seconds));
   options.reduction_buffer_bytes = absl::GetFlag(FLAGS_reduction_buffer_bytes);
   options.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
     options.metrics_listen = options.listen.substr(0, options.listen.rfind(':') + 1) +
                              std::to_string(absl::GetFlag(FLAGS_metrics_port));
@@ -60,6 +64,9 @@ int main(int argc, char** argv) {
     std::printf("zeroshardd metrics on port %d\n", (*daemon)->metrics_port());
   }
   std::fflush(stdout);
+  // A file-size limit makes writes past it fail (EFBIG: a checkpoint save
+  // reports ResourceExhausted) instead of killing the daemon.
+  std::signal(SIGXFSZ, SIG_IGN);
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
   while (g_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
+#include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
 #include "proto/zeroshard/v1/control.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 #include "server/daemon_metrics.h"
@@ -31,6 +32,7 @@ struct ServiceContext {
   DaemonMetrics* metrics = nullptr;
   transport::Transport* bulk = nullptr;  // null: no bulk data path
   std::string bulk_error;                // why bulk is null
+  std::string checkpoint_dir;            // empty: checkpoints are refused
   absl::Time start;
   std::atomic<bool> draining{false};
 
@@ -106,6 +108,30 @@ class AdminService final : public v1::Admin::Service {
                       v1::StatusResponse* resp) override;
   grpc::Status Estimate(grpc::ServerContext*, const v1::EstimateRequest* req,
                         v1::EstimateResponse* resp) override;
+
+ private:
+  ServiceContext* const ctx_;
+};
+
+// Checkpoints (proto/zeroshard/v1/checkpoint.proto). Disk I/O runs on the
+// handler's thread with no lock another request needs; a status request
+// waits at most its wait_ms, ending before its deadline.
+class CheckpointService final : public v1::Checkpoint::Service {
+ public:
+  explicit CheckpointService(ServiceContext* context) : ctx_(context) {}
+  grpc::Status SaveCheckpoint(grpc::ServerContext*, const v1::SaveCheckpointRequest* req,
+                              v1::SaveCheckpointResponse* resp) override;
+  grpc::Status GetCheckpointStatus(grpc::ServerContext* context,
+                                   const v1::GetCheckpointStatusRequest* req,
+                                   v1::CheckpointStatus* resp) override;
+  grpc::Status CompleteCheckpoint(grpc::ServerContext*, const v1::CompleteCheckpointRequest* req,
+                                  v1::CompleteCheckpointResponse* resp) override;
+  grpc::Status LoadCheckpoint(grpc::ServerContext*, const v1::LoadCheckpointRequest* req,
+                              v1::LoadCheckpointResponse* resp) override;
+  grpc::Status ListCheckpoints(grpc::ServerContext*, const v1::ListCheckpointsRequest* req,
+                               v1::ListCheckpointsResponse* resp) override;
+  grpc::Status VerifyCheckpoint(grpc::ServerContext*, const v1::VerifyCheckpointRequest* req,
+                                v1::VerifyCheckpointResponse* resp) override;
 
  private:
   ServiceContext* const ctx_;

@@ -110,6 +110,24 @@ absl::Status ShardState::Step(ShardOptimizer* optimizer, StepHyperParams hp, con
   return absl::OkStatus();
 }
 
+void ShardState::CopyOut(size_t n, float* const* dst) const {
+  const LedgerArray<float>* arrays[] = {&master_, &m_, &v_};
+  for (size_t i = 0; i < checkpoint_arrays(); ++i) {
+    std::memcpy(dst[i], arrays[i]->data(), n * sizeof(float));
+  }
+}
+
+void ShardState::Restore(ShardOptimizer* optimizer, size_t n, const float* const* src,
+                         uint64_t optimizer_steps) {
+  LedgerArray<float>* arrays[] = {&master_, &m_, &v_};
+  for (size_t i = 0; i < checkpoint_arrays(); ++i) {
+    std::memcpy(arrays[i]->data(), src[i], n * sizeof(float));
+    std::memset(arrays[i]->data() + n, 0, (arrays[i]->size() - n) * sizeof(float));
+  }
+  optimizer_steps_ = optimizer_steps;
+  RefreshHalfCopy(optimizer);
+}
+
 void ShardState::FillRegions(v1::ExchangeEndpointResponse* response) const {
   auto add = [&](v1::RegionPurpose purpose, const transport::Region* region) {
     if (region == nullptr) return;

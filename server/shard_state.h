@@ -47,6 +47,17 @@ class ShardState {
   absl::Status Step(ShardOptimizer* optimizer, StepHyperParams hp, const float* grad,
                     const FlatRange& range);
 
+  // The arrays a checkpoint holds, in checkpoint_files.h's file order:
+  // masters, m, and v for Adam(W).
+  size_t checkpoint_arrays() const { return v_.empty() ? 2 : 3; }
+  // Copies the first n owned elements of each checkpoint array into dst[i].
+  void CopyOut(size_t n, float* const* dst) const;
+  // Replaces the first n owned elements of each checkpoint array with src[i]
+  // (the rest, partition padding, is zeroed), sets the update count and
+  // rewrites the half copy.
+  void Restore(ShardOptimizer* optimizer, size_t n, const float* const* src,
+               uint64_t optimizer_steps);
+
   // Adds PARAM_MASTER (and PARAM_HALF) regions covering the owned range, when
   // created with a transport.
   void FillRegions(v1::ExchangeEndpointResponse* response) const;

@@ -5,6 +5,13 @@
 //   zsctl status --daemons HOST:PORT[,HOST:PORT...]
 //   zsctl memory --daemons HOST:PORT[,...] [--job J]
 //       Bytes by category per job per daemon, next to the paper's formula.
+//   zsctl checkpoint save|load|list|verify --daemons HOST:PORT[,...] --job J [--name N]
+//       Checkpoints of a job on its daemons (--daemons: the job's, in its order).
+//       save: the committed step under N; load: N or "latest" into the job;
+//       list: the complete checkpoints; verify: every CRC-32C of N (default latest).
+//   zsctl export --checkpoint DIR/JOB/NAME --out model.pt
+//       A checkpoint's fp32 masters as a dict {tensor name: tensor} that
+//       Python's torch.load reads (NAME may be "latest"); reads files only.
 
 #include <cstdio>
 #include <string>
@@ -14,6 +21,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "tools/export_lib.h"
 #include "tools/zsctl_commands.h"
 
 ABSL_FLAG(std::string, params, "", "Model size Ψ: a count such as 7.5e9, 7.5B, 350M.");
@@ -22,18 +30,48 @@ ABSL_FLAG(std::string, device_memory, "",
           "Device memory for the largest-model column, e.g. 32GiB, 32GB, 80e9.");
 ABSL_FLAG(double, optimizer_k, 12, "Optimizer-state bytes per parameter K (12 = mixed-precision Adam).");
 ABSL_FLAG(std::string, daemons, "127.0.0.1:7070", "Comma-separated daemon addresses.");
-ABSL_FLAG(std::string, job, "", "Only this job (memory).");
-ABSL_FLAG(int, timeout_ms, 5000, "Deadline of each RPC.");
+ABSL_FLAG(std::string, job, "", "Only this job (memory); the job (checkpoint).");
+ABSL_FLAG(std::string, name, "",
+          "Checkpoint name (checkpoint save, load, verify; load and verify also take "
+          "\"latest\").");
+ABSL_FLAG(std::string, checkpoint, "",
+          "export: the checkpoint directory DIR/JOB/NAME (DIR: the daemons' --checkpoint_dir; "
+          "NAME may be \"latest\").");
+ABSL_FLAG(std::string, out, "", "export: the file to write, e.g. model.pt.");
+ABSL_FLAG(int, timeout_ms, 0,
+          "Deadline: of each RPC for status and memory (0: 5000), of the whole command for "
+          "checkpoint (0: 600000; saves, loads and verifies of large models read or write "
+          "everything).");
+
+namespace {
+
+constexpr char kUsage[] =
+    "usage: zsctl estimate|status|memory|export [flags]\n"
+    "       zsctl checkpoint save|load|list|verify [flags]\n";
+
+int TimeoutMs(int default_ms) {
+  const int t = absl::GetFlag(FLAGS_timeout_ms);
+  return t == 0 ? default_ms : t;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "zsctl estimate|status|memory [flags]; see --help for the flags of each.");
+      "zsctl estimate|status|memory|export [flags]\n"
+      "zsctl checkpoint save|load|list|verify [flags]\n"
+      "see --help for the flags of each.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() != 2) {
-    std::fprintf(stderr, "usage: zsctl estimate|status|memory [flags]\n");
+  if (args.size() < 2) {
+    std::fputs(kUsage, stderr);
     return 2;
   }
-  const std::string command = args[1];
+  std::string command = args[1];
+  const size_t expected_args = command == "checkpoint" ? 3 : 2;
+  if (args.size() != expected_args) {
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
   absl::StatusOr<std::string> out;
   if (command == "estimate") {
     zeroshard::tools::EstimateOptions o;
@@ -46,10 +84,25 @@ int main(int argc, char** argv) {
     zeroshard::tools::AdminOptions o;
     o.daemons = absl::GetFlag(FLAGS_daemons);
     o.job = absl::GetFlag(FLAGS_job);
-    o.timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
+    o.timeout_ms = TimeoutMs(5000);
     out = command == "status" ? zeroshard::tools::RunStatus(o) : zeroshard::tools::RunMemory(o);
+  } else if (command == "checkpoint") {
+    zeroshard::tools::CheckpointOptions o;
+    o.daemons = absl::GetFlag(FLAGS_daemons);
+    o.job = absl::GetFlag(FLAGS_job);
+    o.name = absl::GetFlag(FLAGS_name);
+    o.timeout_ms = TimeoutMs(600000);
+    const std::string action = args[2];
+    command = absl::StrCat(command, " ", action);
+    out = zeroshard::tools::RunCheckpoint(action, o);
+  } else if (command == "export") {
+    zeroshard::tools::ExportOptions o;
+    o.checkpoint = absl::GetFlag(FLAGS_checkpoint);
+    o.out = absl::GetFlag(FLAGS_out);
+    out = zeroshard::tools::RunExport(o);
   } else {
-    std::fprintf(stderr, "zsctl: unknown command \"%s\" (estimate, status, memory)\n",
+    std::fprintf(stderr,
+                 "zsctl: unknown command \"%s\" (estimate, status, memory, checkpoint, export)\n",
                  command.c_str());
     return 2;
   }

@@ -10,8 +10,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/checkpoint_driver.h"
+#include "client/daemon_control.h"
+#include "client/rpc.h"
+#include "common/checkpoint_files.h"
 #include "common/estimator.h"
 #include "common/format.h"
+#include "common/job_id.h"
+#include "common/job_spec.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
 
@@ -213,6 +221,157 @@ absl::StatusOr<std::string> RunMemory(const AdminOptions& options) {
     }
   }
   return out;
+}
+
+namespace {
+
+// The checked daemon list, job and deadline every checkpoint command needs.
+struct CheckpointTarget {
+  std::vector<std::string> addresses;
+  absl::Time deadline;
+};
+
+absl::StatusOr<CheckpointTarget> CheckCheckpointOptions(const CheckpointOptions& options) {
+  CheckpointTarget t;
+  t.addresses = DaemonList(options.daemons);
+  if (t.addresses.empty()) {
+    return absl::InvalidArgumentError(
+        "--daemons is required: the job's daemons in the job's order, e.g. "
+        "--daemons=node0:7070,node1:7070");
+  }
+  for (const std::string& a : t.addresses) {
+    if (absl::Status s = ValidateHostPort(a, "--daemons"); !s.ok()) return s;
+  }
+  if (options.job.empty()) return absl::InvalidArgumentError("--job is required");
+  if (!IsValidJobId(options.job)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--job: must be ", kJobIdRule, ", got \"", options.job, "\""));
+  }
+  if (options.timeout_ms <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--timeout_ms: must be positive, got ", options.timeout_ms));
+  }
+  t.deadline = absl::Now() + absl::Milliseconds(options.timeout_ms);
+  return t;
+}
+
+// ValidateCheckpointName's error as a flag error ("--name: ...").
+absl::Status CheckName(const std::string& name, bool allow_latest) {
+  if (name.empty()) {
+    return absl::InvalidArgumentError(allow_latest
+                                          ? "--name is required: a checkpoint name or \"latest\""
+                                          : "--name is required");
+  }
+  absl::Status s = ValidateCheckpointName(name, allow_latest);
+  if (s.ok()) return s;
+  return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
+}
+
+std::string Seconds(double s) {
+  return s < 1 ? absl::StrFormat("%.3g ms", s * 1e3) : absl::StrFormat("%.3f s", s);
+}
+
+std::string Bytes(uint64_t b) {
+  return absl::StrFormat("%s (%u B)", FormatBytes(static_cast<double>(b)), b);
+}
+
+absl::StatusOr<std::string> Save(const CheckpointOptions& options, const CheckpointTarget& t) {
+  if (absl::Status s = CheckName(options.name, false); !s.ok()) return s;
+  DaemonControl daemon0(t.addresses[0], MakeDaemonChannel(t.addresses[0]));
+  absl::StatusOr<v1::StepState> state = daemon0.GetStepState(options.job, t.deadline);
+  if (!state.ok()) return state.status();
+  const uint64_t step = state->committed_step();
+  std::unique_ptr<CheckpointDriver> driver = CheckpointDriver::Connect(options.job, t.addresses);
+  absl::StatusOr<CheckpointStarted> started = driver->Start(options.name, step, t.deadline);
+  if (!started.ok()) {
+    // A running job may commit between the read of its step and the save.
+    absl::StatusOr<v1::StepState> now = daemon0.GetStepState(options.job, t.deadline);
+    if (absl::IsFailedPrecondition(started.status()) && now.ok() &&
+        now->committed_step() != step) {
+      return absl::Status(
+          started.status().code(),
+          absl::StrCat(started.status().message(), " (the job committed step ",
+                       now->committed_step(), " while zsctl saved step ", step,
+                       "; a training job is saved between its steps by its leader: Client::SaveCheckpoint, "
+                       "ShardedOptimizer.save_checkpoint)"));
+    }
+    return started.status();
+  }
+  absl::StatusOr<CheckpointCompleted> done = driver->Finish(options.name, t.deadline);
+  if (!done.ok()) return done.status();
+  return absl::StrFormat(
+      "checkpoint %s of job %s: step %u, %s on %d daemon(s)\n"
+      "  snapshot %s (the training stall), write %s\n",
+      done->name, options.job, done->step, Bytes(done->bytes), t.addresses.size(),
+      Seconds(started->snapshot_seconds), Seconds(done->write_seconds));
+}
+
+absl::StatusOr<std::string> Load(const CheckpointOptions& options, const CheckpointTarget& t) {
+  if (absl::Status s = CheckName(options.name, true); !s.ok()) return s;
+  absl::StatusOr<v1::LoadCheckpointResponse> loaded =
+      CheckpointDriver::Connect(options.job, t.addresses)->Load(options.name, t.deadline);
+  if (!loaded.ok()) return loaded.status();
+  return absl::StrFormat(
+      "job %s loaded checkpoint %s on %d daemon(s): committed step %u, daemon 0 read %s in %s\n",
+      options.job, loaded->name(), t.addresses.size(), loaded->step(),
+      Bytes(loaded->bytes_read()), Seconds(loaded->seconds()));
+}
+
+std::string FormatUnixMs(int64_t ms) {
+  if (ms <= 0) return "-";
+  return absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", absl::FromUnixMillis(ms), absl::UTCTimeZone());
+}
+
+absl::StatusOr<std::string> List(const CheckpointOptions& options, const CheckpointTarget& t) {
+  absl::StatusOr<std::vector<v1::CheckpointInfo>> all =
+      CheckpointDriver::Connect(options.job, t.addresses)->List(t.deadline);
+  if (!all.ok()) return all.status();
+  if (all->empty()) {
+    return absl::StrFormat("job %s: no complete checkpoint on its %d daemon(s)\n", options.job,
+                           t.addresses.size());
+  }
+  size_t width = 4;
+  for (const v1::CheckpointInfo& c : *all) width = std::max(width, c.name().size());
+  std::string out = absl::StrCat(PadRight("name", width + 2), PadLeft("step", 10),
+                                 PadLeft("N_d", 7), PadLeft("daemons", 9), PadLeft("stage", 7),
+                                 PadLeft("size", 11), "  completed\n");
+  for (const v1::CheckpointInfo& c : *all) {
+    absl::StrAppend(&out, PadRight(c.name(), width + 2), PadLeft(absl::StrCat(c.step()), 10),
+                    PadLeft(absl::StrCat(c.world_size()), 7),
+                    PadLeft(absl::StrCat(c.daemon_count()), 9),
+                    PadLeft(absl::StrCat(c.stage()), 7),
+                    PadLeft(FormatBytes(static_cast<double>(c.bytes())), 11), "  ",
+                    FormatUnixMs(c.completed_unix_ms()), "\n");
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> Verify(const CheckpointOptions& options, const CheckpointTarget& t) {
+  const std::string name = options.name.empty() ? kLatestCheckpoint : options.name;
+  if (absl::Status s = CheckName(name, true); !s.ok()) return s;
+  absl::StatusOr<v1::VerifyCheckpointResponse> r =
+      CheckpointDriver::Connect(options.job, t.addresses)->Verify(name, t.deadline);
+  if (!r.ok()) return r.status();
+  return absl::StrFormat(
+      "checkpoint %s (step %d) of job %s: all %d parts match their CRC-32C (%s read)\n",
+      r->name(), r->step(), options.job, r->parts(), Bytes(r->bytes_read()));
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> RunCheckpoint(absl::string_view action,
+                                          const CheckpointOptions& options) {
+  static const char kActions[] = "save, load, list or verify";
+  if (action != "save" && action != "load" && action != "list" && action != "verify") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint: unknown action \"", action, "\" (", kActions, ")"));
+  }
+  absl::StatusOr<CheckpointTarget> target = CheckCheckpointOptions(options);
+  if (!target.ok()) return target.status();
+  if (action == "save") return Save(options, *target);
+  if (action == "load") return Load(options, *target);
+  if (action == "list") return List(options, *target);
+  return Verify(options, *target);
 }
 
 }  // namespace zeroshard::tools

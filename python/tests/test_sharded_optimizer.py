@@ -3,7 +3,6 @@ ShardedOptimizer, checked against single-process torch.optim.AdamW."""
 
 import gc
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,40 +13,17 @@ import torch
 
 import train_common as tc
 import zeroshard
+from binaries import running_daemons
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORLD_SIZE = 2
 TOLERANCE = 1e-5
 
 
-def _daemon_binary():
-    # Set by pytest_test.sh; otherwise a `bazel build //server:zeroshardd`.
-    path = os.environ.get("ZEROSHARDD")
-    if path is None:
-        path = HERE.parents[1] / "bazel-bin" / "server" / "zeroshardd"
-    if not os.access(path, os.X_OK):
-        pytest.skip(f"zeroshardd not found at {path}")
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def daemons():
-    binary = _daemon_binary()
-    procs, addresses = [], []
-    try:
-        for _ in range(2):
-            proc = subprocess.Popen([binary, "--listen=127.0.0.1:0"],
-                                    stdout=subprocess.PIPE, text=True)
-            procs.append(proc)
-            line = proc.stdout.readline()
-            prefix = "zeroshardd listening on "
-            assert line.startswith(prefix), f"daemon said {line!r}"
-            addresses.append(line[len(prefix):].strip())
+    with running_daemons(2) as addresses:
         yield addresses
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 def _relative_error(a, b):

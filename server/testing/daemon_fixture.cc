@@ -1,6 +1,8 @@
 #include "server/testing/daemon_fixture.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include "common/crc32c.h"
 #include "gtest/gtest.h"
@@ -48,6 +50,7 @@ DaemonClient::DaemonClient(const std::string& address) {
   control = v1::Control::NewStub(channel);
   shard = v1::Shard::NewStub(channel);
   admin = v1::Admin::NewStub(channel);
+  checkpoint = v1::Checkpoint::NewStub(channel);
 }
 
 namespace {
@@ -211,8 +214,10 @@ void ExpectRejected(Daemon& daemon, const std::string& job, grpc::StatusCode cod
   EXPECT_EQ(daemon.ledger().total(), ledger_before);
 }
 
-std::unique_ptr<Daemon> StartDaemon(uint64_t memory_limit, int optimizer_threads) {
+std::unique_ptr<Daemon> StartDaemon(uint64_t memory_limit, int optimizer_threads,
+                                    const std::string& checkpoint_dir) {
   DaemonOptions options;
+  options.checkpoint_dir = checkpoint_dir;
   options.listen = "127.0.0.1:0";
   options.memory_limit_bytes = memory_limit;
   options.optimizer_threads = optimizer_threads;
@@ -220,6 +225,104 @@ std::unique_ptr<Daemon> StartDaemon(uint64_t memory_limit, int optimizer_threads
   auto d = Daemon::Start(options);
   EXPECT_TRUE(d.ok()) << d.status();
   return d.ok() ? *std::move(d) : nullptr;
+}
+
+
+std::vector<float> RandomVector(std::mt19937& rng, size_t n, float scale) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+std::vector<v1::ParameterChunk> ParamChunks(const std::string& job, FlatRange range,
+                                            const float* values) {
+  std::vector<v1::ParameterChunk> out;
+  for (uint64_t b = range.begin; b < range.end; b += 1000) {
+    const uint64_t e = std::min(range.end, b + 1000);
+    v1::ParameterChunk c;
+    c.set_job_id(job);
+    c.mutable_range()->set_begin(b);
+    c.mutable_range()->set_end(e);
+    c.set_dtype(v1::DTYPE_FP32);
+    c.set_data(reinterpret_cast<const char*>(values + (b - range.begin)), (e - b) * 4);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+TestCluster::TestCluster(int num_daemons, uint32_t world, uint32_t stage, const std::string& job,
+                         const std::string& checkpoint_dir)
+    : layout_(SampleLayout()), job_(job), world_(world) {
+  std::vector<std::string> addresses;
+  for (int i = 0; i < num_daemons; ++i) {
+    daemons_.push_back(StartDaemon(0, 1, checkpoint_dir));
+    addresses.push_back(daemons_.back()->address());
+  }
+  spec_ = MakeSpec(job, layout_, stage, world, addresses);
+  config_ = *ParseJobSpec(spec_);
+  for (int i = 0; i < num_daemons; ++i) {
+    clients_.push_back(std::make_unique<DaemonClient>(addresses[i]));
+    EXPECT_TRUE(clients_[i]->Register(spec_, i).ok());
+    for (uint32_t r = 0; r < world; ++r) EXPECT_TRUE(clients_[i]->Join(spec_, r).ok());
+  }
+}
+
+FlatRange TestCluster::DaemonRange(int d) const {
+  return config_.map.DaemonRange(d).Intersect({0, total()});
+}
+
+void TestCluster::Init(const std::vector<float>& params) {
+  for (int d = 0; d < num_daemons(); ++d) {
+    const FlatRange r = DaemonRange(d);
+    grpc::Status s = client(d).Init(ParamChunks(job_, r, params.data() + r.begin));
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+}
+
+std::vector<v1::GradientChunk> TestCluster::RankChunks(uint64_t step, uint32_t rank, int d,
+                                                       const std::vector<float>& grad) {
+  const FlatRange r = DaemonRange(d);
+  return GradientChunks(job_, step, rank, config_.map, r, grad.data() + r.begin, 333);
+}
+
+void TestCluster::PushAll(uint64_t step, const std::vector<std::vector<float>>& grads) {
+  for (uint32_t rank = 0; rank < grads.size(); ++rank) {
+    for (int d = 0; d < num_daemons(); ++d) {
+      grpc::Status s = client(d).Push(RankChunks(step, rank, d, grads[rank]));
+      EXPECT_TRUE(s.ok()) << s.error_message();
+    }
+  }
+}
+
+float TestCluster::Step(uint64_t step, float lr, float max_norm) {
+  double sum_sq = 0;
+  for (int d = 0; d < num_daemons(); ++d) {
+    v1::PrepareStepResponse p;
+    grpc::Status s = client(d).Prepare(job_, step, &p);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    sum_sq += p.grad_sq_sum();
+  }
+  const float norm = static_cast<float>(std::sqrt(sum_sq));
+  const float clip = std::min(1.0f, max_norm / (norm + 1e-6f));
+  for (int d = 0; d < num_daemons(); ++d) {
+    grpc::Status s = client(d).Commit(job_, step, lr, clip);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+  return clip;
+}
+
+std::vector<float> TestCluster::GatherAll(uint64_t after_step) {
+  std::vector<float> out(total());
+  for (int d = 0; d < num_daemons(); ++d) {
+    const FlatRange r = DaemonRange(d);
+    std::vector<float> part;
+    grpc::Status s = client(d).Gather(job_, after_step, r, &part);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(part.size(), r.size());
+    std::copy(part.begin(), part.end(), out.begin() + r.begin);
+  }
+  return out;
 }
 
 }  // namespace zeroshard::testing

@@ -5,12 +5,15 @@
 
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "common/job_spec.h"
 #include "common/layout.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
+#include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
 #include "proto/zeroshard/v1/control.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 #include "server/daemon.h"
@@ -34,6 +37,7 @@ struct DaemonClient {
   std::unique_ptr<v1::Control::Stub> control;
   std::unique_ptr<v1::Shard::Stub> shard;
   std::unique_ptr<v1::Admin::Stub> admin;
+  std::unique_ptr<v1::Checkpoint::Stub> checkpoint;
 
   grpc::Status Register(const v1::JobSpec& spec, uint32_t daemon_index,
                         v1::RegisterJobResponse* resp = nullptr);
@@ -68,7 +72,56 @@ std::vector<v1::GradientChunk> GradientChunks(const std::string& job, uint64_t s
 void ExpectRejected(Daemon& daemon, const std::string& job, grpc::StatusCode code,
                     const std::string& text, const std::function<grpc::Status()>& call);
 
-// Starts a daemon with default options and `memory_limit`.
-std::unique_ptr<Daemon> StartDaemon(uint64_t memory_limit = 0, int optimizer_threads = 1);
+// Starts a daemon with default options and `memory_limit`, writing
+// checkpoints under `checkpoint_dir` (empty: none).
+std::unique_ptr<Daemon> StartDaemon(uint64_t memory_limit = 0, int optimizer_threads = 1,
+                                    const std::string& checkpoint_dir = "");
+
+
+// Normal(0, scale) values.
+std::vector<float> RandomVector(std::mt19937& rng, size_t n, float scale);
+
+// fp32 parameter chunks of `values` (flat, indexed from range.begin).
+std::vector<v1::ParameterChunk> ParamChunks(const std::string& job, FlatRange range,
+                                            const float* values);
+
+// A job over several in-process daemons (SampleLayout), every rank joined,
+// driven the way the client library drives it: every rank pushes its
+// gradient slices to the owning daemons; the leader prepares on every
+// daemon, combines the norms, clips and commits.
+class TestCluster {
+ public:
+  TestCluster(int num_daemons, uint32_t world, uint32_t stage, const std::string& job,
+              const std::string& checkpoint_dir = "");
+
+  uint64_t total() const { return config_.map.total_elements(); }
+  const PartitionMap& map() const { return config_.map; }
+  DaemonClient& client(int d) { return *clients_[d]; }
+  Daemon& daemon(int d) { return *daemons_[d]; }
+  int num_daemons() const { return static_cast<int>(daemons_.size()); }
+  const std::string& job() const { return job_; }
+  const v1::JobSpec& spec() const { return spec_; }
+  // Daemon d's elements below total().
+  FlatRange DaemonRange(int d) const;
+
+  void Init(const std::vector<float>& params);
+  // Rank `rank`'s chunks of `grad` (the whole flat gradient) for daemon d.
+  std::vector<v1::GradientChunk> RankChunks(uint64_t step, uint32_t rank, int d,
+                                            const std::vector<float>& grad);
+  // Pushes `grads[r]` for every rank r to every daemon (EXPECTs success).
+  void PushAll(uint64_t step, const std::vector<std::vector<float>>& grads);
+  // Prepares and commits `step`; returns the clip coefficient used.
+  float Step(uint64_t step, float lr, float max_norm);
+  std::vector<float> GatherAll(uint64_t after_step);
+
+ private:
+  Layout layout_;
+  std::string job_;
+  uint32_t world_;
+  v1::JobSpec spec_;
+  JobConfig config_;
+  std::vector<std::unique_ptr<Daemon>> daemons_;
+  std::vector<std::unique_ptr<DaemonClient>> clients_;
+};
 
 }  // namespace zeroshard::testing

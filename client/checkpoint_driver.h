@@ -1,0 +1,77 @@
+#pragma once
+
+// Drives one job's checkpoints across its daemons (the protocol of
+// proto/zeroshard/v1/checkpoint.proto): used by the Client's leader and by
+// zsctl. A save is two calls:
+//   Start   SaveCheckpoint on every daemon in parallel; returns once every
+//           daemon holds its snapshot (the training stall is over);
+//   Finish  waits for every daemon's part to be written, then
+//           CompleteCheckpoint on every daemon (MANIFEST written last).
+// Errors name the daemon (client/rpc.h's DaemonError). Thread-compatible:
+// one caller at a time; every call blocks its thread until done or its
+// deadline.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
+
+namespace zeroshard {
+
+struct CheckpointStarted {
+  std::string name;
+  uint64_t step = 0;
+  uint64_t bytes = 0;              // over all daemons
+  double snapshot_seconds = 0;     // the slowest daemon's snapshot
+};
+
+struct CheckpointCompleted {
+  std::string name;
+  uint64_t step = 0;
+  uint64_t bytes = 0;
+  double write_seconds = 0;  // the slowest daemon's write
+};
+
+class CheckpointDriver {
+ public:
+  // `addresses[d]` is daemon d of the job (the job spec's daemons, in order).
+  CheckpointDriver(std::string job_id, std::vector<std::string> addresses,
+                   std::vector<std::shared_ptr<grpc::Channel>> channels);
+  // Opens its own channels (insecure) to `addresses`.
+  static std::unique_ptr<CheckpointDriver> Connect(std::string job_id,
+                                                   std::vector<std::string> addresses);
+
+  const std::string& job_id() const { return job_id_; }
+
+  // Snapshots committed step `step` under `name` on every daemon.
+  absl::StatusOr<CheckpointStarted> Start(const std::string& name, uint64_t step,
+                                          absl::Time deadline);
+  // Waits (until `deadline`: DeadlineExceeded naming the daemons still
+  // writing) for every part of `name`, then writes the job manifest (parts
+  // ordered by the daemon index each reports, whatever the address order).
+  // A part that failed passes its daemon's error through.
+  absl::StatusOr<CheckpointCompleted> Finish(const std::string& name, absl::Time deadline);
+  // LoadCheckpoint on every daemon; `name` may be "latest" (resolved on
+  // daemon 0 first, so every daemon loads the same checkpoint). Returns
+  // daemon 0's answer; FailedPrecondition if daemons end on different steps.
+  absl::StatusOr<v1::LoadCheckpointResponse> Load(const std::string& name, absl::Time deadline);
+  // The checkpoints complete on every daemon (by step).
+  absl::StatusOr<std::vector<v1::CheckpointInfo>> List(absl::Time deadline);
+  // VerifyCheckpoint of every part p of `name` ("latest" resolved by daemon
+  // 0) on daemon p (modulo the daemons here). The checkpoint verified, with
+  // the bytes read over all parts.
+  absl::StatusOr<v1::VerifyCheckpointResponse> Verify(const std::string& name,
+                                                      absl::Time deadline);
+
+ private:
+  const std::string job_id_;
+  const std::vector<std::string> addresses_;
+  std::vector<std::unique_ptr<v1::Checkpoint::Stub>> stubs_;
+};
+
+}  // namespace zeroshard

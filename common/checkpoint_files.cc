@@ -1,0 +1,534 @@
+#include "common/checkpoint_files.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <functional>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "common/crc32c.h"
+#include "common/job_id.h"
+
+namespace zeroshard {
+namespace {
+
+constexpr uint64_t kWritePieceBytes = 8ull << 20;
+
+}  // namespace
+
+absl::Status FileError(int err, absl::string_view what, absl::string_view path) {
+  const std::string msg = absl::StrCat("checkpoint: ", what, " ", path, ": ", std::strerror(err));
+  switch (err) {
+    case ENOSPC:
+    case EDQUOT:
+    case EFBIG:
+      return absl::ResourceExhaustedError(
+          absl::StrCat(msg, " (the checkpoint directory is full; earlier checkpoints are intact)"));
+    case ENOENT:
+      return absl::NotFoundError(msg);
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return absl::PermissionDeniedError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+namespace {
+
+// Closes the descriptor on scope exit.
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+absl::Status WriteAll(int fd, const char* p, uint64_t n, const std::string& path,
+                      std::atomic<uint64_t>* progress) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, std::min<uint64_t>(n, kWritePieceBytes));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return FileError(errno, "writing", path);
+    }
+    if (w == 0) return FileError(ENOSPC, "writing", path);
+    // Start the disk on these pages now, so it works while the next piece
+    // is copied (the final fsync then waits for little).
+    const off_t end = ::lseek(fd, 0, SEEK_CUR);
+    if (end > 0) ::sync_file_range(fd, end - w, w, SYNC_FILE_RANGE_WRITE);
+    p += w;
+    n -= static_cast<uint64_t>(w);
+    if (progress != nullptr) progress->fetch_add(static_cast<uint64_t>(w));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WriteFileAtomically(
+    const std::string& dir, const std::string& name,
+    const std::function<absl::Status(int fd, const std::string& tmp_path)>& produce) {
+  const std::string path = absl::StrCat(dir, "/", name);
+  // Unique per writer: daemons sharing a directory (on several hosts) write
+  // the same MANIFEST.
+  static std::atomic<uint64_t> sequence{0};
+  char host[64] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const std::string tmp = absl::StrCat(dir, "/.", name, ".tmp.", host, ".", ::getpid(), ".",
+                                       sequence.fetch_add(1));
+  Fd f;
+  f.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (f.fd < 0) return FileError(errno, "creating", tmp);
+  absl::Status s = produce(f.fd, tmp);
+  if (s.ok() && ::fsync(f.fd) != 0) s = FileError(errno, "syncing", tmp);
+  if (s.ok()) {
+    const int fd = f.fd;
+    f.fd = -1;
+    if (::close(fd) != 0) s = FileError(errno, "closing", tmp);
+  }
+  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) s = FileError(errno, "renaming", tmp);
+  if (!s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  return SyncDirectory(dir);
+}
+
+namespace {
+
+bool ParseStepOrder(const v1::CheckpointManifest& a, const v1::CheckpointManifest& b) {
+  if (a.state().committed_step() != b.state().committed_step()) {
+    return a.state().committed_step() < b.state().committed_step();
+  }
+  if (a.completed_unix_ms() != b.completed_unix_ms()) {
+    return a.completed_unix_ms() < b.completed_unix_ms();
+  }
+  return a.name() < b.name();
+}
+
+}  // namespace
+
+absl::Status ValidateCheckpointName(absl::string_view name, bool allow_latest) {
+  if (name == kLatestCheckpoint) {
+    if (allow_latest) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        "name: \"latest\" is reserved (loads read it as the newest complete checkpoint)");
+  }
+  // The job id rule is the same character set and length.
+  if (!IsValidJobId(name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("name: must be ", kCheckpointNameRule, ", got \"", absl::CEscape(name), "\""));
+  }
+  return absl::OkStatus();
+}
+
+std::string CheckpointJobDir(absl::string_view root, absl::string_view job_id) {
+  return absl::StrCat(root, "/", job_id);
+}
+
+std::string CheckpointDir(absl::string_view root, absl::string_view job_id,
+                          absl::string_view name) {
+  return absl::StrCat(root, "/", job_id, "/", name);
+}
+
+std::string CheckpointPartDir(absl::string_view root, absl::string_view job_id,
+                              absl::string_view name, uint32_t daemon_index) {
+  return absl::StrCat(CheckpointDir(root, job_id, name), "/part-", daemon_index);
+}
+
+absl::Status MakeDirectories(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("checkpoint: empty directory name");
+  for (size_t i = 1; i <= path.size(); ++i) {
+    if (i != path.size() && path[i] != '/') continue;
+    const std::string prefix = path.substr(0, i);
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      return FileError(errno, "creating directory", prefix);
+    }
+  }
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return FileError(errno, "creating directory", path);
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint: ", path, " exists and is not a directory"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SyncDirectory(const std::string& dir) {
+  Fd f;
+  f.fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (f.fd < 0) return FileError(errno, "opening directory", dir);
+  if (::fsync(f.fd) != 0) return FileError(errno, "syncing directory", dir);
+  return absl::OkStatus();
+}
+
+absl::Status WriteArrayFile(const std::string& dir, const std::string& name, const void* data,
+                            uint64_t bytes, std::atomic<uint64_t>* progress,
+                            v1::CheckpointFile* out) {
+  out->Clear();
+  out->set_name(name);
+  out->set_bytes(bytes);
+  out->set_block_bytes(kCheckpointBlockBytes);
+  return WriteFileAtomically(dir, name, [&](int fd, const std::string& tmp) -> absl::Status {
+    const char* p = static_cast<const char*>(data);
+    uint32_t whole = 0;
+    for (uint64_t off = 0; off < bytes; off += kCheckpointBlockBytes) {
+      const uint64_t n = std::min(kCheckpointBlockBytes, bytes - off);
+      // One pass over the bytes: the block's CRC; the file's follows from it.
+      const uint32_t block = Crc32c(p + off, n);
+      out->add_block_crc32c(block);
+      whole = Crc32cCombine(whole, block, n);
+      if (absl::Status s = WriteAll(fd, p + off, n, tmp, progress); !s.ok()) return s;
+    }
+    out->set_crc32c(whole);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status WriteProtoFile(const std::string& dir, const std::string& name,
+                            const google::protobuf::Message& message) {
+  std::string bytes;
+  if (!message.SerializeToString(&bytes)) {
+    return absl::InternalError(absl::StrCat("checkpoint: cannot serialise ", name));
+  }
+  return WriteFileAtomically(dir, name, [&](int fd, const std::string& tmp) {
+    return WriteAll(fd, bytes.data(), bytes.size(), tmp, nullptr);
+  });
+}
+
+absl::Status ReadProtoFile(const std::string& path, google::protobuf::Message* message) {
+  Fd f;
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f.fd < 0) return FileError(errno, "opening", path);
+  std::string bytes;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t r = ::read(f.fd, buf, sizeof(buf));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return FileError(errno, "reading", path);
+    }
+    if (r == 0) break;
+    bytes.append(buf, static_cast<size_t>(r));
+    if (bytes.size() > (64u << 20)) {
+      return absl::DataLossError(absl::StrCat("checkpoint: ", path, " is larger than a manifest can be"));
+    }
+  }
+  if (!message->ParseFromString(bytes)) {
+    return absl::DataLossError(absl::StrCat("checkpoint: ", path, " does not parse as a ",
+                                            message->GetTypeName()));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> ArrayFilesOf(const v1::JobSpec& spec) {
+  if (spec.optimizer().kind() == v1::OPTIMIZER_KIND_SGD_MOMENTUM) {
+    return {kMasterFile, kExpAvgFile};
+  }
+  return {kMasterFile, kExpAvgFile, kExpAvgSqFile};
+}
+
+absl::Status CheckManifest(const v1::CheckpointManifest& m) {
+  auto bad = [&](auto... what) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", m.job_id(), "/", m.name(), ": MANIFEST ", what...));
+  };
+  if (m.format_version() != kCheckpointFormatVersion) {
+    return bad("has format version ", m.format_version(), "; this build reads ",
+               kCheckpointFormatVersion);
+  }
+  const uint64_t total = m.partition_map().total_elements();
+  const std::vector<std::string> files = ArrayFilesOf(m.spec());
+  uint64_t next = 0;
+  for (int i = 0; i < m.parts_size(); ++i) {
+    const v1::PartManifest& p = m.parts(i);
+    if (p.daemon_index() != static_cast<uint32_t>(i) ||
+        p.daemon_count() != static_cast<uint32_t>(m.parts_size())) {
+      return bad("lists part ", i, " as daemon ", p.daemon_index(), " of ", p.daemon_count());
+    }
+    if (p.range().begin() != next || p.range().end() < p.range().begin() ||
+        p.range().end() > total) {
+      return bad("part ", i, " covers [", p.range().begin(), ", ", p.range().end(),
+                 "), expected to start at ", next, " inside [0, ", total, ")");
+    }
+    next = p.range().end();
+    if (p.state().committed_step() != m.state().committed_step()) {
+      return bad("part ", i, " is at step ", p.state().committed_step(), ", the checkpoint at ",
+                 m.state().committed_step());
+    }
+    if (p.files_size() != static_cast<int>(files.size())) {
+      return bad("part ", i, " has ", p.files_size(), " files, the optimizer needs ",
+                 files.size());
+    }
+    const uint64_t bytes = (p.range().end() - p.range().begin()) * sizeof(float);
+    for (int f = 0; f < p.files_size(); ++f) {
+      const v1::CheckpointFile& file = p.files(f);
+      const uint64_t blocks =
+          file.block_bytes() == 0 ? 0 : (file.bytes() + file.block_bytes() - 1) / file.block_bytes();
+      if (file.name() != files[f] || file.bytes() != bytes || file.block_bytes() == 0 ||
+          static_cast<uint64_t>(file.block_crc32c_size()) != blocks) {
+        return bad("part ", i, " file ", f, " (", file.name(), ", ", file.bytes(),
+                   " bytes) does not match its range");
+      }
+    }
+  }
+  if (m.parts_size() == 0 || next != total) {
+    return bad("parts cover [0, ", next, ") of [0, ", total, ")");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::CheckpointManifest> ReadManifest(absl::string_view root,
+                                                    absl::string_view job_id,
+                                                    absl::string_view name) {
+  if (absl::Status s = ValidateCheckpointName(name, false); !s.ok()) return s;
+  const std::string dir = CheckpointDir(root, job_id, name);
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat("checkpoint ", job_id, "/", name,
+                                            ": no such checkpoint in ", root));
+  }
+  v1::CheckpointManifest m;
+  absl::Status s = ReadProtoFile(absl::StrCat(dir, "/", kManifestFile), &m);
+  if (absl::IsNotFound(s)) {
+    // Incomplete: say which parts are there.
+    std::vector<std::string> written, missing;
+    uint32_t count = 0;
+    std::map<uint32_t, uint64_t> parts;  // daemon index -> step
+    std::unique_ptr<DIR, int (*)(DIR*)> entries(::opendir(dir.c_str()), ::closedir);
+    while (entries != nullptr) {
+      const dirent* e = ::readdir(entries.get());
+      if (e == nullptr) break;
+      uint32_t d = 0;
+      if (!absl::SimpleAtoi(absl::StripPrefix(e->d_name, "part-"), &d) ||
+          !absl::StartsWith(e->d_name, "part-")) {
+        continue;
+      }
+      v1::PartManifest part;
+      if (ReadProtoFile(absl::StrCat(dir, "/", e->d_name, "/", kPartManifestFile), &part).ok()) {
+        parts[d] = part.state().committed_step();
+        count = std::max(count, part.daemon_count());
+      }
+    }
+    for (const auto& [d, step] : parts) {
+      written.push_back(absl::StrCat("part-", d, " (step ", step, ")"));
+    }
+    for (uint32_t d = 0; d < count; ++d) {
+      if (parts.count(d) == 0) missing.push_back(absl::StrCat("part-", d));
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", job_id, "/", name, " is incomplete (no ", kManifestFile,
+        "): written: ", written.empty() ? "none" : absl::StrJoin(written, ", "),
+        "; missing: ", missing.empty() ? "the manifest" : absl::StrJoin(missing, ", "),
+        count != 0 ? absl::StrCat(" (", count, " daemons wrote this job)") : ""));
+  }
+  if (!s.ok()) return s;
+  if (m.job_id() != job_id || m.name() != name) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", job_id, "/", name, ": ", kManifestFile,
+                                            " names ", m.job_id(), "/", m.name()));
+  }
+  if (absl::Status c = CheckManifest(m); !c.ok()) return c;
+  return m;
+}
+
+absl::StatusOr<std::vector<v1::CheckpointManifest>> ListCompleteCheckpoints(
+    absl::string_view root, absl::string_view job_id) {
+  std::vector<v1::CheckpointManifest> out;
+  const std::string dir = CheckpointJobDir(root, job_id);
+  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), ::closedir);
+  if (d == nullptr) {
+    if (errno == ENOENT) return out;
+    return FileError(errno, "listing", dir);
+  }
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d.get())) {
+    const std::string n = e->d_name;
+    if (ValidateCheckpointName(n, false).ok()) names.push_back(n);
+  }
+  for (const std::string& n : names) {
+    struct stat st;
+    if (::stat(absl::StrCat(CheckpointDir(root, job_id, n), "/", kManifestFile).c_str(), &st) != 0) {
+      continue;  // incomplete, or not a checkpoint
+    }
+    absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(root, job_id, n);
+    if (!m.ok()) return m.status();
+    out.push_back(*std::move(m));
+  }
+  std::sort(out.begin(), out.end(), ParseStepOrder);
+  return out;
+}
+
+absl::StatusOr<std::string> ResolveCheckpointName(absl::string_view root,
+                                                  absl::string_view job_id,
+                                                  absl::string_view name) {
+  if (absl::Status s = ValidateCheckpointName(name, true); !s.ok()) return s;
+  if (name != kLatestCheckpoint) return std::string(name);
+  absl::StatusOr<std::vector<v1::CheckpointManifest>> all = ListCompleteCheckpoints(root, job_id);
+  if (!all.ok()) return all.status();
+  if (all->empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("job ", job_id, ": no complete checkpoint in ", root));
+  }
+  return all->back().name();
+}
+
+// ---- CheckpointReader ----
+
+CheckpointReader::CheckpointReader(std::string root, v1::CheckpointManifest manifest)
+    : root_(std::move(root)), manifest_(std::move(manifest)) {}
+
+std::string CheckpointReader::PartFilePath(uint32_t daemon_index, const std::string& file) const {
+  return absl::StrCat(
+      CheckpointPartDir(root_, manifest_.job_id(), manifest_.name(), daemon_index), "/", file);
+}
+
+namespace {
+const v1::CheckpointFile* FindFile(const v1::PartManifest& part, const std::string& name) {
+  for (const v1::CheckpointFile& f : part.files()) {
+    if (f.name() == name) return &f;
+  }
+  return nullptr;
+}
+
+FlatRange RangeOf(const v1::PartManifest& p) { return {p.range().begin(), p.range().end()}; }
+}  // namespace
+
+absl::Status CheckpointReader::CheckReadable(const FlatRange& range,
+                                             const std::vector<std::string>& files) const {
+  std::vector<std::string> problems;
+  for (const v1::PartManifest& p : manifest_.parts()) {
+    if (RangeOf(p).Intersect(range).empty()) continue;
+    for (const std::string& name : files) {
+      const v1::CheckpointFile* f = FindFile(p, name);
+      const std::string path = PartFilePath(p.daemon_index(), name);
+      struct stat st;
+      if (f == nullptr) {
+        problems.push_back(absl::StrCat(path, " (not in the manifest)"));
+      } else if (::stat(path.c_str(), &st) != 0) {
+        problems.push_back(absl::StrCat(path, " (missing)"));
+      } else if (static_cast<uint64_t>(st.st_size) != f->bytes()) {
+        problems.push_back(
+            absl::StrCat(path, " (", st.st_size, " bytes, the manifest says ", f->bytes(), ")"));
+      }
+    }
+  }
+  if (problems.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "checkpoint ", manifest_.job_id(), "/", manifest_.name(),
+      ": part files this daemon needs are not readable here: ", absl::StrJoin(problems, ", "),
+      " (loading under another partitioning reads other daemons' parts: use a shared "
+      "--checkpoint_dir or copy the parts)"));
+}
+
+absl::Status CheckpointReader::ReadRange(const std::string& file, const FlatRange& range,
+                                         float* dst, uint64_t* bytes_read) const {
+  std::vector<char> block;
+  for (const v1::PartManifest& p : manifest_.parts()) {
+    const FlatRange part = RangeOf(p);
+    const FlatRange piece = part.Intersect(range);
+    if (piece.empty()) continue;
+    const v1::CheckpointFile* f = FindFile(p, file);
+    const std::string path = PartFilePath(p.daemon_index(), file);
+    if (f == nullptr) {
+      return absl::DataLossError(absl::StrCat("checkpoint: ", path, " is not in the manifest"));
+    }
+    Fd fd;
+    fd.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd.fd < 0) return FileError(errno, "opening", path);
+    const uint64_t first = (piece.begin - part.begin) * sizeof(float);
+    const uint64_t last = (piece.end - part.begin) * sizeof(float);
+    const uint64_t bb = f->block_bytes();
+    block.resize(bb);
+    for (uint64_t b = first / bb; b * bb < last; ++b) {
+      const uint64_t off = b * bb;
+      const uint64_t n = std::min(bb, f->bytes() - off);
+      uint64_t got = 0;
+      while (got < n) {
+        const ssize_t r = ::pread(fd.fd, block.data() + got, n - got, static_cast<off_t>(off + got));
+        if (r < 0) {
+          if (errno == EINTR) continue;
+          return FileError(errno, "reading", path);
+        }
+        if (r == 0) {
+          return absl::DataLossError(absl::StrCat("checkpoint: ", path, " ends at byte ",
+                                                  off + got, ", the manifest says ", f->bytes()));
+        }
+        got += static_cast<uint64_t>(r);
+      }
+      if (bytes_read != nullptr) *bytes_read += n;
+      if (Crc32c(block.data(), n) != f->block_crc32c(static_cast<int>(b))) {
+        return absl::DataLossError(absl::StrCat("checkpoint: ", path, " block ", b, " (bytes ",
+                                                off, "..", off + n,
+                                                ") does not match its CRC-32C: the file is corrupted"));
+      }
+      const uint64_t from = std::max(first, off);
+      const uint64_t to = std::min(last, off + n);
+      // `from` is a whole element past part.begin, and at or past range.begin.
+      const uint64_t element = part.begin + from / sizeof(float);
+      std::memcpy(dst + (element - range.begin), block.data() + (from - off), to - from);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointReader::VerifyPart(uint32_t daemon_index, uint64_t* bytes_read) const {
+  if (daemon_index >= static_cast<uint32_t>(manifest_.parts_size())) {
+    return absl::InvalidArgumentError(absl::StrCat("part ", daemon_index, ": the checkpoint has ",
+                                                   manifest_.parts_size(), " parts"));
+  }
+  const v1::PartManifest& p = manifest_.parts(static_cast<int>(daemon_index));
+  std::vector<char> block;
+  for (const v1::CheckpointFile& f : p.files()) {
+    const std::string path = PartFilePath(daemon_index, f.name());
+    Fd fd;
+    fd.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd.fd < 0) return FileError(errno, "opening", path);
+    struct stat st;
+    if (::fstat(fd.fd, &st) != 0) return FileError(errno, "reading", path);
+    if (static_cast<uint64_t>(st.st_size) != f.bytes()) {
+      return absl::DataLossError(absl::StrCat("checkpoint: ", path, " has ", st.st_size,
+                                              " bytes, the manifest says ", f.bytes()));
+    }
+    block.resize(f.block_bytes());
+    uint32_t whole = 0;
+    for (uint64_t off = 0, b = 0; off < f.bytes(); off += f.block_bytes(), ++b) {
+      const uint64_t n = std::min<uint64_t>(f.block_bytes(), f.bytes() - off);
+      uint64_t got = 0;
+      while (got < n) {
+        const ssize_t r = ::pread(fd.fd, block.data() + got, n - got, static_cast<off_t>(off + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return FileError(r < 0 ? errno : EIO, "reading", path);
+        got += static_cast<uint64_t>(r);
+      }
+      if (bytes_read != nullptr) *bytes_read += n;
+      const uint32_t crc = Crc32c(block.data(), n);
+      if (crc != f.block_crc32c(static_cast<int>(b))) {
+        return absl::DataLossError(absl::StrCat("checkpoint: ", path, " block ", b,
+                                                " does not match its CRC-32C: the file is corrupted"));
+      }
+      whole = Crc32cCombine(whole, crc, n);
+    }
+    if (whole != f.crc32c()) {
+      return absl::DataLossError(
+          absl::StrCat("checkpoint: ", path, " does not match its CRC-32C: the file is corrupted"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace zeroshard

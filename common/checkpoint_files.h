@@ -1,0 +1,134 @@
+#pragma once
+
+// The on-disk form of checkpoints (proto/zeroshard/v1/checkpoint.proto
+// describes the layout): atomic writes of data files and manifests, reading
+// manifests back, finding complete checkpoints, and reading any flat range of
+// a checkpoint's arrays from whichever parts hold it (what lets a job with
+// another N_d or daemon count load it). Used by the daemon and by zsctl.
+//
+// Errors: InvalidArgument for a bad name; NotFound when a checkpoint does not
+// exist; FailedPrecondition for an incomplete one (the message lists what is
+// missing); DataLoss naming the file whose bytes or manifest do not check;
+// ResourceExhausted when the disk is full (ENOSPC, EDQUOT, EFBIG); Internal
+// for other I/O errors (with strerror). All functions block on disk I/O and
+// take no locks; thread-compatible.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/flat_range.h"
+#include "google/protobuf/message.h"
+#include "proto/zeroshard/v1/checkpoint.pb.h"
+
+namespace zeroshard {
+
+inline constexpr char kCheckpointNameRule[] =
+    "1..128 bytes of [A-Za-z0-9._-], not \".\", \"..\" or \"latest\"";
+inline constexpr char kLatestCheckpoint[] = "latest";
+inline constexpr uint32_t kCheckpointFormatVersion = 1;
+inline constexpr uint64_t kCheckpointBlockBytes = 4ull << 20;
+
+// The array files of a part, in the order they are written.
+inline constexpr char kMasterFile[] = "master.f32";
+inline constexpr char kExpAvgFile[] = "exp_avg.f32";
+inline constexpr char kExpAvgSqFile[] = "exp_avg_sq.f32";
+inline constexpr char kPartManifestFile[] = "PART";
+inline constexpr char kManifestFile[] = "MANIFEST";
+
+// InvalidArgument ("name: ...") unless `name` follows kCheckpointNameRule.
+// `allow_latest` admits "latest" (for loads).
+absl::Status ValidateCheckpointName(absl::string_view name, bool allow_latest);
+
+std::string CheckpointJobDir(absl::string_view root, absl::string_view job_id);
+std::string CheckpointDir(absl::string_view root, absl::string_view job_id,
+                          absl::string_view name);
+std::string CheckpointPartDir(absl::string_view root, absl::string_view job_id,
+                              absl::string_view name, uint32_t daemon_index);
+
+// mkdir -p.
+absl::Status MakeDirectories(const std::string& path);
+// fsync of a directory (makes renames in it durable).
+absl::Status SyncDirectory(const std::string& dir);
+
+// Writes dir/name atomically: `produce` writes the content to a descriptor
+// of a temporary file in dir (its path given for messages), which is then
+// fsynced and renamed, and dir fsynced. On any error the temporary file is
+// removed and dir/name is untouched. I/O errors map as described above.
+absl::Status WriteFileAtomically(
+    const std::string& dir, const std::string& name,
+    const std::function<absl::Status(int fd, const std::string& tmp_path)>& produce);
+// The status of a failed system call on `path` (errno `err`): see the top.
+absl::Status FileError(int err, absl::string_view what, absl::string_view path);
+
+// Writes `bytes` bytes at `data` to dir/name atomically (a temporary name,
+// fsync, rename, fsync of dir), computing the file's CRC-32C and one per
+// kCheckpointBlockBytes block into *out. Adds the bytes written to *progress
+// as it goes (may be null). On error the temporary file is removed and
+// dir/name is untouched.
+absl::Status WriteArrayFile(const std::string& dir, const std::string& name, const void* data,
+                            uint64_t bytes, std::atomic<uint64_t>* progress,
+                            v1::CheckpointFile* out);
+// Writes a binary protobuf to dir/name atomically, as above.
+absl::Status WriteProtoFile(const std::string& dir, const std::string& name,
+                            const google::protobuf::Message& message);
+// Reads a binary protobuf: NotFound when absent, DataLoss when it does not parse.
+absl::Status ReadProtoFile(const std::string& path, google::protobuf::Message* message);
+
+// A complete checkpoint's manifest. NotFound when there is nothing of that
+// name; FailedPrecondition for an incomplete one (listing the parts that
+// are and are not written); DataLoss for a manifest that does not check
+// (CheckManifest).
+absl::StatusOr<v1::CheckpointManifest> ReadManifest(absl::string_view root,
+                                                    absl::string_view job_id,
+                                                    absl::string_view name);
+// The complete checkpoints of a job, ascending by (step, completion time).
+// Directories without a MANIFEST are skipped; one with a manifest that does
+// not parse or check is DataLoss.
+absl::StatusOr<std::vector<v1::CheckpointManifest>> ListCompleteCheckpoints(
+    absl::string_view root, absl::string_view job_id);
+// `name`, or for "latest" the complete checkpoint with the highest step
+// (NotFound when there is none).
+absl::StatusOr<std::string> ResolveCheckpointName(absl::string_view root,
+                                                  absl::string_view job_id,
+                                                  absl::string_view name);
+// OK iff the manifest is self-consistent: one part per daemon of the writer,
+// their ranges tiling [0, total_elements), each with the array files its
+// optimizer needs, sized to its range, steps agreeing. DataLoss otherwise.
+absl::Status CheckManifest(const v1::CheckpointManifest& manifest);
+// The array files a part holds for `spec`'s optimizer.
+std::vector<std::string> ArrayFilesOf(const v1::JobSpec& spec);
+
+// Reads ranges of a complete checkpoint's arrays, re-slicing parts as needed.
+class CheckpointReader {
+ public:
+  CheckpointReader(std::string root, v1::CheckpointManifest manifest);
+
+  const v1::CheckpointManifest& manifest() const { return manifest_; }
+
+  // FailedPrecondition listing every part file that `range`'s read of
+  // `files` needs and that is missing or has the wrong size in this
+  // directory (a checkpoint written on other hosts' local disks: copy the
+  // parts here, or use a shared --checkpoint_dir).
+  absl::Status CheckReadable(const FlatRange& range, const std::vector<std::string>& files) const;
+  // Reads flat elements `range` (inside [0, total_elements)) of array `file`
+  // into dst (range.size() floats). Every block read is checked against its
+  // CRC-32C: DataLoss naming the file and block on a mismatch.
+  absl::Status ReadRange(const std::string& file, const FlatRange& range, float* dst,
+                         uint64_t* bytes_read) const;
+  // Reads every file of part `daemon_index` whole and checks each file's
+  // CRC-32C and every block's: DataLoss naming the first file that fails.
+  absl::Status VerifyPart(uint32_t daemon_index, uint64_t* bytes_read) const;
+
+ private:
+  std::string PartFilePath(uint32_t daemon_index, const std::string& file) const;
+
+  const std::string root_;
+  const v1::CheckpointManifest manifest_;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,168 @@
+#include "common/checkpoint_files.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <vector>
+
+#include "common/crc32c.h"
+#include "gtest/gtest.h"
+
+namespace zeroshard {
+namespace {
+
+class CheckpointFilesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/zs-checkpoint-files-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    root_ = tmpl;
+  }
+  void TearDown() override { std::filesystem::remove_all(root_); }
+
+  // Writes a complete checkpoint `name` of `total` elements (element i of
+  // array f holds i + f * 0.5) in parts cut at `cuts`, at `step`.
+  v1::CheckpointManifest Write(const std::string& name, uint64_t total,
+                               const std::vector<uint64_t>& cuts, uint64_t step,
+                               bool manifest = true) {
+    v1::CheckpointManifest m;
+    m.set_format_version(kCheckpointFormatVersion);
+    m.set_job_id("job");
+    m.set_name(name);
+    m.mutable_spec()->mutable_optimizer()->set_kind(v1::OPTIMIZER_KIND_ADAMW);
+    m.mutable_partition_map()->set_total_elements(total);
+    m.mutable_state()->set_committed_step(step);
+    std::vector<uint64_t> bounds = {0};
+    bounds.insert(bounds.end(), cuts.begin(), cuts.end());
+    bounds.push_back(total);
+    const std::vector<std::string> files = ArrayFilesOf(m.spec());
+    for (size_t d = 0; d + 1 < bounds.size(); ++d) {
+      v1::PartManifest* p = m.add_parts();
+      p->set_daemon_index(static_cast<uint32_t>(d));
+      p->set_daemon_count(static_cast<uint32_t>(bounds.size() - 1));
+      p->mutable_range()->set_begin(bounds[d]);
+      p->mutable_range()->set_end(bounds[d + 1]);
+      p->mutable_state()->set_committed_step(step);
+      const std::string dir = CheckpointPartDir(root_, "job", name, static_cast<uint32_t>(d));
+      EXPECT_TRUE(MakeDirectories(dir).ok());
+      for (size_t f = 0; f < files.size(); ++f) {
+        std::vector<float> values(bounds[d + 1] - bounds[d]);
+        for (size_t i = 0; i < values.size(); ++i) values[i] = (bounds[d] + i) + f * 0.5f;
+        std::atomic<uint64_t> progress{0};
+        EXPECT_TRUE(WriteArrayFile(dir, files[f], values.data(), values.size() * 4, &progress,
+                                   p->add_files())
+                        .ok());
+        EXPECT_EQ(progress.load(), values.size() * 4);
+      }
+      EXPECT_TRUE(WriteProtoFile(dir, kPartManifestFile, *p).ok());
+    }
+    if (manifest) {
+      EXPECT_TRUE(CheckManifest(m).ok()) << CheckManifest(m);
+      EXPECT_TRUE(WriteProtoFile(CheckpointDir(root_, "job", name), kManifestFile, m).ok());
+    }
+    return m;
+  }
+
+  std::string root_;
+};
+
+TEST_F(CheckpointFilesTest, NamesFollowTheRule) {
+  EXPECT_TRUE(ValidateCheckpointName("step-20", false).ok());
+  EXPECT_TRUE(ValidateCheckpointName("latest", true).ok());
+  for (const char* bad : {"", ".", "..", "a/b", "../x", "latest", "a b"}) {
+    EXPECT_EQ(ValidateCheckpointName(bad, false).code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  EXPECT_EQ(ValidateCheckpointName(std::string(129, 'x'), true).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CheckpointFilesTest, ReadsAnyRangeAcrossPartsAndBlocks) {
+  // Parts larger than a CRC block, cut at odd places.
+  const uint64_t total = 2'600'003;
+  Write("c", total, {1'100'001, 1'100'002}, 7);
+  absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(root_, "job", "c");
+  ASSERT_TRUE(m.ok()) << m.status();
+  CheckpointReader reader(root_, *m);
+  for (const FlatRange r : {FlatRange{0, total}, FlatRange{1'048'570, 1'048'590},
+                            FlatRange{1'100'000, 1'100'003}, FlatRange{2'599'999, total}}) {
+    ASSERT_TRUE(reader.CheckReadable(r, {kExpAvgSqFile}).ok());
+    std::vector<float> out(r.size());
+    uint64_t bytes = 0;
+    ASSERT_TRUE(reader.ReadRange(kExpAvgSqFile, r, out.data(), &bytes).ok());
+    for (uint64_t i = r.begin; i < r.end; ++i) {
+      ASSERT_EQ(out[i - r.begin], static_cast<float>(i) + 1.0f) << i;
+    }
+    EXPECT_GE(bytes, r.size() * 4);
+  }
+  uint64_t bytes = 0;
+  for (uint32_t d = 0; d < 3; ++d) EXPECT_TRUE(reader.VerifyPart(d, &bytes).ok());
+  EXPECT_EQ(bytes, total * 4 * 3);
+}
+
+TEST_F(CheckpointFilesTest, CorruptionIsDataLossNamingTheFileAndBlock) {
+  Write("c", 1'200'000, {}, 1);
+  const std::string path = CheckpointPartDir(root_, "job", "c", 0) + "/" + kMasterFile;
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4'300'000);  // block 1
+    f.put('\x01');
+  }
+  CheckpointReader reader(root_, *ReadManifest(root_, "job", "c"));
+  std::vector<float> out(10);
+  absl::Status s = reader.ReadRange(kMasterFile, {1'075'000, 1'075'010}, out.data(), nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("master.f32 block 1"), std::string::npos) << s;
+  // Block 0 is intact and still reads.
+  EXPECT_TRUE(reader.ReadRange(kMasterFile, {0, 10}, out.data(), nullptr).ok());
+  EXPECT_EQ(reader.VerifyPart(0, nullptr).code(), absl::StatusCode::kDataLoss);
+  // A manifest that does not parse.
+  std::ofstream(CheckpointDir(root_, "job", "c") + "/MANIFEST") << "garbage";
+  EXPECT_EQ(ReadManifest(root_, "job", "c").status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST_F(CheckpointFilesTest, IncompleteCheckpointsListWhatIsMissing) {
+  Write("half", 1000, {400, 700}, 3, /*manifest=*/false);
+  std::filesystem::remove_all(CheckpointPartDir(root_, "job", "half", 1));
+  absl::Status s = ReadManifest(root_, "job", "half").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("written: part-0 (step 3), part-2 (step 3); missing: part-1"),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(ReadManifest(root_, "job", "none").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CheckpointFilesTest, LatestIsTheHighestCompleteStep) {
+  EXPECT_EQ(ResolveCheckpointName(root_, "job", "latest").status().code(),
+            absl::StatusCode::kNotFound);
+  Write("b", 100, {50}, 20);
+  Write("a", 100, {50}, 40);
+  Write("c", 100, {50}, 60, /*manifest=*/false);  // incomplete: skipped
+  absl::StatusOr<std::vector<v1::CheckpointManifest>> all = ListCompleteCheckpoints(root_, "job");
+  ASSERT_TRUE(all.ok()) << all.status();
+  ASSERT_EQ(all->size(), 2u);
+  EXPECT_EQ((*all)[0].name(), "b");
+  EXPECT_EQ(*ResolveCheckpointName(root_, "job", "latest"), "a");
+  EXPECT_EQ(*ResolveCheckpointName(root_, "job", "b"), "b");
+}
+
+TEST_F(CheckpointFilesTest, ManifestsMustTileTheFlatSpace) {
+  v1::CheckpointManifest m = Write("t", 100, {50}, 1);
+  v1::CheckpointManifest gap = m;
+  gap.mutable_parts(1)->mutable_range()->set_begin(51);
+  EXPECT_EQ(CheckManifest(gap).code(), absl::StatusCode::kDataLoss);
+  v1::CheckpointManifest short_file = m;
+  short_file.mutable_parts(0)->mutable_files(0)->set_bytes(196);
+  EXPECT_EQ(CheckManifest(short_file).code(), absl::StatusCode::kDataLoss);
+  v1::CheckpointManifest steps = m;
+  steps.mutable_parts(1)->mutable_state()->set_committed_step(2);
+  EXPECT_EQ(CheckManifest(steps).code(), absl::StatusCode::kDataLoss);
+  v1::CheckpointManifest version = m;
+  version.set_format_version(2);
+  EXPECT_EQ(CheckManifest(version).code(), absl::StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,54 @@
+"""The binaries the tests run: zeroshardd daemons on loopback, and zsctl."""
+
+import contextlib
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+HERE_DIR = pathlib.Path(__file__).resolve().parent
+# python/tests -> the runfiles' (or the workspace's) root.
+ROOT = HERE_DIR.parents[1]
+
+
+def _binary(env_var, package, name):
+    # pytest_test.sh sets ZEROSHARDD; in runfiles the binaries sit under
+    # their package; otherwise a `bazel build` left them in bazel-bin.
+    candidates = [os.environ.get(env_var), ROOT / package / name,
+                  ROOT / "bazel-bin" / package / name]
+    for path in candidates:
+        if path is not None and os.access(path, os.X_OK):
+            return str(path)
+    pytest.skip(f"{name} not found (tried {[str(c) for c in candidates]})")
+
+
+def daemon_binary():
+    return _binary("ZEROSHARDD", "server", "zeroshardd")
+
+
+def zsctl_binary():
+    return _binary("ZSCTL", "tools", "zsctl")
+
+
+@contextlib.contextmanager
+def running_daemons(count, extra_args=lambda index: []):
+    """Starts `count` daemons on 127.0.0.1:0 and yields their addresses;
+    kills them on exit. extra_args(i) gives daemon i's other flags."""
+    binary = daemon_binary()
+    procs, addresses = [], []
+    try:
+        for i in range(count):
+            proc = subprocess.Popen(
+                [binary, "--listen=127.0.0.1:0", *extra_args(i)],
+                stdout=subprocess.PIPE, text=True)
+            procs.append(proc)
+            line = proc.stdout.readline()
+            prefix = "zeroshardd listening on "
+            assert line.startswith(prefix), f"daemon said {line!r}"
+            addresses.append(line[len(prefix):].strip())
+        yield addresses
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

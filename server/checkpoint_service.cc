@@ -1,0 +1,143 @@
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "common/checkpoint_files.h"
+#include "common/job_id.h"
+#include "common/protocol.h"
+#include "server/services.h"
+
+namespace zeroshard {
+namespace {
+
+void Log(const std::string& line) { std::fprintf(stderr, "zeroshardd: %s\n", line.c_str()); }
+
+absl::Status CheckpointDirSet(const ServiceContext& ctx) {
+  if (!ctx.checkpoint_dir.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "checkpoints: this daemon was started without --checkpoint_dir");
+}
+
+// Requests that name a job not registered here still get a clear answer
+// for the checks that need no job.
+absl::Status CheckJobId(const std::string& id) {
+  if (IsValidJobId(id)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("job_id: must be ", kJobIdRule));
+}
+
+}  // namespace
+
+grpc::Status CheckpointService::SaveCheckpoint(grpc::ServerContext*,
+                                               const v1::SaveCheckpointRequest* req,
+                                               v1::SaveCheckpointResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  absl::StatusOr<v1::SaveCheckpointResponse> r = (*job)->SaveCheckpoint(*req);
+  if (!r.ok()) return ctx_->Done(__func__, r.status());
+  *resp = *std::move(r);
+  Log(absl::StrCat("job ", req->job_id(), " checkpoint ", req->name(), ": step ", resp->step(),
+                   " snapshotted in ", resp->snapshot_seconds(), " s, ", resp->bytes(),
+                   " bytes being written"));
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status CheckpointService::GetCheckpointStatus(grpc::ServerContext* context,
+                                                    const v1::GetCheckpointStatusRequest* req,
+                                                    v1::CheckpointStatus* resp) {
+  if (req->wait_ms() > kMaxWaitMs) {
+    return ctx_->Done(__func__, absl::InvalidArgumentError(absl::StrCat(
+                                    "wait_ms: at most ", kMaxWaitMs, ", got ", req->wait_ms())));
+  }
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  // The wait ends before the caller's deadline, so the answer reaches it.
+  absl::Duration wait = absl::Milliseconds(req->wait_ms());
+  const absl::Time deadline = absl::FromChrono(context->deadline());
+  if (deadline != absl::InfiniteFuture()) {
+    wait = std::min(wait, (deadline - absl::Now()) - absl::Milliseconds(100));
+  }
+  absl::StatusOr<v1::CheckpointStatus> s =
+      (*job)->CheckpointStatus(req->name(), std::max(wait, absl::ZeroDuration()));
+  if (!s.ok()) return ctx_->Done(__func__, s.status());
+  *resp = *std::move(s);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status CheckpointService::CompleteCheckpoint(grpc::ServerContext*,
+                                                   const v1::CompleteCheckpointRequest* req,
+                                                   v1::CompleteCheckpointResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  v1::PartitionMap map;
+  FillPartitionMap((*job)->config(), &map);
+  absl::StatusOr<v1::CompleteCheckpointResponse> r = (*job)->CompleteCheckpoint(*req, map);
+  if (!r.ok()) return ctx_->Done(__func__, r.status());
+  *resp = *std::move(r);
+  Log(absl::StrCat("job ", req->job_id(), " checkpoint ", req->name(), " of step ", resp->step(),
+                   " is complete"));
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status CheckpointService::LoadCheckpoint(grpc::ServerContext*,
+                                               const v1::LoadCheckpointRequest* req,
+                                               v1::LoadCheckpointResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  absl::StatusOr<v1::LoadCheckpointResponse> r = (*job)->LoadCheckpoint(req->name());
+  if (!r.ok()) return ctx_->Done(__func__, r.status());
+  *resp = *std::move(r);
+  Log(absl::StrCat("job ", req->job_id(), " loaded checkpoint ", resp->name(), ": step ",
+                   resp->step(), ", ", resp->bytes_read(), " bytes read in ", resp->seconds(),
+                   " s"));
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext*,
+                                                const v1::ListCheckpointsRequest* req,
+                                                v1::ListCheckpointsResponse* resp) {
+  absl::Status s = CheckJobId(req->job_id());
+  if (s.ok()) s = CheckpointDirSet(*ctx_);
+  if (!s.ok()) return ctx_->Done(__func__, s);
+  absl::StatusOr<std::vector<v1::CheckpointManifest>> all =
+      ListCompleteCheckpoints(ctx_->checkpoint_dir, req->job_id());
+  if (!all.ok()) return ctx_->Done(__func__, all.status());
+  for (const v1::CheckpointManifest& m : *all) {
+    v1::CheckpointInfo* i = resp->add_checkpoints();
+    i->set_name(m.name());
+    i->set_step(m.state().committed_step());
+    i->set_world_size(m.spec().world_size());
+    i->set_daemon_count(static_cast<uint32_t>(m.parts_size()));
+    i->set_stage(m.spec().stage());
+    uint64_t bytes = 0;
+    for (const v1::PartManifest& p : m.parts()) {
+      for (const v1::CheckpointFile& f : p.files()) bytes += f.bytes();
+    }
+    i->set_bytes(bytes);
+    i->set_completed_unix_ms(m.completed_unix_ms());
+  }
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status CheckpointService::VerifyCheckpoint(grpc::ServerContext*,
+                                                 const v1::VerifyCheckpointRequest* req,
+                                                 v1::VerifyCheckpointResponse* resp) {
+  absl::Status s = CheckJobId(req->job_id());
+  if (s.ok()) s = CheckpointDirSet(*ctx_);
+  if (!s.ok()) return ctx_->Done(__func__, s);
+  absl::StatusOr<std::string> name =
+      ResolveCheckpointName(ctx_->checkpoint_dir, req->job_id(), req->name());
+  if (!name.ok()) return ctx_->Done(__func__, name.status());
+  absl::StatusOr<v1::CheckpointManifest> m =
+      ReadManifest(ctx_->checkpoint_dir, req->job_id(), *name);
+  if (!m.ok()) return ctx_->Done(__func__, m.status());
+  CheckpointReader reader(ctx_->checkpoint_dir, *m);
+  uint64_t bytes = 0;
+  s = reader.VerifyPart(req->daemon_index(), &bytes);
+  if (!s.ok()) return ctx_->Done(__func__, s);
+  resp->set_name(*name);
+  resp->set_step(m->state().committed_step());
+  resp->set_bytes_read(bytes);
+  resp->set_parts(static_cast<uint32_t>(m->parts_size()));
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+}  // namespace zeroshard
