@@ -116,8 +116,13 @@ class CheckpointTest : public ::testing::Test {
   std::string dir_;
 };
 
-TEST_F(CheckpointTest, LoadRestoresTheSavedStateBitForBit) {
-  TestCluster c(2, 2, 3, "restore", dir_);
+class CheckpointPrecisionTest : public CheckpointTest,
+                                public ::testing::WithParamInterface<v1::DType> {};
+
+// The half-precision copy is not saved: a load recomputes it from the
+// masters, equal to what the optimizer wrote.
+TEST_P(CheckpointPrecisionTest, LoadRestoresTheSavedStateBitForBit) {
+  TestCluster c(2, 2, 3, "restore", dir_, GetParam());
   std::mt19937 rng(1);
   c.Init(RandomVector(rng, c.total(), 1.0f));
   Train(c, 2, 0, 3, rng);
@@ -139,6 +144,9 @@ TEST_F(CheckpointTest, LoadRestoresTheSavedStateBitForBit) {
   // Training goes on from the loaded step.
   Train(c, 2, 3, 1, rng);
 }
+
+INSTANTIATE_TEST_SUITE_P(Precisions, CheckpointPrecisionTest,
+                         ::testing::Values(v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP16));
 
 TEST_F(CheckpointTest, LoadReslicesOntoAnotherPartitioning) {
   std::vector<float> saved;

@@ -252,7 +252,7 @@ std::vector<v1::ParameterChunk> ParamChunks(const std::string& job, FlatRange ra
 }
 
 TestCluster::TestCluster(int num_daemons, uint32_t world, uint32_t stage, const std::string& job,
-                         const std::string& checkpoint_dir)
+                         const std::string& checkpoint_dir, v1::DType precision)
     : layout_(SampleLayout()), job_(job), world_(world) {
   std::vector<std::string> addresses;
   for (int i = 0; i < num_daemons; ++i) {
@@ -260,6 +260,7 @@ TestCluster::TestCluster(int num_daemons, uint32_t world, uint32_t stage, const 
     addresses.push_back(daemons_.back()->address());
   }
   spec_ = MakeSpec(job, layout_, stage, world, addresses);
+  spec_.set_precision(precision);
   config_ = *ParseJobSpec(spec_);
   for (int i = 0; i < num_daemons; ++i) {
     clients_.push_back(std::make_unique<DaemonClient>(addresses[i]));

@@ -92,7 +92,8 @@ std::vector<v1::ParameterChunk> ParamChunks(const std::string& job, FlatRange ra
 class TestCluster {
  public:
   TestCluster(int num_daemons, uint32_t world, uint32_t stage, const std::string& job,
-              const std::string& checkpoint_dir = "");
+              const std::string& checkpoint_dir = "",
+              v1::DType precision = v1::DTYPE_FP32);
 
   uint64_t total() const { return config_.map.total_elements(); }
   const PartitionMap& map() const { return config_.map; }
