@@ -27,6 +27,7 @@ absl::string_view RegionPurposeName(v1::RegionPurpose purpose) {
     case v1::REGION_PURPOSE_GRAD_STAGING: return "GRAD_STAGING";
     case v1::REGION_PURPOSE_PARAM_MASTER: return "PARAM_MASTER";
     case v1::REGION_PURPOSE_PARAM_HALF: return "PARAM_HALF";
+    case v1::REGION_PURPOSE_ACTIVATION_ARENA: return "ACTIVATION_ARENA";
     default: return "UNSPECIFIED";
   }
 }
