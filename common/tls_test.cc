@@ -1,0 +1,91 @@
+#include "common/tls.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace zeroshard {
+namespace {
+
+class TlsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    char tmpl[] = "/tmp/zs-tls-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = new std::string(tmpl);
+    const std::string cmd =
+        "common/testing/make_test_certs.sh " + *dir_ + " > " + *dir_ + "/make.log 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  }
+  static void TearDownTestSuite() {
+    std::filesystem::remove_all(*dir_);
+    delete dir_;
+  }
+  static std::string File(const std::string& name) { return *dir_ + "/" + name; }
+  static TlsFiles Good() { return {File("server.crt"), File("server.key"), File("ca.crt")}; }
+  static std::string* dir_;
+};
+
+std::string* TlsTest::dir_ = nullptr;
+
+TEST_F(TlsTest, NoneOrAllThreeFiles) {
+  EXPECT_TRUE(ValidateTlsFiles({}, "--").ok());
+  EXPECT_TRUE(ValidateTlsFiles(Good(), "--").ok());
+  TlsFiles no_key = Good();
+  no_key.key.clear();
+  absl::Status s = ValidateTlsFiles(no_key, "--");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("--tls_key"), std::string::npos) << s;
+  TlsFiles missing = Good();
+  missing.ca = File("nope.crt");
+  s = ValidateTlsFiles(missing, "ClientConfig.");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("ClientConfig.tls_ca"), std::string::npos) << s;
+}
+
+TEST_F(TlsTest, CredentialsFromPemFiles) {
+  EXPECT_TRUE(MakeServerCredentials(Good(), "--").ok());
+  EXPECT_TRUE(MakeChannelCredentials({File("client.crt"), File("client.key"), File("ca.crt")},
+                                     "--")
+                  .ok());
+  EXPECT_TRUE(MakeServerCredentials({}, "--").ok());  // plaintext
+  // A file that is not PEM.
+  std::ofstream(File("garbage.pem")) << "not a certificate";
+  TlsFiles bad = Good();
+  bad.cert = File("garbage.pem");
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> c = MakeServerCredentials(bad, "--");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("no PEM block"), std::string::npos) << c.status();
+}
+
+TEST_F(TlsTest, EnvironmentFillsEmptyFields) {
+  ::setenv("ZS_TLS_CERT", "/env/cert", 1);
+  ::setenv("ZS_TLS_KEY", "/env/key", 1);
+  ::setenv("ZS_TLS_CA", "/env/ca", 1);
+  TlsFiles f = TlsFilesFromEnvironment({"/flag/cert", "", ""});
+  EXPECT_EQ(f.cert, "/flag/cert");
+  EXPECT_EQ(f.key, "/env/key");
+  EXPECT_EQ(f.ca, "/env/ca");
+  ::unsetenv("ZS_TLS_CERT");
+  ::unsetenv("ZS_TLS_KEY");
+  ::unsetenv("ZS_TLS_CA");
+  EXPECT_FALSE(TlsFilesFromEnvironment({}).enabled());
+}
+
+TEST(LoopbackTest, OnlyThisHost) {
+  EXPECT_TRUE(IsLoopbackAddress("127.0.0.1:7070"));
+  EXPECT_TRUE(IsLoopbackAddress("127.3.4.5:1"));
+  EXPECT_TRUE(IsLoopbackAddress("localhost:7070"));
+  EXPECT_TRUE(IsLoopbackAddress("[::1]:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("0.0.0.0:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("10.0.0.5:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("[::]:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("node0:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("127.0.0.1.example.com:7070"));
+}
+
+}  // namespace
+}  // namespace zeroshard
