@@ -2,7 +2,8 @@
 # zeroshard's two entry points for a Debian 12 machine (run as root or with sudo):
 #   ./zs demo   the main job: trains a GPT at ZeRO stage 3 on 2 daemons + 2 ranks
 #   ./zs test   every test with clang's lock-annotation checks, the concurrency
-#               tests under ASan+UBSan, then the `stress`-tagged tests repeated
+#               tests under ASan+UBSan, the `stress`-tagged tests repeated,
+#               then every fuzz target for a short run
 # Each first installs the Debian packages it needs (only those missing) and is
 # safe to run again.
 set -euo pipefail
@@ -11,7 +12,7 @@ cd "$(dirname "$0")"
 PACKAGES=(
   g++ bazel-bootstrap clang-14 libclang-rt-14-dev lld-14
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev libabsl-dev
-  libucx-dev ucx-utils libcivetweb-dev
+  libucx-dev ucx-utils libcivetweb-dev liburing-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libtorch-dev python3-torch python3-numpy pybind11-dev python3-pytest
   prometheus curl
@@ -89,6 +90,19 @@ cmd_test() {
   run_phase stress yes bazel test --config=asan -k --build_tests_only \
     --test_tag_filters=stress,-gpu,-manual,-no_asan --runs_per_test="${runs}" \
     //... "$@"
+  # (d) Every libFuzzer target (cc_binary named *_fuzzer) for
+  #     ${ZS_FUZZ_SECONDS:-20} s over its seed corpus, built with ASan+UBSan
+  #     (tools/fuzz.sh): a crash, a leak or a UBSan report fails it.
+  local target
+  for target in $(bazel query 'filter("_fuzzer$", kind(cc_binary, //...))' 2>/dev/null); do
+    log "[fuzz] ${target}"
+    if tools/fuzz.sh "${target}" "${ZS_FUZZ_SECONDS:-20}"; then
+      PASSED=$((PASSED + 1))
+    else
+      FAILED=$((FAILED + 1))
+      FAILED_NAMES+=("[fuzz] ${target}")
+    fi
+  done
   if [ ${#FAILED_NAMES[@]} -gt 0 ]; then
     log "failed:"
     printf '  %s\n' "${FAILED_NAMES[@]}" >&2
@@ -104,9 +118,19 @@ cmd_demo() {
   bazel build --config=clang //server:zeroshardd //tools:zsrun //tools:zsctl //examples:gpt_train
   log "the ZeRO paper's per-rank memory for a 7.5B-parameter model over 64 ranks"
   bazel-bin/tools/zsctl estimate --params 7.5e9 --dp 64 --device_memory 32GB
-  log "training a GPT at ZeRO stage 3: 2 shard daemons, 2 trainer ranks on loopback"
-  bazel-bin/tools/zsrun --daemons=2 --nproc=2 --metrics -- \
-    bazel-bin/examples/gpt_train --stage=3 --steps="${ZS_DEMO_STEPS:-200}" "$@"
+  # Activation checkpoints live on the daemons (--activations=daemon): each
+  # daemon gets an arena, and spill files under a directory of this run for
+  # what does not fit it. After training, the ranks run a short second job
+  # alternating daemon and local checkpoints to compare step times.
+  local spill_dir
+  spill_dir="$(mktemp -d "${TMPDIR:-/var/tmp}/zs-demo-spill.XXXXXX")"
+  # Expanded now: the trap runs after this function has returned.
+  trap "rm -rf -- '${spill_dir}'" EXIT
+  log "training a GPT at ZeRO stage 3: 2 shard daemons, 2 trainer ranks on loopback, activation checkpoints on the daemons"
+  bazel-bin/tools/zsrun --daemons=2 --nproc=2 --metrics \
+    --daemon_args="--activation_arena_bytes=${ZS_DEMO_ARENA_BYTES:-67108864} --spill_dir=${spill_dir}" -- \
+    bazel-bin/examples/gpt_train --stage=3 --steps="${ZS_DEMO_STEPS:-200}" \
+    --activations=daemon --activation_timing_steps="${ZS_DEMO_TIMING_STEPS:-40}" "$@"
 }
 
 case "${1:-}" in

@@ -68,6 +68,16 @@ struct BulkDataPath::Endpoint {
   FlatRange half_range;
   // How long after a wait_only Gather its Gets may run.
   absl::Duration read_lease = absl::InfiniteDuration();
+  // Regions of other purposes (e.g. the activation arena), for PutRegion /
+  // GetRegion.
+  std::vector<std::pair<v1::RegionPurpose, transport::RegionDescriptor>> others;
+
+  const transport::RegionDescriptor* Other(v1::RegionPurpose purpose) const {
+    for (const auto& [p, d] : others) {
+      if (p == purpose) return &d;
+    }
+    return nullptr;
+  }
 };
 
 BulkDataPath::BulkDataPath(std::string address, std::shared_ptr<grpc::Channel> channel,
@@ -142,7 +152,12 @@ absl::Status BulkDataPath::ParseEndpoint(const v1::ExchangeEndpointResponse& res
         ep->has_half = r.length() >= range.size() * sizeof(uint16_t);
         break;
       default:
-        break;  // a purpose this client does not use
+        // Served to callers of PutRegion / GetRegion; the first of a purpose
+        // counts.
+        if (r.purpose() != v1::REGION_PURPOSE_UNSPECIFIED && ep->Other(r.purpose()) == nullptr) {
+          ep->others.emplace_back(r.purpose(), ToDescriptor(r));
+        }
+        break;
     }
   }
   if (!has_staging || !has_master) {
@@ -338,6 +353,71 @@ absl::StatusOr<uint64_t> BulkDataPath::Gather(const GatherRequestSpec& request, 
     Attempt a = GetOnce(*ep, request, dst, deadline);
     if (!a.retry || attempt > 0) return a.result;
   }
+}
+
+absl::StatusOr<uint64_t> BulkDataPath::RegionLength(const RegionAccess& at,
+                                                    absl::Time deadline) {
+  ASSIGN_OR_RETURN(std::shared_ptr<const Endpoint> ep,
+                   GetEndpoint({at.job_id, at.rank, at.incarnation}, deadline));
+  const transport::RegionDescriptor* region = ep->Other(at.purpose);
+  return region == nullptr ? 0 : region->length;
+}
+
+BulkDataPath::Attempt BulkDataPath::RegionOnce(const Endpoint& ep, const RegionAccess& at,
+                                               bool put, uint64_t offset, void* buffer,
+                                               uint64_t bytes, absl::Time deadline,
+                                               absl::FunctionRef<void()> while_copying,
+                                               bool* ran) {
+  const transport::RegionDescriptor* region = ep.Other(at.purpose);
+  auto what = [&] {
+    return absl::StrCat(put ? "Put" : "Get", " ", bytes, " bytes at ", offset, " of region ",
+                        RegionPurposeName(at.purpose));
+  };
+  if (region == nullptr) {
+    return {absl::FailedPreconditionError(absl::StrCat(
+        "daemon ", address(), ": ", what(), ": the daemon hands out no such region"))};
+  }
+  if (absl::Status s = transport::CheckRange(*region, offset, bytes, "the region"); !s.ok()) {
+    return {absl::InvalidArgumentError(
+        absl::StrCat("daemon ", address(), ": ", what(), ": ", s.message()))};
+  }
+  transport::Connection& connection =
+      *ep.connections[ep.next_get.fetch_add(1, std::memory_order_relaxed) % ep.connections.size()];
+  transport::Completion op = put ? connection.Put(buffer, bytes, *region, offset)
+                                 : connection.Get(buffer, bytes, *region, offset);
+  if (!*ran) {
+    *ran = true;
+    while_copying();
+  }
+  absl::Status s = Finish(op, deadline, what);
+  if (s.ok()) return {bytes};
+  const bool lost = absl::IsUnavailable(s);
+  if (lost) DropEndpoint(&ep);
+  return {s, lost};
+}
+
+absl::Status BulkDataPath::RegionOp(const RegionAccess& at, bool put, uint64_t offset,
+                                    void* buffer, uint64_t bytes, absl::Time deadline,
+                                    absl::FunctionRef<void()> while_copying) {
+  const JobKey key{at.job_id, at.rank, at.incarnation};
+  bool ran = false;
+  for (int attempt = 0;; ++attempt) {
+    ASSIGN_OR_RETURN(std::shared_ptr<const Endpoint> ep, GetEndpoint(key, deadline));
+    Attempt a = RegionOnce(*ep, at, put, offset, buffer, bytes, deadline, while_copying, &ran);
+    if (!a.retry || attempt > 0) return a.result.status();
+  }
+}
+
+absl::Status BulkDataPath::PutRegion(const RegionAccess& at, uint64_t offset, const void* src,
+                                     uint64_t bytes, absl::Time deadline,
+                                     absl::FunctionRef<void()> while_copying) {
+  // The transport only reads `src` on a Put.
+  return RegionOp(at, true, offset, const_cast<void*>(src), bytes, deadline, while_copying);
+}
+
+absl::Status BulkDataPath::GetRegion(const RegionAccess& at, uint64_t offset, void* dst,
+                                     uint64_t bytes, absl::Time deadline) {
+  return RegionOp(at, false, offset, dst, bytes, deadline, [] {});
 }
 
 }  // namespace zeroshard

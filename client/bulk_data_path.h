@@ -33,6 +33,11 @@
 // Connections: `connections` per daemon. The Puts of all pushes take the
 // first, so one progress thread copies gradients while the daemon applies the
 // previous slot; the Gets of a gather take each connection in turn.
+//
+// Other regions: PutRegion / GetRegion move bytes into and out of any other
+// region the daemon hands the rank in ExchangeEndpoint (the activation arena,
+// REGION_PURPOSE_ACTIVATION_ARENA), on the same endpoint and connections, for
+// protocols that announce the bytes themselves (client/activation_store.h).
 
 #include <atomic>
 #include <cstdint>
@@ -110,6 +115,38 @@ class BulkDataPath final : public DataPath {
   absl::StatusOr<uint64_t> Gather(const GatherRequestSpec& request, void* dst,
                                   absl::Time deadline) override;
 
+  // Which region of the daemon a PutRegion / GetRegion addresses, and as whom
+  // (the endpoint is exchanged with the rank's incarnation).
+  struct RegionAccess {
+    std::string job_id;
+    uint32_t rank = 0;
+    uint64_t incarnation = 0;
+    v1::RegionPurpose purpose = v1::REGION_PURPOSE_UNSPECIFIED;
+  };
+  // Bytes of the daemon's region `at.purpose`, or 0 when the daemon hands out
+  // none (e.g. it runs without an activation arena). Exchanges endpoints
+  // and connects first if needed, bounded by `deadline`.
+  absl::StatusOr<uint64_t> RegionLength(const RegionAccess& at, absl::Time deadline);
+  // Copies `bytes` from `src` into the region at `offset` (PutRegion), or
+  // from the region at `offset` into `dst` (GetRegion). Blocks until the
+  // transport completed the operation (the bytes are in the target's
+  // memory), or until `deadline`: then the operation is aborted and the call
+  // returns only once the transport has let go of the buffer, so the caller
+  // owns `src` / `dst` again whenever the call returned. What the bytes mean,
+  // and telling the daemon about them, is the caller's protocol. An
+  // operation that failed with Unavailable is retried once at once on a
+  // fresh endpoint (both directions are idempotent). Errors:
+  // FailedPrecondition when the daemon hands out no region of that purpose;
+  // InvalidArgument for a range outside it; Unavailable (the endpoint is
+  // dropped; the next call exchanges again); DeadlineExceeded.
+  // `while_copying` runs on the calling thread while the transport copies
+  // the first attempt's bytes (e.g. a checksum of `src`, which both only
+  // read), before the call waits for the copy.
+  absl::Status PutRegion(const RegionAccess& at, uint64_t offset, const void* src, uint64_t bytes,
+                         absl::Time deadline, absl::FunctionRef<void()> while_copying = [] {});
+  absl::Status GetRegion(const RegionAccess& at, uint64_t offset, void* dst, uint64_t bytes,
+                         absl::Time deadline);
+
   // ExchangeEndpoint calls that succeeded so far (for tests).
   uint64_t exchanges() const { return exchanges_.load(); }
   // Staging slots quarantined now (for tests).
@@ -144,6 +181,15 @@ class BulkDataPath final : public DataPath {
                   absl::Time deadline);
   absl::StatusOr<uint64_t> FenceSlot(const GradientPush& push, uint32_t slot,
                                      uint64_t generation);
+  // One Put (`put`) or Get of a region access; `retry` as for pushes.
+  // `while_copying` runs once the operation is issued (first attempt only,
+  // when `*ran` is false; sets it).
+  Attempt RegionOnce(const Endpoint& ep, const RegionAccess& at, bool put, uint64_t offset,
+                     void* buffer, uint64_t bytes, absl::Time deadline,
+                     absl::FunctionRef<void()> while_copying, bool* ran);
+  absl::Status RegionOp(const RegionAccess& at, bool put, uint64_t offset, void* buffer,
+                        uint64_t bytes, absl::Time deadline,
+                        absl::FunctionRef<void()> while_copying);
   // Waits for `completion` until `deadline`; past it, aborts the operation
   // and waits until the transport has let go of the buffer (which an aborted
   // operation does promptly; a line on stderr every 10 s while it has not).

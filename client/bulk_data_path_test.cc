@@ -295,5 +295,34 @@ TEST(BulkDataPathTest, ConcurrentPushesWithTimeoutsNeverApplyForeignBytes) {
   for (size_t i = 0; i < grads.size(); ++i) EXPECT_EQ(applied_count[i], delivered[i]) << i;
 }
 
+// Other regions the daemon hands out (the activation arena): Put and Get on
+// the same endpoint as the pushes, the range checked against the region.
+TEST(BulkDataPathTest, PutAndGetIntoAnotherRegion) {
+  FakeShard::Options o;
+  o.activation_arena_bytes = 8192;
+  Rig rig(o);
+  const BulkDataPath::RegionAccess at{"job", 0, kIncarnation,
+                                      v1::REGION_PURPOSE_ACTIVATION_ARENA};
+  absl::StatusOr<uint64_t> length = rig.path->RegionLength(at, In(absl::Seconds(5)));
+  ASSERT_TRUE(length.ok()) << length.status();
+  EXPECT_EQ(*length, 8192u);
+  std::string out(1000, '\0'), in(1000, '\0');
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(i * 7);
+  ASSERT_TRUE(rig.path->PutRegion(at, 4096, out.data(), out.size(), In(absl::Seconds(5))).ok());
+  ASSERT_TRUE(rig.path->GetRegion(at, 4096, in.data(), in.size(), In(absl::Seconds(5))).ok());
+  EXPECT_EQ(in, out);
+  absl::Status s = rig.path->PutRegion(at, 8000, out.data(), out.size(), In(absl::Seconds(5)));
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_EQ(rig.path->exchanges(), 1u);
+  // A daemon without the region: none, and Put/Get say so.
+  Rig bare;
+  length = bare.path->RegionLength(at, In(absl::Seconds(5)));
+  ASSERT_TRUE(length.ok()) << length.status();
+  EXPECT_EQ(*length, 0u);
+  s = bare.path->GetRegion(at, 0, in.data(), 16, In(absl::Seconds(5)));
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "ACTIVATION_ARENA")) << s;
+}
+
 }  // namespace
 }  // namespace zeroshard

@@ -154,10 +154,12 @@ absl::Status Client::Connect() {
       BulkDataPath::Options o;
       o.connections = c.bulk_progress_threads;
       o.fence_timeout = c.rpc_timeout;
-      data_paths_.push_back(
-          std::make_unique<BulkDataPath>(address, std::move(channel), bulk_, o));
+      auto path = std::make_unique<BulkDataPath>(address, std::move(channel), bulk_, o);
+      bulk_paths_.push_back(path.get());
+      data_paths_.push_back(std::move(path));
     }
   }
+  channels_ = channels;
   checkpoints_ = std::make_unique<CheckpointDriver>(c.job_id, c.daemons, std::move(channels));
   io_ = std::make_unique<Executor>(c.io_threads);
   StepCoordinator::Options so;
@@ -527,6 +529,21 @@ absl::StatusOr<CheckpointCompleted> Client::AwaitCheckpoint() {
 
 absl::StatusOr<std::vector<v1::CheckpointInfo>> Client::ListCheckpoints() {
   return checkpoints_->List(RpcDeadline());
+}
+
+absl::StatusOr<std::unique_ptr<DaemonSliceStore>> Client::OpenActivationStore(
+    uint32_t daemon, const DaemonSliceStore::Options& options) {
+  if (!registered()) {
+    return absl::FailedPreconditionError("OpenActivationStore before RegisterModel");
+  }
+  if (daemon >= channels_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("daemon: must be < ", channels_.size(),
+                                                   " (the number of daemons), got ", daemon));
+  }
+  DaemonSliceStore::Owner owner{config_.job_id, config_.rank, incarnation_};
+  return std::make_unique<DaemonSliceStore>(
+      std::move(owner), config_.daemons[daemon], channels_[daemon],
+      bulk_paths_.empty() ? nullptr : bulk_paths_[daemon], options);
 }
 
 absl::Status Client::Leave() {

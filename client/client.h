@@ -54,6 +54,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/activation_store.h"
 #include "client/checkpoint_driver.h"
 #include "client/collective.h"
 #include "client/data_path.h"
@@ -268,6 +269,20 @@ class Client {
   // Whether RegisterModel resumed from a checkpoint, and which.
   const std::optional<v1::LoadCheckpointResponse>& resumed_from() const { return resumed_; }
 
+  // ---- Activation checkpoints (client/activation_store.h) ----
+  // A store for this rank's activation checkpoints on daemon `daemon` (an
+  // index into ClientConfig.daemons; a trainer usually takes
+  // rank * daemons / world_size, its partition's daemon). It shares the
+  // client's channel to the daemon and, with a bulk transport, the client's
+  // data path (Puts and Gets into the daemon's activation arena). Creates
+  // no connection and blocks on nothing. FailedPrecondition before
+  // RegisterModel (the rank must have joined the job), InvalidArgument for
+  // an index out of range. The store must be destroyed before the client.
+  // Its slices stay on the daemon until freed (FreeStep) or until the job is
+  // removed there (every rank left).
+  absl::StatusOr<std::unique_ptr<DaemonSliceStore>> OpenActivationStore(
+      uint32_t daemon, const DaemonSliceStore::Options& options);
+
   // Stops the heartbeats and leaves the job on every daemon (the job is
   // freed when every rank has left). Returns the first error, after trying
   // every daemon.
@@ -334,6 +349,10 @@ class Client {
   std::vector<std::unique_ptr<DaemonControl>> controls_;
   std::shared_ptr<BulkTransport> bulk_;  // null for "stream"
   std::vector<std::unique_ptr<DataPath>> data_paths_;
+  // By daemon index: the channels, and the bulk data paths among
+  // data_paths_ (empty for "stream"), for activation stores.
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<BulkDataPath*> bulk_paths_;
   std::atomic<uint64_t> step_{0};  // read by pushing threads
   std::atomic<float> loss_scale_{1.0f};
   std::unique_ptr<StepCoordinator> coordinator_;

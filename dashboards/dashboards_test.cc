@@ -391,6 +391,8 @@ TEST_F(DashboardTest, CoversTheDaemonsMetrics) {
                         "zeroshard_activation_hits_total",
                         "zeroshard_activation_misses_total",
                         "zeroshard_activation_spills_total",
+                        "zeroshard_activation_spill_bytes_total",
+                        "zeroshard_activation_fetch_seconds",
                         "zeroshard_checkpoint_seconds",
                         "zeroshard_checkpoint_bytes_total",
                         "zeroshard_checkpoint_last_complete_step",

@@ -10,8 +10,23 @@
 // rank 0 save "step-<k>" after every N committed steps; --resume=NAME|latest
 // continues the job from a checkpoint to --steps in all. --dump_params=PATH
 // writes the final parameters (rank 0) as raw little-endian fp32.
+//
+// Activation checkpoints (stage 3): --activations=daemon keeps each layer's
+// checkpoint on the Activation service of the rank's daemon (rank * daemons /
+// world_size) instead of in the trainer; the report then shows what the
+// trainer held beside what local checkpoints hold, and the daemons'
+// activation bytes during the last step. --activation_timing_steps=N then
+// trains a second job of N steps that alternates daemon and local
+// checkpoints step by step and prints the median step time of each.
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,13 +36,17 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "client/rpc.h"
 #include "common/estimator.h"
 #include "common/format.h"
 #include "examples/trainer.h"
+#include "proto/zeroshard/v1/admin.grpc.pb.h"
 #include "tools/zsctl_commands.h"
 
 ABSL_FLAG(int, stage, 3, "ZeRO stage: 0 (single-process baseline), 1, 2 or 3.");
@@ -63,6 +82,18 @@ ABSL_FLAG(int, checkpoint_every, 0,
 ABSL_FLAG(std::string, resume, "",
           "Checkpoint to resume the job from: a name, or latest (the complete one with the "
           "highest step; none: start fresh). Training runs on to --steps in all.");
+ABSL_FLAG(std::string, activations, "local",
+          "Stage 3: where activation checkpoints live between forward and backward: local (the "
+          "trainer's memory) or daemon (the Activation service of daemon rank*daemons/"
+          "world_size, over --transport).");
+ABSL_FLAG(int, activation_prefetch_depth, 2,
+          "--activations=daemon: checkpoints fetched ahead of the layer backward needs.");
+ABSL_FLAG(int, activation_offloads_in_flight, 2,
+          "--activations=daemon: offloads left running behind the forward pass.");
+ABSL_FLAG(int, activation_timing_steps, 0,
+          "After training, every rank trains a second job of this many steps alternating daemon "
+          "and local activation checkpoints step by step; rank 0 prints the median step time of "
+          "each (needs stage 3). 0 = off.");
 ABSL_FLAG(std::string, dump_params, "",
           "Rank 0: after the last step, write every fp32 parameter (the flat layout, gaps as "
           "zeros) to this file as raw little-endian floats.");
@@ -127,6 +158,118 @@ void CheckpointLine(const StepReport& r, bool midline) {
   std::fflush(stdout);
 }
 
+// `job`'s activation checkpoints in each daemon's arena, as its ledger books
+// them (Admin.MemoryReport, category `activation`); the error text if a
+// daemon does not answer.
+std::string ArenaLines(const std::vector<std::string>& daemons, const std::string& job) {
+  std::string out;
+  for (const std::string& address : daemons) {
+    auto stub = v1::Admin::NewStub(MakeDaemonChannel(address));
+    grpc::ClientContext context;
+    SetDeadline(&context, absl::Now() + absl::Seconds(10));
+    v1::MemoryReportRequest req;
+    req.set_job_id(job);
+    v1::MemoryReportResponse resp;
+    const grpc::Status s = stub->MemoryReport(&context, req, &resp);
+    if (!s.ok()) {
+      absl::StrAppend(&out, "    daemon ", address, ": ",
+                      DaemonError(s, address, "MemoryReport").ToString(), "\n");
+      continue;
+    }
+    uint64_t bytes = 0;
+    for (const v1::JobMemory& j : resp.jobs()) {
+      for (const v1::CategoryBytes& c : j.categories()) {
+        if (j.job_id() == job && c.category() == "activation") bytes = c.bytes();
+      }
+    }
+    absl::StrAppend(&out, "    daemon ", address, ": activation ",
+                    FormatBytes(static_cast<double>(bytes)), " in its arena\n");
+  }
+  return out;
+}
+
+// GET http://host:port/metrics (host: the daemon's), bounded by 5 s per
+// read; empty on any error.
+std::string ScrapeMetrics(const std::string& daemon, int port) {
+  const std::string host = daemon.substr(0, daemon.rfind(':'));
+  addrinfo hints{}, *found = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return "";
+  std::string body;
+  const int fd = socket(found->ai_family, SOCK_STREAM, 0);
+  timeval timeout{5, 0};
+  if (fd >= 0) {
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+  }
+  if (fd >= 0 && connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
+    const std::string request = "GET /metrics HTTP/1.0\r\nHost: " + host + "\r\n\r\n";
+    if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
+        static_cast<ssize_t>(request.size())) {
+      char buf[16384];
+      ssize_t n;
+      while ((n = recv(fd, buf, sizeof buf, 0)) > 0) body.append(buf, n);
+    }
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(found);
+  return body;
+}
+
+// The value of `name{job="<job>"}` in a Prometheus text exposition, or 0.
+double MetricValue(const std::string& text, const std::string& name, const std::string& job) {
+  const std::string prefix = absl::StrCat(name, "{job=\"", job, "\"} ");
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (!absl::StartsWith(line, prefix)) continue;
+    double v = 0;
+    if (absl::SimpleAtod(line.substr(prefix.size()), &v)) return v;
+  }
+  return 0;
+}
+
+// The daemons' activation counters for `job` from their /metrics endpoints
+// (ZS_METRICS_PORTS, in daemon order, as zsrun --metrics sets it); empty
+// when the ports are not known.
+std::string SpillLines(const std::vector<std::string>& daemons, const std::string& job) {
+  std::vector<std::string> ports = absl::StrSplit(Env("ZS_METRICS_PORTS", ""), ',',
+                                                  absl::SkipEmpty());
+  if (ports.size() != daemons.size()) return "";
+  std::string out;
+  for (size_t d = 0; d < daemons.size(); ++d) {
+    int port = 0;
+    const std::string text =
+        absl::SimpleAtoi(ports[d], &port) ? ScrapeMetrics(daemons[d], port) : "";
+    if (text.empty()) {
+      absl::StrAppend(&out, "    daemon ", daemons[d], ": /metrics on port ", ports[d],
+                      " did not answer\n");
+      continue;
+    }
+    absl::StrAppendFormat(
+        &out, "    daemon %s: %.0f slices spilled (%s written to spill files); fetches: %.0f from "
+              "the arena, %.0f read back from spill\n",
+        daemons[d], MetricValue(text, "zeroshard_activation_spills_total", job),
+        FormatBytes(MetricValue(text, "zeroshard_activation_spill_bytes_total", job)),
+        MetricValue(text, "zeroshard_activation_hits_total", job),
+        MetricValue(text, "zeroshard_activation_misses_total", job));
+  }
+  return out;
+}
+
+// Median step time of the steps that used `which` activations, skipping
+// each kind's first two steps (warm-up); NaN when there are none.
+double MedianStepMs(const std::vector<StepReport>& steps, const std::string& which) {
+  std::vector<double> ms;
+  int seen = 0;
+  for (const StepReport& r : steps) {
+    if (r.activations != which || ++seen <= 2) continue;
+    ms.push_back(r.seconds * 1e3);
+  }
+  if (ms.empty()) return NAN;
+  std::sort(ms.begin(), ms.end());
+  const size_t n = ms.size();
+  return n % 2 == 1 ? ms[n / 2] : (ms[n / 2 - 1] + ms[n / 2]) / 2;
+}
+
 void ProgressBar(const StepReport& r, int steps) {
   const int width = 30, filled = r.step * width / steps;
   std::string bar(filled, '#');
@@ -155,6 +298,22 @@ int Main() {
   o.stage = static_cast<uint32_t>(absl::GetFlag(FLAGS_stage));
   o.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   o.resume = absl::GetFlag(FLAGS_resume);
+  o.activations = absl::GetFlag(FLAGS_activations);
+  o.activation_prefetch_depth =
+      static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_activation_prefetch_depth)));
+  o.activation_offloads_in_flight =
+      static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_activation_offloads_in_flight)));
+  const int timing_steps = absl::GetFlag(FLAGS_activation_timing_steps);
+  if (o.activations != "local" && o.activations != "daemon") {
+    std::fprintf(stderr, "gpt_train: --activations: local or daemon, got \"%s\"\n",
+                 o.activations.c_str());
+    return 2;
+  }
+  if ((o.activations == "daemon" || timing_steps > 0) && o.stage != 3) {
+    std::fprintf(stderr, "gpt_train: --activations=daemon and --activation_timing_steps need "
+                         "--stage=3 (stages 0-2 keep autograd's activations)\n");
+    return 2;
+  }
   const std::string progress_mode = absl::GetFlag(FLAGS_progress);
   if (progress_mode != "bar" && progress_mode != "lines" && progress_mode != "none") {
     std::fprintf(stderr, "gpt_train: --progress: bar, lines or none, got \"%s\"\n",
@@ -193,11 +352,13 @@ int Main() {
   const double psi = static_cast<double>(layout->parameter_count());
   if (leader) {
     std::printf("GPT: %d blocks, width %d, %d heads, %d tokens; Ψ = %s parameters (%zu layers); "
-                "global batch %d; ZeRO stage %u; N_d = %u; %zu daemon(s); %s over %s\n",
+                "global batch %d; ZeRO stage %u; N_d = %u; %zu daemon(s); %s over %s%s\n",
                 o.model.layers, o.model.width, o.model.heads, o.model.seq_len,
                 FormatCount(psi).c_str(), layout->layers().size(), o.global_batch, o.stage,
                 o.world_size, o.daemons.size(), std::string(DTypeName(o.precision)).c_str(),
-                o.transport.c_str());
+                o.transport.c_str(),
+                o.stage == 3 ? absl::StrCat("; activation checkpoints: ", o.activations).c_str()
+                             : "");
   }
   const StepCallback progress = [&](const StepReport& r) {
     if (!leader) return;
@@ -232,7 +393,7 @@ int Main() {
     std::fprintf(stderr, "gpt_train: no daemons: run under zsrun or pass --daemons\n");
     return 2;
   }
-  std::string daemon_report;
+  std::string daemon_report, spill_report;
   uint64_t activation_bytes = 0;
   const FinishCallback report = [&](Client&) {
     if (!leader || !absl::GetFlag(FLAGS_report)) return;
@@ -241,6 +402,7 @@ int Main() {
     admin.job = o.job_id;
     auto memory = tools::RunMemory(admin);
     daemon_report = memory.ok() ? *memory : memory.status().ToString();
+    if (o.activations == "daemon") spill_report = SpillLines(o.daemons, o.job_id);
   };
   const StartCallback started = [&](Client& client) {
     if (!leader || o.resume.empty()) return;
@@ -255,7 +417,17 @@ int Main() {
     }
     std::fflush(stdout);
   };
-  auto result = TrainRank(o, progress, report, started);
+  // The daemons' activation bytes while the last step's checkpoints are
+  // offloaded (after its forward pass), as rank 0 sees them.
+  std::string activation_memory;
+  const BackwardCallback before_backward = [&](int step, Client&) {
+    if (!leader || step != o.steps || o.activations != "daemon" ||
+        !absl::GetFlag(FLAGS_report)) {
+      return;
+    }
+    activation_memory = ArenaLines(o.daemons, o.job_id);
+  };
+  auto result = TrainRank(o, progress, report, started, before_backward);
   if (!result.ok()) {
     std::fprintf(stderr, "gpt_train rank %u: %s\n", o.rank, result.status().ToString().c_str());
     return 1;
@@ -268,6 +440,33 @@ int Main() {
   }
   if (!dump(result->params)) return 1;
   activation_bytes = result->activation_bytes;
+  // Step times with daemon and with local checkpoints, alternating in one
+  // job so that both see the same machine.
+  std::string timing_line;
+  if (timing_steps > 0) {
+    TrainOptions t = o;
+    t.steps = timing_steps;
+    t.activations = "both";
+    t.job_id = o.job_id + "-activation-timing";
+    t.checkpoint_every = 0;
+    t.resume.clear();
+    std::vector<StepReport> steps;
+    auto timed = TrainRank(t, [&](const StepReport& r) { steps.push_back(r); });
+    if (!timed.ok()) {
+      std::fprintf(stderr, "gpt_train rank %u: activation timing: %s\n", o.rank,
+                   timed.status().ToString().c_str());
+      return 1;
+    }
+    const double daemon_ms = MedianStepMs(steps, "daemon");
+    const double local_ms = MedianStepMs(steps, "local");
+    timing_line = absl::StrFormat(
+        "Step time over %d steps alternating daemon and local activation checkpoints "
+        "(job %s, prefetch depth %u): daemon %.1f ms, local %.1f ms (medians); daemon/local "
+        "= %.3f\n",
+        timing_steps, t.job_id, o.activation_prefetch_depth, daemon_ms, local_ms,
+        daemon_ms / local_ms);
+    if (leader && !absl::GetFlag(FLAGS_report)) std::printf("%s", timing_line.c_str());
+  }
   if (!leader || !absl::GetFlag(FLAGS_report)) return 0;
 
   const double elem = static_cast<double>(DTypeSize(o.precision));
@@ -281,11 +480,41 @@ int Main() {
               o.stage == 1 ? "4Ψ + KΨ/N_d" : o.stage == 2 ? "2Ψ + (2+K)Ψ/N_d" : "(4+K)Ψ/N_d",
               paper.ok() ? FormatBytes(paper->bytes_per_rank).c_str() : "?");
   std::printf("Trainer rank 0 holds: staging buffers %s, layer buffers %s, activation "
-              "checkpoints %s (full model states would be 16Ψ = %s)\n\n",
+              "checkpoints %s (full model states would be 16Ψ = %s)\n",
               FormatBytes(result->client_memory.buffer).c_str(),
               FormatBytes(result->client_memory.param + result->client_memory.param_half).c_str(),
               FormatBytes(static_cast<double>(activation_bytes)).c_str(),
               FormatBytes(16 * psi).c_str());
+  if (o.stage == 3) {
+    std::printf("Activation checkpoints (%s): rank 0 held at most %s of them at once; keeping a "
+                "step's checkpoints in the trainer (--activations=local) holds %s\n",
+                result->activation_store.c_str(),
+                FormatBytes(static_cast<double>(result->activation_bytes)).c_str(),
+                FormatBytes(static_cast<double>(result->activation_step_bytes)).c_str());
+    if (result->activation_stats.has_value()) {
+      const SliceStoreStats& a = *result->activation_stats;
+      std::printf("  rank 0 offloaded %llu checkpoints (%s) and fetched %llu (%s), prefetch "
+                  "depth %u; %llu stored straight to a spill file, %llu read back from one, "
+                  "%llu over the streaming RPCs, %llu failed\n",
+                  static_cast<unsigned long long>(a.offloads),
+                  FormatBytes(static_cast<double>(a.offload_bytes)).c_str(),
+                  static_cast<unsigned long long>(a.fetches),
+                  FormatBytes(static_cast<double>(a.fetch_bytes)).c_str(),
+                  o.activation_prefetch_depth, static_cast<unsigned long long>(a.spilled_offloads),
+                  static_cast<unsigned long long>(a.spilled_fetches),
+                  static_cast<unsigned long long>(a.streamed),
+                  static_cast<unsigned long long>(a.failures));
+    }
+    if (!activation_memory.empty()) {
+      std::printf("  the daemons' arenas after the last step's forward pass (ledger):\n%s",
+                  activation_memory.c_str());
+    }
+    if (!spill_report.empty()) {
+      std::printf("  the daemons' activation counters for this job (/metrics):\n%s",
+                  spill_report.c_str());
+    }
+  }
+  std::printf("%s\n", timing_line.c_str());
   const auto& t = result->traffic.last_step;
   const double expected = (o.stage == 3 ? 3.0 : 2.0) * psi * elem;
   std::printf("Traffic of rank 0 in the last step: pushed %s + gathered %s = %s; paper %s = %s "

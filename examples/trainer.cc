@@ -18,6 +18,19 @@ absl::Status CheckOptions(const TrainOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint_every: must be >= 0, got ", o.checkpoint_every));
   }
+  if (o.activations != "local" && o.activations != "daemon" && o.activations != "both") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "activations: local, daemon or both, got \"", o.activations.substr(0, 64), "\""));
+  }
+  if (o.activations != "local" && o.stage != 3) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "activations: ", o.activations, " needs stage 3 (stages 0-2 keep autograd's "
+        "activations), got stage ", o.stage));
+  }
+  if (o.activation_prefetch_depth < 1 || o.activation_offloads_in_flight < 1) {
+    return absl::InvalidArgumentError(
+        "activation_prefetch_depth and activation_offloads_in_flight: must be >= 1");
+  }
   if (o.world_size < 1 || o.global_batch < 1 || o.global_batch % o.world_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "global_batch: must be a positive multiple of world_size (", o.world_size, "), got ",
@@ -137,7 +150,8 @@ absl::StatusOr<float> EvaluateLoss(const TrainOptions& o, const std::vector<floa
 
 absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback& on_step,
                                       const FinishCallback& on_finish,
-                                      const StartCallback& on_start) {
+                                      const StartCallback& on_start,
+                                      const BackwardCallback& on_backward) {
   RETURN_IF_ERROR(CheckOptions(o));
   if (o.stage < 1 || o.stage > 3) {
     return absl::InvalidArgumentError(
@@ -173,13 +187,29 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
       ToFloat(wire, half_params.data(), full_params.data(), total);
     }
   }
-  InMemoryActivationStore checkpoints;
+  // Stage 3's activation checkpoints. The daemon store uses the client's
+  // data path: declared after the client, it is destroyed first.
+  InMemoryActivationStore local_checkpoints;
+  std::unique_ptr<DaemonActivationStore> daemon_checkpoints;
+  if (o.activations != "local") {
+    const uint32_t daemon =
+        static_cast<uint32_t>(uint64_t{o.rank} * o.daemons.size() / o.world_size);
+    DaemonSliceStore::Options store;
+    store.rpc_timeout = client->config().rpc_timeout;
+    ASSIGN_OR_RETURN(std::unique_ptr<DaemonSliceStore> s,
+                     client->OpenActivationStore(daemon, store));
+    DaemonActivationStore::Options ao;
+    ao.prefetch_depth = o.activation_prefetch_depth;
+    ao.max_offloads_in_flight = o.activation_offloads_in_flight;
+    daemon_checkpoints = std::make_unique<DaemonActivationStore>(std::move(s), ao);
+  }
   std::vector<float> layer_scratch, grad_scratch;
   std::vector<PushTicket> tickets;
   result.resumed_from = client->resumed_from();
   result.first_step = static_cast<int>(client->committed_step()) + 1;
   const bool saves = o.rank == 0 && o.checkpoint_every > 0;
   bool saved = false;
+  std::string activations_used;
   if (on_start) on_start(*client);
 
   for (int step = result.first_step; step <= o.steps; ++step) {
@@ -209,7 +239,15 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
         tickets.push_back(std::move(t));
       }
     } else {
-      // Forward: gather each layer, run it without autograd, keep its input.
+      ActivationStore& checkpoints =
+          o.activations == "local" || (o.activations == "both" && step % 2 == 0)
+              ? static_cast<ActivationStore&>(local_checkpoints)
+              : *daemon_checkpoints;
+      activations_used = &checkpoints == &local_checkpoints ? "local" : "daemon";
+      RETURN_IF_ERROR(checkpoints.BeginStep(static_cast<uint64_t>(step)));
+      // Forward: gather each layer, run it without autograd, keep its input
+      // (a daemon store starts offloading it at once, behind this layer's
+      // forward).
       torch::Tensor x = tokens;
       {
         torch::NoGradGuard no_grad;
@@ -223,7 +261,11 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
         }
       }
       loss = x.item<float>();
-      result.activation_bytes = std::max(result.activation_bytes, checkpoints.bytes());
+      if (on_backward) on_backward(step, *client);
+      // Backward loads the checkpoints last layer first.
+      std::vector<int> order(num_layers);
+      for (int l = 0; l < num_layers; ++l) order[l] = num_layers - 1 - l;
+      RETURN_IF_ERROR(checkpoints.BeginBackward(order));
       // Backward: gather again, recompute the layer from its checkpoint,
       // backpropagate, push its gradients, release.
       torch::Tensor grad_out;
@@ -250,7 +292,7 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
         tickets.push_back(std::move(t));
         if (l > 0) grad_out = input.grad();
       }
-      checkpoints.Clear();
+      RETURN_IF_ERROR(checkpoints.EndStep());
     }
     for (const PushTicket& t : tickets) RETURN_IF_ERROR(t.Wait(absl::Now() + absl::Minutes(5)));
     ASSIGN_OR_RETURN(StepResult sr, client->Step(o.lr));
@@ -277,7 +319,7 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
     if (on_step) {
       const ClientTrafficReport t = client->TrafficReport();
       on_step({step, loss, absl::ToDoubleSeconds(absl::Now() - start), t.last_step.total(),
-               sr.grad_norm, std::move(saving)});
+               sr.grad_norm, std::move(saving), activations_used});
     }
   }
   if (saved) {
@@ -286,6 +328,16 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
   }
   result.client_memory = client->MemoryReport();
   result.traffic = client->TrafficReport();
+  if (o.stage == 3) {
+    const ActivationStore& main_store =
+        daemon_checkpoints != nullptr ? static_cast<const ActivationStore&>(*daemon_checkpoints)
+                                      : local_checkpoints;
+    result.activation_store = main_store.name();
+    result.activation_bytes = main_store.peak_bytes();
+    result.activation_step_bytes =
+        std::max(main_store.peak_step_bytes(), local_checkpoints.peak_step_bytes());
+    if (daemon_checkpoints != nullptr) result.activation_stats = daemon_checkpoints->stats();
+  }
   result.params.resize(total);
   RETURN_IF_ERROR(client->GatherAll(result.params.data(), DType::kFp32));
   if (on_finish) on_finish(*client);

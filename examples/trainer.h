@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "client/activation_store.h"
 #include "client/client.h"
 #include "examples/gpt.h"
 
@@ -44,6 +45,22 @@ struct TrainOptions {
   // save that fails ends the training with its error, except AlreadyExists
   // (StepReport::checkpoint).
   int checkpoint_every = 0;
+  // Stage 3: where each layer's activation checkpoint (its input) lives
+  // between the forward pass and the layer's recomputation in backward
+  // (examples/activation_store.h):
+  //   "local"   the trainer's memory (grows with the model's depth);
+  //   "daemon"  the Activation service of daemon rank * daemons / world_size
+  //             (ZeRO-R P_a+cpu), over this rank's data path (`transport`):
+  //             offloaded as each layer's forward begins, fetched
+  //             activation_prefetch_depth layers ahead in backward;
+  //   "both"    odd steps "daemon", even steps "local" (to compare step
+  //             times in one run; StepReport::activations says which).
+  // Training is bit for bit the same with each. Stages 1-2 keep autograd's
+  // activations and take "local" only.
+  std::string activations = "local";
+  uint32_t activation_prefetch_depth = 2;
+  uint32_t activation_offloads_in_flight = 2;
+
   // ClientConfig.resume: a checkpoint name or "latest"; empty: start fresh.
   // Training continues at the committed step the job resumed at and runs
   // until `steps` in all. The batch of step k depends only on k (MakeBatch),
@@ -62,6 +79,9 @@ struct StepReport {
   // a complete checkpoint of that name was there before (it is left as it
   // is and training goes on).
   std::optional<absl::StatusOr<CheckpointStarted>> checkpoint;
+  // Stage 3: where the step kept its activation checkpoints ("local",
+  // "daemon").
+  std::string activations;
 };
 
 struct TrainResult {
@@ -72,7 +92,14 @@ struct TrainResult {
   std::vector<float> params;  // final parameters, flat fp32
   ClientMemoryReport client_memory;
   ClientTrafficReport traffic;
-  uint64_t activation_bytes = 0;  // largest checkpoint footprint in a step
+  // Activation checkpoints (stage 3): the most bytes of them the trainer
+  // held at once, and the most one step saved (what keeping them all in the
+  // trainer holds; equal for "local").
+  uint64_t activation_bytes = 0;
+  uint64_t activation_step_bytes = 0;
+  std::string activation_store;  // the store's name
+  // The daemon store's counters ("daemon", "both").
+  std::optional<SliceStoreStats> activation_stats;
   // The checkpoint the job resumed from (TrainOptions::resume).
   std::optional<v1::LoadCheckpointResponse> resumed_from;
   // Rank 0 with checkpoint_every: the last save, completed.
@@ -86,6 +113,10 @@ using StartCallback = std::function<void(Client&)>;
 // Called by TrainRank after the last step, before the rank leaves the job
 // (the daemons still hold its states), with the rank's client.
 using FinishCallback = std::function<void(Client&)>;
+// Stage 3: called by TrainRank after the forward pass of every step, before
+// its backward (the step's checkpoints are saved, daemon offloads may still
+// be running), with the step and the rank's client.
+using BackwardCallback = std::function<void(int step, Client&)>;
 
 // Stage 0: one process, the whole global batch, torch AdamW, clip_grad_norm_.
 absl::StatusOr<TrainResult> TrainSingleProcess(const TrainOptions& options,
@@ -97,7 +128,8 @@ absl::StatusOr<TrainResult> TrainSingleProcess(const TrainOptions& options,
 absl::StatusOr<TrainResult> TrainRank(const TrainOptions& options,
                                       const StepCallback& on_step = nullptr,
                                       const FinishCallback& on_finish = nullptr,
-                                      const StartCallback& on_start = nullptr);
+                                      const StartCallback& on_start = nullptr,
+                                      const BackwardCallback& on_backward = nullptr);
 
 // Mean cross-entropy of `params` (flat fp32) on the global batch of step
 // `step`, for comparing runs on data none of them trained on.

@@ -93,6 +93,13 @@ inline constexpr MetricSpec kWorldSize = {
     "Ranks a job was registered with (its data-parallel world size).",
     {"job"}};
 
+inline constexpr MetricSpec kActivationFetchSeconds = {
+    "zeroshard_activation_fetch_seconds",
+    MetricType::kHistogram,
+    "Wall time of an activation fetch (LocateActivation or FetchActivation), a read-back from a "
+    "spill file included.",
+    {"job"}};
+
 inline constexpr MetricSpec kActivationHitsTotal = {
     "zeroshard_activation_hits_total",
     MetricType::kCounter,
@@ -103,6 +110,12 @@ inline constexpr MetricSpec kActivationMissesTotal = {
     "zeroshard_activation_misses_total",
     MetricType::kCounter,
     "Activation fetches that had to be read back from a spill.",
+    {"job"}};
+
+inline constexpr MetricSpec kActivationSpillBytesTotal = {
+    "zeroshard_activation_spill_bytes_total",
+    MetricType::kCounter,
+    "Bytes of activations written to spill files to make room in the arena.",
     {"job"}};
 
 inline constexpr MetricSpec kActivationSpillsTotal = {
@@ -143,8 +156,10 @@ inline constexpr MetricSpec kBuildInfo = {
 
 // Every family above, in name order.
 inline constexpr MetricSpec kAllMetrics[] = {
+    kActivationFetchSeconds,
     kActivationHitsTotal,
     kActivationMissesTotal,
+    kActivationSpillBytesTotal,
     kActivationSpillsTotal,
     kBuildInfo,
     kCheckpointBytesTotal,
@@ -175,6 +190,13 @@ inline constexpr absl::string_view kMemoryCategories[] = {
 inline std::vector<double> LatencySecondsBuckets() {
   return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
           0.5,   1,      2.5,   5,    10,    25,   60,  120};
+}
+
+// Bucket bounds for zeroshard_activation_fetch_seconds: 50 us (a fetch from
+// memory) to 10 s (a read-back from a busy disk).
+inline std::vector<double> FetchSecondsBuckets() {
+  return {0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+          0.025,   0.05,   0.1,     0.25,   0.5,   1,      2.5,   10};
 }
 
 // The contract entry named `name`, or nullptr.

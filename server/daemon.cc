@@ -36,6 +36,12 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
   if (o.read_lease < absl::ZeroDuration() || o.rank_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--read_lease must be >= 0 and --rank_timeout > 0");
   }
+  if (!o.spill_dir.empty() && o.activation_arena_bytes == 0) {
+    return absl::InvalidArgumentError("--spill_dir: needs an arena (--activation_arena_bytes > 0)");
+  }
+  if (!o.spill_dir.empty() && o.spill_bytes == 0) {
+    return absl::InvalidArgumentError("--spill_bytes: must be > 0 with --spill_dir");
+  }
   return absl::OkStatus();
 }
 
@@ -64,7 +70,8 @@ std::unique_ptr<transport::Transport> CreateBulkTransport(const DaemonOptions& o
 Daemon::Daemon(const DaemonOptions& options)
     : options_(options),
       ledger_(options.memory_limit_bytes),
-      metrics_(&registry_, &ledger_, options.version) {}
+      metrics_(&registry_, &ledger_, options.version),
+      activation_metrics_(&registry_) {}
 
 Daemon::~Daemon() {
   Shutdown(absl::Seconds(1));
@@ -82,9 +89,32 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   std::string bulk_error;
   d->transport_ = CreateBulkTransport(options, &bulk_error);
+  if (options.activation_arena_bytes > 0) {
+    ActivationStore::Options ao;
+    ao.arena_bytes = options.activation_arena_bytes;
+    ao.spill_dir = options.spill_dir;
+    ao.spill_bytes = options.spill_bytes;
+    ao.reservation_lease = options.read_lease;
+    ASSIGN_OR_RETURN(d->activations_, ActivationStore::Create(ao, d->transport_.get(), &d->ledger_,
+                                                              &d->activation_metrics_));
+    Log(absl::StrCat("activation arena of ", options.activation_arena_bytes, " bytes",
+                     d->transport_ != nullptr ? absl::StrCat(" (", d->transport_->kind(), ")") : "",
+                     options.spill_dir.empty()
+                         ? std::string(", no spilling")
+                         : absl::StrCat(", spilling up to ", options.spill_bytes, " bytes to ",
+                                        options.spill_dir,
+                                        d->activations_->spill_directory()->direct()
+                                            ? " (O_DIRECT)"
+                                            : " (buffered)")));
+  }
   JobManager::Options jo;
   jo.read_lease = options.read_lease;
   jo.rank_timeout = options.rank_timeout;
+  if (ActivationStore* store = d->activations_.get(); store != nullptr) {
+    jo.on_remove = [store](const std::shared_ptr<Job>& job) {
+      store->RemoveJob(job->config().job_id, job);
+    };
+  }
   JobResources resources;
   resources.ledger = &d->ledger_;
   resources.optimizer = d->optimizer_.get();
@@ -104,11 +134,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ctx.bulk = d->transport_.get();
   ctx.bulk_error = bulk_error;
   ctx.checkpoint_dir = options.checkpoint_dir;
+  ctx.activations = d->activations_.get();
+  ctx.activation_metrics = &d->activation_metrics_;
   ctx.start = absl::Now();
   d->control_ = std::make_unique<ControlService>(&ctx);
   d->shard_ = std::make_unique<ShardService>(&ctx);
   d->admin_ = std::make_unique<AdminService>(&ctx);
   d->checkpoint_ = std::make_unique<CheckpointService>(&ctx);
+  d->activation_ = std::make_unique<ActivationService>(&ctx);
   if (!options.metrics_listen.empty()) {
     d->http_ = std::make_unique<metrics::MetricsHttpServer>(d->registry_, options.metrics_listen);
     RETURN_IF_ERROR(d->http_->Start(), "--metrics_port");
@@ -121,6 +154,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   builder.RegisterService(d->shard_.get());
   builder.RegisterService(d->admin_.get());
   builder.RegisterService(d->checkpoint_.get());
+  builder.RegisterService(d->activation_.get());
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || d->port_ == 0) {
     return absl::UnavailableError(

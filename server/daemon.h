@@ -13,6 +13,8 @@
 #include "grpcpp/grpcpp.h"
 #include "metrics/http_server.h"
 #include "metrics/registry.h"
+#include "server/activation_metrics.h"
+#include "server/activation_store.h"
 #include "server/daemon_metrics.h"
 #include "server/job_manager.h"
 #include "server/memory_ledger.h"
@@ -51,6 +53,18 @@ struct DaemonOptions {
   // Checkpoint RPCs are refused. Resharding a checkpoint across daemons
   // needs every part readable here: a shared filesystem, or copies.
   std::string checkpoint_dir;
+  // Activation checkpoints (the Activation service): an arena of this many
+  // bytes, allocated and booked in the ledger at start (through the bulk
+  // transport when there is one). 0: no arena, and the Activation RPCs are
+  // refused with FAILED_PRECONDITION. zeroshardd's --activation_arena_bytes
+  // defaults to 256 MiB; embedders and tests opt in here.
+  uint64_t activation_arena_bytes = 0;
+  // Where slices that do not fit the arena are spilled (created if missing;
+  // spill files of daemons killed earlier are removed at start); empty: no
+  // spilling.
+  std::string spill_dir;
+  // Bytes of spill files at most (with spill_dir).
+  uint64_t spill_bytes = 4ull << 30;
 };
 
 struct ServiceContext;
@@ -58,6 +72,7 @@ class ControlService;
 class ShardService;
 class AdminService;
 class CheckpointService;
+class ActivationService;
 
 class Daemon {
  public:
@@ -82,6 +97,8 @@ class Daemon {
   MemoryLedger& ledger() { return ledger_; }
   // The bulk transport served, or null (see DaemonOptions::bulk_transport).
   transport::Transport* bulk_transport() const { return transport_.get(); }
+  // The activation store, or null (DaemonOptions::activation_arena_bytes 0).
+  ActivationStore* activations() const { return activations_.get(); }
   const metrics::Registry& registry() const { return registry_; }
 
  private:
@@ -93,7 +110,10 @@ class Daemon {
   metrics::Registry registry_;
   MemoryLedger ledger_;
   DaemonMetrics metrics_;
+  ActivationMetrics activation_metrics_;
   std::unique_ptr<transport::Transport> transport_;  // null: streaming RPCs only
+  // Outlives the jobs, whose removal frees their activations in it.
+  std::unique_ptr<ActivationStore> activations_;
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<ServiceContext> context_;
@@ -101,6 +121,7 @@ class Daemon {
   std::unique_ptr<ShardService> shard_;
   std::unique_ptr<AdminService> admin_;
   std::unique_ptr<CheckpointService> checkpoint_;
+  std::unique_ptr<ActivationService> activation_;
   std::unique_ptr<metrics::MetricsHttpServer> http_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

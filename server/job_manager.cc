@@ -81,6 +81,8 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobR
 }
 
 void JobManager::Remove(const std::shared_ptr<Job>& job) {
+  // Before the id is free again: no newer job under the same id exists yet.
+  if (options_.on_remove) options_.on_remove(job);
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job->config().job_id);
   if (it != jobs_.end() && it->second == job) jobs_.erase(it);

@@ -9,6 +9,8 @@
 //
 // Thread-safe. Jobs are shared_ptr: an RPC in flight keeps its job alive.
 
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -30,6 +32,11 @@ class JobManager {
     absl::Duration read_lease = absl::Seconds(30);
     absl::Duration rank_timeout = absl::Seconds(30);
     absl::Duration janitor_period = absl::Milliseconds(250);
+    // Called by Remove, on its thread with no manager lock held, before the
+    // job leaves the registry (so before a job of the same id can be
+    // registered again), for what the daemon keeps for a job outside it: its
+    // activation checkpoints.
+    std::function<void(const std::shared_ptr<Job>& job)> on_remove;
   };
 
   // Starts the janitor. Everything borrowed must outlive the manager.
@@ -44,8 +51,8 @@ class JobManager {
   // Unavailable when `draining` and the job is new.
   absl::StatusOr<std::shared_ptr<Job>> Register(const v1::RegisterJobRequest& request,
                                                 bool draining, bool* created);
-  // Takes `job` out of the registry (if it is still the one registered under
-  // its id) and retires it.
+  // Calls Options::on_remove, then takes `job` out of the registry (if it is
+  // still the one registered under its id) and retires it.
   void Remove(const std::shared_ptr<Job>& job);
   std::vector<std::shared_ptr<Job>> All() const;
   size_t size() const;

@@ -31,6 +31,13 @@ ABSL_FLAG(std::string, ucx_tls, "",
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory for checkpoints (created if missing); empty: checkpoints are refused. "
           "Resharding reads other daemons' parts: share it between the daemons of a job.");
+ABSL_FLAG(uint64_t, activation_arena_bytes, 256ull << 20,
+          "Bytes of the activation-checkpoint arena, allocated (and booked against "
+          "--memory_limit) at start; 0 = no Activation service.");
+ABSL_FLAG(std::string, spill_dir, "",
+          "Directory for activation slices that do not fit the arena (created if missing; spill "
+          "files of killed daemons are removed at start); empty = no spilling.");
+ABSL_FLAG(uint64_t, spill_bytes, 4ull << 30, "Bytes of spill files at most (with --spill_dir).");
 ABSL_FLAG(int, drain_seconds, 10, "On SIGTERM, how long in-flight requests may finish.");
 
 namespace {
@@ -50,6 +57,9 @@ int main(int argc, char** argv) {
   options.reduction_buffer_bytes = absl::GetFlag(FLAGS_reduction_buffer_bytes);
   options.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  options.activation_arena_bytes = absl::GetFlag(FLAGS_activation_arena_bytes);
+  options.spill_dir = absl::GetFlag(FLAGS_spill_dir);
+  options.spill_bytes = absl::GetFlag(FLAGS_spill_bytes);
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
     options.metrics_listen = options.listen.substr(0, options.listen.rfind(':') + 1) +
                              std::to_string(absl::GetFlag(FLAGS_metrics_port));

@@ -61,6 +61,25 @@ void MemoryLedger::Release(const std::string& job, MemoryCategory category, uint
   Notify(job, category, now);
 }
 
+void MemoryLedger::Move(const std::string& from_job, MemoryCategory from,
+                        const std::string& to_job, MemoryCategory to, uint64_t bytes) {
+  uint64_t from_now;
+  uint64_t to_now;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(from_job);
+    if (it == jobs_.end()) return;
+    uint64_t& source = it->second[static_cast<int>(from)];
+    const uint64_t b = std::min(bytes, source);
+    source -= b;
+    from_now = source;
+    // Looked up again: the emplace below may be the first entry of to_job.
+    to_now = (jobs_[to_job][static_cast<int>(to)] += b);
+  }
+  Notify(from_job, from, from_now);
+  Notify(to_job, to, to_now);
+}
+
 bool MemoryLedger::RemoveJobIfEmpty(const std::string& job) {
   {
     absl::MutexLock lock(&mu_);

@@ -39,6 +39,11 @@ const char* MemoryCategoryName(MemoryCategory c);
 
 using CategoryBytes = std::array<uint64_t, kNumMemoryCategories>;
 
+// The ledger entry for memory the daemon holds for no job: the activation
+// arena's free space (server/activation_store.h). No job id can take this
+// name (common/job_id.h allows no parentheses).
+inline constexpr char kDaemonLedgerEntry[] = "(daemon)";
+
 class MemoryLedger {
  public:
   // limit_bytes 0 = unlimited.
@@ -56,6 +61,11 @@ class MemoryLedger {
   // Checks whether `bytes` more would fit, without booking.
   absl::Status CheckFits(const std::string& job, uint64_t bytes) const;
   void Release(const std::string& job, MemoryCategory category, uint64_t bytes);
+  // Rebooks `bytes` already booked under (from_job, from) to (to_job, to),
+  // creating the target entry if needed: the total, and so the limit, are
+  // unaffected. Moves at most what (from_job, from) holds.
+  void Move(const std::string& from_job, MemoryCategory from, const std::string& to_job,
+            MemoryCategory to, uint64_t bytes);
   // Drops the job's entry when all its bytes are released (returns false and
   // keeps it otherwise), then calls the remove listener.
   bool RemoveJobIfEmpty(const std::string& job);

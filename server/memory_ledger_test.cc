@@ -44,6 +44,35 @@ TEST(MemoryLedger, LimitIsCheckedBeforeBooking) {
             absl::StatusCode::kResourceExhausted);
 }
 
+TEST(MemoryLedger, MoveRebooksWithoutTouchingTheTotal) {
+  MemoryLedger ledger(1000);
+  std::vector<std::tuple<std::string, MemoryCategory, uint64_t>> seen;
+  ledger.SetListener([&](const std::string& j, MemoryCategory c, uint64_t b) {
+    seen.emplace_back(j, c, b);
+  });
+  ASSERT_TRUE(ledger.Reserve(kDaemonLedgerEntry, MemoryCategory::kActivation, 1000).ok());
+  // At the limit, moving into a job's entry still works: nothing new is held.
+  ledger.Move(kDaemonLedgerEntry, MemoryCategory::kActivation, "a", MemoryCategory::kActivation,
+              300);
+  ledger.Move(kDaemonLedgerEntry, MemoryCategory::kActivation, kDaemonLedgerEntry,
+              MemoryCategory::kFragmentation, 100);
+  EXPECT_EQ(ledger.total(), 1000u);
+  EXPECT_EQ(ledger.JobBytes("a")[static_cast<int>(MemoryCategory::kActivation)], 300u);
+  const CategoryBytes daemon = ledger.JobBytes(kDaemonLedgerEntry);
+  EXPECT_EQ(daemon[static_cast<int>(MemoryCategory::kActivation)], 600u);
+  EXPECT_EQ(daemon[static_cast<int>(MemoryCategory::kFragmentation)], 100u);
+  EXPECT_EQ(seen.back(), std::make_tuple(std::string(kDaemonLedgerEntry),
+                                         MemoryCategory::kFragmentation, uint64_t{100}));
+  // At most what the source holds moves.
+  ledger.Move("a", MemoryCategory::kActivation, kDaemonLedgerEntry, MemoryCategory::kActivation,
+              5000);
+  EXPECT_EQ(ledger.JobBytes("a")[static_cast<int>(MemoryCategory::kActivation)], 0u);
+  EXPECT_EQ(ledger.total(), 1000u);
+  EXPECT_TRUE(ledger.RemoveJobIfEmpty("a"));
+  EXPECT_EQ(ledger.Reserve("b", MemoryCategory::kGrad, 1).code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
 TEST(MemoryLedger, ArrayIsBookedForItsLifetime) {
   MemoryLedger ledger(1 << 20);
   {

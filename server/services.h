@@ -12,10 +12,13 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "proto/zeroshard/v1/activation.grpc.pb.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
 #include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
 #include "proto/zeroshard/v1/control.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
+#include "server/activation_metrics.h"
+#include "server/activation_store.h"
 #include "server/daemon_metrics.h"
 #include "server/job_manager.h"
 #include "server/memory_ledger.h"
@@ -33,6 +36,8 @@ struct ServiceContext {
   transport::Transport* bulk = nullptr;  // null: no bulk data path
   std::string bulk_error;                // why bulk is null
   std::string checkpoint_dir;            // empty: checkpoints are refused
+  ActivationStore* activations = nullptr;  // null: --activation_arena_bytes=0
+  ActivationMetrics* activation_metrics = nullptr;
   absl::Time start;
   std::atomic<bool> draining{false};
 
@@ -134,6 +139,56 @@ class CheckpointService final : public v1::Checkpoint::Service {
                                 v1::VerifyCheckpointResponse* resp) override;
 
  private:
+  ServiceContext* const ctx_;
+};
+
+// Activation checkpoints (proto/zeroshard/v1/activation.proto) over the
+// ActivationStore. Every request names its owner, a joined rank of a job
+// registered here, as its current incarnation. Handlers wait only for the
+// store (room in the arena, a read-back from a spill file), until the
+// request's deadline or kMaxActivationWait, whichever is first; a stream
+// handler copies each chunk into the arena with no lock held.
+class ActivationService final : public v1::Activation::Service {
+ public:
+  explicit ActivationService(ServiceContext* context) : ctx_(context) {}
+  grpc::Status ReserveActivation(grpc::ServerContext* ctx, const v1::ReserveActivationRequest* req,
+                                 v1::ActivationPlacement* resp) override;
+  grpc::Status CommitActivation(grpc::ServerContext*, const v1::CommitActivationRequest* req,
+                                v1::ActivationStored* resp) override;
+  grpc::Status OffloadActivation(grpc::ServerContext* ctx,
+                                 grpc::ServerReader<v1::ActivationChunk>* reader,
+                                 v1::ActivationStored* resp) override;
+  grpc::Status LocateActivation(grpc::ServerContext* ctx, const v1::LocateActivationRequest* req,
+                                v1::ActivationPlacement* resp) override;
+  grpc::Status FetchActivation(grpc::ServerContext* ctx, const v1::FetchActivationRequest* req,
+                               grpc::ServerWriter<v1::ActivationChunk>* writer) override;
+  grpc::Status PrefetchActivations(grpc::ServerContext* ctx,
+                                   const v1::PrefetchActivationsRequest* req,
+                                   v1::PrefetchActivationsResponse* resp) override;
+  grpc::Status FreeActivations(grpc::ServerContext*, const v1::FreeActivationsRequest* req,
+                               v1::FreeActivationsResponse* resp) override;
+
+  // The longest a request waits inside the daemon, whatever its deadline.
+  static constexpr absl::Duration kMaxActivationWait = absl::Seconds(60);
+
+ private:
+  // The owner as the store knows it: FAILED_PRECONDITION without an arena,
+  // NOT_FOUND for a job not registered here, and the rank check's errors
+  // (Job::CheckRank) naming owner.rank / owner.incarnation.
+  absl::StatusOr<SliceOwner> Owner(const v1::ActivationOwner& owner, bool has_owner);
+  absl::Status DoReserve(grpc::ServerContext* ctx, const v1::ReserveActivationRequest& req,
+                         v1::ActivationPlacement* resp);
+  absl::Status DoCommit(const v1::CommitActivationRequest& req, v1::ActivationStored* resp);
+  absl::Status DoOffload(grpc::ServerContext* ctx, grpc::ServerReader<v1::ActivationChunk>* reader,
+                         v1::ActivationStored* resp);
+  absl::Status DoLocate(grpc::ServerContext* ctx, const v1::LocateActivationRequest& req,
+                        v1::ActivationPlacement* resp);
+  absl::Status DoFetch(grpc::ServerContext* ctx, const v1::FetchActivationRequest& req,
+                       grpc::ServerWriter<v1::ActivationChunk>* writer);
+  absl::Status DoPrefetch(grpc::ServerContext* ctx, const v1::PrefetchActivationsRequest& req,
+                          v1::PrefetchActivationsResponse* resp);
+  absl::Status DoFree(const v1::FreeActivationsRequest& req, v1::FreeActivationsResponse* resp);
+
   ServiceContext* const ctx_;
 };
 

@@ -244,6 +244,7 @@ absl::Status ShardService::DoExchangeEndpoint(const v1::ExchangeEndpointRequest&
   r->set_length(d.length);
   r->set_rkey(d.rkey);
   (*job)->FillParameterRegions(resp);
+  if (ctx_->activations != nullptr) ctx_->activations->FillRegion(resp);
   (*job)->NoteRemoteAccess();
   return absl::OkStatus();
 }

@@ -20,6 +20,14 @@ absl::StatusOr<std::unique_ptr<FakeShard>> FakeShard::Start(const Options& optio
       options.master_elements * sizeof(float), transport::Access::kRemoteRead);
   if (!master.ok()) return master.status();
   fake->master_ = *std::move(master);
+  if (options.activation_arena_bytes > 0) {
+    absl::StatusOr<std::unique_ptr<transport::Region>> arena = fake->transport_->AllocateRegion(
+        options.activation_arena_bytes, transport::Access::kRemoteReadWrite);
+    if (!arena.ok()) return arena.status();
+    fake->arena_ = *std::move(arena);
+  }
+  fake->activation_ =
+      std::make_unique<FakeActivation>(fake->arena_.get(), options.activation_spill_bytes);
   float* values = static_cast<float*>(fake->master_->base());
   for (uint64_t i = 0; i < options.master_elements; ++i) values[i] = 0.5f * static_cast<float>(i);
   {
@@ -30,6 +38,7 @@ absl::StatusOr<std::unique_ptr<FakeShard>> FakeShard::Start(const Options& optio
   grpc::ServerBuilder builder;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(fake.get());
+  builder.RegisterService(fake->activation_.get());
   fake->server_ = builder.BuildAndStart();
   if (fake->server_ == nullptr || port == 0) {
     return absl::UnavailableError("FakeShard: cannot listen on 127.0.0.1:0");
@@ -115,6 +124,7 @@ grpc::Status FakeShard::ExchangeEndpoint(grpc::ServerContext*,
   v1::RemoteRegion* master = add(v1::REGION_PURPOSE_PARAM_MASTER, *master_);
   master->mutable_range()->set_begin(0);
   master->mutable_range()->set_end(options_.master_elements);
+  if (arena_ != nullptr) add(v1::REGION_PURPOSE_ACTIVATION_ARENA, *arena_);
   return grpc::Status::OK;
 }
 

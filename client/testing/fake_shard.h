@@ -9,6 +9,10 @@
 // pushes can be answered with a chosen status. It records what it applied,
 // with the bytes it read, and the order of events.
 //
+// It also serves the Activation service (client/testing/fake_activation.h),
+// with an ACTIVATION_ARENA region in ExchangeEndpoint's answer when
+// Options::activation_arena_bytes > 0.
+//
 // Thread-safe. Only one job, rank and incarnation is served (any name).
 
 #include <cstdint>
@@ -20,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/testing/fake_activation.h"
 #include "common/flat_range.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
@@ -33,12 +38,15 @@ class FakeShard final : public v1::Shard::Service {
     uint32_t staging_slots = 2;
     uint64_t staging_slot_bytes = 4096;
     uint64_t master_elements = 1024;  // PARAM_MASTER holds element i = i * 0.5f
+    uint64_t activation_arena_bytes = 0;  // 0: no arena region (activations streamed)
+    uint64_t activation_spill_bytes = 64ull << 20;
   };
   // Starts serving on 127.0.0.1:0.
   static absl::StatusOr<std::unique_ptr<FakeShard>> Start(const Options& options);
   ~FakeShard() override;
 
   const std::string& address() const { return address_; }
+  FakeActivation& activation() { return *activation_; }
 
   // A staged push waits this long before it starts reading its slot (a
   // fence that arrives meanwhile wins: the push is then refused).
@@ -93,6 +101,8 @@ class FakeShard final : public v1::Shard::Service {
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<transport::Region> staging_;
   std::unique_ptr<transport::Region> master_;
+  std::unique_ptr<transport::Region> arena_;          // null without an arena
+  std::unique_ptr<FakeActivation> activation_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
 

@@ -1,0 +1,488 @@
+// Activation checkpoints on a daemon (client/activation_store.h), in one
+// process, against what the machine does without zeroshard:
+//   offload+fetch  a zeroshard::Client (transport "ucx", UCX_TLS=--ucx_tls)
+//                  offloads --bytes of checkpoints in slices of
+//                  --slice_bytes to an in-process daemon whose arena holds
+//                  them all, then fetches them back (freeing each), the way
+//                  a trainer does: offloads behind each other on the store's
+//                  workers, fetches --prefetch_depth ahead. Figure: (bytes
+//                  offloaded + bytes fetched) / (offload time + fetch
+//                  time), median of --reps after one warm-up;
+//   perftest       `ucx_perftest -t ucp_put_bw` between two processes on
+//                  loopback, message size --slice_bytes, same UCX_TLS;
+//   spill write    a second daemon with an arena of --spill_arena_bytes and
+//                  spill files under --dir: the client offloads
+//                  --spill_factor times the arena, so the daemon writes all
+//                  but the arena's worth to spill files to make room; figure:
+//                  bytes spilled / time of the offloads;
+//   spill read     the same slices fetched back, last first, with the
+//                  prefetch hint a trainer gives: bytes read back from spill
+//                  files / time of the fetches;
+//   O_DIRECT       a plain sequential O_DIRECT write, then read, of the same
+//                  bytes in --slice_bytes pieces to a file in --dir.
+// The last line is the summary:
+//   offload_fraction=X spill_write_fraction=Y spill_read_fraction=Z
+// (X = offload+fetch / perftest; Y, Z = spill / O_DIRECT of the same run).
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "bench/stats.h"
+#include "client/activation_store.h"
+#include "client/client.h"
+#include "metrics/text_serializer.h"
+#include "server/daemon.h"
+
+ABSL_FLAG(uint64_t, slice_bytes, 32ull << 20,
+          "bytes of one checkpoint slice (and perftest's message size)");
+ABSL_FLAG(uint64_t, bytes, 256ull << 20, "bytes offloaded and fetched per repetition");
+ABSL_FLAG(int, reps, 5, "timed repetitions after one warm-up (the median is reported)");
+ABSL_FLAG(int, perftest_runs, 3, "ucx_perftest runs (the median is reported)");
+ABSL_FLAG(int, prefetch_depth, 2, "fetches in flight ahead of the one waited for");
+ABSL_FLAG(uint64_t, spill_arena_bytes, 64ull << 20, "arena of the spilling daemon");
+ABSL_FLAG(int, spill_factor, 10, "the spilling job offloads this many times its daemon's arena");
+ABSL_FLAG(int, threads, 2, "the activation store's worker threads (DaemonSliceStore::Options)");
+ABSL_FLAG(bool, verify_fetches, true,
+          "check each fetched slice against its CRC-32C on the trainer (the store's default)");
+ABSL_FLAG(std::string, dir, "",
+          "directory for spill files and the O_DIRECT baseline "
+          "(default: $TMPDIR or /var/tmp)");
+ABSL_FLAG(std::string, ucx_tls, "posix,cma,self", "UCX_TLS for the client, daemons and perftest");
+ABSL_FLAG(std::string, perftest, "ucx_perftest", "the ucx_perftest binary (PATH is searched)");
+
+extern char** environ;
+
+namespace zeroshard {
+namespace {
+
+using bench::Median;
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+constexpr absl::Duration kWait = absl::Seconds(300);
+
+// Page-aligned memory (what O_DIRECT needs, and what a trainer's pinned
+// buffers would be).
+struct Aligned {
+  explicit Aligned(uint64_t n) : bytes(n) {
+    void* p = nullptr;
+    if (posix_memalign(&p, 4096, std::max<uint64_t>(n, 4096)) != 0) std::abort();
+    data = static_cast<char*>(p);
+    std::memset(data, 0, n);
+  }
+  ~Aligned() { std::free(data); }
+  Aligned(const Aligned&) = delete;
+  Aligned& operator=(const Aligned&) = delete;
+  char* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+// A one-layer job joined by one rank: what an activation store needs.
+absl::StatusOr<std::unique_ptr<Client>> JoinedClient(const Daemon& daemon, const std::string& job) {
+  absl::StatusOr<Layout> layout = Layout::Create({{"w", {1024}, DType::kFp32, 0}});
+  if (!layout.ok()) return layout.status();
+  ClientConfig c;
+  c.daemons = {daemon.address()};
+  c.job_id = job;
+  c.stage = 3;
+  c.precision = DType::kFp32;
+  c.max_grad_norm = 0;
+  c.transport = "ucx";
+  c.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  c.rpc_timeout = absl::Seconds(120);
+  c.step_timeout = absl::Seconds(300);
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(c);
+  if (!client.ok()) return client.status();
+  std::vector<float> params(layout->total_elements(), 0.5f);
+  if (absl::Status s = (*client)->RegisterModel(*layout, params.data()); !s.ok()) return s;
+  return client;
+}
+
+struct Phase {
+  double offload_seconds = 0, fetch_seconds = 0;
+  SliceStoreStats stats;
+};
+
+// Offloads `slices` slices of `sources` (cycled; each source is lent until
+// its offload completes) as step `step`, then fetches them back last first
+// into `sinks` (cycled, `depth` ahead) with a prefetch hint, freeing each.
+// Checks that each fetched slice carries its index.
+absl::StatusOr<Phase> OffloadAndFetch(ActivationSliceStore& store, uint64_t step, int slices,
+                                      std::vector<std::unique_ptr<Aligned>>& sources,
+                                      std::vector<std::unique_ptr<Aligned>>& sinks, int depth) {
+  const uint64_t bytes = sources[0]->bytes;
+  auto key = [&](int i) { return ActivationKey{step, 0, static_cast<uint32_t>(i), 0, 1}; };
+  Phase p;
+  std::deque<ActivationTicket> offloads;
+  double t0 = Now();
+  for (int i = 0; i < slices; ++i) {
+    if (offloads.size() == sources.size()) {
+      if (absl::Status s = offloads.front().Wait(absl::Now() + kWait); !s.ok()) return s;
+      offloads.pop_front();
+    }
+    Aligned& src = *sources[i % sources.size()];
+    std::memcpy(src.data, &i, sizeof i);  // the slice's index, checked on fetch
+    absl::StatusOr<ActivationTicket> t = store.Offload(key(i), src.data, bytes);
+    if (!t.ok()) return t.status();
+    offloads.push_back(*t);
+  }
+  for (const ActivationTicket& t : offloads) {
+    if (absl::Status s = t.Wait(absl::Now() + kWait); !s.ok()) return s;
+  }
+  p.offload_seconds = Now() - t0;
+  std::vector<ActivationKey> hint;
+  for (int i = slices - 1 - depth; i >= 0; --i) hint.push_back(key(i));
+  t0 = Now();
+  if (!hint.empty()) {
+    absl::StatusOr<ActivationTicket> h = store.Prefetch(hint);
+    if (!h.ok()) return h.status();
+  }
+  std::deque<std::pair<int, ActivationTicket>> fetches;
+  int next = slices - 1;
+  auto start_fetch = [&]() -> absl::Status {
+    Aligned& dst = *sinks[next % sinks.size()];
+    absl::StatusOr<ActivationTicket> t =
+        store.StartFetch(key(next), dst.data, bytes, AfterFetch::kFree);
+    if (!t.ok()) return t.status();
+    fetches.push_back({next--, *t});
+    return absl::OkStatus();
+  };
+  while (next >= 0 || !fetches.empty()) {
+    while (next >= 0 && static_cast<int>(fetches.size()) < std::max(1, depth)) {
+      if (absl::Status s = start_fetch(); !s.ok()) return s;
+    }
+    auto [i, t] = fetches.front();
+    fetches.pop_front();
+    if (absl::Status s = t.Wait(absl::Now() + kWait); !s.ok()) return s;
+    int got = -1;
+    std::memcpy(&got, sinks[i % sinks.size()]->data, sizeof got);
+    if (got != i) {
+      return absl::DataLossError(absl::StrCat("slice ", i, " came back as slice ", got));
+    }
+  }
+  p.fetch_seconds = Now() - t0;
+  p.stats = store.Stats();
+  return p;
+}
+
+// Plain sequential O_DIRECT write, then read, of `total` bytes in pieces of
+// `piece` to a fresh file in `dir`; GB/s of each, or NaN with `why`.
+std::pair<double, double> DirectIo(const std::string& dir, uint64_t total, uint64_t piece,
+                                   std::string* why) {
+  const std::string path = absl::StrCat(dir, "/activation_bench.direct.", getpid());
+  Aligned buf(piece);
+  std::memset(buf.data, 0x5a, piece);
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_DIRECT, 0600);
+  if (fd < 0) {
+    *why = absl::StrCat("O_DIRECT open of ", path, ": ", std::strerror(errno));
+    return {NAN, NAN};
+  }
+  double t0 = Now();
+  for (uint64_t off = 0; off < total; off += piece) {
+    if (pwrite(fd, buf.data, piece, static_cast<off_t>(off)) != static_cast<ssize_t>(piece)) {
+      *why = absl::StrCat("O_DIRECT write: ", std::strerror(errno));
+      close(fd);
+      unlink(path.c_str());
+      return {NAN, NAN};
+    }
+  }
+  const double write_s = Now() - t0;
+  close(fd);
+  fd = open(path.c_str(), O_RDONLY | O_DIRECT);
+  t0 = Now();
+  for (uint64_t off = 0; fd >= 0 && off < total; off += piece) {
+    if (pread(fd, buf.data, piece, static_cast<off_t>(off)) != static_cast<ssize_t>(piece)) break;
+  }
+  const double read_s = Now() - t0;
+  if (fd >= 0) close(fd);
+  unlink(path.c_str());
+  return {total / write_s / 1e9, total / read_s / 1e9};
+}
+
+// ---- ucx_perftest, as bench/transport_bench.cc runs it ----
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+pid_t Spawn(const std::vector<std::string>& args, const std::string& out_path) {
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::string(*e).rfind("UCX_TLS=", 0) != 0) env_strings.push_back(*e);
+  }
+  env_strings.push_back("UCX_TLS=" + absl::GetFlag(FLAGS_ucx_tls));
+  std::vector<char*> env, argv;
+  for (auto& s : env_strings) env.push_back(s.data());
+  env.push_back(nullptr);
+  std::vector<std::string> copy = args;
+  for (auto& s : copy) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = -1;
+  const int rc = posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), env.data());
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+int WaitFor(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  int status = 0;
+  while (absl::Now() < deadline) {
+    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+  return -1;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::string s;
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    char buf[4096];
+    size_t k;
+    while ((k = std::fread(buf, 1, sizeof(buf), f)) > 0) s.append(buf, k);
+    std::fclose(f);
+  }
+  return s;
+}
+
+// ucx_perftest's "Final:" line: iterations, three latencies, then bandwidth
+// average and overall (MB/s = MiB/s); returns the overall one in GB/s.
+double PerftestGbps(uint64_t size, const std::string& dir, std::string* why) {
+  const uint64_t iters = std::max<uint64_t>(20, (2ull << 30) / size);
+  const std::string server_out = absl::StrCat(dir, "/activation_bench_server.", getpid());
+  const std::string client_out = absl::StrCat(dir, "/activation_bench_client.", getpid());
+  const std::string bin = absl::GetFlag(FLAGS_perftest);
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const std::string port = std::to_string(FreePort());
+    const pid_t server = Spawn({bin, "-p", port}, server_out);
+    if (server < 0) {
+      *why = bin + " could not be started (not installed?)";
+      return NAN;
+    }
+    absl::SleepFor(absl::Milliseconds(300 * (attempt + 1)));
+    const pid_t client = Spawn({bin, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s",
+                                std::to_string(size), "-n", std::to_string(iters)},
+                               client_out);
+    const int rc = client < 0 ? -1 : WaitFor(client, absl::Seconds(120));
+    WaitFor(server, absl::Seconds(rc == 0 ? 10 : 1));
+    const std::string out = ReadFile(client_out);
+    std::remove(client_out.c_str());
+    std::remove(server_out.c_str());
+    for (absl::string_view line : absl::StrSplit(out, '\n')) {
+      if (line.rfind("Final:", 0) != 0) continue;
+      std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (f.size() >= 7) return std::atof(std::string(f[6]).c_str()) * 1048576.0 / 1e9;
+    }
+    *why = absl::StrCat(bin, " gave no Final line (exit ", rc, "): ", out.substr(0, 300));
+  }
+  return NAN;
+}
+
+absl::StatusOr<std::unique_ptr<Daemon>> StartDaemon(uint64_t arena, const std::string& spill_dir,
+                                                    uint64_t spill_bytes) {
+  DaemonOptions o;
+  o.bulk_transport = "ucx";
+  o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  o.activation_arena_bytes = arena;
+  o.spill_dir = spill_dir;
+  o.spill_bytes = spill_bytes;
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  if (d.ok() && (*d)->bulk_transport() == nullptr) {
+    return absl::UnavailableError("the daemon could not initialise UCX");
+  }
+  return d;
+}
+
+// The value of counter `name` of `job` in the daemon's registry, or 0.
+double DaemonCounter(const Daemon& daemon, const std::string& name, const std::string& job) {
+  const std::string text = metrics::TextSerializer().Serialize(daemon.registry().Collect());
+  const std::string prefix = absl::StrCat(name, "{job=\"", job, "\"} ");
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    double v = 0;
+    if (absl::StartsWith(line, prefix) && absl::SimpleAtod(line.substr(prefix.size()), &v)) {
+      return v;
+    }
+  }
+  return 0;
+}
+
+std::vector<std::unique_ptr<Aligned>> Buffers(int n, uint64_t bytes) {
+  std::vector<std::unique_ptr<Aligned>> v;
+  for (int i = 0; i < n; ++i) v.push_back(std::make_unique<Aligned>(bytes));
+  return v;
+}
+
+int Main() {
+  const uint64_t slice = absl::GetFlag(FLAGS_slice_bytes);
+  const int slices = static_cast<int>(std::max<uint64_t>(1, absl::GetFlag(FLAGS_bytes) / slice));
+  const uint64_t total = slices * slice;
+  const int depth = std::max(1, absl::GetFlag(FLAGS_prefetch_depth));
+  std::string dir = absl::GetFlag(FLAGS_dir);
+  if (dir.empty()) dir = std::getenv("TMPDIR") != nullptr ? std::getenv("TMPDIR") : "/var/tmp";
+  const std::string spill_dir = absl::StrCat(dir, "/activation_bench_spill.", getpid());
+  std::printf("slices of %s, %d per repetition (%s), UCX_TLS=%s, prefetch depth %d\n",
+              absl::StrFormat("%.1f MiB", slice / 1048576.0).c_str(), slices,
+              absl::StrFormat("%.0f MiB", total / 1048576.0).c_str(),
+              absl::GetFlag(FLAGS_ucx_tls).c_str(), depth);
+  // Sources and sinks: offloads in flight and fetches ahead, like a trainer.
+  auto sources = Buffers(depth + 1, slice);
+  auto sinks = Buffers(depth + 1, slice);
+
+  // ---- offload + fetch, everything in the arena ----
+  double offload_gbps = NAN;
+  {
+    absl::StatusOr<std::unique_ptr<Daemon>> daemon = StartDaemon(total + (64 << 20), "", 0);
+    if (!daemon.ok()) {
+      std::printf("offload+fetch: %s\n", daemon.status().ToString().c_str());
+    } else {
+      absl::StatusOr<std::unique_ptr<Client>> client = JoinedClient(**daemon, "bench-arena");
+      DaemonSliceStore::Options so;
+      so.verify_fetches = absl::GetFlag(FLAGS_verify_fetches);
+      so.threads = absl::GetFlag(FLAGS_threads);
+      absl::StatusOr<std::unique_ptr<DaemonSliceStore>> store =
+          client.ok() ? (*client)->OpenActivationStore(0, so) : client.status();
+      std::vector<double> both, off, fetch;
+      for (int rep = 0; store.ok() && rep <= absl::GetFlag(FLAGS_reps); ++rep) {
+        absl::StatusOr<Phase> p = OffloadAndFetch(**store, rep + 1, slices, sources, sinks, depth);
+        if (!p.ok()) {
+          std::printf("offload+fetch: %s\n", p.status().ToString().c_str());
+          break;
+        }
+        if (rep == 0) continue;  // warm-up
+        off.push_back(total / p->offload_seconds / 1e9);
+        fetch.push_back(total / p->fetch_seconds / 1e9);
+        both.push_back(2 * total / (p->offload_seconds + p->fetch_seconds) / 1e9);
+      }
+      if (!store.ok()) std::printf("offload+fetch: %s\n", store.status().ToString().c_str());
+      offload_gbps = Median(both);
+      std::printf(
+          "offload+fetch (%s): offload %.2f GB/s, fetch %.2f GB/s, both %.2f GB/s "
+          "(medians of %zu)\n",
+          store.ok() ? (*store)->name().c_str() : "-", Median(off), Median(fetch), offload_gbps,
+          both.size());
+      store = absl::CancelledError("done");  // destroyed before the client
+      if (client.ok()) (*client)->Leave().IgnoreError();
+    }
+  }
+  std::string why;
+  std::vector<double> perftest_runs;
+  for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_perftest_runs)); ++i) {
+    const double g = PerftestGbps(slice, dir, &why);
+    if (std::isnan(g)) break;
+    perftest_runs.push_back(g);
+  }
+  const double perftest = Median(perftest_runs);
+  if (std::isnan(perftest)) {
+    std::printf("perftest: %s\n", why.c_str());
+  } else {
+    std::printf("perftest ucp_put_bw, %llu B messages: %.2f GB/s (median of %zu)\n",
+                static_cast<unsigned long long>(slice), perftest, perftest_runs.size());
+  }
+
+  // ---- spill write and read against O_DIRECT ----
+  double spill_write = NAN, spill_read = NAN, direct_write = NAN, direct_read = NAN;
+  {
+    const uint64_t arena = absl::GetFlag(FLAGS_spill_arena_bytes);
+    const int spill_slices =
+        static_cast<int>(std::max<uint64_t>(2, arena * absl::GetFlag(FLAGS_spill_factor) / slice));
+    const uint64_t spill_total = spill_slices * slice;
+    mkdir(spill_dir.c_str(), 0700);
+    {
+      absl::StatusOr<std::unique_ptr<Daemon>> daemon =
+          StartDaemon(arena, spill_dir, spill_total + slice);
+      if (!daemon.ok()) {
+        std::printf("spill: %s\n", daemon.status().ToString().c_str());
+      } else {
+        absl::StatusOr<std::unique_ptr<Client>> client = JoinedClient(**daemon, "bench-spill");
+        absl::StatusOr<std::unique_ptr<DaemonSliceStore>> store =
+            client.ok() ? (*client)->OpenActivationStore(0, {}) : client.status();
+        absl::StatusOr<Phase> p =
+            store.ok() ? OffloadAndFetch(**store, 1, spill_slices, sources, sinks, depth)
+                       : absl::StatusOr<Phase>(store.status());
+        if (!p.ok()) {
+          std::printf("spill: %s\n", p.status().ToString().c_str());
+        } else {
+          // What the daemon wrote to spill files (its counter), and what came
+          // back from them (the fetches that missed the arena).
+          const uint64_t spilled = static_cast<uint64_t>(DaemonCounter(
+              **daemon, "zeroshard_activation_spill_bytes_total", "bench-spill"));
+          const uint64_t read_back = p->stats.spilled_fetches * slice;
+          spill_write = spilled / p->offload_seconds / 1e9;
+          spill_read = read_back / p->fetch_seconds / 1e9;
+          std::printf(
+              "spill (arena %.0f MiB, %d slices = %.0f MiB): %.0f MiB spilled in %.2f s "
+              "(%.2f GB/s), %llu slices read back (%.0f MiB) in %.2f s (%.2f GB/s)\n",
+              arena / 1048576.0, spill_slices, spill_total / 1048576.0, spilled / 1048576.0,
+              p->offload_seconds, spill_write,
+              static_cast<unsigned long long>(p->stats.spilled_fetches), read_back / 1048576.0,
+              p->fetch_seconds, spill_read);
+          std::tie(direct_write, direct_read) = DirectIo(dir, spilled, slice, &why);
+          if (std::isnan(direct_write)) std::printf("O_DIRECT: %s\n", why.c_str());
+          std::printf(
+              "O_DIRECT sequential, same bytes, same directory: write %.2f GB/s, read "
+              "%.2f GB/s\n",
+              direct_write, direct_read);
+        }
+        store = absl::CancelledError("done");
+        if (client.ok()) (*client)->Leave().IgnoreError();
+      }
+    }  // the daemon has removed its spill files and lock
+    rmdir(spill_dir.c_str());
+  }
+  std::printf("offload_fraction=%.3f spill_write_fraction=%.3f spill_read_fraction=%.3f\n",
+              offload_gbps / perftest, spill_write / direct_write, spill_read / direct_read);
+  return 0;
+}
+
+}  // namespace
+}  // namespace zeroshard
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return zeroshard::Main();
+}

@@ -1,0 +1,645 @@
+#include "client/activation_store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/rpc.h"
+#include "common/crc32c.h"
+#include "common/protocol.h"
+#include "common/status_macros.h"
+
+namespace zeroshard {
+namespace {
+
+// PrefetchActivationsRequest.keys: at most this many per request.
+constexpr size_t kMaxPrefetchKeys = 1024;
+
+void ToProto(const ActivationKey& key, v1::ActivationKey* out) {
+  out->set_step(key.step);
+  out->set_micro_batch(key.micro_batch);
+  out->set_layer(key.layer);
+  out->set_mp_rank(key.mp_rank);
+  out->set_mp_size(key.mp_size);
+}
+
+absl::Status CheckArgs(const ActivationKey& key, const void* buffer, uint64_t bytes,
+                       const char* buffer_name) {
+  RETURN_IF_ERROR(ValidateActivationKey(key));
+  if (bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bytes: must be >= 1 (", DescribeActivationKey(key), ")"));
+  }
+  if (buffer == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(buffer_name, ": null (", DescribeActivationKey(key), ")"));
+  }
+  return absl::OkStatus();
+}
+
+void AddTrainer(SliceStoreStats& s, uint64_t bytes) {
+  s.trainer_bytes += bytes;
+  s.peak_trainer_bytes = std::max(s.peak_trainer_bytes, s.trainer_bytes);
+}
+
+void AddStored(SliceStoreStats& s, uint64_t bytes) {
+  s.stored_bytes += bytes;
+  s.peak_stored_bytes = std::max(s.peak_stored_bytes, s.stored_bytes);
+}
+
+// `s` with the key named after its message.
+absl::Status AddActivationContext(const absl::Status& s, const ActivationKey& key) {
+  return absl::Status(s.code(),
+                      absl::StrCat(s.message(), " (activation ", DescribeActivationKey(key), ")"));
+}
+
+}  // namespace
+
+std::string DescribeActivationKey(const ActivationKey& key) {
+  return absl::StrCat("step ", key.step, " micro-batch ", key.micro_batch, " layer ", key.layer,
+                      " mp ", key.mp_rank, "/", key.mp_size);
+}
+
+absl::Status ValidateActivationKey(const ActivationKey& key) {
+  if (key.mp_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("key.mp_size: must be >= 1, got ", key.mp_size));
+  }
+  if (key.mp_rank >= key.mp_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("key.mp_rank: must be < mp_size (", key.mp_size, "), got ", key.mp_rank));
+  }
+  return absl::OkStatus();
+}
+
+ActivationTicket ActivationTicket::Ready(const absl::Status& status) {
+  auto state = std::make_shared<CountDown>(1);
+  state->Done(status);
+  return ActivationTicket(std::move(state));
+}
+
+absl::Status ActivationTicket::Wait(absl::Time deadline) const {
+  if (state_ == nullptr) return absl::OkStatus();
+  return state_->Wait(deadline, "activation store operation");
+}
+
+absl::Status ActivationSliceStore::Fetch(const ActivationKey& key, void* dst, uint64_t bytes,
+                                         AfterFetch then, absl::Time deadline) {
+  ASSIGN_OR_RETURN(ActivationTicket ticket, StartFetch(key, dst, bytes, then));
+  return ticket.Wait(deadline);
+}
+
+// ---- LocalSliceStore ----
+
+absl::StatusOr<ActivationTicket> LocalSliceStore::Offload(const ActivationKey& key,
+                                                          const void* data, uint64_t bytes) {
+  RETURN_IF_ERROR(CheckArgs(key, data, bytes, "data"));
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = slices_.try_emplace(key);
+  if (!inserted) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("activation ", DescribeActivationKey(key), " is stored"));
+  }
+  it->second.assign(static_cast<const char*>(data), bytes);
+  ++stats_.offloads;
+  stats_.offload_bytes += bytes;
+  AddStored(stats_, bytes);
+  AddTrainer(stats_, bytes);
+  return ActivationTicket();
+}
+
+absl::StatusOr<ActivationTicket> LocalSliceStore::StartFetch(const ActivationKey& key, void* dst,
+                                                             uint64_t bytes, AfterFetch then) {
+  RETURN_IF_ERROR(CheckArgs(key, dst, bytes, "dst"));
+  absl::MutexLock lock(&mu_);
+  auto it = slices_.find(key);
+  absl::Status s;
+  if (it == slices_.end()) {
+    s = absl::NotFoundError(
+        absl::StrCat("activation ", DescribeActivationKey(key), ": none stored"));
+  } else if (it->second.size() != bytes) {
+    s = absl::InvalidArgumentError(absl::StrCat("activation ", DescribeActivationKey(key),
+                                                ": the slice holds ", it->second.size(),
+                                                " bytes, dst ", bytes));
+  }
+  if (!s.ok()) {
+    ++stats_.failures;
+    return ActivationTicket::Ready(s);
+  }
+  std::memcpy(dst, it->second.data(), bytes);
+  ++stats_.fetches;
+  stats_.fetch_bytes += bytes;
+  if (then == AfterFetch::kFree) {
+    stats_.stored_bytes -= bytes;
+    stats_.trainer_bytes -= bytes;
+    slices_.erase(it);
+  }
+  return ActivationTicket();
+}
+
+absl::StatusOr<ActivationTicket> LocalSliceStore::Prefetch(absl::Span<const ActivationKey> keys) {
+  for (const ActivationKey& k : keys) RETURN_IF_ERROR(ValidateActivationKey(k));
+  return ActivationTicket();
+}
+
+absl::StatusOr<uint64_t> LocalSliceStore::Free(const ActivationKey& key, absl::Time) {
+  RETURN_IF_ERROR(ValidateActivationKey(key));
+  absl::MutexLock lock(&mu_);
+  auto it = slices_.find(key);
+  if (it == slices_.end()) return 0;
+  const uint64_t bytes = it->second.size();
+  stats_.stored_bytes -= bytes;
+  stats_.trainer_bytes -= bytes;
+  slices_.erase(it);
+  return bytes;
+}
+
+absl::StatusOr<uint64_t> LocalSliceStore::FreeStep(uint64_t step, absl::Time) {
+  absl::MutexLock lock(&mu_);
+  uint64_t freed = 0;
+  for (auto it = slices_.begin(); it != slices_.end();) {
+    if (it->first.step != step) {
+      ++it;
+      continue;
+    }
+    freed += it->second.size();
+    it = slices_.erase(it);
+  }
+  stats_.stored_bytes -= freed;
+  stats_.trainer_bytes -= freed;
+  return freed;
+}
+
+SliceStoreStats LocalSliceStore::Stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+// ---- DaemonSliceStore ----
+
+DaemonSliceStore::DaemonSliceStore(Owner owner, std::string address,
+                                   std::shared_ptr<grpc::Channel> channel, BulkDataPath* bulk,
+                                   Options options)
+    : owner_(std::move(owner)),
+      address_(std::move(address)),
+      stub_(v1::Activation::NewStub(channel)),
+      bulk_(bulk),
+      options_(options),
+      workers_(std::make_unique<Executor>(std::clamp(options.threads, 1, 16))) {}
+
+DaemonSliceStore::~DaemonSliceStore() {
+  workers_.reset();  // runs what is queued; each task bounded by its deadlines
+}
+
+std::string DaemonSliceStore::name() const {
+  const bool bulk = bulk_ != nullptr && !streaming_.load();
+  return absl::StrCat("daemon ", address_, " (", bulk ? bulk_->name() : "stream", ")");
+}
+
+v1::ActivationOwner DaemonSliceStore::OwnerProto() const {
+  v1::ActivationOwner o;
+  o.set_job_id(owner_.job_id);
+  o.set_rank(owner_.rank);
+  o.set_incarnation(owner_.incarnation);
+  return o;
+}
+
+std::string DaemonSliceStore::What(absl::string_view rpc, const ActivationKey& key) const {
+  return absl::StrCat(rpc, " ", DescribeActivationKey(key));
+}
+
+absl::StatusOr<DaemonSliceStore::Path> DaemonSliceStore::GetPath(absl::Time deadline) {
+  absl::MutexLock lock(&path_mu_);
+  if (path_.has_value()) return *path_;
+  Path p;
+  if (bulk_ != nullptr) {
+    BulkDataPath::RegionAccess at{owner_.job_id, owner_.rank, owner_.incarnation,
+                                  v1::REGION_PURPOSE_ACTIVATION_ARENA};
+    ASSIGN_OR_RETURN(p.arena_bytes, bulk_->RegionLength(at, deadline));
+    p.bulk = p.arena_bytes > 0;
+  }
+  // Decided once: a daemon's arena is allocated at its start.
+  path_ = p;
+  streaming_ = !p.bulk;
+  return p;
+}
+
+std::vector<std::shared_ptr<CountDown>> DaemonSliceStore::Track(
+    const ActivationKey& key, const std::shared_ptr<CountDown>& done, bool offload,
+    bool wait_for_all) {
+  std::vector<std::shared_ptr<CountDown>> earlier;
+  auto [b, e] = pending_.equal_range(key);
+  for (auto it = b; it != e; ++it) {
+    if (wait_for_all || it->second.offload) earlier.push_back(it->second.done);
+  }
+  if (done != nullptr) pending_.emplace(key, Pending{done, offload});
+  return earlier;
+}
+
+void DaemonSliceStore::Untrack(const ActivationKey& key, const CountDown* done) {
+  auto [b, e] = pending_.equal_range(key);
+  for (auto it = b; it != e; ++it) {
+    if (it->second.done.get() == done) {
+      pending_.erase(it);
+      return;
+    }
+  }
+}
+
+absl::Status DaemonSliceStore::AwaitAll(const std::vector<std::shared_ptr<CountDown>>& earlier,
+                                        absl::Time deadline, const std::string& what) {
+  for (const auto& e : earlier) {
+    // The earlier operation's own error is its caller's to see.
+    absl::Status s = e->Wait(deadline, what);
+    if (absl::IsDeadlineExceeded(s)) return s;
+  }
+  return absl::OkStatus();
+}
+
+void DaemonSliceStore::Forget(const ActivationKey& key) {
+  auto it = stored_.find(key);
+  if (it == stored_.end()) return;
+  stats_.stored_bytes -= it->second;
+  stored_.erase(it);
+}
+
+absl::StatusOr<ActivationTicket> DaemonSliceStore::Offload(const ActivationKey& key,
+                                                           const void* data, uint64_t bytes) {
+  RETURN_IF_ERROR(CheckArgs(key, data, bytes, "data"));
+  auto done = std::make_shared<CountDown>(1);
+  {
+    absl::MutexLock lock(&mu_);
+    bool offloading = false;
+    for (auto [b, e] = pending_.equal_range(key); b != e; ++b) offloading |= b->second.offload;
+    if (offloading || stored_.count(key) > 0) {
+      return absl::AlreadyExistsError(absl::StrCat("daemon ", address_, ": activation ",
+                                                   DescribeActivationKey(key),
+                                                   " is stored or being offloaded"));
+    }
+    Track(key, done, /*offload=*/true, /*wait_for_all=*/false);
+    AddTrainer(stats_, bytes);
+  }
+  workers_->Submit([this, key, data, bytes, done] {
+    bool spilled = false, streamed = false;
+    const absl::Status s = DoOffload(key, data, bytes, &spilled, &streamed);
+    {
+      absl::MutexLock lock(&mu_);
+      Untrack(key, done.get());
+      stats_.trainer_bytes -= bytes;
+      stats_.streamed += streamed;
+      if (s.ok()) {
+        stored_[key] = bytes;
+        AddStored(stats_, bytes);
+        ++stats_.offloads;
+        stats_.offload_bytes += bytes;
+        stats_.spilled_offloads += spilled;
+      } else {
+        ++stats_.failures;
+      }
+    }
+    done->Done(s);  // the caller's buffer is free from here
+  });
+  return ActivationTicket(done);
+}
+
+absl::Status DaemonSliceStore::DoOffload(const ActivationKey& key, const void* data, uint64_t bytes,
+                                         bool* spilled, bool* streamed) {
+  const absl::Time deadline = Deadline();
+  ASSIGN_OR_RETURN(Path path, GetPath(deadline));
+  if (path.bulk && bytes <= path.arena_bytes) {
+    return OffloadBulk(key, data, bytes, deadline, spilled);
+  }
+  *streamed = true;
+  return OffloadStream(key, data, bytes, deadline, spilled);
+}
+
+absl::Status DaemonSliceStore::OffloadBulk(const ActivationKey& key, const void* data,
+                                           uint64_t bytes, absl::Time deadline, bool* spilled) {
+  v1::ReserveActivationRequest reserve;
+  *reserve.mutable_owner() = OwnerProto();
+  ToProto(key, reserve.mutable_key());
+  reserve.set_bytes(bytes);
+  v1::ActivationPlacement placement;
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context, deadline);
+    const grpc::Status s = stub_->ReserveActivation(&context, reserve, &placement);
+    if (!s.ok()) return DaemonError(s, address_, What("ReserveActivation", key));
+  }
+  if (placement.bytes() != bytes) {
+    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ",
+                                            What("ReserveActivation", key), ": reserved ",
+                                            placement.bytes(), " bytes, asked for ", bytes));
+  }
+  // The checksum is computed while the transport copies the bytes (both
+  // only read the caller's buffer).
+  uint32_t crc = 0;
+  const BulkDataPath::RegionAccess at{owner_.job_id, owner_.rank, owner_.incarnation,
+                                      v1::REGION_PURPOSE_ACTIVATION_ARENA};
+  if (absl::Status s = bulk_->PutRegion(at, placement.offset(), data, bytes, deadline,
+                                        [&] { crc = Crc32c(data, bytes); });
+      !s.ok()) {
+    // Hand the reservation back rather than let it wait out the lease; the
+    // daemon drops it by itself if this does not arrive.
+    FreeRpc(key, false, Deadline()).IgnoreError();
+    return AddActivationContext(s, key);
+  }
+  v1::CommitActivationRequest commit;
+  *commit.mutable_owner() = OwnerProto();
+  ToProto(key, commit.mutable_key());
+  commit.set_crc32c(crc);
+  v1::ActivationStored stored;
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  const grpc::Status s = stub_->CommitActivation(&context, commit, &stored);
+  if (!s.ok()) return DaemonError(s, address_, What("CommitActivation", key));
+  if (stored.bytes() != bytes) {
+    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ",
+                                            What("CommitActivation", key), ": stored ",
+                                            stored.bytes(), " bytes, sent ", bytes));
+  }
+  *spilled = stored.spilled();
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSliceStore::OffloadStream(const ActivationKey& key, const void* data,
+                                             uint64_t bytes, absl::Time deadline, bool* spilled) {
+  const uint64_t piece = std::clamp<uint64_t>(options_.stream_chunk_bytes, 4096, kMaxChunkBytes);
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::ActivationStored stored;
+  std::unique_ptr<grpc::ClientWriter<v1::ActivationChunk>> writer =
+      stub_->OffloadActivation(&context, &stored);
+  v1::ActivationChunk chunk;
+  *chunk.mutable_owner() = OwnerProto();
+  ToProto(key, chunk.mutable_key());
+  chunk.set_total_bytes(bytes);
+  bool broken = false;
+  for (uint64_t off = 0; off < bytes && !broken; off += piece) {
+    const uint64_t n = std::min(piece, bytes - off);
+    const char* src = static_cast<const char*>(data) + off;
+    chunk.set_offset(off);
+    chunk.set_data(src, n);
+    chunk.set_crc32c(Crc32c(src, n));
+    broken = !writer->Write(chunk);
+    if (off == 0) {
+      // Only the first chunk names the owner, the key and the size.
+      chunk.clear_owner();
+      chunk.clear_key();
+      chunk.clear_total_bytes();
+    }
+  }
+  // A failed Write means the stream is broken; Finish reports why.
+  if (!broken) writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  if (!s.ok()) return DaemonError(s, address_, What("OffloadActivation", key));
+  if (stored.bytes() != bytes) {
+    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ",
+                                            What("OffloadActivation", key), ": stored ",
+                                            stored.bytes(), " bytes, sent ", bytes));
+  }
+  *spilled = stored.spilled();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ActivationTicket> DaemonSliceStore::StartFetch(const ActivationKey& key, void* dst,
+                                                              uint64_t bytes, AfterFetch then) {
+  RETURN_IF_ERROR(CheckArgs(key, dst, bytes, "dst"));
+  auto done = std::make_shared<CountDown>(1);
+  std::vector<std::shared_ptr<CountDown>> earlier;
+  {
+    absl::MutexLock lock(&mu_);
+    earlier = Track(key, done, /*offload=*/false, /*wait_for_all=*/false);
+    AddTrainer(stats_, bytes);
+  }
+  workers_->Submit([this, key, dst, bytes, then, done, earlier = std::move(earlier)] {
+    bool was_spilled = false, streamed = false;
+    absl::Status s = AwaitAll(earlier, Deadline(),
+                              absl::StrCat("daemon ", address_, ": fetch of activation ",
+                                           DescribeActivationKey(key), " waiting for its offload"));
+    if (s.ok()) s = DoFetch(key, dst, bytes, then, &was_spilled, &streamed);
+    {
+      absl::MutexLock lock(&mu_);
+      Untrack(key, done.get());
+      stats_.trainer_bytes -= bytes;
+      stats_.streamed += streamed;
+      if (s.ok()) {
+        ++stats_.fetches;
+        stats_.fetch_bytes += bytes;
+        stats_.spilled_fetches += was_spilled;
+        if (then == AfterFetch::kFree) Forget(key);
+      } else {
+        ++stats_.failures;
+        if (absl::IsNotFound(s)) Forget(key);
+      }
+    }
+    done->Done(s);  // `dst` is the caller's again from here
+  });
+  return ActivationTicket(done);
+}
+
+absl::Status DaemonSliceStore::DoFetch(const ActivationKey& key, void* dst, uint64_t bytes,
+                                       AfterFetch then, bool* was_spilled, bool* streamed) {
+  const absl::Time deadline = Deadline();
+  ASSIGN_OR_RETURN(Path path, GetPath(deadline));
+  if (path.bulk && bytes <= path.arena_bytes) {
+    RETURN_IF_ERROR(FetchBulk(key, dst, bytes, deadline, was_spilled));
+  } else {
+    *streamed = true;
+    RETURN_IF_ERROR(FetchStream(key, dst, bytes, deadline));
+  }
+  if (then == AfterFetch::kFree) {
+    // The bytes are in `dst`: the slice is not needed any more. A free that
+    // fails leaves the slice to FreeStep (or the rank's Leave); the fetch
+    // itself succeeded.
+    FreeRpc(key, false, Deadline()).IgnoreError();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSliceStore::FetchBulk(const ActivationKey& key, void* dst, uint64_t bytes,
+                                         absl::Time deadline, bool* was_spilled) {
+  v1::LocateActivationRequest locate;
+  *locate.mutable_owner() = OwnerProto();
+  ToProto(key, locate.mutable_key());
+  v1::ActivationPlacement placement;
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context, deadline);
+    const grpc::Status s = stub_->LocateActivation(&context, locate, &placement);
+    if (!s.ok()) return DaemonError(s, address_, What("LocateActivation", key));
+  }
+  if (placement.bytes() != bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("daemon ", address_, ": ", What("LocateActivation", key), ": the slice holds ",
+                     placement.bytes(), " bytes, dst ", bytes));
+  }
+  *was_spilled = placement.was_spilled();
+  const BulkDataPath::RegionAccess at{owner_.job_id, owner_.rank, owner_.incarnation,
+                                      v1::REGION_PURPOSE_ACTIVATION_ARENA};
+  if (absl::Status s = bulk_->GetRegion(at, placement.offset(), dst, bytes, deadline); !s.ok()) {
+    return AddActivationContext(s, key);
+  }
+  if (options_.verify_fetches && Crc32c(dst, bytes) != placement.crc32c()) {
+    return absl::DataLossError(absl::StrCat("daemon ", address_, ": ",
+                                            What("LocateActivation", key),
+                                            ": the bytes read fail the slice's CRC-32C"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSliceStore::FetchStream(const ActivationKey& key, void* dst, uint64_t bytes,
+                                           absl::Time deadline) {
+  const std::string what = What("FetchActivation", key);
+  v1::FetchActivationRequest req;
+  *req.mutable_owner() = OwnerProto();
+  ToProto(key, req.mutable_key());
+  req.set_max_chunk_bytes(std::clamp<uint64_t>(options_.stream_chunk_bytes, 4096, kMaxChunkBytes));
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  std::unique_ptr<grpc::ClientReader<v1::ActivationChunk>> reader =
+      stub_->FetchActivation(&context, req);
+  uint64_t pos = 0;
+  v1::ActivationChunk chunk;
+  absl::Status bad;
+  while (reader->Read(&chunk)) {
+    if (chunk.total_bytes() != 0 && chunk.total_bytes() != bytes) {
+      bad = absl::InvalidArgumentError(absl::StrCat("daemon ", address_, ": ", what,
+                                                    ": the slice holds ", chunk.total_bytes(),
+                                                    " bytes, dst ", bytes));
+      break;
+    }
+    const uint64_t n = chunk.data().size();
+    if (chunk.offset() != pos || n == 0 || n > bytes - pos) {
+      bad = absl::DataLossError(
+          absl::StrCat("daemon ", address_, ": ", what, ": unexpected chunk of ", n, " bytes at ",
+                       chunk.offset(), ", expected one at ", pos, " of ", bytes));
+      break;
+    }
+    if (Crc32c(chunk.data().data(), n) != chunk.crc32c()) {
+      bad = absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what, ": the chunk at ",
+                                             pos, " fails its CRC-32C"));
+      break;
+    }
+    std::memcpy(static_cast<char*>(dst) + pos, chunk.data().data(), n);
+    pos += n;
+  }
+  if (!bad.ok()) {
+    context.TryCancel();
+    reader->Finish();
+    return bad;
+  }
+  const grpc::Status s = reader->Finish();
+  if (!s.ok()) return DaemonError(s, address_, what);
+  if (pos != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "daemon ", address_, ": ", what, ": the slice holds ", pos, " bytes, dst ", bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ActivationTicket> DaemonSliceStore::Prefetch(absl::Span<const ActivationKey> keys) {
+  for (const ActivationKey& k : keys) RETURN_IF_ERROR(ValidateActivationKey(k));
+  if (keys.empty()) return ActivationTicket();
+  auto done = std::make_shared<CountDown>(1);
+  std::vector<std::shared_ptr<CountDown>> earlier;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const ActivationKey& k : keys) {
+      for (auto& e : Track(k, nullptr, false, false)) earlier.push_back(std::move(e));
+    }
+  }
+  std::vector<ActivationKey> list(keys.begin(), keys.end());
+  workers_->Submit([this, list = std::move(list), done, earlier = std::move(earlier)] {
+    // Hints name slices the daemon holds: wait for their offloads.
+    absl::Status s = AwaitAll(earlier, Deadline(),
+                              absl::StrCat("daemon ", address_,
+                                           ": prefetch hint waiting for "
+                                           "offloads"));
+    for (size_t b = 0; s.ok() && b < list.size(); b += kMaxPrefetchKeys) {
+      v1::PrefetchActivationsRequest req;
+      *req.mutable_owner() = OwnerProto();
+      for (size_t i = b; i < std::min(list.size(), b + kMaxPrefetchKeys); ++i) {
+        ToProto(list[i], req.add_keys());
+      }
+      v1::PrefetchActivationsResponse resp;
+      grpc::ClientContext context;
+      SetDeadline(&context, Deadline());
+      const grpc::Status g = stub_->PrefetchActivations(&context, req, &resp);
+      if (!g.ok()) s = DaemonError(g, address_, "PrefetchActivations");
+    }
+    done->Done(s);
+  });
+  return ActivationTicket(done);
+}
+
+absl::StatusOr<v1::FreeActivationsResponse> DaemonSliceStore::FreeRpc(const ActivationKey& key,
+                                                                      bool whole_step,
+                                                                      absl::Time deadline) {
+  v1::FreeActivationsRequest req;
+  *req.mutable_owner() = OwnerProto();
+  ToProto(key, req.mutable_key());
+  req.set_whole_step(whole_step);
+  v1::FreeActivationsResponse resp;
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  const grpc::Status s = stub_->FreeActivations(&context, req, &resp);
+  if (!s.ok()) {
+    return DaemonError(s, address_,
+                       whole_step ? absl::StrCat("FreeActivations step ", key.step)
+                                  : What("FreeActivations", key));
+  }
+  return resp;
+}
+
+absl::StatusOr<uint64_t> DaemonSliceStore::Free(const ActivationKey& key, absl::Time deadline) {
+  RETURN_IF_ERROR(ValidateActivationKey(key));
+  std::vector<std::shared_ptr<CountDown>> earlier;
+  {
+    absl::MutexLock lock(&mu_);
+    earlier = Track(key, nullptr, false, /*wait_for_all=*/true);
+  }
+  RETURN_IF_ERROR(
+      AwaitAll(earlier, deadline,
+               absl::StrCat("daemon ", address_, ": free of activation ",
+                            DescribeActivationKey(key), " waiting for its operations")));
+  absl::StatusOr<v1::FreeActivationsResponse> r = FreeRpc(key, false, deadline);
+  // Not there (never stored, or freed already): nothing to free.
+  if (!r.ok() && !absl::IsNotFound(r.status())) return r.status();
+  absl::MutexLock lock(&mu_);
+  Forget(key);
+  return r.ok() ? r->bytes() : 0;
+}
+
+absl::StatusOr<uint64_t> DaemonSliceStore::FreeStep(uint64_t step, absl::Time deadline) {
+  std::vector<std::shared_ptr<CountDown>> earlier;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [k, p] : pending_) {
+      if (k.step == step) earlier.push_back(p.done);
+    }
+  }
+  RETURN_IF_ERROR(AwaitAll(
+      earlier, deadline,
+      absl::StrCat("daemon ", address_, ": free of step ", step, " waiting for its operations")));
+  ActivationKey key;
+  key.step = step;
+  ASSIGN_OR_RETURN(v1::FreeActivationsResponse r, FreeRpc(key, true, deadline));
+  absl::MutexLock lock(&mu_);
+  for (auto it = stored_.begin(); it != stored_.end();) {
+    if (it->first.step == step) {
+      stats_.stored_bytes -= it->second;
+      it = stored_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return r.bytes();
+}
+
+SliceStoreStats DaemonSliceStore::Stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+}  // namespace zeroshard

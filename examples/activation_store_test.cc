@@ -1,0 +1,110 @@
+// The trainer's activation stores: the daemon-backed one returns the very
+// tensors saved (shape, dtype, bytes), fetches ahead in backward order, and
+// holds checkpoints for its prefetch depth and in-flight offloads only, not
+// for the model's depth; over a client LocalSliceStore and over a
+// stand-in daemon (client/testing/fake_shard.h) on the inproc transport.
+
+#include "examples/activation_store.h"
+
+#include <cstring>
+
+#include "client/bulk_data_path.h"
+#include "client/rpc.h"
+#include "client/testing/fake_shard.h"
+#include "gtest/gtest.h"
+
+namespace zeroshard::examples {
+namespace {
+
+constexpr int kLayers = 12;
+
+torch::Tensor Checkpoint(int layer) {
+  torch::manual_seed(layer);
+  // Shapes and dtypes differ by layer; the last is not contiguous.
+  if (layer % 3 == 1) return torch::randn({3, 17, 5}).to(torch::kBFloat16);
+  if (layer == kLayers - 1) return torch::randn({16, 9}).t();
+  return torch::randn({4, 33, 8});
+}
+
+bool SameBytes(const torch::Tensor& a, const torch::Tensor& b) {
+  const torch::Tensor ca = a.contiguous(), cb = b.contiguous();
+  return ca.sizes() == cb.sizes() && ca.scalar_type() == cb.scalar_type() &&
+         std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.numel() * ca.element_size()) == 0;
+}
+
+// Two steps of forward saves and backward loads; every load equals its save.
+void RunSteps(ActivationStore& store, bool keeps_all) {
+  uint64_t largest = 0, total = 0;
+  for (int l = 0; l < kLayers; ++l) {
+    const torch::Tensor t = Checkpoint(l);
+    largest = std::max<uint64_t>(largest, t.numel() * t.element_size());
+    total += t.numel() * t.element_size();
+  }
+  for (uint64_t step = 1; step <= 2; ++step) {
+    ASSERT_TRUE(store.BeginStep(step).ok());
+    for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(store.Save(l, Checkpoint(l)).ok());
+    std::vector<int> order;
+    for (int l = kLayers - 1; l >= 0; --l) order.push_back(l);
+    ASSERT_TRUE(store.BeginBackward(order).ok());
+    for (int l : order) {
+      absl::StatusOr<torch::Tensor> t = store.Load(l);
+      ASSERT_TRUE(t.ok()) << t.status();
+      EXPECT_TRUE(SameBytes(*t, Checkpoint(l))) << "step " << step << " layer " << l;
+    }
+    ASSERT_TRUE(store.EndStep().ok());
+    EXPECT_EQ(store.bytes(), 0u);
+  }
+  EXPECT_EQ(store.peak_step_bytes(), total);
+  if (keeps_all) {
+    EXPECT_EQ(store.peak_bytes(), total);
+  } else {
+    // Two offloads in flight, or two fetches ahead and the one loaded: at
+    // most three checkpoints at a time, of twelve.
+    EXPECT_LE(store.peak_bytes(), 3 * largest);
+    EXPECT_LT(store.peak_bytes(), total / 2);
+  }
+}
+
+TEST(ActivationStoreTest, InMemoryKeepsEveryCheckpoint) {
+  InMemoryActivationStore store;
+  RunSteps(store, true);
+  EXPECT_TRUE(absl::IsNotFound(store.Load(3).status()));
+}
+
+TEST(ActivationStoreTest, DaemonStoreOverALocalClientStoreHoldsOnlyItsDepth) {
+  auto client_store = std::make_unique<LocalSliceStore>();
+  LocalSliceStore* inner = client_store.get();
+  DaemonActivationStore store(std::move(client_store), {});
+  RunSteps(store, false);
+  EXPECT_EQ(inner->Stats().stored_bytes, 0u);
+  EXPECT_EQ(inner->Stats().fetches, 2u * kLayers);
+  EXPECT_TRUE(absl::IsNotFound(store.Load(3).status()));
+}
+
+TEST(ActivationStoreTest, DaemonStoreOverAStandInDaemon) {
+  testing::FakeShard::Options fo;
+  fo.activation_arena_bytes = 16 << 10;  // half a step: the daemon spills
+  std::unique_ptr<testing::FakeShard> fake = *testing::FakeShard::Start(fo);
+  auto channel = MakeDaemonChannel(fake->address());
+  BulkDataPath path(fake->address(), channel, *BulkTransport::Create("inproc", {}), {});
+  {
+    auto client_store =
+        std::make_unique<DaemonSliceStore>(DaemonSliceStore::Owner{"job", 0, 1}, fake->address(),
+                                           channel, &path, DaemonSliceStore::Options{});
+    DaemonActivationStore::Options o;
+    o.prefetch_depth = 2;
+    o.max_offloads_in_flight = 2;
+    DaemonActivationStore store(std::move(client_store), o);
+    RunSteps(store, false);
+    const SliceStoreStats st = store.stats();
+    EXPECT_EQ(st.offloads, 2u * kLayers);
+    EXPECT_EQ(st.fetches, 2u * kLayers);
+    EXPECT_EQ(st.failures, 0u);
+    EXPECT_GT(st.spilled_fetches, 0u);
+  }
+  EXPECT_EQ(fake->activation().slices(), 0u);
+  EXPECT_GT(fake->activation().counts().prefetch, 0);
+}
+
+}  // namespace
+}  // namespace zeroshard::examples

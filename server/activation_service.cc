@@ -1,0 +1,338 @@
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/crc32c.h"
+#include "common/protocol.h"
+#include "common/status_macros.h"
+#include "server/services.h"
+
+namespace zeroshard {
+namespace {
+
+// Largest slice any request may name, whatever the arena (sizes past it are
+// a caller's bug, not a capacity question).
+constexpr uint64_t kMaxActivationSliceBytes = uint64_t{64} << 30;
+// Largest model-parallel degree a key may name.
+constexpr uint32_t kMaxModelParallel = 4096;
+// Keys one PrefetchActivations may name (activation.proto).
+constexpr int kMaxPrefetchKeys = 1024;
+
+absl::Time DeadlineOf(grpc::ServerContext* ctx) {
+  return std::min(absl::FromChrono(ctx->deadline()),
+                  absl::Now() + ActivationService::kMaxActivationWait);
+}
+
+absl::Status CheckKey(const v1::ActivationKey& k, bool has_key, absl::string_view field) {
+  if (!has_key) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));
+  if (k.mp_size() < 1 || k.mp_size() > kMaxModelParallel) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".mp_size: must be in 1..",
+                                                   kMaxModelParallel, ", got ", k.mp_size()));
+  }
+  if (k.mp_rank() >= k.mp_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".mp_rank: must be < mp_size (",
+                                                   k.mp_size(), "), got ", k.mp_rank()));
+  }
+  return absl::OkStatus();
+}
+
+SliceKey ToKey(const v1::ActivationKey& k) {
+  SliceKey key;
+  key.step = k.step();
+  key.micro_batch = k.micro_batch();
+  key.layer = k.layer();
+  key.mp_rank = k.mp_rank();
+  key.mp_size = k.mp_size();
+  return key;
+}
+
+bool SameKey(const v1::ActivationKey& a, const v1::ActivationKey& b) {
+  return a.step() == b.step() && a.micro_batch() == b.micro_batch() && a.layer() == b.layer() &&
+         a.mp_rank() == b.mp_rank() && a.mp_size() == b.mp_size();
+}
+
+absl::Status CheckBytes(uint64_t bytes, const ActivationStore& store, absl::string_view field) {
+  if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat(field, ": must be >= 1"));
+  if (bytes > kMaxActivationSliceBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": at most ", kMaxActivationSliceBytes,
+                                                   " bytes per slice, got ", bytes));
+  }
+  if (bytes > store.capacity()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": ", bytes, " bytes is more than this daemon's activation arena holds (",
+        "--activation_arena_bytes=", store.arena_bytes(), ", ", store.capacity(),
+        " B usable); split the checkpoint, or use more model-parallel slices"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<SliceOwner> ActivationService::Owner(const v1::ActivationOwner& o, bool has_owner) {
+  if (ctx_->activations == nullptr) {
+    return absl::FailedPreconditionError(
+        "this zeroshardd keeps no activations (started with --activation_arena_bytes=0)");
+  }
+  if (!has_owner) return absl::InvalidArgumentError("owner: required");
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, ctx_->jobs->Find(o.job_id()));
+  RETURN_IF_ERROR(job->CheckRank(o.rank(), o.incarnation(), "owner."));
+  SliceOwner owner;
+  owner.job_id = o.job_id();
+  owner.instance = std::move(job);
+  owner.rank = o.rank();
+  return owner;
+}
+
+// ---- The bulk path ----
+
+absl::Status ActivationService::DoReserve(grpc::ServerContext* ctx,
+                                          const v1::ReserveActivationRequest& req,
+                                          v1::ActivationPlacement* resp) {
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
+  RETURN_IF_ERROR(CheckBytes(req.bytes(), *ctx_->activations, "bytes"));
+  if (ctx_->bulk == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "this zeroshardd serves no bulk transport (", ctx_->bulk_error,
+        "); offload with OffloadActivation"));
+  }
+  ASSIGN_OR_RETURN(SlicePlacement p, ctx_->activations->Reserve(owner, ToKey(req.key()),
+                                                                req.bytes(), DeadlineOf(ctx)));
+  resp->set_offset(p.offset);
+  resp->set_bytes(p.bytes);
+  return absl::OkStatus();
+}
+
+grpc::Status ActivationService::ReserveActivation(grpc::ServerContext* ctx,
+                                                  const v1::ReserveActivationRequest* req,
+                                                  v1::ActivationPlacement* resp) {
+  return ctx_->Done(__func__, DoReserve(ctx, *req, resp));
+}
+
+absl::Status ActivationService::DoCommit(const v1::CommitActivationRequest& req,
+                                         v1::ActivationStored* resp) {
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
+  ASSIGN_OR_RETURN(uint64_t bytes, ctx_->activations->Commit(owner, ToKey(req.key()), req.crc32c()));
+  resp->set_bytes(bytes);
+  resp->set_spilled(false);
+  if (ctx_->bulk != nullptr) {
+    ctx_->metrics->RecordTraffic(owner.job_id, "offload", ctx_->bulk->kind(), bytes);
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status ActivationService::CommitActivation(grpc::ServerContext*,
+                                                 const v1::CommitActivationRequest* req,
+                                                 v1::ActivationStored* resp) {
+  return ctx_->Done(__func__, DoCommit(*req, resp));
+}
+
+absl::Status ActivationService::DoLocate(grpc::ServerContext* ctx,
+                                         const v1::LocateActivationRequest& req,
+                                         v1::ActivationPlacement* resp) {
+  const absl::Time start = absl::Now();
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
+  if (ctx_->bulk == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "this zeroshardd serves no bulk transport (", ctx_->bulk_error,
+        "); fetch with FetchActivation"));
+  }
+  ASSIGN_OR_RETURN(SlicePlacement p,
+                   ctx_->activations->Locate(owner, ToKey(req.key()), DeadlineOf(ctx)));
+  resp->set_offset(p.offset);
+  resp->set_bytes(p.bytes);
+  resp->set_crc32c(p.crc32c);
+  resp->set_was_spilled(p.was_spilled);
+  ctx_->metrics->RecordTraffic(owner.job_id, "fetch", ctx_->bulk->kind(), p.bytes);
+  ctx_->activation_metrics->RecordFetch(owner.job_id, absl::Now() - start);
+  return absl::OkStatus();
+}
+
+grpc::Status ActivationService::LocateActivation(grpc::ServerContext* ctx,
+                                                 const v1::LocateActivationRequest* req,
+                                                 v1::ActivationPlacement* resp) {
+  return ctx_->Done(__func__, DoLocate(ctx, *req, resp));
+}
+
+// ---- The streaming path ----
+
+absl::Status ActivationService::DoOffload(grpc::ServerContext* ctx,
+                                          grpc::ServerReader<v1::ActivationChunk>* reader,
+                                          v1::ActivationStored* resp) {
+  v1::ActivationChunk chunk;
+  if (!reader->Read(&chunk)) {
+    if (ctx->IsCancelled()) return absl::CancelledError("the client abandoned the stream");
+    return absl::InvalidArgumentError("the stream carried no chunk");
+  }
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(chunk.owner(), chunk.has_owner()));
+  RETURN_IF_ERROR(CheckKey(chunk.key(), chunk.has_key(), "chunk 0.key"));
+  const uint64_t total = chunk.total_bytes();
+  RETURN_IF_ERROR(CheckBytes(total, *ctx_->activations, "chunk 0.total_bytes"));
+  const v1::ActivationOwner first_owner = chunk.owner();
+  const v1::ActivationKey key = chunk.key();
+  // The slice's bytes go straight into its reserved block; the reservation
+  // is dropped unless the stream ends complete and intact.
+  ASSIGN_OR_RETURN(std::unique_ptr<ActivationStore::Incoming> incoming,
+                   ctx_->activations->ReserveIncoming(owner, ToKey(key), total, DeadlineOf(ctx)));
+  uint64_t received = 0;
+  uint32_t crc = 0;
+  for (size_t i = 0;; ++i) {
+    const std::string where = absl::StrCat("chunk ", i);
+    if (i > 0) {
+      if (chunk.has_owner() && (chunk.owner().job_id() != first_owner.job_id() ||
+                                chunk.owner().rank() != first_owner.rank() ||
+                                chunk.owner().incarnation() != first_owner.incarnation())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ".owner: differs from chunk 0's (set it on the first chunk only)"));
+      }
+      if (chunk.has_key() && !SameKey(chunk.key(), key)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ".key: differs from chunk 0's (set it on the first chunk only)"));
+      }
+      if (chunk.total_bytes() != 0 && chunk.total_bytes() != total) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".total_bytes: chunk 0 said ", total,
+                                                       ", got ", chunk.total_bytes()));
+      }
+    }
+    const uint64_t n = chunk.data().size();
+    if (chunk.offset() != received) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".offset: expected ", received, " (chunks in order, without gaps), got ",
+          chunk.offset()));
+    }
+    if (n == 0 || n > kMaxChunkBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".data: must be 1..", kMaxChunkBytes,
+                                                     " bytes, got ", n));
+    }
+    if (n > total - received) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".data: ", n, " bytes at offset ",
+                                                     received, " run past total_bytes ", total));
+    }
+    const uint32_t chunk_crc = Crc32c(chunk.data().data(), n);
+    if (chunk_crc != chunk.crc32c()) {
+      return absl::DataLossError(absl::StrCat(
+          where, ": CRC-32C of the data does not match (corrupted in transit); nothing is stored"));
+    }
+    std::memcpy(incoming->data() + received, chunk.data().data(), n);
+    crc = Crc32cCombine(crc, chunk_crc, n);
+    received += n;
+    chunk.Clear();
+    if (!reader->Read(&chunk)) break;
+  }
+  if (ctx->IsCancelled()) {
+    return absl::CancelledError("the client abandoned the stream; nothing is stored");
+  }
+  if (received != total) {
+    return absl::InvalidArgumentError(absl::StrCat("the stream carried ", received,
+                                                   " bytes of total_bytes ", total,
+                                                   "; nothing is stored"));
+  }
+  RETURN_IF_ERROR(incoming->Commit(crc));
+  resp->set_bytes(total);
+  resp->set_spilled(false);
+  ctx_->metrics->RecordTraffic(owner.job_id, "offload", "stream", total);
+  return absl::OkStatus();
+}
+
+grpc::Status ActivationService::OffloadActivation(grpc::ServerContext* ctx,
+                                                  grpc::ServerReader<v1::ActivationChunk>* reader,
+                                                  v1::ActivationStored* resp) {
+  return ctx_->Done(__func__, DoOffload(ctx, reader, resp));
+}
+
+absl::Status ActivationService::DoFetch(grpc::ServerContext* ctx,
+                                        const v1::FetchActivationRequest& req,
+                                        grpc::ServerWriter<v1::ActivationChunk>* writer) {
+  const absl::Time start = absl::Now();
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
+  if (req.max_chunk_bytes() != 0 && (req.max_chunk_bytes() < 1024 || req.max_chunk_bytes() > kMaxChunkBytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes: must be 0 (the daemon's ",
+                                                   "default) or 1024..", kMaxChunkBytes, ", got ",
+                                                   req.max_chunk_bytes()));
+  }
+  const uint64_t chunk_bytes = req.max_chunk_bytes() != 0 ? req.max_chunk_bytes() : ctx_->max_chunk_bytes;
+  uint64_t sent = 0;
+  // Each piece is written from the arena with no lock held; the store keeps
+  // the slice in place until the last is written.
+  absl::Status s = ctx_->activations->Fetch(
+      owner, ToKey(req.key()), DeadlineOf(ctx), chunk_bytes,
+      [&](const SlicePlacement& slice, uint64_t offset, absl::string_view data) {
+        v1::ActivationChunk c;
+        if (offset == 0) {
+          *c.mutable_key() = req.key();
+          c.set_total_bytes(slice.bytes);
+        }
+        c.set_offset(offset);
+        c.set_data(data.data(), data.size());
+        c.set_crc32c(Crc32c(data.data(), data.size()));
+        sent += data.size();
+        return writer->Write(c);
+      });
+  ctx_->metrics->RecordTraffic(owner.job_id, "fetch", "stream", sent);
+  if (s.ok()) ctx_->activation_metrics->RecordFetch(owner.job_id, absl::Now() - start);
+  return s;
+}
+
+grpc::Status ActivationService::FetchActivation(grpc::ServerContext* ctx,
+                                                const v1::FetchActivationRequest* req,
+                                                grpc::ServerWriter<v1::ActivationChunk>* writer) {
+  return ctx_->Done(__func__, DoFetch(ctx, *req, writer));
+}
+
+// ---- Both paths ----
+
+absl::Status ActivationService::DoPrefetch(grpc::ServerContext* ctx,
+                                           const v1::PrefetchActivationsRequest& req,
+                                           v1::PrefetchActivationsResponse* resp) {
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  if (req.keys_size() > kMaxPrefetchKeys) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("keys: at most ", kMaxPrefetchKeys, ", got ", req.keys_size()));
+  }
+  std::vector<SliceKey> keys;
+  for (int i = 0; i < req.keys_size(); ++i) {
+    RETURN_IF_ERROR(CheckKey(req.keys(i), true, absl::StrCat("keys[", i, "]")));
+    keys.push_back(ToKey(req.keys(i)));
+  }
+  ASSIGN_OR_RETURN(uint32_t started, ctx_->activations->Prefetch(owner, keys, DeadlineOf(ctx)));
+  resp->set_started(started);
+  return absl::OkStatus();
+}
+
+grpc::Status ActivationService::PrefetchActivations(grpc::ServerContext* ctx,
+                                                    const v1::PrefetchActivationsRequest* req,
+                                                    v1::PrefetchActivationsResponse* resp) {
+  return ctx_->Done(__func__, DoPrefetch(ctx, *req, resp));
+}
+
+absl::Status ActivationService::DoFree(const v1::FreeActivationsRequest& req,
+                                       v1::FreeActivationsResponse* resp) {
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  ActivationStore::Freed freed;
+  if (req.whole_step()) {
+    if (!req.has_key()) {
+      return absl::InvalidArgumentError("key: whole_step frees the step of key.step; set key");
+    }
+    ASSIGN_OR_RETURN(freed, ctx_->activations->FreeStep(owner, req.key().step()));
+  } else if (req.has_key()) {
+    RETURN_IF_ERROR(CheckKey(req.key(), true, "key"));
+    ASSIGN_OR_RETURN(freed, ctx_->activations->FreeKey(owner, ToKey(req.key())));
+  } else {
+    ASSIGN_OR_RETURN(freed, ctx_->activations->FreeAll(owner));
+  }
+  resp->set_freed(freed.slices);
+  resp->set_bytes(freed.bytes);
+  return absl::OkStatus();
+}
+
+grpc::Status ActivationService::FreeActivations(grpc::ServerContext*,
+                                                const v1::FreeActivationsRequest* req,
+                                                v1::FreeActivationsResponse* resp) {
+  return ctx_->Done(__func__, DoFree(*req, resp));
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,1027 @@
+#include "server/activation_store.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <tuple>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/crc32c.h"
+#include "common/fnv.h"
+#include "common/format.h"
+#include "common/status_macros.h"
+
+namespace zeroshard {
+namespace {
+
+void Log(const std::string& line) { std::fprintf(stderr, "zeroshardd: %s\n", line.c_str()); }
+
+template <typename T>
+void HashValue(uint64_t& h, const T& v) {
+  Fnv1aMix(h, &v, sizeof(v));
+}
+
+std::string Bytes(uint64_t b) { return absl::StrCat(FormatBytes(static_cast<double>(b)), " (", b, " B)"); }
+
+}  // namespace
+
+// One slice's life: kPending (a reservation waiting for room) -> kReserved
+// (a block; the trainer puts or streams the bytes) -> kCommitting (its CRC
+// being checked) -> kStored (in the arena) <-> kSpilling (in the arena and
+// being written to its file) -> kSpilled (in the file only) -> kReading
+// (being read back into a new block) -> kStored. kCorrupt: its file no
+// longer held its bytes.
+struct ActivationStore::Slice {
+  enum class State { kPending, kReserved, kCommitting, kStored, kSpilling, kSpilled, kReading, kCorrupt };
+  Id id{};
+  std::string job;
+  uint64_t bytes = 0;
+  State state = State::kPending;
+  bool stream = false;    // received on a stream: no lease
+  bool pinned = false;    // located: stays in the arena until freed
+  bool detached = false;  // freed: out of its job's map, released once idle
+  // Requests using the slice without the lock (a reservation waiting for
+  // room, a stream writing it, a commit checking it, fetches reading it):
+  // while > 0 it neither moves nor goes.
+  int holds = 0;
+  bool has_block = false;
+  uint64_t offset = 0;  // region offset of the block
+  uint64_t block = 0;
+  std::string file;  // its spill file, if any
+  uint64_t file_bytes = 0;
+  uint32_t crc = 0;
+  absl::Time lease_end = absl::InfiniteFuture();
+  absl::Status io_error;  // of its last spill write or read-back
+};
+
+struct ActivationStore::JobEntry {
+  std::weak_ptr<const void> instance;
+  bool removed = false;
+  std::map<Id, std::shared_ptr<Slice>> slices;  // in spill order
+};
+
+bool ActivationStore::Id::operator<(const Id& o) const {
+  return std::tie(step, layer, micro_batch, rank, mp_rank, mp_size) <
+         std::tie(o.step, o.layer, o.micro_batch, o.rank, o.mp_rank, o.mp_size);
+}
+
+namespace {
+
+template <typename IdT>
+std::string Describe(const std::string& job, const IdT& id) {
+  return absl::StrCat("activation (step ", id.step, ", micro_batch ", id.micro_batch, ", layer ",
+                      id.layer, ", mp_rank ", id.mp_rank, " of ", id.mp_size, ") of job ", job,
+                      " rank ", id.rank);
+}
+
+bool SameInstance(const std::weak_ptr<const void>& a, const std::shared_ptr<const void>& b) {
+  return !a.owner_before(b) && !b.owner_before(a);
+}
+
+}  // namespace
+
+ActivationStore::Id ActivationStore::MakeId(const SliceOwner& owner, const SliceKey& key) {
+  return Id{key.step, key.layer, key.micro_batch, owner.rank, key.mp_rank, key.mp_size};
+}
+
+ActivationStore::ActivationStore(const Options& options, MemoryLedger* ledger,
+                                 ActivationMetrics* metrics)
+    : options_(options), ledger_(ledger), metrics_(metrics), allocator_(0, 0, 64) {}
+
+absl::StatusOr<std::unique_ptr<ActivationStore>> ActivationStore::Create(
+    const Options& options, transport::Transport* transport, MemoryLedger* ledger,
+    ActivationMetrics* metrics) {
+  if (options.arena_bytes == 0) {
+    return absl::InvalidArgumentError("--activation_arena_bytes: must be > 0 for an arena");
+  }
+  std::unique_ptr<ActivationStore> s(new ActivationStore(options, ledger, metrics));
+  if (!options.spill_dir.empty()) {
+    if (options.spill_bytes == 0) {
+      return absl::InvalidArgumentError("--spill_bytes: must be > 0 with --spill_dir");
+    }
+    ASSIGN_OR_RETURN(s->spill_dir_, SpillDirectory::Open(options.spill_dir));
+    ASSIGN_OR_RETURN(s->io_, SpillIo::Create(options.io_queue_depth));
+    if (s->spill_dir_->direct()) s->alignment_ = SpillDirectory::kDirectAlignment;
+  }
+  // One alignment unit more than asked for, so that the arena holds
+  // arena_bytes (rounded down to the alignment) wherever the region starts.
+  const uint64_t region_bytes = options.arena_bytes + s->alignment_;
+  s->region_bytes_ = region_bytes;
+  // Booked before anything is allocated: an arena over the limit costs nothing.
+  if (absl::Status st =
+          ledger->Reserve(kDaemonLedgerEntry, MemoryCategory::kActivation, region_bytes);
+      !st.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("--activation_arena_bytes=", options.arena_bytes, " does not fit the ",
+                     "daemon's --memory_limit=", ledger->limit(), ": ", st.message()));
+  }
+  auto unbook = absl::MakeCleanup([&] {
+    ledger->Release(kDaemonLedgerEntry, MemoryCategory::kActivation, region_bytes);
+    ledger->RemoveJobIfEmpty(kDaemonLedgerEntry);
+  });
+  if (transport != nullptr) {
+    absl::StatusOr<std::unique_ptr<transport::Region>> region =
+        transport->AllocateRegion(region_bytes, transport::Access::kRemoteReadWrite);
+    if (!region.ok()) {
+      return absl::Status(region.status().code(),
+                          absl::StrCat("--activation_arena_bytes: ", region.status().message()));
+    }
+    s->region_ = *std::move(region);
+    s->base_ = static_cast<char*>(s->region_->base());
+  } else {
+    // Untouched pages cost nothing until a slice lands on them.
+    void* m = ::mmap(nullptr, region_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                     -1, 0);
+    if (m == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("--activation_arena_bytes: cannot map ", Bytes(region_bytes)));
+    }
+    s->memory_ = m;
+    s->base_ = static_cast<char*>(m);
+  }
+  std::move(unbook).Cancel();
+  const uint64_t address = reinterpret_cast<uintptr_t>(s->base_);
+  s->skew_ = (s->alignment_ - address % s->alignment_) % s->alignment_;
+  {
+    absl::MutexLock lock(&s->mu_);
+    s->allocator_ = ArenaAllocator(0, options.arena_bytes, s->alignment_);
+    s->capacity_ = s->allocator_.capacity();
+    // The region's edges outside the aligned arena count as fragmentation.
+    s->SyncFreeBookingLocked();
+  }
+  if (options.janitor_period > absl::ZeroDuration()) {
+    s->janitor_ = std::thread([p = s.get()] { p->RunJanitor(); });
+  }
+  return s;
+}
+
+ActivationStore::~ActivationStore() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (janitor_.joinable()) janitor_.join();
+  // Every file I/O in flight completes (its callback takes mu_) first.
+  io_.reset();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, entry] : jobs_) {
+      std::vector<std::shared_ptr<Slice>> all;
+      for (auto& [key, slice] : entry.slices) all.push_back(slice);
+      for (const auto& slice : all) {
+        slice->holds = 0;  // nobody is left to let go of it
+        DropLocked(entry, slice);
+      }
+    }
+    jobs_.clear();
+  }
+  RemoveDroppedFiles();
+  ledger_->Release(kDaemonLedgerEntry, MemoryCategory::kActivation, region_bytes_);
+  ledger_->Release(kDaemonLedgerEntry, MemoryCategory::kFragmentation, region_bytes_);
+  ledger_->RemoveJobIfEmpty(kDaemonLedgerEntry);
+  region_.reset();
+  if (memory_ != nullptr) ::munmap(memory_, region_bytes_);
+  spill_dir_.reset();
+}
+
+// ---- Bookkeeping (under mu_) ----
+
+void ActivationStore::SyncFreeBookingLocked() {
+  const uint64_t target = allocator_.fragmentation() + (region_bytes_ - capacity_);
+  if (target > booked_fragmentation_) {
+    ledger_->Move(kDaemonLedgerEntry, MemoryCategory::kActivation, kDaemonLedgerEntry,
+                  MemoryCategory::kFragmentation, target - booked_fragmentation_);
+  } else if (target < booked_fragmentation_) {
+    ledger_->Move(kDaemonLedgerEntry, MemoryCategory::kFragmentation, kDaemonLedgerEntry,
+                  MemoryCategory::kActivation, booked_fragmentation_ - target);
+  }
+  booked_fragmentation_ = target;
+}
+
+bool ActivationStore::AllocateBlockLocked(Slice& slice) {
+  std::optional<uint64_t> at = allocator_.Allocate(slice.bytes);
+  if (!at.has_value()) return false;
+  slice.has_block = true;
+  slice.offset = skew_ + *at;
+  slice.block = allocator_.BlockSize(*at);
+  ledger_->Move(kDaemonLedgerEntry, MemoryCategory::kActivation, slice.job,
+                MemoryCategory::kActivation, slice.block);
+  SyncFreeBookingLocked();
+  return true;
+}
+
+void ActivationStore::FreeBlockLocked(Slice& slice) {
+  if (!slice.has_block) return;
+  allocator_.Free(slice.offset - skew_);
+  slice.has_block = false;
+  ledger_->Move(slice.job, MemoryCategory::kActivation, kDaemonLedgerEntry,
+                MemoryCategory::kActivation, slice.block);
+  SyncFreeBookingLocked();
+}
+
+void ActivationStore::DropFileLocked(Slice& slice) {
+  if (slice.file.empty()) return;
+  spill_used_ -= std::min(spill_used_, slice.file_bytes);
+  --spill_files_;
+  dropped_files_.push_back(std::move(slice.file));
+  slice.file.clear();
+}
+
+void ActivationStore::ReleaseIfIdleLocked(Slice& slice) {
+  if (!slice.detached || slice.holds > 0 || slice.state == Slice::State::kSpilling ||
+      slice.state == Slice::State::kReading) {
+    return;
+  }
+  FreeBlockLocked(slice);
+  DropFileLocked(slice);
+}
+
+void ActivationStore::DropLocked(JobEntry& entry, const std::shared_ptr<Slice>& slice) {
+  auto it = entry.slices.find(slice->id);
+  if (it != entry.slices.end() && it->second == slice) entry.slices.erase(it);
+  slice->detached = true;
+  ReleaseIfIdleLocked(*slice);
+  NotifyLocked();
+}
+
+void ActivationStore::NotifyLocked() {
+  ++generation_;
+  changed_.SignalAll();
+}
+
+void ActivationStore::RemoveDroppedFiles() {
+  std::vector<std::string> files;
+  {
+    absl::MutexLock lock(&mu_);
+    files.swap(dropped_files_);
+  }
+  for (const std::string& f : files) SpillDirectory::Remove(f);
+}
+
+absl::StatusOr<ActivationStore::JobEntry*> ActivationStore::EntryLocked(const SliceOwner& owner) {
+  auto [it, inserted] = jobs_.try_emplace(owner.job_id);
+  JobEntry& e = it->second;
+  if (inserted) {
+    e.instance = owner.instance;
+    return &e;
+  }
+  if (SameInstance(e.instance, owner.instance)) {
+    if (e.removed) {
+      return absl::NotFoundError(absl::StrCat("job ", owner.job_id, " was removed from this daemon"));
+    }
+    return &e;
+  }
+  if (!e.removed && !e.instance.expired()) {
+    // The entry's instance is live: the job was removed (its entry became a
+    // tombstone) before this one was registered, so the caller is the older.
+    return absl::NotFoundError(absl::StrCat(
+        "job ", owner.job_id, " was removed from this daemon and registered again since"));
+  }
+  // The job was registered again: the old instance's slices went with it.
+  std::vector<std::shared_ptr<Slice>> old;
+  for (auto& [id, slice] : e.slices) old.push_back(slice);
+  for (const auto& slice : old) DropLocked(e, slice);
+  e.instance = owner.instance;
+  e.removed = false;
+  return &e;
+}
+
+absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::FindLocked(
+    const SliceOwner& owner, const SliceKey& key) {
+  ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
+  const Id id = MakeId(owner, key);
+  auto it = entry->slices.find(id);
+  if (it == entry->slices.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("key: no ", Describe(owner.job_id, id), " is stored here (never offloaded, ",
+                     "freed, or a reservation not committed within its lease)"));
+  }
+  return it->second;
+}
+
+std::string ActivationStore::NoRoomMessage(uint64_t bytes, uint64_t block) const {
+  std::string spill =
+      spill_dir_ == nullptr
+          ? std::string("the spill space is 0 (no --spill_dir)")
+          : absl::StrCat("the spill space (--spill_bytes=", options_.spill_bytes, " under ",
+                         spill_dir_->dir(), ") has ",
+                         Bytes(options_.spill_bytes - std::min(options_.spill_bytes, spill_used_)),
+                         " free");
+  return absl::StrCat("activation slice of ", Bytes(bytes), " (a block of ", block,
+                      " B) does not fit: the arena (--activation_arena_bytes=",
+                      options_.arena_bytes, ") has ", Bytes(allocator_.free_bytes()),
+                      " free, its largest free block ", Bytes(allocator_.largest_free()),
+                      ", and the rest is held by slices that cannot move (pinned, reserved, ",
+                      "being read, or other jobs'); ", spill,
+                      ". Free earlier steps' activations, or give the daemon a larger arena ",
+                      "or spill space");
+}
+
+absl::Status ActivationStore::PlanRoomLocked(const JobEntry& entry, uint64_t block,
+                                             const Slice* exclude, uint64_t slice_bytes,
+                                             std::vector<std::shared_ptr<Slice>>* victims) const {
+  victims->clear();
+  ArenaAllocator plan = allocator_;
+  for (const Slice* s : spilling_) {
+    if (!s->pinned && s->holds == 0) plan.Free(s->offset - skew_);
+  }
+  if (plan.Fits(slice_bytes)) return absl::OkStatus();  // the writes in flight make room
+  if (spill_dir_ != nullptr) {
+    uint64_t spill_free = options_.spill_bytes - std::min(options_.spill_bytes, spill_used_);
+    for (const auto& [id, s] : entry.slices) {
+      // Slices being read back (prefetched) can move once they are in:
+      // counted here, spilled by a later plan once the caller has waited.
+      const bool reading = s->state == Slice::State::kReading;
+      if (s.get() == exclude || (s->state != Slice::State::kStored && !reading) || s->pinned ||
+          s->holds > 0) {
+        continue;
+      }
+      const uint64_t file_bytes = spill_dir_->direct() ? s->block : s->bytes;
+      if (file_bytes > spill_free) continue;
+      plan.Free(s->offset - skew_);
+      spill_free -= file_bytes;
+      if (!reading) victims->push_back(s);
+      if (plan.Fits(slice_bytes)) return absl::OkStatus();
+    }
+  }
+  victims->clear();
+  return absl::ResourceExhaustedError(NoRoomMessage(slice_bytes, block));
+}
+
+std::vector<ActivationStore::IoStart> ActivationStore::BeginSpillsLocked(
+    const std::vector<std::shared_ptr<Slice>>& victims) {
+  std::vector<IoStart> io;
+  for (const auto& v : victims) {
+    v->state = Slice::State::kSpilling;
+    v->io_error = absl::OkStatus();
+    v->file = spill_dir_->NewPath();
+    v->file_bytes = spill_dir_->direct() ? v->block : v->bytes;
+    spill_used_ += v->file_bytes;
+    ++spill_files_;
+    spilling_.insert(v.get());
+    IoStart start;
+    start.slice = v;
+    start.write = true;
+    start.path = v->file;
+    start.address = base_ + v->offset;
+    start.length = v->file_bytes;
+    io.push_back(std::move(start));
+  }
+  return io;
+}
+
+ActivationStore::IoStart ActivationStore::BeginReadLocked(const std::shared_ptr<Slice>& slice) {
+  IoStart start;
+  if (!AllocateBlockLocked(*slice)) return start;  // the caller checked Fits
+  slice->state = Slice::State::kReading;
+  slice->io_error = absl::OkStatus();
+  ++reading_;
+  start.slice = slice;
+  start.path = slice->file;
+  start.address = base_ + slice->offset;
+  start.length = slice->file_bytes;
+  start.crc_bytes = slice->bytes;
+  start.crc = slice->crc;
+  return start;
+}
+
+// ---- File I/O (no lock held) ----
+
+void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
+  for (IoStart& r : io) {
+    if (r.slice == nullptr) continue;
+    absl::StatusOr<int> fd =
+        r.write ? spill_dir_->OpenForWrite(r.path) : spill_dir_->OpenForRead(r.path);
+    if (!fd.ok()) {
+      if (r.write) {
+        OnSpillWritten(r.slice, fd.status());
+      } else {
+        OnReadBack(r.slice, fd.status(), false);
+      }
+      continue;
+    }
+    const int file = *fd;
+    const std::shared_ptr<Slice> slice = r.slice;
+    absl::Status queued;
+    if (r.write) {
+      queued = io_->Write(file, r.address, r.length, deadline, [this, slice, file](absl::Status s) {
+        ::close(file);
+        OnSpillWritten(slice, std::move(s));
+      });
+    } else {
+      const char* address = r.address;
+      const uint64_t crc_bytes = r.crc_bytes;
+      const uint32_t crc = r.crc;
+      queued = io_->Read(file, r.address, r.length, deadline,
+                         [this, slice, file, address, crc_bytes, crc](absl::Status s) {
+                           ::close(file);
+                           // The checksum is taken here, on the I/O thread, not under
+                           // the store's lock.
+                           const bool crc_ok = s.ok() && Crc32c(address, crc_bytes) == crc;
+                           OnReadBack(slice, std::move(s), crc_ok);
+                         });
+    }
+    if (!queued.ok()) {
+      ::close(file);
+      if (r.write) {
+        OnSpillWritten(slice, queued);
+      } else {
+        OnReadBack(slice, queued, false);
+      }
+    }
+  }
+}
+
+void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status) {
+  std::string failure;
+  {
+    absl::MutexLock lock(&mu_);
+    spilling_.erase(slice.get());
+    slice->state = Slice::State::kStored;
+    if (!status.ok()) {
+      failure = absl::StrCat("spilling ", Describe(slice->job, slice->id), " to ", slice->file,
+                             " failed (it stays in memory): ", status.message());
+      slice->io_error = status;
+      DropFileLocked(*slice);
+    } else if (slice->detached) {
+      // Freed meanwhile: ReleaseIfIdleLocked below frees the block and file.
+    } else if (slice->pinned || slice->holds > 0) {
+      // Located or being fetched meanwhile: it stays where it is.
+      DropFileLocked(*slice);
+    } else {
+      FreeBlockLocked(*slice);
+      slice->state = Slice::State::kSpilled;
+      if (metrics_ != nullptr) metrics_->RecordSpill(slice->job, slice->bytes);
+    }
+    ReleaseIfIdleLocked(*slice);
+    NotifyLocked();
+  }
+  if (!failure.empty()) Log(failure);
+  RemoveDroppedFiles();
+}
+
+void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status,
+                                 bool crc_ok) {
+  {
+    absl::MutexLock lock(&mu_);
+    --reading_;
+    if (!status.ok()) {
+      FreeBlockLocked(*slice);
+      slice->state = Slice::State::kSpilled;
+      slice->io_error = absl::Status(
+          status.code(), absl::StrCat("reading ", Describe(slice->job, slice->id), " back from ",
+                                      slice->file, ": ", status.message()));
+    } else if (!crc_ok) {
+      slice->io_error = absl::DataLossError(absl::StrCat(
+          Describe(slice->job, slice->id), ": its spill file ", slice->file,
+          " no longer holds its bytes (CRC-32C mismatch); offload it again"));
+      FreeBlockLocked(*slice);
+      DropFileLocked(*slice);
+      slice->state = Slice::State::kCorrupt;
+    } else {
+      DropFileLocked(*slice);
+      slice->state = Slice::State::kStored;
+    }
+    ReleaseIfIdleLocked(*slice);
+    NotifyLocked();
+  }
+  RemoveDroppedFiles();
+}
+
+// ---- Reservations ----
+
+absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::ReserveSlice(
+    const SliceOwner& owner, const SliceKey& key, uint64_t bytes, bool stream,
+    absl::Time deadline) {
+  if (bytes == 0) return absl::InvalidArgumentError("bytes: must be >= 1");
+  if (bytes > capacity_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bytes: ", Bytes(bytes), " is more than the activation arena holds (",
+        "--activation_arena_bytes=", options_.arena_bytes, ", ", capacity_, " B usable)"));
+  }
+  auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
+  std::shared_ptr<Slice> slice;
+  std::vector<std::shared_ptr<Slice>> victims;
+  std::vector<IoStart> io;
+  uint64_t seen = 0;  // generation_ when the room was planned
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
+    const Id id = MakeId(owner, key);
+    if (auto it = entry->slices.find(id); it != entry->slices.end()) {
+      const Slice::State st = it->second->state;
+      return absl::AlreadyExistsError(absl::StrCat(
+          "key: ", Describe(owner.job_id, id), " is already ",
+          st == Slice::State::kPending || st == Slice::State::kReserved ? "reserved" : "stored",
+          "; free it first"));
+    }
+    slice = std::make_shared<Slice>();
+    slice->id = id;
+    slice->job = owner.job_id;
+    slice->bytes = bytes;
+    slice->stream = stream;
+    if (!AllocateBlockLocked(*slice)) {
+      RETURN_IF_ERROR(PlanRoomLocked(*entry, allocator_.RoundUp(bytes), nullptr, bytes, &victims));
+      io = BeginSpillsLocked(victims);
+      slice->state = Slice::State::kPending;
+      slice->holds = 1;  // this request's, until it has a block
+      entry->slices.emplace(id, slice);
+      seen = generation_;
+    } else {
+      slice->state = Slice::State::kReserved;
+      slice->holds = stream ? 1 : 0;
+      slice->lease_end = absl::Now() + options_.reservation_lease;
+      entry->slices.emplace(id, slice);
+      return slice;
+    }
+  }
+  for (;;) {
+    StartIo(std::move(io), deadline);
+    io.clear();
+    absl::MutexLock lock(&mu_);
+    auto busy = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (slice->detached) return false;
+      for (const auto& v : victims) {
+        if (v->state == Slice::State::kSpilling) return true;
+      }
+      return false;
+    };
+    bool timed_out = false;
+    if (victims.empty()) {
+      // Room comes from writes already in flight: wait for any change.
+      while (generation_ == seen && !slice->detached && !timed_out) {
+        timed_out = changed_.WaitWithDeadline(&mu_, deadline);
+      }
+    } else {
+      while (busy() && !timed_out) timed_out = changed_.WaitWithDeadline(&mu_, deadline);
+    }
+    auto give_up = [&](absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      slice->holds = 0;
+      if (!slice->detached) DropLocked(jobs_.at(slice->job), slice);
+      return status;
+    };
+    if (slice->detached) {
+      return give_up(absl::NotFoundError(absl::StrCat(
+          "key: ", Describe(owner.job_id, slice->id),
+          " was freed (or its job removed) while its reservation waited for room")));
+    }
+    if (AllocateBlockLocked(*slice)) {
+      slice->state = Slice::State::kReserved;
+      slice->holds = stream ? 1 : 0;
+      slice->lease_end = absl::Now() + options_.reservation_lease;
+      NotifyLocked();
+      return slice;
+    }
+    for (const auto& v : victims) {
+      if (!v->io_error.ok()) {
+        return give_up(absl::Status(v->io_error.code(),
+                                    absl::StrCat("making room for ", Describe(owner.job_id, slice->id),
+                                                 ": ", v->io_error.message())));
+      }
+    }
+    if (timed_out || absl::Now() >= deadline) {
+      return give_up(absl::DeadlineExceededError(absl::StrCat(
+          "waiting for spill writes to make room for ", Describe(owner.job_id, slice->id))));
+    }
+    if (absl::Status s = PlanRoomLocked(jobs_.at(slice->job), allocator_.RoundUp(bytes),
+                                        slice.get(), bytes, &victims);
+        !s.ok()) {
+      return give_up(s);
+    }
+    io = BeginSpillsLocked(victims);
+    seen = generation_;
+  }
+}
+
+absl::StatusOr<SlicePlacement> ActivationStore::Reserve(const SliceOwner& owner,
+                                                        const SliceKey& key, uint64_t bytes,
+                                                        absl::Time deadline) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Slice> slice, ReserveSlice(owner, key, bytes, false, deadline));
+  absl::MutexLock lock(&mu_);
+  SlicePlacement p;
+  p.offset = slice->offset;
+  p.bytes = slice->bytes;
+  return p;
+}
+
+absl::StatusOr<std::unique_ptr<ActivationStore::Incoming>> ActivationStore::ReserveIncoming(
+    const SliceOwner& owner, const SliceKey& key, uint64_t bytes, absl::Time deadline) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Slice> slice, ReserveSlice(owner, key, bytes, true, deadline));
+  uint64_t offset;
+  {
+    absl::MutexLock lock(&mu_);
+    offset = slice->offset;  // fixed while the stream holds it
+  }
+  return std::unique_ptr<Incoming>(new Incoming(this, slice, base_ + offset, bytes));
+}
+
+ActivationStore::Incoming::~Incoming() {
+  if (!done_) store_->AbandonIncoming(slice_);
+}
+
+absl::Status ActivationStore::Incoming::Commit(uint32_t crc32c) {
+  done_ = true;
+  return store_->CommitIncoming(slice_, crc32c);
+}
+
+absl::Status ActivationStore::CommitIncoming(const std::shared_ptr<Slice>& slice,
+                                             uint32_t crc32c) {
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    slice->holds = 0;
+    if (slice->detached) {
+      ReleaseIfIdleLocked(*slice);
+      status = absl::NotFoundError(absl::StrCat(
+          "key: ", Describe(slice->job, slice->id),
+          " was freed (or its job removed) while it was being received"));
+    } else {
+      slice->crc = crc32c;
+      slice->state = Slice::State::kStored;
+      NotifyLocked();
+    }
+  }
+  RemoveDroppedFiles();
+  return status;
+}
+
+void ActivationStore::AbandonIncoming(const std::shared_ptr<Slice>& slice) {
+  {
+    absl::MutexLock lock(&mu_);
+    slice->holds = 0;
+    if (slice->detached) {
+      ReleaseIfIdleLocked(*slice);
+    } else {
+      DropLocked(jobs_.at(slice->job), slice);
+    }
+  }
+  RemoveDroppedFiles();
+}
+
+absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const SliceKey& key,
+                                                 uint32_t crc32c) {
+  auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
+  std::shared_ptr<Slice> slice;
+  const char* data = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(slice, FindLocked(owner, key));
+    const std::string what = Describe(owner.job_id, slice->id);
+    switch (slice->state) {
+      case Slice::State::kReserved:
+        if (slice->stream) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("key: ", what, " is being received on an OffloadActivation stream"));
+        }
+        slice->state = Slice::State::kCommitting;
+        ++slice->holds;
+        data = base_ + slice->offset;
+        break;
+      case Slice::State::kPending:
+        return absl::FailedPreconditionError(
+            absl::StrCat("key: ", what, " is still waiting for room; commit after the reserve returns"));
+      case Slice::State::kCommitting:
+        return absl::FailedPreconditionError(
+            absl::StrCat("key: a commit of ", what, " is in progress"));
+      case Slice::State::kCorrupt:
+        return slice->io_error;
+      default:
+        if (slice->crc == crc32c) return slice->bytes;  // committed with these bytes already
+        return absl::AlreadyExistsError(absl::StrFormat(
+            "key: %s is stored with CRC-32C %08x; this commit names %08x", what, slice->crc,
+            crc32c));
+    }
+  }
+  // The checksum of what the trainer put, with no lock held: the block is
+  // this request's while the slice is kCommitting.
+  const uint32_t actual = Crc32c(data, slice->bytes);
+  absl::MutexLock lock(&mu_);
+  --slice->holds;
+  if (slice->detached) {
+    ReleaseIfIdleLocked(*slice);
+    return absl::NotFoundError(absl::StrCat("key: ", Describe(owner.job_id, slice->id),
+                                            " was freed while its commit was being checked"));
+  }
+  if (actual != crc32c) {
+    DropLocked(jobs_.at(slice->job), slice);
+    return absl::DataLossError(absl::StrFormat(
+        "crc32c: the %d bytes put for %s have CRC-32C %08x, the commit names %08x (corrupted "
+        "or incomplete put); the reservation is dropped, reserve and put again",
+        slice->bytes, Describe(owner.job_id, slice->id), actual, crc32c));
+  }
+  slice->crc = crc32c;
+  slice->state = Slice::State::kStored;
+  NotifyLocked();
+  return slice->bytes;
+}
+
+// ---- Fetches ----
+
+absl::Status ActivationStore::EnsureInArena(const std::shared_ptr<Slice>& slice,
+                                            absl::Time deadline, bool* missed) {
+  *missed = false;
+  bool read_started = false;
+  for (;;) {
+    if (slice->detached) {
+      return absl::NotFoundError(absl::StrCat("key: ", Describe(slice->job, slice->id),
+                                              " was freed meanwhile"));
+    }
+    std::vector<IoStart> io;
+    std::vector<std::shared_ptr<Slice>> victims;
+    switch (slice->state) {
+      case Slice::State::kStored:
+      case Slice::State::kSpilling:  // still in the arena; the write leaves it there
+        return absl::OkStatus();
+      case Slice::State::kPending:
+      case Slice::State::kReserved:
+      case Slice::State::kCommitting:
+        return absl::FailedPreconditionError(absl::StrCat(
+            "key: ", Describe(slice->job, slice->id), " is reserved but not committed"));
+      case Slice::State::kCorrupt:
+        return slice->io_error;
+      case Slice::State::kReading:
+        *missed = true;
+        if (changed_.WaitWithDeadline(&mu_, deadline)) {
+          return absl::DeadlineExceededError(absl::StrCat(
+              "waiting for ", Describe(slice->job, slice->id), " to be read back from its spill file"));
+        }
+        continue;
+      case Slice::State::kSpilled:
+        *missed = true;
+        if (read_started && !slice->io_error.ok()) return slice->io_error;
+        if (allocator_.Fits(slice->bytes)) {
+          io.push_back(BeginReadLocked(slice));
+          read_started = true;
+        } else {
+          RETURN_IF_ERROR(PlanRoomLocked(jobs_.at(slice->job), allocator_.RoundUp(slice->bytes),
+                                         slice.get(), slice->bytes, &victims));
+          io = BeginSpillsLocked(victims);
+        }
+        break;
+    }
+    const uint64_t seen = generation_;
+    mu_.Unlock();
+    StartIo(std::move(io), deadline);
+    mu_.Lock();
+    if (read_started) continue;  // kReading now (or done): the top of the loop waits
+    // Waiting for room: for the victims' writes, or (none chosen) for the
+    // writes already in flight to change anything.
+    bool timed_out = false;
+    auto waiting = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (slice->detached) return false;
+      if (victims.empty()) return generation_ == seen;
+      for (const auto& v : victims) {
+        if (v->state == Slice::State::kSpilling) return true;
+      }
+      return false;
+    };
+    while (waiting() && !timed_out) timed_out = changed_.WaitWithDeadline(&mu_, deadline);
+    for (const auto& v : victims) {
+      if (!v->io_error.ok()) {
+        return absl::Status(v->io_error.code(),
+                            absl::StrCat("making room to read ", Describe(slice->job, slice->id),
+                                         " back: ", v->io_error.message()));
+      }
+    }
+    if (timed_out && !allocator_.Fits(slice->bytes)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "waiting for room to read ", Describe(slice->job, slice->id), " back"));
+    }
+  }
+}
+
+absl::StatusOr<SlicePlacement> ActivationStore::Locate(const SliceOwner& owner,
+                                                       const SliceKey& key, absl::Time deadline) {
+  auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
+  SlicePlacement p;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(std::shared_ptr<Slice> slice, FindLocked(owner, key));
+    bool missed = false;
+    RETURN_IF_ERROR(EnsureInArena(slice, deadline, &missed));
+    slice->pinned = true;
+    p.offset = slice->offset;
+    p.bytes = slice->bytes;
+    p.crc32c = slice->crc;
+    p.was_spilled = missed;
+  }
+  if (metrics_ != nullptr) {
+    p.was_spilled ? metrics_->RecordMiss(owner.job_id) : metrics_->RecordHit(owner.job_id);
+  }
+  return p;
+}
+
+absl::Status ActivationStore::Fetch(const SliceOwner& owner, const SliceKey& key,
+                                    absl::Time deadline, uint64_t chunk_bytes,
+                                    const FetchWriter& write) {
+  auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
+  std::shared_ptr<Slice> slice;
+  SlicePlacement p;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(slice, FindLocked(owner, key));
+    bool missed = false;
+    RETURN_IF_ERROR(EnsureInArena(slice, deadline, &missed));
+    ++slice->holds;  // keeps the block in place while the pieces are sent
+    p.offset = slice->offset;
+    p.bytes = slice->bytes;
+    p.crc32c = slice->crc;
+    p.was_spilled = missed;
+  }
+  if (metrics_ != nullptr) {
+    p.was_spilled ? metrics_->RecordMiss(owner.job_id) : metrics_->RecordHit(owner.job_id);
+  }
+  absl::Status status;
+  const uint64_t step = std::max<uint64_t>(chunk_bytes, 1);
+  for (uint64_t off = 0; off < p.bytes; off += step) {
+    const uint64_t n = std::min(step, p.bytes - off);
+    if (!write(p, off, absl::string_view(base_ + p.offset + off, n))) {
+      status = absl::CancelledError("the client stopped reading the fetch stream");
+      break;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  --slice->holds;
+  ReleaseIfIdleLocked(*slice);
+  NotifyLocked();
+  return status;
+}
+
+absl::StatusOr<uint32_t> ActivationStore::Prefetch(const SliceOwner& owner,
+                                                   const std::vector<SliceKey>& keys,
+                                                   absl::Time deadline) {
+  std::vector<IoStart> io;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
+    for (const SliceKey& key : keys) {
+      auto it = entry->slices.find(MakeId(owner, key));
+      if (it == entry->slices.end()) continue;
+      const std::shared_ptr<Slice>& s = it->second;
+      if (s->state != Slice::State::kSpilled || !allocator_.Fits(s->bytes)) continue;
+      io.push_back(BeginReadLocked(s));
+    }
+  }
+  const uint32_t started = static_cast<uint32_t>(io.size());
+  StartIo(std::move(io), deadline);
+  return started;
+}
+
+// ---- Frees ----
+
+absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
+    const SliceOwner& owner, const std::function<bool(const Id&)>& match) {
+  auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
+  std::vector<std::shared_ptr<Slice>> doomed;
+  for (const auto& [id, slice] : entry->slices) {
+    if (id.rank == owner.rank && match(id)) doomed.push_back(slice);
+  }
+  Freed freed;
+  for (const auto& slice : doomed) {
+    ++freed.slices;
+    freed.bytes += slice->bytes;
+    DropLocked(*entry, slice);
+  }
+  return freed;
+}
+
+absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeKey(const SliceOwner& owner,
+                                                                const SliceKey& key) {
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(FindLocked(owner, key).status());
+  }
+  const Id want = MakeId(owner, key);
+  ASSIGN_OR_RETURN(Freed freed, FreeMatching(owner, [&](const Id& id) {
+                     return !(id < want) && !(want < id);
+                   }));
+  if (freed.slices == 0) {  // freed by someone else in between
+    return absl::NotFoundError(absl::StrCat("key: no ", Describe(owner.job_id, want),
+                                            " is stored here"));
+  }
+  return freed;
+}
+
+absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeStep(const SliceOwner& owner,
+                                                                 uint64_t step) {
+  return FreeMatching(owner, [step](const Id& id) { return id.step == step; });
+}
+
+absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeAll(const SliceOwner& owner) {
+  return FreeMatching(owner, [](const Id&) { return true; });
+}
+
+void ActivationStore::RemoveJob(const std::string& job_id,
+                                const std::shared_ptr<const void>& instance) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = jobs_.try_emplace(job_id);
+    JobEntry& e = it->second;
+    if (!inserted && !SameInstance(e.instance, instance) && !e.removed && !e.instance.expired()) {
+      return;  // a newer instance of the job holds the entry
+    }
+    std::vector<std::shared_ptr<Slice>> all;
+    for (auto& [id, slice] : e.slices) all.push_back(slice);
+    for (const auto& slice : all) DropLocked(e, slice);
+    // Kept as a tombstone, so that a request of the removed instance still
+    // in flight stores nothing; pruned once the instance is gone.
+    e.instance = instance;
+    e.removed = true;
+  }
+  RemoveDroppedFiles();
+}
+
+void ActivationStore::Tick() {
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      JobEntry& e = it->second;
+      std::vector<std::shared_ptr<Slice>> expired;
+      for (const auto& [id, slice] : e.slices) {
+        if (slice->state == Slice::State::kReserved && !slice->stream && slice->holds == 0 &&
+            slice->lease_end <= now) {
+          expired.push_back(slice);
+        }
+      }
+      for (const auto& slice : expired) DropLocked(e, slice);
+      if (e.slices.empty() && e.instance.expired()) {
+        it = jobs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  RemoveDroppedFiles();
+}
+
+void ActivationStore::RunJanitor() {
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping), options_.janitor_period)) return;
+    }
+    Tick();
+  }
+}
+
+// ---- Introspection ----
+
+void ActivationStore::FillRegion(v1::ExchangeEndpointResponse* response) const {
+  if (region_ == nullptr) return;
+  v1::RemoteRegion* r = response->add_regions();
+  r->set_purpose(v1::REGION_PURPOSE_ACTIVATION_ARENA);
+  r->set_address(region_->Descriptor().address);
+  r->set_length(region_->Descriptor().length);
+  r->set_rkey(region_->Descriptor().rkey);
+}
+
+ActivationStore::Stats ActivationStore::GetStats() const {
+  absl::MutexLock lock(&mu_);
+  Stats s;
+  s.arena_free = allocator_.free_bytes();
+  s.arena_largest_free = allocator_.largest_free();
+  s.fragmentation = allocator_.fragmentation();
+  s.spill_used = spill_used_;
+  s.spill_files = spill_files_;
+  for (const auto& [id, e] : jobs_) s.slices += e.slices.size();
+  s.in_flight = spilling_.size() + reading_;
+  return s;
+}
+
+uint64_t ActivationStore::StateHash() const {
+  absl::MutexLock lock(&mu_);
+  uint64_t h = kFnv1aOffset;
+  allocator_.Hash(h);
+  HashValue(h, spill_used_);
+  for (const auto& [job, e] : jobs_) {
+    if (e.slices.empty()) continue;  // an entry alone holds nothing
+    Fnv1aMix(h, job.data(), job.size());
+    for (const auto& [id, s] : e.slices) {
+      HashValue(h, id.step);
+      HashValue(h, id.layer);
+      HashValue(h, id.micro_batch);
+      HashValue(h, id.rank);
+      HashValue(h, id.mp_rank);
+      HashValue(h, id.mp_size);
+      HashValue(h, s->state);
+      HashValue(h, s->bytes);
+      HashValue(h, s->has_block);
+      HashValue(h, s->offset);
+      HashValue(h, s->pinned);
+      HashValue(h, s->crc);
+      HashValue(h, s->file_bytes);
+    }
+  }
+  return h;
+}
+
+}  // namespace zeroshard

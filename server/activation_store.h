@@ -1,0 +1,354 @@
+#pragma once
+
+// A daemon's activation checkpoints (ZeRO-R P_a+cpu; the wire API is
+// proto/zeroshard/v1/activation.proto, served by ActivationService).
+//
+// Memory: one arena of --activation_arena_bytes, in a region allocated once
+// at start through the bulk transport (remote read and write, handed out as
+// the ACTIVATION_ARENA region) or as plain memory without one, one alignment
+// unit larger so that the arena can start aligned wherever the region does.
+// ArenaAllocator places slices in it. The ledger books the whole region at
+// start (the --memory_limit check applies then): each job's blocks as that
+// job's `activation`, the arena's largest free block as `activation` of
+// kDaemonLedgerEntry, and the rest of the free space, which no slice larger
+// than the largest block can use, as its `fragmentation` (with the region's
+// few bytes outside the aligned arena). So the jobs' activation bytes, the
+// free block and the fragmentation always add up to the region, and they
+// move between those entries without changing the total.
+//
+// Spill: with a SpillDirectory, a slice that does not fit makes room by
+// moving the same job's oldest stored slices (lowest step, then lowest
+// layer: backward fetches them last) to files, up to --spill_bytes; pinned,
+// reserved and busy slices never move. A fetch of a spilled slice reads it
+// back (a miss); a prefetch does so ahead of time. Files are removed when
+// their slice is read back or freed. With direct I/O, blocks are aligned to
+// SpillDirectory::kDirectAlignment so that they go to the files without a
+// copy; otherwise to 64 bytes.
+//
+// Slices are keyed by (job, rank, step, micro-batch, layer, mp_rank,
+// mp_size) and belong to one job instance: a job removed (every rank left)
+// loses all of them at once, and a job registered again under the same id is
+// a new instance that starts empty.
+//
+// Threads: every method is thread-safe. One lock guards the store's state;
+// no disk I/O, network I/O, waiting or checksum over a slice happens under
+// it. Waits (for room, for a read-back) end at the caller's deadline
+// (DeadlineExceeded; what was started goes on in the background and changes
+// nothing the caller relied on). File I/O completes on SpillIo's thread; a
+// janitor thread drops bulk reservations not committed within their lease.
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/zeroshard/v1/shard.pb.h"
+#include "server/activation_allocator.h"
+#include "server/activation_metrics.h"
+#include "server/activation_spill.h"
+#include "server/memory_ledger.h"
+#include "transport/transport.h"
+
+namespace zeroshard {
+
+// One slice of one activation checkpoint (activation.proto's ActivationKey).
+struct SliceKey {
+  uint64_t step = 0;
+  uint32_t micro_batch = 0;
+  uint32_t layer = 0;
+  uint32_t mp_rank = 0;
+  uint32_t mp_size = 1;
+};
+
+// Whose slices: a rank of one job instance. `instance` identifies the job
+// object (the daemon passes its Job); it is compared, never dereferenced.
+struct SliceOwner {
+  std::string job_id;
+  std::shared_ptr<const void> instance;
+  uint32_t rank = 0;
+};
+
+// Where a slice lies in the arena region.
+struct SlicePlacement {
+  uint64_t offset = 0;  // bytes from the start of the arena region
+  uint64_t bytes = 0;
+  uint32_t crc32c = 0;
+  bool was_spilled = false;  // read back from a spill file for this request
+};
+
+class ActivationStore {
+ private:
+  struct Slice;
+
+ public:
+  struct Options {
+    uint64_t arena_bytes = 0;  // > 0
+    std::string spill_dir;     // empty: no spilling
+    uint64_t spill_bytes = 0;  // bytes of spill files at most
+    // A bulk reservation not committed within this is dropped.
+    absl::Duration reservation_lease = absl::Seconds(30);
+    // How often the janitor looks for expired reservations; zero: no janitor
+    // thread (tests call Tick()).
+    absl::Duration janitor_period = absl::Milliseconds(100);
+    unsigned io_queue_depth = 64;
+  };
+
+  // Allocates the arena (through `transport` when not null, remote read and
+  // write) and books it in `ledger` (ResourceExhausted naming
+  // --activation_arena_bytes and --memory_limit when it does not fit); opens
+  // the spill directory (removing files of dead daemons) and its io_uring.
+  // `metrics` may be null. Everything borrowed must outlive the store.
+  static absl::StatusOr<std::unique_ptr<ActivationStore>> Create(
+      const Options& options, transport::Transport* transport, MemoryLedger* ledger,
+      ActivationMetrics* metrics);
+  // Waits for file I/O in flight, frees every slice, removes the spill files
+  // and releases the arena's booking.
+  ~ActivationStore();
+
+  // ---- The bulk path ----
+  // Allocates `bytes` for `key`, spilling the owner's job's oldest stored
+  // slices when the arena has no room, and waiting (until `deadline`) for
+  // those writes. ALREADY_EXISTS when the key is stored or reserved;
+  // INVALID_ARGUMENT for 0 bytes or more than the arena; RESOURCE_EXHAUSTED
+  // naming the arena and spill sizes when they cannot hold it (nothing
+  // changes); NOT_FOUND when the job instance was removed. The reservation
+  // is dropped unless committed within the reservation lease.
+  absl::StatusOr<SlicePlacement> Reserve(const SliceOwner& owner, const SliceKey& key,
+                                         uint64_t bytes, absl::Time deadline);
+  // Checks the CRC-32C of the reserved bytes (DATA_LOSS, and the
+  // reservation is dropped, on a mismatch) and stores the slice; returns its
+  // size. Committing a stored slice again with the same CRC-32C answers as
+  // the first commit did; with another, ALREADY_EXISTS. NOT_FOUND without a
+  // reservation (never made, expired or freed); FAILED_PRECONDITION while it
+  // waits for room or is being streamed.
+  absl::StatusOr<uint64_t> Commit(const SliceOwner& owner, const SliceKey& key, uint32_t crc32c);
+  // Brings the slice into the arena (reading it back from its spill file,
+  // making room like Reserve, waiting until `deadline`), pins it there until
+  // it is freed, and says where it is. NOT_FOUND for an unknown or freed
+  // key; FAILED_PRECONDITION for one not committed; DATA_LOSS when its spill
+  // file no longer holds its bytes.
+  absl::StatusOr<SlicePlacement> Locate(const SliceOwner& owner, const SliceKey& key,
+                                        absl::Time deadline);
+
+  // ---- The streaming path ----
+  // A slice received on a stream: its reserved arena bytes, which the one
+  // thread holding this writes with no lock. Destroying it uncommitted drops
+  // the reservation; it never expires meanwhile.
+  class Incoming {
+   public:
+    ~Incoming();
+    Incoming(const Incoming&) = delete;
+    Incoming& operator=(const Incoming&) = delete;
+    char* data() const { return data_; }
+    uint64_t bytes() const { return bytes_; }
+    // Stores the slice with `crc32c`, the checksum of the bytes written
+    // (computed by the caller as they came). NOT_FOUND when it was freed
+    // meanwhile (FreeActivations, or the job left).
+    absl::Status Commit(uint32_t crc32c);
+
+   private:
+    friend class ActivationStore;
+    Incoming(ActivationStore* store, std::shared_ptr<Slice> slice, char* data, uint64_t bytes)
+        : store_(store), slice_(std::move(slice)), data_(data), bytes_(bytes) {}
+    ActivationStore* const store_;
+    const std::shared_ptr<Slice> slice_;
+    char* const data_;
+    const uint64_t bytes_;
+    bool done_ = false;  // Commit was called
+  };
+  // Reserve for a stream: same rules and errors.
+  absl::StatusOr<std::unique_ptr<Incoming>> ReserveIncoming(const SliceOwner& owner,
+                                                            const SliceKey& key, uint64_t bytes,
+                                                            absl::Time deadline);
+  // Brings the slice into the arena like Locate (without pinning it), then
+  // calls `write` with consecutive pieces of at most `chunk_bytes` (>= 1),
+  // with no lock held; the slice stays in place until the last returns.
+  // `write` returning false stops with CANCELLED. Errors as Locate.
+  using FetchWriter = std::function<bool(const SlicePlacement& slice, uint64_t offset,
+                                         absl::string_view data)>;
+  absl::Status Fetch(const SliceOwner& owner, const SliceKey& key, absl::Time deadline,
+                     uint64_t chunk_bytes, const FetchWriter& write);
+
+  // ---- Both ----
+  // Starts reading the given spilled slices back into the arena, in order,
+  // while there is room without spilling anything; unknown keys and slices
+  // not spilled are skipped. Returns how many read-backs started (each
+  // completes in the background). Blocks only to queue the reads, at most
+  // until `deadline`.
+  absl::StatusOr<uint32_t> Prefetch(const SliceOwner& owner, const std::vector<SliceKey>& keys,
+                                    absl::Time deadline);
+  struct Freed {
+    uint32_t slices = 0;
+    uint64_t bytes = 0;  // the slices' sizes
+  };
+  // Frees one key (NOT_FOUND when unknown), every key of the owner's rank at
+  // `step`, or every slice of the owner's rank. Reservations go too. Spill
+  // files are removed (after the store's lock is released).
+  absl::StatusOr<Freed> FreeKey(const SliceOwner& owner, const SliceKey& key);
+  absl::StatusOr<Freed> FreeStep(const SliceOwner& owner, uint64_t step);
+  absl::StatusOr<Freed> FreeAll(const SliceOwner& owner);
+
+  // Frees every slice of the job instance and refuses its later requests
+  // (NOT_FOUND). A newer instance under the same id is left alone. Call it
+  // before a newer instance can exist (JobManager::Options::on_remove).
+  void RemoveJob(const std::string& job_id, const std::shared_ptr<const void>& instance);
+
+  // One janitor pass (exposed for tests): drops bulk reservations past their
+  // lease.
+  void Tick();
+
+  // Adds the ACTIVATION_ARENA region (with a transport).
+  void FillRegion(v1::ExchangeEndpointResponse* response) const;
+  // Bytes a slice may have: the arena's usable size (arena_bytes rounded
+  // down to the alignment).
+  uint64_t capacity() const { return capacity_; }
+  uint64_t arena_bytes() const { return options_.arena_bytes; }
+  // The region's size, all booked: the arena and one alignment unit, of
+  // which what lies outside the aligned arena counts as fragmentation.
+  uint64_t region_bytes() const { return region_bytes_; }
+  uint64_t spill_capacity() const { return spill_dir_ == nullptr ? 0 : options_.spill_bytes; }
+  // The arena's block alignment.
+  uint64_t alignment() const { return alignment_; }
+  const SpillDirectory* spill_directory() const { return spill_dir_.get(); }
+
+  struct Stats {
+    uint64_t arena_free = 0;
+    uint64_t arena_largest_free = 0;
+    uint64_t fragmentation = 0;  // as booked: free outside the largest block
+    uint64_t spill_used = 0;     // bytes in spill files (and writes in flight)
+    size_t spill_files = 0;
+    size_t slices = 0;       // every job's, stored or reserved
+    size_t in_flight = 0;    // spill writes and read-backs
+  };
+  Stats GetStats() const;
+  // A hash of every slice's state and the allocator's, for tests that check
+  // a refused request changed nothing.
+  uint64_t StateHash() const;
+
+ private:
+  struct JobEntry;
+  struct Id {
+    uint64_t step;
+    uint32_t layer;
+    uint32_t micro_batch;
+    uint32_t rank;
+    uint32_t mp_rank;
+    uint32_t mp_size;
+    bool operator<(const Id& o) const;
+  };
+  // One file read or write to start once the lock is released.
+  struct IoStart {
+    std::shared_ptr<Slice> slice;
+    bool write = false;
+    std::string path;
+    char* address = nullptr;
+    uint64_t length = 0;
+    uint64_t crc_bytes = 0;  // read: the bytes the CRC covers
+    uint32_t crc = 0;        // read: the CRC expected
+  };
+
+  ActivationStore(const Options& options, MemoryLedger* ledger, ActivationMetrics* metrics);
+  static Id MakeId(const SliceOwner& owner, const SliceKey& key);
+  // The owner's job entry, created on first use, and taken over by a new
+  // instance of the job once the old one was removed (RemoveJob) or is gone.
+  // NOT_FOUND for a removed instance, and for one older than the entry's.
+  absl::StatusOr<JobEntry*> EntryLocked(const SliceOwner& owner)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::shared_ptr<Slice>> FindLocked(const SliceOwner& owner, const SliceKey& key)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::shared_ptr<Slice>> ReserveSlice(const SliceOwner& owner,
+                                                      const SliceKey& key, uint64_t bytes,
+                                                      bool stream, absl::Time deadline);
+  // Makes room for a block of `block` bytes: picks victims (the job's oldest
+  // stored slices, never `exclude`) whose spilling, with the spills already
+  // in flight, frees a block that large; starts nothing. No victims with OK:
+  // wait for the I/O in flight (spills, and read-backs whose slices can
+  // then move) and plan again. RESOURCE_EXHAUSTED when even all of them
+  // would not do.
+  absl::Status PlanRoomLocked(const JobEntry& entry, uint64_t block, const Slice* exclude,
+                              uint64_t slice_bytes, std::vector<std::shared_ptr<Slice>>* victims)
+      const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the victims spilling and returns their writes.
+  std::vector<IoStart> BeginSpillsLocked(const std::vector<std::shared_ptr<Slice>>& victims)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Allocates the slice's block and returns its read-back.
+  IoStart BeginReadLocked(const std::shared_ptr<Slice>& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Opens the files and queues the I/O (no lock held; the store's lock is
+  // taken by the completions).
+  void StartIo(std::vector<IoStart> io, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  void OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status, bool crc_ok)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Brings a committed slice into the arena (see Locate); on OK it is
+  // stored in the arena (possibly still being written to its file) and
+  // *missed says whether it had to be read back. Releases the lock while it
+  // starts file I/O and while it waits (until `deadline`).
+  absl::Status EnsureInArena(const std::shared_ptr<Slice>& slice, absl::Time deadline,
+                             bool* missed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the slice out of its job's map and frees it, or, while I/O or a
+  // reader holds it, marks it for the holder to free.
+  void DropLocked(JobEntry& entry, const std::shared_ptr<Slice>& slice)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees a detached slice's block and file once nothing holds it.
+  void ReleaseIfIdleLocked(Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeBlockLocked(Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropFileLocked(Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool AllocateBlockLocked(Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Books the free space's split into largest block and fragmentation.
+  void SyncFreeBookingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Freed> FreeMatching(const SliceOwner& owner,
+                                     const std::function<bool(const Id&)>& match);
+  std::string NoRoomMessage(uint64_t bytes, uint64_t block) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts a state change and wakes every waiter.
+  void NotifyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the files dropped under the lock; called with no lock held.
+  void RemoveDroppedFiles() ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status CommitIncoming(const std::shared_ptr<Slice>& slice, uint32_t crc32c)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void AbandonIncoming(const std::shared_ptr<Slice>& slice) ABSL_LOCKS_EXCLUDED(mu_);
+  void RunJanitor();
+
+  const Options options_;
+  MemoryLedger* const ledger_;
+  ActivationMetrics* const metrics_;
+  std::unique_ptr<transport::Region> region_;  // with a transport
+  void* memory_ = nullptr;                     // without one (mmap)
+  char* base_ = nullptr;                       // the region's first byte
+  uint64_t region_bytes_ = 0;
+  // Blocks start at region offset skew_ + k * alignment_, aligned in memory.
+  uint64_t skew_ = 0;
+  uint64_t alignment_ = 64;
+  uint64_t capacity_ = 0;
+  std::unique_ptr<SpillDirectory> spill_dir_;
+  // Declared after everything its callbacks touch except the state below,
+  // and reset first by the destructor.
+  std::unique_ptr<SpillIo> io_;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar changed_;  // any slice changed state
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // counts those changes
+  ArenaAllocator allocator_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
+  std::set<Slice*> spilling_ ABSL_GUARDED_BY(mu_);  // writes in flight
+  size_t reading_ ABSL_GUARDED_BY(mu_) = 0;         // read-backs in flight
+  uint64_t spill_used_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t spill_files_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t booked_fragmentation_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> dropped_files_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread janitor_;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,562 @@
+// The activation store on its own: the ledger booking of the arena (each
+// job's blocks, the largest free block and the fragmentation add up to the
+// arena), spilling a job ten times the arena to files and reading every
+// slice back exactly, capacity limits that refuse and change nothing,
+// reservation leases, and job removal.
+
+#include "server/activation_store.h"
+
+#include <dirent.h>
+
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/crc32c.h"
+#include "gtest/gtest.h"
+#include "metrics/registry.h"
+#include "metrics/text_serializer.h"
+#include "transport/transport.h"
+
+namespace zeroshard {
+namespace {
+
+constexpr int kAct = static_cast<int>(MemoryCategory::kActivation);
+constexpr int kFrag = static_cast<int>(MemoryCategory::kFragmentation);
+
+std::string TempDir(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  return absl::StrCat(base != nullptr ? base : "/tmp", "/", name);
+}
+
+// Spill files (not locks) in `dir`.
+size_t SpillFilesIn(const std::string& dir) {
+  size_t n = 0;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (SpillDirectory::IsSpillName(name) && name.find(".lock") == std::string::npos) ++n;
+  }
+  ::closedir(d);
+  return n;
+}
+
+std::string Pattern(uint64_t seed, size_t bytes) {
+  std::string s(bytes, '\0');
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i < bytes; i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(&s[i], &v, std::min<size_t>(8, bytes - i));
+  }
+  return s;
+}
+
+SliceKey Key(uint64_t step, uint32_t layer, uint32_t micro_batch = 0) {
+  SliceKey k;
+  k.step = step;
+  k.layer = layer;
+  k.micro_batch = micro_batch;
+  return k;
+}
+
+class StoreTest : public ::testing::Test {
+ protected:
+  // A store of `arena` bytes; `spill` bytes of spill files when > 0; over an
+  // inproc transport when `bulk`.
+  void Start(uint64_t arena, uint64_t spill = 0, bool bulk = false,
+             absl::Duration lease = absl::Seconds(30)) {
+    metrics_ = std::make_unique<ActivationMetrics>(&registry_);
+    if (bulk) {
+      server_ = *transport::CreateTransport("inproc");
+      client_ = *transport::CreateTransport("inproc");
+    }
+    ActivationStore::Options o;
+    o.arena_bytes = arena;
+    if (spill > 0) {
+      spill_dir_ = TempDir(absl::StrCat("store_spill_", ::testing::UnitTest::GetInstance()
+                                                            ->current_test_info()
+                                                            ->name()));
+      o.spill_dir = spill_dir_;
+      o.spill_bytes = spill;
+    }
+    o.reservation_lease = lease;
+    o.janitor_period = absl::ZeroDuration();  // Tick() by hand
+    absl::StatusOr<std::unique_ptr<ActivationStore>> s =
+        ActivationStore::Create(o, server_.get(), &ledger_, metrics_.get());
+    ASSERT_TRUE(s.ok()) << s.status();
+    store_ = *std::move(s);
+    if (bulk) {
+      v1::ExchangeEndpointResponse r;
+      store_->FillRegion(&r);
+      ASSERT_EQ(r.regions_size(), 1);
+      ASSERT_EQ(r.regions(0).purpose(), v1::REGION_PURPOSE_ACTIVATION_ARENA);
+      region_.address = r.regions(0).address();
+      region_.length = r.regions(0).length();
+      region_.rkey = r.regions(0).rkey();
+      EXPECT_EQ(region_.length, store_->region_bytes());
+      EXPECT_EQ(store_->capacity(), arena);
+      conn_ = *client_->Connect(server_->LocalAddress(), absl::Now() + absl::Seconds(10));
+    }
+    instance_ = std::make_shared<int>(1);
+  }
+
+  SliceOwner Owner(const std::string& job = "a", uint32_t rank = 0) {
+    SliceOwner o;
+    o.job_id = job;
+    o.instance = job == "a" ? instance_ : other_instance_;
+    o.rank = rank;
+    return o;
+  }
+  static absl::Time Deadline() { return absl::Now() + absl::Seconds(30); }
+
+  // Offloads over the streaming path.
+  absl::Status Offload(const SliceOwner& owner, const SliceKey& key, const std::string& bytes) {
+    absl::StatusOr<std::unique_ptr<ActivationStore::Incoming>> in =
+        store_->ReserveIncoming(owner, key, bytes.size(), Deadline());
+    if (!in.ok()) return in.status();
+    std::memcpy((*in)->data(), bytes.data(), bytes.size());
+    return (*in)->Commit(Crc32c(bytes.data(), bytes.size()));
+  }
+  // Fetches over the streaming path.
+  absl::StatusOr<std::string> FetchBytes(const SliceOwner& owner, const SliceKey& key,
+                                         bool* missed = nullptr) {
+    std::string out;
+    absl::Status s = store_->Fetch(owner, key, Deadline(), 1 << 20,
+                                   [&](const SlicePlacement& p, uint64_t offset,
+                                       absl::string_view data) {
+                                     if (missed != nullptr) *missed = p.was_spilled;
+                                     EXPECT_EQ(offset, out.size());
+                                     out.append(data.data(), data.size());
+                                     return true;
+                                   });
+    if (!s.ok()) return s;
+    return out;
+  }
+  // Offloads over the bulk path: reserve, put, commit.
+  absl::Status Put(const SliceOwner& owner, const SliceKey& key, const std::string& bytes) {
+    absl::StatusOr<SlicePlacement> p = store_->Reserve(owner, key, bytes.size(), Deadline());
+    if (!p.ok()) return p.status();
+    EXPECT_EQ((region_.address + p->offset) % store_->alignment(), 0u);
+    absl::Status put = conn_->Put(bytes.data(), bytes.size(), region_, p->offset).Wait(Deadline());
+    if (!put.ok()) return put;
+    return store_->Commit(owner, key, Crc32c(bytes.data(), bytes.size())).status();
+  }
+  // Locates and gets over the bulk path; checks the CRC the daemon answers.
+  absl::StatusOr<std::string> Get(const SliceOwner& owner, const SliceKey& key,
+                                  bool* missed = nullptr) {
+    absl::StatusOr<SlicePlacement> p = store_->Locate(owner, key, Deadline());
+    if (!p.ok()) return p.status();
+    std::string out(p->bytes, '\0');
+    absl::Status get = conn_->Get(out.data(), out.size(), region_, p->offset).Wait(Deadline());
+    if (!get.ok()) return get;
+    EXPECT_EQ(Crc32c(out.data(), out.size()), p->crc32c);
+    if (missed != nullptr) *missed = p->was_spilled;
+    return out;
+  }
+
+  // The booking is exact: every job's blocks, the largest free block and
+  // the fragmentation add up to the arena.
+  void ExpectExactBooking() {
+    const ActivationStore::Stats st = store_->GetStats();
+    uint64_t sum = 0;
+    for (const auto& [job, bytes] : ledger_.Snapshot()) {
+      sum += bytes[kAct] + bytes[kFrag];
+      for (int c = 0; c < kNumMemoryCategories; ++c) {
+        if (c != kAct && c != kFrag) EXPECT_EQ(bytes[c], 0u) << job << " " << c;
+      }
+    }
+    EXPECT_EQ(sum, store_->region_bytes());
+    EXPECT_EQ(ledger_.total(), store_->region_bytes());
+    const CategoryBytes daemon = ledger_.JobBytes(kDaemonLedgerEntry);
+    EXPECT_EQ(daemon[kAct], st.arena_largest_free);
+    EXPECT_EQ(daemon[kFrag], st.fragmentation + store_->region_bytes() - store_->capacity());
+  }
+
+  uint64_t JobActivation(const std::string& job) { return ledger_.JobBytes(job)[kAct]; }
+
+  // The ledger's entries that hold any bytes.
+  std::map<std::string, CategoryBytes> Ledger() const {
+    std::map<std::string, CategoryBytes> out;
+    for (const auto& [job, bytes] : ledger_.Snapshot()) {
+      if (bytes != CategoryBytes{}) out[job] = bytes;
+    }
+    return out;
+  }
+
+  double Sample(const std::string& series) {
+    const std::string text = metrics::TextSerializer().Serialize(registry_.Collect());
+    for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+      if (absl::StartsWith(line, series + " ")) {
+        double v = 0;
+        EXPECT_TRUE(absl::SimpleAtod(line.substr(series.size() + 1), &v));
+        return v;
+      }
+    }
+    return 0;
+  }
+
+  MemoryLedger ledger_{0};
+  metrics::Registry registry_;
+  std::unique_ptr<ActivationMetrics> metrics_;
+  std::unique_ptr<transport::Transport> server_;
+  std::unique_ptr<transport::Transport> client_;
+  std::unique_ptr<transport::Connection> conn_;
+  transport::RegionDescriptor region_;
+  std::string spill_dir_;
+  std::shared_ptr<int> instance_;
+  std::shared_ptr<int> other_instance_ = std::make_shared<int>(2);
+  std::unique_ptr<ActivationStore> store_;
+};
+
+TEST_F(StoreTest, BooksTheArenaAsJobsActivationFreeBlockAndFragmentation) {
+  Start(1 << 20);
+  EXPECT_EQ(store_->region_bytes(), (1u << 20) + 64);
+  EXPECT_EQ(store_->capacity(), 1u << 20);
+  EXPECT_EQ(ledger_.total(), store_->region_bytes());
+  EXPECT_EQ(ledger_.JobBytes(kDaemonLedgerEntry)[kAct], 1u << 20);
+  EXPECT_EQ(ledger_.JobBytes(kDaemonLedgerEntry)[kFrag], 64u);
+  ExpectExactBooking();
+  // Forward: ten layers of two jobs, interleaved.
+  for (uint32_t layer = 0; layer < 10; ++layer) {
+    ASSERT_TRUE(Offload(Owner("a"), Key(1, layer), Pattern(layer, 30000 + layer)).ok());
+    ASSERT_TRUE(Offload(Owner("b"), Key(1, layer), Pattern(100 + layer, 20000)).ok());
+    ExpectExactBooking();
+  }
+  uint64_t expected_a = 0;
+  for (uint32_t layer = 0; layer < 10; ++layer) expected_a += (30000 + layer + 63) / 64 * 64;
+  EXPECT_EQ(JobActivation("a"), expected_a);
+  EXPECT_EQ(JobActivation("b"), 10u * 20032);
+  EXPECT_EQ(store_->GetStats().fragmentation, 0u);
+  // Job b leaves holes between a's slices: fragmentation, booked as such.
+  ASSERT_TRUE(store_->FreeStep(Owner("b"), 1).ok());
+  EXPECT_EQ(JobActivation("b"), 0u);
+  EXPECT_GT(store_->GetStats().fragmentation, 0u);
+  EXPECT_EQ(store_->GetStats().fragmentation, 9u * 20032);  // nine holes below the free tail
+  ExpectExactBooking();
+  // a's backward frees in reverse: the holes merge back.
+  for (int layer = 9; layer >= 0; --layer) {
+    absl::StatusOr<std::string> got = FetchBytes(Owner("a"), Key(1, layer));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, Pattern(layer, 30000 + layer));
+    ASSERT_TRUE(store_->FreeKey(Owner("a"), Key(1, layer)).ok());
+    ExpectExactBooking();
+  }
+  EXPECT_EQ(store_->GetStats().fragmentation, 0u);
+  EXPECT_EQ(ledger_.JobBytes(kDaemonLedgerEntry)[kAct], store_->capacity());
+  EXPECT_EQ(Sample("zeroshard_activation_hits_total{job=\"a\"}"), 10);
+}
+
+TEST_F(StoreTest, RefusedRequestsChangeNothing) {
+  Start(1 << 20);
+  ASSERT_TRUE(Offload(Owner(), Key(1, 0), Pattern(1, 600000)).ok());
+  const uint64_t hash = store_->StateHash();
+  const auto ledger = Ledger();
+  auto unchanged = [&] {
+    EXPECT_EQ(store_->StateHash(), hash);
+    EXPECT_EQ(Ledger(), ledger);
+  };
+  // Past the arena: InvalidArgument.
+  absl::Status s = store_->Reserve(Owner(), Key(1, 1), (1 << 20) + 1, Deadline()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("--activation_arena_bytes"), std::string::npos) << s;
+  unchanged();
+  // Fits the arena but not next to what is stored, and nothing can spill:
+  // ResourceExhausted naming both sizes.
+  s = store_->Reserve(Owner(), Key(1, 1), 600000, Deadline()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("--activation_arena_bytes=1048576"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("spill space is 0"), std::string::npos) << s;
+  unchanged();
+  EXPECT_EQ(Offload(Owner(), Key(1, 1), Pattern(2, 600000)).code(),
+            absl::StatusCode::kResourceExhausted);
+  unchanged();
+  // The same key again.
+  EXPECT_EQ(store_->Reserve(Owner(), Key(1, 0), 10, Deadline()).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  unchanged();
+  // Unknown keys (another layer, another rank, another micro-batch).
+  EXPECT_EQ(store_->Locate(Owner(), Key(1, 5), Deadline()).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(FetchBytes(Owner("a", 1), Key(1, 0)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->FreeKey(Owner(), Key(1, 0, 1)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Commit(Owner(), Key(2, 0), 0).status().code(), absl::StatusCode::kNotFound);
+  unchanged();
+  // Committing the stored slice again: the same CRC is answered like the
+  // first commit; another is ALREADY_EXISTS.
+  const std::string first = Pattern(1, 600000);
+  EXPECT_EQ(*store_->Commit(Owner(), Key(1, 0), Crc32c(first.data(), first.size())), 600000u);
+  EXPECT_EQ(store_->Commit(Owner(), Key(1, 0), 12345).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  unchanged();
+  // Freeing nothing of a step changes nothing either.
+  absl::StatusOr<ActivationStore::Freed> none = store_->FreeStep(Owner(), 7);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->slices, 0u);
+  unchanged();
+}
+
+TEST_F(StoreTest, BulkCommitChecksTheBytesPut) {
+  Start(1 << 20, 0, /*bulk=*/true);
+  const std::string bytes = Pattern(3, 5000);
+  const auto before = Ledger();
+  const uint64_t hash = store_->StateHash();
+  absl::StatusOr<SlicePlacement> p = store_->Reserve(Owner(), Key(1, 0), bytes.size(), Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(JobActivation("a"), 5056u);
+  // Not committed: not fetchable.
+  EXPECT_EQ(store_->Locate(Owner(), Key(1, 0), Deadline()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(conn_->Put(bytes.data(), bytes.size(), region_, p->offset).Wait(Deadline()).ok());
+  // A commit naming another CRC: DATA_LOSS and the reservation is gone.
+  absl::Status s = store_->Commit(Owner(), Key(1, 0), Crc32c(bytes.data(), bytes.size()) ^ 1).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_EQ(store_->StateHash(), hash);
+  EXPECT_EQ(Ledger(), before);
+  EXPECT_EQ(store_->Commit(Owner(), Key(1, 0), 0).status().code(), absl::StatusCode::kNotFound);
+  // Done right, it is stored and read back as it was put.
+  ASSERT_TRUE(Put(Owner(), Key(1, 0), bytes).ok());
+  absl::StatusOr<std::string> got = Get(Owner(), Key(1, 0));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, bytes);
+  ExpectExactBooking();
+}
+
+TEST_F(StoreTest, UncommittedReservationsExpire) {
+  Start(1 << 20, 0, /*bulk=*/false, /*lease=*/absl::Milliseconds(1));
+  const auto before = Ledger();
+  ASSERT_TRUE(store_->Reserve(Owner(), Key(1, 0), 1000, Deadline()).ok());
+  // A stream's reservation never expires while the stream runs.
+  absl::StatusOr<std::unique_ptr<ActivationStore::Incoming>> in =
+      store_->ReserveIncoming(Owner(), Key(1, 1), 1000, Deadline());
+  ASSERT_TRUE(in.ok());
+  absl::SleepFor(absl::Milliseconds(5));
+  store_->Tick();
+  EXPECT_EQ(store_->Commit(Owner(), Key(1, 0), 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->GetStats().slices, 1u);
+  in->reset();  // abandoned: dropped
+  EXPECT_EQ(store_->GetStats().slices, 0u);
+  EXPECT_EQ(Ledger(), before);
+}
+
+// The brief's spill check: an arena of 4 MiB and a job that offloads 40 MiB
+// over two steps. Every fetch returns the right bytes, spills are counted,
+// and the spill files go when the step is freed and when the job leaves.
+TEST_F(StoreTest, SpillsAJobTenTimesTheArena) {
+  constexpr uint64_t kArena = 4 << 20;
+  Start(kArena, /*spill=*/256 << 20, /*bulk=*/true);
+  std::printf("spill directory: O_DIRECT %s, alignment %lu\n",
+              store_->spill_directory()->direct() ? "yes" : "no",
+              static_cast<unsigned long>(store_->alignment()));
+  constexpr uint32_t kLayers = 10;
+  constexpr uint32_t kMicroBatches = 2;
+  auto size_of = [](uint64_t step, uint32_t layer, uint32_t mb) {
+    return (1 << 20) + 4099 * layer + 77 * mb + step;
+  };
+  auto bytes_of = [&](uint64_t step, uint32_t layer, uint32_t mb) {
+    return Pattern(step * 1000 + layer * 10 + mb, size_of(step, layer, mb));
+  };
+  uint64_t offloaded = 0;
+  const absl::Time start = absl::Now();
+  for (uint64_t step = 1; step <= 2; ++step) {
+    for (uint32_t layer = 0; layer < kLayers; ++layer) {
+      for (uint32_t mb = 0; mb < kMicroBatches; ++mb) {
+        // Step 1 goes over the bulk path, step 2 over the stream.
+        const std::string b = bytes_of(step, layer, mb);
+        absl::Status s = step == 1 ? Put(Owner(), Key(step, layer, mb), b)
+                                   : Offload(Owner(), Key(step, layer, mb), b);
+        ASSERT_TRUE(s.ok()) << "step " << step << " layer " << layer << ": " << s;
+        offloaded += b.size();
+        ExpectExactBooking();
+      }
+    }
+  }
+  EXPECT_GE(offloaded, 10 * kArena);
+  const double forward_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const ActivationStore::Stats after_forward = store_->GetStats();
+  EXPECT_GT(after_forward.spill_files, 0u);
+  EXPECT_EQ(SpillFilesIn(spill_dir_), after_forward.spill_files);
+  const double spills = Sample("zeroshard_activation_spills_total{job=\"a\"}");
+  EXPECT_EQ(spills, static_cast<double>(after_forward.spill_files));
+  EXPECT_GT(Sample("zeroshard_activation_spill_bytes_total{job=\"a\"}"), 30.0 * (1 << 20));
+  std::printf("offloaded %.1f MiB into a %.0f MiB arena in %.3f s: %.0f spills, %zu files\n",
+              offloaded / 1048576.0, kArena / 1048576.0, forward_seconds, spills,
+              after_forward.spill_files);
+  const absl::Time backward = absl::Now();
+
+  // Backward of step 2, layers in reverse, prefetching two ahead; each slice
+  // located, read and freed. The first are hits, the rest come back from
+  // the files.
+  int misses = 0;
+  for (int layer = kLayers - 1; layer >= 0; --layer) {
+    for (int mb = kMicroBatches - 1; mb >= 0; --mb) {
+      std::vector<SliceKey> ahead;
+      for (int l = layer - 1; l >= std::max(0, layer - 2); --l) ahead.push_back(Key(2, l, mb));
+      ASSERT_TRUE(store_->Prefetch(Owner(), ahead, Deadline()).ok());
+      bool missed = false;
+      absl::StatusOr<std::string> got = Get(Owner(), Key(2, layer, mb), &missed);
+      ASSERT_TRUE(got.ok()) << "layer " << layer << ": " << got.status();
+      EXPECT_TRUE(*got == bytes_of(2, layer, mb)) << "layer " << layer << " mb " << mb;
+      misses += missed;
+      ASSERT_TRUE(store_->FreeKey(Owner(), Key(2, layer, mb)).ok());
+      ExpectExactBooking();
+    }
+  }
+  std::printf("fetched step 2 (%d of %u slices read back) in %.3f s\n", misses,
+              kLayers * kMicroBatches, absl::ToDoubleSeconds(absl::Now() - backward));
+  EXPECT_GT(Sample("zeroshard_activation_hits_total{job=\"a\"}"), 0);
+  EXPECT_EQ(Sample("zeroshard_activation_misses_total{job=\"a\"}"), misses);
+  // Step 1's slices: fetched over the stream (not pinned), then the step
+  // freed at once: its files are gone.
+  for (uint32_t layer = 0; layer < kLayers; layer += 3) {
+    absl::StatusOr<std::string> got = FetchBytes(Owner(), Key(1, layer, 1));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(*got == bytes_of(1, layer, 1)) << "layer " << layer;
+  }
+  absl::StatusOr<ActivationStore::Freed> freed = store_->FreeStep(Owner(), 1);
+  ASSERT_TRUE(freed.ok());
+  EXPECT_EQ(freed->slices, kLayers * kMicroBatches);
+  EXPECT_EQ(store_->GetStats().spill_files, 0u);
+  EXPECT_EQ(store_->GetStats().spill_used, 0u);
+  EXPECT_EQ(SpillFilesIn(spill_dir_), 0u);
+  EXPECT_EQ(JobActivation("a"), 0u);
+  ExpectExactBooking();
+
+  // Again, and this time the job leaves with everything stored.
+  for (uint32_t layer = 0; layer < kLayers; ++layer) {
+    ASSERT_TRUE(Offload(Owner(), Key(3, layer), bytes_of(3, layer, 0)).ok());
+    ASSERT_TRUE(Offload(Owner(), Key(3, layer, 1), bytes_of(3, layer, 1)).ok());
+  }
+  EXPECT_GT(SpillFilesIn(spill_dir_), 0u);
+  store_->RemoveJob("a", instance_);
+  EXPECT_EQ(SpillFilesIn(spill_dir_), 0u);
+  EXPECT_EQ(store_->GetStats().slices, 0u);
+  EXPECT_EQ(JobActivation("a"), 0u);
+  EXPECT_EQ(store_->Locate(Owner(), Key(3, 0), Deadline()).status().code(),
+            absl::StatusCode::kNotFound);
+  ExpectExactBooking();
+}
+
+// Arena and spill both full: RESOURCE_EXHAUSTED naming both sizes, and every
+// slice stored before is still there, byte for byte.
+TEST_F(StoreTest, PastArenaAndSpillNothingIsLost) {
+  Start(1 << 20, /*spill=*/3 << 20);
+  std::vector<std::string> stored;
+  absl::Status s;
+  for (uint32_t layer = 0; layer < 100; ++layer) {
+    std::string b = Pattern(layer, 700000);
+    s = Offload(Owner(), Key(1, layer), b);
+    if (!s.ok()) break;
+    stored.push_back(std::move(b));
+  }
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("--activation_arena_bytes=1048576"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("--spill_bytes=3145728"), std::string::npos) << s;
+  EXPECT_GE(stored.size(), 4u);
+  const uint64_t hash = store_->StateHash();
+  const auto ledger = Ledger();
+  EXPECT_EQ(store_->Reserve(Owner(), Key(1, 99), 700000, Deadline()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store_->StateHash(), hash);
+  EXPECT_EQ(Ledger(), ledger);
+  // Backward reads each back and frees it: all survived.
+  for (int layer = static_cast<int>(stored.size()) - 1; layer >= 0; --layer) {
+    absl::StatusOr<std::string> got = FetchBytes(Owner(), Key(1, layer));
+    ASSERT_TRUE(got.ok()) << "layer " << layer << ": " << got.status();
+    EXPECT_TRUE(*got == stored[layer]) << "layer " << layer;
+    ASSERT_TRUE(store_->FreeKey(Owner(), Key(1, layer)).ok());
+  }
+  EXPECT_EQ(SpillFilesIn(spill_dir_), 0u);
+  ExpectExactBooking();
+}
+
+// A job registered again is a new instance: the old one's slices are gone
+// and its requests are refused.
+TEST_F(StoreTest, RemovedJobInstanceKeepsNothing) {
+  Start(1 << 20);
+  ASSERT_TRUE(Offload(Owner(), Key(1, 0), Pattern(1, 1000)).ok());
+  store_->RemoveJob("a", instance_);
+  EXPECT_EQ(JobActivation("a"), 0u);
+  EXPECT_EQ(Offload(Owner(), Key(1, 1), Pattern(1, 1000)).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->FreeAll(Owner()).status().code(), absl::StatusCode::kNotFound);
+  // The same id, a new job object.
+  SliceOwner fresh = Owner();
+  fresh.instance = std::make_shared<int>(3);
+  EXPECT_EQ(FetchBytes(fresh, Key(1, 0)).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(Offload(fresh, Key(1, 0), Pattern(2, 1000)).ok());
+  // A late request of the removed instance finds nothing and harms nothing.
+  EXPECT_EQ(Offload(Owner(), Key(1, 2), Pattern(1, 10)).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->FreeAll(Owner()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(FetchBytes(fresh, Key(1, 0)).ok());
+  // Removing the old instance again leaves the new one alone.
+  store_->RemoveJob("a", instance_);
+  EXPECT_TRUE(FetchBytes(fresh, Key(1, 0)).ok());
+  ExpectExactBooking();
+  // Tombstones go once their job object is gone.
+  instance_.reset();
+  fresh.instance.reset();
+  store_->RemoveJob("a", nullptr);
+  store_->Tick();
+  EXPECT_EQ(store_->GetStats().slices, 0u);
+}
+
+// Ranks offload, fetch and free concurrently through a small arena that
+// spills; every byte comes back right and the booking stays exact.
+TEST_F(StoreTest, ConcurrentRanksWithSpill) {
+  Start(2 << 20, /*spill=*/64 << 20);
+  std::vector<std::thread> ranks;
+  std::atomic<int> failures{0};
+  for (uint32_t rank = 0; rank < 4; ++rank) {
+    ranks.emplace_back([&, rank] {
+      for (uint64_t step = 1; step <= 3; ++step) {
+        for (uint32_t layer = 0; layer < 6; ++layer) {
+          const std::string b = Pattern(rank * 100 + step * 10 + layer, 200000 + layer * 1000);
+          absl::Status s = Offload(Owner("a", rank), Key(step, layer), b);
+          if (!s.ok()) {
+            ADD_FAILURE() << s;
+            ++failures;
+          }
+        }
+        for (int layer = 5; layer >= 0; --layer) {
+          absl::StatusOr<std::string> got = FetchBytes(Owner("a", rank), Key(step, layer));
+          if (!got.ok() ||
+              *got != Pattern(rank * 100 + step * 10 + layer, 200000 + layer * 1000)) {
+            ADD_FAILURE() << "rank " << rank << " layer " << layer << " "
+                          << (got.ok() ? "wrong bytes" : got.status().ToString());
+            ++failures;
+          }
+        }
+        if (!store_->FreeStep(Owner("a", rank), step).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(store_->GetStats().slices, 0u);
+  EXPECT_EQ(store_->GetStats().spill_files, 0u);
+  EXPECT_EQ(SpillFilesIn(spill_dir_), 0u);
+  ExpectExactBooking();
+}
+
+TEST_F(StoreTest, ArenaMustFitTheMemoryLimit) {
+  MemoryLedger small(1 << 20);
+  ActivationStore::Options o;
+  o.arena_bytes = 2 << 20;
+  o.janitor_period = absl::ZeroDuration();
+  absl::StatusOr<std::unique_ptr<ActivationStore>> s =
+      ActivationStore::Create(o, nullptr, &small, nullptr);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.status().message().find("--memory_limit"), std::string::npos) << s.status();
+  EXPECT_EQ(small.total(), 0u);
+}
+
+}  // namespace
+}  // namespace zeroshard
