@@ -58,7 +58,8 @@ struct Fd {
   }
 };
 
-absl::Status WriteAll(int fd, const char* p, uint64_t n, const std::string& path,
+// Writes n bytes at p to fd, whose file offset is `offset`.
+absl::Status WriteAll(int fd, const char* p, uint64_t n, uint64_t offset, const std::string& path,
                       std::atomic<uint64_t>* progress) {
   while (n > 0) {
     const ssize_t w = ::write(fd, p, std::min<uint64_t>(n, kWritePieceBytes));
@@ -69,8 +70,8 @@ absl::Status WriteAll(int fd, const char* p, uint64_t n, const std::string& path
     if (w == 0) return FileError(ENOSPC, "writing", path);
     // Start the disk on these pages now, so it works while the next piece
     // is copied (the final fsync then waits for little).
-    const off_t end = ::lseek(fd, 0, SEEK_CUR);
-    if (end > 0) ::sync_file_range(fd, end - w, w, SYNC_FILE_RANGE_WRITE);
+    ::sync_file_range(fd, static_cast<off_t>(offset), w, SYNC_FILE_RANGE_WRITE);
+    offset += static_cast<uint64_t>(w);
     p += w;
     n -= static_cast<uint64_t>(w);
     if (progress != nullptr) progress->fetch_add(static_cast<uint64_t>(w));
@@ -193,7 +194,7 @@ absl::Status WriteArrayFile(const std::string& dir, const std::string& name, con
       const uint32_t block = Crc32c(p + off, n);
       out->add_block_crc32c(block);
       whole = Crc32cCombine(whole, block, n);
-      if (absl::Status s = WriteAll(fd, p + off, n, tmp, progress); !s.ok()) return s;
+      if (absl::Status s = WriteAll(fd, p + off, n, off, tmp, progress); !s.ok()) return s;
     }
     out->set_crc32c(whole);
     return absl::OkStatus();
@@ -207,7 +208,7 @@ absl::Status WriteProtoFile(const std::string& dir, const std::string& name,
     return absl::InternalError(absl::StrCat("checkpoint: cannot serialise ", name));
   }
   return WriteFileAtomically(dir, name, [&](int fd, const std::string& tmp) {
-    return WriteAll(fd, bytes.data(), bytes.size(), tmp, nullptr);
+    return WriteAll(fd, bytes.data(), bytes.size(), 0, tmp, nullptr);
   });
 }
 
@@ -406,6 +407,33 @@ const v1::CheckpointFile* FindFile(const v1::PartManifest& part, const std::stri
 }
 
 FlatRange RangeOf(const v1::PartManifest& p) { return {p.range().begin(), p.range().end()}; }
+
+// Reads block b of `file` (open as fd) whole into buf and checks it against
+// its CRC-32C; adds the bytes read to *bytes_read (may be null).
+absl::Status ReadCheckedBlock(int fd, const std::string& path, const v1::CheckpointFile& file,
+                              uint64_t b, char* buf, uint64_t* bytes_read) {
+  const uint64_t off = b * file.block_bytes();
+  const uint64_t n = std::min<uint64_t>(file.block_bytes(), file.bytes() - off);
+  for (uint64_t got = 0; got < n;) {
+    const ssize_t r = ::pread(fd, buf + got, n - got, static_cast<off_t>(off + got));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return FileError(errno, "reading", path);
+    }
+    if (r == 0) {
+      return absl::DataLossError(absl::StrCat("checkpoint: ", path, " ends at byte ", off + got,
+                                              ", the manifest says ", file.bytes()));
+    }
+    got += static_cast<uint64_t>(r);
+  }
+  if (bytes_read != nullptr) *bytes_read += n;
+  if (Crc32c(buf, n) != file.block_crc32c(static_cast<int>(b))) {
+    return absl::DataLossError(absl::StrCat("checkpoint: ", path, " block ", b, " (bytes ", off,
+                                            "..", off + n,
+                                            ") does not match its CRC-32C: the file is corrupted"));
+  }
+  return absl::OkStatus();
+}
 }  // namespace
 
 absl::Status CheckpointReader::CheckReadable(const FlatRange& range,
@@ -457,24 +485,9 @@ absl::Status CheckpointReader::ReadRange(const std::string& file, const FlatRang
     for (uint64_t b = first / bb; b * bb < last; ++b) {
       const uint64_t off = b * bb;
       const uint64_t n = std::min(bb, f->bytes() - off);
-      uint64_t got = 0;
-      while (got < n) {
-        const ssize_t r = ::pread(fd.fd, block.data() + got, n - got, static_cast<off_t>(off + got));
-        if (r < 0) {
-          if (errno == EINTR) continue;
-          return FileError(errno, "reading", path);
-        }
-        if (r == 0) {
-          return absl::DataLossError(absl::StrCat("checkpoint: ", path, " ends at byte ",
-                                                  off + got, ", the manifest says ", f->bytes()));
-        }
-        got += static_cast<uint64_t>(r);
-      }
-      if (bytes_read != nullptr) *bytes_read += n;
-      if (Crc32c(block.data(), n) != f->block_crc32c(static_cast<int>(b))) {
-        return absl::DataLossError(absl::StrCat("checkpoint: ", path, " block ", b, " (bytes ",
-                                                off, "..", off + n,
-                                                ") does not match its CRC-32C: the file is corrupted"));
+      if (absl::Status st = ReadCheckedBlock(fd.fd, path, *f, b, block.data(), bytes_read);
+          !st.ok()) {
+        return st;
       }
       const uint64_t from = std::max(first, off);
       const uint64_t to = std::min(last, off + n);
@@ -508,19 +521,11 @@ absl::Status CheckpointReader::VerifyPart(uint32_t daemon_index, uint64_t* bytes
     uint32_t whole = 0;
     for (uint64_t off = 0, b = 0; off < f.bytes(); off += f.block_bytes(), ++b) {
       const uint64_t n = std::min<uint64_t>(f.block_bytes(), f.bytes() - off);
-      uint64_t got = 0;
-      while (got < n) {
-        const ssize_t r = ::pread(fd.fd, block.data() + got, n - got, static_cast<off_t>(off + got));
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) return FileError(r < 0 ? errno : EIO, "reading", path);
-        got += static_cast<uint64_t>(r);
+      if (absl::Status st = ReadCheckedBlock(fd.fd, path, f, b, block.data(), bytes_read);
+          !st.ok()) {
+        return st;
       }
-      if (bytes_read != nullptr) *bytes_read += n;
-      const uint32_t crc = Crc32c(block.data(), n);
-      if (crc != f.block_crc32c(static_cast<int>(b))) {
-        return absl::DataLossError(absl::StrCat("checkpoint: ", path, " block ", b,
-                                                " does not match its CRC-32C: the file is corrupted"));
-      }
+      const uint32_t crc = f.block_crc32c(static_cast<int>(b));
       whole = Crc32cCombine(whole, crc, n);
     }
     if (whole != f.crc32c()) {
