@@ -12,7 +12,7 @@ cd "$(dirname "$0")"
 PACKAGES=(
   g++ bazel-bootstrap clang-14 libclang-rt-14-dev lld-14
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev libabsl-dev
-  libucx-dev ucx-utils libcivetweb-dev liburing-dev
+  libucx-dev ucx-utils libcivetweb-dev liburing-dev libssl-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   libtorch-dev python3-torch python3-numpy pybind11-dev python3-pytest
   prometheus curl

@@ -111,6 +111,7 @@ absl::StatusOr<std::unique_ptr<Client>> JoinedClient(const Daemon& daemon, const
   absl::StatusOr<Layout> layout = Layout::Create({{"w", {1024}, DType::kFp32, 0}});
   if (!layout.ok()) return layout.status();
   ClientConfig c;
+  c.job_token = "activation-bench-job-token";
   c.daemons = {daemon.address()};
   c.job_id = job;
   c.stage = 3;
@@ -233,6 +234,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> StartDaemon(uint64_t arena, const std::s
   DaemonOptions o;
   o.bulk_transport = "ucx";
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  // Loopback, and every peer is this process: UCX keys may go out over tcp.
+  o.ucx_trust_peers = true;
   o.activation_arena_bytes = arena;
   o.spill_dir = spill_dir;
   o.spill_bytes = spill_bytes;

@@ -138,7 +138,8 @@ int Main() {
   *reg.mutable_spec() = ToJobSpec(settings, *layout);
   reg.set_daemon_index(0);
   bool created = false;
-  absl::StatusOr<std::shared_ptr<Job>> job = (*daemon)->jobs().Register(reg, false, &created);
+  absl::StatusOr<std::shared_ptr<Job>> job =
+      (*daemon)->jobs().Register(reg, TokenDigest::Of("bench"), false, &created);
   Check(job.status(), "RegisterJob");
   v1::JoinJobRequest join;
   join.set_job_id("bench");

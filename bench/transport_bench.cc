@@ -19,6 +19,22 @@
 // copied pushes (BufferUse::kCopy: one more sweep through the client's
 // staging pool) for comparison. The last line is the summary:
 //   ucx_gbps=X stream_gbps=Y perftest_gbps=Z ucx_fraction=X/Z
+//
+// --tls_compare measures instead what mutual TLS costs on the gRPC data
+// paths: the same job (borrowed pushes, then gathers) over "stream" (the
+// Shard streaming RPCs) and over the "grpc" bulk transport, against two
+// daemons in this process serving --bulk_transport=grpc, one plaintext and
+// one with DaemonOptions::tls (client certificates required); each client
+// uses ClientConfig::tls for the TLS one. The certificates are a throwaway
+// PKI from common/testing/make_test_certs.sh (found in the runfiles, or
+// next to the working directory) written into a temporary directory that
+// is removed at exit, or the files of --certs_dir (ca.crt, server.{crt,key}
+// with subjectAltName IP:127.0.0.1, client.{crt,key}). Plaintext and TLS
+// are measured in turn, --tls_rounds rounds with the order swapped each
+// round, and each figure is the median of all their repetitions. The last
+// line is the summary, ratios TLS / plaintext of push+gather GB/s:
+//   stream_plain_gbps=A stream_tls_gbps=B stream_tls_ratio=B/A
+//   grpc_plain_gbps=C grpc_tls_gbps=D grpc_tls_ratio=D/C
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -29,11 +45,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -56,6 +75,14 @@ ABSL_FLAG(int, reps, 5, "timed repetitions after one warm-up (the median is repo
 ABSL_FLAG(int, perftest_runs, 3, "ucx_perftest runs (the median is reported)");
 ABSL_FLAG(std::string, ucx_tls, "posix,cma,self", "UCX_TLS for the client, daemon and perftest");
 ABSL_FLAG(std::string, perftest, "ucx_perftest", "the ucx_perftest binary (PATH is searched)");
+ABSL_FLAG(bool, tls_compare, false,
+          "measure the gRPC data paths (stream, grpc) against a plaintext and a mutual-TLS "
+          "daemon instead; the last line is then the TLS/plaintext ratios");
+ABSL_FLAG(std::string, certs_dir, "",
+          "--tls_compare: a directory with ca.crt, server.{crt,key} (SAN IP:127.0.0.1) and "
+          "client.{crt,key}; empty: make a throwaway PKI with make_test_certs.sh");
+ABSL_FLAG(int, tls_rounds, 2,
+          "--tls_compare: rounds of plaintext and TLS measurements, order swapped each round");
 
 extern char** environ;
 
@@ -73,16 +100,23 @@ struct PathResult {
   double gbps = NAN;
   uint64_t client_buffer = 0;
   double push_gbps = NAN, gather_gbps = NAN;
+  // Each timed repetition's figures, GB/s.
+  std::vector<double> push, gather, both;
 };
 
-absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport,
-                                   BufferUse use) {
+// `tls`: the client's certificates (none: plaintext); `job_suffix` keeps job
+// ids apart when one daemon sees several clients of the same kind.
+absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport, BufferUse use,
+                                   const TlsFiles& tls = {}, const std::string& job_suffix = "") {
   const uint64_t n = absl::GetFlag(FLAGS_bytes) / sizeof(float);
   absl::StatusOr<Layout> layout = Layout::Create({{"w", {static_cast<int64_t>(n)}, DType::kFp32, 0}});
   if (!layout.ok()) return layout.status();
   ClientConfig c;
+  c.job_token = "transport-bench-job-token";
   c.daemons = {daemon.address()};
-  c.job_id = absl::StrCat("bench-", transport, use == BufferUse::kBorrow ? "-borrow" : "-copy");
+  c.job_id = absl::StrCat("bench-", transport, use == BufferUse::kBorrow ? "-borrow" : "-copy",
+                          job_suffix);
+  c.tls = tls;
   c.stage = 2;
   c.precision = DType::kFp32;
   c.bucket_bytes = absl::GetFlag(FLAGS_bucket_bytes);
@@ -101,7 +135,9 @@ absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport,
   PathResult r;
   const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
   const double bytes = static_cast<double>(total) * sizeof(float);
-  std::vector<double> push, gather, both;
+  std::vector<double>& push = r.push;
+  std::vector<double>& gather = r.gather;
+  std::vector<double>& both = r.both;
   for (int rep = 0; rep <= reps; ++rep) {
     const double t0 = Now();
     absl::StatusOr<PushTicket> t =
@@ -128,10 +164,207 @@ absl::StatusOr<PathResult> Measure(Daemon& daemon, const std::string& transport,
   return r;
 }
 
+// The certificates of --tls_compare: --certs_dir's, or a throwaway PKI in a
+// temporary directory that the destructor removes.
+class Certs {
+ public:
+  static absl::StatusOr<std::unique_ptr<Certs>> Make(const std::string& certs_dir) {
+    std::unique_ptr<Certs> c(new Certs);
+    if (!certs_dir.empty()) {
+      c->dir_ = certs_dir;
+    } else {
+      std::string script;
+      for (const std::string& candidate : ScriptCandidates()) {
+        if (::access(candidate.c_str(), R_OK) == 0) {
+          script = candidate;
+          break;
+        }
+      }
+      if (script.empty()) {
+        return absl::NotFoundError(
+            "common/testing/make_test_certs.sh is not in the runfiles or the working directory: "
+            "run through bazel, from the repository root, or pass --certs_dir");
+      }
+      const char* tmp = std::getenv("TMPDIR");
+      std::string tmpl = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp",
+                                      "/zs-transport-bench-certs-XXXXXX");
+      if (::mkdtemp(tmpl.data()) == nullptr) {
+        return absl::InternalError(absl::StrCat("mkdtemp ", tmpl, ": ", std::strerror(errno)));
+      }
+      c->dir_ = tmpl;
+      c->owned_ = true;
+      const std::string cmd = absl::StrCat("bash ", Quote(script), " ", Quote(c->dir_), " > ",
+                                           Quote(c->dir_ + "/make.log"), " 2>&1");
+      if (std::system(cmd.c_str()) != 0) {
+        std::string log;
+        if (FILE* f = std::fopen((c->dir_ + "/make.log").c_str(), "r")) {
+          char buf[512];
+          log.assign(buf, std::fread(buf, 1, sizeof(buf), f));
+          std::fclose(f);
+        }
+        return absl::InternalError(absl::StrCat(cmd, " failed (needs openssl): ", log));
+      }
+    }
+    for (const char* name : {"ca.crt", "server.crt", "server.key", "client.crt", "client.key"}) {
+      if (::access(c->File(name).c_str(), R_OK) != 0) {
+        return absl::NotFoundError(absl::StrCat(c->File(name), " is missing"));
+      }
+    }
+    return c;
+  }
+  ~Certs() {
+    if (!owned_) return;
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  const std::string& dir() const { return dir_; }
+  TlsFiles Server() const { return {File("server.crt"), File("server.key"), File("ca.crt")}; }
+  TlsFiles Client() const { return {File("client.crt"), File("client.key"), File("ca.crt")}; }
+
+ private:
+  Certs() = default;
+  std::string File(const char* name) const { return absl::StrCat(dir_, "/", name); }
+  static std::string Quote(const std::string& s) {
+    std::string out = "'";
+    for (char ch : s) {
+      if (ch == '\'') {
+        out += "'\\''";
+      } else {
+        out += ch;
+      }
+    }
+    return out + "'";
+  }
+  // //common/testing:make_test_certs is a data dependency: in the runfiles
+  // under bazel run / test (RUNFILES_DIR, TEST_SRCDIR, or next to the
+  // binary), else relative to the working directory (the repository root).
+  static std::vector<std::string> ScriptCandidates() {
+    const std::string rel = "zeroshard/common/testing/make_test_certs.sh";
+    std::vector<std::string> out;
+    for (const char* env : {"RUNFILES_DIR", "TEST_SRCDIR"}) {
+      const char* dir = std::getenv(env);
+      if (dir != nullptr && *dir != '\0') out.push_back(absl::StrCat(dir, "/", rel));
+    }
+    std::error_code ec;
+    const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    if (!ec) out.push_back(absl::StrCat(self.string(), ".runfiles/", rel));
+    out.push_back("common/testing/make_test_certs.sh");
+    return out;
+  }
+
+  std::string dir_;
+  bool owned_ = false;
+};
+
+// --tls_compare: push+gather over "stream" and "grpc" against a plaintext
+// daemon and a mutual-TLS one, both in this process.
+int TlsCompare() {
+  // The plaintext client must stay plaintext: ClientConfig::tls's empty
+  // fields would otherwise come from these.
+  for (const char* name : {"ZS_TLS_CERT", "ZS_TLS_KEY", "ZS_TLS_CA"}) ::unsetenv(name);
+  absl::StatusOr<std::unique_ptr<Certs>> certs = Certs::Make(absl::GetFlag(FLAGS_certs_dir));
+  if (!certs.ok()) {
+    std::fprintf(stderr, "certificates: %s\n", certs.status().ToString().c_str());
+    return 1;
+  }
+  DaemonOptions o;
+  o.bulk_transport = "grpc";
+  absl::StatusOr<std::unique_ptr<Daemon>> plain = Daemon::Start(o);
+  if (!plain.ok()) {
+    std::fprintf(stderr, "plaintext daemon: %s\n", plain.status().ToString().c_str());
+    return 1;
+  }
+  o.tls = (*certs)->Server();
+  absl::StatusOr<std::unique_ptr<Daemon>> tls = Daemon::Start(o);
+  if (!tls.ok()) {
+    std::fprintf(stderr, "TLS daemon: %s\n", tls.status().ToString().c_str());
+    return 1;
+  }
+  const uint64_t bytes = absl::GetFlag(FLAGS_bytes);
+  const int rounds = std::max(1, absl::GetFlag(FLAGS_tls_rounds));
+  std::printf(
+      "job: %llu fp32 parameters (%.1f MiB), 1 rank, stage 2, C_B %llu B, borrowed "
+      "pushes; plaintext vs mutual TLS (%s certificates), %d round(s) of %d "
+      "repetition(s)\n",
+      static_cast<unsigned long long>(bytes / 4), bytes / 1048576.0,
+      static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)),
+      absl::GetFlag(FLAGS_certs_dir).empty() ? "throwaway P-256" : "--certs_dir", rounds,
+      std::max(1, absl::GetFlag(FLAGS_reps)));
+  struct Side {
+    const char* label;
+    Daemon* daemon;
+    TlsFiles client_tls;
+    std::vector<double> push, gather, both;
+    double gbps = NAN;
+    bool failed = false;
+  };
+  struct Path {
+    const char* transport;
+    Side sides[2];
+  };
+  Path paths[2] = {
+      {"stream", {{"plaintext", plain->get(), {}}, {"tls", tls->get(), (*certs)->Client()}}},
+      {"grpc", {{"plaintext", plain->get(), {}}, {"tls", tls->get(), (*certs)->Client()}}}};
+  for (int round = 0; round < rounds; ++round) {
+    for (Path& path : paths) {
+      for (int i = 0; i < 2; ++i) {
+        Side& side = path.sides[round % 2 == 0 ? i : 1 - i];
+        if (side.failed) continue;
+        if (std::string(path.transport) == "grpc" && side.daemon->bulk_transport() == nullptr) {
+          std::printf("%s %s: the daemon has no grpc bulk transport; skipped\n", path.transport,
+                      side.label);
+          side.failed = true;
+          continue;
+        }
+        absl::StatusOr<PathResult> r =
+            Measure(*side.daemon, path.transport, BufferUse::kBorrow, side.client_tls,
+                    absl::StrCat("-", side.label, "-", round));
+        if (!r.ok()) {
+          std::printf("%s %s: failed: %s\n", path.transport, side.label,
+                      r.status().ToString().c_str());
+          side.failed = true;
+          continue;
+        }
+        side.push.insert(side.push.end(), r->push.begin(), r->push.end());
+        side.gather.insert(side.gather.end(), r->gather.begin(), r->gather.end());
+        side.both.insert(side.both.end(), r->both.begin(), r->both.end());
+        std::printf(
+            "round %d %-6s %-9s push %.3f GB/s, gather %.3f GB/s, push+gather %.3f "
+            "GB/s\n",
+            round, path.transport, side.label, r->push_gbps, r->gather_gbps, r->gbps);
+        std::fflush(stdout);
+      }
+    }
+  }
+  for (Path& path : paths) {
+    for (Side& side : path.sides) {
+      if (side.failed) continue;
+      side.gbps = Median(side.both);
+      const double ms = 2 * static_cast<double>(bytes) / side.gbps / 1e6;
+      std::printf(
+          "%-6s %-9s push %.3f GB/s, gather %.3f GB/s, push+gather %.3f GB/s "
+          "(%.1f ms per push+gather; median of %zu)\n",
+          path.transport, side.label, Median(side.push), Median(side.gather), side.gbps, ms,
+          side.both.size());
+    }
+  }
+  std::printf(
+      "stream_plain_gbps=%.3f stream_tls_gbps=%.3f stream_tls_ratio=%.3f "
+      "grpc_plain_gbps=%.3f grpc_tls_gbps=%.3f grpc_tls_ratio=%.3f\n",
+      paths[0].sides[0].gbps, paths[0].sides[1].gbps,
+      paths[0].sides[1].gbps / paths[0].sides[0].gbps, paths[1].sides[0].gbps,
+      paths[1].sides[1].gbps, paths[1].sides[1].gbps / paths[1].sides[0].gbps);
+  return 0;
+}
+
 int Main() {
+  if (absl::GetFlag(FLAGS_tls_compare)) return TlsCompare();
   DaemonOptions o;
   o.bulk_transport = "ucx";
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  // Loopback, and every peer is this process: UCX keys may go out over tcp.
+  o.ucx_trust_peers = true;
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(o);
   if (!daemon.ok()) {
     std::fprintf(stderr, "daemon: %s\n", daemon.status().ToString().c_str());

@@ -45,7 +45,7 @@ struct Rig {
       shared = owned.get();
     }
     fake = shared;
-    channel = MakeDaemonChannel(fake->address());
+    channel = MakeDaemonChannel(fake->address(), ChannelSecurity::Plaintext());
     if (bulk) {
       path = std::make_unique<BulkDataPath>(
           fake->address(), channel, *BulkTransport::Create("inproc", {}), BulkDataPath::Options{});

@@ -107,6 +107,8 @@ RunResult RunSteps(const BulkCase& c, const std::string& transport) {
     DaemonOptions o;
     o.bulk_transport = bulk;
     o.ucx_tls = c.tls;
+    // Loopback, and every peer is this process: UCX keys may go out over tcp.
+    o.ucx_trust_peers = true;
     absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
     if (!d.ok()) {
       ADD_FAILURE() << d.status();
@@ -126,6 +128,7 @@ RunResult RunSteps(const BulkCase& c, const std::string& transport) {
   for (uint32_t rank = 0; rank < c.world; ++rank) {
     threads.emplace_back([&, rank] {
       ClientConfig config;
+      config.job_token = testing::kTestToken;
       config.daemons = addresses;
       config.job_id = "bulk";
       config.rank = rank;

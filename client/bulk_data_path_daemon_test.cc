@@ -89,7 +89,9 @@ TEST(BulkDataPathDaemonTest, RecoversAfterTheDaemonRestartsOnTheSamePort) {
   const std::string address = daemon->address();
   BulkDataPath::Options o;
   o.fence_timeout = absl::Seconds(5);
-  BulkDataPath path(address, MakeDaemonChannel(address), *BulkTransport::Create("inproc", {}), o);
+  BulkDataPath path(address,
+                    MakeDaemonChannel(address, ChannelSecurity::Plaintext(testing::kTestToken)),
+                    *BulkTransport::Create("inproc", {}), o);
   absl::StatusOr<std::vector<float>> before = OneStep(address, path);
   ASSERT_TRUE(before.ok()) << before.status();
   EXPECT_EQ(path.exchanges(), 1u);

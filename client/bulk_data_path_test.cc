@@ -33,8 +33,9 @@ struct Rig {
     BulkDataPath::Options po;
     po.connections = 2;
     po.fence_timeout = absl::Seconds(5);
-    path = std::make_unique<BulkDataPath>(fake->address(), MakeDaemonChannel(fake->address()),
-                                          *BulkTransport::Create("inproc", {}), po);
+    path = std::make_unique<BulkDataPath>(
+        fake->address(), MakeDaemonChannel(fake->address(), ChannelSecurity::Plaintext()),
+        *BulkTransport::Create("inproc", {}), po);
   }
   std::unique_ptr<FakeShard> fake;
   std::unique_ptr<BulkDataPath> path;

@@ -38,9 +38,10 @@ CheckpointDriver::CheckpointDriver(std::string job_id, std::vector<std::string> 
 }
 
 std::unique_ptr<CheckpointDriver> CheckpointDriver::Connect(std::string job_id,
-                                                            std::vector<std::string> addresses) {
+                                                            std::vector<std::string> addresses,
+                                                            const ChannelSecurity& security) {
   std::vector<std::shared_ptr<grpc::Channel>> channels;
-  for (const std::string& a : addresses) channels.push_back(MakeDaemonChannel(a));
+  for (const std::string& a : addresses) channels.push_back(MakeDaemonChannel(a, security));
   return std::make_unique<CheckpointDriver>(std::move(job_id), std::move(addresses),
                                             std::move(channels));
 }

@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/channel.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
 
@@ -42,9 +43,10 @@ class CheckpointDriver {
   // `addresses[d]` is daemon d of the job (the job spec's daemons, in order).
   CheckpointDriver(std::string job_id, std::vector<std::string> addresses,
                    std::vector<std::shared_ptr<grpc::Channel>> channels);
-  // Opens its own channels (insecure) to `addresses`.
+  // Opens its own channels to `addresses`, with `security`.
   static std::unique_ptr<CheckpointDriver> Connect(std::string job_id,
-                                                   std::vector<std::string> addresses);
+                                                   std::vector<std::string> addresses,
+                                                   const ChannelSecurity& security);
 
   const std::string& job_id() const { return job_id_; }
 

@@ -14,6 +14,7 @@
 #include "client/layer_cache.h"
 #include "client/rpc.h"
 #include "client/stream_data_path.h"
+#include "common/auth.h"
 #include "common/checkpoint_files.h"
 #include "common/protocol.h"
 #include "common/status_macros.h"
@@ -99,6 +100,14 @@ absl::Status ValidateConfig(const ClientConfig& c) {
     return Invalid("transport", absl::StrCat("unknown transport \"", c.transport.substr(0, 64),
                                              "\" (one of stream, ucx, grpc, inproc)"));
   }
+  if (c.job_token.empty()) {
+    return Invalid("job_token",
+                   absl::StrCat("required: the job's secret (or set ", kJobTokenEnvironment,
+                                "; zsrun generates one per run, `zsctl token` "
+                                "prints a fresh one)"));
+  }
+  RETURN_IF_ERROR(ValidateToken(c.job_token, "ClientConfig.job_token"));
+  RETURN_IF_ERROR(ValidateTlsFiles(c.tls, "ClientConfig."));
   if (!c.resume.empty() && !ValidateCheckpointName(c.resume, true).ok()) {
     return Invalid("resume", absl::StrCat("must be \"latest\" or a checkpoint name (",
                                           kCheckpointNameRule, "), got \"",
@@ -123,6 +132,8 @@ Client::~Client() {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientConfig config,
                                                        std::unique_ptr<Collective> collective) {
+  config.job_token = JobTokenOrEnvironment(config.job_token);
+  config.tls = TlsFilesFromEnvironment(config.tls);
   RETURN_IF_ERROR(ValidateConfig(config));
   if (collective == nullptr) {
     ASSIGN_OR_RETURN(collective, DefaultCollective(config));
@@ -134,17 +145,20 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientConfig config,
 
 absl::Status Client::Connect() {
   const ClientConfig& c = config_;
+  ASSIGN_OR_RETURN(const ChannelSecurity security,
+                   MakeChannelSecurity(c.tls, c.job_token, "ClientConfig."));
   if (c.transport != kStream) {
     transport::TransportOptions to;
     to.name = absl::StrCat("client ", c.job_id, " rank ", c.rank);
     to.ucx_tls = c.ucx_tls;
+    to.tls = c.tls;
     to.progress_threads = c.bulk_progress_threads;
     ASSIGN_OR_RETURN(bulk_, BulkTransport::Create(c.transport, to));
   }
   std::vector<DaemonControl*> controls;
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (const std::string& address : c.daemons) {
-    std::shared_ptr<grpc::Channel> channel = MakeDaemonChannel(address);
+    std::shared_ptr<grpc::Channel> channel = MakeDaemonChannel(address, security);
     channels.push_back(channel);
     controls_.push_back(std::make_unique<DaemonControl>(address, channel));
     controls.push_back(controls_.back().get());

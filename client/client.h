@@ -61,10 +61,12 @@
 #include "client/executor.h"
 #include "client/step_coordinator.h"
 #include "client/traffic.h"
+#include "common/channel.h"
 #include "common/dtype.h"
 #include "common/job_spec.h"
 #include "common/layout.h"
 #include "common/partition_map.h"
+#include "common/tls.h"
 
 namespace zeroshard {
 
@@ -109,6 +111,14 @@ struct ClientConfig : JobSettings {
   int bulk_progress_threads = 2;
   int sender_threads = 2;
   int io_threads = 4;
+  // The job's secret, sent with every request (common/auth.h); the first
+  // rank to register the job binds it. Empty: ZS_JOB_TOKEN from the
+  // environment (zsrun sets it); one of them is required.
+  std::string job_token;
+  // Mutual TLS to the daemons (and a "grpc" bulk transport's connections):
+  // the three PEM files, each empty field taken from ZS_TLS_CERT /
+  // ZS_TLS_KEY / ZS_TLS_CA; all empty: plaintext.
+  TlsFiles tls;
   // Resume: a checkpoint name, or "latest" (the complete checkpoint with the
   // highest step), that RegisterModel on rank 0 loads into the daemons
   // instead of uploading initial parameters. With "latest" and no complete

@@ -28,6 +28,7 @@ std::unique_ptr<Daemon> StartDaemon(const std::string& checkpoint_dir) {
 ClientConfig MakeConfig(const std::string& job, const std::vector<std::string>& daemons,
                         uint32_t rank = 0) {
   ClientConfig c;
+  c.job_token = testing::kTestToken;
   c.daemons = daemons;
   c.job_id = job;
   c.rank = rank;

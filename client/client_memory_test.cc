@@ -23,6 +23,7 @@ TEST(ClientMemoryTest, StagingMemoryDoesNotGrowWithTheModel) {
                                            {"b", {1001}, DType::kFp32, 1}});
     const uint64_t total = layout.total_elements();
     ClientConfig config;
+    config.job_token = "client-memory-test-token";
     config.daemons = {(*daemon)->address()};
     config.job_id = "big";
     config.stage = 2;

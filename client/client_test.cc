@@ -76,6 +76,7 @@ ClientConfig MakeConfig(const std::string& job, const std::vector<std::string>& 
                         uint32_t rank, uint32_t world, uint32_t stage,
                         const std::string& transport = "stream") {
   ClientConfig c;
+  c.job_token = testing::kTestToken;
   c.daemons = daemons;
   c.job_id = job;
   c.rank = rank;
@@ -612,6 +613,36 @@ TEST(ClientTest, UnknownDaemonIsUnavailableWithinTheDeadline) {
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), gone)) << s;
   EXPECT_LT(absl::Now() - start, absl::Seconds(4));
+}
+
+// A rank that stops pushing (rank 2, which never steps): the step fails
+// within step_timeout on every other rank, leader or not, saying what each
+// daemon waits for and from whom.
+TEST(ClientTest, StuckStepSaysWhichRankAndRangesItWaitsFor) {
+  Daemons daemons(2);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  std::vector<std::unique_ptr<Client>> clients(3);
+  RunRanks(3, [&](uint32_t rank) {
+    ClientConfig config = MakeConfig("stuck", daemons.addresses, rank, 3, 2);
+    config.step_timeout = absl::Seconds(2);
+    clients[rank] = Connect(config, layout, rank == 0 ? init.data() : nullptr);
+  });
+  ASSERT_TRUE(clients[0] != nullptr && clients[1] != nullptr && clients[2] != nullptr);
+  std::vector<float> grad(layout.total_elements(), 0.5f);
+  RunRanks(2, [&](uint32_t rank) {
+    ASSERT_TRUE(clients[rank]->PushGradients({0, grad.size()}, grad.data(), DType::kFp32).ok());
+    const absl::Time start = absl::Now();
+    const absl::StatusOr<StepResult> r = clients[rank]->Step(1e-2f);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    for (const std::string& a : daemons.addresses) {
+      EXPECT_TRUE(absl::StrContains(
+          r.status().message(), absl::StrCat("step 1: daemon ", a, " waits for rank 2, range [")))
+          << "rank " << rank << ": " << r.status();
+    }
+    std::printf("rank %u's Step: %s\n", rank, r.status().ToString().c_str());
+  });
 }
 
 TEST(ClientTest, DaemonKilledMidRunGivesUnavailable) {

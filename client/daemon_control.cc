@@ -1,9 +1,41 @@
 #include "client/daemon_control.h"
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "client/rpc.h"
 
 namespace zeroshard {
+
+std::string DescribeWaits(const std::string& address, const v1::StepState& state) {
+  if (state.missing().empty()) return "";
+  // Ranks in the order the daemon reports them, each with its ranges
+  // (adjacent ones merged).
+  std::vector<std::pair<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>>> by_rank;
+  for (const v1::MissingContribution& m : state.missing()) {
+    auto it = std::find_if(by_rank.begin(), by_rank.end(),
+                           [&](const auto& e) { return e.first == m.rank(); });
+    if (it == by_rank.end()) it = by_rank.insert(by_rank.end(), {m.rank(), {}});
+    auto& ranges = it->second;
+    if (!ranges.empty() && ranges.back().second == m.range().begin()) {
+      ranges.back().second = m.range().end();
+    } else {
+      ranges.emplace_back(m.range().begin(), m.range().end());
+    }
+  }
+  std::string out = absl::StrCat("step ", state.committed_step() + 1, ": daemon ", address);
+  for (size_t i = 0; i < by_rank.size(); ++i) {
+    absl::StrAppend(&out, i == 0 ? " waits for rank " : "; and for rank ", by_rank[i].first,
+                    by_rank[i].second.size() == 1 ? ", range " : ", ranges ");
+    for (size_t j = 0; j < by_rank[i].second.size(); ++j) {
+      absl::StrAppend(&out, j == 0 ? "" : ", ", "[", by_rank[i].second[j].first, ", ",
+                      by_rank[i].second[j].second, ")");
+    }
+  }
+  return out;
+}
 
 DaemonControl::DaemonControl(std::string address, std::shared_ptr<grpc::Channel> channel)
     : address_(std::move(address)),

@@ -24,6 +24,12 @@ struct RankId {
   uint64_t incarnation = 0;
 };
 
+// What daemon `address` waits for in its open step, from its step state:
+// "step 117: daemon node1:7070 waits for rank 3, range [117504, 234944)"
+// (one clause per rank, adjacent ranges merged, at most the ranges the
+// state reports); empty when it waits for nothing.
+std::string DescribeWaits(const std::string& address, const v1::StepState& state);
+
 // Thread-safe; each call blocks its calling thread until done or `deadline`.
 class DaemonControl {
  public:

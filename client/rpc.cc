@@ -4,7 +4,8 @@
 
 namespace zeroshard {
 
-std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address) {
+std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address,
+                                                 const ChannelSecurity& security) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
@@ -14,7 +15,7 @@ std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address) {
   // Reconnect quickly after a daemon restarts.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return MakeChannel(address, security, args);
 }
 
 void SetDeadline(grpc::ClientContext* context, absl::Time deadline) {

@@ -10,15 +10,18 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/channel.h"
 #include "common/protocol.h"
 #include "grpcpp/grpcpp.h"
 
 namespace zeroshard {
 
-// An insecure channel to `address` ("HOST:PORT") whose messages may be up to
+// A channel to `address` ("HOST:PORT") with `security` (TLS or plaintext,
+// and the bearer token every call carries) whose messages may be up to
 // kMaxGrpcMessageBytes (common/protocol.h) each way. Does not connect: the
 // first RPC does.
-std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address);
+std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address,
+                                                 const ChannelSecurity& security);
 
 void SetDeadline(grpc::ClientContext* context, absl::Time deadline);
 

@@ -102,11 +102,9 @@ absl::Status StepCoordinator::WithMissing(absl::Status s) {
   std::string missing;
   for (DaemonControl* d : daemons_) {
     absl::StatusOr<v1::StepState> state = d->GetStepState(options_.id.job_id, deadline);
-    if (!state.ok() || state->missing().empty()) continue;
-    const v1::MissingContribution& m = state->missing(0);
-    absl::StrAppend(&missing, "; daemon ", d->address(), " waits for rank ", m.rank(),
-                    " in range [", m.range().begin(), ", ", m.range().end(), ") (",
-                    m.contributions(), " of ", m.expected(), " contributions)");
+    if (!state.ok()) continue;
+    const std::string waits = DescribeWaits(d->address(), *state);
+    if (!waits.empty()) absl::StrAppend(&missing, "; ", waits);
   }
   if (missing.empty()) return s;
   return absl::DeadlineExceededError(absl::StrCat(s.message(), missing));

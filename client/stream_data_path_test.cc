@@ -28,7 +28,9 @@ TEST(StreamDataPathTest, InitPushGather) {
   ASSERT_TRUE(control.Register(spec, 0).ok());
   ASSERT_TRUE(control.Join(spec, 0).ok());
 
-  StreamDataPath path(daemon->address(), MakeDaemonChannel(daemon->address()));
+  StreamDataPath path(
+      daemon->address(),
+      MakeDaemonChannel(daemon->address(), ChannelSecurity::Plaintext(testing::kTestToken)));
   EXPECT_STREQ(path.name(), "stream");
   std::vector<float> params(n);
   for (uint64_t i = 0; i < n; ++i) params[i] = 0.25f * static_cast<float>(i % 17);
@@ -75,7 +77,8 @@ TEST(StreamDataPathTest, InitPushGather) {
 TEST(StreamDataPathTest, ErrorsNameTheDaemon) {
   auto daemon = StartDaemon();
   const std::string address = daemon->address();
-  StreamDataPath path(address, MakeDaemonChannel(address));
+  StreamDataPath path(address,
+                      MakeDaemonChannel(address, ChannelSecurity::Plaintext(testing::kTestToken)));
   std::vector<float> buf(16);
   GatherRequestSpec g{"nope", 0, kTestIncarnation, 0, {0, 16}, DType::kFp32,
                       absl::ZeroDuration()};

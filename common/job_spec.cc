@@ -17,6 +17,15 @@ absl::Status Invalid(absl::string_view prefix, absl::string_view field, const st
 
 bool Finite(float v) { return std::isfinite(v); }
 
+// A layout's tensors, at most, and the bytes of all their names together. A
+// daemon keeps a job's spec and placed layout for the job's lifetime outside
+// the ledger, so these bound what one RegisterJob makes it hold besides the
+// booked model states (about 250 bytes per tensor plus the names twice:
+// under 50 MB a job). Real models have thousands of tensors (GPT-3: about
+// 1200; a mixture of experts with a tensor per expert, tens of thousands).
+constexpr int kMaxLayoutTensors = 1 << 17;
+constexpr uint64_t kMaxLayoutNameBytes = uint64_t{8} << 20;
+
 }  // namespace
 
 absl::string_view OptimizerKindName(OptimizerKind kind) {
@@ -142,6 +151,27 @@ absl::Status ValidateJobSettings(const JobSettings& s, absl::string_view p) {
 v1::DType WireDType(DType t) { return static_cast<v1::DType>(DTypeToProto(t)); }
 
 absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& layout) {
+  // Bounded before anything is copied out of the message.
+  if (layout.tensors_size() > kMaxLayoutTensors) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.layout.tensors: at most ", kMaxLayoutTensors, " tensors, got ",
+                     layout.tensors_size(), " (group small tensors into larger ones)"));
+  }
+  uint64_t name_bytes = 0;
+  for (int i = 0; i < layout.tensors_size(); ++i) {
+    const v1::TensorSpec& t = layout.tensors(i);
+    if (t.shape_size() > static_cast<int>(Layout::kMaxDims)) {
+      return absl::InvalidArgumentError(absl::StrCat("spec.layout.tensors[", i,
+                                                     "].shape: needs 1..", Layout::kMaxDims,
+                                                     " dimensions, got ", t.shape_size()));
+    }
+    name_bytes += t.name().size();
+  }
+  if (name_bytes > kMaxLayoutNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.layout.tensors: the names take ",
+                                                   name_bytes, " bytes together, at most ",
+                                                   kMaxLayoutNameBytes, " are accepted"));
+  }
   std::vector<TensorSpec> specs;
   specs.reserve(layout.tensors_size());
   for (int i = 0; i < layout.tensors_size(); ++i) {

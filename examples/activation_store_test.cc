@@ -85,7 +85,7 @@ TEST(ActivationStoreTest, DaemonStoreOverAStandInDaemon) {
   testing::FakeShard::Options fo;
   fo.activation_arena_bytes = 16 << 10;  // half a step: the daemon spills
   std::unique_ptr<testing::FakeShard> fake = *testing::FakeShard::Start(fo);
-  auto channel = MakeDaemonChannel(fake->address());
+  auto channel = MakeDaemonChannel(fake->address(), ChannelSecurity::Plaintext());
   BulkDataPath path(fake->address(), channel, *BulkTransport::Create("inproc", {}), {});
   {
     auto client_store =

@@ -43,6 +43,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/rpc.h"
+#include "common/auth.h"
+#include "common/channel.h"
 #include "common/estimator.h"
 #include "common/format.h"
 #include "examples/trainer.h"
@@ -70,6 +72,14 @@ ABSL_FLAG(std::string, transport, "ucx",
           "Data path to the daemons: ucx, grpc or inproc (a bulk transport, which must be the "
           "daemons' --bulk_transport), or stream (the Shard streaming RPCs).");
 ABSL_FLAG(std::string, ucx_tls, "", "UCX_TLS for --transport=ucx (empty: UCX's choice).");
+ABSL_FLAG(std::string, job_token_file, "",
+          "File holding the job's secret (mode 0600); default: $ZS_JOB_TOKEN, which zsrun sets.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate this trainer presents to the daemons (mutual TLS, with --tls_key and "
+          "--tls_ca). Default: $ZS_TLS_CERT.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert. Default: $ZS_TLS_KEY.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle that signs the daemons' certificates. Default: $ZS_TLS_CA.");
 ABSL_FLAG(int, threads, 0, "Torch threads per rank; 0 = the cores shared among the ranks.");
 ABSL_FLAG(bool, report, true, "Rank 0: print the memory/traffic/loss report at the end.");
 ABSL_FLAG(std::string, progress, "bar",
@@ -161,10 +171,11 @@ void CheckpointLine(const StepReport& r, bool midline) {
 // `job`'s activation checkpoints in each daemon's arena, as its ledger books
 // them (Admin.MemoryReport, category `activation`); the error text if a
 // daemon does not answer.
-std::string ArenaLines(const std::vector<std::string>& daemons, const std::string& job) {
+std::string ArenaLines(const std::vector<std::string>& daemons, const std::string& job,
+                       const ChannelSecurity& security) {
   std::string out;
   for (const std::string& address : daemons) {
-    auto stub = v1::Admin::NewStub(MakeDaemonChannel(address));
+    auto stub = v1::Admin::NewStub(MakeDaemonChannel(address, security));
     grpc::ClientContext context;
     SetDeadline(&context, absl::Now() + absl::Seconds(10));
     v1::MemoryReportRequest req;
@@ -295,6 +306,16 @@ int Main() {
   o.corpus_dir = absl::GetFlag(FLAGS_corpus);
   o.transport = absl::GetFlag(FLAGS_transport);
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  o.tls = TlsFilesFromEnvironment(
+      {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)});
+  if (const std::string file = absl::GetFlag(FLAGS_job_token_file); !file.empty()) {
+    absl::StatusOr<std::string> token = ReadTokenFile(file, "--job_token_file");
+    if (!token.ok()) {
+      std::fprintf(stderr, "gpt_train: %s\n", token.status().ToString().c_str());
+      return 2;
+    }
+    o.job_token = *std::move(token);
+  }
   o.stage = static_cast<uint32_t>(absl::GetFlag(FLAGS_stage));
   o.checkpoint_every = absl::GetFlag(FLAGS_checkpoint_every);
   o.resume = absl::GetFlag(FLAGS_resume);
@@ -395,11 +416,19 @@ int Main() {
   }
   std::string daemon_report, spill_report;
   uint64_t activation_bytes = 0;
+  // The report's own calls to the daemons: the trainer's TLS and token.
+  const absl::StatusOr<ChannelSecurity> report_security =
+      MakeChannelSecurity(o.tls, JobTokenOrEnvironment(o.job_token), "--");
   const FinishCallback report = [&](Client&) {
     if (!leader || !absl::GetFlag(FLAGS_report)) return;
+    if (!report_security.ok()) {
+      daemon_report = report_security.status().ToString();
+      return;
+    }
     tools::AdminOptions admin;
     admin.daemons = absl::StrJoin(o.daemons, ",");
     admin.job = o.job_id;
+    admin.security = *report_security;
     auto memory = tools::RunMemory(admin);
     daemon_report = memory.ok() ? *memory : memory.status().ToString();
     if (o.activations == "daemon") spill_report = SpillLines(o.daemons, o.job_id);
@@ -425,7 +454,8 @@ int Main() {
         !absl::GetFlag(FLAGS_report)) {
       return;
     }
-    activation_memory = ArenaLines(o.daemons, o.job_id);
+    activation_memory = report_security.ok() ? ArenaLines(o.daemons, o.job_id, *report_security)
+                                             : report_security.status().ToString();
   };
   auto result = TrainRank(o, progress, report, started, before_backward);
   if (!result.ok()) {

@@ -15,6 +15,7 @@ namespace {
 
 TrainOptions BaseOptions() {
   TrainOptions o;
+  o.job_token = testing::kTestToken;
   o.model.layers = 2;
   o.model.width = 32;
   o.model.heads = 4;

@@ -67,6 +67,8 @@ ClientConfig MakeClientConfig(const TrainOptions& o) {
   c.prefetch_depth = o.prefetch_depth;
   c.transport = o.transport;
   c.ucx_tls = o.ucx_tls;
+  c.job_token = o.job_token;
+  c.tls = o.tls;
   c.optimizer.kind = OptimizerKind::kAdamW;
   c.optimizer.lr = o.lr;
   c.optimizer.beta1 = 0.9f;

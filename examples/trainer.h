@@ -38,6 +38,9 @@ struct TrainOptions {
   uint32_t prefetch_depth = 2;
   std::string transport = "stream";  // data path: "stream", "ucx", "grpc" or "inproc"
   std::string ucx_tls;               // UCX_TLS for "ucx" ("" = UCX's choice)
+  // ClientConfig.job_token and .tls (empty: ZS_JOB_TOKEN, ZS_TLS_*).
+  std::string job_token;
+  TlsFiles tls;
 
   // Checkpoints (the daemons need --checkpoint_dir). Every this many
   // committed steps rank 0 saves checkpoint "step-<k>" (k the committed

@@ -14,6 +14,8 @@ fi
 
 export PYTHONPATH="$RUNFILES/python"
 export ZEROSHARDD="$RUNFILES/server/zeroshardd"
+# The secret every test job is registered with; workers and zsctl inherit it.
+export ZS_JOB_TOKEN="pytest-job-token-0123456789"
 cd "$RUNFILES" || exit 1
 # Cache and temp dirs stay inside the test's sandbox.
 "$PYTHON" -m pytest -q -p no:cacheprovider \

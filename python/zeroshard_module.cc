@@ -110,12 +110,15 @@ py::dict TrafficDict(const TrafficBytes& b) {
 // memory_report and traffic_report must be called from one thread at a time.
 class PyClient {
  public:
-  PyClient(std::vector<std::string> daemons, std::string job_id, uint32_t rank,
-           uint32_t world_size, uint32_t stage, const std::string& precision, float lr,
-           std::pair<float, float> betas, float eps, float weight_decay, float max_grad_norm,
-           uint64_t bucket_bytes, double rpc_timeout, double step_timeout,
-           std::optional<std::string> resume) {
+  PyClient(std::vector<std::string> daemons, std::string job_id, uint32_t rank, uint32_t world_size,
+           uint32_t stage, const std::string& precision, float lr, std::pair<float, float> betas,
+           float eps, float weight_decay, float max_grad_norm, uint64_t bucket_bytes,
+           double rpc_timeout, double step_timeout, std::optional<std::string> resume,
+           std::optional<std::string> token, std::optional<std::string> tls_cert,
+           std::optional<std::string> tls_key, std::optional<std::string> tls_ca) {
     ClientConfig c;
+    c.job_token = token.value_or("");
+    c.tls = {tls_cert.value_or(""), tls_key.value_or(""), tls_ca.value_or("")};
     c.daemons = std::move(daemons);
     c.job_id = std::move(job_id);
     c.rank = rank;
@@ -353,14 +356,21 @@ PYBIND11_MODULE(_zeroshard, m) {
   py::class_<PyClient>(m, "Client")
       .def(py::init<std::vector<std::string>, std::string, uint32_t, uint32_t, uint32_t,
                     const std::string&, float, std::pair<float, float>, float, float, float,
-                    uint64_t, double, double, std::optional<std::string>>(),
+                    uint64_t, double, double, std::optional<std::string>,
+                    std::optional<std::string>, std::optional<std::string>,
+                    std::optional<std::string>, std::optional<std::string>>(),
            py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
            py::arg("stage") = 2, py::arg("precision") = "fp32", py::arg("lr") = 1e-3f,
            py::arg("betas") = std::make_pair(0.9f, 0.999f), py::arg("eps") = 1e-8f,
            py::arg("weight_decay") = 0.01f, py::arg("max_grad_norm") = 0.0f,
            py::arg("bucket_bytes") = uint64_t{32} << 20, py::arg("rpc_timeout") = 60.0,
            py::arg("step_timeout") = 300.0, py::arg("resume") = py::none(),
+           py::arg("token") = py::none(), py::arg("tls_cert") = py::none(),
+           py::arg("tls_key") = py::none(), py::arg("tls_ca") = py::none(),
            "Validates the config and starts the client's threads; connects to nothing. "
+           "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
+           "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
+           "$ZS_TLS_CERT/_KEY/_CA; none: plaintext). "
            "Timeouts in seconds. resume: None, a checkpoint name or 'latest' (the complete "
            "checkpoint with the highest step): register_model on rank 0 then loads it into "
            "the daemons instead of uploading initial_params ('latest' with no complete "

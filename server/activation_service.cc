@@ -69,13 +69,14 @@ absl::Status CheckBytes(uint64_t bytes, const ActivationStore& store, absl::stri
 
 }  // namespace
 
-absl::StatusOr<SliceOwner> ActivationService::Owner(const v1::ActivationOwner& o, bool has_owner) {
+absl::StatusOr<SliceOwner> ActivationService::Owner(const grpc::ServerContext& call,
+                                                    const v1::ActivationOwner& o, bool has_owner) {
   if (ctx_->activations == nullptr) {
     return absl::FailedPreconditionError(
         "this zeroshardd keeps no activations (started with --activation_arena_bytes=0)");
   }
   if (!has_owner) return absl::InvalidArgumentError("owner: required");
-  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, ctx_->jobs->Find(o.job_id()));
+  ASSIGN_OR_RETURN(std::shared_ptr<Job> job, ctx_->FindJob(call, o.job_id()));
   RETURN_IF_ERROR(job->CheckRank(o.rank(), o.incarnation(), "owner."));
   SliceOwner owner;
   owner.job_id = o.job_id();
@@ -89,7 +90,7 @@ absl::StatusOr<SliceOwner> ActivationService::Owner(const v1::ActivationOwner& o
 absl::Status ActivationService::DoReserve(grpc::ServerContext* ctx,
                                           const v1::ReserveActivationRequest& req,
                                           v1::ActivationPlacement* resp) {
-  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(*ctx, req.owner(), req.has_owner()));
   RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
   RETURN_IF_ERROR(CheckBytes(req.bytes(), *ctx_->activations, "bytes"));
   if (ctx_->bulk == nullptr) {
@@ -110,9 +111,10 @@ grpc::Status ActivationService::ReserveActivation(grpc::ServerContext* ctx,
   return ctx_->Done(__func__, DoReserve(ctx, *req, resp));
 }
 
-absl::Status ActivationService::DoCommit(const v1::CommitActivationRequest& req,
+absl::Status ActivationService::DoCommit(const grpc::ServerContext& call,
+                                         const v1::CommitActivationRequest& req,
                                          v1::ActivationStored* resp) {
-  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(call, req.owner(), req.has_owner()));
   RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
   ASSIGN_OR_RETURN(uint64_t bytes, ctx_->activations->Commit(owner, ToKey(req.key()), req.crc32c()));
   resp->set_bytes(bytes);
@@ -123,17 +125,17 @@ absl::Status ActivationService::DoCommit(const v1::CommitActivationRequest& req,
   return absl::OkStatus();
 }
 
-grpc::Status ActivationService::CommitActivation(grpc::ServerContext*,
+grpc::Status ActivationService::CommitActivation(grpc::ServerContext* call,
                                                  const v1::CommitActivationRequest* req,
                                                  v1::ActivationStored* resp) {
-  return ctx_->Done(__func__, DoCommit(*req, resp));
+  return ctx_->Done(__func__, DoCommit(*call, *req, resp));
 }
 
 absl::Status ActivationService::DoLocate(grpc::ServerContext* ctx,
                                          const v1::LocateActivationRequest& req,
                                          v1::ActivationPlacement* resp) {
   const absl::Time start = absl::Now();
-  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(*ctx, req.owner(), req.has_owner()));
   RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
   if (ctx_->bulk == nullptr) {
     return absl::UnavailableError(absl::StrCat(
@@ -167,7 +169,7 @@ absl::Status ActivationService::DoOffload(grpc::ServerContext* ctx,
     if (ctx->IsCancelled()) return absl::CancelledError("the client abandoned the stream");
     return absl::InvalidArgumentError("the stream carried no chunk");
   }
-  ASSIGN_OR_RETURN(SliceOwner owner, Owner(chunk.owner(), chunk.has_owner()));
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(*ctx, chunk.owner(), chunk.has_owner()));
   RETURN_IF_ERROR(CheckKey(chunk.key(), chunk.has_key(), "chunk 0.key"));
   const uint64_t total = chunk.total_bytes();
   RETURN_IF_ERROR(CheckBytes(total, *ctx_->activations, "chunk 0.total_bytes"));
@@ -247,7 +249,7 @@ absl::Status ActivationService::DoFetch(grpc::ServerContext* ctx,
                                         const v1::FetchActivationRequest& req,
                                         grpc::ServerWriter<v1::ActivationChunk>* writer) {
   const absl::Time start = absl::Now();
-  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(*ctx, req.owner(), req.has_owner()));
   RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
   if (req.max_chunk_bytes() != 0 && (req.max_chunk_bytes() < 1024 || req.max_chunk_bytes() > kMaxChunkBytes)) {
     return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes: must be 0 (the daemon's ",
@@ -288,7 +290,7 @@ grpc::Status ActivationService::FetchActivation(grpc::ServerContext* ctx,
 absl::Status ActivationService::DoPrefetch(grpc::ServerContext* ctx,
                                            const v1::PrefetchActivationsRequest& req,
                                            v1::PrefetchActivationsResponse* resp) {
-  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(*ctx, req.owner(), req.has_owner()));
   if (req.keys_size() > kMaxPrefetchKeys) {
     return absl::InvalidArgumentError(
         absl::StrCat("keys: at most ", kMaxPrefetchKeys, ", got ", req.keys_size()));
@@ -309,9 +311,10 @@ grpc::Status ActivationService::PrefetchActivations(grpc::ServerContext* ctx,
   return ctx_->Done(__func__, DoPrefetch(ctx, *req, resp));
 }
 
-absl::Status ActivationService::DoFree(const v1::FreeActivationsRequest& req,
+absl::Status ActivationService::DoFree(const grpc::ServerContext& call,
+                                       const v1::FreeActivationsRequest& req,
                                        v1::FreeActivationsResponse* resp) {
-  ASSIGN_OR_RETURN(SliceOwner owner, Owner(req.owner(), req.has_owner()));
+  ASSIGN_OR_RETURN(SliceOwner owner, Owner(call, req.owner(), req.has_owner()));
   ActivationStore::Freed freed;
   if (req.whole_step()) {
     if (!req.has_key()) {
@@ -329,10 +332,10 @@ absl::Status ActivationService::DoFree(const v1::FreeActivationsRequest& req,
   return absl::OkStatus();
 }
 
-grpc::Status ActivationService::FreeActivations(grpc::ServerContext*,
+grpc::Status ActivationService::FreeActivations(grpc::ServerContext* call,
                                                 const v1::FreeActivationsRequest* req,
                                                 v1::FreeActivationsResponse* resp) {
-  return ctx_->Done(__func__, DoFree(*req, resp));
+  return ctx_->Done(__func__, DoFree(*call, *req, resp));
 }
 
 }  // namespace zeroshard

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/channel.h"
 #include "common/crc32c.h"
 #include "common/protocol.h"
 #include "gtest/gtest.h"
@@ -59,7 +60,7 @@ ActivationClient::ActivationClient(const std::string& address) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
-  channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  channel = MakeChannel(address, ChannelSecurity::Plaintext(testing::kTestToken), args);
   stub = v1::Activation::NewStub(channel);
 }
 

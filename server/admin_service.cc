@@ -4,20 +4,20 @@
 
 namespace zeroshard {
 
-grpc::Status ServiceContext::Done(const char* rpc, const absl::Status& status) {
-  metrics->RecordRequest(rpc, status);
-  return ToGrpc(status);
-}
-
-grpc::Status AdminService::MemoryReport(grpc::ServerContext*, const v1::MemoryReportRequest* req,
+// Shows the jobs the caller's token opens (all with the admin token); the
+// daemon's totals are shown to every caller.
+grpc::Status AdminService::MemoryReport(grpc::ServerContext* call,
+                                        const v1::MemoryReportRequest* req,
                                         v1::MemoryReportResponse* resp) {
   std::vector<std::shared_ptr<Job>> jobs;
   if (!req->job_id().empty()) {
-    absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+    absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
     if (!job.ok()) return ctx_->Done(__func__, job.status());
     jobs.push_back(*job);
   } else {
-    jobs = ctx_->jobs->All();
+    for (std::shared_ptr<Job>& job : ctx_->jobs->All()) {
+      if (ctx_->MayOpen(*call, *job)) jobs.push_back(std::move(job));
+    }
   }
   for (const auto& job : jobs) {
     const JobConfig& c = job->config();
@@ -41,12 +41,14 @@ grpc::Status AdminService::MemoryReport(grpc::ServerContext*, const v1::MemoryRe
 }
 
 // Reads only atomics and the rank table: never waits for any job's step.
-grpc::Status AdminService::Status(grpc::ServerContext*, const v1::StatusRequest*,
+// Lists the jobs the caller's token opens (all with the admin token).
+grpc::Status AdminService::Status(grpc::ServerContext* call, const v1::StatusRequest*,
                                   v1::StatusResponse* resp) {
   resp->set_version(ctx_->version);
   resp->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - ctx_->start));
   resp->set_draining(ctx_->draining.load());
   for (const auto& job : ctx_->jobs->All()) {
+    if (!ctx_->MayOpen(*call, *job)) continue;
     v1::JobStatus* j = resp->add_jobs();
     j->set_job_id(job->config().job_id);
     j->set_stage(job->config().stage);

@@ -26,10 +26,10 @@ absl::Status CheckJobId(const std::string& id) {
 
 }  // namespace
 
-grpc::Status CheckpointService::SaveCheckpoint(grpc::ServerContext*,
+grpc::Status CheckpointService::SaveCheckpoint(grpc::ServerContext* call,
                                                const v1::SaveCheckpointRequest* req,
                                                v1::SaveCheckpointResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   absl::StatusOr<v1::SaveCheckpointResponse> r = (*job)->SaveCheckpoint(*req);
   if (!r.ok()) return ctx_->Done(__func__, r.status());
@@ -47,7 +47,7 @@ grpc::Status CheckpointService::GetCheckpointStatus(grpc::ServerContext* context
     return ctx_->Done(__func__, absl::InvalidArgumentError(absl::StrCat(
                                     "wait_ms: at most ", kMaxWaitMs, ", got ", req->wait_ms())));
   }
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*context, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   // The wait ends before the caller's deadline, so the answer reaches it.
   absl::Duration wait = absl::Milliseconds(req->wait_ms());
@@ -62,10 +62,10 @@ grpc::Status CheckpointService::GetCheckpointStatus(grpc::ServerContext* context
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-grpc::Status CheckpointService::CompleteCheckpoint(grpc::ServerContext*,
+grpc::Status CheckpointService::CompleteCheckpoint(grpc::ServerContext* call,
                                                    const v1::CompleteCheckpointRequest* req,
                                                    v1::CompleteCheckpointResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   v1::PartitionMap map;
   FillPartitionMap((*job)->config(), &map);
@@ -77,10 +77,10 @@ grpc::Status CheckpointService::CompleteCheckpoint(grpc::ServerContext*,
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-grpc::Status CheckpointService::LoadCheckpoint(grpc::ServerContext*,
+grpc::Status CheckpointService::LoadCheckpoint(grpc::ServerContext* call,
                                                const v1::LoadCheckpointRequest* req,
                                                v1::LoadCheckpointResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   absl::StatusOr<v1::LoadCheckpointResponse> r = (*job)->LoadCheckpoint(req->name());
   if (!r.ok()) return ctx_->Done(__func__, r.status());
@@ -91,10 +91,11 @@ grpc::Status CheckpointService::LoadCheckpoint(grpc::ServerContext*,
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext*,
+grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext* call,
                                                 const v1::ListCheckpointsRequest* req,
                                                 v1::ListCheckpointsResponse* resp) {
   absl::Status s = CheckJobId(req->job_id());
+  if (s.ok()) s = ctx_->AuthorizeJobFiles(*call, req->job_id());
   if (s.ok()) s = CheckpointDirSet(*ctx_);
   if (!s.ok()) return ctx_->Done(__func__, s);
   absl::StatusOr<std::vector<v1::CheckpointManifest>> all =
@@ -117,10 +118,11 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext*,
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-grpc::Status CheckpointService::VerifyCheckpoint(grpc::ServerContext*,
+grpc::Status CheckpointService::VerifyCheckpoint(grpc::ServerContext* call,
                                                  const v1::VerifyCheckpointRequest* req,
                                                  v1::VerifyCheckpointResponse* resp) {
   absl::Status s = CheckJobId(req->job_id());
+  if (s.ok()) s = ctx_->AuthorizeJobFiles(*call, req->job_id());
   if (s.ok()) s = CheckpointDirSet(*ctx_);
   if (!s.ok()) return ctx_->Done(__func__, s);
   absl::StatusOr<std::string> name =

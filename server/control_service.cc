@@ -23,11 +23,14 @@ void FillPartitionMap(const JobConfig& c, v1::PartitionMap* m) {
   }
 }
 
-grpc::Status ControlService::RegisterJob(grpc::ServerContext*, const v1::RegisterJobRequest* req,
+grpc::Status ControlService::RegisterJob(grpc::ServerContext* call,
+                                         const v1::RegisterJobRequest* req,
                                          v1::RegisterJobResponse* resp) {
+  absl::StatusOr<TokenDigest> token = ctx_->CallerToken(*call, "RegisterJob");
+  if (!token.ok()) return ctx_->Done(__func__, token.status());
   bool created = false;
   absl::StatusOr<std::shared_ptr<Job>> job =
-      ctx_->jobs->Register(*req, ctx_->draining.load(), &created);
+      ctx_->jobs->Register(*req, *token, ctx_->draining.load(), &created);
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   const JobConfig& c = (*job)->config();
   resp->set_created(created);
@@ -43,9 +46,9 @@ grpc::Status ControlService::RegisterJob(grpc::ServerContext*, const v1::Registe
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-grpc::Status ControlService::JoinJob(grpc::ServerContext*, const v1::JoinJobRequest* req,
+grpc::Status ControlService::JoinJob(grpc::ServerContext* call, const v1::JoinJobRequest* req,
                                      v1::JoinJobResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   absl::Status s = (*job)->Join(*req, resp);
   if (s.ok()) {
@@ -58,25 +61,25 @@ grpc::Status ControlService::JoinJob(grpc::ServerContext*, const v1::JoinJobRequ
   return ctx_->Done(__func__, s);
 }
 
-grpc::Status ControlService::GetPartitionMap(grpc::ServerContext*,
+grpc::Status ControlService::GetPartitionMap(grpc::ServerContext* call,
                                              const v1::GetPartitionMapRequest* req,
                                              v1::PartitionMap* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   FillPartitionMap((*job)->config(), resp);
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-grpc::Status ControlService::Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+grpc::Status ControlService::Heartbeat(grpc::ServerContext* call, const v1::HeartbeatRequest* req,
                                        v1::HeartbeatResponse*) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   return ctx_->Done(__func__, (*job)->CheckRank(req->rank(), req->incarnation(), ""));
 }
 
-grpc::Status ControlService::Leave(grpc::ServerContext*, const v1::LeaveRequest* req,
+grpc::Status ControlService::Leave(grpc::ServerContext* call, const v1::LeaveRequest* req,
                                    v1::LeaveResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   absl::StatusOr<bool> last = (*job)->Leave(req->rank(), req->incarnation());
   if (!last.ok()) return ctx_->Done(__func__, last.status());
@@ -95,8 +98,9 @@ grpc::Status ControlService::Leave(grpc::ServerContext*, const v1::LeaveRequest*
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-grpc::Status ControlService::Drain(grpc::ServerContext*, const v1::DrainRequest*,
+grpc::Status ControlService::Drain(grpc::ServerContext* call, const v1::DrainRequest*,
                                    v1::DrainResponse* resp) {
+  if (absl::Status s = ctx_->RequireAdmin(*call); !s.ok()) return ctx_->Done(__func__, s);
   ctx_->draining = true;
   resp->set_jobs(static_cast<uint32_t>(ctx_->jobs->size()));
   Log("draining: new jobs are refused");

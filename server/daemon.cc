@@ -4,12 +4,15 @@
 #include <cstdio>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/checkpoint_files.h"
 #include "common/job_spec.h"
 #include "common/protocol.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
 #include "server/services.h"
 
 namespace zeroshard {
@@ -42,7 +45,34 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
   if (!o.spill_dir.empty() && o.spill_bytes == 0) {
     return absl::InvalidArgumentError("--spill_bytes: must be > 0 with --spill_dir");
   }
+  RETURN_IF_ERROR(ValidateTlsFiles(o.tls, "--"));
+  if (!o.tls.enabled() && !o.insecure && !IsLoopbackAddress(o.listen)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--listen=", o.listen, " is reachable from other machines, and plaintext would let ",
+        "anyone there read and change every job: give --tls_cert, --tls_key and --tls_ca ",
+        "(mutual TLS, docs/security.md), or --insecure to serve plaintext anyway"));
+  }
+  if (!o.admin_token.empty()) RETURN_IF_ERROR(ValidateToken(o.admin_token, "--admin_token_file"));
+  if (o.max_jobs < 1) return absl::InvalidArgumentError("--max_jobs: must be >= 1");
   return absl::OkStatus();
+}
+
+// Whether every transport `ucx_tls` names enforces remote keys in hardware
+// or is reachable only by processes that may read the daemon's memory
+// anyway (shared memory on this host, same user). UCX's choice (empty) and
+// tcp emulate remote access in software, serving any address a key names.
+bool UcxTlsEnforcesKeys(absl::string_view ucx_tls) {
+  if (ucx_tls.empty()) return false;
+  static const char* const kSafe[] = {"posix", "sysv",    "xpmem", "knem", "cma",  "self",    "sm",
+                                      "shm",   "mm",      "rc",    "rc_v", "rc_x", "rc_mlx5", "dc",
+                                      "dc_x",  "dc_mlx5", "ud",    "ud_v", "ud_x", "ud_mlx5", "ib"};
+  for (absl::string_view name : absl::StrSplit(ucx_tls, ',')) {
+    name = absl::StripAsciiWhitespace(name);
+    bool safe = false;
+    for (const char* known : kSafe) safe |= name == known;
+    if (!safe) return false;
+  }
+  return true;
 }
 
 // The bulk transport the options ask for, or null with *error saying why
@@ -57,6 +87,7 @@ std::unique_ptr<transport::Transport> CreateBulkTransport(const DaemonOptions& o
   transport::TransportOptions to;
   to.name = absl::StrCat("zeroshardd ", options.listen);
   to.ucx_tls = options.ucx_tls;
+  to.tls = options.tls;
   absl::StatusOr<std::unique_ptr<transport::Transport>> t =
       transport::CreateTransport(options.bulk_transport, to);
   if (t.ok()) return *std::move(t);
@@ -110,6 +141,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   JobManager::Options jo;
   jo.read_lease = options.read_lease;
   jo.rank_timeout = options.rank_timeout;
+  jo.max_jobs = options.max_jobs;
   if (ActivationStore* store = d->activations_.get(); store != nullptr) {
     jo.on_remove = [store](const std::shared_ptr<Job>& job) {
       store->RemoveJob(job->config().job_id, job);
@@ -137,6 +169,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ctx.activations = d->activations_.get();
   ctx.activation_metrics = &d->activation_metrics_;
   ctx.start = absl::Now();
+  if (!options.admin_token.empty()) ctx.admin = TokenDigest::Of(options.admin_token);
+  ctx.bulk_keys_allowed = d->transport_ == nullptr || d->transport_->kind() != "ucx" ||
+                          options.ucx_trust_peers || UcxTlsEnforcesKeys(options.ucx_tls);
+  if (!ctx.bulk_keys_allowed) {
+    Log(absl::StrCat("UCX keys are not handed out: --ucx_tls=\"", options.ucx_tls,
+                     "\" may emulate remote access in software; trainers use the stream path ",
+                     "(--ucx_trust_peers to hand them out anyway)"));
+  }
   d->control_ = std::make_unique<ControlService>(&ctx);
   d->shard_ = std::make_unique<ShardService>(&ctx);
   d->admin_ = std::make_unique<AdminService>(&ctx);
@@ -146,8 +186,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     d->http_ = std::make_unique<metrics::MetricsHttpServer>(d->registry_, options.metrics_listen);
     RETURN_IF_ERROR(d->http_->Start(), "--metrics_port");
   }
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                   MakeServerCredentials(options.tls, "--"));
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->port_);
+  builder.AddListeningPort(options.listen, credentials, &d->port_);
   builder.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   builder.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
   builder.RegisterService(d->control_.get());

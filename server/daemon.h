@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/tls.h"
 #include "grpcpp/grpcpp.h"
 #include "metrics/http_server.h"
 #include "metrics/registry.h"
@@ -65,6 +66,24 @@ struct DaemonOptions {
   std::string spill_dir;
   // Bytes of spill files at most (with spill_dir).
   uint64_t spill_bytes = 4ull << 30;
+
+  // Security (docs/security.md).
+  // Mutual TLS for the gRPC services (and a "grpc" bulk transport): all three
+  // files, or none for plaintext.
+  TlsFiles tls;
+  // Plaintext on an address other hosts can reach is refused at start
+  // unless this is set.
+  bool insecure = false;
+  // The secret that opens every job, Admin.Drain and the all-jobs views;
+  // empty: no caller has that authority.
+  std::string admin_token;
+  // Hand out UCX endpoints and keys even when UCX may emulate remote access
+  // in software (tcp), where a forged key reaches any memory of the daemon.
+  // Without it a "ucx" bulk transport serves keys only over shared-memory
+  // or RDMA transports (ucx_tls naming only those).
+  bool ucx_trust_peers = false;
+  // Jobs registered at once, at most (RESOURCE_EXHAUSTED past it).
+  uint32_t max_jobs = 64;
 };
 
 struct ServiceContext;

@@ -57,26 +57,42 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
   std::unique_ptr<Job> job(new Job(std::move(config), std::move(spec), daemon_index, resources));
   const JobConfig& c = job->config_;
   const uint64_t n = job->owned_.size();
-  // The whole footprint (the shard states and the gradient) before anything.
-  const uint64_t states = n * 4 * (c.optimizer.kind == OptimizerKind::kSgdMomentum ? 2 : 3) +
-                          (c.precision != DType::kFp32 ? n * 2 : 0);
-  if (absl::Status s = resources.ledger->CheckFits(c.job_id, states + n * 4); !s.ok()) return s;
-  {
-    absl::MutexLock lock(&job->params_mu_);
-    absl::StatusOr<std::unique_ptr<ShardState>> shard =
-        ShardState::Create(c, job->owned_, resources.ledger, resources.transport);
-    if (!shard.ok()) return shard.status();
-    job->shard_ = *std::move(shard);
-  }
-  absl::MutexLock lock(&job->mu_);
   // In stage 1 full gradients live on the trainers (the paper's 2Ψ); the
   // daemon's reduction target is a communication buffer. From stage 2 on it
   // is the partitioned gradient.
   const MemoryCategory grad_cat = c.stage >= 2 ? MemoryCategory::kGrad : MemoryCategory::kBuffer;
-  absl::StatusOr<LedgerArray<float>> g =
-      LedgerArray<float>::Create(resources.ledger, c.job_id, grad_cat, n);
-  if (!g.ok()) return g.status();
-  job->grad_ = *std::move(g);
+  // The whole footprint (the shard states and the gradient) is booked in one
+  // step before anything is allocated or touched: a job that does not fit is
+  // refused whole, and concurrent registrations cannot each pass the limit
+  // with part of theirs.
+  CategoryBytes footprint = ShardState::Footprint(c, n);
+  footprint[static_cast<int>(grad_cat)] += n * sizeof(float);
+  absl::Status allocated = [&]() -> absl::Status {
+    absl::StatusOr<LedgerReservation> booked =
+        LedgerReservation::Create(resources.ledger, c.job_id, footprint);
+    if (!booked.ok()) return booked.status();
+    {
+      absl::MutexLock lock(&job->params_mu_);
+      absl::StatusOr<std::unique_ptr<ShardState>> shard =
+          ShardState::Create(c, job->owned_, &*booked, resources.transport);
+      if (!shard.ok()) return shard.status();
+      job->shard_ = *std::move(shard);
+    }
+    absl::MutexLock lock(&job->mu_);
+    absl::StatusOr<LedgerArray<float>> g = LedgerArray<float>::Create(&*booked, grad_cat, n);
+    if (!g.ok()) return g.status();
+    job->grad_ = *std::move(g);
+    return absl::OkStatus();
+  }();
+  if (!allocated.ok()) {
+    // Frees and releases what was allocated, then drops the job's ledger
+    // entry unless another registration of the same id holds bytes in it.
+    const std::string id = c.job_id;
+    job.reset();
+    resources.ledger->RemoveJobIfEmpty(id);
+    return allocated;
+  }
+  absl::MutexLock lock(&job->mu_);
   ReductionState::Options ro;
   ro.job_id = c.job_id;
   ro.owned = job->owned_;
@@ -374,6 +390,12 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
   }
   uint64_t elements = 0;
   if (absl::Status s = ApplyPush(batch, mbs, deadline, &elements); !s.ok()) return s;
+  {
+    absl::MutexLock ranks_lock(&ranks_mu_);
+    for (const v1::GradientChunk& c : chunks) {
+      ranks_[c.rank()].last_step_pushed = committed_step() + 1;
+    }
+  }
   response->set_elements(elements);
   response->set_ranks_complete(reduction_->Complete() ? config_.world_size : 0);
   return absl::OkStatus();
@@ -384,12 +406,16 @@ absl::Status Job::ApplyPush(const std::vector<Contribution>& batch, uint32_t mic
   const uint64_t step = committed_step() + 1;
   for (;;) {
     uint64_t pending = 0;
-    if (absl::Status s = reduction_->Check(batch, micro_batches, &pending); !s.ok()) return s;
+    uint64_t bookkeeping = 0;
+    if (absl::Status s = reduction_->Check(batch, micro_batches, &pending, &bookkeeping); !s.ok()) {
+      return s;
+    }
     if (reduction_->Admit(pending)) {
-      if (absl::Status s =
-              resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer, pending);
+      // Both booked before the reduction allocates anything for them.
+      if (absl::Status s = resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer,
+                                                      pending + bookkeeping);
           s.ok()) {
-        *elements = reduction_->Apply(batch, micro_batches, pending);
+        *elements = reduction_->Apply(batch, micro_batches, pending, bookkeeping);
         ++reduction_changes_;
         return absl::OkStatus();
       } else if (reduction_->pending_bytes() == 0) {
@@ -803,6 +829,21 @@ void Job::FillStepState(absl::Duration rank_timeout, v1::StepState* state) const
   state->set_world_size(config_.world_size);
   state->set_ranks_joined(ranks_joined());
   state->set_ranks_connected(RanksConnected(rank_timeout));
+  {
+    const absl::Time now = absl::Now();
+    absl::MutexLock ranks_lock(&ranks_mu_);
+    for (uint32_t r = 0; r < ranks_.size(); ++r) {
+      const RankEntry& e = ranks_[r];
+      v1::RankState* out = state->add_ranks();
+      out->set_rank(r);
+      out->set_joined(e.joined);
+      out->set_connected(e.joined && e.last_seen >= now - rank_timeout);
+      out->set_incarnation(e.incarnation);
+      out->set_seconds_since_heard(
+          e.last_seen == absl::InfinitePast() ? -1.0 : absl::ToDoubleSeconds(now - e.last_seen));
+      out->set_last_step_pushed(e.last_step_pushed);
+    }
+  }
   absl::MutexLock lock(&mu_);
   state->set_committed_step(committed_step());
   state->set_loss_scale(loss_scale_);

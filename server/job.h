@@ -27,11 +27,12 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/auth.h"
 #include "common/job_spec.h"
+#include "proto/zeroshard/v1/checkpoint.pb.h"
 #include "proto/zeroshard/v1/common.pb.h"
 #include "proto/zeroshard/v1/control.pb.h"
 #include "proto/zeroshard/v1/shard.pb.h"
-#include "proto/zeroshard/v1/checkpoint.pb.h"
 #include "server/daemon_metrics.h"
 #include "server/job_checkpoint.h"
 #include "server/memory_ledger.h"
@@ -56,14 +57,19 @@ struct JobResources {
 
 class Job {
  public:
-  // Allocates the owned partitions' states (the whole footprint checked
-  // against the ledger's limit before any allocation: ResourceExhausted).
+  // Allocates the owned partitions' states. The whole footprint is booked in
+  // the ledger in one step before anything is allocated: ResourceExhausted,
+  // with nothing allocated and no ledger entry left, when it does not fit.
   static absl::StatusOr<std::unique_ptr<Job>> Create(JobConfig config, v1::JobSpec spec,
                                                       uint32_t daemon_index,
                                                       const JobResources& resources);
   ~Job();
 
   const JobConfig& config() const { return config_; }
+  // The digest of the token the job was registered with (common/auth.h).
+  // Set by the JobManager before the job is published, then never changed.
+  const TokenDigest& token() const { return token_; }
+  void set_token(const TokenDigest& token) { token_ = token; }
   const v1::JobSpec& spec() const { return spec_; }
   uint32_t daemon_index() const { return daemon_index_; }
   const std::vector<uint32_t>& owned_partitions() const { return owned_partitions_; }
@@ -148,10 +154,12 @@ class Job {
   uint64_t StateHash() const;
 
  private:
+  TokenDigest token_;
   struct RankEntry {
     uint64_t incarnation = 0;  // 0: never joined
     bool joined = false;
     absl::Time last_seen = absl::InfinitePast();
+    uint64_t last_step_pushed = 0;
     std::shared_ptr<RankStaging> staging;
   };
   struct LastCommit {

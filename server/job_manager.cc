@@ -6,6 +6,17 @@
 #include "absl/time/clock.h"
 
 namespace zeroshard {
+namespace {
+
+// The longest a registration waits for another registration of the same id.
+constexpr absl::Duration kCreateWait = absl::Seconds(60);
+
+absl::Status TooManyJobs(uint32_t max_jobs) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "this daemon serves ", max_jobs, " jobs already (--max_jobs); retry when one has ended"));
+}
+
+}  // namespace
 
 JobManager::JobManager(Options options, JobResources resources, DaemonMetrics* metrics)
     : options_(options), resources_(resources), metrics_(metrics) {
@@ -38,7 +49,8 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Find(const std::string& id) con
 }
 
 absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobRequest& request,
-                                                          bool draining, bool* created) {
+                                                          const TokenDigest& token, bool draining,
+                                                          bool* created) {
   *created = false;
   absl::StatusOr<JobConfig> config = ParseJobSpec(request.spec());
   if (!config.ok()) return config.status();
@@ -48,6 +60,10 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobR
         config->daemons.size(), "), got ", request.daemon_index()));
   }
   auto same = [&](const Job& job) -> absl::Status {
+    if (!job.token().Matches(token)) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "job ", config->job_id, " is registered here with another token; nothing was changed"));
+    }
     const std::string diff = DescribeSpecDifference(job.spec(), request.spec());
     if (!diff.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -60,22 +76,38 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobR
     }
     return absl::OkStatus();
   };
-  if (absl::StatusOr<std::shared_ptr<Job>> existing = Find(config->job_id); existing.ok()) {
-    if (absl::Status s = same(**existing); !s.ok()) return s;
-    return *existing;
-  }
-  if (draining) return absl::UnavailableError("this daemon is draining and accepts no new jobs");
   const std::string id = config->job_id;
+  {
+    absl::MutexLock lock(&mu_);
+    auto not_creating = [this, &id]()
+                            ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return creating_.count(id) == 0; };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&not_creating), kCreateWait)) {
+      return absl::UnavailableError(absl::StrCat(
+          "job ", id, ": another registration of it is still allocating its memory; retry"));
+    }
+    if (auto it = jobs_.find(id); it != jobs_.end()) {
+      if (absl::Status s = same(*it->second); !s.ok()) return s;
+      return it->second;
+    }
+    if (draining) {
+      return absl::UnavailableError("this daemon is draining and accepts no new jobs");
+    }
+    // Jobs being created count: registrations in flight together do not
+    // pass the bound together.
+    if (jobs_.size() + creating_.size() >= options_.max_jobs) {
+      return TooManyJobs(options_.max_jobs);
+    }
+    creating_.insert(id);
+  }
+  // Books and allocates with no lock held.
   absl::StatusOr<std::unique_ptr<Job>> job =
       Job::Create(*std::move(config), request.spec(), request.daemon_index(), resources_);
+  absl::MutexLock lock(&mu_);
+  creating_.erase(id);
   if (!job.ok()) return job.status();
   std::shared_ptr<Job> shared = *std::move(job);
-  absl::MutexLock lock(&mu_);
-  auto [it, inserted] = jobs_.emplace(id, shared);
-  if (!inserted) {  // lost a race with another registration
-    if (absl::Status s = same(*it->second); !s.ok()) return s;
-    return it->second;
-  }
+  shared->set_token(token);
+  jobs_.emplace(id, shared);
   *created = true;
   return shared;
 }

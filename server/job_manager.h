@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +33,8 @@ class JobManager {
     absl::Duration read_lease = absl::Seconds(30);
     absl::Duration rank_timeout = absl::Seconds(30);
     absl::Duration janitor_period = absl::Milliseconds(250);
+    // Jobs registered at once, at most (ResourceExhausted past it).
+    uint32_t max_jobs = 64;
     // Called by Remove, on its thread with no manager lock held, before the
     // job leaves the registry (so before a job of the same id can be
     // registered again), for what the daemon keeps for a job outside it: its
@@ -46,11 +49,14 @@ class JobManager {
 
   // NotFound naming the job when it is not registered here.
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& id) const;
-  // Creates the job (or checks `request.spec` equals the registered one:
-  // FailedPrecondition naming the first difference). *created tells which.
-  // Unavailable when `draining` and the job is new.
+  // Creates the job bound to `token` (or checks the registered one was
+  // bound to the same token: PermissionDenied otherwise, and that
+  // `request.spec` equals its spec: FailedPrecondition naming the first
+  // difference). *created tells which. Unavailable when `draining` and the
+  // job is new; ResourceExhausted when max_jobs are registered.
   absl::StatusOr<std::shared_ptr<Job>> Register(const v1::RegisterJobRequest& request,
-                                                bool draining, bool* created);
+                                                const TokenDigest& token, bool draining,
+                                                bool* created);
   // Calls Options::on_remove, then takes `job` out of the registry (if it is
   // still the one registered under its id) and retires it.
   void Remove(const std::shared_ptr<Job>& job);
@@ -79,6 +85,10 @@ class JobManager {
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  // Ids a registration is creating (booking and allocating, with no lock
+  // held): another registration of the same id waits for it instead of
+  // booking the job's memory a second time.
+  std::set<std::string> creating_ ABSL_GUARDED_BY(mu_);
   std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread janitor_;

@@ -8,26 +8,59 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/auth.h"
 #include "server/daemon.h"
+#include "server/system_memory.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0",
           "HOST:PORT to serve gRPC on; port 0 picks a free port (printed at start).");
 ABSL_FLAG(int, metrics_port, -1,
-          "Port of the Prometheus /metrics endpoint, on the --listen host; 0 picks a free "
-          "port (printed at start); -1 = off.");
-ABSL_FLAG(uint64_t, memory_limit, 0, "Bytes this daemon may hold for all jobs; 0 = unlimited.");
+          "Port of the Prometheus /metrics endpoint on 127.0.0.1 (only this machine can "
+          "scrape it; see --metrics_listen); 0 picks a free port (printed at start); -1 = off.");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT of the /metrics endpoint, e.g. 0.0.0.0:9464 for a Prometheus on another "
+          "machine; overrides --metrics_port. /metrics needs no credentials: see "
+          "docs/security.md for what it reveals.");
+ABSL_FLAG(std::string, memory_limit, "auto",
+          "Bytes this daemon may hold for all jobs: a number of bytes (suffixes K, M, G, T "
+          "for powers of 1024), \"auto\" for 90% of what the machine or this process's cgroup "
+          "allows, or 0 for no limit.");
+ABSL_FLAG(uint32_t, max_jobs, 64, "Jobs registered at once, at most.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate (chain) this daemon presents; with --tls_key and --tls_ca, every "
+          "gRPC connection is mutual TLS and clients must present a certificate signed by "
+          "--tls_ca. Default: $ZS_TLS_CERT.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert. Default: $ZS_TLS_KEY.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle that signs the clients' certificates. Default: $ZS_TLS_CA.");
+ABSL_FLAG(bool, insecure, false,
+          "Serve plaintext gRPC on an address other machines can reach (without it, a "
+          "non-loopback --listen needs --tls_cert/--tls_key/--tls_ca).");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "File holding the admin secret (mode 0600 or stricter): it opens every job, "
+          "Admin.Drain and the all-jobs views of Admin.Status and MemoryReport. Empty: no "
+          "caller has that authority.");
+ABSL_FLAG(bool, ucx_trust_peers, false,
+          "Hand out UCX endpoints and remote keys even when UCX may emulate remote access in "
+          "software (tcp), where any peer holding a key can read and write the daemon's "
+          "memory. Without it, UCX keys are served only when --ucx_tls names shared-memory or "
+          "RDMA transports alone; trainers then use the grpc or stream data path.");
 ABSL_FLAG(int, optimizer_threads, 1, "Threads running the optimizer step.");
 ABSL_FLAG(std::string, bulk_transport, "ucx",
           "Bulk transport served to trainers (ExchangeEndpoint): ucx, grpc or inproc; empty = "
-          "none. When it cannot initialise, trainers use the streaming (\"stream\") path.");
+          "none. When it cannot initialise, the daemon serves the streaming RPCs only and "
+          "trainers must use the \"stream\" data path.");
 ABSL_FLAG(int, rank_timeout_seconds, 30,
           "A joined rank not heard from (heartbeat, push) this long is no longer connected.");
 ABSL_FLAG(uint64_t, reduction_buffer_bytes, 256ull << 20,
           "Out-of-order gradient bytes each job may buffer; pushes past it wait.");
-ABSL_FLAG(std::string, ucx_tls, "",
-          "UCX_TLS for the UCX data path, e.g. \"posix,cma,self\" or \"tcp\"; empty = UCX's "
-          "choice (or the UCX_TLS environment variable).");
+ABSL_FLAG(std::string, ucx_tls, "posix,cma,self",
+          "UCX_TLS for the UCX data path: \"posix,cma,self\" (shared memory, trainers on this "
+          "host), RDMA such as \"rc_x,sm,self\", or \"tcp\"; empty = UCX's choice. Over tcp (or "
+          "UCX's choice) UCX emulates remote access in software and keys are handed out only "
+          "with --ucx_trust_peers.");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory for checkpoints (created if missing); empty: checkpoints are refused. "
           "Resharding reads other daemons' parts: share it between the daemons of a job.");
@@ -50,7 +83,26 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   zeroshard::DaemonOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
-  options.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit);
+  absl::StatusOr<uint64_t> memory_limit =
+      zeroshard::ParseMemoryLimit(absl::GetFlag(FLAGS_memory_limit), "--memory_limit");
+  if (!memory_limit.ok()) {
+    std::fprintf(stderr, "zeroshardd: %s\n", memory_limit.status().ToString().c_str());
+    return 1;
+  }
+  options.memory_limit_bytes = *memory_limit;
+  options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
+  options.tls = zeroshard::TlsFilesFromEnvironment(
+      {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)});
+  options.insecure = absl::GetFlag(FLAGS_insecure);
+  options.ucx_trust_peers = absl::GetFlag(FLAGS_ucx_trust_peers);
+  if (const std::string file = absl::GetFlag(FLAGS_admin_token_file); !file.empty()) {
+    absl::StatusOr<std::string> token = zeroshard::ReadTokenFile(file, "--admin_token_file");
+    if (!token.ok()) {
+      std::fprintf(stderr, "zeroshardd: %s\n", token.status().ToString().c_str());
+      return 1;
+    }
+    options.admin_token = *std::move(token);
+  }
   options.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
   options.bulk_transport = absl::GetFlag(FLAGS_bulk_transport);
   options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_seconds));
@@ -60,9 +112,9 @@ int main(int argc, char** argv) {
   options.activation_arena_bytes = absl::GetFlag(FLAGS_activation_arena_bytes);
   options.spill_dir = absl::GetFlag(FLAGS_spill_dir);
   options.spill_bytes = absl::GetFlag(FLAGS_spill_bytes);
-  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    options.metrics_listen = options.listen.substr(0, options.listen.rfind(':') + 1) +
-                             std::to_string(absl::GetFlag(FLAGS_metrics_port));
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  if (options.metrics_listen.empty() && absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    options.metrics_listen = absl::StrCat("127.0.0.1:", absl::GetFlag(FLAGS_metrics_port));
   }
   auto daemon = zeroshard::Daemon::Start(options);
   if (!daemon.ok()) {
@@ -70,6 +122,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("zeroshardd listening on %s\n", (*daemon)->address().c_str());
+  std::printf("zeroshardd serving %s\n", options.tls.enabled() ? "mutual TLS" : "plaintext");
+  std::printf("zeroshardd memory limit %s\n",
+              options.memory_limit_bytes == 0
+                  ? "none"
+                  : absl::StrCat(options.memory_limit_bytes, " bytes").c_str());
   if ((*daemon)->metrics_port() != 0) {
     std::printf("zeroshardd metrics on port %d\n", (*daemon)->metrics_port());
   }

@@ -46,6 +46,42 @@ absl::Status MemoryLedger::Reserve(const std::string& job, MemoryCategory catego
   return absl::OkStatus();
 }
 
+absl::Status MemoryLedger::ReserveAll(const std::string& job, const CategoryBytes& bytes) {
+  uint64_t sum = 0;
+  for (uint64_t b : bytes) {
+    if (b > ~uint64_t{0} - sum) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("job ", job, ": the memory asked for exceeds 2^64 bytes"));
+    }
+    sum += b;
+  }
+  CategoryBytes now{};
+  {
+    absl::MutexLock lock(&mu_);
+    if (limit_ != 0 && (sum > limit_ || total_ > limit_ - sum)) {
+      std::string parts;
+      for (int c = 0; c < kNumMemoryCategories; ++c) {
+        if (bytes[c] == 0) continue;
+        absl::StrAppend(&parts, parts.empty() ? "" : ", ",
+                        MemoryCategoryName(static_cast<MemoryCategory>(c)), " ",
+                        FormatBytes(bytes[c]));
+      }
+      return absl::ResourceExhaustedError(
+          absl::StrCat("job ", job, ": ", FormatBytes(sum), " (", sum, " B: ", parts,
+                       ") would exceed the daemon's --memory_limit of ", FormatBytes(limit_), " (",
+                       FormatBytes(total_), " in use)"));
+    }
+    if (sum == 0) return absl::OkStatus();
+    total_ += sum;
+    CategoryBytes& entry = jobs_[job];
+    for (int c = 0; c < kNumMemoryCategories; ++c) now[c] = (entry[c] += bytes[c]);
+  }
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    if (bytes[c] != 0) Notify(job, static_cast<MemoryCategory>(c), now[c]);
+  }
+  return absl::OkStatus();
+}
+
 void MemoryLedger::Release(const std::string& job, MemoryCategory category, uint64_t bytes) {
   uint64_t now;
   {
@@ -112,6 +148,42 @@ CategoryBytes MemoryLedger::JobBytes(const std::string& job) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job);
   return it == jobs_.end() ? CategoryBytes{} : it->second;
+}
+
+absl::StatusOr<LedgerReservation> LedgerReservation::Create(MemoryLedger* ledger, std::string job,
+                                                            const CategoryBytes& bytes) {
+  if (absl::Status s = ledger->ReserveAll(job, bytes); !s.ok()) return s;
+  LedgerReservation r;
+  r.ledger_ = ledger;
+  r.job_ = std::move(job);
+  r.held_ = bytes;
+  return r;
+}
+
+LedgerReservation& LedgerReservation::operator=(LedgerReservation&& o) noexcept {
+  if (this == &o) return *this;
+  ReleaseHeld();
+  ledger_ = o.ledger_;
+  job_ = std::move(o.job_);
+  held_ = o.held_;
+  o.ledger_ = nullptr;
+  o.held_ = {};
+  return *this;
+}
+
+bool LedgerReservation::Take(MemoryCategory category, uint64_t bytes) {
+  uint64_t& held = held_[static_cast<int>(category)];
+  if (held < bytes) return false;
+  held -= bytes;
+  return true;
+}
+
+void LedgerReservation::ReleaseHeld() {
+  if (ledger_ == nullptr) return;
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    if (held_[c] != 0) ledger_->Release(job_, static_cast<MemoryCategory>(c), held_[c]);
+  }
+  held_ = {};
 }
 
 void MemoryLedger::Notify(const std::string& job, MemoryCategory c, uint64_t bytes) {

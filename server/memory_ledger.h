@@ -58,7 +58,13 @@ class MemoryLedger {
   // ResourceExhausted naming the job, the request and the limit otherwise
   // (nothing booked).
   absl::Status Reserve(const std::string& job, MemoryCategory category, uint64_t bytes);
-  // Checks whether `bytes` more would fit, without booking.
+  // Books every category's bytes of `bytes` under `job` in one step, all or
+  // nothing: ResourceExhausted naming the job, the request and the limit when
+  // the sum does not fit (nothing booked). See LedgerReservation.
+  absl::Status ReserveAll(const std::string& job, const CategoryBytes& bytes);
+  // Checks whether `bytes` more would fit, without booking. Advisory only:
+  // concurrent callers may all pass it, so memory is booked (Reserve,
+  // LedgerReservation) before it is allocated.
   absl::Status CheckFits(const std::string& job, uint64_t bytes) const;
   void Release(const std::string& job, MemoryCategory category, uint64_t bytes);
   // Rebooks `bytes` already booked under (from_job, from) to (to_job, to),
@@ -88,6 +94,38 @@ class MemoryLedger {
   std::function<void(const std::string&)> remove_listener_;
 };
 
+// Bytes booked for one job, by category, ahead of the allocations they are
+// for: a request whose memory comes in several pieces is refused as a whole
+// before any piece is allocated, and concurrent requests cannot each pass
+// the limit with part of theirs. Each piece Take()s its bytes once it is
+// allocated and releases them itself from then on; whatever is not taken
+// is released when the reservation goes. Move-only; not thread-safe.
+class LedgerReservation {
+ public:
+  LedgerReservation() = default;
+  // Books `bytes` (MemoryLedger::ReserveAll): ResourceExhausted, nothing
+  // booked, when they do not fit.
+  static absl::StatusOr<LedgerReservation> Create(MemoryLedger* ledger, std::string job,
+                                                  const CategoryBytes& bytes);
+  LedgerReservation(LedgerReservation&& o) noexcept { *this = std::move(o); }
+  LedgerReservation& operator=(LedgerReservation&& o) noexcept;
+  ~LedgerReservation() { ReleaseHeld(); }
+
+  // Hands `bytes` of `category` over to the caller; false, and nothing handed
+  // over, when the reservation holds fewer.
+  bool Take(MemoryCategory category, uint64_t bytes);
+  uint64_t held(MemoryCategory category) const { return held_[static_cast<int>(category)]; }
+  MemoryLedger* ledger() const { return ledger_; }
+  const std::string& job() const { return job_; }
+
+ private:
+  void ReleaseHeld();
+
+  MemoryLedger* ledger_ = nullptr;
+  std::string job_;
+  CategoryBytes held_{};
+};
+
 // A 64-byte-aligned array of T booked in a ledger for its lifetime.
 // Allocated once; never grows.
 template <typename T>
@@ -105,6 +143,13 @@ class LedgerArray {
   // allocated for remote access.
   static absl::StatusOr<LedgerArray> CreateIn(MemoryLedger* ledger, const std::string& job,
                                               MemoryCategory category, size_t n, void* memory);
+  // Like Create, or CreateIn when `memory` is not null, with the bytes taken
+  // from `booked` (for its job) instead of booked anew: Internal, before
+  // anything is allocated, when `booked` holds fewer than n * sizeof(T)
+  // under `category`; ResourceExhausted when the allocation fails (the bytes
+  // then stay in `booked`).
+  static absl::StatusOr<LedgerArray> Create(LedgerReservation* booked, MemoryCategory category,
+                                            size_t n, void* memory = nullptr);
   LedgerArray(LedgerArray&& o) noexcept { *this = std::move(o); }
   LedgerArray& operator=(LedgerArray&& o) noexcept {
     Reset();
@@ -163,6 +208,33 @@ absl::StatusOr<LedgerArray<T>> LedgerArray<T>::Create(MemoryLedger* ledger, cons
   a.size_ = n;
   a.ledger_ = ledger;
   a.job_ = job;
+  a.category_ = category;
+  return a;
+}
+
+template <typename T>
+absl::StatusOr<LedgerArray<T>> LedgerArray<T>::Create(LedgerReservation* booked,
+                                                      MemoryCategory category, size_t n,
+                                                      void* memory) {
+  LedgerArray a;
+  if (n == 0) return a;
+  const size_t bytes = n * sizeof(T);
+  if (booked->held(category) < bytes) {
+    return absl::InternalError(
+        "LedgerArray: the reservation does not hold the array's bytes under its category");
+  }
+  bool owned = false;
+  if (memory == nullptr) {
+    memory = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (memory == nullptr) return absl::ResourceExhaustedError("out of host memory");
+    std::memset(memory, 0, bytes);
+    owned = true;
+  }
+  booked->Take(category, bytes);
+  a.data_ = std::unique_ptr<T[], Free>(static_cast<T*>(memory), Free{owned});
+  a.size_ = n;
+  a.ledger_ = booked->ledger();
+  a.job_ = booked->job();
   a.category_ = category;
   return a;
 }

@@ -1,5 +1,6 @@
 #include "server/memory_ledger.h"
 
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -102,6 +103,106 @@ TEST(MemoryLedger, ConcurrentBookingIsExact) {
   }
   for (auto& t : threads) t.join();
   EXPECT_EQ(ledger.total(), 4u * 10000 * 2);
+}
+
+CategoryBytes Bytes(std::initializer_list<std::pair<MemoryCategory, uint64_t>> parts) {
+  CategoryBytes b{};
+  for (const auto& [c, n] : parts) b[static_cast<int>(c)] = n;
+  return b;
+}
+
+TEST(MemoryLedger, ReserveAllBooksEveryCategoryOrNothing) {
+  MemoryLedger ledger(1000);
+  ASSERT_TRUE(ledger.Reserve("other", MemoryCategory::kBuffer, 100).ok());
+  absl::Status s = ledger.ReserveAll(
+      "a", Bytes({{MemoryCategory::kParamMaster, 400}, {MemoryCategory::kOptimM, 501}}));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("param_master"), absl::string_view::npos) << s.message();
+  EXPECT_NE(s.message().find("--memory_limit"), absl::string_view::npos) << s.message();
+  EXPECT_EQ(ledger.total(), 100u);
+  EXPECT_EQ(ledger.Snapshot().count("a"), 0u);
+  ASSERT_TRUE(ledger
+                  .ReserveAll("a", Bytes({{MemoryCategory::kParamMaster, 400},
+                                          {MemoryCategory::kOptimM, 500}}))
+                  .ok());
+  EXPECT_EQ(ledger.total(), 1000u);
+  EXPECT_EQ(ledger.JobBytes("a")[static_cast<int>(MemoryCategory::kOptimM)], 500u);
+  // Sums past 2^64 are refused, not wrapped.
+  MemoryLedger unlimited(0);
+  EXPECT_EQ(unlimited
+                .ReserveAll("a", Bytes({{MemoryCategory::kParamMaster, ~uint64_t{0}},
+                                        {MemoryCategory::kOptimM, 2}}))
+                .code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(unlimited.total(), 0u);
+}
+
+// Eight requests of 40% of the limit each, booked whole and at once: exactly
+// two fit, whatever the interleaving.
+TEST(MemoryLedger, ConcurrentReservationsCannotPassTheLimitTogether) {
+  for (int round = 0; round < 50; ++round) {
+    MemoryLedger ledger(1000);
+    std::vector<absl::StatusOr<LedgerReservation>> results(8);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 8; ++t) {
+      threads.emplace_back([&, t] {
+        results[t] = LedgerReservation::Create(&ledger, "j" + std::to_string(t),
+                                               Bytes({{MemoryCategory::kParamMaster, 100},
+                                                      {MemoryCategory::kOptimM, 100},
+                                                      {MemoryCategory::kOptimV, 100},
+                                                      {MemoryCategory::kGrad, 100}}));
+      });
+    }
+    for (auto& t : threads) t.join();
+    int granted = 0;
+    for (auto& r : results) {
+      if (!r.ok()) {
+        EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+        continue;
+      }
+      ++granted;
+      r->Take(MemoryCategory::kParamMaster, 100);  // stays booked past the reservation
+    }
+    EXPECT_EQ(granted, 2);
+    EXPECT_EQ(ledger.total(), 800u);
+    EXPECT_EQ(ledger.Snapshot().size(), 2u);
+    // What the winners did not take goes back with their reservations.
+    results.clear();
+    EXPECT_EQ(ledger.total(), 200u);
+  }
+}
+
+TEST(MemoryLedger, ArraysTakeTheirBytesFromAReservation) {
+  MemoryLedger ledger(1 << 20);
+  LedgerArray<float> kept;
+  {
+    absl::StatusOr<LedgerReservation> r = LedgerReservation::Create(
+        &ledger, "j", Bytes({{MemoryCategory::kParamMaster, 4000}, {MemoryCategory::kGrad, 400}}));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(ledger.total(), 4400u);
+    // More than the reservation holds under the category: nothing allocated.
+    EXPECT_EQ(LedgerArray<float>::Create(&*r, MemoryCategory::kGrad, 101).status().code(),
+              absl::StatusCode::kInternal);
+    EXPECT_EQ(LedgerArray<float>::Create(&*r, MemoryCategory::kOptimV, 1).status().code(),
+              absl::StatusCode::kInternal);
+    absl::StatusOr<LedgerArray<float>> a =
+        LedgerArray<float>::Create(&*r, MemoryCategory::kParamMaster, 1000);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(a->data()) % 64, 0u);
+    EXPECT_EQ(r->held(MemoryCategory::kParamMaster), 0u);
+    alignas(64) static float outside[100];
+    absl::StatusOr<LedgerArray<float>> in =
+        LedgerArray<float>::Create(&*r, MemoryCategory::kGrad, 50, outside);
+    ASSERT_TRUE(in.ok());
+    EXPECT_EQ(in->data(), outside);
+    EXPECT_EQ(ledger.total(), 4400u);
+    kept = *std::move(a);
+  }
+  // The reservation's rest (200 B of grad) and the array in `outside` are gone.
+  EXPECT_EQ(ledger.total(), 4000u);
+  EXPECT_EQ(ledger.JobBytes("j")[static_cast<int>(MemoryCategory::kGrad)], 0u);
+  kept = LedgerArray<float>();
+  EXPECT_EQ(ledger.total(), 0u);
 }
 
 }  // namespace

@@ -80,9 +80,15 @@ absl::Status ReductionState::CheckOne(const Contribution& c, size_t index, uint3
             "was applied (a rank pushes each range once per micro-batch and step)"));
 }
 
+uint64_t ReductionState::BookkeepingNow() const {
+  return keys_.size() * kKeyBytes + applied_ * kAppliedBytes +
+         pending_entries_ * kPendingEntryBytes;
+}
+
 absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint32_t micro_batches,
-                                   uint64_t* pending_bytes) const {
+                                   uint64_t* pending_bytes, uint64_t* bookkeeping_bytes) const {
   *pending_bytes = 0;
+  *bookkeeping_bytes = 0;
   if (micro_batches_ != 0 && micro_batches != micro_batches_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "chunk 0.micro_batches: this step uses ", micro_batches_, " micro-batches per rank, got ",
@@ -104,7 +110,9 @@ absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint3
     const uint32_t next = key == keys_.end() ? 0 : key->second.next_order;
     // An upper bound: earlier chunks of the batch may bring this one's turn.
     if (order != next) *pending_bytes += c.range.size() * sizeof(float);
+    *bookkeeping_bytes += order != next ? kPendingEntryBytes : kAppliedBytes;
   }
+  *bookkeeping_bytes += new_keys.size() * kKeyBytes;
   return absl::OkStatus();
 }
 
@@ -113,9 +121,10 @@ bool ReductionState::Admit(uint64_t pending_bytes) const {
 }
 
 uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
-                               uint64_t reserved_bytes) {
+                               uint64_t reserved_pending, uint64_t reserved_bookkeeping) {
   micro_batches_ = micro_batches;
-  pending_bytes_ += reserved_bytes;  // booked; trimmed to what stays buffered below
+  pending_bytes_ += reserved_pending;          // booked; trimmed to what stays buffered below
+  bookkeeping_bytes_ += reserved_bookkeeping;  // likewise
   uint64_t elements = 0;
   for (const Contribution& c : batch) {
     const uint32_t order = Order(c, micro_batches);
@@ -133,11 +142,13 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       p.crc32c = c.crc32c;
       optimizer_->ConvertIn(p.values.data(), c.payload.data(), c.dtype, n);
       buffered_bytes_ += n * sizeof(float);
+      ++pending_entries_;
       continue;
     }
     Accumulate(c.range.begin, order, c.payload.data(), c.dtype, n);
     key.crcs.push_back(c.crc32c);
     ++key.next_order;
+    ++applied_;
     for (auto p = key.pending.find(key.next_order); p != key.pending.end();
          p = key.pending.find(key.next_order)) {
       Accumulate(c.range.begin, key.next_order, p->second.values.data(), DType::kFp32, n);
@@ -145,12 +156,18 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       buffered_bytes_ -= p->second.values.size() * sizeof(float);
       key.pending.erase(p);
       ++key.next_order;
+      --pending_entries_;
+      ++applied_;
     }
   }
-  // Give back what the caller's upper bound over-reserved and what drained.
+  // Give back what the caller's upper bounds over-reserved and what drained.
   if (buffered_bytes_ < pending_bytes_) {
     ledger_->Release(options_.job_id, MemoryCategory::kBuffer, pending_bytes_ - buffered_bytes_);
     pending_bytes_ = buffered_bytes_;
+  }
+  if (const uint64_t now = BookkeepingNow(); now < bookkeeping_bytes_) {
+    ledger_->Release(options_.job_id, MemoryCategory::kBuffer, bookkeeping_bytes_ - now);
+    bookkeeping_bytes_ = now;
   }
   return elements;
 }
@@ -213,9 +230,12 @@ void ReductionState::Reset() {
   keys_.clear();
   micro_batches_ = 0;
   buffered_bytes_ = 0;
-  if (pending_bytes_ > 0) {
-    ledger_->Release(options_.job_id, MemoryCategory::kBuffer, pending_bytes_);
+  applied_ = 0;
+  pending_entries_ = 0;
+  if (pending_bytes_ + bookkeeping_bytes_ > 0) {
+    ledger_->Release(options_.job_id, MemoryCategory::kBuffer, pending_bytes_ + bookkeeping_bytes_);
     pending_bytes_ = 0;
+    bookkeeping_bytes_ = 0;
   }
 }
 

@@ -7,7 +7,9 @@
 // as an fp32 copy in the out-of-order buffer, which is bounded: its bytes are
 // booked in the ledger (category `buffer`) and may not exceed the budget
 // given at construction; Admit() tells the caller to wait (back-pressure)
-// rather than grow it.
+// rather than grow it. The bookkeeping of the step (an entry per distinct
+// chunk range and per contribution) is booked as `buffer` too, outside that
+// budget, so that pushes of many tiny chunks are held to the daemon's limit.
 //
 // Wire-free: this sees flat ranges, order numbers and payload bytes, never a
 // protobuf. Not thread-safe: the Job calls it under its reduction lock.
@@ -68,19 +70,21 @@ class ReductionState {
   // whose bytes cannot be shown equal), AlreadyExists (a duplicate with the
   // same non-zero CRC-32C as the applied one), InvalidArgument (a duplicate
   // inside `batch`). Sets *pending_bytes to the out-of-order bytes applying
-  // it would buffer. Changes nothing.
+  // it would buffer, and *bookkeeping_bytes to an upper bound of what its
+  // bookkeeping would grow by. Changes nothing.
   absl::Status Check(const std::vector<Contribution>& batch, uint32_t micro_batches,
-                     uint64_t* pending_bytes) const;
+                     uint64_t* pending_bytes, uint64_t* bookkeeping_bytes) const;
   // Whether a checked batch needing `pending_bytes` fits the budget now: it
   // does when it buffers nothing, or when the buffer stays within budget.
   bool Admit(uint64_t pending_bytes) const;
   // Applies a batch that Check accepted and Admit admitted (nothing changed
-  // in between). The caller has booked Check's `pending_bytes` in the ledger
-  // (category buffer) and passes them as `reserved_bytes`; the state owns
-  // that booking from now on and gives back what it does not hold. Returns
-  // the elements applied.
+  // in between). The caller has booked Check's `pending_bytes` and
+  // `bookkeeping_bytes` in the ledger (category buffer) and passes them as
+  // `reserved_pending` and `reserved_bookkeeping`; the state owns that
+  // booking from now on and gives back what it does not hold. Returns the
+  // elements applied.
   uint64_t Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
-                 uint64_t reserved_bytes);
+                 uint64_t reserved_pending, uint64_t reserved_bookkeeping);
 
   // Owned unpadded elements whose every contribution is in.
   uint64_t CompleteElements() const;
@@ -113,6 +117,15 @@ class ReductionState {
     std::map<uint32_t, Pending> pending;  // arrived ahead of their turn
   };
 
+  // What the bookkeeping is charged, generously: a key (a map node holding
+  // a Key), an applied contribution (its CRC, with the vector's growth), and
+  // an out-of-order contribution beyond its booked values (a map node and
+  // the values' allocation).
+  static constexpr uint64_t kKeyBytes = 160;
+  static constexpr uint64_t kAppliedBytes = 8;
+  static constexpr uint64_t kPendingEntryBytes = 112;
+
+  uint64_t BookkeepingNow() const;
   uint32_t Order(const Contribution& c, uint32_t micro_batches) const;
   uint32_t Expected(uint32_t micro_batches) const;
   absl::Status CheckOne(const Contribution& c, size_t index, uint32_t order,
@@ -127,6 +140,9 @@ class ReductionState {
   uint32_t micro_batches_ = 0;    // 0: nothing pushed yet this step
   uint64_t pending_bytes_ = 0;    // booked as buffer
   uint64_t buffered_bytes_ = 0;   // held in `pending` entries
+  uint64_t applied_ = 0;          // contributions applied (CRCs kept) this step
+  uint64_t pending_entries_ = 0;  // contributions held in `pending` entries
+  uint64_t bookkeeping_bytes_ = 0;  // booked as buffer, >= BookkeepingNow()
 };
 
 }  // namespace zeroshard

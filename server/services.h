@@ -8,10 +8,13 @@
 // and none holds a lock that another job's requests need.
 
 #include <atomic>
+#include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/auth.h"
 #include "proto/zeroshard/v1/activation.grpc.pb.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
 #include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
@@ -40,10 +43,35 @@ struct ServiceContext {
   ActivationMetrics* activation_metrics = nullptr;
   absl::Time start;
   std::atomic<bool> draining{false};
+  // The admin token's digest; nullopt: no caller has admin authority.
+  std::optional<TokenDigest> admin;
+  // Whether ExchangeEndpoint may hand out the "ucx" bulk transport's keys
+  // (DaemonOptions::ucx_trust_peers, or a UCX_TLS without software RMA).
+  bool bulk_keys_allowed = true;
 
   // Counts the request under its RPC name and result code.
   grpc::Status Done(const char* rpc, const absl::Status& status);
+
+  // Authority (docs/security.md). Each reads the caller's bearer token from
+  // `call`'s metadata.
+  // The job `id`, if the caller's token opens it (the job's token or the
+  // admin token): Unauthenticated without a token, NotFound for no such
+  // job, PermissionDenied for another token.
+  absl::StatusOr<std::shared_ptr<Job>> FindJob(const grpc::ServerContext& call,
+                                               const std::string& id) const;
+  // OK for the admin token; Unauthenticated / PermissionDenied otherwise.
+  absl::Status RequireAdmin(const grpc::ServerContext& call) const;
+  // Checkpoints of job `id` on disk: the job's token while it is registered
+  // here, the admin token always.
+  absl::Status AuthorizeJobFiles(const grpc::ServerContext& call, const std::string& id) const;
+  // Whether the caller's token opens `job` (for the all-jobs views).
+  bool MayOpen(const grpc::ServerContext& call, const Job& job) const;
+  // The caller's token's digest: Unauthenticated naming `what` without one.
+  absl::StatusOr<TokenDigest> CallerToken(const grpc::ServerContext& call,
+                                          absl::string_view what) const;
 };
+
+class StreamBooking;  // server/shard_service.cc
 
 class ControlService final : public v1::Control::Service {
  public:
@@ -92,14 +120,17 @@ class ShardService final : public v1::Shard::Service {
                       v1::PushGradientResponse* resp);
   absl::Status DoGather(grpc::ServerContext* ctx, const v1::GatherRequest& req,
                         grpc::ServerWriter<v1::ParameterChunk>* writer);
-  absl::Status DoExchangeEndpoint(const v1::ExchangeEndpointRequest& req,
+  absl::Status DoExchangeEndpoint(const grpc::ServerContext& call,
+                                  const v1::ExchangeEndpointRequest& req,
                                   v1::ExchangeEndpointResponse* resp);
-  // Reads a whole client stream; the first chunk names the job, later chunks
-  // must name the same one (or none). A stream the client abandons yields
-  // Cancelled and nothing is applied.
+  // Reads a whole client stream; the first chunk names the job (whose token
+  // the caller must present), later chunks must name the same one (or none).
+  // The bytes held are bounded (per chunk too) and booked in `booking`. A
+  // stream the client abandons yields Cancelled and nothing is applied.
   template <typename Chunk>
   absl::Status ReadStream(grpc::ServerContext* ctx, grpc::ServerReader<Chunk>* reader,
-                          std::vector<Chunk>* chunks, std::shared_ptr<Job>* job);
+                          std::vector<Chunk>* chunks, std::shared_ptr<Job>* job,
+                          StreamBooking* booking);
 
   ServiceContext* const ctx_;
 };
@@ -175,10 +206,12 @@ class ActivationService final : public v1::Activation::Service {
   // The owner as the store knows it: FAILED_PRECONDITION without an arena,
   // NOT_FOUND for a job not registered here, and the rank check's errors
   // (Job::CheckRank) naming owner.rank / owner.incarnation.
-  absl::StatusOr<SliceOwner> Owner(const v1::ActivationOwner& owner, bool has_owner);
+  absl::StatusOr<SliceOwner> Owner(const grpc::ServerContext& call,
+                                   const v1::ActivationOwner& owner, bool has_owner);
   absl::Status DoReserve(grpc::ServerContext* ctx, const v1::ReserveActivationRequest& req,
                          v1::ActivationPlacement* resp);
-  absl::Status DoCommit(const v1::CommitActivationRequest& req, v1::ActivationStored* resp);
+  absl::Status DoCommit(const grpc::ServerContext& call, const v1::CommitActivationRequest& req,
+                        v1::ActivationStored* resp);
   absl::Status DoOffload(grpc::ServerContext* ctx, grpc::ServerReader<v1::ActivationChunk>* reader,
                          v1::ActivationStored* resp);
   absl::Status DoLocate(grpc::ServerContext* ctx, const v1::LocateActivationRequest& req,
@@ -187,7 +220,8 @@ class ActivationService final : public v1::Activation::Service {
                        grpc::ServerWriter<v1::ActivationChunk>* writer);
   absl::Status DoPrefetch(grpc::ServerContext* ctx, const v1::PrefetchActivationsRequest& req,
                           v1::PrefetchActivationsResponse* resp);
-  absl::Status DoFree(const v1::FreeActivationsRequest& req, v1::FreeActivationsResponse* resp);
+  absl::Status DoFree(const grpc::ServerContext& call, const v1::FreeActivationsRequest& req,
+                      v1::FreeActivationsResponse* resp);
 
   ServiceContext* const ctx_;
 };

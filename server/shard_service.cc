@@ -26,15 +26,45 @@ absl::Time DeadlineOf(grpc::ServerContext* ctx) { return absl::FromChrono(ctx->d
 
 }  // namespace
 
+// What one buffered chunk costs beyond its payload (the message object and
+// its strings), charged so that a stream of empty chunks is bounded too.
+constexpr uint64_t kChunkOverheadBytes = 256;
+
+// The bytes a stream holds from its first chunk until it has been applied,
+// booked as the job's `buffer` and released when the stream is done.
+class StreamBooking {
+ public:
+  explicit StreamBooking(MemoryLedger* ledger) : ledger_(ledger) {}
+  StreamBooking(const StreamBooking&) = delete;
+  StreamBooking& operator=(const StreamBooking&) = delete;
+  ~StreamBooking() {
+    if (booked_ > 0) ledger_->Release(job_, MemoryCategory::kBuffer, booked_);
+  }
+  // Books `bytes` more held for `job`; ResourceExhausted (from the ledger)
+  // when the daemon's limit does not allow it.
+  absl::Status Add(const std::string& job, uint64_t bytes) {
+    job_ = job;
+    if (absl::Status s = ledger_->Reserve(job_, MemoryCategory::kBuffer, bytes); !s.ok()) return s;
+    booked_ += bytes;
+    return absl::OkStatus();
+  }
+
+ private:
+  MemoryLedger* const ledger_;
+  std::string job_;
+  uint64_t booked_ = 0;
+};
+
 template <typename Chunk>
 absl::Status ShardService::ReadStream(grpc::ServerContext* ctx, grpc::ServerReader<Chunk>* reader,
-                                      std::vector<Chunk>* chunks, std::shared_ptr<Job>* job) {
+                                      std::vector<Chunk>* chunks, std::shared_ptr<Job>* job,
+                                      StreamBooking* booking) {
   Chunk chunk;
   uint64_t bytes = 0;
   uint64_t limit = 0;
   while (reader->Read(&chunk)) {
     if (chunks->empty()) {
-      absl::StatusOr<std::shared_ptr<Job>> found = ctx_->jobs->Find(chunk.job_id());
+      absl::StatusOr<std::shared_ptr<Job>> found = ctx_->FindJob(*ctx, chunk.job_id());
       if (!found.ok()) return found.status();
       *job = *std::move(found);
       limit = MaxStreamBytes((*job)->config());
@@ -43,12 +73,15 @@ absl::Status ShardService::ReadStream(grpc::ServerContext* ctx, grpc::ServerRead
           "chunk ", chunks->size(), ".job_id: the stream started with job ",
           (*job)->config().job_id, ", got ", chunk.job_id().substr(0, 140)));
     }
-    bytes += chunk.data().size();
+    const uint64_t held = chunk.data().size() + kChunkOverheadBytes;
+    bytes += held;
     if (bytes > limit) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the stream carries more than ", limit, " bytes; split pushes into buckets of at ",
-          "most bucket_bytes per stream"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the stream carries more than ", limit, " bytes (", kChunkOverheadBytes,
+                       " counted per chunk besides its data); split pushes into buckets of at ",
+                       "most bucket_bytes per stream"));
     }
+    if (absl::Status s = booking->Add((*job)->config().job_id, held); !s.ok()) return s;
     chunks->push_back(std::move(chunk));
     chunk.Clear();
   }
@@ -64,7 +97,8 @@ grpc::Status ShardService::InitParameters(grpc::ServerContext* ctx,
                                           v1::InitParametersResponse* resp) {
   std::vector<v1::ParameterChunk> chunks;
   std::shared_ptr<Job> job;
-  absl::Status s = ReadStream(ctx, reader, &chunks, &job);
+  StreamBooking booking(ctx_->ledger);
+  absl::Status s = ReadStream(ctx, reader, &chunks, &job, &booking);
   if (!s.ok()) return ctx_->Done(__func__, s);
   uint64_t elements = 0;
   s = job->InitParameters(chunks, &elements);
@@ -80,7 +114,8 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
                                   v1::PushGradientResponse* resp) {
   std::vector<v1::GradientChunk> chunks;
   std::shared_ptr<Job> job;
-  if (absl::Status s = ReadStream(ctx, reader, &chunks, &job); !s.ok()) return s;
+  StreamBooking booking(ctx_->ledger);
+  if (absl::Status s = ReadStream(ctx, reader, &chunks, &job, &booking); !s.ok()) return s;
   const std::string& id = job->config().job_id;
   const absl::Time deadline = DeadlineOf(ctx);
   const auto staged = std::count_if(chunks.begin(), chunks.end(),
@@ -132,7 +167,7 @@ grpc::Status ShardService::PushGradient(grpc::ServerContext* ctx,
 
 absl::Status ShardService::DoGather(grpc::ServerContext* ctx, const v1::GatherRequest& req,
                                     grpc::ServerWriter<v1::ParameterChunk>* writer) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req.job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*ctx, req.job_id());
   if (!job.ok()) return job.status();
   absl::StatusOr<DType> dtype = DTypeFromProto(req.dtype(), "dtype");
   if (!dtype.ok()) return dtype.status();
@@ -176,9 +211,9 @@ grpc::Status ShardService::Gather(grpc::ServerContext* ctx, const v1::GatherRequ
   return ctx_->Done(__func__, DoGather(ctx, *req, writer));
 }
 
-grpc::Status ShardService::PrepareStep(grpc::ServerContext*, const v1::PrepareStepRequest* req,
+grpc::Status ShardService::PrepareStep(grpc::ServerContext* call, const v1::PrepareStepRequest* req,
                                        v1::PrepareStepResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   absl::StatusOr<v1::PrepareStepResponse> r = (*job)->PrepareStep(req->step());
   if (!r.ok()) return ctx_->Done(__func__, r.status());
@@ -186,9 +221,9 @@ grpc::Status ShardService::PrepareStep(grpc::ServerContext*, const v1::PrepareSt
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-grpc::Status ShardService::CommitStep(grpc::ServerContext*, const v1::CommitStepRequest* req,
+grpc::Status ShardService::CommitStep(grpc::ServerContext* call, const v1::CommitStepRequest* req,
                                       v1::CommitStepResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   const uint64_t before = (*job)->committed_step();
   const absl::Time start = absl::Now();
@@ -202,17 +237,18 @@ grpc::Status ShardService::CommitStep(grpc::ServerContext*, const v1::CommitStep
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-grpc::Status ShardService::GetStepState(grpc::ServerContext*, const v1::GetStepStateRequest* req,
-                                        v1::StepState* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+grpc::Status ShardService::GetStepState(grpc::ServerContext* call,
+                                        const v1::GetStepStateRequest* req, v1::StepState* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   (*job)->FillStepState(ctx_->jobs->options().rank_timeout, resp);
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-absl::Status ShardService::DoExchangeEndpoint(const v1::ExchangeEndpointRequest& req,
+absl::Status ShardService::DoExchangeEndpoint(const grpc::ServerContext& call,
+                                              const v1::ExchangeEndpointRequest& req,
                                               v1::ExchangeEndpointResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req.job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(call, req.job_id());
   if (!job.ok()) return job.status();
   if (ctx_->bulk == nullptr) {
     return absl::UnavailableError(absl::StrCat("this zeroshardd serves no bulk transport (",
@@ -228,6 +264,14 @@ absl::Status ShardService::DoExchangeEndpoint(const v1::ExchangeEndpointRequest&
         TransportKindName(req.transport()), "; start the client with transport \"",
         ctx_->bulk->kind(), "\""));
   }
+  if (!ctx_->bulk_keys_allowed) {
+    return absl::FailedPreconditionError(
+        "this zeroshardd hands out no UCX keys: its UCX transports may emulate remote access in "
+        "software (tcp), where a key reaches any of its memory; use the \"stream\" data path, "
+        "or start zeroshardd with --ucx_tls naming shared-memory or RDMA transports only, or "
+        "with --ucx_trust_peers on a trusted network (docs/security.md)");
+  }
+  // Keys go to joined ranks only (Staging checks the rank and incarnation).
   absl::StatusOr<std::shared_ptr<RankStaging>> staging =
       (*job)->Staging(req.rank(), req.incarnation(), /*create=*/true);
   if (!staging.ok()) return staging.status();
@@ -249,16 +293,16 @@ absl::Status ShardService::DoExchangeEndpoint(const v1::ExchangeEndpointRequest&
   return absl::OkStatus();
 }
 
-grpc::Status ShardService::ExchangeEndpoint(grpc::ServerContext*,
+grpc::Status ShardService::ExchangeEndpoint(grpc::ServerContext* call,
                                             const v1::ExchangeEndpointRequest* req,
                                             v1::ExchangeEndpointResponse* resp) {
-  return ctx_->Done(__func__, DoExchangeEndpoint(*req, resp));
+  return ctx_->Done(__func__, DoExchangeEndpoint(*call, *req, resp));
 }
 
-grpc::Status ShardService::FenceStagingSlot(grpc::ServerContext*,
+grpc::Status ShardService::FenceStagingSlot(grpc::ServerContext* call,
                                             const v1::FenceStagingSlotRequest* req,
                                             v1::FenceStagingSlotResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Find(req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   absl::StatusOr<std::shared_ptr<RankStaging>> staging =
       (*job)->Staging(req->rank(), req->incarnation(), /*create=*/false);

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "common/fnv.h"
 
 namespace zeroshard {
@@ -18,20 +19,46 @@ StepHyperParams HyperParamsOf(const OptimizerSettings& s) {
   return hp;
 }
 
-absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(const JobConfig& c,
-                                                                FlatRange owned,
-                                                                MemoryLedger* ledger,
-                                                                transport::Transport* transport) {
+namespace {
+
+// The half copy is the partitioned parameter only in stage 3; before that it
+// stages gathers.
+MemoryCategory HalfCategory(const JobConfig& c) {
+  return c.stage == 3 ? MemoryCategory::kParamHalf : MemoryCategory::kBuffer;
+}
+
+}  // namespace
+
+CategoryBytes ShardState::Footprint(const JobConfig& c, uint64_t n) {
+  CategoryBytes bytes{};
+  bytes[static_cast<int>(MemoryCategory::kParamMaster)] = n * sizeof(float);
+  bytes[static_cast<int>(MemoryCategory::kOptimM)] = n * sizeof(float);
+  if (c.optimizer.kind != OptimizerKind::kSgdMomentum) {
+    bytes[static_cast<int>(MemoryCategory::kOptimV)] = n * sizeof(float);
+  }
+  if (c.precision != DType::kFp32) {
+    bytes[static_cast<int>(HalfCategory(c))] += n * sizeof(uint16_t);
+  }
+  return bytes;
+}
+
+absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(const JobConfig& c, FlatRange owned,
+                                                               LedgerReservation* booked,
+                                                               transport::Transport* transport) {
   std::unique_ptr<ShardState> s(new ShardState(c.precision, owned));
   const uint64_t n = owned.size();
   const bool sgd = c.optimizer.kind == OptimizerKind::kSgdMomentum;
   const bool half = c.precision != DType::kFp32;
-  const uint64_t bytes = n * 4 * (sgd ? 2 : 3) + (half ? n * 2 : 0);
-  if (absl::Status st = ledger->CheckFits(c.job_id, bytes); !st.ok()) return st;
-  // The half copy is the partitioned parameter only in stage 3; before that
-  // it stages gathers.
-  const MemoryCategory half_cat =
-      c.stage == 3 ? MemoryCategory::kParamHalf : MemoryCategory::kBuffer;
+  // Checked before any allocation: a region is never allocated for bytes
+  // nobody booked.
+  const CategoryBytes needed = Footprint(c, n);
+  for (int cat = 0; cat < kNumMemoryCategories; ++cat) {
+    if (booked->held(static_cast<MemoryCategory>(cat)) < needed[cat]) {
+      return absl::InternalError(absl::StrCat("job ", c.job_id, ": the shard states' ",
+                                              MemoryCategoryName(static_cast<MemoryCategory>(cat)),
+                                              " bytes were not booked"));
+    }
+  }
   // Arrays trainers read directly are allocated by the transport (placed for
   // remote access) and booked once, as the arrays themselves.
   auto remote = [&](size_t size, std::unique_ptr<transport::Region>* region)
@@ -52,8 +79,7 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(const JobConfig& 
       if (!m.ok()) return m.status();
       memory = *m;
     }
-    auto a = memory != nullptr ? LedgerArray<T>::CreateIn(ledger, c.job_id, category, n, memory)
-                               : LedgerArray<T>::Create(ledger, c.job_id, category, n);
+    absl::StatusOr<LedgerArray<T>> a = LedgerArray<T>::Create(booked, category, n, memory);
     if (!a.ok()) return a.status();
     *out = *std::move(a);
     return absl::OkStatus();
@@ -67,7 +93,9 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(const JobConfig& 
     if (absl::Status st = array(&s->v_, MemoryCategory::kOptimV, nullptr); !st.ok()) return st;
   }
   if (half) {
-    if (absl::Status st = array(&s->half_, half_cat, &s->half_region_); !st.ok()) return st;
+    if (absl::Status st = array(&s->half_, HalfCategory(c), &s->half_region_); !st.ok()) {
+      return st;
+    }
   }
   return s;
 }

@@ -25,11 +25,19 @@ namespace zeroshard {
 
 class ShardState {
  public:
-  // Allocates the owned range's states, the whole footprint checked against
-  // the ledger's limit before anything is allocated (ResourceExhausted).
+  // The bytes Create books for `owned_elements` of this job, by category:
+  // fp32 masters, the optimizer's moments, and the half-precision copy
+  // (param_half in stage 3, buffer before: it only stages gathers).
+  static CategoryBytes Footprint(const JobConfig& config, uint64_t owned_elements);
+  // Allocates the owned range's states with bytes taken from `booked`, which
+  // must hold Footprint(config, owned.size()) for the job: the caller books
+  // the whole footprint at once before anything is allocated. Transport
+  // regions are allocated only here, after that booking. ResourceExhausted
+  // when an allocation fails (what was not taken stays in `booked`).
   // `transport` may be null (no bulk data path).
   static absl::StatusOr<std::unique_ptr<ShardState>> Create(const JobConfig& config,
-                                                            FlatRange owned, MemoryLedger* ledger,
+                                                            FlatRange owned,
+                                                            LedgerReservation* booked,
                                                             transport::Transport* transport);
   ~ShardState();
 

@@ -19,6 +19,8 @@ set -u
 
 ZEROSHARDD="$1"
 GPT_TRAIN="$2"
+# The jobs' secret; the ranks read it from the environment, as under zsrun.
+export ZS_JOB_TOKEN="shell-test-job-token-0123"
 WORK="$(mktemp -d "${TEST_TMPDIR:-/tmp}/activation_oracle.XXXXXX")"
 SPILL="$WORK/spill"
 TRAINER_FLAGS=(--stage=3 --steps=12 --layers=2 --width=32 --heads=4 --seq_len=16 --batch=8
@@ -53,7 +55,7 @@ fail() {
 # 16 KiB) and spill files under $SPILL.
 start_daemon() {
   local i="$1" out="$WORK/daemon$1.log"
-  "$ZEROSHARDD" --listen=127.0.0.1:0 --bulk_transport=ucx --ucx_tls=tcp \
+  "$ZEROSHARDD" --listen=127.0.0.1:0 --bulk_transport=ucx --ucx_tls=tcp --ucx_trust_peers \
     --activation_arena_bytes=20480 --spill_dir="$SPILL" >"$out" 2>&1 &
   DAEMON_PIDS[$i]=$!
   local deadline=$((SECONDS + 30)) addr=""

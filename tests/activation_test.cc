@@ -34,6 +34,8 @@
 namespace zeroshard {
 namespace {
 
+constexpr char kToken[] = "activation-test-job-token";
+
 absl::Time In(absl::Duration d) { return absl::Now() + d; }
 
 // A fresh directory under the test's temporary directory.
@@ -73,6 +75,7 @@ std::unique_ptr<Daemon> StartDaemon(uint64_t arena, const std::string& spill_dir
 
 examples::TrainOptions OracleOptions() {
   examples::TrainOptions o;
+  o.job_token = kToken;
   o.model.layers = 4;  // six layer ids: more than the store's depths
   o.model.width = 32;
   o.model.heads = 4;
@@ -166,6 +169,7 @@ struct Rank {
   explicit Rank(Daemon& daemon, const std::string& job, const std::string& transport = "inproc") {
     Layout layout = *Layout::Create({{"w", {256}, DType::kFp32, 0}});
     ClientConfig c;
+    c.job_token = kToken;
     c.daemons = {daemon.address()};
     c.job_id = job;
     c.stage = 3;
@@ -267,8 +271,9 @@ TEST(ActivationBadInputTest, CodesThroughTheClient) {
     s = fetch(Key(1, 0), a.size());
     EXPECT_TRUE(absl::IsNotFound(s)) << "a freed key: " << s;
     // Another job's slices are not this rank's to ask for.
-    DaemonSliceStore foreign({"no-such-job", 0, rank.client->incarnation()}, daemon->address(),
-                             MakeDaemonChannel(daemon->address()), nullptr, {});
+    DaemonSliceStore foreign(
+        {"no-such-job", 0, rank.client->incarnation()}, daemon->address(),
+        MakeDaemonChannel(daemon->address(), ChannelSecurity::Plaintext(kToken)), nullptr, {});
     s = foreign.Offload(Key(1, 0), a.data(), a.size()).value().Wait(In(absl::Seconds(30)));
     EXPECT_TRUE(absl::IsNotFound(s) || absl::IsFailedPrecondition(s)) << s;
     ASSERT_TRUE(rank.client->Leave().ok());

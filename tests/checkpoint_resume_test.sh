@@ -21,6 +21,8 @@ set -u
 
 ZEROSHARDD="$1"
 GPT_TRAIN="$2"
+# The jobs' secret; the ranks read it from the environment, as under zsrun.
+export ZS_JOB_TOKEN="shell-test-job-token-0123"
 WORK="$(mktemp -d "${TEST_TMPDIR:-/tmp}/checkpoint_resume.XXXXXX")"
 CKPT="$WORK/checkpoints"
 STEPS=60

@@ -36,6 +36,7 @@ constexpr int kSavedDaemons = 2;
 
 TrainOptions BaseOptions() {
   TrainOptions o;
+  o.job_token = testing::kTestToken;
   o.model.layers = 2;
   o.model.width = 32;
   o.model.heads = 4;

@@ -35,12 +35,14 @@ echo "tools/fuzz.sh: ${name} for ${seconds}s over ${seeds} (working corpus ${wor
 cd "${work}"
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-status=0
+# The fuzzer's own exit status decides (not grep's, which finds nothing to
+# show in a quiet run).
+set +e +o pipefail
 "${binary}" -max_total_time="${seconds}" -print_final_stats=1 -max_len=65536 \
   -timeout=10 -rss_limit_mb=2048 "${work}" 2>&1 | tee "${work}/fuzz.log" |
-  grep -E "^#[0-9]+.*(DONE|pulse)|stat::|ERROR|SUMMARY|runtime error|Test unit written" ||
-  true
+  grep -E "^#[0-9]+.*(DONE|pulse)|stat::|ERROR|SUMMARY|runtime error|Test unit written"
 status=${PIPESTATUS[0]}
+set -e -o pipefail
 if [[ ${status} -ne 0 ]]; then
   echo "tools/fuzz.sh: ${name} FAILED (exit ${status}); log and reproducer in ${work}" >&2
   exit 1

@@ -21,6 +21,9 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "common/auth.h"
+#include "common/channel.h"
+#include "common/tls.h"
 #include "tools/export_lib.h"
 #include "tools/zsctl_commands.h"
 
@@ -43,10 +46,20 @@ ABSL_FLAG(int, timeout_ms, 0,
           "checkpoint (0: 600000; saves, loads and verifies of large models read or write "
           "everything).");
 
+ABSL_FLAG(std::string, token_file, "",
+          "File (mode 0600) holding the job's token, or the admin token; default: "
+          "$ZS_JOB_TOKEN. Without one, daemons show no job and refuse job commands.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate zsctl presents (mutual TLS, with --tls_key and --tls_ca). Default: "
+          "$ZS_TLS_CERT.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert. Default: $ZS_TLS_KEY.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle that signs the daemons' certificates. Default: $ZS_TLS_CA.");
+
 namespace {
 
 constexpr char kUsage[] =
-    "usage: zsctl estimate|status|memory|export [flags]\n"
+    "usage: zsctl estimate|status|memory|drain|token|export [flags]\n"
     "       zsctl checkpoint save|load|list|verify [flags]\n";
 
 int TimeoutMs(int default_ms) {
@@ -54,11 +67,26 @@ int TimeoutMs(int default_ms) {
   return t == 0 ? default_ms : t;
 }
 
+// The credentials from --token_file / $ZS_JOB_TOKEN and --tls_* / $ZS_TLS_*.
+absl::StatusOr<zeroshard::ChannelSecurity> Security() {
+  std::string token;
+  if (const std::string file = absl::GetFlag(FLAGS_token_file); !file.empty()) {
+    absl::StatusOr<std::string> t = zeroshard::ReadTokenFile(file, "--token_file");
+    if (!t.ok()) return t.status();
+    token = *std::move(t);
+  }
+  return zeroshard::MakeChannelSecurity(
+      zeroshard::TlsFilesFromEnvironment({absl::GetFlag(FLAGS_tls_cert),
+                                          absl::GetFlag(FLAGS_tls_key),
+                                          absl::GetFlag(FLAGS_tls_ca)}),
+      zeroshard::JobTokenOrEnvironment(token), "--");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "zsctl estimate|status|memory|export [flags]\n"
+      "zsctl estimate|status|memory|drain|token|export [flags]\n"
       "zsctl checkpoint save|load|list|verify [flags]\n"
       "see --help for the flags of each.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
@@ -80,12 +108,22 @@ int main(int argc, char** argv) {
     o.device_memory = absl::GetFlag(FLAGS_device_memory);
     o.optimizer_k = absl::GetFlag(FLAGS_optimizer_k);
     out = zeroshard::tools::RunEstimate(o);
-  } else if (command == "status" || command == "memory") {
+  } else if (command == "token") {
+    out = zeroshard::tools::RunToken();
+  } else if (command == "status" || command == "memory" || command == "drain") {
     zeroshard::tools::AdminOptions o;
     o.daemons = absl::GetFlag(FLAGS_daemons);
     o.job = absl::GetFlag(FLAGS_job);
     o.timeout_ms = TimeoutMs(5000);
-    out = command == "status" ? zeroshard::tools::RunStatus(o) : zeroshard::tools::RunMemory(o);
+    absl::StatusOr<zeroshard::ChannelSecurity> security = Security();
+    if (!security.ok()) {
+      out = security.status();
+    } else {
+      o.security = *std::move(security);
+      out = command == "status"   ? zeroshard::tools::RunStatus(o)
+            : command == "memory" ? zeroshard::tools::RunMemory(o)
+                                  : zeroshard::tools::RunDrain(o);
+    }
   } else if (command == "checkpoint") {
     zeroshard::tools::CheckpointOptions o;
     o.daemons = absl::GetFlag(FLAGS_daemons);
@@ -94,7 +132,13 @@ int main(int argc, char** argv) {
     o.timeout_ms = TimeoutMs(600000);
     const std::string action = args[2];
     command = absl::StrCat(command, " ", action);
-    out = zeroshard::tools::RunCheckpoint(action, o);
+    absl::StatusOr<zeroshard::ChannelSecurity> security = Security();
+    if (!security.ok()) {
+      out = security.status();
+    } else {
+      o.security = *std::move(security);
+      out = zeroshard::tools::RunCheckpoint(action, o);
+    }
   } else if (command == "export") {
     zeroshard::tools::ExportOptions o;
     o.checkpoint = absl::GetFlag(FLAGS_checkpoint);
@@ -102,7 +146,8 @@ int main(int argc, char** argv) {
     out = zeroshard::tools::RunExport(o);
   } else {
     std::fprintf(stderr,
-                 "zsctl: unknown command \"%s\" (estimate, status, memory, checkpoint, export)\n",
+                 "zsctl: unknown command \"%s\" (estimate, status, memory, drain, token, "
+                 "checkpoint, export)\n",
                  command.c_str());
     return 2;
   }

@@ -15,6 +15,7 @@
 #include "client/checkpoint_driver.h"
 #include "client/daemon_control.h"
 #include "client/rpc.h"
+#include "common/auth.h"
 #include "common/checkpoint_files.h"
 #include "common/estimator.h"
 #include "common/format.h"
@@ -142,13 +143,46 @@ std::vector<std::string> DaemonList(const std::string& daemons) {
   return out;
 }
 
-std::unique_ptr<v1::Admin::Stub> AdminStub(const std::string& address) {
-  return v1::Admin::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+std::unique_ptr<v1::Admin::Stub> AdminStub(const std::string& address,
+                                           const ChannelSecurity& security) {
+  return v1::Admin::NewStub(MakeDaemonChannel(address, security));
 }
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& address) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
                       absl::StrCat("daemon ", address, ": ", s.error_message()));
+}
+
+}  // namespace
+
+namespace {
+
+// For zsctl status --job: each rank as the daemon sees it, and what its open
+// step waits for.
+absl::StatusOr<std::string> RankLines(const std::string& address, const AdminOptions& options) {
+  DaemonControl daemon(address, MakeDaemonChannel(address, options.security));
+  absl::StatusOr<v1::StepState> state =
+      daemon.GetStepState(options.job, absl::Now() + absl::Milliseconds(options.timeout_ms));
+  if (!state.ok()) return state.status();
+  std::string out;
+  for (const v1::RankState& r : state->ranks()) {
+    const std::string heard = r.seconds_since_heard() < 0
+                                  ? std::string("never heard from")
+                                  : absl::StrFormat("heard %.1fs ago", r.seconds_since_heard());
+    absl::StrAppendFormat(&out, "    rank %-4u %-12s incarnation %u  %s  last step pushed %u\n",
+                          r.rank(),
+                          !r.joined()     ? "not joined"
+                          : r.connected() ? "connected"
+                                          : "DISCONNECTED",
+                          r.incarnation(), heard, r.last_step_pushed());
+  }
+  absl::StrAppendFormat(&out, "    open step %u: %s, %u of %u elements complete\n",
+                        state->committed_step() + 1, state->prepared() ? "prepared" : "pushing",
+                        state->complete_elements(), state->owned_elements());
+  if (const std::string waits = DescribeWaits(address, *state); !waits.empty()) {
+    absl::StrAppend(&out, "    ", waits, "\n");
+  }
+  return out;
 }
 
 }  // namespace
@@ -160,7 +194,7 @@ absl::StatusOr<std::string> RunStatus(const AdminOptions& options) {
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(options.timeout_ms));
     v1::StatusResponse resp;
-    grpc::Status s = AdminStub(address)->Status(&ctx, v1::StatusRequest(), &resp);
+    grpc::Status s = AdminStub(address, options.security)->Status(&ctx, v1::StatusRequest(), &resp);
     if (!s.ok()) return FromGrpc(s, address);
     absl::StrAppendFormat(&out, "daemon %s  version %s  up %.0fs%s  jobs %d\n", address,
                           resp.version(), resp.uptime_seconds(),
@@ -174,9 +208,36 @@ absl::StatusOr<std::string> RunStatus(const AdminOptions& options) {
                             j.job_id(), j.stage(), j.world_size(), j.ranks_connected(),
                             j.world_size(), j.committed_step(), FormatCount(j.parameters()),
                             parts);
+      if (j.job_id() == options.job) {
+        absl::StatusOr<std::string> ranks = RankLines(address, options);
+        if (!ranks.ok()) return ranks.status();
+        absl::StrAppend(&out, *ranks);
+      }
     }
   }
   return out;
+}
+
+absl::StatusOr<std::string> RunDrain(const AdminOptions& options) {
+  std::string out;
+  for (const std::string& address : DaemonList(options.daemons)) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(options.timeout_ms));
+    v1::DrainResponse resp;
+    grpc::Status s = v1::Control::NewStub(MakeDaemonChannel(address, options.security))
+                         ->Drain(&ctx, v1::DrainRequest(), &resp);
+    if (!s.ok()) return FromGrpc(s, address);
+    absl::StrAppendFormat(&out, "daemon %s draining: takes no new jobs, %u running\n", address,
+                          resp.jobs());
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> RunToken() {
+  absl::StatusOr<std::string> token = GenerateToken();
+  if (!token.ok()) return token.status();
+  return absl::StrCat(*token, "\n");
 }
 
 absl::StatusOr<std::string> RunMemory(const AdminOptions& options) {
@@ -191,7 +252,7 @@ absl::StatusOr<std::string> RunMemory(const AdminOptions& options) {
     v1::MemoryReportRequest req;
     req.set_job_id(options.job);
     v1::MemoryReportResponse resp;
-    grpc::Status s = AdminStub(address)->MemoryReport(&ctx, req, &resp);
+    grpc::Status s = AdminStub(address, options.security)->MemoryReport(&ctx, req, &resp);
     if (!s.ok()) return FromGrpc(s, address);
     absl::StrAppendFormat(&out, "daemon %s  total %s  limit %s\n", address,
                           FormatBytes(resp.total_bytes()),
@@ -277,11 +338,12 @@ std::string Bytes(uint64_t b) {
 
 absl::StatusOr<std::string> Save(const CheckpointOptions& options, const CheckpointTarget& t) {
   if (absl::Status s = CheckName(options.name, false); !s.ok()) return s;
-  DaemonControl daemon0(t.addresses[0], MakeDaemonChannel(t.addresses[0]));
+  DaemonControl daemon0(t.addresses[0], MakeDaemonChannel(t.addresses[0], options.security));
   absl::StatusOr<v1::StepState> state = daemon0.GetStepState(options.job, t.deadline);
   if (!state.ok()) return state.status();
   const uint64_t step = state->committed_step();
-  std::unique_ptr<CheckpointDriver> driver = CheckpointDriver::Connect(options.job, t.addresses);
+  std::unique_ptr<CheckpointDriver> driver =
+      CheckpointDriver::Connect(options.job, t.addresses, options.security);
   absl::StatusOr<CheckpointStarted> started = driver->Start(options.name, step, t.deadline);
   if (!started.ok()) {
     // A running job may commit between the read of its step and the save.
@@ -309,7 +371,8 @@ absl::StatusOr<std::string> Save(const CheckpointOptions& options, const Checkpo
 absl::StatusOr<std::string> Load(const CheckpointOptions& options, const CheckpointTarget& t) {
   if (absl::Status s = CheckName(options.name, true); !s.ok()) return s;
   absl::StatusOr<v1::LoadCheckpointResponse> loaded =
-      CheckpointDriver::Connect(options.job, t.addresses)->Load(options.name, t.deadline);
+      CheckpointDriver::Connect(options.job, t.addresses, options.security)
+          ->Load(options.name, t.deadline);
   if (!loaded.ok()) return loaded.status();
   return absl::StrFormat(
       "job %s loaded checkpoint %s on %d daemon(s): committed step %u, daemon 0 read %s in %s\n",
@@ -324,7 +387,7 @@ std::string FormatUnixMs(int64_t ms) {
 
 absl::StatusOr<std::string> List(const CheckpointOptions& options, const CheckpointTarget& t) {
   absl::StatusOr<std::vector<v1::CheckpointInfo>> all =
-      CheckpointDriver::Connect(options.job, t.addresses)->List(t.deadline);
+      CheckpointDriver::Connect(options.job, t.addresses, options.security)->List(t.deadline);
   if (!all.ok()) return all.status();
   if (all->empty()) {
     return absl::StrFormat("job %s: no complete checkpoint on its %d daemon(s)\n", options.job,
@@ -350,7 +413,8 @@ absl::StatusOr<std::string> Verify(const CheckpointOptions& options, const Check
   const std::string name = options.name.empty() ? kLatestCheckpoint : options.name;
   if (absl::Status s = CheckName(name, true); !s.ok()) return s;
   absl::StatusOr<v1::VerifyCheckpointResponse> r =
-      CheckpointDriver::Connect(options.job, t.addresses)->Verify(name, t.deadline);
+      CheckpointDriver::Connect(options.job, t.addresses, options.security)
+          ->Verify(name, t.deadline);
   if (!r.ok()) return r.status();
   return absl::StrFormat(
       "checkpoint %s (step %d) of job %s: all %d parts match their CRC-32C (%s read)\n",

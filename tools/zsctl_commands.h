@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/channel.h"
 
 namespace zeroshard::tools {
 
@@ -26,10 +27,17 @@ struct EstimateOptions {
 };
 absl::StatusOr<std::string> RunEstimate(const EstimateOptions& options);
 
+// The credentials zsctl talks with (TLS and the bearer token): a job's token
+// shows and drives that job, the admin token every job; without a token the
+// daemons show no job. Default: plaintext, no token.
+// status --job=J adds, per daemon, each rank of J as the daemon sees it
+// (joined, connected, last heard, last step pushed) and what J's open step
+// waits for ("step 117: daemon D waits for rank 3, ranges [a, b)").
 struct AdminOptions {
   std::string daemons;  // comma-separated HOST:PORT
-  std::string job;      // empty: all jobs
+  std::string job;      // empty: all jobs the token opens
   int timeout_ms = 5000;
+  ChannelSecurity security;
 };
 absl::StatusOr<std::string> RunStatus(const AdminOptions& options);
 absl::StatusOr<std::string> RunMemory(const AdminOptions& options);
@@ -52,8 +60,17 @@ struct CheckpointOptions {
   std::string job;
   std::string name;
   int timeout_ms = 600000;
+  ChannelSecurity security;  // the job's token (or the admin token)
 };
 absl::StatusOr<std::string> RunCheckpoint(absl::string_view action,
                                           const CheckpointOptions& options);
+
+// zsctl drain: every daemon in options.daemons stops taking new jobs (its
+// jobs run on). Needs the admin token.
+absl::StatusOr<std::string> RunDrain(const AdminOptions& options);
+
+// zsctl token: a fresh secret for a job (ZS_JOB_TOKEN) or an admin token
+// file, one line.
+absl::StatusOr<std::string> RunToken();
 
 }  // namespace zeroshard::tools

@@ -136,6 +136,7 @@ class ZsctlCheckpointTest : public ::testing::TestWithParam<bool> {
     clients_.resize(2);
     RunRanks([&](uint32_t rank) {
       ClientConfig c;
+      c.job_token = testing::kTestToken;
       c.daemons = addresses_;
       c.job_id = kJob;
       c.rank = rank;
@@ -188,6 +189,7 @@ class ZsctlCheckpointTest : public ::testing::TestWithParam<bool> {
     o.job = kJob;
     o.name = name;
     o.timeout_ms = 30000;
+    o.security = ChannelSecurity::Plaintext(testing::kTestToken);
     return RunCheckpoint(action, o);
   }
 
@@ -281,9 +283,53 @@ TEST_P(ZsctlCheckpointTest, PassesTheDaemonsErrorsThrough) {
   o.name = "x";
   o.timeout_ms = 10000;
   out = RunCheckpoint("save", o);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kUnauthenticated) << out.status();
+  EXPECT_TRUE(absl::StrContains(out.status().message(), "needs a token")) << out.status();
+  o.security = ChannelSecurity::Plaintext(testing::kTestToken);
+  out = RunCheckpoint("save", o);
   EXPECT_EQ(out.status().code(), absl::StatusCode::kNotFound) << out.status();
   EXPECT_TRUE(absl::StrContains(out.status().message(), addresses_[0])) << out.status();
 }
 
 }  // namespace
+// A hang explains itself: rank 1 stops pushing, and zsctl status --job says
+// which ranks each daemon waits for, with which ranges.
+TEST_P(ZsctlCheckpointTest, StatusShowsEachRankAndWhatTheOpenStepWaitsFor) {
+  Train(1);
+  std::vector<float> grad(layout_.total_elements(), 0.25f);
+  absl::StatusOr<PushTicket> pushed =
+      clients_[0]->PushGradients({0, grad.size()}, grad.data(), DType::kFp32);
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  ASSERT_TRUE(pushed->Wait(absl::Now() + absl::Seconds(10)).ok());
+  AdminOptions o;
+  o.daemons = absl::StrJoin(addresses_, ",");
+  o.job = kJob;
+  o.security = ChannelSecurity::Plaintext(testing::kTestToken);
+  absl::StatusOr<std::string> out = RunStatus(o);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::printf("zsctl status --job=%s:\n%s", kJob, out->c_str());
+  EXPECT_TRUE(absl::StrContains(*out, "last step pushed 2")) << *out;  // rank 0
+  EXPECT_TRUE(absl::StrContains(*out, "last step pushed 1")) << *out;  // rank 1
+  EXPECT_TRUE(absl::StrContains(*out, "connected")) << *out;
+  for (const std::string& a : addresses_) {
+    EXPECT_TRUE(
+        absl::StrContains(*out, absl::StrCat("step 2: daemon ", a, " waits for rank 1, range [")))
+        << *out;
+  }
+  // Without the job's token the daemons show no job at all.
+  o.security = ChannelSecurity::Plaintext();
+  out = RunStatus(o);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_FALSE(absl::StrContains(*out, "waits for")) << *out;
+  EXPECT_TRUE(absl::StrContains(*out, "jobs 0")) << *out;
+  // Rank 1 catches up; the step completes.
+  RunRanks([&](uint32_t rank) {
+    if (rank == 1) {
+      ASSERT_TRUE(clients_[1]->PushGradients({0, grad.size()}, grad.data(), DType::kFp32).ok());
+    }
+    absl::StatusOr<StepResult> r = clients_[rank]->Step(1e-2f);
+    ASSERT_TRUE(r.ok()) << r.status();
+  });
+}
+
 }  // namespace zeroshard::tools

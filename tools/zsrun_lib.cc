@@ -18,6 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/auth.h"
+#include "common/channel.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
@@ -304,6 +306,7 @@ std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base
       {"ZS_WORLD_SIZE", absl::StrCat(env.world_size)},
       {"ZS_DAEMONS", absl::StrJoin(env.daemons, ",")},
       {"ZS_JOB_ID", env.job_id},
+      {"ZS_JOB_TOKEN", env.job_token},
       {"RANK", absl::StrCat(env.rank)},
       {"WORLD_SIZE", absl::StrCat(env.world_size)},
       {"LOCAL_RANK", absl::StrCat(env.rank)},
@@ -517,6 +520,12 @@ absl::StatusOr<int> Launcher::RunInternal() {
   }
   if (o.grace < absl::ZeroDuration()) return absl::InvalidArgumentError("--grace_s must be >= 0");
   if (options_.job_id.empty()) options_.job_id = DefaultJobId();
+  job_token_ = JobTokenOrEnvironment("");
+  if (job_token_.empty()) {
+    ASSIGN_OR_RETURN(job_token_, GenerateToken());
+  } else {
+    RETURN_IF_ERROR(ValidateToken(job_token_, "ZS_JOB_TOKEN"));
+  }
 
   startup_deadline_ = absl::Now() + o.startup_timeout;
   if (local) {
@@ -672,8 +681,10 @@ absl::Status Launcher::CheckDaemons() {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
-    auto stub = v1::Admin::NewStub(
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+    // Admin.Status needs no token; TLS as the trainers will use it.
+    ASSIGN_OR_RETURN(const ChannelSecurity security,
+                     MakeChannelSecurity(TlsFilesFromEnvironment({}), "", "ZS_"));
+    auto stub = v1::Admin::NewStub(MakeChannel(address, security, args));
     while (true) {
       grpc::ClientContext ctx;
       ctx.set_deadline(absl::ToChronoTime(std::min(absl::Now() + kRpcAttempt, startup_deadline_)));
@@ -774,6 +785,7 @@ absl::StatusOr<int> Launcher::RunTrainers() {
     te.world_size = options_.nproc;
     te.daemons = addresses_;
     te.job_id = options_.job_id;
+    te.job_token = job_token_;
     te.metrics_ports = metrics_ports_;
     SpawnSpec spec;
     spec.path = path;

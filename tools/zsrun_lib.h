@@ -143,6 +143,9 @@ class Launcher {
   std::vector<std::unique_ptr<Stream>> streams_;
   std::vector<std::string> addresses_;
   std::vector<int> metrics_ports_;
+  // The job's secret handed to every trainer: ZS_JOB_TOKEN from zsrun's own
+  // environment, else a fresh one per run.
+  std::string job_token_;
   std::string log_dir_;
   bool temp_log_dir_ = false;
   std::vector<std::string> log_files_;
@@ -185,11 +188,12 @@ struct TrainerEnv {
   int world_size = 1;
   std::vector<std::string> daemons;
   std::string job_id;
+  std::string job_token;           // the run's secret, ZS_JOB_TOKEN
   std::vector<int> metrics_ports;  // empty: ZS_METRICS_PORTS not set
 };
 
 // `base` ("K=V" entries) with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID,
-// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (and ZS_METRICS_PORTS)
+// ZS_JOB_TOKEN, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (and ZS_METRICS_PORTS)
 // replacing any earlier values.
 std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base,
                                             const TrainerEnv& env);

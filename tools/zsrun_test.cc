@@ -249,11 +249,13 @@ TEST(TrainerEnvironmentTest, SetsTheRankVariablesAndReplacesOldOnes) {
   te.world_size = 4;
   te.daemons = {"127.0.0.1:1", "127.0.0.1:2"};
   te.job_id = "j";
+  te.job_token = "t0123456789abcdef";
   const std::vector<std::string> env =
-      TrainerEnvironment({"PATH=/bin", "RANK=9", "ZS_METRICS_PORTS=5"}, te);
+      TrainerEnvironment({"PATH=/bin", "RANK=9", "ZS_METRICS_PORTS=5", "ZS_JOB_TOKEN=old"}, te);
   EXPECT_THAT(env, ElementsAre("PATH=/bin", "ZS_RANK=2", "ZS_WORLD_SIZE=4",
-                               "ZS_DAEMONS=127.0.0.1:1,127.0.0.1:2", "ZS_JOB_ID=j", "RANK=2",
-                               "WORLD_SIZE=4", "LOCAL_RANK=2", "LOCAL_WORLD_SIZE=4"));
+                               "ZS_DAEMONS=127.0.0.1:1,127.0.0.1:2", "ZS_JOB_ID=j",
+                               "ZS_JOB_TOKEN=t0123456789abcdef", "RANK=2", "WORLD_SIZE=4",
+                               "LOCAL_RANK=2", "LOCAL_WORLD_SIZE=4"));
   te.metrics_ports = {81, 82};
   EXPECT_EQ(TrainerEnvironment({}, te).back(), "ZS_METRICS_PORTS=81,82");
 }

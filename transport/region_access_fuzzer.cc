@@ -101,9 +101,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const bool genuine = d.rkey == world->readable->Descriptor().rkey ||
                        d.rkey == world->writable->Descriptor().rkey;
   if (s.ok() && length > 0) {
-    // Only a genuine key within its region's bounds, in an allowed direction.
+    // Only a genuine key, in an allowed direction, and only bytes of its
+    // region: the address the operation reached (the descriptor's address,
+    // which a peer may shift, plus the offset) lies within the region.
     const bool to_writable = d.rkey == world->writable->Descriptor().rkey;
-    if (!genuine || offset + length > kRegionBytes || (put != to_writable)) std::abort();
+    const zeroshard::transport::Region& region = to_writable ? *world->writable : *world->readable;
+    const uint64_t base = reinterpret_cast<uintptr_t>(region.base());
+    const uint64_t reached = d.address + offset;
+    if (!genuine || put != to_writable || reached < base || reached - base > kRegionBytes ||
+        length > kRegionBytes - (reached - base)) {
+      std::abort();
+    }
   }
   // The read-only region never changes.
   if (std::memcmp(world->readable->base(), world->readable_bytes.data(), kRegionBytes) != 0) {

@@ -41,6 +41,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/tls.h"
 
 namespace zeroshard::transport {
 
@@ -225,6 +226,9 @@ struct TransportOptions {
   // gRPC transport: "HOST:PORT" to serve regions on; empty means
   // "127.0.0.1:0" (loopback, any port).
   std::string listen_address;
+  // gRPC transport: mutual TLS for its server and its connections
+  // (common/tls.h); empty: plaintext.
+  TlsFiles tls;
 };
 
 // One per process side (a daemon or a trainer usually has one). Destroying it

@@ -4,6 +4,8 @@ on local disks), two ShardedOptimizer ranks that save one while training,
 new run of the job resumed from it."""
 
 import json
+import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from zeroshard.torch import ShardedOptimizer
 
 WORLD_SIZE = 2
 JOB = "pytest-checkpoint"
+ADMIN_TOKEN_FILE = pathlib.Path(os.environ.get("TEST_TMPDIR", "/tmp")) / "admin.token"
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,12 @@ def cluster(tmp_path_factory):
     """(daemon addresses, each daemon's --checkpoint_dir)."""
     root = tmp_path_factory.mktemp("checkpoints")
     dirs = [root / f"daemon{i}" for i in range(2)]
-    with running_daemons(2, lambda i: [f"--checkpoint_dir={dirs[i]}"]) as addresses:
+    # Checkpoints of a job that has ended are the admin's to list.
+    ADMIN_TOKEN_FILE.parent.mkdir(parents=True, exist_ok=True)
+    ADMIN_TOKEN_FILE.write_text("pytest-admin-token-0123456789\n")
+    ADMIN_TOKEN_FILE.chmod(0o600)
+    with running_daemons(2, lambda i: [f"--checkpoint_dir={dirs[i]}",
+                                       f"--admin_token_file={ADMIN_TOKEN_FILE}"]) as addresses:
         yield addresses, dirs
 
 
@@ -133,16 +141,20 @@ def test_export_reads_back_bit_for_bit(cluster, trained, tmp_path):
 
 def test_zsctl_checkpoint_commands(cluster, trained):
     addresses, _ = cluster
+    # The job has ended: its token no longer opens anything; the admin's does.
     daemons = f"--daemons={','.join(addresses)}"
     r = _zsctl("checkpoint", "list", daemons, f"--job={JOB}")
+    assert r.returncode == 1 and "PERMISSION_DENIED" in r.stderr, r
+    admin = f"--token_file={ADMIN_TOKEN_FILE}"
+    r = _zsctl("checkpoint", "list", daemons, admin, f"--job={JOB}")
     assert r.returncode == 0, r.stderr
     assert cw.CHECKPOINT in r.stdout and " 8 " in r.stdout, r.stdout
-    r = _zsctl("checkpoint", "verify", daemons, f"--job={JOB}",
+    r = _zsctl("checkpoint", "verify", daemons, admin, f"--job={JOB}",
                f"--name={cw.CHECKPOINT}")
     assert r.returncode == 0, r.stderr
     assert "match their CRC-32C" in r.stdout, r.stdout
     # Every rank has left: the job is gone from the daemons.
-    r = _zsctl("checkpoint", "save", daemons, f"--job={JOB}", "--name=again")
+    r = _zsctl("checkpoint", "save", daemons, admin, f"--job={JOB}", "--name=again")
     assert r.returncode == 1
     assert "NOT_FOUND" in r.stderr and addresses[0] in r.stderr, r.stderr
     r = _zsctl("checkpoint", "save", daemons, f"--job={JOB}", "--name=latest")

@@ -4,10 +4,12 @@
 #include <chrono>
 #include <cmath>
 
+#include "absl/time/clock.h"
+#include "common/channel.h"
 #include "common/crc32c.h"
-#include "gtest/gtest.h"
 #include "common/job_spec.h"
 #include "common/protocol.h"
+#include "gtest/gtest.h"
 
 namespace zeroshard::testing {
 
@@ -42,11 +44,11 @@ Layout SampleLayout() {
                           {"head", {5, 3}, DType::kFp32, 3}});
 }
 
-DaemonClient::DaemonClient(const std::string& address) {
+DaemonClient::DaemonClient(const std::string& address, const std::string& token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
-  channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  channel = MakeChannel(address, ChannelSecurity::Plaintext(token), args);
   control = v1::Control::NewStub(channel);
   shard = v1::Shard::NewStub(channel);
   admin = v1::Admin::NewStub(channel);
@@ -211,6 +213,12 @@ void ExpectRejected(Daemon& daemon, const std::string& job, grpc::StatusCode cod
   EXPECT_NE(s.error_message().find(text), std::string::npos)
       << "message \"" << s.error_message() << "\" lacks \"" << text << "\"";
   EXPECT_EQ(hash(), before) << "state changed by a rejected request: " << s.error_message();
+  // A stream the client cancelled can end on the client before the daemon's
+  // handler has let go of what it held: give the handler a moment.
+  const absl::Time settle = absl::Now() + absl::Seconds(5);
+  while (daemon.ledger().total() != ledger_before && absl::Now() < settle) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
   EXPECT_EQ(daemon.ledger().total(), ledger_before);
 }
 

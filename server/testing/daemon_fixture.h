@@ -23,6 +23,9 @@ namespace zeroshard::testing {
 // The incarnation the helpers below join and push as.
 inline constexpr uint64_t kTestIncarnation = 1;
 
+// The job token DaemonClient sends by default (every test job's secret).
+inline constexpr char kTestToken[] = "zeroshard-test-job-token";
+
 // A fp32 AdamW job spec over `layout`, with the given daemons.
 v1::JobSpec MakeSpec(const std::string& job_id, const Layout& layout, uint32_t stage,
                      uint32_t world_size, const std::vector<std::string>& daemons);
@@ -31,8 +34,10 @@ v1::JobSpec MakeSpec(const std::string& job_id, const Layout& layout, uint32_t s
 // over three layers, one much larger than the others.
 Layout SampleLayout();
 
+// Stubs over one plaintext channel whose calls carry `token` (none when
+// empty).
 struct DaemonClient {
-  explicit DaemonClient(const std::string& address);
+  explicit DaemonClient(const std::string& address, const std::string& token = kTestToken);
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Control::Stub> control;
   std::unique_ptr<v1::Shard::Stub> shard;

@@ -24,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/tls.h"
 #include "grpcpp/grpcpp.h"
 #include "transport/grpc/region_access.grpc.pb.h"
 #include "transport/region_table.h"
@@ -659,16 +660,17 @@ class GrpcConnection : public Connection {
 
 class GrpcTransport : public Transport {
  public:
-  GrpcTransport(std::string name, size_t chunk_bytes,
-                std::shared_ptr<RegionTable> regions,
+  GrpcTransport(std::string name, size_t chunk_bytes, std::shared_ptr<RegionTable> regions,
                 std::unique_ptr<RegionAccessService> service,
-                std::unique_ptr<::grpc::Server> server, std::string address)
+                std::unique_ptr<::grpc::Server> server, std::string address,
+                std::shared_ptr<::grpc::ChannelCredentials> credentials)
       : name_(std::move(name)),
         chunk_bytes_(chunk_bytes),
         regions_(std::move(regions)),
         service_(std::move(service)),
         server_(std::move(server)),
-        address_(std::move(address)) {}
+        address_(std::move(address)),
+        credentials_(std::move(credentials)) {}
 
   ~GrpcTransport() override {
     server_->Shutdown(GprDeadline(absl::Now() + kServerShutdownGrace));
@@ -746,9 +748,8 @@ class GrpcTransport : public Transport {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    std::shared_ptr<::grpc::Channel> channel = ::grpc::CreateCustomChannel(
-        absl::StrCat("dns:///", address), ::grpc::InsecureChannelCredentials(),
-        args);
+    std::shared_ptr<::grpc::Channel> channel =
+        ::grpc::CreateCustomChannel(absl::StrCat("dns:///", address), credentials_, args);
 
     bool attempt_failed = false;
     while (true) {
@@ -807,6 +808,8 @@ class GrpcTransport : public Transport {
   const std::unique_ptr<RegionAccessService> service_;
   const std::unique_ptr<::grpc::Server> server_;
   const std::string address_;
+  // Of the Connections it makes: TLS or plaintext (TransportOptions::tls).
+  const std::shared_ptr<::grpc::ChannelCredentials> credentials_;
   absl::Mutex mu_;
   // Closed when the Transport is destroyed.
   std::vector<std::weak_ptr<ConnectionCore>> connections_ ABSL_GUARDED_BY(mu_);
@@ -839,9 +842,15 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGrpcTransport(
   auto regions = std::make_shared<RegionTable>();
   auto service = std::make_unique<RegionAccessService>(name, regions);
 
+  absl::StatusOr<std::shared_ptr<::grpc::ServerCredentials>> server_credentials =
+      MakeServerCredentials(options.tls, "grpc transport tls.");
+  if (!server_credentials.ok()) return server_credentials.status();
+  absl::StatusOr<std::shared_ptr<::grpc::ChannelCredentials>> channel_credentials =
+      MakeChannelCredentials(options.tls, "grpc transport tls.");
+  if (!channel_credentials.ok()) return channel_credentials.status();
   int port = 0;
   ::grpc::ServerBuilder builder;
-  builder.AddListeningPort(listen, ::grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, *server_credentials, &port);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   // The port is this Transport's alone: another one binding it must fail.
@@ -858,8 +867,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGrpcTransport(
   if (host == "0.0.0.0" || host == "[::]") host = Hostname();
   const size_t chunk_bytes = std::min(options.max_piece_bytes, kMaxChunkBytes);
   return std::make_unique<GrpcTransport>(
-      std::move(name), chunk_bytes, std::move(regions), std::move(service),
-      std::move(server), absl::StrCat(host, ":", port));
+      std::move(name), chunk_bytes, std::move(regions), std::move(service), std::move(server),
+      absl::StrCat(host, ":", port), *std::move(channel_credentials));
 }
 
 }  // namespace zeroshard::transport::grpc

@@ -1,8 +1,13 @@
 #include "transport/ucx/ucx_transport.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
@@ -32,6 +37,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/fnv.h"
+#include "transport/ucx/ucx_wire.h"
 
 namespace zeroshard::transport::ucx {
 namespace {
@@ -47,58 +53,6 @@ constexpr int kSpinRounds = 100;
 // How often a process on this host is checked for being alive, when UCX
 // cannot report its death (see PeerIdentity).
 constexpr absl::Duration kLivenessInterval = absl::Milliseconds(100);
-
-// ---------------------------------------------------------------------------
-// Wire envelopes for addresses and rkeys: magic, u32 length, payload, u64
-// FNV-1a of the payload. UCX's own parsers trust their input; these checks
-// keep wrong or damaged bytes away from them.
-
-constexpr char kAddressMagic[4] = {'Z', 'S', 'U', 'A'};
-constexpr char kRkeyMagic[4] = {'Z', 'S', 'U', 'K'};
-
-void AppendU32(std::string* out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>(v >> (8 * i)));
-}
-void AppendU64(std::string* out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>(v >> (8 * i)));
-}
-uint64_t ReadLe(const char* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = bytes - 1; i >= 0; --i)
-    v = (v << 8) | static_cast<uint8_t>(p[i]);
-  return v;
-}
-
-std::string Wrap(const char (&magic)[4], absl::string_view payload) {
-  std::string out(magic, 4);
-  AppendU32(&out, static_cast<uint32_t>(payload.size()));
-  out.append(payload.data(), payload.size());
-  AppendU64(&out, Fnv1a(payload));
-  return out;
-}
-
-// The payload, or InvalidArgument; `rest` gets what follows the envelope.
-absl::StatusOr<absl::string_view> Unwrap(const char (&magic)[4],
-                                         absl::string_view bytes,
-                                         absl::string_view what,
-                                         absl::string_view* rest) {
-  if (bytes.size() < 16 || std::memcmp(bytes.data(), magic, 4) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " (", bytes.size(), " bytes) is not a UCX one"));
-  }
-  const uint64_t size = ReadLe(bytes.data() + 4, 4);
-  if (size > bytes.size() - 16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": claims ", size, " payload bytes, has ", bytes.size() - 16));
-  }
-  absl::string_view payload = bytes.substr(8, size);
-  if (ReadLe(bytes.data() + 8 + size, 8) != Fnv1a(payload)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": checksum mismatch"));
-  }
-  if (rest != nullptr) *rest = bytes.substr(16 + size);
-  return payload;
-}
 
 std::string UcsText(ucs_status_t status) { return ucs_status_string(status); }
 
@@ -121,16 +75,9 @@ bool WantsPeerErrorMode(absl::string_view tls) {
 }
 
 // ---------------------------------------------------------------------------
-// Who a peer is, for noticing its death where UCX cannot: endpoints without
-// peer error handling (shared memory only) to a process on this host.
-
-struct PeerIdentity {
-  uint64_t boot = 0;  // hash of this boot of the host
-  uint32_t pid = 0;
-  uint64_t start_time = 0;  // process start time (guards against pid reuse)
-  uint64_t instance = 0;    // the Transport within its process
-};
-constexpr size_t kIdentityBytes = 8 + 4 + 8 + 8;
+// Who a peer is (PeerIdentity, carried in its address: ucx_wire.h), for
+// noticing its death where UCX cannot: endpoints without peer error handling
+// (shared memory only) to a process on this host.
 
 // Clock ticks since boot at which `pid` started; 0 if it does not exist.
 uint64_t ProcessStartTime(uint32_t pid) {
@@ -214,19 +161,150 @@ bool PeerKnownGone(const PeerIdentity& peer) {
   return ProcessStartTime(peer.pid) != peer.start_time;
 }
 
-// Address = Wrap(identity + ucx worker address) followed by the name.
-std::string MakeAddress(const PeerIdentity& identity,
-                        absl::string_view worker_address,
-                        absl::string_view name) {
-  std::string payload;
-  AppendU64(&payload, identity.boot);
-  AppendU32(&payload, identity.pid);
-  AppendU64(&payload, identity.start_time);
-  AppendU64(&payload, identity.instance);
-  payload.append(worker_address.data(), worker_address.size());
-  std::string out = Wrap(kAddressMagic, payload);
-  out.append(name.data(), name.size());
-  return out;
+// ---------------------------------------------------------------------------
+// Shared memory that does not outlive this process.
+//
+// UCX 1.13's posix transport allocates a region (ucp_mem_map with
+// UCP_MEM_MAP_ALLOCATE) as a named file, /dev/shm/ucx_shm_posix_<id>: it
+// creates the file, writes the region's whole length of zeros into it (64 KiB
+// at a time, to see that the memory exists), and only then unlinks it, peers
+// opening it through /proc/<pid>/fd (UCX_POSIX_USE_PROC_LINK=y, the default);
+// with UCX_POSIX_USE_PROC_LINK=n the name stays while the region is mapped.
+// A process killed in between - SIGKILL, or the OOM killer, which that very
+// write may wake - leaves the file and its memory behind: for seconds per GiB
+// of a region with the default, for the region's whole life without it. So
+// UCX creates these files (UCX_POSIX_DIR) in a directory private to this
+// process, and a small process forked for it, a reaper, removes the directory
+// with whatever is in it once this process has ended, however it ended. The
+// reaper holds nothing of this process but a pipe, whose end it waits for,
+// and the directory.
+
+// Whether UCX_TLS `tls` may select the posix shared-memory transport.
+bool MayUsePosixSharedMemory(absl::string_view tls) {
+  if (tls.empty()) return true;  // UCX's choice
+  for (absl::string_view name : absl::StrSplit(tls, ',')) {
+    name = absl::StripAsciiWhitespace(name);
+    if (!name.empty() && name[0] == '^') return true;  // exclusion list
+    if (name == "posix" || name == "sm" || name == "shm" || name == "mm" || name == "all") {
+      return true;
+    }
+  }
+  return false;
+}
+
+void LogShm(const std::string& line) { std::fprintf(stderr, "zeroshard ucx: %s\n", line.c_str()); }
+
+// Closes every descriptor but `keep_a` and `keep_b` (async-signal-safe).
+void CloseAllExcept(int keep_a, int keep_b, int max_fd) {
+  const int lo = std::min(keep_a, keep_b);
+  const int hi = std::max(keep_a, keep_b);
+  auto close_span = [max_fd](unsigned first, unsigned last) {
+    if (first > last) return;
+#ifdef SYS_close_range
+    if (syscall(SYS_close_range, first, last, 0) == 0) return;
+#endif
+    for (unsigned fd = first; fd <= last && fd < static_cast<unsigned>(max_fd); ++fd) {
+      close(static_cast<int>(fd));
+    }
+  };
+  if (lo > 0) close_span(0, lo - 1);
+  if (hi > lo + 1) close_span(lo + 1, hi - 1);
+  close_span(hi + 1, ~0u);
+}
+
+// The reaper, in the forked child. The parent has threads, so only
+// async-signal-safe calls from here on: no allocation, no locks, no stdio.
+[[noreturn]] void RunShmReaper(int parent_gone, int dir, const char* path, int max_fd) {
+  setsid();  // out of the parent's process group and its signals
+  // Keeps no directory of the parent's busy (failing is harmless).
+  [[maybe_unused]] const int at_root = chdir("/");
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  for (int sig : {SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGPIPE, SIGUSR1, SIGUSR2}) {
+    sigaction(sig, &ignore, nullptr);
+  }
+  prctl(PR_SET_NAME, "zs-shm-reaper", 0, 0, 0);
+  // Not the parent's sockets, nor the pipes its readers wait to see closed.
+  CloseAllExcept(parent_gone, dir, max_fd);
+  char byte;
+  for (;;) {
+    const ssize_t n = read(parent_gone, &byte, 1);
+    if (n == 0 || (n < 0 && errno != EINTR)) break;
+  }
+  alignas(struct dirent64) char buf[4096];
+  // Unlinking while listing may skip entries: list again until only "." and
+  // ".." are left (bounded, should something keep adding files).
+  for (int pass = 0; pass < 1000; ++pass) {
+    if (lseek(dir, 0, SEEK_SET) != 0) break;
+    bool removed = false;
+    for (;;) {
+      const long n = syscall(SYS_getdents64, dir, buf, sizeof(buf));
+      if (n <= 0) break;
+      for (long at = 0; at < n;) {
+        const auto* d = reinterpret_cast<const struct dirent64*>(buf + at);
+        at += d->d_reclen;
+        const char* name = d->d_name;
+        if (name[0] == '.' && (name[1] == '\0' || (name[1] == '.' && name[2] == '\0'))) {
+          continue;
+        }
+        removed |= unlinkat(dir, name, 0) == 0;
+      }
+    }
+    if (!removed) break;
+  }
+  unlinkat(AT_FDCWD, path, AT_REMOVEDIR);
+  _exit(0);
+}
+
+// Creates the private directory under `base` and forks its reaper; empty
+// (and logged) when either fails.
+std::string CreatePrivateShmDirectory(const std::string& base) {
+  std::string path = absl::StrCat(base, "/zeroshard-ucx.", getpid(), ".XXXXXX");
+  if (mkdtemp(path.data()) == nullptr) {
+    LogShm(absl::StrCat("cannot create a private directory under ", base, " (",
+                        std::strerror(errno),
+                        "): shared-memory regions keep UCX's default place, "
+                        "and one may outlive a killed process"));
+    return "";
+  }
+  const int dir = open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  int parent_gone[2] = {-1, -1};
+  struct rlimit files {};
+  const int max_fd = getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY &&
+                             files.rlim_cur < (1u << 20)
+                         ? static_cast<int>(files.rlim_cur)
+                         : 1 << 20;
+  pid_t reaper = -1;
+  if (dir >= 0 && pipe2(parent_gone, O_CLOEXEC) == 0) {
+    reaper = fork();
+    if (reaper == 0) RunShmReaper(parent_gone[0], dir, path.c_str(), max_fd);
+  }
+  const int error = errno;
+  if (parent_gone[0] >= 0) close(parent_gone[0]);
+  if (dir >= 0) close(dir);
+  if (reaper < 0) {
+    if (parent_gone[1] >= 0) close(parent_gone[1]);
+    rmdir(path.c_str());
+    LogShm(absl::StrCat("cannot start the reaper of ", path, " (", std::strerror(error),
+                        "): shared-memory regions keep UCX's default place, "
+                        "and one may outlive a killed process"));
+    return "";
+  }
+  // parent_gone[1] stays open for the life of this process (close-on-exec):
+  // its end is the reaper's signal.
+  return path;
+}
+
+// This process's private directory for UCX's shared-memory files, created
+// with its reaper on first use; empty when that failed. Under UCX_POSIX_DIR
+// when the environment sets it, else /dev/shm.
+const std::string& PrivateShmDirectory() {
+  static const std::string* const path = [] {
+    const char* configured = std::getenv("UCX_POSIX_DIR");
+    return new std::string(CreatePrivateShmDirectory(
+        configured != nullptr && configured[0] != '\0' ? configured : "/dev/shm"));
+  }();
+  return *path;
 }
 
 // ---------------------------------------------------------------------------
@@ -248,6 +326,22 @@ class Context {
         ucp_config_release(config);
         return absl::InvalidArgumentError(absl::StrCat(
             "UCX_TLS=\"", options.ucx_tls, "\": ", UcsText(status)));
+      }
+    }
+    // Shared-memory files go to the directory that dies with this process
+    // (see PrivateShmDirectory). "DIR" is the posix memory domain's own name
+    // for UCX_POSIX_DIR: UCX applies it when it opens that domain.
+    const char* env_tls = std::getenv("UCX_TLS");
+    if (MayUsePosixSharedMemory(!options.ucx_tls.empty() ? options.ucx_tls
+                                : env_tls != nullptr     ? env_tls
+                                                         : "")) {
+      if (const std::string& dir = PrivateShmDirectory(); !dir.empty()) {
+        status = ucp_config_modify(config, "DIR", dir.c_str());
+        if (status != UCS_OK) {
+          ucp_config_release(config);
+          return absl::InternalError(
+              absl::StrCat("UCX_POSIX_DIR=\"", dir, "\": ", UcsText(status)));
+        }
       }
     }
     ucp_params_t params{};
@@ -1161,10 +1255,9 @@ class UcxConnection : public Connection {
     const char* what = kind == Op::Kind::kPut ? "UCX put" : "UCX get";
     absl::Status status = CheckRange(remote, offset, length, what);
     if (!status.ok()) return Completion::Ready(std::move(status));
-    absl::StatusOr<absl::string_view> rkey = Unwrap(
-        kRkeyMagic, remote.rkey,
-        kind == Op::Kind::kPut ? "UCX put: descriptor's rkey" : "UCX get: descriptor's rkey",
-        nullptr);
+    absl::StatusOr<absl::string_view> rkey =
+        DecodeRkey(remote.rkey, kind == Op::Kind::kPut ? "UCX put: descriptor's rkey"
+                                                       : "UCX get: descriptor's rkey");
     if (!rkey.ok()) return Completion::Ready(rkey.status());
     if (length == 0) return Completion::Ready(absl::OkStatus());
     if (local == nullptr) {
@@ -1202,8 +1295,7 @@ class UcxTransport : public Transport {
         context_(std::move(context)),
         workers_(std::move(workers)),
         instance_(LocalInstances::Get().Add()),
-        address_(
-            MakeAddress(Identity(instance_), workers_[0]->address(), name_)) {}
+        address_(EncodeAddress(Identity(instance_), workers_[0]->address(), name_)) {}
 
   ~UcxTransport() override {
     LocalInstances::Get().Remove(instance_);  // peers here see it gone now
@@ -1235,22 +1327,11 @@ class UcxTransport : public Transport {
 
   absl::StatusOr<std::unique_ptr<Connection>> Connect(
       absl::string_view peer_address, absl::Time deadline) override {
-    absl::string_view name;
-    absl::StatusOr<absl::string_view> payload =
-        Unwrap(kAddressMagic, peer_address, "UCX Connect: peer address", &name);
-    if (!payload.ok()) return payload.status();
-    if (payload->size() <= kIdentityBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "UCX Connect: peer address too short (", payload->size(), " bytes)"));
-    }
-    PeerIdentity peer;
-    peer.boot = ReadLe(payload->data(), 8);
-    peer.pid = static_cast<uint32_t>(ReadLe(payload->data() + 8, 4));
-    peer.start_time = ReadLe(payload->data() + 12, 8);
-    peer.instance = ReadLe(payload->data() + 20, 8);
+    absl::StatusOr<PeerAddress> peer = DecodeAddress(peer_address, "UCX Connect: peer address");
+    if (!peer.ok()) return peer.status();
     auto e = std::make_shared<Endpoint>(
-        name.empty() ? std::string("unnamed") : std::string(name), peer,
-        std::string(payload->substr(kIdentityBytes)));
+        peer->name.empty() ? std::string("unnamed") : std::move(peer->name), peer->identity,
+        std::move(peer->worker_address));
     std::shared_ptr<Worker> worker =
         workers_[next_worker_.fetch_add(1) % workers_.size()];
     if (!worker->Post([worker, e] { worker->Open(e); })) {
@@ -1327,9 +1408,7 @@ class UcxTransport : public Transport {
     RegionDescriptor descriptor;
     descriptor.address = reinterpret_cast<uintptr_t>(base);
     descriptor.length = length;
-    descriptor.rkey =
-        Wrap(kRkeyMagic,
-             absl::string_view(static_cast<const char*>(packed), packed_size));
+    descriptor.rkey = EncodeRkey(absl::string_view(static_cast<const char*>(packed), packed_size));
     ucp_rkey_buffer_release(packed);
     return std::make_unique<UcxRegion>(context_, memh, base, length,
                                        std::move(descriptor));

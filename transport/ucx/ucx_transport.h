@@ -19,10 +19,13 @@
 //   pieces, at most max_pieces_in_flight outstanding per operation.
 // - Memory from AllocateRegion is UCX-allocated (shared memory when posix or
 //   sysv is enabled): peers on the node then copy straight into and out of
-//   it. Memory given to RegisterRegion is reached through UCX's software RMA
-//   over shm or tcp, which the owner's progress thread serves (over shm the
-//   bytes pass through UCX's FIFO, one extra copy). With RDMA hardware both
-//   are one-sided.
+//   it. UCX's posix files live in a directory private to the process
+//   (/dev/shm/zeroshard-ucx.<pid>.*, or under $UCX_POSIX_DIR), created on
+//   first use with a small forked process ("zs-shm-reaper") that removes it
+//   once this process has ended, however it ended (SIGKILL included). Memory given to
+//   RegisterRegion is reached through UCX's software RMA over shm or tcp, which the owner's
+//   progress thread serves (over shm the bytes pass through UCX's FIFO, one extra copy). With RDMA
+//   hardware both are one-sided.
 // - Peer death: endpoints are created with UCX's peer error handling
 //   (UCP_ERR_HANDLING_MODE_PEER) whenever UCX_TLS allows it, and a failure
 //   is reported as Unavailable naming the peer, for the failed operation and

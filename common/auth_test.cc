@@ -1,0 +1,83 @@
+#include "common/auth.h"
+
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace zeroshard {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string WriteFile(const std::string& name, const std::string& text, mode_t mode) {
+  const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/" + name;
+  std::ofstream(path) << text;
+  ::chmod(path.c_str(), mode);
+  return path;
+}
+
+TEST(AuthTest, GeneratedTokensAreValidAndDistinct) {
+  absl::StatusOr<std::string> a = GenerateToken();
+  absl::StatusOr<std::string> b = GenerateToken();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->size(), 64u);
+  EXPECT_NE(*a, *b);
+  EXPECT_TRUE(ValidateToken(*a, "token").ok());
+}
+
+TEST(AuthTest, MalformedTokensAreRefused) {
+  EXPECT_THAT(ValidateToken("short", "ZS_JOB_TOKEN").message(), HasSubstr("ZS_JOB_TOKEN"));
+  EXPECT_FALSE(ValidateToken(std::string(kMaxTokenLength + 1, 'a'), "t").ok());
+  EXPECT_FALSE(ValidateToken("has a space in the middle!", "t").ok());
+  EXPECT_FALSE(ValidateToken(std::string("abcdefghijklmnop\n"), "t").ok());
+}
+
+TEST(AuthTest, DigestsMatchOnlyTheSameToken) {
+  const TokenDigest d = TokenDigest::Of("0123456789abcdef0123");
+  EXPECT_TRUE(d.Matches(TokenDigest::Of("0123456789abcdef0123")));
+  EXPECT_FALSE(d.Matches(TokenDigest::Of("0123456789abcdef0124")));
+  EXPECT_FALSE(d.Matches(TokenDigest::Of("")));
+}
+
+TEST(AuthTest, TokenFilesMustBePrivate) {
+  const std::string token = "secret-secret-secret-1";
+  absl::StatusOr<std::string> ok = ReadTokenFile(WriteFile("ok", token + "\n", 0600), "--f");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(*ok, token);
+  absl::StatusOr<std::string> open = ReadTokenFile(WriteFile("open", token, 0644), "--f");
+  EXPECT_THAT(open.status().message(), HasSubstr("chmod 600"));
+  EXPECT_FALSE(ReadTokenFile(WriteFile("empty", "\n", 0600), "--f").ok());
+  EXPECT_THAT(ReadTokenFile("/nonexistent/token", "--f").status().message(),
+              HasSubstr("cannot read"));
+}
+
+TEST(AuthTest, PresentedTokenReadsBearerMetadata) {
+  const std::string key = kAuthorizationMetadataKey;
+  const std::string good = "Bearer abcdefghijklmnopq";
+  const std::string basic = "Basic abcdefghijklmnopq";
+  std::multimap<grpc::string_ref, grpc::string_ref> md;
+  EXPECT_FALSE(PresentedToken(md).has_value());
+  md.insert({key, basic});
+  EXPECT_FALSE(PresentedToken(md).has_value());
+  md.clear();
+  md.insert({key, good});
+  ASSERT_TRUE(PresentedToken(md).has_value());
+  EXPECT_EQ(*PresentedToken(md), "abcdefghijklmnopq");
+}
+
+TEST(AuthTest, EnvironmentFallback) {
+  ::setenv(kJobTokenEnvironment, "from-the-environment", 1);
+  EXPECT_EQ(JobTokenOrEnvironment(""), "from-the-environment");
+  EXPECT_EQ(JobTokenOrEnvironment("given"), "given");
+  ::unsetenv(kJobTokenEnvironment);
+  EXPECT_EQ(JobTokenOrEnvironment(""), "");
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,412 @@
+// The attacks a stranger on the daemon's network can try, one test each:
+// every one is refused with a code a person can act on, and the job's state
+// and the daemon's ledger stay as they were. Also the mutual-TLS handshakes
+// (good certificate, none, another CA, expired, plaintext) with a PKI that
+// openssl makes inside the test.
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "common/channel.h"
+#include "common/protocol.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/daemon.h"
+#include "server/testing/daemon_fixture.h"
+
+namespace zeroshard {
+namespace {
+
+using testing::DaemonClient;
+using testing::ExpectRejected;
+using ::testing::HasSubstr;
+using testing::kTestIncarnation;
+using testing::kTestToken;
+using testing::MakeSpec;
+using testing::SampleLayout;
+
+constexpr char kStrangerToken[] = "a-stranger-guessing-tokens";
+constexpr char kAdminToken[] = "the-admin-token-of-this-daemon";
+
+void SetDeadline(grpc::ClientContext* ctx) {
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+}
+
+std::unique_ptr<Daemon> Start(DaemonOptions o) {
+  o.listen = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? *std::move(d) : nullptr;
+}
+
+// A daemon with a live job (registered with kTestToken, every rank joined,
+// parameters initialised) and clients with no token, a wrong one, and the
+// admin token.
+class SecurityTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    DaemonOptions o;
+    o.admin_token = kAdminToken;
+    o.memory_limit_bytes = 64 << 20;
+    daemon_ = Start(o);
+    ASSERT_NE(daemon_, nullptr);
+    owner_ = std::make_unique<DaemonClient>(daemon_->address());
+    anonymous_ = std::make_unique<DaemonClient>(daemon_->address(), "");
+    stranger_ = std::make_unique<DaemonClient>(daemon_->address(), kStrangerToken);
+    admin_ = std::make_unique<DaemonClient>(daemon_->address(), kAdminToken);
+    spec_ = MakeSpec(kJob, SampleLayout(), 2, 1, {daemon_->address()});
+    ASSERT_TRUE(owner_->Register(spec_, 0).ok());
+    ASSERT_TRUE(owner_->JoinAll(spec_).ok());
+    const uint64_t n = SampleLayout().total_elements();
+    std::vector<float> params(n, 0.5f);
+    ASSERT_TRUE(owner_->Init(testing::ParamChunks(kJob, {0, n}, params.data())).ok());
+  }
+
+  // `call(client)` from a client without a token and from one with a wrong
+  // token: UNAUTHENTICATED, then PERMISSION_DENIED, nothing changed.
+  void ExpectStrangersRefused(const std::function<grpc::Status(DaemonClient&)>& call) {
+    ExpectRejected(*daemon_, kJob, grpc::StatusCode::UNAUTHENTICATED, "needs a token",
+                   [&] { return call(*anonymous_); });
+    ExpectRejected(*daemon_, kJob, grpc::StatusCode::PERMISSION_DENIED, "does not open job",
+                   [&] { return call(*stranger_); });
+  }
+
+  static constexpr char kJob[] = "victim";
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<DaemonClient> owner_, anonymous_, stranger_, admin_;
+  v1::JobSpec spec_;
+};
+
+TEST_F(SecurityTest, StrangerCannotReadMasterWeights) {
+  ExpectStrangersRefused([](DaemonClient& c) {
+    std::vector<float> out;
+    return c.Gather(kJob, 0, {0, 10}, &out, 100);
+  });
+  std::vector<float> out;
+  EXPECT_TRUE(owner_->Gather(kJob, 0, {0, 10}, &out, 100).ok());
+  EXPECT_TRUE(admin_->Gather(kJob, 0, {0, 10}, &out, 100).ok());
+}
+
+TEST_F(SecurityTest, StrangerCannotPushGradients) {
+  const PartitionMap map = *PartitionMap::Create(SampleLayout().total_elements(), 1, 1);
+  std::vector<float> grad(100, 1.0f);
+  ExpectStrangersRefused([&](DaemonClient& c) {
+    return c.Push(testing::GradientChunks(kJob, 1, 0, map, {0, 100}, grad.data(), 64));
+  });
+}
+
+TEST_F(SecurityTest, StrangerCannotLeaveCommitOrReadState) {
+  ExpectStrangersRefused([](DaemonClient& c) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::LeaveRequest req;
+    req.set_job_id(kJob);
+    req.set_rank(0);
+    req.set_incarnation(kTestIncarnation);
+    v1::LeaveResponse resp;
+    return c.control->Leave(&ctx, req, &resp);
+  });
+  ExpectStrangersRefused([](DaemonClient& c) { return c.Commit(kJob, 1, 1.0f, 1.0f, true); });
+  ExpectStrangersRefused([](DaemonClient& c) { return c.Commit(kJob, 1, 1e9f); });
+  ExpectStrangersRefused([](DaemonClient& c) {
+    v1::StepState state;
+    return c.StepState(kJob, &state);
+  });
+  ExpectStrangersRefused([](DaemonClient& c) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::SaveCheckpointRequest req;
+    req.set_job_id(kJob);
+    req.set_name("stolen");
+    v1::SaveCheckpointResponse resp;
+    return c.checkpoint->SaveCheckpoint(&ctx, req, &resp);
+  });
+  ASSERT_NE(daemon_->jobs().Find(kJob).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SecurityTest, StrangerCannotTakeOverTheJobByRegisteringIt) {
+  ExpectRejected(*daemon_, kJob, grpc::StatusCode::PERMISSION_DENIED, "another token",
+                 [&] { return stranger_->Register(spec_, 0); });
+  ExpectRejected(*daemon_, kJob, grpc::StatusCode::UNAUTHENTICATED, "needs a token",
+                 [&] { return anonymous_->Register(spec_, 0); });
+  ExpectRejected(*daemon_, kJob, grpc::StatusCode::PERMISSION_DENIED, "does not open job",
+                 [&] { return stranger_->Join(spec_, 0, kTestIncarnation + 1); });
+  EXPECT_TRUE(owner_->Register(spec_, 0).ok());  // idempotent for its owner
+}
+
+TEST_F(SecurityTest, OnlyTheAdminDrains) {
+  auto drain = [](DaemonClient& c) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::DrainResponse resp;
+    return c.control->Drain(&ctx, v1::DrainRequest(), &resp);
+  };
+  ExpectRejected(*daemon_, kJob, grpc::StatusCode::UNAUTHENTICATED, "needs a token",
+                 [&] { return drain(*anonymous_); });
+  ExpectRejected(*daemon_, kJob, grpc::StatusCode::PERMISSION_DENIED, "admin token",
+                 [&] { return drain(*stranger_); });
+  ExpectRejected(*daemon_, kJob, grpc::StatusCode::PERMISSION_DENIED, "admin token",
+                 [&] { return drain(*owner_); });
+  // Still takes new jobs.
+  DaemonClient other(daemon_->address(), "another-jobs-token-123");
+  EXPECT_TRUE(
+      other.Register(MakeSpec("other", SampleLayout(), 2, 1, {daemon_->address()}), 0).ok());
+  EXPECT_TRUE(drain(*admin_).ok());
+}
+
+TEST_F(SecurityTest, StatusAndMemoryShowOnlyTheJobsATokenOpens) {
+  DaemonClient other(daemon_->address(), "another-jobs-token-123");
+  ASSERT_TRUE(
+      other.Register(MakeSpec("other", SampleLayout(), 2, 1, {daemon_->address()}), 0).ok());
+  auto jobs_seen = [](DaemonClient& c) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::StatusResponse status;
+    EXPECT_TRUE(c.admin->Status(&ctx, v1::StatusRequest(), &status).ok());
+    grpc::ClientContext ctx2;
+    SetDeadline(&ctx2);
+    v1::MemoryReportResponse memory;
+    EXPECT_TRUE(c.admin->MemoryReport(&ctx2, v1::MemoryReportRequest(), &memory).ok());
+    EXPECT_EQ(status.jobs_size(), memory.jobs_size());
+    std::vector<std::string> ids;
+    for (const auto& j : status.jobs()) ids.push_back(j.job_id());
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  };
+  EXPECT_THAT(jobs_seen(*anonymous_), ::testing::IsEmpty());
+  EXPECT_THAT(jobs_seen(*stranger_), ::testing::IsEmpty());
+  EXPECT_THAT(jobs_seen(*owner_), ::testing::ElementsAre("victim"));
+  EXPECT_THAT(jobs_seen(other), ::testing::ElementsAre("other"));
+  EXPECT_THAT(jobs_seen(*admin_), ::testing::ElementsAre("other", "victim"));
+  // A named job the token does not open is refused, not shown.
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::MemoryReportRequest req;
+  req.set_job_id(kJob);
+  v1::MemoryReportResponse resp;
+  EXPECT_EQ(stranger_->admin->MemoryReport(&ctx, req, &resp).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+}
+
+TEST_F(SecurityTest, CheckpointFilesNeedTheJobsTokenOrTheAdmin) {
+  auto list = [](DaemonClient& c, const std::string& job) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::ListCheckpointsRequest req;
+    req.set_job_id(job);
+    v1::ListCheckpointsResponse resp;
+    return c.checkpoint->ListCheckpoints(&ctx, req, &resp).error_code();
+  };
+  EXPECT_EQ(list(*stranger_, kJob), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(list(*anonymous_, kJob), grpc::StatusCode::UNAUTHENTICATED);
+  // A job that is not registered here: only the admin may look.
+  EXPECT_EQ(list(*owner_, "gone"), grpc::StatusCode::PERMISSION_DENIED);
+  // Authorised, then refused for another reason: this daemon keeps no
+  // checkpoints.
+  EXPECT_EQ(list(*owner_, kJob), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(list(*admin_, "gone"), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+TEST_F(SecurityTest, EmptyChunkFloodIsBoundedAndBooked) {
+  const uint64_t ledger_before = daemon_->ledger().total();
+  const uint64_t hash_before = (*daemon_->jobs().Find(kJob))->StateHash();
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::InitParametersResponse resp;
+  auto writer = owner_->shard->InitParameters(&ctx, &resp);
+  v1::ParameterChunk chunk;
+  chunk.set_job_id(kJob);
+  int written = 0;
+  for (; written < 2'000'000 && writer->Write(chunk); ++written) {
+  }
+  writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  // Refused by the stream's bound or the daemon's limit, whichever is lower.
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_LT(written, 2'000'000) << "the daemon kept reading an endless stream";
+  EXPECT_EQ(daemon_->ledger().total(), ledger_before);
+  EXPECT_EQ((*daemon_->jobs().Find(kJob))->StateHash(), hash_before);
+}
+
+TEST(SecurityLimitsTest, JobsPerDaemonAreBounded) {
+  DaemonOptions o;
+  o.max_jobs = 2;
+  std::unique_ptr<Daemon> daemon = Start(o);
+  ASSERT_NE(daemon, nullptr);
+  DaemonClient c(daemon->address());
+  for (const char* job : {"a", "b"}) {
+    ASSERT_TRUE(c.Register(MakeSpec(job, SampleLayout(), 2, 1, {daemon->address()}), 0).ok());
+  }
+  const uint64_t ledger_before = daemon->ledger().total();
+  const grpc::Status s = c.Register(MakeSpec("c", SampleLayout(), 2, 1, {daemon->address()}), 0);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s.error_message(), HasSubstr("--max_jobs"));
+  EXPECT_EQ(daemon->ledger().total(), ledger_before);
+  EXPECT_EQ(daemon->jobs().size(), 2u);
+}
+
+TEST(SecurityLimitsTest, PlaintextOnTheNetworkNeedsInsecure) {
+  DaemonOptions o;
+  o.listen = "0.0.0.0:0";
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(d.status().message(), HasSubstr("--insecure"));
+  o.insecure = true;
+  d = Daemon::Start(o);
+  EXPECT_TRUE(d.ok()) << d.status();
+}
+
+// Over tcp UCX serves any address a key names from its progress thread: the
+// daemon hands out no UCX keys unless told the peers are trusted.
+TEST(SecurityLimitsTest, NoUcxKeysOverSoftwareRemoteAccess) {
+  for (const bool trusted : {false, true}) {
+    DaemonOptions o;
+    o.bulk_transport = "ucx";
+    o.ucx_tls = "tcp";
+    o.ucx_trust_peers = trusted;
+    std::unique_ptr<Daemon> daemon = Start(o);
+    ASSERT_NE(daemon, nullptr);
+    if (daemon->bulk_transport() == nullptr) GTEST_SKIP() << "UCX over tcp does not initialise";
+    DaemonClient c(daemon->address());
+    const v1::JobSpec spec = MakeSpec("ucx", SampleLayout(), 2, 1, {daemon->address()});
+    ASSERT_TRUE(c.Register(spec, 0).ok());
+    ASSERT_TRUE(c.JoinAll(spec).ok());
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::ExchangeEndpointRequest req;
+    req.set_job_id("ucx");
+    req.set_rank(0);
+    req.set_incarnation(kTestIncarnation);
+    req.set_transport(v1::TRANSPORT_KIND_UCX);
+    v1::ExchangeEndpointResponse resp;
+    const grpc::Status s = c.shard->ExchangeEndpoint(&ctx, req, &resp);
+    if (trusted) {
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      EXPECT_GT(resp.regions_size(), 0);
+    } else {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+      EXPECT_THAT(s.error_message(), HasSubstr("--ucx_trust_peers"));
+      EXPECT_EQ(resp.regions_size(), 0);
+    }
+  }
+}
+
+// Keys go only to joined ranks of the job, with the job's token.
+TEST(SecurityLimitsTest, EndpointsOnlyForJoinedRanks) {
+  DaemonOptions o;
+  o.bulk_transport = "inproc";
+  std::unique_ptr<Daemon> daemon = Start(o);
+  ASSERT_NE(daemon, nullptr);
+  DaemonClient c(daemon->address());
+  const v1::JobSpec spec = MakeSpec("keys", SampleLayout(), 2, 2, {daemon->address()});
+  ASSERT_TRUE(c.Register(spec, 0).ok());
+  ASSERT_TRUE(c.Join(spec, 0).ok());
+  auto exchange = [&](DaemonClient& client, uint32_t rank) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::ExchangeEndpointRequest req;
+    req.set_job_id("keys");
+    req.set_rank(rank);
+    req.set_incarnation(kTestIncarnation);
+    req.set_transport(v1::TRANSPORT_KIND_INPROC);
+    v1::ExchangeEndpointResponse resp;
+    grpc::Status s = client.shard->ExchangeEndpoint(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok() || resp.regions_size() == 0);
+    return s.error_code();
+  };
+  DaemonClient stranger(daemon->address(), kStrangerToken);
+  EXPECT_EQ(exchange(stranger, 0), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_NE(exchange(c, 1), grpc::StatusCode::OK);  // rank 1 has not joined
+  EXPECT_EQ(exchange(c, 0), grpc::StatusCode::OK);
+}
+
+// ---- Mutual TLS ----
+
+class TlsDaemonTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    char tmpl[] = "/tmp/zs-security-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = new std::string(tmpl);
+    const std::string cmd =
+        "common/testing/make_test_certs.sh " + *dir_ + " > " + *dir_ + "/make.log 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  }
+  static void TearDownTestSuite() {
+    std::filesystem::remove_all(*dir_);
+    delete dir_;
+  }
+  static std::string File(const std::string& name) { return *dir_ + "/" + name; }
+  static TlsFiles Pair(const std::string& leaf, const std::string& ca) {
+    return {File(leaf + ".crt"), File(leaf + ".key"), File(ca + ".crt")};
+  }
+
+  void SetUp() override {
+    DaemonOptions o;
+    o.tls = Pair("server", "ca");
+    daemon_ = Start(o);
+    ASSERT_NE(daemon_, nullptr);
+  }
+
+  // Admin.Status over a channel with `security`.
+  grpc::Status Status(const ChannelSecurity& security) {
+    grpc::ChannelArguments args;
+    auto stub = v1::Admin::NewStub(MakeChannel(daemon_->address(), security, args));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    v1::StatusResponse resp;
+    return stub->Status(&ctx, v1::StatusRequest(), &resp);
+  }
+  grpc::Status StatusWith(const TlsFiles& files) {
+    absl::StatusOr<ChannelSecurity> s = MakeChannelSecurity(files, kTestToken, "");
+    EXPECT_TRUE(s.ok()) << s.status();
+    return Status(*s);
+  }
+
+  static std::string* dir_;
+  std::unique_ptr<Daemon> daemon_;
+};
+
+std::string* TlsDaemonTest::dir_ = nullptr;
+
+TEST_F(TlsDaemonTest, GoodCertificateWorks) { EXPECT_TRUE(StatusWith(Pair("client", "ca")).ok()); }
+
+TEST_F(TlsDaemonTest, ClientWithoutCertificateIsRefused) {
+  grpc::SslCredentialsOptions o;  // checks the server, presents nothing
+  o.pem_root_certs = [] {
+    std::ifstream in(File("ca.crt"));
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
+  ChannelSecurity s;
+  s.credentials = grpc::SslCredentials(o);
+  EXPECT_EQ(Status(s).error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(TlsDaemonTest, CertificateOfAnotherCaIsRefused) {
+  // The stranger trusts our CA (so it accepts the server) but its own
+  // certificate is signed by another.
+  EXPECT_EQ(StatusWith({File("stranger.crt"), File("stranger.key"), File("ca.crt")}).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(TlsDaemonTest, ExpiredCertificateIsRefused) {
+  EXPECT_EQ(StatusWith(Pair("expired", "ca")).error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(TlsDaemonTest, PlaintextIsRefused) {
+  EXPECT_EQ(Status(ChannelSecurity::Plaintext(kTestToken)).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(TlsDaemonTest, ClientThatDistrustsTheServerRefuses) {
+  EXPECT_EQ(StatusWith({File("client.crt"), File("client.key"), File("other_ca.crt")}).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,45 @@
+#pragma once
+
+// How much memory a daemon may book: the --memory_limit flag, and the
+// memory this machine (or this process's cgroup) actually allows, for
+// --memory_limit=auto.
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace zeroshard {
+
+// "auto" (AutoMemoryLimit()), "0" (no limit), or a decimal byte count with
+// an optional suffix K, M, G or T (also KiB, MiB, GiB, TiB), all powers of
+// 1024. InvalidArgument naming `flag` and what it accepts for anything else,
+// for a count past 2^64 - 1, and for "auto" on a machine whose memory cannot
+// be told.
+absl::StatusOr<uint64_t> ParseMemoryLimit(absl::string_view text, absl::string_view flag);
+
+// 90% of the smaller of this machine's physical memory and this process's
+// cgroup memory limit (when it has one); 0 when neither can be read.
+uint64_t AutoMemoryLimit();
+
+// Physical memory in bytes (sysconf, else /proc/meminfo); 0 when unknown.
+uint64_t PhysicalMemoryBytes();
+
+// MemTotal of /proc/meminfo text, in bytes; 0 when absent or malformed.
+uint64_t MeminfoTotalBytes(absl::string_view meminfo_text);
+
+// The memory limit of the cgroup a process belongs to, given the text of its
+// /proc/<pid>/cgroup and where the cgroup filesystems are mounted (normally
+// /sys/fs/cgroup). cgroup v2 ("0::/path"): the smallest memory.max of the
+// process's cgroup and its ancestors under `cgroup_root` ("max" is none).
+// cgroup v1 (a "memory" controller line): the smallest
+// memory.limit_in_bytes under `cgroup_root`/memory along the same path
+// (values of 2^62 and more mean none). Levels whose files are missing are
+// skipped: inside a container the cgroup path names the host's hierarchy
+// while the mount shows the container's own cgroup at its root. 0 when no
+// limit is found.
+uint64_t CgroupMemoryLimit(const std::string& proc_self_cgroup_text,
+                           const std::string& cgroup_root);
+
+}  // namespace zeroshard
