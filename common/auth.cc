@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 
 #include "absl/strings/ascii.h"
@@ -76,6 +77,22 @@ TokenDigest TokenDigest::Of(absl::string_view token) {
 
 bool TokenDigest::Matches(const TokenDigest& other) const {
   return CRYPTO_memcmp(bytes_.data(), other.bytes_.data(), bytes_.size()) == 0;
+}
+
+std::string TokenDigest::ToHex() const {
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes_.data()), bytes_.size()));
+}
+
+std::optional<TokenDigest> TokenDigest::FromHex(absl::string_view hex) {
+  if (hex.size() != 2 * sizeof(bytes_)) return std::nullopt;
+  for (char c : hex) {
+    if (!absl::ascii_isxdigit(static_cast<unsigned char>(c))) return std::nullopt;
+  }
+  const std::string bytes = absl::HexStringToBytes(hex);
+  TokenDigest d;
+  std::memcpy(d.bytes_.data(), bytes.data(), d.bytes_.size());
+  return d;
 }
 
 std::optional<std::string> PresentedToken(

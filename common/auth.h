@@ -56,6 +56,9 @@ class TokenDigest {
   static TokenDigest Of(absl::string_view token);
   // Constant time in the digest (and so independent of where tokens differ).
   bool Matches(const TokenDigest& other) const;
+  // 64 lower-case hex digits, and back (nullopt for anything else).
+  std::string ToHex() const;
+  static std::optional<TokenDigest> FromHex(absl::string_view hex);
 
  private:
   std::array<uint8_t, 32> bytes_{};

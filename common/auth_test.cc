@@ -45,6 +45,16 @@ TEST(AuthTest, DigestsMatchOnlyTheSameToken) {
   EXPECT_FALSE(d.Matches(TokenDigest::Of("")));
 }
 
+TEST(AuthTest, DigestsRoundTripThroughHex) {
+  const TokenDigest d = TokenDigest::Of("0123456789abcdef0123");
+  ASSERT_EQ(d.ToHex().size(), 64u);
+  std::optional<TokenDigest> back = TokenDigest::FromHex(d.ToHex());
+  ASSERT_TRUE(back.has_value());
+  EXPECT_TRUE(back->Matches(d));
+  EXPECT_FALSE(TokenDigest::FromHex("abc").has_value());
+  EXPECT_FALSE(TokenDigest::FromHex(std::string(64, 'g')).has_value());
+}
+
 TEST(AuthTest, TokenFilesMustBePrivate) {
   const std::string token = "secret-secret-secret-1";
   absl::StatusOr<std::string> ok = ReadTokenFile(WriteFile("ok", token + "\n", 0600), "--f");

@@ -12,8 +12,9 @@
 #include <functional>
 #include <memory>
 
-#include "absl/strings/str_cat.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
@@ -345,6 +346,37 @@ absl::StatusOr<v1::CheckpointManifest> ReadManifest(absl::string_view root,
   }
   if (absl::Status c = CheckManifest(m); !c.ok()) return c;
   return m;
+}
+
+absl::StatusOr<std::string> ReadCheckpointOwner(absl::string_view root,
+                                                absl::string_view job_id) {
+  const std::string path = absl::StrCat(CheckpointJobDir(root, job_id), "/", kCheckpointOwnerFile);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return std::string();
+    return FileError(errno, "opening", path);
+  }
+  char buf[128];
+  const ssize_t n = ::read(fd, buf, sizeof(buf));
+  const int err = errno;
+  ::close(fd);
+  if (n < 0) return FileError(err, "reading", path);
+  return std::string(absl::StripAsciiWhitespace(absl::string_view(buf, static_cast<size_t>(n))));
+}
+
+absl::Status WriteCheckpointOwner(absl::string_view root, absl::string_view job_id,
+                                  absl::string_view digest_hex) {
+  const std::string dir = CheckpointJobDir(root, job_id);
+  if (absl::Status s = MakeDirectories(dir); !s.ok()) return s;
+  const std::string text = absl::StrCat(digest_hex, "\n");
+  return WriteFileAtomically(dir, kCheckpointOwnerFile,
+                             [&](int fd, const std::string& tmp) -> absl::Status {
+                               if (::write(fd, text.data(), text.size()) !=
+                                   static_cast<ssize_t>(text.size())) {
+                                 return FileError(errno, "writing", tmp);
+                               }
+                               return absl::OkStatus();
+                             });
 }
 
 absl::StatusOr<std::vector<v1::CheckpointManifest>> ListCompleteCheckpoints(

@@ -40,6 +40,17 @@ inline constexpr char kExpAvgSqFile[] = "exp_avg_sq.f32";
 inline constexpr char kPartManifestFile[] = "PART";
 inline constexpr char kManifestFile[] = "MANIFEST";
 
+// In a job's checkpoint directory: the SHA-256 (hex) of the token of the job
+// that first saved there. Not a checkpoint name ('@'), so never listed.
+inline constexpr char kCheckpointOwnerFile[] = "owner@token.sha256";
+
+// The owner digest (hex) of job_id's checkpoints under root; empty when no
+// checkpoint of it was ever saved there. Errors: see the top.
+absl::StatusOr<std::string> ReadCheckpointOwner(absl::string_view root, absl::string_view job_id);
+// Writes it (creating the job's directory), atomically.
+absl::Status WriteCheckpointOwner(absl::string_view root, absl::string_view job_id,
+                                  absl::string_view digest_hex);
+
 // InvalidArgument ("name: ...") unless `name` follows kCheckpointNameRule.
 // `allow_latest` admits "latest" (for loads).
 absl::Status ValidateCheckpointName(absl::string_view name, bool allow_latest);

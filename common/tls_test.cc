@@ -5,6 +5,7 @@
 #include <fstream>
 #include <string>
 
+#include "common/testing/test_pki.h"
 #include "gtest/gtest.h"
 
 namespace zeroshard {
@@ -12,24 +13,15 @@ namespace {
 
 class TlsTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    char tmpl[] = "/tmp/zs-tls-test-XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    dir_ = new std::string(tmpl);
-    const std::string cmd =
-        "common/testing/make_test_certs.sh " + *dir_ + " > " + *dir_ + "/make.log 2>&1";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  }
-  static void TearDownTestSuite() {
-    std::filesystem::remove_all(*dir_);
-    delete dir_;
-  }
-  static std::string File(const std::string& name) { return *dir_ + "/" + name; }
+  static void SetUpTestSuite() { pki_ = testing::TestPki::Create().release(); }
+  static void TearDownTestSuite() { delete pki_; }
+  void SetUp() override { ASSERT_NE(pki_, nullptr); }
+  static std::string File(const std::string& name) { return pki_->File(name); }
   static TlsFiles Good() { return {File("server.crt"), File("server.key"), File("ca.crt")}; }
-  static std::string* dir_;
+  static testing::TestPki* pki_;
 };
 
-std::string* TlsTest::dir_ = nullptr;
+testing::TestPki* TlsTest::pki_ = nullptr;
 
 TEST_F(TlsTest, NoneOrAllThreeFiles) {
   EXPECT_TRUE(ValidateTlsFiles({}, "--").ok());

@@ -78,6 +78,7 @@ absl::StatusOr<SliceOwner> ActivationService::Owner(const grpc::ServerContext& c
   if (!has_owner) return absl::InvalidArgumentError("owner: required");
   ASSIGN_OR_RETURN(std::shared_ptr<Job> job, ctx_->FindJob(call, o.job_id()));
   RETURN_IF_ERROR(job->CheckRank(o.rank(), o.incarnation(), "owner."));
+  RETURN_IF_ERROR(ctx_->arena_tenancy->Check(job.get()));
   SliceOwner owner;
   owner.job_id = o.job_id();
   owner.instance = std::move(job);

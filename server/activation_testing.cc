@@ -56,11 +56,11 @@ std::string PatternBytes(uint64_t seed, size_t bytes) {
   return s;
 }
 
-ActivationClient::ActivationClient(const std::string& address) {
+ActivationClient::ActivationClient(const std::string& address, const std::string& token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
-  channel = MakeChannel(address, ChannelSecurity::Plaintext(testing::kTestToken), args);
+  channel = MakeChannel(address, ChannelSecurity::Plaintext(token), args);
   stub = v1::Activation::NewStub(channel);
 }
 

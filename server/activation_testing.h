@@ -23,8 +23,9 @@ v1::ActivationKey MakeKey(uint64_t step, uint32_t layer, uint32_t micro_batch = 
 // `bytes` bytes of a pattern determined by `seed`.
 std::string PatternBytes(uint64_t seed, size_t bytes);
 
+// Activation RPCs over a plaintext channel whose calls carry `token`.
 struct ActivationClient {
-  explicit ActivationClient(const std::string& address);
+  explicit ActivationClient(const std::string& address, const std::string& token = kTestToken);
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Activation::Stub> stub;
 

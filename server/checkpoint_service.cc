@@ -31,6 +31,7 @@ grpc::Status CheckpointService::SaveCheckpoint(grpc::ServerContext* call,
                                                v1::SaveCheckpointResponse* resp) {
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
+  if (absl::Status s = ctx_->ClaimFiles(**job); !s.ok()) return ctx_->Done(__func__, s);
   absl::StatusOr<v1::SaveCheckpointResponse> r = (*job)->SaveCheckpoint(*req);
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   *resp = *std::move(r);
@@ -82,6 +83,9 @@ grpc::Status CheckpointService::LoadCheckpoint(grpc::ServerContext* call,
                                                v1::LoadCheckpointResponse* resp) {
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
+  if (absl::Status s = ctx_->CheckFilesOwner(req->job_id(), (*job)->token()); !s.ok()) {
+    return ctx_->Done(__func__, s);
+  }
   absl::StatusOr<v1::LoadCheckpointResponse> r = (*job)->LoadCheckpoint(req->name());
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   *resp = *std::move(r);

@@ -1,6 +1,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_id.h"
 #include "server/services.h"
 
 namespace zeroshard {
@@ -28,6 +29,12 @@ grpc::Status ControlService::RegisterJob(grpc::ServerContext* call,
                                          v1::RegisterJobResponse* resp) {
   absl::StatusOr<TokenDigest> token = ctx_->CallerToken(*call, "RegisterJob");
   if (!token.ok()) return ctx_->Done(__func__, token.status());
+  // A job id with checkpoints here opens only with their owner's token
+  // (an invalid id is refused by the registration itself).
+  if (IsValidJobId(req->spec().job_id())) {
+    absl::Status s = ctx_->CheckFilesOwner(req->spec().job_id(), *token);
+    if (!s.ok()) return ctx_->Done(__func__, s);
+  }
   bool created = false;
   absl::StatusOr<std::shared_ptr<Job>> job =
       ctx_->jobs->Register(*req, *token, ctx_->draining.load(), &created);

@@ -84,6 +84,18 @@ std::unique_ptr<transport::Transport> CreateBulkTransport(const DaemonOptions& o
     *error = "started without --bulk_transport";
     return nullptr;
   }
+  if (options.bulk_transport == "ucx" && !options.ucx_trust_peers &&
+      !UcxTlsEnforcesKeys(options.ucx_tls)) {
+    // Not even started: a UCX worker listening on tcp would serve forged
+    // keys to whoever connects to it.
+    *error = absl::StrCat("UCX is not started with --ucx_tls=\"", options.ucx_tls,
+                          "\": UCX emulates remote access in software over tcp (or may, by its "
+                          "own choice), where any key reaches any memory of the daemon; give "
+                          "--ucx_tls naming shared-memory or RDMA transports only, or "
+                          "--ucx_trust_peers on a trusted network (docs/security.md)");
+    Log(absl::StrCat("serving the streaming data path only: ", *error));
+    return nullptr;
+  }
   transport::TransportOptions to;
   to.name = absl::StrCat("zeroshardd ", options.listen);
   to.ucx_tls = options.ucx_tls;
@@ -143,8 +155,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   jo.rank_timeout = options.rank_timeout;
   jo.max_jobs = options.max_jobs;
   if (ActivationStore* store = d->activations_.get(); store != nullptr) {
-    jo.on_remove = [store](const std::shared_ptr<Job>& job) {
+    ArenaTenancy* tenancy = &d->arena_tenancy_;
+    jo.on_remove = [store, tenancy](const std::shared_ptr<Job>& job) {
       store->RemoveJob(job->config().job_id, job);
+      tenancy->Return(job.get());
     };
   }
   JobResources resources;
@@ -167,16 +181,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ctx.bulk_error = bulk_error;
   ctx.checkpoint_dir = options.checkpoint_dir;
   ctx.activations = d->activations_.get();
+  ctx.arena_tenancy = &d->arena_tenancy_;
   ctx.activation_metrics = &d->activation_metrics_;
   ctx.start = absl::Now();
   if (!options.admin_token.empty()) ctx.admin = TokenDigest::Of(options.admin_token);
-  ctx.bulk_keys_allowed = d->transport_ == nullptr || d->transport_->kind() != "ucx" ||
-                          options.ucx_trust_peers || UcxTlsEnforcesKeys(options.ucx_tls);
-  if (!ctx.bulk_keys_allowed) {
-    Log(absl::StrCat("UCX keys are not handed out: --ucx_tls=\"", options.ucx_tls,
-                     "\" may emulate remote access in software; trainers use the stream path ",
-                     "(--ucx_trust_peers to hand them out anyway)"));
-  }
   d->control_ = std::make_unique<ControlService>(&ctx);
   d->shard_ = std::make_unique<ShardService>(&ctx);
   d->admin_ = std::make_unique<AdminService>(&ctx);

@@ -16,6 +16,7 @@
 #include "metrics/registry.h"
 #include "server/activation_metrics.h"
 #include "server/activation_store.h"
+#include "server/arena_tenancy.h"
 #include "server/daemon_metrics.h"
 #include "server/job_manager.h"
 #include "server/memory_ledger.h"
@@ -77,10 +78,12 @@ struct DaemonOptions {
   // The secret that opens every job, Admin.Drain and the all-jobs views;
   // empty: no caller has that authority.
   std::string admin_token;
-  // Hand out UCX endpoints and keys even when UCX may emulate remote access
-  // in software (tcp), where a forged key reaches any memory of the daemon.
-  // Without it a "ucx" bulk transport serves keys only over shared-memory
-  // or RDMA transports (ucx_tls naming only those).
+  // Start a "ucx" bulk transport even when UCX may emulate remote access in
+  // software (tcp, or UCX's own choice: ucx_tls empty), where a forged key
+  // reaches any memory of the daemon. Without it, "ucx" starts only when
+  // ucx_tls names shared-memory or RDMA transports alone; otherwise the
+  // daemon serves the streaming RPCs only (logged, and ExchangeEndpoint
+  // says why).
   bool ucx_trust_peers = false;
   // Jobs registered at once, at most (RESOURCE_EXHAUSTED past it).
   uint32_t max_jobs = 64;
@@ -133,6 +136,7 @@ class Daemon {
   std::unique_ptr<transport::Transport> transport_;  // null: streaming RPCs only
   // Outlives the jobs, whose removal frees their activations in it.
   std::unique_ptr<ActivationStore> activations_;
+  ArenaTenancy arena_tenancy_;  // outlives the jobs, whose removal returns the arena key
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<ServiceContext> context_;

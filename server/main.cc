@@ -43,10 +43,11 @@ ABSL_FLAG(std::string, admin_token_file, "",
           "Admin.Drain and the all-jobs views of Admin.Status and MemoryReport. Empty: no "
           "caller has that authority.");
 ABSL_FLAG(bool, ucx_trust_peers, false,
-          "Hand out UCX endpoints and remote keys even when UCX may emulate remote access in "
-          "software (tcp), where any peer holding a key can read and write the daemon's "
-          "memory. Without it, UCX keys are served only when --ucx_tls names shared-memory or "
-          "RDMA transports alone; trainers then use the grpc or stream data path.");
+          "Start the UCX data path even when UCX may emulate remote access in software (tcp, "
+          "or UCX's own choice), where any peer that reaches UCX's listener can read and write "
+          "the daemon's memory with a forged key. Without it, UCX starts only when --ucx_tls "
+          "names shared-memory or RDMA transports alone; otherwise trainers use the stream "
+          "data path.");
 ABSL_FLAG(int, optimizer_threads, 1, "Threads running the optimizer step.");
 ABSL_FLAG(std::string, bulk_transport, "ucx",
           "Bulk transport served to trainers (ExchangeEndpoint): ucx, grpc or inproc; empty = "
@@ -59,8 +60,8 @@ ABSL_FLAG(uint64_t, reduction_buffer_bytes, 256ull << 20,
 ABSL_FLAG(std::string, ucx_tls, "posix,cma,self",
           "UCX_TLS for the UCX data path: \"posix,cma,self\" (shared memory, trainers on this "
           "host), RDMA such as \"rc_x,sm,self\", or \"tcp\"; empty = UCX's choice. Over tcp (or "
-          "UCX's choice) UCX emulates remote access in software and keys are handed out only "
-          "with --ucx_trust_peers.");
+          "UCX's choice) UCX emulates remote access in software and starts only with "
+          "--ucx_trust_peers.");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory for checkpoints (created if missing); empty: checkpoints are refused. "
           "Resharding reads other daemons' parts: share it between the daemons of a job.");

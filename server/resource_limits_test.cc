@@ -28,12 +28,16 @@ using testing::GradientChunks;
 using testing::MakeSpec;
 
 // Resident bytes of this process.
+// This process's resident bytes; fails the test when /proc cannot say.
 uint64_t ResidentBytes() {
   std::FILE* f = std::fopen("/proc/self/statm", "r");
+  EXPECT_NE(f, nullptr) << "cannot read /proc/self/statm";
   if (f == nullptr) return 0;
   unsigned long long size = 0, resident = 0;
   const int n = std::fscanf(f, "%llu %llu", &size, &resident);
   std::fclose(f);
+  EXPECT_EQ(n, 2) << "cannot parse /proc/self/statm";
+  EXPECT_GT(resident, 0u);
   return n == 2 ? resident * static_cast<uint64_t>(::sysconf(_SC_PAGE_SIZE)) : 0;
 }
 

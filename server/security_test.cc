@@ -11,11 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/channel.h"
 #include "common/protocol.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/daemon.h"
+#include "common/testing/test_pki.h"
+#include "server/activation_testing.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {
@@ -203,7 +206,8 @@ TEST_F(SecurityTest, CheckpointFilesNeedTheJobsTokenOrTheAdmin) {
   };
   EXPECT_EQ(list(*stranger_, kJob), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(list(*anonymous_, kJob), grpc::StatusCode::UNAUTHENTICATED);
-  // A job that is not registered here: only the admin may look.
+  // A job not registered here, with no checkpoints saved: only the admin
+  // may look.
   EXPECT_EQ(list(*owner_, "gone"), grpc::StatusCode::PERMISSION_DENIED);
   // Authorised, then refused for another reason: this daemon keeps no
   // checkpoints.
@@ -261,9 +265,10 @@ TEST(SecurityLimitsTest, PlaintextOnTheNetworkNeedsInsecure) {
   EXPECT_TRUE(d.ok()) << d.status();
 }
 
-// Over tcp UCX serves any address a key names from its progress thread: the
-// daemon hands out no UCX keys unless told the peers are trusted.
-TEST(SecurityLimitsTest, NoUcxKeysOverSoftwareRemoteAccess) {
+// Over tcp UCX serves any address a key names from its progress thread: an
+// untrusting daemon does not start UCX there at all (no listener, no keys)
+// and says why; trainers use the streaming RPCs.
+TEST(SecurityLimitsTest, NoUcxOverSoftwareRemoteAccess) {
   for (const bool trusted : {false, true}) {
     DaemonOptions o;
     o.bulk_transport = "ucx";
@@ -271,7 +276,10 @@ TEST(SecurityLimitsTest, NoUcxKeysOverSoftwareRemoteAccess) {
     o.ucx_trust_peers = trusted;
     std::unique_ptr<Daemon> daemon = Start(o);
     ASSERT_NE(daemon, nullptr);
-    if (daemon->bulk_transport() == nullptr) GTEST_SKIP() << "UCX over tcp does not initialise";
+    if (trusted && daemon->bulk_transport() == nullptr) {
+      GTEST_SKIP() << "UCX over tcp does not initialise here";
+    }
+    EXPECT_EQ(daemon->bulk_transport() == nullptr, !trusted);
     DaemonClient c(daemon->address());
     const v1::JobSpec spec = MakeSpec("ucx", SampleLayout(), 2, 1, {daemon->address()});
     ASSERT_TRUE(c.Register(spec, 0).ok());
@@ -289,11 +297,30 @@ TEST(SecurityLimitsTest, NoUcxKeysOverSoftwareRemoteAccess) {
       EXPECT_TRUE(s.ok()) << s.error_message();
       EXPECT_GT(resp.regions_size(), 0);
     } else {
-      EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
       EXPECT_THAT(s.error_message(), HasSubstr("--ucx_trust_peers"));
       EXPECT_EQ(resp.regions_size(), 0);
     }
   }
+}
+
+// Which UCX_TLS values count as enforcing keys: only lists of shared-memory
+// and RDMA transports; anything that may select tcp does not.
+TEST(SecurityLimitsTest, UcxStartsOnlyWhereKeysAreEnforced) {
+  for (const char* tls : {"", "tcp", "^tcp", "posix,tcp", "all"}) {
+    DaemonOptions o;
+    o.bulk_transport = "ucx";
+    o.ucx_tls = tls;
+    std::unique_ptr<Daemon> daemon = Start(o);
+    ASSERT_NE(daemon, nullptr);
+    EXPECT_EQ(daemon->bulk_transport(), nullptr) << "--ucx_tls=" << tls;
+  }
+  DaemonOptions o;
+  o.bulk_transport = "ucx";
+  o.ucx_tls = "posix,cma,self";
+  std::unique_ptr<Daemon> daemon = Start(o);
+  ASSERT_NE(daemon, nullptr);
+  if (daemon->bulk_transport() == nullptr) GTEST_SKIP() << "UCX over shared memory unavailable";
 }
 
 // Keys go only to joined ranks of the job, with the job's token.
@@ -325,28 +352,131 @@ TEST(SecurityLimitsTest, EndpointsOnlyForJoinedRanks) {
   EXPECT_EQ(exchange(c, 0), grpc::StatusCode::OK);
 }
 
+// One arena key reaches every job's slices: it is lent to one job at a
+// time, and other jobs keep no activations there meanwhile.
+TEST(SecurityLimitsTest, ActivationArenaKeyIsLentToOneJobAtATime) {
+  DaemonOptions o;
+  o.bulk_transport = "inproc";
+  o.activation_arena_bytes = 1 << 20;
+  o.read_lease = absl::ZeroDuration();
+  std::unique_ptr<Daemon> daemon = Start(o);
+  ASSERT_NE(daemon, nullptr);
+  auto exchange = [&](DaemonClient& c, const std::string& job) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::ExchangeEndpointRequest req;
+    req.set_job_id(job);
+    req.set_rank(0);
+    req.set_incarnation(kTestIncarnation);
+    req.set_transport(v1::TRANSPORT_KIND_INPROC);
+    v1::ExchangeEndpointResponse resp;
+    EXPECT_TRUE(c.shard->ExchangeEndpoint(&ctx, req, &resp).ok());
+    for (const v1::RemoteRegion& r : resp.regions()) {
+      if (r.purpose() == v1::REGION_PURPOSE_ACTIVATION_ARENA) return true;
+    }
+    return false;
+  };
+  DaemonClient a(daemon->address(), "token-of-job-a-0123");
+  DaemonClient b(daemon->address(), "token-of-job-b-0123");
+  const v1::JobSpec spec_a = MakeSpec("a", SampleLayout(), 3, 1, {daemon->address()});
+  const v1::JobSpec spec_b = MakeSpec("b", SampleLayout(), 3, 1, {daemon->address()});
+  ASSERT_TRUE(a.Register(spec_a, 0).ok() && a.JoinAll(spec_a).ok());
+  ASSERT_TRUE(b.Register(spec_b, 0).ok() && b.JoinAll(spec_b).ok());
+  EXPECT_TRUE(exchange(a, "a"));
+  EXPECT_TRUE(exchange(a, "a"));  // still a's
+  EXPECT_FALSE(exchange(b, "b"));
+  // b cannot put slices where a's key reaches, by any path.
+  testing::ActivationClient activations_b(daemon->address(), "token-of-job-b-0123");
+  const grpc::Status s = activations_b.Offload(testing::MakeOwner("b", 0),
+                                               testing::MakeKey(1, 0), std::string(4096, 'x'));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("lent to job a"));
+  EXPECT_EQ(daemon->ledger().JobBytes("b")[static_cast<int>(MemoryCategory::kActivation)], 0u);
+  // a's job ends: the key is free, and b may take it.
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::LeaveRequest leave;
+  leave.set_job_id("a");
+  leave.set_rank(0);
+  leave.set_incarnation(kTestIncarnation);
+  v1::LeaveResponse left;
+  ASSERT_TRUE(a.control->Leave(&ctx, leave, &left).ok());
+  EXPECT_TRUE(exchange(b, "b"));
+}
+
+// Checkpoint files belong to the token of the job that saved them: a job
+// of the same id registered later with another token neither reads nor
+// replaces them; the owner's token (or the admin's) still opens them.
+TEST(SecurityLimitsTest, CheckpointFilesBelongToTheirJobsToken) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/security_checkpoints");
+  std::filesystem::remove_all(dir);
+  DaemonOptions o;
+  o.checkpoint_dir = dir;
+  o.admin_token = kAdminToken;
+  o.read_lease = absl::ZeroDuration();
+  std::unique_ptr<Daemon> daemon = Start(o);
+  ASSERT_NE(daemon, nullptr);
+  DaemonClient owner(daemon->address());
+  DaemonClient stranger(daemon->address(), kStrangerToken);
+  DaemonClient admin(daemon->address(), kAdminToken);
+  const v1::JobSpec spec = MakeSpec("saved", SampleLayout(), 2, 1, {daemon->address()});
+  ASSERT_TRUE(owner.Register(spec, 0).ok() && owner.JoinAll(spec).ok());
+  const uint64_t n = SampleLayout().total_elements();
+  std::vector<float> params(n, 0.25f);
+  ASSERT_TRUE(owner.Init(testing::ParamChunks("saved", {0, n}, params.data())).ok());
+  {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::SaveCheckpointRequest req;
+    req.set_job_id("saved");
+    req.set_name("first");
+    req.set_step(0);
+    v1::SaveCheckpointResponse resp;
+    const grpc::Status s = owner.checkpoint->SaveCheckpoint(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::LeaveRequest leave;
+    leave.set_job_id("saved");
+    leave.set_rank(0);
+    leave.set_incarnation(kTestIncarnation);
+    v1::LeaveResponse left;
+    ASSERT_TRUE(owner.control->Leave(&ctx, leave, &left).ok());
+    ASSERT_TRUE(left.job_removed());
+  }
+  auto list = [](DaemonClient& c) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::ListCheckpointsRequest req;
+    req.set_job_id("saved");
+    v1::ListCheckpointsResponse resp;
+    return c.checkpoint->ListCheckpoints(&ctx, req, &resp).error_code();
+  };
+  const grpc::Status taken = stranger.Register(spec, 0);
+  EXPECT_EQ(taken.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(taken.error_message(), HasSubstr("another job token"));
+  EXPECT_EQ(daemon->jobs().size(), 0u);
+  EXPECT_EQ(list(stranger), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(list(owner), grpc::StatusCode::OK);  // the job is gone; its token still opens them
+  EXPECT_EQ(list(admin), grpc::StatusCode::OK);
+  EXPECT_TRUE(owner.Register(spec, 0).ok());  // the owner resumes
+}
+
 // ---- Mutual TLS ----
 
 class TlsDaemonTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    char tmpl[] = "/tmp/zs-security-test-XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    dir_ = new std::string(tmpl);
-    const std::string cmd =
-        "common/testing/make_test_certs.sh " + *dir_ + " > " + *dir_ + "/make.log 2>&1";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  }
-  static void TearDownTestSuite() {
-    std::filesystem::remove_all(*dir_);
-    delete dir_;
-  }
-  static std::string File(const std::string& name) { return *dir_ + "/" + name; }
+  static void SetUpTestSuite() { pki_ = testing::TestPki::Create().release(); }
+  static void TearDownTestSuite() { delete pki_; }
+  static std::string File(const std::string& name) { return pki_->File(name); }
   static TlsFiles Pair(const std::string& leaf, const std::string& ca) {
     return {File(leaf + ".crt"), File(leaf + ".key"), File(ca + ".crt")};
   }
 
   void SetUp() override {
+    ASSERT_NE(pki_, nullptr);
     DaemonOptions o;
     o.tls = Pair("server", "ca");
     daemon_ = Start(o);
@@ -368,11 +498,11 @@ class TlsDaemonTest : public ::testing::Test {
     return Status(*s);
   }
 
-  static std::string* dir_;
+  static testing::TestPki* pki_;
   std::unique_ptr<Daemon> daemon_;
 };
 
-std::string* TlsDaemonTest::dir_ = nullptr;
+testing::TestPki* TlsDaemonTest::pki_ = nullptr;
 
 TEST_F(TlsDaemonTest, GoodCertificateWorks) { EXPECT_TRUE(StatusWith(Pair("client", "ca")).ok()); }
 

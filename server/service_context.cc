@@ -1,4 +1,5 @@
 #include "absl/strings/str_cat.h"
+#include "common/checkpoint_files.h"
 #include "server/grpc_status.h"
 #include "server/services.h"
 
@@ -17,6 +18,9 @@ absl::StatusOr<TokenDigest> ServiceContext::CallerToken(const grpc::ServerContex
         what,
         " needs a token: send \"authorization: Bearer <token>\" (the job's token: "
         "ZS_JOB_TOKEN, ClientConfig.job_token, zsctl --token_file; or the admin token)"));
+  }
+  if (absl::Status s = ValidateToken(*token, "the bearer token"); !s.ok()) {
+    return absl::UnauthenticatedError(s.message());
   }
   return TokenDigest::Of(*token);
 }
@@ -52,11 +56,43 @@ absl::Status ServiceContext::AuthorizeJobFiles(const grpc::ServerContext& call,
   absl::StatusOr<TokenDigest> caller = CallerToken(call, absl::StrCat("job ", id.substr(0, 140)));
   if (!caller.ok()) return caller.status();
   if (admin.has_value() && admin->Matches(*caller)) return absl::OkStatus();
+  if (!checkpoint_dir.empty()) {
+    absl::StatusOr<std::string> owner = ReadCheckpointOwner(checkpoint_dir, id);
+    if (!owner.ok()) return owner.status();
+    if (!owner->empty()) return CheckFilesOwner(id, *caller);
+  }
   absl::StatusOr<std::shared_ptr<Job>> job = jobs->Find(id);
   if (job.ok() && (*job)->token().Matches(*caller)) return absl::OkStatus();
   return absl::PermissionDeniedError(absl::StrCat(
-      "job ", id.substr(0, 140), "'s checkpoints are readable with the job's token while it ",
-      "is registered here, and with the admin token"));
+      "job ", id.substr(0, 140), "'s checkpoints are readable with the token of the job that ",
+      "saved them, and with the admin token"));
+}
+
+absl::Status ServiceContext::CheckFilesOwner(const std::string& job_id,
+                                             const TokenDigest& token) const {
+  if (checkpoint_dir.empty()) return absl::OkStatus();
+  absl::StatusOr<std::string> owner = ReadCheckpointOwner(checkpoint_dir, job_id);
+  if (!owner.ok()) return owner.status();
+  if (owner->empty()) return absl::OkStatus();
+  if (admin.has_value() && admin->Matches(token)) return absl::OkStatus();
+  const std::optional<TokenDigest> recorded = TokenDigest::FromHex(*owner);
+  if (recorded.has_value() && recorded->Matches(token)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "job ", job_id, "'s checkpoints on this daemon were saved with another job token: to "
+      "resume it, use that run's token (ZS_JOB_TOKEN), or choose another job id"));
+}
+
+absl::Status ServiceContext::ClaimFiles(const Job& job) const {
+  if (checkpoint_dir.empty()) return absl::OkStatus();
+  const std::string& id = job.config().job_id;
+  absl::StatusOr<std::string> owner = ReadCheckpointOwner(checkpoint_dir, id);
+  if (!owner.ok()) return owner.status();
+  if (owner->empty()) return WriteCheckpointOwner(checkpoint_dir, id, job.token().ToHex());
+  const std::optional<TokenDigest> recorded = TokenDigest::FromHex(*owner);
+  if (recorded.has_value() && recorded->Matches(job.token())) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "job ", id, "'s checkpoints on this daemon were saved with another job token; this job "
+      "cannot save beside them (choose another job id)"));
 }
 
 bool ServiceContext::MayOpen(const grpc::ServerContext& call, const Job& job) const {

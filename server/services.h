@@ -22,6 +22,7 @@
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 #include "server/activation_metrics.h"
 #include "server/activation_store.h"
+#include "server/arena_tenancy.h"
 #include "server/daemon_metrics.h"
 #include "server/job_manager.h"
 #include "server/memory_ledger.h"
@@ -40,14 +41,12 @@ struct ServiceContext {
   std::string bulk_error;                // why bulk is null
   std::string checkpoint_dir;            // empty: checkpoints are refused
   ActivationStore* activations = nullptr;  // null: --activation_arena_bytes=0
+  ArenaTenancy* arena_tenancy = nullptr;    // with `activations`
   ActivationMetrics* activation_metrics = nullptr;
   absl::Time start;
   std::atomic<bool> draining{false};
   // The admin token's digest; nullopt: no caller has admin authority.
   std::optional<TokenDigest> admin;
-  // Whether ExchangeEndpoint may hand out the "ucx" bulk transport's keys
-  // (DaemonOptions::ucx_trust_peers, or a UCX_TLS without software RMA).
-  bool bulk_keys_allowed = true;
 
   // Counts the request under its RPC name and result code.
   grpc::Status Done(const char* rpc, const absl::Status& status);
@@ -64,6 +63,14 @@ struct ServiceContext {
   // Checkpoints of job `id` on disk: the job's token while it is registered
   // here, the admin token always.
   absl::Status AuthorizeJobFiles(const grpc::ServerContext& call, const std::string& id) const;
+  // Checkpoint files belong to the token of the job that first saved them
+  // (kCheckpointOwnerFile). OK when there are none (or no checkpoint_dir),
+  // or `token` is their owner or the admin; PermissionDenied otherwise.
+  // `job_id` must be a valid id.
+  absl::Status CheckFilesOwner(const std::string& job_id, const TokenDigest& token) const;
+  // Before `job` saves: records its token as the owner of its files, or
+  // checks it is (CheckFilesOwner).
+  absl::Status ClaimFiles(const Job& job) const;
   // Whether the caller's token opens `job` (for the all-jobs views).
   bool MayOpen(const grpc::ServerContext& call, const Job& job) const;
   // The caller's token's digest: Unauthenticated naming `what` without one.

@@ -264,13 +264,6 @@ absl::Status ShardService::DoExchangeEndpoint(const grpc::ServerContext& call,
         TransportKindName(req.transport()), "; start the client with transport \"",
         ctx_->bulk->kind(), "\""));
   }
-  if (!ctx_->bulk_keys_allowed) {
-    return absl::FailedPreconditionError(
-        "this zeroshardd hands out no UCX keys: its UCX transports may emulate remote access in "
-        "software (tcp), where a key reaches any of its memory; use the \"stream\" data path, "
-        "or start zeroshardd with --ucx_tls naming shared-memory or RDMA transports only, or "
-        "with --ucx_trust_peers on a trusted network (docs/security.md)");
-  }
   // Keys go to joined ranks only (Staging checks the rank and incarnation).
   absl::StatusOr<std::shared_ptr<RankStaging>> staging =
       (*job)->Staging(req.rank(), req.incarnation(), /*create=*/true);
@@ -288,7 +281,21 @@ absl::Status ShardService::DoExchangeEndpoint(const grpc::ServerContext& call,
   r->set_length(d.length);
   r->set_rkey(d.rkey);
   (*job)->FillParameterRegions(resp);
-  if (ctx_->activations != nullptr) ctx_->activations->FillRegion(resp);
+  if (ctx_->activations != nullptr) {
+    // The arena's key reaches every job's slices: lent to one job at a time.
+    const Job* self = job->get();
+    const bool lent = ctx_->arena_tenancy->Lend(self, req.job_id(), [&] {
+      for (const std::shared_ptr<Job>& other : ctx_->jobs->All()) {
+        if (other.get() != self &&
+            ctx_->ledger->JobBytes(other->config().job_id)[static_cast<int>(
+                MemoryCategory::kActivation)] > 0) {
+          return true;
+        }
+      }
+      return false;
+    });
+    if (lent) ctx_->activations->FillRegion(resp);
+  }
   (*job)->NoteRemoteAccess();
   return absl::OkStatus();
 }

@@ -141,9 +141,15 @@ def test_export_reads_back_bit_for_bit(cluster, trained, tmp_path):
 
 def test_zsctl_checkpoint_commands(cluster, trained):
     addresses, _ = cluster
-    # The job has ended: its token no longer opens anything; the admin's does.
+    # The job has ended: its checkpoints open with its token (ZS_JOB_TOKEN,
+    # which pytest_test.sh exports) and with the admin's, not with another.
     daemons = f"--daemons={','.join(addresses)}"
     r = _zsctl("checkpoint", "list", daemons, f"--job={JOB}")
+    assert r.returncode == 0, r.stderr
+    stranger = ADMIN_TOKEN_FILE.parent / "stranger.token"
+    stranger.write_text("a-stranger-guessing-tokens\n")
+    stranger.chmod(0o600)
+    r = _zsctl("checkpoint", "list", daemons, f"--token_file={stranger}", f"--job={JOB}")
     assert r.returncode == 1 and "PERMISSION_DENIED" in r.stderr, r
     admin = f"--token_file={ADMIN_TOKEN_FILE}"
     r = _zsctl("checkpoint", "list", daemons, admin, f"--job={JOB}")
