@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <deque>
 #include <tuple>
 
 #include "absl/cleanup/cleanup.h"
@@ -25,6 +26,9 @@ template <typename T>
 void HashValue(uint64_t& h, const T& v) {
   Fnv1aMix(h, &v, sizeof(v));
 }
+
+// How long a free waits to queue the hinted read-backs it makes room for.
+constexpr absl::Duration kHintQueueWait = absl::Seconds(5);
 
 std::string Bytes(uint64_t b) { return absl::StrCat(FormatBytes(static_cast<double>(b)), " (", b, " B)"); }
 
@@ -55,6 +59,9 @@ struct ActivationStore::Slice {
   std::string file;  // its spill file, if any
   uint64_t file_bytes = 0;
   uint32_t crc = 0;
+  // Read back from its spill file (ahead of a fetch, by a prefetch) and not
+  // fetched since: the next fetch reports it as a miss all the same.
+  bool read_back = false;
   absl::Time lease_end = absl::InfiniteFuture();
   absl::Status io_error;  // of its last spill write or read-back
 };
@@ -63,6 +70,9 @@ struct ActivationStore::JobEntry {
   std::weak_ptr<const void> instance;
   bool removed = false;
   std::map<Id, std::shared_ptr<Slice>> slices;  // in spill order
+  // Per rank, the spilled slices of its latest Prefetch hint that had no
+  // room yet, in the hint's order: read back as frees make room.
+  std::map<uint32_t, std::deque<Id>> hinted;
 };
 
 bool ActivationStore::Id::operator<(const Id& o) const {
@@ -486,6 +496,7 @@ void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Stat
     } else {
       DropFileLocked(*slice);
       slice->state = Slice::State::kStored;
+      slice->read_back = true;
     }
     ReleaseIfIdleLocked(*slice);
     NotifyLocked();
@@ -804,6 +815,8 @@ absl::StatusOr<SlicePlacement> ActivationStore::Locate(const SliceOwner& owner,
     ASSIGN_OR_RETURN(std::shared_ptr<Slice> slice, FindLocked(owner, key));
     bool missed = false;
     RETURN_IF_ERROR(EnsureInArena(slice, deadline, &missed));
+    missed |= slice->read_back;
+    slice->read_back = false;
     slice->pinned = true;
     p.offset = slice->offset;
     p.bytes = slice->bytes;
@@ -827,6 +840,8 @@ absl::Status ActivationStore::Fetch(const SliceOwner& owner, const SliceKey& key
     ASSIGN_OR_RETURN(slice, FindLocked(owner, key));
     bool missed = false;
     RETURN_IF_ERROR(EnsureInArena(slice, deadline, &missed));
+    missed |= slice->read_back;
+    slice->read_back = false;
     ++slice->holds;  // keeps the block in place while the pieces are sent
     p.offset = slice->offset;
     p.bytes = slice->bytes;
@@ -859,17 +874,47 @@ absl::StatusOr<uint32_t> ActivationStore::Prefetch(const SliceOwner& owner,
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
+    // The latest hint replaces the rank's earlier one.
+    std::deque<Id>& later = entry->hinted[owner.rank];
+    later.clear();
     for (const SliceKey& key : keys) {
-      auto it = entry->slices.find(MakeId(owner, key));
+      const Id id = MakeId(owner, key);
+      auto it = entry->slices.find(id);
       if (it == entry->slices.end()) continue;
       const std::shared_ptr<Slice>& s = it->second;
-      if (s->state != Slice::State::kSpilled || !allocator_.Fits(s->bytes)) continue;
+      if (s->state != Slice::State::kSpilled) continue;
+      if (!allocator_.Fits(s->bytes)) {
+        later.push_back(id);  // read back once a free makes room
+        continue;
+      }
       io.push_back(BeginReadLocked(s));
     }
+    if (later.empty()) entry->hinted.erase(owner.rank);
   }
   const uint32_t started = static_cast<uint32_t>(io.size());
   StartIo(std::move(io), deadline);
   return started;
+}
+
+std::vector<ActivationStore::IoStart> ActivationStore::ContinueHintsLocked(JobEntry& entry) {
+  std::vector<IoStart> io;
+  // Room a spill is being made for belongs to the request waiting for it.
+  if (spill_dir_ == nullptr || !spilling_.empty()) return io;
+  for (auto h = entry.hinted.begin(); h != entry.hinted.end();) {
+    std::deque<Id>& ids = h->second;
+    while (!ids.empty()) {
+      auto it = entry.slices.find(ids.front());
+      if (it == entry.slices.end() || it->second->state != Slice::State::kSpilled) {
+        ids.pop_front();  // freed, or in the arena by now
+        continue;
+      }
+      if (!allocator_.Fits(it->second->bytes)) break;  // in the hint's order
+      io.push_back(BeginReadLocked(it->second));
+      ids.pop_front();
+    }
+    h = ids.empty() ? entry.hinted.erase(h) : std::next(h);
+  }
+  return io;
 }
 
 // ---- Frees ----
@@ -877,18 +922,25 @@ absl::StatusOr<uint32_t> ActivationStore::Prefetch(const SliceOwner& owner,
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
     const SliceOwner& owner, const std::function<bool(const Id&)>& match) {
   auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
-  std::vector<std::shared_ptr<Slice>> doomed;
-  for (const auto& [id, slice] : entry->slices) {
-    if (id.rank == owner.rank && match(id)) doomed.push_back(slice);
-  }
   Freed freed;
-  for (const auto& slice : doomed) {
-    ++freed.slices;
-    freed.bytes += slice->bytes;
-    DropLocked(*entry, slice);
+  std::vector<IoStart> io;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
+    std::vector<std::shared_ptr<Slice>> doomed;
+    for (const auto& [id, slice] : entry->slices) {
+      if (id.rank == owner.rank && match(id)) doomed.push_back(slice);
+    }
+    for (const auto& slice : doomed) {
+      ++freed.slices;
+      freed.bytes += slice->bytes;
+      DropLocked(*entry, slice);
+    }
+    // The room just freed: the next hinted slices come back while the
+    // caller uses the ones it has (the disk works ahead of the fetches).
+    if (freed.slices > 0) io = ContinueHintsLocked(*entry);
   }
+  StartIo(std::move(io), absl::Now() + kHintQueueWait);
   return freed;
 }
 
@@ -930,6 +982,7 @@ void ActivationStore::RemoveJob(const std::string& job_id,
     std::vector<std::shared_ptr<Slice>> all;
     for (auto& [id, slice] : e.slices) all.push_back(slice);
     for (const auto& slice : all) DropLocked(e, slice);
+    e.hinted.clear();
     // Kept as a tombstone, so that a request of the removed instance still
     // in flight stores nothing; pruned once the instance is gone.
     e.instance = instance;

@@ -82,7 +82,9 @@ struct SlicePlacement {
   uint64_t offset = 0;  // bytes from the start of the arena region
   uint64_t bytes = 0;
   uint32_t crc32c = 0;
-  bool was_spilled = false;  // read back from a spill file for this request
+  // Read back from a spill file for this request, or ahead of it by a
+  // prefetch since the slice was last fetched (a miss either way).
+  bool was_spilled = false;
 };
 
 class ActivationStore {
@@ -183,7 +185,11 @@ class ActivationStore {
   // while there is room without spilling anything; unknown keys and slices
   // not spilled are skipped. Returns how many read-backs started (each
   // completes in the background). Blocks only to queue the reads, at most
-  // until `deadline`.
+  // until `deadline`. The spilled slices that had no room are remembered
+  // (the rank's latest hint replaces its earlier one) and read back, in the
+  // hint's order, as frees of the rank's slices make room, unless spill
+  // writes are in flight then: so the disk reads ahead of a backward pass
+  // that frees each slice once fetched.
   absl::StatusOr<uint32_t> Prefetch(const SliceOwner& owner, const std::vector<SliceKey>& keys,
                                     absl::Time deadline);
   struct Freed {
@@ -289,6 +295,10 @@ class ActivationStore {
       ABSL_LOCKS_EXCLUDED(mu_);
   void OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status, bool crc_ok)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Begins the read-backs of the job's remembered hints (Prefetch) that
+  // fit now, in each hint's order; none while spills are in flight (their
+  // room is for the request waiting on them).
+  std::vector<IoStart> ContinueHintsLocked(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Brings a committed slice into the arena (see Locate); on OK it is
   // stored in the arena (possibly still being written to its file) and
   // *missed says whether it had to be read back. Releases the lock while it
