@@ -45,6 +45,7 @@
 #include "client/rpc.h"
 #include "common/auth.h"
 #include "common/channel.h"
+#include "common/tls_flags.h"
 #include "common/estimator.h"
 #include "common/format.h"
 #include "examples/trainer.h"
@@ -74,12 +75,6 @@ ABSL_FLAG(std::string, transport, "ucx",
 ABSL_FLAG(std::string, ucx_tls, "", "UCX_TLS for --transport=ucx (empty: UCX's choice).");
 ABSL_FLAG(std::string, job_token_file, "",
           "File holding the job's secret (mode 0600); default: $ZS_JOB_TOKEN, which zsrun sets.");
-ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate this trainer presents to the daemons (mutual TLS, with --tls_key and "
-          "--tls_ca). Default: $ZS_TLS_CERT.");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert. Default: $ZS_TLS_KEY.");
-ABSL_FLAG(std::string, tls_ca, "",
-          "PEM CA bundle that signs the daemons' certificates. Default: $ZS_TLS_CA.");
 ABSL_FLAG(int, threads, 0, "Torch threads per rank; 0 = the cores shared among the ranks.");
 ABSL_FLAG(bool, report, true, "Rank 0: print the memory/traffic/loss report at the end.");
 ABSL_FLAG(std::string, progress, "bar",
@@ -306,8 +301,7 @@ int Main() {
   o.corpus_dir = absl::GetFlag(FLAGS_corpus);
   o.transport = absl::GetFlag(FLAGS_transport);
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
-  o.tls = TlsFilesFromEnvironment(
-      {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)});
+  o.tls = TlsFilesFromFlags();
   if (const std::string file = absl::GetFlag(FLAGS_job_token_file); !file.empty()) {
     absl::StatusOr<std::string> token = ReadTokenFile(file, "--job_token_file");
     if (!token.ok()) {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/auth.h"
+#include "common/tls_flags.h"
 #include "server/daemon.h"
 #include "server/system_memory.h"
 
@@ -28,13 +29,6 @@ ABSL_FLAG(std::string, memory_limit, "auto",
           "for powers of 1024), \"auto\" for 90% of what the machine or this process's cgroup "
           "allows, or 0 for no limit.");
 ABSL_FLAG(uint32_t, max_jobs, 64, "Jobs registered at once, at most.");
-ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate (chain) this daemon presents; with --tls_key and --tls_ca, every "
-          "gRPC connection is mutual TLS and clients must present a certificate signed by "
-          "--tls_ca. Default: $ZS_TLS_CERT.");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert. Default: $ZS_TLS_KEY.");
-ABSL_FLAG(std::string, tls_ca, "",
-          "PEM CA bundle that signs the clients' certificates. Default: $ZS_TLS_CA.");
 ABSL_FLAG(bool, insecure, false,
           "Serve plaintext gRPC on an address other machines can reach (without it, a "
           "non-loopback --listen needs --tls_cert/--tls_key/--tls_ca).");
@@ -92,8 +86,7 @@ int main(int argc, char** argv) {
   }
   options.memory_limit_bytes = *memory_limit;
   options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
-  options.tls = zeroshard::TlsFilesFromEnvironment(
-      {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)});
+  options.tls = zeroshard::TlsFilesFromFlags();
   options.insecure = absl::GetFlag(FLAGS_insecure);
   options.ucx_trust_peers = absl::GetFlag(FLAGS_ucx_trust_peers);
   if (const std::string file = absl::GetFlag(FLAGS_admin_token_file); !file.empty()) {

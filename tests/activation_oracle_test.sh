@@ -16,6 +16,8 @@
 #
 # Usage: activation_oracle_test.sh ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
+# zs_kill_all, zs_fail.
+source "$(dirname "$0")/lib.sh"
 
 ZEROSHARDD="$1"
 GPT_TRAIN="$2"
@@ -29,26 +31,11 @@ TRAINER_FLAGS=(--stage=3 --steps=12 --layers=2 --width=32 --heads=4 --seq_len=16
 DAEMON_PIDS=()
 DAEMON_ADDRS=()
 
-cleanup() {
-  local pid
-  for pid in "${DAEMON_PIDS[@]}"; do
-    [[ -n "$pid" ]] && kill -9 "$pid" 2>/dev/null
-  done
-  wait 2>/dev/null
-}
+cleanup() { zs_kill_all "${DAEMON_PIDS[@]}"; }
 trap cleanup EXIT
 trap 'exit 143' TERM INT
 
-fail() {
-  echo "FAILED: $*"
-  local f
-  for f in "$WORK"/*.log; do
-    [[ -f "$f" ]] || continue
-    echo "---- ${f##*/} (last 30 lines) ----"
-    tail -n 30 "$f"
-  done
-  exit 1
-}
+fail() { zs_fail "$@"; }
 
 # start_daemon INDEX: a daemon on a free port with a 20 KiB arena (a step
 # of one rank checkpoints 3 x 8 KiB plus its tokens; two fetches ahead need

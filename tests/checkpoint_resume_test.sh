@@ -18,6 +18,8 @@
 #
 # Usage: checkpoint_resume_test.sh ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
+# zs_kill_all, zs_fail.
+source "$(dirname "$0")/lib.sh"
 
 ZEROSHARDD="$1"
 GPT_TRAIN="$2"
@@ -38,26 +40,11 @@ TRAINER_PIDS=()
 
 log() { echo "[checkpoint_resume_test] $*"; }
 
-cleanup() {
-  local pid
-  for pid in "${TRAINER_PIDS[@]}" "${DAEMON_PIDS[@]}"; do
-    [[ -n "$pid" ]] && kill -9 "$pid" 2>/dev/null
-  done
-  wait 2>/dev/null
-}
+cleanup() { zs_kill_all "${TRAINER_PIDS[@]}" "${DAEMON_PIDS[@]}"; }
 trap cleanup EXIT
 trap 'exit 143' TERM INT
 
-fail() {
-  echo "FAILED: $*"
-  local f
-  for f in "$WORK"/*.log; do
-    [[ -f "$f" ]] || continue
-    echo "---- ${f##*/} (last 30 lines) ----"
-    tail -n 30 "$f"
-  done
-  exit 1
-}
+fail() { zs_fail "$@"; }
 
 # start_daemon INDEX LISTEN: starts daemon INDEX on LISTEN (HOST:PORT, port 0
 # picks one) and sets DAEMON_PIDS[INDEX] and DAEMON_ADDRS[INDEX] once it has

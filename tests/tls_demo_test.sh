@@ -31,6 +31,8 @@
 # Usage: tls_demo_test.sh ZSRUN ZEROSHARDD GPT_TRAIN ZSCTL MAKE_TEST_CERTS
 # (runfiles paths).
 set -u
+# zs_kill_all, zs_fail.
+source "$(dirname "$0")/lib.sh"
 
 abspath() { [[ "$1" == /* ]] && echo "$1" || echo "$PWD/$1"; }
 ZSRUN="$(abspath "$1")"
@@ -52,26 +54,11 @@ WAITER_PID=""
 
 log() { echo "[tls_demo_test] $*"; }
 
-cleanup() {
-  local pid
-  for pid in "$WAITER_PID" "$DAEMON_PID"; do
-    [[ -n "$pid" ]] && kill -9 "$pid" 2>/dev/null
-  done
-  wait 2>/dev/null
-}
+cleanup() { zs_kill_all "$WAITER_PID" "$DAEMON_PID"; }
 trap cleanup EXIT
 trap 'exit 143' TERM INT
 
-fail() {
-  echo "FAILED: $*"
-  local f
-  for f in "$WORK"/*.log "$WORK"/logs/*.log; do
-    [[ -f "$f" ]] || continue
-    echo "---- ${f#"$WORK"/} (last 40 lines) ----"
-    tail -n 40 "$f"
-  done
-  exit 1
-}
+fail() { zs_fail "$@"; }
 
 # zsrun splits --daemon_args on whitespace.
 [[ "$WORK" != *[[:space:]]* ]] || fail "the test directory $WORK has whitespace in it"

@@ -23,7 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
 #include "common/channel.h"
-#include "common/tls.h"
+#include "common/tls_flags.h"
 #include "tools/export_lib.h"
 #include "tools/zsctl_commands.h"
 
@@ -49,12 +49,6 @@ ABSL_FLAG(int, timeout_ms, 0,
 ABSL_FLAG(std::string, token_file, "",
           "File (mode 0600) holding the job's token, or the admin token; default: "
           "$ZS_JOB_TOKEN. Without one, daemons show no job and refuse job commands.");
-ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate zsctl presents (mutual TLS, with --tls_key and --tls_ca). Default: "
-          "$ZS_TLS_CERT.");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert. Default: $ZS_TLS_KEY.");
-ABSL_FLAG(std::string, tls_ca, "",
-          "PEM CA bundle that signs the daemons' certificates. Default: $ZS_TLS_CA.");
 
 namespace {
 
@@ -76,9 +70,7 @@ absl::StatusOr<zeroshard::ChannelSecurity> Security() {
     token = *std::move(t);
   }
   return zeroshard::MakeChannelSecurity(
-      zeroshard::TlsFilesFromEnvironment({absl::GetFlag(FLAGS_tls_cert),
-                                          absl::GetFlag(FLAGS_tls_key),
-                                          absl::GetFlag(FLAGS_tls_ca)}),
+      zeroshard::TlsFilesFromFlags(),
       zeroshard::JobTokenOrEnvironment(token), "--");
 }
 
