@@ -6,7 +6,6 @@
 
 #include "server/activation_store.h"
 
-#include <dirent.h>
 
 #include <cstdlib>
 #include <map>
@@ -23,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "metrics/registry.h"
 #include "metrics/text_serializer.h"
+#include "server/activation_testing.h"
 #include "transport/transport.h"
 
 namespace zeroshard {
@@ -36,28 +36,9 @@ std::string TempDir(const std::string& name) {
   return absl::StrCat(base != nullptr ? base : "/tmp", "/", name);
 }
 
-// Spill files (not locks) in `dir`.
-size_t SpillFilesIn(const std::string& dir) {
-  size_t n = 0;
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return 0;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (SpillDirectory::IsSpillName(name) && name.find(".lock") == std::string::npos) ++n;
-  }
-  ::closedir(d);
-  return n;
-}
+using testing::SpillFilesIn;
 
-std::string Pattern(uint64_t seed, size_t bytes) {
-  std::string s(bytes, '\0');
-  std::mt19937_64 rng(seed);
-  for (size_t i = 0; i < bytes; i += 8) {
-    const uint64_t v = rng();
-    std::memcpy(&s[i], &v, std::min<size_t>(8, bytes - i));
-  }
-  return s;
-}
+std::string Pattern(uint64_t seed, size_t bytes) { return testing::PatternBytes(seed, bytes); }
 
 SliceKey Key(uint64_t step, uint32_t layer, uint32_t micro_batch = 0) {
   SliceKey k;
