@@ -276,7 +276,10 @@ BulkDataPath::Attempt BulkDataPath::PushStaged(const Endpoint& ep, const Gradien
   chunk.set_staging_slot(lease.slot);
   chunk.set_staging_generation(lease.generation);
   s = SendGradientChunk(stream_.stub(), chunk, push, deadline, address());
-  if (s.ok()) {
+  // ALREADY_EXISTS: the daemon holds this contribution (the staged bytes have
+  // its CRC-32C, or this process replays the open step of a predecessor
+  // whose staged push it holds); this generation was not applied.
+  if (s.ok() || absl::IsAlreadyExists(s)) {
     slots_.Release(lease);
     return {bytes};
   }

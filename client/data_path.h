@@ -22,10 +22,14 @@
 //                     FailedPrecondition, NotFound, ResourceExhausted...).
 //
 // A push returns OK only when the daemon holds exactly these bytes for this
-// contribution: applied now, or applied by an earlier attempt that the
-// implementation can prove carried the same bytes (a CRC-carrying duplicate;
-// a fenced staging slot whose generation was applied). A duplicate it cannot
-// prove equal is an error, never "delivered".
+// contribution: applied now, or applied by an earlier attempt (this
+// process's, or a fenced predecessor's of the same rank) whose bytes were
+// shown equal (the daemon's ALREADY_EXISTS, given when the CRC-32C of the
+// chunk, sent or computed from the staged bytes, matches the one held; a
+// fenced staging slot whose generation was applied), or, for a new process
+// replaying the open step, held from its predecessor's staged push, which
+// carried no CRC-32C (ALREADY_EXISTS too: kept, not compared). A duplicate
+// with other bytes is an error, never "delivered".
 
 #include <cstdint>
 #include <string>

@@ -99,6 +99,11 @@ ABSL_FLAG(int, activation_timing_steps, 0,
           "After training, every rank trains a second job of this many steps alternating daemon "
           "and local activation checkpoints step by step; rank 0 prints the median step time of "
           "each (needs stage 3). 0 = off.");
+ABSL_FLAG(int, kill_at_step, 0,
+          "Failure drill: in this step, the rank named by --kill_rank kills its own process "
+          "(SIGKILL) once half of its layers' gradients are pushed; only in a process that was "
+          "not restarted ($ZS_RESTART_COUNT unset or 0). 0: never.");
+ABSL_FLAG(int, kill_rank, 0, "The rank --kill_at_step kills.");
 ABSL_FLAG(std::string, dump_params, "",
           "Rank 0: after the last step, write every fp32 parameter (the flat layout, gaps as "
           "zeros) to this file as raw little-endian floats.");
@@ -357,6 +362,11 @@ int Main() {
     std::fprintf(stderr, "gpt_train: %s\n", layout.status().ToString().c_str());
     return 2;
   }
+  const int restart_count = EnvInt("ZS_RESTART_COUNT", -1, 0);
+  if (absl::GetFlag(FLAGS_kill_at_step) > 0 && restart_count == 0 &&
+      absl::GetFlag(FLAGS_kill_rank) == static_cast<int>(o.rank)) {
+    o.kill_at_step = absl::GetFlag(FLAGS_kill_at_step);
+  }
   const bool leader = o.rank == 0;
   int threads = absl::GetFlag(FLAGS_threads);
   if (threads <= 0) {
@@ -428,6 +438,12 @@ int Main() {
     if (o.activations == "daemon") spill_report = SpillLines(o.daemons, o.job_id);
   };
   const StartCallback started = [&](Client& client) {
+    if (restart_count > 0) {
+      std::fprintf(stderr, "rank %u restarted (ZS_RESTART_COUNT=%d): continuing at step %llu\n",
+                   o.rank, restart_count,
+                   static_cast<unsigned long long>(client.committed_step() + 1));
+      std::fflush(stderr);
+    }
     if (!leader || o.resume.empty()) return;
     if (client.resumed_from().has_value()) {
       const v1::LoadCheckpointResponse& r = *client.resumed_from();

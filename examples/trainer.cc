@@ -1,5 +1,7 @@
 #include "examples/trainer.h"
 
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 
@@ -87,6 +89,23 @@ float* AsFloat(const void* src, DType type, uint64_t n, std::vector<float>* scra
   scratch->resize(n);
   ToFloat(type, src, scratch->data(), n);
   return scratch->data();
+}
+
+// TrainOptions::kill_at_step: once backward has pushed layer
+// num_layers / 2 of that step, waits until the pushes before it are applied
+// (the last one may share a bucket with the next layer, so it is not
+// awaited) and kills the process.
+absl::Status MaybeKillForDrill(const TrainOptions& o, int step, int layer, int num_layers,
+                               const std::vector<PushTicket>& tickets) {
+  if (step != o.kill_at_step || layer != num_layers / 2) return absl::OkStatus();
+  for (size_t i = 0; i + 1 < tickets.size(); ++i) {
+    RETURN_IF_ERROR(tickets[i].Wait(absl::Now() + absl::Minutes(1)));
+  }
+  std::fprintf(stderr, "kill_at_step: rank %u kills itself in step %d, layers %d..%d pushed\n",
+               o.rank, step, num_layers - 1, layer);
+  std::fflush(stderr);
+  raise(SIGKILL);
+  return absl::InternalError("kill_at_step: SIGKILL did not end the process");
 }
 
 }  // namespace
@@ -239,6 +258,7 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
                          client->PushGradients(r, full_grads.data() + r.begin, DType::kFp32,
                                                /*micro_batch=*/0, BufferUse::kBorrow));
         tickets.push_back(std::move(t));
+        RETURN_IF_ERROR(MaybeKillForDrill(o, step, l, num_layers, tickets));
       }
     } else {
       ActivationStore& checkpoints =
@@ -292,6 +312,7 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
         ASSIGN_OR_RETURN(PushTicket t,
                          client->PushGradients(r, grad_scratch.data(), DType::kFp32));
         tickets.push_back(std::move(t));
+        RETURN_IF_ERROR(MaybeKillForDrill(o, step, l, num_layers, tickets));
         if (l > 0) grad_out = input.grad();
       }
       RETURN_IF_ERROR(checkpoints.EndStep());

@@ -64,6 +64,13 @@ struct TrainOptions {
   uint32_t activation_prefetch_depth = 2;
   uint32_t activation_offloads_in_flight = 2;
 
+  // A failure drill: in step `kill_at_step` (0: never) the rank kills its
+  // own process with SIGKILL once the gradients of half of its layers (the
+  // last ones, as backward produces them) are applied on the daemons, leaving
+  // the step open with part of its contributions in. A restarted process
+  // (zsrun --max_restarts) continues at the committed step.
+  int kill_at_step = 0;
+
   // ClientConfig.resume: a checkpoint name or "latest"; empty: start fresh.
   // Training continues at the committed step the job resumed at and runs
   // until `steps` in all. The batch of step k depends only on k (MakeBatch),

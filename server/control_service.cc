@@ -62,8 +62,16 @@ grpc::Status ControlService::JoinJob(grpc::ServerContext* call, const v1::JoinJo
     const uint32_t world = (*job)->config().world_size;
     ctx_->metrics->SetRanks(req->job_id(),
                             (*job)->RanksConnected(ctx_->jobs->options().rank_timeout), world);
+    std::string replaced;
+    if (resp->replaced_incarnation() != 0) {
+      replaced =
+          absl::StrCat(", replacing incarnation ", resp->replaced_incarnation(), " (",
+                       resp->dropped_contributions(), " of its buffered contributions to step ",
+                       resp->committed_step() + 1, " dropped)");
+    }
     Log(absl::StrCat("job ", req->job_id(), " rank ", req->rank(), " joined as incarnation ",
-                     req->incarnation(), " (", resp->ranks_connected(), "/", world, " joined)"));
+                     req->incarnation(), replaced, " (", resp->ranks_connected(), "/", world,
+                     " joined)"));
   }
   return ctx_->Done(__func__, s);
 }

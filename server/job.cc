@@ -1,16 +1,17 @@
 #include "server/job.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-
-#include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/checkpoint_files.h"
 #include "common/crc32c.h"
 #include "common/fnv.h"
+#include "common/status_macros.h"
 
 namespace zeroshard {
 namespace {
@@ -143,6 +144,9 @@ absl::Status Job::Join(const v1::JoinJobRequest& r, v1::JoinJobResponse* respons
   if (r.precision() != WireDType(config_.precision)) {
     return mismatch("precision", WireDType(config_.precision), r.precision());
   }
+  // The reduction lock first: a rank's new process drops what its old one
+  // left in the out-of-order buffer before any push of the new one.
+  absl::MutexLock reduction_lock(&mu_);
   absl::MutexLock lock(&ranks_mu_);
   if (removed_) {
     return absl::NotFoundError(absl::StrCat("job ", config_.job_id, " was removed; register it again"));
@@ -155,7 +159,12 @@ absl::Status Job::Join(const v1::JoinJobRequest& r, v1::JoinJobResponse* respons
         " is fenced"));
   }
   if (r.incarnation() > e.incarnation) {
-    // A newer process for this rank: the old one's staging goes with it.
+    // A newer process for this rank: the old one's staging goes with it, and
+    // so do its contributions to the open step not applied yet.
+    if (e.incarnation != 0) {
+      response->set_replaced_incarnation(e.incarnation);
+      response->set_dropped_contributions(reduction_->ReplaceRank(r.rank()));
+    }
     e.incarnation = r.incarnation();
     e.staging.reset();
   }
@@ -363,18 +372,18 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
   }
   const uint32_t mbs = std::max<uint32_t>(chunks[0].micro_batches(), 1);
   absl::MutexLock lock(&mu_);
-  {
-    // Every chunk's sender must be the rank's current incarnation, checked
-    // under the reduction lock so a rank that rejoins meanwhile fences it.
+  // Every chunk's sender must be the rank's current incarnation, checked
+  // under the reduction lock (and again after any wait that released it), so
+  // a rank that rejoins meanwhile fences it.
+  auto senders_current = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     absl::MutexLock ranks_lock(&ranks_mu_);
     for (size_t i = 0; i < chunks.size(); ++i) {
-      if (absl::Status s = CheckRankLocked(chunks[i].rank(), chunks[i].incarnation(),
-                                           absl::StrCat("chunk ", i, "."));
-          !s.ok()) {
-        return s;
-      }
+      RETURN_IF_ERROR(CheckRankLocked(chunks[i].rank(), chunks[i].incarnation(),
+                                      absl::StrCat("chunk ", i, ".")));
     }
-  }
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(senders_current());
   std::vector<Contribution> batch(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) {
     if (absl::Status s = CheckChunk(chunks[i], i, payloads[i], &batch[i]); !s.ok()) return s;
@@ -389,7 +398,7 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
         " is prepared: its gradient is complete and frozen until the commit"));
   }
   uint64_t elements = 0;
-  if (absl::Status s = ApplyPush(batch, mbs, deadline, &elements); !s.ok()) return s;
+  RETURN_IF_ERROR(ApplyPush(batch, mbs, deadline, senders_current, &elements));
   {
     absl::MutexLock ranks_lock(&ranks_mu_);
     for (const v1::GradientChunk& c : chunks) {
@@ -402,7 +411,8 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
 }
 
 absl::Status Job::ApplyPush(const std::vector<Contribution>& batch, uint32_t micro_batches,
-                            absl::Time deadline, uint64_t* elements) {
+                            absl::Time deadline, absl::FunctionRef<absl::Status()> senders_current,
+                            uint64_t* elements) {
   const uint64_t step = committed_step() + 1;
   for (;;) {
     uint64_t pending = 0;
@@ -437,6 +447,7 @@ absl::Status Job::ApplyPush(const std::vector<Contribution>& batch, uint32_t mic
       return absl::FailedPreconditionError(absl::StrCat(
           "job ", config_.job_id, " committed step ", step, " while this push waited"));
     }
+    RETURN_IF_ERROR(senders_current());
   }
 }
 

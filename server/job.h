@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -179,9 +180,12 @@ class Job {
   absl::StatusOr<float> CheckCommitRequest(const v1::CommitStepRequest& r);
   void UpdateLossScale(bool skipped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckpointsEnabled() const;
+  // Applies a checked batch, waiting (mu_ released) while the out-of-order
+  // buffer is full; `senders_current` (called under mu_) is asked again
+  // after every wait.
   absl::Status ApplyPush(const std::vector<Contribution>& batch, uint32_t micro_batches,
-                         absl::Time deadline, uint64_t* elements)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                         absl::Time deadline, absl::FunctionRef<absl::Status()> senders_current,
+                         uint64_t* elements) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const JobConfig config_;
   const v1::JobSpec spec_;

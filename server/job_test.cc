@@ -2,6 +2,7 @@
 // bounded out-of-order buffer, and gathers whose reader stalls.
 
 #include <atomic>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -15,6 +16,7 @@ namespace zeroshard {
 namespace {
 
 using testing::DaemonClient;
+using testing::ExpectRejected;
 using testing::GradientChunks;
 using testing::MakeSpec;
 using testing::SampleLayout;
@@ -115,6 +117,111 @@ TEST(JobTest, OutOfOrderBufferIsBoundedAndExact) {
   }
   ASSERT_EQ(in_order.size(), out_of_order.size());
   EXPECT_EQ(0, std::memcmp(in_order.data(), out_of_order.data(), in_order.size() * 4));
+}
+
+// A rank's process dies in the middle of a step and a new one replays it:
+// what the old one left in the out-of-order buffer is dropped at the join,
+// what it had applied is kept, and the new one's pushes of those are
+// answered ALREADY_EXISTS: compared by CRC-32C where the held push carried
+// one (computed from the new chunk when it carries none, as a staged push
+// does; other bytes are refused), kept uncompared where it carried none. A
+// rank that was not replaced gets no such pass. The step ends with the
+// parameters of a run where nothing failed.
+TEST(JobTest, RestartedRankReplaysTheOpenStep) {
+  constexpr uint32_t kWorld = 3;
+  const Layout layout = SampleLayout();
+  std::vector<std::vector<float>> params(2);
+  for (int pass = 0; pass < 2; ++pass) {
+    std::unique_ptr<Daemon> d = Start();
+    DaemonClient c(d->address());
+    const v1::JobSpec spec = MakeSpec("job", layout, 2, kWorld, {d->address()});
+    const JobConfig config = *ParseJobSpec(spec);
+    ASSERT_TRUE(c.Register(spec, 0).ok());
+    ASSERT_TRUE(c.JoinAll(spec).ok());
+    const uint64_t n = config.map.total_elements();
+    const uint64_t half = n / 2;
+    std::vector<std::vector<float>> grads(kWorld, std::vector<float>(n));
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      for (uint64_t i = 0; i < n; ++i) grads[r][i] = 0.25f * (r + 1) - 1e-3f * (i % 89);
+    }
+    // Rank r's chunks of `range`; every other one without a CRC-32C (staged).
+    auto chunks = [&](uint32_t r, FlatRange range, uint64_t incarnation) {
+      std::vector<v1::GradientChunk> cs =
+          GradientChunks("job", 1, r, config.map, range, grads[r].data() + range.begin, 256);
+      for (size_t i = 0; i < cs.size(); ++i) {
+        cs[i].set_incarnation(incarnation);
+        if (i % 2 == 1) cs[i].clear_crc32c();
+      }
+      return cs;
+    };
+    auto push_each = [&](const std::vector<v1::GradientChunk>& cs, grpc::StatusCode code) {
+      for (const auto& chunk : cs) {
+        const grpc::Status s = c.Push({chunk});
+        ASSERT_EQ(s.error_code(), code) << s.error_message();
+      }
+    };
+    if (pass == 0) {
+      for (uint32_t r = 0; r < kWorld; ++r) push_each(chunks(r, {0, n}, 1), grpc::OK);
+    } else {
+      // Rank 1's first process pushes everything ahead of rank 0: buffered.
+      push_each(chunks(1, {0, n}, 1), grpc::OK);
+      const uint64_t buffered_before =
+          d->ledger().JobBytes("job")[static_cast<int>(MemoryCategory::kBuffer)];
+      // Rank 0's first half drains rank 1's first half into the sum.
+      push_each(chunks(0, {0, half}, 1), grpc::OK);
+      // Rank 0 was not replaced: its duplicate without a CRC-32C of a chunk
+      // held without one cannot be compared, and is refused.
+      ExpectRejected(*d, "job", grpc::FAILED_PRECONDITION, "cannot be compared", [&] {
+        return c.Push({chunks(0, {0, half}, 1)[1]});
+      });
+      // Rank 1 restarts: its buffered second half is dropped.
+      v1::JoinJobRequest join;
+      join.set_job_id("job");
+      join.set_rank(1);
+      join.set_layout_fingerprint(layout.fingerprint());
+      join.set_stage(2);
+      join.set_world_size(kWorld);
+      join.set_precision(v1::DTYPE_FP32);
+      join.set_incarnation(7);
+      v1::JoinJobResponse joined;
+      grpc::ClientContext ctx;
+      ASSERT_TRUE(c.control->JoinJob(&ctx, join, &joined).ok());
+      EXPECT_EQ(joined.replaced_incarnation(), 1u);
+      EXPECT_EQ(joined.committed_step(), 0u);
+      EXPECT_EQ(joined.dropped_contributions(), chunks(1, {half, n}, 1).size());
+      EXPECT_LT(d->ledger().JobBytes("job")[static_cast<int>(MemoryCategory::kBuffer)],
+                buffered_before);
+      // The old process is fenced.
+      push_each(chunks(1, {half, n}, 1), grpc::FAILED_PRECONDITION);
+      // The new one's replay of the applied half, as staged pushes (no CRC):
+      // equal to what is held, or held without a CRC.
+      std::vector<v1::GradientChunk> replay = chunks(1, {0, half}, 7);
+      for (auto& chunk : replay) chunk.clear_crc32c();
+      push_each(replay, grpc::ALREADY_EXISTS);
+      // Other bytes for a chunk held with a CRC-32C are refused and change
+      // nothing, with or without a CRC of their own.
+      std::vector<float> other = grads[1];
+      other[0] += 1.0f;
+      std::vector<v1::GradientChunk> wrong =
+          GradientChunks("job", 1, 1, config.map, {0, 256}, other.data(), 256);
+      wrong[0].set_incarnation(7);
+      ExpectRejected(*d, "job", grpc::FAILED_PRECONDITION, "other bytes",
+                     [&] { return c.Push({wrong[0]}); });
+      wrong[0].clear_crc32c();
+      ExpectRejected(*d, "job", grpc::FAILED_PRECONDITION, "other bytes",
+                     [&] { return c.Push({wrong[0]}); });
+      // The dropped half is pushed again by the new process.
+      push_each(chunks(1, {half, n}, 7), grpc::OK);
+      push_each(chunks(0, {half, n}, 1), grpc::OK);
+      push_each(chunks(2, {0, n}, 1), grpc::OK);
+    }
+    v1::PrepareStepResponse p;
+    ASSERT_TRUE(c.Prepare("job", 1, &p).ok());
+    ASSERT_TRUE(c.Commit("job", 1, 0.01f).ok());
+    ASSERT_TRUE(c.Gather("job", 1, {0, n}, &params[pass]).ok());
+  }
+  ASSERT_EQ(params[0].size(), params[1].size());
+  EXPECT_EQ(0, std::memcmp(params[0].data(), params[1].data(), params[0].size() * 4));
 }
 
 // A client that opens a Gather and stops reading delays nobody: another job

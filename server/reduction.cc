@@ -5,6 +5,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
 #include "common/fnv.h"
 
 namespace zeroshard {
@@ -15,6 +16,13 @@ std::string RangeString(const FlatRange& r) { return absl::StrCat("[", r.begin, 
 template <typename T>
 void HashValue(uint64_t& h, const T& v) {
   Fnv1aMix(h, &v, sizeof(v));
+}
+
+// The CRC-32C of a contribution's payload: the sender's, or computed here
+// for one that came without (a staged push). Only for duplicates: a pass
+// over every staged push would cost the push path a third of its bandwidth.
+uint32_t PayloadCrc(const Contribution& c) {
+  return c.crc32c != 0 ? c.crc32c : Crc32c(c.payload.data(), c.payload.size());
 }
 
 }  // namespace
@@ -71,13 +79,27 @@ absl::Status ReductionState::CheckOne(const Contribution& c, size_t index, uint3
   const std::string what = absl::StrCat("chunk ", index, ": rank ", c.rank, " micro-batch ",
                                         c.micro_batch, " already pushed range ", RangeString(r),
                                         " for this step");
-  if (c.crc32c != 0 && c.crc32c == applied_crc) {
+  if (applied_crc != 0 && PayloadCrc(c) == applied_crc) {
     return absl::AlreadyExistsError(
         absl::StrCat(what, " with the same CRC-32C (a duplicate is never counted twice)"));
   }
+  if (applied_crc == 0 && replacing_.count(c.rank) > 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat(what,
+                     " by the rank's previous process, whose push carried no CRC-32C (staged): its "
+                     "bytes are kept and not compared, and this one is not counted"));
+  }
+  if (applied_crc == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what,
+        "; the held one carried no CRC-32C, so the bytes cannot be compared and nothing "
+        "was applied (a rank pushes each range once per micro-batch and step)"));
+  }
   return absl::FailedPreconditionError(absl::StrCat(
-      what, "; without matching CRC-32Cs the daemon cannot tell the bytes equal, so nothing "
-            "was applied (a rank pushes each range once per micro-batch and step)"));
+      what,
+      " with other bytes (CRC-32C differs); nothing was applied: a rank pushes each range "
+      "once per micro-batch and step, and a restarted rank must compute the open step's "
+      "gradient as its predecessor did"));
 }
 
 uint64_t ReductionState::BookkeepingNow() const {
@@ -161,6 +183,11 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
     }
   }
   // Give back what the caller's upper bounds over-reserved and what drained.
+  ReleaseUnheld();
+  return elements;
+}
+
+void ReductionState::ReleaseUnheld() {
   if (buffered_bytes_ < pending_bytes_) {
     ledger_->Release(options_.job_id, MemoryCategory::kBuffer, pending_bytes_ - buffered_bytes_);
     pending_bytes_ = buffered_bytes_;
@@ -169,7 +196,6 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
     ledger_->Release(options_.job_id, MemoryCategory::kBuffer, bookkeeping_bytes_ - now);
     bookkeeping_bytes_ = now;
   }
-  return elements;
 }
 
 void ReductionState::Accumulate(uint64_t begin, uint32_t order, const void* src, DType type,
@@ -226,8 +252,27 @@ std::string ReductionState::DescribeIncomplete() const {
                       m.contributions, " of ", m.expected, " contributions in)");
 }
 
+uint32_t ReductionState::ReplaceRank(uint32_t rank) {
+  replacing_.insert(rank);
+  if (options_.mode != ReductionMode::kDaemon || micro_batches_ == 0) return 0;
+  const uint32_t first = rank * micro_batches_;
+  const uint32_t last = first + micro_batches_;
+  uint32_t dropped = 0;
+  for (auto& [b, k] : keys_) {
+    for (auto p = k.pending.lower_bound(first); p != k.pending.end() && p->first < last;) {
+      buffered_bytes_ -= p->second.values.size() * sizeof(float);
+      p = k.pending.erase(p);
+      --pending_entries_;
+      ++dropped;
+    }
+  }
+  ReleaseUnheld();
+  return dropped;
+}
+
 void ReductionState::Reset() {
   keys_.clear();
+  replacing_.clear();
   micro_batches_ = 0;
   buffered_bytes_ = 0;
   applied_ = 0;
@@ -241,6 +286,7 @@ void ReductionState::Reset() {
 
 void ReductionState::Hash(uint64_t& h) const {
   HashValue(h, micro_batches_);
+  for (uint32_t r : replacing_) HashValue(h, r);
   HashValue(h, pending_bytes_);
   for (const auto& [b, k] : keys_) {
     HashValue(h, b);

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -35,8 +36,10 @@ struct Contribution {
   uint32_t rank = 0;
   uint32_t micro_batch = 0;
   DType dtype = DType::kFp32;
-  absl::string_view payload;  // range.size() * DTypeSize(dtype) bytes, read during Apply only
-  uint32_t crc32c = 0;        // of payload as the sender computed it; 0 = unknown
+  // range.size() * DTypeSize(dtype) bytes, read during Check and Apply only.
+  absl::string_view payload;
+  // Of payload as the sender computed it; 0 = not sent (a staged push).
+  uint32_t crc32c = 0;
 };
 
 // A range of the open step still waiting for a contribution.
@@ -67,8 +70,12 @@ class ReductionState {
   // in order: ranges must match earlier keys exactly or not overlap them, and
   // no (range, order) may be in already. Error codes: FailedPrecondition
   // (overlapping cut, micro_batches differing from the step's, a duplicate
-  // whose bytes cannot be shown equal), AlreadyExists (a duplicate with the
-  // same non-zero CRC-32C as the applied one), InvalidArgument (a duplicate
+  // whose bytes differ from the held one's or cannot be compared),
+  // AlreadyExists (a duplicate whose payload has the held one's CRC-32C,
+  // computed from the payload if the chunk carries none: a resend or a
+  // restarted rank's replay is never counted twice; or, from a rank replaced
+  // during this step (ReplaceRank), a duplicate of a held contribution that
+  // carried no CRC-32C: kept, not compared), InvalidArgument (a duplicate
   // inside `batch`). Sets *pending_bytes to the out-of-order bytes applying
   // it would buffer, and *bookkeeping_bytes to an upper bound of what its
   // bookkeeping would grow by. Changes nothing.
@@ -94,6 +101,14 @@ class ReductionState {
   std::vector<MissingRange> Missing(size_t max) const;
   // One line for errors: the first missing range and whom it waits for.
   std::string DescribeIncomplete() const;
+  // A new process took over `rank` (it rejoined with a newer incarnation)
+  // during this step: until the step ends, its duplicates of contributions
+  // held without a CRC-32C are accepted as replays (Check). Daemon
+  // reduction: also drops the rank's contributions that wait in the
+  // out-of-order buffer, so that its new process's pushes take their place;
+  // what is applied stays. Returns how many were dropped; gives their bytes
+  // back to the ledger.
+  uint32_t ReplaceRank(uint32_t rank);
   // Forgets the step (the summed gradient in `grad` stays until overwritten
   // by the next step's first contributions) and frees the buffer.
   void Reset();
@@ -126,6 +141,9 @@ class ReductionState {
   static constexpr uint64_t kPendingEntryBytes = 112;
 
   uint64_t BookkeepingNow() const;
+  // Gives the ledger back the booked bytes beyond what the buffer and the
+  // bookkeeping hold now.
+  void ReleaseUnheld();
   uint32_t Order(const Contribution& c, uint32_t micro_batches) const;
   uint32_t Expected(uint32_t micro_batches) const;
   absl::Status CheckOne(const Contribution& c, size_t index, uint32_t order,
@@ -137,6 +155,7 @@ class ReductionState {
   ShardOptimizer* const optimizer_;
   MemoryLedger* const ledger_;
   std::map<uint64_t, Key> keys_;  // by range begin
+  std::set<uint32_t> replacing_;  // ranks replaced during this step (ReplaceRank)
   uint32_t micro_batches_ = 0;    // 0: nothing pushed yet this step
   uint64_t pending_bytes_ = 0;    // booked as buffer
   uint64_t buffered_bytes_ = 0;   // held in `pending` entries

@@ -33,6 +33,9 @@ ABSL_FLAG(std::string, daemon_args, "",
 ABSL_FLAG(bool, metrics, false,
           "Start daemons with --metrics_port=0 and give trainers ZS_METRICS_PORTS.");
 ABSL_FLAG(int, nproc, 1, "Trainer processes to start.");
+ABSL_FLAG(int, max_restarts, 0,
+          "Trainer failures to survive in all: a trainer that exits non-zero is started again "
+          "as the same rank (ZS_RESTART_COUNT one higher) while the others keep running.");
 ABSL_FLAG(std::string, job_id, "", "ZS_JOB_ID for the trainers; default job-<pid>-<unix time>.");
 ABSL_FLAG(double, startup_timeout_s, 30,
           "Seconds for the daemons to print their address and answer Admin.Status.");
@@ -53,14 +56,18 @@ constexpr char kUsage[] =
 
 Starts --daemons zeroshardd processes (or checks --daemon_addresses), waits
 until each answers Admin.Status, then starts --nproc copies of
-TRAINER_COMMAND with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID, RANK,
-WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (and ZS_METRICS_PORTS with
+TRAINER_COMMAND with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID,
+ZS_JOB_TOKEN, ZS_RESTART_COUNT, RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE (and ZS_METRICS_PORTS with
 --metrics) set. Trainer stdout/stderr lines are prefixed "[rank N] "; a
 lone "\r" (a progress bar) also ends a line and is kept, so bars redraw in
 place. Trainers read stdin from /dev/null.
 
 When a trainer exits non-zero the others get SIGTERM, then SIGKILL after
---grace_s, and zsrun exits with that code. SIGINT/SIGTERM are forwarded to
+--grace_s, and zsrun exits with that code; with --max_restarts=N the first N
+such failures instead start that rank again (ZS_RESTART_COUNT one higher):
+it rejoins the job as a new incarnation and continues at the committed
+step, while the other ranks wait for it within their step timeout. SIGINT/SIGTERM are forwarded to
 the trainers (a second one kills them); zsrun then exits 128+signal. The
 daemons zsrun started are stopped last.
 
@@ -97,6 +104,7 @@ int main(int argc, char** argv) {
       absl::StrSplit(absl::GetFlag(FLAGS_daemon_args), absl::ByAnyChar(" \t\n"), absl::SkipEmpty());
   options.metrics = absl::GetFlag(FLAGS_metrics);
   options.nproc = absl::GetFlag(FLAGS_nproc);
+  options.max_restarts = absl::GetFlag(FLAGS_max_restarts);
   options.job_id = absl::GetFlag(FLAGS_job_id);
   options.command.assign(args.begin() + 1, args.end());
   options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout_s));

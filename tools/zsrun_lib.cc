@@ -31,6 +31,7 @@ namespace zeroshard::tools {
 // One child zsrun started; pid is also its process-group id.
 struct Launcher::Proc {
   std::string label;  // "rank 0", "daemon 1"
+  int rank = -1;      // trainers only
   pid_t pid = -1;
   bool running = false;
   bool seen = false;  // Its exit has been acted on.
@@ -311,6 +312,7 @@ std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base
       {"WORLD_SIZE", absl::StrCat(env.world_size)},
       {"LOCAL_RANK", absl::StrCat(env.rank)},
       {"LOCAL_WORLD_SIZE", absl::StrCat(env.world_size)},
+      {"ZS_RESTART_COUNT", absl::StrCat(env.restart_count)},
   };
   if (!env.metrics_ports.empty()) {
     vars.emplace_back("ZS_METRICS_PORTS", absl::StrJoin(env.metrics_ports, ","));
@@ -513,6 +515,7 @@ absl::StatusOr<int> Launcher::RunInternal() {
       return absl::InvalidArgumentError("no trainer command (zsrun [flags] -- COMMAND [ARGS...])");
     }
     if (o.nproc < 1) return absl::InvalidArgumentError("--nproc must be at least 1");
+    if (o.max_restarts < 0) return absl::InvalidArgumentError("--max_restarts must be >= 0");
   }
   if (local && o.daemons < 1) return absl::InvalidArgumentError("--daemons must be at least 1");
   if (o.startup_timeout <= absl::ZeroDuration()) {
@@ -770,45 +773,51 @@ int Launcher::HoldDaemons() {
   }
 }
 
-absl::StatusOr<int> Launcher::RunTrainers() {
-  ASSIGN_OR_RETURN(const std::string path, ResolveExecutable(options_.command[0]));
-  const std::vector<std::string> base_env = CurrentEnvironment();
-  for (int rank = 0; rank < options_.nproc; ++rank) {
-    auto proc = std::make_unique<Proc>();
-    proc->label = absl::StrCat("rank ", rank);
-    int out[2] = {-1, -1};
-    int err[2] = {-1, -1};
-    absl::Status piped = MakePipe(out);
-    if (piped.ok()) piped = MakePipe(err);
-    TrainerEnv te;
-    te.rank = rank;
-    te.world_size = options_.nproc;
-    te.daemons = addresses_;
-    te.job_id = options_.job_id;
-    te.job_token = job_token_;
-    te.metrics_ports = metrics_ports_;
-    SpawnSpec spec;
-    spec.path = path;
-    spec.argv = options_.command;
-    spec.env = TrainerEnvironment(base_env, te);
-    spec.stdin_fd = devnull_;
-    spec.stdout_fd = out[1];
-    spec.stderr_fd = err[1];
-    absl::StatusOr<pid_t> pid = piped.ok() ? Spawn(spec) : absl::StatusOr<pid_t>(piped);
-    CloseFd(out[1]);
-    CloseFd(err[1]);
-    if (!pid.ok()) {
-      CloseFd(out[0]);
-      CloseFd(err[0]);
-      return pid.status();  // Run stops the ranks already started.
-    }
-    proc->pid = *pid;
-    proc->running = true;
-    const std::string prefix = absl::StrCat("[rank ", rank, "] ");
-    AddStream(proc.get(), out[0], prefix, options_.stdout_fd, -1, nullptr);
-    AddStream(proc.get(), err[0], prefix, options_.stderr_fd, -1, nullptr);
-    trainers_.push_back(std::move(proc));
+absl::Status Launcher::StartTrainer(int rank, int restarts) {
+  auto proc = std::make_unique<Proc>();
+  proc->label = absl::StrCat("rank ", rank);
+  proc->rank = rank;
+  int out[2] = {-1, -1};
+  int err[2] = {-1, -1};
+  absl::Status piped = MakePipe(out);
+  if (piped.ok()) piped = MakePipe(err);
+  TrainerEnv te;
+  te.rank = rank;
+  te.world_size = options_.nproc;
+  te.daemons = addresses_;
+  te.job_id = options_.job_id;
+  te.job_token = job_token_;
+  te.metrics_ports = metrics_ports_;
+  te.restart_count = restarts;
+  SpawnSpec spec;
+  spec.path = trainer_path_;
+  spec.argv = options_.command;
+  spec.env = TrainerEnvironment(trainer_base_env_, te);
+  spec.stdin_fd = devnull_;
+  spec.stdout_fd = out[1];
+  spec.stderr_fd = err[1];
+  absl::StatusOr<pid_t> pid = piped.ok() ? Spawn(spec) : absl::StatusOr<pid_t>(piped);
+  CloseFd(out[1]);
+  CloseFd(err[1]);
+  if (!pid.ok()) {
+    CloseFd(out[0]);
+    CloseFd(err[0]);
+    return pid.status();  // Run stops the ranks already started.
   }
+  proc->pid = *pid;
+  proc->running = true;
+  const std::string prefix = absl::StrCat("[rank ", rank, "] ");
+  AddStream(proc.get(), out[0], prefix, options_.stdout_fd, -1, nullptr);
+  AddStream(proc.get(), err[0], prefix, options_.stderr_fd, -1, nullptr);
+  trainers_.push_back(std::move(proc));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> Launcher::RunTrainers() {
+  ASSIGN_OR_RETURN(trainer_path_, ResolveExecutable(options_.command[0]));
+  trainer_base_env_ = CurrentEnvironment();
+  rank_restarts_.assign(options_.nproc, 0);
+  for (int rank = 0; rank < options_.nproc; ++rank) RETURN_IF_ERROR(StartTrainer(rank, 0));
 
   int result = 0;
   bool interrupted = false;
@@ -844,14 +853,29 @@ absl::StatusOr<int> Launcher::RunTrainers() {
         kill_at = absl::Now();
       }
     }
-    for (auto& t : trainers_) {
-      if (t->running || t->seen) continue;
-      t->seen = true;
-      if (t->exit_code != 0 && result == 0) {
-        result = t->exit_code;
-        stop_all(absl::StrCat(t->label, " exited with code ", t->exit_code,
-                              "; stopping the other trainers"));
+    // Indices: StartTrainer appends to trainers_.
+    for (size_t i = 0; i < trainers_.size(); ++i) {
+      Proc& t = *trainers_[i];
+      if (t.running || t.seen) continue;
+      t.seen = true;
+      if (t.exit_code == 0 || result != 0) continue;
+      if (!interrupted && kill_at == absl::InfiniteFuture() && restarts_ < options_.max_restarts) {
+        // Whatever the failed trainer left in its process group goes first.
+        kill(-t.pid, SIGKILL);
+        ++restarts_;
+        Say(absl::StrCat(t.label, " exited with code ", t.exit_code, "; restarting it (restart ",
+                         restarts_, " of ", options_.max_restarts, ")"));
+        const int rank = t.rank;
+        if (absl::Status s = StartTrainer(rank, ++rank_restarts_[rank]); !s.ok()) {
+          result = 1;
+          stop_all(absl::StrCat("rank ", rank, " could not be restarted (", s.message(),
+                                "); stopping the other trainers"));
+        }
+        continue;
       }
+      result = t.exit_code;
+      stop_all(absl::StrCat(t.label, " exited with code ", t.exit_code,
+                            "; stopping the other trainers"));
     }
     for (auto& d : daemons_) {
       if (d->running || d->seen) continue;

@@ -40,6 +40,13 @@ struct LaunchOptions {
   // Start daemons with --metrics_port=0 and export ZS_METRICS_PORTS.
   bool metrics = false;
   int nproc = 1;
+  // Trainer failures survived in all (torchrun's --max_restarts, per trainer
+  // rather than per group): a trainer that exits non-zero (or dies of a
+  // signal) while no stop is under way is started again as the same rank,
+  // with ZS_RESTART_COUNT one higher, and the others keep running; it joins
+  // the job as a new incarnation and continues at the committed step. Past
+  // this many, a failure stops the run as without it.
+  int max_restarts = 0;
   // Empty: DefaultJobId().
   std::string job_id;
   // The trainer's argv; argv[0] without a '/' is looked up on PATH.
@@ -95,7 +102,8 @@ class Launcher {
   // Where the daemon logs went; empty when no daemons were started. A
   // temporary one no longer exists after a run that returned 0.
   const std::string& log_dir() const { return log_dir_; }
-  // Pids of the processes Run started; all reaped once Run returns.
+  // Pids of the processes Run started (restarted trainers after the first
+  // nproc); all reaped once Run returns.
   std::vector<pid_t> daemon_pids() const;
   std::vector<pid_t> trainer_pids() const;
 
@@ -110,6 +118,9 @@ class Launcher {
   absl::Status CheckDaemons();
   int HoldDaemons();
   absl::StatusOr<int> RunTrainers();
+  // Starts rank `rank`'s trainer (its `restarts`-th restart) and appends it
+  // to trainers_.
+  absl::Status StartTrainer(int rank, int restarts);
   // SIGTERM, `grace`, SIGKILL, then reaps (bounded); each step skipped once
   // nothing is left running.
   void Stop(std::vector<std::unique_ptr<Proc>>& procs);
@@ -139,7 +150,12 @@ class Launcher {
   int interrupt_signal_ = 0;
   absl::Time startup_deadline_;
   std::vector<std::unique_ptr<Proc>> daemons_;
+  // Every trainer process started, restarted ones after the first nproc.
   std::vector<std::unique_ptr<Proc>> trainers_;
+  std::string trainer_path_;
+  std::vector<std::string> trainer_base_env_;
+  int restarts_ = 0;                // trainer restarts so far
+  std::vector<int> rank_restarts_;  // by rank: ZS_RESTART_COUNT of its latest process
   std::vector<std::unique_ptr<Stream>> streams_;
   std::vector<std::string> addresses_;
   std::vector<int> metrics_ports_;
@@ -190,10 +206,12 @@ struct TrainerEnv {
   std::string job_id;
   std::string job_token;           // the run's secret, ZS_JOB_TOKEN
   std::vector<int> metrics_ports;  // empty: ZS_METRICS_PORTS not set
+  int restart_count = 0;           // ZS_RESTART_COUNT: times this rank was restarted
 };
 
 // `base` ("K=V" entries) with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID,
-// ZS_JOB_TOKEN, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (and ZS_METRICS_PORTS)
+// ZS_JOB_TOKEN, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, ZS_RESTART_COUNT
+// (and ZS_METRICS_PORTS)
 // replacing any earlier values.
 std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base,
                                             const TrainerEnv& env);

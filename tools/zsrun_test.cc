@@ -255,7 +255,7 @@ TEST(TrainerEnvironmentTest, SetsTheRankVariablesAndReplacesOldOnes) {
   EXPECT_THAT(env, ElementsAre("PATH=/bin", "ZS_RANK=2", "ZS_WORLD_SIZE=4",
                                "ZS_DAEMONS=127.0.0.1:1,127.0.0.1:2", "ZS_JOB_ID=j",
                                "ZS_JOB_TOKEN=t0123456789abcdef", "RANK=2", "WORLD_SIZE=4",
-                               "LOCAL_RANK=2", "LOCAL_WORLD_SIZE=4"));
+                               "LOCAL_RANK=2", "LOCAL_WORLD_SIZE=4", "ZS_RESTART_COUNT=0"));
   te.metrics_ports = {81, 82};
   EXPECT_EQ(TrainerEnvironment({}, te).back(), "ZS_METRICS_PORTS=81,82");
 }
@@ -335,6 +335,50 @@ TEST(LauncherTest, FailingTrainerStopsTheOthersAndSetsTheExitCode) {
   EXPECT_THAT(l.err(), HasSubstr("rank 1 exited with code 3"));
   for (pid_t pid : l.launcher->trainer_pids()) EXPECT_TRUE(Gone(pid)) << pid;
   for (pid_t pid : l.launcher->daemon_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+}
+
+// --max_restarts: a failed rank is started again with ZS_RESTART_COUNT one
+// higher while the others keep running; a failure past the budget stops the
+// run as without it.
+TEST(LauncherTest, MaxRestartsRestartsTheFailedRankOnly) {
+  const std::string marks = TempPath("marks");
+  ASSERT_EQ(mkdir(marks.c_str(), 0755), 0);
+  // Rank 1 dies of SIGKILL on its first run and exits 5 on its second; rank
+  // 0 records each start and exits 0 once rank 1 has run three times.
+  const std::string script =
+      absl::StrCat("echo start >> ", marks,
+                   "/rank$ZS_RANK; "
+                   "if [ $ZS_RANK = 1 ]; then "
+                   "  case $ZS_RESTART_COUNT in 0) kill -9 $$;; 1) exit 5;; esac; exit 0; "
+                   "fi; "
+                   "while [ $(wc -l < ",
+                   marks, "/rank1 2>/dev/null || echo 0) -lt 3 ]; do sleep 0.05; done");
+  {
+    LaunchOptions o = ShellTrainers(1, 2, script);
+    o.max_restarts = 2;
+    Launch l(std::move(o));
+    absl::StatusOr<int> code = l.Run();
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0) << l.err();
+    EXPECT_THAT(l.err(), HasSubstr("rank 1 exited with code 137; restarting it (restart 1 of 2)"));
+    EXPECT_THAT(l.err(), HasSubstr("rank 1 exited with code 5; restarting it (restart 2 of 2)"));
+    EXPECT_EQ(Lines(ReadFile(marks + "/rank0")).size(), 1u);  // never restarted
+    EXPECT_EQ(Lines(ReadFile(marks + "/rank1")).size(), 3u);
+    EXPECT_EQ(l.launcher->trainer_pids().size(), 4u);
+    for (pid_t pid : l.launcher->trainer_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+  }
+  // One restart fewer: the second failure ends the run with its code.
+  std::remove((marks + "/rank0").c_str());
+  std::remove((marks + "/rank1").c_str());
+  LaunchOptions o = ShellTrainers(1, 2, script);
+  o.max_restarts = 1;
+  o.grace = absl::Seconds(5);
+  Launch l(std::move(o));
+  absl::StatusOr<int> code = l.Run();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 5) << l.err();
+  EXPECT_THAT(l.err(), HasSubstr("rank 1 exited with code 5; stopping the other trainers"));
+  for (pid_t pid : l.launcher->trainer_pids()) EXPECT_TRUE(Gone(pid)) << pid;
 }
 
 TEST(LauncherTest, TrainerIgnoringSigtermIsKilledAfterTheGracePeriod) {
@@ -445,6 +489,10 @@ TEST(LauncherTest, RejectsBadOptions) {
   o.command = {"no-such-trainer-command"};
   Launch missing(o);
   EXPECT_EQ(missing.Run().status().code(), absl::StatusCode::kNotFound);
+  o = ShellTrainers(1, 1, "true");
+  o.max_restarts = -1;
+  Launch negative(o);
+  EXPECT_EQ(negative.Run().status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // --- The zsrun binary ---------------------------------------------------------

@@ -801,7 +801,11 @@ void Worker::Open(const std::shared_ptr<Endpoint>& e) {
   params.err_handler.cb = &Worker::OnEndpointError;
   params.err_handler.arg = e.get();
   ucs_status_t status = UCS_ERR_UNREACHABLE;
-  if (peer_error_mode_) {
+  // A peer on this host is reached over shared memory where UCX may choose
+  // it, which cannot carry peer error handling (UCX logs an error for each
+  // attempt); its death is noticed by watching its process instead.
+  const bool same_host = e->peer.boot == BootHash();
+  if (peer_error_mode_ && !same_host) {
     status = ucp_ep_create(worker_, &params, &e->ep);
     e->peer_errors = status == UCS_OK;
   }
