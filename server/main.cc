@@ -1,6 +1,7 @@
 // zeroshardd: the per-node shard daemon. Owns partitions of model states for
 // the jobs registered with it and serves them over gRPC.
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <thread>
@@ -13,7 +14,7 @@
 #include "common/auth.h"
 #include "common/tls_flags.h"
 #include "server/daemon.h"
-#include "server/system_memory.h"
+#include "server/system_resources.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0",
           "HOST:PORT to serve gRPC on; port 0 picks a free port (printed at start).");
@@ -42,7 +43,9 @@ ABSL_FLAG(bool, ucx_trust_peers, false,
           "the daemon's memory with a forged key. Without it, UCX starts only when --ucx_tls "
           "names shared-memory or RDMA transports alone; otherwise trainers use the stream "
           "data path.");
-ABSL_FLAG(int, optimizer_threads, 1, "Threads running the optimizer step.");
+ABSL_FLAG(int, optimizer_threads, 0,
+          "Threads running the optimizer step (1..256); 0 = the CPUs this process may use: its "
+          "affinity mask, lowered to its cgroup's CPU limit (cpu.max) rounded up.");
 ABSL_FLAG(std::string, bulk_transport, "ucx",
           "Bulk transport served to trainers (ExchangeEndpoint): ucx, grpc or inproc; empty = "
           "none. When it cannot initialise, the daemon serves the streaming RPCs only and "
@@ -98,6 +101,9 @@ int main(int argc, char** argv) {
     options.admin_token = *std::move(token);
   }
   options.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
+  if (options.optimizer_threads == 0) {
+    options.optimizer_threads = std::min(zeroshard::UsableCpus(), 256);
+  }
   options.bulk_transport = absl::GetFlag(FLAGS_bulk_transport);
   options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_seconds));
   options.reduction_buffer_bytes = absl::GetFlag(FLAGS_reduction_buffer_bytes);
@@ -121,6 +127,7 @@ int main(int argc, char** argv) {
               options.memory_limit_bytes == 0
                   ? "none"
                   : absl::StrCat(options.memory_limit_bytes, " bytes").c_str());
+  std::printf("zeroshardd optimizer threads %d\n", options.optimizer_threads);
   if ((*daemon)->metrics_port() != 0) {
     std::printf("zeroshardd metrics on port %d\n", (*daemon)->metrics_port());
   }

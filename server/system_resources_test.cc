@@ -1,4 +1,4 @@
-#include "server/system_memory.h"
+#include "server/system_resources.h"
 
 #include <sys/stat.h>
 
@@ -129,6 +129,37 @@ TEST_F(CgroupTest, HybridTakesTheSmallerOfBoth) {
   Write("memory/job/memory.limit_in_bytes", "4294967296\n");
   Write("job/memory.max", "3221225472\n");
   EXPECT_EQ(CgroupMemoryLimit("5:memory:/job\n0::/job\n", root_), 3 * kGiB);
+}
+
+TEST_F(CgroupTest, V2CpuMaxIsQuotaOverPeriodSmallestAlongThePath) {
+  Write("cpu.max", "max 100000\n");
+  Write("kubepods/cpu.max", "400000 100000\n");
+  Write("kubepods/pod1/cpu.max", "150000 100000\n");
+  EXPECT_DOUBLE_EQ(CgroupCpuLimit("0::/kubepods/pod1\n", root_), 1.5);
+  Write("kubepods/pod1/cpu.max", "max 100000\n");
+  EXPECT_DOUBLE_EQ(CgroupCpuLimit("0::/kubepods/pod1\n", root_), 4.0);
+  Write("kubepods/cpu.max", "max 100000\n");
+  EXPECT_EQ(CgroupCpuLimit("0::/kubepods/pod1\n", root_), 0.0);
+  Write("kubepods/pod1/cpu.max", "garbage\n");
+  EXPECT_EQ(CgroupCpuLimit("0::/kubepods/pod1\n", root_), 0.0);
+  EXPECT_EQ(CgroupCpuLimit("0::/kubepods/../..\n", root_), 0.0);
+}
+
+TEST_F(CgroupTest, V1CpuQuotaUnderTheControllersMount) {
+  Write("cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "250000\n");
+  Write("cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n");
+  Write("cpu,cpuacct/cpu.cfs_quota_us", "-1\n");
+  Write("cpu,cpuacct/cpu.cfs_period_us", "100000\n");
+  const std::string self = "12:cpu,cpuacct:/docker/abc\n11:memory:/docker/abc\n";
+  EXPECT_DOUBLE_EQ(CgroupCpuLimit(self, root_), 2.5);
+  Write("cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "-1\n");
+  EXPECT_EQ(CgroupCpuLimit(self, root_), 0.0);
+}
+
+TEST(UsableCpus, IsAtLeastOneAndAtMostTheAffinityMask) {
+  const int cpus = UsableCpus();
+  EXPECT_GE(cpus, 1);
+  if (AffinityCpus() > 0) EXPECT_LE(cpus, AffinityCpus());
 }
 
 TEST(AutoMemoryLimit, IsAtMostNinetyPercentOfThisProcessesCgroupAndMachine) {

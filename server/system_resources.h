@@ -1,8 +1,9 @@
 #pragma once
 
-// How much memory a daemon may book: the --memory_limit flag, and the
-// memory this machine (or this process's cgroup) actually allows, for
-// --memory_limit=auto.
+// What this machine lets a daemon use: how much memory it may book (the
+// --memory_limit flag, and the memory this machine or this process's cgroup
+// allows, for --memory_limit=auto), and how many CPUs its optimizer may run
+// on (--optimizer_threads' default).
 
 #include <cstdint>
 #include <string>
@@ -41,5 +42,20 @@ uint64_t MeminfoTotalBytes(absl::string_view meminfo_text);
 // limit is found.
 uint64_t CgroupMemoryLimit(const std::string& proc_self_cgroup_text,
                            const std::string& cgroup_root);
+
+// The CPU limit of the cgroup a process belongs to, in CPUs (a quota over
+// its period: 1.5 is 150 ms per 100 ms), given the text of its
+// /proc/<pid>/cgroup and the cgroup mount, like CgroupMemoryLimit: cgroup v2
+// cpu.max ("max" is none), cgroup v1 cpu.cfs_quota_us / cpu.cfs_period_us
+// under `cgroup_root`/<controller list> (-1 is none); the smallest along the
+// path. 0 when no limit is found.
+double CgroupCpuLimit(const std::string& proc_self_cgroup_text, const std::string& cgroup_root);
+
+// CPUs this process may run on (sched_getaffinity); 0 when unknown.
+int AffinityCpus();
+
+// The CPUs this process may use: its affinity mask's count, lowered to its
+// cgroup's CPU limit rounded up; at least 1.
+int UsableCpus();
 
 }  // namespace zeroshard
