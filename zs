@@ -118,6 +118,8 @@ cmd_demo() {
   bazel build --config=clang //server:zeroshardd //tools:zsrun //tools:zsctl //examples:gpt_train
   log "the ZeRO paper's per-rank memory for a 7.5B-parameter model over 64 ranks"
   bazel-bin/tools/zsctl estimate --params 7.5e9 --dp 64 --device_memory 32GB
+  # C_B of 256 KiB: the trainer's constant staging pool (4 buckets) stays
+  # below the 16Ψ of a data-parallel rank at this model's size (Ψ = 235K).
   # Activation checkpoints live on the daemons (--activations=daemon): each
   # daemon gets an arena, and spill files under a directory of this run for
   # what does not fit it. After training, the ranks run a short second job
@@ -130,7 +132,7 @@ cmd_demo() {
   bazel-bin/tools/zsrun --daemons=2 --nproc=2 --metrics \
     --daemon_args="--activation_arena_bytes=${ZS_DEMO_ARENA_BYTES:-67108864} --spill_dir=${spill_dir}" -- \
     bazel-bin/examples/gpt_train --stage=3 --steps="${ZS_DEMO_STEPS:-200}" \
-    --activations=daemon --activation_timing_steps="${ZS_DEMO_TIMING_STEPS:-40}" "$@"
+    --bucket_bytes="${ZS_DEMO_BUCKET_BYTES:-262144}" --activations=daemon --activation_timing_steps="${ZS_DEMO_TIMING_STEPS:-40}" "$@"
 }
 
 case "${1:-}" in

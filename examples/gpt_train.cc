@@ -99,6 +99,9 @@ ABSL_FLAG(int, activation_timing_steps, 0,
           "After training, every rank trains a second job of this many steps alternating daemon "
           "and local activation checkpoints step by step; rank 0 prints the median step time of "
           "each (needs stage 3). 0 = off.");
+ABSL_FLAG(double, rpc_timeout_s, 60, "Seconds a single call to a daemon may take.");
+ABSL_FLAG(double, step_timeout_s, 300,
+          "Seconds a wait on the other ranks may take (a step's barrier, the start-up barrier).");
 ABSL_FLAG(int, kill_at_step, 0,
           "Failure drill: in this step, the rank named by --kill_rank kills its own process "
           "(SIGKILL) once half of its layers' gradients are pushed; only in a process that was "
@@ -303,6 +306,8 @@ int Main() {
   o.weight_decay = static_cast<float>(absl::GetFlag(FLAGS_weight_decay));
   o.max_grad_norm = static_cast<float>(absl::GetFlag(FLAGS_max_grad_norm));
   o.bucket_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_bucket_bytes));
+  o.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
+  o.step_timeout = absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s));
   o.corpus_dir = absl::GetFlag(FLAGS_corpus);
   o.transport = absl::GetFlag(FLAGS_transport);
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
@@ -519,12 +524,39 @@ int Main() {
   std::printf("Paper, per rank, mixed-precision Adam (K = 12): %s = %s\n",
               o.stage == 1 ? "4Ψ + KΨ/N_d" : o.stage == 2 ? "2Ψ + (2+K)Ψ/N_d" : "(4+K)Ψ/N_d",
               paper.ok() ? FormatBytes(paper->bytes_per_rank).c_str() : "?");
-  std::printf("Trainer rank 0 holds: staging buffers %s, layer buffers %s, activation "
-              "checkpoints %s (full model states would be 16Ψ = %s)\n",
-              FormatBytes(result->client_memory.buffer).c_str(),
-              FormatBytes(result->client_memory.param + result->client_memory.param_half).c_str(),
-              FormatBytes(static_cast<double>(activation_bytes)).c_str(),
-              FormatBytes(16 * psi).c_str());
+  std::printf(
+      "Trainer rank 0 holds: staging buffers %s, layer buffers %s, activation "
+      "checkpoints %s\n",
+      FormatBytes(result->client_memory.buffer).c_str(),
+      FormatBytes(result->client_memory.param + result->client_memory.param_half).c_str(),
+      FormatBytes(static_cast<double>(activation_bytes)).c_str());
+  {
+    // What a plain data-parallel rank holds (16Ψ: fp32 parameters, gradients
+    // and Adam's two moments) against this trainer's buffers: the staging
+    // pool is constant (staging_buffers x C_B), the layer buffers grow with
+    // the largest layer, so in proportion to Ψ for a model of this shape.
+    const double staging = static_cast<double>(result->client_memory.buffer);
+    const double layers =
+        static_cast<double>(result->client_memory.param + result->client_memory.param_half);
+    const double held = staging + layers;
+    const double per_psi = layers / psi;  // bytes per parameter the layer buffers hold
+    std::printf(
+        "A plain data-parallel rank would hold 16Ψ = %s of model states; trainer rank 0 "
+        "holds %s of buffers, %.2f of that. ",
+        FormatBytes(16 * psi).c_str(), FormatBytes(held).c_str(), held / (16 * psi));
+    if (per_psi < 16) {
+      std::printf(
+          "With these buffers and a model of this shape, a zeroshard trainer holds less "
+          "above Ψ = %s (the constant staging pool / (16 - %.2f bytes of layer buffers "
+          "per parameter))\n",
+          FormatCount(staging / (16 - per_psi)).c_str(), per_psi);
+    } else {
+      std::printf(
+          "Its layer buffers alone hold %.2f bytes per parameter: more than 16 at any "
+          "size (fewer layer buffers, or more layers)\n",
+          per_psi);
+    }
+  }
   if (o.stage == 3) {
     std::printf("Activation checkpoints (%s): rank 0 held at most %s of them at once; keeping a "
                 "step's checkpoints in the trainer (--activations=local) holds %s\n",

@@ -79,6 +79,8 @@ ClientConfig MakeClientConfig(const TrainOptions& o) {
   c.optimizer.weight_decay = o.weight_decay;
   c.max_grad_norm = o.max_grad_norm;
   c.resume = o.resume;
+  c.rpc_timeout = o.rpc_timeout;
+  c.step_timeout = o.step_timeout;
   return c;
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "client/activation_store.h"
 #include "client/client.h"
 #include "examples/gpt.h"
@@ -38,6 +39,9 @@ struct TrainOptions {
   uint32_t prefetch_depth = 2;
   std::string transport = "stream";  // data path: "stream", "ucx", "grpc" or "inproc"
   std::string ucx_tls;               // UCX_TLS for "ucx" ("" = UCX's choice)
+  // ClientConfig.rpc_timeout and .step_timeout.
+  absl::Duration rpc_timeout = absl::Seconds(60);
+  absl::Duration step_timeout = absl::Minutes(5);
   // ClientConfig.job_token and .tls (empty: ZS_JOB_TOKEN, ZS_TLS_*).
   std::string job_token;
   TlsFiles tls;
