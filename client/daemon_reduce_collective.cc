@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/protocol.h"
 #include "common/stream_copy.h"
 
 namespace zeroshard {
@@ -89,6 +90,7 @@ absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
     absl::MutexLock lock(&mu_);
     sent_.assign(plan_.buckets().size() * job.micro_batches, 0);
     delivered_.assign(sent_.size(), 0);
+    queued_.assign(job.daemons.size(), {});
   }
   bound_.store(true, std::memory_order_release);
   return absl::OkStatus();
@@ -342,40 +344,66 @@ void DaemonReduceCollective::Dispatch(uint64_t key, int buffer_index, const uint
                                       std::vector<std::shared_ptr<CountDown>> tickets) {
   ++in_flight_;
   if (buffer_index >= 0) ++staged_in_flight_;
-  senders_->Submit([this, step = step_, attempt = attempt_, key, buffer_index, data,
-                    tickets = std::move(tickets)]() mutable {
-    RunSend(step, attempt, key, buffer_index, data, std::move(tickets));
-  });
+  const uint32_t daemon = plan_.buckets()[key % plan_.buckets().size()].daemon;
+  queued_[daemon].push_back({step_, attempt_, key, buffer_index, data, std::move(tickets)});
+  senders_->Submit([this, daemon] { RunSends(daemon); });
 }
 
-void DaemonReduceCollective::RunSend(uint64_t step, uint64_t attempt, uint64_t key,
-                                     int buffer_index, const uint8_t* data,
-                                     std::vector<std::shared_ptr<CountDown>> tickets) {
+void DaemonReduceCollective::RunSends(uint32_t daemon) {
   const size_t nb = plan_.buckets().size();
-  const Bucket& bucket = plan_.buckets()[key % nb];
-  GradientPush push;
-  push.job_id = job_.job_id;
-  push.step = step;
-  push.rank = job_.rank;
-  push.incarnation = job_.incarnation;
-  push.micro_batch = static_cast<uint32_t>(key / nb);
-  push.micro_batches = job_.micro_batches;
-  push.range = bucket.range;
-  push.dtype = plan_.wire_dtype();
-  push.data = data;
-  absl::StatusOr<uint64_t> sent =
-      job_.daemons[bucket.daemon]->PushGradient(push, absl::Now() + job_.rpc_timeout);
-  if (sent.ok()) job_.traffic->AddPush(*sent);
-  for (const auto& t : tickets) t->Done(sent.status());
-  absl::MutexLock lock(&mu_);
-  if (buffer_index >= 0) {
-    free_.push_back(buffer_index);
-    --staged_in_flight_;
+  const uint64_t wire = DTypeSize(plan_.wire_dtype());
+  std::vector<Queued> batch;
+  {
+    absl::MutexLock lock(&mu_);
+    std::deque<Queued>& queue = queued_[daemon];
+    uint64_t bytes = 0;
+    while (!queue.empty()) {
+      const Queued& next = queue.front();
+      // Counted as the daemon counts a stream's bytes (common/protocol.h).
+      const uint64_t b =
+          plan_.buckets()[next.key % nb].range.size() * wire + kPushChunkOverheadBytes;
+      if (!batch.empty() && (next.step != batch[0].step || next.attempt != batch[0].attempt ||
+                             bytes + b > options_.bucket_bytes)) {
+        break;
+      }
+      bytes += b;
+      batch.push_back(std::move(queue.front()));
+      queue.pop_front();
+    }
   }
-  --in_flight_;
-  if (sent.ok() && delivered_step_ == step) delivered_[key] = 1;
-  // A send of an abandoned attempt does not fail the next one.
-  if (!sent.ok() && attempt == attempt_ && error_.ok()) error_ = sent.status();
+  if (batch.empty()) return;
+  std::vector<GradientPush> pushes(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Bucket& bucket = plan_.buckets()[batch[i].key % nb];
+    GradientPush& push = pushes[i];
+    push.job_id = job_.job_id;
+    push.step = batch[i].step;
+    push.rank = job_.rank;
+    push.incarnation = job_.incarnation;
+    push.micro_batch = static_cast<uint32_t>(batch[i].key / nb);
+    push.micro_batches = job_.micro_batches;
+    push.range = bucket.range;
+    push.dtype = plan_.wire_dtype();
+    push.data = batch[i].data;
+  }
+  const std::vector<absl::StatusOr<uint64_t>> sent =
+      job_.daemons[daemon]->PushGradients(pushes, absl::Now() + job_.rpc_timeout);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (sent[i].ok()) job_.traffic->AddPush(*sent[i]);
+    for (const auto& t : batch[i].tickets) t->Done(sent[i].status());
+  }
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Queued& q = batch[i];
+    if (q.buffer_index >= 0) {
+      free_.push_back(q.buffer_index);
+      --staged_in_flight_;
+    }
+    --in_flight_;
+    if (sent[i].ok() && delivered_step_ == q.step) delivered_[q.key] = 1;
+    // A send of an abandoned attempt does not fail the next one.
+    if (!sent[i].ok() && q.attempt == attempt_ && error_.ok()) error_ = sent[i].status();
+  }
 }
 
 void DaemonReduceCollective::ResetStep(const absl::Status& reason) {

@@ -36,6 +36,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -144,12 +145,16 @@ class DaemonReduceCollective final : public Collective {
   // its tickets at once instead.
   void Send(uint64_t key, int buffer_index, const uint8_t* data,
             std::vector<std::shared_ptr<CountDown>> tickets) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Send for a bucket already marked sent.
+  // Send for a bucket already marked sent: queues it for its daemon and
+  // has a sender thread run RunSends for that daemon.
   void Dispatch(uint64_t key, int buffer_index, const uint8_t* data,
                 std::vector<std::shared_ptr<CountDown>> tickets)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunSend(uint64_t step, uint64_t attempt, uint64_t key, int buffer_index,
-               const uint8_t* data, std::vector<std::shared_ptr<CountDown>> tickets);
+  // Sends the buckets queued for `daemon` (none: another sender took them)
+  // in one request (DataPath::PushGradients) while they are of one attempt
+  // and their bytes fit one bucket, C_B: the small buckets at the ends of
+  // partitions travel together, a full bucket alone.
+  void RunSends(uint32_t daemon);
   // Sends the buckets that hold no tensor element (zeros) not sent yet.
   absl::Status SendGapBuckets(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why the step cannot finish: a partly pushed bucket, or a missing one
@@ -186,6 +191,18 @@ class DaemonReduceCollective final : public Collective {
   int staged_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // those of them in staging buffers
   int pushers_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);  // first failed send of the attempt
+
+  // A bucket handed to the senders.
+  struct Queued {
+    uint64_t step;
+    uint64_t attempt;
+    uint64_t key;
+    int buffer_index;  // -1: borrowed from the caller
+    const uint8_t* data;
+    std::vector<std::shared_ptr<CountDown>> tickets;
+  };
+  // By daemon index: buckets dispatched and not yet taken by a sender.
+  std::vector<std::deque<Queued>> queued_ ABSL_GUARDED_BY(mu_);
 
   // Last member: destroyed first, so sends finish while the buffers live.
   std::unique_ptr<Executor> senders_;

@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -86,6 +87,19 @@ class DataPath {
   // nothing of it, or the implementation could not find out (Unavailable,
   // DeadlineExceeded): the caller may push the same bytes again.
   virtual absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) = 0;
+
+  // Sends several contributions (to this daemon, together at most
+  // MaxPushStreamBytes of the job's C_B, common/protocol.h); one result per
+  // push, in order, each with PushGradient's meaning. Blocks until every one
+  // is answered or `deadline`. This default sends them one by one; a path
+  // that can carry them in one request overrides it.
+  virtual std::vector<absl::StatusOr<uint64_t>> PushGradients(
+      const std::vector<GradientPush>& pushes, absl::Time deadline) {
+    std::vector<absl::StatusOr<uint64_t>> results;
+    results.reserve(pushes.size());
+    for (const GradientPush& push : pushes) results.push_back(PushGradient(push, deadline));
+    return results;
+  }
 
   // Stores initial parameters; returns the payload bytes sent once the
   // daemon confirmed every element. The payload is at most kMaxChunkBytes

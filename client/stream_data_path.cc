@@ -89,6 +89,51 @@ absl::StatusOr<uint64_t> StreamDataPath::PushGradient(const GradientPush& push,
   return bytes;
 }
 
+std::vector<absl::StatusOr<uint64_t>> StreamDataPath::PushGradients(
+    const std::vector<GradientPush>& pushes, absl::Time deadline) {
+  if (pushes.size() == 1) return {PushGradient(pushes[0], deadline)};
+  std::vector<absl::StatusOr<uint64_t>> results;
+  if (pushes.empty()) return results;
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::PushGradientResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::GradientChunk>> writer =
+      stub_->PushGradient(&context, &response);
+  uint64_t elements = 0;
+  bool written = true;
+  for (const GradientPush& push : pushes) {
+    const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
+    v1::GradientChunk chunk = GradientChunkHeader(push);
+    chunk.set_data(static_cast<const char*>(push.data), bytes);
+    chunk.set_crc32c(Crc32c(push.data, bytes));
+    elements += push.range.size();
+    // A failed Write means the stream is broken; Finish reports why.
+    if (!(written = writer->Write(chunk))) break;
+  }
+  if (written) writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  const std::string what =
+      absl::StrCat(DescribePush(pushes.front()), " and ", pushes.size() - 1, " more in one stream");
+  absl::Status s = status.ok() ? absl::OkStatus() : DaemonError(status, address_, what);
+  if (s.ok() && response.elements() != elements) {
+    s = absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what, ": accepted ",
+                                         response.elements(), " elements, sent ", elements));
+  }
+  if (absl::IsAlreadyExists(s)) {
+    // Nothing of the batch was applied; each alone shows which are held.
+    for (const GradientPush& push : pushes) results.push_back(PushGradient(push, deadline));
+    return results;
+  }
+  for (const GradientPush& push : pushes) {
+    if (s.ok()) {
+      results.push_back(push.range.size() * DTypeSize(push.dtype));
+    } else {
+      results.push_back(s);
+    }
+  }
+  return results;
+}
+
 absl::StatusOr<uint64_t> StreamDataPath::InitParameters(const ParameterUpload& upload,
                                                       absl::Time deadline) {
   grpc::ClientContext context;

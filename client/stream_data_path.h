@@ -52,6 +52,11 @@ class StreamDataPath final : public DataPath {
   // OK also when the daemon already holds this contribution with the same
   // CRC-32C (ALREADY_EXISTS: an earlier attempt delivered these bytes).
   absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) override;
+  // One PushGradient stream with a chunk per push, which the daemon applies
+  // as one batch: all of them or none. When it refuses the batch because it
+  // holds some of them already (ALREADY_EXISTS), each is sent again alone.
+  std::vector<absl::StatusOr<uint64_t>> PushGradients(const std::vector<GradientPush>& pushes,
+                                                      absl::Time deadline) override;
   absl::StatusOr<uint64_t> InitParameters(const ParameterUpload& upload,
                                           absl::Time deadline) override;
   // Read again (up to 3 times) when a commit tears the stream (ABORTED).

@@ -25,6 +25,13 @@ inline constexpr uint64_t kMaxBucketBytes = uint64_t{1} << 30;
 inline constexpr uint64_t kDefaultBucketBytes = uint64_t{32} << 20;
 // A daemon address, HOST:PORT.
 inline constexpr size_t kMaxAddressBytes = 256;
+// A PushGradient stream (several chunks, applied as one batch) carries at
+// most MaxPushStreamBytes(C_B) bytes, each chunk counted as its payload plus
+// kPushChunkOverheadBytes.
+inline constexpr uint64_t kPushChunkOverheadBytes = 256;
+inline uint64_t MaxPushStreamBytes(uint64_t bucket_bytes) {
+  return 4 * bucket_bytes > kMaxChunkBytes ? 4 * bucket_bytes : kMaxChunkBytes;
+}
 // StepState.missing lists at most this many ranges.
 inline constexpr int kMaxMissingReported = 16;
 

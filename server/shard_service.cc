@@ -11,9 +11,6 @@ namespace {
 
 // Largest payload one PushGradient / InitParameters stream may carry; the
 // whole stream is held until it is applied atomically.
-uint64_t MaxStreamBytes(const JobConfig& c) {
-  return std::max<uint64_t>(4 * c.bucket_bytes, kMaxChunkBytes);
-}
 
 template <typename Chunk>
 uint64_t StreamBytes(const std::vector<Chunk>& chunks) {
@@ -28,7 +25,6 @@ absl::Time DeadlineOf(grpc::ServerContext* ctx) { return absl::FromChrono(ctx->d
 
 // What one buffered chunk costs beyond its payload (the message object and
 // its strings), charged so that a stream of empty chunks is bounded too.
-constexpr uint64_t kChunkOverheadBytes = 256;
 
 // The bytes a stream holds from its first chunk until it has been applied,
 // booked as the job's `buffer` and released when the stream is done.
@@ -67,17 +63,17 @@ absl::Status ShardService::ReadStream(grpc::ServerContext* ctx, grpc::ServerRead
       absl::StatusOr<std::shared_ptr<Job>> found = ctx_->FindJob(*ctx, chunk.job_id());
       if (!found.ok()) return found.status();
       *job = *std::move(found);
-      limit = MaxStreamBytes((*job)->config());
+      limit = MaxPushStreamBytes((*job)->config().bucket_bytes);
     } else if (!chunk.job_id().empty() && chunk.job_id() != (*job)->config().job_id) {
       return absl::InvalidArgumentError(absl::StrCat(
           "chunk ", chunks->size(), ".job_id: the stream started with job ",
           (*job)->config().job_id, ", got ", chunk.job_id().substr(0, 140)));
     }
-    const uint64_t held = chunk.data().size() + kChunkOverheadBytes;
+    const uint64_t held = chunk.data().size() + kPushChunkOverheadBytes;
     bytes += held;
     if (bytes > limit) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("the stream carries more than ", limit, " bytes (", kChunkOverheadBytes,
+          absl::StrCat("the stream carries more than ", limit, " bytes (", kPushChunkOverheadBytes,
                        " counted per chunk besides its data); split pushes into buckets of at ",
                        "most bucket_bytes per stream"));
     }
