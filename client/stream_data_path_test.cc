@@ -74,6 +74,47 @@ TEST(StreamDataPathTest, InitPushGather) {
   EXPECT_NE(0, std::memcmp(got.data(), params.data(), n * 4));
 }
 
+// Several contributions in one stream: applied as one batch. Sent again
+// with one more, the daemon refuses the batch (it holds some): each is then
+// sent alone, the held ones are delivered and the new one applied; one with
+// other bytes fails alone.
+TEST(StreamDataPathTest, PushGradientsSendsOneBatch) {
+  auto daemon = StartDaemon();
+  const Layout layout = SampleLayout();
+  const uint64_t n = layout.total_elements();
+  DaemonClient control(daemon->address());
+  const v1::JobSpec spec = MakeSpec("dp", layout, 2, 1, {daemon->address()});
+  ASSERT_TRUE(control.Register(spec, 0).ok());
+  ASSERT_TRUE(control.Join(spec, 0).ok());
+  StreamDataPath path(
+      daemon->address(),
+      MakeDaemonChannel(daemon->address(), ChannelSecurity::Plaintext(testing::kTestToken)));
+  std::vector<float> grad(n, 0.5f);
+  const uint64_t q = n / 4;
+  auto push = [&](uint64_t begin, uint64_t end, const float* data) {
+    return GradientPush{"dp", 1, 0, kTestIncarnation, 0, 1, {begin, end}, DType::kFp32, data};
+  };
+  std::vector<GradientPush> first = {push(0, q, grad.data()), push(q, 2 * q, grad.data() + q)};
+  std::vector<absl::StatusOr<uint64_t>> sent = path.PushGradients(first, Soon());
+  ASSERT_EQ(sent.size(), 2u);
+  for (const auto& r : sent) ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*sent[1], q * 4);
+
+  std::vector<float> other(n, 0.75f);
+  std::vector<GradientPush> again = first;
+  again.push_back(push(2 * q, 3 * q, grad.data() + 2 * q));
+  again.push_back(push(0, q, other.data()));  // other bytes for a held one
+  sent = path.PushGradients(again, Soon());
+  ASSERT_EQ(sent.size(), 4u);
+  EXPECT_TRUE(sent[0].ok()) << sent[0].status();
+  EXPECT_TRUE(sent[1].ok()) << sent[1].status();
+  EXPECT_TRUE(sent[2].ok()) << sent[2].status();
+  EXPECT_EQ(sent[3].status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(path.PushGradient(push(3 * q, n, grad.data() + 3 * q), Soon()).ok());
+  v1::PrepareStepResponse prep;
+  ASSERT_TRUE(control.Prepare("dp", 1, &prep).ok()) << "every element pushed exactly once";
+}
+
 TEST(StreamDataPathTest, ErrorsNameTheDaemon) {
   auto daemon = StartDaemon();
   const std::string address = daemon->address();

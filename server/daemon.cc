@@ -13,6 +13,8 @@
 #include "common/protocol.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "server/services.h"
 
 namespace zeroshard {
@@ -196,6 +198,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                    MakeServerCredentials(options.tls, "--"));
+  // Standard probes (process-wide settings of gRPC, read by every server
+  // built after them): grpc.health.v1.Health, SERVING until Drain or
+  // Shutdown, and server reflection for tools without the .proto files.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, credentials, &d->port_);
   builder.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
@@ -211,6 +218,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
         absl::StrCat("--listen: cannot bind ", options.listen, " (in use or not local?)"));
   }
   d->address_ = options.listen.substr(0, options.listen.rfind(':') + 1) + std::to_string(d->port_);
+  ctx.health = d->server_->GetHealthCheckService();
   return d;
 }
 

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/auth.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "proto/zeroshard/v1/activation.grpc.pb.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
 #include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
@@ -45,6 +46,9 @@ struct ServiceContext {
   ActivationMetrics* activation_metrics = nullptr;
   absl::Time start;
   std::atomic<bool> draining{false};
+  // gRPC's health service of this daemon's server (set once it is built;
+  // null before): Drain sets it NOT_SERVING.
+  std::atomic<grpc::HealthCheckServiceInterface*> health{nullptr};
   // The admin token's digest; nullopt: no caller has admin authority.
   std::optional<TokenDigest> admin;
 

@@ -1,0 +1,121 @@
+// The standard probes a daemon serves for orchestrators and tools: gRPC
+// health checking (grpc.health.v1.Health, SERVING until Drain) and server
+// reflection (the zeroshard services listed without their .proto files).
+// Neither needs a token.
+
+#include <memory>
+#include <set>
+#include <string>
+
+#include "absl/time/clock.h"
+#include "common/channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
+#include "server/daemon.h"
+#include "server/testing/daemon_fixture.h"
+#include "server/testing/reflection_wire.pb.h"
+
+namespace zeroshard {
+namespace {
+
+constexpr char kAdminToken[] = "probes-test-admin-token-0123456789";
+
+std::unique_ptr<Daemon> StartWithAdmin() {
+  DaemonOptions o;
+  o.admin_token = kAdminToken;
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? *std::move(d) : nullptr;
+}
+
+void SetDeadline(grpc::ClientContext* ctx) {
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+}
+
+// Health.Check on `address` without any token.
+grpc::health::v1::HealthCheckResponse::ServingStatus Check(const std::string& address,
+                                                           grpc::Status* status) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  grpc::health::v1::HealthCheckResponse resp;
+  *status = stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp);
+  return resp.status();
+}
+
+TEST(ProbesTest, HealthIsServingUntilDrain) {
+  std::unique_ptr<Daemon> d = StartWithAdmin();
+  ASSERT_NE(d, nullptr);
+  grpc::Status status;
+  EXPECT_EQ(Check(d->address(), &status), grpc::health::v1::HealthCheckResponse::SERVING);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+
+  testing::DaemonClient admin(d->address(), kAdminToken);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::DrainResponse drained;
+  ASSERT_TRUE(admin.control->Drain(&ctx, v1::DrainRequest(), &drained).ok());
+  EXPECT_EQ(Check(d->address(), &status), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+}
+
+// One list_services exchange over a generic bidi call.
+TEST(ProbesTest, ReflectionListsTheServices) {
+  std::unique_ptr<Daemon> d = StartWithAdmin();
+  ASSERT_NE(d, nullptr);
+  auto channel = grpc::CreateChannel(d->address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  auto next = [&cq](void* want) {
+    void* tag = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_EQ(tag, want);
+    return ok;
+  };
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  int tags[5];
+  call->StartCall(&tags[0]);
+  ASSERT_TRUE(next(&tags[0]));
+  zeroshard::testing::ReflectionRequest request;
+  request.set_list_services("*");
+  std::string bytes = request.SerializeAsString();
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer out(&slice, 1);
+  call->Write(out, &tags[1]);
+  ASSERT_TRUE(next(&tags[1]));
+  grpc::ByteBuffer in;
+  call->Read(&in, &tags[2]);
+  ASSERT_TRUE(next(&tags[2]));
+  call->WritesDone(&tags[3]);
+  ASSERT_TRUE(next(&tags[3]));
+  grpc::Status status;
+  call->Finish(&status, &tags[4]);
+  ASSERT_TRUE(next(&tags[4]));
+  ASSERT_TRUE(status.ok()) << status.error_message();
+
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(in.Dump(&slices).ok());
+  std::string reply;
+  for (const grpc::Slice& s : slices)
+    reply.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  zeroshard::testing::ReflectionResponse response;
+  ASSERT_TRUE(response.ParseFromString(reply));
+  EXPECT_FALSE(response.has_error_response()) << response.error_response().error_message();
+  std::set<std::string> names;
+  for (const auto& s : response.list_services_response().service()) names.insert(s.name());
+  for (const char* want :
+       {"zeroshard.v1.Control", "zeroshard.v1.Shard", "zeroshard.v1.Admin",
+        "zeroshard.v1.Checkpoint", "zeroshard.v1.Activation", "grpc.health.v1.Health"}) {
+    EXPECT_EQ(names.count(want), 1u) << want << " is not listed";
+  }
+}
+
+}  // namespace
+}  // namespace zeroshard
