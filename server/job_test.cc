@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "common/dtype.h"
 #include "common/job_spec.h"
 #include "gtest/gtest.h"
 #include "server/daemon.h"
@@ -214,6 +215,77 @@ TEST(JobTest, RestartedRankReplaysTheOpenStep) {
       push_each(chunks(1, {half, n}, 7), grpc::OK);
       push_each(chunks(0, {half, n}, 1), grpc::OK);
       push_each(chunks(2, {0, n}, 1), grpc::OK);
+    }
+    v1::PrepareStepResponse p;
+    ASSERT_TRUE(c.Prepare("job", 1, &p).ok());
+    ASSERT_TRUE(c.Commit("job", 1, 0.01f).ok());
+    ASSERT_TRUE(c.Gather("job", 1, {0, n}, &params[pass]).ok());
+  }
+  ASSERT_EQ(params[0].size(), params[1].size());
+  EXPECT_EQ(0, std::memcmp(params[0].data(), params[1].data(), params[0].size() * 4));
+}
+
+// A bf16 job: a contribution that waits for its turn is kept in bf16, so
+// the out-of-order buffer books its wire bytes (2 per element, not 4), and
+// the sum equals in-order arrival bit for bit.
+TEST(JobTest, OutOfOrderBf16WaitsInItsWireBytes) {
+  constexpr uint32_t kWorld = 2;
+  const Layout layout = SampleLayout();
+  std::vector<std::vector<float>> params(2);
+  for (int pass = 0; pass < 2; ++pass) {
+    std::unique_ptr<Daemon> d = Start();
+    DaemonClient c(d->address());
+    v1::JobSpec spec = MakeSpec("job", layout, 2, kWorld, {d->address()});
+    spec.set_precision(v1::DTYPE_BF16);
+    const JobConfig config = *ParseJobSpec(spec);
+    ASSERT_TRUE(c.Register(spec, 0).ok());
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      v1::JoinJobRequest join;
+      join.set_job_id("job");
+      join.set_rank(r);
+      join.set_layout_fingerprint(layout.fingerprint());
+      join.set_stage(2);
+      join.set_world_size(kWorld);
+      join.set_precision(v1::DTYPE_BF16);
+      join.set_incarnation(testing::kTestIncarnation);
+      v1::JoinJobResponse joined;
+      grpc::ClientContext ctx;
+      ASSERT_TRUE(c.control->JoinJob(&ctx, join, &joined).ok());
+    }
+    const uint64_t n = config.map.total_elements();
+    // Rank r's chunks, converted to bf16 (no CRC: the bytes change).
+    auto chunks = [&](uint32_t r) {
+      std::vector<float> g(n);
+      for (uint64_t i = 0; i < n; ++i) g[i] = 0.5f * (r + 1) + 1e-2f * (i % 31);
+      std::vector<v1::GradientChunk> cs =
+          GradientChunks("job", 1, r, config.map, {0, n}, g.data(), 512);
+      for (auto& chunk : cs) {
+        const std::string& f32 = chunk.data();
+        std::string half(f32.size() / 2, '\0');
+        for (size_t i = 0; i < f32.size() / 4; ++i) {
+          float v;
+          std::memcpy(&v, f32.data() + 4 * i, 4);
+          const uint16_t h = FloatToBf16(v);
+          std::memcpy(&half[2 * i], &h, 2);
+        }
+        chunk.set_data(half);
+        chunk.set_dtype(v1::DTYPE_BF16);
+        chunk.clear_crc32c();
+      }
+      return cs;
+    };
+    if (pass == 0) {
+      ASSERT_TRUE(c.Push(chunks(0)).ok());
+      ASSERT_TRUE(c.Push(chunks(1)).ok());
+    } else {
+      const uint64_t before =
+          d->ledger().JobBytes("job")[static_cast<int>(MemoryCategory::kBuffer)];
+      ASSERT_TRUE(c.Push(chunks(1)).ok());  // ahead of its turn: buffered
+      const uint64_t buffered =
+          d->ledger().JobBytes("job")[static_cast<int>(MemoryCategory::kBuffer)] - before;
+      EXPECT_GE(buffered, n * 2);
+      EXPECT_LT(buffered, n * 2 + (n / 512 + 8) * 300) << "more than the wire bytes booked";
+      ASSERT_TRUE(c.Push(chunks(0)).ok());
     }
     v1::PrepareStepResponse p;
     ASSERT_TRUE(c.Prepare("job", 1, &p).ok());

@@ -131,7 +131,7 @@ absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint3
     if (key == keys_.end()) new_keys.emplace(c.range.begin, c.range.end);
     const uint32_t next = key == keys_.end() ? 0 : key->second.next_order;
     // An upper bound: earlier chunks of the batch may bring this one's turn.
-    if (order != next) *pending_bytes += c.range.size() * sizeof(float);
+    if (order != next) *pending_bytes += c.payload.size();
     *bookkeeping_bytes += order != next ? kPendingEntryBytes : kAppliedBytes;
   }
   *bookkeeping_bytes += new_keys.size() * kKeyBytes;
@@ -160,10 +160,10 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
     elements += n;
     if (order != key.next_order) {
       Pending& p = key.pending[order];
-      p.values.resize(n);
+      p.bytes.assign(c.payload.begin(), c.payload.end());
+      p.dtype = c.dtype;
       p.crc32c = c.crc32c;
-      optimizer_->ConvertIn(p.values.data(), c.payload.data(), c.dtype, n);
-      buffered_bytes_ += n * sizeof(float);
+      buffered_bytes_ += p.bytes.size();
       ++pending_entries_;
       continue;
     }
@@ -173,9 +173,9 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
     ++applied_;
     for (auto p = key.pending.find(key.next_order); p != key.pending.end();
          p = key.pending.find(key.next_order)) {
-      Accumulate(c.range.begin, key.next_order, p->second.values.data(), DType::kFp32, n);
+      Accumulate(c.range.begin, key.next_order, p->second.bytes.data(), p->second.dtype, n);
       key.crcs.push_back(p->second.crc32c);
-      buffered_bytes_ -= p->second.values.size() * sizeof(float);
+      buffered_bytes_ -= p->second.bytes.size();
       key.pending.erase(p);
       ++key.next_order;
       --pending_entries_;
@@ -260,7 +260,7 @@ uint32_t ReductionState::ReplaceRank(uint32_t rank) {
   uint32_t dropped = 0;
   for (auto& [b, k] : keys_) {
     for (auto p = k.pending.lower_bound(first); p != k.pending.end() && p->first < last;) {
-      buffered_bytes_ -= p->second.values.size() * sizeof(float);
+      buffered_bytes_ -= p->second.bytes.size();
       p = k.pending.erase(p);
       --pending_entries_;
       ++dropped;
@@ -299,7 +299,7 @@ void ReductionState::Hash(uint64_t& h) const {
     for (uint32_t crc : k.crcs) HashValue(h, crc);
     for (const auto& [o, p] : k.pending) {
       HashValue(h, o);
-      Fnv1aMix(h, p.values.data(), p.values.size() * sizeof(float));
+      Fnv1aMix(h, p.bytes.data(), p.bytes.size());
     }
   }
 }

@@ -4,9 +4,10 @@
 // are summed in a fixed order (rank-major, then micro-batch), whatever order
 // they arrive in, so the result is bit-identical to a single process summing
 // them in rank order. A contribution that arrives ahead of its turn is kept
-// as an fp32 copy in the out-of-order buffer, which is bounded: its bytes are
-// booked in the ledger (category `buffer`) and may not exceed the budget
-// given at construction; Admit() tells the caller to wait (back-pressure)
+// as a copy of its payload (in the wire dtype: a bf16 contribution waits in
+// half the bytes of fp32) in the out-of-order buffer, which is bounded: its
+// bytes are booked in the ledger (category `buffer`) and may not exceed the
+// budget given at construction; Admit() tells the caller to wait (back-pressure)
 // rather than grow it. The bookkeeping of the step (an entry per distinct
 // chunk range and per contribution) is booked as `buffer` too, outside that
 // budget, so that pushes of many tiny chunks are held to the daemon's limit.
@@ -121,7 +122,8 @@ class ReductionState {
 
  private:
   struct Pending {
-    std::vector<float> values;  // fp32 copy
+    std::vector<uint8_t> bytes;  // the payload as it came, in `dtype`
+    DType dtype = DType::kFp32;
     uint32_t crc32c = 0;
   };
   struct Key {
@@ -134,8 +136,8 @@ class ReductionState {
 
   // What the bookkeeping is charged, generously: a key (a map node holding
   // a Key), an applied contribution (its CRC, with the vector's growth), and
-  // an out-of-order contribution beyond its booked values (a map node and
-  // the values' allocation).
+  // an out-of-order contribution beyond its booked payload copy (a map node
+  // and the copy's allocation).
   static constexpr uint64_t kKeyBytes = 160;
   static constexpr uint64_t kAppliedBytes = 8;
   static constexpr uint64_t kPendingEntryBytes = 112;
