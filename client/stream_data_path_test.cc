@@ -1,6 +1,7 @@
 #include "client/stream_data_path.h"
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -19,18 +20,30 @@ using testing::kTestIncarnation;
 
 absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
 
-TEST(StreamDataPathTest, InitPushGather) {
-  auto daemon = StartDaemon();
-  const Layout layout = SampleLayout();
-  const uint64_t n = layout.total_elements();
-  DaemonClient control(daemon->address());
-  const v1::JobSpec spec = MakeSpec("dp", layout, 2, 1, {daemon->address()});
-  ASSERT_TRUE(control.Register(spec, 0).ok());
-  ASSERT_TRUE(control.Join(spec, 0).ok());
+// A daemon with job "dp" (stage 2, one rank, joined) and a stream path to it.
+class StreamDataPathJobTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    daemon_ = StartDaemon();
+    control_ = std::make_unique<DaemonClient>(daemon_->address());
+    const v1::JobSpec spec = MakeSpec("dp", SampleLayout(), 2, 1, {daemon_->address()});
+    ASSERT_TRUE(control_->Register(spec, 0).ok());
+    ASSERT_TRUE(control_->Join(spec, 0).ok());
+    path_ = std::make_unique<StreamDataPath>(
+        daemon_->address(),
+        MakeDaemonChannel(daemon_->address(), ChannelSecurity::Plaintext(testing::kTestToken)));
+  }
 
-  StreamDataPath path(
-      daemon->address(),
-      MakeDaemonChannel(daemon->address(), ChannelSecurity::Plaintext(testing::kTestToken)));
+  const uint64_t n_ = SampleLayout().total_elements();
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<DaemonClient> control_;
+  std::unique_ptr<StreamDataPath> path_;
+};
+
+TEST_F(StreamDataPathJobTest, InitPushGather) {
+  const uint64_t n = n_;
+  DaemonClient& control = *control_;
+  StreamDataPath& path = *path_;
   EXPECT_STREQ(path.name(), "stream");
   std::vector<float> params(n);
   for (uint64_t i = 0; i < n; ++i) params[i] = 0.25f * static_cast<float>(i % 17);
@@ -78,17 +91,10 @@ TEST(StreamDataPathTest, InitPushGather) {
 // with one more, the daemon refuses the batch (it holds some): each is then
 // sent alone, the held ones are delivered and the new one applied; one with
 // other bytes fails alone.
-TEST(StreamDataPathTest, PushGradientsSendsOneBatch) {
-  auto daemon = StartDaemon();
-  const Layout layout = SampleLayout();
-  const uint64_t n = layout.total_elements();
-  DaemonClient control(daemon->address());
-  const v1::JobSpec spec = MakeSpec("dp", layout, 2, 1, {daemon->address()});
-  ASSERT_TRUE(control.Register(spec, 0).ok());
-  ASSERT_TRUE(control.Join(spec, 0).ok());
-  StreamDataPath path(
-      daemon->address(),
-      MakeDaemonChannel(daemon->address(), ChannelSecurity::Plaintext(testing::kTestToken)));
+TEST_F(StreamDataPathJobTest, PushGradientsSendsOneBatch) {
+  const uint64_t n = n_;
+  DaemonClient& control = *control_;
+  StreamDataPath& path = *path_;
   std::vector<float> grad(n, 0.5f);
   const uint64_t q = n / 4;
   auto push = [&](uint64_t begin, uint64_t end, const float* data) {

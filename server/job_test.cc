@@ -31,6 +31,20 @@ std::unique_ptr<Daemon> Start(uint64_t reduction_buffer_bytes = 256ull << 20) {
   return d.ok() ? *std::move(d) : nullptr;
 }
 
+// Prepares and commits step 1 of job "job" as its leader, then gathers its
+// `n` parameters into *params.
+void CommitFirstStep(DaemonClient& c, uint64_t n, std::vector<float>* params) {
+  v1::PrepareStepResponse p;
+  ASSERT_TRUE(c.Prepare("job", 1, &p).ok());
+  ASSERT_TRUE(c.Commit("job", 1, 0.01f).ok());
+  ASSERT_TRUE(c.Gather("job", 1, {0, n}, params).ok());
+}
+
+void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+}
+
 // Bug 5: a second process claiming a rank fences the first; the stale
 // process's pushes are refused and change nothing.
 TEST(JobTest, NewerIncarnationFencesTheOlder) {
@@ -110,14 +124,9 @@ TEST(JobTest, OutOfOrderBufferIsBoundedAndExact) {
     // holds it (every rank's whole gradient, 256 bytes counted per chunk).
     const uint64_t streams = kWorld * (n * sizeof(float) + (n / 512 + kWorld) * 256);
     EXPECT_LE(peak, budget + streams);
-    v1::PrepareStepResponse p;
-    ASSERT_TRUE(c.Prepare("job", 1, &p).ok());
-    ASSERT_TRUE(c.Commit("job", 1, 0.01f).ok());
-    std::vector<float>& out = pass == 0 ? in_order : out_of_order;
-    ASSERT_TRUE(c.Gather("job", 1, {0, n}, &out).ok());
+    ASSERT_NO_FATAL_FAILURE(CommitFirstStep(c, n, pass == 0 ? &in_order : &out_of_order));
   }
-  ASSERT_EQ(in_order.size(), out_of_order.size());
-  EXPECT_EQ(0, std::memcmp(in_order.data(), out_of_order.data(), in_order.size() * 4));
+  ExpectSameBits(in_order, out_of_order);
 }
 
 // A rank's process dies in the middle of a step and a new one replays it:
@@ -176,17 +185,8 @@ TEST(JobTest, RestartedRankReplaysTheOpenStep) {
         return c.Push({chunks(0, {0, half}, 1)[1]});
       });
       // Rank 1 restarts: its buffered second half is dropped.
-      v1::JoinJobRequest join;
-      join.set_job_id("job");
-      join.set_rank(1);
-      join.set_layout_fingerprint(layout.fingerprint());
-      join.set_stage(2);
-      join.set_world_size(kWorld);
-      join.set_precision(v1::DTYPE_FP32);
-      join.set_incarnation(7);
       v1::JoinJobResponse joined;
-      grpc::ClientContext ctx;
-      ASSERT_TRUE(c.control->JoinJob(&ctx, join, &joined).ok());
+      ASSERT_TRUE(c.Join(spec, 1, 7, &joined).ok());
       EXPECT_EQ(joined.replaced_incarnation(), 1u);
       EXPECT_EQ(joined.committed_step(), 0u);
       EXPECT_EQ(joined.dropped_contributions(), chunks(1, {half, n}, 1).size());
@@ -216,13 +216,9 @@ TEST(JobTest, RestartedRankReplaysTheOpenStep) {
       push_each(chunks(0, {half, n}, 1), grpc::OK);
       push_each(chunks(2, {0, n}, 1), grpc::OK);
     }
-    v1::PrepareStepResponse p;
-    ASSERT_TRUE(c.Prepare("job", 1, &p).ok());
-    ASSERT_TRUE(c.Commit("job", 1, 0.01f).ok());
-    ASSERT_TRUE(c.Gather("job", 1, {0, n}, &params[pass]).ok());
+    ASSERT_NO_FATAL_FAILURE(CommitFirstStep(c, n, &params[pass]));
   }
-  ASSERT_EQ(params[0].size(), params[1].size());
-  EXPECT_EQ(0, std::memcmp(params[0].data(), params[1].data(), params[0].size() * 4));
+  ExpectSameBits(params[0], params[1]);
 }
 
 // A bf16 job: a contribution that waits for its turn is kept in bf16, so
@@ -239,19 +235,7 @@ TEST(JobTest, OutOfOrderBf16WaitsInItsWireBytes) {
     spec.set_precision(v1::DTYPE_BF16);
     const JobConfig config = *ParseJobSpec(spec);
     ASSERT_TRUE(c.Register(spec, 0).ok());
-    for (uint32_t r = 0; r < kWorld; ++r) {
-      v1::JoinJobRequest join;
-      join.set_job_id("job");
-      join.set_rank(r);
-      join.set_layout_fingerprint(layout.fingerprint());
-      join.set_stage(2);
-      join.set_world_size(kWorld);
-      join.set_precision(v1::DTYPE_BF16);
-      join.set_incarnation(testing::kTestIncarnation);
-      v1::JoinJobResponse joined;
-      grpc::ClientContext ctx;
-      ASSERT_TRUE(c.control->JoinJob(&ctx, join, &joined).ok());
-    }
+    ASSERT_TRUE(c.JoinAll(spec).ok());
     const uint64_t n = config.map.total_elements();
     // Rank r's chunks, converted to bf16 (no CRC: the bytes change).
     auto chunks = [&](uint32_t r) {
@@ -287,13 +271,9 @@ TEST(JobTest, OutOfOrderBf16WaitsInItsWireBytes) {
       EXPECT_LT(buffered, n * 2 + (n / 512 + 8) * 300) << "more than the wire bytes booked";
       ASSERT_TRUE(c.Push(chunks(0)).ok());
     }
-    v1::PrepareStepResponse p;
-    ASSERT_TRUE(c.Prepare("job", 1, &p).ok());
-    ASSERT_TRUE(c.Commit("job", 1, 0.01f).ok());
-    ASSERT_TRUE(c.Gather("job", 1, {0, n}, &params[pass]).ok());
+    ASSERT_NO_FATAL_FAILURE(CommitFirstStep(c, n, &params[pass]));
   }
-  ASSERT_EQ(params[0].size(), params[1].size());
-  EXPECT_EQ(0, std::memcmp(params[0].data(), params[1].data(), params[0].size() * 4));
+  ExpectSameBits(params[0], params[1]);
 }
 
 // A client that opens a Gather and stops reading delays nobody: another job

@@ -1,5 +1,6 @@
-# Shared by the process tests (sourced): killing what a test started, and
-# failing with the tail of every log under $WORK.
+# Shared by the process tests (sourced): paths, killing what a test
+# started, failing with the tail of every log under $WORK, and reading
+# gpt_train's progress lines.
 
 # zs_kill_all PID...: SIGKILL each one still running (empty ones skipped),
 # then reap them.
@@ -23,3 +24,15 @@ zs_fail() {
   done
   exit 1
 }
+
+# zs_abspath PATH: PATH made absolute against the current directory.
+zs_abspath() { [[ "$1" == /* ]] && echo "$1" || echo "$PWD/$1"; }
+
+# zs_step_times LOG STEPS: the step times in ms that rank 0 reported in LOG
+# ("[rank 0] step S/STEPS loss L T ms/step ..."), one per line.
+zs_step_times() {
+  sed -n "s|^\[rank 0\] step [0-9]*/$2 loss [^ ]* \([0-9.]*\) ms/step.*|\1|p" "$1"
+}
+
+# zs_median: the median of the numbers on standard input, one per line.
+zs_median() { sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }

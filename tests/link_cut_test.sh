@@ -26,13 +26,12 @@
 #
 # Usage: link_cut_test.sh ZSRUN ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
-# zs_kill_all, zs_fail.
+# zs_kill_all, zs_fail, zs_abspath, zs_step_times, zs_median.
 source "$(dirname "$0")/lib.sh"
 
-abspath() { [[ "$1" == /* ]] && echo "$1" || echo "$PWD/$1"; }
-ZSRUN="$(abspath "$1")"
-ZEROSHARDD="$(abspath "$2")"
-GPT_TRAIN="$(abspath "$3")"
+ZSRUN="$(zs_abspath "$1")"
+ZEROSHARDD="$(zs_abspath "$2")"
+GPT_TRAIN="$(zs_abspath "$3")"
 
 WORK="$(mktemp -d "${TEST_TMPDIR:-/tmp}/link_cut.XXXXXX")"
 export ZS_JOB_TOKEN="link-cut-test-job-token-0123"
@@ -112,11 +111,6 @@ last_step() {
   echo "${s:-0}"
 }
 
-# step_times LOG: rank 0's step times in ms, one per line.
-step_times() {
-  sed -n "s|^\[rank 0\] step [0-9]*/$STEPS loss [^ ]* \([0-9.]*\) ms/step.*|\1|p" "$1"
-}
-
 # run TAG CUT_SECONDS: one job under zsrun; with CUT_SECONDS > 0, daemon 1's
 # link goes down for that long once rank 0 has passed step CUT_AFTER.
 run() {
@@ -153,11 +147,11 @@ done
 log "daemons at ${DAEMON_ADDRS[0]} and ${DAEMON_ADDRS[1]}, each in its own namespace"
 
 run A 0 || fail "run A did not finish"
-median_a="$(step_times "$WORK/A.log" | sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}')"
+median_a="$(zs_step_times "$WORK/A.log" "$STEPS" | zs_median)"
 run B 1 || fail "run B (1 s cut) did not finish"
 cmp -s "$WORK/A.f32" "$WORK/B.f32" || fail "run B ended with other parameters than run A"
 grep -q "restarting it" "$WORK/B.log" && log "run B: zsrun restarted a rank"
-log "run B: longest step $(step_times "$WORK/B.log" | sort -n | tail -n 1) ms against A's median" \
+log "run B: longest step $(zs_step_times "$WORK/B.log" "$STEPS" | sort -n | tail -n 1) ms against A's median" \
   "$median_a ms; parameters identical to run A"
 
 run C 6 || fail "run C (6 s cut) did not finish"
@@ -167,6 +161,6 @@ grep -q "${DAEMON_ADDRS[1]}" "$WORK/C.log" || fail "run C: no error named daemon
 log "run C: what the ranks said while the link was down:"
 grep "gpt_train rank" "$WORK/C.log" | head -n 4 | cut -c1-300
 grep "\[zsrun\]" "$WORK/C.log" | head -n 6
-log "run C: longest step $(step_times "$WORK/C.log" | sort -n | tail -n 1) ms; parameters" \
+log "run C: longest step $(zs_step_times "$WORK/C.log" "$STEPS" | sort -n | tail -n 1) ms; parameters" \
   "identical to run A"
 log "PASSED in $((SECONDS - start)) s"

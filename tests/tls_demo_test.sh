@@ -31,15 +31,14 @@
 # Usage: tls_demo_test.sh ZSRUN ZEROSHARDD GPT_TRAIN ZSCTL MAKE_TEST_CERTS
 # (runfiles paths).
 set -u
-# zs_kill_all, zs_fail.
+# zs_kill_all, zs_fail, zs_abspath.
 source "$(dirname "$0")/lib.sh"
 
-abspath() { [[ "$1" == /* ]] && echo "$1" || echo "$PWD/$1"; }
-ZSRUN="$(abspath "$1")"
-ZEROSHARDD="$(abspath "$2")"
-GPT_TRAIN="$(abspath "$3")"
-ZSCTL="$(abspath "$4")"
-MAKE_TEST_CERTS="$(abspath "$5")"
+ZSRUN="$(zs_abspath "$1")"
+ZEROSHARDD="$(zs_abspath "$2")"
+GPT_TRAIN="$(zs_abspath "$3")"
+ZSCTL="$(zs_abspath "$4")"
+MAKE_TEST_CERTS="$(zs_abspath "$5")"
 
 WORK="$(mktemp -d "${TEST_TMPDIR:-/tmp}/tls_demo.XXXXXX")"
 CERTS="$WORK/certs"

@@ -21,13 +21,12 @@
 #
 # Usage: trainer_restart_test.sh ZSRUN ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
-# zs_fail.
+# zs_fail, zs_abspath, zs_step_times, zs_median.
 source "$(dirname "$0")/lib.sh"
 
-abspath() { [[ "$1" == /* ]] && echo "$1" || echo "$PWD/$1"; }
-ZSRUN="$(abspath "$1")"
-ZEROSHARDD="$(abspath "$2")"
-GPT_TRAIN="$(abspath "$3")"
+ZSRUN="$(zs_abspath "$1")"
+ZEROSHARDD="$(zs_abspath "$2")"
+GPT_TRAIN="$(zs_abspath "$3")"
 
 WORK="$(mktemp -d "${TEST_TMPDIR:-/tmp}/trainer_restart.XXXXXX")"
 STEPS=60
@@ -58,17 +57,6 @@ run() {
   return $rc
 }
 
-# step_ms LOG STEP: rank 0's reported time of STEP in ms.
-step_ms() {
-  sed -n "s|^\[rank 0\] step $2/$STEPS loss [^ ]* \([0-9.]*\) ms/step.*|\1|p" "$1" | tail -n 1
-}
-
-# median_ms LOG: the median of rank 0's step times.
-median_ms() {
-  sed -n "s|^\[rank 0\] step [0-9]*/$STEPS loss [^ ]* \([0-9.]*\) ms/step.*|\1|p" "$1" |
-    sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'
-}
-
 start=$SECONDS
 TRANSPORT=ucx
 if ! run A ucx -- --dump_params="$WORK/A.f32"; then
@@ -92,8 +80,9 @@ grep -qs "rank 1 joined as incarnation [0-9]*, replacing incarnation" \
   "$WORK"/logs/B/daemon-*.stderr.log || fail "run B: no daemon saw rank 1 replaced"
 cmp -s "$WORK/A.f32" "$WORK/B.f32" ||
   fail "run B (rank 1 killed in step 20) ended with other parameters than run A"
-log "run B: rank 1 killed in step 20 and restarted; step 20 took $(step_ms "$WORK/B.log" 20) ms" \
-  "(median step $(median_ms "$WORK/B.log") ms); parameters identical to run A"
+log "run B: rank 1 killed in step 20 and restarted; step 20 took" \
+  "$(zs_step_times "$WORK/B.log" "$STEPS" | sed -n 20p) ms (median step" \
+  "$(zs_step_times "$WORK/B.log" "$STEPS" | zs_median) ms); parameters identical to run A"
 
 run C "$TRANSPORT" --max_restarts=1 -- --kill_at_step=40 --kill_rank=0 \
   --dump_params="$WORK/C.f32" || fail "run C did not finish"

@@ -72,7 +72,8 @@ grpc::Status DaemonClient::Register(const v1::JobSpec& spec, uint32_t daemon_ind
   return control->RegisterJob(&ctx, req, resp ? resp : &local);
 }
 
-grpc::Status DaemonClient::Join(const v1::JobSpec& spec, uint32_t rank, uint64_t incarnation) {
+grpc::Status DaemonClient::Join(const v1::JobSpec& spec, uint32_t rank, uint64_t incarnation,
+                                v1::JoinJobResponse* resp) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   v1::JoinJobRequest req;
@@ -83,8 +84,8 @@ grpc::Status DaemonClient::Join(const v1::JobSpec& spec, uint32_t rank, uint64_t
   req.set_world_size(spec.world_size());
   req.set_precision(spec.precision());
   req.set_incarnation(incarnation);
-  v1::JoinJobResponse resp;
-  return control->JoinJob(&ctx, req, &resp);
+  v1::JoinJobResponse local;
+  return control->JoinJob(&ctx, req, resp ? resp : &local);
 }
 
 grpc::Status DaemonClient::Push(const std::vector<v1::GradientChunk>& chunks,

@@ -46,9 +46,9 @@ struct DaemonClient {
 
   grpc::Status Register(const v1::JobSpec& spec, uint32_t daemon_index,
                         v1::RegisterJobResponse* resp = nullptr);
-  // Joins as `incarnation`.
-  grpc::Status Join(const v1::JobSpec& spec, uint32_t rank,
-                    uint64_t incarnation = kTestIncarnation);
+  // Joins as `incarnation` (with the spec's precision).
+  grpc::Status Join(const v1::JobSpec& spec, uint32_t rank, uint64_t incarnation = kTestIncarnation,
+                    v1::JoinJobResponse* resp = nullptr);
   // Joins every rank of the job.
   grpc::Status JoinAll(const v1::JobSpec& spec);
   grpc::Status StepState(const std::string& job, v1::StepState* state);
