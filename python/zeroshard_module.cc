@@ -83,6 +83,44 @@ py::buffer_info Float32Buffer(const py::buffer& buffer, bool writable, uint64_t 
   return info;
 }
 
+// A writable float32 destination of `expected` elements: a buffer (as
+// Float32Buffer; `keep` then holds its view), or a contiguous CPU
+// torch.float32 tensor, written through its data_ptr (tensors have no buffer
+// protocol, and Tensor.numpy() would make their storage unresizable). The
+// pointer stays valid while the caller holds `out` and nobody resizes it.
+float* WritableFloat32(const py::object& out, uint64_t expected, const char* what,
+                       py::buffer_info* keep) {
+  if (py::hasattr(out, "data_ptr") && py::hasattr(out, "is_contiguous")) {
+    const std::string dtype = py::str(out.attr("dtype"));
+    if (dtype != "torch.float32") {
+      throw py::type_error(absl::StrCat(what, ": expected a float32 tensor, got ", dtype));
+    }
+    const std::string device = py::str(out.attr("device").attr("type"));
+    if (device != "cpu") {
+      throw py::type_error(absl::StrCat(what, ": expected a CPU tensor, got one on ", device));
+    }
+    if (!out.attr("is_contiguous")().cast<bool>()) {
+      throw py::value_error(absl::StrCat(what, ": the tensor must be contiguous"));
+    }
+    const uint64_t numel = out.attr("numel")().cast<uint64_t>();
+    if (numel != expected) {
+      throw py::value_error(absl::StrCat(what, ": expected ", expected, " elements, got ", numel));
+    }
+    const uint64_t offset = out.attr("storage_offset")().cast<uint64_t>();
+    const uint64_t storage = out.attr("storage")().attr("size")().cast<uint64_t>();
+    if (storage < offset + numel) {
+      throw py::value_error(absl::StrCat(what, ": the tensor's storage holds ", storage,
+                                         " elements, too few for ", offset + numel, " (freed?)"));
+    }
+    return reinterpret_cast<float*>(out.attr("data_ptr")().cast<uintptr_t>());
+  }
+  if (!py::isinstance<py::buffer>(out)) {
+    throw py::type_error(absl::StrCat(what, ": expected a float32 buffer or tensor"));
+  }
+  *keep = Float32Buffer(out.cast<py::buffer>(), true, expected, what);
+  return static_cast<float*>(keep->ptr);
+}
+
 using TensorTuple = std::tuple<std::string, std::vector<int64_t>, uint32_t>;
 
 Layout MakeLayout(const std::vector<TensorTuple>& tensors, uint64_t alignment) {
@@ -203,6 +241,38 @@ class PyClient {
       status = client_->GatherAll(info.ptr, DType::kFp32);
     }
     Check(status);
+  }
+
+  // Stage 3: layer `layer`'s parameters as of the last committed step into
+  // `out` (layer_elements float32 values, alignment gaps included). Served
+  // from the client's prefetch when there is one; starts prefetching the
+  // next layers in the direction of travel.
+  void Gather(uint32_t layer, const py::object& out) {
+    RequireRegistered("gather");
+    if (client_->config().precision != DType::kFp32) {
+      ThrowStatus(absl::InvalidArgumentError(
+          "gather: layers are gathered in the job's precision; float32 buffers need an fp32 "
+          "job"));
+    }
+    const uint64_t elements = Check(client_->layer_elements(layer));
+    py::buffer_info keep;
+    float* dst = WritableFloat32(out, elements, "out", &keep);
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = client_->Gather(layer, dst);
+    }
+    Check(status);
+  }
+
+  void Release(uint32_t layer) {
+    RequireRegistered("release");
+    Check(client_->Release(layer));
+  }
+
+  void Prefetch(uint32_t layer) {
+    RequireRegistered("prefetch");
+    Check(client_->Prefetch(layer));
   }
 
   void Leave() {
@@ -326,6 +396,17 @@ std::vector<uint64_t> Numels(const Layout& layout) {
   return v;
 }
 
+std::pair<uint64_t, uint64_t> LayerRange(const Layout& layout, uint32_t layer) {
+  FlatRange r = Check(layout.LayerRange(layer));
+  return {r.begin, r.end};
+}
+
+std::vector<uint32_t> TensorLayers(const Layout& layout) {
+  std::vector<uint32_t> v;
+  for (const TensorPlacement& t : layout.tensors()) v.push_back(t.spec.layer);
+  return v;
+}
+
 }  // namespace
 }  // namespace zeroshard::python
 
@@ -348,6 +429,11 @@ PYBIND11_MODULE(_zeroshard, m) {
            "tensors: list of (name, shape, layer), layers non-decreasing.")
       .def_property_readonly("offsets", &Offsets, "First flat element of each tensor.")
       .def_property_readonly("numels", &Numels)
+      .def_property_readonly("tensor_layers", &TensorLayers, "The layer of each tensor.")
+      .def_property_readonly("layers", &Layout::layers, "Distinct layer ids, ascending.")
+      .def("layer_range", &LayerRange, py::arg("layer"),
+           "(begin, end): the flat range of the layer's tensors, from its first tensor's "
+           "offset to the aligned end of its last. Raises NOT_FOUND for an unknown layer.")
       .def_property_readonly("total_elements", &Layout::total_elements,
                              "Size of the flat space, gaps included.")
       .def_property_readonly("parameter_count", &Layout::parameter_count)
@@ -417,6 +503,17 @@ PYBIND11_MODULE(_zeroshard, m) {
                              "On rank 0 after register_model with resume: dict(name, step, "
                              "bytes_read, seconds) of the checkpoint it loaded; None otherwise "
                              "(and on the other ranks).")
+      .def("gather", &PyClient::Gather, py::arg("layer"), py::arg("out"),
+           "Stage 3: writes the layer's parameters as of the last committed step into out, "
+           "a float32 buffer or contiguous CPU float32 tensor of the layer_range's size "
+           "(gaps read as zeros; fp32 jobs only). "
+           "Uses a prefetched copy when there is one, then prefetches the next layers in "
+           "the direction of travel (forward while layer ids increase).")
+      .def("release", &PyClient::Release, py::arg("layer"),
+           "Stage 3: drops the client's prefetched copy of the layer, if any.")
+      .def("prefetch", &PyClient::Prefetch, py::arg("layer"),
+           "Stage 3: starts gathering the layer in the background (a no-op when it is "
+           "there already or no layer buffer is free); returns at once.")
       .def("leave", &PyClient::Leave)
       .def("memory_report", &PyClient::MemoryReport)
       .def("traffic_report", &PyClient::TrafficReport)

@@ -1,10 +1,15 @@
 """ShardedOptimizer: AdamW whose fp32 master weights and moments live on
 zeroshardd daemons (ZeRO stages 1 and 2), for use in place of
 torch.optim.AdamW in a data-parallel job of `world_size` processes.
+
+shard_model: the same for a whole module, and in stage 3 also the
+parameters themselves, gathered layer by layer around forward and backward
+(like FSDP's fully_shard).
 """
 
 import numpy as np
 import torch
+from torch.autograd import Variable
 
 from zeroshard._zeroshard import Client, Layout
 
@@ -181,3 +186,428 @@ def _split_names(params):
                       and isinstance(p[0], str) for p in params):
         return [p for _, p in params], [n for n, _ in params]
     return params, None
+
+
+def shard_model(module, client_config, stage=3, layers=None, lr=1e-3,
+                betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                max_grad_norm=0.0):
+    """Shards `module`'s training state on the daemons; returns a
+    ShardedModel (see there). Stages 1 and 2 keep the parameters on the
+    trainer and use ShardedOptimizer; stage 3 frees them between uses."""
+    return ShardedModel(module, client_config, stage=stage, layers=layers,
+                        lr=lr, betas=betas, eps=eps,
+                        weight_decay=weight_decay,
+                        max_grad_norm=max_grad_norm)
+
+
+class ShardedModel(torch.nn.Module):
+    """`module` trained with AdamW on the daemons (ZeRO stage 1, 2 or 3).
+
+    Every rank builds one from the same model with the same `client_config`
+    (as for ShardedOptimizer); construction blocks until every rank has
+    joined, and rank 0's current parameter values become everyone's start.
+    Call it like the module, then `step()` after each backward:
+
+        model = shard_model(net, config, stage=3, max_grad_norm=1.0)
+        loss_fn(model(x), y).backward()   # pushes the gradients
+        model.step()                      # AdamW (with clipping) on the daemons
+        model.zero_grad()
+
+    Stage 3 cuts the parameters into layers: each module named in `layers`
+    (names as in `module.named_modules()`), by default each direct child of
+    `module` that has parameters; a parameter belongs to the innermost
+    layer that contains it, and `module`'s parameters outside every layer
+    form a layer of their own, held for the whole forward of `module`. The
+    layers are registered in `module.named_modules()` order, which should be
+    the order the forward runs them in (the client prefetches the layers
+    that follow the one gathered). The daemons' tensors carry the names of
+    `module.named_parameters()`, so checkpoints and `zsctl export` keep them.
+
+    After construction every parameter's storage is freed (resized to 0;
+    the tensors themselves stay, with their shapes). Each layer's
+    parameters are gathered from the daemons right before its forward and
+    freed after it; the layer's output tensors get a gradient hook that
+    gathers them again before the layer's backward. Each parameter's
+    gradient is pushed to the daemons as soon as autograd has accumulated
+    it, and then dropped (`p.grad` stays None); once all of a layer's
+    gradients are pushed its parameters are freed again. So a trainer holds
+    about two layers' parameters at a time (a layer and the outer module's
+    own), plus the client's prefetch buffers (`client.memory_report()`).
+
+    Limits of stage 3: float32 parameters and an fp32 job; one backward per
+    step (no gradient accumulation); a parameter must not be used by a
+    layer other than its own (tied weights across layers); parameters are
+    only readable inside the forward of their layer, or through
+    `full_state_dict()`.
+
+    `optimizer` is a torch.optim.Optimizer whose `param_groups[0]["lr"]`
+    `step()` uses (so LR schedulers work); `last_result` is the last step's
+    dict(step, grad_norm, clip_coef, skipped, loss_scale). Failures raise
+    `zeroshard.Error`.
+    """
+
+    def __init__(self, module, client_config, stage=3, layers=None, lr=1e-3,
+                 betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 max_grad_norm=0.0):
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage: must be 1, 2 or 3, got {stage}")
+        self.module = module
+        self.stage = stage
+        if stage in (1, 2):
+            if layers is not None:
+                raise ValueError("layers: only stage 3 gathers by layer")
+            self._sharded = None
+            self.optimizer = ShardedOptimizer(
+                module.named_parameters(), client_config, stage=stage, lr=lr,
+                betas=betas, eps=eps, weight_decay=weight_decay,
+                max_grad_norm=max_grad_norm)
+            return
+        self._sharded = _LayerSharding(
+            module, client_config, layers, lr=lr, betas=betas, eps=eps,
+            weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        self.optimizer = _LayerShardedOptimizer(
+            self._sharded, module.parameters(),
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def client(self):
+        """The underlying zeroshard.Client (reports, committed step,
+        checkpoints)."""
+        if self._sharded is None:
+            return self.optimizer.client
+        return self._sharded.client
+
+    @property
+    def last_result(self):
+        return self.optimizer.last_result
+
+    def step(self, lr=None):
+        """Pushes what the backward did not (stage 3: zeros for parameters
+        that got no gradient), runs AdamW on the daemons with `lr` (default
+        `optimizer.param_groups[0]["lr"]`, which a given `lr` replaces) and
+        returns the step's result dict. All ranks call it together."""
+        if lr is not None:
+            self.optimizer.param_groups[0]["lr"] = lr
+        self.optimizer.step()
+        return self.optimizer.last_result
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def full_state_dict(self):
+        """{name: tensor}: a copy of every parameter as of the last committed
+        step (stage 3 gathers the whole model for it)."""
+        if self._sharded is None:
+            return {name: p.detach().clone()
+                    for name, p in self.module.named_parameters()}
+        return self._sharded.full_state_dict()
+
+    @property
+    def peak_param_bytes(self):
+        """Stage 3: the most bytes of parameter storage this trainer has
+        held at once (gathered layers, alignment gaps included); stages
+        1-2: the whole model's parameters."""
+        if self._sharded is None:
+            return sum(p.numel() * p.element_size()
+                       for p in self.module.parameters())
+        return self._sharded.peak_param_bytes
+
+    def close(self):
+        """Leaves the job (stages 1-2: after a pending checkpoint save)."""
+        if self._sharded is None:
+            self.optimizer.close()
+        else:
+            self._sharded.client.leave()
+
+
+class _LayerShardedOptimizer(torch.optim.Optimizer):
+    """The optimizer face of a stage-3 ShardedModel: step() runs the step
+    on the daemons with param_groups[0]["lr"]."""
+
+    def __init__(self, sharding, params, defaults):
+        super().__init__(params, defaults)
+        self._sharding = sharding
+        self.last_result = None
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.last_result = self._sharding.step(
+            float(self.param_groups[0]["lr"]))
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        # Gradients are pushed and dropped during backward: nothing to zero.
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
+class _Layer:
+    """One stage-3 layer: its parameters are views of `flat`, a tensor
+    covering the layer's flat range, whose storage is freed between uses."""
+
+    def __init__(self, layer_id, module, begin, end):
+        self.id = layer_id
+        self.module = module
+        self.begin, self.end = begin, end
+        self.flat = torch.zeros(end - begin, dtype=torch.float32)
+        self.params = []   # (parameter, flat offset)
+        self.gathered = True
+        self.expected = 0  # gradients a backward delivers (requires_grad)
+        self.unpushed = 0  # of those, still to come in this backward
+
+    @property
+    def bytes(self):
+        return (self.end - self.begin) * 4
+
+
+class _LayerSharding:
+    """Stage 3 for ShardedModel: the layout, hooks and client."""
+
+    def __init__(self, module, client_config, layer_names, lr, betas, eps,
+                 weight_decay, max_grad_norm):
+        named = list(module.named_parameters())
+        if not named:
+            raise ValueError("module: has no parameters")
+        for name, p in named:
+            if p.dtype != torch.float32:
+                raise TypeError(
+                    f"parameters must be float32, got {p.dtype} for {name}")
+        config = dict(client_config)
+        if config.get("precision", "fp32") != "fp32":
+            raise ValueError("stage 3 gathers float32 parameters: precision "
+                             f"must be 'fp32', got {config['precision']!r}")
+        groups = _layer_groups(module, named, layer_names)
+        specs = []
+        for layer_id, (_, members) in enumerate(groups):
+            specs += [(name, tuple(p.shape) or (1,), layer_id)
+                      for name, p in members]
+        self._layout = Layout(specs)
+        offsets = self._layout.offsets
+        offset_of = {spec[0]: off for spec, off in zip(specs, offsets)}
+        # In module order, as state_dict lists them.
+        self._named = [(name, p, offset_of[name]) for name, p in named]
+
+        config.update(stage=3, lr=lr, betas=tuple(betas), eps=eps,
+                      weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        self.client = Client(**config)
+        rank = config["rank"]
+
+        initial = None
+        if rank == 0:
+            initial = np.zeros(self._layout.total_elements, dtype=np.float32)
+            initial_t = torch.from_numpy(initial)
+            with torch.no_grad():
+                for _, p, off in self._named:
+                    initial_t[off:off + p.numel()].copy_(p.reshape(-1))
+        self.client.register_model(self._layout, initial)
+        del initial
+
+        # Every parameter becomes a view of its layer's flat tensor.
+        self._layers = []
+        index = 0
+        for layer_id, (layer_module, members) in enumerate(groups):
+            begin, end = self._layout.layer_range(layer_id)
+            layer = _Layer(layer_id, layer_module, begin, end)
+            for _, p in members:
+                off = offsets[index]
+                index += 1
+                local = off - begin
+                p.data = layer.flat[local:local + p.numel()].view(p.shape)
+                layer.params.append((p, off))
+            self._layers.append(layer)
+        self._pushed = set()  # id() of the parameters pushed in this step
+        self._accumulators = []  # kept alive: the hooks live on them
+        self._callback_queued = False
+        self._held = sum(layer.bytes for layer in self._layers)
+        self.peak_param_bytes = 0
+        for layer in self._layers:
+            self._install_hooks(layer)
+        for layer in self._layers:
+            self._free(layer)
+
+    # ---- gather and free ----
+
+    def _gather(self, layer):
+        if layer.gathered:
+            return
+        _resize_storage(layer.flat, layer.end - layer.begin)
+        try:
+            self.client.gather(layer.id, layer.flat)
+        except BaseException:
+            _resize_storage(layer.flat, 0)
+            raise
+        layer.gathered = True
+        self._held += layer.bytes
+        self.peak_param_bytes = max(self.peak_param_bytes, self._held)
+
+    def _free(self, layer):
+        if not layer.gathered:
+            return
+        _resize_storage(layer.flat, 0)
+        layer.gathered = False
+        self._held -= layer.bytes
+
+    # ---- hooks ----
+
+    def _install_hooks(self, layer):
+        def pre_forward(module, inputs):
+            self._gather(layer)
+
+        def post_forward(module, inputs, output):
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(pre_backward)
+            self._free(layer)
+
+        def pre_backward(grad):
+            if not self._callback_queued:
+                self._callback_queued = True
+                Variable._execution_engine.queue_callback(self._post_backward)
+            self._gather(layer)
+            return grad
+
+        layer.module.register_forward_pre_hook(pre_forward)
+        layer.module.register_forward_hook(post_forward)
+
+        with torch.enable_grad():
+            for p, off in layer.params:
+                if not p.requires_grad:
+                    continue
+                # The parameter's AccumulateGrad node: its hooks run once
+                # p.grad holds the whole gradient of the backward.
+                accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+                accumulator.register_hook(
+                    self._make_grad_hook(layer, p, off))
+                self._accumulators.append(accumulator)
+                layer.expected += 1
+        layer.unpushed = layer.expected
+
+    def _make_grad_hook(self, layer, p, off):
+        def grad_ready(*unused):
+            grad = p.grad
+            if grad is None:
+                return
+            data = grad.detach().reshape(-1).contiguous().numpy()
+            self.client.push_gradients(off, off + p.numel(), data)
+            self._pushed.add(id(p))
+            p.grad = None
+            layer.unpushed -= 1
+            if layer.unpushed == 0:
+                self._free(layer)
+        return grad_ready
+
+    def _post_backward(self):
+        self._callback_queued = False
+        for layer in self._layers:
+            self._free(layer)
+
+    # ---- step ----
+
+    def step(self, lr):
+        for layer in self._layers:
+            self._free(layer)
+            for p, off in layer.params:
+                if id(p) not in self._pushed:
+                    self.client.push_gradients(
+                        off, off + p.numel(),
+                        np.zeros(p.numel(), dtype=np.float32))
+            layer.unpushed = layer.expected
+        self._pushed.clear()
+        return self.client.step(lr)
+
+    def full_state_dict(self):
+        flat = np.zeros(self._layout.total_elements, dtype=np.float32)
+        self.client.gather_all(flat)
+        flat_t = torch.from_numpy(flat)
+        out = {}
+        for name, p, off in self._named:
+            out[name] = flat_t[off:off + p.numel()].clone().view(p.shape)
+        return out
+
+
+def _resize_storage(tensor, numel):
+    """Resizes the storage under `tensor` (and every view of it) to `numel`
+    elements: 0 frees the memory, the views keep their shapes."""
+    if hasattr(tensor, "untyped_storage"):
+        tensor.untyped_storage().resize_(numel * tensor.element_size())
+    else:
+        tensor.storage().resize_(numel)
+
+
+def _tensors(obj):
+    """The tensors in a module's output (a tensor, or nested tuples, lists
+    and dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item)]
+    return []
+
+
+def _layer_groups(module, named, layer_names):
+    """[(layer module, [(name, parameter)])] in registration order: the
+    layer of `module`'s own parameters first, then the named layers in
+    `module.named_modules()` order; layers without parameters left out."""
+    if layer_names is None:
+        layer_names = [name for name, child in module.named_children()
+                       if any(True for _ in child.parameters())]
+    else:
+        layer_names = list(layer_names)
+        if len(set(layer_names)) != len(layer_names):
+            raise ValueError(f"layers: names repeat: {layer_names}")
+        for name in layer_names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(
+                    f"layers: expected names of submodules, got {name!r}")
+            try:
+                module.get_submodule(name)
+            except AttributeError:
+                raise ValueError(f"layers: no submodule named {name!r}") from None
+    order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    for name in layer_names:
+        if name not in order:
+            raise ValueError(f"layers: {name!r} is an alias of a submodule "
+                             "registered under another name")
+    layer_names.sort(key=order.__getitem__)
+    wanted = set(layer_names)
+
+    def owner(param_name):
+        parts = param_name.split(".")[:-1]
+        for k in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:k])
+            if prefix in wanted:
+                return prefix
+        return ""
+
+    members = {name: [] for name in [""] + layer_names}
+    owners = {}
+    for name, p in named:
+        members[owner(name)].append((name, p))
+        owners[id(p)] = owner(name)
+    # A layer may only use its own parameters and those of layers inside it.
+    for name in layer_names:
+        for p in module.get_submodule(name).parameters():
+            o = owners[id(p)]
+            if o != name and not o.startswith(name + "."):
+                raise ValueError(
+                    f"layers: a parameter of layer {o or 'the outer module'!r} "
+                    f"is also used by layer {name!r}; shared parameters must "
+                    "belong to one layer")
+    groups = []
+    for name in [""] + layer_names:
+        if members[name]:
+            layer_module = module if name == "" else module.get_submodule(name)
+            groups.append((layer_module, members[name]))
+    return groups
+
