@@ -135,8 +135,11 @@ void SendEmpty(mg_connection* connection, int status, const char* allow) {
 }  // namespace
 
 MetricsHttpServer::MetricsHttpServer(const Registry& registry,
-                                     std::string listen_address)
-    : registry_(registry), listen_address_(std::move(listen_address)) {}
+                                     std::string listen_address,
+                                     PageRenderer page)
+    : registry_(registry),
+      listen_address_(std::move(listen_address)),
+      page_(std::move(page)) {}
 
 MetricsHttpServer::~MetricsHttpServer() { Stop(); }
 
@@ -224,7 +227,10 @@ int MetricsHttpServer::HandleRequest(mg_connection* connection) {
   const absl::string_view method =
       info != nullptr && info->request_method != nullptr ? info->request_method
                                                          : "";
-  if (uri != "/metrics") {
+  const auto* server = static_cast<const MetricsHttpServer*>(
+      info != nullptr ? info->user_data : nullptr);
+  const bool page = uri == "/" && server != nullptr && server->page_ != nullptr;
+  if (uri != "/metrics" && !page) {
     SendEmpty(connection, 404, nullptr);
     return 404;
   }
@@ -233,13 +239,27 @@ int MetricsHttpServer::HandleRequest(mg_connection* connection) {
     SendEmpty(connection, 405, "GET, HEAD");
     return 405;
   }
-  const auto* server = static_cast<const MetricsHttpServer*>(info->user_data);
   const std::string body =
-      TextSerializer().Serialize(server->registry_.Collect());
+      page ? server->page_()
+           : TextSerializer().Serialize(server->registry_.Collect());
   const std::string length = absl::StrCat(body.size());
   mg_response_header_start(connection, 200);
-  mg_response_header_add(connection, "Content-Type", kTextContentType.data(),
-                         static_cast<int>(kTextContentType.size()));
+  if (page) {
+    mg_response_header_add(connection, "Content-Type",
+                           "text/html; charset=utf-8", -1);
+    // No script, no frame, nothing fetched: the page is one document with
+    // inline styles.
+    mg_response_header_add(connection, "Content-Security-Policy",
+                           "default-src 'none'; style-src 'unsafe-inline'; "
+                           "frame-ancestors 'none'; base-uri 'none'; "
+                           "form-action 'none'",
+                           -1);
+    mg_response_header_add(connection, "X-Content-Type-Options", "nosniff", -1);
+    mg_response_header_add(connection, "Referrer-Policy", "no-referrer", -1);
+  } else {
+    mg_response_header_add(connection, "Content-Type", kTextContentType.data(),
+                           static_cast<int>(kTextContentType.size()));
+  }
   mg_response_header_add(connection, "Content-Length", length.c_str(), -1);
   mg_response_header_add(connection, "Cache-Control", "no-store", -1);
   mg_response_header_send(connection);

@@ -1,12 +1,14 @@
 #pragma once
 
 // Serves a Registry's metrics over HTTP for Prometheus to scrape:
-// `GET /metrics` (and HEAD) answers 200 with the text format, any other path
-// 404, any other method 405.
+// `GET /metrics` (and HEAD) answers 200 with the text format; with a page
+// renderer, `GET /` (and HEAD) answers 200 with the HTML page it renders;
+// any other path 404, any other method 405.
 //
 //   MetricsHttpServer server(registry, "0.0.0.0:9464");
 //   RETURN_IF_ERROR(server.Start());
 
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -17,13 +19,22 @@ struct mg_connection;
 
 namespace zeroshard::metrics {
 
+// The HTML page served at "/": called once per request, on a civetweb worker
+// thread (two may run at once), so it must be thread-safe and must not
+// block for long. The page is sent as `text/html; charset=utf-8` under a
+// Content-Security-Policy that allows no script and no external resource
+// (inline styles only): the renderer HTML-escapes every string it prints.
+using PageRenderer = std::function<std::string()>;
+
 class MetricsHttpServer {
  public:
   // `registry` is not owned and must outlive the server. `listen_address` is
   // HOST:PORT with HOST a numeric IPv4 address, a bracketed IPv6 address
   // ("[::1]:9464"), "localhost" or empty (all interfaces); port 0 picks a
-  // free port (see port()).
-  MetricsHttpServer(const Registry& registry, std::string listen_address);
+  // free port (see port()). Without `page`, "/" is 404 like any other path;
+  // whatever `page` uses must outlive the server (or its Stop).
+  MetricsHttpServer(const Registry& registry, std::string listen_address,
+                    PageRenderer page = nullptr);
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
   // Stops the server (see Stop).
@@ -50,6 +61,7 @@ class MetricsHttpServer {
 
   const Registry& registry_;
   const std::string listen_address_;
+  const PageRenderer page_;
   mg_context* context_ = nullptr;
   int port_ = 0;
   bool ipv6_ = false;

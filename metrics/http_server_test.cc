@@ -98,6 +98,41 @@ TEST_F(MetricsHttpServerTest, OtherPathsAndMethods) {
   EXPECT_EQ(Fetch(server.port(), "GET", "/metrics?x=1").status, 200);
 }
 
+TEST_F(MetricsHttpServerTest, ServesThePageAtRootWhenGivenOne) {
+  int renders = 0;
+  MetricsHttpServer server(registry_, "127.0.0.1:0", [&renders] {
+    ++renders;  // Requests are sequential here.
+    return std::string("<!DOCTYPE html><p>caf\u00e9</p>");
+  });
+  ASSERT_TRUE(server.Start().ok());
+  const HttpResponse page = Fetch(server.port(), "GET", "/");
+  ASSERT_EQ(page.status, 200) << page.headers;
+  EXPECT_EQ(page.body, "<!DOCTYPE html><p>caf\u00e9</p>");
+  EXPECT_THAT(page.headers,
+              HasSubstr("Content-Type: text/html; charset=utf-8"));
+  EXPECT_THAT(page.headers,
+              HasSubstr("Content-Security-Policy: default-src 'none'; "
+                        "style-src 'unsafe-inline'"));
+  EXPECT_THAT(page.headers, HasSubstr("X-Content-Type-Options: nosniff"));
+  EXPECT_THAT(page.headers, HasSubstr("Cache-Control: no-store"));
+  EXPECT_THAT(page.headers,
+              HasSubstr(absl::StrCat("Content-Length: ", page.body.size())));
+
+  const HttpResponse head = Fetch(server.port(), "HEAD", "/");
+  EXPECT_EQ(head.status, 200);
+  EXPECT_EQ(head.body, "");
+  const HttpResponse post = Fetch(server.port(), "POST", "/");
+  EXPECT_EQ(post.status, 405);
+  EXPECT_THAT(post.headers, HasSubstr("Allow: GET, HEAD"));
+  EXPECT_EQ(Fetch(server.port(), "GET", "/index.html").status, 404);
+  EXPECT_EQ(renders, 2);  // GET and HEAD.
+
+  // /metrics is unchanged.
+  const HttpResponse metrics = Fetch(server.port(), "GET", "/metrics");
+  EXPECT_EQ(metrics.status, 200);
+  EXPECT_EQ(metrics.body, TextSerializer().Serialize(registry_.Collect()));
+}
+
 TEST_F(MetricsHttpServerTest, PortInUseIsAClearError) {
   MetricsHttpServer first(registry_, "127.0.0.1:0");
   ASSERT_TRUE(first.Start().ok());

@@ -16,6 +16,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/services.h"
+#include "server/status_page.h"
 
 namespace zeroshard {
 namespace {
@@ -193,7 +194,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   d->checkpoint_ = std::make_unique<CheckpointService>(&ctx);
   d->activation_ = std::make_unique<ActivationService>(&ctx);
   if (!options.metrics_listen.empty()) {
-    d->http_ = std::make_unique<metrics::MetricsHttpServer>(d->registry_, options.metrics_listen);
+    d->http_ = std::make_unique<metrics::MetricsHttpServer>(
+        d->registry_, options.metrics_listen,
+        StatusPageRenderer({options.version, [jobs = d->jobs_.get()] { return jobs->All(); },
+                            options.rank_timeout, &d->ledger_, ctx.start}));
     RETURN_IF_ERROR(d->http_->Start(), "--metrics_port");
   }
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
