@@ -12,9 +12,12 @@
 //   zsctl export --checkpoint DIR/JOB/NAME --out model.pt
 //       A checkpoint's fp32 masters as a dict {tensor name: tensor} that
 //       Python's torch.load reads (NAME may be "latest"); reads files only.
+//   --output=json (estimate, status, memory): one JSON document on stdout, for
+//       scripts; its keys are in tools/zsctl_commands.h.
 
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -46,6 +49,11 @@ ABSL_FLAG(int, timeout_ms, 0,
           "checkpoint (0: 600000; saves, loads and verifies of large models read or write "
           "everything).");
 
+ABSL_FLAG(std::string, output, "text",
+          "text, or json for one JSON document on stdout (estimate, status, memory): "
+          "snake_case keys as the protobuf fields, numbers without units, one entry per "
+          "daemon with its data or its error.");
+
 ABSL_FLAG(std::string, token_file, "",
           "File (mode 0600) holding the job's token, or the admin token; default: "
           "$ZS_JOB_TOKEN. Without one, daemons show no job and refuse job commands.");
@@ -54,7 +62,8 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: zsctl estimate|status|memory|drain|token|export [flags]\n"
-    "       zsctl checkpoint save|load|list|verify [flags]\n";
+    "       zsctl checkpoint save|load|list|verify [flags]\n"
+    "       --output=json: estimate, status and memory print one JSON document\n";
 
 int TimeoutMs(int default_ms) {
   const int t = absl::GetFlag(FLAGS_timeout_ms);
@@ -80,6 +89,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "zsctl estimate|status|memory|drain|token|export [flags]\n"
       "zsctl checkpoint save|load|list|verify [flags]\n"
+      "--output=json: estimate, status and memory print one JSON document.\n"
       "see --help for the flags of each.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() < 2) {
@@ -92,14 +102,33 @@ int main(int argc, char** argv) {
     std::fputs(kUsage, stderr);
     return 2;
   }
+  absl::StatusOr<zeroshard::tools::OutputFormat> format =
+      zeroshard::tools::ParseOutputFormat(absl::GetFlag(FLAGS_output));
+  if (!format.ok()) {
+    std::fprintf(stderr, "zsctl: %s\n", std::string(format.status().message()).c_str());
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  const bool json = *format == zeroshard::tools::OutputFormat::kJson;
+  const bool known = command == "estimate" || command == "status" || command == "memory" ||
+                     command == "drain" || command == "token" || command == "checkpoint" ||
+                     command == "export";
+  if (json && known && !zeroshard::tools::SupportsJson(command)) {
+    std::fprintf(stderr, "zsctl %s: --output=json is for %s only; %s prints text\n",
+                 command.c_str(), zeroshard::tools::kJsonCommands, command.c_str());
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
   absl::StatusOr<std::string> out;
+  // --output=json, a daemon failed: the document, printed before the error.
+  std::string document;
   if (command == "estimate") {
     zeroshard::tools::EstimateOptions o;
     o.params = absl::GetFlag(FLAGS_params);
     o.world_size = absl::GetFlag(FLAGS_dp);
     o.device_memory = absl::GetFlag(FLAGS_device_memory);
     o.optimizer_k = absl::GetFlag(FLAGS_optimizer_k);
-    out = zeroshard::tools::RunEstimate(o);
+    out = json ? zeroshard::tools::RunEstimateJson(o) : zeroshard::tools::RunEstimate(o);
   } else if (command == "token") {
     out = zeroshard::tools::RunToken();
   } else if (command == "status" || command == "memory" || command == "drain") {
@@ -112,9 +141,20 @@ int main(int argc, char** argv) {
       out = security.status();
     } else {
       o.security = *std::move(security);
-      out = command == "status"   ? zeroshard::tools::RunStatus(o)
-            : command == "memory" ? zeroshard::tools::RunMemory(o)
-                                  : zeroshard::tools::RunDrain(o);
+      if (json) {
+        const absl::Status s = command == "status" ? zeroshard::tools::RunStatusJson(o, &document)
+                                                   : zeroshard::tools::RunMemoryJson(o, &document);
+        if (s.ok()) {
+          out = std::move(document);
+          document.clear();
+        } else {
+          out = s;
+        }
+      } else {
+        out = command == "status"   ? zeroshard::tools::RunStatus(o)
+              : command == "memory" ? zeroshard::tools::RunMemory(o)
+                                    : zeroshard::tools::RunDrain(o);
+      }
     }
   } else if (command == "checkpoint") {
     zeroshard::tools::CheckpointOptions o;
@@ -144,6 +184,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!out.ok()) {
+    std::fputs(document.c_str(), stdout);
+    std::fflush(stdout);
     std::fprintf(stderr, "zsctl %s: %s\n", command.c_str(), out.status().ToString().c_str());
     return 1;
   }

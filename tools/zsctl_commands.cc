@@ -2,9 +2,13 @@
 
 #include <cctype>
 #include <cmath>
+#include <functional>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -23,6 +27,7 @@
 #include "common/job_spec.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
+#include "tools/json_writer.h"
 
 namespace zeroshard::tools {
 namespace {
@@ -87,38 +92,77 @@ absl::StatusOr<double> ParseBytes(absl::string_view text) {
       "--device_memory: unknown unit \"", suffix, "\" (use B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"));
 }
 
-absl::StatusOr<std::string> RunEstimate(const EstimateOptions& options) {
+namespace {
+
+constexpr const char* kStageNames[] = {"baseline DP", "P_os", "P_os+g", "P_os+g+p"};
+constexpr const char* kStageFormulas[] = {"(4+K)Ψ", "4Ψ+KΨ/N_d", "2Ψ+(2+K)Ψ/N_d", "(4+K)Ψ/N_d"};
+
+struct EstimateInput {
+  double psi = 0;
+  double device_bytes = 0;  // 0: no --device_memory
+};
+
+absl::StatusOr<EstimateInput> CheckEstimateOptions(const EstimateOptions& options) {
   if (options.params.empty()) {
     return absl::InvalidArgumentError("--params is required, e.g. --params 7.5e9");
   }
+  EstimateInput in;
   absl::StatusOr<double> psi = ParseCount(options.params);
   if (!psi.ok()) return psi.status();
-  double device = 0;
+  in.psi = *psi;
   if (!options.device_memory.empty()) {
     absl::StatusOr<double> d = ParseBytes(options.device_memory);
     if (!d.ok()) return d.status();
-    device = *d;
+    in.device_bytes = *d;
   }
-  static const char* const kNames[] = {"0  baseline DP", "1  P_os", "2  P_os+g", "3  P_os+g+p"};
-  static const char* const kFormulas[] = {"(4+K)Ψ", "4Ψ+KΨ/N_d", "2Ψ+(2+K)Ψ/N_d", "(4+K)Ψ/N_d"};
+  return in;
+}
+
+// A byte count or element count as a whole number (as a double past 2^64).
+void WriteWhole(double value, JsonWriter* w) {
+  const double r = std::round(value);
+  if (r >= 0 && r < 18446744073709551616.0) {
+    w->Uint(static_cast<uint64_t>(r));
+  } else {
+    w->Double(r);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<OutputFormat> ParseOutputFormat(absl::string_view text) {
+  if (text == "text") return OutputFormat::kText;
+  if (text == "json") return OutputFormat::kJson;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--output: must be text or json, got \"", text, "\""));
+}
+
+bool SupportsJson(absl::string_view command) {
+  return command == "estimate" || command == "status" || command == "memory";
+}
+
+absl::StatusOr<std::string> RunEstimate(const EstimateOptions& options) {
+  absl::StatusOr<EstimateInput> in = CheckEstimateOptions(options);
+  if (!in.ok()) return in.status();
+  const double device = in->device_bytes;
   std::string out = absl::StrFormat(
       "Model states per rank for Ψ = %s parameters, N_d = %u, K = %s\n"
       "(ZeRO paper, mixed-precision training; decimal units, 3 significant figures)\n\n",
-      FormatCount(*psi), options.world_size, FormatSig3(options.optimizer_k));
+      FormatCount(in->psi), options.world_size, FormatSig3(options.optimizer_k));
   absl::StrAppend(&out, PadRight("stage", 16), PadRight("formula", 15), PadLeft("params", 10),
                   PadLeft("grads", 10), PadLeft("optimizer", 10), PadLeft("total", 10),
                   PadLeft("comm/step", 13));
   if (device > 0) absl::StrAppend(&out, PadLeft("max Ψ", 9));
   out += "\n";
   for (int stage = 0; stage <= 3; ++stage) {
-    auto e = EstimateModelStates(stage, *psi, options.world_size, options.optimizer_k);
+    auto e = EstimateModelStates(stage, in->psi, options.world_size, options.optimizer_k);
     if (!e.ok()) return e.status();
-    absl::StrAppend(&out, PadRight(kNames[stage], 16), PadRight(kFormulas[stage], 15),
-                    PadLeft(FormatBytes(e->param_bytes), 10),
-                    PadLeft(FormatBytes(e->grad_bytes), 10),
-                    PadLeft(FormatBytes(e->optimizer_bytes), 10),
-                    PadLeft(FormatBytes(e->bytes_per_rank), 10),
-                    PadLeft(absl::StrCat(stage == 3 ? "3Ψ " : "2Ψ ", FormatBytes(e->comm_bytes)), 13));
+    absl::StrAppend(
+        &out, PadRight(absl::StrCat(stage, "  ", kStageNames[stage]), 16),
+        PadRight(kStageFormulas[stage], 15), PadLeft(FormatBytes(e->param_bytes), 10),
+        PadLeft(FormatBytes(e->grad_bytes), 10), PadLeft(FormatBytes(e->optimizer_bytes), 10),
+        PadLeft(FormatBytes(e->bytes_per_rank), 10),
+        PadLeft(absl::StrCat(stage == 3 ? "3Ψ " : "2Ψ ", FormatBytes(e->comm_bytes)), 13));
     if (device > 0) {
       auto max = MaxParameters(stage, device, options.world_size, options.optimizer_k);
       if (!max.ok()) return max.status();
@@ -131,6 +175,52 @@ absl::StatusOr<std::string> RunEstimate(const EstimateOptions& options) {
                           FormatBytes(device));
   }
   return out;
+}
+
+absl::StatusOr<std::string> RunEstimateJson(const EstimateOptions& options) {
+  absl::StatusOr<EstimateInput> in = CheckEstimateOptions(options);
+  if (!in.ok()) return in.status();
+  JsonWriter w;
+  w.BeginObject().Key("parameters").Double(in->psi);
+  w.Key("world_size").Uint(options.world_size);
+  w.Key("optimizer_k").Double(options.optimizer_k);
+  w.Key("device_memory_bytes");
+  if (in->device_bytes > 0) {
+    WriteWhole(in->device_bytes, &w);
+  } else {
+    w.Null();
+  }
+  w.Key("stages").BeginArray();
+  for (int stage = 0; stage <= 3; ++stage) {
+    auto e = EstimateModelStates(stage, in->psi, options.world_size, options.optimizer_k);
+    if (!e.ok()) return e.status();
+    w.BeginObject().Key("stage").Int(stage);
+    w.Key("name").String(kStageNames[stage]);
+    w.Key("formula").String(kStageFormulas[stage]);
+    w.Key("param_bytes");
+    WriteWhole(e->param_bytes, &w);
+    w.Key("grad_bytes");
+    WriteWhole(e->grad_bytes, &w);
+    w.Key("optimizer_bytes");
+    WriteWhole(e->optimizer_bytes, &w);
+    w.Key("model_state_bytes");
+    WriteWhole(e->bytes_per_rank, &w);
+    w.Key("comm_elements");
+    WriteWhole(e->comm_elements, &w);
+    w.Key("comm_bytes_per_step");
+    WriteWhole(e->comm_bytes, &w);
+    w.Key("max_parameters");
+    if (in->device_bytes > 0) {
+      auto max = MaxParameters(stage, in->device_bytes, options.world_size, options.optimizer_k);
+      if (!max.ok()) return max.status();
+      w.Double(*max);
+    } else {
+      w.Null();
+    }
+    w.EndObject();
+  }
+  w.EndArray().EndObject();
+  return w.Finish();
 }
 
 namespace {
@@ -157,15 +247,37 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& address) {
 
 namespace {
 
+// A daemon's Status, and the step state of options.job if it runs that job.
+struct DaemonStatus {
+  v1::StatusResponse status;
+  std::optional<v1::StepState> job_state;
+};
+
+absl::StatusOr<DaemonStatus> GetDaemonStatus(const std::string& address,
+                                             const AdminOptions& options) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(options.timeout_ms));
+  DaemonStatus d;
+  grpc::Status s =
+      AdminStub(address, options.security)->Status(&ctx, v1::StatusRequest(), &d.status);
+  if (!s.ok()) return FromGrpc(s, address);
+  for (const v1::JobStatus& j : d.status.jobs()) {
+    if (options.job.empty() || j.job_id() != options.job) continue;
+    DaemonControl daemon(address, MakeDaemonChannel(address, options.security));
+    absl::StatusOr<v1::StepState> state =
+        daemon.GetStepState(options.job, absl::Now() + absl::Milliseconds(options.timeout_ms));
+    if (!state.ok()) return state.status();
+    d.job_state = *std::move(state);
+  }
+  return d;
+}
+
 // For zsctl status --job: each rank as the daemon sees it, and what its open
 // step waits for.
-absl::StatusOr<std::string> RankLines(const std::string& address, const AdminOptions& options) {
-  DaemonControl daemon(address, MakeDaemonChannel(address, options.security));
-  absl::StatusOr<v1::StepState> state =
-      daemon.GetStepState(options.job, absl::Now() + absl::Milliseconds(options.timeout_ms));
-  if (!state.ok()) return state.status();
+std::string RankLines(const std::string& address, const v1::StepState& state) {
   std::string out;
-  for (const v1::RankState& r : state->ranks()) {
+  for (const v1::RankState& r : state.ranks()) {
     const std::string heard = r.seconds_since_heard() < 0
                                   ? std::string("never heard from")
                                   : absl::StrFormat("heard %.1fs ago", r.seconds_since_heard());
@@ -177,12 +289,72 @@ absl::StatusOr<std::string> RankLines(const std::string& address, const AdminOpt
                           r.incarnation(), heard, r.last_step_pushed());
   }
   absl::StrAppendFormat(&out, "    open step %u: %s, %u of %u elements complete\n",
-                        state->committed_step() + 1, state->prepared() ? "prepared" : "pushing",
-                        state->complete_elements(), state->owned_elements());
-  if (const std::string waits = DescribeWaits(address, *state); !waits.empty()) {
+                        state.committed_step() + 1, state.prepared() ? "prepared" : "pushing",
+                        state.complete_elements(), state.owned_elements());
+  if (const std::string waits = DescribeWaits(address, state); !waits.empty()) {
     absl::StrAppend(&out, "    ", waits, "\n");
   }
   return out;
+}
+
+void WriteStepState(const v1::StepState& state, JsonWriter* w) {
+  w->Key("ranks").BeginArray();
+  for (const v1::RankState& r : state.ranks()) {
+    w->BeginObject().Key("rank").Uint(r.rank());
+    w->Key("joined").Bool(r.joined());
+    w->Key("connected").Bool(r.connected());
+    w->Key("incarnation").Uint(r.incarnation());
+    w->Key("seconds_since_heard").Double(r.seconds_since_heard());
+    w->Key("last_step_pushed").Uint(r.last_step_pushed());
+    w->EndObject();
+  }
+  w->EndArray();
+  w->Key("open_step").BeginObject().Key("step").Uint(state.committed_step() + 1);
+  w->Key("prepared").Bool(state.prepared());
+  w->Key("complete_elements").Uint(state.complete_elements());
+  w->Key("owned_elements").Uint(state.owned_elements());
+  w->Key("missing").BeginArray();
+  for (const v1::MissingContribution& m : state.missing()) {
+    w->BeginObject().Key("rank").Uint(m.rank());
+    w->Key("begin").Uint(m.range().begin());
+    w->Key("end").Uint(m.range().end());
+    w->Key("contributions").Uint(m.contributions());
+    w->Key("expected").Uint(m.expected());
+    w->EndObject();
+  }
+  w->EndArray().EndObject();
+}
+
+void WriteError(const absl::Status& error, JsonWriter* w) {
+  w->Key("error").BeginObject().Key("code").String(absl::StatusCodeToString(error.code()));
+  w->Key("message").String(error.message());
+  w->EndObject();
+}
+
+// {"daemons": [...]}: each daemon's entry from fetch(address), or its error.
+// Returns the first error.
+template <typename T>
+absl::Status WriteDaemons(const AdminOptions& options,
+                          const std::function<absl::StatusOr<T>(const std::string& address)>& fetch,
+                          const std::function<void(const T&, JsonWriter*)>& write,
+                          std::string* document) {
+  absl::Status first_error;
+  JsonWriter w;
+  w.BeginObject().Key("daemons").BeginArray();
+  for (const std::string& address : DaemonList(options.daemons)) {
+    w.BeginObject().Key("address").String(address);
+    absl::StatusOr<T> data = fetch(address);
+    if (data.ok()) {
+      write(*data, &w);
+    } else {
+      WriteError(data.status(), &w);
+      first_error.Update(data.status());
+    }
+    w.EndObject();
+  }
+  w.EndArray().EndObject();
+  *document = w.Finish();
+  return first_error;
 }
 
 }  // namespace
@@ -190,12 +362,9 @@ absl::StatusOr<std::string> RankLines(const std::string& address, const AdminOpt
 absl::StatusOr<std::string> RunStatus(const AdminOptions& options) {
   std::string out;
   for (const std::string& address : DaemonList(options.daemons)) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(options.timeout_ms));
-    v1::StatusResponse resp;
-    grpc::Status s = AdminStub(address, options.security)->Status(&ctx, v1::StatusRequest(), &resp);
-    if (!s.ok()) return FromGrpc(s, address);
+    absl::StatusOr<DaemonStatus> d = GetDaemonStatus(address, options);
+    if (!d.ok()) return d.status();
+    const v1::StatusResponse& resp = d->status;
     absl::StrAppendFormat(&out, "daemon %s  version %s  up %.0fs%s  jobs %d\n", address,
                           resp.version(), resp.uptime_seconds(),
                           resp.draining() ? "  DRAINING" : "", resp.jobs_size());
@@ -208,14 +377,40 @@ absl::StatusOr<std::string> RunStatus(const AdminOptions& options) {
                             j.job_id(), j.stage(), j.world_size(), j.ranks_connected(),
                             j.world_size(), j.committed_step(), FormatCount(j.parameters()),
                             parts);
-      if (j.job_id() == options.job) {
-        absl::StatusOr<std::string> ranks = RankLines(address, options);
-        if (!ranks.ok()) return ranks.status();
-        absl::StrAppend(&out, *ranks);
+      if (j.job_id() == options.job && d->job_state.has_value()) {
+        absl::StrAppend(&out, RankLines(address, *d->job_state));
       }
     }
   }
   return out;
+}
+
+absl::Status RunStatusJson(const AdminOptions& options, std::string* document) {
+  return WriteDaemons<DaemonStatus>(
+      options, [&](const std::string& address) { return GetDaemonStatus(address, options); },
+      [&](const DaemonStatus& d, JsonWriter* w) {
+        w->Key("version").String(d.status.version());
+        w->Key("uptime_seconds").Double(d.status.uptime_seconds());
+        w->Key("draining").Bool(d.status.draining());
+        w->Key("jobs").BeginArray();
+        for (const v1::JobStatus& j : d.status.jobs()) {
+          w->BeginObject().Key("job_id").String(j.job_id());
+          w->Key("stage").Uint(j.stage());
+          w->Key("world_size").Uint(j.world_size());
+          w->Key("ranks_connected").Uint(j.ranks_connected());
+          w->Key("committed_step").Uint(j.committed_step());
+          w->Key("parameters").Uint(j.parameters());
+          w->Key("owned_partitions").BeginArray();
+          for (uint32_t p : j.owned_partitions()) w->Uint(p);
+          w->EndArray();
+          if (j.job_id() == options.job && d.job_state.has_value()) {
+            WriteStepState(*d.job_state, w);
+          }
+          w->EndObject();
+        }
+        w->EndArray();
+      },
+      document);
 }
 
 absl::StatusOr<std::string> RunDrain(const AdminOptions& options) {
@@ -240,48 +435,92 @@ absl::StatusOr<std::string> RunToken() {
   return absl::StrCat(*token, "\n");
 }
 
+namespace {
+
+// The ledger categories zsctl memory shows, the model states first.
+constexpr const char* kCategories[] = {"param_master", "param_half", "grad",   "optim_m",
+                                       "optim_v",      "activation", "buffer", "fragmentation"};
+constexpr int kModelStateCategories = 5;
+
+uint64_t CategoryBytes(const v1::JobMemory& job, absl::string_view category) {
+  uint64_t bytes = 0;
+  for (const v1::CategoryBytes& c : job.categories()) {
+    if (c.category() == category) bytes = c.bytes();
+  }
+  return bytes;
+}
+
+uint64_t ModelStateBytes(const v1::JobMemory& job) {
+  uint64_t bytes = 0;
+  for (int i = 0; i < kModelStateCategories; ++i) bytes += CategoryBytes(job, kCategories[i]);
+  return bytes;
+}
+
+absl::StatusOr<v1::MemoryReportResponse> GetMemoryReport(const std::string& address,
+                                                         const AdminOptions& options) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(options.timeout_ms));
+  v1::MemoryReportRequest req;
+  req.set_job_id(options.job);
+  v1::MemoryReportResponse resp;
+  grpc::Status s = AdminStub(address, options.security)->MemoryReport(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, address);
+  return resp;
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> RunMemory(const AdminOptions& options) {
-  static const char* const kCategories[] = {"param_master", "param_half", "grad",
-                                            "optim_m",      "optim_v",    "activation",
-                                            "buffer",       "fragmentation"};
   std::string out;
   for (const std::string& address : DaemonList(options.daemons)) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(options.timeout_ms));
-    v1::MemoryReportRequest req;
-    req.set_job_id(options.job);
-    v1::MemoryReportResponse resp;
-    grpc::Status s = AdminStub(address, options.security)->MemoryReport(&ctx, req, &resp);
-    if (!s.ok()) return FromGrpc(s, address);
-    absl::StrAppendFormat(&out, "daemon %s  total %s  limit %s\n", address,
-                          FormatBytes(resp.total_bytes()),
-                          resp.memory_limit_bytes() ? FormatBytes(resp.memory_limit_bytes())
-                                                    : std::string("none"));
-    for (const auto& j : resp.jobs()) {
+    absl::StatusOr<v1::MemoryReportResponse> resp = GetMemoryReport(address, options);
+    if (!resp.ok()) return resp.status();
+    absl::StrAppendFormat(
+        &out, "daemon %s  total %s  limit %s\n", address, FormatBytes(resp->total_bytes()),
+        resp->memory_limit_bytes() ? FormatBytes(resp->memory_limit_bytes()) : std::string("none"));
+    for (const auto& j : resp->jobs()) {
       absl::StrAppendFormat(&out, "  job %s  stage %u  Ψ %s  N_d %u  partitions owned %u\n",
                             j.job_id(), j.stage(), FormatCount(j.parameters()), j.world_size(),
                             j.owned_partitions());
-      uint64_t model_states = 0;
       for (const char* category : kCategories) {
-        uint64_t bytes = 0;
-        for (const auto& c : j.categories()) {
-          if (c.category() == category) bytes = c.bytes();
-        }
-        const std::string name = category;
-        if (name != "activation" && name != "buffer" && name != "fragmentation") {
-          model_states += bytes;
-        }
+        const uint64_t bytes = CategoryBytes(j, category);
         absl::StrAppendFormat(&out, "    %-14s %14s  (%u B)\n", category, FormatBytes(bytes),
                               bytes);
       }
-      absl::StrAppendFormat(&out,
-                            "    %-14s %14s  paper formula for %u owned partition(s): %s\n",
-                            "model states", FormatBytes(model_states), j.owned_partitions(),
+      absl::StrAppendFormat(&out, "    %-14s %14s  paper formula for %u owned partition(s): %s\n",
+                            "model states", FormatBytes(ModelStateBytes(j)), j.owned_partitions(),
                             FormatBytes(j.formula_bytes()));
     }
   }
   return out;
+}
+
+absl::Status RunMemoryJson(const AdminOptions& options, std::string* document) {
+  return WriteDaemons<v1::MemoryReportResponse>(
+      options, [&](const std::string& address) { return GetMemoryReport(address, options); },
+      [](const v1::MemoryReportResponse& resp, JsonWriter* w) {
+        w->Key("total_bytes").Uint(resp.total_bytes());
+        w->Key("memory_limit_bytes").Uint(resp.memory_limit_bytes());
+        w->Key("jobs").BeginArray();
+        for (const v1::JobMemory& j : resp.jobs()) {
+          w->BeginObject().Key("job_id").String(j.job_id());
+          w->Key("stage").Uint(j.stage());
+          w->Key("parameters").Uint(j.parameters());
+          w->Key("world_size").Uint(j.world_size());
+          w->Key("owned_partitions").Uint(j.owned_partitions());
+          w->Key("categories").BeginObject();
+          for (const char* category : kCategories) {
+            w->Key(category).Uint(CategoryBytes(j, category));
+          }
+          w->EndObject();
+          w->Key("model_state_bytes").Uint(ModelStateBytes(j));
+          w->Key("formula_bytes").Uint(j.formula_bytes());
+          w->EndObject();
+        }
+        w->EndArray();
+      },
+      document);
 }
 
 namespace {

@@ -4,6 +4,12 @@
 // them without a process. status/memory block on RPCs up to timeout_ms each;
 // checkpoint commands up to timeout_ms in all. (zsctl export, which links
 // libtorch, is in tools/export_lib.h.)
+//
+// --output=json (estimate, status, memory): one compact JSON object and a
+// newline, keys in snake_case as the protobuf fields name them, numbers as
+// JSON numbers (byte counts as whole numbers, no units), values as the
+// protobuf carries them (memory_limit_bytes 0: no limit; seconds_since_heard
+// -1: never heard from).
 
 #include <cstdint>
 #include <string>
@@ -13,6 +19,15 @@
 #include "common/channel.h"
 
 namespace zeroshard::tools {
+
+enum class OutputFormat { kText, kJson };
+
+// "text" or "json"; InvalidArgument naming --output otherwise.
+absl::StatusOr<OutputFormat> ParseOutputFormat(absl::string_view text);
+
+// The commands that take --output=json, for usage errors.
+inline constexpr char kJsonCommands[] = "estimate, status and memory";
+bool SupportsJson(absl::string_view command);
 
 // "7.5e9", "7.5B", "350M", "12k", "1T" -> count. InvalidArgument otherwise.
 absl::StatusOr<double> ParseCount(absl::string_view text);
@@ -26,6 +41,13 @@ struct EstimateOptions {
   double optimizer_k = 12;
 };
 absl::StatusOr<std::string> RunEstimate(const EstimateOptions& options);
+// {"parameters", "world_size", "optimizer_k", "device_memory_bytes" (null
+// without --device_memory), "stages": [{"stage", "name", "formula",
+// "param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes",
+// "comm_elements", "comm_bytes_per_step", "max_parameters" (null without
+// --device_memory)}]}, byte counts rounded to whole bytes. The same errors as
+// RunEstimate, with no document.
+absl::StatusOr<std::string> RunEstimateJson(const EstimateOptions& options);
 
 // The credentials zsctl talks with (TLS and the bearer token): a job's token
 // shows and drives that job, the admin token every job; without a token the
@@ -41,6 +63,27 @@ struct AdminOptions {
 };
 absl::StatusOr<std::string> RunStatus(const AdminOptions& options);
 absl::StatusOr<std::string> RunMemory(const AdminOptions& options);
+
+// --output=json: {"daemons": [...]}, one entry per daemon in options.daemons
+// order, each {"address", ...its data} or {"address", "error": {"code",
+// "message"}} (code as absl names it, e.g. "UNAVAILABLE"). Unlike the text
+// commands, which stop at the first daemon that fails, these ask every
+// daemon. Always sets *document; returns the first daemon's error (what
+// RunStatus / RunMemory would return) or OK.
+//   status: "version", "uptime_seconds", "draining", "jobs": [{"job_id",
+//     "stage", "world_size", "ranks_connected", "committed_step",
+//     "parameters", "owned_partitions": [...]}]; the job options.job adds
+//     "ranks": [{"rank", "joined", "connected", "incarnation",
+//     "seconds_since_heard", "last_step_pushed"}] and "open_step": {"step",
+//     "prepared", "complete_elements", "owned_elements", "missing": [{"rank",
+//     "begin", "end", "contributions", "expected"}]}.
+//   memory: "total_bytes", "memory_limit_bytes", "jobs": [{"job_id", "stage",
+//     "parameters", "world_size", "owned_partitions", "categories":
+//     {"param_master", "param_half", "grad", "optim_m", "optim_v",
+//     "activation", "buffer", "fragmentation"}, "model_state_bytes",
+//     "formula_bytes"}].
+absl::Status RunStatusJson(const AdminOptions& options, std::string* document);
+absl::Status RunMemoryJson(const AdminOptions& options, std::string* document);
 
 // zsctl checkpoint save|load|list|verify: drives the job's daemons through
 // client/checkpoint_driver.h. Every RPC of one command shares one deadline,
