@@ -15,7 +15,7 @@ PACKAGES=(
   libucx-dev ucx-utils libcivetweb-dev liburing-dev libssl-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   libtorch-dev python3-torch python3-numpy pybind11-dev python3-pytest
-  prometheus curl iproute2 chromium
+  prometheus curl iproute2 chromium libgloo-dev
 )
 
 log() { printf '\033[1m[zs]\033[0m %s\n' "$*" >&2; }

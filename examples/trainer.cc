@@ -237,6 +237,14 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
 
   for (int step = result.first_step; step <= o.steps; ++step) {
     const absl::Time start = absl::Now();
+    // StepReport::times: lap(phase) adds the time since the last lap to it.
+    StepReport::Times times;
+    absl::Time mark = start;
+    auto lap = [&mark](double& phase) {
+      const absl::Time now = absl::Now();
+      phase += absl::ToDoubleSeconds(now - mark);
+      mark = now;
+    };
     torch::Tensor tokens, targets;
     MakeBatch(corpus, o.model, step, o.global_batch, o.rank, o.world_size, &tokens, &targets);
     tickets.clear();
@@ -249,7 +257,9 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
         x = ForwardLayer(o.model, l, layer_params[l], x, targets);
       }
       loss = x.item<float>();
+      lap(times.forward);
       x.backward();
+      lap(times.backward);
       // Push layer by layer, last layer first, as backward produces them.
       // full_grads is not touched again before the tickets complete, so the
       // client may send from it directly.
@@ -262,6 +272,7 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
         tickets.push_back(std::move(t));
         RETURN_IF_ERROR(MaybeKillForDrill(o, step, l, num_layers, tickets));
       }
+      lap(times.push);
     } else {
       ActivationStore& checkpoints =
           o.activations == "local" || (o.activations == "both" && step % 2 == 0)
@@ -277,7 +288,9 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
         torch::NoGradGuard no_grad;
         for (int l = 0; l < num_layers; ++l) {
           ASSIGN_OR_RETURN(FlatRange r, layout.LayerRange(l));
+          lap(times.forward);
           ASSIGN_OR_RETURN(const void* view, client->GatherView(l));
+          lap(times.gather);
           float* p = AsFloat(view, wire, r.size(), &layer_scratch);
           RETURN_IF_ERROR(checkpoints.Save(l, x));
           x = ForwardLayer(o.model, l, LayerParams(layout, l, p, r.begin, false), x, targets);
@@ -285,6 +298,7 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
         }
       }
       loss = x.item<float>();
+      lap(times.forward);
       if (on_backward) on_backward(step, *client);
       // Backward loads the checkpoints last layer first.
       std::vector<int> order(num_layers);
@@ -295,7 +309,9 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
       torch::Tensor grad_out;
       for (int l = num_layers - 1; l >= 0; --l) {
         ASSIGN_OR_RETURN(FlatRange r, layout.LayerRange(l));
+        lap(times.backward);
         ASSIGN_OR_RETURN(const void* view, client->GatherView(l));
+        lap(times.gather);
         float* p = AsFloat(view, wire, r.size(), &layer_scratch);
         std::vector<torch::Tensor> lp = LayerParams(layout, l, p, r.begin, true);
         ASSIGN_OR_RETURN(torch::Tensor input, checkpoints.Load(l));
@@ -306,6 +322,7 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
         } else {
           y.backward();
         }
+        lap(times.backward);
         grad_scratch.assign(r.size(), 0.0f);
         FlattenGrads(layout, l, lp, grad_scratch.data(), r.begin);
         RETURN_IF_ERROR(client->Release(l));
@@ -315,12 +332,16 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
                          client->PushGradients(r, grad_scratch.data(), DType::kFp32));
         tickets.push_back(std::move(t));
         RETURN_IF_ERROR(MaybeKillForDrill(o, step, l, num_layers, tickets));
+        lap(times.push);
         if (l > 0) grad_out = input.grad();
       }
       RETURN_IF_ERROR(checkpoints.EndStep());
+      lap(times.backward);
     }
     for (const PushTicket& t : tickets) RETURN_IF_ERROR(t.Wait(absl::Now() + absl::Minutes(5)));
+    lap(times.push_wait);
     ASSIGN_OR_RETURN(StepResult sr, client->Step(o.lr));
+    lap(times.step);
     std::optional<absl::StatusOr<CheckpointStarted>> saving;
     if (saves && step % o.checkpoint_every == 0) {
       // Blocks for the daemons' snapshots (and for the previous save to
@@ -332,6 +353,7 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
         return saving->status();
       }
     }
+    mark = absl::Now();  // a checkpoint save is in none of the times
     if (o.stage < 3) {
       if (wire == DType::kFp32) {
         RETURN_IF_ERROR(client->GatherAll(full_params.data(), DType::kFp32));
@@ -339,12 +361,13 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
         RETURN_IF_ERROR(client->GatherAll(half_params.data(), wire));
         ToFloat(wire, half_params.data(), full_params.data(), total);
       }
+      lap(times.gather);
     }
     result.losses.push_back(loss);
     if (on_step) {
       const ClientTrafficReport t = client->TrafficReport();
       on_step({step, loss, absl::ToDoubleSeconds(absl::Now() - start), t.last_step.total(),
-               sr.grad_norm, std::move(saving), activations_used});
+               sr.grad_norm, std::move(saving), activations_used, times});
     }
   }
   if (saved) {

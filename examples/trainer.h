@@ -96,6 +96,16 @@ struct StepReport {
   // Stage 3: where the step kept its activation checkpoints ("local",
   // "daemon").
   std::string activations;
+  // TrainRank: where this rank's step time went, in seconds. gather: waiting
+  // for parameters (stages 1-2 GatherAll after the step, stage 3 each
+  // GatherView); forward and backward: the passes without their gathers
+  // (stage 3's backward includes the recomputation); push: flattening the
+  // gradients and the PushGradients calls; push_wait: waiting for the pushes'
+  // tickets; step: Client::Step (every rank's gradients reduced, the
+  // daemons' optimizer step committed).
+  struct Times {
+    double forward = 0, backward = 0, push = 0, push_wait = 0, step = 0, gather = 0;
+  } times;
 };
 
 struct TrainResult {
