@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "tools/json_writer.h"
 
 namespace zeroshard::tools {
 namespace {
@@ -197,27 +198,8 @@ class Parser {
 
   // A raw UTF-8 sequence (Unicode table 3-7), appended to *out.
   absl::Status Utf8(std::string* out) {
-    const auto byte = [&](size_t i) { return static_cast<unsigned char>(s_[pos_ + i]); };
-    const unsigned char b0 = byte(0);
-    size_t n;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (b0 >= 0xC2 && b0 <= 0xDF) {
-      n = 2;
-    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-      n = 3;
-      if (b0 == 0xE0) lo = 0xA0;
-      if (b0 == 0xED) hi = 0x9F;
-    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-      n = 4;
-      if (b0 == 0xF0) lo = 0x90;
-      if (b0 == 0xF4) hi = 0x8F;
-    } else {
-      return Error("invalid UTF-8");
-    }
-    if (s_.size() - pos_ < n || byte(1) < lo || byte(1) > hi) return Error("invalid UTF-8");
-    for (size_t i = 2; i < n; ++i) {
-      if (byte(i) < 0x80 || byte(i) > 0xBF) return Error("invalid UTF-8");
-    }
+    const size_t n = Utf8SequenceLength(s_.substr(pos_));
+    if (n == 0) return Error("invalid UTF-8");
     out->append(s_.data() + pos_, n);
     pos_ += n;
     return absl::OkStatus();

@@ -8,11 +8,9 @@
 #include "absl/strings/str_format.h"
 
 namespace zeroshard::tools {
-namespace {
 
-// The length of the well-formed UTF-8 sequence at the start of `s` (Unicode
-// table 3-7: no overlong forms, no surrogates, nothing above U+10FFFF), or 0.
 size_t Utf8SequenceLength(absl::string_view s) {
+  if (s.empty()) return 0;
   const auto byte = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
   const unsigned char b0 = byte(0);
   size_t n;
@@ -36,8 +34,6 @@ size_t Utf8SequenceLength(absl::string_view s) {
   }
   return n;
 }
-
-}  // namespace
 
 void AppendJsonString(absl::string_view text, std::string* out) {
   out->push_back('"');

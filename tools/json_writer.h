@@ -3,6 +3,7 @@
 // A small JSON (RFC 8259) writer for zsctl --output=json: compact output,
 // keys in the order written. Not thread-safe; one writer per document.
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -10,6 +11,10 @@
 #include "absl/strings/string_view.h"
 
 namespace zeroshard::tools {
+
+// The length of the well-formed UTF-8 sequence at the start of `s` (Unicode
+// table 3-7: no overlong forms, no surrogates, nothing above U+10FFFF), or 0.
+size_t Utf8SequenceLength(absl::string_view s);
 
 // Appends `text` to *out as a JSON string literal: `"` and `\` escaped with a
 // backslash, control characters (U+0000..U+001F) as \u00XX, valid UTF-8
