@@ -3,7 +3,9 @@
 import contextlib
 import os
 import pathlib
+import json
 import subprocess
+import sys
 
 import pytest
 
@@ -52,3 +54,18 @@ def running_daemons(count, extra_args=lambda index: []):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def run_workers(script, configs, outputs, timeout=240):
+    """Runs `script` (beside this file) once per rank, as
+    `python3 script CONFIG_JSON OUTPUT`, all at once; asserts each exits 0
+    within `timeout` seconds and kills any still running."""
+    workers = [subprocess.Popen([sys.executable, str(HERE_DIR / script),
+                                 json.dumps(config), str(out)])
+               for config, out in zip(configs, outputs)]
+    for rank, worker in enumerate(workers):
+        try:
+            assert worker.wait(timeout=timeout) == 0, f"rank {rank} failed"
+        finally:
+            if worker.poll() is None:
+                worker.kill()

@@ -2,10 +2,6 @@
 ShardedOptimizer, checked against single-process torch.optim.AdamW."""
 
 import gc
-import json
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,9 +9,8 @@ import torch
 
 import train_common as tc
 import zeroshard
-from binaries import running_daemons
+from binaries import run_workers, running_daemons
 
-HERE = pathlib.Path(__file__).resolve().parent
 WORLD_SIZE = 2
 TOLERANCE = 1e-5
 
@@ -33,7 +28,7 @@ def _relative_error(a, b):
 @pytest.mark.parametrize("stage,max_grad_norm", [(1, 0.0), (2, 0.5)])
 def test_matches_single_process_adamw(daemons, tmp_path, stage, max_grad_norm):
     job = f"pytest-stage{stage}"
-    workers, outputs = [], []
+    configs, outputs = [], []
     for rank in range(WORLD_SIZE):
         config = dict(daemons=daemons, job_id=job, rank=rank,
                       world_size=WORLD_SIZE, bucket_bytes=4096, stage=stage,
@@ -41,15 +36,8 @@ def test_matches_single_process_adamw(daemons, tmp_path, stage, max_grad_norm):
                       step_timeout=60.0)
         out = tmp_path / f"rank{rank}.npz"
         outputs.append(out)
-        workers.append(subprocess.Popen(
-            [sys.executable, str(HERE / "sharded_worker.py"),
-             json.dumps(config), str(out)]))
-    for rank, worker in enumerate(workers):
-        try:
-            assert worker.wait(timeout=240) == 0, f"rank {rank} failed"
-        finally:
-            if worker.poll() is None:
-                worker.kill()
+        configs.append(config)
+    run_workers("sharded_worker.py", configs, outputs)
 
     expected, expected_norms = tc.train_reference(max_grad_norm)
     results = [np.load(out) for out in outputs]

@@ -3,10 +3,6 @@ training through shard_model(stage=3), checked against single-process
 torch.optim.AdamW with clip_grad_norm_, and the trainers' parameter memory
 checked during forward and backward."""
 
-import json
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,10 +10,9 @@ import torch
 
 import stage3_common as sc
 import zeroshard
-from binaries import running_daemons
+from binaries import run_workers, running_daemons
 from zeroshard.torch import shard_model
 
-HERE = pathlib.Path(__file__).resolve().parent
 TOLERANCE = 1e-5
 
 
@@ -45,21 +40,14 @@ def _config(daemons, job, rank, world_size):
 def test_matches_single_process_adamw(daemons, reference, tmp_path,
                                       world_size, layers):
     job = f"pytest-stage3-{world_size}"
-    workers, outputs = [], []
+    configs, outputs = [], []
     for rank in range(world_size):
         config = _config(daemons, job, rank, world_size)
         config["layers"] = layers
         out = tmp_path / f"rank{rank}.npz"
         outputs.append(out)
-        workers.append(subprocess.Popen(
-            [sys.executable, str(HERE / "stage3_worker.py"),
-             json.dumps(config), str(out)]))
-    for rank, worker in enumerate(workers):
-        try:
-            assert worker.wait(timeout=240) == 0, f"rank {rank} failed"
-        finally:
-            if worker.poll() is None:
-                worker.kill()
+        configs.append(config)
+    run_workers("stage3_worker.py", configs, outputs)
 
     expected, expected_norms = reference
     results = [np.load(out) for out in outputs]
