@@ -157,8 +157,23 @@ absl::Status Client::Connect() {
   }
   std::vector<DaemonControl*> controls;
   std::vector<std::shared_ptr<grpc::Channel>> channels;
-  for (const std::string& address : c.daemons) {
-    std::shared_ptr<grpc::Channel> channel = MakeDaemonChannel(address, security);
+  for (const std::string& address : c.daemons) placement_.push_back({address, 1, true});
+  if (c.replicas > 1) {
+    PlacementOptions po;
+    po.job_id = c.job_id;
+    po.rank = c.rank;
+    po.known_committed_step = c.known_committed_step;
+    po.rpc_timeout = std::min(c.rpc_timeout, absl::Seconds(5));
+    po.wait = c.step_timeout;
+    ASSIGN_OR_RETURN(placement_, ResolvePlacement(c.daemons, security, po));
+  }
+  for (uint32_t d = 0; d < c.daemons.size(); ++d) {
+    const std::string& address = placement_[d].address;
+    std::optional<ReplicaTarget> target;
+    if (c.replicas > 1) target = ReplicaTarget{d, placement_[d].epoch};
+    std::shared_ptr<grpc::Channel> channel = MakeDaemonChannel(address, security, target);
+    home_controls_.push_back(std::make_unique<DaemonControl>(
+        c.daemons[d], target ? MakeDaemonChannel(c.daemons[d], security) : channel));
     channels.push_back(channel);
     controls_.push_back(std::make_unique<DaemonControl>(address, channel));
     controls.push_back(controls_.back().get());
@@ -193,8 +208,14 @@ absl::Status Client::ForEachDaemon(const std::function<absl::Status(uint32_t)>& 
 absl::Status Client::RegisterJobEverywhere(const Layout& layout, const PartitionMap& map) {
   const v1::JobSpec spec = ToJobSpec(config_, layout);
   return ForEachDaemon([&](uint32_t d) -> absl::Status {
-    ASSIGN_OR_RETURN(v1::RegisterJobResponse r,
-                     controls_[d]->RegisterJob(spec, d, RpcDeadline()));
+    // A group served away from its own daemon (promoted): that daemon, if
+    // it is back, holds backups only; if it is not, the job runs without it.
+    const bool away = !placement_[d].home;
+    absl::StatusOr<v1::RegisterJobResponse> registered = home_controls_[d]->RegisterJob(
+        spec, d, away,
+        away ? absl::Now() + std::min(config_.rpc_timeout, absl::Seconds(5)) : RpcDeadline());
+    if (away && !registered.ok()) return absl::OkStatus();
+    ASSIGN_OR_RETURN(v1::RegisterJobResponse r, std::move(registered));
     const v1::PartitionMap& m = r.partition_map();
     if (m.total_elements() != map.total_elements() ||
         m.partition_elements() != map.partition_elements()) {

@@ -59,6 +59,7 @@
 #include "client/collective.h"
 #include "client/data_path.h"
 #include "client/executor.h"
+#include "client/replica_placement.h"
 #include "client/step_coordinator.h"
 #include "client/traffic.h"
 #include "common/channel.h"
@@ -124,6 +125,10 @@ struct ClientConfig : JobSettings {
   // instead of uploading initial parameters. With "latest" and no complete
   // checkpoint, the job starts from the initial parameters. Empty: no resume.
   std::string resume;
+  // Replicated jobs (JobSettings::replicas = 2): the least step this rank
+  // knows committed (a trainer reconnecting after a failure passes the last
+  // step it saw committed), so that a backup behind it is never promoted.
+  uint64_t known_committed_step = 0;
 };
 
 // OK, or InvalidArgument naming the field ("ClientConfig.<field>: ...").
@@ -356,7 +361,11 @@ class Client {
   std::optional<uint64_t> bound_fingerprint_;  // layout the collective is bound to
   Layout layout_;
   PartitionMap map_;
+  // Per replica group (daemon index): the daemon serving it, and with
+  // replicas = 2 the group's own daemon for RegisterJob.
   std::vector<std::unique_ptr<DaemonControl>> controls_;
+  std::vector<std::unique_ptr<DaemonControl>> home_controls_;
+  std::vector<GroupPlacement> placement_;
   std::shared_ptr<BulkTransport> bulk_;  // null for "stream"
   std::vector<std::unique_ptr<DataPath>> data_paths_;
   // By daemon index: the channels, and the bulk data paths among

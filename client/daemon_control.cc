@@ -45,12 +45,14 @@ DaemonControl::DaemonControl(std::string address, std::shared_ptr<grpc::Channel>
 
 absl::StatusOr<v1::RegisterJobResponse> DaemonControl::RegisterJob(const v1::JobSpec& spec,
                                                                    uint32_t daemon_index,
+                                                                   bool as_backup,
                                                                    absl::Time deadline) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   v1::RegisterJobRequest request;
   *request.mutable_spec() = spec;
   request.set_daemon_index(daemon_index);
+  request.set_as_backup(as_backup);
   v1::RegisterJobResponse response;
   const grpc::Status s = control_->RegisterJob(&context, request, &response);
   if (!s.ok()) return DaemonError(s, address_, absl::StrCat("RegisterJob ", spec.job_id()));

@@ -38,7 +38,8 @@ class DaemonControl {
   const std::string& address() const { return address_; }
 
   absl::StatusOr<v1::RegisterJobResponse> RegisterJob(const v1::JobSpec& spec,
-                                                      uint32_t daemon_index, absl::Time deadline);
+                                                      uint32_t daemon_index, bool as_backup,
+                                                      absl::Time deadline);
   absl::StatusOr<v1::JoinJobResponse> JoinJob(const v1::JoinJobRequest& request,
                                               absl::Time deadline);
   // Liveness: the daemon records that `id` is alive.

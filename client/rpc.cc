@@ -5,7 +5,8 @@
 namespace zeroshard {
 
 std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address,
-                                                 const ChannelSecurity& security) {
+                                                 const ChannelSecurity& security,
+                                                 std::optional<ReplicaTarget> target) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
@@ -15,7 +16,7 @@ std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address,
   // Reconnect quickly after a daemon restarts.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-  return MakeChannel(address, security, args);
+  return MakeChannel(address, security, args, target);
 }
 
 void SetDeadline(grpc::ClientContext* context, absl::Time deadline) {

@@ -5,6 +5,7 @@
 // the daemon.
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -20,8 +21,11 @@ namespace zeroshard {
 // and the bearer token every call carries) whose messages may be up to
 // kMaxGrpcMessageBytes (common/protocol.h) each way. Does not connect: the
 // first RPC does.
-std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address,
-                                                 const ChannelSecurity& security);
+// With `target`, every call names a replica group and epoch (replicated
+// jobs, proto/zeroshard/v1/replica.proto).
+std::shared_ptr<grpc::Channel> MakeDaemonChannel(
+    const std::string& address, const ChannelSecurity& security,
+    std::optional<ReplicaTarget> target = std::nullopt);
 
 void SetDeadline(grpc::ClientContext* context, absl::Time deadline);
 

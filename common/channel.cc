@@ -3,6 +3,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
 #include "grpcpp/support/client_interceptor.h"
@@ -10,35 +11,40 @@
 namespace zeroshard {
 namespace {
 
-// Adds the bearer token to every call's initial metadata. Call credentials
-// would do the same but gRPC sends them only over TLS; tokens also guard
-// plaintext loopback daemons.
-class TokenInterceptor final : public grpc::experimental::Interceptor {
+using MetadataPairs = std::vector<std::pair<std::string, std::string>>;
+
+// Adds fixed pairs (the bearer token, the replica target) to every call's
+// initial metadata. Call credentials would do the same for the token but
+// gRPC sends them only over TLS; tokens also guard plaintext loopback
+// daemons.
+class MetadataInterceptor final : public grpc::experimental::Interceptor {
  public:
-  explicit TokenInterceptor(const std::string* value) : value_(value) {}
+  explicit MetadataInterceptor(const MetadataPairs* pairs) : pairs_(pairs) {}
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(
             grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
-      methods->GetSendInitialMetadata()->insert({kAuthorizationMetadataKey, *value_});
+      for (const auto& [key, value] : *pairs_) {
+        methods->GetSendInitialMetadata()->insert({key, value});
+      }
     }
     methods->Proceed();
   }
 
  private:
-  const std::string* const value_;  // owned by the factory, which outlives the channel's calls
+  const MetadataPairs* const pairs_;  // owned by the factory, which outlives the channel's calls
 };
 
-class TokenInterceptorFactory final : public grpc::experimental::ClientInterceptorFactoryInterface {
+class MetadataInterceptorFactory final
+    : public grpc::experimental::ClientInterceptorFactoryInterface {
  public:
-  explicit TokenInterceptorFactory(const std::string& token)
-      : value_(absl::StrCat(kBearerPrefix, token)) {}
+  explicit MetadataInterceptorFactory(MetadataPairs pairs) : pairs_(std::move(pairs)) {}
   grpc::experimental::Interceptor* CreateClientInterceptor(
       grpc::experimental::ClientRpcInfo*) override {
-    return new TokenInterceptor(&value_);
+    return new MetadataInterceptor(&pairs_);
   }
 
  private:
-  const std::string value_;
+  const MetadataPairs pairs_;
 };
 
 }  // namespace
@@ -65,14 +71,43 @@ absl::StatusOr<ChannelSecurity> MakeChannelSecurity(const TlsFiles& tls, std::st
   return s;
 }
 
+absl::StatusOr<std::optional<ReplicaTarget>> ReplicaTargetOf(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) {
+  auto value = [&](const char* key) -> std::optional<std::string> {
+    auto it = metadata.find(key);
+    if (it == metadata.end()) return std::nullopt;
+    return std::string(it->second.data(), it->second.size());
+  };
+  const std::optional<std::string> group = value(kReplicaGroupMetadataKey);
+  const std::optional<std::string> epoch = value(kReplicaEpochMetadataKey);
+  if (!group.has_value() && !epoch.has_value()) return std::optional<ReplicaTarget>();
+  ReplicaTarget t;
+  if (!group.has_value() || !epoch.has_value() || !absl::SimpleAtoi(*group, &t.group) ||
+      !absl::SimpleAtoi(*epoch, &t.epoch)) {
+    return absl::InvalidArgumentError(absl::StrCat("metadata ", kReplicaGroupMetadataKey, " and ",
+                                                   kReplicaEpochMetadataKey,
+                                                   " go together, as decimal numbers"));
+  }
+  return std::optional<ReplicaTarget>(t);
+}
+
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
                                            const ChannelSecurity& security,
-                                           grpc::ChannelArguments args) {
+                                           grpc::ChannelArguments args,
+                                           std::optional<ReplicaTarget> target) {
   std::shared_ptr<grpc::ChannelCredentials> credentials =
       security.credentials != nullptr ? security.credentials : grpc::InsecureChannelCredentials();
-  if (security.token.empty()) return grpc::CreateCustomChannel(address, credentials, args);
+  MetadataPairs pairs;
+  if (!security.token.empty()) {
+    pairs.emplace_back(kAuthorizationMetadataKey, absl::StrCat(kBearerPrefix, security.token));
+  }
+  if (target.has_value()) {
+    pairs.emplace_back(kReplicaGroupMetadataKey, absl::StrCat(target->group));
+    pairs.emplace_back(kReplicaEpochMetadataKey, absl::StrCat(target->epoch));
+  }
+  if (pairs.empty()) return grpc::CreateCustomChannel(address, credentials, args);
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> factories;
-  factories.push_back(std::make_unique<TokenInterceptorFactory>(security.token));
+  factories.push_back(std::make_unique<MetadataInterceptorFactory>(std::move(pairs)));
   return grpc::experimental::CreateCustomChannelWithInterceptors(address, credentials, args,
                                                                  std::move(factories));
 }

@@ -5,7 +5,10 @@
 // carries. Built once (reading the PEM files), then shared by every channel
 // the process opens.
 
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -32,10 +35,26 @@ struct ChannelSecurity {
 absl::StatusOr<ChannelSecurity> MakeChannelSecurity(const TlsFiles& tls, std::string token,
                                                     absl::string_view prefix);
 
-// A channel to `address` ("HOST:PORT") with `security` and `args`. Does not
-// connect: the first RPC does.
+// Replicated jobs (proto/zeroshard/v1/replica.proto): the replica group a
+// call is for and the epoch the caller knows, sent as metadata on every
+// call of a channel.
+inline constexpr char kReplicaGroupMetadataKey[] = "zs-replica-group";
+inline constexpr char kReplicaEpochMetadataKey[] = "zs-replica-epoch";
+struct ReplicaTarget {
+  uint32_t group = 0;
+  uint64_t epoch = 0;
+};
+
+// The target a call names: nullopt when it names none, InvalidArgument when
+// the metadata is malformed (one key without the other, not decimal).
+absl::StatusOr<std::optional<ReplicaTarget>> ReplicaTargetOf(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata);
+
+// A channel to `address` ("HOST:PORT") with `security` and `args`, whose
+// calls carry `target` when given. Does not connect: the first RPC does.
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
                                            const ChannelSecurity& security,
-                                           grpc::ChannelArguments args);
+                                           grpc::ChannelArguments args,
+                                           std::optional<ReplicaTarget> target = std::nullopt);
 
 }  // namespace zeroshard

@@ -1,5 +1,6 @@
 #include "common/job_spec.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/ascii.h"
@@ -135,6 +136,13 @@ absl::Status ValidateJobSettings(const JobSettings& s, absl::string_view p) {
     return Invalid(p, "daemons", absl::StrCat("needs 1..world_size (", s.world_size,
                                               ") addresses, got ", s.daemons.size()));
   }
+  if (s.replicas < 1 || s.replicas > 2) {
+    return Invalid(p, "replicas", absl::StrCat("must be 1 or 2, got ", s.replicas));
+  }
+  if (s.replicas == 2 && s.daemons.size() < 2) {
+    return Invalid(p, "replicas",
+                   "2 needs at least 2 daemons (each replica group's backup is the next daemon)");
+  }
   for (size_t i = 0; i < s.daemons.size(); ++i) {
     const std::string field = absl::StrCat(p, "daemons[", i, "]");
     if (absl::Status st = ValidateHostPort(s.daemons[i], field); !st.ok()) return st;
@@ -228,6 +236,7 @@ v1::JobSpec ToJobSpec(const JobSettings& s, const Layout& layout) {
   }
   spec.set_bucket_bytes(s.bucket_bytes);
   for (const std::string& d : s.daemons) spec.add_daemons(d);
+  if (s.replicas > 1) spec.set_replicas(s.replicas);
   return spec;
 }
 
@@ -260,6 +269,7 @@ absl::StatusOr<JobConfig> ParseJobSpec(const v1::JobSpec& spec) {
   }
   c.bucket_bytes = spec.bucket_bytes() == 0 ? kDefaultBucketBytes : spec.bucket_bytes();
   c.daemons.assign(spec.daemons().begin(), spec.daemons().end());
+  c.replicas = spec.replicas() == 0 ? 1 : spec.replicas();
   if (spec.reduction() < 0 || spec.reduction() > 255 || spec.optimizer().kind() < 0 ||
       spec.optimizer().kind() > 255) {
     return absl::InvalidArgumentError(
@@ -312,6 +322,9 @@ std::string DescribeSpecDifference(const v1::JobSpec& registered, const v1::JobS
                                                           got.loss_scale())) {
     return differ("loss_scale", registered.loss_scale().ShortDebugString(),
                   got.loss_scale().ShortDebugString());
+  }
+  if (std::max(registered.replicas(), 1u) != std::max(got.replicas(), 1u)) {
+    return differ("replicas", std::max(registered.replicas(), 1u), std::max(got.replicas(), 1u));
   }
   const std::string a = absl::StrJoin(registered.daemons(), ",");
   const std::string b = absl::StrJoin(got.daemons(), ",");

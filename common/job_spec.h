@@ -66,7 +66,19 @@ struct JobSettings {
   // Daemon addresses (HOST:PORT) in placement order; partition i lives on
   // daemons[i * daemons.size() / world_size].
   std::vector<std::string> daemons;
+  // Copies of each replica group (v1::JobSpec.replicas): 1, or 2 for a
+  // primary and a backup. Group g (the partitions daemons[g] owns) is held
+  // by daemons[g] and daemons[ReplicaPeer(g)].
+  uint32_t replicas = 1;
 };
+
+// The other daemon of replica group `group` in a replicated job with
+// `daemons` daemons: the next one, wrapping around.
+inline uint32_t ReplicaPeer(uint32_t group, uint32_t daemons) { return (group + 1) % daemons; }
+// The group daemon `daemon` backs up at the start (whose peer it is).
+inline uint32_t BackedUpGroup(uint32_t daemon, uint32_t daemons) {
+  return (daemon + daemons - 1) % daemons;
+}
 
 // OK, or InvalidArgument naming the field as `prefix` + its name (e.g.
 // "ClientConfig.optimizer.beta1: must be in [0, 1), got 1.5").

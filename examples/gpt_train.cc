@@ -107,6 +107,13 @@ ABSL_FLAG(int, kill_at_step, 0,
           "(SIGKILL) once half of its layers' gradients are pushed; only in a process that was "
           "not restarted ($ZS_RESTART_COUNT unset or 0). 0: never.");
 ABSL_FLAG(int, kill_rank, 0, "The rank --kill_at_step kills.");
+ABSL_FLAG(int, replicas, 1,
+          "Copies of each daemon's partitions: 1, or 2 for a primary and a backup on the next "
+          "daemon (needs 2 or more daemons); with 2, a daemon may die without losing a step.");
+ABSL_FLAG(int, reconnects, -1,
+          "After a failed step (a daemon died, a call timed out), reconnect in this process and "
+          "continue at the committed step, at most this many times. -1: 8 with --replicas=2, "
+          "else 0.");
 ABSL_FLAG(std::string, dump_params, "",
           "Rank 0: after the last step, write every fp32 parameter (the flat layout, gaps as "
           "zeros) to this file as raw little-endian floats.");
@@ -308,6 +315,10 @@ int Main() {
   o.bucket_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_bucket_bytes));
   o.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
   o.step_timeout = absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s));
+  o.replicas = static_cast<uint32_t>(std::max(absl::GetFlag(FLAGS_replicas), 0));
+  o.reconnects = absl::GetFlag(FLAGS_reconnects) >= 0 ? absl::GetFlag(FLAGS_reconnects)
+                 : o.replicas > 1                     ? 8
+                                                      : 0;
   o.corpus_dir = absl::GetFlag(FLAGS_corpus);
   o.transport = absl::GetFlag(FLAGS_transport);
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);

@@ -3,6 +3,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -81,6 +82,7 @@ ClientConfig MakeClientConfig(const TrainOptions& o) {
   c.resume = o.resume;
   c.rpc_timeout = o.rpc_timeout;
   c.step_timeout = o.step_timeout;
+  c.replicas = o.replicas;
   return c;
 }
 
@@ -171,11 +173,15 @@ absl::StatusOr<float> EvaluateLoss(const TrainOptions& o, const std::vector<floa
   return ForwardAll(o.model, layout, copy.data(), false, tokens, targets, nullptr).item<float>();
 }
 
-absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback& on_step,
-                                      const FinishCallback& on_finish,
-                                      const StartCallback& on_start,
-                                      const BackwardCallback& on_backward) {
-  RETURN_IF_ERROR(CheckOptions(o));
+namespace {
+
+// One connection's share of TrainRank: from the committed step until the
+// end or the first failure. `known_committed_step`: ClientConfig's.
+absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known_committed_step,
+                                           const StepCallback& on_step,
+                                           const FinishCallback& on_finish,
+                                           const StartCallback& on_start,
+                                           const BackwardCallback& on_backward) {
   if (o.stage < 1 || o.stage > 3) {
     return absl::InvalidArgumentError(
         absl::StrCat("stage: sharded training needs stage 1, 2 or 3, got ", o.stage));
@@ -186,7 +192,9 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
   // is declared before the client, so that on an early return the client
   // (whose destructor waits for sends in flight) goes first.
   std::vector<float> full_grads(o.stage < 3 ? layout.total_elements() : 0);
-  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Create(MakeClientConfig(o)));
+  ClientConfig config = MakeClientConfig(o);
+  config.known_committed_step = known_committed_step;
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Create(std::move(config)));
   // With a resume, rank 0's RegisterModel loads the checkpoint instead of
   // uploading these (unless there is none to resume from).
   std::vector<float> initial = GptInitialParams(o.model, layout, o.seed);
@@ -391,6 +399,54 @@ absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback&
   if (on_finish) on_finish(*client);
   RETURN_IF_ERROR(client->Leave());
   return result;
+}
+
+// Failures a new connection may get past: a daemon gone or replaced, a call
+// or a step out of time, a step the daemons could not take.
+bool Reconnectable(const absl::Status& s) {
+  return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsFailedPrecondition(s) ||
+         absl::IsAborted(s) || absl::IsCancelled(s);
+}
+
+}  // namespace
+
+absl::StatusOr<TrainResult> TrainRank(const TrainOptions& o, const StepCallback& on_step,
+                                      const FinishCallback& on_finish,
+                                      const StartCallback& on_start,
+                                      const BackwardCallback& on_backward) {
+  RETURN_IF_ERROR(CheckOptions(o));
+  // What earlier connections trained: each step's loss, and the last step
+  // seen committed.
+  std::map<int, float> losses;
+  uint64_t committed = 0;
+  const StepCallback track = [&](const StepReport& r) {
+    losses[r.step] = r.loss;
+    committed = static_cast<uint64_t>(r.step);
+    if (on_step) on_step(r);
+  };
+  for (int attempt = 0;; ++attempt) {
+    absl::StatusOr<TrainResult> r =
+        TrainConnected(o, committed, track, on_finish, on_start, on_backward);
+    if (r.ok()) {
+      // The steps of earlier connections come first.
+      std::vector<float> all;
+      int first = r->first_step;
+      for (const auto& [step, loss] : losses) {
+        if (step >= r->first_step) break;
+        if (all.empty()) first = step;
+        all.push_back(loss);
+      }
+      all.insert(all.end(), r->losses.begin(), r->losses.end());
+      r->losses = std::move(all);
+      r->first_step = first;
+      return r;
+    }
+    if (attempt >= o.reconnects || !Reconnectable(r.status())) return r.status();
+    std::fprintf(stderr, "rank %u: %s\nrank %u: reconnecting (%d of %d) after step %llu\n", o.rank,
+                 r.status().ToString().c_str(), o.rank, attempt + 1, o.reconnects,
+                 static_cast<unsigned long long>(committed));
+    std::fflush(stderr);
+  }
 }
 
 }  // namespace zeroshard::examples

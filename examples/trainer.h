@@ -75,6 +75,16 @@ struct TrainOptions {
   // (zsrun --max_restarts) continues at the committed step.
   int kill_at_step = 0;
 
+  // Replicated partitions (ClientConfig.replicas: 1, or 2 for a primary and
+  // a backup of each daemon's partitions).
+  uint32_t replicas = 1;
+  // When a step fails (a daemon died, a call timed out), the rank drops its
+  // client and reconnects in the same process, at most this many times in
+  // the whole run: a new client (a new incarnation) reads where each replica
+  // group is served (promoting backups, rank 0), and training continues at
+  // the committed step. 0: a failure ends the run.
+  int reconnects = 0;
+
   // ClientConfig.resume: a checkpoint name or "latest"; empty: start fresh.
   // Training continues at the committed step the job resumed at and runs
   // until `steps` in all. The batch of step k depends only on k (MakeBatch),
@@ -148,7 +158,9 @@ absl::StatusOr<TrainResult> TrainSingleProcess(const TrainOptions& options,
 
 // One data-parallel rank training through zeroshard at options.stage, from
 // the job's committed step (0, or the step of the checkpoint it resumed
-// from) to options.steps. The callbacks run on the calling thread.
+// from) to options.steps, reconnecting after failures as
+// options.reconnects allows (the callbacks run again on the new client:
+// on_start once per connection). The callbacks run on the calling thread.
 absl::StatusOr<TrainResult> TrainRank(const TrainOptions& options,
                                       const StepCallback& on_step = nullptr,
                                       const FinishCallback& on_finish = nullptr,

@@ -180,8 +180,8 @@ inline constexpr MetricSpec kAllMetrics[] = {
 
 // Values of the `category` label of zeroshard_memory_bytes.
 inline constexpr absl::string_view kMemoryCategories[] = {
-    "param_master", "param_half", "grad",   "optim_m",
-    "optim_v",      "activation", "buffer", "fragmentation",
+    "param_master", "param_half", "grad",          "optim_m", "optim_v",
+    "activation",   "buffer",     "fragmentation", "replica",
 };
 
 // Bucket bounds for zeroshard_step_seconds, zeroshard_optimizer_seconds and

@@ -153,8 +153,10 @@ class PyClient {
            float eps, float weight_decay, float max_grad_norm, uint64_t bucket_bytes,
            double rpc_timeout, double step_timeout, std::optional<std::string> resume,
            std::optional<std::string> token, std::optional<std::string> tls_cert,
-           std::optional<std::string> tls_key, std::optional<std::string> tls_ca) {
+           std::optional<std::string> tls_key, std::optional<std::string> tls_ca,
+           uint32_t replicas) {
     ClientConfig c;
+    c.replicas = replicas;
     c.job_token = token.value_or("");
     c.tls = {tls_cert.value_or(""), tls_key.value_or(""), tls_ca.value_or("")};
     c.daemons = std::move(daemons);
@@ -444,7 +446,7 @@ PYBIND11_MODULE(_zeroshard, m) {
                     const std::string&, float, std::pair<float, float>, float, float, float,
                     uint64_t, double, double, std::optional<std::string>,
                     std::optional<std::string>, std::optional<std::string>,
-                    std::optional<std::string>, std::optional<std::string>>(),
+                    std::optional<std::string>, std::optional<std::string>, uint32_t>(),
            py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
            py::arg("stage") = 2, py::arg("precision") = "fp32", py::arg("lr") = 1e-3f,
            py::arg("betas") = std::make_pair(0.9f, 0.999f), py::arg("eps") = 1e-8f,
@@ -453,6 +455,7 @@ PYBIND11_MODULE(_zeroshard, m) {
            py::arg("step_timeout") = 300.0, py::arg("resume") = py::none(),
            py::arg("token") = py::none(), py::arg("tls_cert") = py::none(),
            py::arg("tls_key") = py::none(), py::arg("tls_ca") = py::none(),
+           py::arg("replicas") = 1u,
            "Validates the config and starts the client's threads; connects to nothing. "
            "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
            "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
@@ -460,7 +463,9 @@ PYBIND11_MODULE(_zeroshard, m) {
            "Timeouts in seconds. resume: None, a checkpoint name or 'latest' (the complete "
            "checkpoint with the highest step): register_model on rank 0 then loads it into "
            "the daemons instead of uploading initial_params ('latest' with no complete "
-           "checkpoint starts from initial_params).")
+           "checkpoint starts from initial_params). replicas: 1, or 2 for a primary and a backup "
+           "of each daemon's partitions (a daemon may die; a new Client then continues at the "
+           "committed step, the leader promoting the backups).")
       .def(
           "register_model",
           [](PyClient& self, const py::object& layout, const py::object& initial_params) {

@@ -1,3 +1,6 @@
+#include <set>
+#include <string>
+
 #include "common/estimator.h"
 #include "server/grpc_status.h"
 #include "server/services.h"
@@ -11,12 +14,18 @@ grpc::Status AdminService::MemoryReport(grpc::ServerContext* call,
                                         v1::MemoryReportResponse* resp) {
   std::vector<std::shared_ptr<Job>> jobs;
   if (!req->job_id().empty()) {
-    absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
+    absl::StatusOr<std::shared_ptr<Job>> job =
+        ctx_->FindJob(*call, req->job_id(), /*serving=*/false);
     if (!job.ok()) return ctx_->Done(__func__, job.status());
     jobs.push_back(*job);
   } else {
+    // One entry per job (its ledger bytes are the job's, whatever copies of
+    // replica groups it has here): the home copy.
+    std::set<std::string> seen;
     for (std::shared_ptr<Job>& job : ctx_->jobs->All()) {
-      if (ctx_->MayOpen(*call, *job)) jobs.push_back(std::move(job));
+      if (!ctx_->MayOpen(*call, *job) || !seen.insert(job->config().job_id).second) continue;
+      absl::StatusOr<std::shared_ptr<Job>> home = ctx_->jobs->Find(job->config().job_id);
+      jobs.push_back(home.ok() ? *home : job);
     }
   }
   for (const auto& job : jobs) {
@@ -57,6 +66,7 @@ grpc::Status AdminService::Status(grpc::ServerContext* call, const v1::StatusReq
     j->set_committed_step(job->committed_step());
     j->set_parameters(job->config().layout.parameter_count());
     for (uint32_t p : job->owned_partitions()) j->add_owned_partitions(p);
+    if (job->replicated()) job->FillReplicaState(j->mutable_replica());
   }
   return ctx_->Done(__func__, absl::OkStatus());
 }

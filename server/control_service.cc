@@ -79,7 +79,7 @@ grpc::Status ControlService::JoinJob(grpc::ServerContext* call, const v1::JoinJo
 grpc::Status ControlService::GetPartitionMap(grpc::ServerContext* call,
                                              const v1::GetPartitionMapRequest* req,
                                              v1::PartitionMap* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id(), /*serving=*/false);
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   FillPartitionMap((*job)->config(), resp);
   return ctx_->Done(__func__, absl::OkStatus());
@@ -108,6 +108,19 @@ grpc::Status ControlService::Leave(grpc::ServerContext* call, const v1::LeaveReq
     ctx_->jobs->Remove(*job);
     ctx_->metrics->SetJobs(ctx_->jobs->size());
     Log(absl::StrCat("job ", req->job_id(), " removed: every rank has left"));
+    if ((*job)->replicated() && ctx_->replica_link != nullptr) {
+      // The backup's copy goes too; best effort (an unreachable backup is
+      // released when its own daemon's ranks leave, or with the daemon).
+      v1::ReleaseReplicaRequest release;
+      release.set_job_id(req->job_id());
+      release.set_group((*job)->daemon_index());
+      release.set_epoch((*job)->epoch());
+      absl::Status s = ctx_->replica_link->ReleaseReplica(
+          (*job)->peer_address(), PresentedToken(call->client_metadata()).value_or(""), release,
+          absl::Now() + ctx_->replica_timeout);
+      if (!s.ok())
+        Log(absl::StrCat("job ", req->job_id(), ": the backup was not released: ", s.message()));
+    }
   }
   resp->set_job_removed(*last);
   return ctx_->Done(__func__, absl::OkStatus());

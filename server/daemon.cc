@@ -15,6 +15,7 @@
 #include "common/tls.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/replica_link_grpc.h"
 #include "server/services.h"
 #include "server/status_page.h"
 
@@ -172,6 +173,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   resources.staging_slots = options.staging_slots;
   resources.checkpoint_dir = options.checkpoint_dir;
   resources.metrics = &d->metrics_;
+  d->replica_link_ = std::make_unique<GrpcReplicaLink>(options.tls);
+  resources.replica_link = d->replica_link_.get();
   d->jobs_ = std::make_unique<JobManager>(jo, resources, &d->metrics_);
   d->context_ = std::make_unique<ServiceContext>();
   ServiceContext& ctx = *d->context_;
@@ -186,6 +189,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ctx.activations = d->activations_.get();
   ctx.arena_tenancy = &d->arena_tenancy_;
   ctx.activation_metrics = &d->activation_metrics_;
+  ctx.replica_link = d->replica_link_.get();
+  ctx.replica_timeout = resources.replica_timeout;
   ctx.start = absl::Now();
   if (!options.admin_token.empty()) ctx.admin = TokenDigest::Of(options.admin_token);
   d->control_ = std::make_unique<ControlService>(&ctx);
@@ -193,6 +198,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   d->admin_ = std::make_unique<AdminService>(&ctx);
   d->checkpoint_ = std::make_unique<CheckpointService>(&ctx);
   d->activation_ = std::make_unique<ActivationService>(&ctx);
+  d->replica_ = std::make_unique<ReplicaService>(&ctx);
   if (!options.metrics_listen.empty()) {
     d->http_ = std::make_unique<metrics::MetricsHttpServer>(
         d->registry_, options.metrics_listen,
@@ -216,6 +222,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   builder.RegisterService(d->admin_.get());
   builder.RegisterService(d->checkpoint_.get());
   builder.RegisterService(d->activation_.get());
+  builder.RegisterService(d->replica_.get());
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || d->port_ == 0) {
     return absl::UnavailableError(

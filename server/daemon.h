@@ -95,6 +95,8 @@ class ShardService;
 class AdminService;
 class CheckpointService;
 class ActivationService;
+class ReplicaService;
+class ReplicaLink;
 
 class Daemon {
  public:
@@ -138,6 +140,7 @@ class Daemon {
   std::unique_ptr<ActivationStore> activations_;
   ArenaTenancy arena_tenancy_;  // outlives the jobs, whose removal returns the arena key
   std::unique_ptr<ShardOptimizer> optimizer_;
+  std::unique_ptr<ReplicaLink> replica_link_;  // before jobs_: they use it
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<ServiceContext> context_;
   std::unique_ptr<ControlService> control_;
@@ -145,6 +148,7 @@ class Daemon {
   std::unique_ptr<AdminService> admin_;
   std::unique_ptr<CheckpointService> checkpoint_;
   std::unique_ptr<ActivationService> activation_;
+  std::unique_ptr<ReplicaService> replica_;
   std::unique_ptr<metrics::MetricsHttpServer> http_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

@@ -32,7 +32,8 @@ absl::Status BadRank(uint32_t rank, uint32_t world_size, absl::string_view field
 
 }  // namespace
 
-Job::Job(JobConfig config, v1::JobSpec spec, uint32_t daemon_index, const JobResources& resources)
+Job::Job(JobConfig config, v1::JobSpec spec, uint32_t daemon_index, const JobResources& resources,
+         ReplicaRole role, uint32_t here)
     : config_(std::move(config)),
       spec_(std::move(spec)),
       daemon_index_(daemon_index),
@@ -40,22 +41,40 @@ Job::Job(JobConfig config, v1::JobSpec spec, uint32_t daemon_index, const JobRes
   owned_partitions_ = config_.map.PartitionsOfDaemon(daemon_index_);
   owned_ = config_.map.DaemonRange(daemon_index_);
   owned_unpadded_ = owned_.Intersect({0, config_.map.total_elements()});
+  if (config_.replicas > 1) {
+    const uint32_t daemons = static_cast<uint32_t>(config_.daemons.size());
+    if (here == kHereIsGroup) here = daemon_index_;
+    peer_index_ = here == daemon_index_ ? ReplicaPeer(daemon_index_, daemons) : daemon_index_;
+    peer_address_ = config_.daemons[peer_index_];
+  }
+  absl::MutexLock lock(&replica_mu_);
+  role_ = role;
 }
 
 Job::~Job() {
-  absl::MutexLock lock(&mu_);
-  reduction_.reset();  // releases its buffer booking before grad_ goes
+  {
+    absl::MutexLock lock(&mu_);
+    reduction_.reset();  // releases its buffer booking before grad_ goes
+  }
+  absl::MutexLock commit_lock(&commit_mu_);
+  if (!forward_buffer_.empty()) {
+    resources_.ledger->Release(config_.job_id, MemoryCategory::kBuffer,
+                               forward_buffer_.size() * sizeof(float));
+  }
 }
 
 absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec spec,
                                                  uint32_t daemon_index,
-                                                 const JobResources& resources) {
+                                                 const JobResources& resources, ReplicaRole role,
+                                                 uint32_t here) {
   if (daemon_index >= config.daemons.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "daemon_index: must be < the number of daemons in spec.daemons (", config.daemons.size(),
         "), got ", daemon_index));
   }
-  std::unique_ptr<Job> job(new Job(std::move(config), std::move(spec), daemon_index, resources));
+  const bool replica = role == ReplicaRole::kBackup;
+  std::unique_ptr<Job> job(
+      new Job(std::move(config), std::move(spec), daemon_index, resources, role, here));
   const JobConfig& c = job->config_;
   const uint64_t n = job->owned_.size();
   // In stage 1 full gradients live on the trainers (the paper's 2Ψ); the
@@ -68,6 +87,7 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
   // with part of theirs.
   CategoryBytes footprint = ShardState::Footprint(c, n);
   footprint[static_cast<int>(grad_cat)] += n * sizeof(float);
+  if (replica) footprint = BookedAsReplica(footprint);
   absl::Status allocated = [&]() -> absl::Status {
     absl::StatusOr<LedgerReservation> booked =
         LedgerReservation::Create(resources.ledger, c.job_id, footprint);
@@ -75,12 +95,13 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
     {
       absl::MutexLock lock(&job->params_mu_);
       absl::StatusOr<std::unique_ptr<ShardState>> shard =
-          ShardState::Create(c, job->owned_, &*booked, resources.transport);
+          ShardState::Create(c, job->owned_, &*booked, resources.transport, replica);
       if (!shard.ok()) return shard.status();
       job->shard_ = *std::move(shard);
     }
     absl::MutexLock lock(&job->mu_);
-    absl::StatusOr<LedgerArray<float>> g = LedgerArray<float>::Create(&*booked, grad_cat, n);
+    absl::StatusOr<LedgerArray<float>> g =
+        LedgerArray<float>::Create(&*booked, replica ? MemoryCategory::kReplica : grad_cat, n);
     if (!g.ok()) return g.status();
     job->grad_ = *std::move(g);
     return absl::OkStatus();
@@ -296,6 +317,7 @@ absl::Status Job::InitParameters(const std::vector<v1::ParameterChunk>& chunks,
   shard_->RefreshHalfCopy(resources_.optimizer);
   ++params_version_;
   *elements = total;
+  if (replicated()) MarkBackupStale(absl::OkStatus());
   return absl::OkStatus();
 }
 
@@ -513,7 +535,7 @@ absl::Status Job::Gather(uint64_t after_step, const FlatRange& range, DType dtyp
 
 // ---- Step ----
 
-absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step) {
+absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step, const std::string& token) {
   absl::MutexLock commit_lock(&commit_mu_);
   const float* grad = nullptr;
   float scale = 1.0f;
@@ -525,6 +547,11 @@ absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step) {
           step));
     }
     if (prepared_) return prepare_result_;
+    if (replicated() && role() != ReplicaRole::kPrimary) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", config_.job_id, " replica group ", daemon_index_,
+                       ": this copy is the backup; prepare the group's primary"));
+    }
     if (!reduction_->Complete()) {
       return absl::FailedPreconditionError(absl::StrCat("job ", config_.job_id, " step ", step,
                                                         ": gradients incomplete: ",
@@ -538,14 +565,36 @@ absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step) {
   const uint64_t off = owned_unpadded_.begin - owned_.begin;
   const GradStats r =
       resources_.optimizer->SumSquaresAndFinite(grad + off, owned_unpadded_.size(), scale);
+  {
+    absl::MutexLock lock(&mu_);
+    prepare_result_.set_grad_sq_sum(r.sum_sq);
+    prepare_result_.set_found_inf_nan(r.found_inf_nan);
+    prepare_result_.set_elements(owned_unpadded_.size());
+    prepare_result_.set_loss_scale(loss_scale_);
+    prepare_result_.set_backup_in_sync(false);
+    prepared_ = true;
+    ++reduction_changes_;
+  }
+  // The backup is brought along with the gradient frozen (prepared, and
+  // commit_mu_ keeps every commit out) and no other lock held.
+  const bool in_sync = replicated() && ReplicatePrepared(step, token);
   absl::MutexLock lock(&mu_);
-  prepare_result_.set_grad_sq_sum(r.sum_sq);
-  prepare_result_.set_found_inf_nan(r.found_inf_nan);
-  prepare_result_.set_elements(owned_unpadded_.size());
-  prepare_result_.set_loss_scale(loss_scale_);
-  prepared_ = true;
-  ++reduction_changes_;
+  prepare_result_.set_backup_in_sync(in_sync);
   return prepare_result_;
+}
+
+absl::StatusOr<float> Job::CheckCommitFields(const v1::CommitStepRequest& r,
+                                             absl::string_view prefix) {
+  if (!std::isfinite(r.lr()) || r.lr() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "lr: must be finite and >= 0, got ", r.lr()));
+  }
+  const float clip = r.clip_coef() == 0 ? 1.0f : r.clip_coef();
+  if (!(clip > 0 && clip <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "clip_coef: must be in (0, 1] (0 means 1), got ", r.clip_coef()));
+  }
+  return clip;
 }
 
 absl::StatusOr<float> Job::CheckCommitRequest(const v1::CommitStepRequest& r) {
@@ -554,15 +603,7 @@ absl::StatusOr<float> Job::CheckCommitRequest(const v1::CommitStepRequest& r) {
         absl::StrCat("rank: only the job leader (rank 0) commits, got rank ", r.rank()));
   }
   if (absl::Status s = CheckRank(r.rank(), r.incarnation(), ""); !s.ok()) return s;
-  if (!std::isfinite(r.lr()) || r.lr() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("lr: must be finite and >= 0, got ", r.lr()));
-  }
-  const float clip = r.clip_coef() == 0 ? 1.0f : r.clip_coef();
-  if (!(clip > 0 && clip <= 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("clip_coef: must be in (0, 1] (0 means 1), got ", r.clip_coef()));
-  }
-  return clip;
+  return CheckCommitFields(r, "");
 }
 
 void Job::UpdateLossScale(bool skipped) {
@@ -578,11 +619,41 @@ void Job::UpdateLossScale(bool skipped) {
   }
 }
 
-absl::StatusOr<v1::CommitStepResponse> Job::CommitStep(const v1::CommitStepRequest& r) {
+absl::StatusOr<v1::CommitStepResponse> Job::CommitStep(const v1::CommitStepRequest& r,
+                                                       const std::string& token) {
   absl::StatusOr<float> checked_clip = CheckCommitRequest(r);
   if (!checked_clip.ok()) return checked_clip.status();
-  const float clip = *checked_clip;
   absl::MutexLock commit_lock(&commit_mu_);
+  if (replicated() && role() != ReplicaRole::kPrimary) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", config_.job_id, " replica group ", daemon_index_,
+                     ": this copy is the backup; commit the group's primary"));
+  }
+  const uint64_t before = committed_step();
+  absl::StatusOr<v1::CommitStepResponse> done = CommitChecked(r, *checked_clip);
+  if (!done.ok() || !replicated() || committed_step() == before) return done;
+  bool in_sync = false;
+  uint64_t epoch = 0;
+  {
+    absl::MutexLock lock(&replica_mu_);
+    in_sync = in_sync_;
+    epoch = epoch_;
+  }
+  if (in_sync && resources_.replica_link != nullptr) {
+    v1::CommitReplicaRequest forward;
+    forward.set_job_id(config_.job_id);
+    forward.set_group(daemon_index_);
+    forward.set_epoch(epoch);
+    *forward.mutable_commit() = r;
+    absl::Status s = resources_.replica_link->CommitReplica(
+        peer_address_, token, forward, absl::Now() + resources_.replica_timeout);
+    if (!s.ok()) MarkBackupStale(s);
+  }
+  return done;
+}
+
+absl::StatusOr<v1::CommitStepResponse> Job::CommitChecked(const v1::CommitStepRequest& r,
+                                                          float clip) {
   const float* grad = nullptr;
   double grad_scale = 1.0;
   {
@@ -633,6 +704,39 @@ absl::StatusOr<v1::CommitStepResponse> Job::CommitStep(const v1::CommitStepReque
 
 // ---- Checkpoints ----
 
+v1::TrainingState Job::TrainingStateLocked() const {
+  v1::TrainingState state;
+  state.set_committed_step(committed_step());
+  state.set_loss_scale(loss_scale_);
+  state.set_good_steps(good_steps_);
+  if (committed_step() > 0) {
+    v1::CommitRecord* c = state.mutable_last_commit();
+    c->set_step(committed_step());
+    c->set_lr(last_commit_.lr);
+    c->set_clip_coef(last_commit_.clip_coef);
+    c->set_skipped(last_commit_.response.skipped());
+    c->set_grad_norm(last_commit_.grad_norm);
+  }
+  return state;
+}
+
+void Job::RestoreTrainingStateLocked(const v1::TrainingState& state) {
+  // The open step's contributions belong to the replaced state.
+  reduction_->Reset();
+  prepared_ = false;
+  ++reduction_changes_;
+  loss_scale_ = state.loss_scale();
+  good_steps_ = state.good_steps();
+  last_commit_ = LastCommit();
+  last_commit_.response.set_committed_step(state.committed_step());
+  last_commit_.response.set_loss_scale(loss_scale_);
+  last_commit_.response.set_skipped(state.last_commit().skipped());
+  last_commit_.clip_coef = state.last_commit().clip_coef();
+  last_commit_.grad_norm = state.last_commit().grad_norm();
+  last_commit_.lr = state.last_commit().lr();
+  committed_step_.store(state.committed_step(), std::memory_order_release);
+}
+
 absl::Status Job::CheckpointsEnabled() const {
   if (checkpoints_ != nullptr) return absl::OkStatus();
   return absl::FailedPreconditionError(
@@ -668,17 +772,7 @@ absl::StatusOr<v1::SaveCheckpointResponse> Job::SaveCheckpoint(
   v1::TrainingState state;
   {
     absl::MutexLock lock(&mu_);
-    state.set_committed_step(committed_step());
-    state.set_loss_scale(loss_scale_);
-    state.set_good_steps(good_steps_);
-    if (committed_step() > 0) {
-      v1::CommitRecord* c = state.mutable_last_commit();
-      c->set_step(committed_step());
-      c->set_lr(last_commit_.lr);
-      c->set_clip_coef(last_commit_.clip_coef);
-      c->set_skipped(last_commit_.response.skipped());
-      c->set_grad_norm(last_commit_.grad_norm);
-    }
+    state = TrainingStateLocked();
   }
   {
     absl::ReaderMutexLock params_lock(&params_mu_);
@@ -812,22 +906,10 @@ absl::StatusOr<v1::LoadCheckpointResponse> Job::LoadCheckpoint(const std::string
       shard_->Restore(resources_.optimizer, n, src.data(), state.optimizer_steps());
       ++params_version_;
     }
-    // The open step's contributions belong to the replaced state.
-    reduction_->Reset();
-    prepared_ = false;
-    ++reduction_changes_;
-    loss_scale_ = state.loss_scale();
-    good_steps_ = state.good_steps();
-    last_commit_ = LastCommit();
-    last_commit_.response.set_committed_step(state.committed_step());
-    last_commit_.response.set_loss_scale(loss_scale_);
-    last_commit_.response.set_skipped(state.last_commit().skipped());
-    last_commit_.clip_coef = state.last_commit().clip_coef();
-    last_commit_.grad_norm = state.last_commit().grad_norm();
-    last_commit_.lr = state.last_commit().lr();
-    committed_step_.store(state.committed_step(), std::memory_order_release);
+    RestoreTrainingStateLocked(state);
   }
   checkpoints_->Release(/*failed=*/false);
+  if (replicated()) MarkBackupStale(absl::OkStatus());
   v1::LoadCheckpointResponse out;
   out.set_name(*name);
   out.set_step(state.committed_step());

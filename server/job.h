@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,12 +34,14 @@
 #include "proto/zeroshard/v1/checkpoint.pb.h"
 #include "proto/zeroshard/v1/common.pb.h"
 #include "proto/zeroshard/v1/control.pb.h"
+#include "proto/zeroshard/v1/replica.pb.h"
 #include "proto/zeroshard/v1/shard.pb.h"
 #include "server/daemon_metrics.h"
 #include "server/job_checkpoint.h"
 #include "server/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 #include "server/reduction.h"
+#include "server/replica_link.h"
 #include "server/shard_state.h"
 #include "server/staging.h"
 #include "transport/transport.h"
@@ -54,16 +57,32 @@ struct JobResources {
   uint32_t staging_slots = 2;
   std::string checkpoint_dir;        // empty: no checkpoints
   DaemonMetrics* metrics = nullptr;  // may be null
+  // Replicated jobs: how a primary reaches its backup (null: a replicated
+  // job runs without its backups), and the longest one replication call
+  // (a state transfer, a forward, a commit) may take before the group goes
+  // on with one copy.
+  ReplicaLink* replica_link = nullptr;
+  absl::Duration replica_timeout = absl::Seconds(5);
 };
+
+// A job's copy of a replica group (replica.proto).
+enum class ReplicaRole : uint8_t { kPrimary, kBackup };
 
 class Job {
  public:
   // Allocates the owned partitions' states. The whole footprint is booked in
   // the ledger in one step before anything is allocated: ResourceExhausted,
   // with nothing allocated and no ledger entry left, when it does not fit.
+  // `daemon_index` is the replica group this copy holds (the partitions
+  // spec.daemons[daemon_index] owns). Replicated jobs: `here` is the index
+  // of the daemon the copy lives on (the group's own daemon or its peer),
+  // `role` its role at the start; a backup's memory is booked as replica.
   static absl::StatusOr<std::unique_ptr<Job>> Create(JobConfig config, v1::JobSpec spec,
-                                                      uint32_t daemon_index,
-                                                      const JobResources& resources);
+                                                     uint32_t daemon_index,
+                                                     const JobResources& resources,
+                                                     ReplicaRole role = ReplicaRole::kPrimary,
+                                                     uint32_t here = kHereIsGroup);
+  static constexpr uint32_t kHereIsGroup = ~0u;
   ~Job();
 
   const JobConfig& config() const { return config_; }
@@ -122,8 +141,16 @@ class Job {
                       const std::function<bool(v1::ParameterChunk&)>& write);
 
   // ---- Step ----
-  absl::StatusOr<v1::PrepareStepResponse> PrepareStep(uint64_t step);
-  absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request);
+  // A replicated job's primary also brings its backup along before it
+  // answers (replica.proto), with `token` (the caller's, passed on): the
+  // state when the backup has none, then the step's reduced gradient; and
+  // the commit. The calls hold commit_mu_ (only this job's step calls wait)
+  // and no other lock, each at most resources.replica_timeout; when one
+  // fails the group goes on with one copy (backup_in_sync false) and tries
+  // again at a later step.
+  absl::StatusOr<v1::PrepareStepResponse> PrepareStep(uint64_t step, const std::string& token = "");
+  absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request,
+                                                    const std::string& token = "");
   void FillStepState(absl::Duration rank_timeout, v1::StepState* state) const;
   uint64_t committed_step() const { return committed_step_.load(std::memory_order_acquire); }
   float loss_scale() const;
@@ -150,6 +177,32 @@ class Job {
   absl::Time last_remote_access() const;
   void NoteRemoteAccess();
 
+  // ---- Replication (JobSpec.replicas = 2; proto/zeroshard/v1/replica.proto) ----
+  bool replicated() const { return config_.replicas > 1; }
+  ReplicaRole role() const;
+  uint64_t epoch() const;
+  const std::string& peer_address() const { return peer_address_; }
+  // OK when this copy serves its group's requests: the job is not
+  // replicated, or this copy is the group's primary at `epoch` (nullopt:
+  // the caller named none). FailedPrecondition saying why otherwise.
+  absl::Status CheckServing(std::optional<uint64_t> epoch) const;
+  void FillReplicaState(v1::ReplicaGroupState* out) const;
+  // See Replica.Promote.
+  absl::Status Promote(const v1::PromoteRequest& request);
+  // The backup side of the primary's calls; `first` is the stream's first
+  // chunk (which named this copy), `next` reads the following ones (false at
+  // the end). Nothing changes on any error; a refused forward or commit
+  // marks the copy out of sync (it waits for the next state transfer).
+  absl::StatusOr<v1::TransferStateResponse> AcceptState(
+      const v1::ReplicaStateChunk& first, absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next);
+  absl::StatusOr<v1::ForwardGradientResponse> AcceptGradient(
+      const v1::ForwardedGradientChunk& first,
+      absl::FunctionRef<bool(v1::ForwardedGradientChunk*)> next);
+  absl::StatusOr<v1::CommitStepResponse> CommitReplica(const v1::CommitReplicaRequest& request);
+  // OK when a primary at `epoch` may drive this copy: it is the backup at
+  // that epoch (`transfer`: or at a lower one, or any role at a lower one).
+  absl::Status CheckDrivenBy(uint64_t epoch, bool transfer) const;
+
   // A hash over every piece of mutable state, for tests that check a
   // rejected request changed nothing.
   uint64_t StateHash() const;
@@ -170,7 +223,8 @@ class Job {
     float lr = 0.0f;
   };
 
-  Job(JobConfig config, v1::JobSpec spec, uint32_t daemon_index, const JobResources& resources);
+  Job(JobConfig config, v1::JobSpec spec, uint32_t daemon_index, const JobResources& resources,
+      ReplicaRole role, uint32_t here);
   absl::Status CheckChunk(const v1::GradientChunk& c, size_t index, absl::string_view payload,
                           Contribution* out) const;
   absl::Status CheckRankLocked(uint32_t rank, uint64_t incarnation, absl::string_view field)
@@ -178,8 +232,27 @@ class Job {
   // Validates a CommitStep's own fields and the leader's incarnation;
   // returns the clip coefficient (0 read as 1).
   absl::StatusOr<float> CheckCommitRequest(const v1::CommitStepRequest& r);
+  // The decision's own fields (lr, clip_coef) named as `prefix` + field.
+  static absl::StatusOr<float> CheckCommitFields(const v1::CommitStepRequest& r,
+                                                 absl::string_view prefix);
   void UpdateLossScale(bool skipped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckpointsEnabled() const;
+  // The committed scalars, and putting them back (checkpoints, transfers).
+  v1::TrainingState TrainingStateLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RestoreTrainingStateLocked(const v1::TrainingState& state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The update with a checked clip coefficient (CommitStep, CommitReplica).
+  absl::StatusOr<v1::CommitStepResponse> CommitChecked(const v1::CommitStepRequest& r, float clip)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
+  // The primary's side (commit_mu_ held): brings the backup to the prepared
+  // step; returns whether it holds it.
+  bool ReplicatePrepared(uint64_t step, const std::string& token)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
+  absl::Status SendState(const std::string& token, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
+  absl::Status SendGradient(uint64_t step, const std::string& token, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
+  void MarkBackupStale(const absl::Status& why);
   // Applies a checked batch, waiting (mu_ released) while the out-of-order
   // buffer is full; `senders_current` (called under mu_) is asked again
   // after every wait.
@@ -222,6 +295,21 @@ class Job {
   std::atomic<int64_t> last_remote_access_ns_{0};
 
   std::unique_ptr<JobCheckpoints> checkpoints_;  // null without a checkpoint_dir
+
+  // Replication; replica_mu_ is a leaf lock, held for bookkeeping only.
+  std::string peer_address_;  // the group's other daemon (replicated jobs)
+  uint32_t peer_index_ = 0;
+  mutable absl::Mutex replica_mu_;
+  ReplicaRole role_ ABSL_GUARDED_BY(replica_mu_) = ReplicaRole::kPrimary;
+  uint64_t epoch_ ABSL_GUARDED_BY(replica_mu_) = 1;
+  // Backup: holds a copy of the primary's state. Primary: the backup took
+  // the last forward.
+  bool in_sync_ ABSL_GUARDED_BY(replica_mu_) = false;
+  // Backup: where a forward's chunks land until all are in (booked as
+  // buffer on first use, released with the job).
+  std::vector<float> forward_buffer_ ABSL_GUARDED_BY(commit_mu_);
+  // Primary out of sync: the next attempt to bring the backup along.
+  absl::Time next_resync_ ABSL_GUARDED_BY(replica_mu_) = absl::InfinitePast();
 };
 
 }  // namespace zeroshard

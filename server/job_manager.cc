@@ -30,7 +30,7 @@ JobManager::~JobManager() {
   }
   janitor_.join();
   std::vector<Retired> retired;
-  std::map<std::string, std::shared_ptr<Job>> jobs;
+  std::map<std::string, Entry> jobs;
   {
     absl::MutexLock lock(&mu_);
     retired.swap(retired_);
@@ -41,11 +41,29 @@ JobManager::~JobManager() {
 absl::StatusOr<std::shared_ptr<Job>> JobManager::Find(const std::string& id) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(id);
+  if (it == jobs_.end() || it->second.copies.count(it->second.home) == 0) {
+    return absl::NotFoundError(
+        absl::StrCat("job \"", id.substr(0, 140), "\" is not registered on this daemon"));
+  }
+  return it->second.copies.at(it->second.home);
+}
+
+absl::StatusOr<std::shared_ptr<Job>> JobManager::Find(const std::string& id, uint32_t group) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(id);
   if (it == jobs_.end()) {
     return absl::NotFoundError(absl::StrCat("job \"", id.substr(0, 140),
                                             "\" is not registered on this daemon"));
   }
-  return it->second;
+  auto copy = it->second.copies.find(group);
+  if (copy == it->second.copies.end()) {
+    std::string held;
+    for (const auto& [g, job] : it->second.copies)
+      absl::StrAppend(&held, held.empty() ? "" : ", ", g);
+    return absl::NotFoundError(absl::StrCat("job ", id, ": this daemon holds replica groups [",
+                                            held, "], not group ", group));
+  }
+  return copy->second;
 }
 
 absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobRequest& request,
@@ -86,8 +104,13 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobR
           "job ", id, ": another registration of it is still allocating its memory; retry"));
     }
     if (auto it = jobs_.find(id); it != jobs_.end()) {
-      if (absl::Status s = same(*it->second); !s.ok()) return s;
-      return it->second;
+      auto home = it->second.copies.find(it->second.home);
+      if (home != it->second.copies.end()) {
+        if (absl::Status s = same(*home->second); !s.ok()) return s;
+        return home->second;
+      }
+      return absl::UnavailableError(absl::StrCat(
+          "job ", id, " is being removed from this daemon; register it again shortly"));
     }
     if (draining) {
       return absl::UnavailableError("this daemon is draining and accepts no new jobs");
@@ -100,32 +123,68 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobR
     creating_.insert(id);
   }
   // Books and allocates with no lock held.
+  const uint32_t home = request.daemon_index();
+  const bool replicated = config->replicas > 1;
+  const uint32_t daemons = static_cast<uint32_t>(config->daemons.size());
+  const ReplicaRole home_role =
+      replicated && request.as_backup() ? ReplicaRole::kBackup : ReplicaRole::kPrimary;
   absl::StatusOr<std::unique_ptr<Job>> job =
-      Job::Create(*std::move(config), request.spec(), request.daemon_index(), resources_);
+      Job::Create(*config, request.spec(), home, resources_, home_role, home);
+  absl::StatusOr<std::unique_ptr<Job>> backup = std::unique_ptr<Job>();
+  absl::Status failed = job.status();
+  if (job.ok() && replicated) {
+    backup = Job::Create(*config, request.spec(), BackedUpGroup(home, daemons), resources_,
+                         ReplicaRole::kBackup, home);
+    if (!backup.ok()) {
+      failed = backup.status();
+      job->reset();  // frees the home copy and its booking first
+      resources_.ledger->RemoveJobIfEmpty(id);
+    }
+  }
   absl::MutexLock lock(&mu_);
   creating_.erase(id);
-  if (!job.ok()) return job.status();
+  if (!failed.ok()) return failed;
+  Entry& entry = jobs_[id];
+  entry.home = home;
   std::shared_ptr<Job> shared = *std::move(job);
   shared->set_token(token);
-  jobs_.emplace(id, shared);
+  entry.copies.emplace(home, shared);
+  if (*backup != nullptr) {
+    (*backup)->set_token(token);
+    const uint32_t group = (*backup)->daemon_index();
+    entry.copies.emplace(group, std::shared_ptr<Job>(*std::move(backup)));
+  }
   *created = true;
   return shared;
 }
 
 void JobManager::Remove(const std::shared_ptr<Job>& job) {
+  const std::string& id = job->config().job_id;
+  bool last = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(id);
+    last = it != jobs_.end() && it->second.copies.size() == 1 &&
+           it->second.copies.begin()->second == job;
+  }
   // Before the id is free again: no newer job under the same id exists yet.
-  if (options_.on_remove) options_.on_remove(job);
+  if (last && options_.on_remove) options_.on_remove(job);
   absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(job->config().job_id);
-  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  auto it = jobs_.find(id);
+  if (it != jobs_.end()) {
+    auto copy = it->second.copies.find(job->daemon_index());
+    if (copy != it->second.copies.end() && copy->second == job) it->second.copies.erase(copy);
+    if (it->second.copies.empty()) jobs_.erase(it);
+  }
   retired_.push_back({job, job->last_remote_access() + options_.read_lease});
 }
 
 std::vector<std::shared_ptr<Job>> JobManager::All() const {
   absl::MutexLock lock(&mu_);
   std::vector<std::shared_ptr<Job>> out;
-  out.reserve(jobs_.size());
-  for (const auto& [id, job] : jobs_) out.push_back(job);
+  for (const auto& [id, entry] : jobs_) {
+    for (const auto& [group, job] : entry.copies) out.push_back(job);
+  }
   return out;
 }
 
@@ -154,11 +213,20 @@ void JobManager::Tick() {
         ++i;
       }
     }
-    for (const auto& [id, job] : jobs_) live.push_back(job);
+    for (const auto& [id, entry] : jobs_) {
+      for (const auto& [group, job] : entry.copies) {
+        // A backup has no ranks joined: the ranks gauges follow primaries.
+        if (job->role() == ReplicaRole::kPrimary) live.push_back(job);
+      }
+    }
   }
   for (std::shared_ptr<Job>& job : reap) {
     const std::string id = job->config().job_id;
-    const bool reregistered = Find(id).ok();
+    bool reregistered = false;
+    {
+      absl::MutexLock lock(&mu_);
+      reregistered = jobs_.count(id) > 0;
+    }
     job.reset();  // frees its memory, unless an RPC still holds it
     if (!reregistered) {
       resources_.ledger->RemoveJobIfEmpty(id);

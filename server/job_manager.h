@@ -47,9 +47,16 @@ class JobManager {
   // Stops the janitor; frees every job.
   ~JobManager();
 
-  // NotFound naming the job when it is not registered here.
+  // The job's home copy: the replica group it was registered as
+  // (RegisterJobRequest.daemon_index). NotFound naming the job when it is
+  // not registered here.
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& id) const;
-  // Creates the job bound to `token` (or checks the registered one was
+  // The copy of replica group `group` (replicated jobs hold two groups per
+  // daemon). NotFound naming the groups held here otherwise.
+  absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& id, uint32_t group) const;
+  // Creates the job bound to `token` (with replicas = 2 two copies: the
+  // group `daemon_index` as primary, or as backup with `as_backup`, and the
+  // backup of the group before it), or checks the registered one was
   // bound to the same token: PermissionDenied otherwise, and that
   // `request.spec` equals its spec: FailedPrecondition naming the first
   // difference). *created tells which. Unavailable when `draining` and the
@@ -57,10 +64,13 @@ class JobManager {
   absl::StatusOr<std::shared_ptr<Job>> Register(const v1::RegisterJobRequest& request,
                                                 const TokenDigest& token, bool draining,
                                                 bool* created);
-  // Calls Options::on_remove, then takes `job` out of the registry (if it is
-  // still the one registered under its id) and retires it.
+  // Takes the copy `job` out of the registry (if it is still the one
+  // registered for its id and group) and retires it; before the job's last
+  // copy goes, calls Options::on_remove.
   void Remove(const std::shared_ptr<Job>& job);
+  // Every copy of every job.
   std::vector<std::shared_ptr<Job>> All() const;
+  // Jobs (ids) registered.
   size_t size() const;
   // Retired jobs still holding memory.
   size_t retired() const;
@@ -83,8 +93,13 @@ class JobManager {
   const JobResources resources_;
   DaemonMetrics* const metrics_;
 
+  struct Entry {
+    uint32_t home = 0;                                // the group registered as
+    std::map<uint32_t, std::shared_ptr<Job>> copies;  // by replica group
+  };
+
   mutable absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Entry> jobs_ ABSL_GUARDED_BY(mu_);
   // Ids a registration is creating (booking and allocating, with no lock
   // held): another registration of the same id waits for it instead of
   // booking the job's memory a second time.

@@ -30,11 +30,12 @@ enum class MemoryCategory : int {
   kActivation,       // offloaded activation checkpoints
   kBuffer,           // staging and communication buffers
   kFragmentation,    // reserved but unusable
+  kReplica,          // a copy of a replica group created as backup (promoted or not)
 };
-inline constexpr int kNumMemoryCategories = 8;
+inline constexpr int kNumMemoryCategories = 9;
 
 // "param_master", "param_half", "grad", "optim_m", "optim_v", "activation",
-// "buffer", "fragmentation".
+// "buffer", "fragmentation", "replica".
 const char* MemoryCategoryName(MemoryCategory c);
 
 using CategoryBytes = std::array<uint64_t, kNumMemoryCategories>;

@@ -1,4 +1,5 @@
 #include "absl/strings/str_cat.h"
+#include "common/channel.h"
 #include "common/checkpoint_files.h"
 #include "server/grpc_status.h"
 #include "server/services.h"
@@ -26,10 +27,27 @@ absl::StatusOr<TokenDigest> ServiceContext::CallerToken(const grpc::ServerContex
 }
 
 absl::StatusOr<std::shared_ptr<Job>> ServiceContext::FindJob(const grpc::ServerContext& call,
-                                                             const std::string& id) const {
+                                                             const std::string& id,
+                                                             bool serving) const {
+  absl::StatusOr<std::optional<ReplicaTarget>> target = ReplicaTargetOf(call.client_metadata());
+  if (!target.ok()) return target.status();
+  absl::StatusOr<std::shared_ptr<Job>> job =
+      target->has_value() ? FindCopy(call, id, (*target)->group) : FindCopy(call, id, ~0u);
+  if (!job.ok()) return job.status();
+  if (serving) {
+    std::optional<uint64_t> epoch;
+    if (target->has_value()) epoch = (*target)->epoch;
+    if (absl::Status s = (*job)->CheckServing(epoch); !s.ok()) return s;
+  }
+  return job;
+}
+
+absl::StatusOr<std::shared_ptr<Job>> ServiceContext::FindCopy(const grpc::ServerContext& call,
+                                                              const std::string& id,
+                                                              uint32_t group) const {
   absl::StatusOr<TokenDigest> caller = CallerToken(call, absl::StrCat("job ", id.substr(0, 140)));
   if (!caller.ok()) return caller.status();
-  absl::StatusOr<std::shared_ptr<Job>> job = jobs->Find(id);
+  absl::StatusOr<std::shared_ptr<Job>> job = group == ~0u ? jobs->Find(id) : jobs->Find(id, group);
   if (!job.ok()) return job.status();
   if (!(*job)->token().Matches(*caller) && !(admin.has_value() && admin->Matches(*caller))) {
     return absl::PermissionDeniedError(

@@ -20,6 +20,7 @@
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
 #include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
 #include "proto/zeroshard/v1/control.grpc.pb.h"
+#include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 #include "server/activation_metrics.h"
 #include "server/activation_store.h"
@@ -44,6 +45,9 @@ struct ServiceContext {
   ActivationStore* activations = nullptr;  // null: --activation_arena_bytes=0
   ArenaTenancy* arena_tenancy = nullptr;    // with `activations`
   ActivationMetrics* activation_metrics = nullptr;
+  // How a primary reaches its backup (replicated jobs); set with `jobs`.
+  ReplicaLink* replica_link = nullptr;
+  absl::Duration replica_timeout = absl::Seconds(5);
   absl::Time start;
   std::atomic<bool> draining{false};
   // gRPC's health service of this daemon's server (set once it is built;
@@ -60,8 +64,16 @@ struct ServiceContext {
   // The job `id`, if the caller's token opens it (the job's token or the
   // admin token): Unauthenticated without a token, NotFound for no such
   // job, PermissionDenied for another token.
+  // Replicated jobs: the copy of the replica group the call's metadata
+  // names (common/channel.h; none: the home copy), which must serve the
+  // group at the call's epoch (Job::CheckServing) unless `serving` is false
+  // (reads: the step state, the partition map).
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const grpc::ServerContext& call,
-                                               const std::string& id) const;
+                                               const std::string& id, bool serving = true) const;
+  // The copy of replica group `group`, whatever its role (the Replica
+  // service), with the same token check.
+  absl::StatusOr<std::shared_ptr<Job>> FindCopy(const grpc::ServerContext& call,
+                                                const std::string& id, uint32_t group) const;
   // OK for the admin token; Unauthenticated / PermissionDenied otherwise.
   absl::Status RequireAdmin(const grpc::ServerContext& call) const;
   // Checkpoints of job `id` on disk: the job's token while it is registered
@@ -157,6 +169,34 @@ class AdminService final : public v1::Admin::Service {
                         v1::EstimateResponse* resp) override;
 
  private:
+  ServiceContext* const ctx_;
+};
+
+// Replicated partitions (proto/zeroshard/v1/replica.proto): the backup's
+// side of its primary's calls, promotion, and the placement view. A stream
+// handler holds one chunk at a time besides what the job books for it.
+class ReplicaService final : public v1::Replica::Service {
+ public:
+  explicit ReplicaService(ServiceContext* context) : ctx_(context) {}
+  grpc::Status GetReplicaState(grpc::ServerContext* ctx, const v1::GetReplicaStateRequest* req,
+                               v1::ReplicaState* resp) override;
+  grpc::Status Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req,
+                       v1::ReplicaState* resp) override;
+  grpc::Status TransferState(grpc::ServerContext* ctx,
+                             grpc::ServerReader<v1::ReplicaStateChunk>* reader,
+                             v1::TransferStateResponse* resp) override;
+  grpc::Status ForwardGradient(grpc::ServerContext* ctx,
+                               grpc::ServerReader<v1::ForwardedGradientChunk>* reader,
+                               v1::ForwardGradientResponse* resp) override;
+  grpc::Status CommitReplica(grpc::ServerContext* ctx, const v1::CommitReplicaRequest* req,
+                             v1::CommitStepResponse* resp) override;
+  grpc::Status ReleaseReplica(grpc::ServerContext* ctx, const v1::ReleaseReplicaRequest* req,
+                              v1::ReleaseReplicaResponse* resp) override;
+
+ private:
+  absl::Status FillState(const grpc::ServerContext& call, const std::string& id,
+                         v1::ReplicaState* out);
+
   ServiceContext* const ctx_;
 };
 

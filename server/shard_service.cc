@@ -211,7 +211,8 @@ grpc::Status ShardService::PrepareStep(grpc::ServerContext* call, const v1::Prep
                                        v1::PrepareStepResponse* resp) {
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
-  absl::StatusOr<v1::PrepareStepResponse> r = (*job)->PrepareStep(req->step());
+  absl::StatusOr<v1::PrepareStepResponse> r =
+      (*job)->PrepareStep(req->step(), PresentedToken(call->client_metadata()).value_or(""));
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   *resp = *std::move(r);
   return ctx_->Done(__func__, absl::OkStatus());
@@ -223,7 +224,8 @@ grpc::Status ShardService::CommitStep(grpc::ServerContext* call, const v1::Commi
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   const uint64_t before = (*job)->committed_step();
   const absl::Time start = absl::Now();
-  absl::StatusOr<v1::CommitStepResponse> r = (*job)->CommitStep(*req);
+  absl::StatusOr<v1::CommitStepResponse> r =
+      (*job)->CommitStep(*req, PresentedToken(call->client_metadata()).value_or(""));
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   if (r->committed_step() > before && !r->skipped()) {
     ctx_->metrics->RecordCommit(req->job_id(), absl::Now() - start,
@@ -235,9 +237,10 @@ grpc::Status ShardService::CommitStep(grpc::ServerContext* call, const v1::Commi
 
 grpc::Status ShardService::GetStepState(grpc::ServerContext* call,
                                         const v1::GetStepStateRequest* req, v1::StepState* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id(), /*serving=*/false);
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   (*job)->FillStepState(ctx_->jobs->options().rank_timeout, resp);
+  if ((*job)->replicated()) (*job)->FillReplicaState(resp->mutable_replica());
   return ctx_->Done(__func__, absl::OkStatus());
 }
 

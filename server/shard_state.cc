@@ -29,7 +29,14 @@ MemoryCategory HalfCategory(const JobConfig& c) {
 
 }  // namespace
 
-CategoryBytes ShardState::Footprint(const JobConfig& c, uint64_t n) {
+CategoryBytes BookedAsReplica(const CategoryBytes& bytes) {
+  CategoryBytes out{};
+  for (uint64_t b : bytes) out[static_cast<int>(MemoryCategory::kReplica)] += b;
+  return out;
+}
+
+CategoryBytes ShardState::Footprint(const JobConfig& c, uint64_t n, bool replica) {
+  if (replica) return BookedAsReplica(Footprint(c, n, false));
   CategoryBytes bytes{};
   bytes[static_cast<int>(MemoryCategory::kParamMaster)] = n * sizeof(float);
   bytes[static_cast<int>(MemoryCategory::kOptimM)] = n * sizeof(float);
@@ -44,14 +51,15 @@ CategoryBytes ShardState::Footprint(const JobConfig& c, uint64_t n) {
 
 absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(const JobConfig& c, FlatRange owned,
                                                                LedgerReservation* booked,
-                                                               transport::Transport* transport) {
+                                                               transport::Transport* transport,
+                                                               bool replica) {
   std::unique_ptr<ShardState> s(new ShardState(c.precision, owned));
   const uint64_t n = owned.size();
   const bool sgd = c.optimizer.kind == OptimizerKind::kSgdMomentum;
   const bool half = c.precision != DType::kFp32;
   // Checked before any allocation: a region is never allocated for bytes
   // nobody booked.
-  const CategoryBytes needed = Footprint(c, n);
+  const CategoryBytes needed = Footprint(c, n, replica);
   for (int cat = 0; cat < kNumMemoryCategories; ++cat) {
     if (booked->held(static_cast<MemoryCategory>(cat)) < needed[cat]) {
       return absl::InternalError(absl::StrCat("job ", c.job_id, ": the shard states' ",
@@ -79,7 +87,8 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(const JobConfig& 
       if (!m.ok()) return m.status();
       memory = *m;
     }
-    absl::StatusOr<LedgerArray<T>> a = LedgerArray<T>::Create(booked, category, n, memory);
+    absl::StatusOr<LedgerArray<T>> a =
+        LedgerArray<T>::Create(booked, replica ? MemoryCategory::kReplica : category, n, memory);
     if (!a.ok()) return a.status();
     *out = *std::move(a);
     return absl::OkStatus();

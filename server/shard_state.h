@@ -27,8 +27,11 @@ class ShardState {
  public:
   // The bytes Create books for `owned_elements` of this job, by category:
   // fp32 masters, the optimizer's moments, and the half-precision copy
-  // (param_half in stage 3, buffer before: it only stages gathers).
-  static CategoryBytes Footprint(const JobConfig& config, uint64_t owned_elements);
+  // (param_half in stage 3, buffer before: it only stages gathers). With
+  // `replica` (a backup's copy of another daemon's group) all of it is
+  // booked as replica.
+  static CategoryBytes Footprint(const JobConfig& config, uint64_t owned_elements,
+                                 bool replica = false);
   // Allocates the owned range's states with bytes taken from `booked`, which
   // must hold Footprint(config, owned.size()) for the job: the caller books
   // the whole footprint at once before anything is allocated. Transport
@@ -38,7 +41,8 @@ class ShardState {
   static absl::StatusOr<std::unique_ptr<ShardState>> Create(const JobConfig& config,
                                                             FlatRange owned,
                                                             LedgerReservation* booked,
-                                                            transport::Transport* transport);
+                                                            transport::Transport* transport,
+                                                            bool replica = false);
   ~ShardState();
 
   // Stores fp32-converted `src` (n elements of `type`) at flat index `begin`.
@@ -58,6 +62,10 @@ class ShardState {
   // The arrays a checkpoint holds, in checkpoint_files.h's file order:
   // masters, m, and v for Adam(W).
   size_t checkpoint_arrays() const { return v_.empty() ? 2 : 3; }
+  // Checkpoint array i (i < checkpoint_arrays()), indexed like the owned range.
+  const float* array(size_t i) const {
+    return i == 0 ? master_.data() : i == 1 ? m_.data() : v_.data();
+  }
   // Copies the first n owned elements of each checkpoint array into dst[i].
   void CopyOut(size_t n, float* const* dst) const;
   // Replaces the first n owned elements of each checkpoint array with src[i]
@@ -87,6 +95,9 @@ class ShardState {
   LedgerArray<uint16_t> half_;       // empty for fp32 jobs
   uint64_t optimizer_steps_ = 0;
 };
+
+// `bytes` summed into the replica category.
+CategoryBytes BookedAsReplica(const CategoryBytes& bytes);
 
 // Hyper-parameters of a job's update rule, without the per-step fields.
 StepHyperParams HyperParamsOf(const OptimizerSettings& settings);

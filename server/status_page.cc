@@ -78,7 +78,7 @@ void AppendMemory(const JobView& j, std::string* out) {
     total += j.bytes[i];
     const auto c = static_cast<MemoryCategory>(i);
     if (c != MemoryCategory::kActivation && c != MemoryCategory::kBuffer &&
-        c != MemoryCategory::kFragmentation) {
+        c != MemoryCategory::kFragmentation && c != MemoryCategory::kReplica) {
       model_states += j.bytes[i];
     }
   }
@@ -173,6 +173,17 @@ std::string StatusPage::Render(absl::Time now) {
   // Copy everything out first, each source under its own lock.
   std::vector<std::shared_ptr<Job>> jobs;
   if (sources_.jobs) jobs = sources_.jobs();
+  // One view per job: a replicated job's copies of replica groups share its
+  // ledger entry; the primary copies speak for it.
+  std::sort(jobs.begin(), jobs.end(), [](const auto& a, const auto& b) {
+    return std::make_pair(a->config().job_id, a->role() != ReplicaRole::kPrimary) <
+           std::make_pair(b->config().job_id, b->role() != ReplicaRole::kPrimary);
+  });
+  jobs.erase(std::unique(jobs.begin(), jobs.end(),
+                         [](const auto& a, const auto& b) {
+                           return a->config().job_id == b->config().job_id;
+                         }),
+             jobs.end());
   std::sort(jobs.begin(), jobs.end(),
             [](const auto& a, const auto& b) { return a->config().job_id < b->config().job_id; });
   std::map<std::string, CategoryBytes> ledger;

@@ -377,7 +377,18 @@ absl::StatusOr<std::string> RunStatus(const AdminOptions& options) {
                             j.job_id(), j.stage(), j.world_size(), j.ranks_connected(),
                             j.world_size(), j.committed_step(), FormatCount(j.parameters()),
                             parts);
-      if (j.job_id() == options.job && d->job_state.has_value()) {
+      if (j.has_replica()) {
+        const v1::ReplicaGroupState& r = j.replica();
+        absl::StrAppendFormat(
+            &out, "    replica group %u: %s at epoch %u, %s (peer %s)\n", r.group(),
+            r.role() == v1::REPLICA_ROLE_PRIMARY ? "primary" : "backup", r.epoch(),
+            r.role() == v1::REPLICA_ROLE_PRIMARY
+                ? (r.in_sync() ? "backup in sync" : "NO CURRENT BACKUP")
+                : (r.in_sync() ? "in sync" : "NOT CURRENT"),
+            r.peer_address());
+      }
+      if (j.job_id() == options.job && d->job_state.has_value() &&
+          (!j.has_replica() || j.replica().group() == d->job_state->replica().group())) {
         absl::StrAppend(&out, RankLines(address, *d->job_state));
       }
     }
@@ -438,8 +449,9 @@ absl::StatusOr<std::string> RunToken() {
 namespace {
 
 // The ledger categories zsctl memory shows, the model states first.
-constexpr const char* kCategories[] = {"param_master", "param_half", "grad",   "optim_m",
-                                       "optim_v",      "activation", "buffer", "fragmentation"};
+constexpr const char* kCategories[] = {"param_master", "param_half",    "grad",
+                                       "optim_m",      "optim_v",       "activation",
+                                       "buffer",       "fragmentation", "replica"};
 constexpr int kModelStateCategories = 5;
 
 uint64_t CategoryBytes(const v1::JobMemory& job, absl::string_view category) {

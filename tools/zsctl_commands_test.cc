@@ -582,7 +582,7 @@ TEST_P(ZsctlCheckpointTest, MemoryAsJsonHasEveryCategoryInBytes) {
     EXPECT_EQ(Whole(Member(job, "owned_partitions")), 1u);
     const JsonValue& categories = Member(job, "categories");
     EXPECT_EQ(categories.keys, Keys({"param_master", "param_half", "grad", "optim_m", "optim_v",
-                                     "activation", "buffer", "fragmentation"}));
+                                     "activation", "buffer", "fragmentation", "replica"}));
     uint64_t model_states = 0;
     for (const char* c : {"param_master", "param_half", "grad", "optim_m", "optim_v"}) {
       model_states += Whole(Member(categories, c));

@@ -1,0 +1,461 @@
+// Job: replicated partitions (proto/zeroshard/v1/replica.proto). The
+// primary's side runs inside its PrepareStep and CommitStep, holding
+// commit_mu_; the backup's side runs in the Replica service's handlers.
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/crc32c.h"
+#include "common/status_macros.h"
+#include "server/job.h"
+
+namespace zeroshard {
+namespace {
+
+// Elements per forwarded or transferred chunk (4 MiB of fp32).
+constexpr uint64_t kReplicaChunkElements = uint64_t{1} << 20;
+// How long a primary whose backup failed goes on alone before trying again.
+constexpr absl::Duration kResyncInterval = absl::Seconds(2);
+
+// A later chunk of a stream naming another job than the stream's.
+std::string ForeignChunk(absl::string_view where, const std::string& job_id) {
+  return absl::StrCat(where, ".job_id: every chunk of the stream must name job ", job_id,
+                      " (or none)");
+}
+
+const char* RoleName(ReplicaRole role) {
+  return role == ReplicaRole::kPrimary ? "primary" : "backup";
+}
+
+}  // namespace
+
+ReplicaRole Job::role() const {
+  absl::MutexLock lock(&replica_mu_);
+  return role_;
+}
+
+uint64_t Job::epoch() const {
+  absl::MutexLock lock(&replica_mu_);
+  return epoch_;
+}
+
+absl::Status Job::CheckServing(std::optional<uint64_t> epoch) const {
+  if (!replicated()) return absl::OkStatus();
+  absl::MutexLock lock(&replica_mu_);
+  if (role_ != ReplicaRole::kPrimary) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", config_.job_id, ": this daemon holds replica group ", daemon_index_,
+                     " as its backup (epoch ", epoch_, "); the group's primary is ", peer_address_,
+                     " unless it was replaced: read the placement with Replica.GetReplicaState"));
+  }
+  if (epoch.has_value() && *epoch != epoch_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", config_.job_id, " replica group ", daemon_index_, " is at epoch ",
+                     epoch_, " here, the request carries epoch ", *epoch, ": ",
+                     *epoch < epoch_ ? "the group was promoted since; read the placement again"
+                                     : "this copy was replaced; nothing was changed"));
+  }
+  return absl::OkStatus();
+}
+
+void Job::FillReplicaState(v1::ReplicaGroupState* out) const {
+  out->set_group(daemon_index_);
+  out->set_peer_address(peer_address_);
+  {
+    absl::MutexLock lock(&replica_mu_);
+    out->set_role(role_ == ReplicaRole::kPrimary ? v1::REPLICA_ROLE_PRIMARY
+                                                 : v1::REPLICA_ROLE_BACKUP);
+    out->set_epoch(epoch_);
+    out->set_in_sync(in_sync_);
+  }
+  absl::MutexLock lock(&mu_);
+  out->set_committed_step(committed_step());
+  out->set_prepared(prepared_);
+}
+
+void Job::MarkBackupStale(const absl::Status& why) {
+  absl::MutexLock lock(&replica_mu_);
+  if (role_ != ReplicaRole::kPrimary) return;
+  if (!why.ok()) {
+    // At most once per resync interval while the backup stays away.
+    std::fprintf(stderr,
+                 "zeroshardd: job %s replica group %u: %s (%s); the group goes on with one copy "
+                 "and tries again in %lld s\n",
+                 config_.job_id.c_str(), daemon_index_,
+                 in_sync_ ? "the backup fell behind" : "the backup is still not current",
+                 std::string(why.message()).c_str(),
+                 static_cast<long long>(absl::ToInt64Seconds(kResyncInterval)));
+  }
+  in_sync_ = false;
+  next_resync_ = why.ok() ? absl::InfinitePast() : absl::Now() + kResyncInterval;
+}
+
+absl::Status Job::Promote(const v1::PromoteRequest& r) {
+  absl::MutexLock commit_lock(&commit_mu_);
+  const uint64_t committed = committed_step();
+  bool prepared = false;
+  {
+    absl::MutexLock lock(&mu_);
+    prepared = prepared_;
+  }
+  absl::MutexLock lock(&replica_mu_);
+  if (role_ == ReplicaRole::kPrimary) {
+    if (r.epoch() == epoch_) return absl::OkStatus();  // promoted already
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", config_.job_id, " replica group ", daemon_index_, " is primary here at epoch ",
+        epoch_, "; asked to promote at epoch ", r.epoch()));
+  }
+  if (r.epoch() <= epoch_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("epoch: must be above the backup's (", epoch_, "), got ", r.epoch()));
+  }
+  // A backup holding the prepared step counts it: the leader finishes it.
+  if (!in_sync_ || committed + (prepared ? 1 : 0) < r.committed_step()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", config_.job_id, " replica group ", daemon_index_,
+                     ": the backup here is behind (", in_sync_ ? "" : "it holds no current copy, ",
+                     "committed step ", committed, ", the job has committed ", r.committed_step(),
+                     "); the group's state is lost with its primary: resume from a checkpoint"));
+  }
+  role_ = ReplicaRole::kPrimary;
+  epoch_ = r.epoch();
+  in_sync_ = false;  // its peer is gone; the next PrepareStep tries it again
+  next_resync_ = absl::InfinitePast();
+  std::fprintf(stderr, "zeroshardd: job %s replica group %u promoted to primary at epoch %llu\n",
+               config_.job_id.c_str(), daemon_index_, static_cast<unsigned long long>(epoch_));
+  return absl::OkStatus();
+}
+
+absl::Status Job::CheckDrivenBy(uint64_t epoch, bool transfer) const {
+  absl::MutexLock lock(&replica_mu_);
+  const bool older = epoch < epoch_;
+  const bool ok = transfer ? (epoch > epoch_ || (epoch == epoch_ && role_ == ReplicaRole::kBackup))
+                           : (epoch == epoch_ && role_ == ReplicaRole::kBackup);
+  if (ok) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("job ", config_.job_id, " replica group ", daemon_index_, " is ",
+                   RoleName(role_), " here at epoch ", epoch_, "; a primary at epoch ", epoch,
+                   " cannot drive it", older ? " (the sender was replaced)" : ""));
+}
+
+// ---- The primary's side ----
+
+bool Job::ReplicatePrepared(uint64_t step, const std::string& token) {
+  ReplicaLink* link = resources_.replica_link;
+  bool in_sync = false;
+  {
+    absl::MutexLock lock(&replica_mu_);
+    if (role_ != ReplicaRole::kPrimary || link == nullptr) return false;
+    if (!in_sync_ && absl::Now() < next_resync_) return false;
+    in_sync = in_sync_;
+  }
+  const absl::Time deadline = absl::Now() + resources_.replica_timeout;
+  if (!in_sync) {
+    absl::Status s = SendState(token, deadline);
+    if (absl::IsNotFound(s)) {
+      // The peer restarted without the job: give it back, as backups.
+      s = link->RegisterBackup(peer_address_, token, spec_, peer_index_, deadline);
+      if (s.ok()) s = SendState(token, deadline);
+    }
+    if (!s.ok()) {
+      MarkBackupStale(s);
+      return false;
+    }
+  }
+  if (absl::Status s = SendGradient(step, token, deadline); !s.ok()) {
+    MarkBackupStale(s);
+    return false;
+  }
+  absl::MutexLock lock(&replica_mu_);
+  in_sync_ = true;
+  return true;
+}
+
+absl::Status Job::SendState(const std::string& token, absl::Time deadline) {
+  v1::TrainingState state;
+  size_t arrays = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    state = TrainingStateLocked();
+  }
+  {
+    absl::ReaderMutexLock lock(&params_mu_);
+    state.set_optimizer_steps(shard_->optimizer_steps());
+    arrays = shard_->checkpoint_arrays();
+  }
+  const uint64_t n = owned_unpadded_.size();
+  const uint64_t epoch = this->epoch();
+  size_t array = 0;
+  uint64_t offset = 0;
+  bool first = true;
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::TransferStateResponse> r = resources_.replica_link->TransferState(
+      peer_address_, token,
+      [&](v1::ReplicaStateChunk* chunk) {
+        if (array == arrays) return false;
+        chunk->Clear();
+        chunk->set_job_id(config_.job_id);
+        chunk->set_group(daemon_index_);
+        chunk->set_epoch(epoch);
+        if (first) *chunk->mutable_state() = state;
+        first = false;
+        const uint64_t count = std::min(kReplicaChunkElements, n - offset);
+        chunk->set_array(static_cast<uint32_t>(array));
+        chunk->set_offset(offset);
+        std::string* data = chunk->mutable_data();
+        data->resize(count * sizeof(float));
+        {
+          // commit_mu_ (held) keeps every writer of the arrays out.
+          absl::ReaderMutexLock lock(&params_mu_);
+          std::memcpy(data->data(), shard_->array(array) + offset, data->size());
+        }
+        chunk->set_crc32c(Crc32c(data->data(), data->size()));
+        offset += count;
+        if (offset == n) {
+          ++array;
+          offset = 0;
+        }
+        return true;
+      },
+      deadline);
+  if (!r.ok()) return r.status();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  std::fprintf(stderr,
+               "zeroshardd: job %s replica group %u: copied the state of step %llu to the backup "
+               "on %s: %llu bytes in %.3f s (%.2f GB/s)\n",
+               config_.job_id.c_str(), daemon_index_,
+               static_cast<unsigned long long>(state.committed_step()), peer_address_.c_str(),
+               static_cast<unsigned long long>(r->bytes()), seconds,
+               seconds > 0 ? static_cast<double>(r->bytes()) / seconds / 1e9 : 0.0);
+  return absl::OkStatus();
+}
+
+absl::Status Job::SendGradient(uint64_t step, const std::string& token, absl::Time deadline) {
+  v1::PrepareStepResponse prepared;
+  const float* grad = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    prepared = prepare_result_;
+    grad = reduction_->grad();
+  }
+  const uint64_t epoch = this->epoch();
+  const uint64_t off = owned_unpadded_.begin - owned_.begin;
+  uint64_t pos = owned_unpadded_.begin;
+  bool first = true;
+  return resources_.replica_link->ForwardGradient(
+      peer_address_, token,
+      [&](v1::ForwardedGradientChunk* chunk) {
+        if (pos == owned_unpadded_.end) return false;
+        chunk->Clear();
+        chunk->set_job_id(config_.job_id);
+        chunk->set_group(daemon_index_);
+        chunk->set_epoch(epoch);
+        chunk->set_step(step);
+        if (first) *chunk->mutable_prepared() = prepared;
+        first = false;
+        const uint64_t end = std::min(owned_unpadded_.end, pos + kReplicaChunkElements);
+        chunk->mutable_range()->set_begin(pos);
+        chunk->mutable_range()->set_end(end);
+        std::string* data = chunk->mutable_data();
+        data->resize((end - pos) * sizeof(float));
+        // Frozen while prepared; commit_mu_ (held) keeps commits out.
+        std::memcpy(data->data(), grad + off + (pos - owned_unpadded_.begin), data->size());
+        chunk->set_crc32c(Crc32c(data->data(), data->size()));
+        pos = end;
+        return true;
+      },
+      deadline);
+}
+
+// ---- The backup's side ----
+
+absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
+    const v1::ReplicaStateChunk& first, absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next) {
+  RETURN_IF_ERROR(CheckDrivenBy(first.epoch(), /*transfer=*/true));
+  if (!first.has_state()) {
+    return absl::InvalidArgumentError("state: the first chunk of a transfer carries the state");
+  }
+  const uint64_t n = owned_unpadded_.size();
+  size_t arrays = 0;
+  {
+    absl::ReaderMutexLock lock(&params_mu_);
+    arrays = shard_->checkpoint_arrays();
+  }
+  // Held, booked as buffer, until every chunk is in.
+  const uint64_t held_bytes = arrays * n * sizeof(float);
+  RETURN_IF_ERROR(resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer, held_bytes));
+  struct Unbook {
+    MemoryLedger* ledger;
+    const std::string& job;
+    uint64_t bytes;
+    ~Unbook() { ledger->Release(job, MemoryCategory::kBuffer, bytes); }
+  } unbook{resources_.ledger, config_.job_id, held_bytes};
+  std::vector<std::vector<float>> held(arrays, std::vector<float>(n));
+  std::vector<uint64_t> filled(arrays, 0);
+  v1::ReplicaStateChunk chunk = first;
+  uint64_t bytes = 0;
+  for (size_t i = 0;; ++i) {
+    const std::string where = absl::StrCat("chunk ", i);
+    if (!chunk.job_id().empty() && chunk.job_id() != config_.job_id) {
+      return absl::InvalidArgumentError(ForeignChunk(where, config_.job_id));
+    }
+    if (chunk.group() != daemon_index_ || chunk.epoch() != first.epoch()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": group and epoch must be the first chunk's"));
+    }
+    if (chunk.array() >= arrays) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".array: this job's state has ", arrays,
+                                                     " arrays, got ", chunk.array()));
+    }
+    const uint64_t count = chunk.data().size() / sizeof(float);
+    if (chunk.data().size() % sizeof(float) != 0 || chunk.offset() != filled[chunk.array()] ||
+        count > n - chunk.offset() || count > kReplicaChunkElements) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": ", chunk.data().size(), " bytes at offset ", chunk.offset(),
+                       " of array ", chunk.array(), " do not continue it (", filled[chunk.array()],
+                       " of ", n, " elements in, at most ", kReplicaChunkElements, " per chunk)"));
+    }
+    if (chunk.crc32c() != 0 && Crc32c(chunk.data().data(), chunk.data().size()) != chunk.crc32c()) {
+      return absl::DataLossError(absl::StrCat(where, ": CRC-32C of the data does not match"));
+    }
+    std::memcpy(held[chunk.array()].data() + chunk.offset(), chunk.data().data(),
+                chunk.data().size());
+    filled[chunk.array()] += count;
+    bytes += chunk.data().size();
+    if (!next(&chunk)) break;
+  }
+  for (size_t a = 0; a < arrays; ++a) {
+    if (filled[a] != n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the transfer ended with ", filled[a], " of ", n, " elements of array ", a));
+    }
+  }
+  std::vector<const float*> src;
+  for (const std::vector<float>& a : held) src.push_back(a.data());
+  const v1::TrainingState& state = first.state();
+  {
+    absl::MutexLock commit_lock(&commit_mu_);
+    // Checked again: a promotion may have run meanwhile.
+    RETURN_IF_ERROR(CheckDrivenBy(first.epoch(), /*transfer=*/true));
+    absl::MutexLock lock(&mu_);
+    {
+      absl::MutexLock params_lock(&params_mu_);
+      shard_->Restore(resources_.optimizer, n, src.data(), state.optimizer_steps());
+      ++params_version_;
+    }
+    RestoreTrainingStateLocked(state);
+    absl::MutexLock replica_lock(&replica_mu_);
+    role_ = ReplicaRole::kBackup;
+    epoch_ = first.epoch();
+    in_sync_ = true;
+  }
+  v1::TransferStateResponse out;
+  out.set_committed_step(state.committed_step());
+  out.set_bytes(bytes);
+  return out;
+}
+
+absl::StatusOr<v1::ForwardGradientResponse> Job::AcceptGradient(
+    const v1::ForwardedGradientChunk& first,
+    absl::FunctionRef<bool(v1::ForwardedGradientChunk*)> next) {
+  absl::MutexLock commit_lock(&commit_mu_);
+  auto refuse = [&](absl::Status s) {
+    absl::MutexLock lock(&replica_mu_);
+    in_sync_ = false;
+    return s;
+  };
+  RETURN_IF_ERROR(CheckDrivenBy(first.epoch(), /*transfer=*/false));
+  {
+    absl::MutexLock lock(&replica_mu_);
+    if (!in_sync_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", config_.job_id, " replica group ", daemon_index_,
+                       ": the backup here holds no current copy; transfer the state first"));
+    }
+  }
+  if (first.step() != committed_step() + 1) {
+    return refuse(absl::FailedPreconditionError(absl::StrCat(
+        "step: the backup of job ", config_.job_id, " replica group ", daemon_index_,
+        " is at committed step ", committed_step(), ", got the gradient of step ", first.step())));
+  }
+  // The chunks land in a buffer of this copy's (allocated and booked once)
+  // with only commit_mu_ held: the copy's state changes only once the whole
+  // forward is in and checked.
+  const uint64_t n = owned_unpadded_.size();
+  if (forward_buffer_.size() != n) {
+    RETURN_IF_ERROR(
+        resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer, n * sizeof(float)));
+    forward_buffer_.resize(n);
+  }
+  v1::ForwardedGradientChunk chunk = first;
+  uint64_t pos = owned_unpadded_.begin;
+  for (size_t i = 0;; ++i) {
+    const std::string where = absl::StrCat("chunk ", i);
+    const uint64_t begin = chunk.range().begin();
+    const uint64_t end = chunk.range().end();
+    if (!chunk.job_id().empty() && chunk.job_id() != config_.job_id) {
+      return refuse(absl::InvalidArgumentError(ForeignChunk(where, config_.job_id)));
+    }
+    if (chunk.group() != daemon_index_ || chunk.epoch() != first.epoch() ||
+        chunk.step() != first.step()) {
+      return refuse(absl::InvalidArgumentError(
+          absl::StrCat(where, ": group, epoch and step must be the first chunk's")));
+    }
+    if (begin != pos || end <= begin || end > owned_unpadded_.end ||
+        end - begin > kReplicaChunkElements ||
+        chunk.data().size() != (end - begin) * sizeof(float)) {
+      return refuse(absl::InvalidArgumentError(
+          absl::StrCat(where, ".range [", begin, ", ", end, ") with ", chunk.data().size(),
+                       " bytes does not continue the group's range at ", pos, " (ends at ",
+                       owned_unpadded_.end, ")")));
+    }
+    if (chunk.crc32c() != 0 && Crc32c(chunk.data().data(), chunk.data().size()) != chunk.crc32c()) {
+      return refuse(
+          absl::DataLossError(absl::StrCat(where, ": CRC-32C of the data does not match")));
+    }
+    std::memcpy(forward_buffer_.data() + (begin - owned_unpadded_.begin), chunk.data().data(),
+                chunk.data().size());
+    pos = end;
+    if (!next(&chunk)) break;
+  }
+  if (pos != owned_unpadded_.end) {
+    return refuse(absl::InvalidArgumentError(absl::StrCat("the forward ended at element ", pos,
+                                                          " of the group's range ending at ",
+                                                          owned_unpadded_.end)));
+  }
+  absl::MutexLock lock(&mu_);
+  std::memcpy(grad_.data() + (owned_unpadded_.begin - owned_.begin), forward_buffer_.data(),
+              n * sizeof(float));
+  prepare_result_ = first.prepared();
+  prepared_ = true;
+  ++reduction_changes_;
+  v1::ForwardGradientResponse out;
+  out.set_elements(n);
+  return out;
+}
+
+absl::StatusOr<v1::CommitStepResponse> Job::CommitReplica(const v1::CommitReplicaRequest& r) {
+  ASSIGN_OR_RETURN(const float clip, CheckCommitFields(r.commit(), "commit."));
+  absl::MutexLock commit_lock(&commit_mu_);
+  RETURN_IF_ERROR(CheckDrivenBy(r.epoch(), /*transfer=*/false));
+  {
+    absl::MutexLock lock(&replica_mu_);
+    if (!in_sync_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", config_.job_id, " replica group ", daemon_index_,
+                       ": the backup here holds no current copy; transfer the state first"));
+    }
+  }
+  absl::StatusOr<v1::CommitStepResponse> done = CommitChecked(r.commit(), clip);
+  if (!done.ok()) {
+    absl::MutexLock lock(&replica_mu_);
+    in_sync_ = false;
+  }
+  return done;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,50 @@
+#pragma once
+
+// The ReplicaLink between daemons over gRPC (Replica and Control services),
+// with the daemon's own TLS files as the client side of mutual TLS. One
+// channel per peer address, opened on first use and kept.
+//
+// Thread-safe; calls block as ReplicaLink says.
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "common/tls.h"
+#include "grpcpp/grpcpp.h"
+#include "server/replica_link.h"
+
+namespace zeroshard {
+
+class GrpcReplicaLink final : public ReplicaLink {
+ public:
+  // Reads no file yet: the credentials are made on the first call, and a
+  // failure to make them is every call's error.
+  explicit GrpcReplicaLink(TlsFiles tls) : tls_(std::move(tls)) {}
+
+  absl::Status RegisterBackup(const std::string& peer, const std::string& token,
+                              const v1::JobSpec& spec, uint32_t daemon_index,
+                              absl::Time deadline) override;
+  absl::StatusOr<v1::TransferStateResponse> TransferState(
+      const std::string& peer, const std::string& token,
+      absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next, absl::Time deadline) override;
+  absl::Status ForwardGradient(const std::string& peer, const std::string& token,
+                               absl::FunctionRef<bool(v1::ForwardedGradientChunk*)> next,
+                               absl::Time deadline) override;
+  absl::Status CommitReplica(const std::string& peer, const std::string& token,
+                             const v1::CommitReplicaRequest& request, absl::Time deadline) override;
+  absl::Status ReleaseReplica(const std::string& peer, const std::string& token,
+                              const v1::ReleaseReplicaRequest& request,
+                              absl::Time deadline) override;
+
+ private:
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> Channel(const std::string& peer);
+
+  const TlsFiles tls_;
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,105 @@
+#include "absl/strings/str_cat.h"
+#include "server/services.h"
+
+namespace zeroshard {
+
+absl::Status ReplicaService::FillState(const grpc::ServerContext& call, const std::string& id,
+                                       v1::ReplicaState* out) {
+  absl::StatusOr<std::shared_ptr<Job>> home = ctx_->FindCopy(call, id, ~0u);
+  if (!home.ok()) return home.status();
+  out->set_job_id(id);
+  for (const std::shared_ptr<Job>& job : ctx_->jobs->All()) {
+    if (job->config().job_id == id) job->FillReplicaState(out->add_groups());
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status ReplicaService::GetReplicaState(grpc::ServerContext* call,
+                                             const v1::GetReplicaStateRequest* req,
+                                             v1::ReplicaState* resp) {
+  return ctx_->Done(__func__, FillState(*call, req->job_id(), resp));
+}
+
+grpc::Status ReplicaService::Promote(grpc::ServerContext* call, const v1::PromoteRequest* req,
+                                     v1::ReplicaState* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindCopy(*call, req->job_id(), req->group());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  if (absl::Status s = (*job)->Promote(*req); !s.ok()) return ctx_->Done(__func__, s);
+  return ctx_->Done(__func__, FillState(*call, req->job_id(), resp));
+}
+
+namespace {
+
+// Reads the stream's first chunk and finds the copy it names: the handlers'
+// common start.
+template <typename Chunk>
+absl::StatusOr<std::shared_ptr<Job>> FirstChunk(ServiceContext* ctx, grpc::ServerContext* call,
+                                                grpc::ServerReader<Chunk>* reader, Chunk* first) {
+  if (!reader->Read(first)) {
+    return absl::InvalidArgumentError("the stream carried no chunk");
+  }
+  return ctx->FindCopy(*call, first->job_id(), first->group());
+}
+
+// Reads the next chunk. That later chunks name the first one's job (or
+// none) is checked by the job with the rest of each chunk, so that a stream
+// refused for it applies nothing.
+template <typename Chunk>
+bool NextChunk(grpc::ServerReader<Chunk>* reader, Chunk* chunk) {
+  return reader->Read(chunk);
+}
+
+}  // namespace
+
+grpc::Status ReplicaService::TransferState(grpc::ServerContext* call,
+                                           grpc::ServerReader<v1::ReplicaStateChunk>* reader,
+                                           v1::TransferStateResponse* resp) {
+  v1::ReplicaStateChunk first;
+  absl::StatusOr<std::shared_ptr<Job>> job = FirstChunk(ctx_, call, reader, &first);
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  absl::StatusOr<v1::TransferStateResponse> r =
+      (*job)->AcceptState(first, [&](v1::ReplicaStateChunk* c) { return NextChunk(reader, c); });
+  if (!r.ok()) return ctx_->Done(__func__, r.status());
+  *resp = *std::move(r);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status ReplicaService::ForwardGradient(grpc::ServerContext* call,
+                                             grpc::ServerReader<v1::ForwardedGradientChunk>* reader,
+                                             v1::ForwardGradientResponse* resp) {
+  v1::ForwardedGradientChunk first;
+  absl::StatusOr<std::shared_ptr<Job>> job = FirstChunk(ctx_, call, reader, &first);
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  absl::StatusOr<v1::ForwardGradientResponse> r = (*job)->AcceptGradient(
+      first, [&](v1::ForwardedGradientChunk* c) { return NextChunk(reader, c); });
+  if (!r.ok()) return ctx_->Done(__func__, r.status());
+  *resp = *std::move(r);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status ReplicaService::CommitReplica(grpc::ServerContext* call,
+                                           const v1::CommitReplicaRequest* req,
+                                           v1::CommitStepResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindCopy(*call, req->job_id(), req->group());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  absl::StatusOr<v1::CommitStepResponse> r = (*job)->CommitReplica(*req);
+  if (!r.ok()) return ctx_->Done(__func__, r.status());
+  *resp = *std::move(r);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status ReplicaService::ReleaseReplica(grpc::ServerContext* call,
+                                            const v1::ReleaseReplicaRequest* req,
+                                            v1::ReleaseReplicaResponse*) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindCopy(*call, req->job_id(), req->group());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  // Only the group's current primary releases its backup.
+  if (absl::Status s = (*job)->CheckDrivenBy(req->epoch(), /*transfer=*/false); !s.ok()) {
+    return ctx_->Done(__func__, s);
+  }
+  ctx_->jobs->Remove(*job);
+  ctx_->metrics->SetJobs(ctx_->jobs->size());
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+}  // namespace zeroshard
