@@ -91,6 +91,7 @@ absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
     sent_.assign(plan_.buckets().size() * job.micro_batches, 0);
     delivered_.assign(sent_.size(), 0);
     queued_.assign(job.daemons.size(), {});
+    in_flight_to_.assign(job.daemons.size(), 0);
   }
   bound_.store(true, std::memory_order_release);
   return absl::OkStatus();
@@ -116,9 +117,16 @@ absl::StatusOr<int> DaemonReduceCollective::AcquireBuffer(absl::Time deadline,
     return !free_.empty() || (staged_in_flight_ == 0 && pushers_ <= own_pushers);
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "PushGradients: no staging buffer became free before the deadline (", buffer_count_,
-        " buffers of ", buffer_bytes_, " bytes, ", staged_in_flight_, " in flight)"));
+    std::string waiting;
+    for (size_t d = 0; d < in_flight_to_.size(); ++d) {
+      if (in_flight_to_[d] == 0) continue;
+      absl::StrAppend(&waiting, waiting.empty() ? "" : ", ", in_flight_to_[d], " to daemon ",
+                      job_.daemons[d]->address());
+    }
+    return absl::DeadlineExceededError(
+        absl::StrCat("PushGradients: no staging buffer became free before the deadline (",
+                     buffer_count_, " buffers of ", buffer_bytes_, " bytes, ", staged_in_flight_,
+                     " in flight", waiting.empty() ? "" : ": buckets unanswered ", waiting, ")"));
   }
   if (free_.empty()) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -345,6 +353,7 @@ void DaemonReduceCollective::Dispatch(uint64_t key, int buffer_index, const uint
   ++in_flight_;
   if (buffer_index >= 0) ++staged_in_flight_;
   const uint32_t daemon = plan_.buckets()[key % plan_.buckets().size()].daemon;
+  ++in_flight_to_[daemon];
   queued_[daemon].push_back({step_, attempt_, key, buffer_index, data, std::move(tickets)});
   senders_->Submit([this, daemon] { RunSends(daemon); });
 }
@@ -400,6 +409,7 @@ void DaemonReduceCollective::RunSends(uint32_t daemon) {
       --staged_in_flight_;
     }
     --in_flight_;
+    --in_flight_to_[daemon];
     if (sent[i].ok() && delivered_step_ == q.step) delivered_[q.key] = 1;
     // A send of an abandoned attempt does not fail the next one.
     if (!sent[i].ok() && q.attempt == attempt_ && error_.ok()) error_ = sent[i].status();

@@ -189,6 +189,7 @@ class DaemonReduceCollective final : public Collective {
   uint64_t delivered_step_ ABSL_GUARDED_BY(mu_) = 0;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;         // buckets handed to the senders
   int staged_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // those of them in staging buffers
+  std::vector<int> in_flight_to_ ABSL_GUARDED_BY(mu_);  // in_flight_ by daemon index
   int pushers_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);  // first failed send of the attempt
 

@@ -253,6 +253,8 @@ class Job {
   absl::Status SendGradient(uint64_t step, const std::string& token, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
   void MarkBackupStale(const absl::Status& why);
+  // FailedPrecondition unless this backup holds a current copy.
+  absl::Status RequireCurrentCopy() const;
   // Applies a checked batch, waiting (mu_ released) while the out-of-order
   // buffer is full; `senders_current` (called under mu_) is asked again
   // after every wait.

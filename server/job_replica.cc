@@ -273,6 +273,14 @@ absl::Status Job::SendGradient(uint64_t step, const std::string& token, absl::Ti
 
 // ---- The backup's side ----
 
+absl::Status Job::RequireCurrentCopy() const {
+  absl::MutexLock lock(&replica_mu_);
+  if (in_sync_) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("job ", config_.job_id, " replica group ", daemon_index_,
+                   ": the backup here holds no current copy; transfer the state first"));
+}
+
 absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
     const v1::ReplicaStateChunk& first, absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next) {
   RETURN_IF_ERROR(CheckDrivenBy(first.epoch(), /*transfer=*/true));
@@ -369,14 +377,7 @@ absl::StatusOr<v1::ForwardGradientResponse> Job::AcceptGradient(
     return s;
   };
   RETURN_IF_ERROR(CheckDrivenBy(first.epoch(), /*transfer=*/false));
-  {
-    absl::MutexLock lock(&replica_mu_);
-    if (!in_sync_) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("job ", config_.job_id, " replica group ", daemon_index_,
-                       ": the backup here holds no current copy; transfer the state first"));
-    }
-  }
+  RETURN_IF_ERROR(RequireCurrentCopy());
   if (first.step() != committed_step() + 1) {
     return refuse(absl::FailedPreconditionError(absl::StrCat(
         "step: the backup of job ", config_.job_id, " replica group ", daemon_index_,
@@ -442,14 +443,7 @@ absl::StatusOr<v1::CommitStepResponse> Job::CommitReplica(const v1::CommitReplic
   ASSIGN_OR_RETURN(const float clip, CheckCommitFields(r.commit(), "commit."));
   absl::MutexLock commit_lock(&commit_mu_);
   RETURN_IF_ERROR(CheckDrivenBy(r.epoch(), /*transfer=*/false));
-  {
-    absl::MutexLock lock(&replica_mu_);
-    if (!in_sync_) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("job ", config_.job_id, " replica group ", daemon_index_,
-                       ": the backup here holds no current copy; transfer the state first"));
-    }
-  }
+  RETURN_IF_ERROR(RequireCurrentCopy());
   absl::StatusOr<v1::CommitStepResponse> done = CommitChecked(r.commit(), clip);
   if (!done.ok()) {
     absl::MutexLock lock(&replica_mu_);

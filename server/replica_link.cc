@@ -57,18 +57,15 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> GrpcReplicaLink::Channel(const st
 absl::Status GrpcReplicaLink::RegisterBackup(const std::string& peer, const std::string& token,
                                              const v1::JobSpec& spec, uint32_t daemon_index,
                                              absl::Time deadline) {
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = Channel(peer);
-  if (!channel.ok()) return channel.status();
-  grpc::ClientContext context;
-  Prepare(&context, token, deadline);
   v1::RegisterJobRequest request;
   *request.mutable_spec() = spec;
   request.set_daemon_index(daemon_index);
   request.set_as_backup(true);
   v1::RegisterJobResponse response;
-  const grpc::Status s = v1::Control::NewStub(*channel)->RegisterJob(&context, request, &response);
-  if (!s.ok()) return PeerError(s, peer, "RegisterJob (as backup)");
-  return absl::OkStatus();
+  return Unary(peer, token, deadline, "RegisterJob (as backup)",
+               [&](const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* context) {
+                 return v1::Control::NewStub(channel)->RegisterJob(context, request, &response);
+               });
 }
 
 absl::StatusOr<v1::TransferStateResponse> GrpcReplicaLink::TransferState(
@@ -104,28 +101,33 @@ absl::Status GrpcReplicaLink::ForwardGradient(
 absl::Status GrpcReplicaLink::CommitReplica(const std::string& peer, const std::string& token,
                                             const v1::CommitReplicaRequest& request,
                                             absl::Time deadline) {
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = Channel(peer);
-  if (!channel.ok()) return channel.status();
-  grpc::ClientContext context;
-  Prepare(&context, token, deadline);
   v1::CommitStepResponse response;
-  const grpc::Status s =
-      v1::Replica::NewStub(*channel)->CommitReplica(&context, request, &response);
-  if (!s.ok()) return PeerError(s, peer, "CommitReplica");
-  return absl::OkStatus();
+  return Unary(peer, token, deadline, "CommitReplica",
+               [&](const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* context) {
+                 return v1::Replica::NewStub(channel)->CommitReplica(context, request, &response);
+               });
 }
 
 absl::Status GrpcReplicaLink::ReleaseReplica(const std::string& peer, const std::string& token,
                                              const v1::ReleaseReplicaRequest& request,
                                              absl::Time deadline) {
+  v1::ReleaseReplicaResponse response;
+  return Unary(peer, token, deadline, "ReleaseReplica",
+               [&](const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* context) {
+                 return v1::Replica::NewStub(channel)->ReleaseReplica(context, request, &response);
+               });
+}
+
+absl::Status GrpcReplicaLink::Unary(
+    const std::string& peer, const std::string& token, absl::Time deadline, absl::string_view what,
+    absl::FunctionRef<grpc::Status(const std::shared_ptr<grpc::Channel>&, grpc::ClientContext*)>
+        call) {
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = Channel(peer);
   if (!channel.ok()) return channel.status();
   grpc::ClientContext context;
   Prepare(&context, token, deadline);
-  v1::ReleaseReplicaResponse response;
-  const grpc::Status s =
-      v1::Replica::NewStub(*channel)->ReleaseReplica(&context, request, &response);
-  if (!s.ok()) return PeerError(s, peer, "ReleaseReplica");
+  const grpc::Status s = call(*channel, &context);
+  if (!s.ok()) return PeerError(s, peer, what);
   return absl::OkStatus();
 }
 

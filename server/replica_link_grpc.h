@@ -11,6 +11,8 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/tls.h"
 #include "grpcpp/grpcpp.h"
@@ -41,6 +43,13 @@ class GrpcReplicaLink final : public ReplicaLink {
 
  private:
   absl::StatusOr<std::shared_ptr<grpc::Channel>> Channel(const std::string& peer);
+  // A unary call on the peer's channel with the token and deadline; errors
+  // name `what` and the peer.
+  absl::Status Unary(
+      const std::string& peer, const std::string& token, absl::Time deadline,
+      absl::string_view what,
+      absl::FunctionRef<grpc::Status(const std::shared_ptr<grpc::Channel>&, grpc::ClientContext*)>
+          call);
 
   const TlsFiles tls_;
   absl::Mutex mu_;
