@@ -19,7 +19,7 @@ namespace {
 // Elements per forwarded or transferred chunk (4 MiB of fp32).
 constexpr uint64_t kReplicaChunkElements = uint64_t{1} << 20;
 // How long a primary whose backup failed goes on alone before trying again.
-constexpr absl::Duration kResyncInterval = absl::Seconds(2);
+constexpr absl::Duration kResyncInterval = absl::Seconds(1);
 
 // A later chunk of a stream naming another job than the stream's.
 std::string ForeignChunk(absl::string_view where, const std::string& job_id) {

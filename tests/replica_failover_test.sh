@@ -34,7 +34,7 @@ GPT_TRAIN="$(zs_abspath "$3")"
 WORK="$(mktemp -d "${TEST_TMPDIR:-/tmp}/replica_failover.XXXXXX")"
 STEPS=60
 TRAINER_FLAGS=(--stage=3 --steps="$STEPS" --layers=4 --width=32 --heads=4 --seq_len=16 --batch=8
-  --threads=1 --bucket_bytes=4096 --progress=lines --transport=stream)
+  --threads=1 --bucket_bytes=4096 --progress=lines)
 
 log() { echo "[replica_failover_test] $*"; }
 fail() {
@@ -54,8 +54,7 @@ DAEMON_PIDS=()
 # start_daemon D: zeroshardd D on its fixed address, appending to its log.
 start_daemon() {
   local d="$1"
-  "$ZEROSHARDD" --listen="${ADDRS[$d]}" --insecure --bulk_transport= \
-    >>"$WORK/daemon$d.log" 2>&1 &
+  "$ZEROSHARDD" --listen="${ADDRS[$d]}" --insecure >>"$WORK/daemon$d.log" 2>&1 &
   DAEMON_PIDS[$d]=$!
   local deadline=$((SECONDS + 30))
   until grep -q "zeroshardd listening on ${ADDRS[$d]}" "$WORK/daemon$d.log"; do
@@ -96,8 +95,8 @@ start_run() {
   shift
   "$ZSRUN" --daemon_addresses="${ADDRS[0]},${ADDRS[1]}" --nproc=2 --job_id="failover-$tag" \
     --grace_s=5 "${zsrun_flags[@]}" -- \
-    "$GPT_TRAIN" "${TRAINER_FLAGS[@]}" --replicas="$replicas" --dump_params="$WORK/$tag.f32" \
-    "$@" >"$WORK/$tag.log" 2>&1 &
+    "$GPT_TRAIN" "${TRAINER_FLAGS[@]}" --transport="$TRANSPORT" --replicas="$replicas" \
+    --dump_params="$WORK/$tag.f32" "$@" >"$WORK/$tag.log" 2>&1 &
   ZSRUN_PID=$!
   RUN_START=$SECONDS
 }
@@ -125,6 +124,10 @@ category_bytes() {
 start=$SECONDS
 start_daemon 0 || fail "daemon 0 did not start"
 start_daemon 1 || fail "daemon 1 did not start"
+# The data path: ucx where the daemons could start it, else the streaming RPCs.
+TRANSPORT=ucx
+if grep -qs "serving the streaming data path only" "$WORK"/daemon*.log; then TRANSPORT=stream; fi
+log "daemons at ${ADDRS[0]} and ${ADDRS[1]}; data path $TRANSPORT"
 
 start_run U 1 -- --report=true
 ZSRUN_U=$ZSRUN_PID
@@ -158,13 +161,25 @@ log "run D: kill -9 to the next committed step: $(($(now_ms) - killed_at)) ms"
 wait_step D 25
 start_daemon 0 || fail "daemon 0 did not start again"
 log "run D: daemon 0 started again, empty, after step 25"
+# Daemon 1 copies both groups to the restarted daemon 0 at its first step
+# after the retry interval; daemon 1 dies once that has happened and rank 0
+# has passed step 40.
+deadline=$((SECONDS + 60))
+for g in 0 1; do
+  until grep -qs "replica group $g: copied the state of step [2-9][0-9] to the backup" \
+    "$WORK/daemon1.log"; do
+    ((SECONDS < deadline)) || fail "run D: daemon 1 did not copy group $g to the restarted daemon 0"
+    kill -0 "$ZSRUN_PID" 2>/dev/null || fail "run D ended before daemon 0 had both groups"
+    sleep 0.01
+  done
+done
 wait_step D 40
-grep -qs "replica group 0: copied the state of step [2-9][0-9] to the backup" \
-  "$WORK/daemon1.log" || fail "run D: daemon 1 did not copy group 0 to the restarted daemon 0"
+last="$(sed -n 's|^\[rank 0\] step \([0-9]*\)/.*|\1|p' "$WORK/D.log" | tail -n 1)"
+((last < STEPS)) || fail "run D reached its last step before daemon 1 could be killed"
 kill_daemon 1
 killed_at=$(now_ms)
-log "run D: daemon 1 killed (SIGKILL) after step 40"
-wait_step D 41
+log "run D: daemon 1 killed (SIGKILL) after step $last"
+wait_step D $((last + 1))
 log "run D: kill -9 to the next committed step: $(($(now_ms) - killed_at)) ms"
 finish_run D
 grep -q "restarting it" "$WORK/D.log" && fail "run D: zsrun restarted a trainer"
