@@ -60,7 +60,7 @@ struct JobResources {
   // Replicated jobs: how a primary reaches its backup (null: a replicated
   // job runs without its backups), and the longest one replication call
   // (a state transfer, a forward, a commit) may take before the group goes
-  // on with one copy.
+  // on with one copy, plus its bytes at 50 MB/s.
   ReplicaLink* replica_link = nullptr;
   absl::Duration replica_timeout = absl::Seconds(5);
 };
@@ -145,7 +145,8 @@ class Job {
   // answers (replica.proto), with `token` (the caller's, passed on): the
   // state when the backup has none, then the step's reduced gradient; and
   // the commit. The calls hold commit_mu_ (only this job's step calls wait)
-  // and no other lock, each at most resources.replica_timeout; when one
+  // and no other lock, each within resources.replica_timeout plus its bytes
+  // at 50 MB/s; when one
   // fails the group goes on with one copy (backup_in_sync false) and tries
   // again at a later step.
   absl::StatusOr<v1::PrepareStepResponse> PrepareStep(uint64_t step, const std::string& token = "");
@@ -253,6 +254,10 @@ class Job {
   absl::Status SendGradient(uint64_t step, const std::string& token, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
   void MarkBackupStale(const absl::Status& why);
+  absl::Status PromoteLocked(const v1::PromoteRequest& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
+  // Books the copy's memory for `role`: a backup's as replica, a primary's
+  // under each array's own category.
+  void BookForRole(ReplicaRole role) ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
   // FailedPrecondition unless this backup holds a current copy.
   absl::Status RequireCurrentCopy() const;
   // Applies a checked batch, waiting (mu_ released) while the out-of-order

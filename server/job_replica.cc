@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,9 @@ namespace {
 
 // Elements per forwarded or transferred chunk (4 MiB of fp32).
 constexpr uint64_t kReplicaChunkElements = uint64_t{1} << 20;
+// The slowest a replication call may move its bytes before it counts as
+// failed (on top of the daemon's replica timeout).
+constexpr double kMinReplicaBytesPerSecond = 50e6;
 // How long a primary whose backup failed goes on alone before trying again.
 constexpr absl::Duration kResyncInterval = absl::Seconds(1);
 
@@ -96,6 +100,24 @@ void Job::MarkBackupStale(const absl::Status& why) {
 
 absl::Status Job::Promote(const v1::PromoteRequest& r) {
   absl::MutexLock commit_lock(&commit_mu_);
+  const bool was_backup = role() == ReplicaRole::kBackup;
+  absl::Status promoted = PromoteLocked(r);
+  // Its bytes are a primary's from now on.
+  if (promoted.ok() && was_backup) BookForRole(ReplicaRole::kPrimary);
+  return promoted;
+}
+
+void Job::BookForRole(ReplicaRole role) {
+  const bool replica = role == ReplicaRole::kBackup;
+  absl::MutexLock lock(&mu_);
+  grad_.Rebook(replica              ? MemoryCategory::kReplica
+               : config_.stage >= 2 ? MemoryCategory::kGrad
+                                    : MemoryCategory::kBuffer);
+  absl::MutexLock params_lock(&params_mu_);
+  shard_->Rebook(replica);
+}
+
+absl::Status Job::PromoteLocked(const v1::PromoteRequest& r) {
   const uint64_t committed = committed_step();
   bool prepared = false;
   {
@@ -153,20 +175,27 @@ bool Job::ReplicatePrepared(uint64_t step, const std::string& token) {
     if (!in_sync_ && absl::Now() < next_resync_) return false;
     in_sync = in_sync_;
   }
-  const absl::Time deadline = absl::Now() + resources_.replica_timeout;
+  // Each call gets replica_timeout plus its bytes at the slowest rate
+  // allowed, so that a large group's state can be copied at all.
+  const uint64_t n = owned_unpadded_.size();
+  auto deadline = [this](uint64_t bytes) {
+    return absl::Now() + resources_.replica_timeout +
+           absl::Seconds(static_cast<double>(bytes) / kMinReplicaBytesPerSecond);
+  };
   if (!in_sync) {
-    absl::Status s = SendState(token, deadline);
+    const uint64_t state_bytes = 3 * n * sizeof(float);
+    absl::Status s = SendState(token, deadline(state_bytes));
     if (absl::IsNotFound(s)) {
       // The peer restarted without the job: give it back, as backups.
-      s = link->RegisterBackup(peer_address_, token, spec_, peer_index_, deadline);
-      if (s.ok()) s = SendState(token, deadline);
+      s = link->RegisterBackup(peer_address_, token, spec_, peer_index_, deadline(0));
+      if (s.ok()) s = SendState(token, deadline(state_bytes));
     }
     if (!s.ok()) {
       MarkBackupStale(s);
       return false;
     }
   }
-  if (absl::Status s = SendGradient(step, token, deadline); !s.ok()) {
+  if (absl::Status s = SendGradient(step, token, deadline(n * sizeof(float))); !s.ok()) {
     MarkBackupStale(s);
     return false;
   }
@@ -302,7 +331,9 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
     uint64_t bytes;
     ~Unbook() { ledger->Release(job, MemoryCategory::kBuffer, bytes); }
   } unbook{resources_.ledger, config_.job_id, held_bytes};
-  std::vector<std::vector<float>> held(arrays, std::vector<float>(n));
+  // Not zero-filled: every element is written by a chunk before it is read.
+  std::vector<std::unique_ptr<float[]>> held;
+  for (size_t a = 0; a < arrays; ++a) held.emplace_back(new float[n]);
   std::vector<uint64_t> filled(arrays, 0);
   v1::ReplicaStateChunk chunk = first;
   uint64_t bytes = 0;
@@ -330,7 +361,7 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
     if (chunk.crc32c() != 0 && Crc32c(chunk.data().data(), chunk.data().size()) != chunk.crc32c()) {
       return absl::DataLossError(absl::StrCat(where, ": CRC-32C of the data does not match"));
     }
-    std::memcpy(held[chunk.array()].data() + chunk.offset(), chunk.data().data(),
+    std::memcpy(held[chunk.array()].get() + chunk.offset(), chunk.data().data(),
                 chunk.data().size());
     filled[chunk.array()] += count;
     bytes += chunk.data().size();
@@ -343,12 +374,15 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
     }
   }
   std::vector<const float*> src;
-  for (const std::vector<float>& a : held) src.push_back(a.data());
+  for (const std::unique_ptr<float[]>& a : held) src.push_back(a.get());
   const v1::TrainingState& state = first.state();
   {
     absl::MutexLock commit_lock(&commit_mu_);
     // Checked again: a promotion may have run meanwhile.
     RETURN_IF_ERROR(CheckDrivenBy(first.epoch(), /*transfer=*/true));
+    // A primary replaced meanwhile becomes the backup: its bytes are booked
+    // as replica from now on.
+    if (role() == ReplicaRole::kPrimary) BookForRole(ReplicaRole::kBackup);
     absl::MutexLock lock(&mu_);
     {
       absl::MutexLock params_lock(&params_mu_);

@@ -30,7 +30,7 @@ enum class MemoryCategory : int {
   kActivation,       // offloaded activation checkpoints
   kBuffer,           // staging and communication buffers
   kFragmentation,    // reserved but unusable
-  kReplica,          // a copy of a replica group created as backup (promoted or not)
+  kReplica,          // a backup's copy of another daemon's replica group
 };
 inline constexpr int kNumMemoryCategories = 9;
 
@@ -171,6 +171,14 @@ class LedgerArray {
   bool empty() const { return size_ == 0; }
   T& operator[](size_t i) { return data_[i]; }
   const T& operator[](size_t i) const { return data_[i]; }
+  MemoryCategory category() const { return category_; }
+  // Moves the array's bytes to `category` in the ledger (MemoryLedger::Move).
+  void Rebook(MemoryCategory category) {
+    if (ledger_ != nullptr && size_ > 0 && category != category_) {
+      ledger_->Move(job_, category_, job_, category, size_ * sizeof(T));
+    }
+    category_ = category;
+  }
 
  private:
   struct Free {

@@ -601,10 +601,24 @@ TEST_F(ReplicaTest, PromoteAndFence) {
   ExpectRejected(j.id, grpc::NOT_FOUND, "not group 7",
                  [&] { return Replica(0).Promote(j.id, 7, 5, 2); });
 
-  // Group 0's backup on daemon 1 takes over at epoch 2.
+  // Group 0's backup on daemon 1 takes over at epoch 2; its bytes move from
+  // replica to the primary's categories.
+  const CategoryBytes before = daemon(1).ledger().JobBytes(j.id);
+  const uint64_t total_before = daemon(1).ledger().total();
   v1::ReplicaState promoted;
   grpc::Status s = Replica(1).Promote(j.id, 0, 2, 2, &promoted);
   ASSERT_TRUE(s.ok()) << s.error_message();
+  {
+    const CategoryBytes after = daemon(1).ledger().JobBytes(j.id);
+    const uint64_t n = j.config.map.DaemonRange(0).size() * sizeof(float);
+    auto at = [](const CategoryBytes& b, MemoryCategory c) { return b[static_cast<int>(c)]; };
+    EXPECT_EQ(at(after, MemoryCategory::kReplica), at(before, MemoryCategory::kReplica) - 4 * n);
+    for (MemoryCategory c : {MemoryCategory::kParamMaster, MemoryCategory::kOptimM,
+                             MemoryCategory::kOptimV, MemoryCategory::kGrad}) {
+      EXPECT_EQ(at(after, c), at(before, c) + n) << MemoryCategoryName(c);
+    }
+    EXPECT_EQ(daemon(1).ledger().total(), total_before);  // rebooked, not allocated
+  }
   const v1::ReplicaGroupState* g0 = GroupState(promoted, 0);
   ASSERT_NE(g0, nullptr) << promoted.ShortDebugString();
   EXPECT_EQ(g0->role(), v1::REPLICA_ROLE_PRIMARY);

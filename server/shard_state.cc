@@ -53,7 +53,7 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(const JobConfig& 
                                                                LedgerReservation* booked,
                                                                transport::Transport* transport,
                                                                bool replica) {
-  std::unique_ptr<ShardState> s(new ShardState(c.precision, owned));
+  std::unique_ptr<ShardState> s(new ShardState(c.precision, owned, HalfCategory(c)));
   const uint64_t n = owned.size();
   const bool sgd = c.optimizer.kind == OptimizerKind::kSgdMomentum;
   const bool half = c.precision != DType::kFp32;
@@ -186,6 +186,14 @@ void ShardState::Hash(uint64_t& h) const {
   Fnv1aMix(h, v_.data(), v_.size() * sizeof(float));
   Fnv1aMix(h, half_.data(), half_.size() * sizeof(uint16_t));
   Fnv1aMix(h, &optimizer_steps_, sizeof(optimizer_steps_));
+}
+
+void ShardState::Rebook(bool replica) {
+  auto to = [replica](MemoryCategory own) { return replica ? MemoryCategory::kReplica : own; };
+  master_.Rebook(to(MemoryCategory::kParamMaster));
+  m_.Rebook(to(MemoryCategory::kOptimM));
+  v_.Rebook(to(MemoryCategory::kOptimV));
+  half_.Rebook(to(half_category_));
 }
 
 }  // namespace zeroshard

@@ -79,12 +79,17 @@ class ShardState {
   void FillRegions(v1::ExchangeEndpointResponse* response) const;
   uint64_t optimizer_steps() const { return optimizer_steps_; }
   void Hash(uint64_t& h) const;
+  // Books every array as replica (`replica`), or each under its own
+  // category again (a replica group's copy that changed role).
+  void Rebook(bool replica);
 
  private:
-  ShardState(DType precision, FlatRange owned) : precision_(precision), owned_(owned) {}
+  ShardState(DType precision, FlatRange owned, MemoryCategory half_category)
+      : precision_(precision), owned_(owned), half_category_(half_category) {}
 
   const DType precision_;
   const FlatRange owned_;
+  const MemoryCategory half_category_;
   // Transport memory behind master_ / half_; declared first so it is freed
   // after the arrays.
   std::unique_ptr<transport::Region> master_region_;
