@@ -37,8 +37,9 @@ ABSL_FLAG(int, max_restarts, 0,
           "Trainer failures to survive in all: a trainer that exits non-zero is started again "
           "as the same rank (ZS_RESTART_COUNT one higher) while the others keep running.");
 ABSL_FLAG(std::string, job_id, "", "ZS_JOB_ID for the trainers; default job-<pid>-<unix time>.");
-ABSL_FLAG(double, startup_timeout_s, 30,
-          "Seconds for the daemons to print their address and answer Admin.Status.");
+ABSL_FLAG(
+    double, startup_timeout_s, 30,
+    "Seconds for the daemons to print their address and answer their gRPC health check (SERVING).");
 ABSL_FLAG(double, grace_s, 10, "Seconds between SIGTERM and SIGKILL when stopping a process.");
 ABSL_FLAG(std::string, log_dir, "",
           "Directory for daemon-D.stdout.log/daemon-D.stderr.log; default a temporary directory, "
@@ -55,7 +56,7 @@ constexpr char kUsage[] =
   zsrun [flags] -- TRAINER_COMMAND [ARGS...]
 
 Starts --daemons zeroshardd processes (or checks --daemon_addresses), waits
-until each answers Admin.Status, then starts --nproc copies of
+until each answers its gRPC health check as SERVING, then starts --nproc copies of
 TRAINER_COMMAND with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID,
 ZS_JOB_TOKEN, ZS_RESTART_COUNT, RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE (and ZS_METRICS_PORTS with

@@ -22,6 +22,7 @@
 #include "common/channel.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
 
 extern char** environ;
@@ -684,18 +685,23 @@ absl::Status Launcher::CheckDaemons() {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
-    // Admin.Status needs no token; TLS as the trainers will use it.
+    // The standard probe (grpc.health.v1, no token needed): SERVING once the
+    // daemon accepts jobs, NOT_SERVING while it drains. TLS as the trainers
+    // will use it.
     ASSIGN_OR_RETURN(const ChannelSecurity security,
                      MakeChannelSecurity(TlsFilesFromEnvironment({}), "", "ZS_"));
-    auto stub = v1::Admin::NewStub(MakeChannel(address, security, args));
+    auto stub = grpc::health::v1::Health::NewStub(MakeChannel(address, security, args));
     while (true) {
       grpc::ClientContext ctx;
       ctx.set_deadline(absl::ToChronoTime(std::min(absl::Now() + kRpcAttempt, startup_deadline_)));
-      v1::StatusResponse response;
-      const grpc::Status s = stub->Status(&ctx, v1::StatusRequest(), &response);
+      grpc::health::v1::HealthCheckResponse response;
+      const grpc::Status s = stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &response);
       if (s.ok()) {
-        if (response.draining()) {
-          return absl::UnavailableError(absl::StrCat("daemon ", address, " is draining"));
+        if (response.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+          return absl::UnavailableError(absl::StrCat(
+              "daemon ", address, " is not serving (health: ",
+              grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status()),
+              "; a draining daemon takes no new job)"));
         }
         break;
       }
@@ -707,11 +713,11 @@ absl::Status Launcher::CheckDaemons() {
       }
       if (local != nullptr && !local->running) {
         return DaemonFailure(*local, absl::StrCat("exited with code ", local->exit_code,
-                                                  " before answering Admin.Status"));
+                                                  " before answering its health check"));
       }
       if (absl::Now() >= startup_deadline_) {
         const std::string what =
-            absl::StrCat("did not answer Admin.Status within ",
+            absl::StrCat("did not answer its health check within ",
                          absl::FormatDuration(options_.startup_timeout), ": ", s.error_message());
         if (local != nullptr) return DaemonFailure(*local, absl::StrCat("at ", address, " ", what));
         return absl::UnavailableError(absl::StrCat("daemon ", address, " ", what));

@@ -1,5 +1,3 @@
-#include "tools/zsrun_lib.h"
-
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -8,6 +6,7 @@
 
 #include <cerrno>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <set>
@@ -25,6 +24,8 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
+#include "proto/zeroshard/v1/control.grpc.pb.h"
+#include "tools/zsrun_lib.h"
 
 namespace zeroshard::tools {
 namespace {
@@ -527,7 +528,7 @@ TEST(ZsrunBinaryTest, UnreachableDaemonAddressFailsWithinTheStartupTimeout) {
   EXPECT_EQ(z.Wait(absl::Seconds(15)), 1) << z.output();
   EXPECT_LT(z.elapsed, absl::Seconds(6));
   EXPECT_THAT(z.output(), HasSubstr(absl::StrCat("zsrun: daemon ", address,
-                                                 " did not answer Admin.Status within 2s")));
+                                                 " did not answer its health check within 2s")));
 }
 
 TEST(ZsrunBinaryTest, PrintDaemonsHoldsThemUntilSigint) {
@@ -543,6 +544,44 @@ TEST(ZsrunBinaryTest, PrintDaemonsHoldsThemUntilSigint) {
   kill(z.pid, SIGINT);
   EXPECT_EQ(z.Wait(absl::Seconds(15)), 0) << z.output();
   for (const std::string& d : list) EXPECT_FALSE(Answers(d)) << d;
+}
+
+TEST(ZsrunBinaryTest, DrainingDaemonIsRefusedByItsHealthCheck) {
+  // A daemon with an admin token, held by one zsrun, drained; a second
+  // zsrun given its address finds it NOT_SERVING and starts no trainer.
+  const std::string token_file = absl::StrCat(std::getenv("TEST_TMPDIR"), "/admin.token");
+  const std::string token = "zsrun-test-admin-token-0123456789";
+  {
+    std::FILE* f = std::fopen(token_file.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(token.c_str(), f);
+    std::fclose(f);
+    ASSERT_EQ(chmod(token_file.c_str(), 0600), 0);
+  }
+  Zsrun holder(
+      {"--daemons=1", "--print_daemons", "--daemon_args=--admin_token_file=" + token_file});
+  ASSERT_TRUE(holder.WaitForOutput("SIGINT or SIGTERM stops them", absl::Seconds(20)))
+      << holder.output();
+  const std::string out = holder.output();
+  const size_t at = out.find("ZS_DAEMONS=");
+  ASSERT_NE(at, std::string::npos) << out;
+  const std::string address = out.substr(at + 11, out.find('\n', at) - at - 11);
+  {
+    auto stub =
+        v1::Control::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + token);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::DrainResponse response;
+    const grpc::Status s = stub->Drain(&ctx, v1::DrainRequest(), &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  Zsrun z({"--daemon_addresses=" + address, "--startup_timeout_s=5", "--", "/bin/true"});
+  EXPECT_EQ(z.Wait(absl::Seconds(15)), 1) << z.output();
+  EXPECT_THAT(z.output(), HasSubstr(absl::StrCat("zsrun: daemon ", address,
+                                                 " is not serving (health: NOT_SERVING")));
+  kill(holder.pid, SIGINT);
+  EXPECT_EQ(holder.Wait(absl::Seconds(15)), 0) << holder.output();
 }
 
 TEST(ZsrunBinaryTest, UsageErrorsExit2) {

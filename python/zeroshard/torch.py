@@ -7,11 +7,77 @@ parameters themselves, gathered layer by layer around forward and backward
 (like FSDP's fully_shard).
 """
 
+import os
+import re
+
 import numpy as np
 import torch
 from torch.autograd import Variable
 
-from zeroshard._zeroshard import Client, Layout
+from zeroshard._zeroshard import Client, Error, Layout
+
+
+def _config_error(message):
+    """A zeroshard.Error with code INVALID_ARGUMENT."""
+    error = Error(message)
+    error.code = "INVALID_ARGUMENT"
+    return error
+
+
+def init_from_env(**overrides):
+    """The `client_config` of this process, read from its launcher's
+    environment, so that one script runs unchanged under `zsrun` or
+    `torchrun`:
+
+      rank        RANK (torchrun, zsrun), else ZS_RANK
+      world_size  WORLD_SIZE, else ZS_WORLD_SIZE
+      daemons     ZS_DAEMONS: HOST:PORT,HOST:PORT,... (zsrun sets it; under
+                  torchrun export it yourself)
+      job_id      ZS_JOB_ID, else TORCHELASTIC_RUN_ID (torchrun's --rdzv_id)
+                  when it is a valid job id
+
+    The job token is not copied: `Client` reads ZS_JOB_TOKEN itself. Keyword
+    arguments are added to (or replace) what the environment gives, e.g.
+    `init_from_env(replicas=2, rpc_timeout=30.0)`. A variable missing or
+    malformed raises zeroshard.Error (code INVALID_ARGUMENT) naming it."""
+    env = os.environ
+
+    def number(names):
+        for name in names:
+            value = env.get(name)
+            if value is None:
+                continue
+            if not re.fullmatch(r"[0-9]{1,9}", value):
+                raise _config_error(
+                    f"{name}: must be a whole number, got {value[:64]!r}")
+            return int(value)
+        raise _config_error(f"{' or '.join(names)}: not set (run under "
+                            "zsrun or torchrun, or pass it to init_from_env)")
+
+    config = {}
+    if "rank" not in overrides:
+        config["rank"] = number(["RANK", "ZS_RANK"])
+    if "world_size" not in overrides:
+        config["world_size"] = number(["WORLD_SIZE", "ZS_WORLD_SIZE"])
+    if "daemons" not in overrides:
+        daemons = [d for d in env.get("ZS_DAEMONS", "").split(",") if d]
+        if not daemons:
+            raise _config_error(
+                "ZS_DAEMONS: not set (HOST:PORT,... of the job's daemons; "
+                "zsrun sets it)")
+        config["daemons"] = daemons
+    if "job_id" not in overrides:
+        job_id = env.get("ZS_JOB_ID")
+        if not job_id:
+            run_id = env.get("TORCHELASTIC_RUN_ID", "")
+            if re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id) and run_id != "none":
+                job_id = run_id
+        if not job_id:
+            raise _config_error(
+                "ZS_JOB_ID: not set (and no usable TORCHELASTIC_RUN_ID)")
+        config["job_id"] = job_id
+    config.update(overrides)
+    return config
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
