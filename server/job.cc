@@ -414,6 +414,14 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
           "chunk ", i, ".micro_batches: differs from chunk 0's (", mbs, ") in one push"));
     }
   }
+  if (prepared_ && prepared_by_forward_) {
+    // A promoted backup holding its dead primary's forward of a step no copy
+    // committed: the ranks compute the step again, and it is reduced here.
+    reduction_->Reset();
+    prepared_ = false;
+    prepared_by_forward_ = false;
+    ++reduction_changes_;
+  }
   if (prepared_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", config_.job_id, " step ", committed_step() + 1,
@@ -573,6 +581,7 @@ absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step, const st
     prepare_result_.set_loss_scale(loss_scale_);
     prepare_result_.set_backup_in_sync(false);
     prepared_ = true;
+    prepared_by_forward_ = false;
     ++reduction_changes_;
   }
   // The backup is brought along with the gradient frozen (prepared, and
@@ -690,6 +699,7 @@ absl::StatusOr<v1::CommitStepResponse> Job::CommitChecked(const v1::CommitStepRe
   UpdateLossScale(r.skip());
   reduction_->Reset();
   prepared_ = false;
+  prepared_by_forward_ = false;
   ++reduction_changes_;
   last_commit_.response.set_committed_step(r.step());
   last_commit_.response.set_loss_scale(loss_scale_);
@@ -724,6 +734,7 @@ void Job::RestoreTrainingStateLocked(const v1::TrainingState& state) {
   // The open step's contributions belong to the replaced state.
   reduction_->Reset();
   prepared_ = false;
+  prepared_by_forward_ = false;
   ++reduction_changes_;
   loss_scale_ = state.loss_scale();
   good_steps_ = state.good_steps();

@@ -282,6 +282,11 @@ class Job {
   std::unique_ptr<ReductionState> reduction_ ABSL_GUARDED_BY(mu_);
   uint64_t reduction_changes_ ABSL_GUARDED_BY(mu_) = 0;  // wakes pushes waiting for budget
   bool prepared_ ABSL_GUARDED_BY(mu_) = false;
+  // The prepared gradient came from the group's primary (a forward), not
+  // from this copy's own reduction: kept to finish a step another copy
+  // committed, and dropped when the ranks push the step again (the primary
+  // died before any copy committed it).
+  bool prepared_by_forward_ ABSL_GUARDED_BY(mu_) = false;
   v1::PrepareStepResponse prepare_result_ ABSL_GUARDED_BY(mu_);
   LastCommit last_commit_ ABSL_GUARDED_BY(mu_);
   float loss_scale_ ABSL_GUARDED_BY(mu_) = 1.0f;

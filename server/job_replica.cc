@@ -467,6 +467,7 @@ absl::StatusOr<v1::ForwardGradientResponse> Job::AcceptGradient(
               n * sizeof(float));
   prepare_result_ = first.prepared();
   prepared_ = true;
+  prepared_by_forward_ = true;
   ++reduction_changes_;
   v1::ForwardGradientResponse out;
   out.set_elements(n);

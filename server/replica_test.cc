@@ -725,6 +725,48 @@ TEST_F(ReplicaTest, PromoteCountsThePreparedStep) {
   EXPECT_TRUE(SameBits(Masters(*Copy(0, j.id, 0)), Masters(*Copy(1, j.id, 0))));
 }
 
+// The primary died after forwarding step 2 and before any copy committed
+// it: the ranks compute step 2 again and push it to the promoted copy, which
+// drops the forwarded gradient and reduces theirs (the same sum of squares
+// as the forwarded one).
+TEST_F(ReplicaTest, PromotedCopyTakesTheStepPushedAgain) {
+  const TestJob j = SyncedJob("repushed");
+  const std::vector<std::vector<float>> grads = Grads(j.total(), 2);
+  const FlatRange r = j.Range(0);
+  auto push_all = [&](DaemonClient& t) {
+    for (uint32_t rank = 0; rank < kWorld; ++rank) {
+      grpc::Status s =
+          t.Push(GradientChunks(j.id, 2, rank, j.config.map, r, grads[rank].data() + r.begin, 333));
+      if (!s.ok()) return s;
+    }
+    return grpc::Status::OK;
+  };
+  ASSERT_TRUE(push_all(Target(0, 0, 1)).ok());
+  v1::PrepareStepResponse p;
+  ASSERT_TRUE(Target(0, 0, 1).Prepare(j.id, 2, &p).ok());
+  ASSERT_TRUE(p.backup_in_sync());
+  ASSERT_TRUE(Replica(1).Promote(j.id, 0, 2, 1).ok());
+  ASSERT_TRUE(Target(1, 0, 2).JoinAll(j.spec).ok());
+  // The ranks join the promoted copy and push the same gradients again.
+  grpc::Status pushed = push_all(Target(1, 0, 2));
+  ASSERT_TRUE(pushed.ok()) << pushed.error_message();
+  v1::ReplicaGroupState state;
+  Copy(1, j.id, 0)->FillReplicaState(&state);
+  EXPECT_FALSE(state.prepared()) << state.ShortDebugString();
+  v1::PrepareStepResponse again;
+  ASSERT_TRUE(Target(1, 0, 2).Prepare(j.id, 2, &again).ok());
+  EXPECT_EQ(again.grad_sq_sum(), p.grad_sq_sum());
+  // The promoted copy's PrepareStep copied its state to the old primary
+  // (now its backup at epoch 2) and forwarded its own reduction; the commit
+  // goes to both.
+  EXPECT_TRUE(again.backup_in_sync());
+  ASSERT_TRUE(Target(1, 0, 2).Commit(j.id, 2, kLr, 1.0f).ok());
+  EXPECT_EQ(Copy(1, j.id, 0)->committed_step(), 2u);
+  EXPECT_EQ(Copy(0, j.id, 0)->committed_step(), 2u);
+  EXPECT_EQ(Copy(0, j.id, 0)->role(), ReplicaRole::kBackup);
+  EXPECT_TRUE(SameBits(Masters(*Copy(0, j.id, 0)), Masters(*Copy(1, j.id, 0))));
+}
+
 // ---- 3. Bad input to every Replica RPC ----
 
 TEST_F(ReplicaTest, AuthAndUnknownNamesChangeNothing) {
