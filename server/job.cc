@@ -56,11 +56,6 @@ Job::~Job() {
     absl::MutexLock lock(&mu_);
     reduction_.reset();  // releases its buffer booking before grad_ goes
   }
-  absl::MutexLock commit_lock(&commit_mu_);
-  if (!forward_buffer_.empty()) {
-    resources_.ledger->Release(config_.job_id, MemoryCategory::kBuffer,
-                               forward_buffer_.size() * sizeof(float));
-  }
 }
 
 absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec spec,

@@ -319,7 +319,7 @@ class Job {
   bool in_sync_ ABSL_GUARDED_BY(replica_mu_) = false;
   // Backup: where a forward's chunks land until all are in (booked as
   // buffer on first use, released with the job).
-  std::vector<float> forward_buffer_ ABSL_GUARDED_BY(commit_mu_);
+  LedgerArray<float> forward_buffer_ ABSL_GUARDED_BY(commit_mu_);
   // Primary out of sync: the next attempt to bring the backup along.
   absl::Time next_resync_ ABSL_GUARDED_BY(replica_mu_) = absl::InfinitePast();
 };

@@ -323,14 +323,10 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
     arrays = shard_->checkpoint_arrays();
   }
   // Held, booked as buffer, until every chunk is in.
-  const uint64_t held_bytes = arrays * n * sizeof(float);
-  RETURN_IF_ERROR(resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer, held_bytes));
-  struct Unbook {
-    MemoryLedger* ledger;
-    const std::string& job;
-    uint64_t bytes;
-    ~Unbook() { ledger->Release(job, MemoryCategory::kBuffer, bytes); }
-  } unbook{resources_.ledger, config_.job_id, held_bytes};
+  CategoryBytes held_bytes{};
+  held_bytes[static_cast<int>(MemoryCategory::kBuffer)] = arrays * n * sizeof(float);
+  ASSIGN_OR_RETURN(const LedgerReservation booking,
+                   LedgerReservation::Create(resources_.ledger, config_.job_id, held_bytes));
   // Not zero-filled: every element is written by a chunk before it is read.
   std::vector<std::unique_ptr<float[]>> held;
   for (size_t a = 0; a < arrays; ++a) held.emplace_back(new float[n]);
@@ -422,9 +418,8 @@ absl::StatusOr<v1::ForwardGradientResponse> Job::AcceptGradient(
   // forward is in and checked.
   const uint64_t n = owned_unpadded_.size();
   if (forward_buffer_.size() != n) {
-    RETURN_IF_ERROR(
-        resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer, n * sizeof(float)));
-    forward_buffer_.resize(n);
+    ASSIGN_OR_RETURN(forward_buffer_, LedgerArray<float>::Create(resources_.ledger, config_.job_id,
+                                                                 MemoryCategory::kBuffer, n));
   }
   v1::ForwardedGradientChunk chunk = first;
   uint64_t pos = owned_unpadded_.begin;
