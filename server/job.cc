@@ -450,7 +450,7 @@ absl::Status Job::ApplyPush(const std::vector<Contribution>& batch, uint32_t mic
       if (absl::Status s = resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer,
                                                       pending + bookkeeping);
           s.ok()) {
-        *elements = reduction_->Apply(batch, micro_batches, pending, bookkeeping);
+        *elements = reduction_->Apply(batch, micro_batches, pending, bookkeeping, GradScale());
         ++reduction_changes_;
         return absl::OkStatus();
       } else if (reduction_->pending_bytes() == 0) {
@@ -540,8 +540,6 @@ absl::Status Job::Gather(uint64_t after_step, const FlatRange& range, DType dtyp
 
 absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step, const std::string& token) {
   absl::MutexLock commit_lock(&commit_mu_);
-  const float* grad = nullptr;
-  float scale = 1.0f;
   {
     absl::MutexLock lock(&mu_);
     if (step != committed_step() + 1) {
@@ -560,16 +558,8 @@ absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step, const st
                                                         ": gradients incomplete: ",
                                                         reduction_->DescribeIncomplete()));
     }
-    grad = reduction_->grad();
-    scale = 1.0f / (static_cast<float>(config_.world_size) * loss_scale_);
-  }
-  // The gradient is complete, so no push changes it; commit_mu_ keeps any
-  // commit out. The sweep runs without the reduction lock.
-  const uint64_t off = owned_unpadded_.begin - owned_.begin;
-  const GradStats r =
-      resources_.optimizer->SumSquaresAndFinite(grad + off, owned_unpadded_.size(), scale);
-  {
-    absl::MutexLock lock(&mu_);
+    // Each range's norm was taken in the pass of its last contribution.
+    const GradStats r = reduction_->GradStatsOfStep();
     prepare_result_.set_grad_sq_sum(r.sum_sq);
     prepare_result_.set_found_inf_nan(r.found_inf_nan);
     prepare_result_.set_elements(owned_unpadded_.size());

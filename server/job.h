@@ -237,6 +237,11 @@ class Job {
   static absl::StatusOr<float> CheckCommitFields(const v1::CommitStepRequest& r,
                                                  absl::string_view prefix);
   void UpdateLossScale(bool skipped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // 1 / (N_d * loss scale): what the summed gradient is multiplied by before
+  // its norm is taken and the optimizer steps.
+  float GradScale() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return 1.0f / (static_cast<float>(config_.world_size) * loss_scale_);
+  }
   absl::Status CheckpointsEnabled() const;
   // The committed scalars, and putting them back (checkpoints, transfers).
   v1::TrainingState TrainingStateLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

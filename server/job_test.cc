@@ -32,10 +32,12 @@ std::unique_ptr<Daemon> Start(uint64_t reduction_buffer_bytes = 256ull << 20) {
 }
 
 // Prepares and commits step 1 of job "job" as its leader, then gathers its
-// `n` parameters into *params.
-void CommitFirstStep(DaemonClient& c, uint64_t n, std::vector<float>* params) {
+// `n` parameters into *params (and the prepare result into *prepared).
+void CommitFirstStep(DaemonClient& c, uint64_t n, std::vector<float>* params,
+                     v1::PrepareStepResponse* prepared = nullptr) {
   v1::PrepareStepResponse p;
   ASSERT_TRUE(c.Prepare("job", 1, &p).ok());
+  if (prepared != nullptr) *prepared = p;
   ASSERT_TRUE(c.Commit("job", 1, 0.01f).ok());
   ASSERT_TRUE(c.Gather("job", 1, {0, n}, params).ok());
 }
@@ -81,6 +83,8 @@ TEST(JobTest, OutOfOrderBufferIsBoundedAndExact) {
   constexpr uint32_t kWorld = 4;
   const Layout layout = SampleLayout();
   std::vector<float> in_order, out_of_order;
+  v1::PrepareStepResponse prepared[2];
+  double expected_sq_sum = 0;
   for (int pass = 0; pass < 2; ++pass) {
     const uint64_t budget = 16 << 10;  // a few chunks of fp32
     std::unique_ptr<Daemon> d = Start(budget);
@@ -124,9 +128,25 @@ TEST(JobTest, OutOfOrderBufferIsBoundedAndExact) {
     // holds it (every rank's whole gradient, 256 bytes counted per chunk).
     const uint64_t streams = kWorld * (n * sizeof(float) + (n / 512 + kWorld) * 256);
     EXPECT_LE(peak, budget + streams);
-    ASSERT_NO_FATAL_FAILURE(CommitFirstStep(c, n, pass == 0 ? &in_order : &out_of_order));
+    ASSERT_NO_FATAL_FAILURE(
+        CommitFirstStep(c, n, pass == 0 ? &in_order : &out_of_order, &prepared[pass]));
+    if (pass == 0) {
+      // The norm of the mean gradient, computed here the plain way.
+      for (uint64_t i = 0; i < n; ++i) {
+        float sum = 0;
+        for (uint32_t r = 0; r < kWorld; ++r) sum += grads[r][i];
+        const double x = sum * (1.0f / kWorld);
+        expected_sq_sum += x * x;
+      }
+    }
   }
   ExpectSameBits(in_order, out_of_order);
+  // The squared norm is taken in each range's last contribution pass, in
+  // whichever order the contributions came: the same bits either way.
+  EXPECT_NEAR(prepared[0].grad_sq_sum(), expected_sq_sum, expected_sq_sum * 1e-9);
+  const double a = prepared[0].grad_sq_sum(), b = prepared[1].grad_sq_sum();
+  EXPECT_EQ(0, std::memcmp(&a, &b, sizeof(double))) << a << " vs " << b;
+  EXPECT_FALSE(prepared[1].found_inf_nan());
 }
 
 // A rank's process dies in the middle of a step and a new one replays it:

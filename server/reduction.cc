@@ -143,7 +143,8 @@ bool ReductionState::Admit(uint64_t pending_bytes) const {
 }
 
 uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
-                               uint64_t reserved_pending, uint64_t reserved_bookkeeping) {
+                               uint64_t reserved_pending, uint64_t reserved_bookkeeping,
+                               float grad_scale) {
   micro_batches_ = micro_batches;
   pending_bytes_ += reserved_pending;          // booked; trimmed to what stays buffered below
   bookkeeping_bytes_ += reserved_bookkeeping;  // likewise
@@ -167,17 +168,15 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       ++pending_entries_;
       continue;
     }
-    Accumulate(c.range.begin, order, c.payload.data(), c.dtype, n);
+    Accumulate(c.range.begin, key, c.payload.data(), c.dtype, grad_scale);
     key.crcs.push_back(c.crc32c);
-    ++key.next_order;
     ++applied_;
     for (auto p = key.pending.find(key.next_order); p != key.pending.end();
          p = key.pending.find(key.next_order)) {
-      Accumulate(c.range.begin, key.next_order, p->second.bytes.data(), p->second.dtype, n);
+      Accumulate(c.range.begin, key, p->second.bytes.data(), p->second.dtype, grad_scale);
       key.crcs.push_back(p->second.crc32c);
       buffered_bytes_ -= p->second.bytes.size();
       key.pending.erase(p);
-      ++key.next_order;
       --pending_entries_;
       ++applied_;
     }
@@ -198,15 +197,30 @@ void ReductionState::ReleaseUnheld() {
   }
 }
 
-void ReductionState::Accumulate(uint64_t begin, uint32_t order, const void* src, DType type,
-                                size_t n) {
+void ReductionState::Accumulate(uint64_t begin, Key& key, const void* src, DType type,
+                                float grad_scale) {
   float* dst = grad_ + (begin - options_.owned.begin);
+  const size_t n = key.end - begin;
   // Contribution 0 overwrites: the buffer holds the previous step's sum.
-  if (order == 0) {
+  const bool first = key.next_order == 0;
+  if (++key.next_order == Expected(micro_batches_)) {
+    // The last one: its pass takes the range's norm too, block by block.
+    const ShardOptimizer::Source source{src, type};
+    key.stats = optimizer_->SumContributions(dst, {&source, 1}, n, first, &grad_scale);
+  } else if (first) {
     optimizer_->ConvertIn(dst, src, type, n);
   } else {
     optimizer_->Accumulate(dst, src, type, n);
   }
+}
+
+GradStats ReductionState::GradStatsOfStep() const {
+  GradStats total;
+  for (const auto& [b, k] : keys_) {
+    total.sum_sq += k.stats.sum_sq;
+    total.found_inf_nan = total.found_inf_nan || k.stats.found_inf_nan;
+  }
+  return total;
 }
 
 uint64_t ReductionState::CompleteElements() const {

@@ -89,14 +89,23 @@ class ReductionState {
   // in between). The caller has booked Check's `pending_bytes` and
   // `bookkeeping_bytes` in the ledger (category buffer) and passes them as
   // `reserved_pending` and `reserved_bookkeeping`; the state owns that
-  // booking from now on and gives back what it does not hold. Returns the
-  // elements applied.
+  // booking from now on and gives back what it does not hold. The pass that
+  // adds a range's last contribution also takes the range's squared norm,
+  // every element scaled by `grad_scale` (the step's 1 / (N_d * loss
+  // scale), the same for every call of a step), for GradStatsOfStep.
+  // Returns the elements applied.
   uint64_t Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
-                 uint64_t reserved_pending, uint64_t reserved_bookkeeping);
+                 uint64_t reserved_pending, uint64_t reserved_bookkeeping, float grad_scale);
 
   // Owned unpadded elements whose every contribution is in.
   uint64_t CompleteElements() const;
   bool Complete() const { return CompleteElements() == options_.owned_unpadded.size(); }
+  // Once Complete(): the summed gradient's squared norm (scaled by Apply's
+  // `grad_scale`) and whether it holds an inf or NaN, from the ranges' sums
+  // taken in the pass of their last contribution, added in flat order: no
+  // separate pass over the gradient, and the same bits whatever order the
+  // contributions came in (for a given cut into chunks).
+  GradStats GradStatsOfStep() const;
   // The first `max` ranges still waiting, in flat order; an owned stretch
   // nobody pushed yet is reported as waiting for rank 0 with 0 contributions.
   std::vector<MissingRange> Missing(size_t max) const;
@@ -132,6 +141,7 @@ class ReductionState {
     uint32_t next_order = 0;     // contributions applied so far, in order
     std::vector<uint32_t> crcs;  // of the applied ones, by order
     std::map<uint32_t, Pending> pending;  // arrived ahead of their turn
+    GradStats stats;  // of the summed range, set by its last contribution
   };
 
   // What the bookkeeping is charged, generously: a key (a map node holding
@@ -150,7 +160,9 @@ class ReductionState {
   uint32_t Expected(uint32_t micro_batches) const;
   absl::Status CheckOne(const Contribution& c, size_t index, uint32_t order,
                         const std::map<uint64_t, uint64_t>& new_keys) const;
-  void Accumulate(uint64_t begin, uint32_t order, const void* src, DType type, size_t n);
+  // Adds contribution number key.next_order of the range starting at
+  // `begin` and advances next_order; the last one also sets key.stats.
+  void Accumulate(uint64_t begin, Key& key, const void* src, DType type, float grad_scale);
 
   const Options options_;
   float* const grad_;

@@ -423,8 +423,7 @@ void ShardOptimizer::ConvertOut(void* dst, DType dst_type, const float* src,
 
 GradStats ShardOptimizer::SumSquaresAndFinite(const float* g, size_t n,
                                               float scale) {
-  GradStats stats;
-  if (n == 0) return stats;
+  if (n == 0) return GradStats();
   const size_t blocks = NumBlocks(n);
   const auto fn = kernels_->sum_squares;
   absl::MutexLock lock(&call_mu_);
@@ -433,6 +432,33 @@ GradStats ShardOptimizer::SumSquaresAndFinite(const float* g, size_t n,
   ForEachBlock(n, [&](size_t block, size_t begin, size_t end) {
     sums[block] = fn(g + begin, end - begin, scale);
   });
+  return AddBlockSums(sums, blocks);
+}
+
+GradStats ShardOptimizer::SumContributions(float* dst, absl::Span<const Source> srcs, size_t n,
+                                           bool overwrite, const float* norm_scale) {
+  if (n == 0) return GradStats();
+  const size_t blocks = NumBlocks(n);
+  const auto sum_squares = kernels_->sum_squares;
+  absl::MutexLock lock(&call_mu_);
+  if (norm_scale != nullptr && block_sums_.size() < blocks) block_sums_.resize(blocks);
+  double* sums = block_sums_.data();
+  ForEachBlock(n, [&](size_t block, size_t begin, size_t end) {
+    for (size_t k = 0; k < srcs.size(); ++k) {
+      const Source& src = srcs[k];
+      // Plain stores: the block is read again at once, so it should stay cached.
+      const auto fn = overwrite && k == 0 ? kernels_->convert_in[CopyIndex(src.type)][0]
+                                          : kernels_->accumulate[CopyIndex(src.type)];
+      fn(dst + begin, static_cast<const char*>(src.data) + begin * DTypeSize(src.type),
+         end - begin);
+    }
+    if (norm_scale != nullptr) sums[block] = sum_squares(dst + begin, end - begin, *norm_scale);
+  });
+  return norm_scale != nullptr ? AddBlockSums(sums, blocks) : GradStats();
+}
+
+GradStats ShardOptimizer::AddBlockSums(const double* sums, size_t blocks) {
+  GradStats stats;
   double total = 0.0;
   for (size_t b = 0; b < blocks; ++b) total += sums[b];
   stats.sum_sq = total;

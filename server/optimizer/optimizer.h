@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "common/dtype.h"
 #include "common/job_spec.h"
 
@@ -108,7 +109,8 @@ struct GradStats {
 // kBlockElems elements (each block's streams fit in L2), threads take blocks
 // in turn and stream through them, and the call blocks until every block is
 // done; ranges of one block or less run on the calling thread alone. Nothing
-// is allocated per call, except that SumSquaresAndFinite grows a scratch
+// is allocated per call, except that SumSquaresAndFinite and
+// SumContributions grow a scratch
 // array of one double per block to the largest range it has seen.
 //
 // Thread-safe: calls from several threads are run one at a time (an internal
@@ -171,6 +173,24 @@ class ShardOptimizer {
   // neither num_threads nor the kernel path. Blocks.
   GradStats SumSquaresAndFinite(const float* g, size_t n, float scale);
 
+  // One contribution to SumContributions: n elements of `type` at `data`.
+  struct Source {
+    const void* data = nullptr;
+    DType type = DType::kFp32;
+  };
+
+  // Adds the sources to dst in their order (with `overwrite`, the first
+  // replaces dst instead: ConvertIn), one block at a time, so each block of
+  // dst stays in the cache while every source is added to it: dst crosses
+  // memory once however many sources there are. With `norm_scale`, also
+  // returns SumSquaresAndFinite(dst, n, *norm_scale) of the result, taken in
+  // the same pass. dst and the result are bit for bit those of the
+  // one-source calls in the same order. Blocks. Requires non-null,
+  // non-overlapping buffers when n > 0; srcs may be empty only without
+  // `overwrite`.
+  GradStats SumContributions(float* dst, absl::Span<const Source> srcs, size_t n,
+                             bool overwrite, const float* norm_scale);
+
   KernelPath path() const { return path_; }
   int num_threads() const { return num_threads_; }
 
@@ -185,6 +205,8 @@ class ShardOptimizer {
   template <typename Task>
   void ForEachBlock(size_t n, const Task& task)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
+  // Adds per-block sums of squares in block order.
+  static GradStats AddBlockSums(const double* sums, size_t blocks);
 
   const KernelPath path_;
   const optimizer_internal::KernelSet* const kernels_;

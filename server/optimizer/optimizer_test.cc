@@ -409,6 +409,65 @@ TEST(SumSquaresTest, IndependentOfThreadsAndPath) {
   }
 }
 
+// Several contributions added block by block, with the norm in the same
+// pass, give the bits of one Accumulate (or ConvertIn) per contribution
+// followed by SumSquaresAndFinite.
+TEST(SumSquaresTest, SumContributionsEqualsOneCallPerContribution) {
+  const size_t n = 3 * kBlock + 77;
+  std::vector<float> base(n);
+  FillNormal(base.data(), n, 11, 1.0f, false);
+  std::vector<std::vector<float>> src32(3, std::vector<float>(n));
+  std::vector<std::vector<uint16_t>> src16(3, std::vector<uint16_t>(n));
+  for (int k = 0; k < 3; ++k) {
+    FillNormal(src32[k].data(), n, 12 + k, 2.0f, false);
+    for (size_t i = 0; i < n; ++i) src16[k][i] = FloatToBf16(src32[k][i]);
+  }
+  for (KernelPath path : {KernelPath::kScalar, KernelPath::kAvx2, KernelPath::kAvx512}) {
+    if (!KernelPathSupported(path)) continue;
+    for (bool overwrite : {false, true}) {
+      for (size_t count : {size_t{1}, size_t{3}}) {
+        SCOPED_TRACE(absl::StrCat(KernelPathName(path), overwrite ? " overwrite " : " add ",
+                                  count, " sources"));
+        // Mixed types: fp32, bf16, fp32.
+        std::vector<ShardOptimizer::Source> srcs;
+        for (size_t k = 0; k < count; ++k) {
+          if (k % 2 == 0) {
+            srcs.push_back({src32[k].data(), DType::kFp32});
+          } else {
+            srcs.push_back({src16[k].data(), DType::kBf16});
+          }
+        }
+        auto opt = MakeOptimizer(path, 2);
+        std::vector<float> want = base;
+        for (size_t k = 0; k < count; ++k) {
+          if (overwrite && k == 0) {
+            opt->ConvertIn(want.data(), srcs[k].data, srcs[k].type, n);
+          } else {
+            opt->Accumulate(want.data(), srcs[k].data, srcs[k].type, n);
+          }
+        }
+        const GradStats want_stats = opt->SumSquaresAndFinite(want.data(), n, 0.5f);
+        const float scale = 0.5f;
+        std::vector<float> got = base;
+        const GradStats got_stats = opt->SumContributions(got.data(), srcs, n, overwrite, &scale);
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0);
+        EXPECT_EQ(std::memcmp(&got_stats.sum_sq, &want_stats.sum_sq, sizeof(double)), 0)
+            << got_stats.sum_sq << " vs " << want_stats.sum_sq;
+        EXPECT_FALSE(got_stats.found_inf_nan);
+        got = base;  // without the norm: the same sum
+        opt->SumContributions(got.data(), srcs, n, overwrite, nullptr);
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0);
+        // An inf arriving in the last contribution is found.
+        std::vector<float> bad = src32[0];
+        bad[kBlock + 1] = std::numeric_limits<float>::infinity();
+        srcs.back() = {bad.data(), DType::kFp32};
+        got = base;
+        EXPECT_TRUE(opt->SumContributions(got.data(), srcs, n, overwrite, &scale).found_inf_nan);
+      }
+    }
+  }
+}
+
 TEST(SumSquaresTest, DetectsInfAndNan) {
   const size_t n = 2 * kBlock + 9;
   std::vector<float> g(n);
