@@ -141,7 +141,7 @@ class ReductionState {
     uint32_t next_order = 0;     // contributions applied so far, in order
     std::vector<uint32_t> crcs;  // of the applied ones, by order
     std::map<uint32_t, Pending> pending;  // arrived ahead of their turn
-    GradStats stats;  // of the summed range, set by its last contribution
+    GradStats stats;                      // of the summed range, set by its last contribution
   };
 
   // What the bookkeeping is charged, generously: a key (a map node holding

@@ -188,8 +188,8 @@ class ShardOptimizer {
   // one-source calls in the same order. Blocks. Requires non-null,
   // non-overlapping buffers when n > 0; srcs may be empty only without
   // `overwrite`.
-  GradStats SumContributions(float* dst, absl::Span<const Source> srcs, size_t n,
-                             bool overwrite, const float* norm_scale);
+  GradStats SumContributions(float* dst, absl::Span<const Source> srcs, size_t n, bool overwrite,
+                             const float* norm_scale);
 
   KernelPath path() const { return path_; }
   int num_threads() const { return num_threads_; }

@@ -426,8 +426,8 @@ TEST(SumSquaresTest, SumContributionsEqualsOneCallPerContribution) {
     if (!KernelPathSupported(path)) continue;
     for (bool overwrite : {false, true}) {
       for (size_t count : {size_t{1}, size_t{3}}) {
-        SCOPED_TRACE(absl::StrCat(KernelPathName(path), overwrite ? " overwrite " : " add ",
-                                  count, " sources"));
+        SCOPED_TRACE(absl::StrCat(KernelPathName(path), overwrite ? " overwrite " : " add ", count,
+                                  " sources"));
         // Mixed types: fp32, bf16, fp32.
         std::vector<ShardOptimizer::Source> srcs;
         for (size_t k = 0; k < count; ++k) {
