@@ -15,6 +15,7 @@ PACKAGES=(
   libucx-dev ucx-utils libcivetweb-dev liburing-dev libssl-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   libtorch-dev python3-torch python3-numpy pybind11-dev python3-pytest
+  python3-pip python3-venv python3-yaml
   prometheus curl iproute2 chromium libgloo-dev
 )
 

@@ -7,6 +7,9 @@ parameters too, gathered layer by layer).
 Failures raise `Error` (a RuntimeError) whose `.code` names the status code.
 """
 
+# The project's version; //python:wheel names the wheel after it.
+__version__ = "0.1.0"
+
 from zeroshard._zeroshard import Client, Error, Layout
 
 __all__ = ["Client", "Error", "Layout"]
