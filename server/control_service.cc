@@ -130,8 +130,9 @@ grpc::Status ControlService::Drain(grpc::ServerContext* call, const v1::DrainReq
                                    v1::DrainResponse* resp) {
   if (absl::Status s = ctx_->RequireAdmin(*call); !s.ok()) return ctx_->Done(__func__, s);
   ctx_->draining = true;
-  if (grpc::HealthCheckServiceInterface* health = ctx_->health.load()) {
-    health->SetServingStatus(false);
+  for (grpc::HealthCheckServiceInterface* health :
+       {ctx_->health.load(), ctx_->probe_health.load()}) {
+    if (health != nullptr) health->SetServingStatus(false);
   }
   resp->set_jobs(static_cast<uint32_t>(ctx_->jobs->size()));
   Log("draining: new jobs are refused");

@@ -230,16 +230,35 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   d->address_ = options.listen.substr(0, options.listen.rfind(':') + 1) + std::to_string(d->port_);
   ctx.health = d->server_->GetHealthCheckService();
+  if (!options.health_listen.empty()) {
+    // Plaintext on purpose: it carries only the serving status.
+    grpc::ServerBuilder probe_builder;
+    probe_builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
+                                   &d->health_port_);
+    d->health_server_ = probe_builder.BuildAndStart();
+    if (d->health_server_ == nullptr || d->health_port_ == 0) {
+      return absl::UnavailableError(absl::StrCat("--health_listen: cannot bind ",
+                                                 options.health_listen, " (in use or not local?)"));
+    }
+    ctx.probe_health = d->health_server_->GetHealthCheckService();
+  }
   return d;
 }
 
 void Daemon::Shutdown(absl::Duration grace) {
   if (shut_down_.exchange(true)) return;
+  // The health-only server says NOT_SERVING while the main one drains, and
+  // stops with it.
+  if (grpc::HealthCheckServiceInterface* probe =
+          context_ ? context_->probe_health.load() : nullptr) {
+    probe->SetServingStatus(false);
+  }
   if (server_ != nullptr) {
     context_->draining = true;
     server_->Shutdown(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(absl::ToInt64Milliseconds(grace)));
   }
+  if (health_server_ != nullptr) health_server_->Shutdown(std::chrono::system_clock::now());
   if (http_ != nullptr) http_->Stop();
 }
 

@@ -33,6 +33,12 @@ struct DaemonOptions {
   std::string version = "dev";
   // HOST:PORT of the Prometheus /metrics endpoint; empty = off; port 0 picks.
   std::string metrics_listen;
+  // HOST:PORT of a second gRPC server, always plaintext, that serves only
+  // grpc.health.v1.Health (SERVING until Drain or Shutdown, like the main
+  // server's): for probes that cannot present a client certificate, such as
+  // the kubelet's gRPC probe against a daemon serving mutual TLS. It answers
+  // nothing but the serving status. Empty = none; port 0 picks.
+  std::string health_listen;
   // The bulk transport served to trainers ("ucx", "grpc" or "inproc"; empty:
   // none, only the streaming RPCs): created at start (a failure is logged and
   // leaves the streaming path only), job parameters and staging regions are
@@ -109,6 +115,8 @@ class Daemon {
   int port() const { return port_; }
   // The bound /metrics port, or 0 when metrics are off.
   int metrics_port() const;
+  // The bound health-only port (DaemonOptions::health_listen), or 0.
+  int health_port() const { return health_port_; }
   const std::string& address() const { return address_; }
 
   // Stops accepting RPCs and waits up to `grace` for those in flight, then
@@ -151,7 +159,9 @@ class Daemon {
   std::unique_ptr<ReplicaService> replica_;
   std::unique_ptr<metrics::MetricsHttpServer> http_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;  // null: no health_listen
   int port_ = 0;
+  int health_port_ = 0;
   std::string address_;
   std::atomic<bool> shut_down_{false};
 };

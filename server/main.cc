@@ -25,6 +25,11 @@ ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT of the /metrics endpoint, e.g. 0.0.0.0:9464 for a Prometheus on another "
           "machine; overrides --metrics_port. /metrics needs no credentials: see "
           "docs/security.md for what it reveals.");
+ABSL_FLAG(std::string, health_listen, "",
+          "HOST:PORT of a plaintext gRPC server with grpc.health.v1.Health only (SERVING until "
+          "drained), for probes that cannot present a client certificate, such as a Kubernetes "
+          "gRPC probe against a daemon serving mutual TLS; it reveals only the serving status. "
+          "Empty: none.");
 ABSL_FLAG(std::string, memory_limit, "auto",
           "Bytes this daemon may hold for all jobs: a number of bytes (suffixes K, M, G, T "
           "for powers of 1024), \"auto\" for 90% of what the machine or this process's cgroup "
@@ -113,6 +118,7 @@ int main(int argc, char** argv) {
   options.spill_dir = absl::GetFlag(FLAGS_spill_dir);
   options.spill_bytes = absl::GetFlag(FLAGS_spill_bytes);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.health_listen = absl::GetFlag(FLAGS_health_listen);
   if (options.metrics_listen.empty() && absl::GetFlag(FLAGS_metrics_port) >= 0) {
     options.metrics_listen = absl::StrCat("127.0.0.1:", absl::GetFlag(FLAGS_metrics_port));
   }
@@ -130,6 +136,9 @@ int main(int argc, char** argv) {
   std::printf("zeroshardd optimizer threads %d\n", options.optimizer_threads);
   if ((*daemon)->metrics_port() != 0) {
     std::printf("zeroshardd metrics on port %d\n", (*daemon)->metrics_port());
+  }
+  if ((*daemon)->health_port() != 0) {
+    std::printf("zeroshardd health checks (plaintext) on port %d\n", (*daemon)->health_port());
   }
   std::fflush(stdout);
   // A file-size limit makes writes past it fail (EFBIG: a checkpoint save

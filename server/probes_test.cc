@@ -7,6 +7,7 @@
 #include <set>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/channel.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -60,6 +61,51 @@ TEST(ProbesTest, HealthIsServingUntilDrain) {
   ASSERT_TRUE(admin.control->Drain(&ctx, v1::DrainRequest(), &drained).ok());
   EXPECT_EQ(Check(d->address(), &status), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   ASSERT_TRUE(status.ok()) << status.error_message();
+}
+
+// DaemonOptions::health_listen: a plaintext server with the health service
+// only, SERVING until Drain like the main one; nothing else is served there.
+TEST(ProbesTest, HealthOnlyListenerFollowsTheDaemon) {
+  DaemonOptions o;
+  o.admin_token = kAdminToken;
+  o.health_listen = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<Daemon>> started = Daemon::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Daemon> d = *std::move(started);
+  ASSERT_NE(d->health_port(), 0);
+  const std::string probe = absl::StrCat("127.0.0.1:", d->health_port());
+  grpc::Status status;
+  EXPECT_EQ(Check(probe, &status), grpc::health::v1::HealthCheckResponse::SERVING);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+
+  // The zeroshard services are not there.
+  testing::DaemonClient on_probe(probe, kAdminToken);
+  grpc::ClientContext status_ctx;
+  SetDeadline(&status_ctx);
+  v1::StatusResponse unused;
+  EXPECT_EQ(on_probe.admin->Status(&status_ctx, v1::StatusRequest(), &unused).error_code(),
+            grpc::UNIMPLEMENTED);
+
+  testing::DaemonClient admin(d->address(), kAdminToken);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::DrainResponse drained;
+  ASSERT_TRUE(admin.control->Drain(&ctx, v1::DrainRequest(), &drained).ok());
+  EXPECT_EQ(Check(probe, &status), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+
+  d->Shutdown(absl::Milliseconds(100));
+  Check(probe, &status);
+  EXPECT_FALSE(status.ok()) << "the health-only server stops with the daemon";
+}
+
+// A health_listen that cannot be bound fails the start, naming the option.
+TEST(ProbesTest, HealthListenThatCannotBindFailsTheStart) {
+  DaemonOptions o;
+  o.health_listen = "192.0.2.1:1";  // TEST-NET-1: not an address of this host
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().message().find("--health_listen"), std::string::npos) << d.status();
 }
 
 // One list_services exchange over a generic bidi call.

@@ -53,6 +53,8 @@ struct ServiceContext {
   // gRPC's health service of this daemon's server (set once it is built;
   // null before): Drain sets it NOT_SERVING.
   std::atomic<grpc::HealthCheckServiceInterface*> health{nullptr};
+  // The same for the health-only server (DaemonOptions::health_listen), or null.
+  std::atomic<grpc::HealthCheckServiceInterface*> probe_health{nullptr};
   // The admin token's digest; nullopt: no caller has admin authority.
   std::optional<TokenDigest> admin;
 
