@@ -14,6 +14,8 @@ namespace {
 
 // Renders between two measurements closer than this keep the last rate.
 constexpr absl::Duration kMinRateWindow = absl::Seconds(1);
+// Ranks listed per job at most (the page stays small for a large N_d).
+constexpr size_t kMaxRanksShown = 64;
 
 constexpr char kStyle[] =
     "body{font:14px/1.4 sans-serif;margin:16px 24px;color:#222;background:#fff}"
@@ -25,7 +27,8 @@ constexpr char kStyle[] =
     "td.track{width:360px;padding:3px 0}"
     "div.bar{height:12px;background:#4a78c8;min-width:1px}"
     "div.bar.sum{background:#2e4f8a}div.bar.formula{background:#d98c1f}"
-    "tr.sum td{font-weight:bold}p.note{color:#555;font-size:12px;max-width:900px}";
+    "tr.sum td{font-weight:bold}p.note{color:#555;font-size:12px;max-width:900px}"
+    "tr.silent td{color:#b00020}";
 
 // The paper's per-rank model-state formula of `stage` (README's table).
 const char* PaperFormula(uint32_t stage) {
@@ -56,6 +59,8 @@ struct JobView {
   uint64_t formula_bytes = 0;  // the paper's partitioned terms for the owned elements
   double k = kAdamK;
   CategoryBytes bytes{};
+  std::vector<v1::RankState> ranks;  // the first kMaxRanksShown
+  size_t ranks_not_shown = 0;
 };
 
 std::string Bytes(uint64_t bytes) {
@@ -69,6 +74,34 @@ std::string Bar(uint64_t bytes, uint64_t scale, const char* extra_class) {
   return absl::StrFormat(
       "<td class=\"track\"><div class=\"bar%s\" style=\"width:%.1f%%\"></div></td>", extra_class,
       percent);
+}
+
+// Each rank as this daemon last heard from it (heartbeats and pushes).
+void AppendRanks(const JobView& j, std::string* out) {
+  absl::StrAppend(out, "<h2>Ranks of job ", HtmlEscape(j.id),
+                  "</h2>\n<table class=\"ranks\" id=\"ranks-", HtmlEscape(j.id),
+                  "\">\n<tr><th>rank</th><th>state</th><th>incarnation</th>"
+                  "<th>last heard</th><th>last step pushed</th></tr>\n");
+  for (const v1::RankState& r : j.ranks) {
+    const char* state = r.connected()          ? "connected"
+                        : r.joined()           ? "silent (past --rank_timeout)"
+                        : r.incarnation() == 0 ? "not joined"
+                                               : "left";
+    const bool silent = r.joined() && !r.connected();
+    absl::StrAppend(
+        out, "<tr", silent ? " class=\"silent\"" : "", "><td class=\"n\">", r.rank(), "</td><td>",
+        state, "</td><td class=\"n\">", r.incarnation(), "</td><td class=\"n\">",
+        r.seconds_since_heard() < 0 ? std::string("never")
+                                    : absl::StrFormat("%.1f s ago", r.seconds_since_heard()),
+        "</td><td class=\"n\">",
+        r.last_step_pushed() == 0 ? std::string("\u2013") : absl::StrCat(r.last_step_pushed()),
+        "</td></tr>\n");
+  }
+  absl::StrAppend(out, "</table>\n");
+  if (j.ranks_not_shown > 0) {
+    absl::StrAppend(out, "<p class=\"note\">", j.ranks_not_shown,
+                    " more rank(s) not listed (zsctl status shows every rank).</p>\n");
+  }
 }
 
 void AppendMemory(const JobView& j, std::string* out) {
@@ -212,6 +245,11 @@ std::string StatusPage::Render(absl::Time now) {
     v.formula_bytes = DaemonModelStateFormulaBytes(c, v.owned_elements);
     v.k = c.optimizer.kind == OptimizerKind::kSgdMomentum ? 8.0 : kAdamK;
     if (auto it = ledger.find(v.id); it != ledger.end()) v.bytes = it->second;
+    v1::StepState state;
+    job->FillStepState(sources_.rank_timeout, &state);
+    const size_t shown = std::min<size_t>(state.ranks_size(), kMaxRanksShown);
+    v.ranks.assign(state.ranks().begin(), state.ranks().begin() + shown);
+    v.ranks_not_shown = state.ranks_size() - shown;
     alive.emplace(v.id, job.get());
     views.push_back(std::move(v));
   }
@@ -257,7 +295,10 @@ std::string StatusPage::Render(absl::Time now) {
           HtmlEscape(FormatBytes(static_cast<double>(v.formula_bytes))), "</td></tr>\n");
     }
     absl::StrAppend(&out, "</table>\n");
-    for (const JobView& v : views) AppendMemory(v, &out);
+    for (const JobView& v : views) {
+      AppendRanks(v, &out);
+      AppendMemory(v, &out);
+    }
   }
   // Ledger entries of no registered job: the daemon's own (the activation
   // arena's free space) and removed jobs whose memory is still leased.

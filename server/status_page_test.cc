@@ -95,6 +95,15 @@ TEST_F(StatusPageTest, ServesTheJobsRowAndMemoryAtRoot) {
   EXPECT_THAT(body, HasSubstr(row)) << body;
   EXPECT_THAT(body, HasSubstr(absl::StrCat("id=\"memory-", kJob, "\"")));
 
+  // Each rank as the daemon last heard from it: both connected, step 1 pushed.
+  EXPECT_THAT(body, HasSubstr(absl::StrCat("id=\"ranks-", kJob, "\"")));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(body, HasSubstr(absl::StrCat("<tr><td class=\"n\">", r,
+                                             "</td><td>connected</td><td class=\"n\">1</td>")))
+        << body;
+  }
+  EXPECT_THAT(body, HasSubstr(" s ago</td><td class=\"n\">1</td></tr>"));
+
   // Every category with the ledger's bytes, and the paper's formula beside.
   const CategoryBytes ledger = daemon_->ledger().JobBytes(kJob);
   for (int i = 0; i < kNumMemoryCategories; ++i) {
@@ -157,6 +166,21 @@ TEST_F(StatusPageTest, ALeftJobLeavesThePage) {
   const std::string body = page.Render();
   EXPECT_THAT(body, Not(HasSubstr(absl::StrCat("id=\"job-", kJob, "\""))));
   EXPECT_THAT(body, HasSubstr("No jobs registered."));
+}
+
+// A rank not heard from within the rank timeout is shown silent, in red,
+// with how long ago it was last heard from.
+TEST_F(StatusPageTest, ASilentRankIsMarked) {
+  StatusPageSources sources = Sources();
+  sources.rank_timeout = absl::Milliseconds(50);
+  StatusPage page(sources);
+  absl::SleepFor(absl::Milliseconds(150));
+  const std::string body = page.Render();
+  EXPECT_THAT(body, HasSubstr("<tr class=\"silent\"><td class=\"n\">0</td>"
+                              "<td>silent (past --rank_timeout)</td>"))
+      << body;
+  EXPECT_THAT(body, HasSubstr("0 / 2 (2 joined)"));
+  EXPECT_THAT(body, HasSubstr("tr.silent td{color:#b00020}"));
 }
 
 TEST(HtmlEscape, EscapesEveryMarkupCharacter) {
