@@ -131,6 +131,28 @@ bad="$(grep -E '\[rank [01]\].*(UNAVAILABLE|UNAUTHENTICATED|PERMISSION_DENIED|IN
 [[ -z "$bad" ]] || fail "the demo's output carries error statuses:"$'\n'"$bad"
 log "demo: trained $STEPS steps over mutual TLS in ${demo_s} s; both daemons served mutual TLS"
 
+# ---- replicated partitions over mutual TLS ----
+# Each primary reaches its backup with its own certificate as the client
+# side (server.crt allows clientAuth): the state copy, the forwarded
+# gradients and the commits must all pass the peer's mutual TLS.
+log "replicas: zsrun --daemons=2 --nproc=2 gpt_train --replicas=2, mutual TLS, $STEPS steps"
+env "${CLIENT_TLS[@]}" "$ZSRUN" --zeroshardd="$ZEROSHARDD" --daemons=2 --nproc=2 \
+  --log_dir="$WORK/replica-logs" --startup_timeout_s=60 --daemon_args="${DAEMON_FLAGS[*]}" -- \
+  "$GPT_TRAIN" --stage=3 --steps="$STEPS" --replicas=2 --transport="$TRANSPORT" \
+  --progress=lines --report=false "${MODEL_FLAGS[@]}" >"$WORK/replicas.log" 2>&1 ||
+  fail "the replicated run over mutual TLS: zsrun exited $?"
+grep -q "^\[rank 0\] step $STEPS/$STEPS loss " "$WORK/replicas.log" ||
+  fail "the replicated run: rank 0 did not report step $STEPS/$STEPS"
+for d in 0 1; do
+  err="$WORK/replica-logs/daemon-$d.stderr.log"
+  grep -q 'copied the state of step 0 to the backup' "$err" ||
+    fail "daemon $d did not copy its group's state to its backup over mutual TLS"
+  if grep -Eq 'the backup (fell behind|is still not current)' "$err"; then
+    fail "daemon $d lost its backup over mutual TLS: $(grep -Em1 'the backup (fell behind|is still not current)' "$err")"
+  fi
+done
+log "replicas: both groups copied to their backups and kept current over mutual TLS"
+
 # ---- (a) plaintext to a TLS daemon ----
 ZS_JOB_TOKEN="tls-demo-test-job-token-0123" "$GPT_TRAIN" --daemons="$ADDR" --world_size=1 \
   --rank=0 --job_id=tls-plaintext --stage=3 --steps=2 --activations=daemon --transport=stream \
