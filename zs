@@ -16,6 +16,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libtorch-dev python3-torch python3-numpy pybind11-dev python3-pytest
   python3-pip python3-venv python3-yaml
+  slurmctld slurmd slurm-client munge
   prometheus curl iproute2 chromium libgloo-dev
 )
 

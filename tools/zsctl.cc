@@ -5,6 +5,9 @@
 //   zsctl status --daemons HOST:PORT[,HOST:PORT...]
 //   zsctl memory --daemons HOST:PORT[,...] [--job J]
 //       Bytes by category per job per daemon, next to the paper's formula.
+//   zsctl health --daemons HOST:PORT[,...] [--timeout_ms 30000]
+//       Waits until every daemon answers its gRPC health check as SERVING;
+//       exit 0, or 1 naming the daemon that is not serving or did not answer.
 //   zsctl checkpoint save|load|list|verify --daemons HOST:PORT[,...] --job J [--name N]
 //       Checkpoints of a job on its daemons (--daemons: the job's, in its order).
 //       save: the committed step under N; load: N or "latest" into the job;
@@ -46,8 +49,8 @@ ABSL_FLAG(std::string, checkpoint, "",
 ABSL_FLAG(std::string, out, "", "export: the file to write, e.g. model.pt.");
 ABSL_FLAG(int, timeout_ms, 0,
           "Deadline: of each RPC for status and memory (0: 5000), of the whole command for "
-          "checkpoint (0: 600000; saves, loads and verifies of large models read or write "
-          "everything).");
+          "health (0: 30000) and checkpoint (0: 600000; saves, loads and verifies of large "
+          "models read or write everything).");
 
 ABSL_FLAG(std::string, output, "text",
           "text, or json for one JSON document on stdout (estimate, status, memory): "
@@ -61,7 +64,7 @@ ABSL_FLAG(std::string, token_file, "",
 namespace {
 
 constexpr char kUsage[] =
-    "usage: zsctl estimate|status|memory|drain|token|export [flags]\n"
+    "usage: zsctl estimate|status|memory|health|drain|token|export [flags]\n"
     "       zsctl checkpoint save|load|list|verify [flags]\n"
     "       --output=json: estimate, status and memory print one JSON document\n";
 
@@ -87,7 +90,7 @@ absl::StatusOr<zeroshard::ChannelSecurity> Security() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "zsctl estimate|status|memory|drain|token|export [flags]\n"
+      "zsctl estimate|status|memory|health|drain|token|export [flags]\n"
       "zsctl checkpoint save|load|list|verify [flags]\n"
       "--output=json: estimate, status and memory print one JSON document.\n"
       "see --help for the flags of each.");
@@ -111,8 +114,8 @@ int main(int argc, char** argv) {
   }
   const bool json = *format == zeroshard::tools::OutputFormat::kJson;
   const bool known = command == "estimate" || command == "status" || command == "memory" ||
-                     command == "drain" || command == "token" || command == "checkpoint" ||
-                     command == "export";
+                     command == "health" || command == "drain" || command == "token" ||
+                     command == "checkpoint" || command == "export";
   if (json && known && !zeroshard::tools::SupportsJson(command)) {
     std::fprintf(stderr, "zsctl %s: --output=json is for %s only; %s prints text\n",
                  command.c_str(), zeroshard::tools::kJsonCommands, command.c_str());
@@ -156,6 +159,17 @@ int main(int argc, char** argv) {
                                     : zeroshard::tools::RunDrain(o);
       }
     }
+  } else if (command == "health") {
+    zeroshard::tools::AdminOptions o;
+    o.daemons = absl::GetFlag(FLAGS_daemons);
+    o.timeout_ms = TimeoutMs(30000);
+    absl::StatusOr<zeroshard::ChannelSecurity> security = Security();
+    if (!security.ok()) {
+      out = security.status();
+    } else {
+      o.security = *std::move(security);
+      out = zeroshard::tools::RunHealth(o);
+    }
   } else if (command == "checkpoint") {
     zeroshard::tools::CheckpointOptions o;
     o.daemons = absl::GetFlag(FLAGS_daemons);
@@ -178,7 +192,7 @@ int main(int argc, char** argv) {
     out = zeroshard::tools::RunExport(o);
   } else {
     std::fprintf(stderr,
-                 "zsctl: unknown command \"%s\" (estimate, status, memory, drain, token, "
+                 "zsctl: unknown command \"%s\" (estimate, status, memory, health, drain, token, "
                  "checkpoint, export)\n",
                  command.c_str());
     return 2;

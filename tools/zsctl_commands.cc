@@ -28,6 +28,7 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
 #include "tools/json_writer.h"
+#include "tools/zsrun_lib.h"
 
 namespace zeroshard::tools {
 namespace {
@@ -436,6 +437,27 @@ absl::StatusOr<std::string> RunDrain(const AdminOptions& options) {
     if (!s.ok()) return FromGrpc(s, address);
     absl::StrAppendFormat(&out, "daemon %s draining: takes no new jobs, %u running\n", address,
                           resp.jobs());
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> RunHealth(const AdminOptions& options) {
+  const std::vector<std::string> addresses = DaemonList(options.daemons);
+  if (addresses.empty()) {
+    return absl::InvalidArgumentError(
+        "--daemons is required: the daemons to wait for, e.g. --daemons=node0:7070,node1:7070");
+  }
+  for (const std::string& a : addresses) {
+    if (absl::Status s = ValidateHostPort(a, "--daemons"); !s.ok()) return s;
+  }
+  if (options.timeout_ms <= 0) return absl::InvalidArgumentError("--timeout_ms must be positive");
+  HealthWait wait;
+  wait.timeout = absl::Milliseconds(options.timeout_ms);
+  wait.deadline = absl::Now() + wait.timeout;
+  std::string out;
+  for (const std::string& address : addresses) {
+    if (absl::Status s = WaitForServing(address, options.security, wait); !s.ok()) return s;
+    absl::StrAppend(&out, "daemon ", address, " serving\n");
   }
   return out;
 }

@@ -112,6 +112,17 @@ absl::StatusOr<std::string> RunCheckpoint(absl::string_view action,
 // jobs run on). Needs the admin token.
 absl::StatusOr<std::string> RunDrain(const AdminOptions& options);
 
+// zsctl health: waits until every daemon in options.daemons answers the
+// standard health check (grpc.health.v1.Health/Check, no token needed) as
+// SERVING, for scripts that start daemons and then their trainers. Blocks up
+// to options.timeout_ms in all, retrying a daemon that does not answer yet
+// about every 100 ms; options.job is not used. Returns "daemon ADDR serving"
+// lines. InvalidArgument naming --daemons for a missing or malformed list;
+// Unavailable "daemon ADDR is not serving (health: NOT_SERVING; ...)" for a
+// draining daemon, "daemon ADDR did not answer its health check within Ns:
+// ..." at the deadline.
+absl::StatusOr<std::string> RunHealth(const AdminOptions& options);
+
 // zsctl token: a fresh secret for a job (ZS_JOB_TOKEN) or an admin token
 // file, one line.
 absl::StatusOr<std::string> RunToken();

@@ -1,5 +1,10 @@
 #include "tools/zsctl_commands.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -14,6 +19,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "client/testing/training_data.h"
 #include "common/checkpoint_files.h"
@@ -611,5 +618,119 @@ TEST_P(ZsctlCheckpointTest, MemoryAsJsonHasEveryCategoryInBytes) {
   EXPECT_EQ(Member(partial, "daemons").elements[1].keys,
             Keys({"address", "total_bytes", "memory_limit_bytes", "jobs"}));
 }
+
+// --- zsctl health -------------------------------------------------------------
+
+namespace {
+
+// A loopback port bound but not listening: connections to it are refused
+// until Release, after which a daemon can bind it.
+class RefusingPort {
+ public:
+  RefusingPort() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr = {};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    socklen_t len = sizeof addr;
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    address_ = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  }
+  ~RefusingPort() { Release(); }
+  void Release() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+  const std::string& address() const { return address_; }
+
+ private:
+  int fd_ = -1;
+  std::string address_;
+};
+
+AdminOptions Health(const std::string& daemons, int timeout_ms) {
+  AdminOptions o;
+  o.daemons = daemons;
+  o.timeout_ms = timeout_ms;
+  o.security = ChannelSecurity::Plaintext();
+  return o;
+}
+
+TEST(ZsctlHealth, WaitsForADaemonThatStartsLate) {
+  std::unique_ptr<Daemon> serving = zeroshard::testing::StartDaemon();
+  ASSERT_NE(serving, nullptr);
+  RefusingPort late_port;
+  absl::StatusOr<std::string> out;
+  absl::Time answered;
+  std::thread waiter([&] {
+    out = RunHealth(Health(absl::StrCat(serving->address(), ",", late_port.address()), 20000));
+    answered = absl::Now();
+  });
+  absl::SleepFor(absl::Seconds(1));
+  late_port.Release();
+  DaemonOptions o;
+  o.listen = late_port.address();
+  o.optimizer_threads = 1;
+  const absl::Time started = absl::Now();
+  absl::StatusOr<std::unique_ptr<Daemon>> late = Daemon::Start(o);
+  waiter.join();
+  ASSERT_TRUE(late.ok()) << late.status();
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_GE(answered, started);
+  EXPECT_EQ(*out, absl::StrCat("daemon ", serving->address(), " serving\ndaemon ",
+                               late_port.address(), " serving\n"));
+}
+
+TEST(ZsctlHealth, NamesADrainingDaemon) {
+  constexpr char kAdminToken[] = "zsctl-health-test-admin-token-01234";
+  DaemonOptions o;
+  o.listen = "127.0.0.1:0";
+  o.optimizer_threads = 1;
+  o.admin_token = kAdminToken;
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::string address = (*d)->address();
+  ASSERT_TRUE(RunHealth(Health(address, 5000)).ok());
+
+  AdminOptions admin = Health(address, 5000);
+  admin.security = ChannelSecurity::Plaintext(kAdminToken);
+  ASSERT_TRUE(RunDrain(admin).ok());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> out = RunHealth(Health(address, 5000));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "a NOT_SERVING answer is final";
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kUnavailable) << out.status();
+  EXPECT_EQ(out.status().message(),
+            absl::StrCat("daemon ", address,
+                         " is not serving (health: NOT_SERVING; a draining daemon takes no new "
+                         "job)"));
+}
+
+TEST(ZsctlHealth, GivesUpOnASilentDaemonAtTheTimeout) {
+  RefusingPort refusing;
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> out = RunHealth(Health(refusing.address(), 1500));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kUnavailable) << out.status();
+  EXPECT_TRUE(absl::StartsWith(out.status().message(),
+                               absl::StrCat("daemon ", refusing.address(),
+                                            " did not answer its health check within 1.5s: ")))
+      << out.status();
+  EXPECT_GE(took, absl::Milliseconds(1400));
+  EXPECT_LT(took, absl::Seconds(4));
+}
+
+TEST(ZsctlHealth, RejectsBadFlagsNamingThem) {
+  for (const char* daemons : {"", " , ", "127.0.0.1", "127.0.0.1:x", "127.0.0.1:1,nohost"}) {
+    SCOPED_TRACE(daemons);
+    absl::StatusOr<std::string> out = RunHealth(Health(daemons, 1000));
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+    EXPECT_TRUE(absl::StrContains(out.status().message(), "--daemons")) << out.status();
+  }
+  EXPECT_EQ(RunHealth(Health("127.0.0.1:1", 0)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
 
 }  // namespace zeroshard::tools

@@ -245,6 +245,73 @@ void LineSplitter::Finish(Sink sink) {
   pending_.clear();
 }
 
+namespace {
+
+// A channel's state, as a reason for a health check that got no answer.
+const char* ConnectionState(grpc_connectivity_state state) {
+  switch (state) {
+    case GRPC_CHANNEL_IDLE:
+      return "not connected";
+    case GRPC_CHANNEL_CONNECTING:
+      return "still connecting";
+    case GRPC_CHANNEL_READY:
+      return "connected";
+    case GRPC_CHANNEL_TRANSIENT_FAILURE:
+      return "cannot connect: refused, unreachable or the TLS handshake failed";
+    case GRPC_CHANNEL_SHUTDOWN:
+      return "channel shut down";
+  }
+  return "unknown connection state";
+}
+
+}  // namespace
+
+absl::Status WaitForServing(const std::string& address, const ChannelSecurity& security,
+                            const HealthWait& wait) {
+  const std::string who = wait.who.empty() ? absl::StrCat("daemon ", address) : wait.who;
+  grpc::ChannelArguments args;
+  // Retry a refused connection every ~100 ms rather than on gRPC's 1 s+
+  // backoff. (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS keeps its default: gRPC
+  // takes it as the time one connection attempt may last, TLS handshake
+  // included, and a daemon that has just started on a loaded machine can
+  // take longer than a short one.)
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+  // The standard probe (grpc.health.v1): SERVING once the daemon accepts
+  // jobs, NOT_SERVING while it drains.
+  const std::shared_ptr<grpc::Channel> channel = MakeChannel(address, security, args);
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  while (true) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(std::min(absl::Now() + kRpcAttempt, wait.deadline)));
+    // Waits through connection attempts instead of failing at the first
+    // refused one: a connection is only made progress on while a call waits
+    // on the channel.
+    ctx.set_wait_for_ready(true);
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status s = stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &response);
+    if (s.ok()) {
+      if (response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+        return absl::OkStatus();
+      }
+      return absl::UnavailableError(absl::StrCat(
+          who, " is not serving (health: ",
+          grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status()),
+          "; a draining daemon takes no new job)"));
+    }
+    if (absl::Now() >= wait.deadline) {
+      return absl::UnavailableError(absl::StrCat(
+          who, " did not answer its health check within ", absl::FormatDuration(wait.timeout),
+          ": ", s.error_message(), " (", ConnectionState(channel->GetState(false)), ")"));
+    }
+    if (wait.between_attempts) {
+      RETURN_IF_ERROR(wait.between_attempts());
+    } else {
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  }
+}
+
 absl::StatusOr<std::vector<std::string>> ParseAddressList(absl::string_view list) {
   std::vector<std::string> out;
   for (absl::string_view entry : absl::StrSplit(list, ',')) {
@@ -677,51 +744,37 @@ absl::Status Launcher::StartDaemons() {
 }
 
 absl::Status Launcher::CheckDaemons() {
+  // TLS as the trainers will use it; the health check needs no token.
+  ASSIGN_OR_RETURN(const ChannelSecurity security,
+                   MakeChannelSecurity(TlsFilesFromEnvironment({}), "", "ZS_"));
   for (size_t i = 0; i < addresses_.size(); ++i) {
     const std::string& address = addresses_[i];
     const Proc* local = i < daemons_.size() ? daemons_[i].get() : nullptr;
-    grpc::ChannelArguments args;
-    // Retry a refused connection every ~100 ms rather than on gRPC's 1 s+ backoff.
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
-    // The standard probe (grpc.health.v1, no token needed): SERVING once the
-    // daemon accepts jobs, NOT_SERVING while it drains. TLS as the trainers
-    // will use it.
-    ASSIGN_OR_RETURN(const ChannelSecurity security,
-                     MakeChannelSecurity(TlsFilesFromEnvironment({}), "", "ZS_"));
-    auto stub = grpc::health::v1::Health::NewStub(MakeChannel(address, security, args));
-    while (true) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(std::min(absl::Now() + kRpcAttempt, startup_deadline_)));
-      grpc::health::v1::HealthCheckResponse response;
-      const grpc::Status s = stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &response);
-      if (s.ok()) {
-        if (response.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
-          return absl::UnavailableError(absl::StrCat(
-              "daemon ", address, " is not serving (health: ",
-              grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status()),
-              "; a draining daemon takes no new job)"));
-        }
-        break;
-      }
+    HealthWait wait;
+    wait.deadline = startup_deadline_;
+    wait.timeout = options_.startup_timeout;
+    if (local != nullptr) {
+      wait.who = absl::StrCat(local->label, " (pid ", local->pid, ") at ", address);
+    }
+    wait.between_attempts = [&]() -> absl::Status {
       Pump(absl::Now() + absl::Milliseconds(100));
       int sig;
       if (TakeSignal(&sig)) {
         interrupt_signal_ = sig;
-        return absl::OkStatus();
+        return absl::CancelledError("interrupted");
       }
       if (local != nullptr && !local->running) {
         return DaemonFailure(*local, absl::StrCat("exited with code ", local->exit_code,
                                                   " before answering its health check"));
       }
-      if (absl::Now() >= startup_deadline_) {
-        const std::string what =
-            absl::StrCat("did not answer its health check within ",
-                         absl::FormatDuration(options_.startup_timeout), ": ", s.error_message());
-        if (local != nullptr) return DaemonFailure(*local, absl::StrCat("at ", address, " ", what));
-        return absl::UnavailableError(absl::StrCat("daemon ", address, " ", what));
-      }
+      return absl::OkStatus();
+    };
+    const absl::Status s = WaitForServing(address, security, wait);
+    if (interrupt_signal_ != 0) return absl::OkStatus();
+    if (!s.ok()) {
+      // A daemon that exited had its stderr printed by DaemonFailure.
+      if (local != nullptr && local->running && !options_.verbose) PrintStderrTail(*local);
+      return s;
     }
   }
   return absl::OkStatus();

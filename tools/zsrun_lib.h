@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/channel.h"
 
 namespace zeroshard::tools {
 
@@ -181,6 +182,30 @@ class LineSplitter {
  private:
   std::string pending_;
 };
+
+// How WaitForServing waits on one daemon.
+struct HealthWait {
+  // Gives up at this time.
+  absl::Time deadline;
+  // What a timeout's message says was waited for ("within 30s").
+  absl::Duration timeout;
+  // Names the daemon in messages; empty: "daemon ADDRESS".
+  std::string who;
+  // Runs after each attempt that got no answer and should take about 100 ms
+  // (the launcher pumps its children's output there); a non-OK status from
+  // it is returned at once. Empty: sleeps 100 ms.
+  std::function<absl::Status()> between_attempts;
+};
+
+// Calls grpc.health.v1.Health/Check on `address` (no token needed; TLS as
+// `security` says) until it answers, each call waiting up to 500 ms for a
+// connection, which is retried about every 100 ms while refused. Blocks the
+// calling thread. OK once the daemon answers SERVING. Unavailable "<who> is
+// not serving (health: NOT_SERVING; ...)" when it answers anything else (a
+// draining daemon), Unavailable "<who> did not answer its health check
+// within <timeout>: <last gRPC error> (<connection state>)" at the deadline.
+absl::Status WaitForServing(const std::string& address, const ChannelSecurity& security,
+                            const HealthWait& wait);
 
 // "h:p,h:p" -> addresses; InvalidArgument for an entry without a numeric port.
 absl::StatusOr<std::vector<std::string>> ParseAddressList(absl::string_view list);
