@@ -294,15 +294,15 @@ absl::Status WaitForServing(const std::string& address, const ChannelSecurity& s
       if (response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
         return absl::OkStatus();
       }
-      return absl::UnavailableError(absl::StrCat(
-          who, " is not serving (health: ",
-          grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status()),
-          "; a draining daemon takes no new job)"));
+      return absl::UnavailableError(
+          absl::StrCat(who, " is not serving (health: ",
+                       grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status()),
+                       "; a draining daemon takes no new job)"));
     }
     if (absl::Now() >= wait.deadline) {
       return absl::UnavailableError(absl::StrCat(
-          who, " did not answer its health check within ", absl::FormatDuration(wait.timeout),
-          ": ", s.error_message(), " (", ConnectionState(channel->GetState(false)), ")"));
+          who, " did not answer its health check within ", absl::FormatDuration(wait.timeout), ": ",
+          s.error_message(), " (", ConnectionState(channel->GetState(false)), ")"));
     }
     if (wait.between_attempts) {
       RETURN_IF_ERROR(wait.between_attempts());
