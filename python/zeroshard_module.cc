@@ -1,7 +1,9 @@
 // Python bindings for zeroshard::Client: the module `zeroshard._zeroshard`.
 //
-// Buffers cross the boundary through the buffer protocol (numpy arrays, or a
-// CPU torch tensor's .numpy()): C-contiguous float32 only, never copied here.
+// Data crosses the boundary without a copy here: float32 through the buffer
+// protocol (C-contiguous numpy arrays), or contiguous CPU torch tensors
+// through their data_ptr (float32, and bfloat16 / float16 for the
+// half-precision data of bf16 / fp16 jobs, which numpy cannot hold).
 // Every call that waits on the network releases the GIL. A failed call raises
 // zeroshard.Error (a RuntimeError) whose .code is the absl status code name.
 
@@ -83,42 +85,91 @@ py::buffer_info Float32Buffer(const py::buffer& buffer, bool writable, uint64_t 
   return info;
 }
 
-// A writable float32 destination of `expected` elements: a buffer (as
-// Float32Buffer; `keep` then holds its view), or a contiguous CPU
-// torch.float32 tensor, written through its data_ptr (tensors have no buffer
-// protocol, and Tensor.numpy() would make their storage unresizable). The
-// pointer stays valid while the caller holds `out` and nobody resizes it.
-float* WritableFloat32(const py::object& out, uint64_t expected, const char* what,
-                       py::buffer_info* keep) {
-  if (py::hasattr(out, "data_ptr") && py::hasattr(out, "is_contiguous")) {
-    const std::string dtype = py::str(out.attr("dtype"));
-    if (dtype != "torch.float32") {
-      throw py::type_error(absl::StrCat(what, ": expected a float32 tensor, got ", dtype));
-    }
-    const std::string device = py::str(out.attr("device").attr("type"));
-    if (device != "cpu") {
-      throw py::type_error(absl::StrCat(what, ": expected a CPU tensor, got one on ", device));
-    }
-    if (!out.attr("is_contiguous")().cast<bool>()) {
-      throw py::value_error(absl::StrCat(what, ": the tensor must be contiguous"));
-    }
-    const uint64_t numel = out.attr("numel")().cast<uint64_t>();
-    if (numel != expected) {
-      throw py::value_error(absl::StrCat(what, ": expected ", expected, " elements, got ", numel));
-    }
-    const uint64_t offset = out.attr("storage_offset")().cast<uint64_t>();
-    const uint64_t storage = out.attr("storage")().attr("size")().cast<uint64_t>();
-    if (storage < offset + numel) {
-      throw py::value_error(absl::StrCat(what, ": the tensor's storage holds ", storage,
-                                         " elements, too few for ", offset + numel, " (freed?)"));
-    }
-    return reinterpret_cast<float*>(out.attr("data_ptr")().cast<uintptr_t>());
+// The element type of a torch dtype, by its name ("torch.float32",
+// "torch.bfloat16", "torch.float16"); nullopt for any other.
+std::optional<DType> TorchDType(const std::string& name) {
+  if (name == "torch.float32") return DType::kFp32;
+  if (name == "torch.bfloat16") return DType::kBf16;
+  if (name == "torch.float16") return DType::kFp16;
+  return std::nullopt;
+}
+
+const char* TorchDTypeName(DType t) {
+  switch (t) {
+    case DType::kFp32: return "torch.float32";
+    case DType::kBf16: return "torch.bfloat16";
+    case DType::kFp16: return "torch.float16";
+  }
+  return "?";
+}
+
+// Whether `o` is a torch tensor (tensors have no buffer protocol, and
+// Tensor.numpy() would make their storage unresizable and has no bfloat16).
+bool IsTensor(const py::object& o) {
+  return py::hasattr(o, "data_ptr") && py::hasattr(o, "is_contiguous") &&
+         py::hasattr(o, "dtype");
+}
+
+struct TensorData {
+  void* data = nullptr;
+  DType dtype = DType::kFp32;
+};
+
+// The data of a contiguous CPU tensor of `expected` elements whose dtype is
+// `want`, or any of float32, bfloat16 and float16 when `want` is nullopt;
+// checked (TypeError / ValueError naming `what`). The pointer stays valid
+// while the caller holds `t` and nobody resizes its storage.
+TensorData CheckedTensor(const py::object& t, uint64_t expected, std::optional<DType> want,
+                         const char* what) {
+  const std::string dtype_name = py::str(t.attr("dtype"));
+  const std::optional<DType> dtype = TorchDType(dtype_name);
+  if (want.has_value() ? dtype != want : !dtype.has_value()) {
+    throw py::type_error(absl::StrCat(
+        what, ": expected a ",
+        want.has_value() ? TorchDTypeName(*want)
+                         : "torch.float32, torch.bfloat16 or torch.float16",
+        " tensor, got ", dtype_name));
+  }
+  const std::string device = py::str(t.attr("device").attr("type"));
+  if (device != "cpu") {
+    throw py::type_error(absl::StrCat(what, ": expected a CPU tensor, got one on ", device));
+  }
+  if (!t.attr("is_contiguous")().cast<bool>()) {
+    throw py::value_error(absl::StrCat(what, ": the tensor must be contiguous"));
+  }
+  const uint64_t numel = t.attr("numel")().cast<uint64_t>();
+  if (numel != expected) {
+    throw py::value_error(absl::StrCat(what, ": expected ", expected, " elements, got ", numel));
+  }
+  const uint64_t esize = DTypeSize(*dtype);
+  const uint64_t offset = t.attr("storage_offset")().cast<uint64_t>();
+  const py::object storage = py::hasattr(t, "untyped_storage") ? t.attr("untyped_storage")()
+                                                               : t.attr("storage")();
+  const uint64_t storage_bytes = storage.attr("nbytes")().cast<uint64_t>();
+  if (storage_bytes < (offset + numel) * esize) {
+    throw py::value_error(absl::StrCat(what, ": the tensor's storage holds ",
+                                       storage_bytes / esize, " elements, too few for ",
+                                       offset + numel, " (freed?)"));
+  }
+  return {reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>()), *dtype};
+}
+
+// A writable destination of `expected` elements of `dtype`: a contiguous CPU
+// tensor of that dtype, or (float32 only) a buffer, as Float32Buffer; `keep`
+// then holds its view. The pointer stays valid while the caller holds `out`
+// and nobody resizes it.
+void* WritableOut(const py::object& out, uint64_t expected, DType dtype, const char* what,
+                  py::buffer_info* keep) {
+  if (IsTensor(out)) return CheckedTensor(out, expected, dtype, what).data;
+  if (dtype != DType::kFp32) {
+    throw py::type_error(absl::StrCat(what, ": a ", DTypeName(dtype), " destination must be a ",
+                                      TorchDTypeName(dtype), " tensor"));
   }
   if (!py::isinstance<py::buffer>(out)) {
     throw py::type_error(absl::StrCat(what, ": expected a float32 buffer or tensor"));
   }
   *keep = Float32Buffer(out.cast<py::buffer>(), true, expected, what);
-  return static_cast<float*>(keep->ptr);
+  return keep->ptr;
 }
 
 using TensorTuple = std::tuple<std::string, std::vector<int64_t>, uint32_t>;
@@ -202,13 +253,26 @@ class PyClient {
     Check(status);
   }
 
-  void PushGradients(uint64_t begin, uint64_t end, const py::buffer& grads, bool borrow) {
+  void PushGradients(uint64_t begin, uint64_t end, const py::object& grads, bool borrow) {
     if (end < begin) throw py::value_error("push_gradients: end < begin");
-    py::buffer_info info = Float32Buffer(grads, false, end - begin, "grads");
+    const void* data = nullptr;
+    DType dtype = DType::kFp32;
+    py::buffer_info info;
+    if (IsTensor(grads)) {
+      const TensorData t = CheckedTensor(grads, end - begin, std::nullopt, "grads");
+      data = t.data;
+      dtype = t.dtype;
+    } else {
+      if (!py::isinstance<py::buffer>(grads)) {
+        throw py::type_error("grads: expected a float32 buffer or a tensor");
+      }
+      info = Float32Buffer(grads.cast<py::buffer>(), false, end - begin, "grads");
+      data = info.ptr;
+    }
     absl::StatusOr<PushTicket> ticket;
     {
       py::gil_scoped_release release;
-      ticket = client_->PushGradients({begin, end}, info.ptr, DType::kFp32, 0,
+      ticket = client_->PushGradients({begin, end}, data, dtype, 0,
                                       borrow ? BufferUse::kBorrow : BufferUse::kCopy);
     }
     Check(ticket.status());
@@ -234,31 +298,34 @@ class PyClient {
     return d;
   }
 
-  void GatherAll(const py::buffer& out) {
+  // `out`: total_elements float32 values (a buffer or tensor), or a tensor
+  // of the job's precision (the daemons' half-precision copy).
+  void GatherAll(const py::object& out) {
     RequireRegistered("gather_all");
-    py::buffer_info info = Float32Buffer(out, true, client_->total_elements(), "out");
+    DType dtype = DType::kFp32;
+    if (IsTensor(out)) {
+      const std::optional<DType> t = TorchDType(py::str(out.attr("dtype")));
+      if (t == client_->config().precision) dtype = *t;
+    }
+    py::buffer_info keep;
+    void* dst = WritableOut(out, client_->total_elements(), dtype, "out", &keep);
     absl::Status status;
     {
       py::gil_scoped_release release;
-      status = client_->GatherAll(info.ptr, DType::kFp32);
+      status = client_->GatherAll(dst, dtype);
     }
     Check(status);
   }
 
   // Stage 3: layer `layer`'s parameters as of the last committed step into
-  // `out` (layer_elements float32 values, alignment gaps included). Served
-  // from the client's prefetch when there is one; starts prefetching the
-  // next layers in the direction of travel.
+  // `out` (layer_elements values of the job's precision, alignment gaps
+  // included). Served from the client's prefetch when there is one; starts
+  // prefetching the next layers in the direction of travel.
   void Gather(uint32_t layer, const py::object& out) {
     RequireRegistered("gather");
-    if (client_->config().precision != DType::kFp32) {
-      ThrowStatus(absl::InvalidArgumentError(
-          "gather: layers are gathered in the job's precision; float32 buffers need an fp32 "
-          "job"));
-    }
     const uint64_t elements = Check(client_->layer_elements(layer));
     py::buffer_info keep;
-    float* dst = WritableFloat32(out, elements, "out", &keep);
+    void* dst = WritableOut(out, elements, client_->config().precision, "out", &keep);
     absl::Status status;
     {
       py::gil_scoped_release release;
@@ -481,8 +548,9 @@ PYBIND11_MODULE(_zeroshard, m) {
           "float32 values). Blocks until every rank has joined.")
       .def("push_gradients", &PyClient::PushGradients, py::arg("begin"), py::arg("end"),
            py::arg("grads"), py::arg("borrow") = false,
-           "Contributes float32 gradients for flat [begin, end) to the next step. The "
-           "values are copied before it returns, or with borrow=True read from `grads` "
+           "Contributes gradients for flat [begin, end) to the next step: a float32 "
+           "buffer, or a contiguous CPU tensor of float32, bfloat16 or float16 (converted "
+           "to the job's precision, the wire dtype). The values are copied before it returns, or with borrow=True read from `grads` "
            "until the next successful step() (one copy fewer; the client keeps a "
            "reference, and the caller must not change the values before then).")
       .def("step", &PyClient::Step, py::arg("lr"),
@@ -490,8 +558,9 @@ PYBIND11_MODULE(_zeroshard, m) {
            "loss_scale). grad_norm and clip_coef are None where this rank does not know "
            "them (rank 0 always does).")
       .def("gather_all", &PyClient::GatherAll, py::arg("out"),
-           "Writes every parameter of the last committed step into out (total_elements "
-           "float32 values).")
+           "Writes every parameter of the last committed step into out: total_elements "
+           "float32 values (a buffer or tensor; the daemons' fp32 masters), or a tensor of "
+           "the job's precision (torch.bfloat16 in a bf16 job: the daemons' bf16 copy).")
       .def("save_checkpoint", &PyClient::SaveCheckpoint, py::arg("name"),
            "Saves the committed state under `name` (one rank, between steps; the daemons "
            "need --checkpoint_dir). Waits for this client's previous save to complete, then "
@@ -510,8 +579,9 @@ PYBIND11_MODULE(_zeroshard, m) {
                              "(and on the other ranks).")
       .def("gather", &PyClient::Gather, py::arg("layer"), py::arg("out"),
            "Stage 3: writes the layer's parameters as of the last committed step into out, "
-           "a float32 buffer or contiguous CPU float32 tensor of the layer_range's size "
-           "(gaps read as zeros; fp32 jobs only). "
+           "in the job's precision: a float32 buffer or contiguous CPU float32 tensor in an "
+           "fp32 job, a contiguous CPU torch.bfloat16 (torch.float16) tensor in a bf16 (fp16) "
+           "job, of the layer_range's size (gaps read as zeros). "
            "Uses a prefetched copy when there is one, then prefetches the next layers in "
            "the direction of travel (forward while layer ids increase).")
       .def("release", &PyClient::Release, py::arg("layer"),

@@ -59,6 +59,14 @@ def flatten(named):
     return torch.cat([named[n].detach().reshape(-1) for n in names]).numpy()
 
 
+def loss_of(model, x, y, precision="fp32"):
+    """The training loss; in a bf16 job the model computes in bfloat16 and
+    the loss is taken in float32 (torch has no bfloat16 mse_loss on CPU)."""
+    if precision == "bf16":
+        return torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
 def train_reference():
     """Single-process AdamW with clipping on the full batch: (params, norms)."""
     model = make_model()
@@ -73,3 +81,39 @@ def train_reference():
             model.parameters(), MAX_GRAD_NORM)))
         opt.step()
     return flatten(dict(model.named_parameters())), norms
+
+
+def train_reference_bf16(world_size):
+    """A bf16 job of `world_size` ranks in one process: fp32 masters
+    stepped by torch AdamW with clip_grad_norm_; each step computes forward
+    and backward in bfloat16 with the masters rounded to bfloat16, once per
+    rank on that rank's share of the batch, as the ranks do. The ranks'
+    bfloat16 gradients are converted to float32 and summed in rank order,
+    and the sum multiplied by float32(1 / world_size), as the daemons
+    reduce them. Returns (masters, norms)."""
+    masters = make_model()
+    half = make_model().bfloat16()
+    x, y = make_data()
+    opt = torch.optim.AdamW(masters.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                            weight_decay=WEIGHT_DECAY)
+    scale = torch.tensor(1.0 / world_size, dtype=torch.float32)
+    per_rank = GLOBAL_BATCH // world_size
+    norms = []
+    for s in range(STEPS):
+        with torch.no_grad():
+            for h, m in zip(half.parameters(), masters.parameters()):
+                h.copy_(m)  # rounds to nearest even, as the daemons do
+        total = None
+        for rank in range(world_size):
+            rows = slice(rank * per_rank, (rank + 1) * per_rank)
+            half.zero_grad(set_to_none=True)
+            loss_of(half, x[s][rows], y[s][rows], "bf16").backward()
+            grads = [p.grad.float() for p in half.parameters()]
+            total = grads if total is None else [
+                t + g for t, g in zip(total, grads)]
+        for m, g in zip(masters.parameters(), total):
+            m.grad = g * scale
+        norms.append(float(torch.nn.utils.clip_grad_norm_(
+            masters.parameters(), MAX_GRAD_NORM)))
+        opt.step()
+    return flatten(dict(masters.named_parameters())), norms

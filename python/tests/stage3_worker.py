@@ -1,7 +1,9 @@
 """One data-parallel rank of a stage-3 job: trains stage3_common's model
-on its share of every global batch through shard_model, checks during each
-forward that only the running layer and the outer module's own parameters
-are materialised, and saves the final parameters and memory figures.
+on its share of every global batch through shard_model (in the config's
+precision), checks during each forward that only the running layer and the
+outer module's own parameters are materialised, and saves the final
+parameters (the daemons' fp32 masters, and the gathered ones as the last
+forward saw them) and memory figures.
 
 Usage: stage3_worker.py CONFIG_JSON OUT_NPZ
 """
@@ -34,6 +36,7 @@ def main():
     config = json.loads(sys.argv[1])
     rank, world = config["rank"], config["world_size"]
     layers = config.pop("layers")
+    precision = config.get("precision", "fp32")
     model = sc.make_model()
     if rank != 0:
         # Rank 0's values must win: start the others from something else.
@@ -56,6 +59,7 @@ def main():
 
     layer_bytes = {}   # allocated bytes of each layer, seen in its forward
     peak_forward = [0]
+    seen = {}          # {name: copy} of the gathered parameters
 
     def check(layer_name):
         def hook(module, inputs):
@@ -65,6 +69,7 @@ def main():
                 if owners[name] in (layer_name, ""):
                     assert size > 0, f"{name} missing in {layer_name}'s forward"
                     layer_bytes[owners[name]] = size
+                    seen[name] = p.detach().clone()
                 else:
                     assert size == 0, f"{name} held in {layer_name}'s forward"
                 if size:
@@ -82,10 +87,19 @@ def main():
     norms = []
     for s in range(sc.STEPS):
         sharded.zero_grad()
-        loss = torch.nn.functional.mse_loss(sharded(x[s][rows]), y[s][rows])
+        loss = sc.loss_of(sharded, x[s][rows], y[s][rows], precision)
         loss.backward()
         result = sharded.step()
         norms.append(result["grad_norm"])
+    with torch.no_grad():  # gathers the last step's parameters
+        sc.loss_of(sharded, x[0][rows], y[0][rows], precision)
+    dtypes = {str(t.dtype) for t in seen.values()}
+    expected_dtype = "torch.bfloat16" if precision == "bf16" else "torch.float32"
+    assert dtypes == {expected_dtype}, dtypes
+    gathered = torch.cat([seen[name].reshape(-1) for name in named])
+    # As raw bits: numpy has no bfloat16.
+    gathered_bits = gathered.view(
+        torch.int16 if precision == "bf16" else torch.int32).numpy()
     held = [name for name, p in named.items() if storage_bytes(p) != 0]
     assert not held, f"held after the steps: {held}"
     final = sharded.full_state_dict()
@@ -97,6 +111,7 @@ def main():
         (v for k, v in layer_bytes.items() if k != ""), reverse=True)
     np.savez(sys.argv[2], params=sc.flatten(final),
              norms=np.array([np.nan if n is None else n for n in norms]),
+             gathered_bits=gathered_bits,
              model_bytes=model_bytes, peak_forward=peak_forward[0],
              peak=sharded.peak_param_bytes,
              outer_bytes=layer_bytes.get("", 0),

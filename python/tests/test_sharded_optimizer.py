@@ -69,8 +69,10 @@ def test_bad_buffers_raise(daemons):
     client.register_model(layout,
                           np.ones(layout.total_elements, dtype=np.float32))
     n = layout.total_elements
-    with pytest.raises(TypeError):
-        client.push_gradients(0, n, torch.zeros(n))  # a tensor, not a buffer
+    with pytest.raises(TypeError, match="float32"):
+        client.push_gradients(0, n, torch.zeros(n, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        client.push_gradients(0, n, torch.zeros(n, 2)[:, 0])
     with pytest.raises(TypeError, match="float32"):
         client.push_gradients(0, n, np.zeros(n, dtype=np.int32))
     with pytest.raises(ValueError, match="C-contiguous"):

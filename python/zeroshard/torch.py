@@ -300,8 +300,20 @@ class ShardedModel(torch.nn.Module):
     about two layers' parameters at a time (a layer and the outer module's
     own), plus the client's prefetch buffers (`client.memory_report()`).
 
-    Limits of stage 3: float32 parameters and an fp32 job; one backward per
-    step (no gradient accumulation); a parameter must not be used by a
+    Precision (stage 3): the job's, `client_config["precision"]`. In an
+    "fp32" job (the default) parameters are float32. In a "bf16" job the
+    trainer computes in bfloat16 while the daemons keep fp32 masters and
+    step AdamW in fp32: `module`'s parameters (float32 or bfloat16) become
+    bfloat16 tensors, and its floating-point buffers are cast to bfloat16,
+    as `module.to(torch.bfloat16)` would; rank 0's values upload as the
+    fp32 masters. Gathers fetch the daemons' bf16 copy of the masters
+    straight into the layers' bf16 storage, and gradients are pushed as
+    bfloat16, as autograd made them (the wire dtype is the job's
+    precision); the daemons sum the ranks' gradients in fp32. The inputs
+    must be bfloat16 too; bf16 needs no loss scaling.
+
+    Limits of stage 3: an fp32 or bf16 job (fp16 would need loss scaling);
+    one backward per step (no gradient accumulation); a parameter must not be used by a
     layer other than its own (tied weights across layers); parameters are
     only readable inside the forward of their layer, or through
     `full_state_dict()`.
@@ -366,7 +378,8 @@ class ShardedModel(torch.nn.Module):
 
     def full_state_dict(self):
         """{name: tensor}: a copy of every parameter as of the last committed
-        step (stage 3 gathers the whole model for it)."""
+        step (stage 3 gathers the whole model for it: float32, the daemons'
+        masters, also in a bf16 job)."""
         if self._sharded is None:
             return {name: p.detach().clone()
                     for name, p in self.module.named_parameters()}
@@ -417,13 +430,14 @@ class _LayerShardedOptimizer(torch.optim.Optimizer):
 
 class _Layer:
     """One stage-3 layer: its parameters are views of `flat`, a tensor
-    covering the layer's flat range, whose storage is freed between uses."""
+    covering the layer's flat range in the job's precision, whose storage
+    is freed between uses."""
 
-    def __init__(self, layer_id, module, begin, end):
+    def __init__(self, layer_id, module, begin, end, dtype):
         self.id = layer_id
         self.module = module
         self.begin, self.end = begin, end
-        self.flat = torch.zeros(end - begin, dtype=torch.float32)
+        self.flat = torch.zeros(end - begin, dtype=dtype)
         self.params = []   # (parameter, flat offset)
         self.gathered = True
         self.expected = 0  # gradients a backward delivers (requires_grad)
@@ -431,7 +445,7 @@ class _Layer:
 
     @property
     def bytes(self):
-        return (self.end - self.begin) * 4
+        return (self.end - self.begin) * self.flat.element_size()
 
 
 class _LayerSharding:
@@ -442,14 +456,19 @@ class _LayerSharding:
         named = list(module.named_parameters())
         if not named:
             raise ValueError("module: has no parameters")
-        for name, p in named:
-            if p.dtype != torch.float32:
-                raise TypeError(
-                    f"parameters must be float32, got {p.dtype} for {name}")
         config = dict(client_config)
-        if config.get("precision", "fp32") != "fp32":
-            raise ValueError("stage 3 gathers float32 parameters: precision "
-                             f"must be 'fp32', got {config['precision']!r}")
+        precision = config.get("precision", "fp32")
+        if precision not in _STAGE3_DTYPES:
+            raise ValueError(
+                "stage 3: precision must be 'fp32' or 'bf16' (fp16 needs loss "
+                f"scaling, which shard_model does not do), got {precision!r}")
+        dtype = _STAGE3_DTYPES[precision]
+        allowed = {torch.float32, dtype}
+        for name, p in named:
+            if p.dtype not in allowed:
+                raise TypeError(
+                    f"parameters must be float32 (or {dtype} in a "
+                    f"{precision} job), got {p.dtype} for {name}")
         groups = _layer_groups(module, named, layer_names)
         specs = []
         for layer_id, (_, members) in enumerate(groups):
@@ -468,6 +487,8 @@ class _LayerSharding:
 
         initial = None
         if rank == 0:
+            # The daemons' fp32 masters start from these values (and write
+            # their half copy from them in a bf16 job).
             initial = np.zeros(self._layout.total_elements, dtype=np.float32)
             initial_t = torch.from_numpy(initial)
             with torch.no_grad():
@@ -475,13 +496,20 @@ class _LayerSharding:
                     initial_t[off:off + p.numel()].copy_(p.reshape(-1))
         self.client.register_model(self._layout, initial)
         del initial
+        if dtype != torch.float32:
+            # The module computes in the job's precision, as after
+            # module.to(dtype): floating-point buffers are cast too.
+            for sub in module.modules():
+                for key, buf in list(sub.named_buffers(recurse=False)):
+                    if buf.is_floating_point():
+                        setattr(sub, key, buf.to(dtype))
 
         # Every parameter becomes a view of its layer's flat tensor.
         self._layers = []
         index = 0
         for layer_id, (layer_module, members) in enumerate(groups):
             begin, end = self._layout.layer_range(layer_id)
-            layer = _Layer(layer_id, layer_module, begin, end)
+            layer = _Layer(layer_id, layer_module, begin, end, dtype)
             for _, p in members:
                 off = offsets[index]
                 index += 1
@@ -562,7 +590,10 @@ class _LayerSharding:
             grad = p.grad
             if grad is None:
                 return
-            data = grad.detach().reshape(-1).contiguous().numpy()
+            # In the parameter's dtype, which is the wire dtype: a bf16
+            # job's gradients go out as computed. Copied before the call
+            # returns.
+            data = grad.detach().reshape(-1).contiguous()
             self.client.push_gradients(off, off + p.numel(), data)
             self._pushed.add(id(p))
             p.grad = None
@@ -598,6 +629,10 @@ class _LayerSharding:
         for name, p, off in self._named:
             out[name] = flat_t[off:off + p.numel()].clone().view(p.shape)
         return out
+
+
+# The dtype of stage 3's gathered parameters for each job precision.
+_STAGE3_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _resize_storage(tensor, numel):
