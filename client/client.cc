@@ -428,10 +428,13 @@ absl::StatusOr<StepResult> Client::Step(float lr) {
   RETURN_IF_ERROR(layers_->CheckNoneHeld());
   const uint64_t step = step_.load() + 1;
   // A retry of a failed commit phase resends the commit: the gradients are in.
+  const absl::Time push_start = absl::Now();
   if (!coordinator_->HasPendingCommit(step)) {
-    RETURN_IF_ERROR(collective_->Finish(step, absl::Now() + config_.step_timeout));
+    RETURN_IF_ERROR(collective_->Finish(step, push_start + config_.step_timeout));
   }
+  const absl::Duration push_wait = absl::Now() - push_start;
   ASSIGN_OR_RETURN(StepResult result, coordinator_->Step(step, lr));
+  result.push_wait = push_wait;
   // Committed: nothing below may fail.
   step_ = step;
   loss_scale_ = result.loss_scale;

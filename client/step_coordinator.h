@@ -41,6 +41,10 @@ struct StepResult {
   bool have_norm = false;
   float grad_norm = 0.0f;  // inf or NaN when the step was skipped for overflow
   float clip_coef = 1.0f;
+  // Set by Client::Step: how long it waited for this step's gradient pushes
+  // to be accepted by the daemons before the step could start (what pushing
+  // from backward hooks overlaps away).
+  absl::Duration push_wait = absl::ZeroDuration();
 };
 
 // Calls `poll` until it leaves `*waiting` empty (done: OK), returns an error

@@ -293,11 +293,59 @@ absl::StatusOr<JobConfig> ParseJobSpec(const v1::JobSpec& spec) {
   return c;
 }
 
+namespace {
+
+std::string ShapeString(const v1::TensorSpec& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+// The first tensor where two layouts differ, named: what a person fixes
+// when ranks build different models. Empty if the layouts are equal.
+std::string DescribeLayoutDifference(const v1::Layout& registered, const v1::Layout& got) {
+  if (registered.alignment_elements() != got.alignment_elements()) {
+    return absl::StrCat("layout.alignment_elements: registered ", registered.alignment_elements(),
+                        ", got ", got.alignment_elements());
+  }
+  const int n = std::min(registered.tensors_size(), got.tensors_size());
+  for (int i = 0; i < n; ++i) {
+    const v1::TensorSpec& a = registered.tensors(i);
+    const v1::TensorSpec& b = got.tensors(i);
+    const std::string where = absl::StrCat("layout.tensors[", i, "]");
+    if (a.name() != b.name()) {
+      return absl::StrCat(where, ": registered '", a.name(), "', got '", b.name(), "'");
+    }
+    if (!std::equal(a.shape().begin(), a.shape().end(), b.shape().begin(), b.shape().end())) {
+      return absl::StrCat(where, " '", a.name(), "': registered shape ", ShapeString(a),
+                          ", got shape ", ShapeString(b));
+    }
+    if (a.dtype() != b.dtype()) {
+      return absl::StrCat(where, " '", a.name(), "': registered dtype ", v1::DType_Name(a.dtype()),
+                          ", got ", v1::DType_Name(b.dtype()));
+    }
+    if (a.layer() != b.layer()) {
+      return absl::StrCat(where, " '", a.name(), "': registered in layer ", a.layer(),
+                          ", got layer ", b.layer());
+    }
+  }
+  if (registered.tensors_size() != got.tensors_size()) {
+    const v1::TensorSpec& first_extra =
+        registered.tensors_size() > n ? registered.tensors(n) : got.tensors(n);
+    return absl::StrCat("layout: registered ", registered.tensors_size(), " tensors, got ",
+                        got.tensors_size(), " (the first not in both: '", first_extra.name(), "')");
+  }
+  return "";
+}
+
+}  // namespace
+
 std::string DescribeSpecDifference(const v1::JobSpec& registered, const v1::JobSpec& got) {
   auto differ = [](absl::string_view field, auto a, auto b) -> std::string {
     return absl::StrCat(field, ": registered ", a, ", got ", b);
   };
   if (registered.layout_fingerprint() != got.layout_fingerprint()) {
+    // Name the tensor when the specs carry their layouts (they differ too).
+    std::string tensor = DescribeLayoutDifference(registered.layout(), got.layout());
+    if (!tensor.empty()) return tensor;
     return differ("layout_fingerprint", registered.layout_fingerprint(), got.layout_fingerprint());
   }
   if (registered.stage() != got.stage()) return differ("stage", registered.stage(), got.stage());

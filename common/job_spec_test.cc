@@ -42,6 +42,38 @@ TEST(JobSpecTest, RoundTripThroughTheWire) {
   EXPECT_EQ(DescribeSpecDifference(spec, ToJobSpec(*c, c->layout)), "");
 }
 
+// Ranks that built different models: the difference names the tensor.
+TEST(JobSpecTest, LayoutDifferenceNamesTheTensor) {
+  const v1::JobSpec registered = ToJobSpec(Valid(), TwoTensors());
+  struct Case {
+    std::vector<TensorSpec> tensors;
+    const char* expected;
+  };
+  const Case cases[] = {
+      {{{"w", {3, 5}, DType::kFp32, 0}, {"b", {8}, DType::kFp32, 1}},
+       "layout.tensors[1] 'b': registered shape [7], got shape [8]"},
+      {{{"w", {3, 5}, DType::kFp32, 0}, {"bias", {7}, DType::kFp32, 1}},
+       "layout.tensors[1]: registered 'b', got 'bias'"},
+      {{{"w", {3, 5}, DType::kFp32, 0}, {"b", {7}, DType::kFp32, 0}},
+       "layout.tensors[1] 'b': registered in layer 1, got layer 0"},
+      {{{"w", {3, 5}, DType::kFp32, 0}, {"b", {7}, DType::kBf16, 1}},
+       "layout.tensors[1] 'b': registered dtype DTYPE_FP32, got DTYPE_BF16"},
+      {{{"w", {3, 5}, DType::kFp32, 0}},
+       "layout: registered 2 tensors, got 1 (the first not in both: 'b')"},
+      {{{"w", {3, 5}, DType::kFp32, 0}, {"b", {7}, DType::kFp32, 1}, {"c", {1}, DType::kFp32, 1}},
+       "layout: registered 2 tensors, got 3 (the first not in both: 'c')"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<Layout> layout = Layout::Create(c.tensors, 0);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ(DescribeSpecDifference(registered, ToJobSpec(Valid(), *layout)), c.expected);
+  }
+  v1::JobSpec realigned = ToJobSpec(
+      Valid(), *Layout::Create({{"w", {3, 5}, DType::kFp32, 0}, {"b", {7}, DType::kFp32, 1}}, 128));
+  EXPECT_EQ(DescribeSpecDifference(registered, realigned),
+            "layout.alignment_elements: registered 64, got 128");
+}
+
 TEST(JobSpecTest, OneHostPortRuleForBothSides) {
   for (const char* good : {"a:1", "node0:7070", "[::1]:7070", "10.1.2.3:65535"}) {
     EXPECT_TRUE(ValidateHostPort(good, "f").ok()) << good;

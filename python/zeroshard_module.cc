@@ -295,6 +295,7 @@ class PyClient {
     d["grad_norm"] = r.have_norm ? py::object(py::float_(r.grad_norm)) : py::object(py::none());
     d["clip_coef"] = r.have_norm ? py::object(py::float_(r.clip_coef)) : py::object(py::none());
     d["loss_scale"] = r.loss_scale;
+    d["push_wait_ms"] = absl::ToDoubleMilliseconds(r.push_wait);
     return d;
   }
 

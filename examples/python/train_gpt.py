@@ -26,6 +26,7 @@ import argparse
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -262,6 +263,29 @@ def daemon_ledger(zsctl, config):
     return "".join("  " + line + "\n" for line in done.stdout.splitlines())
 
 
+def print_overlap(timings):
+    """--overlap=compare: medians of the steps run each way (the first of
+    each way left out: it warms up), the ratio as the last line."""
+    def medians(rows):
+        rows = rows[1:] if len(rows) > 1 else rows
+        return [1000 * statistics.median(col) for col in zip(*rows)]
+
+    hooks, deferred = medians(timings[True]), medians(timings[False])
+    print(f"\nOverlap, rank 0, medians of {len(timings[True])} + "
+          f"{len(timings[False])} alternating steps:")
+    for name, (backward, step, wait) in (
+            ("pushes from backward hooks", hooks),
+            ("all pushes in step()      ", deferred)):
+        print(f"  {name}: backward {backward:7.1f} ms, step() {step:7.1f} ms "
+              f"(of it waiting for pushes {wait:7.1f} ms), backward + step() "
+              f"{backward + step:7.1f} ms")
+    print(f"push wait after backward: hooks {hooks[2]:.1f} ms, in step() "
+          f"{deferred[2]:.1f} ms, ratio {hooks[2] / max(deferred[2], 1e-9):.3f}; "
+          f"backward + step(): {hooks[0] + hooks[1]:.1f} ms vs "
+          f"{deferred[0] + deferred[1]:.1f} ms, ratio "
+          f"{(hooks[0] + hooks[1]) / (deferred[0] + deferred[1]):.3f}", flush=True)
+
+
 # ---- training ----
 
 
@@ -296,6 +320,12 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per rank; 0 = the cores shared among "
                         "the ranks")
+    p.add_argument("--overlap", choices=("hooks", "step", "compare"),
+                   default="hooks",
+                   help="when gradients are pushed: from backward hooks as "
+                        "each is ready (hooks), all in step() (step), or "
+                        "alternating per step with both timed and compared "
+                        "at the end (compare)")
     p.add_argument("--zsctl", default="",
                    help="zsctl binary for the daemons' ledger (default: "
                         "$ZSCTL, else zsctl on PATH)")
@@ -304,6 +334,8 @@ def parse_args(argv):
                  "eval_batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    if args.overlap == "compare" and args.steps < 4:
+        p.error("--overlap=compare needs --steps >= 4 (two steps each way)")
     return args
 
 
@@ -340,6 +372,8 @@ def main(argv):
                         lr=args.lr, weight_decay=args.weight_decay,
                         max_grad_norm=args.max_grad_norm)
     client = model.client
+    # {overlap_comm: [(backward s, step s, push wait s)]} for --overlap=compare.
+    timings = {True: [], False: []}
 
     held_x, held_y = make_batch(corpus, args.seq_len, 0, args.eval_batch,
                                 0, 1, args.seed)
@@ -357,13 +391,21 @@ def main(argv):
     for step in range(1, args.steps + 1):
         tokens, targets = make_batch(corpus, args.seq_len, step, args.batch,
                                      rank, world, args.seed)
+        overlap = (args.overlap == "hooks" or
+                   (args.overlap == "compare" and step % 2 == 1))
+        model.overlap_comm = overlap
         start = time.perf_counter()
         logits = model(tokens)
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        backward_start = time.perf_counter()
         loss.backward()  # pushes each gradient to the daemons as it is ready
-        model.step()     # AdamW (with clipping) on the daemons
+        step_start = time.perf_counter()
+        result = model.step()  # AdamW (with clipping) on the daemons
+        end = time.perf_counter()
         model.zero_grad()
-        seconds = time.perf_counter() - start
+        seconds = end - start
+        timings[overlap].append((step_start - backward_start, end - step_start,
+                                 result["push_wait_ms"] / 1000))
         losses.append(loss.item())
         traffic = client.traffic_report()
         if leader:
@@ -409,6 +451,8 @@ def main(argv):
         print("Daemon memory by category (ledger, zsctl memory):")
         sys.stdout.write(daemon_ledger(find_zsctl(args.zsctl), config))
         sys.stdout.flush()
+        if args.overlap == "compare":
+            print_overlap(timings)
     model.close()
     return 0
 

@@ -1,9 +1,10 @@
 #!/bin/bash
 # Runs the Python GPT example for 30 steps of a tiny model with 2 daemons
-# and 2 ranks under zsrun, and checks that both ranks finished, that the
-# held-out loss fell, and that rank 0 printed the memory report with the
-# daemons' ledger. Skips (exit 0) only when the system Python lacks torch or
-# numpy.
+# and 2 ranks under zsrun, alternating gradient pushes from backward hooks
+# with pushes in step() (--overlap=compare), and checks that both ranks
+# finished, that the held-out loss fell, and that rank 0 printed the memory
+# report with the daemons' ledger and the overlap comparison. Skips (exit
+# 0) only when the system Python lacks torch or numpy.
 set -u
 
 PYTHON=/usr/bin/python3
@@ -20,7 +21,7 @@ export PYTHON
 export TMPDIR="${TEST_TMPDIR:-${TMPDIR:-/tmp}}"
 "$RUNFILES/examples/python/train_gpt" --daemons=2 --nproc=2 \
   --steps=30 --layers=2 --width=32 --heads=2 --seq_len=32 --batch=8 \
-  --lr=1e-2 --eval_batch=16 --log_every=5 --threads=1 2>&1 | tee "$out"
+  --lr=1e-2 --eval_batch=16 --log_every=5 --threads=1 --overlap=compare 2>&1 | tee "$out"
 rc=${PIPESTATUS[0]}
 if [[ $rc -ne 0 ]]; then
   echo "FAILED: zsrun exited $rc"
@@ -43,6 +44,8 @@ check "the memory report" '^\[rank 0\] ==== zeroshard memory report'
 check "the trainer's memory" '^\[rank 0\] Trainer rank 0 holds: staging buffers'
 check "the daemons' ledger" '^\[rank 0\]   daemon 127\.0\.0\.1:[0-9]+  total'
 check "the paper's formula in the ledger" 'model states .* paper formula'
+check "the overlap comparison" \
+  '^\[rank 0\] push wait after backward: hooks [0-9.]+ ms, in step\(\) [0-9.]+ ms, ratio [0-9.]+'
 
 # "finished: 30 steps, held-out loss A -> B" on each rank: B < A.
 ranks_checked=0

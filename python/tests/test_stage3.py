@@ -151,9 +151,8 @@ def test_bf16_matches_bf16_reference(daemons, reference, reference_bf16,
 
 def test_bf16_wrong_model_raises(daemons):
     """Ranks whose models differ in one tensor's shape: the job is refused
-    for its layout (the daemons compare layout fingerprints, so the message
-    names the fingerprint, not the tensor); the other rank's wait for it
-    times out."""
+    for its layout, naming the tensor and both shapes; the other rank's wait
+    for it times out."""
     errors = [None, None]
 
     def join(rank):
@@ -175,7 +174,37 @@ def test_bf16_wrong_model_raises(daemons):
     assert all(e is not None for e in errors), errors
     refused = [e for e in errors if e.code == "FAILED_PRECONDITION"]
     print("wrong model in bf16:", [f"{e.code}: {e}" for e in errors])
-    assert refused and "layout" in str(refused[0])
+    assert refused, errors
+    message = str(refused[0])
+    assert "'shift': registered shape" in message, message
+    assert f"[{sc.OUT}]" in message and f"[{sc.OUT + 1}]" in message, message
+
+
+def test_overlap_comm_off_is_bit_identical(daemons):
+    """overlap_comm=False (every gradient pushed in step()) trains to the
+    same bits as pushing from the backward hooks, switched between steps of
+    one run; step() reports how long it waited for the pushes."""
+    x, y = sc.make_data()
+    finals = []
+    for job, modes in (("pytest-overlap-hooks", [True] * sc.STEPS),
+                       ("pytest-overlap-mixed",
+                        [s % 2 == 1 for s in range(sc.STEPS)])):
+        config = _config(daemons[:1], job, 0, 1)
+        model = shard_model(sc.make_model(), config, stage=3, lr=sc.LR,
+                            betas=sc.BETAS, eps=sc.EPS,
+                            weight_decay=sc.WEIGHT_DECAY,
+                            max_grad_norm=sc.MAX_GRAD_NORM)
+        for s, overlap in enumerate(modes):
+            model.overlap_comm = overlap
+            assert model.overlap_comm is overlap
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[s]), y[s]).backward()
+            result = model.step()
+            assert result["step"] == s + 1
+            assert result["push_wait_ms"] >= 0.0
+        finals.append(sc.flatten(model.full_state_dict()))
+        model.close()
+    np.testing.assert_array_equal(finals[0], finals[1])
 
 
 @pytest.mark.parametrize("stage,precision", [(2, "fp32"), (3, "fp32"),
@@ -219,6 +248,8 @@ def test_bad_layers_raise(daemons):
         shard_model(sc.make_model(), dict(config, precision="fp16"))
     with pytest.raises(TypeError, match="float32"):
         shard_model(sc.make_model().bfloat16(), config)  # an fp32 job
+    with pytest.raises(ValueError, match="overlap_comm"):
+        shard_model(sc.make_model(), config, stage=2, overlap_comm=False)
 
     class Tied(torch.nn.Module):
         def __init__(self):

@@ -9,6 +9,7 @@ parameters themselves, gathered layer by layer around forward and backward
 
 import os
 import re
+import time
 
 import numpy as np
 import torch
@@ -184,7 +185,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Pushes the gradients, steps on the daemons and loads the new
         parameters. Returns the closure's loss, if any; the step's result
-        dict (step, grad_norm, clip_coef, skipped) is in `last_result`."""
+        dict (step, grad_norm, clip_coef, skipped, loss_scale,
+        push_wait_ms: the time it waited for the pushes) is in
+        `last_result`."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -199,9 +202,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     dst.copy_(p.grad.reshape(-1))
         # Lent, not copied: _flat_grads is not written again before step()
         # has taken the pushes in.
+        push_start = time.perf_counter()
         self._client.push_gradients(0, len(self._flat_grads), self._flat_grads,
                                     borrow=True)
-        self.last_result = self._client.step(float(self.param_groups[0]["lr"]))
+        pushing = time.perf_counter() - push_start
+        self.last_result = _with_push_time(
+            self._client.step(float(self.param_groups[0]["lr"])), pushing)
         self._load_params()
         return loss
 
@@ -256,14 +262,15 @@ def _split_names(params):
 
 def shard_model(module, client_config, stage=3, layers=None, lr=1e-3,
                 betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                max_grad_norm=0.0):
+                max_grad_norm=0.0, overlap_comm=True):
     """Shards `module`'s training state on the daemons; returns a
     ShardedModel (see there). Stages 1 and 2 keep the parameters on the
     trainer and use ShardedOptimizer; stage 3 frees them between uses."""
     return ShardedModel(module, client_config, stage=stage, layers=layers,
                         lr=lr, betas=betas, eps=eps,
                         weight_decay=weight_decay,
-                        max_grad_norm=max_grad_norm)
+                        max_grad_norm=max_grad_norm,
+                        overlap_comm=overlap_comm)
 
 
 class ShardedModel(torch.nn.Module):
@@ -318,15 +325,24 @@ class ShardedModel(torch.nn.Module):
     only readable inside the forward of their layer, or through
     `full_state_dict()`.
 
+    `overlap_comm` (stage 3; settable between steps): True (the default)
+    pushes each gradient from its hook during backward, so the pushes
+    overlap the rest of the backward; False keeps every gradient until
+    `step()` and pushes them all there (a whole model's gradients held on
+    the trainer) — the baseline the overlap is measured against
+    (bench/python_overlap_bench). Stages 1-2 always push in `step()`.
+
     `optimizer` is a torch.optim.Optimizer whose `param_groups[0]["lr"]`
     `step()` uses (so LR schedulers work); `last_result` is the last step's
-    dict(step, grad_norm, clip_coef, skipped, loss_scale). Failures raise
-    `zeroshard.Error`.
+    dict(step, grad_norm, clip_coef, skipped, loss_scale, push_wait_ms), where
+    push_wait_ms is how long step() waited for the step's gradients to
+    reach the daemons (the pushes it made itself, then the wait for the
+    daemons to accept every push). Failures raise `zeroshard.Error`.
     """
 
     def __init__(self, module, client_config, stage=3, layers=None, lr=1e-3,
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 max_grad_norm=0.0):
+                 max_grad_norm=0.0, overlap_comm=True):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage: must be 1, 2 or 3, got {stage}")
@@ -335,6 +351,9 @@ class ShardedModel(torch.nn.Module):
         if stage in (1, 2):
             if layers is not None:
                 raise ValueError("layers: only stage 3 gathers by layer")
+            if not overlap_comm:
+                raise ValueError("overlap_comm: stages 1-2 always push in "
+                                 "step(); only stage 3 pushes from hooks")
             self._sharded = None
             self.optimizer = ShardedOptimizer(
                 module.named_parameters(), client_config, stage=stage, lr=lr,
@@ -344,9 +363,22 @@ class ShardedModel(torch.nn.Module):
         self._sharded = _LayerSharding(
             module, client_config, layers, lr=lr, betas=betas, eps=eps,
             weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        self._sharded.overlap_comm = bool(overlap_comm)
         self.optimizer = _LayerShardedOptimizer(
             self._sharded, module.parameters(),
             dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @property
+    def overlap_comm(self):
+        """Stage 3: whether gradients are pushed from backward hooks (True)
+        or all in step() (False). Stages 1-2: False."""
+        return self._sharded is not None and self._sharded.overlap_comm
+
+    @overlap_comm.setter
+    def overlap_comm(self, value):
+        if self._sharded is None:
+            raise ValueError("overlap_comm: stages 1-2 always push in step()")
+        self._sharded.overlap_comm = bool(value)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -518,6 +550,10 @@ class _LayerSharding:
                 layer.params.append((p, off))
             self._layers.append(layer)
         self._pushed = set()  # id() of the parameters pushed in this step
+        # Set by ShardedModel. False: gradients wait in _deferred (flat
+        # offset, tensor) until step() pushes them.
+        self.overlap_comm = True
+        self._deferred = []
         self._accumulators = []  # kept alive: the hooks live on them
         self._callback_queued = False
         self._held = sum(layer.bytes for layer in self._layers)
@@ -594,7 +630,10 @@ class _LayerSharding:
             # job's gradients go out as computed. Copied before the call
             # returns.
             data = grad.detach().reshape(-1).contiguous()
-            self.client.push_gradients(off, off + p.numel(), data)
+            if self.overlap_comm:
+                self.client.push_gradients(off, off + p.numel(), data)
+            else:
+                self._deferred.append((off, data))
             self._pushed.add(id(p))
             p.grad = None
             layer.unpushed -= 1
@@ -610,6 +649,13 @@ class _LayerSharding:
     # ---- step ----
 
     def step(self, lr):
+        push_start = time.perf_counter()
+        # Lent, not copied: _deferred keeps the gradients alive until the
+        # client has taken them in (it also holds them itself until then).
+        for off, data in self._deferred:
+            self.client.push_gradients(off, off + data.numel(), data,
+                                       borrow=True)
+        self._deferred.clear()
         for layer in self._layers:
             self._free(layer)
             for p, off in layer.params:
@@ -619,7 +665,8 @@ class _LayerSharding:
                         np.zeros(p.numel(), dtype=np.float32))
             layer.unpushed = layer.expected
         self._pushed.clear()
-        return self.client.step(lr)
+        pushing = time.perf_counter() - push_start
+        return _with_push_time(self.client.step(lr), pushing)
 
     def full_state_dict(self):
         flat = np.zeros(self._layout.total_elements, dtype=np.float32)
@@ -629,6 +676,14 @@ class _LayerSharding:
         for name, p, off in self._named:
             out[name] = flat_t[off:off + p.numel()].clone().view(p.shape)
         return out
+
+
+def _with_push_time(result, seconds):
+    """`result` (Client.step's dict) with the `seconds` step() spent pushing
+    gradients before Client.step added to its push_wait_ms: the whole time
+    step() waited for the step's gradients to reach the daemons."""
+    result["push_wait_ms"] += 1000 * seconds
+    return result
 
 
 # The dtype of stage 3's gathered parameters for each job precision.
