@@ -26,6 +26,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
 #include "common/channel.h"
@@ -86,6 +87,16 @@ absl::StatusOr<zeroshard::ChannelSecurity> Security() {
       zeroshard::JobTokenOrEnvironment(token), "--");
 }
 
+// Sets `*security` from the flags, then returns `run()`; the credentials'
+// error (and no call) when the flags' files cannot be read.
+absl::StatusOr<std::string> Secured(zeroshard::ChannelSecurity* security,
+                                    absl::FunctionRef<absl::StatusOr<std::string>()> run) {
+  absl::StatusOr<zeroshard::ChannelSecurity> s = Security();
+  if (!s.ok()) return s.status();
+  *security = *std::move(s);
+  return run();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -139,37 +150,22 @@ int main(int argc, char** argv) {
     o.daemons = absl::GetFlag(FLAGS_daemons);
     o.job = absl::GetFlag(FLAGS_job);
     o.timeout_ms = TimeoutMs(5000);
-    absl::StatusOr<zeroshard::ChannelSecurity> security = Security();
-    if (!security.ok()) {
-      out = security.status();
-    } else {
-      o.security = *std::move(security);
-      if (json) {
-        const absl::Status s = command == "status" ? zeroshard::tools::RunStatusJson(o, &document)
-                                                   : zeroshard::tools::RunMemoryJson(o, &document);
-        if (s.ok()) {
-          out = std::move(document);
-          document.clear();
-        } else {
-          out = s;
-        }
-      } else {
-        out = command == "status"   ? zeroshard::tools::RunStatus(o)
-              : command == "memory" ? zeroshard::tools::RunMemory(o)
-                                    : zeroshard::tools::RunDrain(o);
+    out = Secured(&o.security, [&]() -> absl::StatusOr<std::string> {
+      if (!json) {
+        return command == "status"   ? zeroshard::tools::RunStatus(o)
+               : command == "memory" ? zeroshard::tools::RunMemory(o)
+                                     : zeroshard::tools::RunDrain(o);
       }
-    }
+      const absl::Status s = command == "status" ? zeroshard::tools::RunStatusJson(o, &document)
+                                                 : zeroshard::tools::RunMemoryJson(o, &document);
+      if (!s.ok()) return s;
+      return std::exchange(document, std::string());
+    });
   } else if (command == "health") {
     zeroshard::tools::AdminOptions o;
     o.daemons = absl::GetFlag(FLAGS_daemons);
     o.timeout_ms = TimeoutMs(30000);
-    absl::StatusOr<zeroshard::ChannelSecurity> security = Security();
-    if (!security.ok()) {
-      out = security.status();
-    } else {
-      o.security = *std::move(security);
-      out = zeroshard::tools::RunHealth(o);
-    }
+    out = Secured(&o.security, [&] { return zeroshard::tools::RunHealth(o); });
   } else if (command == "checkpoint") {
     zeroshard::tools::CheckpointOptions o;
     o.daemons = absl::GetFlag(FLAGS_daemons);
@@ -178,13 +174,7 @@ int main(int argc, char** argv) {
     o.timeout_ms = TimeoutMs(600000);
     const std::string action = args[2];
     command = absl::StrCat(command, " ", action);
-    absl::StatusOr<zeroshard::ChannelSecurity> security = Security();
-    if (!security.ok()) {
-      out = security.status();
-    } else {
-      o.security = *std::move(security);
-      out = zeroshard::tools::RunCheckpoint(action, o);
-    }
+    out = Secured(&o.security, [&] { return zeroshard::tools::RunCheckpoint(action, o); });
   } else if (command == "export") {
     zeroshard::tools::ExportOptions o;
     o.checkpoint = absl::GetFlag(FLAGS_checkpoint);
