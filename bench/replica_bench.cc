@@ -10,13 +10,18 @@
 // samples:
 //
 //   transfer  the state copy (Job::SendState: masters, m and v, 12 B per
-//             parameter of the group, Replica.TransferState in 4 MiB chunks
-//             with CRC-32C) that the first PrepareStep of each group runs,
-//             since the backup starts out of sync. Two figures:
+//             parameter of the group) that the first PrepareStep of each
+//             group runs, since the backup starts out of sync. With
+//             --bulk_transport (ucx by default) the daemons run that bulk
+//             transport and the backup reads the primary's arrays itself
+//             (Get, CRC-32C per 4 MiB piece on both sides); with
+//             --bulk_transport= (none) the primary streams them
+//             (Replica.TransferState in 4 MiB chunks with CRC-32C). Two
+//             figures:
 //               log    bytes and seconds of the daemon's own line ("copied
-//                      the state of step S to the backup on ADDR: B bytes in
-//                      T s"), read by teeing this process's stderr through a
-//                      pipe (--capture_log);
+//                      the state of step S to the backup on ADDR over the
+//                      bulk transport: B bytes in T s"), read by teeing this
+//                      process's stderr through a pipe (--capture_log);
 //               delta  PrepareStep(1) latency minus the median PrepareStep
 //                      latency of the later steps of the same group (which
 //                      only forward the gradient), for 12 B per parameter.
@@ -36,6 +41,12 @@
 //             The payload is built once (no per-chunk copy into the message,
 //             no CRC): what gRPC itself moves over loopback, the ceiling of
 //             any transfer over it. --raw_streams streams per transfer.
+//   transport with --bulk_transport: the transport's own bandwidth for the
+//             same bytes, as the backup moves them: two transports of that
+//             kind in this process, a Connect and one Get per array of the
+//             group's size from a registered region into fresh buffers,
+//             nothing else (no CRC, no gRPC call). --raw_streams reads per
+//             transfer.
 //   context   what touching memory costs on this host over the same bytes:
 //             a fresh buffer (allocate, zero, copy in, free), a memcpy into
 //             warm memory, CRC-32C; the transfer does each of these on the
@@ -52,10 +63,13 @@
 //             rank), for reference: a gRPC stream that the daemon applies.
 //
 // The summary line, then the last line (ratio < 1: the transfer is slower
-// than the raw stream):
-//   transfer_gbps=A transfer_source=log|delta transfer_delta_gbps=...
-//   grpc_stream_gbps=B forward_added_s=... forward_gbps=...
-//   transfer_vs_grpc_stream=A/B
+// than its baseline: the raw transport's Gets with a bulk transport, the
+// raw stream without):
+//   transfer_gbps=A transfer_path=bulk|stream transfer_source=log|delta
+//   transfer_delta_gbps=... grpc_stream_gbps=B transport_gbps=C
+//   forward_added_s=... forward_gbps=...
+//   transfer_vs_transport=A/C   (with --bulk_transport)
+//   transfer_vs_grpc_stream=A/B (without)
 //   bazel run -c opt --config=clang //bench:replica_bench -- --params=16777216
 //
 // Memory: each daemon holds its group (16 B per parameter of the group:
@@ -109,6 +123,7 @@
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 #include "server/daemon.h"
 #include "server/replica_link_grpc.h"
+#include "transport/transport.h"
 
 ABSL_FLAG(uint64_t, params, 16ull << 20,
           "parameters of the job (Ψ), fp32 AdamW (the whole transfer and the first forward must "
@@ -124,6 +139,9 @@ ABSL_FLAG(int, steps, 3,
 ABSL_FLAG(uint64_t, bucket_bytes, 32ull << 20,
           "the job's bucket C_B (a push stream carries at most MaxPushStreamBytes(C_B))");
 ABSL_FLAG(int, optimizer_threads, 1, "each daemon's optimizer threads");
+ABSL_FLAG(std::string, bulk_transport, "ucx",
+          "the daemons' bulk transport (ucx, inproc, grpc; empty: none, the state copy streams)");
+ABSL_FLAG(std::string, ucx_tls, "", "UCX_TLS for a ucx bulk transport (empty: UCX's choice)");
 ABSL_FLAG(bool, capture_log, true,
           "tee stderr through a pipe to read the daemons' transfer lines (bytes and seconds)");
 
@@ -168,6 +186,7 @@ struct LoggedTransfer {
   uint32_t group = 0;
   uint64_t bytes = 0;
   double seconds = 0;
+  bool bulk = false;  // over the bulk transport, not in the stream
 };
 
 // Points fd 2 at a pipe whose reader thread writes everything on to the
@@ -243,22 +262,24 @@ class StderrTee {
 
   // server/job_replica.cc, Job::SendState:
   //   zeroshardd: job J replica group G: copied the state of step S to the
-  //   backup on ADDR: B bytes in T s (X GB/s)
+  //   backup on ADDR over the bulk transport|in the stream: B bytes in T s
+  //   (X GB/s)
   void Parse(const std::string& line) {
     if (line.find("copied the state of step") == std::string::npos) return;
+    const size_t figures = line.find(" bytes in ");
+    const size_t colon = line.rfind(": ", figures);
+    if (figures == std::string::npos || colon == std::string::npos) return;
     char job[256] = {0};
-    char address[300] = {0};
     unsigned group = 0;
-    unsigned long long step = 0;
     unsigned long long bytes = 0;
     double seconds = 0;
-    const int got = std::sscanf(line.c_str(),
-                                "zeroshardd: job %255s replica group %u: copied the state of step "
-                                "%llu to the backup on %299s %llu bytes in %lf s",
-                                job, &group, &step, address, &bytes, &seconds);
-    if (got != 6) return;
+    if (std::sscanf(line.c_str(), "zeroshardd: job %255s replica group %u:", job, &group) != 2 ||
+        std::sscanf(line.c_str() + colon + 2, "%llu bytes in %lf s", &bytes, &seconds) != 2) {
+      return;
+    }
+    const bool bulk = line.find("over the bulk transport", 0) < colon;
     std::lock_guard<std::mutex> lock(mu_);
-    transfers_.push_back({job, group, bytes, seconds});
+    transfers_.push_back({job, group, bytes, seconds, bulk});
     cv_.notify_all();
   }
 
@@ -343,6 +364,59 @@ double RawStream(GrpcReplicaLink& link, const std::string& sink, uint64_t n) {
   }
   return seconds;
 }
+
+// The bulk transport's own bandwidth for a group's state, moved as the
+// backup moves it: Connect, then one Get per array from the source's
+// registered region into fresh buffers.
+class RawGets {
+ public:
+  RawGets(const std::string& kind, const std::string& ucx_tls, uint64_t n) : n_(n) {
+    transport::TransportOptions to;
+    to.ucx_tls = ucx_tls;
+    to.name = "replica_bench source";
+    absl::StatusOr<std::unique_ptr<transport::Transport>> source =
+        transport::CreateTransport(kind, to);
+    Check(source.status(), "the baseline's source transport");
+    to.name = "replica_bench reader";
+    absl::StatusOr<std::unique_ptr<transport::Transport>> reader =
+        transport::CreateTransport(kind, to);
+    Check(reader.status(), "the baseline's reading transport");
+    source_ = *std::move(source);
+    reader_ = *std::move(reader);
+    absl::StatusOr<std::unique_ptr<transport::Region>> region =
+        source_->AllocateRegion(kStateArrays * n * sizeof(float), transport::Access::kRemoteRead);
+    Check(region.status(), "the baseline's source region");
+    region_ = *std::move(region);
+    float* data = static_cast<float*>(region_->base());
+    for (uint64_t i = 0; i < kStateArrays * n; ++i) data[i] = Noise(i, 5);
+  }
+
+  // Seconds for one read of the whole state.
+  double Read() {
+    const double start = Now();
+    const absl::Time deadline = absl::Now() + absl::Seconds(120);
+    absl::StatusOr<std::unique_ptr<transport::Connection>> c =
+        reader_->Connect(source_->LocalAddress(), deadline);
+    Check(c.status(), "the baseline's Connect");
+    std::vector<std::unique_ptr<float[]>> dst;
+    std::vector<transport::Completion> reads;
+    const transport::RegionDescriptor& d = region_->Descriptor();
+    for (uint64_t a = 0; a < kStateArrays; ++a) {
+      dst.emplace_back(new float[n_]);
+      const transport::RegionDescriptor array{d.address + a * n_ * sizeof(float),
+                                              n_ * sizeof(float), d.rkey};
+      reads.push_back((*c)->Get(dst.back().get(), n_ * sizeof(float), array, 0));
+    }
+    for (transport::Completion& r : reads) Check(r.Wait(deadline), "the baseline's Get");
+    return Now() - start;
+  }
+
+ private:
+  const uint64_t n_;
+  std::unique_ptr<transport::Transport> source_;
+  std::unique_ptr<transport::Transport> reader_;
+  std::unique_ptr<transport::Region> region_;
+};
 
 // What touching memory costs on this host, over `bytes` (a group's state):
 // a fresh buffer (allocated, zero-filled, copied into, freed: what the
@@ -686,7 +760,11 @@ int Main() {
     std::fprintf(stderr, "replica_bench: could not tee stderr; the transfer is the delta figure\n");
   }
 
+  const std::string bulk = absl::GetFlag(FLAGS_bulk_transport);
   DaemonOptions o;
+  o.bulk_transport = bulk;
+  o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  o.ucx_trust_peers = true;  // both daemons are in this process, on loopback
   o.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
   o.read_lease = absl::ZeroDuration();  // a removed job is freed at the next reap
   std::vector<std::unique_ptr<Daemon>> daemons;
@@ -728,8 +806,16 @@ int Main() {
   PrintMemoryContext(kStateArrays * 4 * std::max(group_n[0], group_n[1]));
   std::fflush(stdout);
 
+  std::unique_ptr<RawGets> raw_gets;
+  if (!bulk.empty()) {
+    raw_gets = std::make_unique<RawGets>(bulk, absl::GetFlag(FLAGS_ucx_tls),
+                                         std::max(group_n[0], group_n[1]));
+  }
+
   // ---- Replicated jobs: the transfers, then the raw streams ----
-  std::vector<double> log_gbps, delta_gbps, raw_gbps;
+  std::vector<double> log_gbps, delta_gbps, raw_gbps, get_gbps;
+  int bulk_transfers = 0;
+  int stream_transfers = 0;
   std::vector<double> repl_prepare, repl_commit, push_gbps;
   for (int j = 0; j < std::max(1, absl::GetFlag(FLAGS_jobs)); ++j) {
     const JobRun run = RunJob(w, absl::StrCat("replica-bench-", j), 2, daemons);
@@ -750,9 +836,10 @@ int Main() {
                              kStateArrays * 4 * group_n[d]));
           }
           log_gbps.push_back(Gbps(t->bytes, t->seconds));
-          logged = absl::StrFormat("%llu B in %.3f s (%.3f GB/s)",
-                                   static_cast<unsigned long long>(t->bytes), t->seconds,
-                                   log_gbps.back());
+          (t->bulk ? bulk_transfers : stream_transfers)++;
+          logged = absl::StrFormat(
+              "%llu B in %.3f s (%.3f GB/s) %s", static_cast<unsigned long long>(t->bytes),
+              t->seconds, log_gbps.back(), t->bulk ? "over the bulk transport" : "in the stream");
         }
       }
       std::printf(
@@ -768,6 +855,13 @@ int Main() {
         std::printf(
             "baseline  raw gRPC stream of group %d's bytes to the sink: %.3f s (%.3f GB/s)\n", d,
             seconds, raw_gbps.back());
+        if (raw_gets != nullptr) {
+          const double get_seconds = raw_gets->Read();
+          const double state_bytes = kStateArrays * 4.0 * std::max(group_n[0], group_n[1]);
+          get_gbps.push_back(Gbps(state_bytes, get_seconds));
+          std::printf("transport raw %s Gets of %.0f B (a group's state): %.3f s (%.3f GB/s)\n",
+                      bulk.c_str(), state_bytes, get_seconds, get_gbps.back());
+        }
       }
     }
     std::fflush(stdout);
@@ -804,11 +898,21 @@ int Main() {
   const bool from_log = !log_gbps.empty();
   const double transfer = from_log ? Median(log_gbps) : Median(delta_gbps);
   const double raw = Median(raw_gbps);
+  const double gets = get_gbps.empty() ? NAN : Median(get_gbps);
+  const char* path = bulk_transfers > 0 && stream_transfers == 0   ? "bulk"
+                     : stream_transfers > 0 && bulk_transfers == 0 ? "stream"
+                     : from_log                                    ? "mixed"
+                                                                   : "unknown";
   std::printf(
-      "transfer_gbps=%.3f transfer_source=%s transfer_delta_gbps=%.3f grpc_stream_gbps=%.3f "
-      "forward_added_s=%.4f forward_gbps=%.3f\n",
-      transfer, from_log ? "log" : "delta", Median(delta_gbps), raw, forward_added, forward_gbps);
-  std::printf("transfer_vs_grpc_stream=%.3f\n", transfer / raw);
+      "transfer_gbps=%.3f transfer_path=%s transfer_source=%s transfer_delta_gbps=%.3f "
+      "grpc_stream_gbps=%.3f transport_gbps=%.3f forward_added_s=%.4f forward_gbps=%.3f\n",
+      transfer, path, from_log ? "log" : "delta", Median(delta_gbps), raw, gets, forward_added,
+      forward_gbps);
+  if (!bulk.empty()) {
+    std::printf("transfer_vs_transport=%.3f\n", transfer / gets);
+  } else {
+    std::printf("transfer_vs_grpc_stream=%.3f\n", transfer / raw);
+  }
   std::fflush(stdout);
 
   sink->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));

@@ -193,9 +193,14 @@ class Job {
   // The backup side of the primary's calls; `first` is the stream's first
   // chunk (which named this copy), `next` reads the following ones (false at
   // the end). Nothing changes on any error; a refused forward or commit
-  // marks the copy out of sync (it waits for the next state transfer).
+  // marks the copy out of sync (it waits for the next state transfer). A
+  // transfer whose first chunk names the primary's arrays (`bulk`) reads
+  // them over the bulk transport, blocking until `deadline` at most;
+  // Unimplemented when this daemon cannot (no bulk transport, another
+  // kind): the primary then streams the data.
   absl::StatusOr<v1::TransferStateResponse> AcceptState(
-      const v1::ReplicaStateChunk& first, absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next);
+      const v1::ReplicaStateChunk& first, absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next,
+      absl::Time deadline);
   absl::StatusOr<v1::ForwardGradientResponse> AcceptGradient(
       const v1::ForwardedGradientChunk& first,
       absl::FunctionRef<bool(v1::ForwardedGradientChunk*)> next);
@@ -254,7 +259,19 @@ class Job {
   // step; returns whether it holds it.
   bool ReplicatePrepared(uint64_t step, const std::string& token)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
+  // Over the bulk transport when both daemons have the same kind, else in
+  // the stream.
   absl::Status SendState(const std::string& token, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
+  // The state's arrays in 4 MiB chunks of the stream.
+  absl::StatusOr<v1::TransferStateResponse> StreamState(const std::string& token,
+                                                        const v1::TrainingState& state,
+                                                        size_t arrays, uint64_t epoch,
+                                                        absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
+  // The first chunk of a bulk transfer (state and epoch set by the caller),
+  // or nullopt when this copy's arrays are not in transport regions.
+  std::optional<v1::ReplicaStateChunk> BulkStateChunk(size_t arrays) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
   absl::Status SendGradient(uint64_t step, const std::string& token, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/crc32c.h"
+#include "common/protocol.h"
 #include "common/status_macros.h"
 #include "server/job.h"
 
@@ -33,6 +34,76 @@ std::string ForeignChunk(absl::string_view where, const std::string& job_id) {
 
 const char* RoleName(ReplicaRole role) {
   return role == ReplicaRole::kPrimary ? "primary" : "backup";
+}
+
+// CRC-32C of each kReplicaChunkElements piece of data[0, n).
+void AddPieceCrcs(const float* data, uint64_t n, v1::BulkStateArray* out) {
+  for (uint64_t pos = 0; pos < n; pos += kReplicaChunkElements) {
+    const uint64_t count = std::min(kReplicaChunkElements, n - pos);
+    out->add_crc32c(Crc32c(data + pos, count * sizeof(float)));
+  }
+}
+
+// A bulk state transfer, the backup's side: reads the primary's arrays named
+// in `source` (n elements each) into held[a] over `transport`, every piece
+// checked against its CRC-32C. Blocks until `deadline` at most; a read cut
+// short is aborted (and waited for) before this returns. Unimplemented
+// when this daemon cannot read them: the primary then streams the data.
+absl::StatusOr<uint64_t> PullState(transport::Transport* transport,
+                                   const v1::BulkStateSource& source, uint64_t n,
+                                   const std::vector<std::unique_ptr<float[]>>& held,
+                                   absl::Time deadline) {
+  if (transport == nullptr) {
+    return absl::UnimplementedError(
+        "this daemon runs no bulk transport: send the state in the stream");
+  }
+  absl::StatusOr<v1::TransportKind> mine = TransportKindFromName(transport->kind(), "bulk");
+  if (!mine.ok() || *mine != source.transport()) {
+    return absl::UnimplementedError(
+        absl::StrCat("this daemon's bulk transport is ", transport->kind(), ", the primary's ",
+                     TransportKindName(source.transport()), ": send the state in the stream"));
+  }
+  if (static_cast<size_t>(source.arrays_size()) != held.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bulk.arrays: this job's state has ", held.size(), " arrays, got ", source.arrays_size()));
+  }
+  const uint64_t bytes = n * sizeof(float);
+  const int pieces = static_cast<int>((n + kReplicaChunkElements - 1) / kReplicaChunkElements);
+  for (int a = 0; a < source.arrays_size(); ++a) {
+    const v1::BulkStateArray& array = source.arrays(a);
+    if (array.length() != bytes || array.crc32c_size() != pieces) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bulk.arrays[", a, "]: ", array.length(), " bytes in ", array.crc32c_size(),
+                       " pieces, expected ", bytes, " bytes (", n, " fp32 elements) in ", pieces));
+    }
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<transport::Connection> connection,
+                   transport->Connect(source.worker_address(), deadline));
+  std::vector<transport::Completion> reads;
+  for (int a = 0; a < source.arrays_size(); ++a) {
+    const v1::BulkStateArray& array = source.arrays(a);
+    const transport::RegionDescriptor from{array.address(), array.length(), array.rkey()};
+    reads.push_back(connection->Get(held[a].get(), bytes, from, 0));
+  }
+  for (transport::Completion& read : reads) {
+    if (absl::Status s = read.Wait(deadline); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("reading the primary's state over the bulk "
+                                                 "transport: ",
+                                                 s.message()));
+    }
+  }
+  for (int a = 0; a < source.arrays_size(); ++a) {
+    for (int p = 0; p < pieces; ++p) {
+      const uint64_t pos = static_cast<uint64_t>(p) * kReplicaChunkElements;
+      const uint64_t count = std::min(kReplicaChunkElements, n - pos);
+      if (Crc32c(held[a].get() + pos, count * sizeof(float)) != source.arrays(a).crc32c(p)) {
+        return absl::DataLossError(absl::StrCat("bulk.arrays[", a, "] piece ", p,
+                                                ": CRC-32C of the data read does not match (the "
+                                                "primary's state changed during the read?)"));
+      }
+    }
+  }
+  return source.arrays_size() * bytes;
 }
 
 }  // namespace
@@ -218,11 +289,78 @@ absl::Status Job::SendState(const std::string& token, absl::Time deadline) {
   }
   const uint64_t n = owned_unpadded_.size();
   const uint64_t epoch = this->epoch();
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::TransferStateResponse> r = absl::UnimplementedError("not tried");
+  const char* how = "over the bulk transport";
+  if (std::optional<v1::ReplicaStateChunk> bulk = BulkStateChunk(arrays); bulk.has_value()) {
+    bulk->set_job_id(config_.job_id);
+    bulk->set_group(daemon_index_);
+    bulk->set_epoch(epoch);
+    *bulk->mutable_state() = state;
+    bool sent = false;
+    r = resources_.replica_link->TransferState(
+        peer_address_, token,
+        [&](v1::ReplicaStateChunk* chunk) {
+          if (sent) return false;
+          *chunk = *bulk;
+          sent = true;
+          return true;
+        },
+        deadline);
+  }
+  if (absl::IsUnimplemented(r.status())) {
+    how = "in the stream";
+    r = StreamState(token, state, arrays, epoch, deadline);
+  }
+  if (!r.ok()) return r.status();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  std::fprintf(stderr,
+               "zeroshardd: job %s replica group %u: copied the state of step %llu to the backup "
+               "on %s %s: %llu bytes in %.3f s (%.2f GB/s)\n",
+               config_.job_id.c_str(), daemon_index_,
+               static_cast<unsigned long long>(state.committed_step()), peer_address_.c_str(), how,
+               static_cast<unsigned long long>(r->bytes()), seconds,
+               seconds > 0 ? static_cast<double>(r->bytes()) / seconds / 1e9 : 0.0);
+  return absl::OkStatus();
+}
+
+std::optional<v1::ReplicaStateChunk> Job::BulkStateChunk(size_t arrays) const {
+  transport::Transport* transport = resources_.transport;
+  if (transport == nullptr) return std::nullopt;
+  absl::StatusOr<v1::TransportKind> kind = TransportKindFromName(transport->kind(), "bulk");
+  if (!kind.ok()) return std::nullopt;
+  const uint64_t n = owned_unpadded_.size();
+  v1::ReplicaStateChunk chunk;
+  v1::BulkStateSource* source = chunk.mutable_bulk();
+  source->set_transport(*kind);
+  source->set_worker_address(transport->LocalAddress());
+  // commit_mu_ (held) keeps every writer of the arrays out until the backup
+  // has answered.
+  absl::ReaderMutexLock lock(&params_mu_);
+  for (size_t a = 0; a < arrays; ++a) {
+    const transport::Region* region = shard_->array_region(a);
+    if (region == nullptr) return std::nullopt;
+    const float* data = shard_->array(a);
+    const uint64_t offset = static_cast<uint64_t>(reinterpret_cast<const char*>(data) -
+                                                  static_cast<const char*>(region->base()));
+    v1::BulkStateArray* out = source->add_arrays();
+    out->set_address(region->Descriptor().address + offset);
+    out->set_length(n * sizeof(float));
+    out->set_rkey(region->Descriptor().rkey);
+    AddPieceCrcs(data, n, out);
+  }
+  return chunk;
+}
+
+absl::StatusOr<v1::TransferStateResponse> Job::StreamState(const std::string& token,
+                                                           const v1::TrainingState& state,
+                                                           size_t arrays, uint64_t epoch,
+                                                           absl::Time deadline) {
+  const uint64_t n = owned_unpadded_.size();
   size_t array = 0;
   uint64_t offset = 0;
   bool first = true;
-  const absl::Time start = absl::Now();
-  absl::StatusOr<v1::TransferStateResponse> r = resources_.replica_link->TransferState(
+  return resources_.replica_link->TransferState(
       peer_address_, token,
       [&](v1::ReplicaStateChunk* chunk) {
         if (array == arrays) return false;
@@ -251,16 +389,6 @@ absl::Status Job::SendState(const std::string& token, absl::Time deadline) {
         return true;
       },
       deadline);
-  if (!r.ok()) return r.status();
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  std::fprintf(stderr,
-               "zeroshardd: job %s replica group %u: copied the state of step %llu to the backup "
-               "on %s: %llu bytes in %.3f s (%.2f GB/s)\n",
-               config_.job_id.c_str(), daemon_index_,
-               static_cast<unsigned long long>(state.committed_step()), peer_address_.c_str(),
-               static_cast<unsigned long long>(r->bytes()), seconds,
-               seconds > 0 ? static_cast<double>(r->bytes()) / seconds / 1e9 : 0.0);
-  return absl::OkStatus();
 }
 
 absl::Status Job::SendGradient(uint64_t step, const std::string& token, absl::Time deadline) {
@@ -311,7 +439,8 @@ absl::Status Job::RequireCurrentCopy() const {
 }
 
 absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
-    const v1::ReplicaStateChunk& first, absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next) {
+    const v1::ReplicaStateChunk& first, absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next,
+    absl::Time deadline) {
   RETURN_IF_ERROR(CheckDrivenBy(first.epoch(), /*transfer=*/true));
   if (!first.has_state()) {
     return absl::InvalidArgumentError("state: the first chunk of a transfer carries the state");
@@ -330,10 +459,20 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
   // Not zero-filled: every element is written by a chunk before it is read.
   std::vector<std::unique_ptr<float[]>> held;
   for (size_t a = 0; a < arrays; ++a) held.emplace_back(new float[n]);
-  std::vector<uint64_t> filled(arrays, 0);
-  v1::ReplicaStateChunk chunk = first;
   uint64_t bytes = 0;
-  for (size_t i = 0;; ++i) {
+  if (first.has_bulk()) {
+    if (!first.data().empty()) {
+      return absl::InvalidArgumentError("data: a bulk transfer's chunk carries no data");
+    }
+    ASSIGN_OR_RETURN(bytes, PullState(resources_.transport, first.bulk(), n, held, deadline));
+    v1::ReplicaStateChunk extra;
+    if (next(&extra)) {
+      return absl::InvalidArgumentError("a bulk transfer's stream carries one chunk, got more");
+    }
+  }
+  std::vector<uint64_t> filled(arrays, first.has_bulk() ? n : 0);
+  v1::ReplicaStateChunk chunk = first;
+  for (size_t i = 0; !first.has_bulk(); ++i) {
     const std::string where = absl::StrCat("chunk ", i);
     if (!chunk.job_id().empty() && chunk.job_id() != config_.job_id) {
       return absl::InvalidArgumentError(ForeignChunk(where, config_.job_id));

@@ -1,7 +1,16 @@
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "server/services.h"
 
 namespace zeroshard {
+namespace {
+
+// The longest a backup reads a primary's state for one transfer.
+constexpr absl::Duration kMaxTransferWait = absl::Minutes(30);
+
+}  // namespace
 
 absl::Status ReplicaService::FillState(const grpc::ServerContext& call, const std::string& id,
                                        v1::ReplicaState* out) {
@@ -57,8 +66,11 @@ grpc::Status ReplicaService::TransferState(grpc::ServerContext* call,
   v1::ReplicaStateChunk first;
   absl::StatusOr<std::shared_ptr<Job>> job = FirstChunk(ctx_, call, reader, &first);
   if (!job.ok()) return ctx_->Done(__func__, job.status());
-  absl::StatusOr<v1::TransferStateResponse> r =
-      (*job)->AcceptState(first, [&](v1::ReplicaStateChunk* c) { return NextChunk(reader, c); });
+  // A bulk transfer reads the primary's arrays within the caller's deadline.
+  const absl::Time deadline =
+      std::min(absl::FromChrono(call->deadline()), absl::Now() + kMaxTransferWait);
+  absl::StatusOr<v1::TransferStateResponse> r = (*job)->AcceptState(
+      first, [&](v1::ReplicaStateChunk* c) { return NextChunk(reader, c); }, deadline);
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   *resp = *std::move(r);
   return ctx_->Done(__func__, absl::OkStatus());

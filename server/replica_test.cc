@@ -32,6 +32,7 @@
 #include "server/daemon.h"
 #include "server/job.h"
 #include "server/testing/daemon_fixture.h"
+#include "transport/transport.h"
 
 namespace zeroshard {
 namespace {
@@ -44,7 +45,6 @@ using testing::MakeSpec;
 using testing::ParamChunks;
 using testing::RandomVector;
 using testing::SampleLayout;
-using testing::StartDaemon;
 
 constexpr uint32_t kWorld = 4;  // two partitions per daemon
 constexpr char kWrongToken[] = "zeroshard-some-other-jobs-token";
@@ -206,11 +206,19 @@ class ReplicaTest : public ::testing::Test {
  protected:
   void SetUp() override {
     for (int d = 0; d < 2; ++d) {
-      daemons_.push_back(StartDaemon());
-      ASSERT_NE(daemons_.back(), nullptr);
+      DaemonOptions o;
+      o.listen = "127.0.0.1:0";
+      o.read_lease = absl::ZeroDuration();  // removed jobs are freed at the next reap
+      o.bulk_transport = BulkTransport(d);
+      absl::StatusOr<std::unique_ptr<Daemon>> started = Daemon::Start(o);
+      ASSERT_TRUE(started.ok()) << started.status();
+      daemons_.push_back(*std::move(started));
       addresses_.push_back(daemons_.back()->address());
     }
   }
+
+  // Daemon d's bulk transport (empty: none, state copies in the stream).
+  virtual std::string BulkTransport(int d) const { return ""; }
 
   Daemon& daemon(int d) { return *daemons_[d]; }
 
@@ -1247,6 +1255,143 @@ TEST_F(ReplicaTest, RestartedBackupIsRefilled) {
   EXPECT_EQ(daemon(1).ledger().JobBytes(j.id)[static_cast<int>(MemoryCategory::kReplica)],
             4 * sizeof(float) *
                 (j.config.map.DaemonRange(0).size() + j.config.map.DaemonRange(1).size()));
+}
+
+// ---- 6. State copies over the bulk transport ----
+
+class BulkReplicaTest : public ReplicaTest {
+ protected:
+  std::string BulkTransport(int d) const override { return "inproc"; }
+};
+
+class MixedTransportReplicaTest : public ReplicaTest {
+ protected:
+  std::string BulkTransport(int d) const override { return d == 0 ? "inproc" : ""; }
+};
+
+// Daemon 1 runs no bulk transport: daemon 0's primary offers its arrays,
+// is told UNIMPLEMENTED and streams them instead.
+TEST_F(MixedTransportReplicaTest, BackupWithoutBulkGetsTheStream) {
+  ::testing::internal::CaptureStderr();
+  const TestJob j = SyncedJob("mixed");
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("to the backup on " + addresses_[1] + " in the stream"), std::string::npos)
+      << log;
+  EXPECT_NE(log.find("to the backup on " + addresses_[0] + " in the stream"), std::string::npos)
+      << log;
+  for (uint32_t g = 0; g < 2; ++g) {
+    EXPECT_TRUE(SameBits(Masters(*Copy(0, j.id, g)), Masters(*Copy(1, j.id, g)))) << g;
+  }
+}
+
+// Daemons with the same bulk transport: the backup reads the primary's
+// arrays itself, and the copies stay bit-identical through later steps.
+TEST_F(BulkReplicaTest, StateCopiedOverTheBulkTransport) {
+  ::testing::internal::CaptureStderr();
+  const TestJob j = SyncedJob("bulk");
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("to the backup on " + addresses_[1] + " over the bulk transport"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("in the stream"), std::string::npos) << log;
+  for (uint64_t step = 2; step <= 3; ++step) {
+    for (const v1::PrepareStepResponse& p : RunStep(j, step, {{0, 0, 1}, {1, 1, 1}})) {
+      EXPECT_TRUE(p.backup_in_sync());
+    }
+  }
+  // Two AdamW updates after the copy: equal masters need equal moments too.
+  for (uint32_t g = 0; g < 2; ++g) {
+    EXPECT_TRUE(SameBits(Masters(*Copy(0, j.id, g)), Masters(*Copy(1, j.id, g)))) << g;
+  }
+}
+
+// A bulk transfer from a source this test serves itself (its own inproc
+// transport), bad in every field the backup checks: refused, nothing
+// changed; then the good one is taken.
+TEST_F(BulkReplicaTest, BadBulkTransferChangesNothing) {
+  const TestJob j = SyncedJob("bulk-bad");
+  ReplicaClient& c = Replica(1);  // holds the backup of group 0
+  const uint64_t n = j.Range(0).size();
+  absl::StatusOr<std::unique_ptr<transport::Transport>> source =
+      transport::CreateTransport("inproc");
+  ASSERT_TRUE(source.ok()) << source.status();
+  absl::StatusOr<std::unique_ptr<transport::Region>> region =
+      (*source)->AllocateRegion(3 * n * sizeof(float), transport::Access::kRemoteRead);
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::mt19937 rng(11);
+  float* arrays = static_cast<float*>((*region)->base());
+  for (uint64_t i = 0; i < 3 * n; ++i) arrays[i] = std::abs(RandomVector(rng, 1, 0.1f)[0]);
+  v1::ReplicaStateChunk good;
+  good.set_job_id(j.id);
+  good.set_group(0);
+  good.set_epoch(1);
+  good.mutable_state()->set_committed_step(1);
+  good.mutable_state()->set_loss_scale(1.0f);
+  good.mutable_state()->set_optimizer_steps(1);
+  v1::BulkStateSource* bulk = good.mutable_bulk();
+  bulk->set_transport(v1::TRANSPORT_KIND_INPROC);
+  bulk->set_worker_address((*source)->LocalAddress());
+  const transport::RegionDescriptor& d = (*region)->Descriptor();
+  for (uint64_t a = 0; a < 3; ++a) {
+    v1::BulkStateArray* array = bulk->add_arrays();
+    array->set_address(d.address + a * n * sizeof(float));
+    array->set_length(n * sizeof(float));
+    array->set_rkey(d.rkey);
+    array->add_crc32c(Crc32c(arrays + a * n, n * sizeof(float)));  // n < 1 Mi: one piece
+  }
+  ASSERT_LT(n, uint64_t{1} << 20);
+  auto reject = [&](grpc::StatusCode code, const std::string& text,
+                    const std::vector<v1::ReplicaStateChunk>& chunks) {
+    ExpectRejected(j.id, code, text, [&] { return c.Transfer(chunks); });
+  };
+  auto with = [&](const std::function<void(v1::ReplicaStateChunk&)>& f) {
+    v1::ReplicaStateChunk chunk = good;
+    f(chunk);
+    return std::vector<v1::ReplicaStateChunk>{chunk};
+  };
+  reject(grpc::UNIMPLEMENTED, "this daemon's bulk transport is inproc, the primary's ucx",
+         with([](auto& ch) { ch.mutable_bulk()->set_transport(v1::TRANSPORT_KIND_UCX); }));
+  reject(grpc::INVALID_ARGUMENT, "bulk.arrays: this job's state has 3 arrays, got 2",
+         with([](auto& ch) { ch.mutable_bulk()->mutable_arrays()->RemoveLast(); }));
+  reject(grpc::INVALID_ARGUMENT, "bulk.arrays[1]: ", with([](auto& ch) {
+           auto* a = ch.mutable_bulk()->mutable_arrays(1);
+           a->set_length(a->length() + 4);
+         }));
+  reject(grpc::INVALID_ARGUMENT, "bulk.arrays[2]: ", with([](auto& ch) {
+           ch.mutable_bulk()->mutable_arrays(2)->add_crc32c(0);
+         }));
+  reject(grpc::DATA_LOSS, "bulk.arrays[0] piece 0: CRC-32C", with([](auto& ch) {
+           auto* a = ch.mutable_bulk()->mutable_arrays(0);
+           a->set_crc32c(0, a->crc32c(0) ^ 1);
+         }));
+  // Bytes past the source's region: the read itself fails.
+  {
+    std::vector<v1::ReplicaStateChunk> chunks = with([&](auto& ch) {
+      ch.mutable_bulk()->mutable_arrays(2)->set_address(d.address + 3 * n * sizeof(float) - 4);
+    });
+    grpc::Status s = c.Transfer(chunks);
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.error_message().find("reading the primary's state"), std::string::npos)
+        << s.error_message();
+  }
+  reject(grpc::INVALID_ARGUMENT, "",
+         with([](auto& ch) { ch.mutable_bulk()->set_worker_address("not an address"); }));
+  reject(grpc::INVALID_ARGUMENT, "a bulk transfer's chunk carries no data",
+         with([](auto& ch) { ch.set_data("1234"); }));
+  {
+    std::vector<v1::ReplicaStateChunk> chunks = {good, good};
+    reject(grpc::INVALID_ARGUMENT, "carries one chunk, got more", chunks);
+  }
+  reject(grpc::INVALID_ARGUMENT, "state: the first chunk",
+         with([](auto& ch) { ch.clear_state(); }));
+
+  // Unchanged, the chunk is a valid transfer: the backup takes the arrays.
+  v1::TransferStateResponse resp;
+  grpc::Status s = c.Transfer({good}, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.bytes(), 3 * n * sizeof(float));
+  const std::vector<float> sent(arrays, arrays + n);
+  EXPECT_TRUE(SameBits(Masters(*Copy(1, j.id, 0)), sent));
 }
 
 }  // namespace

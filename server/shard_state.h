@@ -66,6 +66,11 @@ class ShardState {
   const float* array(size_t i) const {
     return i == 0 ? master_.data() : i == 1 ? m_.data() : v_.data();
   }
+  // The transport region holding array(i) (a backup reads it in a state
+  // transfer); null when created without a transport.
+  const transport::Region* array_region(size_t i) const {
+    return i == 0 ? master_region_.get() : i == 1 ? m_region_.get() : v_region_.get();
+  }
   // Copies the first n owned elements of each checkpoint array into dst[i].
   void CopyOut(size_t n, float* const* dst) const;
   // Replaces the first n owned elements of each checkpoint array with src[i]
@@ -90,9 +95,11 @@ class ShardState {
   const DType precision_;
   const FlatRange owned_;
   const MemoryCategory half_category_;
-  // Transport memory behind master_ / half_; declared first so it is freed
-  // after the arrays.
+  // Transport memory behind master_, m_, v_ and half_; declared first so it
+  // is freed after the arrays.
   std::unique_ptr<transport::Region> master_region_;
+  std::unique_ptr<transport::Region> m_region_;
+  std::unique_ptr<transport::Region> v_region_;
   std::unique_ptr<transport::Region> half_region_;
   LedgerArray<float> master_;
   LedgerArray<float> m_;
