@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "gloo/barrier.h"
 #include "gloo/common/error.h"
 #include "gloo/common/logging.h"
 #include "gloo/rendezvous/context.h"
@@ -369,6 +371,10 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
     context->setTimeout(Remaining(deadline));
     auto device = ::gloo::transport::tcp::CreateDevice(attr);
     context->connectFullMesh(prefixed, device);
+    // Every rank past connectFullMesh has read every key (below).
+    ::gloo::BarrierOptions barrier(context);
+    barrier.setTimeout(Remaining(deadline));
+    ::gloo::barrier(barrier);
     send_buffer_ = context->createUnboundBuffer(acc_.get(), plan_.total_elements() * 4);
     recv_buffer_ = context->createUnboundBuffer(
         recv_.get(), uint64_t{job_.world_size - 1} * chunk_elements_ * 4);
@@ -378,6 +384,10 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
     recv_buffer_.reset();
     return s;
   }
+  // Past the barrier every rank has read this rank's keys (its arrival, its
+  // address), so they can go, leaving the directory clean for the job's
+  // next run.
+  for (const std::string& path : store->getAllKeyFilePaths()) std::remove(path.c_str());
   context_ = std::move(context);
   return absl::OkStatus();
 }

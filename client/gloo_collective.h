@@ -31,10 +31,11 @@
 // gloo::rendezvous::FileStore in `Options::rendezvous_dir` under the key
 // prefix "zeroshard/<job id>". The directory must be the same one for every
 // rank (one host, or a filesystem every node mounts, e.g. NFS: the store
-// polls files and needs no inotify) and must not hold the files of an
-// earlier run of the same job id (FailedPrecondition then: use a fresh
-// directory or remove them). Each rank listens on the TCP transport of
-// `Options::hostname` (or `Options::interface`).
+// polls files and needs no inotify). Once connected, a rank removes the
+// files it wrote; a rendezvous that failed leaves them, and the next run of
+// the same job id in that directory then fails with FailedPrecondition (use
+// a fresh directory or remove them). Each rank listens on the TCP transport
+// of `Options::hostname` (or `Options::interface`).
 //
 // Deadlines: every wait (the rendezvous, each chunk of the exchange, each
 // push) ends at Finish's deadline or sooner. The store's wait has a

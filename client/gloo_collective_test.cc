@@ -3,6 +3,8 @@
 
 #include "client/gloo_collective.h"
 
+#include <dirent.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -210,6 +212,15 @@ TEST(GlooCollectiveTest, SumsInRankOrderAndPushesOnlyItsPartition) {
     EXPECT_EQ(t.collective_received, 2 * (kWorld - 1) * own) << "rank " << p;
   }
   EXPECT_LT(job.map.UnpaddedPartition(2).size(), job.map.UnpaddedPartition(0).size());
+  // Connected ranks leave no rendezvous files behind.
+  DIR* d = opendir(job.dir.c_str());
+  ASSERT_NE(d, nullptr);
+  std::vector<std::string> left;
+  while (const dirent* e = readdir(d)) {
+    if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") left.push_back(e->d_name);
+  }
+  closedir(d);
+  EXPECT_TRUE(left.empty()) << left.size() << " files left, e.g. " << left[0];
 }
 
 TEST(GlooCollectiveTest, MicroBatchesAndHalfInputsAreSummedInOrder) {

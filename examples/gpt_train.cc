@@ -88,8 +88,9 @@ ABSL_FLAG(std::string, reduction, "daemon",
 ABSL_FLAG(std::string, collective_dir, "",
           "--reduction=trainer (required): the Gloo rendezvous directory, the same path for "
           "every rank: on one host any directory, across nodes one on a filesystem they all "
-          "mount. Created if missing. It must not hold the files of an earlier run of the same "
-          "job id (the rendezvous then fails): give each run a fresh directory.");
+          "mount. Created if missing. Each rank removes its files once connected; files left by "
+          "a run of the same job id whose rendezvous failed make this one fail: remove them, or "
+          "use a fresh directory.");
 ABSL_FLAG(std::string, collective_host, "127.0.0.1",
           "--reduction=trainer: the address this rank's Gloo transport listens on and gives its "
           "peers (loopback for ranks on one host; across nodes this host's address on the "
@@ -355,7 +356,7 @@ int Main() {
     if (o.collective_dir.empty()) {
       std::fprintf(stderr,
                    "gpt_train: --reduction=trainer needs --collective_dir (a directory "
-                   "every rank shares, fresh for each run)\n");
+                   "every rank shares)\n");
       return 2;
     }
     if (absl::GetFlag(FLAGS_reconnects) > 0) {
