@@ -43,6 +43,10 @@ std::chrono::milliseconds Remaining(absl::Time deadline) {
   return std::chrono::milliseconds(std::max<int64_t>(ms, 1));
 }
 
+std::string Joined(const std::string& what, const std::exception& e) {
+  return what.empty() ? std::string(e.what()) : absl::StrCat(what, ": ", e.what());
+}
+
 // Runs `fn`, converting whatever Gloo throws into a status: a timeout
 // (IoException once the deadline has passed) is DeadlineExceeded, another
 // I/O error Unavailable, anything else FailedPrecondition.
@@ -53,15 +57,15 @@ absl::Status CatchGloo(absl::Time deadline, const std::string& what, Fn fn) {
     return absl::OkStatus();
   } catch (const ::gloo::IoException& e) {
     if (absl::Now() + absl::Milliseconds(50) >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(what, ": ", e.what()));
+      return absl::DeadlineExceededError(Joined(what, e));
     }
-    return absl::UnavailableError(absl::StrCat(what, ": ", e.what()));
+    return absl::UnavailableError(Joined(what, e));
   } catch (const ::gloo::Exception& e) {
-    return absl::FailedPreconditionError(absl::StrCat(what, ": ", e.what()));
+    return absl::FailedPreconditionError(Joined(what, e));
   } catch (const ::gloo::EnforceNotMet& e) {
-    return absl::FailedPreconditionError(absl::StrCat(what, ": ", e.what()));
+    return absl::FailedPreconditionError(Joined(what, e));
   } catch (const std::exception& e) {
-    return absl::FailedPreconditionError(absl::StrCat(what, ": ", e.what()));
+    return absl::FailedPreconditionError(Joined(what, e));
   }
 }
 
@@ -336,8 +340,8 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
     });
     if (!s.ok()) {
       return absl::FailedPreconditionError(
-          absl::StrCat(s.message(), " (files of an earlier run of job ", job_.job_id,
-                       "? use a fresh directory for each run, or remove them)"));
+          absl::StrCat(s.message(), " (left by an earlier run of job ", job_.job_id,
+                       " whose rendezvous failed? remove them, or use a fresh directory)"));
     }
   }
   // Wait for every rank here, with our deadline (the transport's own waits
@@ -407,15 +411,14 @@ absl::Status GlooCollective::Exchange(absl::Time deadline) {
     slot_base = context_->nextSlot(static_cast<int>(std::max<uint64_t>(rounds, 1)));
   }));
   uint64_t sent_bytes = 0, received_bytes = 0;
+  std::vector<bool> received(n);  // in the round, by peer
   for (uint64_t k = 0; k < rounds; ++k) {
     const uint64_t off = k * c;
     const uint64_t slot = static_cast<uint64_t>(slot_base) + k;
     const uint64_t mine = off < size[p] ? std::min(c, size[p] - off) : 0;
-    std::vector<bool> received(n, false);
+    std::fill(received.begin(), received.end(), false);
     int recvs = 0, sends = 0;
-    const std::string round = absl::StrCat(kWhat, ": rank ", p, ", round ", k + 1, " of ", rounds,
-                                           " of the reduce-scatter");
-    absl::Status s = CatchGloo(deadline, round, [&] {
+    absl::Status s = CatchGloo(deadline, "", [&] {
       for (uint32_t q = 0; q < n; ++q) {
         if (q == p) continue;
         if (mine > 0) {
@@ -444,6 +447,8 @@ absl::Status GlooCollective::Exchange(absl::Time deadline) {
       }
     });
     if (!s.ok()) {
+      s = absl::Status(s.code(), absl::StrCat(kWhat, ": rank ", p, ", round ", k + 1, " of ",
+                                              rounds, " of the reduce-scatter: ", s.message()));
       std::vector<uint32_t> missing;
       for (uint32_t q = 0; q < n; ++q) {
         if (q != p && mine > 0 && !received[q]) missing.push_back(q);

@@ -5,6 +5,7 @@
 
 #include <dirent.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -283,6 +284,8 @@ TEST(GlooCollectiveTest, AMissingRankIsDeadlineExceededNotAHang) {
     const absl::Time start = absl::Now();
     const absl::Status s = c.Finish(1, start + limit);
     const absl::Duration took = absl::Now() - start;
+    std::printf("rank %u after %s: %s\n", r, absl::FormatDuration(took).c_str(),
+                s.ToString().c_str());
     EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
     EXPECT_NE(s.message().find("rendezvous"), std::string::npos) << s;
     EXPECT_LE(took, limit + absl::Milliseconds(500)) << "rank " << r;
@@ -315,6 +318,8 @@ TEST(GlooCollectiveTest, ARankMissingFromAStepIsDeadlineExceededNamingIt) {
                     .ok());
     const absl::Time start = absl::Now();
     const absl::Status s = c.Finish(2, start + limit);
+    std::printf("rank %u after %s: %s\n", r, absl::FormatDuration(absl::Now() - start).c_str(),
+                s.ToString().c_str());
     EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
     EXPECT_NE(s.message().find("rank(s) 1"), std::string::npos) << s;
     EXPECT_LE(absl::Now() - start, limit + absl::Milliseconds(500));
