@@ -49,8 +49,9 @@ uint64_t NextIncarnation() {
 absl::StatusOr<std::unique_ptr<Collective>> DefaultCollective(const ClientConfig& config) {
   if (config.reduction == ReductionMode::kTrainerCollective) {
     return absl::InvalidArgumentError(
-        "ClientConfig.reduction: the trainer collective (NCCL) is not built into this "
-        "client; pass a Collective to Client::Create or use ReductionMode::kDaemon");
+        "ClientConfig.reduction: the trainer collective is not built into this client; pass "
+        "a Collective (e.g. GlooCollective, client/gloo_collective.h) to Client::Create or use "
+        "ReductionMode::kDaemon");
   }
   DaemonReduceCollective::Options o;
   o.bucket_bytes = config.bucket_bytes;

@@ -5,9 +5,10 @@
 //  - DaemonReduceCollective (client/daemon_reduce_collective.h): every rank
 //    pushes its whole gradient, bucket by bucket, to the owning daemons, which
 //    sum the N_d contributions (REDUCTION_MODE_DAEMON).
-//  - a trainer collective (NCCL reduce-scatter among the ranks, then a push of
+//  - a trainer collective (a reduce-scatter among the ranks, then a push of
 //    this rank's reduced shard to its daemon; REDUCTION_MODE_TRAINER_COLLECTIVE)
-//    implements the same interface.
+//    implements the same interface: GlooCollective (client/gloo_collective.h)
+//    on CPUs over TCP.
 // Both must deliver the same numbers: every element of [0, total_elements)
 // reaches the daemons each step, alignment gaps as zeros (the daemons count
 // them in the gradient norm), summed over ranks in rank order.

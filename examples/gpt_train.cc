@@ -6,6 +6,11 @@
 // progress bar and, with --report, prints the memory, traffic and loss
 // report at the end (and trains the single-process reference to compare).
 //
+// --reduction=trainer --collective_dir=DIR: the ranks reduce-scatter their
+// gradients among themselves over Gloo (client/gloo_collective.h) and each
+// pushes only its own partition; the report shows the daemon and the
+// rank-to-rank traffic side by side.
+//
 // Checkpoints (the daemons need --checkpoint_dir): --checkpoint_every=N has
 // rank 0 save "step-<k>" after every N committed steps; --resume=NAME|latest
 // continues the job from a checkpoint to --steps in all. --dump_params=PATH
@@ -21,6 +26,7 @@
 
 #include <netdb.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <unistd.h>
 
@@ -45,9 +51,9 @@
 #include "client/rpc.h"
 #include "common/auth.h"
 #include "common/channel.h"
-#include "common/tls_flags.h"
 #include "common/estimator.h"
 #include "common/format.h"
+#include "common/tls_flags.h"
 #include "examples/trainer.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
 #include "tools/zsctl_commands.h"
@@ -73,6 +79,22 @@ ABSL_FLAG(std::string, transport, "ucx",
           "Data path to the daemons: ucx, grpc or inproc (a bulk transport, which must be the "
           "daemons' --bulk_transport), or stream (the Shard streaming RPCs).");
 ABSL_FLAG(std::string, ucx_tls, "", "UCX_TLS for --transport=ucx (empty: UCX's choice).");
+ABSL_FLAG(std::string, reduction, "daemon",
+          "Gradient reduction: daemon (every rank pushes its whole gradient; the daemons sum the "
+          "N_d contributions) or trainer (the ranks reduce-scatter their gradients among "
+          "themselves over Gloo's TCP transport and each pushes only its own partition, Ψ/N_d; "
+          "parameters are still gathered from the daemons). trainer needs --collective_dir and "
+          "takes no reconnects.");
+ABSL_FLAG(std::string, collective_dir, "",
+          "--reduction=trainer (required): the Gloo rendezvous directory, the same path for "
+          "every rank: on one host any directory, across nodes one on a filesystem they all "
+          "mount. Created if missing. Each rank removes its files once connected; files left by "
+          "a run of the same job id whose rendezvous failed make this one fail: remove them, or "
+          "use a fresh directory.");
+ABSL_FLAG(std::string, collective_host, "127.0.0.1",
+          "--reduction=trainer: the address this rank's Gloo transport listens on and gives its "
+          "peers (loopback for ranks on one host; across nodes this host's address on the "
+          "network the ranks share).");
 ABSL_FLAG(std::string, job_token_file, "",
           "File holding the job's secret (mode 0600); default: $ZS_JOB_TOKEN, which zsrun sets.");
 ABSL_FLAG(int, threads, 0, "Torch threads per rank; 0 = the cores shared among the ranks.");
@@ -322,6 +344,32 @@ int Main() {
   o.corpus_dir = absl::GetFlag(FLAGS_corpus);
   o.transport = absl::GetFlag(FLAGS_transport);
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  o.reduction = absl::GetFlag(FLAGS_reduction);
+  o.collective_dir = absl::GetFlag(FLAGS_collective_dir);
+  o.collective_hostname = absl::GetFlag(FLAGS_collective_host);
+  if (o.reduction != "daemon" && o.reduction != "trainer") {
+    std::fprintf(stderr, "gpt_train: --reduction: daemon or trainer, got \"%s\"\n",
+                 o.reduction.c_str());
+    return 2;
+  }
+  if (o.reduction == "trainer") {
+    if (o.collective_dir.empty()) {
+      std::fprintf(stderr,
+                   "gpt_train: --reduction=trainer needs --collective_dir (a directory "
+                   "every rank shares)\n");
+      return 2;
+    }
+    if (absl::GetFlag(FLAGS_reconnects) > 0) {
+      std::fprintf(stderr, "gpt_train: --reduction=trainer takes no --reconnects\n");
+      return 2;
+    }
+    o.reconnects = 0;
+    if (mkdir(o.collective_dir.c_str(), 0700) != 0 && errno != EEXIST) {
+      std::fprintf(stderr, "gpt_train: --collective_dir %s: %s\n", o.collective_dir.c_str(),
+                   std::strerror(errno));
+      return 2;
+    }
+  }
   o.tls = TlsFilesFromFlags();
   if (const std::string file = absl::GetFlag(FLAGS_job_token_file); !file.empty()) {
     absl::StatusOr<std::string> token = ReadTokenFile(file, "--job_token_file");
@@ -392,14 +440,15 @@ int Main() {
   torch::set_num_threads(threads);
   const double psi = static_cast<double>(layout->parameter_count());
   if (leader) {
-    std::printf("GPT: %d blocks, width %d, %d heads, %d tokens; Ψ = %s parameters (%zu layers); "
-                "global batch %d; ZeRO stage %u; N_d = %u; %zu daemon(s); %s over %s%s\n",
-                o.model.layers, o.model.width, o.model.heads, o.model.seq_len,
-                FormatCount(psi).c_str(), layout->layers().size(), o.global_batch, o.stage,
-                o.world_size, o.daemons.size(), std::string(DTypeName(o.precision)).c_str(),
-                o.transport.c_str(),
-                o.stage == 3 ? absl::StrCat("; activation checkpoints: ", o.activations).c_str()
-                             : "");
+    std::printf(
+        "GPT: %d blocks, width %d, %d heads, %d tokens; Ψ = %s parameters (%zu layers); "
+        "global batch %d; ZeRO stage %u; N_d = %u; %zu daemon(s); %s over %s; %s "
+        "reduction%s\n",
+        o.model.layers, o.model.width, o.model.heads, o.model.seq_len, FormatCount(psi).c_str(),
+        layout->layers().size(), o.global_batch, o.stage, o.world_size, o.daemons.size(),
+        std::string(DTypeName(o.precision)).c_str(), o.transport.c_str(),
+        o.reduction == "trainer" ? "trainer (Gloo)" : "daemon",
+        o.stage == 3 ? absl::StrCat("; activation checkpoints: ", o.activations).c_str() : "");
   }
   const StepCallback progress = [&](const StepReport& r) {
     if (!leader) return;
@@ -599,12 +648,28 @@ int Main() {
   }
   std::printf("%s\n", timing_line.c_str());
   const auto& t = result->traffic.last_step;
-  const double expected = (o.stage == 3 ? 3.0 : 2.0) * psi * elem;
-  std::printf("Traffic of rank 0 in the last step: pushed %s + gathered %s = %s; paper %s = %s "
-              "(ratio %.3f; alignment padding makes up the difference)\n\n",
-              FormatBytes(t.push).c_str(), FormatBytes(t.gather).c_str(),
-              FormatBytes(t.total()).c_str(), o.stage == 3 ? "3Ψ" : "2Ψ",
-              FormatBytes(expected).c_str(), t.total() / expected);
+  const bool trainer = o.reduction == "trainer";
+  const double nd = static_cast<double>(o.world_size);
+  // Daemon traffic: the push (Ψ, or Ψ/N_d with the trainer collective) and
+  // the gathers (Ψ, twice in stage 3).
+  const double expected = ((trainer ? 1.0 / nd : 1.0) + (o.stage == 3 ? 2.0 : 1.0)) * psi * elem;
+  const char* figure =
+      trainer ? (o.stage == 3 ? "Ψ/N_d + 2Ψ" : "Ψ/N_d + Ψ") : (o.stage == 3 ? "3Ψ" : "2Ψ");
+  std::printf(
+      "Traffic of rank 0 in the last step: pushed %s + gathered %s = %s with the daemons; "
+      "expected %s = %s (ratio %.3f; alignment padding makes up the difference)\n",
+      FormatBytes(t.push).c_str(), FormatBytes(t.gather).c_str(), FormatBytes(t.total()).c_str(),
+      figure, FormatBytes(expected).c_str(), t.total() / expected);
+  if (trainer) {
+    const double each_way = (nd - 1) / nd * psi * 4;
+    std::printf(
+        "  and with the other ranks (Gloo reduce-scatter, fp32): sent %s + received %s = "
+        "%s; expected (N_d-1)/N_d Ψ each way = %s + %s (ratio %.3f)\n",
+        FormatBytes(t.collective_sent).c_str(), FormatBytes(t.collective_received).c_str(),
+        FormatBytes(t.collective()).c_str(), FormatBytes(each_way).c_str(),
+        FormatBytes(each_way).c_str(), t.collective() / (2 * each_way));
+  }
+  std::printf("\n");
   std::printf("Training the same model in one process with torch::optim::AdamW for the reference "
               "...\n");
   std::fflush(stdout);

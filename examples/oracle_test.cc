@@ -3,6 +3,7 @@
 // torch::optim::AdamW on the full global batch.
 
 #include <cmath>
+#include <cstdlib>
 #include <thread>
 
 #include "examples/oracle_diff.h"
@@ -45,17 +46,23 @@ std::vector<TrainResult> RunRanks(TrainOptions o, uint32_t world, int num_daemon
   return out;
 }
 
+// The single-process torch AdamW run, trained once per test process.
+const TrainResult* Reference() {
+  static const TrainResult* reference = [] {
+    auto r = TrainSingleProcess(BaseOptions());
+    EXPECT_TRUE(r.ok()) << r.status();
+    return new TrainResult(*r);
+  }();
+  return reference;
+}
+
 class OracleTest : public ::testing::TestWithParam<std::tuple<uint32_t, uint32_t>> {};
 
 // Tolerances: examples/oracle_diff.h says why they are not 0.
 TEST_P(OracleTest, ShardedTrainingEqualsSingleProcessTraining) {
   const auto [stage, world] = GetParam();
   TrainOptions o = BaseOptions();
-  static const TrainResult* reference = [] {
-    auto r = TrainSingleProcess(BaseOptions());
-    EXPECT_TRUE(r.ok()) << r.status();
-    return new TrainResult(*r);
-  }();
+  const TrainResult* reference = Reference();
   o.stage = stage;
   o.job_id = "oracle-s" + std::to_string(stage) + "-n" + std::to_string(world);
   const std::vector<TrainResult> ranks = RunRanks(o, world, 2);
@@ -77,6 +84,64 @@ TEST_P(OracleTest, ShardedTrainingEqualsSingleProcessTraining) {
 INSTANTIATE_TEST_SUITE_P(StagesAndRanks, OracleTest,
                          ::testing::Combine(::testing::Values(1u, 2u, 3u),
                                             ::testing::Values(2u, 3u)));
+
+// The trainer collective (--reduction=trainer): the 3 ranks reduce-scatter
+// over Gloo (TCP on loopback, one thread each) and each pushes only its own
+// partition; the same tolerances hold.
+class TrainerCollectiveOracleTest : public ::testing::TestWithParam<uint32_t> {};
+
+TEST_P(TrainerCollectiveOracleTest, EqualsSingleProcessTraining) {
+  const uint32_t stage = GetParam();
+  constexpr uint32_t kWorld = 3;
+  TrainOptions o = BaseOptions();
+  const TrainResult* reference = Reference();
+  o.stage = stage;
+  o.job_id = "oracle-trainer-s" + std::to_string(stage);
+  o.reduction = "trainer";
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/gloo-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  o.collective_dir = dir;
+  const std::vector<TrainResult> ranks = RunRanks(o, kWorld, 2);
+  ASSERT_EQ(ranks.size(), kWorld);
+  for (uint32_t r = 1; r < kWorld; ++r) {
+    ASSERT_EQ(ranks[r].params, ranks[0].params) << "rank " << r << " differs from rank 0";
+  }
+  const OracleDiff d = CompareWithReference(ranks[0].params, MeanLosses(ranks), *reference);
+  std::printf(
+      "trainer collective, stage %u N_d %u: params relative L2 %.3g, max %.3g; loss max "
+      "relative %.3g\n",
+      stage, kWorld, d.params_rel, d.params_max, d.loss_max);
+  EXPECT_LE(d.params_rel, kOracleParamsRel);
+  EXPECT_LE(d.params_max, kOracleParamsMax);
+  EXPECT_LE(d.loss_max, kOracleLossRel);
+  // Both modes sum in rank order in fp32: daemon reduce gives the same bits.
+  TrainOptions daemon = o;
+  daemon.reduction = "daemon";
+  daemon.job_id += "-daemon";
+  const std::vector<TrainResult> daemon_ranks = RunRanks(daemon, kWorld, 2);
+  ASSERT_EQ(daemon_ranks.size(), kWorld);
+  EXPECT_TRUE(daemon_ranks[0].params == ranks[0].params)
+      << "the trainer collective's parameters differ from daemon reduce's";
+  // Per rank and step: its partition to the daemons, (N_d - 1)/N_d of the
+  // gradient out to the other ranks and as much in.
+  const Layout layout = *GptLayout(o.model);
+  const PartitionMap map = *PartitionMap::Create(layout.total_elements(), kWorld, 2);
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    const TrafficBytes& t = ranks[r].traffic.last_step;
+    std::printf(
+        "  rank %u per step: pushed %llu B to daemons (Ψ/N_d x 4 = %.0f B); collective "
+        "sent %llu B, received %llu B\n",
+        r, static_cast<unsigned long long>(t.push), 4.0 * layout.parameter_count() / kWorld,
+        static_cast<unsigned long long>(t.collective_sent),
+        static_cast<unsigned long long>(t.collective_received));
+    EXPECT_EQ(t.push, map.UnpaddedPartition(r).size() * 4);
+    EXPECT_EQ(t.collective_received, (kWorld - 1) * map.UnpaddedPartition(r).size() * 4);
+    EXPECT_EQ(t.collective_sent + map.UnpaddedPartition(r).size() * 4, layout.total_elements() * 4);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, TrainerCollectiveOracleTest, ::testing::Values(1u, 2u, 3u));
 
 // bf16 on the wire and in the trainers: the loss tracks the fp32 run.
 TEST(OracleTest, Bf16TracksFp32) {

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/gloo_collective.h"
 #include "common/status_macros.h"
 #include "examples/activation_store.h"
 
@@ -69,6 +70,8 @@ ClientConfig MakeClientConfig(const TrainOptions& o) {
   c.bucket_bytes = o.bucket_bytes;
   c.prefetch_depth = o.prefetch_depth;
   c.transport = o.transport;
+  c.reduction =
+      o.reduction == "trainer" ? ReductionMode::kTrainerCollective : ReductionMode::kDaemon;
   c.ucx_tls = o.ucx_tls;
   c.job_token = o.job_token;
   c.tls = o.tls;
@@ -186,6 +189,15 @@ absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known
     return absl::InvalidArgumentError(
         absl::StrCat("stage: sharded training needs stage 1, 2 or 3, got ", o.stage));
   }
+  if (o.reduction != "daemon" && o.reduction != "trainer") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reduction: must be daemon or trainer, got ", o.reduction));
+  }
+  if (o.reduction == "trainer" && (o.collective_dir.empty() || o.reconnects > 0)) {
+    return absl::InvalidArgumentError(
+        "reduction=trainer: needs collective_dir (a directory every rank shares) and no "
+        "reconnects (the Gloo rendezvous happens once per run)");
+  }
   ASSIGN_OR_RETURN(Layout layout, GptLayout(o.model));
   ASSIGN_OR_RETURN(std::string corpus, LoadCorpus(o.corpus_dir));
   // Stages 1-2 push from full_grads without a copy (BufferUse::kBorrow): it
@@ -194,7 +206,15 @@ absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known
   std::vector<float> full_grads(o.stage < 3 ? layout.total_elements() : 0);
   ClientConfig config = MakeClientConfig(o);
   config.known_committed_step = known_committed_step;
-  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Create(std::move(config)));
+  std::unique_ptr<Collective> collective;
+  if (o.reduction == "trainer") {
+    GlooCollective::Options gloo;
+    gloo.rendezvous_dir = o.collective_dir;
+    gloo.hostname = o.collective_hostname;
+    ASSIGN_OR_RETURN(collective, GlooCollective::Create(gloo));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client,
+                   Client::Create(std::move(config), std::move(collective)));
   // With a resume, rank 0's RegisterModel loads the checkpoint instead of
   // uploading these (unless there is none to resume from).
   std::vector<float> initial = GptInitialParams(o.model, layout, o.seed);

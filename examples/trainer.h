@@ -38,6 +38,18 @@ struct TrainOptions {
   uint64_t bucket_bytes = 1 << 20;
   uint32_t prefetch_depth = 2;
   std::string transport = "stream";  // data path: "stream", "ucx", "grpc" or "inproc"
+  // Gradient reduction (ClientConfig.reduction):
+  //   "daemon"   every rank pushes its whole gradient; the daemons sum them;
+  //   "trainer"  the ranks reduce-scatter among themselves over Gloo's TCP
+  //              transport and each pushes only its own partition
+  //              (client/gloo_collective.h). Parameters are still gathered
+  //              from the daemons. Needs `collective_dir`; no reconnects.
+  std::string reduction = "daemon";
+  // "trainer": the Gloo rendezvous directory, the same for every rank (one
+  // host, or a shared filesystem) and free of an earlier run's files of the
+  // same job id; and the address this rank's Gloo transport listens on.
+  std::string collective_dir;
+  std::string collective_hostname = "127.0.0.1";
   std::string ucx_tls;               // UCX_TLS for "ucx" ("" = UCX's choice)
   // ClientConfig.rpc_timeout and .step_timeout.
   absl::Duration rpc_timeout = absl::Seconds(60);

@@ -1,0 +1,471 @@
+// GlooCollective: ranks as threads, each with its own Gloo context over TCP
+// on loopback, rendezvous in a fresh directory per test.
+
+#include "client/gloo_collective.h"
+
+#include <dirent.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "client/client.h"
+#include "gtest/gtest.h"
+#include "server/testing/daemon_fixture.h"
+
+namespace zeroshard {
+namespace {
+
+// Records the pushes it is given; can fail the first `fail_pushes`.
+class FakeDataPath final : public DataPath {
+ public:
+  struct Received {
+    uint64_t step;
+    uint32_t rank;
+    uint32_t micro_batch;
+    uint32_t micro_batches;
+    FlatRange range;
+    DType dtype;
+    std::string data;
+  };
+  explicit FakeDataPath(std::string address) : address_(std::move(address)) {}
+  const std::string& address() const override { return address_; }
+  const char* name() const override { return "fake"; }
+  absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time) override {
+    absl::MutexLock lock(&mu_);
+    if (fail_pushes_ > 0) {
+      --fail_pushes_;
+      return absl::UnavailableError("fake daemon: connection reset");
+    }
+    const size_t bytes = push.range.size() * DTypeSize(push.dtype);
+    received_.push_back({push.step, push.rank, push.micro_batch, push.micro_batches, push.range,
+                         push.dtype, std::string(static_cast<const char*>(push.data), bytes)});
+    return bytes;
+  }
+  absl::StatusOr<uint64_t> InitParameters(const ParameterUpload&, absl::Time) override {
+    return absl::UnimplementedError("fake");
+  }
+  absl::StatusOr<uint64_t> Gather(const GatherRequestSpec&, void*, absl::Time) override {
+    return absl::UnimplementedError("fake");
+  }
+  std::vector<Received> received() const {
+    absl::MutexLock lock(&mu_);
+    return received_;
+  }
+  void Clear() {
+    absl::MutexLock lock(&mu_);
+    received_.clear();
+  }
+  void FailPushes(int n) {
+    absl::MutexLock lock(&mu_);
+    fail_pushes_ = n;
+  }
+
+ private:
+  const std::string address_;
+  mutable absl::Mutex mu_;
+  std::vector<Received> received_ ABSL_GUARDED_BY(mu_);
+  int fail_pushes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Tensors of awkward sizes: alignment gaps, and partitions of 2 or 3 ranks
+// that differ in their real elements (the last one is short).
+Layout TestLayout() {
+  std::vector<TensorSpec> t = {{"a", {37}, DType::kFp32, 0},
+                               {"b", {5, 13}, DType::kFp32, 0},
+                               {"c", {330}, DType::kFp32, 1},
+                               {"d", {3}, DType::kFp32, 2}};
+  return *Layout::Create(t);
+}
+
+std::string FreshDir() {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string tmpl = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/gloo-XXXXXX");
+  EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
+  return tmpl;
+}
+
+void RunRanks(uint32_t world, const std::function<void(uint32_t)>& fn) {
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < world; ++r) threads.emplace_back(fn, r);
+  for (auto& t : threads) t.join();
+}
+
+// One job's shared pieces and every rank's collective.
+struct Job {
+  Job(uint32_t world, uint32_t num_daemons, DType wire, uint32_t micro_batches = 1)
+      : layout(TestLayout()),
+        map(*PartitionMap::Create(layout.total_elements(), world, num_daemons)),
+        dir(FreshDir()),
+        traffic(world) {
+    for (uint32_t d = 0; d < num_daemons; ++d) {
+      daemons.push_back(std::make_unique<FakeDataPath>(absl::StrCat("fake:", d)));
+    }
+    for (uint32_t r = 0; r < world; ++r) {
+      GlooCollective::Options o;
+      o.rendezvous_dir = dir;
+      o.chunk_bytes = 64 * 4;  // several rounds even for this small model
+      collectives.push_back(*GlooCollective::Create(o));
+      CollectiveJob j;
+      j.job_id = "gloo-test";
+      j.rank = r;
+      j.incarnation = 1;
+      j.world_size = world;
+      j.layout = &layout;
+      j.map = &map;
+      j.wire_dtype = wire;
+      j.bucket_bytes = 100 * DTypeSize(wire);
+      j.micro_batches = micro_batches;
+      for (auto& d : daemons) j.daemons.push_back(d.get());
+      j.traffic = &traffic[r];
+      j.rpc_timeout = absl::Seconds(5);
+      EXPECT_TRUE(collectives.back()->Bind(j).ok());
+    }
+  }
+  // The pushes received, assembled into the flat space (fp32), with checks
+  // that rank p pushed only inside partition p to its owner.
+  std::vector<float> Assembled(uint64_t step) const {
+    std::vector<float> out(layout.total_elements(), -1.0f);
+    for (uint32_t d = 0; d < daemons.size(); ++d) {
+      for (const auto& r : daemons[d]->received()) {
+        if (r.step != step) continue;
+        EXPECT_TRUE(map.UnpaddedPartition(r.rank).Contains(r.range))
+            << "rank " << r.rank << " pushed [" << r.range.begin << ", " << r.range.end << ")";
+        EXPECT_EQ(map.DaemonOf(r.rank), d);
+        EXPECT_EQ(r.micro_batch, 0u);
+        EXPECT_EQ(r.micro_batches, 1u);
+        ToFloat(r.dtype, r.data.data(), out.data() + r.range.begin, r.range.size());
+      }
+    }
+    return out;
+  }
+  bool IsReal(uint64_t i) const {
+    for (const auto& t : layout.tensors()) {
+      if (t.range().Contains({i, i + 1})) return true;
+    }
+    return false;
+  }
+
+  Layout layout;
+  PartitionMap map;
+  std::string dir;
+  std::vector<std::unique_ptr<FakeDataPath>> daemons;
+  std::vector<TrafficCounters> traffic;
+  std::vector<std::unique_ptr<GlooCollective>> collectives;
+};
+
+std::vector<float> RandomGrad(uint64_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> g(n);
+  for (float& x : g) x = dist(gen);
+  return g;
+}
+
+TEST(GlooCollectiveTest, SumsInRankOrderAndPushesOnlyItsPartition) {
+  constexpr uint32_t kWorld = 3;
+  Job job(kWorld, 2, DType::kFp32);
+  const uint64_t total = job.layout.total_elements();
+  for (uint64_t step = 1; step <= 2; ++step) {
+    std::vector<std::vector<float>> grads;
+    for (uint32_t r = 0; r < kWorld; ++r) grads.push_back(RandomGrad(total, step * 10 + r));
+    RunRanks(kWorld, [&](uint32_t r) {
+      GlooCollective& c = *job.collectives[r];
+      // Two calls, split off the partition boundaries.
+      const uint64_t cut = 101;
+      for (FlatRange range : {FlatRange{cut, total}, FlatRange{0, cut}}) {
+        absl::StatusOr<PushTicket> t =
+            c.Reduce(step, 0, range, grads[r].data() + range.begin, DType::kFp32,
+                     BufferUse::kBorrow, absl::Now() + absl::Seconds(10));
+        ASSERT_TRUE(t.ok()) << t.status();
+        EXPECT_TRUE(t->done());
+      }
+      const absl::Status s = c.Finish(step, absl::Now() + absl::Seconds(20));
+      EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s;
+    });
+    // What the daemons sum in daemon reduce: rank order, fp32, gaps 0.
+    std::vector<float> expected(total, 0.0f);
+    for (uint64_t i = 0; i < total; ++i) {
+      if (!job.IsReal(i)) continue;
+      float s = grads[0][i];
+      for (uint32_t r = 1; r < kWorld; ++r) s += grads[r][i];
+      expected[i] = s;
+    }
+    const std::vector<float> got = job.Assembled(step);
+    EXPECT_EQ(0, std::memcmp(got.data(), expected.data(), total * 4)) << "step " << step;
+  }
+  // Per step: Ψ/N_d to the daemons, the other partitions out, N_d - 1
+  // copies of its own in.
+  for (uint32_t p = 0; p < kWorld; ++p) {
+    const TrafficBytes t = job.traffic[p].Total();
+    uint64_t others = 0;
+    for (uint32_t q = 0; q < kWorld; ++q) {
+      if (q != p) others += job.map.UnpaddedPartition(q).size() * 4;
+    }
+    const uint64_t own = job.map.UnpaddedPartition(p).size() * 4;
+    EXPECT_EQ(t.push, 2 * own) << "rank " << p;
+    EXPECT_EQ(t.collective_sent, 2 * others) << "rank " << p;
+    EXPECT_EQ(t.collective_received, 2 * (kWorld - 1) * own) << "rank " << p;
+  }
+  EXPECT_LT(job.map.UnpaddedPartition(2).size(), job.map.UnpaddedPartition(0).size());
+  // Connected ranks leave no rendezvous files behind.
+  DIR* d = opendir(job.dir.c_str());
+  ASSERT_NE(d, nullptr);
+  std::vector<std::string> left;
+  while (const dirent* e = readdir(d)) {
+    if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") left.push_back(e->d_name);
+  }
+  closedir(d);
+  EXPECT_TRUE(left.empty()) << left.size() << " files left, e.g. " << left[0];
+}
+
+TEST(GlooCollectiveTest, MicroBatchesAndHalfInputsAreSummedInOrder) {
+  constexpr uint32_t kWorld = 2;
+  constexpr uint32_t kMicro = 3;
+  Job job(kWorld, 1, DType::kBf16, kMicro);
+  const uint64_t total = job.layout.total_elements();
+  // grads[r][m]: bf16 inputs.
+  std::vector<std::vector<std::vector<uint16_t>>> grads(kWorld);
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    for (uint32_t m = 0; m < kMicro; ++m) {
+      const std::vector<float> f = RandomGrad(total, 100 + r * 10 + m);
+      std::vector<uint16_t> h(total);
+      FromFloat(DType::kBf16, f.data(), h.data(), total);
+      grads[r].push_back(std::move(h));
+    }
+  }
+  RunRanks(kWorld, [&](uint32_t r) {
+    GlooCollective& c = *job.collectives[r];
+    for (uint32_t m = 0; m < kMicro; ++m) {
+      ASSERT_TRUE(c.Reduce(1, m, {0, total}, grads[r][m].data(), DType::kBf16, BufferUse::kCopy,
+                           absl::Now() + absl::Seconds(10))
+                      .ok());
+    }
+    EXPECT_TRUE(c.Finish(1, absl::Now() + absl::Seconds(20)).ok());
+  });
+  std::vector<float> sum(total, 0.0f);
+  for (uint64_t i = 0; i < total; ++i) {
+    if (!job.IsReal(i)) continue;
+    float s = 0;
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      float local = Bf16ToFloat(grads[r][0][i]);
+      for (uint32_t m = 1; m < kMicro; ++m) local += Bf16ToFloat(grads[r][m][i]);
+      s = r == 0 ? local : s + local;
+    }
+    sum[i] = s;
+  }
+  // On the wire in the job's precision.
+  std::vector<uint16_t> wire(total);
+  FromFloat(DType::kBf16, sum.data(), wire.data(), total);
+  std::vector<float> expected(total);
+  ToFloat(DType::kBf16, wire.data(), expected.data(), total);
+  const std::vector<float> got = job.Assembled(1);
+  EXPECT_EQ(0, std::memcmp(got.data(), expected.data(), total * 4));
+  EXPECT_EQ(job.traffic[0].Total().push, job.map.UnpaddedPartition(0).size() * 2);
+}
+
+TEST(GlooCollectiveTest, AMissingRankIsDeadlineExceededNotAHang) {
+  constexpr uint32_t kWorld = 3;
+  Job job(kWorld, 1, DType::kFp32);
+  const uint64_t total = job.layout.total_elements();
+  const std::vector<float> g(total, 1.0f);
+  // Rank 2 never arrives at the rendezvous.
+  const absl::Duration limit = absl::Seconds(3);
+  RunRanks(2, [&](uint32_t r) {
+    GlooCollective& c = *job.collectives[r];
+    ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
+                         absl::Now() + absl::Seconds(10))
+                    .ok());
+    const absl::Time start = absl::Now();
+    const absl::Status s = c.Finish(1, start + limit);
+    const absl::Duration took = absl::Now() - start;
+    std::printf("rank %u after %s: %s\n", r, absl::FormatDuration(took).c_str(),
+                s.ToString().c_str());
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_NE(s.message().find("rendezvous"), std::string::npos) << s;
+    EXPECT_LE(took, limit + absl::Milliseconds(500)) << "rank " << r;
+    // Broken for good, with the first error in the message.
+    const absl::Status again = c.Finish(1, absl::Now() + absl::Seconds(1));
+    EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
+  });
+  EXPECT_TRUE(job.daemons[0]->received().empty());
+}
+
+TEST(GlooCollectiveTest, ARankMissingFromAStepIsDeadlineExceededNamingIt) {
+  constexpr uint32_t kWorld = 3;
+  Job job(kWorld, 1, DType::kFp32);
+  const uint64_t total = job.layout.total_elements();
+  const std::vector<float> g(total, 1.0f);
+  RunRanks(kWorld, [&](uint32_t r) {
+    GlooCollective& c = *job.collectives[r];
+    ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
+                         absl::Now() + absl::Seconds(10))
+                    .ok());
+    ASSERT_TRUE(c.Finish(1, absl::Now() + absl::Seconds(20)).ok());
+  });
+  // Step 2 without rank 1.
+  const absl::Duration limit = absl::Seconds(2);
+  RunRanks(kWorld, [&](uint32_t r) {
+    if (r == 1) return;
+    GlooCollective& c = *job.collectives[r];
+    ASSERT_TRUE(c.Reduce(2, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
+                         absl::Now() + absl::Seconds(10))
+                    .ok());
+    const absl::Time start = absl::Now();
+    const absl::Status s = c.Finish(2, start + limit);
+    std::printf("rank %u after %s: %s\n", r, absl::FormatDuration(absl::Now() - start).c_str(),
+                s.ToString().c_str());
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_NE(s.message().find("rank(s) 1"), std::string::npos) << s;
+    EXPECT_LE(absl::Now() - start, limit + absl::Milliseconds(500));
+  });
+}
+
+TEST(GlooCollectiveTest, CallerMistakes) {
+  Job job(1, 1, DType::kFp32, 2);
+  GlooCollective& c = *job.collectives[0];
+  const uint64_t total = job.layout.total_elements();
+  const std::vector<float> g(total, 1.0f);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  ASSERT_TRUE(c.Reduce(1, 0, {0, 100}, g.data(), DType::kFp32, BufferUse::kCopy, deadline).ok());
+  // Contributing twice.
+  absl::StatusOr<PushTicket> twice =
+      c.Reduce(1, 0, {50, 150}, g.data(), DType::kFp32, BufferUse::kCopy, deadline);
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument) << twice.status();
+  EXPECT_NE(twice.status().message().find("[50, 100)"), std::string::npos) << twice.status();
+  // Micro-batch 1 before micro-batch 0 is complete.
+  absl::StatusOr<PushTicket> early =
+      c.Reduce(1, 1, {0, 100}, g.data(), DType::kFp32, BufferUse::kCopy, deadline);
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition) << early.status();
+  // Incomplete: Finish names the first element nobody pushed.
+  absl::Status s = c.Finish(1, deadline);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("element 100"), std::string::npos) << s;
+  // The step can be contributed again from scratch.
+  ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy, deadline).ok());
+  ASSERT_TRUE(c.Reduce(1, 1, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy, deadline).ok());
+  absl::StatusOr<PushTicket> done_mb =
+      c.Reduce(1, 0, {0, 10}, g.data(), DType::kFp32, BufferUse::kCopy, deadline);
+  EXPECT_EQ(done_mb.status().code(), absl::StatusCode::kInvalidArgument) << done_mb.status();
+  EXPECT_TRUE(c.Finish(1, deadline).ok());
+  EXPECT_EQ(
+      c.Reduce(1, 2, {0, 10}, g.data(), DType::kFp32, BufferUse::kCopy, deadline).status().code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GlooCollective::Create({}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(GlooCollectiveTest, AFailedPushIsRetriedWithoutExchangingAgain) {
+  constexpr uint32_t kWorld = 2;
+  Job job(kWorld, 2, DType::kFp32);
+  const uint64_t total = job.layout.total_elements();
+  std::vector<std::vector<float>> grads = {RandomGrad(total, 1), RandomGrad(total, 2)};
+  job.daemons[0]->FailPushes(1);  // rank 0's first bucket
+  RunRanks(kWorld, [&](uint32_t r) {
+    GlooCollective& c = *job.collectives[r];
+    ASSERT_TRUE(c.Reduce(1, 0, {0, total}, grads[r].data(), DType::kFp32, BufferUse::kCopy,
+                         absl::Now() + absl::Seconds(10))
+                    .ok());
+    const absl::Status s = c.Finish(1, absl::Now() + absl::Seconds(20));
+    if (r == 0) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+      EXPECT_NE(s.message().find("fake:0"), std::string::npos) << s;
+    } else {
+      EXPECT_TRUE(s.ok()) << s;
+    }
+  });
+  // Rank 0 alone retries the step: its Reduce calls are ignored, and it
+  // pushes the held rank sum (rank 1 is not there to exchange with).
+  GlooCollective& c = *job.collectives[0];
+  const std::vector<float> zeros(total, 0.0f);
+  ASSERT_TRUE(c.Reduce(1, 0, {0, total}, zeros.data(), DType::kFp32, BufferUse::kCopy,
+                       absl::Now() + absl::Seconds(10))
+                  .ok());
+  ASSERT_TRUE(c.Finish(1, absl::Now() + absl::Seconds(5)).ok());
+  std::vector<float> expected(total, 0.0f);
+  for (uint64_t i = 0; i < total; ++i) {
+    if (job.IsReal(i)) expected[i] = grads[0][i] + grads[1][i];
+  }
+  const std::vector<float> got = job.Assembled(1);
+  EXPECT_EQ(0, std::memcmp(got.data(), expected.data(), total * 4));
+}
+
+// Through the Client against in-process daemons: three ranks train three
+// steps in daemon reduce and in the trainer collective; the parameters are
+// the same bits.
+TEST(GlooCollectiveTest, TrainsLikeDaemonReduceThroughTheClient) {
+  constexpr uint32_t kWorld = 3;
+  const Layout layout = testing::SampleLayout();
+  const uint64_t total = layout.total_elements();
+  std::vector<float> init(total, 0.0f);
+  for (const auto& t : layout.tensors()) {
+    for (uint64_t i = 0; i < t.numel; ++i) init[t.offset + i] = 0.01f * ((i * 7 + 3) % 23);
+  }
+  std::vector<std::vector<float>> results;
+  std::vector<TrafficBytes> last_step;
+  for (ReductionMode mode : {ReductionMode::kDaemon, ReductionMode::kTrainerCollective}) {
+    std::vector<std::unique_ptr<Daemon>> daemons;
+    std::vector<std::string> addresses;
+    for (int d = 0; d < 2; ++d) {
+      daemons.push_back(testing::StartDaemon());
+      addresses.push_back(daemons.back()->address());
+    }
+    const std::string dir = FreshDir();
+    std::vector<std::vector<float>> params(kWorld, std::vector<float>(total));
+    std::vector<TrafficBytes> traffic(kWorld);
+    RunRanks(kWorld, [&](uint32_t rank) {
+      ClientConfig c;
+      c.job_token = testing::kTestToken;
+      c.daemons = addresses;
+      c.job_id = "gloo-client";
+      c.rank = rank;
+      c.world_size = kWorld;
+      c.stage = 2;
+      c.precision = DType::kFp32;
+      c.bucket_bytes = 4096;
+      c.optimizer.lr = 1e-2f;
+      c.max_grad_norm = 1.0f;
+      c.rpc_timeout = absl::Seconds(10);
+      c.step_timeout = absl::Seconds(20);
+      c.reduction = mode;
+      std::unique_ptr<Collective> collective;
+      if (mode == ReductionMode::kTrainerCollective) {
+        GlooCollective::Options o;
+        o.rendezvous_dir = dir;
+        collective = *GlooCollective::Create(o);
+      }
+      absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(c, std::move(collective));
+      ASSERT_TRUE(client.ok()) << client.status();
+      ASSERT_TRUE((*client)->RegisterModel(layout, init.data()).ok());
+      std::vector<float> grad(total);
+      for (int step = 1; step <= 3; ++step) {
+        ASSERT_TRUE((*client)->GatherAll(params[rank].data(), DType::kFp32).ok());
+        for (uint64_t i = 0; i < total; ++i) {
+          grad[i] = params[rank][i] * 0.5f + 0.001f * static_cast<float>((i + rank * 13) % 17);
+        }
+        ASSERT_TRUE((*client)->PushGradients({0, total}, grad.data(), DType::kFp32).status().ok());
+        absl::StatusOr<StepResult> r = (*client)->Step(0.01f);
+        ASSERT_TRUE(r.ok()) << "rank " << rank << ": " << r.status();
+      }
+      ASSERT_TRUE((*client)->GatherAll(params[rank].data(), DType::kFp32).ok());
+      traffic[rank] = (*client)->TrafficReport().last_step;
+    });
+    for (uint32_t r = 1; r < kWorld; ++r) EXPECT_EQ(params[r], params[0]);
+    results.push_back(params[0]);
+    last_step.push_back(traffic[0]);
+  }
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_EQ(0, std::memcmp(results[0].data(), results[1].data(), total * 4));
+  const PartitionMap map = *PartitionMap::Create(total, kWorld, 2);
+  EXPECT_EQ(last_step[0].push, total * 4);
+  EXPECT_EQ(last_step[0].collective(), 0u);
+  EXPECT_EQ(last_step[1].push, map.UnpaddedPartition(0).size() * 4);
+  EXPECT_EQ(last_step[1].collective_received, 2 * map.UnpaddedPartition(0).size() * 4);
+}
+
+}  // namespace
+}  // namespace zeroshard
