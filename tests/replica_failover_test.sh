@@ -16,9 +16,16 @@
 #      over both groups when daemon 1 dies. No trainer restarts.
 #   T  --replicas=2 under zsrun --max_restarts=1: rank 1 kills itself in
 #      step 20 and zsrun restarts it.
+# Then with three daemons and three ranks (group g's backup on daemon
+# g + 1 mod 3):
+#   U3 --replicas=1, undisturbed: the parameters to match.
+#   K3 --replicas=2: daemon 1 (primary of group 1, backup of group 0) is
+#      killed after step 15 and started again after step 25; daemon 2
+#      takes group 1 over, and daemons 0 and 2 copy their groups' state to
+#      the restarted daemon 1.
 # Checked: every run exits 0, D's and T's trainers were not restarted (D) or
-# restarted once (T), the promotions and the state copy happened, and the
-# four parameter dumps are identical. Printed: kill -9 to the next committed
+# restarted once (T), the promotions and the state copies happened, the
+# four two-daemon parameter dumps are identical, and K3's equals U3's. Printed: kill -9 to the next committed
 # step, the state copy's size and time, replication's cost on step time and
 # daemon memory.
 #
@@ -42,13 +49,16 @@ fail() {
   zs_fail "$@"
 }
 
-# Two free loopback ports.
-read -r PORT0 PORT1 < <(python3 -c '
+# Three free loopback ports.
+read -r PORT0 PORT1 PORT2 < <(python3 -c '
 import socket
-s = [socket.socket() for _ in range(2)]
+s = [socket.socket() for _ in range(3)]
 for x in s: x.bind(("127.0.0.1", 0))
 print(*[x.getsockname()[1] for x in s])')
-ADDRS=("127.0.0.1:$PORT0" "127.0.0.1:$PORT1")
+ADDRS=("127.0.0.1:$PORT0" "127.0.0.1:$PORT1" "127.0.0.1:$PORT2")
+# The daemons the runs use (the three-daemon runs set all three).
+RUN_ADDRS="${ADDRS[0]},${ADDRS[1]}"
+NPROC=2
 DAEMON_PIDS=()
 
 # start_daemon D: zeroshardd D on its fixed address, appending to its log.
@@ -93,7 +103,7 @@ start_run() {
     shift
   done
   shift
-  "$ZSRUN" --daemon_addresses="${ADDRS[0]},${ADDRS[1]}" --nproc=2 --job_id="failover-$tag" \
+  "$ZSRUN" --daemon_addresses="$RUN_ADDRS" --nproc="$NPROC" --job_id="failover-$tag" \
     --grace_s=5 "${zsrun_flags[@]}" -- \
     "$GPT_TRAIN" "${TRAINER_FLAGS[@]}" --transport="$TRANSPORT" --replicas="$replicas" \
     --dump_params="$WORK/$tag.f32" "$@" >"$WORK/$tag.log" 2>&1 &
@@ -101,15 +111,19 @@ start_run() {
   RUN_START=$SECONDS
 }
 
+# finish_run TAG [REFERENCE]: waits for run TAG; its parameters must equal
+# run REFERENCE's (default U).
 finish_run() {
   wait "$ZSRUN_PID"
   local rc=$?
+  local reference="${2:-U}"
   log "run $1: exit $rc in $((SECONDS - RUN_START)) s"
   ((rc == 0)) || {
     tail -n 30 "$WORK/$1.log" >&2
     fail "run $1 did not finish"
   }
-  cmp -s "$WORK/U.f32" "$WORK/$1.f32" || fail "run $1 ended with other parameters than run U"
+  cmp -s "$WORK/$reference.f32" "$WORK/$1.f32" ||
+    fail "run $1 ended with other parameters than run $reference"
 }
 
 # category_bytes TAG D CATEGORY: the bytes daemon D held in CATEGORY in run
@@ -196,6 +210,35 @@ finish_run T
 grep -q "rank 1 exited with code 137; restarting it (restart 1 of 1)" "$WORK/T.log" ||
   fail "run T: zsrun did not restart rank 1"
 log "run T: rank 1 killed in step 20 and restarted; parameters identical to run U"
+
+start_daemon 2 || fail "daemon 2 did not start"
+RUN_ADDRS="${ADDRS[0]},${ADDRS[1]},${ADDRS[2]}"
+NPROC=3
+start_run U3 1 -- --report=false --batch=12
+finish_run U3 U3
+start_run K3 2 -- --report=false --batch=12
+wait_step K3 15
+kill_daemon 1
+killed_at=$(now_ms)
+log "run K3: daemon 1 of 3 killed (SIGKILL) after step 15"
+wait_step K3 16
+log "run K3: kill -9 to the next committed step: $(($(now_ms) - killed_at)) ms"
+wait_step K3 25
+start_daemon 1 || fail "daemon 1 did not start again"
+log "run K3: daemon 1 started again, empty, after step 25"
+finish_run K3 U3
+grep -q "restarting it" "$WORK/K3.log" && fail "run K3: zsrun restarted a trainer"
+grep -q "promoted the backup of replica group 1 on ${ADDRS[2]} to primary (epoch 2)" \
+  "$WORK/K3.log" || fail "run K3: group 1 was not promoted on daemon 2"
+for d in 0 2; do
+  g=$d
+  ((d == 2)) && g=1
+  grep -qs "job failover-K3 replica group $g: copied the state of step [2-9][0-9] to the backup on ${ADDRS[1]}" \
+    "$WORK/daemon$d.log" || fail "run K3: daemon $d did not copy group $g to the restarted daemon 1"
+  grep "job failover-K3 replica group $g: copied the state of step [2-9][0-9]" "$WORK/daemon$d.log" |
+    sed 's/^zeroshardd: /  /'
+done
+log "run K3: 3 daemons, daemon 1 killed and restarted; parameters identical to run U3"
 
 zs_kill_all "${DAEMON_PIDS[@]}"
 log "PASSED in $((SECONDS - start)) s"
