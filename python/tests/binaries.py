@@ -34,11 +34,13 @@ def zsctl_binary():
 
 
 @contextlib.contextmanager
-def running_daemons(count, extra_args=lambda index: []):
+def running_daemons(count, extra_args=lambda index: [], procs=None):
     """Starts `count` daemons on 127.0.0.1:0 and yields their addresses;
-    kills them on exit. extra_args(i) gives daemon i's other flags."""
+    kills them on exit. extra_args(i) gives daemon i's other flags; the
+    daemons' Popen objects are appended to `procs` when given."""
     binary = daemon_binary()
-    procs, addresses = [], []
+    procs = [] if procs is None else procs
+    addresses = []
     try:
         for i in range(count):
             proc = subprocess.Popen(

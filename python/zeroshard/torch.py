@@ -7,6 +7,7 @@ parameters themselves, gathered layer by layer around forward and backward
 (like FSDP's fully_shard).
 """
 
+import collections
 import os
 import re
 import time
@@ -150,6 +151,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         config.update(stage=stage, lr=lr, betas=tuple(betas), eps=eps,
                       weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                       resume=resume)
+        self._config = config
         self._client = Client(**config)
         self._rank = config["rank"]
         self._save_pending = False
@@ -174,6 +176,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def client(self):
         """The underlying zeroshard.Client (reports, committed step)."""
         return self._client
+
+    def reconnect(self):
+        """Drops this rank's connection and joins the job again with a new
+        one, after a `zeroshard.Error` that a new connection may get past
+        (`reconnectable(error)`: a daemon died or was replaced, a call or
+        a step ran out of time). With `replicas=2` the new connection finds
+        where each replica group is served now (rank 0 promotes the backups
+        of groups whose primary is gone). The parameters are loaded again
+        from the daemons; returns the committed step: train on from the
+        step after it (a step that failed before it committed is trained
+        again, by every rank). Every rank of the job reconnects too: the
+        others fail at their next step and reconnect in their turn."""
+        self._client = None  # dropped first: its heartbeats stop
+        self._client = _rejoin(self._config, self._layout)
+        self._save_pending = False
+        self._load_params()
+        return self._client.committed_step
 
     def _load_params(self):
         self._client.gather_all(self._flat_params)
@@ -408,6 +427,31 @@ class ShardedModel(torch.nn.Module):
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def reconnect(self):
+        """Joins the job again with a new connection after a
+        `zeroshard.Error` for which `reconnectable(error)` holds (see
+        `ShardedOptimizer.reconnect`); returns the committed step, after
+        which training goes on. Stage 3 drops what the failed step had
+        gathered or held back; the next forward gathers from the daemons
+        that now serve each group. Typical loop, with `replicas=2` in the
+        config so that a daemon's death loses nothing:
+
+            step = model.client.committed_step
+            while step < steps:
+                try:
+                    loss_fn(model(x[step]), y[step]).backward()
+                    model.step()
+                    step += 1
+                except zeroshard.Error as e:
+                    if not reconnectable(e):
+                        raise
+                    model.zero_grad()
+                    step = model.reconnect()
+        """
+        if self._sharded is None:
+            return self.optimizer.reconnect()
+        return self._sharded.reconnect()
+
     def full_state_dict(self):
         """{name: tensor}: a copy of every parameter as of the last committed
         step (stage 3 gathers the whole model for it: float32, the daemons'
@@ -514,6 +558,7 @@ class _LayerSharding:
 
         config.update(stage=3, lr=lr, betas=tuple(betas), eps=eps,
                       weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        self._config = config
         self.client = Client(**config)
         rank = config["rank"]
 
@@ -553,7 +598,7 @@ class _LayerSharding:
         # Set by ShardedModel. False: gradients wait in _deferred (flat
         # offset, tensor) until step() pushes them.
         self.overlap_comm = True
-        self._deferred = []
+        self._deferred = collections.deque()
         self._accumulators = []  # kept alive: the hooks live on them
         self._callback_queued = False
         self._held = sum(layer.bytes for layer in self._layers)
@@ -646,27 +691,46 @@ class _LayerSharding:
         for layer in self._layers:
             self._free(layer)
 
+    # ---- reconnect ----
+
+    def reconnect(self):
+        for layer in self._layers:
+            self._free(layer)
+            layer.unpushed = layer.expected
+        self._pushed.clear()
+        self._deferred.clear()
+        self._callback_queued = False
+        self.client = None  # dropped first: its heartbeats stop
+        self.client = _rejoin(self._config, self._layout)
+        return self.client.committed_step
+
     # ---- step ----
 
     def step(self, lr):
+        # What is pushed here is marked pushed at once, so that a step()
+        # retried after an error pushes only the rest.
         push_start = time.perf_counter()
-        # Lent, not copied: _deferred keeps the gradients alive until the
-        # client has taken them in (it also holds them itself until then).
-        for off, data in self._deferred:
+        # Lent, not copied: the client holds the gradients until it has
+        # taken them in.
+        while self._deferred:
+            off, data = self._deferred[0]
             self.client.push_gradients(off, off + data.numel(), data,
                                        borrow=True)
-        self._deferred.clear()
+            self._deferred.popleft()
         for layer in self._layers:
-            self._free(layer)
             for p, off in layer.params:
                 if id(p) not in self._pushed:
                     self.client.push_gradients(
                         off, off + p.numel(),
                         np.zeros(p.numel(), dtype=np.float32))
+                    self._pushed.add(id(p))
+        pushing = time.perf_counter() - push_start
+        result = self.client.step(lr)
+        for layer in self._layers:
+            self._free(layer)
             layer.unpushed = layer.expected
         self._pushed.clear()
-        pushing = time.perf_counter() - push_start
-        return _with_push_time(self.client.step(lr), pushing)
+        return _with_push_time(result, pushing)
 
     def full_state_dict(self):
         flat = np.zeros(self._layout.total_elements, dtype=np.float32)
@@ -676,6 +740,29 @@ class _LayerSharding:
         for name, p, off in self._named:
             out[name] = flat_t[off:off + p.numel()].clone().view(p.shape)
         return out
+
+
+# The status codes after which a new connection may get on: a daemon gone
+# or replaced, a call or a step out of time, a step the daemons could not
+# take (as the C++ trainer's reconnects).
+_RECONNECTABLE = frozenset(["UNAVAILABLE", "DEADLINE_EXCEEDED",
+                            "FAILED_PRECONDITION", "ABORTED", "CANCELLED"])
+
+
+def reconnectable(error):
+    """Whether `error` (a zeroshard.Error) may be got past by
+    `ShardedModel.reconnect()` / `ShardedOptimizer.reconnect()`."""
+    return isinstance(error, Error) and getattr(error, "code", None) in _RECONNECTABLE
+
+
+def _rejoin(config, layout):
+    """A new Client of `config` joined to the job with `layout`, for a rank
+    whose old client was dropped without leaving the job (leaving would end
+    it when this is the last rank). Nothing is uploaded: the daemons keep
+    the job's state (a resume is not repeated)."""
+    client = Client(**dict(config, resume=None))
+    client.register_model(layout, None)
+    return client
 
 
 def _with_push_time(result, seconds):
