@@ -302,9 +302,13 @@ std::string ShapeString(const v1::TensorSpec& t) {
 // The first tensor where two layouts differ, named: what a person fixes
 // when ranks build different models. Empty if the layouts are equal.
 std::string DescribeLayoutDifference(const v1::Layout& registered, const v1::Layout& got) {
-  if (registered.alignment_elements() != got.alignment_elements()) {
-    return absl::StrCat("layout.alignment_elements: registered ", registered.alignment_elements(),
-                        ", got ", got.alignment_elements());
+  // 0 stands for the default.
+  auto alignment = [](const v1::Layout& l) -> uint64_t {
+    return l.alignment_elements() == 0 ? Layout::kDefaultAlignment : l.alignment_elements();
+  };
+  if (alignment(registered) != alignment(got)) {
+    return absl::StrCat("layout.alignment_elements: registered ", alignment(registered), ", got ",
+                        alignment(got));
   }
   const int n = std::min(registered.tensors_size(), got.tensors_size());
   for (int i = 0; i < n; ++i) {

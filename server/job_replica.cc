@@ -44,15 +44,43 @@ void AddPieceCrcs(const float* data, uint64_t n, v1::BulkStateArray* out) {
   }
 }
 
+// How long a bulk read cut short may take to let go of its buffer.
+constexpr absl::Duration kAbortedReadWait = absl::Seconds(10);
+
+// Reads cut short: aborts them and waits for the transport to let go of
+// their buffers. A read still not done after kAbortedReadWait may go on
+// writing into its buffer, so the buffers of `held` are then leaked rather
+// than freed (logged): bytes lost beat memory that a late read overwrites.
+void SettleAbortedReads(std::vector<transport::Completion> reads,
+                        std::vector<std::unique_ptr<float[]>>* held, uint64_t bytes_each) {
+  for (transport::Completion& read : reads) read.Abort();
+  const absl::Time until = absl::Now() + kAbortedReadWait;
+  bool settled = true;
+  for (transport::Completion& read : reads) {
+    if (absl::IsDeadlineExceeded(read.Wait(until))) settled = false;
+  }
+  if (settled) return;
+  for (std::unique_ptr<float[]>& buffer : *held) (void)buffer.release();
+  // Their destructors would wait again: they are leaked with the buffers.
+  (void)new std::vector<transport::Completion>(std::move(reads));
+  std::fprintf(stderr,
+               "zeroshardd: a state transfer's reads over the bulk transport did not stop within "
+               "%lld s of being aborted; leaving their %llu bytes of buffers allocated\n",
+               static_cast<long long>(absl::ToInt64Seconds(kAbortedReadWait)),
+               static_cast<unsigned long long>(held->size() * bytes_each));
+}
+
 // A bulk state transfer, the backup's side: reads the primary's arrays named
-// in `source` (n elements each) into held[a] over `transport`, every piece
-// checked against its CRC-32C. Blocks until `deadline` at most; a read cut
-// short is aborted (and waited for) before this returns. Unimplemented
-// when this daemon cannot read them: the primary then streams the data.
+// in `source` (n elements each) into (*held)[a] over `transport`, every
+// piece checked against its CRC-32C. Blocks until `deadline` at most (the
+// connection until `connect_deadline`); reads cut short are settled before
+// this returns (SettleAbortedReads). Unimplemented when this daemon cannot
+// read them (no bulk transport, another kind, the primary's address out of
+// its reach): the primary then streams the data.
 absl::StatusOr<uint64_t> PullState(transport::Transport* transport,
                                    const v1::BulkStateSource& source, uint64_t n,
-                                   const std::vector<std::unique_ptr<float[]>>& held,
-                                   absl::Time deadline) {
+                                   std::vector<std::unique_ptr<float[]>>* held,
+                                   absl::Time connect_deadline, absl::Time deadline) {
   if (transport == nullptr) {
     return absl::UnimplementedError(
         "this daemon runs no bulk transport: send the state in the stream");
@@ -63,9 +91,9 @@ absl::StatusOr<uint64_t> PullState(transport::Transport* transport,
         absl::StrCat("this daemon's bulk transport is ", transport->kind(), ", the primary's ",
                      TransportKindName(source.transport()), ": send the state in the stream"));
   }
-  if (static_cast<size_t>(source.arrays_size()) != held.size()) {
+  if (static_cast<size_t>(source.arrays_size()) != held->size()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "bulk.arrays: this job's state has ", held.size(), " arrays, got ", source.arrays_size()));
+        "bulk.arrays: this job's state has ", held->size(), " arrays, got ", source.arrays_size()));
   }
   const uint64_t bytes = n * sizeof(float);
   const int pieces = static_cast<int>((n + kReplicaChunkElements - 1) / kReplicaChunkElements);
@@ -77,16 +105,24 @@ absl::StatusOr<uint64_t> PullState(transport::Transport* transport,
                        " pieces, expected ", bytes, " bytes (", n, " fp32 elements) in ", pieces));
     }
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<transport::Connection> connection,
-                   transport->Connect(source.worker_address(), deadline));
+  absl::StatusOr<std::unique_ptr<transport::Connection>> connection =
+      transport->Connect(source.worker_address(), std::min(connect_deadline, deadline));
+  if (absl::IsInvalidArgument(connection.status())) return connection.status();
+  if (!connection.ok()) {
+    return absl::UnimplementedError(
+        absl::StrCat("this daemon cannot reach the primary's bulk "
+                     "transport (",
+                     connection.status().ToString(), "): send the state in the stream"));
+  }
   std::vector<transport::Completion> reads;
   for (int a = 0; a < source.arrays_size(); ++a) {
     const v1::BulkStateArray& array = source.arrays(a);
     const transport::RegionDescriptor from{array.address(), array.length(), array.rkey()};
-    reads.push_back(connection->Get(held[a].get(), bytes, from, 0));
+    reads.push_back((*connection)->Get((*held)[a].get(), bytes, from, 0));
   }
   for (transport::Completion& read : reads) {
     if (absl::Status s = read.Wait(deadline); !s.ok()) {
+      SettleAbortedReads(std::move(reads), held, bytes);
       return absl::Status(s.code(), absl::StrCat("reading the primary's state over the bulk "
                                                  "transport: ",
                                                  s.message()));
@@ -96,7 +132,7 @@ absl::StatusOr<uint64_t> PullState(transport::Transport* transport,
     for (int p = 0; p < pieces; ++p) {
       const uint64_t pos = static_cast<uint64_t>(p) * kReplicaChunkElements;
       const uint64_t count = std::min(kReplicaChunkElements, n - pos);
-      if (Crc32c(held[a].get() + pos, count * sizeof(float)) != source.arrays(a).crc32c(p)) {
+      if (Crc32c((*held)[a].get() + pos, count * sizeof(float)) != source.arrays(a).crc32c(p)) {
         return absl::DataLossError(absl::StrCat("bulk.arrays[", a, "] piece ", p,
                                                 ": CRC-32C of the data read does not match (the "
                                                 "primary's state changed during the read?)"));
@@ -464,7 +500,8 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
     if (!first.data().empty()) {
       return absl::InvalidArgumentError("data: a bulk transfer's chunk carries no data");
     }
-    ASSIGN_OR_RETURN(bytes, PullState(resources_.transport, first.bulk(), n, held, deadline));
+    ASSIGN_OR_RETURN(bytes, PullState(resources_.transport, first.bulk(), n, &held,
+                                      absl::Now() + resources_.replica_timeout, deadline));
     v1::ReplicaStateChunk extra;
     if (next(&extra)) {
       return absl::InvalidArgumentError("a bulk transfer's stream carries one chunk, got more");

@@ -1376,6 +1376,17 @@ TEST_F(BulkReplicaTest, BadBulkTransferChangesNothing) {
   }
   reject(grpc::INVALID_ARGUMENT, "",
          with([](auto& ch) { ch.mutable_bulk()->set_worker_address("not an address"); }));
+  // A source that is gone: the backup cannot reach it, so the primary is
+  // told to stream.
+  {
+    absl::StatusOr<std::unique_ptr<transport::Transport>> gone =
+        transport::CreateTransport("inproc");
+    ASSERT_TRUE(gone.ok()) << gone.status();
+    const std::string address = (*gone)->LocalAddress();
+    gone->reset();
+    reject(grpc::UNIMPLEMENTED, "cannot reach the primary's bulk transport",
+           with([&](auto& ch) { ch.mutable_bulk()->set_worker_address(address); }));
+  }
   reject(grpc::INVALID_ARGUMENT, "a bulk transfer's chunk carries no data",
          with([](auto& ch) { ch.set_data("1234"); }));
   {

@@ -67,10 +67,10 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(const JobConfig& 
                                               " bytes were not booked"));
     }
   }
-  // Arrays peers read directly (trainers the masters and half copy, a
-  // backup every checkpoint array in a state transfer) are allocated by the
-  // transport (placed for remote access) and booked once, as the arrays
-  // themselves.
+  // Arrays peers read directly (trainers the masters and half copy, in a
+  // replicated job a backup every checkpoint array in a state transfer) are
+  // allocated by the transport (placed for remote access) and booked once,
+  // as the arrays themselves.
   auto remote = [&](size_t size, std::unique_ptr<transport::Region>* region)
       -> absl::StatusOr<void*> {
     if (transport == nullptr || size == 0) return nullptr;
@@ -99,11 +99,17 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(const JobConfig& 
       !st.ok()) {
     return st;
   }
-  if (absl::Status st = array(&s->m_, MemoryCategory::kOptimM, &s->m_region_); !st.ok()) {
+  // The moments only where a backup may read them.
+  const bool replicated = c.replicas > 1;
+  if (absl::Status st =
+          array(&s->m_, MemoryCategory::kOptimM, replicated ? &s->m_region_ : nullptr);
+      !st.ok()) {
     return st;
   }
   if (!sgd) {
-    if (absl::Status st = array(&s->v_, MemoryCategory::kOptimV, &s->v_region_); !st.ok()) {
+    if (absl::Status st =
+            array(&s->v_, MemoryCategory::kOptimV, replicated ? &s->v_region_ : nullptr);
+        !st.ok()) {
       return st;
     }
   }
