@@ -5,9 +5,11 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <new>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "gloo/barrier.h"
 #include "gloo/common/error.h"
@@ -37,6 +39,13 @@ namespace zeroshard {
 namespace {
 
 constexpr char kWhat[] = "trainer collective (Gloo)";
+
+// Exchange rounds per step at most (see Bind): far inside int, and the slot
+// counter (uint64_t) cannot wrap in any run.
+constexpr uint64_t kMaxRounds = uint64_t{1} << 24;
+// Slots of the exchange start here, far from the slots of the barrier that
+// Connect runs (Gloo's own collectives put a prefix in the top byte).
+constexpr uint64_t kFirstSlot = uint64_t{1} << 32;
 
 std::chrono::milliseconds Remaining(absl::Time deadline) {
   const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
@@ -73,6 +82,51 @@ void AddInto(float* dst, const float* src, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
+// A FileStore whose every wait ends at `deadline`, or at the caller's
+// timeout if that is sooner. FileStore::get waits for its key with
+// Store::kDefaultTimeout (30 s) whatever the context's timeout, and
+// FileStore::wait compares whole elapsed seconds with the timeout; both go
+// through the virtual wait below. Polls as FileStore does (10 ms; no inotify,
+// which NFS lacks).
+class DeadlineFileStore final : public ::gloo::rendezvous::FileStore {
+ public:
+  // Throws what FileStore's constructor throws (the path does not resolve).
+  DeadlineFileStore(const std::string& path, absl::Time deadline)
+      : FileStore(path), deadline_(deadline) {}
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, kDefaultTimeout); }
+
+  // Throws gloo::IoException once the wait ends with a key missing.
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    absl::Time end = deadline_;
+    if (timeout != ::gloo::kNoTimeout) end = std::min(end, absl::Now() + absl::FromChrono(timeout));
+    while (!check(keys)) {
+      const absl::Time now = absl::Now();
+      if (now >= end) {
+        throw ::gloo::IoException(
+            absl::StrCat("key(s) ", absl::StrJoin(keys, ", "), " not in the rendezvous store by ",
+                         now >= deadline_ ? "the deadline" : "the end of Gloo's timeout",
+                         " (each key names the rank that writes it)"));
+      }
+      absl::SleepFor(std::min(absl::Milliseconds(10), end - now));
+    }
+  }
+
+  // Whether the store holds `key` (the full key, prefix included); false
+  // where it cannot tell.
+  bool Has(const std::string& key) {
+    try {
+      return check({key});
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+
+ private:
+  const absl::Time deadline_;
+};
+
 }  // namespace
 
 GlooCollective::GlooCollective(const Options& options) : options_(options) {}
@@ -85,9 +139,11 @@ absl::StatusOr<std::unique_ptr<GlooCollective>> GlooCollective::Create(const Opt
   if (options.hostname.empty() && options.interface.empty()) {
     return absl::InvalidArgumentError("hostname: required when interface is empty");
   }
-  if (options.chunk_bytes < 4 || options.chunk_bytes > (1ull << 30)) {
+  if (options.chunk_bytes < kMinExchangeChunkBytes ||
+      options.chunk_bytes > kMaxExchangeChunkBytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat("chunk_bytes: must be in 4..2^30, got ", options.chunk_bytes));
+        absl::StrCat("chunk_bytes: must be in ", kMinExchangeChunkBytes, "..",
+                     kMaxExchangeChunkBytes, " (64 KiB..1 GiB), got ", options.chunk_bytes));
   }
   return std::unique_ptr<GlooCollective>(new GlooCollective(options));
 }
@@ -95,7 +151,7 @@ absl::StatusOr<std::unique_ptr<GlooCollective>> GlooCollective::Create(const Opt
 GlooCollective::~GlooCollective() {
   // The buffers hold the context; drop them first, then the connections.
   send_buffer_.reset();
-  recv_buffer_.reset();
+  recv_buffers_.clear();
   context_.reset();
 }
 
@@ -129,17 +185,48 @@ absl::Status GlooCollective::Bind(const CollectiveJob& job) {
   absl::StatusOr<BucketPlan> plan =
       BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes, job.wire_dtype);
   if (!plan.ok()) return plan.status();
+  const uint64_t chunk_elements = std::max<uint64_t>(
+      1, std::min<uint64_t>(options_.chunk_bytes / sizeof(float), job.map->partition_elements()));
+  // Partition 0 is the largest: its rounds are every rank's.
+  const uint64_t rounds =
+      (job.map->UnpaddedPartition(0).size() + chunk_elements - 1) / chunk_elements;
+  if (job.world_size > 1 && rounds > kMaxRounds) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk_bytes: ", options_.chunk_bytes, " gives ", rounds,
+        " exchange rounds per step for partitions of ", job.map->UnpaddedPartition(0).size(),
+        " elements, more than ", kMaxRounds, "; use larger chunks"));
+  }
+  std::vector<size_t> my_buckets;
+  for (size_t i = 0; i < plan->buckets().size(); ++i) {
+    if (plan->buckets()[i].partition == job.rank) my_buckets.push_back(i);
+  }
+  // Allocation failures are statuses, not std::bad_alloc.
+  const uint64_t acc_elements = plan->total_elements();
+  const uint64_t recv_elements = uint64_t{job.world_size - 1} * chunk_elements;
+  const uint64_t staging = BucketPlan::StagingBytes(job.bucket_bytes, job.wire_dtype);
+  auto exhausted = [&](uint64_t bytes, const char* what) {
+    return absl::ResourceExhaustedError(absl::StrCat(kWhat, ": cannot allocate ", bytes,
+                                                     " bytes for ", what, " (rank ", job.rank,
+                                                     " of ", job.world_size, ")"));
+  };
+  std::unique_ptr<float[]> acc(new (std::nothrow) float[acc_elements]());
+  if (acc == nullptr) {
+    return exhausted(acc_elements * sizeof(float), "the fp32 gradient of the whole model");
+  }
+  std::unique_ptr<float[]> recv(new (std::nothrow) float[recv_elements]);
+  if (recv == nullptr && recv_elements > 0) {
+    return exhausted(recv_elements * sizeof(float), "the exchange's receive chunks");
+  }
+  std::unique_ptr<uint8_t[]> staging_buffer(new (std::nothrow) uint8_t[staging]);
+  if (staging_buffer == nullptr) return exhausted(staging, "the push bucket");
   job_ = job;
   plan_ = *std::move(plan);
   real_elements_ = plan_.RealElements({0, plan_.total_elements()});
-  chunk_elements_ = std::max<uint64_t>(
-      1, std::min<uint64_t>(options_.chunk_bytes / sizeof(float), job.map->partition_elements()));
-  for (size_t i = 0; i < plan_.buckets().size(); ++i) {
-    if (plan_.buckets()[i].partition == job.rank) my_buckets_.push_back(i);
-  }
-  acc_.reset(new float[plan_.total_elements()]());
-  recv_.reset(new float[uint64_t{job.world_size - 1} * chunk_elements_]);
-  staging_.reset(new uint8_t[BucketPlan::StagingBytes(job.bucket_bytes, job.wire_dtype)]);
+  chunk_elements_ = chunk_elements;
+  my_buckets_ = std::move(my_buckets);
+  acc_ = std::move(acc);
+  recv_ = std::move(recv);
+  staging_ = std::move(staging_buffer);
   {
     absl::MutexLock lock(&mu_);
     confirmed_.assign(my_buckets_.size(), 0);
@@ -185,8 +272,10 @@ absl::Status GlooCollective::BeginReduce(uint64_t step, uint32_t micro_batch,
         kWhat, " failed earlier and cannot continue (restart the ranks): ", broken_.message()));
   }
   if (finishing_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("PushGradients for step ", step, " while Step is running"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "PushGradients for step ", step, " while Step for step ", finishing_step_,
+        " is running (it waits for the PushGradients calls already running, then exchanges and "
+        "pushes; push again once it returns)"));
   }
   if (exchanged_step_ != 0) {
     if (step == exchanged_step_) {
@@ -323,10 +412,12 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
   const std::string where =
       absl::StrCat(kWhat, ": rank ", job_.rank, " of ", job_.world_size, ", rendezvous in ",
                    options_.rendezvous_dir, " (prefix ", prefix, ")");
-  std::unique_ptr<::gloo::rendezvous::FileStore> store;
+  // Every wait in the store, including those inside connectFullMesh, ends
+  // at the deadline.
+  std::unique_ptr<DeadlineFileStore> store;
   {
     absl::Status s = CatchGloo(deadline, where, [&] {
-      store = std::make_unique<::gloo::rendezvous::FileStore>(options_.rendezvous_dir);
+      store = std::make_unique<DeadlineFileStore>(options_.rendezvous_dir, deadline);
     });
     if (!s.ok()) {
       return absl::FailedPreconditionError(
@@ -334,32 +425,46 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
     }
   }
   ::gloo::rendezvous::PrefixStore prefixed(prefix, *store);
+  // PrefixStore's keys in the store are "<prefix>/<key>".
+  auto arrived = [&](uint32_t r) { return absl::StrCat("arrived/", r); };
+  auto full_key = [&](const std::string& key) { return absl::StrCat(prefix, "/", key); };
   {
-    absl::Status s = CatchGloo(deadline, where, [&] {
-      prefixed.set(absl::StrCat("arrived/", job_.rank), std::vector<char>{'1'});
-    });
+    absl::Status s = CatchGloo(deadline, where,
+                               [&] { prefixed.set(arrived(job_.rank), std::vector<char>{'1'}); });
     if (!s.ok()) {
+      // FileStore::set refuses a key whose file exists; any other failure
+      // is the directory's.
+      if (store->Has(full_key(arrived(job_.rank)))) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(s.message(), " (left by an earlier run of job ", job_.job_id,
+                         " whose rendezvous failed? remove its files, or use a fresh directory)"));
+      }
       return absl::FailedPreconditionError(
-          absl::StrCat(s.message(), " (left by an earlier run of job ", job_.job_id,
-                       " whose rendezvous failed? remove them, or use a fresh directory)"));
+          absl::StrCat(s.message(),
+                       " (cannot write into the rendezvous directory: it must be a writable "
+                       "directory that every rank shares)"));
     }
   }
-  // Wait for every rank here, with our deadline (the transport's own waits
-  // in the store use Gloo's default of 30 s). FileStore compares whole
-  // elapsed seconds with the timeout: ask for a second less.
+  // Wait for every rank here, so that a missing rank is named.
   std::vector<std::string> keys;
-  for (uint32_t r = 0; r < job_.world_size; ++r) keys.push_back(absl::StrCat("arrived/", r));
+  for (uint32_t r = 0; r < job_.world_size; ++r) keys.push_back(arrived(r));
   {
-    const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now()) - 1000;
-    absl::Status s = CatchGloo(deadline, where, [&] {
-      prefixed.wait(keys, std::chrono::milliseconds(std::max<int64_t>(ms, 1)));
-    });
+    absl::Status s = CatchGloo(deadline, where, [&] { prefixed.wait(keys, Remaining(deadline)); });
     if (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) {
+      std::vector<uint32_t> missing, present;
+      for (uint32_t r = 0; r < job_.world_size; ++r) {
+        (store->Has(full_key(arrived(r))) ? present : missing).push_back(r);
+      }
+      const std::string who = missing.empty()
+                                  ? std::string("not every rank arrived before the deadline")
+                                  : absl::StrCat("rank(s) ", absl::StrJoin(missing, ", "),
+                                                 " did not arrive before the deadline (arrived: ",
+                                                 absl::StrJoin(present, ", "), ")");
       return absl::DeadlineExceededError(absl::StrCat(
-          where,
-          ": not every rank arrived before the deadline; a rank is missing, has not "
-          "reached its first Step yet, or uses another rendezvous directory (every rank needs the "
-          "same one: one host, or a shared filesystem)"));
+          where, ": ", who,
+          "; a rank that did not arrive is not running, has not reached its first Step yet, or "
+          "uses another rendezvous directory (every rank needs the same one: one host, or a "
+          "shared filesystem)"));
     }
     RETURN_IF_ERROR(s);
   }
@@ -380,12 +485,15 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
     barrier.setTimeout(Remaining(deadline));
     ::gloo::barrier(barrier);
     send_buffer_ = context->createUnboundBuffer(acc_.get(), plan_.total_elements() * 4);
-    recv_buffer_ = context->createUnboundBuffer(
-        recv_.get(), uint64_t{job_.world_size - 1} * chunk_elements_ * 4);
+    // One per peer, so that a wait names the peer it waits for.
+    for (uint32_t i = 0; i + 1 < job_.world_size; ++i) {
+      recv_buffers_.push_back(
+          context->createUnboundBuffer(recv_.get() + i * chunk_elements_, chunk_elements_ * 4));
+    }
   });
   if (!s.ok()) {
     send_buffer_.reset();
-    recv_buffer_.reset();
+    recv_buffers_.clear();
     return s;
   }
   // Past the barrier every rank has read this rank's keys (its arrival, its
@@ -393,6 +501,7 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
   // next run.
   for (const std::string& path : store->getAllKeyFilePaths()) std::remove(path.c_str());
   context_ = std::move(context);
+  next_slot_ = kFirstSlot;
   return absl::OkStatus();
 }
 
@@ -406,25 +515,23 @@ absl::Status GlooCollective::Exchange(absl::Time deadline) {
   for (uint32_t q = 0; q < n; ++q) size[q] = map.UnpaddedPartition(q).size();
   const uint64_t rounds = (size[0] + c - 1) / c;  // partition 0 is the largest
   auto index = [p](uint32_t q) -> uint64_t { return q < p ? q : q - 1; };  // slot in recv_
-  int slot_base = 0;
-  RETURN_IF_ERROR(CatchGloo(deadline, kWhat, [&] {
-    slot_base = context_->nextSlot(static_cast<int>(std::max<uint64_t>(rounds, 1)));
-  }));
+  // Every rank runs the same exchanges with the same rounds, so the slots
+  // agree; a failed exchange ends the collective.
+  const uint64_t slot_base = next_slot_;
+  next_slot_ += std::max<uint64_t>(rounds, 1);
   uint64_t sent_bytes = 0, received_bytes = 0;
-  std::vector<bool> received(n);  // in the round, by peer
+  std::vector<uint8_t> received(n);  // in the round, by peer
   for (uint64_t k = 0; k < rounds; ++k) {
     const uint64_t off = k * c;
-    const uint64_t slot = static_cast<uint64_t>(slot_base) + k;
+    const uint64_t slot = slot_base + k;
     const uint64_t mine = off < size[p] ? std::min(c, size[p] - off) : 0;
-    std::fill(received.begin(), received.end(), false);
-    int recvs = 0, sends = 0;
+    std::fill(received.begin(), received.end(), 0);
+    int sends = 0;
+    uint32_t waiting_for = n;  // the peer whose slice is awaited (n: none)
     absl::Status s = CatchGloo(deadline, "", [&] {
       for (uint32_t q = 0; q < n; ++q) {
         if (q == p) continue;
-        if (mine > 0) {
-          recv_buffer_->recv(static_cast<int>(q), slot, index(q) * c * 4, mine * 4);
-          ++recvs;
-        }
+        if (mine > 0) recv_buffers_[index(q)]->recv(static_cast<int>(q), slot, 0, mine * 4);
         if (off < size[q]) {
           const uint64_t len = std::min(c, size[q] - off);
           send_buffer_->send(static_cast<int>(q), slot, (q * pe + off) * 4, len * 4);
@@ -432,14 +539,16 @@ absl::Status GlooCollective::Exchange(absl::Time deadline) {
           ++sends;
         }
       }
-      for (; recvs > 0; --recvs) {
-        int from = -1;
-        if (!recv_buffer_->waitRecv(&from, Remaining(deadline))) {
+      for (uint32_t q = 0; q < n && mine > 0; ++q) {
+        if (q == p) continue;
+        waiting_for = q;
+        if (!recv_buffers_[index(q)]->waitRecv(Remaining(deadline))) {
           GLOO_THROW_IO_EXCEPTION("receive aborted");
         }
-        if (from >= 0 && from < static_cast<int>(n)) received[from] = true;
+        received[q] = 1;
         received_bytes += mine * 4;
       }
+      waiting_for = n;
       for (; sends > 0; --sends) {
         if (!send_buffer_->waitSend(Remaining(deadline))) {
           GLOO_THROW_IO_EXCEPTION("send aborted");
@@ -447,20 +556,39 @@ absl::Status GlooCollective::Exchange(absl::Time deadline) {
       }
     });
     if (!s.ok()) {
-      s = absl::Status(s.code(), absl::StrCat(kWhat, ": rank ", p, ", round ", k + 1, " of ",
-                                              rounds, " of the reduce-scatter: ", s.message()));
-      std::vector<uint32_t> missing;
-      for (uint32_t q = 0; q < n; ++q) {
-        if (q != p && mine > 0 && !received[q]) missing.push_back(q);
-      }
-      if (!missing.empty()) {
-        s = absl::Status(s.code(), absl::StrCat(s.message(), "; nothing came from rank(s) ",
-                                                absl::StrJoin(missing, ", "),
-                                                " (not running, or not in this step)"));
+      std::string message = absl::StrCat(
+          kWhat, ": rank ", p, ", round ", k + 1, " of ", rounds, " of the reduce-scatter, ",
+          waiting_for < n ? absl::StrCat("receiving from rank ", waiting_for)
+                          : std::string("sending"),
+          ": ", s.message());
+      if (waiting_for < n) {
+        // The peers after `waiting_for` were not awaited yet: which of
+        // their slices had come by now? (A wait that ended has closed the
+        // context's connections; a completed receive still reports.)
+        std::vector<uint32_t> missing;
+        for (uint32_t q = 0; q < n; ++q) {
+          if (q == p || received[q]) continue;
+          bool came = false;
+          if (q > waiting_for) {
+            try {
+              came = recv_buffers_[index(q)]->waitRecv(std::chrono::milliseconds(1));
+            } catch (const std::exception&) {
+              came = false;
+            }
+          }
+          if (came) {
+            received_bytes += mine * 4;
+          } else {
+            missing.push_back(q);
+          }
+        }
+        absl::StrAppend(&message, "; nothing had come from rank(s) ", absl::StrJoin(missing, ", "),
+                        " in this round by then (not running, not in this step, or its "
+                        "connection failed)");
       }
       job_.traffic->AddCollectiveSent(sent_bytes);
       job_.traffic->AddCollectiveReceived(received_bytes);
-      return s;
+      return absl::Status(s.code(), message);
     }
     if (mine == 0) continue;
     // Sum in rank order: (((g_0 + g_1) + g_2) + ...).
@@ -527,9 +655,18 @@ absl::Status GlooCollective::Finish(uint64_t step, absl::Time deadline) {
       return absl::FailedPreconditionError(absl::StrCat(
           kWhat, " failed earlier and cannot continue (restart the ranks): ", broken_.message()));
     }
-    if (finishing_) return absl::FailedPreconditionError("Step while another Step runs");
+    if (finishing_) {
+      return absl::FailedPreconditionError(absl::StrCat("Step for step ", step,
+                                                        " while Step for step ", finishing_step_,
+                                                        " is running (one Step at a time)"));
+    }
+    // Claimed before the wait below releases mu_: from here on, new
+    // PushGradients calls and a second Step are refused.
+    finishing_ = true;
+    finishing_step_ = step;
     auto no_writers = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return writers_ == 0; };
     if (!mu_.AwaitWithDeadline(absl::Condition(&no_writers), deadline)) {
+      finishing_ = false;
       return absl::DeadlineExceededError(
           absl::StrCat("Step ", step, ": PushGradients calls still running at the deadline"));
     }
@@ -538,13 +675,13 @@ absl::Status GlooCollective::Finish(uint64_t step, absl::Time deadline) {
     } else {
       exchanged_step_ = 0;
       if (absl::Status s = Incomplete(step); !s.ok()) {
+        finishing_ = false;
         ResetContributions();
         return s;
       }
       confirmed_.assign(my_buckets_.size(), 0);
     }
     confirmed = confirmed_;
-    finishing_ = true;
   }
   absl::Status status;
   if (exchange && job_.world_size > 1) {

@@ -25,7 +25,19 @@
 // reduced value of element i is (((g_0 + g_1) + g_2) + ...) in rank order,
 // with g_r rank r's micro-batch sum, in fp32: the order in which the daemons
 // sum contributions in daemon reduce (server/reduction.h), so with one
-// micro-batch and an fp32 job both modes deliver the same bits.
+// micro-batch and an fp32 job both modes deliver the same bits. One Finish
+// at a time: from the moment Finish is called (while it still waits for
+// running Reduce calls to finish their copies) until it returns, Reduce and
+// a second Finish return FailedPrecondition.
+//
+// Contract difference in bf16/fp16 jobs: the sum over the ranks, formed in
+// fp32, is rounded to the wire dtype before rank p pushes it, so the daemon
+// receives the reduced gradient rounded to bf16/fp16 (a relative error of up
+// to about 2^-8 for bf16, 2^-11 for fp16, per element). In daemon reduce the
+// daemon sums the ranks' pushes in fp32 and never rounds the sum. The two
+// modes' reduced gradients are then not bit-equal: with bf16/fp16 inputs this
+// mode's carries one rounding more. The push stays in the job's precision on
+// purpose (half the bytes of fp32 to the daemons).
 //
 // Rendezvous: the first Finish connects the ranks through a
 // gloo::rendezvous::FileStore in `Options::rendezvous_dir` under the key
@@ -38,18 +50,24 @@
 // of `Options::hostname` (or `Options::interface`).
 //
 // Deadlines: every wait (the rendezvous, each chunk of the exchange, each
-// push) ends at Finish's deadline or sooner. The store's wait has a
-// granularity of about one second: the rendezvous may overrun a deadline
-// under a second away by that much.
+// push) ends at Finish's deadline or sooner. The rendezvous store is a
+// FileStore whose waits (also those inside Gloo's connectFullMesh, which
+// would otherwise wait up to Gloo's default of 30 s per key) poll every
+// 10 ms until the deadline.
 //
 // Errors (absl::Status; Gloo's exceptions are caught and converted):
 //   DeadlineExceeded    a rank did not arrive at the rendezvous, or did not
 //                       send its part of the exchange, before the deadline
-//                       (the message names the ranks);
+//                       (the message names the ranks whose arrival or data
+//                       was missing at the deadline);
 //   Unavailable         a peer's connection failed;
 //   FailedPrecondition  a contribution is missing, out of micro-batch order,
-//                       or the rendezvous directory is unusable;
-//   InvalidArgument     a range contributed twice in one micro-batch of a step.
+//                       Reduce or Finish while a Finish runs, the rendezvous
+//                       directory is unusable (Gloo's error text included),
+//                       or holds files of an earlier failed run;
+//   InvalidArgument     a range contributed twice in one micro-batch of a step;
+//   ResourceExhausted   Bind could not allocate its buffers (the message
+//                       names the bytes).
 // A failed rendezvous or exchange leaves the Gloo context in an unknown
 // state: every later Finish returns FailedPrecondition carrying the first
 // error (restart the ranks). A failed push does not: the step's reduced
@@ -90,16 +108,20 @@ class GlooCollective final : public Collective {
     // A network interface name (e.g. "eth0") instead of `hostname`.
     std::string interface;
     // fp32 bytes exchanged with each peer per round of the exchange (the
-    // receive buffer holds N_d - 1 of them).
+    // receive buffer holds N_d - 1 of them). kMinExchangeChunkBytes..kMaxExchangeChunkBytes;
+    // Bind refuses a job whose partitions would take more than 2^24 rounds.
     uint64_t chunk_bytes = 4ull << 20;
   };
+  static constexpr uint64_t kMinExchangeChunkBytes = uint64_t{64} << 10;
+  static constexpr uint64_t kMaxExchangeChunkBytes = uint64_t{1} << 30;
 
   // InvalidArgument for a bad option. Connects nothing yet.
   static absl::StatusOr<std::unique_ptr<GlooCollective>> Create(const Options& options);
   ~GlooCollective() override;
 
   const char* name() const override { return "gloo"; }
-  // Allocates the buffers. InvalidArgument for a job it cannot serve.
+  // Allocates the buffers. InvalidArgument for a job it cannot serve,
+  // ResourceExhausted if an allocation fails (nothing is kept then).
   absl::Status Bind(const CollectiveJob& job) override;
   absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch, const FlatRange& range,
                                     const void* grads, DType dtype, BufferUse use,
@@ -143,20 +165,25 @@ class GlooCollective final : public Collective {
   // Owned by the protocol, not by mu_: Reduce writes the ranges it claimed
   // under mu_; Finish uses them while finishing_ (Reduce refuses then).
   std::unique_ptr<float[]> acc_;        // total_elements, gaps stay 0
-  std::unique_ptr<float[]> recv_;       // (world_size - 1) * chunk_elements_
+  std::unique_ptr<float[]> recv_;       // (world_size - 1) * chunk_elements_, by peer
   std::unique_ptr<uint8_t[]> staging_;  // one bucket of the wire dtype
 
   // Gloo objects: created by Connect, used by Exchange (one Finish at a
   // time, guarded by finishing_).
   std::shared_ptr<gloo::Context> context_;
   std::unique_ptr<gloo::transport::UnboundBuffer> send_buffer_;  // over acc_
-  std::unique_ptr<gloo::transport::UnboundBuffer> recv_buffer_;  // over recv_
+  // Peer q's chunk of recv_, at index q < rank ? q : q - 1.
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> recv_buffers_;
+  // The slot of the next exchange round (not the context's int counter,
+  // which would wrap in a long run).
+  uint64_t next_slot_ = 0;
 
   mutable absl::Mutex mu_;
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status broken_ ABSL_GUARDED_BY(mu_);       // a failed rendezvous or exchange
-  uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;         // step being collected (0: none)
-  uint32_t micro_batch_ ABSL_GUARDED_BY(mu_) = 0;  // being collected
+  uint64_t finishing_step_ ABSL_GUARDED_BY(mu_) = 0;  // while finishing_
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);          // a failed rendezvous or exchange
+  uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;            // step being collected (0: none)
+  uint32_t micro_batch_ ABSL_GUARDED_BY(mu_) = 0;     // being collected
   // Ranges claimed in micro_batch_, merged: begin -> end.
   std::map<uint64_t, uint64_t> claimed_ ABSL_GUARDED_BY(mu_);
   uint64_t real_written_ ABSL_GUARDED_BY(mu_) = 0;  // of micro_batch_, copies done

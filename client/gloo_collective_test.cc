@@ -15,6 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
+#include "gloo/rendezvous/file_store.h"
+#include "gloo/rendezvous/prefix_store.h"
 #include "gtest/gtest.h"
 #include "server/testing/daemon_fixture.h"
 
@@ -74,11 +76,13 @@ class FakeDataPath final : public DataPath {
 };
 
 // Tensors of awkward sizes: alignment gaps, and partitions of 2 or 3 ranks
-// that differ in their real elements (the last one is short).
+// that differ in their real elements (the last one is short). With chunks
+// of the minimum (16384 elements) partition 0 takes one round more than the
+// last: 3 vs 2 rounds with 3 ranks, 4 vs 3 with 2.
 Layout TestLayout() {
   std::vector<TensorSpec> t = {{"a", {37}, DType::kFp32, 0},
                                {"b", {5, 13}, DType::kFp32, 0},
-                               {"c", {330}, DType::kFp32, 1},
+                               {"c", {98050}, DType::kFp32, 1},
                                {"d", {3}, DType::kFp32, 2}};
   return *Layout::Create(t);
 }
@@ -98,10 +102,11 @@ void RunRanks(uint32_t world, const std::function<void(uint32_t)>& fn) {
 
 // One job's shared pieces and every rank's collective.
 struct Job {
-  Job(uint32_t world, uint32_t num_daemons, DType wire, uint32_t micro_batches = 1)
+  Job(uint32_t world, uint32_t num_daemons, DType wire, uint32_t micro_batches = 1,
+      const std::string& rendezvous_dir = "")
       : layout(TestLayout()),
         map(*PartitionMap::Create(layout.total_elements(), world, num_daemons)),
-        dir(FreshDir()),
+        dir(rendezvous_dir.empty() ? FreshDir() : rendezvous_dir),
         traffic(world) {
     for (uint32_t d = 0; d < num_daemons; ++d) {
       daemons.push_back(std::make_unique<FakeDataPath>(absl::StrCat("fake:", d)));
@@ -109,7 +114,7 @@ struct Job {
     for (uint32_t r = 0; r < world; ++r) {
       GlooCollective::Options o;
       o.rendezvous_dir = dir;
-      o.chunk_bytes = 64 * 4;  // several rounds even for this small model
+      o.chunk_bytes = GlooCollective::kMinExchangeChunkBytes;  // several rounds (see TestLayout)
       collectives.push_back(*GlooCollective::Create(o));
       CollectiveJob j;
       j.job_id = "gloo-test";
@@ -119,7 +124,7 @@ struct Job {
       j.layout = &layout;
       j.map = &map;
       j.wire_dtype = wire;
-      j.bucket_bytes = 100 * DTypeSize(wire);
+      j.bucket_bytes = 1000 * DTypeSize(wire);
       j.micro_batches = micro_batches;
       for (auto& d : daemons) j.daemons.push_back(d.get());
       j.traffic = &traffic[r];
@@ -213,6 +218,10 @@ TEST(GlooCollectiveTest, SumsInRankOrderAndPushesOnlyItsPartition) {
     EXPECT_EQ(t.collective_received, 2 * (kWorld - 1) * own) << "rank " << p;
   }
   EXPECT_LT(job.map.UnpaddedPartition(2).size(), job.map.UnpaddedPartition(0).size());
+  // Rank 2 receives nothing in the last round (see TestLayout).
+  const uint64_t chunk = GlooCollective::kMinExchangeChunkBytes / 4;
+  EXPECT_GT(job.map.UnpaddedPartition(0).size(), 2 * chunk);
+  EXPECT_LE(job.map.UnpaddedPartition(2).size(), 2 * chunk);
   // Connected ranks leave no rendezvous files behind.
   DIR* d = opendir(job.dir.c_str());
   ASSERT_NE(d, nullptr);
@@ -288,6 +297,8 @@ TEST(GlooCollectiveTest, AMissingRankIsDeadlineExceededNotAHang) {
                 s.ToString().c_str());
     EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
     EXPECT_NE(s.message().find("rendezvous"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("rank(s) 2 did not arrive"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("arrived: 0, 1"), std::string::npos) << s;
     EXPECT_LE(took, limit + absl::Milliseconds(500)) << "rank " << r;
     // Broken for good, with the first error in the message.
     const absl::Status again = c.Finish(1, absl::Now() + absl::Seconds(1));
@@ -357,6 +368,134 @@ TEST(GlooCollectiveTest, CallerMistakes) {
       c.Reduce(1, 2, {0, 10}, g.data(), DType::kFp32, BufferUse::kCopy, deadline).status().code(),
       absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(GlooCollective::Create({}).status().code(), absl::StatusCode::kInvalidArgument);
+  GlooCollective::Options small;
+  small.rendezvous_dir = job.dir;
+  small.chunk_bytes = GlooCollective::kMinExchangeChunkBytes - 4;
+  const absl::Status tiny = GlooCollective::Create(small).status();
+  EXPECT_EQ(tiny.code(), absl::StatusCode::kInvalidArgument) << tiny;
+  EXPECT_NE(tiny.message().find("chunk_bytes"), std::string::npos) << tiny;
+}
+
+// A model whose fp32 gradient cannot be allocated (2^45 elements, 128 TiB:
+// all of a 47-bit address space): Bind returns ResourceExhausted naming the
+// bytes instead of throwing std::bad_alloc.
+TEST(GlooCollectiveTest, AnAllocationFailureIsResourceExhausted) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "ASan aborts a failed allocation unless allocator_may_return_null=1";
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  GTEST_SKIP() << "ASan aborts a failed allocation unless allocator_may_return_null=1";
+#endif
+#endif
+  const uint64_t n = uint64_t{1} << 45;
+  const Layout layout = *Layout::Create({{"huge", {static_cast<int64_t>(n)}, DType::kFp32, 0}});
+  const PartitionMap map = *PartitionMap::Create(layout.total_elements(), 1, 1);
+  FakeDataPath daemon("fake:0");
+  TrafficCounters traffic;
+  GlooCollective::Options o;
+  o.rendezvous_dir = FreshDir();
+  std::unique_ptr<GlooCollective> c = *GlooCollective::Create(o);
+  CollectiveJob j;
+  j.job_id = "gloo-test";
+  j.layout = &layout;
+  j.map = &map;
+  j.bucket_bytes = 64 << 20;
+  j.daemons = {&daemon};
+  j.traffic = &traffic;
+  const absl::Status s = c->Bind(j);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find(absl::StrCat(n * 4, " bytes")), std::string::npos) << s;
+  EXPECT_EQ(c->staging_bytes(), 0u);
+}
+
+// Marks `rank` arrived at job "gloo-test"'s rendezvous in `dir`, as a rank
+// that then goes no further would.
+void FakeArrival(const std::string& dir, uint32_t rank) {
+  gloo::rendezvous::FileStore store(dir);
+  gloo::rendezvous::PrefixStore prefixed("zeroshard/gloo-test", store);
+  prefixed.set(absl::StrCat("arrived/", rank), std::vector<char>{'1'});
+}
+
+// While a Finish runs (here: waiting at the rendezvous for rank 1), a second
+// Finish and new contributions are refused, naming the running step.
+TEST(GlooCollectiveTest, OneStepAtATime) {
+  Job job(2, 1, DType::kFp32);
+  GlooCollective& c = *job.collectives[0];
+  const uint64_t total = job.layout.total_elements();
+  const std::vector<float> g(total, 1.0f);
+  ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
+                       absl::Now() + absl::Seconds(10))
+                  .ok());
+  absl::Status first;
+  std::thread finishing([&] { first = c.Finish(1, absl::Now() + absl::Milliseconds(1500)); });
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Status second = c.Finish(1, absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(second.code(), absl::StatusCode::kFailedPrecondition) << second;
+  EXPECT_NE(second.message().find("Step for step 1 is running"), std::string::npos) << second;
+  const absl::Status push = c.Reduce(2, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
+                                     absl::Now() + absl::Seconds(1))
+                                .status();
+  EXPECT_EQ(push.code(), absl::StatusCode::kFailedPrecondition) << push;
+  EXPECT_NE(push.message().find("while Step for step 1 is running"), std::string::npos) << push;
+  finishing.join();
+  EXPECT_EQ(first.code(), absl::StatusCode::kDeadlineExceeded) << first;
+}
+
+// Rank 0 arrives and goes no further: rank 1's wait for rank 0's address
+// inside Gloo's connectFullMesh (30 s in Gloo's FileStore) ends at the
+// deadline.
+TEST(GlooCollectiveTest, EveryRendezvousWaitEndsAtTheDeadline) {
+  Job job(2, 1, DType::kFp32);
+  FakeArrival(job.dir, 0);
+  GlooCollective& c = *job.collectives[1];
+  const uint64_t total = job.layout.total_elements();
+  const std::vector<float> g(total, 1.0f);
+  ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
+                       absl::Now() + absl::Seconds(10))
+                  .ok());
+  const absl::Duration limit = absl::Milliseconds(1500);
+  const absl::Time start = absl::Now();
+  const absl::Status s = c.Finish(1, start + limit);
+  const absl::Duration took = absl::Now() - start;
+  std::printf("after %s: %s\n", absl::FormatDuration(took).c_str(), s.ToString().c_str());
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_LE(took, limit + absl::Milliseconds(500));
+}
+
+TEST(GlooCollectiveTest, RendezvousDirectoryProblemsAreToldApart) {
+  // Files of an earlier failed run of the same job.
+  {
+    Job job(2, 1, DType::kFp32);
+    FakeArrival(job.dir, 0);
+    GlooCollective& c = *job.collectives[0];
+    const uint64_t total = job.layout.total_elements();
+    const std::vector<float> g(total, 1.0f);
+    ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
+                         absl::Now() + absl::Seconds(10))
+                    .ok());
+    const absl::Status s = c.Finish(1, absl::Now() + absl::Seconds(5));
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("earlier run"), std::string::npos) << s;
+  }
+  // A path that is no directory: nothing can be written there.
+  {
+    const std::string file = absl::StrCat(FreshDir(), "/not-a-directory");
+    FILE* f = std::fopen(file.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fclose(f);
+    Job job(2, 1, DType::kFp32, 1, file);
+    GlooCollective& c = *job.collectives[0];
+    const uint64_t total = job.layout.total_elements();
+    const std::vector<float> g(total, 1.0f);
+    ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
+                         absl::Now() + absl::Seconds(10))
+                    .ok());
+    const absl::Status s = c.Finish(1, absl::Now() + absl::Seconds(5));
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("cannot be created"), std::string::npos) << s;  // Gloo's text
+    EXPECT_NE(s.message().find("cannot write into"), std::string::npos) << s;
+    EXPECT_EQ(s.message().find("earlier run"), std::string::npos) << s;
+  }
 }
 
 TEST(GlooCollectiveTest, AFailedPushIsRetriedWithoutExchangingAgain) {
