@@ -49,9 +49,18 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> GrpcReplicaLink::Channel(const st
   // A peer that restarts is found again within a resync interval.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  args.SetInt("zeroshard.replica_link_channel", static_cast<int>(++channels_made_ & 0x7fffffff));
   std::shared_ptr<grpc::Channel> channel = MakeChannel(peer, *security, args);
   channels_.emplace(peer, channel);
   return channel;
+}
+
+absl::Status GrpcReplicaLink::Checked(const std::string& peer, absl::Status s) {
+  if (absl::IsUnavailable(s)) {
+    absl::MutexLock lock(&mu_);
+    channels_.erase(peer);
+  }
+  return s;
 }
 
 absl::Status GrpcReplicaLink::RegisterBackup(const std::string& peer, const std::string& token,
@@ -78,8 +87,8 @@ absl::StatusOr<v1::TransferStateResponse> GrpcReplicaLink::TransferState(
   v1::TransferStateResponse response;
   auto stub = v1::Replica::NewStub(*channel);
   auto writer = stub->TransferState(&context, &response);
-  absl::Status s = WriteStream<v1::ReplicaStateChunk, v1::TransferStateResponse>(
-      writer.get(), &context, next, peer, "TransferState");
+  absl::Status s = Checked(peer, WriteStream<v1::ReplicaStateChunk, v1::TransferStateResponse>(
+                                     writer.get(), &context, next, peer, "TransferState"));
   if (!s.ok()) return s;
   return response;
 }
@@ -94,8 +103,8 @@ absl::Status GrpcReplicaLink::ForwardGradient(
   v1::ForwardGradientResponse response;
   auto stub = v1::Replica::NewStub(*channel);
   auto writer = stub->ForwardGradient(&context, &response);
-  return WriteStream<v1::ForwardedGradientChunk, v1::ForwardGradientResponse>(
-      writer.get(), &context, next, peer, "ForwardGradient");
+  return Checked(peer, WriteStream<v1::ForwardedGradientChunk, v1::ForwardGradientResponse>(
+                           writer.get(), &context, next, peer, "ForwardGradient"));
 }
 
 absl::Status GrpcReplicaLink::CommitReplica(const std::string& peer, const std::string& token,
@@ -127,7 +136,7 @@ absl::Status GrpcReplicaLink::Unary(
   grpc::ClientContext context;
   Prepare(&context, token, deadline);
   const grpc::Status s = call(*channel, &context);
-  if (!s.ok()) return PeerError(s, peer, what);
+  if (!s.ok()) return Checked(peer, PeerError(s, peer, what));
   return absl::OkStatus();
 }
 

@@ -42,7 +42,12 @@ class GrpcReplicaLink final : public ReplicaLink {
                               absl::Time deadline) override;
 
  private:
+  // The peer's channel, made on first use.
   absl::StatusOr<std::shared_ptr<grpc::Channel>> Channel(const std::string& peer);
+  // Returns `s`; an UNAVAILABLE one drops the peer's channel first, so that
+  // the next call dials afresh instead of waiting out the old channel's
+  // reconnect backoff (a restarted peer is found at the next attempt).
+  absl::Status Checked(const std::string& peer, absl::Status s);
   // A unary call on the peer's channel with the token and deadline; errors
   // name `what` and the peer.
   absl::Status Unary(
@@ -54,6 +59,9 @@ class GrpcReplicaLink final : public ReplicaLink {
   const TlsFiles tls_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  // Channels made so far: each gets its number as a channel argument, so
+  // that gRPC does not hand a new channel the old one's subchannel.
+  int64_t channels_made_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace zeroshard

@@ -79,11 +79,23 @@ kill_daemon() {
   wait "${DAEMON_PIDS[$1]}" 2>/dev/null
 }
 
-# wait_step TAG S: until rank 0 reported step S of run TAG.
+# last_step TAG: the last step rank 0 of run TAG reported (0: none yet).
+last_step() {
+  local s
+  s="$(sed -n 's|^\[rank 0\] step \([0-9]*\)/.*|\1|p' "$WORK/$1.log" | tail -n 1)"
+  echo "${s:-0}"
+}
+
+# wait_step TAG S: until rank 0 reported step S of run TAG, or a later one
+# (a step committed just before a daemon died is not reported again after
+# the reconnect).
 wait_step() {
   local deadline=$((SECONDS + 120))
-  until grep -q "^\[rank 0\] step $2/" "$WORK/$1.log"; do
-    kill -0 "$ZSRUN_PID" 2>/dev/null || fail "run $1 ended before step $2"
+  until (($(last_step "$1") >= $2)); do
+    if ! kill -0 "$ZSRUN_PID" 2>/dev/null; then
+      (($(last_step "$1") >= $2)) && return
+      fail "run $1 ended before step $2"
+    fi
     ((SECONDS < deadline)) || fail "run $1: rank 0 did not reach step $2"
     sleep 0.01
   done
@@ -188,7 +200,7 @@ for g in 0 1; do
   done
 done
 wait_step D 40
-last="$(sed -n 's|^\[rank 0\] step \([0-9]*\)/.*|\1|p' "$WORK/D.log" | tail -n 1)"
+last="$(last_step D)"
 ((last < STEPS)) || fail "run D reached its last step before daemon 1 could be killed"
 kill_daemon 1
 killed_at=$(now_ms)
