@@ -23,6 +23,11 @@
 namespace zeroshard {
 namespace {
 
+// How far past its deadline a wait may return on a loaded machine (under
+// ASan, beside other tests) and still count as honouring it: far below
+// the 30 s of Gloo's own store waits that the deadline replaces.
+constexpr absl::Duration kDeadlineSlack = absl::Seconds(5);
+
 // Records the pushes it is given; can fail the first `fail_pushes`.
 class FakeDataPath final : public DataPath {
  public:
@@ -299,7 +304,7 @@ TEST(GlooCollectiveTest, AMissingRankIsDeadlineExceededNotAHang) {
     EXPECT_NE(s.message().find("rendezvous"), std::string::npos) << s;
     EXPECT_NE(s.message().find("rank(s) 2 did not arrive"), std::string::npos) << s;
     EXPECT_NE(s.message().find("arrived: 0, 1"), std::string::npos) << s;
-    EXPECT_LE(took, limit + absl::Milliseconds(500)) << "rank " << r;
+    EXPECT_LE(took, limit + kDeadlineSlack) << "rank " << r;
     // Broken for good, with the first error in the message.
     const absl::Status again = c.Finish(1, absl::Now() + absl::Seconds(1));
     EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
@@ -333,7 +338,7 @@ TEST(GlooCollectiveTest, ARankMissingFromAStepIsDeadlineExceededNamingIt) {
                 s.ToString().c_str());
     EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
     EXPECT_NE(s.message().find("rank(s) 1"), std::string::npos) << s;
-    EXPECT_LE(absl::Now() - start, limit + absl::Milliseconds(500));
+    EXPECT_LE(absl::Now() - start, limit + kDeadlineSlack);
   });
 }
 
@@ -459,7 +464,7 @@ TEST(GlooCollectiveTest, EveryRendezvousWaitEndsAtTheDeadline) {
   const absl::Duration took = absl::Now() - start;
   std::printf("after %s: %s\n", absl::FormatDuration(took).c_str(), s.ToString().c_str());
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-  EXPECT_LE(took, limit + absl::Milliseconds(500));
+  EXPECT_LE(took, limit + kDeadlineSlack);
 }
 
 TEST(GlooCollectiveTest, RendezvousDirectoryProblemsAreToldApart) {
