@@ -105,6 +105,14 @@ void RunRanks(uint32_t world, const std::function<void(uint32_t)>& fn) {
   for (auto& t : threads) t.join();
 }
 
+// Contributes ones for every element as micro-batch 0 of `step`.
+absl::Status ContributeOnes(GlooCollective& c, uint64_t total, uint64_t step) {
+  const std::vector<float> ones(total, 1.0f);
+  absl::StatusOr<PushTicket> t = c.Reduce(step, 0, {0, total}, ones.data(), DType::kFp32,
+                                          BufferUse::kCopy, absl::Now() + absl::Seconds(10));
+  return t.status();
+}
+
 // One job's shared pieces and every rank's collective.
 struct Job {
   Job(uint32_t world, uint32_t num_daemons, DType wire, uint32_t micro_batches = 1,
@@ -287,14 +295,11 @@ TEST(GlooCollectiveTest, AMissingRankIsDeadlineExceededNotAHang) {
   constexpr uint32_t kWorld = 3;
   Job job(kWorld, 1, DType::kFp32);
   const uint64_t total = job.layout.total_elements();
-  const std::vector<float> g(total, 1.0f);
   // Rank 2 never arrives at the rendezvous.
   const absl::Duration limit = absl::Seconds(3);
   RunRanks(2, [&](uint32_t r) {
     GlooCollective& c = *job.collectives[r];
-    ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
-                         absl::Now() + absl::Seconds(10))
-                    .ok());
+    ASSERT_TRUE(ContributeOnes(c, total, 1).ok());
     const absl::Time start = absl::Now();
     const absl::Status s = c.Finish(1, start + limit);
     const absl::Duration took = absl::Now() - start;
@@ -316,12 +321,9 @@ TEST(GlooCollectiveTest, ARankMissingFromAStepIsDeadlineExceededNamingIt) {
   constexpr uint32_t kWorld = 3;
   Job job(kWorld, 1, DType::kFp32);
   const uint64_t total = job.layout.total_elements();
-  const std::vector<float> g(total, 1.0f);
   RunRanks(kWorld, [&](uint32_t r) {
     GlooCollective& c = *job.collectives[r];
-    ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
-                         absl::Now() + absl::Seconds(10))
-                    .ok());
+    ASSERT_TRUE(ContributeOnes(c, total, 1).ok());
     ASSERT_TRUE(c.Finish(1, absl::Now() + absl::Seconds(20)).ok());
   });
   // Step 2 without rank 1.
@@ -329,9 +331,7 @@ TEST(GlooCollectiveTest, ARankMissingFromAStepIsDeadlineExceededNamingIt) {
   RunRanks(kWorld, [&](uint32_t r) {
     if (r == 1) return;
     GlooCollective& c = *job.collectives[r];
-    ASSERT_TRUE(c.Reduce(2, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
-                         absl::Now() + absl::Seconds(10))
-                    .ok());
+    ASSERT_TRUE(ContributeOnes(c, total, 2).ok());
     const absl::Time start = absl::Now();
     const absl::Status s = c.Finish(2, start + limit);
     std::printf("rank %u after %s: %s\n", r, absl::FormatDuration(absl::Now() - start).c_str(),
@@ -428,9 +428,7 @@ TEST(GlooCollectiveTest, OneStepAtATime) {
   GlooCollective& c = *job.collectives[0];
   const uint64_t total = job.layout.total_elements();
   const std::vector<float> g(total, 1.0f);
-  ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
-                       absl::Now() + absl::Seconds(10))
-                  .ok());
+  ASSERT_TRUE(ContributeOnes(c, total, 1).ok());
   absl::Status first;
   std::thread finishing([&] { first = c.Finish(1, absl::Now() + absl::Milliseconds(1500)); });
   absl::SleepFor(absl::Milliseconds(300));
@@ -454,10 +452,7 @@ TEST(GlooCollectiveTest, EveryRendezvousWaitEndsAtTheDeadline) {
   FakeArrival(job.dir, 0);
   GlooCollective& c = *job.collectives[1];
   const uint64_t total = job.layout.total_elements();
-  const std::vector<float> g(total, 1.0f);
-  ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
-                       absl::Now() + absl::Seconds(10))
-                  .ok());
+  ASSERT_TRUE(ContributeOnes(c, total, 1).ok());
   const absl::Duration limit = absl::Milliseconds(1500);
   const absl::Time start = absl::Now();
   const absl::Status s = c.Finish(1, start + limit);
@@ -474,10 +469,7 @@ TEST(GlooCollectiveTest, RendezvousDirectoryProblemsAreToldApart) {
     FakeArrival(job.dir, 0);
     GlooCollective& c = *job.collectives[0];
     const uint64_t total = job.layout.total_elements();
-    const std::vector<float> g(total, 1.0f);
-    ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
-                         absl::Now() + absl::Seconds(10))
-                    .ok());
+    ASSERT_TRUE(ContributeOnes(c, total, 1).ok());
     const absl::Status s = c.Finish(1, absl::Now() + absl::Seconds(5));
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
     EXPECT_NE(s.message().find("earlier run"), std::string::npos) << s;
@@ -491,10 +483,7 @@ TEST(GlooCollectiveTest, RendezvousDirectoryProblemsAreToldApart) {
     Job job(2, 1, DType::kFp32, 1, file);
     GlooCollective& c = *job.collectives[0];
     const uint64_t total = job.layout.total_elements();
-    const std::vector<float> g(total, 1.0f);
-    ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
-                         absl::Now() + absl::Seconds(10))
-                    .ok());
+    ASSERT_TRUE(ContributeOnes(c, total, 1).ok());
     const absl::Status s = c.Finish(1, absl::Now() + absl::Seconds(5));
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
     EXPECT_NE(s.message().find("cannot be created"), std::string::npos) << s;  // Gloo's text
