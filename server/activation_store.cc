@@ -236,9 +236,14 @@ void ActivationStore::FreeBlockLocked(Slice& slice) {
 
 void ActivationStore::DropFileLocked(Slice& slice) {
   if (slice.file.empty()) return;
+  dropped_files_.push_back(slice.file);
+  ForgetFileLocked(slice);
+}
+
+void ActivationStore::ForgetFileLocked(Slice& slice) {
+  if (slice.file.empty()) return;
   spill_used_ -= std::min(spill_used_, slice.file_bytes);
   --spill_files_;
-  dropped_files_.push_back(std::move(slice.file));
   slice.file.clear();
 }
 
@@ -447,29 +452,46 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
   }
 }
 
+// A completion that drops the slice's file unlinks it before the slice
+// leaves its in-flight state: whoever waits for the I/O (a reservation, a
+// fetch, a free followed by a look at the directory) finds the file gone.
+// The unlink runs with no lock held; the slice stays kSpilling/kReading
+// meanwhile, so nothing else touches its file.
 void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status) {
+  bool unlinked = false;  // the file was removed: the slice stays in memory
   std::string failure;
-  {
-    absl::MutexLock lock(&mu_);
-    spilling_.erase(slice.get());
-    slice->state = Slice::State::kStored;
-    if (!status.ok()) {
-      failure = absl::StrCat("spilling ", Describe(slice->job, slice->id), " to ", slice->file,
-                             " failed (it stays in memory): ", status.message());
-      slice->io_error = status;
-      DropFileLocked(*slice);
-    } else if (slice->detached) {
-      // Freed meanwhile: ReleaseIfIdleLocked below frees the block and file.
-    } else if (slice->pinned || slice->holds > 0) {
-      // Located or being fetched meanwhile: it stays where it is.
-      DropFileLocked(*slice);
-    } else {
-      FreeBlockLocked(*slice);
-      slice->state = Slice::State::kSpilled;
-      if (metrics_ != nullptr) metrics_->RecordSpill(slice->job, slice->bytes);
+  for (;;) {
+    std::string path;
+    {
+      absl::MutexLock lock(&mu_);
+      // Failed, freed, located or being fetched meanwhile: it stays in the
+      // arena (ReleaseIfIdleLocked frees a freed one's block).
+      const bool stays =
+          unlinked || !status.ok() || slice->detached || slice->pinned || slice->holds > 0;
+      if (stays && !unlinked && !slice->file.empty()) {
+        path = slice->file;  // removed below with no lock held, then back here
+      } else {
+        spilling_.erase(slice.get());
+        slice->state = Slice::State::kStored;
+        if (stays) {
+          if (!status.ok()) {
+            failure = absl::StrCat("spilling ", Describe(slice->job, slice->id), " to ",
+                                   slice->file, " failed (it stays in memory): ", status.message());
+            slice->io_error = status;
+          }
+          ForgetFileLocked(*slice);
+        } else {
+          FreeBlockLocked(*slice);
+          slice->state = Slice::State::kSpilled;
+          if (metrics_ != nullptr) metrics_->RecordSpill(slice->job, slice->bytes);
+        }
+        ReleaseIfIdleLocked(*slice);
+        NotifyLocked();
+        break;
+      }
     }
-    ReleaseIfIdleLocked(*slice);
-    NotifyLocked();
+    SpillDirectory::Remove(path);
+    unlinked = true;
   }
   if (!failure.empty()) Log(failure);
   RemoveDroppedFiles();
@@ -477,6 +499,15 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
 
 void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status,
                                  bool crc_ok) {
+  // Read back or corrupt, the file is not needed any more: removed first.
+  if (status.ok()) {
+    std::string file;
+    {
+      absl::MutexLock lock(&mu_);
+      file = slice->file;
+    }
+    if (!file.empty()) SpillDirectory::Remove(file);
+  }
   {
     absl::MutexLock lock(&mu_);
     --reading_;
@@ -491,10 +522,10 @@ void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Stat
           Describe(slice->job, slice->id), ": its spill file ", slice->file,
           " no longer holds its bytes (CRC-32C mismatch); offload it again"));
       FreeBlockLocked(*slice);
-      DropFileLocked(*slice);
+      ForgetFileLocked(*slice);
       slice->state = Slice::State::kCorrupt;
     } else {
-      DropFileLocked(*slice);
+      ForgetFileLocked(*slice);
       slice->state = Slice::State::kStored;
       slice->read_back = true;
     }

@@ -314,6 +314,8 @@ class ActivationStore {
   void ReleaseIfIdleLocked(Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeBlockLocked(Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropFileLocked(Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The file's booking only, for a file already removed (or never written).
+  void ForgetFileLocked(Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool AllocateBlockLocked(Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Books the free space's split into largest block and fragmentation.
   void SyncFreeBookingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
