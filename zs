@@ -45,6 +45,7 @@ ensure_packages() {
 PASSED=0
 FAILED=0
 FAILED_NAMES=()
+FAILED_LOGS=()
 run_phase() {
   local name="$1" no_tests_ok="$2"
   shift 2
@@ -62,6 +63,9 @@ run_phase() {
       grep -E '^//[^ ]+ +(\(cached\) )?(FAILED|FLAKY|TIMEOUT|NO STATUS|INCOMPLETE|REMOTE FAILURE)' || true)
   f=${#failed_lines[@]}
   for l in "${failed_lines[@]}"; do FAILED_NAMES+=("[${name}] ${l%% *}"); done
+  # "FAIL: //pkg:target (see .../test.log)", one per failed run.
+  mapfile -t -O "${#FAILED_LOGS[@]}" FAILED_LOGS < <(sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$out" |
+      sed -n 's/^FAIL: \(\/\/[^ ]*\) .*(see \(.*\))$/\1 \2/p' || true)
   if [ "$rc" -eq 4 ] && [ "$no_tests_ok" = yes ]; then
     log "[${name}] no test targets matched: nothing to run"
   elif [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
@@ -104,6 +108,15 @@ cmd_test() {
       FAILED=$((FAILED + 1))
       FAILED_NAMES+=("[fuzz] ${target}")
     fi
+  done
+  # What each failed run said, at the end of the output where a log's tail
+  # shows it: gtest's failures, sanitizer reports and a script's FAILED line.
+  local entry
+  for entry in "${FAILED_LOGS[@]}"; do
+    [ -f "${entry#* }" ] || continue
+    echo "---- why ${entry%% *} failed (${entry#* }) ----"
+    grep -E -A3 'Failure$|^FAILED: |ERROR: AddressSanitizer|runtime error:|LeakSanitizer|^\[  FAILED  \]' \
+      "${entry#* }" | head -n 25
   done
   if [ ${#FAILED_NAMES[@]} -gt 0 ]; then
     log "failed:"

@@ -12,6 +12,41 @@ zs_kill_all() {
   wait 2>/dev/null
 }
 
+# zs_free_ports N: N distinct TCP ports free on this host now, drawn from
+# below the kernel's ephemeral range (net.ipv4.ip_local_port_range), where
+# no port-0 bind and no connection's source port can take one before the
+# caller's daemon binds it (which may be many seconds later, or again after
+# a restart).
+zs_free_ports() {
+  python3 - "$1" <<'PY'
+import random, socket, sys
+n = int(sys.argv[1])
+with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+    ephemeral_low = int(f.read().split()[0])
+low, high = 10000, ephemeral_low  # [low, high)
+if high - low < 1000:
+    low, high = 1024, ephemeral_low
+ports = []
+for _ in range(10000):
+    if len(ports) == n:
+        break
+    p = random.randrange(low, high)
+    if p in ports:
+        continue
+    s = socket.socket()
+    try:
+        s.bind(("0.0.0.0", p))
+        ports.append(p)
+    except OSError:
+        pass
+    finally:
+        s.close()
+if len(ports) < n:
+    sys.exit("no %d free ports below the ephemeral range [%d, %d)" % (n, low, high))
+print(*ports)
+PY
+}
+
 # zs_fail MESSAGE...: prints "FAILED: MESSAGE" and the last 40 lines of each
 # $WORK/*.log and $WORK/logs/*.log, then exits 1.
 zs_fail() {

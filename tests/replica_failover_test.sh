@@ -50,11 +50,8 @@ fail() {
 }
 
 # Three free loopback ports.
-read -r PORT0 PORT1 PORT2 < <(python3 -c '
-import socket
-s = [socket.socket() for _ in range(3)]
-for x in s: x.bind(("127.0.0.1", 0))
-print(*[x.getsockname()[1] for x in s])')
+read -r PORT0 PORT1 PORT2 <<<"$(zs_free_ports 3)"
+[[ -n "$PORT2" ]] || fail "no free ports"
 ADDRS=("127.0.0.1:$PORT0" "127.0.0.1:$PORT1" "127.0.0.1:$PORT2")
 # The daemons the runs use (the three-daemon runs set all three).
 RUN_ADDRS="${ADDRS[0]},${ADDRS[1]}"

@@ -111,14 +111,8 @@ trap teardown EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
 
-free_ports() {  # free_ports N: N ports free on this host now
-  python3 -c '
-import socket, sys
-socks = [socket.socket() for _ in range(int(sys.argv[1]))]
-for s in socks: s.bind(("", 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))' "$1"
-}
-read -r CTLD_PORT SLURMD_PORT ZS_PORT ZS_TLS_PORT <<<"$(free_ports 4)"
+read -r CTLD_PORT SLURMD_PORT ZS_PORT ZS_TLS_PORT <<<"$(zs_free_ports 4)"
+[[ -n "$ZS_TLS_PORT" ]] || zs_fail "no free ports"
 
 # --- munge, on a private socket with a fresh key -------------------------------------
 mkdir -m 755 "$DIR/munge"
@@ -254,7 +248,7 @@ run_job() {
   local left
   left="$(sl squeue -h)"
   [[ -z "$left" ]] || zs_fail "$name: jobs left in the queue: $left"
-  for _ in $(seq 50); do
+  for _ in $(seq 150); do  # 30 s: slurmstepd lingers on a loaded machine
     left="$(job_pids)"
     [[ -z "$left" ]] && break
     sleep 0.2
