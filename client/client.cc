@@ -362,11 +362,14 @@ absl::Status Client::RegisterModel(const Layout& layout, const float* initial_pa
     const uint32_t buffers =
         config_.layer_buffers != 0 ? config_.layer_buffers : config_.prefetch_depth + 2;
     o.buffers = config_.stage == 3 ? buffers : 0;
-    o.prefetch_depth = config_.prefetch_depth;
+    // A collective that gathers parameters is a collective call, made by
+    // every rank in the same order: only the trainer's own gathers, in its
+    // order, never prefetches timed by a thread.
+    o.prefetch_depth = collective_->gathers_parameters() ? 0 : config_.prefetch_depth;
     o.timeout = config_.step_timeout;
     layers_ = std::make_unique<LayerCache>(
         &layout_, o, [this](const FlatRange& range, uint64_t after_step, void* dst) {
-          return GatherRange(range, config_.precision, after_step, dst);
+          return GatherParameters(range, config_.precision, after_step, dst);
         });
   }
   registered_.store(true, std::memory_order_release);
@@ -482,6 +485,17 @@ absl::Status Client::GatherRange(const FlatRange& range, DType dtype, uint64_t a
   return s;
 }
 
+absl::Status Client::GatherParameters(const FlatRange& range, DType dtype, uint64_t after_step,
+                                      void* dst) {
+  if (!collective_->gathers_parameters()) return GatherRange(range, dtype, after_step, dst);
+  return collective_->AllGather(
+      range, dst, dtype,
+      [this, dtype, after_step](const FlatRange& piece, void* out) {
+        return GatherRange(piece, dtype, after_step, out);
+      },
+      absl::Now() + config_.step_timeout);
+}
+
 absl::Status Client::GatherAll(void* dst, DType dtype) {
   if (!registered()) return absl::FailedPreconditionError("GatherAll before RegisterModel");
   if (dtype != DType::kFp32 && dtype != config_.precision) {
@@ -490,7 +504,7 @@ absl::Status Client::GatherAll(void* dst, DType dtype) {
                                                    DTypeName(dtype)));
   }
   if (dst == nullptr) return absl::InvalidArgumentError("dst: null");
-  return GatherRange({0, layout_.total_elements()}, dtype, step_, dst);
+  return GatherParameters({0, layout_.total_elements()}, dtype, step_, dst);
 }
 
 absl::StatusOr<uint64_t> Client::layer_elements(uint32_t layer) const {

@@ -84,7 +84,9 @@ struct ClientConfig : JobSettings {
   // Staging pool for gradient pushes: this many buffers of one bucket
   // (at most kMaxChunkBytes) each, allocated by Create.
   uint32_t staging_buffers = 4;
-  // Stage 3: layers gathered ahead of the one the caller asks for.
+  // Stage 3: layers gathered ahead of the one the caller asks for. Ignored
+  // (0) with a collective that gathers parameters (GlooCollective): its
+  // layer gathers are collective calls, made only when the trainer asks.
   uint32_t prefetch_depth = 2;
   // Layer buffers for prefetching and GatherView (each as large as the
   // largest layer); 0 means prefetch_depth + 2. Allocated by RegisterModel.
@@ -240,7 +242,11 @@ class Client {
   // gaps read as zeros), from all daemons in parallel, in C_B-sized
   // requests written straight into `dst`. Stages 1-2 call it once per step,
   // before the forward pass. Blocks until done (each request bounded by
-  // rpc_timeout); `dst` is not written after it returns.
+  // rpc_timeout); `dst` is not written after it returns. With a collective
+  // that gathers parameters (GlooCollective) it is a collective call: this
+  // rank fetches its own partition from the daemons and the others come from
+  // their ranks, so every rank calls GatherAll at the same points (bounded
+  // by step_timeout).
   absl::Status GatherAll(void* dst, DType dtype);
 
   // Stage 3 (works in any stage): the parameters of `layer`
@@ -249,7 +255,10 @@ class Client {
   // a prefetched buffer when there is one, else gathered from the owning
   // daemons in parallel. Then starts prefetching the next prefetch_depth
   // layers in the direction of travel: forward while layer ids increase,
-  // backward once a layer repeats or ids decrease.
+  // backward once a layer repeats or ids decrease. With a collective that
+  // gathers parameters, a layer not held is all-gathered among the ranks
+  // (each fetching its own partition's part from the daemons): every rank
+  // then gathers, views and releases the same layers in the same order.
   absl::Status Gather(uint32_t layer, void* dst);
   // Stage 3: like Gather, but returns a pointer into a client-owned layer
   // buffer (layer_buffers of them, allocated by RegisterModel) that stays
@@ -344,6 +353,10 @@ class Client {
   // Gathers `range` (inside [0, total)) as `dtype` into dst, cut at daemon
   // boundaries and into C_B-sized requests, in parallel on the io threads.
   absl::Status GatherRange(const FlatRange& range, DType dtype, uint64_t after_step, void* dst);
+  // GatherRange, or with a collective that gathers parameters its
+  // AllGather (a collective call: every rank makes it in the same order).
+  absl::Status GatherParameters(const FlatRange& range, DType dtype, uint64_t after_step,
+                                void* dst);
   absl::StatusOr<size_t> LayerIndex(uint32_t layer) const;
   bool registered() const { return registered_.load(std::memory_order_acquire); }
 

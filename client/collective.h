@@ -14,11 +14,13 @@
 // them in the gradient norm), summed over ranks in rank order.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/data_path.h"
 #include "client/executor.h"
@@ -106,6 +108,25 @@ class Collective {
 
   // Bytes of memory the collective holds (staging buffers), fixed once bound.
   virtual uint64_t staging_bytes() const = 0;
+
+  // Gathers parameters by exchanging them among the ranks, where the
+  // collective can (gathers_parameters()): each rank fetches only the part
+  // of `range` inside its own partition from the daemons, with `fetch_own`,
+  // and receives the rest from the ranks owning it. A collective call: every
+  // rank calls it for the same ranges in the same order (and in the same
+  // order with respect to Finish).
+  virtual bool gathers_parameters() const { return false; }
+  // `fetch_own(piece, out)` gathers flat `piece` of the committed parameters
+  // from the daemons into `out` (piece.size() elements of `dtype`). Fills
+  // `dst` (range.size() elements of `dtype`; alignment gaps as the daemons
+  // return them) and returns once every piece is in (or at `deadline`).
+  // Unimplemented unless gathers_parameters().
+  using FetchRange = std::function<absl::Status(const FlatRange& piece, void* out)>;
+  virtual absl::Status AllGather(const FlatRange& range, void* dst, DType dtype,
+                                 const FetchRange& fetch_own, absl::Time deadline) {
+    (void)range, (void)dst, (void)dtype, (void)fetch_own, (void)deadline;
+    return absl::UnimplementedError(absl::StrCat(name(), " does not gather parameters"));
+  }
 };
 
 }  // namespace zeroshard

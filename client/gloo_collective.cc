@@ -660,6 +660,10 @@ absl::Status GlooCollective::Finish(uint64_t step, absl::Time deadline) {
                                                         " while Step for step ", finishing_step_,
                                                         " is running (one Step at a time)"));
     }
+    if (gathering_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("Step for step ", step, " while GatherAll is running"));
+    }
     // Claimed before the wait below releases mu_: from here on, new
     // PushGradients calls and a second Step are refused.
     finishing_ = true;
@@ -702,6 +706,100 @@ absl::Status GlooCollective::Finish(uint64_t step, absl::Time deadline) {
   } else {
     exchanged_step_ = 0;
   }
+  return status;
+}
+
+absl::Status GlooCollective::AllGather(const FlatRange& range, void* dst, DType dtype,
+                                       const FetchRange& fetch_own, absl::Time deadline) {
+  if (!bound_.load(std::memory_order_acquire)) {
+    return absl::FailedPreconditionError("GatherAll before RegisterModel");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (!broken_.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          kWhat, " failed earlier and cannot continue (restart the ranks): ", broken_.message()));
+    }
+    if (finishing_ || gathering_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "GatherAll while ", finishing_ ? "Step" : "another GatherAll", " is running"));
+    }
+    gathering_ = true;
+  }
+  const uint32_t n = job_.world_size;
+  const uint32_t p = job_.rank;
+  const size_t esize = DTypeSize(dtype);
+  auto* bytes = static_cast<uint8_t*>(dst);
+  // Rank q's piece of the range, and where it goes in `dst`.
+  auto piece = [&](uint32_t q) { return job_.map->UnpaddedPartition(q).Intersect(range); };
+  auto offset = [&](const FlatRange& r) { return (r.begin - range.begin) * esize; };
+  // The daemons' part first: a failure there leaves the ranks' context as
+  // it was (the other ranks' exchange then times out, or fails like this).
+  const FlatRange own = piece(p);
+  absl::Status status;
+  if (range.end > plan_.total_elements() || range.empty()) {
+    status = absl::InvalidArgumentError(
+        absl::StrCat("range: [", range.begin, ", ", range.end, ") is empty or past the ",
+                     plan_.total_elements(), " elements of the layout"));
+  } else if (!own.empty()) {
+    status = fetch_own(own, bytes + offset(own));
+  }
+  bool broke = false;  // the ranks' context is in an unknown state
+  if (status.ok() && n > 1 && context_ == nullptr) {
+    status = Connect(deadline);
+    broke = !status.ok();
+  }
+  if (status.ok() && n > 1) {
+    const uint64_t slot = next_slot_++;
+    uint64_t received_bytes = 0;
+    uint32_t waiting_for = n;  // the peer whose partition is awaited (n: none)
+    std::unique_ptr<::gloo::transport::UnboundBuffer> buffer;
+    status = CatchGloo(deadline, "", [&] {
+      buffer = context_->createUnboundBuffer(dst, range.size() * esize);
+      int sends = 0;
+      for (uint32_t q = 0; q < n; ++q) {
+        if (q == p) continue;
+        const FlatRange theirs = piece(q);
+        if (!theirs.empty()) {
+          buffer->recv(static_cast<int>(q), slot, offset(theirs), theirs.size() * esize);
+        }
+        if (!own.empty()) {
+          buffer->send(static_cast<int>(q), slot, offset(own), own.size() * esize);
+          ++sends;
+        }
+      }
+      for (uint32_t q = 0; q < n; ++q) {
+        const FlatRange theirs = piece(q);
+        if (q == p || theirs.empty()) continue;
+        waiting_for = q;
+        if (!buffer->waitRecv(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("receive aborted");
+        received_bytes += theirs.size() * esize;
+      }
+      waiting_for = n;
+      for (; sends > 0; --sends) {
+        if (!buffer->waitSend(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("send aborted");
+      }
+    });
+    job_.traffic->AddCollectiveReceived(received_bytes);
+    if (status.ok()) {
+      job_.traffic->AddCollectiveSent(own.size() * esize * (n - 1));
+    } else {
+      broke = true;
+      status = absl::Status(
+          status.code(),
+          absl::StrCat(kWhat, ": rank ", p, ", parameter all-gather, ",
+                       waiting_for < n ? absl::StrCat("waiting for rank ", waiting_for,
+                                                      "'s partition (not running, not in this "
+                                                      "GatherAll, or its connection failed)")
+                                       : std::string("sending its partition"),
+                       ": ", status.message()));
+      // A failed wait has closed the context's connections: nothing
+      // arrives in `dst` any more, and the buffer can go.
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  gathering_ = false;
+  if (broke) broken_ = status;
   return status;
 }
 

@@ -6,8 +6,11 @@
 // over the ranks, to the daemon owning it. Per rank and step that is Ψ/N_d
 // elements to the daemons (in the job's precision) and (N_d - 1)/N_d Ψ fp32
 // elements out to the other ranks and as many in (TrafficBytes::collective_*).
-// Parameters are still gathered from the daemons (no all-gather among the
-// ranks here).
+// Parameters: AllGather (Client::GatherAll, stages 1-2 once a step; each
+// layer gather in stage 3) fetches only the part of the range inside
+// partition p from the daemons (Ψ/N_d elements of the gather's dtype for
+// the whole model) and exchanges the parts among the ranks, straight into
+// the caller's buffer ((N_d - 1)/N_d of the range out and as much in).
 //
 // Memory, allocated once by Bind: one fp32 buffer of the rank's full
 // gradient (Layout::total_elements), a receive buffer of (N_d - 1) exchange
@@ -21,7 +24,9 @@
 // otherwise), so the sum does not depend on thread timing. Within a
 // micro-batch, concurrent Reduce calls on disjoint ranges copy in parallel.
 //
-// Finish runs the exchange, then the pushes, on the calling thread. The
+// Finish runs the exchange, then the pushes, on the calling thread;
+// AllGather its fetch and exchange, on the calling thread, with no memory of
+// its own. One of the two at a time (FailedPrecondition otherwise). The
 // reduced value of element i is (((g_0 + g_1) + g_2) + ...) in rank order,
 // with g_r rank r's micro-batch sum, in fp32: the order in which the daemons
 // sum contributions in daemon reduce (server/reduction.h), so with one
@@ -57,19 +62,20 @@
 //
 // Errors (absl::Status; Gloo's exceptions are caught and converted):
 //   DeadlineExceeded    a rank did not arrive at the rendezvous, or did not
-//                       send its part of the exchange, before the deadline
-//                       (the message names the ranks whose arrival or data
-//                       was missing at the deadline);
+//                       send its part of the exchange or of an AllGather
+//                       before the deadline (the message names the ranks
+//                       whose arrival or data was missing at the deadline);
 //   Unavailable         a peer's connection failed;
 //   FailedPrecondition  a contribution is missing, out of micro-batch order,
-//                       Reduce or Finish while a Finish runs, the rendezvous
+//                       Reduce, Finish or AllGather while a Finish runs
+//                       (Finish or AllGather while an AllGather runs), the rendezvous
 //                       directory is unusable (Gloo's error text included),
 //                       or holds files of an earlier failed run;
 //   InvalidArgument     a range contributed twice in one micro-batch of a step;
 //   ResourceExhausted   Bind could not allocate its buffers (the message
 //                       names the bytes).
-// A failed rendezvous or exchange leaves the Gloo context in an unknown
-// state: every later Finish returns FailedPrecondition carrying the first
+// A failed rendezvous, exchange or all-gather leaves the Gloo context in an
+// unknown state: every later Finish returns FailedPrecondition carrying the first
 // error (restart the ranks). A failed push does not: the step's reduced
 // partition is kept, and a retry of the same step (whose Reduce calls are
 // then accepted and ignored) pushes again only the buckets the daemons have
@@ -128,6 +134,9 @@ class GlooCollective final : public Collective {
                                     absl::Time deadline) override;
   absl::Status Finish(uint64_t step, absl::Time deadline) override;
   uint64_t staging_bytes() const override;
+  bool gathers_parameters() const override { return true; }
+  absl::Status AllGather(const FlatRange& range, void* dst, DType dtype,
+                         const FetchRange& fetch_own, absl::Time deadline) override;
 
  private:
   explicit GlooCollective(const Options& options);
@@ -180,6 +189,7 @@ class GlooCollective final : public Collective {
 
   mutable absl::Mutex mu_;
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  bool gathering_ ABSL_GUARDED_BY(mu_) = false;       // an AllGather runs
   uint64_t finishing_step_ ABSL_GUARDED_BY(mu_) = 0;  // while finishing_
   absl::Status broken_ ABSL_GUARDED_BY(mu_);          // a failed rendezvous or exchange
   uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;            // step being collected (0: none)

@@ -530,6 +530,93 @@ TEST(GlooCollectiveTest, AFailedPushIsRetriedWithoutExchangingAgain) {
 // Through the Client against in-process daemons: three ranks train three
 // steps in daemon reduce and in the trainer collective; the parameters are
 // the same bits.
+// AllGather: each rank fetches only its partition's part of the range (the
+// fake daemons' bytes are a function of the element index) and receives the
+// rest from the others, for the whole model, a range across partition
+// boundaries and one inside a single partition, fp32 and bf16; the traffic
+// counts both sides.
+TEST(GlooCollectiveTest, AllGatherFetchesOnlyItsPartitionAndExchangesTheRest) {
+  constexpr uint32_t kWorld = 3;
+  Job job(kWorld, 2, DType::kFp32);
+  const uint64_t total = job.layout.total_elements();
+  const FlatRange p1 = job.map.UnpaddedPartition(1);
+  const std::vector<FlatRange> ranges = {
+      {0, total}, {101, total - 57}, {p1.begin + 3, p1.end - 5}, {0, total}};
+  for (DType dtype : {DType::kFp32, DType::kBf16}) {
+    const size_t esize = DTypeSize(dtype);
+    for (size_t round = 0; round < ranges.size(); ++round) {
+      const FlatRange range = ranges[round];
+      auto value = [&](uint64_t byte) {  // of the flat space's bytes
+        return static_cast<uint8_t>((byte * 131 + round * 7 + byte / 251) & 0xff);
+      };
+      std::vector<std::vector<uint8_t>> dst(kWorld,
+                                            std::vector<uint8_t>(range.size() * esize, 0xee));
+      std::vector<TrafficBytes> before;
+      for (uint32_t r = 0; r < kWorld; ++r) before.push_back(job.traffic[r].Total());
+      RunRanks(kWorld, [&](uint32_t r) {
+        int fetches = 0;
+        absl::Status s = job.collectives[r]->AllGather(
+            range, dst[r].data(), dtype,
+            [&](const FlatRange& piece, void* out) {
+              ++fetches;
+              EXPECT_EQ(piece, job.map.UnpaddedPartition(r).Intersect(range)) << "rank " << r;
+              auto* b = static_cast<uint8_t*>(out);
+              for (uint64_t k = 0; k < piece.size() * esize; ++k) {
+                b[k] = value(piece.begin * esize + k);
+              }
+              return absl::OkStatus();
+            },
+            absl::Now() + absl::Seconds(20));
+        EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s;
+        EXPECT_EQ(fetches, job.map.UnpaddedPartition(r).Intersect(range).empty() ? 0 : 1);
+      });
+      for (uint32_t r = 0; r < kWorld; ++r) {
+        uint64_t wrong = 0;
+        for (uint64_t k = 0; k < range.size() * esize; ++k) {
+          wrong += dst[r][k] != value(range.begin * esize + k);
+        }
+        EXPECT_EQ(wrong, 0u) << "rank " << r << " " << DTypeName(dtype) << " round " << round;
+        const TrafficBytes t = job.traffic[r].Total();
+        const uint64_t own = job.map.UnpaddedPartition(r).Intersect(range).size() * esize;
+        EXPECT_EQ(t.collective_sent - before[r].collective_sent, own * (kWorld - 1));
+        EXPECT_EQ(t.collective_received - before[r].collective_received,
+                  range.size() * esize - own);
+      }
+    }
+  }
+}
+
+// A rank that does not come to an AllGather: the others fail with
+// DeadlineExceeded naming it, by their deadline, and stay failed.
+TEST(GlooCollectiveTest, AllGatherWithoutARankIsDeadlineExceededNamingIt) {
+  constexpr uint32_t kWorld = 3;
+  Job job(kWorld, 1, DType::kFp32);
+  const uint64_t total = job.layout.total_elements();
+  auto fetch = [](const FlatRange& range, void* out) {
+    std::memset(out, 0, range.size() * 4);
+    return absl::OkStatus();
+  };
+  std::vector<std::vector<float>> dst(kWorld, std::vector<float>(total));
+  RunRanks(kWorld, [&](uint32_t r) {
+    EXPECT_TRUE(job.collectives[r]
+                    ->AllGather({0, total}, dst[r].data(), DType::kFp32, fetch,
+                                absl::Now() + absl::Seconds(20))
+                    .ok());
+  });
+  const absl::Duration limit = absl::Seconds(2);
+  RunRanks(2, [&](uint32_t r) {
+    const absl::Time start = absl::Now();
+    const absl::Status s = job.collectives[r]->AllGather({0, total}, dst[r].data(), DType::kFp32,
+                                                         fetch, start + limit);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_NE(s.message().find("waiting for rank 2's partition"), std::string::npos) << s;
+    EXPECT_LE(absl::Now() - start, limit + kDeadlineSlack) << "rank " << r;
+    const absl::Status again = job.collectives[r]->AllGather(
+        {0, total}, dst[r].data(), DType::kFp32, fetch, absl::Now() + limit);
+    EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
+  });
+}
+
 TEST(GlooCollectiveTest, TrainsLikeDaemonReduceThroughTheClient) {
   constexpr uint32_t kWorld = 3;
   const Layout layout = testing::SampleLayout();
@@ -596,8 +683,16 @@ TEST(GlooCollectiveTest, TrainsLikeDaemonReduceThroughTheClient) {
   const PartitionMap map = *PartitionMap::Create(total, kWorld, 2);
   EXPECT_EQ(last_step[0].push, total * 4);
   EXPECT_EQ(last_step[0].collective(), 0u);
-  EXPECT_EQ(last_step[1].push, map.UnpaddedPartition(0).size() * 4);
-  EXPECT_EQ(last_step[1].collective_received, 2 * map.UnpaddedPartition(0).size() * 4);
+  EXPECT_EQ(last_step[0].gather, total * 4);
+  // Trainer collective, rank 0's step: the reduce-scatter's (its partition
+  // from the 2 others, the others' partitions to them) and the parameter
+  // all-gather's (its partition to the 2 others, theirs in); the daemons
+  // see only partition 0, pushed and gathered.
+  const uint64_t own = map.UnpaddedPartition(0).size() * 4;
+  EXPECT_EQ(last_step[1].push, own);
+  EXPECT_EQ(last_step[1].gather, own);
+  EXPECT_EQ(last_step[1].collective_received, 2 * own + (total * 4 - own));
+  EXPECT_EQ(last_step[1].collective_sent, (total * 4 - own) + 2 * own);
 }
 
 }  // namespace

@@ -8,8 +8,9 @@
 //
 // --reduction=trainer --collective_dir=DIR: the ranks reduce-scatter their
 // gradients among themselves over Gloo (client/gloo_collective.h) and each
-// pushes only its own partition; the report shows the daemon and the
-// rank-to-rank traffic side by side.
+// pushes only its own partition, and the ranks all-gather the parameters
+// among themselves (per layer in stage 3); the report shows the daemon and
+// the rank-to-rank traffic side by side.
 //
 // Checkpoints (the daemons need --checkpoint_dir): --checkpoint_every=N has
 // rank 0 save "step-<k>" after every N committed steps; --resume=NAME|latest
@@ -83,8 +84,9 @@ ABSL_FLAG(std::string, reduction, "daemon",
           "Gradient reduction: daemon (every rank pushes its whole gradient; the daemons sum the "
           "N_d contributions) or trainer (the ranks reduce-scatter their gradients among "
           "themselves over Gloo's TCP transport and each pushes only its own partition, Ψ/N_d; "
-          "parameters are still gathered from the daemons). trainer needs --collective_dir and "
-          "takes no reconnects.");
+          "each also fetches only its partition of the parameters from the daemons and the ranks "
+          "all-gather the rest, per layer in stage 3, without prefetching). trainer needs "
+          "--collective_dir and takes no reconnects.");
 ABSL_FLAG(std::string, collective_dir, "",
           "--reduction=trainer (required): the Gloo rendezvous directory, the same path for "
           "every rank: on one host any directory, across nodes one on a filesystem they all "
@@ -651,20 +653,26 @@ int Main() {
   const bool trainer = o.reduction == "trainer";
   const double nd = static_cast<double>(o.world_size);
   // Daemon traffic: the push (Ψ, or Ψ/N_d with the trainer collective) and
-  // the gathers (Ψ, twice in stage 3).
-  const double expected = ((trainer ? 1.0 / nd : 1.0) + (o.stage == 3 ? 2.0 : 1.0)) * psi * elem;
+  // the gathers (Ψ, twice in stage 3; a rank's partition only with the
+  // trainer collective, which all-gathers the rest among the ranks).
+  const double gathers = o.stage == 3 ? 2.0 : 1.0;
+  const double share = trainer ? 1.0 / nd : 1.0;
+  const double expected = (share + gathers * share) * psi * elem;
   const char* figure =
-      trainer ? (o.stage == 3 ? "Ψ/N_d + 2Ψ" : "Ψ/N_d + Ψ") : (o.stage == 3 ? "3Ψ" : "2Ψ");
+      trainer ? (o.stage == 3 ? "3Ψ/N_d" : "2Ψ/N_d") : (o.stage == 3 ? "3Ψ" : "2Ψ");
   std::printf(
       "Traffic of rank 0 in the last step: pushed %s + gathered %s = %s with the daemons; "
       "expected %s = %s (ratio %.3f; alignment padding makes up the difference)\n",
       FormatBytes(t.push).c_str(), FormatBytes(t.gather).c_str(), FormatBytes(t.total()).c_str(),
       figure, FormatBytes(expected).c_str(), t.total() / expected);
   if (trainer) {
-    const double each_way = (nd - 1) / nd * psi * 4;
+    // The reduce-scatter in fp32, and the parameter all-gathers (one, or
+    // two in stage 3) in the job's precision.
+    const double each_way = (nd - 1) / nd * psi * (4 + gathers * elem);
     std::printf(
-        "  and with the other ranks (Gloo reduce-scatter, fp32): sent %s + received %s = "
-        "%s; expected (N_d-1)/N_d Ψ each way = %s + %s (ratio %.3f)\n",
+        "  and with the other ranks (Gloo reduce-scatter in fp32, %s): sent %s + received %s = "
+        "%s; expected (N_d-1)/N_d Ψ each way per collective = %s + %s (ratio %.3f)\n",
+        o.stage == 3 ? "each layer all-gathered twice" : "parameter all-gather",
         FormatBytes(t.collective_sent).c_str(), FormatBytes(t.collective_received).c_str(),
         FormatBytes(t.collective()).c_str(), FormatBytes(each_way).c_str(),
         FormatBytes(each_way).c_str(), t.collective() / (2 * each_way));

@@ -124,20 +124,38 @@ TEST_P(TrainerCollectiveOracleTest, EqualsSingleProcessTraining) {
   EXPECT_TRUE(daemon_ranks[0].params == ranks[0].params)
       << "the trainer collective's parameters differ from daemon reduce's";
   // Per rank and step: its partition to the daemons, (N_d - 1)/N_d of the
-  // gradient out to the other ranks and as much in.
+  // gradient out to the other ranks and as much in (the reduce-scatter);
+  // its partition of the parameters from the daemons, the rest in from the
+  // other ranks and its partition out to each of them (the all-gather, of
+  // each layer twice in stage 3).
   const Layout layout = *GptLayout(o.model);
   const PartitionMap map = *PartitionMap::Create(layout.total_elements(), kWorld, 2);
   for (uint32_t r = 0; r < kWorld; ++r) {
     const TrafficBytes& t = ranks[r].traffic.last_step;
     std::printf(
-        "  rank %u per step: pushed %llu B to daemons (Ψ/N_d x 4 = %.0f B); collective "
-        "sent %llu B, received %llu B\n",
+        "  rank %u per step: pushed %llu B to daemons (Ψ/N_d x 4 = %.0f B), gathered %llu B; "
+        "collective sent %llu B, received %llu B\n",
         r, static_cast<unsigned long long>(t.push), 4.0 * layout.parameter_count() / kWorld,
+        static_cast<unsigned long long>(t.gather),
         static_cast<unsigned long long>(t.collective_sent),
         static_cast<unsigned long long>(t.collective_received));
-    EXPECT_EQ(t.push, map.UnpaddedPartition(r).size() * 4);
-    EXPECT_EQ(t.collective_received, (kWorld - 1) * map.UnpaddedPartition(r).size() * 4);
-    EXPECT_EQ(t.collective_sent + map.UnpaddedPartition(r).size() * 4, layout.total_elements() * 4);
+    const uint64_t own = map.UnpaddedPartition(r).size() * 4;
+    const uint64_t all = layout.total_elements() * 4;
+    // The parameters all-gathered: the whole model, or each layer twice.
+    uint64_t gathered = all, gathered_own = own, passes = 1;
+    if (stage == 3) {
+      gathered = gathered_own = 0;
+      passes = 2;
+      for (uint32_t layer : layout.layers()) {
+        const FlatRange l = *layout.LayerRange(layer);
+        gathered += l.size() * 4;
+        gathered_own += l.Intersect(map.UnpaddedPartition(r)).size() * 4;
+      }
+    }
+    EXPECT_EQ(t.push, own);
+    EXPECT_EQ(t.gather, passes * gathered_own);
+    EXPECT_EQ(t.collective_received, (kWorld - 1) * own + passes * (gathered - gathered_own));
+    EXPECT_EQ(t.collective_sent, (all - own) + passes * (kWorld - 1) * gathered_own);
   }
 }
 
