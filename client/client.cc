@@ -545,6 +545,9 @@ absl::Status Client::Release(uint32_t layer) {
 
 absl::Status Client::Prefetch(uint32_t layer) {
   ASSIGN_OR_RETURN(size_t index, LayerIndex(layer));
+  // A collective gather may not start on the prefetch thread at a time of
+  // its choosing: the other ranks would not match it.
+  if (collective_->gathers_parameters()) return absl::OkStatus();
   layers_->Prefetch(index, step_);
   return absl::OkStatus();
 }

@@ -270,8 +270,9 @@ class Client {
   // yet used). OK if it holds none.
   absl::Status Release(uint32_t layer);
   // Stage 3: starts gathering `layer` into a free layer buffer in the
-  // background; a no-op if it is already there, no buffer is free, or the
-  // stage has no layer buffers.
+  // background; a no-op if it is already there, no buffer is free, the
+  // stage has no layer buffers, or the collective gathers parameters (its
+  // gathers are made when the trainer asks, in every rank's same order).
   absl::Status Prefetch(uint32_t layer);
 
   // ---- Checkpoints (call from one rank, usually 0, between steps) ----

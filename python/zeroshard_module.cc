@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/client.h"
+#include "client/gloo_collective.h"
 #include "common/dtype.h"
 #include "common/layout.h"
 #include "proto/zeroshard/v1/checkpoint.pb.h"
@@ -192,6 +193,8 @@ py::dict TrafficDict(const TrafficBytes& b) {
   d["push"] = b.push;
   d["gather"] = b.gather;
   d["init"] = b.init;
+  d["collective_sent"] = b.collective_sent;  // with the other ranks (reduction='trainer')
+  d["collective_received"] = b.collective_received;
   return d;
 }
 
@@ -204,9 +207,26 @@ class PyClient {
            float eps, float weight_decay, float max_grad_norm, uint64_t bucket_bytes,
            double rpc_timeout, double step_timeout, std::optional<std::string> resume,
            std::optional<std::string> token, std::optional<std::string> tls_cert,
-           std::optional<std::string> tls_key, std::optional<std::string> tls_ca,
-           uint32_t replicas) {
+           std::optional<std::string> tls_key, std::optional<std::string> tls_ca, uint32_t replicas,
+           const std::string& reduction, std::optional<std::string> collective_dir,
+           const std::string& collective_host) {
     ClientConfig c;
+    std::unique_ptr<Collective> collective;
+    if (reduction == "trainer") {
+      if (!collective_dir.has_value() || collective_dir->empty()) {
+        throw py::value_error(
+            "collective_dir: reduction='trainer' needs the Gloo rendezvous directory, the same "
+            "path for every rank (one host, or a filesystem every node mounts)");
+      }
+      GlooCollective::Options o;
+      o.rendezvous_dir = *collective_dir;
+      o.hostname = collective_host;
+      collective = Check(GlooCollective::Create(o));
+      c.reduction = ReductionMode::kTrainerCollective;
+    } else if (reduction != "daemon") {
+      throw py::value_error(
+          absl::StrCat("reduction: must be 'daemon' or 'trainer', got '", reduction, "'"));
+    }
     c.replicas = replicas;
     c.job_token = token.value_or("");
     c.tls = {tls_cert.value_or(""), tls_key.value_or(""), tls_ca.value_or("")};
@@ -227,7 +247,7 @@ class PyClient {
     c.rpc_timeout = absl::Seconds(rpc_timeout);
     c.step_timeout = absl::Seconds(step_timeout);
     c.resume = resume.value_or("");
-    client_ = Check(Client::Create(std::move(c)));
+    client_ = Check(Client::Create(std::move(c), std::move(collective)));
   }
 
   ~PyClient() {
@@ -514,7 +534,8 @@ PYBIND11_MODULE(_zeroshard, m) {
                     const std::string&, float, std::pair<float, float>, float, float, float,
                     uint64_t, double, double, std::optional<std::string>,
                     std::optional<std::string>, std::optional<std::string>,
-                    std::optional<std::string>, std::optional<std::string>, uint32_t>(),
+                    std::optional<std::string>, std::optional<std::string>, uint32_t,
+                    const std::string&, std::optional<std::string>, const std::string&>(),
            py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
            py::arg("stage") = 2, py::arg("precision") = "fp32", py::arg("lr") = 1e-3f,
            py::arg("betas") = std::make_pair(0.9f, 0.999f), py::arg("eps") = 1e-8f,
@@ -523,7 +544,8 @@ PYBIND11_MODULE(_zeroshard, m) {
            py::arg("step_timeout") = 300.0, py::arg("resume") = py::none(),
            py::arg("token") = py::none(), py::arg("tls_cert") = py::none(),
            py::arg("tls_key") = py::none(), py::arg("tls_ca") = py::none(),
-           py::arg("replicas") = 1u,
+           py::arg("replicas") = 1u, py::arg("reduction") = "daemon",
+           py::arg("collective_dir") = py::none(), py::arg("collective_host") = "127.0.0.1",
            "Validates the config and starts the client's threads; connects to nothing. "
            "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
            "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
@@ -533,7 +555,11 @@ PYBIND11_MODULE(_zeroshard, m) {
            "the daemons instead of uploading initial_params ('latest' with no complete "
            "checkpoint starts from initial_params). replicas: 1, or 2 for a primary and a backup "
            "of each daemon's partitions (a daemon may die; a new Client then continues at the "
-           "committed step, the leader promoting the backups).")
+           "committed step, the leader promoting the backups). reduction: 'daemon' (every rank "
+           "pushes its whole gradient) or 'trainer' (the ranks reduce-scatter the gradients and "
+           "all-gather the parameters among themselves over Gloo's TCP transport on "
+           "collective_host, each moving only its own partition with the daemons; "
+           "collective_dir is the rendezvous directory every rank shares; no reconnect).")
       .def(
           "register_model",
           [](PyClient& self, const py::object& layout, const py::object& initial_params) {
@@ -551,7 +577,8 @@ PYBIND11_MODULE(_zeroshard, m) {
            py::arg("grads"), py::arg("borrow") = false,
            "Contributes gradients for flat [begin, end) to the next step: a float32 "
            "buffer, or a contiguous CPU tensor of float32, bfloat16 or float16 (converted "
-           "to the job's precision, the wire dtype). The values are copied before it returns, or with borrow=True read from `grads` "
+           "to the job's precision, the wire dtype). The values are copied before it returns, or "
+           "with borrow=True read from `grads` "
            "until the next successful step() (one copy fewer; the client keeps a "
            "reference, and the caller must not change the values before then).")
       .def("step", &PyClient::Step, py::arg("lr"),

@@ -118,7 +118,9 @@ def main():
              two_largest=sum(sorted_layers[:2]),
              client_param_bytes=sharded.client.memory_report()["param"],
              prefetch_hits=traffic["prefetch_hits"],
-             prefetch_misses=traffic["prefetch_misses"])
+             prefetch_misses=traffic["prefetch_misses"],
+             last_step=np.array([traffic["last_step"][k] for k in (
+                 "push", "gather", "collective_sent", "collective_received")]))
     sharded.close()
 
 

@@ -1,0 +1,83 @@
+"""The trainer collective from Python (reduction='trainer'): 2 trainer
+processes reduce-scatter their gradients and all-gather each layer's
+parameters among themselves over Gloo, each moving only its own partition
+with the 2 daemons. Checked against single-process torch.optim.AdamW, bit
+for bit against the same job with daemon reduction (both sum the ranks in
+rank order in fp32), and by its traffic."""
+
+import numpy as np
+import pytest
+
+import stage3_common as sc
+from binaries import run_workers, running_daemons
+
+TOLERANCE = 1e-5
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def daemons():
+    with running_daemons(2) as addresses:
+        yield addresses
+
+
+def _train(daemons, tmp_path, job, **extra):
+    configs, outputs = [], []
+    for rank in range(WORLD):
+        config = dict(daemons=daemons, job_id=job, rank=rank,
+                      world_size=WORLD, bucket_bytes=4096, rpc_timeout=30.0,
+                      step_timeout=60.0, layers=None, **extra)
+        outputs.append(tmp_path / f"{job}-rank{rank}.npz")
+        configs.append(config)
+    run_workers("stage3_worker.py", configs, outputs)
+    return [np.load(out) for out in outputs]
+
+
+def test_stage3_trainer_collective_equals_daemon_reduction(daemons, tmp_path):
+    rendezvous = tmp_path / "gloo"
+    rendezvous.mkdir()
+    trainer = _train(daemons, tmp_path, "pytest-trainer-collective",
+                     reduction="trainer", collective_dir=str(rendezvous))
+    daemon = _train(daemons, tmp_path, "pytest-trainer-collective-daemon")
+
+    expected, _ = sc.train_reference()
+    for rank, r in enumerate(trainer):
+        err = float(np.linalg.norm(r["params"] - expected)
+                    / np.linalg.norm(expected))
+        push, gather, sent, received = (int(x) for x in r["last_step"])
+        d_push, d_gather, _, _ = (int(x) for x in daemon[rank]["last_step"])
+        print(f"trainer collective, stage 3, rank {rank}: relative error "
+              f"{err:.3e}; last step with the daemons: pushed {push} B, "
+              f"gathered {gather} B (daemon reduction: {d_push} B, "
+              f"{d_gather} B); with the other rank: sent {sent} B, "
+              f"received {received} B")
+        assert err < TOLERANCE
+        np.testing.assert_array_equal(r["params"], daemon[rank]["params"])
+        assert r["peak"] <= r["outer_bytes"] + r["two_largest"]
+    # The ranks' partitions make up what one rank pushes alone in daemon
+    # reduction, and the layers both gather (daemon reduction also counts
+    # prefetches it did not use). What a rank does not fetch from the
+    # daemons it receives from the other rank, which fetched it, and its
+    # partition of the gradient comes from the other rank too.
+    pushes = [int(r["last_step"][0]) for r in trainer]
+    gathers = [int(r["last_step"][1]) for r in trainer]
+    d_push, d_gather = (int(x) for x in daemon[0]["last_step"][:2])
+    assert sum(pushes) == d_push
+    assert 0 < sum(gathers) <= d_gather
+    assert all(0 < p < d_push for p in pushes)
+    for rank, r in enumerate(trainer):
+        other = 1 - rank
+        assert int(r["last_step"][3]) == pushes[rank] + gathers[other]
+        assert int(r["last_step"][2]) == pushes[other] + gathers[rank]
+    for r in trainer[1:]:
+        np.testing.assert_array_equal(r["params"], trainer[0]["params"])
+
+
+def test_bad_reduction_raises(daemons):
+    from zeroshard import Client
+    with pytest.raises(ValueError, match="reduction: must be 'daemon' or"):
+        Client(daemons=daemons, job_id="x", rank=0, world_size=1,
+               reduction="allreduce", token="t" * 16)
+    with pytest.raises(ValueError, match="collective_dir"):
+        Client(daemons=daemons, job_id="x", rank=0, world_size=1,
+               reduction="trainer", token="t" * 16)
