@@ -63,9 +63,9 @@ run_phase() {
       grep -E '^//[^ ]+ +(\(cached\) )?(FAILED|FLAKY|TIMEOUT|NO STATUS|INCOMPLETE|REMOTE FAILURE)' || true)
   f=${#failed_lines[@]}
   for l in "${failed_lines[@]}"; do FAILED_NAMES+=("[${name}] ${l%% *}"); done
-  # "FAIL: //pkg:target (see .../test.log)", one per failed run.
+  # "FAIL: //pkg:target (see .../test.log)" (or TIMEOUT:), one per failed run.
   mapfile -t -O "${#FAILED_LOGS[@]}" FAILED_LOGS < <(sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$out" |
-      sed -n 's/^FAIL: \(\/\/[^ ]*\) .*(see \(.*\))$/\1 \2/p' || true)
+      sed -n 's/^\(FAIL\|TIMEOUT\): \(\/\/[^ ]*\) .*(see \(.*\))$/\2 \3/p' || true)
   if [ "$rc" -eq 4 ] && [ "$no_tests_ok" = yes ]; then
     log "[${name}] no test targets matched: nothing to run"
   elif [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
@@ -111,12 +111,16 @@ cmd_test() {
   done
   # What each failed run said, at the end of the output where a log's tail
   # shows it: gtest's failures, sanitizer reports and a script's FAILED line.
+  # At most two runs of a target (the stress phase repeats them).
   local entry
+  local -A shown=()
   for entry in "${FAILED_LOGS[@]}"; do
     [ -f "${entry#* }" ] || continue
+    [ "${shown[${entry%% *}]:-0}" -lt 2 ] || continue
+    shown[${entry%% *}]=$((${shown[${entry%% *}]:-0} + 1))
     echo "---- why ${entry%% *} failed (${entry#* }) ----"
-    grep -E -A3 'Failure$|^FAILED: |ERROR: AddressSanitizer|runtime error:|LeakSanitizer|^\[  FAILED  \]' \
-      "${entry#* }" | head -n 25
+    { grep -E -A3 'Failure$|^FAILED: |ERROR: AddressSanitizer|runtime error:|LeakSanitizer|^\[  FAILED  \]' \
+      "${entry#* }" || tail -n 15 "${entry#* }"; } | head -n 25 || true
   done
   if [ ${#FAILED_NAMES[@]} -gt 0 ]; then
     log "failed:"

@@ -733,8 +733,6 @@ absl::Status GlooCollective::AllGather(const FlatRange& range, void* dst, DType 
   // Rank q's piece of the range, and where it goes in `dst`.
   auto piece = [&](uint32_t q) { return job_.map->UnpaddedPartition(q).Intersect(range); };
   auto offset = [&](const FlatRange& r) { return (r.begin - range.begin) * esize; };
-  // The daemons' part first: a failure there leaves the ranks' context as
-  // it was (the other ranks' exchange then times out, or fails like this).
   const FlatRange own = piece(p);
   absl::Status status;
   if (range.end > plan_.total_elements() || range.empty()) {
@@ -742,60 +740,90 @@ absl::Status GlooCollective::AllGather(const FlatRange& range, void* dst, DType 
         absl::StrCat("range: [", range.begin, ", ", range.end, ") is empty or past the ",
                      plan_.total_elements(), " elements of the layout"));
   } else if (!own.empty()) {
+    // The daemons' part first. A rank that fails here does not take part in
+    // this all-gather, so its peers fail it too (at their deadline); it is
+    // broken as they are, rather than out of step with their slots.
     status = fetch_own(own, bytes + offset(own));
   }
-  bool broke = false;  // the ranks' context is in an unknown state
+  bool broke = n > 1 && !status.ok() && !absl::IsInvalidArgument(status);
   if (status.ok() && n > 1 && context_ == nullptr) {
     status = Connect(deadline);
     broke = !status.ok();
   }
   if (status.ok() && n > 1) {
     const uint64_t slot = next_slot_++;
-    uint64_t received_bytes = 0;
-    uint32_t waiting_for = n;  // the peer whose partition is awaited (n: none)
-    std::unique_ptr<::gloo::transport::UnboundBuffer> buffer;
+    uint64_t sent_bytes = 0, received_bytes = 0;
+    // One buffer per peer over its piece of `dst` (so that a wait names
+    // the peer it waits for), and one over this rank's piece to send.
+    std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> from(n);
+    std::unique_ptr<::gloo::transport::UnboundBuffer> mine;
+    std::vector<uint8_t> received(n);
+    uint32_t waiting_for = n;  // the peer whose piece is awaited (n: none)
     status = CatchGloo(deadline, "", [&] {
-      buffer = context_->createUnboundBuffer(dst, range.size() * esize);
+      if (!own.empty()) {
+        mine = context_->createUnboundBuffer(bytes + offset(own), own.size() * esize);
+      }
       int sends = 0;
       for (uint32_t q = 0; q < n; ++q) {
         if (q == p) continue;
         const FlatRange theirs = piece(q);
         if (!theirs.empty()) {
-          buffer->recv(static_cast<int>(q), slot, offset(theirs), theirs.size() * esize);
+          from[q] = context_->createUnboundBuffer(bytes + offset(theirs), theirs.size() * esize);
+          from[q]->recv(static_cast<int>(q), slot);
         }
-        if (!own.empty()) {
-          buffer->send(static_cast<int>(q), slot, offset(own), own.size() * esize);
+        if (mine != nullptr) {
+          mine->send(static_cast<int>(q), slot);
+          sent_bytes += own.size() * esize;
           ++sends;
         }
       }
       for (uint32_t q = 0; q < n; ++q) {
-        const FlatRange theirs = piece(q);
-        if (q == p || theirs.empty()) continue;
+        if (from[q] == nullptr) continue;
         waiting_for = q;
-        if (!buffer->waitRecv(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("receive aborted");
-        received_bytes += theirs.size() * esize;
+        if (!from[q]->waitRecv(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("receive aborted");
+        received[q] = 1;
+        received_bytes += piece(q).size() * esize;
       }
       waiting_for = n;
       for (; sends > 0; --sends) {
-        if (!buffer->waitSend(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("send aborted");
+        if (!mine->waitSend(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("send aborted");
       }
     });
-    job_.traffic->AddCollectiveReceived(received_bytes);
-    if (status.ok()) {
-      job_.traffic->AddCollectiveSent(own.size() * esize * (n - 1));
-    } else {
+    if (!status.ok()) {
       broke = true;
-      status = absl::Status(
-          status.code(),
-          absl::StrCat(kWhat, ": rank ", p, ", parameter all-gather, ",
-                       waiting_for < n ? absl::StrCat("waiting for rank ", waiting_for,
-                                                      "'s partition (not running, not in this "
-                                                      "GatherAll, or its connection failed)")
-                                       : std::string("sending its partition"),
-                       ": ", status.message()));
-      // A failed wait has closed the context's connections: nothing
-      // arrives in `dst` any more, and the buffer can go.
+      std::string message = absl::StrCat(
+          kWhat, ": rank ", p, ", parameter all-gather of [", range.begin, ", ", range.end, "), ",
+          waiting_for < n ? absl::StrCat("receiving from rank ", waiting_for)
+                          : std::string("sending"),
+          ": ", status.message());
+      if (waiting_for < n) {
+        // Which of the later peers' pieces had come by then? (A wait that
+        // ended has closed the context's connections: nothing arrives in
+        // `dst` any more; a completed receive still reports.)
+        std::vector<uint32_t> missing;
+        for (uint32_t q = 0; q < n; ++q) {
+          if (from[q] == nullptr || received[q]) continue;
+          bool came = false;
+          if (q > waiting_for) {
+            try {
+              came = from[q]->waitRecv(std::chrono::milliseconds(1));
+            } catch (const std::exception&) {
+              came = false;
+            }
+          }
+          if (came) {
+            received_bytes += piece(q).size() * esize;
+          } else {
+            missing.push_back(q);
+          }
+        }
+        absl::StrAppend(&message, "; nothing had come from rank(s) ", absl::StrJoin(missing, ", "),
+                        " by then (not running, not in this gather, or its connection failed)");
+      }
+      status = absl::Status(status.code(), message);
     }
+    job_.traffic->AddCollectiveSent(sent_bytes);
+    job_.traffic->AddCollectiveReceived(received_bytes);
   }
   absl::MutexLock lock(&mu_);
   gathering_ = false;

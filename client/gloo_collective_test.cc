@@ -527,9 +527,6 @@ TEST(GlooCollectiveTest, AFailedPushIsRetriedWithoutExchangingAgain) {
   EXPECT_EQ(0, std::memcmp(got.data(), expected.data(), total * 4));
 }
 
-// Through the Client against in-process daemons: three ranks train three
-// steps in daemon reduce and in the trainer collective; the parameters are
-// the same bits.
 // AllGather: each rank fetches only its partition's part of the range (the
 // fake daemons' bytes are a function of the element index) and receives the
 // rest from the others, for the whole model, a range across partition
@@ -603,13 +600,17 @@ TEST(GlooCollectiveTest, AllGatherWithoutARankIsDeadlineExceededNamingIt) {
                                 absl::Now() + absl::Seconds(20))
                     .ok());
   });
+  // Rank 1 stays away: ranks 0 and 2 name it (rank 2's piece reached rank
+  // 0, rank 0's reached rank 2).
   const absl::Duration limit = absl::Seconds(2);
-  RunRanks(2, [&](uint32_t r) {
+  RunRanks(2, [&](uint32_t i) {
+    const uint32_t r = i == 0 ? 0 : 2;
     const absl::Time start = absl::Now();
     const absl::Status s = job.collectives[r]->AllGather({0, total}, dst[r].data(), DType::kFp32,
                                                          fetch, start + limit);
     EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-    EXPECT_NE(s.message().find("waiting for rank 2's partition"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("receiving from rank 1"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("nothing had come from rank(s) 1 "), std::string::npos) << s;
     EXPECT_LE(absl::Now() - start, limit + kDeadlineSlack) << "rank " << r;
     const absl::Status again = job.collectives[r]->AllGather(
         {0, total}, dst[r].data(), DType::kFp32, fetch, absl::Now() + limit);
@@ -617,6 +618,33 @@ TEST(GlooCollectiveTest, AllGatherWithoutARankIsDeadlineExceededNamingIt) {
   });
 }
 
+// A rank whose own fetch from the daemons fails does not take part: it and
+// the others end broken (FailedPrecondition afterwards), never out of step.
+TEST(GlooCollectiveTest, AllGatherWithAFailedFetchBreaksEveryRank) {
+  constexpr uint32_t kWorld = 2;
+  Job job(kWorld, 1, DType::kFp32);
+  const uint64_t total = job.layout.total_elements();
+  std::vector<std::vector<float>> dst(kWorld, std::vector<float>(total));
+  RunRanks(kWorld, [&](uint32_t r) {
+    auto fetch = [r](const FlatRange& range, void* out) {
+      if (r == 1) return absl::UnavailableError("daemon gone");
+      std::memset(out, 0, range.size() * 4);
+      return absl::OkStatus();
+    };
+    const absl::Status s = job.collectives[r]->AllGather({0, total}, dst[r].data(), DType::kFp32,
+                                                         fetch, absl::Now() + absl::Seconds(2));
+    EXPECT_EQ(s.code(),
+              r == 1 ? absl::StatusCode::kUnavailable : absl::StatusCode::kDeadlineExceeded)
+        << s;
+    const absl::Status again = job.collectives[r]->AllGather(
+        {0, total}, dst[r].data(), DType::kFp32, fetch, absl::Now() + absl::Seconds(1));
+    EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
+  });
+}
+
+// Through the Client against in-process daemons: three ranks train three
+// steps in daemon reduce and in the trainer collective; the parameters are
+// the same bits.
 TEST(GlooCollectiveTest, TrainsLikeDaemonReduceThroughTheClient) {
   constexpr uint32_t kWorld = 3;
   const Layout layout = testing::SampleLayout();

@@ -188,6 +188,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         step after it (a step that failed before it committed is trained
         again, by every rank). Every rank of the job reconnects too: the
         others fail at their next step and reconnect in their turn."""
+        _refuse_trainer_reconnect(self._config)
         self._client = None  # dropped first: its heartbeats stop
         self._client = _rejoin(self._config, self._layout)
         self._save_pending = False
@@ -694,6 +695,7 @@ class _LayerSharding:
     # ---- reconnect ----
 
     def reconnect(self):
+        _refuse_trainer_reconnect(self._config)
         for layer in self._layers:
             self._free(layer)
             layer.unpushed = layer.expected
@@ -753,6 +755,16 @@ def reconnectable(error):
     """Whether `error` (a zeroshard.Error) may be got past by
     `ShardedModel.reconnect()` / `ShardedOptimizer.reconnect()`."""
     return isinstance(error, Error) and getattr(error, "code", None) in _RECONNECTABLE
+
+
+def _refuse_trainer_reconnect(config):
+    """The trainer collective's ranks are connected to each other: one rank
+    cannot join again alone (restart every rank instead)."""
+    if config.get("reduction", "daemon") == "trainer":
+        raise ValueError(
+            "reconnect: not supported with reduction='trainer' (the ranks' "
+            "Gloo connections fail with the job); restart every rank, from "
+            "a checkpoint")
 
 
 def _rejoin(config, layout):
