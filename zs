@@ -63,9 +63,16 @@ run_phase() {
       grep -E '^//[^ ]+ +(\(cached\) )?(FAILED|FLAKY|TIMEOUT|NO STATUS|INCOMPLETE|REMOTE FAILURE)' || true)
   f=${#failed_lines[@]}
   for l in "${failed_lines[@]}"; do FAILED_NAMES+=("[${name}] ${l%% *}"); done
-  # "FAIL: //pkg:target (see .../test.log)" (or TIMEOUT:), one per failed run.
+  # "FAIL: //pkg:target (see .../test.log)", or "TIMEOUT: //pkg:target
+  # (Summary)" followed by indented log paths: "target log" per failed run.
   mapfile -t -O "${#FAILED_LOGS[@]}" FAILED_LOGS < <(sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$out" |
-      sed -n 's/^\(FAIL\|TIMEOUT\): \(\/\/[^ ]*\) .*(see \(.*\))$/\2 \3/p' || true)
+      awk '/^(FAIL|TIMEOUT): \/\// {
+             t = $2
+             if (match($0, /\(see [^)]*\)$/)) { print t, substr($0, RSTART + 5, RLENGTH - 6); t = "" }
+             next
+           }
+           t != "" && /^ +\/.*\.log$/ { sub(/^ +/, ""); print t, $0; next }
+           { t = "" }' || true)
   if [ "$rc" -eq 4 ] && [ "$no_tests_ok" = yes ]; then
     log "[${name}] no test targets matched: nothing to run"
   elif [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then

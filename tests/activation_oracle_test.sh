@@ -25,15 +25,19 @@ GPT_TRAIN="$2"
 export ZS_JOB_TOKEN="shell-test-job-token-0123"
 WORK="$(mktemp -d "${TEST_TMPDIR:-/tmp}/activation_oracle.XXXXXX")"
 SPILL="$WORK/spill"
+# A step that cannot finish fails within 2 minutes, naming what it waits
+# for, rather than running into the test's own timeout.
 TRAINER_FLAGS=(--stage=3 --steps=12 --layers=2 --width=32 --heads=4 --seq_len=16 --batch=8
-  --threads=1 --report=false --progress=lines --world_size=2)
+  --threads=1 --report=false --progress=lines --world_size=2 --rpc_timeout_s=30
+  --step_timeout_s=120)
 
 DAEMON_PIDS=()
 DAEMON_ADDRS=()
 
 cleanup() { zs_kill_all "${DAEMON_PIDS[@]}"; }
 trap cleanup EXIT
-trap 'exit 143' TERM INT
+# Stopped from outside (bazel's timeout): the logs say how far each run got.
+trap 'trap - TERM INT; zs_fail "stopped by a signal (the test timed out?)"' TERM INT
 
 fail() { zs_fail "$@"; }
 
