@@ -66,6 +66,10 @@ ABSL_FLAG(int, width, 64, "Model width.");
 ABSL_FLAG(int, heads, 4, "Attention heads.");
 ABSL_FLAG(int, seq_len, 32, "Tokens per sequence.");
 ABSL_FLAG(int, batch, 8, "Global batch (sequences per step over all ranks).");
+ABSL_FLAG(std::string, preset, "",
+          "A model size in place of --layers/--width/--heads/--seq_len: 1b (20 blocks, width "
+          "2048, 16 heads, 32 tokens: 1.01B parameters; stage 3 with --report=false keeps the "
+          "trainers to a few layers' worth of memory).");
 ABSL_FLAG(double, lr, 3e-3, "Learning rate.");
 ABSL_FLAG(double, weight_decay, 0.01, "AdamW weight decay.");
 ABSL_FLAG(double, max_grad_norm, 1.0, "Gradient clipping norm (0 = off).");
@@ -331,6 +335,15 @@ int Main() {
   o.model.width = absl::GetFlag(FLAGS_width);
   o.model.heads = absl::GetFlag(FLAGS_heads);
   o.model.seq_len = absl::GetFlag(FLAGS_seq_len);
+  if (const std::string preset = absl::GetFlag(FLAGS_preset); preset == "1b") {
+    o.model.layers = 20;
+    o.model.width = 2048;
+    o.model.heads = 16;
+    o.model.seq_len = 32;
+  } else if (!preset.empty()) {
+    std::fprintf(stderr, "gpt_train: --preset: 1b or empty, got \"%s\"\n", preset.c_str());
+    return 2;
+  }
   o.steps = absl::GetFlag(FLAGS_steps);
   o.global_batch = absl::GetFlag(FLAGS_batch);
   o.lr = static_cast<float>(absl::GetFlag(FLAGS_lr));
@@ -407,6 +420,8 @@ int Main() {
     return 2;
   }
   const std::string dump_path = absl::GetFlag(FLAGS_dump_params);
+  // The final parameters (Ψ fp32 on every rank) only where they are used.
+  o.final_params = absl::GetFlag(FLAGS_report) || !dump_path.empty();
   if (o.stage == 0 && (o.checkpoint_every != 0 || !o.resume.empty())) {
     std::fprintf(stderr, "gpt_train: checkpoints are the daemons': --stage=0 has none\n");
     return 2;

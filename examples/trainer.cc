@@ -217,8 +217,12 @@ absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known
                    Client::Create(std::move(config), std::move(collective)));
   // With a resume, rank 0's RegisterModel loads the checkpoint instead of
   // uploading these (unless there is none to resume from).
-  std::vector<float> initial = GptInitialParams(o.model, layout, o.seed);
-  RETURN_IF_ERROR(client->RegisterModel(layout, o.rank == 0 ? initial.data() : nullptr));
+  // Rank 0's only, and only while it registers (4Ψ bytes).
+  {
+    std::vector<float> initial;
+    if (o.rank == 0) initial = GptInitialParams(o.model, layout, o.seed);
+    RETURN_IF_ERROR(client->RegisterModel(layout, o.rank == 0 ? initial.data() : nullptr));
+  }
 
   const int num_layers = NumModelLayers(o.model);
   const uint64_t total = layout.total_elements();
@@ -414,8 +418,10 @@ absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known
         std::max(main_store.peak_step_bytes(), local_checkpoints.peak_step_bytes());
     if (daemon_checkpoints != nullptr) result.activation_stats = daemon_checkpoints->stats();
   }
-  result.params.resize(total);
-  RETURN_IF_ERROR(client->GatherAll(result.params.data(), DType::kFp32));
+  if (o.final_params) {
+    result.params.resize(total);
+    RETURN_IF_ERROR(client->GatherAll(result.params.data(), DType::kFp32));
+  }
   if (on_finish) on_finish(*client);
   RETURN_IF_ERROR(client->Leave());
   return result;

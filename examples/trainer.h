@@ -97,6 +97,10 @@ struct TrainOptions {
   // the committed step. 0: a failure ends the run.
   int reconnects = 0;
 
+  // Gather the final parameters into TrainResult::params (fp32, Ψ elements
+  // on every rank). Off for a model too large to hold that copy.
+  bool final_params = true;
+
   // ClientConfig.resume: a checkpoint name or "latest"; empty: start fresh.
   // Training continues at the committed step the job resumed at and runs
   // until `steps` in all. The batch of step k depends only on k (MakeBatch),
@@ -135,7 +139,7 @@ struct TrainResult {
   // the global batch).
   std::vector<float> losses;
   int first_step = 1;         // the committed step at the start, plus one
-  std::vector<float> params;  // final parameters, flat fp32
+  std::vector<float> params;  // final parameters, flat fp32 (empty without final_params)
   ClientMemoryReport client_memory;
   ClientTrafficReport traffic;
   // Activation checkpoints (stage 3): the most bytes of them the trainer

@@ -45,6 +45,8 @@ ABSL_FLAG(std::string, log_dir, "",
           "Directory for daemon-D.stdout.log/daemon-D.stderr.log; default a temporary directory, "
           "removed when the job succeeds.");
 ABSL_FLAG(bool, verbose, false, "Also show daemon stderr, as [daemon D] lines.");
+ABSL_FLAG(bool, peak_rss, false,
+          "After the run, print each trainer's and daemon's peak resident set size (ru_maxrss).");
 ABSL_FLAG(bool, print_daemons, false,
           "Start the daemons, print ZS_DAEMONS=..., and keep them until SIGINT/SIGTERM.");
 
@@ -112,6 +114,7 @@ int main(int argc, char** argv) {
   options.grace = absl::Seconds(absl::GetFlag(FLAGS_grace_s));
   options.log_dir = absl::GetFlag(FLAGS_log_dir);
   options.verbose = absl::GetFlag(FLAGS_verbose);
+  options.peak_rss = absl::GetFlag(FLAGS_peak_rss);
   options.print_daemons = absl::GetFlag(FLAGS_print_daemons);
 
   zeroshard::tools::Launcher launcher(std::move(options));

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -20,6 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "common/auth.h"
 #include "common/channel.h"
+#include "common/format.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
@@ -37,6 +39,7 @@ struct Launcher::Proc {
   bool running = false;
   bool seen = false;  // Its exit has been acted on.
   int exit_code = 0;
+  uint64_t peak_rss_bytes = 0;  // once reaped: ru_maxrss
   // Daemons only.
   std::string address;
   int metrics_port = 0;
@@ -468,10 +471,12 @@ bool Launcher::TakeSignal(int* sig) {
 void Launcher::Reap(Proc& proc) {
   if (!proc.running) return;
   int status;
-  const pid_t r = waitpid(proc.pid, &status, WNOHANG);
+  struct rusage usage {};
+  const pid_t r = wait4(proc.pid, &status, WNOHANG, &usage);
   if (r == proc.pid) {
     proc.running = false;
     proc.exit_code = ExitCodeOf(status);
+    proc.peak_rss_bytes = static_cast<uint64_t>(usage.ru_maxrss) * 1024;  // KiB on Linux
   } else if (r < 0 && errno == ECHILD) {
     proc.running = false;  // Reaped elsewhere; nothing to wait for.
     proc.exit_code = 1;
@@ -561,6 +566,16 @@ absl::StatusOr<int> Launcher::Run() {
   absl::StatusOr<int> result = RunInternal();
   Stop(trainers_);  // Only error paths get here with trainers running.
   Stop(daemons_);
+  if (options_.peak_rss) {
+    for (const auto* procs : {&trainers_, &daemons_}) {
+      for (const auto& p : *procs) {
+        if (p->running) continue;
+        Say(absl::StrCat(p->label, " (pid ", p->pid, ") peak RSS ",
+                         FormatBytes(static_cast<double>(p->peak_rss_bytes)), " (",
+                         p->peak_rss_bytes, " B)"));
+      }
+    }
+  }
   CloseStreams();
   FinishLogDir(result.ok() && *result == 0);
   return result;

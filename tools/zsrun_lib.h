@@ -61,6 +61,9 @@ struct LaunchOptions {
   std::string log_dir;
   // Also echo daemon stderr as "[daemon D] ..." lines.
   bool verbose = false;
+  // After the run, say each process's peak resident set size (its
+  // ru_maxrss, as wait4 reports it when the process is reaped).
+  bool peak_rss = false;
   // Start the daemons, print ZS_DAEMONS=..., and hold them until a signal.
   // Takes no command.
   bool print_daemons = false;

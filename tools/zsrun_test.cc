@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -338,6 +339,32 @@ TEST(LauncherTest, FailingTrainerStopsTheOthersAndSetsTheExitCode) {
   EXPECT_THAT(l.err(), HasSubstr("rank 1 exited with code 3"));
   for (pid_t pid : l.launcher->trainer_pids()) EXPECT_TRUE(Gone(pid)) << pid;
   for (pid_t pid : l.launcher->daemon_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+}
+
+// --peak_rss: each process's peak resident set, as wait4 reported it. A
+// trainer that touches 64 MiB shows at least that; the daemon its own.
+TEST(LauncherTest, PeakRssOfEveryProcess) {
+  LaunchOptions o = ShellTrainers(1, 2,
+                                  "if [ $ZS_RANK = 1 ]; then exec python3 -c "
+                                  "'b = bytearray(64 << 20); b[::4096] = b\"x\" * (16 << 10)'; fi");
+  o.peak_rss = true;
+  Launch l(std::move(o));
+  absl::StatusOr<int> code = l.Run();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << l.err();
+  for (const char* who : {"rank 0", "rank 1", "daemon 0"}) {
+    const std::string err = l.err();
+    const size_t at = err.find(absl::StrCat("[zsrun] ", who, " (pid "));
+    ASSERT_NE(at, std::string::npos) << who << ": " << err;
+    const size_t open = err.find("peak RSS ", at);
+    const size_t bytes_at = err.find(" (", open) + 2;
+    uint64_t bytes = 0;
+    ASSERT_TRUE(
+        absl::SimpleAtoi(err.substr(bytes_at, err.find(" B)", bytes_at) - bytes_at), &bytes))
+        << err.substr(at, 120);
+    EXPECT_GT(bytes, 0u) << who;
+    if (std::string(who) == "rank 1") EXPECT_GE(bytes, uint64_t{64} << 20) << err.substr(at, 120);
+  }
 }
 
 // --max_restarts: a failed rank is started again with ZS_RESTART_COUNT one
