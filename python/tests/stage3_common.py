@@ -117,3 +117,20 @@ def train_reference_bf16(world_size):
             masters.parameters(), MAX_GRAD_NORM)))
         opt.step()
     return flatten(dict(masters.named_parameters())), norms
+
+
+def train_in_process(config, stage):
+    """shard_model(make_model(), config) in this process at `stage`, one
+    rank on the full batch for STEPS steps with the reference's
+    hyper-parameters; returns the model and the step results."""
+    from zeroshard.torch import shard_model
+    model = shard_model(make_model(), config, stage=stage, lr=LR, betas=BETAS,
+                        eps=EPS, weight_decay=WEIGHT_DECAY,
+                        max_grad_norm=MAX_GRAD_NORM)
+    x, y = make_data()
+    results = []
+    for s in range(STEPS):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x[s]), y[s]).backward()
+        results.append(model.step())
+    return model, results

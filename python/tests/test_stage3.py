@@ -218,15 +218,8 @@ def test_one_rank_in_process(daemons, reference, stage, precision):
     config = _config(daemons[:1],
                      f"pytest-one-rank-stage{stage}-{precision}", 0, 1)
     config["precision"] = precision
-    model = shard_model(sc.make_model(), config, stage=stage, lr=sc.LR,
-                        betas=sc.BETAS, eps=sc.EPS,
-                        weight_decay=sc.WEIGHT_DECAY,
-                        max_grad_norm=sc.MAX_GRAD_NORM)
-    x, y = sc.make_data()
-    for s in range(sc.STEPS):
-        model.zero_grad()
-        torch.nn.functional.mse_loss(model(x[s]), y[s]).backward()
-        result = model.step()
+    model, results = sc.train_in_process(config, stage)
+    for s, result in enumerate(results):
         assert result["step"] == s + 1 and not result["skipped"]
     expected, _ = reference
     params = sc.flatten(model.full_state_dict())

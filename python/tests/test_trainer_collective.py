@@ -88,21 +88,11 @@ def test_one_rank_trains_and_refuses_reconnect(daemons, tmp_path, stage):
     """One rank in this process: the collective has nobody to exchange with
     (no rendezvous), trains like daemon reduction, and reconnect() says it
     cannot work with the trainer collective instead of joining alone."""
-    import torch
-    from zeroshard.torch import shard_model
     config = dict(daemons=daemons[:1], job_id=f"pytest-trainer-one-{stage}",
                   rank=0, world_size=1, bucket_bytes=4096, rpc_timeout=30.0,
                   step_timeout=60.0, reduction="trainer",
                   collective_dir=str(tmp_path))
-    model = shard_model(sc.make_model(), config, stage=stage, lr=sc.LR,
-                        betas=sc.BETAS, eps=sc.EPS,
-                        weight_decay=sc.WEIGHT_DECAY,
-                        max_grad_norm=sc.MAX_GRAD_NORM)
-    x, y = sc.make_data()
-    for s in range(sc.STEPS):
-        model.zero_grad()
-        torch.nn.functional.mse_loss(model(x[s]), y[s]).backward()
-        model.step()
+    model, _ = sc.train_in_process(config, stage)
     expected, _ = sc.train_reference()
     params = sc.flatten(model.full_state_dict())
     err = float(np.linalg.norm(params - expected) / np.linalg.norm(expected))
