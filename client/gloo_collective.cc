@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <new>
 
 #include "absl/strings/str_cat.h"
@@ -54,6 +55,36 @@ std::chrono::milliseconds Remaining(absl::Time deadline) {
 
 std::string Joined(const std::string& what, const std::exception& e) {
   return what.empty() ? std::string(e.what()) : absl::StrCat(what, ": ", e.what());
+}
+
+// After a failed wait for peer `waiting_for`: the peers whose receive
+// (`receive(q)`, null where none was posted) had not completed, in rank
+// order. Those after `waiting_for` were not awaited yet and are polled once
+// (a wait that ended has closed the context's connections, but a completed
+// receive still reports); `came(q)` is called for each that had come.
+std::vector<uint32_t> MissingPeers(
+    uint32_t n, uint32_t waiting_for, const std::vector<uint8_t>& received,
+    const std::function<::gloo::transport::UnboundBuffer*(uint32_t)>& receive,
+    const std::function<void(uint32_t)>& came) {
+  std::vector<uint32_t> missing;
+  for (uint32_t q = 0; q < n; ++q) {
+    ::gloo::transport::UnboundBuffer* buffer = receive(q);
+    if (buffer == nullptr || received[q]) continue;
+    bool arrived = false;
+    if (q > waiting_for) {
+      try {
+        arrived = buffer->waitRecv(std::chrono::milliseconds(1));
+      } catch (const std::exception&) {
+        arrived = false;
+      }
+    }
+    if (arrived) {
+      came(q);
+    } else {
+      missing.push_back(q);
+    }
+  }
+  return missing;
 }
 
 // Runs `fn`, converting whatever Gloo throws into a status: a timeout
@@ -562,26 +593,10 @@ absl::Status GlooCollective::Exchange(absl::Time deadline) {
                           : std::string("sending"),
           ": ", s.message());
       if (waiting_for < n) {
-        // The peers after `waiting_for` were not awaited yet: which of
-        // their slices had come by now? (A wait that ended has closed the
-        // context's connections; a completed receive still reports.)
-        std::vector<uint32_t> missing;
-        for (uint32_t q = 0; q < n; ++q) {
-          if (q == p || received[q]) continue;
-          bool came = false;
-          if (q > waiting_for) {
-            try {
-              came = recv_buffers_[index(q)]->waitRecv(std::chrono::milliseconds(1));
-            } catch (const std::exception&) {
-              came = false;
-            }
-          }
-          if (came) {
-            received_bytes += mine * 4;
-          } else {
-            missing.push_back(q);
-          }
-        }
+        const std::vector<uint32_t> missing = MissingPeers(
+            n, waiting_for, received,
+            [&](uint32_t q) { return q == p ? nullptr : recv_buffers_[index(q)].get(); },
+            [&](uint32_t) { received_bytes += mine * 4; });
         absl::StrAppend(&message, "; nothing had come from rank(s) ", absl::StrJoin(missing, ", "),
                         " in this round by then (not running, not in this step, or its "
                         "connection failed)");
@@ -797,26 +812,9 @@ absl::Status GlooCollective::AllGather(const FlatRange& range, void* dst, DType 
                           : std::string("sending"),
           ": ", status.message());
       if (waiting_for < n) {
-        // Which of the later peers' pieces had come by then? (A wait that
-        // ended has closed the context's connections: nothing arrives in
-        // `dst` any more; a completed receive still reports.)
-        std::vector<uint32_t> missing;
-        for (uint32_t q = 0; q < n; ++q) {
-          if (from[q] == nullptr || received[q]) continue;
-          bool came = false;
-          if (q > waiting_for) {
-            try {
-              came = from[q]->waitRecv(std::chrono::milliseconds(1));
-            } catch (const std::exception&) {
-              came = false;
-            }
-          }
-          if (came) {
-            received_bytes += piece(q).size() * esize;
-          } else {
-            missing.push_back(q);
-          }
-        }
+        const std::vector<uint32_t> missing = MissingPeers(
+            n, waiting_for, received, [&](uint32_t q) { return from[q].get(); },
+            [&](uint32_t q) { received_bytes += piece(q).size() * esize; });
         absl::StrAppend(&message, "; nothing had come from rank(s) ", absl::StrJoin(missing, ", "),
                         " by then (not running, not in this gather, or its connection failed)");
       }
