@@ -90,6 +90,11 @@ absl::Status ValidateConfig(const ClientConfig& c) {
                                                  c.max_grad_norm));
   }
   if (!PositiveFinite(c.rpc_timeout)) return Invalid("rpc_timeout", "must be positive and finite");
+  if (c.cuda_device < -1) {
+    return Invalid("cuda_device", absl::StrCat("must be a device index or -1 (host buffers only), "
+                                               "got ",
+                                               c.cuda_device));
+  }
   if (!PositiveFinite(c.step_timeout)) {
     return Invalid("step_timeout", "must be positive and finite");
   }
@@ -129,6 +134,7 @@ Client::~Client() {
   layers_.reset();  // its prefetches use io_
   io_.reset();
   collective_.reset();  // its sends use the data paths
+  if (bounce_ != nullptr) device_->Unpin(bounce_.get());
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientConfig config,
@@ -146,6 +152,22 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientConfig config,
 
 absl::Status Client::Connect() {
   const ClientConfig& c = config_;
+  if (c.cuda_device >= 0) {
+    bounce_bytes_ = std::min(c.bucket_bytes, kMaxChunkBytes);
+    ASSIGN_OR_RETURN(device_, CreateDeviceCopier(c.cuda_device, bounce_bytes_),
+                     "ClientConfig.cuda_device");
+    const size_t bytes = (DeviceCopier::kLanes * bounce_bytes_ + 4095) / 4096 * 4096;
+    bounce_.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, bytes)));
+    if (bounce_ == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("ClientConfig.cuda_device: allocating ", bytes, " bytes of bounce buffers"));
+    }
+    if (absl::Status s = device_->Pin(bounce_.get(), bytes); !s.ok()) {
+      bounce_.reset();
+      return absl::FailedPreconditionError(
+          absl::StrCat("ClientConfig.cuda_device: pinning the bounce buffers: ", s.message()));
+    }
+  }
   ASSIGN_OR_RETURN(const ChannelSecurity security,
                    MakeChannelSecurity(c.tls, c.job_token, "ClientConfig."));
   if (c.transport != kStream) {
@@ -244,6 +266,7 @@ absl::Status Client::BindCollective() {
   for (const auto& p : data_paths_) job.daemons.push_back(p.get());
   job.traffic = &traffic_;
   job.rpc_timeout = config_.rpc_timeout;
+  job.device = device_.get();
   RETURN_IF_ERROR(collective_->Bind(job));
   bound_fingerprint_ = layout_.fingerprint();
   return absl::OkStatus();
@@ -409,8 +432,8 @@ absl::Status Client::UploadInitialParams(const float* params) {
 }
 
 absl::StatusOr<PushTicket> Client::PushGradients(const FlatRange& range, const void* grads,
-                                                 DType dtype, uint32_t micro_batch,
-                                                 BufferUse use) {
+                                                 DType dtype, uint32_t micro_batch, BufferUse use,
+                                                 MemoryKind memory) {
   if (!registered()) return absl::FailedPreconditionError("PushGradients before RegisterModel");
   if (dtype != DType::kFp32 && dtype != DType::kBf16 && dtype != DType::kFp16) {
     return absl::InvalidArgumentError(
@@ -421,7 +444,8 @@ absl::StatusOr<PushTicket> Client::PushGradients(const FlatRange& range, const v
         absl::StrCat("range: [", range.begin, ", ", range.end, ") is empty or outside the ",
                      "flat space [0, ", layout_.total_elements(), ")"));
   }
-  return collective_->Reduce(step_ + 1, micro_batch, range, grads, dtype, use, RpcDeadline());
+  return collective_->Reduce(step_ + 1, micro_batch, range, grads, dtype, use, memory,
+                             RpcDeadline());
 }
 
 absl::StatusOr<StepResult> Client::Step(float lr) {
@@ -496,7 +520,7 @@ absl::Status Client::GatherParameters(const FlatRange& range, DType dtype, uint6
       absl::Now() + config_.step_timeout);
 }
 
-absl::Status Client::GatherAll(void* dst, DType dtype) {
+absl::Status Client::GatherAll(void* dst, DType dtype, MemoryKind memory) {
   if (!registered()) return absl::FailedPreconditionError("GatherAll before RegisterModel");
   if (dtype != DType::kFp32 && dtype != config_.precision) {
     return absl::InvalidArgumentError(absl::StrCat("dtype: must be fp32 or the job's precision (",
@@ -504,7 +528,47 @@ absl::Status Client::GatherAll(void* dst, DType dtype) {
                                                    DTypeName(dtype)));
   }
   if (dst == nullptr) return absl::InvalidArgumentError("dst: null");
+  if (memory == MemoryKind::kCudaDevice) return GatherAllToDevice(dst, dtype);
   return GatherParameters({0, layout_.total_elements()}, dtype, step_, dst);
+}
+
+absl::Status Client::GatherAllToDevice(void* dst, DType dtype) {
+  if (device_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "GatherAll: dst in CUDA device memory, but the client has no device "
+        "(ClientConfig.cuda_device is -1)");
+  }
+  if (collective_->gathers_parameters()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("GatherAll: the ", collective_->name(),
+                     " trainer collective gathers into host buffers only; pass MemoryKind::kHost"));
+  }
+  RETURN_IF_ERROR(device_->CheckDevicePointer(dst, "GatherAll: dst"));
+  const size_t esize = DTypeSize(dtype);
+  const uint64_t total = layout_.total_elements();
+  const uint64_t chunk = std::max<uint64_t>(1, bounce_bytes_ / esize);
+  const uint64_t step = step_;
+  absl::Status status;
+  // Bounce buffer i % kLanes receives chunk i from the daemons while the
+  // other one's host-to-device copy runs.
+  uint64_t i = 0;
+  for (uint64_t b = 0; b < total && status.ok(); b += chunk, ++i) {
+    const int lane = static_cast<int>(i % DeviceCopier::kLanes);
+    uint8_t* bounce = bounce_.get() + lane * bounce_bytes_;
+    const FlatRange piece{b, std::min(total, b + chunk)};
+    status = device_->WaitLane(lane, RpcDeadline());
+    if (status.ok()) status = GatherRange(piece, dtype, step, bounce);
+    if (status.ok()) {
+      status = device_->FromHostAsync(bounce, static_cast<uint8_t*>(dst) + b * esize,
+                                      piece.size() * esize, lane);
+    }
+  }
+  // Nothing writes `dst` after GatherAll returns, errors included.
+  for (int lane = 0; lane < DeviceCopier::kLanes; ++lane) {
+    absl::Status s = device_->WaitLane(lane, RpcDeadline());
+    if (status.ok()) status = s;
+  }
+  return status;
 }
 
 absl::StatusOr<uint64_t> Client::layer_elements(uint32_t layer) const {
@@ -613,7 +677,7 @@ absl::Status Client::Leave() {
 
 ClientMemoryReport Client::MemoryReport() const {
   ClientMemoryReport r;
-  r.buffer = collective_->staging_bytes();
+  r.buffer = collective_->staging_bytes() + DeviceCopier::kLanes * bounce_bytes_;
   const uint64_t layers = registered() ? layers_->bytes() : 0;
   if (config_.precision == DType::kFp32) {
     r.param = layers;

@@ -43,6 +43,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -58,6 +59,7 @@
 #include "client/checkpoint_driver.h"
 #include "client/collective.h"
 #include "client/data_path.h"
+#include "client/device_memory.h"
 #include "client/executor.h"
 #include "client/replica_placement.h"
 #include "client/step_coordinator.h"
@@ -131,6 +133,12 @@ struct ClientConfig : JobSettings {
   // knows committed (a trainer reconnecting after a failure passes the last
   // step it saw committed), so that a backup behind it is never promoted.
   uint64_t known_committed_step = 0;
+  // The CUDA device whose memory PushGradients and GatherAll may be given
+  // (MemoryKind::kCudaDevice); -1: host buffers only. With a device, Create
+  // makes a copier on it (client/device_memory.h), pins the staging pool
+  // and two gather bounce buffers of min(C_B, 4 MiB) each, and fails with
+  // FailedPrecondition when the build has no CUDA or the device is not there.
+  int cuda_device = -1;
 };
 
 // OK, or InvalidArgument naming the field ("ClientConfig.<field>: ...").
@@ -209,9 +217,15 @@ class Client {
   //    trainers with persistent gradient buffers want.
   // InvalidArgument for a range out of bounds or pushed twice. A send error
   // reaches the ticket and the next Step.
+  // Memory: with MemoryKind::kCudaDevice `grads` is memory of
+  // ClientConfig::cuda_device (InvalidArgument otherwise; FailedPrecondition
+  // for a client without a device); it is cast to the wire dtype on the
+  // device and copied into the pinned staging pool before the call returns
+  // (kBorrow then works as kCopy), while earlier buckets are being sent.
   absl::StatusOr<PushTicket> PushGradients(const FlatRange& range, const void* grads, DType dtype,
                                            uint32_t micro_batch = 0,
-                                           BufferUse use = BufferUse::kCopy);
+                                           BufferUse use = BufferUse::kCopy,
+                                           MemoryKind memory = MemoryKind::kHost);
 
   // Ends the step: waits until this rank's pushes are accepted
   // (FailedPrecondition if some element was not pushed), then on the leader
@@ -246,8 +260,12 @@ class Client {
   // that gathers parameters (GlooCollective) it is a collective call: this
   // rank fetches its own partition from the daemons and the others come from
   // their ranks, so every rank calls GatherAll at the same points (bounded
-  // by step_timeout).
-  absl::Status GatherAll(void* dst, DType dtype);
+  // by step_timeout). With MemoryKind::kCudaDevice `dst` is memory of
+  // ClientConfig::cuda_device: the parameters come in through the two pinned
+  // bounce buffers, each one's host-to-device copy overlapping the gather of
+  // the next (not with a collective that gathers parameters:
+  // FailedPrecondition).
+  absl::Status GatherAll(void* dst, DType dtype, MemoryKind memory = MemoryKind::kHost);
 
   // Stage 3 (works in any stage): the parameters of `layer`
   // (Layout::LayerRange, layer_elements(layer) elements of the job's
@@ -358,11 +376,22 @@ class Client {
   // AllGather (a collective call: every rank makes it in the same order).
   absl::Status GatherParameters(const FlatRange& range, DType dtype, uint64_t after_step,
                                 void* dst);
+  // GatherAll into CUDA device memory, through the bounce buffers.
+  absl::Status GatherAllToDevice(void* dst, DType dtype);
   absl::StatusOr<size_t> LayerIndex(uint32_t layer) const;
   bool registered() const { return registered_.load(std::memory_order_acquire); }
 
   const ClientConfig config_;
   const uint64_t incarnation_;
+  // ClientConfig::cuda_device's copier and the pinned gather bounce buffers
+  // (kLanes of bounce_bytes_); null without a device. Outlive collective_,
+  // whose staging pool they pinned.
+  std::unique_ptr<DeviceCopier> device_;
+  struct FreeDeleter {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, FreeDeleter> bounce_;
+  uint64_t bounce_bytes_ = 0;
   std::unique_ptr<Collective> collective_;
   TrafficCounters traffic_;
   mutable absl::Mutex report_mu_;

@@ -383,7 +383,7 @@ class ToyTrainerCollective final : public Collective {
     return absl::OkStatus();
   }
   absl::StatusOr<PushTicket> Reduce(uint64_t, uint32_t, const FlatRange& range, const void* grads,
-                                    DType dtype, BufferUse, absl::Time) override {
+                                    DType dtype, BufferUse, MemoryKind, absl::Time) override {
     if (dtype != DType::kFp32) return absl::UnimplementedError("fp32 only");
     std::memcpy(exchange_->grads(job_.rank).data() + range.begin, grads, range.size() * 4);
     return PushTicket();
@@ -568,6 +568,45 @@ TEST(ClientTest, BadCallsAreRejectedLocally) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->step, 1u);
   // What the first attempt delivered was not sent again.
+  EXPECT_EQ(client->TrafficReport().total.push, total * 4);
+}
+
+// Device buffers on a client without a device are refused before anything
+// is sent, and the step goes on with host buffers; a device the machine does
+// not have (or a build without CUDA) fails Create.
+TEST(ClientTest, DeviceMemoryNeedsAConfiguredDevice) {
+  Daemons daemons(1);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  ClientConfig config = MakeConfig("device", daemons.addresses, 0, 1, 2, "inproc");
+  config.cuda_device = -2;
+  EXPECT_EQ(ValidateConfig(config).code(), absl::StatusCode::kInvalidArgument);
+
+  // Without CUDA in the build, or without a device 0 here: FailedPrecondition.
+  config.cuda_device = 0;
+  if (!BuiltWithCuda() || !CreateDeviceCopier(0, 4096).ok()) {
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Create(config);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << c.status();
+    EXPECT_TRUE(absl::StrContains(c.status().message(), "CUDA")) << c.status();
+  }
+
+  config.cuda_device = -1;
+  std::unique_ptr<Client> client = Connect(config, layout, init.data());
+  ASSERT_NE(client, nullptr);
+  const uint64_t total = layout.total_elements();
+  std::vector<float> grad(total, 0.25f);
+  absl::StatusOr<PushTicket> refused = client->PushGradients(
+      {0, total}, grad.data(), DType::kFp32, 0, BufferUse::kCopy, MemoryKind::kCudaDevice);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "cuda_device")) << refused.status();
+  std::vector<float> params(total);
+  const absl::Status gather =
+      client->GatherAll(params.data(), DType::kFp32, MemoryKind::kCudaDevice);
+  EXPECT_EQ(gather.code(), absl::StatusCode::kFailedPrecondition) << gather;
+  // Nothing of the refused push counts: the whole range is still to push.
+  ASSERT_TRUE(client->PushGradients({0, total}, grad.data(), DType::kFp32).ok());
+  absl::StatusOr<StepResult> r = client->Step(0.1f);
+  ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(client->TrafficReport().total.push, total * 4);
 }
 

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/data_path.h"
+#include "client/device_memory.h"
 #include "client/executor.h"
 #include "client/traffic.h"
 #include "common/dtype.h"
@@ -73,6 +74,9 @@ struct CollectiveJob {
   std::vector<DataPath*> daemons;   // by daemon index
   TrafficCounters* traffic = nullptr;
   absl::Duration rpc_timeout = absl::Seconds(60);
+  // Copies gradients held in CUDA device memory into host buffers; null
+  // when the client has no device (ClientConfig::cuda_device unset).
+  DeviceCopier* device = nullptr;
 };
 
 class Collective {
@@ -91,11 +95,14 @@ class Collective {
   // `deadline` for buffer space. With BufferUse::kCopy the collective is done
   // with `grads` when Reduce returns; with kBorrow it may read `grads` until
   // the returned ticket completes (the caller must neither modify nor free it
-  // before then).
+  // before then). `memory` says where `grads` lives; device memory is
+  // copied to host buffers through CollectiveJob::device before Reduce
+  // returns, whatever `use` says.
   // InvalidArgument: part of the range was already contributed this step.
+  // FailedPrecondition: device memory this collective cannot take.
   virtual absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch,
-                                            const FlatRange& range, const void* grads,
-                                            DType dtype, BufferUse use,
+                                            const FlatRange& range, const void* grads, DType dtype,
+                                            BufferUse use, MemoryKind memory,
                                             absl::Time deadline) = 0;
 
   // Blocks until every contribution of `step` has been accepted (first error

@@ -59,7 +59,10 @@ absl::StatusOr<std::unique_ptr<DaemonReduceCollective>> DaemonReduceCollective::
   return c;
 }
 
-DaemonReduceCollective::~DaemonReduceCollective() { senders_.reset(); }
+DaemonReduceCollective::~DaemonReduceCollective() {
+  senders_.reset();
+  if (pinned_) job_.device->Unpin(storage_.get());
+}
 
 absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
   if (bound_.load())
@@ -84,6 +87,14 @@ absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
   absl::StatusOr<BucketPlan> plan =
       BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes, job.wire_dtype);
   if (!plan.ok()) return plan.status();
+  // Device gradients are copied into the staging pool by DMA: pinned once.
+  if (job.device != nullptr) {
+    if (absl::Status s = job.device->Pin(storage_.get(), buffer_bytes_ * buffer_count_); !s.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("pinning the gradient staging pool for CUDA copies: ", s.message()));
+    }
+    pinned_ = true;
+  }
   job_ = job;
   plan_ = *std::move(plan);
   {
@@ -230,12 +241,23 @@ absl::Status DaemonReduceCollective::BeginReduce(const Contribution& c, size_t f
 }
 
 absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_t micro_batch,
-                                                          const FlatRange& range,
-                                                          const void* grads, DType dtype,
-                                                          BufferUse use, absl::Time deadline) {
+                                                          const FlatRange& range, const void* grads,
+                                                          DType dtype, BufferUse use,
+                                                          MemoryKind memory, absl::Time deadline) {
   if (absl::Status s = CheckArguments(micro_batch, range, grads); !s.ok()) return s;
-  const Contribution c{step,  micro_batch, range, static_cast<const uint8_t*>(grads),
-                       dtype, use,         deadline};
+  if (memory == MemoryKind::kCudaDevice) {
+    if (job_.device == nullptr) {
+      return absl::FailedPreconditionError(
+          "PushGradients: grads in CUDA device memory, but the client has no device "
+          "(ClientConfig.cuda_device is -1)");
+    }
+    if (absl::Status s = job_.device->CheckDevicePointer(grads, "PushGradients: grads"); !s.ok()) {
+      return s;
+    }
+    use = BufferUse::kCopy;  // device bytes reach the daemons from the staging pool
+  }
+  const Contribution c{step,  micro_batch, range,  static_cast<const uint8_t*>(grads),
+                       dtype, use,         memory, deadline};
   const auto [first, last] = plan_.Overlapping(range);
   if (absl::Status s = BeginReduce(c, first, last); !s.ok()) return s;
   auto ticket = std::make_shared<CountDown>(0);
@@ -294,16 +316,40 @@ absl::Status DaemonReduceCollective::ContributeBucket(const Contribution& c, siz
   // Copy outside the lock: the claimed range is this thread's alone.
   uint64_t real = 0;
   const size_t wire_size = DTypeSize(plan_.wire_dtype());
+  absl::Status copied;
   plan_.ForEachRealSegment(clip, [&](const FlatRange& s) {
-    if (base != nullptr) {
-      ConvertElements(c.dtype, src + (s.begin - clip.begin) * src_size, plan_.wire_dtype(),
-                      base + (s.begin - bucket.range.begin) * wire_size, s.size());
+    if (base != nullptr && copied.ok()) {
+      const uint8_t* from = src + (s.begin - clip.begin) * src_size;
+      uint8_t* to = base + (s.begin - bucket.range.begin) * wire_size;
+      if (c.memory == MemoryKind::kCudaDevice) {
+        copied = job_.device->ToHost(from, c.dtype, to, plan_.wire_dtype(), s.size(), c.deadline);
+      } else {
+        ConvertElements(c.dtype, from, plan_.wire_dtype(), to, s.size());
+      }
     }
     real += s.size();
   });
   absl::MutexLock lock(&mu_);
+  if (!copied.ok()) {
+    AbandonWrite(key, clip, ticket);
+    return absl::Status(copied.code(), absl::StrCat("PushGradients: copying ", DescribeBucket(key),
+                                                    " from the device: ", copied.message()));
+  }
   EndWrite(key, real);
   return absl::OkStatus();
+}
+
+void DaemonReduceCollective::AbandonWrite(uint64_t key, const FlatRange& clip,
+                                          const std::shared_ptr<CountDown>& ticket) {
+  Active& a = active_.find(key)->second;
+  auto w = std::find(a.written.begin(), a.written.end(), clip);
+  if (w != a.written.end()) a.written.erase(w);
+  auto t = std::find(a.tickets.begin(), a.tickets.end(), ticket);
+  if (t != a.tickets.end()) a.tickets.erase(t);
+  ticket->Done(absl::CancelledError("the push failed"));
+  --a.writers;
+  // The range stays unwritten: the bucket is sent once a later push fills
+  // it, as if this one had never started.
 }
 
 void DaemonReduceCollective::EndWrite(uint64_t key, uint64_t real) {

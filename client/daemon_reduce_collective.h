@@ -67,7 +67,7 @@ class DaemonReduceCollective final : public Collective {
   absl::Status Bind(const CollectiveJob& job) override;
   absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch, const FlatRange& range,
                                     const void* grads, DType dtype, BufferUse use,
-                                    absl::Time deadline) override;
+                                    MemoryKind memory, absl::Time deadline) override;
   absl::Status Finish(uint64_t step, absl::Time deadline) override;
   uint64_t staging_bytes() const override { return buffer_bytes_ * buffer_count_; }
 
@@ -93,6 +93,7 @@ class DaemonReduceCollective final : public Collective {
     const uint8_t* grads;
     DType dtype;
     BufferUse use;
+    MemoryKind memory;
     absl::Time deadline;
   };
   // A whole bucket of a borrowed buffer reserved by Reduce, sent (unless
@@ -138,6 +139,10 @@ class DaemonReduceCollective final : public Collective {
                                       int own_pushers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts `real` elements written into active bucket `key`; sends it when
   // complete.
+  // Undoes a ContributeBucket whose copy failed: `clip` is unwritten again
+  // and `ticket` no longer waits for the bucket.
+  void AbandonWrite(uint64_t key, const FlatRange& clip, const std::shared_ptr<CountDown>& ticket)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EndWrite(uint64_t key, uint64_t real) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks bucket `key` sent and hands it to the senders: its bytes are
   // `data`, in staging buffer `buffer_index` (returned to the pool once sent)
@@ -171,6 +176,7 @@ class DaemonReduceCollective final : public Collective {
   const uint64_t buffer_bytes_;
   const uint32_t buffer_count_;
   std::unique_ptr<uint8_t[]> storage_;  // buffer_count_ * buffer_bytes_
+  bool pinned_ = false;                 // storage_ pinned by job_.device (Bind)
 
   // Written once by Bind, before bound_ is set; read-only afterwards.
   CollectiveJob job_;

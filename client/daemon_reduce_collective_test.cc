@@ -108,7 +108,7 @@ struct Rig {
 
   absl::StatusOr<PushTicket> Push(uint64_t step, const FlatRange& r, const float* grads,
                                   uint32_t mb = 0, BufferUse use = BufferUse::kCopy) {
-    return collective->Reduce(step, mb, r, grads + r.begin, DType::kFp32, use,
+    return collective->Reduce(step, mb, r, grads + r.begin, DType::kFp32, use, MemoryKind::kHost,
                               absl::Now() + absl::Seconds(10));
   }
   // How many pushes read their bytes from inside [begin, end).
@@ -266,9 +266,9 @@ TEST(DaemonReduceCollectiveTest, StagingMemoryIsBoundedByTheBucketSize) {
     }
     ASSERT_GE(end, 15u * (cb / 4));
     std::vector<float> g(end, 1.0f);
-    absl::StatusOr<PushTicket> t = rig.collective->Reduce(
-        1, 0, {0, g.size()}, g.data(), DType::kFp32, BufferUse::kCopy,
-        absl::Now() + absl::Seconds(10));
+    absl::StatusOr<PushTicket> t =
+        rig.collective->Reduce(1, 0, {0, g.size()}, g.data(), DType::kFp32, BufferUse::kCopy,
+                               MemoryKind::kHost, absl::Now() + absl::Seconds(10));
     ASSERT_TRUE(t.ok());
     ASSERT_TRUE(t->Wait(absl::Now() + absl::Seconds(10)).ok());
     EXPECT_EQ(rig.collective->peak_buffers_in_use(), 4u);

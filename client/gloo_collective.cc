@@ -371,7 +371,13 @@ absl::Status GlooCollective::BeginReduce(uint64_t step, uint32_t micro_batch,
 
 absl::StatusOr<PushTicket> GlooCollective::Reduce(uint64_t step, uint32_t micro_batch,
                                                   const FlatRange& range, const void* grads,
-                                                  DType dtype, BufferUse, absl::Time) {
+                                                  DType dtype, BufferUse, MemoryKind memory,
+                                                  absl::Time) {
+  if (memory != MemoryKind::kHost) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("PushGradients: the gloo trainer collective takes host buffers, got ",
+                     MemoryKindName(memory), " memory (copy the gradients to the host first)"));
+  }
   if (absl::Status s = CheckArguments(micro_batch, range, grads, dtype); !s.ok()) return s;
   {
     absl::MutexLock lock(&mu_);

@@ -131,7 +131,7 @@ class GlooCollective final : public Collective {
   absl::Status Bind(const CollectiveJob& job) override;
   absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch, const FlatRange& range,
                                     const void* grads, DType dtype, BufferUse use,
-                                    absl::Time deadline) override;
+                                    MemoryKind memory, absl::Time deadline) override;
   absl::Status Finish(uint64_t step, absl::Time deadline) override;
   uint64_t staging_bytes() const override;
   bool gathers_parameters() const override { return true; }

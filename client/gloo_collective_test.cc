@@ -108,8 +108,9 @@ void RunRanks(uint32_t world, const std::function<void(uint32_t)>& fn) {
 // Contributes ones for every element as micro-batch 0 of `step`.
 absl::Status ContributeOnes(GlooCollective& c, uint64_t total, uint64_t step) {
   const std::vector<float> ones(total, 1.0f);
-  absl::StatusOr<PushTicket> t = c.Reduce(step, 0, {0, total}, ones.data(), DType::kFp32,
-                                          BufferUse::kCopy, absl::Now() + absl::Seconds(10));
+  absl::StatusOr<PushTicket> t =
+      c.Reduce(step, 0, {0, total}, ones.data(), DType::kFp32, BufferUse::kCopy, MemoryKind::kHost,
+               absl::Now() + absl::Seconds(10));
   return t.status();
 }
 
@@ -199,7 +200,7 @@ TEST(GlooCollectiveTest, SumsInRankOrderAndPushesOnlyItsPartition) {
       for (FlatRange range : {FlatRange{cut, total}, FlatRange{0, cut}}) {
         absl::StatusOr<PushTicket> t =
             c.Reduce(step, 0, range, grads[r].data() + range.begin, DType::kFp32,
-                     BufferUse::kBorrow, absl::Now() + absl::Seconds(10));
+                     BufferUse::kBorrow, MemoryKind::kHost, absl::Now() + absl::Seconds(10));
         ASSERT_TRUE(t.ok()) << t.status();
         EXPECT_TRUE(t->done());
       }
@@ -265,7 +266,7 @@ TEST(GlooCollectiveTest, MicroBatchesAndHalfInputsAreSummedInOrder) {
     GlooCollective& c = *job.collectives[r];
     for (uint32_t m = 0; m < kMicro; ++m) {
       ASSERT_TRUE(c.Reduce(1, m, {0, total}, grads[r][m].data(), DType::kBf16, BufferUse::kCopy,
-                           absl::Now() + absl::Seconds(10))
+                           MemoryKind::kHost, absl::Now() + absl::Seconds(10))
                       .ok());
     }
     EXPECT_TRUE(c.Finish(1, absl::Now() + absl::Seconds(20)).ok());
@@ -348,29 +349,37 @@ TEST(GlooCollectiveTest, CallerMistakes) {
   const uint64_t total = job.layout.total_elements();
   const std::vector<float> g(total, 1.0f);
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  ASSERT_TRUE(c.Reduce(1, 0, {0, 100}, g.data(), DType::kFp32, BufferUse::kCopy, deadline).ok());
+  ASSERT_TRUE(c.Reduce(1, 0, {0, 100}, g.data(), DType::kFp32, BufferUse::kCopy, MemoryKind::kHost,
+                       deadline)
+                  .ok());
   // Contributing twice.
-  absl::StatusOr<PushTicket> twice =
-      c.Reduce(1, 0, {50, 150}, g.data(), DType::kFp32, BufferUse::kCopy, deadline);
+  absl::StatusOr<PushTicket> twice = c.Reduce(1, 0, {50, 150}, g.data(), DType::kFp32,
+                                              BufferUse::kCopy, MemoryKind::kHost, deadline);
   EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument) << twice.status();
   EXPECT_NE(twice.status().message().find("[50, 100)"), std::string::npos) << twice.status();
   // Micro-batch 1 before micro-batch 0 is complete.
-  absl::StatusOr<PushTicket> early =
-      c.Reduce(1, 1, {0, 100}, g.data(), DType::kFp32, BufferUse::kCopy, deadline);
+  absl::StatusOr<PushTicket> early = c.Reduce(1, 1, {0, 100}, g.data(), DType::kFp32,
+                                              BufferUse::kCopy, MemoryKind::kHost, deadline);
   EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition) << early.status();
   // Incomplete: Finish names the first element nobody pushed.
   absl::Status s = c.Finish(1, deadline);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("element 100"), std::string::npos) << s;
   // The step can be contributed again from scratch.
-  ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy, deadline).ok());
-  ASSERT_TRUE(c.Reduce(1, 1, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy, deadline).ok());
-  absl::StatusOr<PushTicket> done_mb =
-      c.Reduce(1, 0, {0, 10}, g.data(), DType::kFp32, BufferUse::kCopy, deadline);
+  ASSERT_TRUE(c.Reduce(1, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
+                       MemoryKind::kHost, deadline)
+                  .ok());
+  ASSERT_TRUE(c.Reduce(1, 1, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
+                       MemoryKind::kHost, deadline)
+                  .ok());
+  absl::StatusOr<PushTicket> done_mb = c.Reduce(1, 0, {0, 10}, g.data(), DType::kFp32,
+                                                BufferUse::kCopy, MemoryKind::kHost, deadline);
   EXPECT_EQ(done_mb.status().code(), absl::StatusCode::kInvalidArgument) << done_mb.status();
   EXPECT_TRUE(c.Finish(1, deadline).ok());
   EXPECT_EQ(
-      c.Reduce(1, 2, {0, 10}, g.data(), DType::kFp32, BufferUse::kCopy, deadline).status().code(),
+      c.Reduce(1, 2, {0, 10}, g.data(), DType::kFp32, BufferUse::kCopy, MemoryKind::kHost, deadline)
+          .status()
+          .code(),
       absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(GlooCollective::Create({}).status().code(), absl::StatusCode::kInvalidArgument);
   GlooCollective::Options small;
@@ -436,7 +445,7 @@ TEST(GlooCollectiveTest, OneStepAtATime) {
   EXPECT_EQ(second.code(), absl::StatusCode::kFailedPrecondition) << second;
   EXPECT_NE(second.message().find("Step for step 1 is running"), std::string::npos) << second;
   const absl::Status push = c.Reduce(2, 0, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
-                                     absl::Now() + absl::Seconds(1))
+                                     MemoryKind::kHost, absl::Now() + absl::Seconds(1))
                                 .status();
   EXPECT_EQ(push.code(), absl::StatusCode::kFailedPrecondition) << push;
   EXPECT_NE(push.message().find("while Step for step 1 is running"), std::string::npos) << push;
@@ -501,7 +510,7 @@ TEST(GlooCollectiveTest, AFailedPushIsRetriedWithoutExchangingAgain) {
   RunRanks(kWorld, [&](uint32_t r) {
     GlooCollective& c = *job.collectives[r];
     ASSERT_TRUE(c.Reduce(1, 0, {0, total}, grads[r].data(), DType::kFp32, BufferUse::kCopy,
-                         absl::Now() + absl::Seconds(10))
+                         MemoryKind::kHost, absl::Now() + absl::Seconds(10))
                     .ok());
     const absl::Status s = c.Finish(1, absl::Now() + absl::Seconds(20));
     if (r == 0) {
@@ -516,7 +525,7 @@ TEST(GlooCollectiveTest, AFailedPushIsRetriedWithoutExchangingAgain) {
   GlooCollective& c = *job.collectives[0];
   const std::vector<float> zeros(total, 0.0f);
   ASSERT_TRUE(c.Reduce(1, 0, {0, total}, zeros.data(), DType::kFp32, BufferUse::kCopy,
-                       absl::Now() + absl::Seconds(10))
+                       MemoryKind::kHost, absl::Now() + absl::Seconds(10))
                   .ok());
   ASSERT_TRUE(c.Finish(1, absl::Now() + absl::Seconds(5)).ok());
   std::vector<float> expected(total, 0.0f);

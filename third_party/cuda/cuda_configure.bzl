@@ -5,15 +5,21 @@ Generates @local_cuda with:
   //:cuda      cc_library linking cudart + nccl (empty when not found)
 CUDA is looked for at $CUDA_PATH, then /usr/local/cuda; it needs bin/nvcc,
 include/cuda_runtime.h and include/nccl.h. Without it, cuda/ targets are left
-out and everything else builds and tests.
+out and everything else builds and tests. CUDA_PATH=none builds without CUDA
+on a machine that has it (`bazel ... --repo_env=CUDA_PATH=none`), to test
+the build a machine without CUDA gets.
 """
 
 def _cuda_configure_impl(ctx):
     candidates = []
     env_path = ctx.os.environ.get("CUDA_PATH", "")
-    if env_path:
+    if env_path == "none":
+        pass
+    elif env_path:
         candidates.append(env_path)
-    candidates.append("/usr/local/cuda")
+        candidates.append("/usr/local/cuda")
+    else:
+        candidates.append("/usr/local/cuda")
     found = ""
     for path in candidates:
         if (ctx.path(path + "/bin/nvcc").exists and

@@ -1,0 +1,85 @@
+#pragma once
+
+// Trainer buffers in CUDA device memory. The client never guesses where a
+// buffer lives: every call that takes one says so with a MemoryKind, and a
+// device buffer is only accepted by a client created with
+// ClientConfig::cuda_device set.
+//
+// A DeviceCopier moves bytes between the device and host buffers the client
+// owns (its gradient staging pool, its gather bounce buffers), which it pins
+// once so that the copies are DMA transfers. Copies run on one dedicated
+// CUDA stream of the copier; dtype casts (fp32 <-> bf16/fp16) run on the
+// device (cuda/cuda_ops.h), so only wire-sized bytes cross the bus.
+//
+// Built with CUDA when nvcc was found at build time (third_party/cuda);
+// without it, or without a device at run time, CreateDeviceCopier answers
+// FailedPrecondition saying which.
+
+#include <cstddef>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "common/dtype.h"
+
+namespace zeroshard {
+
+enum class MemoryKind {
+  kHost,        // pageable or pinned host memory
+  kCudaDevice,  // memory of ClientConfig::cuda_device (cudaMalloc)
+};
+
+absl::string_view MemoryKindName(MemoryKind kind);
+
+// Thread-safe: copies from several threads are serialised on the copier's
+// stream. Every blocking call waits until its deadline; a copy still running
+// then is waited for anyway (with a message on stderr every few seconds)
+// before the call returns, since it still writes the caller's buffer.
+class DeviceCopier {
+ public:
+  // Completion lanes of FromHostAsync: a caller double-buffers with two.
+  static constexpr int kLanes = 2;
+
+  virtual ~DeviceCopier() = default;
+
+  // The device this copier copies to and from.
+  virtual int device() const = 0;
+
+  // Whether `p` is memory of this copier's device: InvalidArgument naming
+  // `what` otherwise (a host pointer, another device's memory).
+  virtual absl::Status CheckDevicePointer(const void* p, absl::string_view what) const = 0;
+
+  // host_dst (n elements of dst_dtype) = device_src (n elements of
+  // src_dtype). fp32 -> bf16/fp16 is packed on the device before the copy,
+  // bf16/fp16 -> fp32 unpacked on the device; other pairs of different
+  // dtypes are InvalidArgument. Blocks until the bytes are in host_dst.
+  // Internal (with CUDA's message) when CUDA fails.
+  virtual absl::Status ToHost(const void* device_src, DType src_dtype, void* host_dst,
+                              DType dst_dtype, size_t n, absl::Time deadline) = 0;
+
+  // Enqueues device_dst = host_src (`bytes`) on the copier's stream and
+  // returns; `lane` (0..kLanes-1) completes when the copy has. host_src must
+  // stay unchanged and allocated until WaitLane(lane) returns.
+  virtual absl::Status FromHostAsync(const void* host_src, void* device_dst, size_t bytes,
+                                     int lane) = 0;
+  // Blocks until every copy enqueued on `lane` so far has completed.
+  virtual absl::Status WaitLane(int lane, absl::Time deadline) = 0;
+
+  // Page-locks `bytes` of host memory at `p` for DMA (cudaHostRegister), for
+  // buffers allocated once; Unpin before freeing them.
+  virtual absl::Status Pin(void* p, size_t bytes) = 0;
+  virtual void Unpin(void* p) = 0;
+};
+
+// A copier for CUDA device `device` (its own stream, events and a device
+// scratch buffer of at most `scratch_bytes` for the casts, all allocated
+// here). FailedPrecondition when this build has no CUDA, when there is no
+// such device, or when the driver refuses (CUDA's message included).
+absl::StatusOr<std::unique_ptr<DeviceCopier>> CreateDeviceCopier(int device, size_t scratch_bytes);
+
+// Whether this build can use CUDA devices at all (nvcc was found).
+bool BuiltWithCuda();
+
+}  // namespace zeroshard
