@@ -4,6 +4,7 @@
 #include <iterator>
 #include <set>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/fnv.h"
@@ -168,17 +169,23 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       ++pending_entries_;
       continue;
     }
-    Accumulate(c.range.begin, key, c.payload.data(), c.dtype, grad_scale);
+    // This contribution and the buffered ones that follow it in order are
+    // summed in one pass over the range (the same bits as one pass each).
+    absl::InlinedVector<ShardOptimizer::Source, 8> run = {{c.payload.data(), c.dtype}};
     key.crcs.push_back(c.crc32c);
-    ++applied_;
-    for (auto p = key.pending.find(key.next_order); p != key.pending.end();
-         p = key.pending.find(key.next_order)) {
-      Accumulate(c.range.begin, key, p->second.bytes.data(), p->second.dtype, grad_scale);
+    const uint32_t first_buffered = order + 1;
+    uint32_t next = first_buffered;
+    for (auto p = key.pending.find(next); p != key.pending.end(); p = key.pending.find(++next)) {
+      run.push_back({p->second.bytes.data(), p->second.dtype});
       key.crcs.push_back(p->second.crc32c);
+    }
+    Accumulate(c.range.begin, key, run, grad_scale);
+    applied_ += run.size();
+    for (uint32_t o = first_buffered; o < next; ++o) {
+      auto p = key.pending.find(o);
       buffered_bytes_ -= p->second.bytes.size();
       key.pending.erase(p);
       --pending_entries_;
-      ++applied_;
     }
   }
   // Give back what the caller's upper bounds over-reserved and what drained.
@@ -197,20 +204,23 @@ void ReductionState::ReleaseUnheld() {
   }
 }
 
-void ReductionState::Accumulate(uint64_t begin, Key& key, const void* src, DType type,
-                                float grad_scale) {
+void ReductionState::Accumulate(uint64_t begin, Key& key,
+                                absl::Span<const ShardOptimizer::Source> run, float grad_scale) {
   float* dst = grad_ + (begin - options_.owned.begin);
   const size_t n = key.end - begin;
   // Contribution 0 overwrites: the buffer holds the previous step's sum.
   const bool first = key.next_order == 0;
-  if (++key.next_order == Expected(micro_batches_)) {
-    // The last one: its pass takes the range's norm too, block by block.
-    const ShardOptimizer::Source source{src, type};
-    key.stats = optimizer_->SumContributions(dst, {&source, 1}, n, first, &grad_scale);
+  key.next_order += static_cast<uint32_t>(run.size());
+  if (key.next_order == Expected(micro_batches_)) {
+    // The run ends with the last one: its pass takes the range's norm too,
+    // block by block.
+    key.stats = optimizer_->SumContributions(dst, run, n, first, &grad_scale);
+  } else if (run.size() > 1) {
+    optimizer_->SumContributions(dst, run, n, first, nullptr);
   } else if (first) {
-    optimizer_->ConvertIn(dst, src, type, n);
+    optimizer_->ConvertIn(dst, run[0].data, run[0].type, n);
   } else {
-    optimizer_->Accumulate(dst, src, type, n);
+    optimizer_->Accumulate(dst, run[0].data, run[0].type, n);
   }
 }
 

@@ -23,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "common/dtype.h"
 #include "common/flat_range.h"
 #include "common/job_spec.h"
@@ -160,9 +161,11 @@ class ReductionState {
   uint32_t Expected(uint32_t micro_batches) const;
   absl::Status CheckOne(const Contribution& c, size_t index, uint32_t order,
                         const std::map<uint64_t, uint64_t>& new_keys) const;
-  // Adds contribution number key.next_order of the range starting at
-  // `begin` and advances next_order; the last one also sets key.stats.
-  void Accumulate(uint64_t begin, Key& key, const void* src, DType type, float grad_scale);
+  // Adds contributions key.next_order, key.next_order + 1, ... (`run`, in
+  // that order) of the range starting at `begin` in one pass and advances
+  // next_order; a run that ends with the last one also sets key.stats.
+  void Accumulate(uint64_t begin, Key& key, absl::Span<const ShardOptimizer::Source> run,
+                  float grad_scale);
 
   const Options options_;
   float* const grad_;
