@@ -528,42 +528,49 @@ absl::Status Client::GatherAll(void* dst, DType dtype, MemoryKind memory) {
                                                    DTypeName(dtype)));
   }
   if (dst == nullptr) return absl::InvalidArgumentError("dst: null");
-  if (memory == MemoryKind::kCudaDevice) return GatherAllToDevice(dst, dtype);
+  if (memory == MemoryKind::kCudaDevice) {
+    RETURN_IF_ERROR(CheckDeviceDestination("GatherAll", dst));
+    return GatherRangeToDevice({0, layout_.total_elements()}, dtype, dst);
+  }
   return GatherParameters({0, layout_.total_elements()}, dtype, step_, dst);
 }
 
-absl::Status Client::GatherAllToDevice(void* dst, DType dtype) {
+absl::Status Client::CheckDeviceDestination(absl::string_view call, const void* dst) const {
   if (device_ == nullptr) {
     return absl::FailedPreconditionError(
-        "GatherAll: dst in CUDA device memory, but the client has no device "
-        "(ClientConfig.cuda_device is -1)");
+        absl::StrCat(call,
+                     ": dst in CUDA device memory, but the client has no device "
+                     "(ClientConfig.cuda_device is -1)"));
   }
+  return device_->CheckDevicePointer(dst, absl::StrCat(call, ": dst"));
+}
+
+absl::Status Client::GatherRangeToDevice(const FlatRange& range, DType dtype, void* dst) {
   if (collective_->gathers_parameters()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("GatherAll: the ", collective_->name(),
+        absl::StrCat("the ", collective_->name(),
                      " trainer collective gathers into host buffers only; pass MemoryKind::kHost"));
   }
-  RETURN_IF_ERROR(device_->CheckDevicePointer(dst, "GatherAll: dst"));
   const size_t esize = DTypeSize(dtype);
-  const uint64_t total = layout_.total_elements();
   const uint64_t chunk = std::max<uint64_t>(1, bounce_bytes_ / esize);
   const uint64_t step = step_;
   absl::Status status;
   // Bounce buffer i % kLanes receives chunk i from the daemons while the
   // other one's host-to-device copy runs.
   uint64_t i = 0;
-  for (uint64_t b = 0; b < total && status.ok(); b += chunk, ++i) {
+  for (uint64_t b = range.begin; b < range.end && status.ok(); b += chunk, ++i) {
     const int lane = static_cast<int>(i % DeviceCopier::kLanes);
     uint8_t* bounce = bounce_.get() + lane * bounce_bytes_;
-    const FlatRange piece{b, std::min(total, b + chunk)};
+    const FlatRange piece{b, std::min(range.end, b + chunk)};
     status = device_->WaitLane(lane, RpcDeadline());
     if (status.ok()) status = GatherRange(piece, dtype, step, bounce);
     if (status.ok()) {
-      status = device_->FromHostAsync(bounce, static_cast<uint8_t*>(dst) + b * esize,
-                                      piece.size() * esize, lane);
+      status =
+          device_->FromHostAsync(bounce, static_cast<uint8_t*>(dst) + (b - range.begin) * esize,
+                                 piece.size() * esize, lane);
     }
   }
-  // Nothing writes `dst` after GatherAll returns, errors included.
+  // Nothing writes `dst` after the call returns, errors included.
   for (int lane = 0; lane < DeviceCopier::kLanes; ++lane) {
     absl::Status s = device_->WaitLane(lane, RpcDeadline());
     if (status.ok()) status = s;
@@ -586,10 +593,21 @@ absl::StatusOr<size_t> Client::LayerIndex(uint32_t layer) const {
   return static_cast<size_t>(it - layers.begin());
 }
 
-absl::Status Client::Gather(uint32_t layer, void* dst) {
+absl::Status Client::Gather(uint32_t layer, void* dst, MemoryKind memory) {
   ASSIGN_OR_RETURN(size_t index, LayerIndex(layer));
   if (dst == nullptr) return absl::InvalidArgumentError("dst: null");
-  return layers_->Gather(index, step_, dst);
+  if (memory == MemoryKind::kHost) return layers_->Gather(index, step_, dst);
+  RETURN_IF_ERROR(CheckDeviceDestination("Gather", dst));
+  ASSIGN_OR_RETURN(const FlatRange range, layout_.LayerRange(layer));
+  if (config_.stage != 3) return GatherRangeToDevice(range, config_.precision, dst);
+  // The layer's buffer (prefetched or gathered now) is held while it is
+  // copied to the device.
+  ASSIGN_OR_RETURN(const void* view, layers_->View(index, step_));
+  absl::Status s = device_->FromHostAsync(view, dst, range.size() * DTypeSize(config_.precision),
+                                          /*lane=*/0);
+  absl::Status waited = device_->WaitLane(0, RpcDeadline());
+  layers_->Release(index);
+  return s.ok() ? waited : s;
 }
 
 absl::StatusOr<const void*> Client::GatherView(uint32_t layer) {

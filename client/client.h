@@ -277,7 +277,10 @@ class Client {
   // gathers parameters, a layer not held is all-gathered among the ranks
   // (each fetching its own partition's part from the daemons): every rank
   // then gathers, views and releases the same layers in the same order.
-  absl::Status Gather(uint32_t layer, void* dst);
+  // With MemoryKind::kCudaDevice `dst` is memory of ClientConfig::cuda_device:
+  // in stage 3 the layer's buffer is copied to the device (and released),
+  // in stages 1-2 the layer comes through the bounce buffers as in GatherAll.
+  absl::Status Gather(uint32_t layer, void* dst, MemoryKind memory = MemoryKind::kHost);
   // Stage 3: like Gather, but returns a pointer into a client-owned layer
   // buffer (layer_buffers of them, allocated by RegisterModel) that stays
   // valid until Release(layer) or Step. Gathering a layer already held
@@ -376,8 +379,11 @@ class Client {
   // AllGather (a collective call: every rank makes it in the same order).
   absl::Status GatherParameters(const FlatRange& range, DType dtype, uint64_t after_step,
                                 void* dst);
-  // GatherAll into CUDA device memory, through the bounce buffers.
-  absl::Status GatherAllToDevice(void* dst, DType dtype);
+  // OK when the client has a device and `dst` is its memory;
+  // FailedPrecondition or InvalidArgument naming `call` otherwise.
+  absl::Status CheckDeviceDestination(absl::string_view call, const void* dst) const;
+  // Flat `range` into CUDA device memory, through the bounce buffers.
+  absl::Status GatherRangeToDevice(const FlatRange& range, DType dtype, void* dst);
   absl::StatusOr<size_t> LayerIndex(uint32_t layer) const;
   bool registered() const { return registered_.load(std::memory_order_acquire); }
 

@@ -603,6 +603,9 @@ TEST(ClientTest, DeviceMemoryNeedsAConfiguredDevice) {
   const absl::Status gather =
       client->GatherAll(params.data(), DType::kFp32, MemoryKind::kCudaDevice);
   EXPECT_EQ(gather.code(), absl::StatusCode::kFailedPrecondition) << gather;
+  const absl::Status layer =
+      client->Gather(layout.layers()[0], params.data(), MemoryKind::kCudaDevice);
+  EXPECT_EQ(layer.code(), absl::StatusCode::kFailedPrecondition) << layer;
   // Nothing of the refused push counts: the whole range is still to push.
   ASSERT_TRUE(client->PushGradients({0, total}, grad.data(), DType::kFp32).ok());
   absl::StatusOr<StepResult> r = client->Step(0.1f);

@@ -1,9 +1,9 @@
 // Trainer buffers in CUDA device memory (needs a GPU; skips without one):
 // the copier's casts and copies against the host conversions, and a job
 // trained from device gradients into device parameters against the same job
-// trained from host buffers, bit for bit, in fp32 and bf16. Prints how long
-// each device push took to return (the casts and copies into the staging
-// pool; the sends run behind it).
+// trained from host buffers, bit for bit, at stages 2 and 3 in fp32 and
+// bf16. Prints how long each device push took to return (the casts and
+// copies into the staging pool; the sends run behind it).
 
 #include "client/device_memory.h"
 
@@ -97,10 +97,11 @@ struct TrainedRun {
   std::vector<float> losses;  // the step's gradient norms
 };
 
-// `steps` steps of a one-rank stage-2 job of SampleLayout over the "inproc"
-// bulk transport, gradients and parameters on the device or on the host.
-TrainedRun Train(const std::string& address, const std::string& job, DType precision, bool device,
-                 int steps) {
+// `steps` steps of a one-rank job of SampleLayout over the "inproc" bulk
+// transport, gradients and parameters on the device or on the host; stage 3
+// gathers layer by layer, stages 1-2 everything at once.
+TrainedRun Train(const std::string& address, const std::string& job, uint32_t stage,
+                 DType precision, bool device, int steps) {
   const Layout layout = testing::SampleLayout();
   const std::vector<float> init = testing::InitialParams(layout);
   ClientConfig c;
@@ -108,7 +109,7 @@ TrainedRun Train(const std::string& address, const std::string& job, DType preci
   c.daemons = {address};
   c.job_id = job;
   c.world_size = 1;
-  c.stage = 2;
+  c.stage = stage;
   c.precision = precision;
   c.bucket_bytes = 4096;
   c.optimizer.lr = 1e-2f;
@@ -123,7 +124,25 @@ TrainedRun Train(const std::string& address, const std::string& job, DType preci
   std::vector<float> params(total), grad(total);
   DeviceBuffer dev_params(total * 4), dev_grad(total * 4);
   for (int step = 1; step <= steps; ++step) {
-    if (device) {
+    // fp32 parameters: stages 1-2 gather fp32, stage 3 the job's precision
+    // (converted here).
+    if (stage == 3) {
+      const size_t esize = DTypeSize(precision);
+      std::vector<uint8_t> layer_bytes;
+      for (uint32_t layer : layout.layers()) {
+        const FlatRange r = *layout.LayerRange(layer);
+        layer_bytes.resize(r.size() * esize);
+        if (device) {
+          void* at = static_cast<uint8_t*>(dev_params.p) + r.begin * esize;
+          EXPECT_TRUE((*client)->Gather(layer, at, MemoryKind::kCudaDevice).ok());
+          EXPECT_EQ(cudaMemcpy(layer_bytes.data(), at, layer_bytes.size(), cudaMemcpyDeviceToHost),
+                    cudaSuccess);
+        } else {
+          EXPECT_TRUE((*client)->Gather(layer, layer_bytes.data()).ok());
+        }
+        ToFloat(precision, layer_bytes.data(), params.data() + r.begin, r.size());
+      }
+    } else if (device) {
       EXPECT_TRUE((*client)->GatherAll(dev_params.p, DType::kFp32, MemoryKind::kCudaDevice).ok());
       EXPECT_EQ(cudaMemcpy(params.data(), dev_params.p, total * 4, cudaMemcpyDeviceToHost),
                 cudaSuccess);
@@ -159,14 +178,18 @@ TEST_F(DeviceMemoryTest, DeviceBuffersTrainLikeHostBuffers) {
   o.bulk_transport = "inproc";
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(o);
   ASSERT_TRUE(daemon.ok()) << daemon.status();
-  for (DType precision : {DType::kFp32, DType::kBf16}) {
-    const std::string name(DTypeName(precision));
-    const TrainedRun host = Train((*daemon)->address(), "host-" + name, precision, false, 3);
-    const TrainedRun device = Train((*daemon)->address(), "device-" + name, precision, true, 3);
-    ASSERT_EQ(host.params.size(), device.params.size());
-    EXPECT_EQ(std::memcmp(host.params.data(), device.params.data(), host.params.size() * 4), 0)
-        << name;
-    EXPECT_EQ(host.losses, device.losses) << name;
+  for (uint32_t stage : {2u, 3u}) {
+    for (DType precision : {DType::kFp32, DType::kBf16}) {
+      const std::string name = absl::StrCat("stage", stage, "-", DTypeName(precision));
+      const TrainedRun host =
+          Train((*daemon)->address(), "host-" + name, stage, precision, false, 3);
+      const TrainedRun device =
+          Train((*daemon)->address(), "device-" + name, stage, precision, true, 3);
+      ASSERT_EQ(host.params.size(), device.params.size());
+      EXPECT_EQ(std::memcmp(host.params.data(), device.params.data(), host.params.size() * 4), 0)
+          << name;
+      EXPECT_EQ(host.losses, device.losses) << name;
+    }
   }
 }
 

@@ -114,9 +114,10 @@ bool IsTensor(const py::object& o) {
 struct TensorData {
   void* data = nullptr;
   DType dtype = DType::kFp32;
+  MemoryKind memory = MemoryKind::kHost;  // a "cuda" tensor's is the device's
 };
 
-// The data of a contiguous CPU tensor of `expected` elements whose dtype is
+// The data of a contiguous CPU or CUDA tensor of `expected` elements whose dtype is
 // `want`, or any of float32, bfloat16 and float16 when `want` is nullopt;
 // checked (TypeError / ValueError naming `what`). The pointer stays valid
 // while the caller holds `t` and nobody resizes its storage.
@@ -132,9 +133,11 @@ TensorData CheckedTensor(const py::object& t, uint64_t expected, std::optional<D
         " tensor, got ", dtype_name));
   }
   const std::string device = py::str(t.attr("device").attr("type"));
-  if (device != "cpu") {
-    throw py::type_error(absl::StrCat(what, ": expected a CPU tensor, got one on ", device));
+  if (device != "cpu" && device != "cuda") {
+    throw py::type_error(
+        absl::StrCat(what, ": expected a CPU or CUDA tensor, got one on ", device));
   }
+  const MemoryKind memory = device == "cuda" ? MemoryKind::kCudaDevice : MemoryKind::kHost;
   if (!t.attr("is_contiguous")().cast<bool>()) {
     throw py::value_error(absl::StrCat(what, ": the tensor must be contiguous"));
   }
@@ -152,16 +155,16 @@ TensorData CheckedTensor(const py::object& t, uint64_t expected, std::optional<D
                                        storage_bytes / esize, " elements, too few for ",
                                        offset + numel, " (freed?)"));
   }
-  return {reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>()), *dtype};
+  return {reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>()), *dtype, memory};
 }
 
 // A writable destination of `expected` elements of `dtype`: a contiguous CPU
 // tensor of that dtype, or (float32 only) a buffer, as Float32Buffer; `keep`
 // then holds its view. The pointer stays valid while the caller holds `out`
 // and nobody resizes it.
-void* WritableOut(const py::object& out, uint64_t expected, DType dtype, const char* what,
-                  py::buffer_info* keep) {
-  if (IsTensor(out)) return CheckedTensor(out, expected, dtype, what).data;
+TensorData WritableOut(const py::object& out, uint64_t expected, DType dtype, const char* what,
+                       py::buffer_info* keep) {
+  if (IsTensor(out)) return CheckedTensor(out, expected, dtype, what);
   if (dtype != DType::kFp32) {
     throw py::type_error(absl::StrCat(what, ": a ", DTypeName(dtype), " destination must be a ",
                                       TorchDTypeName(dtype), " tensor"));
@@ -170,7 +173,7 @@ void* WritableOut(const py::object& out, uint64_t expected, DType dtype, const c
     throw py::type_error(absl::StrCat(what, ": expected a float32 buffer or tensor"));
   }
   *keep = Float32Buffer(out.cast<py::buffer>(), true, expected, what);
-  return keep->ptr;
+  return {keep->ptr, DType::kFp32, MemoryKind::kHost};
 }
 
 using TensorTuple = std::tuple<std::string, std::vector<int64_t>, uint32_t>;
@@ -209,8 +212,9 @@ class PyClient {
            std::optional<std::string> token, std::optional<std::string> tls_cert,
            std::optional<std::string> tls_key, std::optional<std::string> tls_ca, uint32_t replicas,
            const std::string& reduction, std::optional<std::string> collective_dir,
-           const std::string& collective_host) {
+           const std::string& collective_host, std::optional<int> cuda_device) {
     ClientConfig c;
+    c.cuda_device = cuda_device.value_or(-1);
     std::unique_ptr<Collective> collective;
     if (reduction == "trainer") {
       if (!collective_dir.has_value() || collective_dir->empty()) {
@@ -277,11 +281,13 @@ class PyClient {
     if (end < begin) throw py::value_error("push_gradients: end < begin");
     const void* data = nullptr;
     DType dtype = DType::kFp32;
+    MemoryKind memory = MemoryKind::kHost;
     py::buffer_info info;
     if (IsTensor(grads)) {
       const TensorData t = CheckedTensor(grads, end - begin, std::nullopt, "grads");
       data = t.data;
       dtype = t.dtype;
+      memory = t.memory;
     } else {
       if (!py::isinstance<py::buffer>(grads)) {
         throw py::type_error("grads: expected a float32 buffer or a tensor");
@@ -293,7 +299,7 @@ class PyClient {
     {
       py::gil_scoped_release release;
       ticket = client_->PushGradients({begin, end}, data, dtype, 0,
-                                      borrow ? BufferUse::kBorrow : BufferUse::kCopy);
+                                      borrow ? BufferUse::kBorrow : BufferUse::kCopy, memory);
     }
     Check(ticket.status());
     // The client reads a borrowed buffer until the step has taken it in:
@@ -329,11 +335,11 @@ class PyClient {
       if (t == client_->config().precision) dtype = *t;
     }
     py::buffer_info keep;
-    void* dst = WritableOut(out, client_->total_elements(), dtype, "out", &keep);
+    const TensorData dst = WritableOut(out, client_->total_elements(), dtype, "out", &keep);
     absl::Status status;
     {
       py::gil_scoped_release release;
-      status = client_->GatherAll(dst, dtype);
+      status = client_->GatherAll(dst.data, dtype, dst.memory);
     }
     Check(status);
   }
@@ -346,11 +352,11 @@ class PyClient {
     RequireRegistered("gather");
     const uint64_t elements = Check(client_->layer_elements(layer));
     py::buffer_info keep;
-    void* dst = WritableOut(out, elements, client_->config().precision, "out", &keep);
+    const TensorData dst = WritableOut(out, elements, client_->config().precision, "out", &keep);
     absl::Status status;
     {
       py::gil_scoped_release release;
-      status = client_->Gather(layer, dst);
+      status = client_->Gather(layer, dst.data, dst.memory);
     }
     Check(status);
   }
@@ -530,36 +536,40 @@ PYBIND11_MODULE(_zeroshard, m) {
       .def_property_readonly("alignment", &Layout::alignment);
 
   py::class_<PyClient>(m, "Client")
-      .def(py::init<std::vector<std::string>, std::string, uint32_t, uint32_t, uint32_t,
-                    const std::string&, float, std::pair<float, float>, float, float, float,
-                    uint64_t, double, double, std::optional<std::string>,
-                    std::optional<std::string>, std::optional<std::string>,
-                    std::optional<std::string>, std::optional<std::string>, uint32_t,
-                    const std::string&, std::optional<std::string>, const std::string&>(),
-           py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
-           py::arg("stage") = 2, py::arg("precision") = "fp32", py::arg("lr") = 1e-3f,
-           py::arg("betas") = std::make_pair(0.9f, 0.999f), py::arg("eps") = 1e-8f,
-           py::arg("weight_decay") = 0.01f, py::arg("max_grad_norm") = 0.0f,
-           py::arg("bucket_bytes") = uint64_t{32} << 20, py::arg("rpc_timeout") = 60.0,
-           py::arg("step_timeout") = 300.0, py::arg("resume") = py::none(),
-           py::arg("token") = py::none(), py::arg("tls_cert") = py::none(),
-           py::arg("tls_key") = py::none(), py::arg("tls_ca") = py::none(),
-           py::arg("replicas") = 1u, py::arg("reduction") = "daemon",
-           py::arg("collective_dir") = py::none(), py::arg("collective_host") = "127.0.0.1",
-           "Validates the config and starts the client's threads; connects to nothing. "
-           "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
-           "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
-           "$ZS_TLS_CERT/_KEY/_CA; none: plaintext). "
-           "Timeouts in seconds. resume: None, a checkpoint name or 'latest' (the complete "
-           "checkpoint with the highest step): register_model on rank 0 then loads it into "
-           "the daemons instead of uploading initial_params ('latest' with no complete "
-           "checkpoint starts from initial_params). replicas: 1, or 2 for a primary and a backup "
-           "of each daemon's partitions (a daemon may die; a new Client then continues at the "
-           "committed step, the leader promoting the backups). reduction: 'daemon' (every rank "
-           "pushes its whole gradient) or 'trainer' (the ranks reduce-scatter the gradients and "
-           "all-gather the parameters among themselves over Gloo's TCP transport on "
-           "collective_host, each moving only its own partition with the daemons; "
-           "collective_dir is the rendezvous directory every rank shares; no reconnect).")
+      .def(
+          py::init<std::vector<std::string>, std::string, uint32_t, uint32_t, uint32_t,
+                   const std::string&, float, std::pair<float, float>, float, float, float,
+                   uint64_t, double, double, std::optional<std::string>, std::optional<std::string>,
+                   std::optional<std::string>, std::optional<std::string>,
+                   std::optional<std::string>, uint32_t, const std::string&,
+                   std::optional<std::string>, const std::string&, std::optional<int>>(),
+          py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
+          py::arg("stage") = 2, py::arg("precision") = "fp32", py::arg("lr") = 1e-3f,
+          py::arg("betas") = std::make_pair(0.9f, 0.999f), py::arg("eps") = 1e-8f,
+          py::arg("weight_decay") = 0.01f, py::arg("max_grad_norm") = 0.0f,
+          py::arg("bucket_bytes") = uint64_t{32} << 20, py::arg("rpc_timeout") = 60.0,
+          py::arg("step_timeout") = 300.0, py::arg("resume") = py::none(),
+          py::arg("token") = py::none(), py::arg("tls_cert") = py::none(),
+          py::arg("tls_key") = py::none(), py::arg("tls_ca") = py::none(), py::arg("replicas") = 1u,
+          py::arg("reduction") = "daemon", py::arg("collective_dir") = py::none(),
+          py::arg("collective_host") = "127.0.0.1", py::arg("cuda_device") = py::none(),
+          "Validates the config and starts the client's threads; connects to nothing. "
+          "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
+          "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
+          "$ZS_TLS_CERT/_KEY/_CA; none: plaintext). "
+          "Timeouts in seconds. resume: None, a checkpoint name or 'latest' (the complete "
+          "checkpoint with the highest step): register_model on rank 0 then loads it into "
+          "the daemons instead of uploading initial_params ('latest' with no complete "
+          "checkpoint starts from initial_params). replicas: 1, or 2 for a primary and a backup "
+          "of each daemon's partitions (a daemon may die; a new Client then continues at the "
+          "committed step, the leader promoting the backups). reduction: 'daemon' (every rank "
+          "pushes its whole gradient) or 'trainer' (the ranks reduce-scatter the gradients and "
+          "all-gather the parameters among themselves over Gloo's TCP transport on "
+          "collective_host, each moving only its own partition with the daemons; "
+          "collective_dir is the rendezvous directory every rank shares; no reconnect). "
+          "cuda_device: the CUDA device whose tensors push_gradients, gather_all and gather "
+          "may be given (cast and copied through pinned host buffers); None: CPU tensors "
+          "only. A build without CUDA, or a machine without the device, raises.")
       .def(
           "register_model",
           [](PyClient& self, const py::object& layout, const py::object& initial_params) {

@@ -115,3 +115,19 @@ def test_bad_config_raises():
     with pytest.raises(ValueError, match="precision"):
         zeroshard.Client(["127.0.0.1:1"], "x", rank=0, world_size=1,
                          precision="fp8")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="a CUDA device is here: the refusal does not apply")
+def test_cuda_device_without_cuda_raises():
+    # A build without CUDA, or a machine without the device: Client refuses
+    # at once, naming CUDA.
+    with pytest.raises(zeroshard.Error) as info:
+        zeroshard.Client(["127.0.0.1:1"], "x", rank=0, world_size=1,
+                         cuda_device=0)
+    assert info.value.code == "FAILED_PRECONDITION"
+    assert "CUDA" in str(info.value)
+    with pytest.raises(zeroshard.Error) as info:
+        zeroshard.Client(["127.0.0.1:1"], "x", rank=0, world_size=1,
+                         cuda_device=-2)
+    assert info.value.code == "INVALID_ARGUMENT"
