@@ -477,10 +477,28 @@ absl::Status DaemonSliceStore::FetchBulk(const ActivationKey& key, void* dst, ui
   *was_spilled = placement.was_spilled();
   const BulkDataPath::RegionAccess at{owner_.job_id, owner_.rank, owner_.incarnation,
                                       v1::REGION_PURPOSE_ACTIVATION_ARENA};
-  if (absl::Status s = bulk_->GetRegion(at, placement.offset(), dst, bytes, deadline); !s.ok()) {
-    return AddActivationContext(s, key);
+  // A large slice is read in pieces, each piece's checksum taken while the
+  // next one is being read.
+  constexpr uint64_t kPieceBytes = 4 << 20;
+  auto* out = static_cast<uint8_t*>(dst);
+  uint32_t crc = 0;
+  uint64_t checked = 0;
+  auto check_upto = [&](uint64_t end) {
+    if (options_.verify_fetches && checked < end) {
+      crc = Crc32c(out + checked, end - checked, crc);
+      checked = end;
+    }
+  };
+  for (uint64_t at_byte = 0; at_byte < bytes; at_byte += kPieceBytes) {
+    const uint64_t n = std::min(kPieceBytes, bytes - at_byte);
+    if (absl::Status s = bulk_->GetRegion(at, placement.offset() + at_byte, out + at_byte, n,
+                                          deadline, [&] { check_upto(at_byte); });
+        !s.ok()) {
+      return AddActivationContext(s, key);
+    }
   }
-  if (options_.verify_fetches && Crc32c(dst, bytes) != placement.crc32c()) {
+  check_upto(bytes);
+  if (options_.verify_fetches && crc != placement.crc32c()) {
     return absl::DataLossError(absl::StrCat("daemon ", address_, ": ",
                                             What("LocateActivation", key),
                                             ": the bytes read fail the slice's CRC-32C"));

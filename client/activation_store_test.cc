@@ -188,6 +188,23 @@ TEST(ActivationStoreTest, ACorruptedSliceIsDataLoss) {
   EXPECT_EQ(rig.store->Stats().failures, 1u);
 }
 
+// A slice larger than one read piece (4 MiB) comes back whole, and its
+// checksum, taken piece by piece while the next piece is read, still
+// catches a corruption.
+TEST(ActivationStoreTest, LargeSlicesAreReadAndCheckedInPieces) {
+  Rig rig(true, 16 << 20);
+  const std::vector<uint8_t> v = Bytes((9 << 20) + 5, 9);
+  ASSERT_TRUE(rig.Offload(Key(0), v).ok());
+  std::vector<uint8_t> got;
+  absl::Status s = rig.Fetch(Key(0), &got, v.size(), AfterFetch::kKeep);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(got == v);
+  EXPECT_EQ(rig.store->Stats().streamed, 0u);
+  rig.fake->activation().set_corrupt_locate_crc(true);
+  s = rig.Fetch(Key(0), &got, v.size());
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+}
+
 // The offload is asynchronous: Offload returns while the daemon is still
 // committing, the buffer counts as the trainer's until the ticket completes,
 // and a fetch submitted right after waits for the offload by itself.

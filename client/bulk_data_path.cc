@@ -419,8 +419,9 @@ absl::Status BulkDataPath::PutRegion(const RegionAccess& at, uint64_t offset, co
 }
 
 absl::Status BulkDataPath::GetRegion(const RegionAccess& at, uint64_t offset, void* dst,
-                                     uint64_t bytes, absl::Time deadline) {
-  return RegionOp(at, false, offset, dst, bytes, deadline, [] {});
+                                     uint64_t bytes, absl::Time deadline,
+                                     absl::FunctionRef<void()> while_copying) {
+  return RegionOp(at, false, offset, dst, bytes, deadline, while_copying);
 }
 
 }  // namespace zeroshard

@@ -141,11 +141,13 @@ class BulkDataPath final : public DataPath {
   // dropped; the next call exchanges again); DeadlineExceeded.
   // `while_copying` runs on the calling thread while the transport copies
   // the first attempt's bytes (e.g. a checksum of `src`, which both only
-  // read), before the call waits for the copy.
+  // read, or of memory the copy does not touch), before the call waits for
+  // the copy.
   absl::Status PutRegion(const RegionAccess& at, uint64_t offset, const void* src, uint64_t bytes,
                          absl::Time deadline, absl::FunctionRef<void()> while_copying = [] {});
-  absl::Status GetRegion(const RegionAccess& at, uint64_t offset, void* dst, uint64_t bytes,
-                         absl::Time deadline);
+  absl::Status GetRegion(
+      const RegionAccess& at, uint64_t offset, void* dst, uint64_t bytes, absl::Time deadline,
+      absl::FunctionRef<void()> while_copying = [] {});
 
   // ExchangeEndpoint calls that succeeded so far (for tests).
   uint64_t exchanges() const { return exchanges_.load(); }
