@@ -323,7 +323,6 @@ absl::Status Job::SendState(const std::string& token, absl::Time deadline) {
     state.set_optimizer_steps(shard_->optimizer_steps());
     arrays = shard_->checkpoint_arrays();
   }
-  const uint64_t n = owned_unpadded_.size();
   const uint64_t epoch = this->epoch();
   const absl::Time start = absl::Now();
   absl::StatusOr<v1::TransferStateResponse> r = absl::UnimplementedError("not tried");
