@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/rpc.h"
+#include "common/protocol.h"
 
 namespace zeroshard {
 
@@ -84,11 +85,18 @@ absl::Status DaemonControl::Heartbeat(const RankId& id, absl::Time deadline) {
 }
 
 absl::StatusOr<v1::StepState> DaemonControl::GetStepState(const std::string& job_id,
-                                                          absl::Time deadline) {
+                                                          absl::Time deadline,
+                                                          uint64_t wait_for_step,
+                                                          absl::Duration wait) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   v1::GetStepStateRequest request;
   request.set_job_id(job_id);
+  if (wait_for_step > 0 && wait > absl::ZeroDuration()) {
+    request.set_wait_for_step(wait_for_step);
+    request.set_wait_ms(
+        static_cast<uint32_t>(std::min<int64_t>(absl::ToInt64Milliseconds(wait), kMaxWaitMs)));
+  }
   v1::StepState response;
   const grpc::Status s = shard_->GetStepState(&context, request, &response);
   if (!s.ok()) return DaemonError(s, address_, absl::StrCat("GetStepState ", job_id));

@@ -11,6 +11,10 @@ namespace {
 
 constexpr absl::Duration kMinBackoff = absl::Milliseconds(1);
 constexpr absl::Duration kMaxBackoff = absl::Milliseconds(50);
+// A follower's long poll for the leader's commit, and what it leaves of the
+// RPC's deadline for the answer to come back.
+constexpr absl::Duration kFollowerWait = absl::Seconds(1);
+constexpr absl::Duration kFollowerWaitMargin = absl::Milliseconds(200);
 
 // The global gradient norm from every daemon's partial sum of squares,
 // summed in daemon order, so that every rank computes the same bits.
@@ -203,8 +207,14 @@ absl::StatusOr<StepResult> StepCoordinator::FollowerStep(uint64_t step) {
       [&](std::string* waiting) -> absl::Status {
         for (size_t d = 0; d < n; ++d) {
           if (committed[d].has_value()) continue;
+          // A long poll: the daemon answers when the leader's commit lands
+          // (or after a second, to look again); a daemon that does not know
+          // the wait answers at once and the backoff paces the polls.
+          const absl::Time rpc_deadline = RpcDeadline(deadline);
+          const absl::Duration wait =
+              std::min(kFollowerWait, (rpc_deadline - absl::Now()) - kFollowerWaitMargin);
           ASSIGN_OR_RETURN(v1::StepState s,
-                           daemons_[d]->GetStepState(options_.id.job_id, RpcDeadline(deadline)));
+                           daemons_[d]->GetStepState(options_.id.job_id, rpc_deadline, step, wait));
           const uint64_t c = s.committed_step();
           if (c > step || c + 1 < step) {
             return absl::FailedPreconditionError(absl::StrCat(

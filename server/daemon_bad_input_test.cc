@@ -4,11 +4,12 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <thread>
 
 #include "common/crc32c.h"
+#include "common/job_spec.h"
 #include "gtest/gtest.h"
 #include "server/daemon.h"
-#include "common/job_spec.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {
@@ -346,6 +347,11 @@ TEST_F(BadInputTest, GatherPrepareCommitInit) {
                  [&] { return client_->Gather("job", 5, {0, 10}, &out); });
   ExpectRejected(grpc::DEADLINE_EXCEEDED, "not committed in time",
                  [&] { return client_->Gather("job", 1, {0, 10}, &out, 50); });
+  v1::StepState state;
+  ExpectRejected(grpc::NOT_FOUND, "not registered",
+                 [&] { return client_->StepState("nope", &state, 1, 10); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "wait_ms",
+                 [&] { return client_->StepState("job", &state, 1, 700000); });
 
   v1::PrepareStepResponse p;
   ExpectRejected(grpc::NOT_FOUND, "not registered", [&] { return client_->Prepare("nope", 1, &p); });
@@ -396,7 +402,22 @@ TEST_F(BadInputTest, GatherPrepareCommitInit) {
   ASSERT_TRUE(client_->Push(Chunks(1, 1)).ok());
   ASSERT_TRUE(client_->Push(Chunks(1, 2)).ok());
   ASSERT_TRUE(client_->Prepare("job", 1, &p).ok());
-  ASSERT_TRUE(client_->Commit("job", 1, 0.1f).ok());
+  // A long poll for the step answers once the commit lands, and one that
+  // times out answers the state as it is.
+  ASSERT_TRUE(client_->StepState("job", &state, 1, 20).ok());
+  EXPECT_EQ(state.committed_step(), 0u);
+  std::thread commit([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    ASSERT_TRUE(client_->Commit("job", 1, 0.1f).ok());
+  });
+  ASSERT_TRUE(client_->StepState("job", &state, 1, 60000).ok());
+  EXPECT_EQ(state.committed_step(), 1u);
+  commit.join();
+  // Steps already committed, or past the open one, are answered at once.
+  ASSERT_TRUE(client_->StepState("job", &state, 1, 60000).ok());
+  EXPECT_EQ(state.committed_step(), 1u);
+  ASSERT_TRUE(client_->StepState("job", &state, 5, 60000).ok());
+  EXPECT_EQ(state.committed_step(), 1u);
   ExpectRejected(grpc::FAILED_PRECONDITION, "before the first commit",
                  init([](v1::ParameterChunk&) {}));
   // Committing the committed step again is idempotent.

@@ -476,6 +476,15 @@ absl::Status Job::ApplyPush(const std::vector<Contribution>& batch, uint32_t mic
   }
 }
 
+bool Job::AwaitCommit(uint64_t step, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  // Only the open step can become committed by waiting.
+  if (step != committed_step() + 1) return committed_step() >= step;
+  auto committed = [this, step]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return committed_step() >= step; };
+  return mu_.AwaitWithDeadline(absl::Condition(&committed), deadline);
+}
+
 absl::Status Job::Gather(uint64_t after_step, const FlatRange& range, DType dtype,
                          absl::Time deadline, uint64_t max_chunk_elements,
                          const std::function<bool(v1::ParameterChunk&)>& write) {

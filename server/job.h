@@ -116,6 +116,11 @@ class Job {
   absl::StatusOr<std::shared_ptr<RankStaging>> Staging(uint32_t rank, uint64_t incarnation,
                                                        bool create);
 
+  // Blocks (without holding any lock other requests need) until `step` is
+  // committed or `deadline`; whether it is committed. Only the open step is
+  // waited for: an older one answers true, a later one false, at once.
+  bool AwaitCommit(uint64_t step, absl::Time deadline);
+
   // ---- Data ----
   // Stores initial parameters; all chunks are validated before any is
   // applied. FailedPrecondition after the first commit.

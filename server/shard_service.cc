@@ -239,6 +239,15 @@ grpc::Status ShardService::GetStepState(grpc::ServerContext* call,
                                         const v1::GetStepStateRequest* req, v1::StepState* resp) {
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id(), /*serving=*/false);
   if (!job.ok()) return ctx_->Done(__func__, job.status());
+  if (req->wait_ms() > kMaxWaitMs) {
+    return ctx_->Done(__func__, absl::InvalidArgumentError(absl::StrCat(
+                                    "wait_ms: at most ", kMaxWaitMs, ", got ", req->wait_ms())));
+  }
+  if (req->wait_for_step() > 0) {
+    (*job)->AwaitCommit(
+        req->wait_for_step(),
+        std::min(absl::Now() + absl::Milliseconds(req->wait_ms()), DeadlineOf(call)));
+  }
   (*job)->FillStepState(ctx_->jobs->options().rank_timeout, resp);
   if ((*job)->replicated()) (*job)->FillReplicaState(resp->mutable_replica());
   return ctx_->Done(__func__, absl::OkStatus());

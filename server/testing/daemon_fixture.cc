@@ -196,11 +196,14 @@ grpc::Status DaemonClient::JoinAll(const v1::JobSpec& spec) {
   return grpc::Status::OK;
 }
 
-grpc::Status DaemonClient::StepState(const std::string& job, v1::StepState* state) {
+grpc::Status DaemonClient::StepState(const std::string& job, v1::StepState* state,
+                                     uint64_t wait_for_step, uint32_t wait_ms) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   v1::GetStepStateRequest req;
   req.set_job_id(job);
+  req.set_wait_for_step(wait_for_step);
+  req.set_wait_ms(wait_ms);
   return shard->GetStepState(&ctx, req, state);
 }
 

@@ -51,7 +51,9 @@ struct DaemonClient {
                     v1::JoinJobResponse* resp = nullptr);
   // Joins every rank of the job.
   grpc::Status JoinAll(const v1::JobSpec& spec);
-  grpc::Status StepState(const std::string& job, v1::StepState* state);
+  // With wait_for_step: a long poll of up to wait_ms for that commit.
+  grpc::Status StepState(const std::string& job, v1::StepState* state, uint64_t wait_for_step = 0,
+                         uint32_t wait_ms = 0);
   grpc::Status Push(const std::vector<v1::GradientChunk>& chunks,
                     v1::PushGradientResponse* resp = nullptr);
   grpc::Status Init(const std::vector<v1::ParameterChunk>& chunks);
