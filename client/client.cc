@@ -529,20 +529,22 @@ absl::Status Client::GatherAll(void* dst, DType dtype, MemoryKind memory) {
   }
   if (dst == nullptr) return absl::InvalidArgumentError("dst: null");
   if (memory == MemoryKind::kCudaDevice) {
-    RETURN_IF_ERROR(CheckDeviceDestination("GatherAll", dst));
+    RETURN_IF_ERROR(
+        CheckDeviceDestination("GatherAll", dst, layout_.total_elements() * DTypeSize(dtype)));
     return GatherRangeToDevice({0, layout_.total_elements()}, dtype, dst);
   }
   return GatherParameters({0, layout_.total_elements()}, dtype, step_, dst);
 }
 
-absl::Status Client::CheckDeviceDestination(absl::string_view call, const void* dst) const {
+absl::Status Client::CheckDeviceDestination(absl::string_view call, const void* dst,
+                                            uint64_t bytes) const {
   if (device_ == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(call,
                      ": dst in CUDA device memory, but the client has no device "
                      "(ClientConfig.cuda_device is -1)"));
   }
-  return device_->CheckDevicePointer(dst, absl::StrCat(call, ": dst"));
+  return device_->CheckDevicePointer(dst, bytes, absl::StrCat(call, ": dst"));
 }
 
 absl::Status Client::GatherRangeToDevice(const FlatRange& range, DType dtype, void* dst) {
@@ -597,17 +599,19 @@ absl::Status Client::Gather(uint32_t layer, void* dst, MemoryKind memory) {
   ASSIGN_OR_RETURN(size_t index, LayerIndex(layer));
   if (dst == nullptr) return absl::InvalidArgumentError("dst: null");
   if (memory == MemoryKind::kHost) return layers_->Gather(index, step_, dst);
-  RETURN_IF_ERROR(CheckDeviceDestination("Gather", dst));
   ASSIGN_OR_RETURN(const FlatRange range, layout_.LayerRange(layer));
-  if (config_.stage != 3) return GatherRangeToDevice(range, config_.precision, dst);
-  // The layer's buffer (prefetched or gathered now) is held while it is
-  // copied to the device.
-  ASSIGN_OR_RETURN(const void* view, layers_->View(index, step_));
-  absl::Status s = device_->FromHostAsync(view, dst, range.size() * DTypeSize(config_.precision),
-                                          /*lane=*/0);
-  absl::Status waited = device_->WaitLane(0, RpcDeadline());
-  layers_->Release(index);
-  return s.ok() ? waited : s;
+  const uint64_t bytes = range.size() * DTypeSize(config_.precision);
+  RETURN_IF_ERROR(CheckDeviceDestination("Gather", dst, bytes));
+  // A prefetched layer goes from its buffer to the device; one not fetched
+  // yet comes through the bounce buffers.
+  return layers_->GatherWith(
+      index, step_,
+      [&](const void* src) -> absl::Status {
+        absl::Status s = device_->FromHostAsync(src, dst, bytes, /*lane=*/0);
+        absl::Status waited = device_->WaitLane(0, RpcDeadline());
+        return s.ok() ? waited : s;
+      },
+      [&] { return GatherRangeToDevice(range, config_.precision, dst); });
 }
 
 absl::StatusOr<const void*> Client::GatherView(uint32_t layer) {

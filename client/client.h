@@ -133,11 +133,15 @@ struct ClientConfig : JobSettings {
   // knows committed (a trainer reconnecting after a failure passes the last
   // step it saw committed), so that a backup behind it is never promoted.
   uint64_t known_committed_step = 0;
-  // The CUDA device whose memory PushGradients and GatherAll may be given
-  // (MemoryKind::kCudaDevice); -1: host buffers only. With a device, Create
-  // makes a copier on it (client/device_memory.h), pins the staging pool
-  // and two gather bounce buffers of min(C_B, 4 MiB) each, and fails with
-  // FailedPrecondition when the build has no CUDA or the device is not there.
+  // The CUDA device whose memory PushGradients, GatherAll and Gather may be
+  // given (MemoryKind::kCudaDevice); -1: host buffers only. With a device,
+  // Create makes a copier on it (client/device_memory.h) and pins two gather
+  // bounce buffers of min(C_B, 64 MiB) each (RegisterModel pins the staging
+  // pool), and fails with FailedPrecondition when the build has no CUDA or
+  // the device is not there. Device buffers must be ready when passed: the
+  // client's copies are ordered after work on the legacy default stream
+  // (stream 0, PyTorch's default), not after other streams' work, which the
+  // caller synchronises first.
   int cuda_device = -1;
 };
 
@@ -278,8 +282,8 @@ class Client {
   // (each fetching its own partition's part from the daemons): every rank
   // then gathers, views and releases the same layers in the same order.
   // With MemoryKind::kCudaDevice `dst` is memory of ClientConfig::cuda_device:
-  // in stage 3 the layer's buffer is copied to the device (and released),
-  // in stages 1-2 the layer comes through the bounce buffers as in GatherAll.
+  // a prefetched layer is copied from its buffer to the device, any other
+  // comes through the bounce buffers as in GatherAll.
   absl::Status Gather(uint32_t layer, void* dst, MemoryKind memory = MemoryKind::kHost);
   // Stage 3: like Gather, but returns a pointer into a client-owned layer
   // buffer (layer_buffers of them, allocated by RegisterModel) that stays
@@ -381,7 +385,8 @@ class Client {
                                 void* dst);
   // OK when the client has a device and `dst` is its memory;
   // FailedPrecondition or InvalidArgument naming `call` otherwise.
-  absl::Status CheckDeviceDestination(absl::string_view call, const void* dst) const;
+  absl::Status CheckDeviceDestination(absl::string_view call, const void* dst,
+                                      uint64_t bytes) const;
   // Flat `range` into CUDA device memory, through the bounce buffers.
   absl::Status GatherRangeToDevice(const FlatRange& range, DType dtype, void* dst);
   absl::StatusOr<size_t> LayerIndex(uint32_t layer) const;

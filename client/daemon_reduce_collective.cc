@@ -50,7 +50,14 @@ absl::StatusOr<std::unique_ptr<DaemonReduceCollective>> DaemonReduceCollective::
         absl::StrCat("bucket_bytes: too small, got ", options.bucket_bytes));
   }
   std::unique_ptr<DaemonReduceCollective> c(new DaemonReduceCollective(options));
-  c->storage_.reset(new uint8_t[c->buffer_bytes_ * c->buffer_count_]);
+  // Page-aligned and page-rounded: the pool may be pinned for CUDA copies,
+  // which pins whole pages.
+  c->storage_bytes_ = (c->buffer_bytes_ * c->buffer_count_ + 4095) / 4096 * 4096;
+  c->storage_.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, c->storage_bytes_)));
+  if (c->storage_ == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("allocating the ", c->storage_bytes_, "-byte gradient staging pool"));
+  }
   {
     absl::MutexLock lock(&c->mu_);
     for (int i = static_cast<int>(c->buffer_count_) - 1; i >= 0; --i) c->free_.push_back(i);
@@ -89,7 +96,7 @@ absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
   if (!plan.ok()) return plan.status();
   // Device gradients are copied into the staging pool by DMA: pinned once.
   if (job.device != nullptr) {
-    if (absl::Status s = job.device->Pin(storage_.get(), buffer_bytes_ * buffer_count_); !s.ok()) {
+    if (absl::Status s = job.device->Pin(storage_.get(), storage_bytes_); !s.ok()) {
       return absl::FailedPreconditionError(
           absl::StrCat("pinning the gradient staging pool for CUDA copies: ", s.message()));
     }
@@ -251,7 +258,15 @@ absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_
           "PushGradients: grads in CUDA device memory, but the client has no device "
           "(ClientConfig.cuda_device is -1)");
     }
-    if (absl::Status s = job_.device->CheckDevicePointer(grads, "PushGradients: grads"); !s.ok()) {
+    const DType wire = plan_.wire_dtype();
+    if (dtype != wire && dtype != DType::kFp32 && wire != DType::kFp32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "PushGradients: device gradients of ", DTypeName(dtype), " for a ", DTypeName(wire),
+          " job: the device casts fp32 <-> bf16/fp16 only; push fp32 or ", DTypeName(wire)));
+    }
+    if (absl::Status s = job_.device->CheckDevicePointer(grads, range.size() * DTypeSize(dtype),
+                                                         "PushGradients: grads");
+        !s.ok()) {
       return s;
     }
     use = BufferUse::kCopy;  // device bytes reach the daemons from the staging pool
@@ -348,8 +363,8 @@ void DaemonReduceCollective::AbandonWrite(uint64_t key, const FlatRange& clip,
   if (t != a.tickets.end()) a.tickets.erase(t);
   ticket->Done(absl::CancelledError("the push failed"));
   --a.writers;
-  // The range stays unwritten: the bucket is sent once a later push fills
-  // it, as if this one had never started.
+  // This bucket's part of the range stays unwritten (a later push may fill
+  // it); what the call wrote into earlier buckets stays written.
 }
 
 void DaemonReduceCollective::EndWrite(uint64_t key, uint64_t real) {

@@ -36,6 +36,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <vector>
@@ -139,8 +140,8 @@ class DaemonReduceCollective final : public Collective {
                                       int own_pushers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts `real` elements written into active bucket `key`; sends it when
   // complete.
-  // Undoes a ContributeBucket whose copy failed: `clip` is unwritten again
-  // and `ticket` no longer waits for the bucket.
+  // Undoes a ContributeBucket whose copy failed: `clip` of this bucket is
+  // unwritten again and `ticket` no longer waits for the bucket.
   void AbandonWrite(uint64_t key, const FlatRange& clip, const std::shared_ptr<CountDown>& ticket)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EndWrite(uint64_t key, uint64_t real) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -175,7 +176,12 @@ class DaemonReduceCollective final : public Collective {
   const Options options_;
   const uint64_t buffer_bytes_;
   const uint32_t buffer_count_;
-  std::unique_ptr<uint8_t[]> storage_;  // buffer_count_ * buffer_bytes_
+  struct FreeDeleter {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  // buffer_count_ * buffer_bytes_, rounded up to whole pages
+  std::unique_ptr<uint8_t, FreeDeleter> storage_;
+  uint64_t storage_bytes_ = 0;
   bool pinned_ = false;                 // storage_ pinned by job_.device (Bind)
 
   // Written once by Bind, before bound_ is set; read-only afterwards.

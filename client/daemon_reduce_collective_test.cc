@@ -70,6 +70,47 @@ class FakeDataPath final : public DataPath {
   std::string address_;
 };
 
+// A stand-in for a CUDA device: "device memory" is host memory inside
+// [base, base + bytes); copies convert as the host path does; the copy
+// numbered fail_at (from 1) fails.
+class FakeDeviceCopier final : public DeviceCopier {
+ public:
+  int device() const override { return 0; }
+  absl::Status CheckDevicePointer(const void* p, size_t n, absl::string_view what) const override {
+    const auto* b = static_cast<const uint8_t*>(base);
+    const auto* q = static_cast<const uint8_t*>(p);
+    if (q < b || q + n > b + bytes) return absl::InvalidArgumentError(absl::StrCat(what, ": host"));
+    return absl::OkStatus();
+  }
+  absl::Status ToHost(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t n,
+                      absl::Time) override {
+    if (++copies == fail_at) {
+      failed_src = src;
+      return absl::InternalError("CUDA device-to-host copy: an illegal memory access");
+    }
+    std::vector<float> tmp(n);
+    ToFloat(src_dtype, src, tmp.data(), n);
+    FromFloat(dst_dtype, tmp.data(), dst, n);
+    return absl::OkStatus();
+  }
+  absl::Status FromHostAsync(const void*, void*, size_t, int) override {
+    return absl::UnimplementedError("fake");
+  }
+  absl::Status WaitLane(int, absl::Time) override { return absl::OkStatus(); }
+  absl::Status Pin(void*, size_t n) override {
+    pinned += n;
+    return absl::OkStatus();
+  }
+  void Unpin(void*) override { pinned = 0; }
+
+  const void* base = nullptr;
+  size_t bytes = 0;
+  int copies = 0;
+  int fail_at = -1;
+  const void* failed_src = nullptr;
+  size_t pinned = 0;
+};
+
 Layout TestLayout() {
   return *Layout::Create({{"embed", {97, 13}, DType::kFp32, 0},
                           {"l1.w", {13, 13}, DType::kFp32, 1},
@@ -82,7 +123,8 @@ Layout TestLayout() {
 // A collective bound to fake daemons.
 struct Rig {
   Rig(const Layout& l, uint32_t world, uint32_t daemons, uint64_t bucket_bytes,
-      uint32_t staging = 4, DType wire = DType::kFp32, uint32_t micro_batches = 1)
+      uint32_t staging = 4, DType wire = DType::kFp32, uint32_t micro_batches = 1,
+      DeviceCopier* device = nullptr)
       : layout(l), map(*PartitionMap::Create(l.total_elements(), world, daemons)) {
     for (uint32_t d = 0; d < daemons; ++d) {
       paths.push_back(std::make_unique<FakeDataPath>("fake:" + std::to_string(d)));
@@ -103,6 +145,7 @@ struct Rig {
     job.micro_batches = micro_batches;
     for (auto& p : paths) job.daemons.push_back(p.get());
     job.traffic = &traffic;
+    job.device = device;
     EXPECT_TRUE(collective->Bind(job).ok());
   }
 
@@ -195,6 +238,48 @@ TEST(DaemonReduceCollectiveTest, ChunksDoNotDependOnHowPushesAreSplit) {
       }
     }
   }
+}
+
+// Gradients in device memory go through the copier into the (pinned)
+// staging pool and reach the daemons as host ones do; a copy that fails
+// fails the call, leaves that bucket unwritten and earlier ones written, and
+// pushing the rest completes the step with the same bytes.
+TEST(DaemonReduceCollectiveTest, DeviceGradientsAndAFailedCopy) {
+  const Layout layout = TestLayout();
+  const uint64_t total = layout.total_elements();
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  Rig host(layout, 2, 2, 1024);
+  ASSERT_TRUE(host.Push(1, {0, total}, g.data()).ok());
+  ASSERT_TRUE(host.Finish(1).ok());
+
+  FakeDeviceCopier device;
+  device.base = g.data();
+  device.bytes = total * 4;
+  device.fail_at = 5;
+  Rig rig(layout, 2, 2, 1024, 4, DType::kFp32, 1, &device);
+  EXPECT_GT(device.pinned, 0u);
+  auto push = [&](const FlatRange& r, const float* from) {
+    return rig.collective->Reduce(1, 0, r, from, DType::kFp32, BufferUse::kBorrow,
+                                  MemoryKind::kCudaDevice, absl::Now() + absl::Seconds(10));
+  };
+  // Host memory passed as device memory.
+  std::vector<float> elsewhere(total);
+  EXPECT_EQ(push({0, total}, elsewhere.data()).status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<PushTicket> failed = push({0, total}, g.data());
+  ASSERT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
+  EXPECT_TRUE(absl::StrContains(failed.status().message(), "from the device")) << failed.status();
+  // The bucket holding the failed copy's first element and those after it
+  // are still to push.
+  const uint64_t failed_at = static_cast<const float*>(device.failed_src) - g.data();
+  uint64_t resume = 0;
+  for (const Bucket& b : rig.collective->plan().buckets()) {
+    if (b.range.Contains({failed_at, failed_at + 1})) resume = b.range.begin;
+  }
+  ASSERT_GT(resume, 0u);
+  EXPECT_EQ(push({0, resume}, g.data()).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(push({resume, total}, g.data() + resume).ok());
+  ASSERT_TRUE(rig.Finish(1).ok());
+  EXPECT_EQ(rig.Received(), host.Received());
 }
 
 // Buckets queued for one daemon while a send is under way leave together,

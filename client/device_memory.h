@@ -9,7 +9,12 @@
 // owns (its gradient staging pool, its gather bounce buffers), which it pins
 // once so that the copies are DMA transfers. Copies run on one dedicated
 // CUDA stream of the copier; dtype casts (fp32 <-> bf16/fp16) run on the
-// device (cuda/cuda_ops.h), so only wire-sized bytes cross the bus.
+// device (cuda/cuda_ops.h), so only wire-sized bytes cross the bus. The
+// stream is a blocking one: its copies wait for work queued before them on
+// the legacy default stream (stream 0, PyTorch's default stream) and such
+// later work waits for them; work on other streams must be finished by the
+// caller before a buffer is handed over. Calls leave the calling thread's
+// current CUDA device as they found it.
 //
 // Built with CUDA when nvcc was found at build time (third_party/cuda);
 // without it, or without a device at run time, CreateDeviceCopier answers
@@ -47,9 +52,11 @@ class DeviceCopier {
   // The device this copier copies to and from.
   virtual int device() const = 0;
 
-  // Whether `p` is memory of this copier's device: InvalidArgument naming
-  // `what` otherwise (a host pointer, another device's memory).
-  virtual absl::Status CheckDevicePointer(const void* p, absl::string_view what) const = 0;
+  // Whether [p, p + bytes) is memory of this copier's device (its first and
+  // last byte): InvalidArgument naming `what` otherwise (a host pointer,
+  // another device's memory).
+  virtual absl::Status CheckDevicePointer(const void* p, size_t bytes,
+                                          absl::string_view what) const = 0;
 
   // host_dst (n elements of dst_dtype) = device_src (n elements of
   // src_dtype). fp32 -> bf16/fp16 is packed on the device before the copy,

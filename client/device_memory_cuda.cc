@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/device_memory.h"
+#include "common/status_macros.h"
 #include "cuda/cuda_ops.h"
 
 namespace zeroshard {
@@ -24,6 +25,30 @@ absl::Status Cuda(cudaError_t e, absl::string_view what) {
   return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
 }
 
+// Makes `device` the calling thread's current CUDA device for the scope and
+// then puts the previous one back: the trainer's threads keep theirs.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      cudaGetLastError();
+      previous_ = -1;
+    }
+    if (previous_ != device && cudaSetDevice(device) != cudaSuccess) cudaGetLastError();
+  }
+  ~DeviceScope() {
+    int now = -1;
+    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
+      cudaSetDevice(previous_);
+    }
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 // In a CudaCopier member: returns the CUDA error of `call` after letting the stream drain (so that
 // no enqueued copy still writes a caller's buffer).
 #define RETURN_CUDA(call, what)                                               \
@@ -34,7 +59,7 @@ absl::Status Cuda(cudaError_t e, absl::string_view what) {
 class CudaCopier final : public DeviceCopier {
  public:
   ~CudaCopier() override {
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : lanes_) {
       if (e != nullptr) cudaEventDestroy(e);
@@ -58,10 +83,9 @@ class CudaCopier final : public DeviceCopier {
     auto refused = [&](const absl::Status& s) {
       return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, ": ", s.message()));
     };
-    if (absl::Status s = Cuda(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return refused(s);
-    if (absl::Status s =
-            Cuda(cudaStreamCreateWithFlags(&c->stream_, cudaStreamNonBlocking), "stream");
-        !s.ok()) {
+    DeviceScope scope(device);
+    // A blocking stream: ordered with the legacy default stream's work.
+    if (absl::Status s = Cuda(cudaStreamCreate(&c->stream_), "stream"); !s.ok()) {
       return refused(s);
     }
     for (cudaEvent_t& e : c->lanes_) {
@@ -84,7 +108,17 @@ class CudaCopier final : public DeviceCopier {
 
   int device() const override { return device_; }
 
-  absl::Status CheckDevicePointer(const void* p, absl::string_view what) const override {
+  absl::Status CheckDevicePointer(const void* p, size_t bytes,
+                                  absl::string_view what) const override {
+    RETURN_IF_ERROR(CheckOnePointer(p, what));
+    if (bytes > 1) {
+      RETURN_IF_ERROR(CheckOnePointer(static_cast<const uint8_t*>(p) + bytes - 1,
+                                      absl::StrCat(what, " (its last byte)")));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckOnePointer(const void* p, absl::string_view what) const {
     cudaPointerAttributes attr{};
     const cudaError_t e = cudaPointerGetAttributes(&attr, p);
     if (e != cudaSuccess) {
@@ -117,7 +151,7 @@ class CudaCopier final : public DeviceCopier {
                                                      ": only fp32 <-> bf16/fp16 cast"));
     }
     absl::MutexLock lock(&mu_);
-    RETURN_CUDA(cudaSetDevice(device_), "cudaSetDevice");
+    DeviceScope scope(device_);
     const auto* src = static_cast<const uint8_t*>(device_src);
     auto* dst = static_cast<uint8_t*>(host_dst);
     if (src_dtype == dst_dtype) {
@@ -149,7 +183,7 @@ class CudaCopier final : public DeviceCopier {
       return absl::InvalidArgumentError(absl::StrCat("lane: must be < ", kLanes, ", got ", lane));
     }
     absl::MutexLock lock(&mu_);
-    RETURN_CUDA(cudaSetDevice(device_), "cudaSetDevice");
+    DeviceScope scope(device_);
     RETURN_CUDA(cudaMemcpyAsync(device_dst, host_src, bytes, cudaMemcpyHostToDevice, stream_),
                 "host-to-device copy");
     RETURN_CUDA(cudaEventRecord(lanes_[lane], stream_), "cudaEventRecord");
@@ -160,16 +194,16 @@ class CudaCopier final : public DeviceCopier {
     if (lane < 0 || lane >= kLanes) {
       return absl::InvalidArgumentError(absl::StrCat("lane: must be < ", kLanes, ", got ", lane));
     }
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     return Await(lanes_[lane], deadline, "host-to-device copy");
   }
 
   absl::Status Pin(void* p, size_t bytes) override {
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     return Cuda(cudaHostRegister(p, bytes, cudaHostRegisterDefault), "cudaHostRegister");
   }
   void Unpin(void* p) override {
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
   }
 

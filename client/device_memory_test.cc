@@ -50,8 +50,8 @@ TEST_F(DeviceMemoryTest, CastsAndCopiesMatchTheHostConversions) {
   for (size_t i = 0; i < n; ++i) host[i] = static_cast<float>(i % 9973) * 0.37f - 1000.0f;
   DeviceBuffer dev(n * 4);
   ASSERT_EQ(cudaMemcpy(dev.p, host.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_TRUE(copier_->CheckDevicePointer(dev.p, "dev").ok());
-  EXPECT_EQ(copier_->CheckDevicePointer(host.data(), "host").code(),
+  ASSERT_TRUE(copier_->CheckDevicePointer(dev.p, n * 4, "dev").ok());
+  EXPECT_EQ(copier_->CheckDevicePointer(host.data(), n * 4, "host").code(),
             absl::StatusCode::kInvalidArgument);
 
   std::vector<float> back(n);

@@ -134,6 +134,18 @@ absl::StatusOr<const void*> LayerCache::View(size_t index, uint64_t step) {
 
 absl::Status LayerCache::Gather(size_t index, uint64_t step, void* dst) {
   const FlatRange range = RangeOf(index);
+  return GatherWith(
+      index, step,
+      [&](const void* src) {
+        std::memcpy(dst, src, range.size() * DTypeSize(options_.dtype));
+        return absl::OkStatus();
+      },
+      [&] { return fetch_(range, step, dst); });
+}
+
+absl::Status LayerCache::GatherWith(size_t index, uint64_t step,
+                                    absl::FunctionRef<absl::Status(const void* src)> deliver,
+                                    absl::FunctionRef<absl::Status()> fetch_miss) {
   std::shared_ptr<CountDown> done;
   Slot* slot = nullptr;
   {
@@ -143,12 +155,12 @@ absl::Status LayerCache::Gather(size_t index, uint64_t step, void* dst) {
   }
   if (slot == nullptr) {
     ++misses_;
-    if (absl::Status s = fetch_(range, step, dst); !s.ok()) return s;
+    if (absl::Status s = fetch_miss(); !s.ok()) return s;
   } else {
     ++hits_;
-    const absl::Status s = done->Wait(absl::Now() + options_.timeout, "layer prefetch");
+    absl::Status s = done->Wait(absl::Now() + options_.timeout, "layer prefetch");
     absl::MutexLock lock(&mu_);
-    if (s.ok()) std::memcpy(dst, slot->data.get(), range.size() * DTypeSize(options_.dtype));
+    if (s.ok()) s = deliver(slot->data.get());
     if (slot->state == Slot::State::kReady) slot->state = Slot::State::kFree;
     if (!s.ok()) return s;
   }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -57,6 +58,13 @@ class LayerCache {
   // `step` into `dst`: from a buffer fetched for that step if there is one
   // (which is then freed), else fetched on demand. Then prefetches ahead.
   absl::Status Gather(size_t index, uint64_t step, void* dst);
+  // Gather with the two ways out supplied: `deliver(src)` copies a buffer
+  // fetched for `step` (src: the layer's bytes, valid during the call; a
+  // buffer the caller holds as a view stays held), `fetch_miss()` gets the
+  // layer when no buffer has it. Then prefetches ahead.
+  absl::Status GatherWith(size_t index, uint64_t step,
+                          absl::FunctionRef<absl::Status(const void* src)> deliver,
+                          absl::FunctionRef<absl::Status()> fetch_miss);
   // Like Gather, but returns the buffer itself, held until Release(index) or
   // DiscardAll. ResourceExhausted if every buffer is held; DeadlineExceeded if
   // none became free within the timeout.

@@ -158,6 +158,16 @@ TensorData CheckedTensor(const py::object& t, uint64_t expected, std::optional<D
   return {reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>()), *dtype, memory};
 }
 
+// For a CUDA tensor: waits for the work queued on the tensor's device's
+// current stream, so the client's copies (on a stream of their own) see the
+// tensor's final bytes and overwrite nothing still being read.
+void SyncCurrentStream(const py::object& t) {
+  py::module_::import("torch")
+      .attr("cuda")
+      .attr("current_stream")(t.attr("device"))
+      .attr("synchronize")();
+}
+
 // A writable destination of `expected` elements of `dtype`: a contiguous CPU
 // tensor of that dtype, or (float32 only) a buffer, as Float32Buffer; `keep`
 // then holds its view. The pointer stays valid while the caller holds `out`
@@ -288,6 +298,7 @@ class PyClient {
       data = t.data;
       dtype = t.dtype;
       memory = t.memory;
+      if (memory == MemoryKind::kCudaDevice) SyncCurrentStream(grads);
     } else {
       if (!py::isinstance<py::buffer>(grads)) {
         throw py::type_error("grads: expected a float32 buffer or a tensor");
@@ -336,6 +347,7 @@ class PyClient {
     }
     py::buffer_info keep;
     const TensorData dst = WritableOut(out, client_->total_elements(), dtype, "out", &keep);
+    if (dst.memory == MemoryKind::kCudaDevice) SyncCurrentStream(out);
     absl::Status status;
     {
       py::gil_scoped_release release;
@@ -353,6 +365,7 @@ class PyClient {
     const uint64_t elements = Check(client_->layer_elements(layer));
     py::buffer_info keep;
     const TensorData dst = WritableOut(out, elements, client_->config().precision, "out", &keep);
+    if (dst.memory == MemoryKind::kCudaDevice) SyncCurrentStream(out);
     absl::Status status;
     {
       py::gil_scoped_release release;
