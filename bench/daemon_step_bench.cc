@@ -6,7 +6,10 @@
 //             copy) is fed every rank's gradient as staged bulk pushes
 //             deliver it: chunks of --chunk_bytes cut inside partition
 //             boundaries, one chunk per push, without CRC-32C, rank after
-//             rank (in order: nothing waits in the out-of-order buffer).
+//             rank (in order: nothing waits in the out-of-order buffer);
+//             with --hold_ms (the daemon's --reduction_hold_ms) every rank
+//             pushes from its own thread, each chunk waits in place for the
+//             other ranks' and the last sums all of them in one pass.
 //             Then PrepareStep and CommitStep, as the leader calls them.
 //             Called on the Job directly: no RPC, no network, so the figure
 //             is the daemon's compute and memory traffic. The payloads are
@@ -84,6 +87,9 @@ ABSL_FLAG(uint64_t, chunk_bytes, 32ull << 20,
 ABSL_FLAG(int, optimizer_threads, 2, "threads of the daemon's optimizer and of the roofline");
 ABSL_FLAG(int, steps, 5, "timed repetitions (the median is reported)");
 ABSL_FLAG(int, warmup, 1, "untimed repetitions first");
+ABSL_FLAG(int, hold_ms, 0,
+          "the daemon's --reduction_hold_ms; > 0: every rank pushes from its own thread, and "
+          "each chunk waits in place for the other ranks' so that the last sums them in one pass");
 
 namespace zeroshard {
 namespace {
@@ -403,6 +409,8 @@ int Main() {
   JobResources resources;
   resources.ledger = &ledger;
   resources.optimizer = optimizer->get();
+  const int hold_ms = absl::GetFlag(FLAGS_hold_ms);
+  resources.reduction_hold = absl::Milliseconds(hold_ms);
   absl::StatusOr<Layout> layout =
       Layout::Create({{"w", {static_cast<int64_t>(params)}, precision, 0}});
   Check(layout.status(), "Layout::Create");
@@ -452,10 +460,11 @@ int Main() {
     bf16_ptrs.push_back(reinterpret_cast<const uint16_t*>(w));
     fp32_ptrs.push_back(reinterpret_cast<const float*>(w));
   }
-  std::vector<Push> pushes;
+  std::vector<std::vector<Push>> rank_pushes;
+  size_t push_count = 0;
   for (uint32_t r = 0; r < ranks; ++r) {
-    std::vector<Push> rank = RankPushes(job, r, wire_ptrs[r], precision, chunk_elements);
-    for (Push& p : rank) pushes.push_back(std::move(p));
+    rank_pushes.push_back(RankPushes(job, r, wire_ptrs[r], precision, chunk_elements));
+    push_count += rank_pushes.back().size();
   }
 
   // The roofline's buffers, the job's sizes.
@@ -485,19 +494,41 @@ int Main() {
       "(median)\n",
       n, ranks, precision_flag.c_str(), half ? " and half copy" : ", no half copy", threads,
       std::string(KernelPathName((*optimizer)->path())).c_str(),
-      static_cast<unsigned long long>(chunk_elements * wire_bytes), pushes.size(), warmup, steps);
+      static_cast<unsigned long long>(chunk_elements * wire_bytes), push_count, warmup, steps);
+  if (hold_ms > 0) {
+    std::printf(
+        "pushes held up to %d ms for their range's other contributions, one thread per "
+        "rank\n",
+        hold_ms);
+  }
 
   std::vector<double> t_reduce, t_prepare, t_commit, t_step;
   std::vector<double> t_roof_reduce[2], t_roof_step[2], t_roof[2];
   double daemon_sq_sum = 0;
   for (int rep = 0; rep < warmup + steps; ++rep) {
     const uint64_t step = job.committed_step() + 1;
-    for (Push& p : pushes) p.chunks[0].set_step(step);
+    for (auto& rank : rank_pushes) {
+      for (Push& p : rank) p.chunks[0].set_step(step);
+    }
     const absl::Time deadline = absl::Now() + absl::Minutes(5);
     v1::PushGradientResponse pushed;
+    auto push_rank = [&](uint32_t r, v1::PushGradientResponse* response) {
+      for (const Push& p : rank_pushes[r]) {
+        Check(job.PushGradient(p.chunks, p.payloads, deadline, response), "PushGradient");
+      }
+    };
     const double reduce = Seconds([&] {
-      for (const Push& p : pushes) {
-        Check(job.PushGradient(p.chunks, p.payloads, deadline, &pushed), "PushGradient");
+      if (hold_ms == 0) {
+        // Rank after rank, in order: nothing waits.
+        for (uint32_t r = 0; r < ranks; ++r) push_rank(r, &pushed);
+        return;
+      }
+      std::vector<v1::PushGradientResponse> responses(ranks);
+      std::vector<std::thread> threads;
+      for (uint32_t r = 0; r < ranks; ++r) threads.emplace_back(push_rank, r, &responses[r]);
+      for (std::thread& t : threads) t.join();
+      for (const v1::PushGradientResponse& r : responses) {
+        pushed.set_ranks_complete(std::max(pushed.ranks_complete(), r.ranks_complete()));
       }
     });
     if (pushed.ranks_complete() != ranks) {

@@ -46,10 +46,12 @@ using testing::DaemonClient;
 using testing::SampleLayout;
 
 // Daemons serving both the streaming RPCs and the "inproc" bulk transport.
-std::unique_ptr<Daemon> StartDaemon(absl::Duration rank_timeout = absl::Seconds(30)) {
+std::unique_ptr<Daemon> StartDaemon(absl::Duration rank_timeout = absl::Seconds(30),
+                                    absl::Duration reduction_hold = absl::ZeroDuration()) {
   DaemonOptions o;
   o.bulk_transport = "inproc";
   o.rank_timeout = rank_timeout;
+  o.reduction_hold = reduction_hold;
   absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
   EXPECT_TRUE(d.ok()) << d.status();
   return d.ok() ? *std::move(d) : nullptr;
@@ -611,6 +613,41 @@ TEST(ClientTest, DeviceMemoryNeedsAConfiguredDevice) {
   absl::StatusOr<StepResult> r = client->Step(0.1f);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(client->TrafficReport().total.push, total * 4);
+}
+
+// With --reduction_hold_ms, staged pushes wait in their slots for their
+// range's other contributions and the last one sums them all in one pass:
+// the same parameters, bit for bit, in fewer passes over the gradient.
+TEST(ClientTest, HeldPushesSumTheirRangeInOnePass) {
+  constexpr uint32_t kWorld = 3;
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  std::vector<float> params[2];
+  uint64_t passes[2] = {0, 0};
+  for (int hold = 0; hold < 2; ++hold) {
+    std::unique_ptr<Daemon> daemon =
+        StartDaemon(absl::Seconds(30), hold ? absl::Seconds(5) : absl::ZeroDuration());
+    ASSERT_NE(daemon, nullptr);
+    std::vector<std::vector<float>> p(kWorld);
+    RunRanks(kWorld, [&](uint32_t r) {
+      std::unique_ptr<Client> c = Connect(
+          MakeConfig("hold", {daemon->address()}, r, kWorld, 2, "inproc"), layout, init.data());
+      ASSERT_NE(c, nullptr);
+      p[r].resize(layout.total_elements());
+      for (uint64_t step = 1; step <= 3; ++step) {
+        absl::StatusOr<StepResult> s = TrainStep(*c, step, 0.01f, &p[r]);
+        ASSERT_TRUE(s.ok()) << s.status();
+      }
+      ASSERT_TRUE(c->GatherAll(p[r].data(), DType::kFp32).ok());
+    });
+    params[hold] = p[0];
+    passes[hold] = (*daemon->jobs().Find("hold"))->ReductionPasses();
+  }
+  ASSERT_EQ(params[0].size(), params[1].size());
+  EXPECT_EQ(std::memcmp(params[0].data(), params[1].data(), params[0].size() * 4), 0);
+  EXPECT_LT(passes[1], passes[0]);
+  std::printf("passes over the gradient in 3 steps: %lu summing each push, %lu holding them\n",
+              static_cast<unsigned long>(passes[0]), static_cast<unsigned long>(passes[1]));
 }
 
 TEST(ClientTest, GradientAccumulationNeedsEveryMicroBatch) {

@@ -40,6 +40,10 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("--staging_slots: must be in 1..64, got ", o.staging_slots));
   }
+  if (o.reduction_hold < absl::ZeroDuration() || o.reduction_hold > absl::Seconds(60)) {
+    return absl::InvalidArgumentError(absl::StrCat("--reduction_hold_ms: must be in 0..60000, got ",
+                                                   absl::ToInt64Milliseconds(o.reduction_hold)));
+  }
   if (o.read_lease < absl::ZeroDuration() || o.rank_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--read_lease must be >= 0 and --rank_timeout > 0");
   }
@@ -171,6 +175,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   resources.transport = d->transport_.get();
   resources.reduction_buffer_bytes = options.reduction_buffer_bytes;
   resources.staging_slots = options.staging_slots;
+  resources.reduction_hold = options.reduction_hold;
   resources.checkpoint_dir = options.checkpoint_dir;
   resources.metrics = &d->metrics_;
   d->replica_link_ = std::make_unique<GrpcReplicaLink>(options.tls);

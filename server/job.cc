@@ -423,12 +423,19 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
         " is prepared: its gradient is complete and frozen until the commit"));
   }
   uint64_t elements = 0;
-  RETURN_IF_ERROR(ApplyPush(batch, mbs, deadline, senders_current, &elements));
+  const uint64_t step = committed_step() + 1;
+  // A staged contribution may wait in its slot for the rest of its range.
+  const bool may_hold = resources_.reduction_hold > absl::ZeroDuration() &&
+                        config_.reduction == ReductionMode::kDaemon && chunks.size() == 1 &&
+                        chunks[0].staged();
+  std::shared_ptr<HeldContribution> held;
+  RETURN_IF_ERROR(
+      ApplyPush(batch, mbs, deadline, senders_current, &elements, may_hold ? &held : nullptr));
+  if (held != nullptr) RETURN_IF_ERROR(AwaitHeld(batch[0], held, deadline));
   {
     absl::MutexLock ranks_lock(&ranks_mu_);
-    for (const v1::GradientChunk& c : chunks) {
-      ranks_[c.rank()].last_step_pushed = committed_step() + 1;
-    }
+    // (A held push may be answered after the leader committed its step.)
+    for (const v1::GradientChunk& c : chunks) ranks_[c.rank()].last_step_pushed = step;
   }
   response->set_elements(elements);
   response->set_ranks_complete(reduction_->Complete() ? config_.world_size : 0);
@@ -437,12 +444,14 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
 
 absl::Status Job::ApplyPush(const std::vector<Contribution>& batch, uint32_t micro_batches,
                             absl::Time deadline, absl::FunctionRef<absl::Status()> senders_current,
-                            uint64_t* elements) {
+                            uint64_t* elements, std::shared_ptr<HeldContribution>* held) {
   const uint64_t step = committed_step() + 1;
   for (;;) {
     uint64_t pending = 0;
     uint64_t bookkeeping = 0;
-    if (absl::Status s = reduction_->Check(batch, micro_batches, &pending, &bookkeeping); !s.ok()) {
+    if (absl::Status s =
+            reduction_->Check(batch, micro_batches, &pending, &bookkeeping, held != nullptr);
+        !s.ok()) {
       return s;
     }
     if (reduction_->Admit(pending)) {
@@ -450,7 +459,8 @@ absl::Status Job::ApplyPush(const std::vector<Contribution>& batch, uint32_t mic
       if (absl::Status s = resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer,
                                                       pending + bookkeeping);
           s.ok()) {
-        *elements = reduction_->Apply(batch, micro_batches, pending, bookkeeping, GradScale());
+        *elements =
+            reduction_->Apply(batch, micro_batches, pending, bookkeeping, GradScale(), held);
         ++reduction_changes_;
         return absl::OkStatus();
       } else if (reduction_->pending_bytes() == 0) {
@@ -474,6 +484,55 @@ absl::Status Job::ApplyPush(const std::vector<Contribution>& batch, uint32_t mic
     }
     RETURN_IF_ERROR(senders_current());
   }
+}
+
+absl::Status Job::AwaitHeld(const Contribution& c, const std::shared_ptr<HeldContribution>& held,
+                            absl::Time deadline) {
+  using State = HeldContribution::State;
+  auto let_go = [&held]() { return held->state != State::kHeld; };
+  mu_.AwaitWithDeadline(absl::Condition(&let_go),
+                        std::min(deadline, absl::Now() + resources_.reduction_hold));
+  while (held->state == State::kHeld) {
+    // Held long enough: summed now if it is next in order, else buffered.
+    const uint64_t bytes = reduction_->NextInOrder(*held) ? 0 : held->bytes;
+    if (reduction_->Admit(bytes) &&
+        resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer, bytes).ok()) {
+      reduction_->Unhold(held.get(), bytes, GradScale());
+      ++reduction_changes_;
+      break;
+    }
+    // Back-pressure: wait for the buffer to drain, or for a later arrival
+    // to sum it.
+    const uint64_t seen = reduction_changes_;
+    auto changed = [this, seen, &held]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return reduction_changes_ != seen || held->state != State::kHeld;
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&changed), deadline) &&
+        held->state == State::kHeld) {
+      reduction_->DropHeld(held.get());
+      ++reduction_changes_;
+      return absl::DeadlineExceededError(absl::StrCat(
+          "job ", config_.job_id, ": rank ", c.rank, "'s range [", c.range.begin, ", ", c.range.end,
+          ") was held for its range's other contributions and the out-of-order "
+          "buffer (",
+          resources_.reduction_buffer_bytes,
+          " bytes) stayed full until the "
+          "deadline; it waits for ",
+          reduction_->DescribeIncomplete(), "; nothing was applied"));
+    }
+  }
+  if (held->state == State::kDropped) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", config_.job_id, ": rank ", c.rank, "'s range [", c.range.begin, ", ", c.range.end,
+        ") was dropped unsummed while it was held (the rank rejoined, or the "
+        "step was reset); push it again"));
+  }
+  return absl::OkStatus();
+}
+
+uint64_t Job::ReductionPasses() const {
+  absl::MutexLock lock(&mu_);
+  return reduction_->sum_passes();
 }
 
 bool Job::AwaitCommit(uint64_t step, absl::Time deadline) {

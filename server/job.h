@@ -55,6 +55,7 @@ struct JobResources {
   transport::Transport* transport = nullptr;  // the bulk transport; may be null
   uint64_t reduction_buffer_bytes = 256ull << 20;  // out-of-order budget
   uint32_t staging_slots = 2;
+  absl::Duration reduction_hold = absl::ZeroDuration();  // see DaemonOptions
   std::string checkpoint_dir;        // empty: no checkpoints
   DaemonMetrics* metrics = nullptr;  // may be null
   // Replicated jobs: how a primary reaches its backup (null: a replicated
@@ -120,6 +121,8 @@ class Job {
   // committed or `deadline`; whether it is committed. Only the open step is
   // waited for: an older one answers true, a later one false, at once.
   bool AwaitCommit(uint64_t step, absl::Time deadline);
+  // Passes over the gradient that summed contributions so far (tests).
+  uint64_t ReductionPasses() const;
 
   // ---- Data ----
   // Stores initial parameters; all chunks are validated before any is
@@ -290,9 +293,18 @@ class Job {
   // Applies a checked batch, waiting (mu_ released) while the out-of-order
   // buffer is full; `senders_current` (called under mu_) is asked again
   // after every wait.
+  // With `held` non-null (a batch of one staged contribution), it may be
+  // held rather than summed: *held is then set (ReductionState::Apply).
   absl::Status ApplyPush(const std::vector<Contribution>& batch, uint32_t micro_batches,
                          absl::Time deadline, absl::FunctionRef<absl::Status()> senders_current,
-                         uint64_t* elements) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                         uint64_t* elements, std::shared_ptr<HeldContribution>* held = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (mu_ released) while `held` (contribution `c`) is held, up to
+  // the hold time; then sums or buffers it itself. OK once it is let go;
+  // FailedPrecondition if it was dropped; DeadlineExceeded (nothing
+  // applied) if the buffer had no room for it by `deadline`.
+  absl::Status AwaitHeld(const Contribution& c, const std::shared_ptr<HeldContribution>& held,
+                         absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const JobConfig config_;
   const v1::JobSpec spec_;

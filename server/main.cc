@@ -59,6 +59,11 @@ ABSL_FLAG(int, rank_timeout_seconds, 30,
           "A joined rank not heard from (heartbeat, push) this long is no longer connected.");
 ABSL_FLAG(uint64_t, reduction_buffer_bytes, 256ull << 20,
           "Out-of-order gradient bytes each job may buffer; pushes past it wait.");
+ABSL_FLAG(int, reduction_hold_ms, 0,
+          "Up to this long a staged gradient push whose range still waits for other ranks "
+          "is held in its staging slot, so that the range's last contribution sums them all "
+          "in one pass instead of one pass each (0: sum each as it comes). The push's answer "
+          "waits meanwhile; the rank's other staging slots go on.");
 ABSL_FLAG(std::string, ucx_tls, "posix,cma,self",
           "UCX_TLS for the UCX data path: \"posix,cma,self\" (shared memory, trainers on this "
           "host), RDMA such as \"rc_x,sm,self\", or \"tcp\"; empty = UCX's choice. Over tcp (or "
@@ -112,6 +117,7 @@ int main(int argc, char** argv) {
   options.bulk_transport = absl::GetFlag(FLAGS_bulk_transport);
   options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_seconds));
   options.reduction_buffer_bytes = absl::GetFlag(FLAGS_reduction_buffer_bytes);
+  options.reduction_hold = absl::Milliseconds(absl::GetFlag(FLAGS_reduction_hold_ms));
   options.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.activation_arena_bytes = absl::GetFlag(FLAGS_activation_arena_bytes);

@@ -109,7 +109,8 @@ uint64_t ReductionState::BookkeepingNow() const {
 }
 
 absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint32_t micro_batches,
-                                   uint64_t* pending_bytes, uint64_t* bookkeeping_bytes) const {
+                                   uint64_t* pending_bytes, uint64_t* bookkeeping_bytes,
+                                   bool hold) const {
   *pending_bytes = 0;
   *bookkeeping_bytes = 0;
   if (micro_batches_ != 0 && micro_batches != micro_batches_) {
@@ -132,8 +133,8 @@ absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint3
     if (key == keys_.end()) new_keys.emplace(c.range.begin, c.range.end);
     const uint32_t next = key == keys_.end() ? 0 : key->second.next_order;
     // An upper bound: earlier chunks of the batch may bring this one's turn.
-    if (order != next) *pending_bytes += c.payload.size();
-    *bookkeeping_bytes += order != next ? kPendingEntryBytes : kAppliedBytes;
+    if (order != next && !hold) *pending_bytes += c.payload.size();
+    *bookkeeping_bytes += order != next || hold ? kPendingEntryBytes : kAppliedBytes;
   }
   *bookkeeping_bytes += new_keys.size() * kKeyBytes;
   return absl::OkStatus();
@@ -145,10 +146,11 @@ bool ReductionState::Admit(uint64_t pending_bytes) const {
 
 uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
                                uint64_t reserved_pending, uint64_t reserved_bookkeeping,
-                               float grad_scale) {
+                               float grad_scale, std::shared_ptr<HeldContribution>* hold) {
   micro_batches_ = micro_batches;
   pending_bytes_ += reserved_pending;          // booked; trimmed to what stays buffered below
   bookkeeping_bytes_ += reserved_bookkeeping;  // likewise
+  const uint32_t expected = Expected(micro_batches);
   uint64_t elements = 0;
   for (const Contribution& c : batch) {
     const uint32_t order = Order(c, micro_batches);
@@ -160,6 +162,24 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       key.partition = static_cast<uint32_t>(c.range.begin / options_.partition_elements);
     }
     elements += n;
+    if (key.pending.size() + 1 == expected - key.next_order) {
+      // Every other contribution from the next in order on is waiting.
+      SumAll(c.range.begin, key, c, order, grad_scale);
+      continue;
+    }
+    if (hold != nullptr) {
+      Pending& p = key.pending[order];
+      p.dtype = c.dtype;
+      p.crc32c = c.crc32c;
+      p.view = c.payload;
+      p.held = std::make_shared<HeldContribution>();
+      p.held->begin = c.range.begin;
+      p.held->order = order;
+      p.held->bytes = c.payload.size();
+      *hold = p.held;
+      ++pending_entries_;
+      continue;
+    }
     if (order != key.next_order) {
       Pending& p = key.pending[order];
       p.bytes.assign(c.payload.begin(), c.payload.end());
@@ -169,28 +189,104 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       ++pending_entries_;
       continue;
     }
-    // This contribution and the buffered ones that follow it in order are
-    // summed in one pass over the range (the same bits as one pass each).
-    absl::InlinedVector<ShardOptimizer::Source, 8> run = {{c.payload.data(), c.dtype}};
-    key.crcs.push_back(c.crc32c);
-    const uint32_t first_buffered = order + 1;
-    uint32_t next = first_buffered;
-    for (auto p = key.pending.find(next); p != key.pending.end(); p = key.pending.find(++next)) {
-      run.push_back({p->second.bytes.data(), p->second.dtype});
-      key.crcs.push_back(p->second.crc32c);
-    }
-    Accumulate(c.range.begin, key, run, grad_scale);
-    applied_ += run.size();
-    for (uint32_t o = first_buffered; o < next; ++o) {
-      auto p = key.pending.find(o);
-      buffered_bytes_ -= p->second.bytes.size();
-      key.pending.erase(p);
-      --pending_entries_;
-    }
+    SumRun(c.range.begin, key, &c, grad_scale);
   }
   // Give back what the caller's upper bounds over-reserved and what drained.
   ReleaseUnheld();
   return elements;
+}
+
+std::map<uint32_t, ReductionState::Pending>::iterator ReductionState::ErasePending(
+    Key& key, std::map<uint32_t, Pending>::iterator p, HeldContribution::State state) {
+  if (p->second.held != nullptr) {
+    p->second.held->state = state;
+  } else {
+    buffered_bytes_ -= p->second.bytes.size();
+  }
+  --pending_entries_;
+  return key.pending.erase(p);
+}
+
+void ReductionState::SumAll(uint64_t begin, Key& key, const Contribution& c, uint32_t order,
+                            float grad_scale) {
+  absl::InlinedVector<ShardOptimizer::Source, 8> run;
+  const uint32_t expected = Expected(micro_batches_);
+  for (uint32_t o = key.next_order; o < expected; ++o) {
+    if (o == order) {
+      run.push_back({c.payload.data(), c.dtype});
+      key.crcs.push_back(c.crc32c);
+    } else {
+      const Pending& p = key.pending.at(o);
+      run.push_back({p.data(), p.dtype});
+      key.crcs.push_back(p.crc32c);
+    }
+  }
+  Accumulate(begin, key, run, grad_scale);
+  applied_ += run.size();
+  for (auto p = key.pending.begin(); p != key.pending.end();) {
+    p = ErasePending(key, p, HeldContribution::State::kDone);
+  }
+}
+
+void ReductionState::SumRun(uint64_t begin, Key& key, const Contribution* first, float grad_scale) {
+  // The contributions in order, summed in one pass (the same bits as one
+  // pass each).
+  absl::InlinedVector<ShardOptimizer::Source, 8> run;
+  uint32_t next = key.next_order;
+  if (first != nullptr) {
+    run.push_back({first->payload.data(), first->dtype});
+    key.crcs.push_back(first->crc32c);
+    ++next;
+  }
+  const uint32_t first_waiting = next;
+  for (auto p = key.pending.find(next); p != key.pending.end(); p = key.pending.find(++next)) {
+    run.push_back({p->second.data(), p->second.dtype});
+    key.crcs.push_back(p->second.crc32c);
+  }
+  if (run.empty()) return;
+  Accumulate(begin, key, run, grad_scale);
+  applied_ += run.size();
+  for (uint32_t o = first_waiting; o < next; ++o) {
+    ErasePending(key, key.pending.find(o), HeldContribution::State::kDone);
+  }
+}
+
+bool ReductionState::NextInOrder(const HeldContribution& held) const {
+  auto k = keys_.find(held.begin);
+  return k != keys_.end() && k->second.next_order == held.order;
+}
+
+void ReductionState::Unhold(HeldContribution* held, uint64_t reserved_pending, float grad_scale) {
+  pending_bytes_ += reserved_pending;
+  const uint64_t begin = held->begin;
+  const uint32_t order = held->order;
+  auto k = keys_.find(begin);
+  if (k != keys_.end()) {
+    Key& key = k->second;
+    auto p = key.pending.find(order);
+    if (p != key.pending.end() && p->second.held.get() == held) {
+      if (order == key.next_order) {
+        SumRun(begin, key, nullptr, grad_scale);
+      } else {
+        Pending& e = p->second;
+        e.bytes.assign(e.data(), e.data() + e.size());
+        e.view = {};
+        e.held->state = HeldContribution::State::kDone;
+        e.held.reset();
+        buffered_bytes_ += e.bytes.size();
+      }
+    }
+  }
+  ReleaseUnheld();
+}
+
+void ReductionState::DropHeld(HeldContribution* held) {
+  auto k = keys_.find(held->begin);
+  if (k == keys_.end()) return;
+  auto p = k->second.pending.find(held->order);
+  if (p == k->second.pending.end() || p->second.held.get() != held) return;
+  ErasePending(k->second, p, HeldContribution::State::kDropped);
+  ReleaseUnheld();
 }
 
 void ReductionState::ReleaseUnheld() {
@@ -208,6 +304,7 @@ void ReductionState::Accumulate(uint64_t begin, Key& key,
                                 absl::Span<const ShardOptimizer::Source> run, float grad_scale) {
   float* dst = grad_ + (begin - options_.owned.begin);
   const size_t n = key.end - begin;
+  ++sum_passes_;
   // Contribution 0 overwrites: the buffer holds the previous step's sum.
   const bool first = key.next_order == 0;
   key.next_order += static_cast<uint32_t>(run.size());
@@ -254,8 +351,10 @@ std::vector<MissingRange> ReductionState::Missing(size_t max) const {
     uncovered(b);
     pos = k.end;
     if (k.next_order < expected && out.size() < max) {
-      const uint32_t rank =
-          options_.mode == ReductionMode::kDaemon ? k.next_order / mbs : k.partition;
+      // The first contribution not in: a held one is in, though not summed.
+      uint32_t waiting = k.next_order;
+      while (k.pending.count(waiting) > 0) ++waiting;
+      const uint32_t rank = options_.mode == ReductionMode::kDaemon ? waiting / mbs : k.partition;
       out.push_back({{b, k.end}, rank, k.next_order, expected});
     }
   }
@@ -284,9 +383,7 @@ uint32_t ReductionState::ReplaceRank(uint32_t rank) {
   uint32_t dropped = 0;
   for (auto& [b, k] : keys_) {
     for (auto p = k.pending.lower_bound(first); p != k.pending.end() && p->first < last;) {
-      buffered_bytes_ -= p->second.bytes.size();
-      p = k.pending.erase(p);
-      --pending_entries_;
+      p = ErasePending(k, p, HeldContribution::State::kDropped);
       ++dropped;
     }
   }
@@ -295,6 +392,11 @@ uint32_t ReductionState::ReplaceRank(uint32_t rank) {
 }
 
 void ReductionState::Reset() {
+  for (auto& [b, k] : keys_) {
+    for (auto& [o, p] : k.pending) {
+      if (p.held != nullptr) p.held->state = HeldContribution::State::kDropped;
+    }
+  }
   keys_.clear();
   replacing_.clear();
   micro_batches_ = 0;
@@ -323,7 +425,7 @@ void ReductionState::Hash(uint64_t& h) const {
     for (uint32_t crc : k.crcs) HashValue(h, crc);
     for (const auto& [o, p] : k.pending) {
       HashValue(h, o);
-      Fnv1aMix(h, p.bytes.data(), p.bytes.size());
+      Fnv1aMix(h, p.data(), p.size());
     }
   }
 }

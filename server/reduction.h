@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
@@ -42,6 +43,24 @@ struct Contribution {
   absl::string_view payload;
   // Of payload as the sender computed it; 0 = not sent (a staged push).
   uint32_t crc32c = 0;
+};
+
+// A contribution held where it arrived (ReductionState::Apply with `hold`):
+// its payload stays valid, untouched, while the state is kHeld; the
+// reduction reads it from there when the range's last contribution comes
+// and sums every contribution in one pass. Shared by the state and the
+// caller, which waits (under the reduction lock's condition) until it
+// leaves kHeld.
+struct HeldContribution {
+  enum class State {
+    kHeld,     // the reduction may still read the payload
+    kDone,     // summed, or copied into the out-of-order buffer: let go
+    kDropped,  // removed unsummed (the rank was replaced, the step reset)
+  };
+  State state = State::kHeld;
+  uint64_t begin = 0;  // of its range
+  uint32_t order = 0;  // its place in the range's sum
+  uint64_t bytes = 0;  // of its payload
 };
 
 // A range of the open step still waiting for a contribution.
@@ -81,8 +100,10 @@ class ReductionState {
   // inside `batch`). Sets *pending_bytes to the out-of-order bytes applying
   // it would buffer, and *bookkeeping_bytes to an upper bound of what its
   // bookkeeping would grow by. Changes nothing.
+  // With `hold` (a batch of one to be held), pending_bytes is 0: a held
+  // contribution is not copied.
   absl::Status Check(const std::vector<Contribution>& batch, uint32_t micro_batches,
-                     uint64_t* pending_bytes, uint64_t* bookkeeping_bytes) const;
+                     uint64_t* pending_bytes, uint64_t* bookkeeping_bytes, bool hold = false) const;
   // Whether a checked batch needing `pending_bytes` fits the budget now: it
   // does when it buffers nothing, or when the buffer stays within budget.
   bool Admit(uint64_t pending_bytes) const;
@@ -95,8 +116,24 @@ class ReductionState {
   // every element scaled by `grad_scale` (the step's 1 / (N_d * loss
   // scale), the same for every call of a step), for GradStatsOfStep.
   // Returns the elements applied.
+  // A contribution that arrives when every other contribution of its range
+  // from the next one in order on is waiting (buffered or held) is summed
+  // with all of them in one pass. With `hold` (non-null; a batch of one
+  // contribution whose payload the caller keeps valid until *hold leaves
+  // kHeld), a contribution that does not complete its range is held there
+  // instead of being summed or copied: *hold is set to its handle.
   uint64_t Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
-                 uint64_t reserved_pending, uint64_t reserved_bookkeeping, float grad_scale);
+                 uint64_t reserved_pending, uint64_t reserved_bookkeeping, float grad_scale,
+                 std::shared_ptr<HeldContribution>* hold = nullptr);
+  // Ends the holding of `held` if it is still kHeld: summed with the
+  // contributions after it when it is next in order, else copied into the
+  // out-of-order buffer, for which the caller has booked `reserved_pending`
+  // (held.bytes; see Admit), which the state owns from now on. Sets kDone.
+  void Unhold(HeldContribution* held, uint64_t reserved_pending, float grad_scale);
+  // Removes `held` unsummed (kDropped): the caller gives up waiting.
+  void DropHeld(HeldContribution* held);
+  // Whether `held` is next in its range's order (Unhold then needs no room).
+  bool NextInOrder(const HeldContribution& held) const;
 
   // Owned unpadded elements whose every contribution is in.
   uint64_t CompleteElements() const;
@@ -125,6 +162,9 @@ class ReductionState {
   void Reset();
 
   const float* grad() const { return grad_; }
+  // Passes over the gradient buffer that summed contributions, since
+  // construction (not reset with the step).
+  uint64_t sum_passes() const { return sum_passes_; }
   uint64_t pending_bytes() const { return pending_bytes_; }
   uint32_t micro_batches() const { return micro_batches_; }
   // Mixes every piece of state (bookkeeping, applied gradient, buffer) into h.
@@ -135,6 +175,13 @@ class ReductionState {
     std::vector<uint8_t> bytes;  // the payload as it came, in `dtype`
     DType dtype = DType::kFp32;
     uint32_t crc32c = 0;
+    // Held where it arrived instead (`bytes` empty): the sender's payload.
+    std::shared_ptr<HeldContribution> held;
+    absl::string_view view;
+    const uint8_t* data() const {
+      return held != nullptr ? reinterpret_cast<const uint8_t*>(view.data()) : bytes.data();
+    }
+    size_t size() const { return held != nullptr ? view.size() : bytes.size(); }
   };
   struct Key {
     uint64_t end = 0;
@@ -161,6 +208,18 @@ class ReductionState {
   uint32_t Expected(uint32_t micro_batches) const;
   absl::Status CheckOne(const Contribution& c, size_t index, uint32_t order,
                         const std::map<uint64_t, uint64_t>& new_keys) const;
+  // Sums, in one pass, the contributions from key.next_order to the last,
+  // `c` being number `order` and the others waiting in key.pending, and
+  // lets the waiting ones go.
+  void SumAll(uint64_t begin, Key& key, const Contribution& c, uint32_t order, float grad_scale);
+  // Sums the contributions waiting in key.pending from key.next_order on,
+  // as far as they are consecutive (with `first` in front, if given).
+  void SumRun(uint64_t begin, Key& key, const Contribution* first, float grad_scale);
+  // Removes pending entry `p` (its bytes no longer buffered; a held one
+  // marked `state`).
+  std::map<uint32_t, Pending>::iterator ErasePending(Key& key,
+                                                     std::map<uint32_t, Pending>::iterator p,
+                                                     HeldContribution::State state);
   // Adds contributions key.next_order, key.next_order + 1, ... (`run`, in
   // that order) of the range starting at `begin` in one pass and advances
   // next_order; a run that ends with the last one also sets key.stats.
@@ -179,6 +238,7 @@ class ReductionState {
   uint64_t applied_ = 0;          // contributions applied (CRCs kept) this step
   uint64_t pending_entries_ = 0;  // contributions held in `pending` entries
   uint64_t bookkeeping_bytes_ = 0;  // booked as buffer, >= BookkeepingNow()
+  uint64_t sum_passes_ = 0;
 };
 
 }  // namespace zeroshard

@@ -178,6 +178,25 @@ ZS_KERNEL_TARGET void Accumulate(float* dst, const void* src, size_t n) {
   for (; i < n; ++i) dst[i] = dst[i] + LoadAs<ScalarIsa, kSrc>(src, i);
 }
 
+template <class Isa, CopyKind kSrc>
+ZS_KERNEL_TARGET void SumSources(float* dst, const void* const* srcs, size_t k, size_t n,
+                                 bool overwrite) {
+  constexpr size_t kW = Isa::kWidth;
+  size_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    typename Isa::V acc = LoadAs<Isa, kSrc>(srcs[0], i);
+    if (!overwrite) acc = Isa::Add(Isa::Load(dst + i), acc);
+    for (size_t j = 1; j < k; ++j) acc = Isa::Add(acc, LoadAs<Isa, kSrc>(srcs[j], i));
+    Isa::template Store<false>(dst + i, acc);
+  }
+  for (; i < n; ++i) {
+    float acc = LoadAs<ScalarIsa, kSrc>(srcs[0], i);
+    if (!overwrite) acc = dst[i] + acc;
+    for (size_t j = 1; j < k; ++j) acc = acc + LoadAs<ScalarIsa, kSrc>(srcs[j], i);
+    dst[i] = acc;
+  }
+}
+
 // kStream: dst must be aligned to one vector.
 template <class Isa, CopyKind kSrc, bool kStream>
 ZS_KERNEL_TARGET void ConvertIn(float* dst, const void* src, size_t n) {
@@ -246,6 +265,9 @@ constexpr KernelSet MakeKernelSet(const char* name, size_t vector_bytes,
   s.convert_in[1][1] = &ConvertIn<Isa, CopyKind::kFp32, true>;
   s.convert_in[2][1] = &ConvertIn<Isa, CopyKind::kBf16, true>;
   s.convert_in[3][1] = &ConvertIn<Isa, CopyKind::kFp16, true>;
+  s.sum_sources[1] = &SumSources<Isa, CopyKind::kFp32>;
+  s.sum_sources[2] = &SumSources<Isa, CopyKind::kBf16>;
+  s.sum_sources[3] = &SumSources<Isa, CopyKind::kFp16>;
   s.convert_out[1] = &ConvertOut<Isa, CopyKind::kFp32>;
   s.convert_out[2] = &ConvertOut<Isa, CopyKind::kBf16>;
   s.convert_out[3] = &ConvertOut<Isa, CopyKind::kFp16>;

@@ -409,6 +409,52 @@ TEST(SumSquaresTest, IndependentOfThreadsAndPath) {
   }
 }
 
+// Sources of one type take the fused loop (in groups of 8): still the bits
+// of one Accumulate (or ConvertIn) per contribution, in order.
+TEST(SumSquaresTest, SumContributionsOfOneTypeEqualsOneCallPerContribution) {
+  const size_t n = 2 * kBlock + 45;
+  std::vector<float> base(n);
+  FillNormal(base.data(), n, 21, 1.0f, false);
+  constexpr size_t kMax = 11;
+  std::vector<std::vector<float>> src32(kMax, std::vector<float>(n));
+  std::vector<std::vector<uint16_t>> src16(kMax, std::vector<uint16_t>(n));
+  for (size_t k = 0; k < kMax; ++k) {
+    FillNormal(src32[k].data(), n, 30 + static_cast<int>(k), 3.0f, false);
+    for (size_t i = 0; i < n; ++i) src16[k][i] = FloatToBf16(src32[k][i]);
+  }
+  for (KernelPath path : {KernelPath::kScalar, KernelPath::kAvx2, KernelPath::kAvx512}) {
+    if (!KernelPathSupported(path)) continue;
+    for (DType type : {DType::kFp32, DType::kBf16}) {
+      for (bool overwrite : {false, true}) {
+        for (size_t count : {size_t{2}, size_t{4}, size_t{8}, kMax}) {
+          SCOPED_TRACE(absl::StrCat(KernelPathName(path), " ", DTypeName(type),
+                                    overwrite ? " overwrite " : " add ", count, " sources"));
+          std::vector<ShardOptimizer::Source> srcs;
+          for (size_t k = 0; k < count; ++k) {
+            srcs.push_back(type == DType::kFp32 ? ShardOptimizer::Source{src32[k].data(), type}
+                                                : ShardOptimizer::Source{src16[k].data(), type});
+          }
+          auto opt = MakeOptimizer(path, 2);
+          std::vector<float> want = base;
+          for (size_t k = 0; k < count; ++k) {
+            if (overwrite && k == 0) {
+              opt->ConvertIn(want.data(), srcs[k].data, type, n);
+            } else {
+              opt->Accumulate(want.data(), srcs[k].data, type, n);
+            }
+          }
+          const float scale = 0.25f;
+          const GradStats want_stats = opt->SumSquaresAndFinite(want.data(), n, scale);
+          std::vector<float> got = base;
+          const GradStats got_stats = opt->SumContributions(got.data(), srcs, n, overwrite, &scale);
+          EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0);
+          EXPECT_EQ(std::memcmp(&got_stats.sum_sq, &want_stats.sum_sq, sizeof(double)), 0);
+        }
+      }
+    }
+  }
+}
+
 // Several contributions added block by block, with the norm in the same
 // pass, give the bits of one Accumulate (or ConvertIn) per contribution
 // followed by SumSquaresAndFinite.
