@@ -57,9 +57,10 @@ struct DaemonOptions {
   uint64_t reduction_buffer_bytes = 256ull << 20;
   // Slots in each rank's staging region (each one bucket, at most 64 MiB).
   uint32_t staging_slots = 2;
-  // Daemon reduction: how long a staged push may be held in its slot for
-  // its range's other contributions (--reduction_hold_ms; 0: never).
-  absl::Duration reduction_hold = absl::ZeroDuration();
+  // Daemon reduction: how long a staged push of the last micro-batch may be
+  // held in its slot for its range's other contributions
+  // (--reduction_hold_ms; 0: never).
+  absl::Duration reduction_hold = absl::Milliseconds(50);
   // Where checkpoints are written and read (created if missing); empty: the
   // Checkpoint RPCs are refused. Resharding a checkpoint across daemons
   // needs every part readable here: a shared filesystem, or copies.

@@ -424,10 +424,12 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
   }
   uint64_t elements = 0;
   const uint64_t step = committed_step() + 1;
-  // A staged contribution may wait in its slot for the rest of its range.
+  // A staged contribution may wait in its slot for the rest of its range,
+  // which the ranks' last micro-batch completes (earlier ones would only
+  // wait out the hold).
   const bool may_hold = resources_.reduction_hold > absl::ZeroDuration() &&
                         config_.reduction == ReductionMode::kDaemon && chunks.size() == 1 &&
-                        chunks[0].staged();
+                        chunks[0].staged() && chunks[0].micro_batch() + 1 == mbs;
   std::shared_ptr<HeldContribution> held;
   RETURN_IF_ERROR(
       ApplyPush(batch, mbs, deadline, senders_current, &elements, may_hold ? &held : nullptr));

@@ -59,11 +59,11 @@ ABSL_FLAG(int, rank_timeout_seconds, 30,
           "A joined rank not heard from (heartbeat, push) this long is no longer connected.");
 ABSL_FLAG(uint64_t, reduction_buffer_bytes, 256ull << 20,
           "Out-of-order gradient bytes each job may buffer; pushes past it wait.");
-ABSL_FLAG(int, reduction_hold_ms, 0,
-          "Up to this long a staged gradient push whose range still waits for other ranks "
-          "is held in its staging slot, so that the range's last contribution sums them all "
-          "in one pass instead of one pass each (0: sum each as it comes). The push's answer "
-          "waits meanwhile; the rank's other staging slots go on.");
+ABSL_FLAG(int, reduction_hold_ms, 50,
+          "Up to this long a staged gradient push (of the last micro-batch) whose range still "
+          "waits for other ranks is held in its staging slot, so that the range's last "
+          "contribution sums them all in one pass instead of one pass each (0: sum each as it "
+          "comes). The push's answer waits meanwhile; the rank's other staging slots go on.");
 ABSL_FLAG(std::string, ucx_tls, "posix,cma,self",
           "UCX_TLS for the UCX data path: \"posix,cma,self\" (shared memory, trainers on this "
           "host), RDMA such as \"rc_x,sm,self\", or \"tcp\"; empty = UCX's choice. Over tcp (or "
