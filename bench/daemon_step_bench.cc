@@ -6,10 +6,11 @@
 //             copy) is fed every rank's gradient as staged bulk pushes
 //             deliver it: chunks of --chunk_bytes cut inside partition
 //             boundaries, one chunk per push, without CRC-32C, rank after
-//             rank (in order: nothing waits in the out-of-order buffer);
-//             with --hold_ms (the daemon's --reduction_hold_ms) every rank
-//             pushes from its own thread, each chunk waits in place for the
-//             other ranks' and the last sums all of them in one pass.
+//             rank (in order: nothing waits in the out-of-order buffer) with
+//             --hold_ms=0; with --hold_ms (the daemon's --reduction_hold_ms,
+//             50 by default as there) every rank pushes from its own thread,
+//             each chunk waits in place for the other ranks' and the last
+//             sums all of them in one pass.
 //             Then PrepareStep and CommitStep, as the leader calls them.
 //             Called on the Job directly: no RPC, no network, so the figure
 //             is the daemon's compute and memory traffic. The payloads are
@@ -87,9 +88,10 @@ ABSL_FLAG(uint64_t, chunk_bytes, 32ull << 20,
 ABSL_FLAG(int, optimizer_threads, 2, "threads of the daemon's optimizer and of the roofline");
 ABSL_FLAG(int, steps, 5, "timed repetitions (the median is reported)");
 ABSL_FLAG(int, warmup, 1, "untimed repetitions first");
-ABSL_FLAG(int, hold_ms, 0,
-          "the daemon's --reduction_hold_ms; > 0: every rank pushes from its own thread, and "
-          "each chunk waits in place for the other ranks' so that the last sums them in one pass");
+ABSL_FLAG(int, hold_ms, 50,
+          "the daemon's --reduction_hold_ms (its default): > 0: every rank pushes from its own "
+          "thread, and each chunk waits in place for the other ranks' so that the last sums "
+          "them in one pass; 0: rank after rank, each summed as it comes");
 
 namespace zeroshard {
 namespace {
