@@ -426,14 +426,16 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
   const uint64_t step = committed_step() + 1;
   // A staged contribution may wait in its slot for the rest of its range,
   // which the ranks' last micro-batch completes (earlier ones would only
-  // wait out the hold).
+  // wait out the hold), when the push's deadline leaves room for twice the
+  // hold (its answer must reach the rank in time).
   const bool may_hold = resources_.reduction_hold > absl::ZeroDuration() &&
                         config_.reduction == ReductionMode::kDaemon && chunks.size() == 1 &&
-                        chunks[0].staged() && chunks[0].micro_batch() + 1 == mbs;
+                        chunks[0].staged() && chunks[0].micro_batch() + 1 == mbs &&
+                        deadline - absl::Now() >= 2 * resources_.reduction_hold;
   std::shared_ptr<HeldContribution> held;
   RETURN_IF_ERROR(
       ApplyPush(batch, mbs, deadline, senders_current, &elements, may_hold ? &held : nullptr));
-  if (held != nullptr) RETURN_IF_ERROR(AwaitHeld(batch[0], held, deadline));
+  if (held != nullptr) RETURN_IF_ERROR(AwaitHeld(batch[0], held, deadline, senders_current));
   {
     absl::MutexLock ranks_lock(&ranks_mu_);
     // (A held push may be answered after the leader committed its step.)
@@ -489,16 +491,26 @@ absl::Status Job::ApplyPush(const std::vector<Contribution>& batch, uint32_t mic
 }
 
 absl::Status Job::AwaitHeld(const Contribution& c, const std::shared_ptr<HeldContribution>& held,
-                            absl::Time deadline) {
+                            absl::Time deadline,
+                            absl::FunctionRef<absl::Status()> senders_current) {
   using State = HeldContribution::State;
   auto let_go = [&held]() { return held->state != State::kHeld; };
   mu_.AwaitWithDeadline(absl::Condition(&let_go),
                         std::min(deadline, absl::Now() + resources_.reduction_hold));
   while (held->state == State::kHeld) {
+    // Still from the rank's current process (the lock was released)?
+    if (absl::Status s = senders_current(); !s.ok()) {
+      reduction_->DropHeld(held.get());
+      ++reduction_changes_;
+      return s;
+    }
     // Held long enough: summed now if it is next in order, else buffered.
     const uint64_t bytes = reduction_->NextInOrder(*held) ? 0 : held->bytes;
+    absl::Status booked;
     if (reduction_->Admit(bytes) &&
-        resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer, bytes).ok()) {
+        (bytes == 0 ||
+         (booked = resources_.ledger->Reserve(config_.job_id, MemoryCategory::kBuffer, bytes))
+             .ok())) {
       reduction_->Unhold(held.get(), bytes, GradScale());
       ++reduction_changes_;
       break;
@@ -515,12 +527,13 @@ absl::Status Job::AwaitHeld(const Contribution& c, const std::shared_ptr<HeldCon
       ++reduction_changes_;
       return absl::DeadlineExceededError(absl::StrCat(
           "job ", config_.job_id, ": rank ", c.rank, "'s range [", c.range.begin, ", ", c.range.end,
-          ") was held for its range's other contributions and the out-of-order "
-          "buffer (",
-          resources_.reduction_buffer_bytes,
-          " bytes) stayed full until the "
-          "deadline; it waits for ",
-          reduction_->DescribeIncomplete(), "; nothing was applied"));
+          ") was held for its range's other contributions, and then ",
+          booked.ok()
+              ? absl::StrCat("the out-of-order buffer (", resources_.reduction_buffer_bytes,
+                             " bytes) stayed full")
+              : absl::StrCat("the daemon's memory limit refused its copy (", booked.message(), ")"),
+          " until the deadline; it waits for ", reduction_->DescribeIncomplete(),
+          "; nothing was applied"));
     }
   }
   if (held->state == State::kDropped) {

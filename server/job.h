@@ -300,11 +300,13 @@ class Job {
                          uint64_t* elements, std::shared_ptr<HeldContribution>* held = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (mu_ released) while `held` (contribution `c`) is held, up to
-  // the hold time; then sums or buffers it itself. OK once it is let go;
-  // FailedPrecondition if it was dropped; DeadlineExceeded (nothing
-  // applied) if the buffer had no room for it by `deadline`.
+  // the hold time; then, its sender still current, sums or buffers it
+  // itself. OK once it is let go; FailedPrecondition if it was dropped (or
+  // senders_current's error); DeadlineExceeded (nothing applied) if the
+  // buffer or the memory limit had no room for it by `deadline`.
   absl::Status AwaitHeld(const Contribution& c, const std::shared_ptr<HeldContribution>& held,
-                         absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                         absl::Time deadline, absl::FunctionRef<absl::Status()> senders_current)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const JobConfig config_;
   const v1::JobSpec spec_;

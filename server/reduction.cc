@@ -103,6 +103,17 @@ absl::Status ReductionState::CheckOne(const Contribution& c, size_t index, uint3
       "gradient as its predecessor did"));
 }
 
+bool ReductionState::WaitingUpTo(const Key& key, uint32_t order) {
+  for (uint32_t o = key.next_order; o < order; ++o) {
+    if (key.pending.count(o) == 0) return false;
+  }
+  return true;
+}
+
+bool ReductionState::Completes(const Key& key, uint32_t micro_batches) const {
+  return key.pending.size() + 1 == Expected(micro_batches) - key.next_order;
+}
+
 uint64_t ReductionState::BookkeepingNow() const {
   return keys_.size() * kKeyBytes + applied_ * kAppliedBytes +
          pending_entries_ * kPendingEntryBytes;
@@ -132,9 +143,14 @@ absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint3
     auto key = keys_.find(c.range.begin);
     if (key == keys_.end()) new_keys.emplace(c.range.begin, c.range.end);
     const uint32_t next = key == keys_.end() ? 0 : key->second.next_order;
-    // An upper bound: earlier chunks of the batch may bring this one's turn.
-    if (order != next && !hold) *pending_bytes += c.payload.size();
-    *bookkeeping_bytes += order != next || hold ? kPendingEntryBytes : kAppliedBytes;
+    // Summed at once when every contribution before it (or every other one
+    // of the range) is waiting; else buffered, or held. An upper bound:
+    // earlier chunks of the batch may bring this one's turn.
+    const bool sums_now = key != keys_.end() && (WaitingUpTo(key->second, order) ||
+                                                 Completes(key->second, micro_batches));
+    const bool waits = order != next && !sums_now;
+    if (waits && !hold) *pending_bytes += c.payload.size();
+    *bookkeeping_bytes += waits || hold ? kPendingEntryBytes : kAppliedBytes;
   }
   *bookkeeping_bytes += new_keys.size() * kKeyBytes;
   return absl::OkStatus();
@@ -180,16 +196,24 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       ++pending_entries_;
       continue;
     }
-    if (order != key.next_order) {
-      Pending& p = key.pending[order];
-      p.bytes.assign(c.payload.begin(), c.payload.end());
-      p.dtype = c.dtype;
-      p.crc32c = c.crc32c;
-      buffered_bytes_ += p.bytes.size();
-      ++pending_entries_;
+    if (order == key.next_order) {
+      SumRun(c.range.begin, key, &c, grad_scale);
       continue;
     }
-    SumRun(c.range.begin, key, &c, grad_scale);
+    Pending& p = key.pending[order];
+    p.dtype = c.dtype;
+    p.crc32c = c.crc32c;
+    ++pending_entries_;
+    if (WaitingUpTo(key, order)) {
+      // Every one before it waits (held): summed with them now, from where
+      // it is.
+      p.view = c.payload;
+      p.held = std::make_shared<HeldContribution>();
+      SumRun(c.range.begin, key, nullptr, grad_scale);
+      continue;
+    }
+    p.bytes.assign(c.payload.begin(), c.payload.end());
+    buffered_bytes_ += p.bytes.size();
   }
   // Give back what the caller's upper bounds over-reserved and what drained.
   ReleaseUnheld();
@@ -355,7 +379,8 @@ std::vector<MissingRange> ReductionState::Missing(size_t max) const {
       uint32_t waiting = k.next_order;
       while (k.pending.count(waiting) > 0) ++waiting;
       const uint32_t rank = options_.mode == ReductionMode::kDaemon ? waiting / mbs : k.partition;
-      out.push_back({{b, k.end}, rank, k.next_order, expected});
+      out.push_back(
+          {{b, k.end}, rank, k.next_order + static_cast<uint32_t>(k.pending.size()), expected});
     }
   }
   uncovered(options_.owned_unpadded.end);

@@ -198,9 +198,14 @@ class ReductionState {
   // and the copy's allocation).
   static constexpr uint64_t kKeyBytes = 160;
   static constexpr uint64_t kAppliedBytes = 8;
-  static constexpr uint64_t kPendingEntryBytes = 112;
+  static constexpr uint64_t kPendingEntryBytes = 192;  // with a held one's handle
 
   uint64_t BookkeepingNow() const;
+  // Whether every contribution of `key` from next_order up to `order` is
+  // waiting (buffered or held), so that `order` would be summed with them.
+  static bool WaitingUpTo(const Key& key, uint32_t order);
+  // Whether one more contribution completes `key`'s waiting set.
+  bool Completes(const Key& key, uint32_t micro_batches) const;
   // Gives the ledger back the booked bytes beyond what the buffer and the
   // bookkeeping hold now.
   void ReleaseUnheld();
