@@ -402,6 +402,12 @@ TEST_F(BadInputTest, GatherPrepareCommitInit) {
   ASSERT_TRUE(client_->Push(Chunks(1, 1)).ok());
   ASSERT_TRUE(client_->Push(Chunks(1, 2)).ok());
   ASSERT_TRUE(client_->Prepare("job", 1, &p).ok());
+  // Once prepared, a replay of a held contribution (a restarted rank) is a
+  // duplicate; other bytes are refused: the gradient is frozen.
+  ExpectRejected(grpc::ALREADY_EXISTS, "same CRC-32C", [&] { return client_->Push(Chunks(1, 1)); });
+  grad_.assign(grad_.size(), 0.5f);
+  ExpectRejected(grpc::FAILED_PRECONDITION, "is prepared",
+                 [&] { return client_->Push(Chunks(1, 1)); });
   // A long poll for the step answers once the commit lands, and one that
   // times out answers the state as it is.
   ASSERT_TRUE(client_->StepState("job", &state, 1, 20).ok());

@@ -418,6 +418,11 @@ absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
     ++reduction_changes_;
   }
   if (prepared_) {
+    // A restarted rank replaying the step: what the frozen gradient holds
+    // is a duplicate (ALREADY_EXISTS, delivered), as before the prepare.
+    uint64_t pending = 0, bookkeeping = 0;
+    absl::Status duplicate = reduction_->Check(batch, mbs, &pending, &bookkeeping);
+    if (absl::IsAlreadyExists(duplicate)) return duplicate;
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", config_.job_id, " step ", committed_step() + 1,
         " is prepared: its gradient is complete and frozen until the commit"));
