@@ -203,9 +203,10 @@ class Job {
   // the end). Nothing changes on any error; a refused forward or commit
   // marks the copy out of sync (it waits for the next state transfer). A
   // transfer whose first chunk names the primary's arrays (`bulk`) reads
-  // them over the bulk transport, blocking until `deadline` at most;
-  // Unimplemented when this daemon cannot (no bulk transport, another
-  // kind): the primary then streams the data.
+  // them over the bulk transport, blocking until `deadline` at most; when
+  // this daemon cannot (no bulk transport, another kind, the primary out of
+  // reach) it answers with bulk_refused set and takes nothing: the primary
+  // then streams the data.
   absl::StatusOr<v1::TransferStateResponse> AcceptState(
       const v1::ReplicaStateChunk& first, absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next,
       absl::Time deadline);

@@ -74,22 +74,24 @@ void SettleAbortedReads(std::vector<transport::Completion> reads,
 // in `source` (n elements each) into (*held)[a] over `transport`, every
 // piece checked against its CRC-32C. Blocks until `deadline` at most (the
 // connection until `connect_deadline`); reads cut short are settled before
-// this returns (SettleAbortedReads). Unimplemented when this daemon cannot
-// read them (no bulk transport, another kind, the primary's address out of
-// its reach): the primary then streams the data.
+// this returns (SettleAbortedReads). When this daemon cannot read them (no
+// bulk transport, another kind, the primary's address out of its reach) it
+// reads nothing and sets *refused to why: the primary then streams the data.
 absl::StatusOr<uint64_t> PullState(transport::Transport* transport,
                                    const v1::BulkStateSource& source, uint64_t n,
                                    std::vector<std::unique_ptr<float[]>>* held,
-                                   absl::Time connect_deadline, absl::Time deadline) {
+                                   absl::Time connect_deadline, absl::Time deadline,
+                                   std::string* refused) {
   if (transport == nullptr) {
-    return absl::UnimplementedError(
-        "this daemon runs no bulk transport: send the state in the stream");
+    *refused = "this daemon runs no bulk transport: send the state in the stream";
+    return 0;
   }
   absl::StatusOr<v1::TransportKind> mine = TransportKindFromName(transport->kind(), "bulk");
   if (!mine.ok() || *mine != source.transport()) {
-    return absl::UnimplementedError(
+    *refused =
         absl::StrCat("this daemon's bulk transport is ", transport->kind(), ", the primary's ",
-                     TransportKindName(source.transport()), ": send the state in the stream"));
+                     TransportKindName(source.transport()), ": send the state in the stream");
+    return 0;
   }
   if (static_cast<size_t>(source.arrays_size()) != held->size()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -109,10 +111,9 @@ absl::StatusOr<uint64_t> PullState(transport::Transport* transport,
       transport->Connect(source.worker_address(), std::min(connect_deadline, deadline));
   if (absl::IsInvalidArgument(connection.status())) return connection.status();
   if (!connection.ok()) {
-    return absl::UnimplementedError(
-        absl::StrCat("this daemon cannot reach the primary's bulk "
-                     "transport (",
-                     connection.status().ToString(), "): send the state in the stream"));
+    *refused = absl::StrCat("this daemon cannot reach the primary's bulk transport (",
+                            connection.status().ToString(), "): send the state in the stream");
+    return 0;
   }
   std::vector<transport::Completion> reads;
   for (int a = 0; a < source.arrays_size(); ++a) {
@@ -325,7 +326,7 @@ absl::Status Job::SendState(const std::string& token, absl::Time deadline) {
   }
   const uint64_t epoch = this->epoch();
   const absl::Time start = absl::Now();
-  absl::StatusOr<v1::TransferStateResponse> r = absl::UnimplementedError("not tried");
+  std::optional<absl::StatusOr<v1::TransferStateResponse>> r;
   const char* how = "over the bulk transport";
   if (std::optional<v1::ReplicaStateChunk> bulk = BulkStateChunk(arrays); bulk.has_value()) {
     bulk->set_job_id(config_.job_id);
@@ -343,19 +344,21 @@ absl::Status Job::SendState(const std::string& token, absl::Time deadline) {
         },
         deadline);
   }
-  if (absl::IsUnimplemented(r.status())) {
+  // Without a bulk source, or when the backup could not read it (and took
+  // nothing), the data goes in the stream.
+  if (!r.has_value() || (r->ok() && !(*r)->bulk_refused().empty())) {
     how = "in the stream";
     r = StreamState(token, state, arrays, epoch, deadline);
   }
-  if (!r.ok()) return r.status();
+  if (!r->ok()) return r->status();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   std::fprintf(stderr,
                "zeroshardd: job %s replica group %u: copied the state of step %llu to the backup "
                "on %s %s: %llu bytes in %.3f s (%.2f GB/s)\n",
                config_.job_id.c_str(), daemon_index_,
                static_cast<unsigned long long>(state.committed_step()), peer_address_.c_str(), how,
-               static_cast<unsigned long long>(r->bytes()), seconds,
-               seconds > 0 ? static_cast<double>(r->bytes()) / seconds / 1e9 : 0.0);
+               static_cast<unsigned long long>((*r)->bytes()), seconds,
+               seconds > 0 ? static_cast<double>((*r)->bytes()) / seconds / 1e9 : 0.0);
   return absl::OkStatus();
 }
 
@@ -499,11 +502,18 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
     if (!first.data().empty()) {
       return absl::InvalidArgumentError("data: a bulk transfer's chunk carries no data");
     }
+    std::string refused;
     ASSIGN_OR_RETURN(bytes, PullState(resources_.transport, first.bulk(), n, &held,
-                                      absl::Now() + resources_.replica_timeout, deadline));
+                                      absl::Now() + resources_.replica_timeout, deadline,
+                                      &refused));
     v1::ReplicaStateChunk extra;
     if (next(&extra)) {
       return absl::InvalidArgumentError("a bulk transfer's stream carries one chunk, got more");
+    }
+    if (!refused.empty()) {  // nothing taken: the primary streams
+      v1::TransferStateResponse out;
+      out.set_bulk_refused(refused);
+      return out;
     }
   }
   std::vector<uint64_t> filled(arrays, first.has_bulk() ? n : 0);

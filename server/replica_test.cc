@@ -1270,7 +1270,7 @@ class MixedTransportReplicaTest : public ReplicaTest {
 };
 
 // Daemon 1 runs no bulk transport: daemon 0's primary offers its arrays,
-// is told UNIMPLEMENTED and streams them instead.
+// is told the backup cannot read them (bulk_refused) and streams them instead.
 TEST_F(MixedTransportReplicaTest, BackupWithoutBulkGetsTheStream) {
   ::testing::internal::CaptureStderr();
   const TestJob j = SyncedJob("mixed");
@@ -1344,13 +1344,24 @@ TEST_F(BulkReplicaTest, BadBulkTransferChangesNothing) {
                     const std::vector<v1::ReplicaStateChunk>& chunks) {
     ExpectRejected(j.id, code, text, [&] { return c.Transfer(chunks); });
   };
+  // The backup cannot read the source: it answers OK with the reason in
+  // bulk_refused and takes nothing (the primary then streams).
+  auto refused = [&](const std::string& text, const std::vector<v1::ReplicaStateChunk>& chunks) {
+    ExpectRejected(j.id, grpc::OK, "", [&] {
+      v1::TransferStateResponse resp;
+      const grpc::Status s = c.Transfer(chunks, &resp);
+      EXPECT_NE(resp.bulk_refused().find(text), std::string::npos) << resp.bulk_refused();
+      EXPECT_EQ(resp.bytes(), 0u);
+      return s;
+    });
+  };
   auto with = [&](const std::function<void(v1::ReplicaStateChunk&)>& f) {
     v1::ReplicaStateChunk chunk = good;
     f(chunk);
     return std::vector<v1::ReplicaStateChunk>{chunk};
   };
-  reject(grpc::UNIMPLEMENTED, "this daemon's bulk transport is inproc, the primary's ucx",
-         with([](auto& ch) { ch.mutable_bulk()->set_transport(v1::TRANSPORT_KIND_UCX); }));
+  refused("this daemon's bulk transport is inproc, the primary's ucx",
+          with([](auto& ch) { ch.mutable_bulk()->set_transport(v1::TRANSPORT_KIND_UCX); }));
   reject(grpc::INVALID_ARGUMENT, "bulk.arrays: this job's state has 3 arrays, got 2",
          with([](auto& ch) { ch.mutable_bulk()->mutable_arrays()->RemoveLast(); }));
   reject(grpc::INVALID_ARGUMENT, "bulk.arrays[1]: ", with([](auto& ch) {
@@ -1384,8 +1395,8 @@ TEST_F(BulkReplicaTest, BadBulkTransferChangesNothing) {
     ASSERT_TRUE(gone.ok()) << gone.status();
     const std::string address = (*gone)->LocalAddress();
     gone->reset();
-    reject(grpc::UNIMPLEMENTED, "cannot reach the primary's bulk transport",
-           with([&](auto& ch) { ch.mutable_bulk()->set_worker_address(address); }));
+    refused("cannot reach the primary's bulk transport",
+            with([&](auto& ch) { ch.mutable_bulk()->set_worker_address(address); }));
   }
   reject(grpc::INVALID_ARGUMENT, "a bulk transfer's chunk carries no data",
          with([](auto& ch) { ch.set_data("1234"); }));
