@@ -134,7 +134,7 @@ Client::~Client() {
   layers_.reset();  // its prefetches use io_
   io_.reset();
   collective_.reset();  // its sends use the data paths
-  if (bounce_ != nullptr) device_->Unpin(bounce_.get());
+  if (bounce_.data() != nullptr) device_->Unpin(bounce_.data());
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientConfig config,
@@ -156,17 +156,17 @@ absl::Status Client::Connect() {
     bounce_bytes_ = std::min(c.bucket_bytes, kMaxChunkBytes);
     ASSIGN_OR_RETURN(device_, CreateDeviceCopier(c.cuda_device, bounce_bytes_),
                      "ClientConfig.cuda_device");
-    const size_t bytes = (DeviceCopier::kLanes * bounce_bytes_ + 4095) / 4096 * 4096;
-    bounce_.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, bytes)));
-    if (bounce_ == nullptr) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("ClientConfig.cuda_device: allocating ", bytes, " bytes of bounce buffers"));
+    PinnableBuffer bounce(DeviceCopier::kLanes * bounce_bytes_);
+    if (bounce.data() == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("ClientConfig.cuda_device: allocating ",
+                                                       DeviceCopier::kLanes * bounce_bytes_,
+                                                       " bytes of bounce buffers"));
     }
-    if (absl::Status s = device_->Pin(bounce_.get(), bytes); !s.ok()) {
-      bounce_.reset();
+    if (absl::Status s = device_->Pin(bounce.data(), bounce.size()); !s.ok()) {
       return absl::FailedPreconditionError(
           absl::StrCat("ClientConfig.cuda_device: pinning the bounce buffers: ", s.message()));
     }
+    bounce_ = std::move(bounce);
   }
   ASSIGN_OR_RETURN(const ChannelSecurity security,
                    MakeChannelSecurity(c.tls, c.job_token, "ClientConfig."));
@@ -562,7 +562,7 @@ absl::Status Client::GatherRangeToDevice(const FlatRange& range, DType dtype, vo
   uint64_t i = 0;
   for (uint64_t b = range.begin; b < range.end && status.ok(); b += chunk, ++i) {
     const int lane = static_cast<int>(i % DeviceCopier::kLanes);
-    uint8_t* bounce = bounce_.get() + lane * bounce_bytes_;
+    uint8_t* bounce = bounce_.data() + lane * bounce_bytes_;
     const FlatRange piece{b, std::min(range.end, b + chunk)};
     status = device_->WaitLane(lane, RpcDeadline());
     if (status.ok()) status = GatherRange(piece, dtype, step, bounce);

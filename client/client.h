@@ -398,10 +398,7 @@ class Client {
   // (kLanes of bounce_bytes_); null without a device. Outlive collective_,
   // whose staging pool they pinned.
   std::unique_ptr<DeviceCopier> device_;
-  struct FreeDeleter {
-    void operator()(uint8_t* p) const { std::free(p); }
-  };
-  std::unique_ptr<uint8_t, FreeDeleter> bounce_;
+  PinnableBuffer bounce_;  // pinned once allocated
   uint64_t bounce_bytes_ = 0;
   std::unique_ptr<Collective> collective_;
   TrafficCounters traffic_;

@@ -50,13 +50,11 @@ absl::StatusOr<std::unique_ptr<DaemonReduceCollective>> DaemonReduceCollective::
         absl::StrCat("bucket_bytes: too small, got ", options.bucket_bytes));
   }
   std::unique_ptr<DaemonReduceCollective> c(new DaemonReduceCollective(options));
-  // Page-aligned and page-rounded: the pool may be pinned for CUDA copies,
-  // which pins whole pages.
-  c->storage_bytes_ = (c->buffer_bytes_ * c->buffer_count_ + 4095) / 4096 * 4096;
-  c->storage_.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, c->storage_bytes_)));
-  if (c->storage_ == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("allocating the ", c->storage_bytes_, "-byte gradient staging pool"));
+  // Pinnable: CUDA copies may land in it.
+  c->storage_ = PinnableBuffer(c->buffer_bytes_ * c->buffer_count_);
+  if (c->storage_.data() == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "allocating the ", c->buffer_bytes_ * c->buffer_count_, "-byte gradient staging pool"));
   }
   {
     absl::MutexLock lock(&c->mu_);
@@ -68,7 +66,7 @@ absl::StatusOr<std::unique_ptr<DaemonReduceCollective>> DaemonReduceCollective::
 
 DaemonReduceCollective::~DaemonReduceCollective() {
   senders_.reset();
-  if (pinned_) job_.device->Unpin(storage_.get());
+  if (pinned_) job_.device->Unpin(storage_.data());
 }
 
 absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
@@ -96,7 +94,7 @@ absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
   if (!plan.ok()) return plan.status();
   // Device gradients are copied into the staging pool by DMA: pinned once.
   if (job.device != nullptr) {
-    if (absl::Status s = job.device->Pin(storage_.get(), storage_bytes_); !s.ok()) {
+    if (absl::Status s = job.device->Pin(storage_.data(), storage_.size()); !s.ok()) {
       return absl::FailedPreconditionError(
           absl::StrCat("pinning the gradient staging pool for CUDA copies: ", s.message()));
     }

@@ -107,7 +107,7 @@ class DaemonReduceCollective final : public Collective {
 
   explicit DaemonReduceCollective(const Options& options);
 
-  uint8_t* buffer(int i) { return storage_.get() + static_cast<size_t>(i) * buffer_bytes_; }
+  uint8_t* buffer(int i) { return storage_.data() + static_cast<size_t>(i) * buffer_bytes_; }
   uint64_t KeyOf(uint32_t micro_batch, size_t index) const {
     return micro_batch * plan_.buckets().size() + index;
   }
@@ -176,13 +176,8 @@ class DaemonReduceCollective final : public Collective {
   const Options options_;
   const uint64_t buffer_bytes_;
   const uint32_t buffer_count_;
-  struct FreeDeleter {
-    void operator()(uint8_t* p) const { std::free(p); }
-  };
-  // buffer_count_ * buffer_bytes_, rounded up to whole pages
-  std::unique_ptr<uint8_t, FreeDeleter> storage_;
-  uint64_t storage_bytes_ = 0;
-  bool pinned_ = false;                 // storage_ pinned by job_.device (Bind)
+  PinnableBuffer storage_;  // buffer_count_ * buffer_bytes_
+  bool pinned_ = false;     // storage_ pinned by job_.device (Bind)
 
   // Written once by Bind, before bound_ is set; read-only afterwards.
   CollectiveJob job_;

@@ -21,6 +21,8 @@
 // FailedPrecondition saying which.
 
 #include <cstddef>
+#include <cstdint>
+#include <cstdlib>
 #include <memory>
 
 #include "absl/status/status.h"
@@ -37,6 +39,25 @@ enum class MemoryKind {
 };
 
 absl::string_view MemoryKindName(MemoryKind kind);
+
+// Host memory allocated page-aligned and rounded up to whole pages, for a
+// buffer allocated once that a DeviceCopier may pin (pinning takes whole
+// pages, so no other allocation may share them). data() is null when the
+// allocation failed.
+class PinnableBuffer {
+ public:
+  PinnableBuffer() = default;
+  explicit PinnableBuffer(size_t bytes);
+  uint8_t* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> data_;
+  size_t size_ = 0;
+};
 
 // Thread-safe: copies from several threads are serialised on the copier's
 // stream. Every blocking call waits until its deadline; a copy still running

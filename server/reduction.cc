@@ -146,9 +146,7 @@ absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint3
     // Summed at once when every contribution before it (or every other one
     // of the range) is waiting; else buffered, or held. An upper bound:
     // earlier chunks of the batch may bring this one's turn.
-    const bool sums_now = key != keys_.end() && (WaitingUpTo(key->second, order) ||
-                                                 Completes(key->second, micro_batches));
-    const bool waits = order != next && !sums_now;
+    const bool waits = key == keys_.end() ? order != next : !WaitingUpTo(key->second, order);
     if (waits && !hold) *pending_bytes += c.payload.size();
     *bookkeeping_bytes += waits || hold ? kPendingEntryBytes : kAppliedBytes;
   }
@@ -166,7 +164,6 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
   micro_batches_ = micro_batches;
   pending_bytes_ += reserved_pending;          // booked; trimmed to what stays buffered below
   bookkeeping_bytes_ += reserved_bookkeeping;  // likewise
-  const uint32_t expected = Expected(micro_batches);
   uint64_t elements = 0;
   for (const Contribution& c : batch) {
     const uint32_t order = Order(c, micro_batches);
@@ -178,12 +175,7 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       key.partition = static_cast<uint32_t>(c.range.begin / options_.partition_elements);
     }
     elements += n;
-    if (key.pending.size() + 1 == expected - key.next_order) {
-      // Every other contribution from the next in order on is waiting.
-      SumAll(c.range.begin, key, c, order, grad_scale);
-      continue;
-    }
-    if (hold != nullptr) {
+    if (hold != nullptr && !Completes(key, micro_batches)) {
       Pending& p = key.pending[order];
       p.dtype = c.dtype;
       p.crc32c = c.crc32c;
@@ -196,22 +188,16 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       ++pending_entries_;
       continue;
     }
-    if (order == key.next_order) {
-      SumRun(c.range.begin, key, &c, grad_scale);
+    if (WaitingUpTo(key, order)) {
+      // Next in order, or every one before it waits: summed now with the
+      // waiting ones around it, from where it is.
+      SumRun(c.range.begin, key, &c, order, grad_scale);
       continue;
     }
     Pending& p = key.pending[order];
     p.dtype = c.dtype;
     p.crc32c = c.crc32c;
     ++pending_entries_;
-    if (WaitingUpTo(key, order)) {
-      // Every one before it waits (held): summed with them now, from where
-      // it is.
-      p.view = c.payload;
-      p.held = std::make_shared<HeldContribution>();
-      SumRun(c.range.begin, key, nullptr, grad_scale);
-      continue;
-    }
     p.bytes.assign(c.payload.begin(), c.payload.end());
     buffered_bytes_ += p.bytes.size();
   }
@@ -222,56 +208,37 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
 
 std::map<uint32_t, ReductionState::Pending>::iterator ReductionState::ErasePending(
     Key& key, std::map<uint32_t, Pending>::iterator p, HeldContribution::State state) {
-  if (p->second.held != nullptr) {
-    p->second.held->state = state;
-  } else {
-    buffered_bytes_ -= p->second.bytes.size();
-  }
+  if (p->second.held != nullptr) p->second.held->state = state;
+  if (p->second.view.data() == nullptr) buffered_bytes_ -= p->second.bytes.size();
   --pending_entries_;
   return key.pending.erase(p);
 }
 
-void ReductionState::SumAll(uint64_t begin, Key& key, const Contribution& c, uint32_t order,
+void ReductionState::SumRun(uint64_t begin, Key& key, const Contribution* c, uint32_t order,
                             float grad_scale) {
-  absl::InlinedVector<ShardOptimizer::Source, 8> run;
-  const uint32_t expected = Expected(micro_batches_);
-  for (uint32_t o = key.next_order; o < expected; ++o) {
-    if (o == order) {
-      run.push_back({c.payload.data(), c.dtype});
-      key.crcs.push_back(c.crc32c);
-    } else {
-      const Pending& p = key.pending.at(o);
-      run.push_back({p.data(), p.dtype});
-      key.crcs.push_back(p.crc32c);
-    }
-  }
-  Accumulate(begin, key, run, grad_scale);
-  applied_ += run.size();
-  for (auto p = key.pending.begin(); p != key.pending.end();) {
-    p = ErasePending(key, p, HeldContribution::State::kDone);
-  }
-}
-
-void ReductionState::SumRun(uint64_t begin, Key& key, const Contribution* first, float grad_scale) {
   // The contributions in order, summed in one pass (the same bits as one
   // pass each).
   absl::InlinedVector<ShardOptimizer::Source, 8> run;
-  uint32_t next = key.next_order;
-  if (first != nullptr) {
-    run.push_back({first->payload.data(), first->dtype});
-    key.crcs.push_back(first->crc32c);
-    ++next;
-  }
-  const uint32_t first_waiting = next;
-  for (auto p = key.pending.find(next); p != key.pending.end(); p = key.pending.find(++next)) {
+  const uint32_t from = key.next_order;
+  uint32_t next = from;
+  for (;; ++next) {
+    if (c != nullptr && next == order) {
+      run.push_back({c->payload.data(), c->dtype});
+      key.crcs.push_back(c->crc32c);
+      continue;
+    }
+    auto p = key.pending.find(next);
+    if (p == key.pending.end()) break;
     run.push_back({p->second.data(), p->second.dtype});
     key.crcs.push_back(p->second.crc32c);
   }
   if (run.empty()) return;
   Accumulate(begin, key, run, grad_scale);
   applied_ += run.size();
-  for (uint32_t o = first_waiting; o < next; ++o) {
-    ErasePending(key, key.pending.find(o), HeldContribution::State::kDone);
+  for (uint32_t o = from; o < next; ++o) {
+    if (c == nullptr || o != order) {
+      ErasePending(key, key.pending.find(o), HeldContribution::State::kDone);
+    }
   }
 }
 
@@ -290,7 +257,7 @@ void ReductionState::Unhold(HeldContribution* held, uint64_t reserved_pending, f
     auto p = key.pending.find(order);
     if (p != key.pending.end() && p->second.held.get() == held) {
       if (order == key.next_order) {
-        SumRun(begin, key, nullptr, grad_scale);
+        SumRun(begin, key, nullptr, 0, grad_scale);
       } else {
         Pending& e = p->second;
         e.bytes.assign(e.data(), e.data() + e.size());

@@ -175,13 +175,14 @@ class ReductionState {
     std::vector<uint8_t> bytes;  // the payload as it came, in `dtype`
     DType dtype = DType::kFp32;
     uint32_t crc32c = 0;
-    // Held where it arrived instead (`bytes` empty): the sender's payload.
-    std::shared_ptr<HeldContribution> held;
+    // Held where it arrived instead (`bytes` empty): the sender's payload,
+    // and the handle its sender waits on.
     absl::string_view view;
+    std::shared_ptr<HeldContribution> held;
     const uint8_t* data() const {
-      return held != nullptr ? reinterpret_cast<const uint8_t*>(view.data()) : bytes.data();
+      return view.data() != nullptr ? reinterpret_cast<const uint8_t*>(view.data()) : bytes.data();
     }
-    size_t size() const { return held != nullptr ? view.size() : bytes.size(); }
+    size_t size() const { return view.data() != nullptr ? view.size() : bytes.size(); }
   };
   struct Key {
     uint64_t end = 0;
@@ -213,13 +214,10 @@ class ReductionState {
   uint32_t Expected(uint32_t micro_batches) const;
   absl::Status CheckOne(const Contribution& c, size_t index, uint32_t order,
                         const std::map<uint64_t, uint64_t>& new_keys) const;
-  // Sums, in one pass, the contributions from key.next_order to the last,
-  // `c` being number `order` and the others waiting in key.pending, and
-  // lets the waiting ones go.
-  void SumAll(uint64_t begin, Key& key, const Contribution& c, uint32_t order, float grad_scale);
-  // Sums the contributions waiting in key.pending from key.next_order on,
-  // as far as they are consecutive (with `first` in front, if given).
-  void SumRun(uint64_t begin, Key& key, const Contribution* first, float grad_scale);
+  // Sums, in one pass, the contributions from key.next_order on as far as
+  // they are consecutive: `c` (if given) as number `order`, the others
+  // waiting in key.pending, which are let go.
+  void SumRun(uint64_t begin, Key& key, const Contribution* c, uint32_t order, float grad_scale);
   // Removes pending entry `p` (its bytes no longer buffered; a held one
   // marked `state`).
   std::map<uint32_t, Pending>::iterator ErasePending(Key& key,
