@@ -550,9 +550,9 @@ absl::Status Job::AwaitHeld(const Contribution& c, const std::shared_ptr<HeldCon
   return absl::OkStatus();
 }
 
-uint64_t Job::ReductionPasses() const {
+Job::ReductionCounts Job::ReductionPasses() const {
   absl::MutexLock lock(&mu_);
-  return reduction_->sum_passes();
+  return {reduction_->sum_passes(), reduction_->summed_contributions()};
 }
 
 bool Job::AwaitCommit(uint64_t step, absl::Time deadline) {

@@ -121,8 +121,13 @@ class Job {
   // committed or `deadline`; whether it is committed. Only the open step is
   // waited for: an older one answers true, a later one false, at once.
   bool AwaitCommit(uint64_t step, absl::Time deadline);
-  // Passes over the gradient that summed contributions so far (tests).
-  uint64_t ReductionPasses() const;
+  // Passes over the gradient that summed contributions so far, and the
+  // contributions they summed (tests).
+  struct ReductionCounts {
+    uint64_t passes = 0;
+    uint64_t contributions = 0;
+  };
+  ReductionCounts ReductionPasses() const;
 
   // ---- Data ----
   // Stores initial parameters; all chunks are validated before any is

@@ -296,6 +296,7 @@ void ReductionState::Accumulate(uint64_t begin, Key& key,
   float* dst = grad_ + (begin - options_.owned.begin);
   const size_t n = key.end - begin;
   ++sum_passes_;
+  summed_contributions_ += run.size();
   // Contribution 0 overwrites: the buffer holds the previous step's sum.
   const bool first = key.next_order == 0;
   key.next_order += static_cast<uint32_t>(run.size());

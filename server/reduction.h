@@ -165,6 +165,8 @@ class ReductionState {
   // Passes over the gradient buffer that summed contributions, since
   // construction (not reset with the step).
   uint64_t sum_passes() const { return sum_passes_; }
+  // Contributions those passes summed, since construction.
+  uint64_t summed_contributions() const { return summed_contributions_; }
   uint64_t pending_bytes() const { return pending_bytes_; }
   uint32_t micro_batches() const { return micro_batches_; }
   // Mixes every piece of state (bookkeeping, applied gradient, buffer) into h.
@@ -242,6 +244,7 @@ class ReductionState {
   uint64_t pending_entries_ = 0;  // contributions held in `pending` entries
   uint64_t bookkeeping_bytes_ = 0;  // booked as buffer, >= BookkeepingNow()
   uint64_t sum_passes_ = 0;
+  uint64_t summed_contributions_ = 0;
 };
 
 }  // namespace zeroshard
