@@ -7,7 +7,10 @@
 //                  a trainer does: offloads behind each other on the store's
 //                  workers, fetches --prefetch_depth ahead. Figure: (bytes
 //                  offloaded + bytes fetched) / (offload time + fetch
-//                  time), median of --reps after one warm-up;
+//                  time), median of --reps after one warm-up; as the
+//                  store does by default (no checksums on the bulk
+//                  transport), then again with DaemonSliceStore::Options::
+//                  checksums for what they cost;
 //   perftest       `ucx_perftest -t ucp_put_bw` between two processes on
 //                  loopback, message size --slice_bytes, same UCX_TLS;
 //   spill write    a second daemon with an arena of --spill_arena_bytes and
@@ -22,7 +25,7 @@
 //                  bytes in --slice_bytes pieces to a file in --dir.
 // The last line is the summary:
 //   offload_fraction=X spill_write_fraction=Y spill_read_fraction=Z
-// (X = offload+fetch / perftest; Y, Z = spill / O_DIRECT of the same run).
+// (X = offload+fetch, default options / perftest; Y, Z = spill / O_DIRECT of the same run).
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -69,8 +72,6 @@ ABSL_FLAG(int, prefetch_depth, 2, "fetches in flight ahead of the one waited for
 ABSL_FLAG(uint64_t, spill_arena_bytes, 64ull << 20, "arena of the spilling daemon");
 ABSL_FLAG(int, spill_factor, 10, "the spilling job offloads this many times its daemon's arena");
 ABSL_FLAG(int, threads, 2, "the activation store's worker threads (DaemonSliceStore::Options)");
-ABSL_FLAG(bool, verify_fetches, true,
-          "check each fetched slice against its CRC-32C on the trainer (the store's default)");
 ABSL_FLAG(std::string, dir, "",
           "directory for spill files and the O_DIRECT baseline "
           "(default: $TMPDIR or /var/tmp)");
@@ -282,40 +283,41 @@ int Main() {
   auto sinks = Buffers(depth + 1, slice);
 
   // ---- offload + fetch, everything in the arena ----
+  // First as the store is configured by default (no checksums on the bulk
+  // transport: the summary's figure), then with checksums, for their cost.
   double offload_gbps = NAN;
-  {
+  for (const bool checksums : {false, true}) {
+    const std::string label = checksums ? "offload+fetch with checksums" : "offload+fetch";
     absl::StatusOr<std::unique_ptr<Daemon>> daemon = StartDaemon(total + (64 << 20), "", 0);
     if (!daemon.ok()) {
-      std::printf("offload+fetch: %s\n", daemon.status().ToString().c_str());
-    } else {
-      absl::StatusOr<std::unique_ptr<Client>> client = JoinedClient(**daemon, "bench-arena");
-      DaemonSliceStore::Options so;
-      so.verify_fetches = absl::GetFlag(FLAGS_verify_fetches);
-      so.threads = absl::GetFlag(FLAGS_threads);
-      absl::StatusOr<std::unique_ptr<DaemonSliceStore>> store =
-          client.ok() ? (*client)->OpenActivationStore(0, so) : client.status();
-      std::vector<double> both, off, fetch;
-      for (int rep = 0; store.ok() && rep <= absl::GetFlag(FLAGS_reps); ++rep) {
-        absl::StatusOr<Phase> p = OffloadAndFetch(**store, rep + 1, slices, sources, sinks, depth);
-        if (!p.ok()) {
-          std::printf("offload+fetch: %s\n", p.status().ToString().c_str());
-          break;
-        }
-        if (rep == 0) continue;  // warm-up
-        off.push_back(total / p->offload_seconds / 1e9);
-        fetch.push_back(total / p->fetch_seconds / 1e9);
-        both.push_back(2 * total / (p->offload_seconds + p->fetch_seconds) / 1e9);
-      }
-      if (!store.ok()) std::printf("offload+fetch: %s\n", store.status().ToString().c_str());
-      offload_gbps = Median(both);
-      std::printf(
-          "offload+fetch (%s): offload %.2f GB/s, fetch %.2f GB/s, both %.2f GB/s "
-          "(medians of %zu)\n",
-          store.ok() ? (*store)->name().c_str() : "-", Median(off), Median(fetch), offload_gbps,
-          both.size());
-      store = absl::CancelledError("done");  // destroyed before the client
-      if (client.ok()) (*client)->Leave().IgnoreError();
+      std::printf("%s: %s\n", label.c_str(), daemon.status().ToString().c_str());
+      continue;
     }
+    absl::StatusOr<std::unique_ptr<Client>> client = JoinedClient(**daemon, "bench-arena");
+    DaemonSliceStore::Options so;
+    so.checksums = checksums;
+    so.threads = absl::GetFlag(FLAGS_threads);
+    absl::StatusOr<std::unique_ptr<DaemonSliceStore>> store =
+        client.ok() ? (*client)->OpenActivationStore(0, so) : client.status();
+    std::vector<double> both, off, fetch;
+    for (int rep = 0; store.ok() && rep <= absl::GetFlag(FLAGS_reps); ++rep) {
+      absl::StatusOr<Phase> p = OffloadAndFetch(**store, rep + 1, slices, sources, sinks, depth);
+      if (!p.ok()) {
+        std::printf("%s: %s\n", label.c_str(), p.status().ToString().c_str());
+        break;
+      }
+      if (rep == 0) continue;  // warm-up
+      off.push_back(total / p->offload_seconds / 1e9);
+      fetch.push_back(total / p->fetch_seconds / 1e9);
+      both.push_back(2 * total / (p->offload_seconds + p->fetch_seconds) / 1e9);
+    }
+    if (!store.ok()) std::printf("%s: %s\n", label.c_str(), store.status().ToString().c_str());
+    if (!checksums) offload_gbps = Median(both);
+    std::printf("%s (%s): offload %.2f GB/s, fetch %.2f GB/s, both %.2f GB/s (medians of %zu)\n",
+                label.c_str(), store.ok() ? (*store)->name().c_str() : "-", Median(off),
+                Median(fetch), Median(both), both.size());
+    store = absl::CancelledError("done");  // destroyed before the client
+    if (client.ok()) (*client)->Leave().IgnoreError();
   }
   std::string why;
   std::vector<double> perftest_runs;

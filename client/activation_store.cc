@@ -16,6 +16,10 @@ namespace {
 // PrefetchActivationsRequest.keys: at most this many per request.
 constexpr size_t kMaxPrefetchKeys = 1024;
 
+// Bulk offloads and fetches move a slice in pieces of this size; the
+// checksum of each piece is taken while the transport moves the next one.
+constexpr uint64_t kRegionPieceBytes = 4 << 20;
+
 void ToProto(const ActivationKey& key, v1::ActivationKey* out) {
   out->set_step(key.step);
   out->set_micro_batch(key.micro_batch);
@@ -331,23 +335,36 @@ absl::Status DaemonSliceStore::OffloadBulk(const ActivationKey& key, const void*
                                             What("ReserveActivation", key), ": reserved ",
                                             placement.bytes(), " bytes, asked for ", bytes));
   }
-  // The checksum is computed while the transport copies the bytes (both
-  // only read the caller's buffer).
-  uint32_t crc = 0;
   const BulkDataPath::RegionAccess at{owner_.job_id, owner_.rank, owner_.incarnation,
                                       v1::REGION_PURPOSE_ACTIVATION_ARENA};
-  if (absl::Status s = bulk_->PutRegion(at, placement.offset(), data, bytes, deadline,
-                                        [&] { crc = Crc32c(data, bytes); });
-      !s.ok()) {
-    // Hand the reservation back rather than let it wait out the lease; the
-    // daemon drops it by itself if this does not arrive.
-    FreeRpc(key, false, Deadline()).IgnoreError();
-    return AddActivationContext(s, key);
+  const auto* in = static_cast<const uint8_t*>(data);
+  // With checksums, a large slice is put in pieces, each piece's checksum
+  // taken while the next one is being put.
+  const uint64_t piece = options_.checksums ? kRegionPieceBytes : bytes;
+  uint32_t crc = 0;
+  uint64_t checked = 0;
+  auto check_upto = [&](uint64_t end) {
+    if (options_.checksums && checked < end) {
+      crc = Crc32c(in + checked, end - checked, crc);
+      checked = end;
+    }
+  };
+  for (uint64_t at_byte = 0; at_byte < bytes; at_byte += piece) {
+    const uint64_t n = std::min(piece, bytes - at_byte);
+    if (absl::Status s = bulk_->PutRegion(at, placement.offset() + at_byte, in + at_byte, n,
+                                          deadline, [&] { check_upto(at_byte); });
+        !s.ok()) {
+      // Hand the reservation back rather than let it wait out the lease; the
+      // daemon drops it by itself if this does not arrive.
+      FreeRpc(key, false, Deadline()).IgnoreError();
+      return AddActivationContext(s, key);
+    }
   }
+  check_upto(bytes);
   v1::CommitActivationRequest commit;
   *commit.mutable_owner() = OwnerProto();
   ToProto(key, commit.mutable_key());
-  commit.set_crc32c(crc);
+  if (options_.checksums) commit.set_crc32c(crc);
   v1::ActivationStored stored;
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
@@ -477,20 +494,23 @@ absl::Status DaemonSliceStore::FetchBulk(const ActivationKey& key, void* dst, ui
   *was_spilled = placement.was_spilled();
   const BulkDataPath::RegionAccess at{owner_.job_id, owner_.rank, owner_.incarnation,
                                       v1::REGION_PURPOSE_ACTIVATION_ARENA};
-  // A large slice is read in pieces, each piece's checksum taken while the
-  // next one is being read.
-  constexpr uint64_t kPieceBytes = 4 << 20;
+  // With checksums, a large slice is read in pieces, each piece's checksum
+  // taken while the next one is being read. (A slice committed without one
+  // but spilled has the daemon's, which the daemon checked on reading it
+  // back.)
+  const bool verify = options_.checksums && placement.has_crc32c();
+  const uint64_t piece = verify ? kRegionPieceBytes : bytes;
   auto* out = static_cast<uint8_t*>(dst);
   uint32_t crc = 0;
   uint64_t checked = 0;
   auto check_upto = [&](uint64_t end) {
-    if (options_.verify_fetches && checked < end) {
+    if (verify && checked < end) {
       crc = Crc32c(out + checked, end - checked, crc);
       checked = end;
     }
   };
-  for (uint64_t at_byte = 0; at_byte < bytes; at_byte += kPieceBytes) {
-    const uint64_t n = std::min(kPieceBytes, bytes - at_byte);
+  for (uint64_t at_byte = 0; at_byte < bytes; at_byte += piece) {
+    const uint64_t n = std::min(piece, bytes - at_byte);
     if (absl::Status s = bulk_->GetRegion(at, placement.offset() + at_byte, out + at_byte, n,
                                           deadline, [&] { check_upto(at_byte); });
         !s.ok()) {
@@ -498,7 +518,7 @@ absl::Status DaemonSliceStore::FetchBulk(const ActivationKey& key, void* dst, ui
     }
   }
   check_upto(bytes);
-  if (options_.verify_fetches && crc != placement.crc32c()) {
+  if (verify && crc != placement.crc32c()) {
     return absl::DataLossError(absl::StrCat("daemon ", address_, ": ",
                                             What("LocateActivation", key),
                                             ": the bytes read fail the slice's CRC-32C"));

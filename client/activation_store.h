@@ -212,9 +212,15 @@ class DaemonSliceStore final : public ActivationSliceStore {
     absl::Duration rpc_timeout = absl::Seconds(60);
     // Payload of one streamed chunk (4 KiB .. kMaxChunkBytes).
     uint64_t stream_chunk_bytes = 4ull << 20;
-    // Check every fetched slice against the CRC-32C the daemon reports for
-    // it (one more read of the bytes on the trainer).
-    bool verify_fetches = true;
+    // Checksums on the bulk transport: each offload sends the CRC-32C of
+    // its slice (taken while the transport moves it), which the daemon
+    // checks before storing, and each fetch is checked against it. That is
+    // one more read of every byte on each side, which costs about a third
+    // of the offload and fetch throughput on shared memory (see
+    // bench/activation_bench). Off, the bulk transport is trusted as it is
+    // for gradients and parameters; the streaming path checks every chunk
+    // either way, and the daemon checksums the slices it spills to disk.
+    bool checksums = false;
   };
 
   // `channel` is the daemon's (shared with the client's control plane).

@@ -37,7 +37,8 @@ std::vector<uint8_t> Bytes(size_t n, uint32_t seed) {
 struct Rig {
   // bulk: the store gets the inproc data path; arena 0: the fake hands out
   // no ACTIVATION_ARENA region.
-  Rig(bool bulk, uint64_t arena_bytes, uint32_t rank = 0, FakeShard* shared = nullptr) {
+  Rig(bool bulk, uint64_t arena_bytes, uint32_t rank = 0, FakeShard* shared = nullptr,
+      bool checksums = false) {
     if (shared == nullptr) {
       FakeShard::Options o;
       o.activation_arena_bytes = arena_bytes;
@@ -53,6 +54,7 @@ struct Rig {
     DaemonSliceStore::Options so;
     so.rpc_timeout = absl::Seconds(10);
     so.stream_chunk_bytes = 4096;  // several chunks per slice
+    so.checksums = checksums;
     store = std::make_unique<DaemonSliceStore>(DaemonSliceStore::Owner{"job", rank, kIncarnation},
                                                fake->address(), channel, path.get(), so);
   }
@@ -178,9 +180,10 @@ TEST(ActivationStoreTest, StreamsWhenTheDaemonHasNoArenaOrTheSliceIsLarger) {
 }
 
 TEST(ActivationStoreTest, ACorruptedSliceIsDataLoss) {
-  Rig rig(true, 1 << 16);
+  Rig rig(true, 1 << 16, 0, nullptr, /*checksums=*/true);
   const std::vector<uint8_t> v = Bytes(3000, 8);
   ASSERT_TRUE(rig.Offload(Key(0), v).ok());
+  EXPECT_EQ(rig.fake->activation().counts().commits_with_crc, 1);
   rig.fake->activation().set_corrupt_locate_crc(true);
   std::vector<uint8_t> got;
   const absl::Status s = rig.Fetch(Key(0), &got, v.size());
@@ -188,11 +191,28 @@ TEST(ActivationStoreTest, ACorruptedSliceIsDataLoss) {
   EXPECT_EQ(rig.store->Stats().failures, 1u);
 }
 
+// Without checksums (the default) the commit carries none and the fetch
+// takes the bytes as the transport brought them: one read of each byte
+// fewer on each side.
+TEST(ActivationStoreTest, WithoutChecksumsTheTransportIsTrusted) {
+  Rig rig(true, 1 << 16);
+  const std::vector<uint8_t> v = Bytes(3000, 8);
+  ASSERT_TRUE(rig.Offload(Key(0), v).ok());
+  EXPECT_EQ(rig.fake->activation().counts().commit, 1);
+  EXPECT_EQ(rig.fake->activation().counts().commits_with_crc, 0);
+  rig.fake->activation().set_corrupt_locate_crc(true);  // reports none: nothing to corrupt
+  std::vector<uint8_t> got;
+  const absl::Status s = rig.Fetch(Key(0), &got, v.size());
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(got == v);
+  EXPECT_EQ(rig.store->Stats().streamed, 0u);
+}
+
 // A slice larger than one read piece (4 MiB) comes back whole, and its
 // checksum, taken piece by piece while the next piece is read, still
 // catches a corruption.
 TEST(ActivationStoreTest, LargeSlicesAreReadAndCheckedInPieces) {
-  Rig rig(true, 16 << 20);
+  Rig rig(true, 16 << 20, 0, nullptr, /*checksums=*/true);
   const std::vector<uint8_t> v = Bytes((9 << 20) + 5, 9);
   ASSERT_TRUE(rig.Offload(Key(0), v).ok());
   std::vector<uint8_t> got;

@@ -1,7 +1,8 @@
 // The Activation service's bulk path over the inproc transport: the arena is
 // handed out by ExchangeEndpoint; a trainer reserves, puts and commits, then
 // locates and gets, through an arena a tenth of what it stores; a commit
-// whose bytes do not match is DATA_LOSS and drops the reservation; an
+// whose bytes do not match is DATA_LOSS and drops the reservation, one
+// without a checksum is stored as put; an
 // uncommitted reservation expires with the read lease; bad input changes
 // nothing.
 
@@ -196,10 +197,25 @@ TEST_F(ActivationBulkTest, CommitChecksTheBytesAndDropsABadReservation) {
   v1::ActivationStored stored;
   EXPECT_TRUE(act_->Commit(owner, MakeKey(1, 0), Crc32c(b.data(), b.size()), &stored).ok());
   EXPECT_EQ(stored.bytes(), b.size());
-  ExpectRejected(grpc::ALREADY_EXISTS, "is stored with CRC-32C",
+  ExpectRejected(grpc::ALREADY_EXISTS, "its commit carried CRC-32C",
                  [&] { return act_->Commit(owner, MakeKey(1, 0), 42); });
   std::string got;
   ASSERT_TRUE(Get(owner, MakeKey(1, 0), &got).ok());
+  EXPECT_TRUE(got == b);
+  // A commit without a CRC-32C is taken as put, and located without one;
+  // again without one it answers like the first, with one it is
+  // ALREADY_EXISTS.
+  ASSERT_TRUE(act_->Reserve(owner, MakeKey(2, 0), b.size(), &p).ok());
+  ASSERT_TRUE(conn_->Put(b.data(), b.size(), arena_, p.offset()).Wait(Deadline()).ok());
+  ASSERT_TRUE(act_->Commit(owner, MakeKey(2, 0), std::nullopt, &stored).ok());
+  EXPECT_EQ(stored.bytes(), b.size());
+  ASSERT_TRUE(act_->Commit(owner, MakeKey(2, 0), std::nullopt, &stored).ok());
+  ExpectRejected(grpc::ALREADY_EXISTS, "its commit carried no CRC-32C",
+                 [&] { return act_->Commit(owner, MakeKey(2, 0), Crc32c(b.data(), b.size())); });
+  ASSERT_TRUE(act_->Locate(owner, MakeKey(2, 0), &located).ok());
+  EXPECT_FALSE(located.has_crc32c());
+  got.assign(b.size(), '\0');
+  ASSERT_TRUE(conn_->Get(got.data(), got.size(), arena_, located.offset()).Wait(Deadline()).ok());
   EXPECT_TRUE(got == b);
 }
 

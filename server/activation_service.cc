@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -117,7 +118,9 @@ absl::Status ActivationService::DoCommit(const grpc::ServerContext& call,
                                          v1::ActivationStored* resp) {
   ASSIGN_OR_RETURN(SliceOwner owner, Owner(call, req.owner(), req.has_owner()));
   RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
-  ASSIGN_OR_RETURN(uint64_t bytes, ctx_->activations->Commit(owner, ToKey(req.key()), req.crc32c()));
+  const std::optional<uint32_t> crc =
+      req.has_crc32c() ? std::optional<uint32_t>(req.crc32c()) : std::nullopt;
+  ASSIGN_OR_RETURN(uint64_t bytes, ctx_->activations->Commit(owner, ToKey(req.key()), crc));
   resp->set_bytes(bytes);
   resp->set_spilled(false);
   if (ctx_->bulk != nullptr) {
@@ -147,7 +150,7 @@ absl::Status ActivationService::DoLocate(grpc::ServerContext* ctx,
                    ctx_->activations->Locate(owner, ToKey(req.key()), DeadlineOf(ctx)));
   resp->set_offset(p.offset);
   resp->set_bytes(p.bytes);
-  resp->set_crc32c(p.crc32c);
+  if (p.crc32c.has_value()) resp->set_crc32c(*p.crc32c);
   resp->set_was_spilled(p.was_spilled);
   ctx_->metrics->RecordTraffic(owner.job_id, "fetch", ctx_->bulk->kind(), p.bytes);
   ctx_->activation_metrics->RecordFetch(owner.job_id, absl::Now() - start);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <deque>
 #include <tuple>
@@ -58,7 +59,10 @@ struct ActivationStore::Slice {
   uint64_t block = 0;
   std::string file;  // its spill file, if any
   uint64_t file_bytes = 0;
-  uint32_t crc = 0;
+  // What its commit carried, and the checksum of its bytes when known (the
+  // commit's, or taken by the daemon when it spilled the slice).
+  std::optional<uint32_t> commit_crc;
+  std::optional<uint32_t> crc;
   // Read back from its spill file (ahead of a fetch, by a prefetch) and not
   // fetched since: the next fetch reports it as a miss all the same.
   bool read_back = false;
@@ -87,6 +91,10 @@ std::string Describe(const std::string& job, const IdT& id) {
   return absl::StrCat("activation (step ", id.step, ", micro_batch ", id.micro_batch, ", layer ",
                       id.layer, ", mp_rank ", id.mp_rank, " of ", id.mp_size, ") of job ", job,
                       " rank ", id.rank);
+}
+
+std::string DescribeCrc(std::optional<uint32_t> crc) {
+  return crc.has_value() ? absl::StrFormat("CRC-32C %08x", *crc) : "no CRC-32C";
 }
 
 bool SameInstance(const std::weak_ptr<const void>& a, const std::shared_ptr<const void>& b) {
@@ -385,6 +393,8 @@ std::vector<ActivationStore::IoStart> ActivationStore::BeginSpillsLocked(
     start.path = v->file;
     start.address = base_ + v->offset;
     start.length = v->file_bytes;
+    start.crc_bytes = v->bytes;
+    start.crc = v->crc;
     io.push_back(std::move(start));
   }
   return io;
@@ -414,7 +424,7 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
         r.write ? spill_dir_->OpenForWrite(r.path) : spill_dir_->OpenForRead(r.path);
     if (!fd.ok()) {
       if (r.write) {
-        OnSpillWritten(r.slice, fd.status());
+        OnSpillWritten(r.slice, fd.status(), std::nullopt);
       } else {
         OnReadBack(r.slice, fd.status(), false);
       }
@@ -424,27 +434,52 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
     const std::shared_ptr<Slice> slice = r.slice;
     absl::Status queued;
     if (r.write) {
-      queued = io_->Write(file, r.address, r.length, deadline, [this, slice, file](absl::Status s) {
-        ::close(file);
-        OnSpillWritten(slice, std::move(s));
-      });
+      // A slice committed without a checksum gets one as its bytes go to
+      // disk, so that the read-back is checked all the same: taken here
+      // while the write runs (both only read the block, which is the
+      // spill's while the slice is kSpilling); whichever of the two ends
+      // last reports.
+      struct Join {
+        std::atomic<int> parts{1};
+        absl::Status status;          // the write's; set before its part ends
+        std::optional<uint32_t> crc;  // set before this thread's part ends
+      };
+      auto join = std::make_shared<Join>();
+      const bool take = !r.crc.has_value();
+      if (take) join->parts.store(2, std::memory_order_relaxed);
+      auto end_part = [this, slice, join] {
+        if (join->parts.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          OnSpillWritten(slice, join->status, join->crc);
+        }
+      };
+      queued =
+          io_->Write(file, r.address, r.length, deadline, [file, join, end_part](absl::Status s) {
+            ::close(file);
+            join->status = std::move(s);
+            end_part();
+          });
+      if (queued.ok() && take) {
+        join->crc = Crc32c(r.address, r.crc_bytes);
+        end_part();
+      }
     } else {
       const char* address = r.address;
       const uint64_t crc_bytes = r.crc_bytes;
-      const uint32_t crc = r.crc;
+      const std::optional<uint32_t> crc = r.crc;
       queued = io_->Read(file, r.address, r.length, deadline,
                          [this, slice, file, address, crc_bytes, crc](absl::Status s) {
                            ::close(file);
                            // The checksum is taken here, on the I/O thread, not under
-                           // the store's lock.
-                           const bool crc_ok = s.ok() && Crc32c(address, crc_bytes) == crc;
+                           // the store's lock (every spilled slice has one).
+                           const bool crc_ok =
+                               s.ok() && crc.has_value() && Crc32c(address, crc_bytes) == *crc;
                            OnReadBack(slice, std::move(s), crc_ok);
                          });
     }
     if (!queued.ok()) {
       ::close(file);
       if (r.write) {
-        OnSpillWritten(slice, queued);
+        OnSpillWritten(slice, queued, std::nullopt);
       } else {
         OnReadBack(slice, queued, false);
       }
@@ -457,7 +492,8 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
 // fetch, a free followed by a look at the directory) finds the file gone.
 // The unlink runs with no lock held; the slice stays kSpilling/kReading
 // meanwhile, so nothing else touches its file.
-void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status) {
+void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status,
+                                     std::optional<uint32_t> crc) {
   bool unlinked = false;  // the file was removed: the slice stays in memory
   std::string failure;
   for (;;) {
@@ -481,6 +517,7 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
           }
           ForgetFileLocked(*slice);
         } else {
+          if (crc.has_value()) slice->crc = crc;
           FreeBlockLocked(*slice);
           slice->state = Slice::State::kSpilled;
           if (metrics_ != nullptr) metrics_->RecordSpill(slice->job, slice->bytes);
@@ -683,6 +720,7 @@ absl::Status ActivationStore::CommitIncoming(const std::shared_ptr<Slice>& slice
           "key: ", Describe(slice->job, slice->id),
           " was freed (or its job removed) while it was being received"));
     } else {
+      slice->commit_crc = crc32c;
       slice->crc = crc32c;
       slice->state = Slice::State::kStored;
       NotifyLocked();
@@ -706,7 +744,7 @@ void ActivationStore::AbandonIncoming(const std::shared_ptr<Slice>& slice) {
 }
 
 absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const SliceKey& key,
-                                                 uint32_t crc32c) {
+                                                 std::optional<uint32_t> crc32c) {
   auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
   std::shared_ptr<Slice> slice;
   const char* data = nullptr;
@@ -719,6 +757,12 @@ absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const 
         if (slice->stream) {
           return absl::FailedPreconditionError(
               absl::StrCat("key: ", what, " is being received on an OffloadActivation stream"));
+        }
+        if (!crc32c.has_value()) {
+          // Trusts the transport: stored as put.
+          slice->state = Slice::State::kStored;
+          NotifyLocked();
+          return slice->bytes;
         }
         slice->state = Slice::State::kCommitting;
         ++slice->holds;
@@ -733,15 +777,16 @@ absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const 
       case Slice::State::kCorrupt:
         return slice->io_error;
       default:
-        if (slice->crc == crc32c) return slice->bytes;  // committed with these bytes already
-        return absl::AlreadyExistsError(absl::StrFormat(
-            "key: %s is stored with CRC-32C %08x; this commit names %08x", what, slice->crc,
-            crc32c));
+        if (slice->commit_crc == crc32c) return slice->bytes;  // committed like this already
+        return absl::AlreadyExistsError(absl::StrCat(
+            "key: ", what, " is stored; its commit carried ", DescribeCrc(slice->commit_crc),
+            ", this one carries ", DescribeCrc(crc32c)));
     }
   }
   // The checksum of what the trainer put, with no lock held: the block is
   // this request's while the slice is kCommitting.
   const uint32_t actual = Crc32c(data, slice->bytes);
+  const uint32_t expected = *crc32c;
   absl::MutexLock lock(&mu_);
   --slice->holds;
   if (slice->detached) {
@@ -749,14 +794,15 @@ absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const 
     return absl::NotFoundError(absl::StrCat("key: ", Describe(owner.job_id, slice->id),
                                             " was freed while its commit was being checked"));
   }
-  if (actual != crc32c) {
+  if (actual != expected) {
     DropLocked(jobs_.at(slice->job), slice);
     return absl::DataLossError(absl::StrFormat(
         "crc32c: the %d bytes put for %s have CRC-32C %08x, the commit names %08x (corrupted "
         "or incomplete put); the reservation is dropped, reserve and put again",
-        slice->bytes, Describe(owner.job_id, slice->id), actual, crc32c));
+        slice->bytes, Describe(owner.job_id, slice->id), actual, expected));
   }
-  slice->crc = crc32c;
+  slice->commit_crc = expected;
+  slice->crc = expected;
   slice->state = Slice::State::kStored;
   NotifyLocked();
   return slice->bytes;
@@ -1101,7 +1147,10 @@ uint64_t ActivationStore::StateHash() const {
       HashValue(h, s->has_block);
       HashValue(h, s->offset);
       HashValue(h, s->pinned);
-      HashValue(h, s->crc);
+      HashValue(h, s->commit_crc.has_value());
+      HashValue(h, s->commit_crc.value_or(0));
+      HashValue(h, s->crc.has_value());
+      HashValue(h, s->crc.value_or(0));
       HashValue(h, s->file_bytes);
     }
   }

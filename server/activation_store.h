@@ -41,6 +41,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -81,7 +82,9 @@ struct SliceOwner {
 struct SlicePlacement {
   uint64_t offset = 0;  // bytes from the start of the arena region
   uint64_t bytes = 0;
-  uint32_t crc32c = 0;
+  // Its checksum when known: the commit's, or the daemon's from when it
+  // spilled the slice.
+  std::optional<uint32_t> crc32c;
   // Read back from a spill file for this request, or ahead of it by a
   // prefetch since the slice was last fetched (a miss either way).
   bool was_spilled = false;
@@ -126,13 +129,15 @@ class ActivationStore {
   // is dropped unless committed within the reservation lease.
   absl::StatusOr<SlicePlacement> Reserve(const SliceOwner& owner, const SliceKey& key,
                                          uint64_t bytes, absl::Time deadline);
-  // Checks the CRC-32C of the reserved bytes (DATA_LOSS, and the
-  // reservation is dropped, on a mismatch) and stores the slice; returns its
-  // size. Committing a stored slice again with the same CRC-32C answers as
-  // the first commit did; with another, ALREADY_EXISTS. NOT_FOUND without a
+  // Stores the slice, checking the CRC-32C of the reserved bytes first when
+  // one is given (DATA_LOSS, and the reservation is dropped, on a mismatch);
+  // returns its size. Committing a stored slice again with the same CRC-32C
+  // (or again none) answers as the first commit did; otherwise
+  // ALREADY_EXISTS. NOT_FOUND without a
   // reservation (never made, expired or freed); FAILED_PRECONDITION while it
   // waits for room or is being streamed.
-  absl::StatusOr<uint64_t> Commit(const SliceOwner& owner, const SliceKey& key, uint32_t crc32c);
+  absl::StatusOr<uint64_t> Commit(const SliceOwner& owner, const SliceKey& key,
+                                  std::optional<uint32_t> crc32c);
   // Brings the slice into the arena (reading it back from its spill file,
   // making room like Reserve, waiting until `deadline`), pins it there until
   // it is freed, and says where it is. NOT_FOUND for an unknown or freed
@@ -258,8 +263,10 @@ class ActivationStore {
     std::string path;
     char* address = nullptr;
     uint64_t length = 0;
-    uint64_t crc_bytes = 0;  // read: the bytes the CRC covers
-    uint32_t crc = 0;        // read: the CRC expected
+    uint64_t crc_bytes = 0;  // the bytes the CRC covers
+    // read: the CRC expected; write: unset when the daemon is to take it
+    // before writing (the commit carried none).
+    std::optional<uint32_t> crc;
   };
 
   ActivationStore(const Options& options, MemoryLedger* ledger, ActivationMetrics* metrics);
@@ -291,8 +298,10 @@ class ActivationStore {
   // Opens the files and queues the I/O (no lock held; the store's lock is
   // taken by the completions).
   void StartIo(std::vector<IoStart> io, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
-  void OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // `crc`: the checksum the daemon took of the slice before writing it, if
+  // it had none.
+  void OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status,
+                      std::optional<uint32_t> crc) ABSL_LOCKS_EXCLUDED(mu_);
   void OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status, bool crc_ok)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Begins the read-backs of the job's remembered hints (Prefetch) that

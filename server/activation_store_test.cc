@@ -6,9 +6,11 @@
 
 #include "server/activation_store.h"
 
-
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -121,16 +123,23 @@ class StoreTest : public ::testing::Test {
     if (!s.ok()) return s;
     return out;
   }
-  // Offloads over the bulk path: reserve, put, commit.
-  absl::Status Put(const SliceOwner& owner, const SliceKey& key, const std::string& bytes) {
+  // Offloads over the bulk path: reserve, put, commit (with the CRC-32C of
+  // the bytes, or none).
+  absl::Status Put(const SliceOwner& owner, const SliceKey& key, const std::string& bytes,
+                   bool with_crc = true) {
     absl::StatusOr<SlicePlacement> p = store_->Reserve(owner, key, bytes.size(), Deadline());
     if (!p.ok()) return p.status();
     EXPECT_EQ((region_.address + p->offset) % store_->alignment(), 0u);
     absl::Status put = conn_->Put(bytes.data(), bytes.size(), region_, p->offset).Wait(Deadline());
     if (!put.ok()) return put;
-    return store_->Commit(owner, key, Crc32c(bytes.data(), bytes.size())).status();
+    return store_
+        ->Commit(
+            owner, key,
+            with_crc ? std::optional<uint32_t>(Crc32c(bytes.data(), bytes.size())) : std::nullopt)
+        .status();
   }
-  // Locates and gets over the bulk path; checks the CRC the daemon answers.
+  // Locates and gets over the bulk path; checks the CRC the daemon answers,
+  // if any.
   absl::StatusOr<std::string> Get(const SliceOwner& owner, const SliceKey& key,
                                   bool* missed = nullptr) {
     absl::StatusOr<SlicePlacement> p = store_->Locate(owner, key, Deadline());
@@ -138,7 +147,7 @@ class StoreTest : public ::testing::Test {
     std::string out(p->bytes, '\0');
     absl::Status get = conn_->Get(out.data(), out.size(), region_, p->offset).Wait(Deadline());
     if (!get.ok()) return get;
-    EXPECT_EQ(Crc32c(out.data(), out.size()), p->crc32c);
+    if (p->crc32c.has_value()) EXPECT_EQ(Crc32c(out.data(), out.size()), *p->crc32c);
     if (missed != nullptr) *missed = p->was_spilled;
     return out;
   }
@@ -307,6 +316,61 @@ TEST_F(StoreTest, BulkCommitChecksTheBytesPut) {
   absl::StatusOr<std::string> got = Get(Owner(), Key(1, 0));
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(*got, bytes);
+  ExpectExactBooking();
+}
+
+// A commit without a CRC-32C trusts the transport: stored as put, with no
+// checksum to report. Committed again: without one answers like the first
+// commit, with one is ALREADY_EXISTS. Spilled, the slice gets the daemon's
+// checksum before its bytes go to disk, so that a spill file that no longer
+// holds them is DATA_LOSS on reading back, never wrong bytes.
+TEST_F(StoreTest, CommitWithoutChecksumAndItsSpill) {
+  constexpr uint64_t kSlice = 600000;
+  Start(1 << 20, /*spill=*/16 << 20, /*bulk=*/true);
+  const std::string a = Pattern(11, kSlice), b = Pattern(12, kSlice), c = Pattern(13, kSlice);
+  ASSERT_TRUE(Put(Owner(), Key(1, 0), a, /*with_crc=*/false).ok());
+  absl::StatusOr<SlicePlacement> p = store_->Locate(Owner(), Key(1, 0), Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->crc32c.has_value());
+  EXPECT_EQ(*store_->Commit(Owner(), Key(1, 0), std::nullopt), kSlice);
+  const uint64_t hash = store_->StateHash();
+  absl::Status s = store_->Commit(Owner(), Key(1, 0), Crc32c(a.data(), a.size())).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists) << s;
+  EXPECT_NE(s.message().find("its commit carried no CRC-32C"), std::string::npos) << s;
+  EXPECT_EQ(store_->StateHash(), hash);
+  ASSERT_TRUE(store_->FreeKey(Owner(), Key(1, 0)).ok());
+
+  // b is spilled to make room for c; read back intact, with a checksum.
+  ASSERT_TRUE(Put(Owner(), Key(2, 0), b, /*with_crc=*/false).ok());
+  ASSERT_TRUE(Put(Owner(), Key(2, 1), c, /*with_crc=*/false).ok());
+  ASSERT_EQ(SpillFilesIn(spill_dir_), 1u);
+  bool missed = false;
+  absl::StatusOr<std::string> got = Get(Owner(), Key(2, 0), &missed);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(missed);
+  EXPECT_TRUE(*got == b);
+  p = store_->Locate(Owner(), Key(2, 0), Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(p->crc32c.has_value());
+  EXPECT_EQ(*p->crc32c, Crc32c(b.data(), b.size()));
+  ASSERT_TRUE(store_->FreeKey(Owner(), Key(2, 0)).ok());
+
+  // d spills c; c's file is then damaged: reading it back is DATA_LOSS.
+  const std::string d = Pattern(14, kSlice);
+  ASSERT_TRUE(Put(Owner(), Key(3, 0), d, /*with_crc=*/false).ok());
+  ASSERT_EQ(SpillFilesIn(spill_dir_), 1u);
+  for (const auto& entry : std::filesystem::directory_iterator(spill_dir_)) {
+    std::fstream f(entry.path(), std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f.is_open()) << entry.path();
+    f.seekp(12345);
+    f.put(static_cast<char>(c[12345] ^ 0x10));
+  }
+  s = store_->Locate(Owner(), Key(2, 1), Deadline()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("spill file"), std::string::npos) << s;
+  got = Get(Owner(), Key(3, 0));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(*got == d);
   ExpectExactBooking();
 }
 

@@ -78,14 +78,14 @@ grpc::Status ActivationClient::Reserve(const v1::ActivationOwner& owner,
 }
 
 grpc::Status ActivationClient::Commit(const v1::ActivationOwner& owner,
-                                      const v1::ActivationKey& key, uint32_t crc32c,
+                                      const v1::ActivationKey& key, std::optional<uint32_t> crc32c,
                                       v1::ActivationStored* stored) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   v1::CommitActivationRequest req;
   *req.mutable_owner() = owner;
   *req.mutable_key() = key;
-  req.set_crc32c(crc32c);
+  if (crc32c.has_value()) req.set_crc32c(*crc32c);
   v1::ActivationStored local;
   return stub->CommitActivation(&ctx, req, stored != nullptr ? stored : &local);
 }

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,7 +33,7 @@ struct ActivationClient {
   grpc::Status Reserve(const v1::ActivationOwner& owner, const v1::ActivationKey& key,
                        uint64_t bytes, v1::ActivationPlacement* placement = nullptr);
   grpc::Status Commit(const v1::ActivationOwner& owner, const v1::ActivationKey& key,
-                      uint32_t crc32c, v1::ActivationStored* stored = nullptr);
+                      std::optional<uint32_t> crc32c, v1::ActivationStored* stored = nullptr);
   grpc::Status Locate(const v1::ActivationOwner& owner, const v1::ActivationKey& key,
                       v1::ActivationPlacement* placement);
   // Sends `bytes` in chunks of `chunk_bytes`, each with its CRC-32C, the

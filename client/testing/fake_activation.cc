@@ -174,12 +174,15 @@ grpc::Status FakeActivation::CommitActivation(grpc::ServerContext*,
     return Error(grpc::StatusCode::FAILED_PRECONDITION, "no reservation for the key");
   }
   Slice& s = it->second;
-  const uint32_t crc = Crc32c(arena_base() + s.offset, s.bytes);
-  if (crc != req->crc32c()) {
-    slices_.erase(it);
-    return Error(grpc::StatusCode::DATA_LOSS, "crc32c mismatch");
+  if (req->has_crc32c()) {
+    ++counts_.commits_with_crc;
+    const uint32_t crc = Crc32c(arena_base() + s.offset, s.bytes);
+    if (crc != req->crc32c()) {
+      slices_.erase(it);
+      return Error(grpc::StatusCode::DATA_LOSS, "crc32c mismatch");
+    }
+    s.crc = crc;
   }
-  s.crc = crc;
   s.committed = true;
   resp->set_bytes(s.bytes);
   return grpc::Status::OK;
@@ -243,7 +246,7 @@ grpc::Status FakeActivation::LocateActivation(grpc::ServerContext*,
   s.pinned = true;
   resp->set_offset(s.offset);
   resp->set_bytes(s.bytes);
-  resp->set_crc32c(corrupt_crc_ ? ~s.crc : s.crc);
+  if (s.crc.has_value()) resp->set_crc32c(corrupt_crc_ ? ~*s.crc : *s.crc);
   resp->set_was_spilled(was_spilled);
   return grpc::Status::OK;
 }

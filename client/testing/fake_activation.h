@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -34,6 +35,7 @@ class FakeActivation final : public v1::Activation::Service {
   struct Counts {
     int reserve = 0, commit = 0, offload_stream = 0, locate = 0, fetch_stream = 0;
     int prefetch = 0, free = 0;
+    int commits_with_crc = 0;  // CommitActivation calls that carried a CRC-32C
     uint64_t spills = 0;     // slices moved from the arena to "spill"
     uint64_t readbacks = 0;  // slices brought back into the arena
   };
@@ -73,7 +75,7 @@ class FakeActivation final : public v1::Activation::Service {
     bool pinned = false;
     uint64_t offset = 0;
     uint64_t bytes = 0;
-    uint32_t crc = 0;
+    std::optional<uint32_t> crc;  // when known (streamed, or committed with one)
     std::string spilled;  // the bytes when not in the arena
   };
 
