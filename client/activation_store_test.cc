@@ -200,7 +200,7 @@ TEST(ActivationStoreTest, WithoutChecksumsTheTransportIsTrusted) {
   ASSERT_TRUE(rig.Offload(Key(0), v).ok());
   EXPECT_EQ(rig.fake->activation().counts().commit, 1);
   EXPECT_EQ(rig.fake->activation().counts().commits_with_crc, 0);
-  rig.fake->activation().set_corrupt_locate_crc(true);  // reports none: nothing to corrupt
+  rig.fake->activation().set_corrupt_locate_crc(true);  // not checked without checksums
   std::vector<uint8_t> got;
   const absl::Status s = rig.Fetch(Key(0), &got, v.size());
   ASSERT_TRUE(s.ok()) << s;

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdio>
 #include <deque>
+#include <functional>
 #include <tuple>
 
 #include "absl/cleanup/cleanup.h"
@@ -37,10 +38,9 @@ std::string Bytes(uint64_t b) { return absl::StrCat(FormatBytes(static_cast<doub
 
 // One slice's life: kPending (a reservation waiting for room) -> kReserved
 // (a block; the trainer puts or streams the bytes) -> kCommitting (its CRC
-// being checked) -> kStored (in the arena) <-> kSpilling (in the arena and
-// being written to its file) -> kSpilled (in the file only) -> kReading
-// (being read back into a new block) -> kStored. kCorrupt: its file no
-// longer held its bytes.
+// being checked; a commit without one skips it) -> kStored (in the arena) <-> kSpilling (in the
+// arena and being written to its file) -> kSpilled (in the file only) -> kReading (being read back
+// into a new block) -> kStored. kCorrupt: its file no longer held its bytes.
 struct ActivationStore::Slice {
   enum class State { kPending, kReserved, kCommitting, kStored, kSpilling, kSpilled, kReading, kCorrupt };
   Id id{};
@@ -418,6 +418,7 @@ ActivationStore::IoStart ActivationStore::BeginReadLocked(const std::shared_ptr<
 // ---- File I/O (no lock held) ----
 
 void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
+  std::vector<std::function<void()>> checksums;  // of spills, run once all is queued
   for (IoStart& r : io) {
     if (r.slice == nullptr) continue;
     absl::StatusOr<int> fd =
@@ -435,10 +436,10 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
     absl::Status queued;
     if (r.write) {
       // A slice committed without a checksum gets one as its bytes go to
-      // disk, so that the read-back is checked all the same: taken here
-      // while the write runs (both only read the block, which is the
-      // spill's while the slice is kSpilling); whichever of the two ends
-      // last reports.
+      // disk, so that the read-back is checked all the same: taken once
+      // every write is queued, while they run (both only read the block,
+      // which is the spill's while the slice is kSpilling); whichever of
+      // the two ends last reports.
       struct Join {
         std::atomic<int> parts{1};
         absl::Status status;          // the write's; set before its part ends
@@ -459,8 +460,10 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
             end_part();
           });
       if (queued.ok() && take) {
-        join->crc = Crc32c(r.address, r.crc_bytes);
-        end_part();
+        checksums.push_back([join, end_part, address = r.address, n = r.crc_bytes] {
+          join->crc = Crc32c(address, n);
+          end_part();
+        });
       }
     } else {
       const char* address = r.address;
@@ -485,6 +488,7 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
       }
     }
   }
+  for (const auto& take : checksums) take();
 }
 
 // A completion that drops the slice's file unlinks it before the slice

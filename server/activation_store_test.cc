@@ -340,7 +340,8 @@ TEST_F(StoreTest, CommitWithoutChecksumAndItsSpill) {
   EXPECT_EQ(store_->StateHash(), hash);
   ASSERT_TRUE(store_->FreeKey(Owner(), Key(1, 0)).ok());
 
-  // b is spilled to make room for c; read back intact, with a checksum.
+  // b is spilled to make room for c, and read back intact (spilling c),
+  // with the daemon's checksum.
   ASSERT_TRUE(Put(Owner(), Key(2, 0), b, /*with_crc=*/false).ok());
   ASSERT_TRUE(Put(Owner(), Key(2, 1), c, /*with_crc=*/false).ok());
   ASSERT_EQ(SpillFilesIn(spill_dir_), 1u);
@@ -355,7 +356,8 @@ TEST_F(StoreTest, CommitWithoutChecksumAndItsSpill) {
   EXPECT_EQ(*p->crc32c, Crc32c(b.data(), b.size()));
   ASSERT_TRUE(store_->FreeKey(Owner(), Key(2, 0)).ok());
 
-  // d spills c; c's file is then damaged: reading it back is DATA_LOSS.
+  // d fits where b was. c's file is damaged: reading it back (which spills
+  // d to make room) is DATA_LOSS; d comes back intact.
   const std::string d = Pattern(14, kSlice);
   ASSERT_TRUE(Put(Owner(), Key(3, 0), d, /*with_crc=*/false).ok());
   ASSERT_EQ(SpillFilesIn(spill_dir_), 1u);

@@ -174,15 +174,17 @@ grpc::Status FakeActivation::CommitActivation(grpc::ServerContext*,
     return Error(grpc::StatusCode::FAILED_PRECONDITION, "no reservation for the key");
   }
   Slice& s = it->second;
+  // Unlike the daemon, the fake always knows (and reports) a checksum, so
+  // that a client that checks fetches without being asked to is caught.
+  const uint32_t crc = Crc32c(arena_base() + s.offset, s.bytes);
   if (req->has_crc32c()) {
     ++counts_.commits_with_crc;
-    const uint32_t crc = Crc32c(arena_base() + s.offset, s.bytes);
     if (crc != req->crc32c()) {
       slices_.erase(it);
       return Error(grpc::StatusCode::DATA_LOSS, "crc32c mismatch");
     }
-    s.crc = crc;
   }
+  s.crc = crc;
   s.committed = true;
   resp->set_bytes(s.bytes);
   return grpc::Status::OK;

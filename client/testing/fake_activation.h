@@ -75,7 +75,7 @@ class FakeActivation final : public v1::Activation::Service {
     bool pinned = false;
     uint64_t offset = 0;
     uint64_t bytes = 0;
-    std::optional<uint32_t> crc;  // when known (streamed, or committed with one)
+    std::optional<uint32_t> crc;  // taken at commit, with or without the client's
     std::string spilled;  // the bytes when not in the arena
   };
 
