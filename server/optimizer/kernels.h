@@ -69,8 +69,12 @@ using OutFn = void (*)(void* dst, const float* src, size_t n);
 // dst[i] = ((dst[i] + s0[i]) + s1[i]) + ... over the k sources (all of one
 // type), or (s0[i] + s1[i]) + ... with `overwrite`, for i in [0, n): the
 // bits of one InFn pass per source, in one pass with the sum in registers.
-using SumSourcesFn = void (*)(float* dst, const void* const* srcs, size_t k, size_t n,
-                              bool overwrite);
+// The squares variants also return what SumSquaresFn(dst, n, scale) would
+// of the result, from the registers; the stream variants write dst with
+// non-temporal stores (then fence) and require it aligned to the vector
+// width. `n` <= kBlockElems for the squares variants.
+using SumSourcesFn = double (*)(float* dst, const void* const* srcs, size_t k, size_t n,
+                                bool overwrite, float scale);
 // Sum over i in [0, n) of (double)(g[i] * scale)^2, element i into lane
 // i % kSumLanes, lanes then added in order. `n` <= kBlockElems.
 using SumSquaresFn = double (*)(const float* g, size_t n, float scale);
@@ -82,7 +86,8 @@ struct KernelSet {
   InFn accumulate[kNumCopyKinds];                // by source type; kNone unused
   InFn convert_in[kNumCopyKinds][2];             // [source type][stream]
   OutFn convert_out[kNumCopyKinds];
-  SumSourcesFn sum_sources[kNumCopyKinds];  // by source type; kNone unused
+  // [source type][stream][squares]; kNone unused
+  SumSourcesFn sum_sources[kNumCopyKinds][2][2];
   SumSquaresFn sum_squares;
 };
 

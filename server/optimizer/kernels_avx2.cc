@@ -84,31 +84,46 @@ struct Avx2Isa {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   ZS_KERNEL_TARGET static inline void Fence() { _mm_sfence(); }
+  // Four accumulators of 4 doubles hold lanes 0..15 of kSumLanes: a vector
+  // of 8 elements at i fills lanes 0..7 or 8..15 by i % 16.
+  struct Squares {
+    __m256d a0, a1, a2, a3;
+  };
+  ZS_KERNEL_TARGET static inline Squares ZeroSquares() {
+    const __m256d z = _mm256_setzero_pd();
+    return Squares{z, z, z, z};
+  }
+  ZS_KERNEL_TARGET static inline void AddSquares(Squares& acc, V x, size_t i) {
+    const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    if ((i & 8) == 0) {
+      acc.a0 = _mm256_fmadd_pd(d0, d0, acc.a0);
+      acc.a1 = _mm256_fmadd_pd(d1, d1, acc.a1);
+    } else {
+      acc.a2 = _mm256_fmadd_pd(d0, d0, acc.a2);
+      acc.a3 = _mm256_fmadd_pd(d1, d1, acc.a3);
+    }
+  }
+  ZS_KERNEL_TARGET static inline void StoreSquares(const Squares& acc, double* lanes) {
+    _mm256_storeu_pd(lanes + 0, acc.a0);
+    _mm256_storeu_pd(lanes + 4, acc.a1);
+    _mm256_storeu_pd(lanes + 8, acc.a2);
+    _mm256_storeu_pd(lanes + 12, acc.a3);
+  }
 };
 
-// Four accumulators of 4 doubles hold lanes 0..15 of kSumLanes.
+// Lanes as Avx2Isa::Squares holds them.
 ZS_KERNEL_TARGET double SumSquares(const float* g, size_t n, float scale) {
   static_assert(kSumLanes == 16, "lane layout below assumes 16 lanes");
   const __m256 s = _mm256_set1_ps(scale);
-  __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+  Avx2Isa::Squares acc = Avx2Isa::ZeroSquares();
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256 x0 = _mm256_mul_ps(_mm256_loadu_ps(g + i), s);
-    const __m256 x1 = _mm256_mul_ps(_mm256_loadu_ps(g + i + 8), s);
-    const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(x0));
-    const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(x0, 1));
-    const __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(x1));
-    const __m256d d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(x1, 1));
-    a0 = _mm256_fmadd_pd(d0, d0, a0);
-    a1 = _mm256_fmadd_pd(d1, d1, a1);
-    a2 = _mm256_fmadd_pd(d2, d2, a2);
-    a3 = _mm256_fmadd_pd(d3, d3, a3);
+    Avx2Isa::AddSquares(acc, _mm256_mul_ps(_mm256_loadu_ps(g + i), s), i);
+    Avx2Isa::AddSquares(acc, _mm256_mul_ps(_mm256_loadu_ps(g + i + 8), s), i + 8);
   }
   double lanes[kSumLanes];
-  _mm256_storeu_pd(lanes + 0, a0);
-  _mm256_storeu_pd(lanes + 4, a1);
-  _mm256_storeu_pd(lanes + 8, a2);
-  _mm256_storeu_pd(lanes + 12, a3);
+  Avx2Isa::StoreSquares(acc, lanes);
   SumSquaresTail(g, i, n, scale, lanes);
   return ReduceLanes(lanes);
 }

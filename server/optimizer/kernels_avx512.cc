@@ -86,25 +86,36 @@ struct Avx512Isa {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   ZS_KERNEL_TARGET static inline void Fence() { _mm_sfence(); }
+  // Lanes 0..7 and 8..15 of kSumLanes: one vector is all sixteen.
+  struct Squares {
+    __m512d a0, a1;
+  };
+  ZS_KERNEL_TARGET static inline Squares ZeroSquares() {
+    return Squares{_mm512_setzero_pd(), _mm512_setzero_pd()};
+  }
+  ZS_KERNEL_TARGET static inline void AddSquares(Squares& acc, V x, size_t) {
+    const __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d d1 =
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    acc.a0 = _mm512_fmadd_pd(d0, d0, acc.a0);
+    acc.a1 = _mm512_fmadd_pd(d1, d1, acc.a1);
+  }
+  ZS_KERNEL_TARGET static inline void StoreSquares(const Squares& acc, double* lanes) {
+    _mm512_storeu_pd(lanes + 0, acc.a0);
+    _mm512_storeu_pd(lanes + 8, acc.a1);
+  }
 };
 
 // Two accumulators of 8 doubles hold lanes 0..15 of kSumLanes.
 ZS_KERNEL_TARGET double SumSquares(const float* g, size_t n, float scale) {
   static_assert(kSumLanes == 16, "lane layout below assumes 16 lanes");
   const __m512 s = _mm512_set1_ps(scale);
-  __m512d a0 = _mm512_setzero_pd(), a1 = a0;
+  Avx512Isa::Squares acc = Avx512Isa::ZeroSquares();
   size_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(g + i), s);
-    const __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-    const __m512d d1 = _mm512_cvtps_pd(
-        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    a0 = _mm512_fmadd_pd(d0, d0, a0);
-    a1 = _mm512_fmadd_pd(d1, d1, a1);
-  }
+  for (; i + 16 <= n; i += 16)
+    Avx512Isa::AddSquares(acc, _mm512_mul_ps(_mm512_loadu_ps(g + i), s), i);
   double lanes[kSumLanes];
-  _mm512_storeu_pd(lanes + 0, a0);
-  _mm512_storeu_pd(lanes + 8, a1);
+  Avx512Isa::StoreSquares(acc, lanes);
   SumSquaresTail(g, i, n, scale, lanes);
   return ReduceLanes(lanes);
 }

@@ -12,7 +12,11 @@
 // An Isa traits class provides, for a vector type V of kWidth floats:
 //   Set1, Load, Store<stream>, Mul, Add, Div, Sqrt, Fma(a, b, c) = a*b+c
 //   with one rounding, StoreBf16<stream>, StoreFp16<stream>, LoadBf16,
-//   LoadFp16, Fence (after streaming stores).
+//   LoadFp16, Fence (after streaming stores); and for sums of squares a
+//   Squares accumulator of kSumLanes doubles: ZeroSquares(),
+//   AddSquares(acc, x, i) (the squares of x, the vector of elements i.., in
+//   double, each into lane element % kSumLanes, as SumSquaresFn does) and
+//   StoreSquares(acc, lanes).
 //
 // Numerics: the order of operations and the places of fused multiply-adds
 // follow PyTorch 1.13's CPU kernels as built for AVX2 (the builds that ship
@@ -54,6 +58,17 @@ struct ScalarIsa {
   ZS_KERNEL_TARGET static inline V LoadBf16(const uint16_t* p) { return Bf16ToFloat(*p); }
   ZS_KERNEL_TARGET static inline V LoadFp16(const uint16_t* p) { return HalfToFloat(*p); }
   ZS_KERNEL_TARGET static inline void Fence() {}
+  struct Squares {
+    double lanes[kSumLanes];
+  };
+  ZS_KERNEL_TARGET static inline Squares ZeroSquares() { return Squares{}; }
+  ZS_KERNEL_TARGET static inline void AddSquares(Squares& acc, V x, size_t i) {
+    const double d = static_cast<double>(x);
+    acc.lanes[i % kSumLanes] += d * d;
+  }
+  ZS_KERNEL_TARGET static inline void StoreSquares(const Squares& acc, double* lanes) {
+    for (size_t l = 0; l < kSumLanes; ++l) lanes[l] = acc.lanes[l];
+  }
 };
 
 // The step constants broadcast to vectors once per range.
@@ -178,23 +193,54 @@ ZS_KERNEL_TARGET void Accumulate(float* dst, const void* src, size_t n) {
   for (; i < n; ++i) dst[i] = dst[i] + LoadAs<ScalarIsa, kSrc>(src, i);
 }
 
-template <class Isa, CopyKind kSrc>
-ZS_KERNEL_TARGET void SumSources(float* dst, const void* const* srcs, size_t k, size_t n,
-                                 bool overwrite) {
+// Adds (double)(g[i] * scale)^2 for i in [begin, n) to lanes[i % kSumLanes].
+// The square of a float is exact in double, so a fused multiply-add and a
+// multiply then add give the same sum.
+ZS_KERNEL_TARGET inline void SumSquaresTail(const float* g, size_t begin, size_t n, float scale,
+                                            double* lanes) {
+  for (size_t i = begin; i < n; ++i) {
+    const double x = static_cast<double>(g[i] * scale);
+    lanes[i % kSumLanes] += x * x;
+  }
+}
+
+ZS_KERNEL_TARGET inline double ReduceLanes(const double* lanes) {
+  double sum = 0.0;
+  for (size_t l = 0; l < kSumLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
+// kStream: dst must be aligned to one vector, and is not read back.
+// kSquares: returns the sum of squares of the result times `scale`, with the
+// bits of SumSquaresFn on it, taken in the same pass (0 without).
+template <class Isa, CopyKind kSrc, bool kStream, bool kSquares>
+ZS_KERNEL_TARGET double SumSources(float* dst, const void* const* srcs, size_t k, size_t n,
+                                   bool overwrite, float scale) {
   constexpr size_t kW = Isa::kWidth;
+  const typename Isa::V s = Isa::Set1(scale);
+  typename Isa::Squares squares = Isa::ZeroSquares();
   size_t i = 0;
   for (; i + kW <= n; i += kW) {
     typename Isa::V acc = LoadAs<Isa, kSrc>(srcs[0], i);
     if (!overwrite) acc = Isa::Add(Isa::Load(dst + i), acc);
     for (size_t j = 1; j < k; ++j) acc = Isa::Add(acc, LoadAs<Isa, kSrc>(srcs[j], i));
-    Isa::template Store<false>(dst + i, acc);
+    Isa::template Store<kStream>(dst + i, acc);
+    if constexpr (kSquares) Isa::AddSquares(squares, Isa::Mul(acc, s), i);
   }
+  double lanes[kSumLanes];
+  Isa::StoreSquares(squares, lanes);
   for (; i < n; ++i) {
     float acc = LoadAs<ScalarIsa, kSrc>(srcs[0], i);
     if (!overwrite) acc = dst[i] + acc;
     for (size_t j = 1; j < k; ++j) acc = acc + LoadAs<ScalarIsa, kSrc>(srcs[j], i);
     dst[i] = acc;
+    if constexpr (kSquares) {
+      const double x = static_cast<double>(acc * scale);
+      lanes[i % kSumLanes] += x * x;
+    }
   }
+  if constexpr (kStream) Isa::Fence();
+  return kSquares ? ReduceLanes(lanes) : 0.0;
 }
 
 // kStream: dst must be aligned to one vector.
@@ -217,24 +263,6 @@ ZS_KERNEL_TARGET void ConvertOut(void* dst, const float* src, size_t n) {
     StoreCopy<Isa, kDst, false>(dst, i, Isa::Load(src + i));
   }
   for (; i < n; ++i) StoreCopy<ScalarIsa, kDst, false>(dst, i, src[i]);
-}
-
-// Adds (double)(g[i] * scale)^2 for i in [begin, n) to lanes[i % kSumLanes].
-// The square of a float is exact in double, so a fused multiply-add and a
-// multiply then add give the same sum.
-ZS_KERNEL_TARGET inline void SumSquaresTail(const float* g, size_t begin,
-                                            size_t n, float scale,
-                                            double* lanes) {
-  for (size_t i = begin; i < n; ++i) {
-    const double x = static_cast<double>(g[i] * scale);
-    lanes[i % kSumLanes] += x * x;
-  }
-}
-
-ZS_KERNEL_TARGET inline double ReduceLanes(const double* lanes) {
-  double sum = 0.0;
-  for (size_t l = 0; l < kSumLanes; ++l) sum += lanes[l];
-  return sum;
 }
 
 template <class Isa>
@@ -265,9 +293,15 @@ constexpr KernelSet MakeKernelSet(const char* name, size_t vector_bytes,
   s.convert_in[1][1] = &ConvertIn<Isa, CopyKind::kFp32, true>;
   s.convert_in[2][1] = &ConvertIn<Isa, CopyKind::kBf16, true>;
   s.convert_in[3][1] = &ConvertIn<Isa, CopyKind::kFp16, true>;
-  s.sum_sources[1] = &SumSources<Isa, CopyKind::kFp32>;
-  s.sum_sources[2] = &SumSources<Isa, CopyKind::kBf16>;
-  s.sum_sources[3] = &SumSources<Isa, CopyKind::kFp16>;
+#define ZS_SUM_SOURCES_ROW(index, type)                              \
+  s.sum_sources[index][0][0] = &SumSources<Isa, type, false, false>; \
+  s.sum_sources[index][0][1] = &SumSources<Isa, type, false, true>;  \
+  s.sum_sources[index][1][0] = &SumSources<Isa, type, true, false>;  \
+  s.sum_sources[index][1][1] = &SumSources<Isa, type, true, true>
+  ZS_SUM_SOURCES_ROW(1, CopyKind::kFp32);
+  ZS_SUM_SOURCES_ROW(2, CopyKind::kBf16);
+  ZS_SUM_SOURCES_ROW(3, CopyKind::kFp16);
+#undef ZS_SUM_SOURCES_ROW
   s.convert_out[1] = &ConvertOut<Isa, CopyKind::kFp32>;
   s.convert_out[2] = &ConvertOut<Isa, CopyKind::kBf16>;
   s.convert_out[3] = &ConvertOut<Isa, CopyKind::kFp16>;

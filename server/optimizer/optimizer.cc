@@ -223,6 +223,8 @@ absl::Status ValidateHyperParams(const StepHyperParams& hp) {
 
 class ShardOptimizer::Pool {
  public:
+  static constexpr size_t kRunsPerThread = 8;
+
   explicit Pool(int num_threads) {
     threads_.reserve(num_threads - 1);
     for (int t = 1; t < num_threads; ++t) {
@@ -250,12 +252,13 @@ class ShardOptimizer::Pool {
       absl::MutexLock lock(&mu_);
       task_ = &task;
       num_tasks_ = num_tasks;
+      run_ = RunLength(num_tasks, threads_.size() + 1);
       next_.store(0, std::memory_order_relaxed);
       busy_ = static_cast<int>(threads_.size());
       ++generation_;
       start_cv_.SignalAll();
     }
-    Work(task, num_tasks);
+    Work(task, num_tasks, RunLength(num_tasks, threads_.size() + 1));
     // Workers hold a reference to `task` until they check out.
     absl::MutexLock lock(&mu_);
     while (busy_ > 0) done_cv_.Wait(&mu_);
@@ -263,10 +266,17 @@ class ShardOptimizer::Pool {
   }
 
  private:
-  void Work(absl::FunctionRef<void(size_t)> task, size_t num_tasks) {
-    for (size_t i = next_.fetch_add(1, std::memory_order_relaxed); i < num_tasks;
-         i = next_.fetch_add(1, std::memory_order_relaxed)) {
-      task(i);
+  // Tasks are claimed in runs of consecutive ones, so that a thread streams
+  // through a contiguous stretch of every buffer (the hardware prefetchers
+  // follow it) while each thread still gets several runs to even out.
+  static size_t RunLength(size_t num_tasks, size_t threads) {
+    return std::max<size_t>(1, num_tasks / (threads * kRunsPerThread));
+  }
+
+  void Work(absl::FunctionRef<void(size_t)> task, size_t num_tasks, size_t run) {
+    for (size_t i = next_.fetch_add(run, std::memory_order_relaxed); i < num_tasks;
+         i = next_.fetch_add(run, std::memory_order_relaxed)) {
+      for (size_t j = i; j < std::min(num_tasks, i + run); ++j) task(j);
     }
   }
 
@@ -275,6 +285,7 @@ class ShardOptimizer::Pool {
     for (;;) {
       const absl::FunctionRef<void(size_t)>* task;
       size_t num_tasks;
+      size_t run;
       {
         absl::MutexLock lock(&mu_);
         while (!stop_ && generation_ == seen) start_cv_.Wait(&mu_);
@@ -282,8 +293,9 @@ class ShardOptimizer::Pool {
         seen = generation_;
         task = task_;
         num_tasks = num_tasks_;
+        run = run_;
       }
-      Work(*task, num_tasks);
+      Work(*task, num_tasks, run);
       absl::MutexLock lock(&mu_);
       if (--busy_ == 0) done_cv_.Signal();
     }
@@ -297,6 +309,7 @@ class ShardOptimizer::Pool {
   int busy_ ABSL_GUARDED_BY(mu_) = 0;
   const absl::FunctionRef<void(size_t)>* task_ ABSL_GUARDED_BY(mu_) = nullptr;
   size_t num_tasks_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t run_ ABSL_GUARDED_BY(mu_) = 1;
   std::atomic<size_t> next_{0};
   std::vector<std::thread> threads_;
 };
@@ -444,22 +457,36 @@ GradStats ShardOptimizer::SumContributions(float* dst, absl::Span<const Source> 
   if (norm_scale != nullptr && block_sums_.size() < blocks) block_sums_.resize(blocks);
   double* sums = block_sums_.data();
   // Sources of one type are summed in one loop, in groups that keep the
-  // running sum in registers (the same bits as one pass per source).
+  // running sum in registers (the same bits as one pass per source). When
+  // one group takes them all, the norm comes from the registers too, and a
+  // large overwritten dst, read by nothing in this pass, takes streaming
+  // stores (like ConvertIn): it crosses memory once, written.
   constexpr size_t kGroup = 8;
   bool one_type = srcs.size() > 1;
   for (const Source& src : srcs) one_type = one_type && src.type == srcs[0].type;
+  const bool one_group = norm_scale != nullptr && !srcs.empty() && srcs.size() <= kGroup &&
+                         std::all_of(srcs.begin(), srcs.end(),
+                                     [&](const Source& s) { return s.type == srcs[0].type; });
+  const bool stream = one_group && overwrite && streaming_stores_ && n >= kStreamMinElems &&
+                      Aligned(dst, kernels_->vector_bytes);
   ForEachBlock(n, [&](size_t block, size_t begin, size_t end) {
-    if (one_type) {
+    if (one_type || one_group) {
       const size_t esize = DTypeSize(srcs[0].type);
-      const auto fn = kernels_->sum_sources[CopyIndex(srcs[0].type)];
+      const auto& fns = kernels_->sum_sources[CopyIndex(srcs[0].type)];
       const void* ptrs[kGroup];
       for (size_t g = 0; g < srcs.size(); g += kGroup) {
         const size_t k = std::min(kGroup, srcs.size() - g);
         for (size_t j = 0; j < k; ++j) {
           ptrs[j] = static_cast<const char*>(srcs[g + j].data) + begin * esize;
         }
-        fn(dst + begin, ptrs, k, end - begin, overwrite && g == 0);
+        if (one_group) {
+          sums[block] =
+              fns[stream ? 1 : 0][1](dst + begin, ptrs, k, end - begin, overwrite, *norm_scale);
+        } else {
+          fns[0][0](dst + begin, ptrs, k, end - begin, overwrite && g == 0, 0.0f);
+        }
       }
+      if (one_group) return;
     } else {
       for (size_t k = 0; k < srcs.size(); ++k) {
         const Source& src = srcs[k];

@@ -106,12 +106,12 @@ struct GradStats {
 // Threads: Create starts num_threads - 1 worker threads that live until the
 // ShardOptimizer is destroyed; every call also works on the calling thread,
 // so num_threads threads run it. A call splits its range into blocks of
-// kBlockElems elements (each block's streams fit in L2), threads take blocks
-// in turn and stream through them, and the call blocks until every block is
-// done; ranges of one block or less run on the calling thread alone. Nothing
-// is allocated per call, except that SumSquaresAndFinite and
-// SumContributions grow a scratch
-// array of one double per block to the largest range it has seen.
+// kBlockElems elements (each block's streams fit in L2), threads take runs
+// of consecutive blocks in turn (about eight runs per thread, so that each
+// streams through contiguous memory) and stream through them, and the call
+// blocks until every block is done; ranges of one block or less run on the calling thread alone.
+// Nothing is allocated per call, except that SumSquaresAndFinite and SumContributions grow a
+// scratch array of one double per block to the largest range it has seen.
 //
 // Thread-safe: calls from several threads are run one at a time (an internal
 // lock, not fair). Results never depend on num_threads.
@@ -126,7 +126,10 @@ struct GradStats {
 // least kStreamMinElems elements into a vector-aligned `dst` streams too: a
 // bucket's first gradient contribution, written whole and read later (by the
 // next rank's Accumulate or the step) when a bucket that large has mostly
-// left the caches anyway; it measured 1.4x faster on a 32 MiB bucket.
+// left the caches anyway; it measured 1.4x faster on a 32 MiB bucket. So
+// does a SumContributions of that size that overwrites `dst` with at most 8
+// sources of one type and takes the norm (from the registers, in the same
+// pass).
 class ShardOptimizer {
  public:
   static constexpr size_t kBlockElems = 16384;

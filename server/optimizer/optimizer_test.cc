@@ -426,7 +426,7 @@ TEST(SumSquaresTest, SumContributionsOfOneTypeEqualsOneCallPerContribution) {
     if (!KernelPathSupported(path)) continue;
     for (DType type : {DType::kFp32, DType::kBf16}) {
       for (bool overwrite : {false, true}) {
-        for (size_t count : {size_t{2}, size_t{4}, size_t{8}, kMax}) {
+        for (size_t count : {size_t{1}, size_t{2}, size_t{4}, size_t{8}, kMax}) {
           SCOPED_TRACE(absl::StrCat(KernelPathName(path), " ", DTypeName(type),
                                     overwrite ? " overwrite " : " add ", count, " sources"));
           std::vector<ShardOptimizer::Source> srcs;
@@ -451,6 +451,44 @@ TEST(SumSquaresTest, SumContributionsOfOneTypeEqualsOneCallPerContribution) {
           EXPECT_EQ(std::memcmp(&got_stats.sum_sq, &want_stats.sum_sq, sizeof(double)), 0);
         }
       }
+    }
+  }
+}
+
+// A large overwritten gradient, aligned or not (streaming stores or plain),
+// summed with its norm in one pass: the bits of one call per contribution
+// and SumSquaresAndFinite, on every path.
+TEST(SumSquaresTest, LargeSumContributionsGiveTheSameBitsAlignedOrNot) {
+  const size_t n = ShardOptimizer::kStreamMinElems + kBlock / 2 + 37;
+  constexpr size_t kSources = 4;
+  std::vector<std::vector<uint16_t>> src(kSources, std::vector<uint16_t>(n));
+  for (size_t k = 0; k < kSources; ++k) {
+    std::vector<float> f(n);
+    FillNormal(f.data(), n, 70 + static_cast<int>(k), 2.0f, false);
+    for (size_t i = 0; i < n; ++i) src[k][i] = FloatToBf16(f[i]);
+  }
+  std::vector<ShardOptimizer::Source> srcs;
+  for (size_t k = 0; k < kSources; ++k) srcs.push_back({src[k].data(), DType::kBf16});
+  const float scale = 0.5f;
+  for (KernelPath path : {KernelPath::kScalar, KernelPath::kAvx2, KernelPath::kAvx512}) {
+    if (!KernelPathSupported(path)) continue;
+    auto opt = MakeOptimizer(path, 2);
+    Buffer<float> want(n, 0);
+    for (size_t k = 0; k < kSources; ++k) {
+      if (k == 0) {
+        opt->ConvertIn(want.data(), srcs[k].data, DType::kBf16, n);
+      } else {
+        opt->Accumulate(want.data(), srcs[k].data, DType::kBf16, n);
+      }
+    }
+    const GradStats want_stats = opt->SumSquaresAndFinite(want.data(), n, scale);
+    for (size_t offset : {size_t{0}, size_t{3}}) {
+      SCOPED_TRACE(absl::StrCat(KernelPathName(path), offset == 0 ? " aligned" : " unaligned"));
+      Buffer<float> got(n, offset);
+      for (size_t i = 0; i < n; ++i) got[i] = 1e9f;  // overwritten
+      const GradStats got_stats = opt->SumContributions(got.data(), srcs, n, true, &scale);
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(&got_stats.sum_sq, &want_stats.sum_sq, sizeof(double)), 0);
     }
   }
 }
