@@ -335,32 +335,17 @@ absl::Status DaemonSliceStore::OffloadBulk(const ActivationKey& key, const void*
                                             What("ReserveActivation", key), ": reserved ",
                                             placement.bytes(), " bytes, asked for ", bytes));
   }
-  const BulkDataPath::RegionAccess at{owner_.job_id, owner_.rank, owner_.incarnation,
-                                      v1::REGION_PURPOSE_ACTIVATION_ARENA};
-  const auto* in = static_cast<const uint8_t*>(data);
-  // With checksums, a large slice is put in pieces, each piece's checksum
-  // taken while the next one is being put.
-  const uint64_t piece = options_.checksums ? kRegionPieceBytes : bytes;
   uint32_t crc = 0;
-  uint64_t checked = 0;
-  auto check_upto = [&](uint64_t end) {
-    if (options_.checksums && checked < end) {
-      crc = Crc32c(in + checked, end - checked, crc);
-      checked = end;
-    }
-  };
-  for (uint64_t at_byte = 0; at_byte < bytes; at_byte += piece) {
-    const uint64_t n = std::min(piece, bytes - at_byte);
-    if (absl::Status s = bulk_->PutRegion(at, placement.offset() + at_byte, in + at_byte, n,
-                                          deadline, [&] { check_upto(at_byte); });
-        !s.ok()) {
-      // Hand the reservation back rather than let it wait out the lease; the
-      // daemon drops it by itself if this does not arrive.
-      FreeRpc(key, false, Deadline()).IgnoreError();
-      return AddActivationContext(s, key);
-    }
+  // The transport only reads `data` on a put.
+  if (absl::Status s = MoveRegion(true, placement.offset(),
+                                  const_cast<uint8_t*>(static_cast<const uint8_t*>(data)), bytes,
+                                  deadline, options_.checksums ? &crc : nullptr);
+      !s.ok()) {
+    // Hand the reservation back rather than let it wait out the lease; the
+    // daemon drops it by itself if this does not arrive.
+    FreeRpc(key, false, Deadline()).IgnoreError();
+    return AddActivationContext(s, key);
   }
-  check_upto(bytes);
   v1::CommitActivationRequest commit;
   *commit.mutable_owner() = OwnerProto();
   ToProto(key, commit.mutable_key());
@@ -492,37 +477,43 @@ absl::Status DaemonSliceStore::FetchBulk(const ActivationKey& key, void* dst, ui
                      placement.bytes(), " bytes, dst ", bytes));
   }
   *was_spilled = placement.was_spilled();
-  const BulkDataPath::RegionAccess at{owner_.job_id, owner_.rank, owner_.incarnation,
-                                      v1::REGION_PURPOSE_ACTIVATION_ARENA};
-  // With checksums, a large slice is read in pieces, each piece's checksum
-  // taken while the next one is being read. (A slice committed without one
-  // but spilled has the daemon's, which the daemon checked on reading it
-  // back.)
+  // A slice committed without a checksum but spilled has the daemon's,
+  // which the daemon checked on reading it back.
   const bool verify = options_.checksums && placement.has_crc32c();
-  const uint64_t piece = verify ? kRegionPieceBytes : bytes;
-  auto* out = static_cast<uint8_t*>(dst);
   uint32_t crc = 0;
-  uint64_t checked = 0;
-  auto check_upto = [&](uint64_t end) {
-    if (verify && checked < end) {
-      crc = Crc32c(out + checked, end - checked, crc);
-      checked = end;
-    }
-  };
-  for (uint64_t at_byte = 0; at_byte < bytes; at_byte += piece) {
-    const uint64_t n = std::min(piece, bytes - at_byte);
-    if (absl::Status s = bulk_->GetRegion(at, placement.offset() + at_byte, out + at_byte, n,
-                                          deadline, [&] { check_upto(at_byte); });
-        !s.ok()) {
-      return AddActivationContext(s, key);
-    }
+  if (absl::Status s = MoveRegion(false, placement.offset(), static_cast<uint8_t*>(dst), bytes,
+                                  deadline, verify ? &crc : nullptr);
+      !s.ok()) {
+    return AddActivationContext(s, key);
   }
-  check_upto(bytes);
   if (verify && crc != placement.crc32c()) {
     return absl::DataLossError(absl::StrCat("daemon ", address_, ": ",
                                             What("LocateActivation", key),
                                             ": the bytes read fail the slice's CRC-32C"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonSliceStore::MoveRegion(bool put, uint64_t offset, uint8_t* buffer,
+                                          uint64_t bytes, absl::Time deadline, uint32_t* crc) {
+  const BulkDataPath::RegionAccess at{owner_.job_id, owner_.rank, owner_.incarnation,
+                                      v1::REGION_PURPOSE_ACTIVATION_ARENA};
+  const uint64_t piece = crc != nullptr ? kRegionPieceBytes : bytes;
+  uint64_t checked = 0;
+  auto check_upto = [&](uint64_t end) {
+    if (crc != nullptr && checked < end) {
+      *crc = Crc32c(buffer + checked, end - checked, *crc);
+      checked = end;
+    }
+  };
+  for (uint64_t at_byte = 0; at_byte < bytes; at_byte += piece) {
+    const uint64_t n = std::min(piece, bytes - at_byte);
+    auto while_moving = [&] { check_upto(at_byte); };
+    RETURN_IF_ERROR(
+        put ? bulk_->PutRegion(at, offset + at_byte, buffer + at_byte, n, deadline, while_moving)
+            : bulk_->GetRegion(at, offset + at_byte, buffer + at_byte, n, deadline, while_moving));
+  }
+  check_upto(bytes);
   return absl::OkStatus();
 }
 

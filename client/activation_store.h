@@ -287,6 +287,11 @@ class DaemonSliceStore final : public ActivationSliceStore {
                          bool* was_spilled);
   absl::Status FetchStream(const ActivationKey& key, void* dst, uint64_t bytes,
                            absl::Time deadline);
+  // Puts (`put`) or gets `bytes` at `offset` of the daemon's arena. With
+  // `crc`, in pieces, each piece's CRC-32C taken while the next one moves;
+  // *crc is the whole's. Blocks until done or `deadline`.
+  absl::Status MoveRegion(bool put, uint64_t offset, uint8_t* buffer, uint64_t bytes,
+                          absl::Time deadline, uint32_t* crc);
   // FreeActivations of one key (`whole_step` false) or of key.step.
   absl::StatusOr<v1::FreeActivationsResponse> FreeRpc(const ActivationKey& key, bool whole_step,
                                                       absl::Time deadline);
