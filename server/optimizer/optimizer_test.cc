@@ -482,13 +482,18 @@ TEST(SumSquaresTest, LargeSumContributionsGiveTheSameBitsAlignedOrNot) {
       }
     }
     const GradStats want_stats = opt->SumSquaresAndFinite(want.data(), n, scale);
-    for (size_t offset : {size_t{0}, size_t{3}}) {
-      SCOPED_TRACE(absl::StrCat(KernelPathName(path), offset == 0 ? " aligned" : " unaligned"));
-      Buffer<float> got(n, offset);
-      for (size_t i = 0; i < n; ++i) got[i] = 1e9f;  // overwritten
-      const GradStats got_stats = opt->SumContributions(got.data(), srcs, n, true, &scale);
-      EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0);
-      EXPECT_EQ(std::memcmp(&got_stats.sum_sq, &want_stats.sum_sq, sizeof(double)), 0);
+    // Any thread count (runs of blocks claimed differently), the same bits.
+    for (int threads : {1, 2, 3}) {
+      auto summer = MakeOptimizer(path, threads);
+      for (size_t offset : {size_t{0}, size_t{3}}) {
+        SCOPED_TRACE(absl::StrCat(KernelPathName(path), " ", threads, " threads",
+                                  offset == 0 ? " aligned" : " unaligned"));
+        Buffer<float> got(n, offset);
+        for (size_t i = 0; i < n; ++i) got[i] = 1e9f;  // overwritten
+        const GradStats got_stats = summer->SumContributions(got.data(), srcs, n, true, &scale);
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0);
+        EXPECT_EQ(std::memcmp(&got_stats.sum_sq, &want_stats.sum_sq, sizeof(double)), 0);
+      }
     }
   }
 }
