@@ -123,6 +123,10 @@ ABSL_FLAG(int, activation_prefetch_depth, 2,
           "--activations=daemon: checkpoints fetched ahead of the layer backward needs.");
 ABSL_FLAG(int, activation_offloads_in_flight, 2,
           "--activations=daemon: offloads left running behind the forward pass.");
+ABSL_FLAG(bool, activation_checksums, false,
+          "--activations=daemon over a bulk transport: send a CRC-32C with every checkpoint, "
+          "which the daemon checks, and check every fetch against it (one more read of each "
+          "byte on each side; the streaming RPCs check every chunk either way).");
 ABSL_FLAG(int, activation_timing_steps, 0,
           "After training, every rank trains a second job of this many steps alternating daemon "
           "and local activation checkpoints step by step; rank 0 prints the median step time of "
@@ -400,6 +404,7 @@ int Main() {
   o.activations = absl::GetFlag(FLAGS_activations);
   o.activation_prefetch_depth =
       static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_activation_prefetch_depth)));
+  o.activation_checksums = absl::GetFlag(FLAGS_activation_checksums);
   o.activation_offloads_in_flight =
       static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_activation_offloads_in_flight)));
   const int timing_steps = absl::GetFlag(FLAGS_activation_timing_steps);

@@ -251,6 +251,7 @@ absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known
         static_cast<uint32_t>(uint64_t{o.rank} * o.daemons.size() / o.world_size);
     DaemonSliceStore::Options store;
     store.rpc_timeout = client->config().rpc_timeout;
+    store.checksums = o.activation_checksums;
     ASSIGN_OR_RETURN(std::unique_ptr<DaemonSliceStore> s,
                      client->OpenActivationStore(daemon, store));
     DaemonActivationStore::Options ao;

@@ -79,6 +79,9 @@ struct TrainOptions {
   std::string activations = "local";
   uint32_t activation_prefetch_depth = 2;
   uint32_t activation_offloads_in_flight = 2;
+  // "daemon" over a bulk transport: checksum every slice both ways
+  // (DaemonSliceStore::Options::checksums).
+  bool activation_checksums = false;
 
   // A failure drill: in step `kill_at_step` (0: never) the rank kills its
   // own process with SIGKILL once the gradients of half of its layers (the

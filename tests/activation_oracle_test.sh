@@ -10,7 +10,9 @@
 #   local   --activations=local over the streaming RPCs;
 #   stream  --activations=daemon over the streaming RPCs;
 #   ucx     --activations=daemon over UCX (tcp), when the daemons could
-#           initialise UCX (otherwise skipped, said so in the log).
+#           initialise UCX (otherwise skipped, said so in the log), without
+#           checksums on the bulk transport (the default) and with
+#           --activation_checksums.
 # Each run uses one torch thread per rank, so the floating-point work is the
 # same. The spill directory must hold no spill file at the end.
 #
@@ -100,6 +102,11 @@ else
   cmp "$WORK/local.f32" "$WORK/ucx.f32" ||
     fail "parameters differ: --activations=daemon over ucx vs --activations=local"
   echo "ucx: identical to local"
+  train ucx_checksums --transport=ucx --ucx_tls=tcp --activations=daemon \
+    --activation_checksums || fail "the daemon run (ucx, checksums) failed"
+  cmp "$WORK/local.f32" "$WORK/ucx_checksums.f32" ||
+    fail "parameters differ: --activations=daemon over ucx with checksums vs --activations=local"
+  echo "ucx with checksums: identical to local"
 fi
 
 n="$(spill_files)"
