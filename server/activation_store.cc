@@ -278,6 +278,7 @@ void ActivationStore::NotifyLocked() {
 }
 
 void ActivationStore::RemoveDroppedFiles() {
+  absl::MutexLock removing(&remove_mu_);
   std::vector<std::string> files;
   {
     absl::MutexLock lock(&mu_);

@@ -335,7 +335,10 @@ class ActivationStore {
   // Counts a state change and wakes every waiter.
   void NotifyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes the files dropped under the lock; called with no lock held.
-  void RemoveDroppedFiles() ABSL_LOCKS_EXCLUDED(mu_);
+  // Returns once every file dropped before the call is gone, also those
+  // another thread took to remove (a request that frees slices finds their
+  // files gone when it returns).
+  void RemoveDroppedFiles() ABSL_LOCKS_EXCLUDED(mu_, remove_mu_);
   absl::Status CommitIncoming(const std::shared_ptr<Slice>& slice, uint32_t crc32c)
       ABSL_LOCKS_EXCLUDED(mu_);
   void AbandonIncoming(const std::shared_ptr<Slice>& slice) ABSL_LOCKS_EXCLUDED(mu_);
@@ -357,6 +360,9 @@ class ActivationStore {
   // and reset first by the destructor.
   std::unique_ptr<SpillIo> io_;
 
+  // Held while dropped files are taken and removed (file system calls, no
+  // other lock held but mu_ briefly inside it).
+  absl::Mutex remove_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   absl::CondVar changed_;  // any slice changed state
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // counts those changes
