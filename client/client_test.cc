@@ -643,7 +643,7 @@ TEST(ClientTest, HeldPushesSumTheirRangeInOnePass) {
       ASSERT_TRUE(c->GatherAll(p[r].data(), DType::kFp32).ok());
     });
     params[hold] = p[0];
-    counts[hold] = (*daemon->jobs().Find("hold"))->ReductionPasses();
+    counts[hold] = (*daemon->jobs().Find("hold"))->Reductions();
   }
   ASSERT_EQ(params[0].size(), params[1].size());
   EXPECT_EQ(std::memcmp(params[0].data(), params[1].data(), params[0].size() * 4), 0);

@@ -36,7 +36,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <vector>

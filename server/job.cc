@@ -550,7 +550,7 @@ absl::Status Job::AwaitHeld(const Contribution& c, const std::shared_ptr<HeldCon
   return absl::OkStatus();
 }
 
-Job::ReductionCounts Job::ReductionPasses() const {
+Job::ReductionCounts Job::Reductions() const {
   absl::MutexLock lock(&mu_);
   return {reduction_->sum_passes(), reduction_->summed_contributions()};
 }

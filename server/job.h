@@ -127,7 +127,7 @@ class Job {
     uint64_t passes = 0;
     uint64_t contributions = 0;
   };
-  ReductionCounts ReductionPasses() const;
+  ReductionCounts Reductions() const;
 
   // ---- Data ----
   // Stores initial parameters; all chunks are validated before any is

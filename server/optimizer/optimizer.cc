@@ -462,11 +462,11 @@ GradStats ShardOptimizer::SumContributions(float* dst, absl::Span<const Source> 
   // large overwritten dst, read by nothing in this pass, takes streaming
   // stores (like ConvertIn): it crosses memory once, written.
   constexpr size_t kGroup = 8;
-  bool one_type = srcs.size() > 1;
-  for (const Source& src : srcs) one_type = one_type && src.type == srcs[0].type;
-  const bool one_group = norm_scale != nullptr && !srcs.empty() && srcs.size() <= kGroup &&
-                         std::all_of(srcs.begin(), srcs.end(),
+  const bool same_type = std::all_of(srcs.begin(), srcs.end(),
                                      [&](const Source& s) { return s.type == srcs[0].type; });
+  const bool one_type = same_type && srcs.size() > 1;
+  const bool one_group =
+      same_type && norm_scale != nullptr && !srcs.empty() && srcs.size() <= kGroup;
   const bool stream = one_group && overwrite && streaming_stores_ && n >= kStreamMinElems &&
                       Aligned(dst, kernels_->vector_bytes);
   ForEachBlock(n, [&](size_t block, size_t begin, size_t end) {
