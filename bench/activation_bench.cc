@@ -16,8 +16,9 @@
 //   spill write    a second daemon with an arena of --spill_arena_bytes and
 //                  spill files under --dir: the client offloads
 //                  --spill_factor times the arena, so the daemon writes all
-//                  but the arena's worth to spill files to make room; figure:
-//                  bytes spilled / time of the offloads;
+//                  but the arena's worth to spill files to make room (after
+//                  a warm-up step that fits the arena); figure: bytes
+//                  spilled / time of the offloads;
 //   spill read     the same slices fetched back, last first, with the
 //                  prefetch hint a trainer gives: bytes read back from spill
 //                  files / time of the fetches;
@@ -352,26 +353,34 @@ int Main() {
         absl::StatusOr<std::unique_ptr<Client>> client = JoinedClient(**daemon, "bench-spill");
         absl::StatusOr<std::unique_ptr<DaemonSliceStore>> store =
             client.ok() ? (*client)->OpenActivationStore(0, {}) : client.status();
-        absl::StatusOr<Phase> p =
-            store.ok() ? OffloadAndFetch(**store, 1, spill_slices, sources, sinks, depth)
+        // Warm-up: a step that fits the arena, so that the figures are the
+        // spill's and not the first touch of the daemon's fresh arena pages.
+        const int warm_slices = static_cast<int>(std::max<uint64_t>(1, arena / slice));
+        absl::StatusOr<Phase> warm =
+            store.ok() ? OffloadAndFetch(**store, 1, warm_slices, sources, sinks, depth)
                        : absl::StatusOr<Phase>(store.status());
+        const double spilled_before =
+            DaemonCounter(**daemon, "zeroshard_activation_spill_bytes_total", "bench-spill");
+        absl::StatusOr<Phase> p =
+            warm.ok() ? OffloadAndFetch(**store, 2, spill_slices, sources, sinks, depth) : warm;
         if (!p.ok()) {
           std::printf("spill: %s\n", p.status().ToString().c_str());
         } else {
           // What the daemon wrote to spill files (its counter), and what came
           // back from them (the fetches that missed the arena).
-          const uint64_t spilled = static_cast<uint64_t>(DaemonCounter(
-              **daemon, "zeroshard_activation_spill_bytes_total", "bench-spill"));
-          const uint64_t read_back = p->stats.spilled_fetches * slice;
+          const uint64_t spilled = static_cast<uint64_t>(
+              DaemonCounter(**daemon, "zeroshard_activation_spill_bytes_total", "bench-spill") -
+              spilled_before);
+          const uint64_t read_back =
+              (p->stats.spilled_fetches - warm->stats.spilled_fetches) * slice;
           spill_write = spilled / p->offload_seconds / 1e9;
           spill_read = read_back / p->fetch_seconds / 1e9;
           std::printf(
               "spill (arena %.0f MiB, %d slices = %.0f MiB): %.0f MiB spilled in %.2f s "
               "(%.2f GB/s), %llu slices read back (%.0f MiB) in %.2f s (%.2f GB/s)\n",
               arena / 1048576.0, spill_slices, spill_total / 1048576.0, spilled / 1048576.0,
-              p->offload_seconds, spill_write,
-              static_cast<unsigned long long>(p->stats.spilled_fetches), read_back / 1048576.0,
-              p->fetch_seconds, spill_read);
+              p->offload_seconds, spill_write, static_cast<unsigned long long>(read_back / slice),
+              read_back / 1048576.0, p->fetch_seconds, spill_read);
           std::tie(direct_write, direct_read) = DirectIo(dir, spilled, slice, &why);
           if (std::isnan(direct_write)) std::printf("O_DIRECT: %s\n", why.c_str());
           std::printf(

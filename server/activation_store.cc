@@ -354,6 +354,12 @@ absl::Status ActivationStore::PlanRoomLocked(const JobEntry& entry, uint64_t blo
   for (const Slice* s : spilling_) {
     if (!s->pinned && s->holds == 0) plan.Free(s->offset - skew_);
   }
+  bool behind_others = false;  // room goes first to reservations waiting ahead
+  for (const Slice* w : waiting_for_room_) {
+    if (w == exclude) break;
+    // One that would not fit plans its own room.
+    behind_others |= plan.Allocate(w->bytes).has_value();
+  }
   if (plan.Fits(slice_bytes)) return absl::OkStatus();  // the writes in flight make room
   if (spill_dir_ != nullptr) {
     uint64_t spill_free = options_.spill_bytes - std::min(options_.spill_bytes, spill_used_);
@@ -374,6 +380,8 @@ absl::Status ActivationStore::PlanRoomLocked(const JobEntry& entry, uint64_t blo
     }
   }
   victims->clear();
+  // Once those ahead have their room, what they leave may do: wait for them.
+  if (behind_others) return absl::OkStatus();
   return absl::ResourceExhaustedError(NoRoomMessage(slice_bytes, block));
 }
 
@@ -609,12 +617,13 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
     slice->job = owner.job_id;
     slice->bytes = bytes;
     slice->stream = stream;
-    if (!AllocateBlockLocked(*slice)) {
+    if (!waiting_for_room_.empty() || !AllocateBlockLocked(*slice)) {
       RETURN_IF_ERROR(PlanRoomLocked(*entry, allocator_.RoundUp(bytes), nullptr, bytes, &victims));
       io = BeginSpillsLocked(victims);
       slice->state = Slice::State::kPending;
       slice->holds = 1;  // this request's, until it has a block
       entry->slices.emplace(id, slice);
+      waiting_for_room_.push_back(slice.get());
       seen = generation_;
     } else {
       slice->state = Slice::State::kReserved;
@@ -644,7 +653,12 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
     } else {
       while (busy() && !timed_out) timed_out = changed_.WaitWithDeadline(&mu_, deadline);
     }
+    auto leave_queue = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      waiting_for_room_.remove(slice.get());
+      NotifyLocked();  // the next in line may take the room now
+    };
     auto give_up = [&](absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      leave_queue();
       slice->holds = 0;
       if (!slice->detached) DropLocked(jobs_.at(slice->job), slice);
       return status;
@@ -654,11 +668,11 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
           "key: ", Describe(owner.job_id, slice->id),
           " was freed (or its job removed) while its reservation waited for room")));
     }
-    if (AllocateBlockLocked(*slice)) {
+    if (waiting_for_room_.front() == slice.get() && AllocateBlockLocked(*slice)) {
       slice->state = Slice::State::kReserved;
       slice->holds = stream ? 1 : 0;
       slice->lease_end = absl::Now() + options_.reservation_lease;
-      NotifyLocked();
+      leave_queue();
       return slice;
     }
     for (const auto& v : victims) {
@@ -980,8 +994,9 @@ absl::StatusOr<uint32_t> ActivationStore::Prefetch(const SliceOwner& owner,
 
 std::vector<ActivationStore::IoStart> ActivationStore::ContinueHintsLocked(JobEntry& entry) {
   std::vector<IoStart> io;
-  // Room a spill is being made for belongs to the request waiting for it.
-  if (spill_dir_ == nullptr || !spilling_.empty()) return io;
+  // Room a spill is being made for belongs to the request waiting for it,
+  // and free room to the reservations waiting for some.
+  if (spill_dir_ == nullptr || !spilling_.empty() || !waiting_for_room_.empty()) return io;
   for (auto h = entry.hinted.begin(); h != entry.hinted.end();) {
     std::deque<Id>& ids = h->second;
     while (!ids.empty()) {

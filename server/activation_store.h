@@ -39,6 +39,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -283,10 +284,12 @@ class ActivationStore {
                                                       bool stream, absl::Time deadline);
   // Makes room for a block of `block` bytes: picks victims (the job's oldest
   // stored slices, never `exclude`) whose spilling, with the spills already
-  // in flight, frees a block that large; starts nothing. No victims with OK:
-  // wait for the I/O in flight (spills, and read-backs whose slices can
-  // then move) and plan again. RESOURCE_EXHAUSTED when even all of them
-  // would not do.
+  // in flight, frees a block that large once the reservations waiting
+  // ahead of `exclude` (all of them when it is not waiting) have their
+  // blocks; starts nothing. No victims with OK: wait for the I/O in flight
+  // (spills, and read-backs whose slices can then move) or for those ahead
+  // to have their room, and plan again. RESOURCE_EXHAUSTED when even all of
+  // them would not do.
   absl::Status PlanRoomLocked(const JobEntry& entry, uint64_t block, const Slice* exclude,
                               uint64_t slice_bytes, std::vector<std::shared_ptr<Slice>>* victims)
       const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -369,6 +372,10 @@ class ActivationStore {
   ArenaAllocator allocator_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
   std::set<Slice*> spilling_ ABSL_GUARDED_BY(mu_);  // writes in flight
+  // Reservations waiting for room, oldest first. Room goes to them in this
+  // order, and each plans its spills counting the room of those ahead of
+  // it: a later one never takes the room an earlier one's spill made.
+  std::list<const Slice*> waiting_for_room_ ABSL_GUARDED_BY(mu_);
   size_t reading_ ABSL_GUARDED_BY(mu_) = 0;         // read-backs in flight
   uint64_t spill_used_ ABSL_GUARDED_BY(mu_) = 0;
   size_t spill_files_ ABSL_GUARDED_BY(mu_) = 0;
