@@ -11,8 +11,14 @@
 //                  store does by default (no checksums on the bulk
 //                  transport), then again with DaemonSliceStore::Options::
 //                  checksums for what they cost;
+//   memcpy         the same slices copied into a buffer of --bytes and
+//                  back out, on one thread: the copy the offloads and
+//                  fetches do, touching as much memory (printed beside,
+//                  not in the summary);
 //   perftest       `ucx_perftest -t ucp_put_bw` between two processes on
-//                  loopback, message size --slice_bytes, same UCX_TLS;
+//                  loopback, message size --slice_bytes, same UCX_TLS
+//                  (every message into the same buffer, which the caches
+//                  partly hold);
 //   spill write    a second daemon with an arena of --spill_arena_bytes and
 //                  spill files under --dir: the client offloads
 //                  --spill_factor times the arena, so the daemon writes all
@@ -320,6 +326,31 @@ int Main() {
     store = absl::CancelledError("done");  // destroyed before the client
     if (client.ok()) (*client)->Leave().IgnoreError();
   }
+  // The same traffic as plain copies on this thread: each slice copied into
+  // a buffer the size of the arena's slices, then back out into a sink.
+  // perftest puts every message into one buffer, which the caches partly
+  // hold; these copies touch as much memory as the offloads do.
+  std::vector<double> copy_runs;
+  {
+    Aligned arena(total);
+    for (int rep = 0; rep <= absl::GetFlag(FLAGS_reps); ++rep) {
+      const double t0 = Now();
+      for (int i = 0; i < slices; ++i) {
+        std::memcpy(arena.data + i * slice, sources[i % sources.size()]->data, slice);
+      }
+      for (int i = slices - 1; i >= 0; --i) {
+        std::memcpy(sinks[i % sinks.size()]->data, arena.data + i * slice, slice);
+      }
+      asm volatile("" : : "r"(arena.data) : "memory");  // the copies are not dead
+      if (rep > 0) copy_runs.push_back(2 * total / (Now() - t0) / 1e9);
+    }
+  }
+  const double copy_gbps = Median(copy_runs);
+  std::printf(
+      "memcpy of the same slices in and out of %s: %.2f GB/s (median of %zu); "
+      "offload+fetch at %.3f of it\n",
+      absl::StrFormat("%.0f MiB", total / 1048576.0).c_str(), copy_gbps, copy_runs.size(),
+      offload_gbps / copy_gbps);
   std::string why;
   std::vector<double> perftest_runs;
   for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_perftest_runs)); ++i) {

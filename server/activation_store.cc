@@ -31,6 +31,9 @@ void HashValue(uint64_t& h, const T& v) {
 
 // How long a free waits to queue the hinted read-backs it makes room for.
 constexpr absl::Duration kHintQueueWait = absl::Seconds(5);
+// How long a free waits for the removal of files its slices were read back
+// from (file system calls; past it the file still goes, after the answer).
+constexpr absl::Duration kUnlinkWait = absl::Seconds(30);
 
 std::string Bytes(uint64_t b) { return absl::StrCat(FormatBytes(static_cast<double>(b)), " (", b, " B)"); }
 
@@ -66,6 +69,10 @@ struct ActivationStore::Slice {
   // Read back from its spill file (ahead of a fetch, by a prefetch) and not
   // fetched since: the next fetch reports it as a miss all the same.
   bool read_back = false;
+  // Spill files it was read back from that the I/O thread is still
+  // removing (the slice was handed out before: an unlink can wait behind
+  // other reads on the disk). A free of the slice returns once they are gone.
+  int unlinking = 0;
   absl::Time lease_end = absl::InfiniteFuture();
   absl::Status io_error;  // of its last spill write or read-back
 };
@@ -547,20 +554,20 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
   RemoveDroppedFiles();
 }
 
+// Read back or corrupt, the file is not needed any more. The slice is handed
+// out first and the file removed after: an unlink may wait behind the other
+// reads queued on the disk, and the fetch waiting for this slice must not.
+// A free of the slice waits for the removal (Slice::unlinking).
 void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status,
                                  bool crc_ok) {
-  // Read back or corrupt, the file is not needed any more: removed first.
-  if (status.ok()) {
-    std::string file;
-    {
-      absl::MutexLock lock(&mu_);
-      file = slice->file;
-    }
-    if (!file.empty()) SpillDirectory::Remove(file);
-  }
+  std::string unlink;
   {
     absl::MutexLock lock(&mu_);
     --reading_;
+    if (status.ok() && !slice->file.empty()) {
+      unlink = slice->file;
+      ++slice->unlinking;
+    }
     if (!status.ok()) {
       FreeBlockLocked(*slice);
       slice->state = Slice::State::kSpilled;
@@ -582,7 +589,21 @@ void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Stat
     ReleaseIfIdleLocked(*slice);
     NotifyLocked();
   }
+  if (!unlink.empty()) {
+    SpillDirectory::Remove(unlink);
+    absl::MutexLock lock(&mu_);
+    --slice->unlinking;
+    NotifyLocked();
+  }
   RemoveDroppedFiles();
+}
+
+void ActivationStore::AwaitUnlinksLocked(const std::vector<std::shared_ptr<Slice>>& slices) {
+  const absl::Time until = absl::Now() + kUnlinkWait;
+  for (const auto& s : slices) {
+    while (s->unlinking > 0 && !changed_.WaitWithDeadline(&mu_, until)) {
+    }
+  }
 }
 
 // ---- Reservations ----
@@ -1021,10 +1042,10 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
   auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
   Freed freed;
   std::vector<IoStart> io;
+  std::vector<std::shared_ptr<Slice>> doomed;
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
-    std::vector<std::shared_ptr<Slice>> doomed;
     for (const auto& [id, slice] : entry->slices) {
       if (id.rank == owner.rank && match(id)) doomed.push_back(slice);
     }
@@ -1038,6 +1059,10 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
     if (freed.slices > 0) io = ContinueHintsLocked(*entry);
   }
   StartIo(std::move(io), absl::Now() + kHintQueueWait);
+  {
+    absl::MutexLock lock(&mu_);
+    AwaitUnlinksLocked(doomed);
+  }
   return freed;
 }
 
@@ -1069,6 +1094,7 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeAll(const SliceOwner
 
 void ActivationStore::RemoveJob(const std::string& job_id,
                                 const std::shared_ptr<const void>& instance) {
+  std::vector<std::shared_ptr<Slice>> all;
   {
     absl::MutexLock lock(&mu_);
     auto [it, inserted] = jobs_.try_emplace(job_id);
@@ -1076,7 +1102,6 @@ void ActivationStore::RemoveJob(const std::string& job_id,
     if (!inserted && !SameInstance(e.instance, instance) && !e.removed && !e.instance.expired()) {
       return;  // a newer instance of the job holds the entry
     }
-    std::vector<std::shared_ptr<Slice>> all;
     for (auto& [id, slice] : e.slices) all.push_back(slice);
     for (const auto& slice : all) DropLocked(e, slice);
     e.hinted.clear();
@@ -1084,6 +1109,7 @@ void ActivationStore::RemoveJob(const std::string& job_id,
     // in flight stores nothing; pruned once the instance is gone.
     e.instance = instance;
     e.removed = true;
+    AwaitUnlinksLocked(all);
   }
   RemoveDroppedFiles();
 }

@@ -305,6 +305,10 @@ class ActivationStore {
   // it had none.
   void OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status,
                       std::optional<uint32_t> crc) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits (at most kUnlinkWait, mu_ released meanwhile) until none of
+  // `slices` has a read-back file still being removed.
+  void AwaitUnlinksLocked(const std::vector<std::shared_ptr<Slice>>& slices)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status, bool crc_ok)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Begins the read-backs of the job's remembered hints (Prefetch) that
