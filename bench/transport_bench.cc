@@ -6,7 +6,11 @@
 //             streaming RPCs);
 //   perftest  `ucx_perftest -t ucp_put_bw` between two processes on
 //             loopback, same UCX_TLS, message size = the client's bucket C_B:
-//             what UCX itself moves with these settings.
+//             what UCX itself moves with these settings (each side one
+//             buffer of C_B, which the caches can hold);
+//   memcpy    one copy of the same bytes between two buffers of --bytes,
+//             in C_B pieces, on one thread: the least a push or a gather
+//             does (printed beside, not in the summary).
 // A job of --bytes fp32 parameters (one rank, stage 2) pushes its whole
 // gradient and gathers all parameters per repetition; a repetition's figure
 // is (pushed + gathered bytes) / (push time + gather time), the optimizer
@@ -379,7 +383,7 @@ int Main() {
     const char* transport;
     BufferUse use;
     const char* label;
-    double gbps = NAN;
+    double gbps = NAN, push_gbps = NAN, gather_gbps = NAN;
   };
   Run runs[3] = {{"ucx", BufferUse::kCopy, "ucx (copied push)"},
                  {"ucx", BufferUse::kBorrow, "ucx"},
@@ -395,10 +399,38 @@ int Main() {
       continue;
     }
     run.gbps = r->gbps;
+    run.push_gbps = r->push_gbps;
+    run.gather_gbps = r->gather_gbps;
     std::printf("%-17s push %.2f GB/s, gather %.2f GB/s, push+gather %.2f GB/s; "
                 "client staging buffer %llu B\n",
                 run.label, r->push_gbps, r->gather_gbps, r->gbps,
                 static_cast<unsigned long long>(r->client_buffer));
+  }
+  // The least a push or a gather can do, in this process: one copy of the
+  // same bytes between two buffers of --bytes, in C_B pieces, on one thread
+  // (perftest puts every message into the same buffer, which the caches can
+  // hold; these copies touch as much memory as the job's push and gather).
+  {
+    const uint64_t piece = std::min<uint64_t>(bytes, absl::GetFlag(FLAGS_bucket_bytes));
+    std::vector<char> trainer(bytes, 1), daemon_side(bytes, 2);
+    std::vector<double> to_daemon, to_trainer;
+    for (int rep = 0; rep <= std::max(1, absl::GetFlag(FLAGS_reps)); ++rep) {
+      for (const bool push : {true, false}) {
+        char* dst = push ? daemon_side.data() : trainer.data();
+        const char* src = push ? trainer.data() : daemon_side.data();
+        const double t0 = Now();
+        for (uint64_t off = 0; off < bytes; off += piece) {
+          std::memcpy(dst + off, src + off, std::min(piece, bytes - off));
+        }
+        asm volatile("" : : "r"(dst) : "memory");  // the copies are not dead
+        if (rep > 0) (push ? to_daemon : to_trainer).push_back(bytes / (Now() - t0) / 1e9);
+      }
+    }
+    std::printf(
+        "memcpy of the same bytes between buffers of %.1f MiB: push side %.2f GB/s, gather side "
+        "%.2f GB/s (medians of %zu); ucx push at %.3f of it, gather at %.3f\n",
+        bytes / 1048576.0, Median(to_daemon), Median(to_trainer), to_daemon.size(),
+        runs[1].push_gbps / Median(to_daemon), runs[1].gather_gbps / Median(to_trainer));
   }
   const double gbps[2] = {runs[1].gbps, runs[2].gbps};
   std::string why;
