@@ -592,6 +592,37 @@ TEST_F(StoreTest, ConcurrentRanksWithSpill) {
   ExpectExactBooking();
 }
 
+// Reservations waiting for room get it in the order they arrived: the
+// second plans its spill after the first's room, rather than take the room
+// the first one's spill makes (and leave the first to spill again).
+TEST_F(StoreTest, WaitingReservationsGetRoomInArrivalOrder) {
+  constexpr uint64_t kSlice = 8 << 20;
+  Start(2 * kSlice, /*spill=*/8 * kSlice);
+  // Two stored slices fill the arena; the older one's block is `oldest`.
+  absl::StatusOr<SlicePlacement> p0 = store_->Reserve(Owner(), Key(1, 0), kSlice, Deadline());
+  ASSERT_TRUE(p0.ok()) << p0.status();
+  ASSERT_TRUE(store_->Commit(Owner(), Key(1, 0), std::nullopt).ok());
+  ASSERT_TRUE(store_->Reserve(Owner(), Key(1, 1), kSlice, Deadline()).ok());
+  ASSERT_TRUE(store_->Commit(Owner(), Key(1, 1), std::nullopt).ok());
+  const uint64_t oldest = p0->offset;
+  absl::StatusOr<SlicePlacement> first, second;
+  std::thread a([&] { first = store_->Reserve(Owner(), Key(2, 0), kSlice, Deadline()); });
+  // The second arrives once the first is waiting (or already served).
+  while (store_->GetStats().slices < 3) absl::SleepFor(absl::Microseconds(50));
+  std::thread b([&] { second = store_->Reserve(Owner(), Key(2, 1), kSlice, Deadline()); });
+  a.join();
+  b.join();
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(second.ok()) << second.status();
+  // The first took the block of the oldest slice, spilled for it; the
+  // second the other one, spilled for it.
+  EXPECT_EQ(first->offset, oldest);
+  EXPECT_NE(second->offset, oldest);
+  EXPECT_EQ(store_->GetStats().spill_files, 2u);
+  EXPECT_EQ(SpillFilesIn(spill_dir_), 2u);
+  ExpectExactBooking();
+}
+
 TEST_F(StoreTest, ArenaMustFitTheMemoryLimit) {
   MemoryLedger small(1 << 20);
   ActivationStore::Options o;
