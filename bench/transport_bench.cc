@@ -411,7 +411,8 @@ int Main() {
   // (perftest puts every message into the same buffer, which the caches can
   // hold; these copies touch as much memory as the job's push and gather).
   {
-    const uint64_t piece = std::min<uint64_t>(bytes, absl::GetFlag(FLAGS_bucket_bytes));
+    const uint64_t piece =
+        std::max<uint64_t>(1, std::min<uint64_t>(bytes, absl::GetFlag(FLAGS_bucket_bytes)));
     std::vector<char> trainer(bytes, 1), daemon_side(bytes, 2);
     std::vector<double> to_daemon, to_trainer;
     for (int rep = 0; rep <= std::max(1, absl::GetFlag(FLAGS_reps)); ++rep) {

@@ -507,9 +507,10 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
   for (const auto& take : checksums) take();
 }
 
-// A completion that drops the slice's file unlinks it before the slice
-// leaves its in-flight state: whoever waits for the I/O (a reservation, a
-// fetch, a free followed by a look at the directory) finds the file gone.
+// A spill write's completion that drops the slice's file unlinks it before
+// the slice leaves its in-flight state: whoever waits for the I/O (a
+// reservation, a fetch, a free followed by a look at the directory) finds
+// the file gone. (A read-back hands the slice out first: OnReadBack.)
 // The unlink runs with no lock held; the slice stays kSpilling/kReading
 // meanwhile, so nothing else touches its file.
 void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status,
@@ -622,6 +623,10 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
   std::vector<std::shared_ptr<Slice>> victims;
   std::vector<IoStart> io;
   uint64_t seen = 0;  // generation_ when the room was planned
+  // Hinted read-backs held back while reservations waited, started once
+  // the last one has its room (after the lock is released).
+  std::vector<IoStart> resumed;
+  auto resume_hints = absl::MakeCleanup([&] { StartIo(std::move(resumed), deadline); });
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
@@ -660,6 +665,8 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
     absl::MutexLock lock(&mu_);
     auto busy = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (slice->detached) return false;
+      // A free may make room before the victims' writes end.
+      if (waiting_for_room_.front() == slice.get() && allocator_.Fits(bytes)) return false;
       for (const auto& v : victims) {
         if (v->state == Slice::State::kSpilling) return true;
       }
@@ -694,6 +701,7 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
       slice->holds = stream ? 1 : 0;
       slice->lease_end = absl::Now() + options_.reservation_lease;
       leave_queue();
+      if (waiting_for_room_.empty()) resumed = ContinueHintsLocked(jobs_.at(slice->job));
       return slice;
     }
     for (const auto& v : victims) {
@@ -1000,7 +1008,7 @@ absl::StatusOr<uint32_t> ActivationStore::Prefetch(const SliceOwner& owner,
       if (it == entry->slices.end()) continue;
       const std::shared_ptr<Slice>& s = it->second;
       if (s->state != Slice::State::kSpilled) continue;
-      if (!allocator_.Fits(s->bytes)) {
+      if (!waiting_for_room_.empty() || !allocator_.Fits(s->bytes)) {
         later.push_back(id);  // read back once a free makes room
         continue;
       }

@@ -34,8 +34,16 @@
 // no disk I/O, network I/O, waiting or checksum over a slice happens under
 // it. Waits (for room, for a read-back) end at the caller's deadline
 // (DeadlineExceeded; what was started goes on in the background and changes
-// nothing the caller relied on). File I/O completes on SpillIo's thread; a
-// janitor thread drops bulk reservations not committed within their lease.
+// nothing the caller relied on); a free's wait for the removal of files its
+// slices were read back from ends after kUnlinkWait (30 s). File I/O
+// completes on SpillIo's thread; a janitor thread drops bulk reservations
+// not committed within their lease.
+//
+// Room in the arena: reservations that must wait for spills get it in the
+// order they came (one waiting reservation holds up later ones, of any job,
+// until its spills end); prefetch read-backs do not start while any wait.
+// A fetch of a spilled slice reads it back as soon as it fits: a backward
+// pass waiting for its activations goes first.
 
 #include <cstdint>
 #include <functional>
@@ -194,8 +202,8 @@ class ActivationStore {
   // until `deadline`. The spilled slices that had no room are remembered
   // (the rank's latest hint replaces its earlier one) and read back, in the
   // hint's order, as frees of the rank's slices make room, unless spill
-  // writes are in flight then: so the disk reads ahead of a backward pass
-  // that frees each slice once fetched.
+  // writes are in flight or reservations wait for room then: so the disk
+  // reads ahead of a backward pass that frees each slice once fetched.
   absl::StatusOr<uint32_t> Prefetch(const SliceOwner& owner, const std::vector<SliceKey>& keys,
                                     absl::Time deadline);
   struct Freed {
@@ -204,7 +212,8 @@ class ActivationStore {
   };
   // Frees one key (NOT_FOUND when unknown), every key of the owner's rank at
   // `step`, or every slice of the owner's rank. Reservations go too. Spill
-  // files are removed (after the store's lock is released).
+  // files are removed (after the store's lock is released), also those the
+  // slices were read back from: the call returns once they are gone.
   absl::StatusOr<Freed> FreeKey(const SliceOwner& owner, const SliceKey& key);
   absl::StatusOr<Freed> FreeStep(const SliceOwner& owner, uint64_t step);
   absl::StatusOr<Freed> FreeAll(const SliceOwner& owner);
@@ -313,7 +322,7 @@ class ActivationStore {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Begins the read-backs of the job's remembered hints (Prefetch) that
   // fit now, in each hint's order; none while spills are in flight (their
-  // room is for the request waiting on them).
+  // room is for the request waiting on them) or reservations wait for room.
   std::vector<IoStart> ContinueHintsLocked(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Brings a committed slice into the arena (see Locate); on OK it is
   // stored in the arena (possibly still being written to its file) and
@@ -377,8 +386,9 @@ class ActivationStore {
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
   std::set<Slice*> spilling_ ABSL_GUARDED_BY(mu_);  // writes in flight
   // Reservations waiting for room, oldest first. Room goes to them in this
-  // order, and each plans its spills counting the room of those ahead of
-  // it: a later one never takes the room an earlier one's spill made.
+  // order, and each plans its spills counting the room of those ahead of it
+  // that fit the plan: a later one does not take the room an earlier one's
+  // spill makes.
   std::list<const Slice*> waiting_for_room_ ABSL_GUARDED_BY(mu_);
   size_t reading_ ABSL_GUARDED_BY(mu_) = 0;         // read-backs in flight
   uint64_t spill_used_ ABSL_GUARDED_BY(mu_) = 0;

@@ -71,6 +71,7 @@ class StoreTest : public ::testing::Test {
       o.spill_bytes = spill;
     }
     o.reservation_lease = lease;
+    o.io_queue_depth = io_queue_depth_;
     o.janitor_period = absl::ZeroDuration();  // Tick() by hand
     absl::StatusOr<std::unique_ptr<ActivationStore>> s =
         ActivationStore::Create(o, server_.get(), &ledger_, metrics_.get());
@@ -193,6 +194,7 @@ class StoreTest : public ::testing::Test {
     return 0;
   }
 
+  unsigned io_queue_depth_ = 64;  // set before Start
   MemoryLedger ledger_{0};
   metrics::Registry registry_;
   std::unique_ptr<ActivationMetrics> metrics_;
@@ -594,9 +596,11 @@ TEST_F(StoreTest, ConcurrentRanksWithSpill) {
 
 // Reservations waiting for room get it in the order they arrived: the
 // second plans its spill after the first's room, rather than take the room
-// the first one's spill makes (and leave the first to spill again).
+// the first one's spill makes (and leave the first to spill again). One
+// file operation at a time, so the first one's spill ends first.
 TEST_F(StoreTest, WaitingReservationsGetRoomInArrivalOrder) {
   constexpr uint64_t kSlice = 8 << 20;
+  io_queue_depth_ = 1;
   Start(2 * kSlice, /*spill=*/8 * kSlice);
   // Two stored slices fill the arena; the older one's block is `oldest`.
   absl::StatusOr<SlicePlacement> p0 = store_->Reserve(Owner(), Key(1, 0), kSlice, Deadline());
@@ -608,7 +612,11 @@ TEST_F(StoreTest, WaitingReservationsGetRoomInArrivalOrder) {
   absl::StatusOr<SlicePlacement> first, second;
   std::thread a([&] { first = store_->Reserve(Owner(), Key(2, 0), kSlice, Deadline()); });
   // The second arrives once the first is waiting (or already served).
-  while (store_->GetStats().slices < 3) absl::SleepFor(absl::Microseconds(50));
+  const absl::Time give_up = Deadline();
+  while (store_->GetStats().slices < 3 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Microseconds(50));
+  }
+  EXPECT_EQ(store_->GetStats().slices, 3u);
   std::thread b([&] { second = store_->Reserve(Owner(), Key(2, 1), kSlice, Deadline()); });
   a.join();
   b.join();
