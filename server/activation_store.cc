@@ -558,7 +558,9 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
 // Read back or corrupt, the file is not needed any more. The slice is handed
 // out first and the file removed after: an unlink may wait behind the other
 // reads queued on the disk, and the fetch waiting for this slice must not.
-// A free of the slice waits for the removal (Slice::unlinking).
+// A free of the slice waits for the removal (Slice::unlinking). The file's
+// spill space is booked free at once, so for the unlink's time the files
+// may hold one slice more than --spill_bytes.
 void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status,
                                  bool crc_ok) {
   std::string unlink;
