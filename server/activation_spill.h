@@ -12,7 +12,9 @@
 //
 // SpillIo runs asynchronous reads and writes on one io_uring ring: callers
 // queue them (never waiting for the disk; the kernel's workers do), and a
-// thread it owns reaps completions and runs the callers' callbacks.
+// thread it owns issues them to the kernel, reaps completions and runs the
+// callers' callbacks. (The kernel cancels a thread's io_uring requests when
+// the thread exits; callers' threads come and go, SpillIo's stays.)
 
 #include <atomic>
 #include <cstdint>
@@ -20,6 +22,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -116,8 +119,13 @@ class SpillIo {
   struct Op;
   explicit SpillIo(unsigned queue_depth);
   absl::Status Submit(std::unique_ptr<Op> op, absl::Time deadline);
-  // Queues the op's next piece and submits the queue.
+  // Queues the op's next piece and submits the queue. Only on thread_.
   void QueueLocked(Op* op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hands `pending_` to thread_: a no-op request whose completion wakes it
+  // (it completes when submitted, so the caller's thread may exit at once).
+  void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // io_uring_submit, retried briefly while the kernel lacks resources.
+  void SubmitLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Run();
   void Finish(Op* op, absl::Status status);
 
@@ -125,7 +133,9 @@ class SpillIo {
   std::unique_ptr<struct io_uring> ring_;
   bool ring_ready_ = false;
   mutable absl::Mutex mu_;  // the submission queue and the counters
-  size_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;      // pending_ and those issued
+  std::vector<Op*> pending_ ABSL_GUARDED_BY(mu_);  // accepted, for thread_ to issue
+  bool wake_queued_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -226,6 +227,45 @@ TEST_P(SpillIoTest, WritesAndReadsBackManyFilesConcurrently) {
 INSTANTIATE_TEST_SUITE_P(Modes, SpillIoTest,
                          ::testing::Values(SpillDirectory::DirectIo::kIfSupported,
                                            SpillDirectory::DirectIo::kNever));
+
+// The threads that queue I/O come and go (RPC handlers, trainers' ranks):
+// an operation queued by a thread that exits at once still completes. (The
+// kernel cancels io_uring requests of a thread that exits while they run in
+// its workers, so the ring's own thread issues them.)
+TEST_P(SpillIoTest, OperationsOutliveTheThreadsThatQueuedThem) {
+  const std::string dir = TempDir("spill_io_threads");
+  absl::StatusOr<std::unique_ptr<SpillDirectory>> d = SpillDirectory::Open(dir, GetParam());
+  ASSERT_TRUE(d.ok()) << d.status();
+  absl::StatusOr<std::unique_ptr<SpillIo>> io = SpillIo::Create(/*queue_depth=*/8);
+  ASSERT_TRUE(io.ok()) << io.status();
+  constexpr int kFiles = 8;
+  constexpr size_t kBytes = size_t{16} << 20;
+  void* memory = std::aligned_alloc(SpillDirectory::kDirectAlignment, kBytes);
+  std::memset(memory, 0x5a, kBytes);
+  absl::BlockingCounter written(kFiles);
+  std::vector<absl::Status> results(kFiles);
+  std::vector<std::string> paths(kFiles);
+  for (int f = 0; f < kFiles; ++f) {
+    paths[f] = (*d)->NewPath();
+    std::thread([&, f] {
+      absl::StatusOr<int> fd = (*d)->OpenForWrite(paths[f]);
+      ASSERT_TRUE(fd.ok()) << fd.status();
+      const int file = *fd;
+      absl::Status queued = (*io)->Write(file, memory, kBytes, absl::Now() + absl::Seconds(60),
+                                         [&, f, file](absl::Status s) {
+                                           ::close(file);
+                                           results[f] = s;
+                                           written.DecrementCount();
+                                         });
+      ASSERT_TRUE(queued.ok()) << queued;
+    }).join();  // the thread is gone while its write runs
+  }
+  written.Wait();
+  for (int f = 0; f < kFiles; ++f)
+    EXPECT_TRUE(results[f].ok()) << "file " << f << ": " << results[f];
+  for (const std::string& p : paths) SpillDirectory::Remove(p);
+  std::free(memory);
+}
 
 // A write that fails (a bad descriptor here) reports its errno, and the
 // ring keeps working.
