@@ -603,8 +603,14 @@ void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Stat
 
 void ActivationStore::AwaitUnlinksLocked(const std::vector<std::shared_ptr<Slice>>& slices) {
   const absl::Time until = absl::Now() + kUnlinkWait;
+  // A freed slice whose spill write or read-back is in flight loses its
+  // file when that ends (OnSpillWritten, OnReadBack).
+  auto busy = [](const Slice& s) {
+    return s.unlinking > 0 || s.state == Slice::State::kSpilling ||
+           s.state == Slice::State::kReading;
+  };
   for (const auto& s : slices) {
-    while (s->unlinking > 0 && !changed_.WaitWithDeadline(&mu_, until)) {
+    while (busy(*s) && !changed_.WaitWithDeadline(&mu_, until)) {
     }
   }
 }

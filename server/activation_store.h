@@ -315,7 +315,8 @@ class ActivationStore {
   void OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status,
                       std::optional<uint32_t> crc) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits (at most kUnlinkWait, mu_ released meanwhile) until none of
-  // `slices` has a read-back file still being removed.
+  // `slices` has a file still being removed, or a spill write or read-back
+  // in flight (whose end removes the file of a freed slice).
   void AwaitUnlinksLocked(const std::vector<std::shared_ptr<Slice>>& slices)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status, bool crc_ok)
