@@ -273,9 +273,6 @@ struct SpillIo::Op {
 namespace {
 // One submission moves at most this much; the rest follows when it completes.
 constexpr size_t kMaxPiece = size_t{1} << 30;
-// user_data of the no-op that wakes the ring's thread for pending_ (the stop
-// marker is a no-op without user data).
-char wake_marker;
 }  // namespace
 
 SpillIo::SpillIo(unsigned queue_depth)
@@ -283,16 +280,15 @@ SpillIo::SpillIo(unsigned queue_depth)
 
 absl::StatusOr<std::unique_ptr<SpillIo>> SpillIo::Create(unsigned queue_depth) {
   std::unique_ptr<SpillIo> io(new SpillIo(queue_depth));
-  // Two more entries than operations: a wake-up and the stop marker always
-  // find room (at most one wake-up is queued at a time), and the completion
-  // ring (twice as large) never overflows.
-  const int rc = io_uring_queue_init(io->depth_ + 2, io->ring_.get(), 0);
+  // One more entry than operations: the stop marker always finds room.
+  const int rc = io_uring_queue_init(io->depth_ + 1, io->ring_.get(), 0);
   if (rc < 0) {
     return absl::UnavailableError(absl::StrCat("--spill_dir: io_uring is not available here (",
                                                std::strerror(-rc), ")"));
   }
   io->ring_ready_ = true;
   io->thread_ = std::thread([p = io.get()] { p->Run(); });
+  io->issuer_ = std::thread([p = io.get()] { p->Issue(); });
   return io;
 }
 
@@ -306,6 +302,11 @@ SpillIo::~SpillIo() {
       Log(absl::StrCat(in_flight_, " spill I/O operation(s) still in flight after ",
                        absl::FormatDuration(kDrainWait), "; the ring is torn down under them"));
     }
+    stop_issuer_ = true;
+  }
+  issuer_.join();
+  {
+    absl::MutexLock lock(&mu_);
     // The stop marker: a no-op without user data.
     io_uring_sqe* sqe = io_uring_get_sqe(ring_.get());
     if (sqe != nullptr) {
@@ -356,40 +357,25 @@ absl::Status SpillIo::Submit(std::unique_ptr<Op> op, absl::Time deadline) {
   if (stopping_) return absl::FailedPreconditionError("spill I/O is shutting down");
   ++in_flight_;
   pending_.push_back(op.release());
-  if (!wake_queued_) WakeLocked();
   return absl::OkStatus();
 }
 
-void SpillIo::WakeLocked() {
-  io_uring_sqe* sqe = io_uring_get_sqe(ring_.get());
-  if (sqe == nullptr) {  // cannot happen with the ring's spare entries
-    Log("spill I/O: no submission entry for a wake-up");
-    return;
+void SpillIo::Issue() {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !pending_.empty() || stop_issuer_;
+    };
+    mu_.Await(absl::Condition(&work));
+    if (pending_.empty()) return;  // stopped, with nothing left to issue
+    for (Op* op : pending_) QueueLocked(op);
+    pending_.clear();
   }
-  io_uring_prep_nop(sqe);
-  io_uring_sqe_set_data(sqe, &wake_marker);
-  wake_queued_ = true;
-  SubmitLocked("wake-up");
-}
-
-void SpillIo::SubmitLocked(absl::string_view what) {
-  // A submission refused for lack of kernel resources stays queued and goes
-  // with the next one; retrying briefly keeps it from waiting for that.
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    const int rc = io_uring_submit(ring_.get());
-    if (rc >= 0 || (rc != -EAGAIN && rc != -EBUSY && rc != -EINTR)) {
-      if (rc < 0) Log(absl::StrCat("io_uring_submit: ", std::strerror(-rc)));
-      return;
-    }
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  Log(absl::StrCat("io_uring_submit kept failing; the spill ", what, " stays queued"));
 }
 
 void SpillIo::QueueLocked(Op* op) {
-  // At most depth_ operations are in flight, each with one entry queued, and
-  // at most one wake-up, in a ring of depth_ + 2: there is always an entry
-  // free.
+  // At most depth_ operations are in flight, each with one entry queued, in
+  // a ring of depth_ + 1: there is always an entry free.
   io_uring_sqe* sqe = io_uring_get_sqe(ring_.get());
   const size_t n = std::min(op->length - op->done, kMaxPiece);
   if (op->write) {
@@ -401,7 +387,17 @@ void SpillIo::QueueLocked(Op* op) {
   // Always to the kernel's workers: submitting then never copies or waits
   // inline, under this lock.
   io_uring_sqe_set_flags(sqe, IOSQE_ASYNC);
-  SubmitLocked("operation");
+  // A submission refused for lack of kernel resources stays queued and goes
+  // with the next one; retrying briefly keeps it from waiting for that.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const int rc = io_uring_submit(ring_.get());
+    if (rc >= 0 || (rc != -EAGAIN && rc != -EBUSY && rc != -EINTR)) {
+      if (rc < 0) Log(absl::StrCat("io_uring_submit: ", std::strerror(-rc)));
+      return;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  Log("io_uring_submit kept failing; the spill operation stays queued");
 }
 
 void SpillIo::Finish(Op* op, absl::Status status) {
@@ -425,18 +421,10 @@ void SpillIo::Run() {
       absl::SleepFor(absl::Milliseconds(10));
       continue;
     }
-    void* data = io_uring_cqe_get_data(cqe);
+    Op* op = static_cast<Op*>(io_uring_cqe_get_data(cqe));
     const int res = cqe->res;
     io_uring_cqe_seen(ring_.get(), cqe);
-    if (data == nullptr) return;  // the stop marker
-    if (data == &wake_marker) {
-      absl::MutexLock lock(&mu_);
-      wake_queued_ = false;
-      for (Op* pending : pending_) QueueLocked(pending);
-      pending_.clear();
-      continue;
-    }
-    Op* op = static_cast<Op*>(data);
+    if (op == nullptr) return;  // the stop marker
     if (res == -EINTR || res == -EAGAIN) {
       absl::MutexLock lock(&mu_);
       QueueLocked(op);

@@ -11,10 +11,11 @@
 // nothing else in the directory is touched.
 //
 // SpillIo runs asynchronous reads and writes on one io_uring ring: callers
-// queue them (never waiting for the disk; the kernel's workers do), and a
-// thread it owns issues them to the kernel, reaps completions and runs the
-// callers' callbacks. (The kernel cancels a thread's io_uring requests when
-// the thread exits; callers' threads come and go, SpillIo's stays.)
+// queue them (never waiting for the disk; the kernel's workers do), a thread
+// it owns issues them to the kernel, and another reaps completions and runs
+// the callers' callbacks. (The kernel cancels a thread's io_uring requests
+// when the thread exits; callers' threads come and go, SpillIo's stay. The
+// issuing thread never waits for a callback, however long one takes.)
 
 #include <atomic>
 #include <cstdint>
@@ -119,14 +120,11 @@ class SpillIo {
   struct Op;
   explicit SpillIo(unsigned queue_depth);
   absl::Status Submit(std::unique_ptr<Op> op, absl::Time deadline);
-  // Queues the op's next piece and submits the queue. Only on thread_.
+  // Queues the op's next piece and submits the queue; on SpillIo's threads
+  // only.
   void QueueLocked(Op* op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Hands `pending_` to thread_: a no-op request whose completion wakes it
-  // (it completes when submitted, so the caller's thread may exit at once).
-  void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // io_uring_submit, retried briefly while the kernel lacks resources.
-  void SubmitLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Run();
+  void Issue();  // issuer_: pending_ to the kernel, until stopped
+  void Run();    // thread_: completions and callbacks, until the stop marker
   void Finish(Op* op, absl::Status status);
 
   const unsigned depth_;
@@ -134,9 +132,10 @@ class SpillIo {
   bool ring_ready_ = false;
   mutable absl::Mutex mu_;  // the submission queue and the counters
   size_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;      // pending_ and those issued
-  std::vector<Op*> pending_ ABSL_GUARDED_BY(mu_);  // accepted, for thread_ to issue
-  bool wake_queued_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<Op*> pending_ ABSL_GUARDED_BY(mu_);  // accepted, for issuer_
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_issuer_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread issuer_;
   std::thread thread_;
 };
 
