@@ -273,6 +273,8 @@ struct SpillIo::Op {
 namespace {
 // One submission moves at most this much; the rest follows when it completes.
 constexpr size_t kMaxPiece = size_t{1} << 30;
+// How often the issuer submits again what a refused submission left queued.
+constexpr absl::Duration kResubmitPeriod = absl::Milliseconds(10);
 }  // namespace
 
 SpillIo::SpillIo(unsigned queue_depth)
@@ -304,7 +306,7 @@ SpillIo::~SpillIo() {
     }
     stop_issuer_ = true;
   }
-  issuer_.join();
+  if (issuer_.joinable()) issuer_.join();
   {
     absl::MutexLock lock(&mu_);
     // The stop marker: a no-op without user data.
@@ -312,7 +314,7 @@ SpillIo::~SpillIo() {
     if (sqe != nullptr) {
       io_uring_prep_nop(sqe);
       io_uring_sqe_set_data(sqe, nullptr);
-      io_uring_submit(ring_.get());
+      SubmitLocked("stop marker");
     }
   }
   thread_.join();
@@ -366,11 +368,35 @@ void SpillIo::Issue() {
     auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return !pending_.empty() || stop_issuer_;
     };
-    mu_.Await(absl::Condition(&work));
-    if (pending_.empty()) return;  // stopped, with nothing left to issue
+    // Entries a refused submission left queued go again every
+    // kResubmitPeriod until the kernel takes them.
+    if (io_uring_sq_ready(ring_.get()) > 0) {
+      mu_.AwaitWithTimeout(absl::Condition(&work), kResubmitPeriod);
+      SubmitLocked("operation");
+    } else {
+      mu_.Await(absl::Condition(&work));
+    }
+    if (pending_.empty()) {
+      if (stop_issuer_) return;  // stopped, with nothing left to issue
+      continue;
+    }
     for (Op* op : pending_) QueueLocked(op);
     pending_.clear();
   }
+}
+
+void SpillIo::SubmitLocked(absl::string_view what) {
+  // A submission refused for lack of kernel resources stays queued; it is
+  // retried briefly here, then by the issuer every kResubmitPeriod.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const int rc = io_uring_submit(ring_.get());
+    if (rc >= 0 || (rc != -EAGAIN && rc != -EBUSY && rc != -EINTR)) {
+      if (rc < 0) Log(absl::StrCat("io_uring_submit: ", std::strerror(-rc)));
+      return;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  Log(absl::StrCat("io_uring_submit kept failing; the spill ", what, " stays queued"));
 }
 
 void SpillIo::QueueLocked(Op* op) {
@@ -387,17 +413,7 @@ void SpillIo::QueueLocked(Op* op) {
   // Always to the kernel's workers: submitting then never copies or waits
   // inline, under this lock.
   io_uring_sqe_set_flags(sqe, IOSQE_ASYNC);
-  // A submission refused for lack of kernel resources stays queued and goes
-  // with the next one; retrying briefly keeps it from waiting for that.
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    const int rc = io_uring_submit(ring_.get());
-    if (rc >= 0 || (rc != -EAGAIN && rc != -EBUSY && rc != -EINTR)) {
-      if (rc < 0) Log(absl::StrCat("io_uring_submit: ", std::strerror(-rc)));
-      return;
-    }
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  Log("io_uring_submit kept failing; the spill operation stays queued");
+  SubmitLocked("operation");
 }
 
 void SpillIo::Finish(Op* op, absl::Status status) {

@@ -123,8 +123,12 @@ class SpillIo {
   // Queues the op's next piece and submits the queue; on SpillIo's threads
   // only.
   void QueueLocked(Op* op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Issue();  // issuer_: pending_ to the kernel, until stopped
-  void Run();    // thread_: completions and callbacks, until the stop marker
+  // io_uring_submit, retried briefly while the kernel lacks resources.
+  void SubmitLocked(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // issuer_: pending_ to the kernel, until stopped.
+  void Issue() ABSL_LOCKS_EXCLUDED(mu_);
+  // thread_: completions and callbacks, until the stop marker.
+  void Run() ABSL_LOCKS_EXCLUDED(mu_);
   void Finish(Op* op, absl::Status status);
 
   const unsigned depth_;

@@ -437,6 +437,17 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
   std::vector<std::function<void()>> checksums;  // of spills, run once all is queued
   for (IoStart& r : io) {
     if (r.slice == nullptr) continue;
+    if (r.write) {
+      bool freed;
+      {
+        absl::MutexLock lock(&mu_);
+        freed = r.slice->detached;
+      }
+      if (freed) {  // before its write began: nothing to write
+        OnSpillWritten(r.slice, absl::OkStatus(), std::nullopt);
+        continue;
+      }
+    }
     absl::StatusOr<int> fd =
         r.write ? spill_dir_->OpenForWrite(r.path) : spill_dir_->OpenForRead(r.path);
     if (!fd.ok()) {

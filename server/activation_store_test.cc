@@ -6,6 +6,7 @@
 
 #include "server/activation_store.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -609,6 +610,9 @@ TEST_F(StoreTest, WaitingReservationsPlanAfterTheRoomOfThoseAhead) {
     absl::SleepFor(absl::Microseconds(50));
   }
   ASSERT_EQ(store_->GetStats().slices, 3u);
+  if (store_->GetStats().in_flight == 0) {
+    std::printf("the first reservation had its room already: nothing waited\n");
+  }
   const absl::Status second =
       store_->Reserve(Owner(), Key(2, 1), kSlice, absl::Now() - absl::Seconds(1)).status();
   EXPECT_EQ(second.code(), absl::StatusCode::kDeadlineExceeded) << second;
@@ -624,6 +628,32 @@ TEST_F(StoreTest, WaitingReservationsPlanAfterTheRoomOfThoseAhead) {
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(*got == Pattern(layer, kSlice)) << "layer " << layer;
   }
+}
+
+// A free of slices whose spill is under way (or not yet begun) returns once
+// their files are gone.
+TEST_F(StoreTest, AFreeDuringASpillReturnsWithTheFileGone) {
+  constexpr uint64_t kSlice = 8 << 20;
+  Start(2 * kSlice, /*spill=*/8 * kSlice);
+  for (uint64_t step = 1; step <= 4; ++step) {
+    ASSERT_TRUE(Offload(Owner(), Key(step, 0), Pattern(step, kSlice)).ok());
+    ASSERT_TRUE(Offload(Owner(), Key(step, 1), Pattern(step + 10, kSlice)).ok());
+    // Room for the next step's first slice: (step, 0) is spilled for it.
+    absl::StatusOr<SlicePlacement> next;
+    std::thread a([&] { next = store_->Reserve(Owner(), Key(step + 100, 0), kSlice, Deadline()); });
+    const absl::Time give_up = Deadline();
+    while (store_->GetStats().slices < 3 && absl::Now() < give_up) {
+      absl::SleepFor(absl::Microseconds(20));
+    }
+    ASSERT_TRUE(store_->FreeKey(Owner(), Key(step, 0)).ok());
+    EXPECT_EQ(SpillFilesIn(spill_dir_), 0u) << "step " << step;
+    a.join();
+    ASSERT_TRUE(next.ok()) << next.status();
+    ASSERT_TRUE(store_->FreeAll(Owner()).ok());
+    EXPECT_EQ(store_->GetStats().spill_files, 0u);
+    EXPECT_EQ(SpillFilesIn(spill_dir_), 0u);
+  }
+  ExpectExactBooking();
 }
 
 TEST_F(StoreTest, ArenaMustFitTheMemoryLimit) {
