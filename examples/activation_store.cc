@@ -71,7 +71,7 @@ void DaemonActivationStore::Hold(uint64_t bytes) {
 }
 
 absl::Status DaemonActivationStore::BeginStep(uint64_t step) {
-  if (!saved_.empty() || !offloads_.empty() || !fetches_.empty()) {
+  if (!saved_.empty() || !kept_.empty() || !offloads_.empty() || !fetches_.empty()) {
     RETURN_IF_ERROR(EndStep());
   }
   step_ = step;
@@ -106,13 +106,34 @@ absl::Status DaemonActivationStore::Save(int layer, const torch::Tensor& input) 
   step_bytes_ += shape.bytes;
   peak_step_ = std::max(peak_step_, step_bytes_);
   if (shape.bytes == 0) return absl::OkStatus();
+  // Room for this one first: the oldest kept checkpoint goes to the store.
+  while (!kept_.empty() && kept_.size() >= options_.keep_last) {
+    InFlight k = std::move(kept_.front());
+    kept_.pop_front();
+    const uint64_t bytes = TensorBytes(k.tensor);
+    if (absl::Status s = Offload(k.layer, std::move(k.tensor)); !s.ok()) {
+      held_ -= bytes;
+      return s;
+    }
+  }
+  if (options_.keep_last == 0) {
+    RETURN_IF_ERROR(Offload(layer, std::move(t)));
+    Hold(shape.bytes);
+    return absl::OkStatus();
+  }
+  Hold(shape.bytes);
+  kept_.push_back({layer, std::move(t), ActivationTicket()});
+  return absl::OkStatus();
+}
+
+absl::Status DaemonActivationStore::Offload(int layer, torch::Tensor t) {
   // At most max_offloads_in_flight run behind the forward pass: past that,
   // wait for the oldest before lending another tensor.
   while (offloads_.size() >= std::max<uint32_t>(1, options_.max_offloads_in_flight)) {
     RETURN_IF_ERROR(RetireOffload());
   }
-  ASSIGN_OR_RETURN(ActivationTicket ticket, store_->Offload(Key(layer), t.data_ptr(), shape.bytes));
-  Hold(shape.bytes);
+  ASSIGN_OR_RETURN(ActivationTicket ticket,
+                   store_->Offload(Key(layer), t.data_ptr(), TensorBytes(t)));
   offloads_.push_back({layer, std::move(t), std::move(ticket)});
   return absl::OkStatus();
 }
@@ -135,7 +156,7 @@ absl::Status DaemonActivationStore::FillFetches() {
   const size_t depth = std::max<uint32_t>(1, options_.prefetch_depth);
   while (fetches_.size() < depth && next_ < order_.size()) {
     const int layer = order_[next_++];
-    if (saved_.count(layer) == 0 || fetches_.count(layer) > 0) continue;
+    if (saved_.count(layer) == 0 || fetches_.count(layer) > 0 || IsKept(layer)) continue;
     RETURN_IF_ERROR(StartFetch(layer));
   }
   return absl::OkStatus();
@@ -151,8 +172,10 @@ absl::Status DaemonActivationStore::BeginBackward(const std::vector<int>& order)
   // reads spilled slices back into its arena ahead of their fetch. A hint:
   // its outcome does not matter.
   std::vector<ActivationKey> hint;
-  for (size_t i = std::max<uint32_t>(1, options_.prefetch_depth); i < order.size(); ++i) {
-    if (saved_.count(order[i]) > 0 && saved_.at(order[i]).bytes > 0) hint.push_back(Key(order[i]));
+  size_t ahead = 0;  // fetches FillFetches starts now
+  for (const int layer : order) {
+    if (saved_.count(layer) == 0 || saved_.at(layer).bytes == 0 || IsKept(layer)) continue;
+    if (ahead++ >= std::max<uint32_t>(1, options_.prefetch_depth)) hint.push_back(Key(layer));
   }
   if (!hint.empty()) store_->Prefetch(hint).IgnoreError();
   return FillFetches();
@@ -163,6 +186,15 @@ absl::StatusOr<torch::Tensor> DaemonActivationStore::Load(int layer) {
   held_ -= loaded_bytes_;
   loaded_bytes_ = 0;
   RETURN_IF_ERROR(RetireDoneOffloads());
+  for (auto k = kept_.begin(); k != kept_.end(); ++k) {
+    if (k->layer != layer) continue;
+    torch::Tensor t = std::move(k->tensor);  // never left the trainer
+    kept_.erase(k);
+    saved_.erase(layer);
+    loaded_bytes_ = TensorBytes(t);  // still counted while the caller holds it
+    RETURN_IF_ERROR(FillFetches());
+    return t;
+  }
   if (fetches_.count(layer) == 0) RETURN_IF_ERROR(StartFetch(layer));  // out of order
   auto it = fetches_.find(layer);
   RETURN_IF_ERROR(it->second.ticket.Wait(Deadline()));
@@ -200,6 +232,8 @@ absl::Status DaemonActivationStore::EndStep() {
   if (s.ok()) s = f;
   held_ -= loaded_bytes_;
   loaded_bytes_ = 0;
+  for (const InFlight& k : kept_) held_ -= TensorBytes(k.tensor);
+  kept_.clear();
   saved_.clear();
   order_.clear();
   next_ = 0;

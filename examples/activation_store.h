@@ -93,6 +93,11 @@ class DaemonActivationStore final : public ActivationStore {
     // waits for the oldest before starting one more. BeginBackward waits
     // for all of them.
     uint32_t max_offloads_in_flight = 2;
+    // The latest checkpoints kept in the trainer, not offloaded: each is
+    // offloaded when this many newer ones are saved. Those still kept at
+    // BeginBackward, the first that backward needs, never leave the trainer
+    // (no offload, no fetch, no wait at the start of backward).
+    uint32_t keep_last = 1;
     uint32_t micro_batch = 0;  // ActivationKey.micro_batch of the saves
     // Bounds each wait for an offload or a fetch.
     absl::Duration timeout = absl::Minutes(5);
@@ -137,6 +142,15 @@ class DaemonActivationStore final : public ActivationStore {
   // Starts fetches until prefetch_depth are ahead or the order is done.
   absl::Status FillFetches();
   absl::Status StartFetch(int layer);
+  // Lends `t` to an offload of `layer` (waiting while max_offloads_in_flight
+  // run); its bytes are counted by the caller, and uncounted once retired.
+  absl::Status Offload(int layer, torch::Tensor t);
+  bool IsKept(int layer) const {
+    for (const InFlight& k : kept_) {
+      if (k.layer == layer) return true;
+    }
+    return false;
+  }
   // Waits for everything in flight (errors dropped: the first is returned).
   absl::Status Drain();
 
@@ -145,6 +159,7 @@ class DaemonActivationStore final : public ActivationStore {
   uint64_t step_ = 0;
   std::map<int, Shape> saved_;  // this step's checkpoints, by layer
   uint64_t step_bytes_ = 0;
+  std::deque<InFlight> kept_;  // saved, not offloaded (no ticket), oldest first
   std::deque<InFlight> offloads_;
   std::map<int, InFlight> fetches_;
   std::vector<int> order_;

@@ -33,7 +33,8 @@ bool SameBytes(const torch::Tensor& a, const torch::Tensor& b) {
 }
 
 // Two steps of forward saves and backward loads; every load equals its save.
-void RunSteps(ActivationStore& store, bool keeps_all) {
+// `keep_last`: DaemonActivationStore::Options::keep_last.
+void RunSteps(ActivationStore& store, bool keeps_all, uint32_t keep_last = 1) {
   uint64_t largest = 0, total = 0;
   for (int l = 0; l < kLayers; ++l) {
     const torch::Tensor t = Checkpoint(l);
@@ -58,10 +59,11 @@ void RunSteps(ActivationStore& store, bool keeps_all) {
   if (keeps_all) {
     EXPECT_EQ(store.peak_bytes(), total);
   } else {
-    // Two offloads in flight, or two fetches ahead and the one loaded: at
-    // most three checkpoints at a time, of twelve.
-    EXPECT_LE(store.peak_bytes(), 3 * largest);
-    EXPECT_LT(store.peak_bytes(), total / 2);
+    // Two offloads in flight and those kept, or two fetches ahead, the one
+    // loaded and those still kept: with one kept, at most three checkpoints
+    // at a time, of twelve.
+    EXPECT_LE(store.peak_bytes(), (2 + std::max(1u, keep_last)) * largest);
+    if (keep_last <= 1) EXPECT_LT(store.peak_bytes(), total / 2);
   }
 }
 
@@ -77,33 +79,39 @@ TEST(ActivationStoreTest, DaemonStoreOverALocalClientStoreHoldsOnlyItsDepth) {
   DaemonActivationStore store(std::move(client_store), {});
   RunSteps(store, false);
   EXPECT_EQ(inner->Stats().stored_bytes, 0u);
-  EXPECT_EQ(inner->Stats().fetches, 2u * kLayers);
+  // The last checkpoint of each step stays in the trainer (keep_last 1).
+  EXPECT_EQ(inner->Stats().fetches, 2u * (kLayers - 1));
   EXPECT_TRUE(absl::IsNotFound(store.Load(3).status()));
 }
 
 TEST(ActivationStoreTest, DaemonStoreOverAStandInDaemon) {
-  testing::FakeShard::Options fo;
-  fo.activation_arena_bytes = 16 << 10;  // half a step: the daemon spills
-  std::unique_ptr<testing::FakeShard> fake = *testing::FakeShard::Start(fo);
-  auto channel = MakeDaemonChannel(fake->address(), ChannelSecurity::Plaintext());
-  BulkDataPath path(fake->address(), channel, *BulkTransport::Create("inproc", {}), {});
-  {
-    auto client_store =
-        std::make_unique<DaemonSliceStore>(DaemonSliceStore::Owner{"job", 0, 1}, fake->address(),
-                                           channel, &path, DaemonSliceStore::Options{});
-    DaemonActivationStore::Options o;
-    o.prefetch_depth = 2;
-    o.max_offloads_in_flight = 2;
-    DaemonActivationStore store(std::move(client_store), o);
-    RunSteps(store, false);
-    const SliceStoreStats st = store.stats();
-    EXPECT_EQ(st.offloads, 2u * kLayers);
-    EXPECT_EQ(st.fetches, 2u * kLayers);
-    EXPECT_EQ(st.failures, 0u);
-    EXPECT_GT(st.spilled_fetches, 0u);
+  for (uint32_t keep_last : {0u, 1u, 3u}) {
+    SCOPED_TRACE(keep_last);
+    testing::FakeShard::Options fo;
+    fo.activation_arena_bytes = 16 << 10;  // half a step: the daemon spills
+    std::unique_ptr<testing::FakeShard> fake = *testing::FakeShard::Start(fo);
+    auto channel = MakeDaemonChannel(fake->address(), ChannelSecurity::Plaintext());
+    BulkDataPath path(fake->address(), channel, *BulkTransport::Create("inproc", {}), {});
+    {
+      auto client_store =
+          std::make_unique<DaemonSliceStore>(DaemonSliceStore::Owner{"job", 0, 1}, fake->address(),
+                                             channel, &path, DaemonSliceStore::Options{});
+      DaemonActivationStore::Options o;
+      o.prefetch_depth = 2;
+      o.max_offloads_in_flight = 2;
+      o.keep_last = keep_last;
+      DaemonActivationStore store(std::move(client_store), o);
+      RunSteps(store, false, keep_last);
+      // The last keep_last checkpoints of each step never leave the trainer.
+      const SliceStoreStats st = store.stats();
+      EXPECT_EQ(st.offloads, 2u * (kLayers - keep_last));
+      EXPECT_EQ(st.fetches, 2u * (kLayers - keep_last));
+      EXPECT_EQ(st.failures, 0u);
+      EXPECT_GT(st.spilled_fetches, 0u);
+    }
+    EXPECT_EQ(fake->activation().slices(), 0u);
+    EXPECT_GT(fake->activation().counts().prefetch, 0);
   }
-  EXPECT_EQ(fake->activation().slices(), 0u);
-  EXPECT_GT(fake->activation().counts().prefetch, 0);
 }
 
 }  // namespace

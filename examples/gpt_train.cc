@@ -123,6 +123,10 @@ ABSL_FLAG(int, activation_prefetch_depth, 2,
           "--activations=daemon: checkpoints fetched ahead of the layer backward needs.");
 ABSL_FLAG(int, activation_offloads_in_flight, 2,
           "--activations=daemon: offloads left running behind the forward pass.");
+ABSL_FLAG(int, activation_keep_last, 1,
+          "--activations=daemon: the latest checkpoints kept in the trainer, each offloaded "
+          "once this many newer ones are saved; those still kept when backward begins, the "
+          "first it needs, are never offloaded.");
 ABSL_FLAG(bool, activation_checksums, false,
           "--activations=daemon over a bulk transport: send a CRC-32C with every checkpoint, "
           "which the daemon checks, and check every fetch against it (one more read of each "
@@ -407,6 +411,8 @@ int Main() {
   o.activation_checksums = absl::GetFlag(FLAGS_activation_checksums);
   o.activation_offloads_in_flight =
       static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_activation_offloads_in_flight)));
+  o.activation_keep_last =
+      static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_activation_keep_last)));
   const int timing_steps = absl::GetFlag(FLAGS_activation_timing_steps);
   if (o.activations != "local" && o.activations != "daemon") {
     std::fprintf(stderr, "gpt_train: --activations: local or daemon, got \"%s\"\n",

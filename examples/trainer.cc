@@ -257,6 +257,7 @@ absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known
     DaemonActivationStore::Options ao;
     ao.prefetch_depth = o.activation_prefetch_depth;
     ao.max_offloads_in_flight = o.activation_offloads_in_flight;
+    ao.keep_last = o.activation_keep_last;
     daemon_checkpoints = std::make_unique<DaemonActivationStore>(std::move(s), ao);
   }
   std::vector<float> layer_scratch, grad_scratch;

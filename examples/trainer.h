@@ -79,6 +79,10 @@ struct TrainOptions {
   std::string activations = "local";
   uint32_t activation_prefetch_depth = 2;
   uint32_t activation_offloads_in_flight = 2;
+  // "daemon": the latest checkpoints kept in the trainer, not offloaded
+  // (DaemonActivationStore::Options::keep_last); those still kept when
+  // backward begins never leave it.
+  uint32_t activation_keep_last = 1;
   // "daemon" over a bulk transport: checksum every slice both ways
   // (DaemonSliceStore::Options::checksums).
   bool activation_checksums = false;
