@@ -11,4 +11,8 @@ namespace zeroshard::bench {
 // NaN for none.
 double Median(std::vector<double> values);
 
+// Tells the compiler that the memory at `written` is read afterwards, so
+// that a baseline's copies into a buffer nothing reads are not dropped.
+inline void KeepWrites(const void* written) { asm volatile("" : : "r"(written) : "memory"); }
+
 }  // namespace zeroshard::bench

@@ -108,7 +108,7 @@ absl::Status DaemonActivationStore::Save(int layer, const torch::Tensor& input) 
   if (shape.bytes == 0) return absl::OkStatus();
   // Room for this one first: the oldest kept checkpoint goes to the store.
   while (!kept_.empty() && kept_.size() >= options_.keep_last) {
-    InFlight k = std::move(kept_.front());
+    Kept k = std::move(kept_.front());
     kept_.pop_front();
     const uint64_t bytes = TensorBytes(k.tensor);
     if (absl::Status s = Offload(k.layer, std::move(k.tensor)); !s.ok()) {
@@ -122,7 +122,7 @@ absl::Status DaemonActivationStore::Save(int layer, const torch::Tensor& input) 
     return absl::OkStatus();
   }
   Hold(shape.bytes);
-  kept_.push_back({layer, std::move(t), ActivationTicket()});
+  kept_.push_back({layer, std::move(t)});
   return absl::OkStatus();
 }
 
@@ -186,21 +186,18 @@ absl::StatusOr<torch::Tensor> DaemonActivationStore::Load(int layer) {
   held_ -= loaded_bytes_;
   loaded_bytes_ = 0;
   RETURN_IF_ERROR(RetireDoneOffloads());
-  for (auto k = kept_.begin(); k != kept_.end(); ++k) {
-    if (k->layer != layer) continue;
-    torch::Tensor t = std::move(k->tensor);  // never left the trainer
+  torch::Tensor t;
+  if (auto k = FindKept(layer); k != kept_.end()) {
+    t = std::move(k->tensor);  // never left the trainer
     kept_.erase(k);
-    saved_.erase(layer);
-    loaded_bytes_ = TensorBytes(t);  // still counted while the caller holds it
-    RETURN_IF_ERROR(FillFetches());
-    return t;
+  } else {
+    if (fetches_.count(layer) == 0) RETURN_IF_ERROR(StartFetch(layer));  // out of order
+    auto it = fetches_.find(layer);
+    RETURN_IF_ERROR(it->second.ticket.Wait(Deadline()));
+    t = std::move(it->second.tensor);
+    fetches_.erase(it);  // freed on the store once fetched
   }
-  if (fetches_.count(layer) == 0) RETURN_IF_ERROR(StartFetch(layer));  // out of order
-  auto it = fetches_.find(layer);
-  RETURN_IF_ERROR(it->second.ticket.Wait(Deadline()));
-  torch::Tensor t = std::move(it->second.tensor);
-  fetches_.erase(it);
-  saved_.erase(layer);  // freed on the store once fetched
+  saved_.erase(layer);
   // The caller holds it while it recomputes the layer: still counted.
   loaded_bytes_ = TensorBytes(t);
   RETURN_IF_ERROR(FillFetches());
@@ -232,7 +229,7 @@ absl::Status DaemonActivationStore::EndStep() {
   if (s.ok()) s = f;
   held_ -= loaded_bytes_;
   loaded_bytes_ = 0;
-  for (const InFlight& k : kept_) held_ -= TensorBytes(k.tensor);
+  for (const Kept& k : kept_) held_ -= TensorBytes(k.tensor);
   kept_.clear();
   saved_.clear();
   order_.clear();

@@ -28,6 +28,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <deque>
 #include <map>
 #include <memory>
@@ -145,12 +146,16 @@ class DaemonActivationStore final : public ActivationStore {
   // Lends `t` to an offload of `layer` (waiting while max_offloads_in_flight
   // run); its bytes are counted by the caller, and uncounted once retired.
   absl::Status Offload(int layer, torch::Tensor t);
-  bool IsKept(int layer) const {
-    for (const InFlight& k : kept_) {
-      if (k.layer == layer) return true;
-    }
-    return false;
+  // A checkpoint kept in the trainer, not lent to any operation.
+  struct Kept {
+    int layer = 0;
+    torch::Tensor tensor;
+  };
+  std::deque<Kept>::iterator FindKept(int layer) {
+    return std::find_if(kept_.begin(), kept_.end(),
+                        [layer](const Kept& k) { return k.layer == layer; });
   }
+  bool IsKept(int layer) { return FindKept(layer) != kept_.end(); }
   // Waits for everything in flight (errors dropped: the first is returned).
   absl::Status Drain();
 
@@ -159,7 +164,7 @@ class DaemonActivationStore final : public ActivationStore {
   uint64_t step_ = 0;
   std::map<int, Shape> saved_;  // this step's checkpoints, by layer
   uint64_t step_bytes_ = 0;
-  std::deque<InFlight> kept_;  // saved, not offloaded (no ticket), oldest first
+  std::deque<Kept> kept_;  // saved, not offloaded, oldest first
   std::deque<InFlight> offloads_;
   std::map<int, InFlight> fetches_;
   std::vector<int> order_;

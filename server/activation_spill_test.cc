@@ -144,14 +144,26 @@ TEST(SpillDirectory, RefusesAnUnusableDirectory) {
 
 // Writes and reads back through io_uring, in the directory's mode, with more
 // operations than the ring holds at once.
-class SpillIoTest : public ::testing::TestWithParam<SpillDirectory::DirectIo> {};
+class SpillIoTest : public ::testing::TestWithParam<SpillDirectory::DirectIo> {
+ protected:
+  // The directory `name` in the test's mode, and a ring of `queue_depth`.
+  void Open(const std::string& name, unsigned queue_depth) {
+    absl::StatusOr<std::unique_ptr<SpillDirectory>> d =
+        SpillDirectory::Open(TempDir(name), GetParam());
+    ASSERT_TRUE(d.ok()) << d.status();
+    dir_ = *std::move(d);
+    absl::StatusOr<std::unique_ptr<SpillIo>> io = SpillIo::Create(queue_depth);
+    ASSERT_TRUE(io.ok()) << io.status();
+    io_ = *std::move(io);
+  }
+  std::unique_ptr<SpillDirectory> dir_;
+  std::unique_ptr<SpillIo> io_;
+};
 
 TEST_P(SpillIoTest, WritesAndReadsBackManyFilesConcurrently) {
-  const std::string dir = TempDir("spill_io");
-  absl::StatusOr<std::unique_ptr<SpillDirectory>> d = SpillDirectory::Open(dir, GetParam());
-  ASSERT_TRUE(d.ok()) << d.status();
-  absl::StatusOr<std::unique_ptr<SpillIo>> io = SpillIo::Create(/*queue_depth=*/2);
-  ASSERT_TRUE(io.ok()) << io.status();
+  ASSERT_NO_FATAL_FAILURE(Open("spill_io", /*queue_depth=*/2));
+  SpillDirectory* const d = dir_.get();
+  SpillIo* const io = io_.get();
   constexpr int kFiles = 9;
   constexpr size_t kBytes = (3 << 20) + 8192;  // a multiple of the direct-I/O block
   void* out_memory = std::aligned_alloc(SpillDirectory::kDirectAlignment, kFiles * kBytes);
@@ -165,16 +177,16 @@ TEST_P(SpillIoTest, WritesAndReadsBackManyFilesConcurrently) {
     absl::BlockingCounter written(kFiles);
     std::vector<absl::Status> results(kFiles);
     for (int f = 0; f < kFiles; ++f) {
-      paths.push_back((*d)->NewPath());
-      absl::StatusOr<int> fd = (*d)->OpenForWrite(paths.back());
+      paths.push_back(d->NewPath());
+      absl::StatusOr<int> fd = d->OpenForWrite(paths.back());
       ASSERT_TRUE(fd.ok()) << fd.status();
       const int file = *fd;
-      ASSERT_TRUE((*io)->Write(file, out + f * kBytes, kBytes, absl::Now() + absl::Seconds(30),
-                               [&, f, file](absl::Status s) {
-                                 ::close(file);
-                                 results[f] = s;
-                                 written.DecrementCount();
-                               })
+      ASSERT_TRUE(io->Write(file, out + f * kBytes, kBytes, absl::Now() + absl::Seconds(30),
+                            [&, f, file](absl::Status s) {
+                              ::close(file);
+                              results[f] = s;
+                              written.DecrementCount();
+                            })
                       .ok());
     }
     written.Wait();
@@ -184,40 +196,39 @@ TEST_P(SpillIoTest, WritesAndReadsBackManyFilesConcurrently) {
     absl::BlockingCounter read(kFiles);
     std::vector<absl::Status> results(kFiles);
     for (int f = 0; f < kFiles; ++f) {
-      absl::StatusOr<int> fd = (*d)->OpenForRead(paths[f]);
+      absl::StatusOr<int> fd = d->OpenForRead(paths[f]);
       ASSERT_TRUE(fd.ok()) << fd.status();
       const int file = *fd;
-      ASSERT_TRUE((*io)->Read(file, in + f * kBytes, kBytes, absl::Now() + absl::Seconds(30),
-                              [&, f, file](absl::Status s) {
-                                ::close(file);
-                                results[f] = s;
-                                read.DecrementCount();
-                              })
+      ASSERT_TRUE(io->Read(file, in + f * kBytes, kBytes, absl::Now() + absl::Seconds(30),
+                           [&, f, file](absl::Status s) {
+                             ::close(file);
+                             results[f] = s;
+                             read.DecrementCount();
+                           })
                       .ok());
     }
     read.Wait();
     for (const absl::Status& s : results) EXPECT_TRUE(s.ok()) << s;
   }
   EXPECT_EQ(std::memcmp(out, in, kFiles * kBytes), 0);
-  EXPECT_EQ((*io)->in_flight(), 0u);
+  EXPECT_EQ(io->in_flight(), 0u);
 
   // A file shorter than the read: DataLoss, never a silent short read.
-  absl::StatusOr<int> fd = (*d)->OpenForRead(paths[0]);
+  absl::StatusOr<int> fd = d->OpenForRead(paths[0]);
   ASSERT_TRUE(fd.ok());
   const int shorten = ::open(paths[0].c_str(), O_WRONLY);
   ASSERT_EQ(::ftruncate(shorten, 4096), 0);
   ::close(shorten);
   absl::Notification done;
   absl::Status short_read;
-  ASSERT_TRUE((*io)->Read(*fd, in, kBytes, absl::Now() + absl::Seconds(30), [&](absl::Status s) {
-                   short_read = s;
-                   done.Notify();
-                 })
-                  .ok());
+  ASSERT_TRUE(io->Read(*fd, in, kBytes, absl::Now() + absl::Seconds(30), [&](absl::Status s) {
+                  short_read = s;
+                  done.Notify();
+                }).ok());
   done.WaitForNotification();
   ::close(*fd);
   EXPECT_EQ(short_read.code(), absl::StatusCode::kDataLoss) << short_read;
-  EXPECT_EQ((*io)->Read(*fd, in, 0, absl::Now(), [](absl::Status) {}).code(),
+  EXPECT_EQ(io->Read(*fd, in, 0, absl::Now(), [](absl::Status) {}).code(),
             absl::StatusCode::kInvalidArgument);
   for (const std::string& p : paths) SpillDirectory::Remove(p);
   std::free(out_memory);
@@ -233,11 +244,9 @@ INSTANTIATE_TEST_SUITE_P(Modes, SpillIoTest,
 // kernel cancels io_uring requests of a thread that exits while they run in
 // its workers, so the ring's own thread issues them.)
 TEST_P(SpillIoTest, OperationsOutliveTheThreadsThatQueuedThem) {
-  const std::string dir = TempDir("spill_io_threads");
-  absl::StatusOr<std::unique_ptr<SpillDirectory>> d = SpillDirectory::Open(dir, GetParam());
-  ASSERT_TRUE(d.ok()) << d.status();
-  absl::StatusOr<std::unique_ptr<SpillIo>> io = SpillIo::Create(/*queue_depth=*/8);
-  ASSERT_TRUE(io.ok()) << io.status();
+  ASSERT_NO_FATAL_FAILURE(Open("spill_io_threads", /*queue_depth=*/8));
+  SpillDirectory* const d = dir_.get();
+  SpillIo* const io = io_.get();
   constexpr int kFiles = 8;
   constexpr size_t kBytes = size_t{16} << 20;
   void* memory = std::aligned_alloc(SpillDirectory::kDirectAlignment, kBytes);
@@ -246,21 +255,21 @@ TEST_P(SpillIoTest, OperationsOutliveTheThreadsThatQueuedThem) {
   std::vector<absl::Status> results(kFiles);
   std::vector<std::string> paths(kFiles);
   for (int f = 0; f < kFiles; ++f) {
-    paths[f] = (*d)->NewPath();
+    paths[f] = d->NewPath();
     std::thread([&, f] {
-      absl::StatusOr<int> fd = (*d)->OpenForWrite(paths[f]);
+      absl::StatusOr<int> fd = d->OpenForWrite(paths[f]);
       if (!fd.ok()) {
         results[f] = fd.status();
         written.DecrementCount();
         return;
       }
       const int file = *fd;
-      absl::Status queued = (*io)->Write(file, memory, kBytes, absl::Now() + absl::Seconds(60),
-                                         [&, f, file](absl::Status s) {
-                                           ::close(file);
-                                           results[f] = s;
-                                           written.DecrementCount();
-                                         });
+      absl::Status queued = io->Write(file, memory, kBytes, absl::Now() + absl::Seconds(60),
+                                      [&, f, file](absl::Status s) {
+                                        ::close(file);
+                                        results[f] = s;
+                                        written.DecrementCount();
+                                      });
       if (!queued.ok()) {
         ::close(file);
         results[f] = queued;

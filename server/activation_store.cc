@@ -31,9 +31,10 @@ void HashValue(uint64_t& h, const T& v) {
 
 // How long a free waits to queue the hinted read-backs it makes room for.
 constexpr absl::Duration kHintQueueWait = absl::Seconds(5);
-// How long a free waits for the removal of files its slices were read back
-// from (file system calls; past it the file still goes, after the answer).
-constexpr absl::Duration kUnlinkWait = absl::Seconds(30);
+// How long a free waits for the files of the slices it freed to go (spill
+// I/O in flight, then file system calls; past it they still go, after the
+// answer).
+constexpr absl::Duration kFilesGoneWait = absl::Seconds(30);
 
 std::string Bytes(uint64_t b) { return absl::StrCat(FormatBytes(static_cast<double>(b)), " (", b, " B)"); }
 
@@ -612,8 +613,8 @@ void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Stat
   RemoveDroppedFiles();
 }
 
-void ActivationStore::AwaitUnlinksLocked(const std::vector<std::shared_ptr<Slice>>& slices) {
-  const absl::Time until = absl::Now() + kUnlinkWait;
+void ActivationStore::AwaitFilesGoneLocked(const std::vector<std::shared_ptr<Slice>>& slices) {
+  const absl::Time until = absl::Now() + kFilesGoneWait;
   // A freed slice whose spill write or read-back is in flight loses its
   // file when that ends (OnSpillWritten, OnReadBack).
   auto busy = [](const Slice& s) {
@@ -1088,7 +1089,7 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
   StartIo(std::move(io), absl::Now() + kHintQueueWait);
   {
     absl::MutexLock lock(&mu_);
-    AwaitUnlinksLocked(doomed);
+    AwaitFilesGoneLocked(doomed);
   }
   return freed;
 }
@@ -1136,7 +1137,7 @@ void ActivationStore::RemoveJob(const std::string& job_id,
     // in flight stores nothing; pruned once the instance is gone.
     e.instance = instance;
     e.removed = true;
-    AwaitUnlinksLocked(all);
+    AwaitFilesGoneLocked(all);
   }
   RemoveDroppedFiles();
 }

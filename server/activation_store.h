@@ -35,7 +35,7 @@
 // it. Waits (for room, for a read-back) end at the caller's deadline
 // (DeadlineExceeded; what was started goes on in the background and changes
 // nothing the caller relied on); a free's wait for the removal of files its
-// slices were read back from ends after kUnlinkWait (30 s). File I/O
+// slices were read back from ends after 30 s. File I/O
 // completes on SpillIo's thread; a janitor thread drops bulk reservations
 // not committed within their lease.
 //
@@ -314,10 +314,10 @@ class ActivationStore {
   // it had none.
   void OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status,
                       std::optional<uint32_t> crc) ABSL_LOCKS_EXCLUDED(mu_);
-  // Waits (at most kUnlinkWait, mu_ released meanwhile) until none of
+  // Waits (at most kFilesGoneWait, mu_ released meanwhile) until none of
   // `slices` has a file still being removed, or a spill write or read-back
   // in flight (whose end removes the file of a freed slice).
-  void AwaitUnlinksLocked(const std::vector<std::shared_ptr<Slice>>& slices)
+  void AwaitFilesGoneLocked(const std::vector<std::shared_ptr<Slice>>& slices)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status, bool crc_ok)
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -248,17 +248,18 @@ class ShardOptimizer::Pool {
       for (size_t i = 0; i < num_tasks; ++i) task(i);
       return;
     }
+    const size_t run = RunLength(num_tasks, threads_.size() + 1);
     {
       absl::MutexLock lock(&mu_);
       task_ = &task;
       num_tasks_ = num_tasks;
-      run_ = RunLength(num_tasks, threads_.size() + 1);
+      run_ = run;
       next_.store(0, std::memory_order_relaxed);
       busy_ = static_cast<int>(threads_.size());
       ++generation_;
       start_cv_.SignalAll();
     }
-    Work(task, num_tasks, RunLength(num_tasks, threads_.size() + 1));
+    Work(task, num_tasks, run);
     // Workers hold a reference to `task` until they check out.
     absl::MutexLock lock(&mu_);
     while (busy_ > 0) done_cv_.Wait(&mu_);
