@@ -167,7 +167,7 @@ TEST_F(ActivationBulkTest, PutsAndGetsTenTimesTheArena) {
   EXPECT_GT(spilled, 0);
   EXPECT_EQ(testing::MetricValue(*daemon_, "zeroshard_activation_misses_total{job=\"job\"}"),
             spilled);
-  EXPECT_EQ(testing::SpillFilesIn(spill_dir_), 0u);
+  EXPECT_EQ(testing::SettledSpillFiles(*daemon_->activations(), spill_dir_), 0u);
   EXPECT_EQ(Activation(), 0u);
   EXPECT_GT(testing::MetricValue(
                 *daemon_, "zeroshard_comm_bytes_total{job=\"job\",op=\"offload\",transport=\"inproc\"}"),

@@ -31,10 +31,9 @@ void HashValue(uint64_t& h, const T& v) {
 
 // How long a free waits to queue the hinted read-backs it makes room for.
 constexpr absl::Duration kHintQueueWait = absl::Seconds(5);
-// How long a free waits for the files of the slices it freed to go (spill
-// I/O in flight, then file system calls; past it they still go, after the
-// answer).
-constexpr absl::Duration kFilesGoneWait = absl::Seconds(30);
+// How long a free waits for the spill I/O in flight of the slices it freed
+// (past it their files still go, after the answer).
+constexpr absl::Duration kIoEndWait = absl::Seconds(30);
 
 std::string Bytes(uint64_t b) { return absl::StrCat(FormatBytes(static_cast<double>(b)), " (", b, " B)"); }
 
@@ -70,10 +69,6 @@ struct ActivationStore::Slice {
   // Read back from its spill file (ahead of a fetch, by a prefetch) and not
   // fetched since: the next fetch reports it as a miss all the same.
   bool read_back = false;
-  // Spill files it was read back from that the I/O thread is still
-  // removing (the slice was handed out before: an unlink can wait behind
-  // other reads on the disk). A free of the slice returns once they are gone.
-  int unlinking = 0;
   absl::Time lease_end = absl::InfiniteFuture();
   absl::Status io_error;  // of its last spill write or read-back
 };
@@ -183,6 +178,7 @@ absl::StatusOr<std::unique_ptr<ActivationStore>> ActivationStore::Create(
   if (options.janitor_period > absl::ZeroDuration()) {
     s->janitor_ = std::thread([p = s.get()] { p->RunJanitor(); });
   }
+  if (s->spill_dir_ != nullptr) s->remover_ = std::thread([p = s.get()] { p->RunRemover(); });
   return s;
 }
 
@@ -192,6 +188,7 @@ ActivationStore::~ActivationStore() {
     stop_ = true;
   }
   if (janitor_.joinable()) janitor_.join();
+  if (remover_.joinable()) remover_.join();
   // Every file I/O in flight completes (its callback takes mu_) first.
   io_.reset();
   {
@@ -206,7 +203,7 @@ ActivationStore::~ActivationStore() {
     }
     jobs_.clear();
   }
-  RemoveDroppedFiles();
+  RemoveDroppedFiles(Removal::kNow);
   ledger_->Release(kDaemonLedgerEntry, MemoryCategory::kActivation, region_bytes_);
   ledger_->Release(kDaemonLedgerEntry, MemoryCategory::kFragmentation, region_bytes_);
   ledger_->RemoveJobIfEmpty(kDaemonLedgerEntry);
@@ -252,7 +249,8 @@ void ActivationStore::FreeBlockLocked(Slice& slice) {
 
 void ActivationStore::DropFileLocked(Slice& slice) {
   if (slice.file.empty()) return;
-  dropped_files_.push_back(slice.file);
+  dropped_files_.push_back({slice.file, slice.file_bytes});
+  dropped_bytes_ += slice.file_bytes;
   ForgetFileLocked(slice);
 }
 
@@ -285,14 +283,31 @@ void ActivationStore::NotifyLocked() {
   changed_.SignalAll();
 }
 
-void ActivationStore::RemoveDroppedFiles() {
+bool ActivationStore::RemovableLocked() const {
+  const bool disk_idle = reading_ == 0 && spilling_.empty();
+  return !dropped_files_.empty() && (disk_idle || remove_now_);
+}
+
+void ActivationStore::RemoveDroppedFiles(Removal removal) {
   absl::MutexLock removing(&remove_mu_);
-  std::vector<std::string> files;
-  {
+  for (;;) {
+    std::vector<DroppedFile> files;
+    {
+      absl::MutexLock lock(&mu_);
+      if (removal == Removal::kNow ? dropped_files_.empty() : !RemovableLocked()) return;
+      files.swap(dropped_files_);
+      removing_files_ = files.size();
+      remove_now_ = false;
+    }
+    uint64_t removed_bytes = 0;
+    for (const DroppedFile& f : files) {
+      SpillDirectory::Remove(f.path);
+      removed_bytes += f.bytes;
+    }
     absl::MutexLock lock(&mu_);
-    files.swap(dropped_files_);
+    removing_files_ = 0;
+    dropped_bytes_ -= removed_bytes;
   }
-  for (const std::string& f : files) SpillDirectory::Remove(f);
 }
 
 absl::StatusOr<ActivationStore::JobEntry*> ActivationStore::EntryLocked(const SliceOwner& owner) {
@@ -404,6 +419,8 @@ std::vector<ActivationStore::IoStart> ActivationStore::BeginSpillsLocked(
     spill_used_ += v->file_bytes;
     ++spill_files_;
     spilling_.insert(v.get());
+    // The dropped files go first (StartIo) when the disk would hold more.
+    if (spill_used_ + dropped_bytes_ > options_.spill_bytes) remove_now_ = true;
     IoStart start;
     start.slice = v;
     start.write = true;
@@ -435,6 +452,14 @@ ActivationStore::IoStart ActivationStore::BeginReadLocked(const std::shared_ptr<
 // ---- File I/O (no lock held) ----
 
 void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
+  if (std::any_of(io.begin(), io.end(), [](const IoStart& r) { return r.write; })) {
+    bool space_needed;  // by the writes (BeginSpillsLocked)
+    {
+      absl::MutexLock lock(&mu_);
+      space_needed = remove_now_;
+    }
+    if (space_needed) RemoveDroppedFiles(Removal::kNow);
+  }
   std::vector<std::function<void()>> checksums;  // of spills, run once all is queued
   for (IoStart& r : io) {
     if (r.slice == nullptr) continue;
@@ -564,25 +589,15 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
     unlinked = true;
   }
   if (!failure.empty()) Log(failure);
-  RemoveDroppedFiles();
 }
 
-// Read back or corrupt, the file is not needed any more. The slice is handed
-// out first and the file removed after: an unlink may wait behind the other
-// reads queued on the disk, and the fetch waiting for this slice must not.
-// A free of the slice waits for the removal (Slice::unlinking). The file's
-// spill space is booked free at once, so for the unlink's time the files
-// may hold one slice more than --spill_bytes.
+// Read back or corrupt, the file is not needed any more: dropped, and
+// removed once the disk has no spill I/O left (see the header).
 void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status,
                                  bool crc_ok) {
-  std::string unlink;
   {
     absl::MutexLock lock(&mu_);
     --reading_;
-    if (status.ok() && !slice->file.empty()) {
-      unlink = slice->file;
-      ++slice->unlinking;
-    }
     if (!status.ok()) {
       FreeBlockLocked(*slice);
       slice->state = Slice::State::kSpilled;
@@ -594,32 +609,24 @@ void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Stat
           Describe(slice->job, slice->id), ": its spill file ", slice->file,
           " no longer holds its bytes (CRC-32C mismatch); offload it again"));
       FreeBlockLocked(*slice);
-      ForgetFileLocked(*slice);
+      DropFileLocked(*slice);
       slice->state = Slice::State::kCorrupt;
     } else {
-      ForgetFileLocked(*slice);
+      DropFileLocked(*slice);
       slice->state = Slice::State::kStored;
       slice->read_back = true;
     }
     ReleaseIfIdleLocked(*slice);
     NotifyLocked();
   }
-  if (!unlink.empty()) {
-    SpillDirectory::Remove(unlink);
-    absl::MutexLock lock(&mu_);
-    --slice->unlinking;
-    NotifyLocked();
-  }
-  RemoveDroppedFiles();
 }
 
-void ActivationStore::AwaitFilesGoneLocked(const std::vector<std::shared_ptr<Slice>>& slices) {
-  const absl::Time until = absl::Now() + kFilesGoneWait;
+void ActivationStore::AwaitIoEndLocked(const std::vector<std::shared_ptr<Slice>>& slices) {
+  const absl::Time until = absl::Now() + kIoEndWait;
   // A freed slice whose spill write or read-back is in flight loses its
   // file when that ends (OnSpillWritten, OnReadBack).
   auto busy = [](const Slice& s) {
-    return s.unlinking > 0 || s.state == Slice::State::kSpilling ||
-           s.state == Slice::State::kReading;
+    return s.state == Slice::State::kSpilling || s.state == Slice::State::kReading;
   };
   for (const auto& s : slices) {
     while (busy(*s) && !changed_.WaitWithDeadline(&mu_, until)) {
@@ -638,7 +645,6 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
         "bytes: ", Bytes(bytes), " is more than the activation arena holds (",
         "--activation_arena_bytes=", options_.arena_bytes, ", ", capacity_, " B usable)"));
   }
-  auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
   std::shared_ptr<Slice> slice;
   std::vector<std::shared_ptr<Slice>> victims;
   std::vector<IoStart> io;
@@ -794,7 +800,6 @@ absl::Status ActivationStore::CommitIncoming(const std::shared_ptr<Slice>& slice
       NotifyLocked();
     }
   }
-  RemoveDroppedFiles();
   return status;
 }
 
@@ -808,12 +813,10 @@ void ActivationStore::AbandonIncoming(const std::shared_ptr<Slice>& slice) {
       DropLocked(jobs_.at(slice->job), slice);
     }
   }
-  RemoveDroppedFiles();
 }
 
 absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const SliceKey& key,
                                                  std::optional<uint32_t> crc32c) {
-  auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
   std::shared_ptr<Slice> slice;
   const char* data = nullptr;
   {
@@ -951,9 +954,8 @@ absl::Status ActivationStore::EnsureInArena(const std::shared_ptr<Slice>& slice,
   }
 }
 
-absl::StatusOr<SlicePlacement> ActivationStore::Locate(const SliceOwner& owner,
-                                                       const SliceKey& key, absl::Time deadline) {
-  auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
+absl::StatusOr<SlicePlacement> ActivationStore::Locate(const SliceOwner& owner, const SliceKey& key,
+                                                       absl::Time deadline) {
   SlicePlacement p;
   {
     absl::MutexLock lock(&mu_);
@@ -977,7 +979,6 @@ absl::StatusOr<SlicePlacement> ActivationStore::Locate(const SliceOwner& owner,
 absl::Status ActivationStore::Fetch(const SliceOwner& owner, const SliceKey& key,
                                     absl::Time deadline, uint64_t chunk_bytes,
                                     const FetchWriter& write) {
-  auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
   std::shared_ptr<Slice> slice;
   SlicePlacement p;
   {
@@ -1066,8 +1067,10 @@ std::vector<ActivationStore::IoStart> ActivationStore::ContinueHintsLocked(JobEn
 // ---- Frees ----
 
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
-    const SliceOwner& owner, const std::function<bool(const Id&)>& match) {
-  auto remove_files = absl::MakeCleanup([this] { RemoveDroppedFiles(); });
+    const SliceOwner& owner, const std::function<bool(const Id&)>& match, Removal removal) {
+  auto remove_files = absl::MakeCleanup([this, removal] {
+    if (removal == Removal::kNow) RemoveDroppedFiles(Removal::kNow);
+  });
   Freed freed;
   std::vector<IoStart> io;
   std::vector<std::shared_ptr<Slice>> doomed;
@@ -1089,7 +1092,7 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
   StartIo(std::move(io), absl::Now() + kHintQueueWait);
   {
     absl::MutexLock lock(&mu_);
-    AwaitFilesGoneLocked(doomed);
+    AwaitIoEndLocked(doomed);
   }
   return freed;
 }
@@ -1101,9 +1104,10 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeKey(const SliceOwner
     RETURN_IF_ERROR(FindLocked(owner, key).status());
   }
   const Id want = MakeId(owner, key);
-  ASSIGN_OR_RETURN(Freed freed, FreeMatching(owner, [&](const Id& id) {
-                     return !(id < want) && !(want < id);
-                   }));
+  ASSIGN_OR_RETURN(Freed freed,
+                   FreeMatching(
+                       owner, [&](const Id& id) { return !(id < want) && !(want < id); },
+                       Removal::kWhenDiskIdle));
   if (freed.slices == 0) {  // freed by someone else in between
     return absl::NotFoundError(absl::StrCat("key: no ", Describe(owner.job_id, want),
                                             " is stored here"));
@@ -1113,11 +1117,13 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeKey(const SliceOwner
 
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeStep(const SliceOwner& owner,
                                                                  uint64_t step) {
-  return FreeMatching(owner, [step](const Id& id) { return id.step == step; });
+  return FreeMatching(
+      owner, [step](const Id& id) { return id.step == step; }, Removal::kNow);
 }
 
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeAll(const SliceOwner& owner) {
-  return FreeMatching(owner, [](const Id&) { return true; });
+  return FreeMatching(
+      owner, [](const Id&) { return true; }, Removal::kNow);
 }
 
 void ActivationStore::RemoveJob(const std::string& job_id,
@@ -1137,9 +1143,9 @@ void ActivationStore::RemoveJob(const std::string& job_id,
     // in flight stores nothing; pruned once the instance is gone.
     e.instance = instance;
     e.removed = true;
-    AwaitFilesGoneLocked(all);
+    AwaitIoEndLocked(all);
   }
-  RemoveDroppedFiles();
+  RemoveDroppedFiles(Removal::kNow);
 }
 
 void ActivationStore::Tick() {
@@ -1163,7 +1169,19 @@ void ActivationStore::Tick() {
       }
     }
   }
-  RemoveDroppedFiles();
+}
+
+void ActivationStore::RunRemover() {
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto work = [this]()
+                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || RemovableLocked(); };
+      mu_.Await(absl::Condition(&work));
+      if (stop_) return;
+    }
+    RemoveDroppedFiles(Removal::kWhenDiskIdle);
+  }
 }
 
 void ActivationStore::RunJanitor() {
@@ -1195,6 +1213,8 @@ ActivationStore::Stats ActivationStore::GetStats() const {
   s.arena_largest_free = allocator_.largest_free();
   s.fragmentation = allocator_.fragmentation();
   s.spill_used = spill_used_;
+  s.dropped_files = dropped_files_.size() + removing_files_;
+  s.dropped_bytes = dropped_bytes_;
   s.spill_files = spill_files_;
   for (const auto& [id, e] : jobs_) s.slices += e.slices.size();
   s.in_flight = spilling_.size() + reading_;

@@ -173,6 +173,8 @@ class StoreTest : public ::testing::Test {
 
   uint64_t JobActivation(const std::string& job) { return ledger_.JobBytes(job)[kAct]; }
 
+  size_t SettledSpillFiles() { return testing::SettledSpillFiles(*store_, spill_dir_); }
+
   // The ledger's entries that hold any bytes.
   std::map<std::string, CategoryBytes> Ledger() const {
     std::map<std::string, CategoryBytes> out;
@@ -361,7 +363,7 @@ TEST_F(StoreTest, CommitWithoutChecksumAndItsSpill) {
   // d to make room) is DATA_LOSS; d comes back intact.
   const std::string d = Pattern(14, kSlice);
   ASSERT_TRUE(Put(Owner(), Key(3, 0), d, /*with_crc=*/false).ok());
-  ASSERT_EQ(SpillFilesIn(spill_dir_), 1u);
+  ASSERT_EQ(SettledSpillFiles(), 1u);
   for (const auto& entry : std::filesystem::directory_iterator(spill_dir_)) {
     std::fstream f(entry.path(), std::ios::in | std::ios::out | std::ios::binary);
     ASSERT_TRUE(f.is_open()) << entry.path();
@@ -521,7 +523,7 @@ TEST_F(StoreTest, PastArenaAndSpillNothingIsLost) {
     EXPECT_TRUE(*got == stored[layer]) << "layer " << layer;
     ASSERT_TRUE(store_->FreeKey(Owner(), Key(1, layer)).ok());
   }
-  EXPECT_EQ(SpillFilesIn(spill_dir_), 0u);
+  EXPECT_EQ(SettledSpillFiles(), 0u);
   ExpectExactBooking();
 }
 
@@ -589,7 +591,7 @@ TEST_F(StoreTest, ConcurrentRanksWithSpill) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(store_->GetStats().slices, 0u);
   EXPECT_EQ(store_->GetStats().spill_files, 0u);
-  EXPECT_EQ(SpillFilesIn(spill_dir_), 0u);
+  EXPECT_EQ(SettledSpillFiles(), 0u);
   ExpectExactBooking();
 }
 
@@ -653,6 +655,63 @@ TEST_F(StoreTest, AFreeDuringASpillReturnsWithTheFileGone) {
     EXPECT_EQ(store_->GetStats().spill_files, 0u);
     EXPECT_EQ(SpillFilesIn(spill_dir_), 0u);
   }
+  ExpectExactBooking();
+}
+
+// A backward pass's read-backs drop their files; the files go once no
+// read-back is in flight (or a spill needs their space), and before a free
+// of the whole step returns. The files never hold more than --spill_bytes.
+TEST_F(StoreTest, DroppedFilesGoOnceTheDiskIsIdleAndWithTheStep) {
+  constexpr uint64_t kSlice = 4 << 20;
+  constexpr uint32_t kLayers = 12;
+  constexpr uint64_t kSpill = 10 * kSlice;  // the arena holds 2: the rest just fits
+  Start(2 * kSlice, kSpill);
+  auto within_budget = [&](const char* when) {
+    EXPECT_LE(SpillFilesIn(spill_dir_) * kSlice, kSpill) << when;
+  };
+  int deferred = 0;  // times files were seen waiting for the disk
+  for (uint64_t step = 1; step <= 3; ++step) {
+    for (uint32_t layer = 0; layer < kLayers; ++layer) {
+      ASSERT_TRUE(Offload(Owner(), Key(step, layer), Pattern(step * 100 + layer, kSlice)).ok());
+      within_budget("after an offload");
+    }
+    std::vector<SliceKey> hint;
+    for (uint32_t layer = kLayers; layer-- > 0;) hint.push_back(Key(step, layer));
+    ASSERT_TRUE(store_->Prefetch(Owner(), hint, Deadline()).ok());
+    // Backward: fetch and free each slice; the next step's first slices
+    // come while the last ones are still read back (their spills need the
+    // space the dropped files take).
+    const uint32_t last = step == 3 ? 0 : 4;
+    for (uint32_t layer = kLayers; layer-- > last;) {
+      absl::StatusOr<std::string> got = FetchBytes(Owner(), Key(step, layer));
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_TRUE(*got == Pattern(step * 100 + layer, kSlice)) << "layer " << layer;
+      ASSERT_TRUE(store_->FreeKey(Owner(), Key(step, layer)).ok());
+      const ActivationStore::Stats st = store_->GetStats();
+      if (st.dropped_files > 0) ++deferred;
+      EXPECT_EQ(st.dropped_bytes, st.dropped_files * kSlice);
+      within_budget("after a free");
+    }
+    if (step < 3) {
+      for (uint32_t layer = 0; layer < 4; ++layer) {
+        ASSERT_TRUE(Offload(Owner(), Key(step + 10, layer), Pattern(7, kSlice)).ok());
+        within_budget("after a spill beside read-backs");
+      }
+      ASSERT_TRUE(store_->FreeStep(Owner(), step).ok());
+      EXPECT_EQ(store_->GetStats().dropped_files, 0u) << "step " << step;
+      ASSERT_TRUE(store_->FreeStep(Owner(), step + 10).ok());
+      EXPECT_EQ(SpillFilesIn(spill_dir_), 0u) << "step " << step;
+    }
+  }
+  // The last step freed key by key: its files go once the reads end.
+  const absl::Time give_up = Deadline();
+  while (store_->GetStats().in_flight > 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(SettledSpillFiles(), 0u);
+  EXPECT_EQ(store_->GetStats().dropped_files, 0u);
+  EXPECT_EQ(store_->GetStats().spill_files, 0u);
+  std::printf("files waited for the disk after %d of the frees\n", deferred);
   ExpectExactBooking();
 }
 

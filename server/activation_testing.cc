@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "common/channel.h"
 #include "common/crc32c.h"
 #include "common/protocol.h"
@@ -200,6 +201,14 @@ size_t SpillFilesIn(const std::string& dir) {
   }
   ::closedir(d);
   return n;
+}
+
+size_t SettledSpillFiles(const ActivationStore& store, const std::string& dir) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (store.GetStats().dropped_files > 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return SpillFilesIn(dir);
 }
 
 std::string TestDir(const std::string& name) {

@@ -12,6 +12,7 @@
 
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/activation.grpc.pb.h"
+#include "server/activation_store.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
 
@@ -60,6 +61,9 @@ void ExpectActivationRejected(Daemon& daemon, const std::string& job, grpc::Stat
 
 // Spill files (not locks) in `dir`.
 size_t SpillFilesIn(const std::string& dir);
+// SpillFilesIn(dir) once `store` has removed the files it dropped (it
+// waits for its disk to be idle: see ActivationStore), within 10 s.
+size_t SettledSpillFiles(const ActivationStore& store, const std::string& dir);
 
 // A directory under the test's temporary directory.
 std::string TestDir(const std::string& name);
