@@ -285,7 +285,7 @@ void ActivationStore::NotifyLocked() {
 
 bool ActivationStore::RemovableLocked() const {
   const bool disk_idle = reading_ == 0 && spilling_.empty();
-  return !dropped_files_.empty() && (disk_idle || remove_now_);
+  return !dropped_files_.empty() && disk_idle;
 }
 
 void ActivationStore::RemoveDroppedFiles(Removal removal) {
@@ -297,7 +297,6 @@ void ActivationStore::RemoveDroppedFiles(Removal removal) {
       if (removal == Removal::kNow ? dropped_files_.empty() : !RemovableLocked()) return;
       files.swap(dropped_files_);
       removing_files_ = files.size();
-      remove_now_ = false;
     }
     uint64_t removed_bytes = 0;
     for (const DroppedFile& f : files) {
@@ -419,8 +418,6 @@ std::vector<ActivationStore::IoStart> ActivationStore::BeginSpillsLocked(
     spill_used_ += v->file_bytes;
     ++spill_files_;
     spilling_.insert(v.get());
-    // The dropped files go first (StartIo) when the disk would hold more.
-    if (spill_used_ + dropped_bytes_ > options_.spill_bytes) remove_now_ = true;
     IoStart start;
     start.slice = v;
     start.write = true;
@@ -453,12 +450,15 @@ ActivationStore::IoStart ActivationStore::BeginReadLocked(const std::shared_ptr<
 
 void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
   if (std::any_of(io.begin(), io.end(), [](const IoStart& r) { return r.write; })) {
-    bool space_needed;  // by the writes (BeginSpillsLocked)
+    // The spill files (these writes' booked by BeginSpillsLocked) and the
+    // dropped ones still on disk must fit --spill_bytes: the dropped ones go
+    // first when they would not.
+    bool over;
     {
       absl::MutexLock lock(&mu_);
-      space_needed = remove_now_;
+      over = spill_used_ + dropped_bytes_ > options_.spill_bytes;
     }
-    if (space_needed) RemoveDroppedFiles(Removal::kNow);
+    if (over) RemoveDroppedFiles(Removal::kNow);
   }
   std::vector<std::function<void()>> checksums;  // of spills, run once all is queued
   for (IoStart& r : io) {

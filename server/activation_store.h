@@ -279,10 +279,10 @@ class ActivationStore {
     bool operator<(const Id& o) const;
   };
   // Which dropped files RemoveDroppedFiles removes. kWhenDiskIdle (the
-  // remover thread): while no spill write or read-back is in flight, or
-  // once a spill needs their space (remove_now_). kNow: all; it returns once
-  // every file dropped before the call is gone, also those another thread
-  // took.
+  // remover thread): while no spill write or read-back is in flight. kNow
+  // (frees of a step or more, spills that need the space, the destructor):
+  // all; it returns once every file dropped before the call is gone, also
+  // those another thread took.
   enum class Removal { kWhenDiskIdle, kNow };
   // One file read or write to start once the lock is released.
   struct IoStart {
@@ -425,9 +425,6 @@ class ActivationStore {
   std::vector<DroppedFile> dropped_files_ ABSL_GUARDED_BY(mu_);
   size_t removing_files_ ABSL_GUARDED_BY(mu_) = 0;   // taken by a remover, not yet gone
   uint64_t dropped_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of both
-  // Set when the spill files and the dropped ones together pass
-  // --spill_bytes: the next removal does not wait for the disk to be idle.
-  bool remove_now_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread janitor_;
   std::thread remover_;  // with a spill directory
