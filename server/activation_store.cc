@@ -178,7 +178,9 @@ absl::StatusOr<std::unique_ptr<ActivationStore>> ActivationStore::Create(
   if (options.janitor_period > absl::ZeroDuration()) {
     s->janitor_ = std::thread([p = s.get()] { p->RunJanitor(); });
   }
-  if (s->spill_dir_ != nullptr) s->remover_ = std::thread([p = s.get()] { p->RunRemover(); });
+  if (s->spill_dir_ != nullptr && options.idle_removals) {
+    s->remover_ = std::thread([p = s.get()] { p->RunRemover(); });
+  }
   return s;
 }
 
@@ -294,8 +296,24 @@ void ActivationStore::RemoveDroppedFiles(Removal removal) {
     std::vector<DroppedFile> files;
     {
       absl::MutexLock lock(&mu_);
-      if (removal == Removal::kNow ? dropped_files_.empty() : !RemovableLocked()) return;
-      files.swap(dropped_files_);
+      switch (removal) {
+        case Removal::kNow:  // all at once
+          if (dropped_files_.empty()) return;
+          files.swap(dropped_files_);
+          break;
+        case Removal::kWhenDiskIdle:  // one at a time, as long as the disk stays idle
+          if (!RemovableLocked()) return;
+          files.push_back(std::move(dropped_files_.front()));
+          dropped_files_.erase(dropped_files_.begin());
+          break;
+        case Removal::kToFitSpillBytes:  // the oldest, one at a time, until they fit
+          if (dropped_files_.empty() || spill_used_ + dropped_bytes_ <= options_.spill_bytes) {
+            return;
+          }
+          files.push_back(std::move(dropped_files_.front()));
+          dropped_files_.erase(dropped_files_.begin());
+          break;
+      }
       removing_files_ = files.size();
     }
     uint64_t removed_bytes = 0;
@@ -458,7 +476,7 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
       absl::MutexLock lock(&mu_);
       over = spill_used_ + dropped_bytes_ > options_.spill_bytes;
     }
-    if (over) RemoveDroppedFiles(Removal::kNow);
+    if (over) RemoveDroppedFiles(Removal::kToFitSpillBytes);
   }
   std::vector<std::function<void()>> checksums;  // of spills, run once all is queued
   for (IoStart& r : io) {
@@ -544,12 +562,12 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
   for (const auto& take : checksums) take();
 }
 
-// A spill write's completion that drops the slice's file unlinks it before
-// the slice leaves its in-flight state: whoever waits for the I/O (a
-// reservation, a fetch, a free followed by a look at the directory) finds
-// the file gone. (A read-back hands the slice out first: OnReadBack.)
-// The unlink runs with no lock held; the slice stays kSpilling/kReading
-// meanwhile, so nothing else touches its file.
+// A spill write's completion that drops the slice's file (the slice was
+// freed, pinned or fetched meanwhile) unlinks it before the slice leaves its
+// in-flight state: whoever waits for the I/O (a reservation, a fetch, a free
+// followed by a look at the directory) finds the file gone. The unlink runs
+// with no lock held; the slice stays kSpilling meanwhile, so nothing else
+// touches its file. (A read-back's file is dropped, not unlinked: OnReadBack.)
 void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status,
                                      std::optional<uint32_t> crc) {
   bool unlinked = false;  // the file was removed: the slice stays in memory

@@ -26,9 +26,12 @@
 // (`-o discard`) each removal sends the disk a discard of the file's blocks,
 // which slowed reads of 32 MiB spill files on ext4 by about a fifth when
 // each file was removed right after its read. So a backward pass's files go
-// when its read-backs pause or end (on the store's remover thread); at once
-// when a spill needs their space, and before a free of a whole step, of all
-// of a rank's slices or of a job returns. With direct I/O, blocks are aligned to
+// when its read-backs pause or end (on the store's remover thread, one file
+// at a time while the disk stays idle; "idle" is this store's own spill
+// I/O: daemons sharing a directory do not see each other's). The oldest go
+// at once when a spill needs their space, and every dropped file of the
+// store (any job's) before a free of a whole step, of all of a rank's slices
+// or of a job returns. With direct I/O, blocks are aligned to
 // SpillDirectory::kDirectAlignment so that they go to the files without a
 // copy; otherwise to 64 bytes.
 //
@@ -122,6 +125,10 @@ class ActivationStore {
     // thread (tests call Tick()).
     absl::Duration janitor_period = absl::Milliseconds(100);
     unsigned io_queue_depth = 64;
+    // Whether a remover thread removes dropped files once the disk is idle
+    // (see the top). false (tests): only spills that need their space, frees
+    // of a step or more and the destructor remove them.
+    bool idle_removals = true;
   };
 
   // Allocates the arena (through `transport` when not null, remote read and
@@ -221,8 +228,10 @@ class ActivationStore {
   // Frees one key (NOT_FOUND when unknown), every key of the owner's rank at
   // `step`, or every slice of the owner's rank. Reservations go too. Their
   // spill files are dropped (see the top): FreeStep and FreeAll return once
-  // every dropped file of the store is gone, FreeKey leaves them to be
-  // removed when the disk's spill I/O pauses.
+  // every dropped file of the store is gone (unless the spill I/O in flight
+  // of the slices they free has not ended within 30 s; those files go when
+  // it ends), FreeKey leaves them to be removed when the disk's spill I/O
+  // pauses.
   absl::StatusOr<Freed> FreeKey(const SliceOwner& owner, const SliceKey& key);
   absl::StatusOr<Freed> FreeStep(const SliceOwner& owner, uint64_t step);
   absl::StatusOr<Freed> FreeAll(const SliceOwner& owner);
@@ -254,7 +263,7 @@ class ActivationStore {
     uint64_t arena_free = 0;
     uint64_t arena_largest_free = 0;
     uint64_t fragmentation = 0;  // as booked: free outside the largest block
-    uint64_t spill_used = 0;     // bytes in spill files (and writes in flight)
+    uint64_t spill_used = 0;     // bytes in live spill files (and writes in flight)
     size_t spill_files = 0;
     // Files dropped and not removed yet, and their bytes (not in spill_used).
     size_t dropped_files = 0;
@@ -279,11 +288,12 @@ class ActivationStore {
     bool operator<(const Id& o) const;
   };
   // Which dropped files RemoveDroppedFiles removes. kWhenDiskIdle (the
-  // remover thread): while no spill write or read-back is in flight. kNow
-  // (frees of a step or more, spills that need the space, the destructor):
-  // all; it returns once every file dropped before the call is gone, also
-  // those another thread took.
-  enum class Removal { kWhenDiskIdle, kNow };
+  // remover thread): one at a time while no spill write or read-back is in
+  // flight. kToFitSpillBytes (spills): the oldest, one at a time, until the
+  // spill files and the dropped ones fit --spill_bytes. kNow (frees of a
+  // step or more, the destructor): all; it returns once every file dropped
+  // before the call is gone, also those another thread took.
+  enum class Removal { kWhenDiskIdle, kToFitSpillBytes, kNow };
   // One file read or write to start once the lock is released.
   struct IoStart {
     std::shared_ptr<Slice> slice;

@@ -73,6 +73,7 @@ class StoreTest : public ::testing::Test {
     }
     o.reservation_lease = lease;
     o.janitor_period = absl::ZeroDuration();  // Tick() by hand
+    o.idle_removals = idle_removals_;
     absl::StatusOr<std::unique_ptr<ActivationStore>> s =
         ActivationStore::Create(o, server_.get(), &ledger_, metrics_.get());
     ASSERT_TRUE(s.ok()) << s.status();
@@ -204,6 +205,7 @@ class StoreTest : public ::testing::Test {
   std::unique_ptr<transport::Connection> conn_;
   transport::RegionDescriptor region_;
   std::string spill_dir_;
+  bool idle_removals_ = true;  // Start's ActivationStore::Options::idle_removals
   std::shared_ptr<int> instance_;
   std::shared_ptr<int> other_instance_ = std::make_shared<int>(2);
   std::unique_ptr<ActivationStore> store_;
@@ -712,6 +714,63 @@ TEST_F(StoreTest, DroppedFilesGoOnceTheDiskIsIdleAndWithTheStep) {
   EXPECT_EQ(store_->GetStats().dropped_files, 0u);
   EXPECT_EQ(store_->GetStats().spill_files, 0u);
   std::printf("files waited for the disk after %d of the frees\n", deferred);
+  ExpectExactBooking();
+}
+
+// Without the remover thread, the files of slices read back stay (dropped)
+// until a spill needs their space, which removes the oldest until the files
+// fit --spill_bytes, or until the step is freed.
+TEST_F(StoreTest, DroppedFilesGoWhenASpillNeedsTheirSpaceOrTheStepIsFreed) {
+  constexpr uint64_t kSlice = 4 << 20;
+  constexpr uint32_t kLayers = 12;
+  constexpr uint64_t kSpill = 10 * kSlice;  // the arena holds 2: the rest just fits
+  idle_removals_ = false;
+  Start(2 * kSlice, kSpill);
+  for (uint32_t layer = 0; layer < kLayers; ++layer) {
+    ASSERT_TRUE(Offload(Owner(), Key(1, layer), Pattern(layer, kSlice)).ok());
+  }
+  ASSERT_EQ(store_->GetStats().spill_files, 10u);
+  // Backward of the last 8 layers, reading ahead.
+  std::vector<SliceKey> hint;
+  for (uint32_t layer = kLayers; layer-- > 0;) hint.push_back(Key(1, layer));
+  ASSERT_TRUE(store_->Prefetch(Owner(), hint, Deadline()).ok());
+  for (uint32_t layer = kLayers; layer-- > 4;) {
+    absl::StatusOr<std::string> got = FetchBytes(Owner(), Key(1, layer));
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_TRUE(*got == Pattern(layer, kSlice)) << "layer " << layer;
+    ASSERT_TRUE(store_->FreeKey(Owner(), Key(1, layer)).ok());
+  }
+  const absl::Time give_up = Deadline();
+  while (store_->GetStats().in_flight > 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ActivationStore::Stats st = store_->GetStats();
+  // Every file read back (layers 9 to 4 at least) is dropped, none removed.
+  EXPECT_GE(st.dropped_files, 6u);
+  EXPECT_EQ(st.dropped_files + st.spill_files, 10u);
+  EXPECT_EQ(st.dropped_bytes, st.dropped_files * kSlice);
+  EXPECT_EQ(SpillFilesIn(spill_dir_), 10u);
+  // The next step's slices need spills: the oldest dropped files make room.
+  size_t dropped = st.dropped_files;
+  for (uint32_t layer = 0; layer < 4; ++layer) {
+    ASSERT_TRUE(Offload(Owner(), Key(2, layer), Pattern(100 + layer, kSlice)).ok());
+    st = store_->GetStats();
+    EXPECT_LE(st.spill_used + st.dropped_bytes, kSpill) << "layer " << layer;
+    EXPECT_LE(SpillFilesIn(spill_dir_) * kSlice, kSpill) << "layer " << layer;
+    EXPECT_LE(st.dropped_files, dropped) << "layer " << layer;
+    dropped = st.dropped_files;
+  }
+  EXPECT_LT(dropped, 6u);
+  ASSERT_TRUE(store_->FreeStep(Owner(), 1).ok());
+  EXPECT_EQ(store_->GetStats().dropped_files, 0u);
+  EXPECT_EQ(SpillFilesIn(spill_dir_), store_->GetStats().spill_files);
+  for (uint32_t layer = 4; layer-- > 0;) {
+    absl::StatusOr<std::string> got = FetchBytes(Owner(), Key(2, layer));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(*got == Pattern(100 + layer, kSlice)) << "layer " << layer;
+  }
+  ASSERT_TRUE(store_->FreeStep(Owner(), 2).ok());
+  EXPECT_EQ(SpillFilesIn(spill_dir_), 0u);
   ExpectExactBooking();
 }
 

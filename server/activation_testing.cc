@@ -205,7 +205,11 @@ size_t SpillFilesIn(const std::string& dir) {
 
 size_t SettledSpillFiles(const ActivationStore& store, const std::string& dir) {
   const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  while (store.GetStats().dropped_files > 0 && absl::Now() < give_up) {
+  auto settled = [&] {
+    const ActivationStore::Stats st = store.GetStats();
+    return st.dropped_files == 0 && st.in_flight == 0;
+  };
+  while (!settled() && absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(1));
   }
   return SpillFilesIn(dir);

@@ -61,8 +61,9 @@ void ExpectActivationRejected(Daemon& daemon, const std::string& job, grpc::Stat
 
 // Spill files (not locks) in `dir`.
 size_t SpillFilesIn(const std::string& dir);
-// SpillFilesIn(dir) once `store` has removed the files it dropped (it
-// waits for its disk to be idle: see ActivationStore), within 10 s.
+// SpillFilesIn(dir) once `store` has no spill I/O in flight and has removed
+// the files it dropped (it waits for its disk to be idle: see
+// ActivationStore), within 10 s.
 size_t SettledSpillFiles(const ActivationStore& store, const std::string& dir);
 
 // A directory under the test's temporary directory.

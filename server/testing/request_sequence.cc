@@ -650,7 +650,10 @@ bool RequestWorld::Changed() {
   if (daemon_->ledger().total() != live_ledger_bytes_) return true;
   if (ActivationStore* store = daemon_->activations(); store != nullptr) {
     const ActivationStore::Stats stats = store->GetStats();
-    if (stats.slices != 0 || stats.in_flight != 0 || stats.spill_used != 0) return true;
+    if (stats.slices != 0 || stats.in_flight != 0 || stats.spill_used != 0 ||
+        stats.dropped_files != 0) {
+      return true;
+    }
   }
   std::error_code error;
   const bool empty = std::filesystem::is_empty(dir_ + "/checkpoints", error);
@@ -671,7 +674,8 @@ absl::Status RequestWorld::Restore(absl::Duration settle) {
     ActivationStore::Stats stats;
     if (daemon_->activations() != nullptr) stats = daemon_->activations()->GetStats();
     const bool settled = jobs.size() == 0 && jobs.retired() == 0 && total == empty_ledger_bytes_ &&
-                         stats.slices == 0 && stats.in_flight == 0 && stats.spill_used == 0;
+                         stats.slices == 0 && stats.in_flight == 0 && stats.spill_used == 0 &&
+                         stats.dropped_files == 0;
     if (settled) break;
     if (absl::Now() > until) {
       return absl::InternalError(absl::StrCat(
