@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <tuple>
 
 #include "absl/cleanup/cleanup.h"
@@ -290,29 +291,36 @@ bool ActivationStore::RemovableLocked() const {
   return !dropped_files_.empty() && disk_idle;
 }
 
+bool ActivationStore::OverSpillBytesLocked() const {
+  return spill_used_ + dropped_bytes_ > options_.spill_bytes;
+}
+
 void ActivationStore::RemoveDroppedFiles(Removal removal) {
   absl::MutexLock removing(&remove_mu_);
   for (;;) {
     std::vector<DroppedFile> files;
     {
       absl::MutexLock lock(&mu_);
+      bool more = false;
       switch (removal) {
-        case Removal::kNow:  // all at once
-          if (dropped_files_.empty()) return;
-          files.swap(dropped_files_);
+        case Removal::kNow:
+          more = !dropped_files_.empty();
           break;
-        case Removal::kWhenDiskIdle:  // one at a time, as long as the disk stays idle
-          if (!RemovableLocked()) return;
-          files.push_back(std::move(dropped_files_.front()));
-          dropped_files_.erase(dropped_files_.begin());
+        case Removal::kWhenDiskIdle:
+          more = RemovableLocked();
           break;
-        case Removal::kToFitSpillBytes:  // the oldest, one at a time, until they fit
-          if (dropped_files_.empty() || spill_used_ + dropped_bytes_ <= options_.spill_bytes) {
-            return;
-          }
-          files.push_back(std::move(dropped_files_.front()));
-          dropped_files_.erase(dropped_files_.begin());
+        case Removal::kToFitSpillBytes:
+          more = !dropped_files_.empty() && OverSpillBytesLocked();
           break;
+      }
+      if (!more) return;
+      if (removal == Removal::kNow) {  // all at once
+        files.assign(std::make_move_iterator(dropped_files_.begin()),
+                     std::make_move_iterator(dropped_files_.end()));
+        dropped_files_.clear();
+      } else {  // the oldest, one at a time, checking again before each
+        files.push_back(std::move(dropped_files_.front()));
+        dropped_files_.pop_front();
       }
       removing_files_ = files.size();
     }
@@ -474,7 +482,7 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
     bool over;
     {
       absl::MutexLock lock(&mu_);
-      over = spill_used_ + dropped_bytes_ > options_.spill_bytes;
+      over = OverSpillBytesLocked();
     }
     if (over) RemoveDroppedFiles(Removal::kToFitSpillBytes);
   }
@@ -1085,10 +1093,7 @@ std::vector<ActivationStore::IoStart> ActivationStore::ContinueHintsLocked(JobEn
 // ---- Frees ----
 
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
-    const SliceOwner& owner, const std::function<bool(const Id&)>& match, Removal removal) {
-  auto remove_files = absl::MakeCleanup([this, removal] {
-    if (removal == Removal::kNow) RemoveDroppedFiles(Removal::kNow);
-  });
+    const SliceOwner& owner, const std::function<bool(const Id&)>& match) {
   Freed freed;
   std::vector<IoStart> io;
   std::vector<std::shared_ptr<Slice>> doomed;
@@ -1123,9 +1128,7 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeKey(const SliceOwner
   }
   const Id want = MakeId(owner, key);
   ASSIGN_OR_RETURN(Freed freed,
-                   FreeMatching(
-                       owner, [&](const Id& id) { return !(id < want) && !(want < id); },
-                       Removal::kWhenDiskIdle));
+                   FreeMatching(owner, [&](const Id& id) { return !(id < want) && !(want < id); }));
   if (freed.slices == 0) {  // freed by someone else in between
     return absl::NotFoundError(absl::StrCat("key: no ", Describe(owner.job_id, want),
                                             " is stored here"));
@@ -1135,13 +1138,16 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeKey(const SliceOwner
 
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeStep(const SliceOwner& owner,
                                                                  uint64_t step) {
-  return FreeMatching(
-      owner, [step](const Id& id) { return id.step == step; }, Removal::kNow);
+  ASSIGN_OR_RETURN(Freed freed,
+                   FreeMatching(owner, [step](const Id& id) { return id.step == step; }));
+  RemoveDroppedFiles(Removal::kNow);
+  return freed;
 }
 
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeAll(const SliceOwner& owner) {
-  return FreeMatching(
-      owner, [](const Id&) { return true; }, Removal::kNow);
+  ASSIGN_OR_RETURN(Freed freed, FreeMatching(owner, [](const Id&) { return true; }));
+  RemoveDroppedFiles(Removal::kNow);
+  return freed;
 }
 
 void ActivationStore::RemoveJob(const std::string& job_id,

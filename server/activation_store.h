@@ -57,6 +57,7 @@
 // pass waiting for its activations goes first.
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <list>
 #include <map>
@@ -374,8 +375,10 @@ class ActivationStore {
   bool AllocateBlockLocked(Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Books the free space's split into largest block and fragmentation.
   void SyncFreeBookingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees the owner's matching slices and waits for their spill I/O to end
+  // (their files are dropped; removing them is the caller's choice).
   absl::StatusOr<Freed> FreeMatching(const SliceOwner& owner,
-                                     const std::function<bool(const Id&)>& match, Removal removal);
+                                     const std::function<bool(const Id&)>& match);
   std::string NoRoomMessage(uint64_t bytes, uint64_t block) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts a state change and wakes every waiter.
@@ -385,6 +388,9 @@ class ActivationStore {
   void RemoveDroppedFiles(Removal removal) ABSL_LOCKS_EXCLUDED(mu_, remove_mu_);
   // Whether the remover thread has files to remove now.
   bool RemovableLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the live spill files and the dropped ones together pass
+  // --spill_bytes.
+  bool OverSpillBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // remover_: RemoveDroppedFiles(kWhenDiskIdle) whenever RemovableLocked(),
   // until stop_. Request threads and SpillIo's thread never wait for those
   // removals.
@@ -432,7 +438,7 @@ class ActivationStore {
     std::string path;
     uint64_t bytes = 0;
   };
-  std::vector<DroppedFile> dropped_files_ ABSL_GUARDED_BY(mu_);
+  std::deque<DroppedFile> dropped_files_ ABSL_GUARDED_BY(mu_);  // oldest first
   size_t removing_files_ ABSL_GUARDED_BY(mu_) = 0;   // taken by a remover, not yet gone
   uint64_t dropped_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of both
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

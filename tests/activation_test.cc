@@ -23,14 +23,13 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
 #include "client/activation_store.h"
 #include "client/client.h"
 #include "client/rpc.h"
 #include "examples/oracle_diff.h"
 #include "examples/trainer.h"
 #include "gtest/gtest.h"
+#include "server/activation_testing.h"
 #include "server/daemon.h"
 
 namespace zeroshard {
@@ -57,18 +56,6 @@ int SpillFiles(const std::string& dir) {
       if (absl::StartsWith(name, "zeroshard-spill.") && !absl::EndsWith(name, ".lock")) ++n;
     }
     closedir(d);
-  }
-  return n;
-}
-
-// Spill files left in `dir` once the daemon has removed those it dropped,
-// within 10 s.
-int SpillFilesOnceRemoved(const std::string& dir) {
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  int n = SpillFiles(dir);
-  while (n > 0 && absl::Now() < give_up) {
-    absl::SleepFor(absl::Milliseconds(1));
-    n = SpillFiles(dir);
   }
   return n;
 }
@@ -238,7 +225,8 @@ TEST(ActivationSpillTest, TenTimesTheArenaComesBackAndLeavesNoFiles) {
   EXPECT_GT(st.spilled_fetches, 0u);
   EXPECT_EQ(st.stored_bytes, 0u);
   // Freed key by key: the daemon removes the files once its read-backs end.
-  EXPECT_EQ(SpillFilesOnceRemoved(dir), 0) << "after every slice of the step was fetched and freed";
+  EXPECT_EQ(testing::SettledSpillFiles(*daemon->activations(), dir), 0u)
+      << "after every slice of the step was fetched and freed";
   // A step whose slices are freed without being fetched.
   for (int i = 0; i < 10; ++i) {
     ASSERT_TRUE(
