@@ -392,7 +392,7 @@ absl::Status Client::RegisterModel(const Layout& layout, const float* initial_pa
     o.timeout = config_.step_timeout;
     layers_ = std::make_unique<LayerCache>(
         &layout_, o, [this](const FlatRange& range, uint64_t after_step, void* dst) {
-          return GatherParameters(range, config_.precision, after_step, dst);
+          return GatherParameters(range, config_.precision, after_step, dst, MemoryKind::kHost);
         });
   }
   registered_.store(true, std::memory_order_release);
@@ -510,10 +510,10 @@ absl::Status Client::GatherRange(const FlatRange& range, DType dtype, uint64_t a
 }
 
 absl::Status Client::GatherParameters(const FlatRange& range, DType dtype, uint64_t after_step,
-                                      void* dst) {
+                                      void* dst, MemoryKind memory) {
   if (!collective_->gathers_parameters()) return GatherRange(range, dtype, after_step, dst);
   return collective_->AllGather(
-      range, dst, dtype,
+      range, dst, dtype, memory,
       [this, dtype, after_step](const FlatRange& piece, void* out) {
         return GatherRange(piece, dtype, after_step, out);
       },
@@ -533,7 +533,7 @@ absl::Status Client::GatherAll(void* dst, DType dtype, MemoryKind memory) {
         CheckDeviceDestination("GatherAll", dst, layout_.total_elements() * DTypeSize(dtype)));
     return GatherRangeToDevice({0, layout_.total_elements()}, dtype, dst);
   }
-  return GatherParameters({0, layout_.total_elements()}, dtype, step_, dst);
+  return GatherParameters({0, layout_.total_elements()}, dtype, step_, dst, MemoryKind::kHost);
 }
 
 absl::Status Client::CheckDeviceDestination(absl::string_view call, const void* dst,
@@ -549,35 +549,13 @@ absl::Status Client::CheckDeviceDestination(absl::string_view call, const void* 
 
 absl::Status Client::GatherRangeToDevice(const FlatRange& range, DType dtype, void* dst) {
   if (collective_->gathers_parameters()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the ", collective_->name(),
-                     " trainer collective gathers into host buffers only; pass MemoryKind::kHost"));
+    return GatherParameters(range, dtype, step_, dst, MemoryKind::kCudaDevice);
   }
-  const size_t esize = DTypeSize(dtype);
-  const uint64_t chunk = std::max<uint64_t>(1, bounce_bytes_ / esize);
   const uint64_t step = step_;
-  absl::Status status;
-  // Bounce buffer i % kLanes receives chunk i from the daemons while the
-  // other one's host-to-device copy runs.
-  uint64_t i = 0;
-  for (uint64_t b = range.begin; b < range.end && status.ok(); b += chunk, ++i) {
-    const int lane = static_cast<int>(i % DeviceCopier::kLanes);
-    uint8_t* bounce = bounce_.data() + lane * bounce_bytes_;
-    const FlatRange piece{b, std::min(range.end, b + chunk)};
-    status = device_->WaitLane(lane, RpcDeadline());
-    if (status.ok()) status = GatherRange(piece, dtype, step, bounce);
-    if (status.ok()) {
-      status =
-          device_->FromHostAsync(bounce, static_cast<uint8_t*>(dst) + (b - range.begin) * esize,
-                                 piece.size() * esize, lane);
-    }
-  }
-  // Nothing writes `dst` after the call returns, errors included.
-  for (int lane = 0; lane < DeviceCopier::kLanes; ++lane) {
-    absl::Status s = device_->WaitLane(lane, RpcDeadline());
-    if (status.ok()) status = s;
-  }
-  return status;
+  return FetchToDevice(
+      *device_, bounce_.data(), bounce_bytes_, range, DTypeSize(dtype),
+      [&](const FlatRange& piece, void* out) { return GatherRange(piece, dtype, step, out); }, dst,
+      absl::Now() + config_.step_timeout);
 }
 
 absl::StatusOr<uint64_t> Client::layer_elements(uint32_t layer) const {

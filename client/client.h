@@ -381,13 +381,14 @@ class Client {
   absl::Status GatherRange(const FlatRange& range, DType dtype, uint64_t after_step, void* dst);
   // GatherRange, or with a collective that gathers parameters its
   // AllGather (a collective call: every rank makes it in the same order).
-  absl::Status GatherParameters(const FlatRange& range, DType dtype, uint64_t after_step,
-                                void* dst);
+  absl::Status GatherParameters(const FlatRange& range, DType dtype, uint64_t after_step, void* dst,
+                                MemoryKind memory);
   // OK when the client has a device and `dst` is its memory;
   // FailedPrecondition or InvalidArgument naming `call` otherwise.
   absl::Status CheckDeviceDestination(absl::string_view call, const void* dst,
                                       uint64_t bytes) const;
-  // Flat `range` into CUDA device memory, through the bounce buffers.
+  // Flat `range` into CUDA device memory: through the bounce buffers, or
+  // by the collective where it gathers parameters.
   absl::Status GatherRangeToDevice(const FlatRange& range, DType dtype, void* dst);
   absl::StatusOr<size_t> LayerIndex(uint32_t layer) const;
   bool registered() const { return registered_.load(std::memory_order_acquire); }

@@ -7,8 +7,9 @@
 //    sum the N_d contributions (REDUCTION_MODE_DAEMON).
 //  - a trainer collective (a reduce-scatter among the ranks, then a push of
 //    this rank's reduced shard to its daemon; REDUCTION_MODE_TRAINER_COLLECTIVE)
-//    implements the same interface: GlooCollective (client/gloo_collective.h)
-//    on CPUs over TCP.
+//    implements the same interface (client/trainer_collective.h):
+//    GlooCollective (client/gloo_collective.h) on CPUs over TCP, and
+//    NcclCollective (client/nccl_collective.h) on GPUs over NCCL.
 // Both must deliver the same numbers: every element of [0, total_elements)
 // reaches the daemons each step, alignment gaps as zeros (the daemons count
 // them in the gradient norm), summed over ranks in rank order.
@@ -124,14 +125,16 @@ class Collective {
   // order with respect to Finish).
   virtual bool gathers_parameters() const { return false; }
   // `fetch_own(piece, out)` gathers flat `piece` of the committed parameters
-  // from the daemons into `out` (piece.size() elements of `dtype`). Fills
-  // `dst` (range.size() elements of `dtype`; alignment gaps as the daemons
-  // return them) and returns once every piece is in (or at `deadline`).
-  // Unimplemented unless gathers_parameters().
+  // from the daemons into host memory `out` (piece.size() elements of
+  // `dtype`). Fills `dst` (range.size() elements of `dtype`, in `memory`;
+  // alignment gaps as the daemons return them) and returns once every piece
+  // is in (or at `deadline`). FailedPrecondition for memory of a kind the
+  // collective does not gather into; Unimplemented unless
+  // gathers_parameters().
   using FetchRange = std::function<absl::Status(const FlatRange& piece, void* out)>;
-  virtual absl::Status AllGather(const FlatRange& range, void* dst, DType dtype,
+  virtual absl::Status AllGather(const FlatRange& range, void* dst, DType dtype, MemoryKind memory,
                                  const FetchRange& fetch_own, absl::Time deadline) {
-    (void)range, (void)dst, (void)dtype, (void)fetch_own, (void)deadline;
+    (void)range, (void)dst, (void)dtype, (void)memory, (void)fetch_own, (void)deadline;
     return absl::UnimplementedError(absl::StrCat(name(), " does not gather parameters"));
   }
 };

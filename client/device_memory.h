@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 
 #include "absl/status/status.h"
@@ -30,6 +31,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/dtype.h"
+#include "common/flat_range.h"
 
 namespace zeroshard {
 
@@ -100,6 +102,17 @@ class DeviceCopier {
   virtual absl::Status Pin(void* p, size_t bytes) = 0;
   virtual void Unpin(void* p) = 0;
 };
+
+// Fills device memory `dst` with flat `range` (elements of `esize` bytes):
+// `fetch(piece, out)` writes each piece into one of kLanes pinned host
+// halves of `bounce` (`lane_bytes` each), and the piece's copy to the
+// device overlaps the next fetch. Returns the first error once nothing
+// writes `dst` any more (errors included); every copy wait ends at
+// `deadline` as DeviceCopier's do.
+absl::Status FetchToDevice(DeviceCopier& device, uint8_t* bounce, size_t lane_bytes,
+                           const FlatRange& range, size_t esize,
+                           const std::function<absl::Status(const FlatRange&, void*)>& fetch,
+                           void* dst, absl::Time deadline);
 
 // A copier for CUDA device `device` (its own stream, events and a device
 // scratch buffer of at most `scratch_bytes` for the casts, all allocated

@@ -17,37 +17,9 @@
 namespace zeroshard {
 namespace {
 
-// CUDA's result as a Status (Internal, naming the call), clearing the
-// sticky error so that later calls are not blamed for it.
-absl::Status Cuda(cudaError_t e, absl::string_view what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();
-  return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
-}
+using cuda::DeviceScope;
 
-// Makes `device` the calling thread's current CUDA device for the scope and
-// then puts the previous one back: the trainer's threads keep theirs.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      cudaGetLastError();
-      previous_ = -1;
-    }
-    if (previous_ != device && cudaSetDevice(device) != cudaSuccess) cudaGetLastError();
-  }
-  ~DeviceScope() {
-    int now = -1;
-    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
-      cudaSetDevice(previous_);
-    }
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = -1;
-};
+absl::Status Cuda(cudaError_t e, absl::string_view what) { return cuda::CudaStatus(e, what); }
 
 // In a CudaCopier member: returns the CUDA error of `call` after letting the stream drain (so that
 // no enqueued copy still writes a caller's buffer).

@@ -160,7 +160,8 @@ class DeadlineFileStore final : public ::gloo::rendezvous::FileStore {
 
 }  // namespace
 
-GlooCollective::GlooCollective(const Options& options) : options_(options) {}
+GlooCollective::GlooCollective(const Options& options)
+    : TrainerCollective(kWhat), options_(options) {}
 
 absl::StatusOr<std::unique_ptr<GlooCollective>> GlooCollective::Create(const Options& options) {
   if (options.rendezvous_dir.empty()) {
@@ -186,36 +187,13 @@ GlooCollective::~GlooCollective() {
   context_.reset();
 }
 
-uint64_t GlooCollective::staging_bytes() const {
-  if (!bound_.load(std::memory_order_acquire)) return 0;
-  return plan_.total_elements() * sizeof(float) +
-         uint64_t{job_.world_size - 1} * chunk_elements_ * sizeof(float) +
-         BucketPlan::StagingBytes(job_.bucket_bytes, job_.wire_dtype);
+uint64_t GlooCollective::allocated_bytes() const {
+  const CollectiveJob& j = job();
+  return plan().total_elements() * sizeof(float) +
+         uint64_t{j.world_size - 1} * chunk_elements_ * sizeof(float) + staging_size_;
 }
 
-absl::Status GlooCollective::Bind(const CollectiveJob& job) {
-  if (bound_.load()) {
-    return absl::FailedPreconditionError("the collective is already bound to a job");
-  }
-  if (job.layout == nullptr || job.map == nullptr || job.traffic == nullptr) {
-    return absl::InvalidArgumentError("CollectiveJob: layout, map and traffic are required");
-  }
-  if (job.daemons.size() != job.map->num_daemons()) {
-    return absl::InvalidArgumentError(absl::StrCat("CollectiveJob: ", job.daemons.size(),
-                                                   " data paths for ", job.map->num_daemons(),
-                                                   " daemons"));
-  }
-  if (job.world_size != job.map->world_size() || job.rank >= job.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("CollectiveJob: rank ", job.rank,
-                                                   " of world_size ", job.world_size,
-                                                   " for a map of ", job.map->world_size()));
-  }
-  if (job.micro_batches < 1) {
-    return absl::InvalidArgumentError("CollectiveJob: micro_batches must be >= 1");
-  }
-  absl::StatusOr<BucketPlan> plan =
-      BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes, job.wire_dtype);
-  if (!plan.ok()) return plan.status();
+absl::Status GlooCollective::Allocate(const CollectiveJob& job, const BucketPlan& plan) {
   const uint64_t chunk_elements = std::max<uint64_t>(
       1, std::min<uint64_t>(options_.chunk_bytes / sizeof(float), job.map->partition_elements()));
   // Partition 0 is the largest: its rounds are every rank's.
@@ -227,12 +205,8 @@ absl::Status GlooCollective::Bind(const CollectiveJob& job) {
         " exchange rounds per step for partitions of ", job.map->UnpaddedPartition(0).size(),
         " elements, more than ", kMaxRounds, "; use larger chunks"));
   }
-  std::vector<size_t> my_buckets;
-  for (size_t i = 0; i < plan->buckets().size(); ++i) {
-    if (plan->buckets()[i].partition == job.rank) my_buckets.push_back(i);
-  }
   // Allocation failures are statuses, not std::bad_alloc.
-  const uint64_t acc_elements = plan->total_elements();
+  const uint64_t acc_elements = plan.total_elements();
   const uint64_t recv_elements = uint64_t{job.world_size - 1} * chunk_elements;
   const uint64_t staging = BucketPlan::StagingBytes(job.bucket_bytes, job.wire_dtype);
   auto exhausted = [&](uint64_t bytes, const char* what) {
@@ -250,148 +224,21 @@ absl::Status GlooCollective::Bind(const CollectiveJob& job) {
   }
   std::unique_ptr<uint8_t[]> staging_buffer(new (std::nothrow) uint8_t[staging]);
   if (staging_buffer == nullptr) return exhausted(staging, "the push bucket");
-  job_ = job;
-  plan_ = *std::move(plan);
-  real_elements_ = plan_.RealElements({0, plan_.total_elements()});
   chunk_elements_ = chunk_elements;
-  my_buckets_ = std::move(my_buckets);
   acc_ = std::move(acc);
   recv_ = std::move(recv);
   staging_ = std::move(staging_buffer);
-  {
-    absl::MutexLock lock(&mu_);
-    confirmed_.assign(my_buckets_.size(), 0);
-  }
-  bound_.store(true, std::memory_order_release);
+  staging_size_ = staging;
   return absl::OkStatus();
 }
 
-absl::Status GlooCollective::CheckArguments(uint32_t micro_batch, const FlatRange& range,
-                                            const void* grads, DType dtype) const {
-  if (!bound_.load(std::memory_order_acquire)) {
-    return absl::FailedPreconditionError("PushGradients before RegisterModel");
-  }
-  if (micro_batch >= job_.micro_batches) {
-    return absl::InvalidArgumentError(absl::StrCat("micro_batch: must be < micro_batches (",
-                                                   job_.micro_batches, "), got ", micro_batch));
-  }
-  if (range.empty() || range.end > plan_.total_elements()) {
-    return absl::InvalidArgumentError(absl::StrCat("range: [", range.begin, ", ", range.end,
-                                                   ") is empty or outside the ", "flat space [0, ",
-                                                   plan_.total_elements(), ")"));
-  }
-  if (grads == nullptr) return absl::InvalidArgumentError("grads: null");
-  if (dtype != DType::kFp32 && dtype != DType::kBf16 && dtype != DType::kFp16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dtype: must be fp32, bf16 or fp16, got ", DTypeName(dtype)));
-  }
-  return absl::OkStatus();
-}
-
-void GlooCollective::ResetContributions() {
-  step_ = 0;
-  micro_batch_ = 0;
-  claimed_.clear();
-  real_written_ = 0;
-}
-
-absl::Status GlooCollective::BeginReduce(uint64_t step, uint32_t micro_batch,
-                                         const FlatRange& range, bool* ignored) {
-  *ignored = false;
-  if (!broken_.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        kWhat, " failed earlier and cannot continue (restart the ranks): ", broken_.message()));
-  }
-  if (finishing_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "PushGradients for step ", step, " while Step for step ", finishing_step_,
-        " is running (it waits for the PushGradients calls already running, then exchanges and "
-        "pushes; push again once it returns)"));
-  }
-  if (exchanged_step_ != 0) {
-    if (step == exchanged_step_) {
-      // A retry of a step whose rank sum is held: only its push is redone.
-      *ignored = true;
-      return absl::OkStatus();
-    }
-    exchanged_step_ = 0;  // that retry was abandoned
-  }
-  if (step_ != step) {
-    if (step_ != 0) {
-      return absl::FailedPreconditionError(absl::StrCat("PushGradients for step ", step,
-                                                        " while pushes of step ", step_,
-                                                        " are pending; call Step first"));
-    }
-    ResetContributions();
-    step_ = step;
-  }
-  if (micro_batch < micro_batch_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "PushGradients: micro-batch ", micro_batch, " of step ", step, " is complete; range [",
-        range.begin, ", ", range.end, ") was already pushed"));
-  }
-  if (micro_batch > micro_batch_) {
-    if (micro_batch != micro_batch_ + 1 || real_written_ != real_elements_ || writers_ != 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("PushGradients: micro-batch ", micro_batch, " of step ", step,
-                       " before micro-batch ", micro_batch_, " is complete (", real_written_,
-                       " of ", real_elements_, " tensor elements pushed); the ", kWhat,
-                       " sums micro-batches in order, push them one after the other"));
-    }
-    micro_batch_ = micro_batch;
-    claimed_.clear();
-    real_written_ = 0;
-  }
-  // Overlap with a claimed range of this micro-batch?
-  auto it = claimed_.upper_bound(range.begin);
-  if (it != claimed_.begin() && std::prev(it)->second > range.begin) it = std::prev(it);
-  if (it != claimed_.end() && it->first < range.end) {
-    const FlatRange clash = FlatRange{it->first, it->second}.Intersect(range);
-    return absl::InvalidArgumentError(absl::StrCat("PushGradients: range [", clash.begin, ", ",
-                                                   clash.end, ") of micro-batch ", micro_batch,
-                                                   " was already pushed for step ", step));
-  }
-  // Claim it, merged with touching neighbours.
-  uint64_t begin = range.begin, end = range.end;
-  auto next = claimed_.lower_bound(range.end);
-  if (next != claimed_.end() && next->first == end) {
-    end = next->second;
-    claimed_.erase(next);
-  }
-  auto prev = claimed_.lower_bound(begin);
-  if (prev != claimed_.begin() && std::prev(prev)->second == begin) {
-    prev = std::prev(prev);
-    prev->second = end;
-  } else {
-    claimed_[begin] = end;
-  }
-  ++writers_;
-  return absl::OkStatus();
-}
-
-absl::StatusOr<PushTicket> GlooCollective::Reduce(uint64_t step, uint32_t micro_batch,
-                                                  const FlatRange& range, const void* grads,
-                                                  DType dtype, BufferUse, MemoryKind memory,
-                                                  absl::Time) {
-  if (memory != MemoryKind::kHost) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("PushGradients: the gloo trainer collective takes host buffers, got ",
-                     MemoryKindName(memory), " memory (copy the gradients to the host first)"));
-  }
-  if (absl::Status s = CheckArguments(micro_batch, range, grads, dtype); !s.ok()) return s;
-  {
-    absl::MutexLock lock(&mu_);
-    bool ignored = false;
-    if (absl::Status s = BeginReduce(step, micro_batch, range, &ignored); !s.ok()) return s;
-    if (ignored) return PushTicket();
-  }
-  // The claimed range is this thread's alone; the copy runs without the lock.
+absl::Status GlooCollective::Accumulate(uint32_t micro_batch, const FlatRange& range,
+                                        const void* grads, DType dtype, absl::Time) {
   const auto* src = static_cast<const uint8_t*>(grads);
   const size_t esize = DTypeSize(dtype);
   constexpr size_t kBlock = 2048;
   float tmp[kBlock];
-  uint64_t real = 0;
-  plan_.ForEachRealSegment(range, [&](const FlatRange& s) {
+  plan().ForEachRealSegment(range, [&](const FlatRange& s) {
     float* dst = acc_.get() + s.begin;
     const uint8_t* from = src + (s.begin - range.begin) * esize;
     if (micro_batch == 0) {  // the first micro-batch overwrites the last step's values
@@ -409,45 +256,14 @@ absl::StatusOr<PushTicket> GlooCollective::Reduce(uint64_t step, uint32_t micro_
         AddInto(dst + i, tmp, n);
       }
     }
-    real += s.size();
   });
-  absl::MutexLock lock(&mu_);
-  real_written_ += real;
-  --writers_;
-  return PushTicket();
-}
-
-absl::Status GlooCollective::Incomplete(uint64_t step) const {
-  const std::string who = absl::StrCat("Step ", step, ": rank ", job_.rank);
-  if (step_ != step) {
-    return absl::FailedPreconditionError(absl::StrCat(who, " pushed no gradient for this step"));
-  }
-  if (real_written_ == real_elements_ && micro_batch_ + 1 == job_.micro_batches) {
-    return absl::OkStatus();
-  }
-  if (real_written_ == real_elements_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(who, " pushed micro-batches 0..", micro_batch_, " of ", job_.micro_batches));
-  }
-  // The first real element not claimed.
-  uint64_t missing = plan_.total_elements();
-  const std::map<uint64_t, uint64_t>* claimed = &claimed_;
-  plan_.ForEachRealSegment({0, plan_.total_elements()}, [&](const FlatRange& s) {
-    if (missing != plan_.total_elements()) return;
-    uint64_t pos = s.begin;
-    auto it = claimed->upper_bound(pos);
-    if (it != claimed->begin() && std::prev(it)->second > pos) pos = std::prev(it)->second;
-    if (pos < s.end) missing = pos;
-  });
-  return absl::FailedPreconditionError(absl::StrCat(
-      who, " pushed ", real_written_, " of ", real_elements_, " tensor elements of micro-batch ",
-      micro_batch_, "; nothing was pushed for element ", missing));
+  return absl::OkStatus();
 }
 
 absl::Status GlooCollective::Connect(absl::Time deadline) {
-  const std::string prefix = absl::StrCat("zeroshard/", job_.job_id);
+  const std::string prefix = absl::StrCat("zeroshard/", job().job_id);
   const std::string where =
-      absl::StrCat(kWhat, ": rank ", job_.rank, " of ", job_.world_size, ", rendezvous in ",
+      absl::StrCat(kWhat, ": rank ", job().rank, " of ", job().world_size, ", rendezvous in ",
                    options_.rendezvous_dir, " (prefix ", prefix, ")");
   // Every wait in the store, including those inside connectFullMesh, ends
   // at the deadline.
@@ -467,13 +283,13 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
   auto full_key = [&](const std::string& key) { return absl::StrCat(prefix, "/", key); };
   {
     absl::Status s = CatchGloo(deadline, where,
-                               [&] { prefixed.set(arrived(job_.rank), std::vector<char>{'1'}); });
+                               [&] { prefixed.set(arrived(job().rank), std::vector<char>{'1'}); });
     if (!s.ok()) {
       // FileStore::set refuses a key whose file exists; any other failure
       // is the directory's.
-      if (store->Has(full_key(arrived(job_.rank)))) {
+      if (store->Has(full_key(arrived(job().rank)))) {
         return absl::FailedPreconditionError(
-            absl::StrCat(s.message(), " (left by an earlier run of job ", job_.job_id,
+            absl::StrCat(s.message(), " (left by an earlier run of job ", job().job_id,
                          " whose rendezvous failed? remove its files, or use a fresh directory)"));
       }
       return absl::FailedPreconditionError(
@@ -484,12 +300,12 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
   }
   // Wait for every rank here, so that a missing rank is named.
   std::vector<std::string> keys;
-  for (uint32_t r = 0; r < job_.world_size; ++r) keys.push_back(arrived(r));
+  for (uint32_t r = 0; r < job().world_size; ++r) keys.push_back(arrived(r));
   {
     absl::Status s = CatchGloo(deadline, where, [&] { prefixed.wait(keys, Remaining(deadline)); });
     if (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) {
       std::vector<uint32_t> missing, present;
-      for (uint32_t r = 0; r < job_.world_size; ++r) {
+      for (uint32_t r = 0; r < job().world_size; ++r) {
         (store->Has(full_key(arrived(r))) ? present : missing).push_back(r);
       }
       const std::string who = missing.empty()
@@ -511,8 +327,8 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
   } else {
     attr.hostname = options_.hostname;
   }
-  auto context = std::make_shared<::gloo::rendezvous::Context>(static_cast<int>(job_.rank),
-                                                               static_cast<int>(job_.world_size));
+  auto context = std::make_shared<::gloo::rendezvous::Context>(static_cast<int>(job().rank),
+                                                               static_cast<int>(job().world_size));
   absl::Status s = CatchGloo(deadline, where, [&] {
     context->setTimeout(Remaining(deadline));
     auto device = ::gloo::transport::tcp::CreateDevice(attr);
@@ -521,9 +337,9 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
     ::gloo::BarrierOptions barrier(context);
     barrier.setTimeout(Remaining(deadline));
     ::gloo::barrier(barrier);
-    send_buffer_ = context->createUnboundBuffer(acc_.get(), plan_.total_elements() * 4);
+    send_buffer_ = context->createUnboundBuffer(acc_.get(), plan().total_elements() * 4);
     // One per peer, so that a wait names the peer it waits for.
-    for (uint32_t i = 0; i + 1 < job_.world_size; ++i) {
+    for (uint32_t i = 0; i + 1 < job().world_size; ++i) {
       recv_buffers_.push_back(
           context->createUnboundBuffer(recv_.get() + i * chunk_elements_, chunk_elements_ * 4));
     }
@@ -543,9 +359,11 @@ absl::Status GlooCollective::Connect(absl::Time deadline) {
 }
 
 absl::Status GlooCollective::Exchange(absl::Time deadline) {
-  const uint32_t n = job_.world_size;
-  const uint32_t p = job_.rank;
-  const PartitionMap& map = *job_.map;
+  const uint32_t n = job().world_size;
+  if (n == 1) return absl::OkStatus();
+  if (context_ == nullptr) RETURN_IF_ERROR(Connect(deadline));
+  const uint32_t p = job().rank;
+  const PartitionMap& map = *job().map;
   const uint64_t pe = map.partition_elements();
   const uint64_t c = chunk_elements_;
   std::vector<uint64_t> size(n);  // real (unpadded) elements of each partition
@@ -607,8 +425,8 @@ absl::Status GlooCollective::Exchange(absl::Time deadline) {
                         " in this round by then (not running, not in this step, or its "
                         "connection failed)");
       }
-      job_.traffic->AddCollectiveSent(sent_bytes);
-      job_.traffic->AddCollectiveReceived(received_bytes);
+      job().traffic->AddCollectiveSent(sent_bytes);
+      job().traffic->AddCollectiveReceived(received_bytes);
       return absl::Status(s.code(), message);
     }
     if (mine == 0) continue;
@@ -621,157 +439,34 @@ absl::Status GlooCollective::Exchange(absl::Time deadline) {
     for (uint32_t r = 1; r < n; ++r) AddInto(sum, from(r), mine);
     if (sum != own) std::memcpy(own, sum, mine * sizeof(float));
   }
-  job_.traffic->AddCollectiveSent(sent_bytes);
-  job_.traffic->AddCollectiveReceived(received_bytes);
+  job().traffic->AddCollectiveSent(sent_bytes);
+  job().traffic->AddCollectiveReceived(received_bytes);
   return absl::OkStatus();
 }
 
-absl::Status GlooCollective::PushPartition(uint64_t step, absl::Time deadline,
-                                           std::vector<uint8_t>* confirmed) {
-  const DType wire = plan_.wire_dtype();
-  for (size_t j = 0; j < my_buckets_.size(); ++j) {
-    if ((*confirmed)[j]) continue;
-    const Bucket& b = plan_.buckets()[my_buckets_[j]];
-    const float* values = acc_.get() + b.range.begin;
-    const void* data = values;
-    if (wire != DType::kFp32) {
-      FromFloat(wire, values, staging_.get(), b.range.size());
-      data = staging_.get();
-    }
-    GradientPush push;
-    push.job_id = job_.job_id;
-    push.step = step;
-    push.rank = job_.rank;
-    push.incarnation = job_.incarnation;
-    push.micro_batch = 0;  // the micro-batches are summed here
-    push.micro_batches = 1;
-    push.range = b.range;
-    push.dtype = wire;
-    push.data = data;
-    DataPath* daemon = job_.daemons[b.daemon];
-    absl::StatusOr<uint64_t> sent =
-        daemon->PushGradient(push, std::min(deadline, absl::Now() + job_.rpc_timeout));
-    if (!sent.ok()) {
-      return absl::Status(
-          sent.status().code(),
-          absl::StrCat("Step ", step, ": rank ", job_.rank, " pushing its reduced ", "partition [",
-                       b.range.begin, ", ", b.range.end, ") to daemon ", daemon->address(), ": ",
-                       sent.status().message()));
-    }
-    job_.traffic->AddPush(*sent);
-    (*confirmed)[j] = 1;
-  }
-  return absl::OkStatus();
+absl::StatusOr<const void*> GlooCollective::WireBucket(const FlatRange& bucket, absl::Time) {
+  const float* values = acc_.get() + bucket.begin;
+  const DType wire = plan().wire_dtype();
+  if (wire == DType::kFp32) return values;
+  FromFloat(wire, values, staging_.get(), bucket.size());
+  return staging_.get();
 }
 
-absl::Status GlooCollective::Finish(uint64_t step, absl::Time deadline) {
-  if (!bound_.load(std::memory_order_acquire)) {
-    return absl::FailedPreconditionError("Step before RegisterModel");
-  }
-  bool exchange = true;
-  std::vector<uint8_t> confirmed;
-  {
-    absl::MutexLock lock(&mu_);
-    if (!broken_.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          kWhat, " failed earlier and cannot continue (restart the ranks): ", broken_.message()));
-    }
-    if (finishing_) {
-      return absl::FailedPreconditionError(absl::StrCat("Step for step ", step,
-                                                        " while Step for step ", finishing_step_,
-                                                        " is running (one Step at a time)"));
-    }
-    if (gathering_) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("Step for step ", step, " while GatherAll is running"));
-    }
-    // Claimed before the wait below releases mu_: from here on, new
-    // PushGradients calls and a second Step are refused.
-    finishing_ = true;
-    finishing_step_ = step;
-    auto no_writers = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return writers_ == 0; };
-    if (!mu_.AwaitWithDeadline(absl::Condition(&no_writers), deadline)) {
-      finishing_ = false;
-      return absl::DeadlineExceededError(
-          absl::StrCat("Step ", step, ": PushGradients calls still running at the deadline"));
-    }
-    if (exchanged_step_ == step) {
-      exchange = false;  // a retry: the rank sum is held, only pushes are left
-    } else {
-      exchanged_step_ = 0;
-      if (absl::Status s = Incomplete(step); !s.ok()) {
-        finishing_ = false;
-        ResetContributions();
-        return s;
-      }
-      confirmed_.assign(my_buckets_.size(), 0);
-    }
-    confirmed = confirmed_;
-  }
-  absl::Status status;
-  if (exchange && job_.world_size > 1) {
-    if (context_ == nullptr) status = Connect(deadline);
-    if (status.ok()) status = Exchange(deadline);
-  }
-  const bool exchanged = status.ok();
-  if (exchanged) status = PushPartition(step, deadline, &confirmed);
-  absl::MutexLock lock(&mu_);
-  finishing_ = false;
-  ResetContributions();
-  if (!exchanged) {
-    broken_ = status;
-    exchanged_step_ = 0;
-  } else if (!status.ok()) {
-    exchanged_step_ = step;
-    confirmed_ = std::move(confirmed);
-  } else {
-    exchanged_step_ = 0;
-  }
-  return status;
-}
-
-absl::Status GlooCollective::AllGather(const FlatRange& range, void* dst, DType dtype,
-                                       const FetchRange& fetch_own, absl::Time deadline) {
-  if (!bound_.load(std::memory_order_acquire)) {
-    return absl::FailedPreconditionError("GatherAll before RegisterModel");
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    if (!broken_.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          kWhat, " failed earlier and cannot continue (restart the ranks): ", broken_.message()));
-    }
-    if (finishing_ || gathering_) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "GatherAll while ", finishing_ ? "Step" : "another GatherAll", " is running"));
-    }
-    gathering_ = true;
-  }
-  const uint32_t n = job_.world_size;
-  const uint32_t p = job_.rank;
+absl::Status GlooCollective::ExchangeGather(const FlatRange& range, void* dst, DType dtype,
+                                            absl::Time deadline) {
+  const CollectiveJob& job = this->job();
+  const uint32_t n = job.world_size;
+  const uint32_t p = job.rank;
+  if (n == 1) return absl::OkStatus();
+  if (context_ == nullptr) RETURN_IF_ERROR(Connect(deadline));
   const size_t esize = DTypeSize(dtype);
   auto* bytes = static_cast<uint8_t*>(dst);
   // Rank q's piece of the range, and where it goes in `dst`.
-  auto piece = [&](uint32_t q) { return job_.map->UnpaddedPartition(q).Intersect(range); };
+  auto piece = [&](uint32_t q) { return job.map->UnpaddedPartition(q).Intersect(range); };
   auto offset = [&](const FlatRange& r) { return (r.begin - range.begin) * esize; };
   const FlatRange own = piece(p);
   absl::Status status;
-  if (range.end > plan_.total_elements() || range.empty()) {
-    status = absl::InvalidArgumentError(
-        absl::StrCat("range: [", range.begin, ", ", range.end, ") is empty or past the ",
-                     plan_.total_elements(), " elements of the layout"));
-  } else if (!own.empty()) {
-    // The daemons' part first. A rank that fails here does not take part in
-    // this all-gather, so its peers fail it too (at their deadline); it is
-    // broken as they are, rather than out of step with their slots.
-    status = fetch_own(own, bytes + offset(own));
-  }
-  bool broke = n > 1 && !status.ok() && !absl::IsInvalidArgument(status);
-  if (status.ok() && n > 1 && context_ == nullptr) {
-    status = Connect(deadline);
-    broke = !status.ok();
-  }
-  if (status.ok() && n > 1) {
+  {
     const uint64_t slot = next_slot_++;
     uint64_t sent_bytes = 0, received_bytes = 0;
     // One buffer per peer over its piece of `dst` (so that a wait names
@@ -811,7 +506,6 @@ absl::Status GlooCollective::AllGather(const FlatRange& range, void* dst, DType 
       }
     });
     if (!status.ok()) {
-      broke = true;
       std::string message = absl::StrCat(
           kWhat, ": rank ", p, ", parameter all-gather of [", range.begin, ", ", range.end, "), ",
           waiting_for < n ? absl::StrCat("receiving from rank ", waiting_for)
@@ -826,12 +520,9 @@ absl::Status GlooCollective::AllGather(const FlatRange& range, void* dst, DType 
       }
       status = absl::Status(status.code(), message);
     }
-    job_.traffic->AddCollectiveSent(sent_bytes);
-    job_.traffic->AddCollectiveReceived(received_bytes);
+    job.traffic->AddCollectiveSent(sent_bytes);
+    job.traffic->AddCollectiveReceived(received_bytes);
   }
-  absl::MutexLock lock(&mu_);
-  gathering_ = false;
-  if (broke) broken_ = status;
   return status;
 }
 

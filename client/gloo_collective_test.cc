@@ -562,7 +562,7 @@ TEST(GlooCollectiveTest, AllGatherFetchesOnlyItsPartitionAndExchangesTheRest) {
       RunRanks(kWorld, [&](uint32_t r) {
         int fetches = 0;
         absl::Status s = job.collectives[r]->AllGather(
-            range, dst[r].data(), dtype,
+            range, dst[r].data(), dtype, MemoryKind::kHost,
             [&](const FlatRange& piece, void* out) {
               ++fetches;
               EXPECT_EQ(piece, job.map.UnpaddedPartition(r).Intersect(range)) << "rank " << r;
@@ -605,7 +605,7 @@ TEST(GlooCollectiveTest, AllGatherWithoutARankIsDeadlineExceededNamingIt) {
   std::vector<std::vector<float>> dst(kWorld, std::vector<float>(total));
   RunRanks(kWorld, [&](uint32_t r) {
     EXPECT_TRUE(job.collectives[r]
-                    ->AllGather({0, total}, dst[r].data(), DType::kFp32, fetch,
+                    ->AllGather({0, total}, dst[r].data(), DType::kFp32, MemoryKind::kHost, fetch,
                                 absl::Now() + absl::Seconds(20))
                     .ok());
   });
@@ -616,13 +616,13 @@ TEST(GlooCollectiveTest, AllGatherWithoutARankIsDeadlineExceededNamingIt) {
     const uint32_t r = i == 0 ? 0 : 2;
     const absl::Time start = absl::Now();
     const absl::Status s = job.collectives[r]->AllGather({0, total}, dst[r].data(), DType::kFp32,
-                                                         fetch, start + limit);
+                                                         MemoryKind::kHost, fetch, start + limit);
     EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
     EXPECT_NE(s.message().find("receiving from rank 1"), std::string::npos) << s;
     EXPECT_NE(s.message().find("nothing had come from rank(s) 1 "), std::string::npos) << s;
     EXPECT_LE(absl::Now() - start, limit + kDeadlineSlack) << "rank " << r;
     const absl::Status again = job.collectives[r]->AllGather(
-        {0, total}, dst[r].data(), DType::kFp32, fetch, absl::Now() + limit);
+        {0, total}, dst[r].data(), DType::kFp32, MemoryKind::kHost, fetch, absl::Now() + limit);
     EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
   });
 }
@@ -640,13 +640,15 @@ TEST(GlooCollectiveTest, AllGatherWithAFailedFetchBreaksEveryRank) {
       std::memset(out, 0, range.size() * 4);
       return absl::OkStatus();
     };
-    const absl::Status s = job.collectives[r]->AllGather({0, total}, dst[r].data(), DType::kFp32,
-                                                         fetch, absl::Now() + absl::Seconds(2));
+    const absl::Status s =
+        job.collectives[r]->AllGather({0, total}, dst[r].data(), DType::kFp32, MemoryKind::kHost,
+                                      fetch, absl::Now() + absl::Seconds(2));
     EXPECT_EQ(s.code(),
               r == 1 ? absl::StatusCode::kUnavailable : absl::StatusCode::kDeadlineExceeded)
         << s;
-    const absl::Status again = job.collectives[r]->AllGather(
-        {0, total}, dst[r].data(), DType::kFp32, fetch, absl::Now() + absl::Seconds(1));
+    const absl::Status again =
+        job.collectives[r]->AllGather({0, total}, dst[r].data(), DType::kFp32, MemoryKind::kHost,
+                                      fetch, absl::Now() + absl::Seconds(1));
     EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
   });
 }

@@ -47,6 +47,31 @@ __global__ void FromHalfKernel(const __half* src, float* dst, size_t n) {
   }
 }
 
+// dst[i] += float(src[i]), summed in fp32 (as the daemons and the Gloo
+// collective sum contributions).
+template <typename T>
+__device__ float AsFloat(T v);
+template <>
+__device__ float AsFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ float AsFloat<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <>
+__device__ float AsFloat<__half>(__half v) {
+  return __half2float(v);
+}
+
+template <typename T>
+__global__ void AddIntoFloatKernel(const T* src, float* dst, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{blockDim.x} * gridDim.x) {
+    dst[i] += AsFloat<T>(src[i]);
+  }
+}
+
 // grads[i] *= inv_scale; *found_inf = 1 if any result is inf or nan (as
 // torch's _amp_foreach_non_finite_check_and_unscale_).
 __global__ void UnscaleKernel(float* grads, size_t n, float inv_scale, int* found_inf) {
@@ -78,6 +103,22 @@ cudaError_t LaunchFromBf16(const void* src, float* dst, size_t n, cudaStream_t s
 
 cudaError_t LaunchFromHalf(const void* src, float* dst, size_t n, cudaStream_t stream) {
   FromHalfKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const __half*>(src), dst, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAddFloat(const void* src, float* dst, size_t n, cudaStream_t stream) {
+  AddIntoFloatKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const float*>(src), dst, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAddBf16(const void* src, float* dst, size_t n, cudaStream_t stream) {
+  AddIntoFloatKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(src),
+                                                         dst, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAddHalf(const void* src, float* dst, size_t n, cudaStream_t stream) {
+  AddIntoFloatKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const __half*>(src), dst, n);
   return cudaGetLastError();
 }
 

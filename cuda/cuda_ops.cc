@@ -9,17 +9,37 @@ cudaError_t LaunchFromBf16(const void* src, float* dst, size_t n, cudaStream_t s
 cudaError_t LaunchFromHalf(const void* src, float* dst, size_t n, cudaStream_t stream);
 cudaError_t LaunchUnscale(float* grads, size_t n, float inv_scale, int* found_inf,
                           cudaStream_t stream);
+cudaError_t LaunchAddFloat(const void* src, float* dst, size_t n, cudaStream_t stream);
+cudaError_t LaunchAddBf16(const void* src, float* dst, size_t n, cudaStream_t stream);
+cudaError_t LaunchAddHalf(const void* src, float* dst, size_t n, cudaStream_t stream);
 }  // namespace zeroshard::cuda_internal
 
 namespace zeroshard::cuda {
-namespace {
 
-// Converts a CUDA result to a Status and clears the sticky error.
-absl::Status Check(cudaError_t e, const char* what) {
+absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
   if (e == cudaSuccess) return absl::OkStatus();
   cudaGetLastError();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+  return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
 }
+
+DeviceScope::DeviceScope(int device) {
+  if (cudaGetDevice(&previous_) != cudaSuccess) {
+    cudaGetLastError();
+    previous_ = -1;
+  }
+  if (previous_ != device && cudaSetDevice(device) != cudaSuccess) cudaGetLastError();
+}
+
+DeviceScope::~DeviceScope() {
+  int now = -1;
+  if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
+    cudaSetDevice(previous_);
+  }
+}
+
+namespace {
+
+absl::Status Check(cudaError_t e, const char* what) { return CudaStatus(e, what); }
 
 }  // namespace
 
@@ -53,6 +73,18 @@ absl::Status UnpackToFloat(const void* src, DType from, float* dst, size_t n,
       return Check(cuda_internal::LaunchFromHalf(src, dst, n, stream), "unpack fp16");
     case DType::kFp32:
       return Check(cudaMemcpyAsync(dst, src, n * 4, cudaMemcpyDeviceToDevice, stream), "copy");
+  }
+  return absl::InvalidArgumentError("from: unknown dtype");
+}
+
+absl::Status AddIntoFloat(const void* src, DType from, float* dst, size_t n, cudaStream_t stream) {
+  switch (from) {
+    case DType::kFp32:
+      return Check(cuda_internal::LaunchAddFloat(src, dst, n, stream), "add fp32");
+    case DType::kBf16:
+      return Check(cuda_internal::LaunchAddBf16(src, dst, n, stream), "add bf16");
+    case DType::kFp16:
+      return Check(cuda_internal::LaunchAddHalf(src, dst, n, stream), "add fp16");
   }
   return absl::InvalidArgumentError("from: unknown dtype");
 }

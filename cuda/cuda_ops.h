@@ -11,9 +11,27 @@
 #include <cstddef>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/dtype.h"
 
 namespace zeroshard::cuda {
+
+// CUDA's result as a Status: OK, or Internal naming `what` with CUDA's
+// message. Clears the sticky error so that later calls are not blamed.
+absl::Status CudaStatus(cudaError_t e, absl::string_view what);
+
+// Makes `device` the calling thread's current CUDA device for the scope and
+// then puts the previous one back: the trainer's threads keep theirs.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;
+};
 
 // Number of visible CUDA devices; Unavailable (with CUDA's message) when there
 // is no driver or no device, so GPU code paths can be skipped cleanly.
@@ -24,6 +42,9 @@ absl::Status PackFromFloat(const float* src, void* dst, DType to, size_t n, cuda
 // dst (fp32) = src (n elements of `from`, bf16 or fp16).
 absl::Status UnpackToFloat(const void* src, DType from, float* dst, size_t n,
                            cudaStream_t stream);
+
+// dst[i] += src[i] (n elements of `from`: fp32, bf16 or fp16), in fp32.
+absl::Status AddIntoFloat(const void* src, DType from, float* dst, size_t n, cudaStream_t stream);
 
 // grads *= 1 / loss_scale in place; returns whether any result is inf/nan.
 // Synchronises `stream` to read the flag. `flag` is a device int the caller

@@ -3,6 +3,7 @@
 #include "cuda/cuda_ops.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -73,6 +74,37 @@ TEST_F(CudaOpsTest, UnscaleFindsOverflow) {
   EXPECT_FALSE(UnscaleAndCheckOverflow(grads, n, 0.0f, flag, nullptr).ok());
   cudaFree(grads);
   cudaFree(flag);
+}
+
+TEST_F(CudaOpsTest, AddIntoFloatSumsEachDtypeInFp32) {
+  const size_t n = 100003;
+  std::vector<float> base(n), add(n);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  for (size_t i = 0; i < n; ++i) base[i] = dist(rng), add[i] = dist(rng);
+  float *dst, *src;
+  ASSERT_EQ(cudaMalloc(&dst, n * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&src, n * 4), cudaSuccess);
+  for (DType t : {DType::kFp32, DType::kBf16, DType::kFp16}) {
+    std::vector<uint8_t> wire(n * DTypeSize(t));
+    if (t == DType::kFp32) {
+      std::memcpy(wire.data(), add.data(), n * 4);
+    } else {
+      FromFloat(t, add.data(), wire.data(), n);
+    }
+    std::vector<float> as_float(n);
+    ToFloat(t, wire.data(), as_float.data(), n);
+    ASSERT_EQ(cudaMemcpy(dst, base.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(src, wire.data(), wire.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_TRUE(AddIntoFloat(src, t, dst, n, nullptr).ok());
+    std::vector<float> got(n);
+    ASSERT_EQ(cudaMemcpy(got.data(), dst, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(got[i], base[i] + as_float[i]) << DTypeName(t) << " element " << i;
+    }
+  }
+  cudaFree(dst);
+  cudaFree(src);
 }
 
 }  // namespace
