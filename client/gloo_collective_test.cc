@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
+#include "client/testing/ranks.h"
 #include "gloo/rendezvous/file_store.h"
 #include "gloo/rendezvous/prefix_store.h"
 #include "gtest/gtest.h"
@@ -92,18 +93,9 @@ Layout TestLayout() {
   return *Layout::Create(t);
 }
 
-std::string FreshDir() {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  std::string tmpl = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/gloo-XXXXXX");
-  EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
-  return tmpl;
-}
+using testing::RunRanks;
 
-void RunRanks(uint32_t world, const std::function<void(uint32_t)>& fn) {
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < world; ++r) threads.emplace_back(fn, r);
-  for (auto& t : threads) t.join();
-}
+std::string FreshDir() { return testing::FreshDir("gloo"); }
 
 // Contributes ones for every element as micro-batch 0 of `step`.
 absl::Status ContributeOnes(GlooCollective& c, uint64_t total, uint64_t step) {

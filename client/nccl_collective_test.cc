@@ -12,17 +12,18 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/gloo_collective.h"
+#include "client/testing/ranks.h"
 #include "client/testing/training_data.h"
 #include "common/dtype.h"
 #include "cuda/cuda_ops.h"
@@ -33,18 +34,9 @@
 namespace zeroshard {
 namespace {
 
-std::string FreshDir() {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  std::string tmpl = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/nccl-XXXXXX");
-  EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
-  return tmpl;
-}
+using testing::RunRanks;
 
-void RunRanks(uint32_t world, const std::function<void(uint32_t)>& fn) {
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < world; ++r) threads.emplace_back(fn, r);
-  for (auto& t : threads) t.join();
-}
+std::string FreshDir() { return testing::FreshDir("nccl"); }
 
 ClientConfig Config(const std::vector<std::string>& daemons, const std::string& job, uint32_t rank,
                     uint32_t world, uint32_t stage, DType precision) {
