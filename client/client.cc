@@ -555,7 +555,7 @@ absl::Status Client::GatherRangeToDevice(const FlatRange& range, DType dtype, vo
   return FetchToDevice(
       *device_, bounce_.data(), bounce_bytes_, range, DTypeSize(dtype),
       [&](const FlatRange& piece, void* out) { return GatherRange(piece, dtype, step, out); }, dst,
-      absl::Now() + config_.step_timeout);
+      [this] { return RpcDeadline(); });
 }
 
 absl::StatusOr<uint64_t> Client::layer_elements(uint32_t layer) const {

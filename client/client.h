@@ -267,8 +267,9 @@ class Client {
   // by step_timeout). With MemoryKind::kCudaDevice `dst` is memory of
   // ClientConfig::cuda_device: the parameters come in through the two pinned
   // bounce buffers, each one's host-to-device copy overlapping the gather of
-  // the next (not with a collective that gathers parameters:
-  // FailedPrecondition).
+  // the next, or through the collective where it gathers parameters (the
+  // NCCL collective takes device memory only, the Gloo one host memory
+  // only: FailedPrecondition for the other kind).
   absl::Status GatherAll(void* dst, DType dtype, MemoryKind memory = MemoryKind::kHost);
 
   // Stage 3 (works in any stage): the parameters of `layer`
@@ -387,8 +388,9 @@ class Client {
   // FailedPrecondition or InvalidArgument naming `call` otherwise.
   absl::Status CheckDeviceDestination(absl::string_view call, const void* dst,
                                       uint64_t bytes) const;
-  // Flat `range` into CUDA device memory: through the bounce buffers, or
-  // by the collective where it gathers parameters.
+  // Flat `range` into CUDA device memory: through the bounce buffers (each
+  // copy wait bounded by rpc_timeout), or by the collective where it
+  // gathers parameters.
   absl::Status GatherRangeToDevice(const FlatRange& range, DType dtype, void* dst);
   absl::StatusOr<size_t> LayerIndex(uint32_t layer) const;
   bool registered() const { return registered_.load(std::memory_order_acquire); }

@@ -114,7 +114,8 @@ class Collective {
   // of the same step counts as delivered and is not sent twice.
   virtual absl::Status Finish(uint64_t step, absl::Time deadline) = 0;
 
-  // Bytes of memory the collective holds (staging buffers), fixed once bound.
+  // Bytes of host memory the collective holds (staging buffers), fixed once
+  // bound.
   virtual uint64_t staging_bytes() const = 0;
 
   // Gathers parameters by exchanging them among the ranks, where the

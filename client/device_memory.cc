@@ -24,7 +24,7 @@ absl::string_view MemoryKindName(MemoryKind kind) {
 absl::Status FetchToDevice(DeviceCopier& device, uint8_t* bounce, size_t lane_bytes,
                            const FlatRange& range, size_t esize,
                            const std::function<absl::Status(const FlatRange&, void*)>& fetch,
-                           void* dst, absl::Time deadline) {
+                           void* dst, const std::function<absl::Time()>& deadline) {
   const uint64_t chunk = std::max<uint64_t>(1, lane_bytes / esize);
   absl::Status status;
   // Half i % kLanes receives chunk i while the other half's host-to-device
@@ -34,7 +34,7 @@ absl::Status FetchToDevice(DeviceCopier& device, uint8_t* bounce, size_t lane_by
     const int lane = static_cast<int>(i % DeviceCopier::kLanes);
     uint8_t* half = bounce + lane * lane_bytes;
     const FlatRange piece{b, std::min(range.end, b + chunk)};
-    status = device.WaitLane(lane, deadline);
+    status = device.WaitLane(lane, deadline());
     if (status.ok()) status = fetch(piece, half);
     if (status.ok()) {
       status = device.FromHostAsync(half, static_cast<uint8_t*>(dst) + (b - range.begin) * esize,
@@ -42,7 +42,7 @@ absl::Status FetchToDevice(DeviceCopier& device, uint8_t* bounce, size_t lane_by
     }
   }
   for (int lane = 0; lane < DeviceCopier::kLanes; ++lane) {
-    absl::Status s = device.WaitLane(lane, deadline);
+    absl::Status s = device.WaitLane(lane, deadline());
     if (status.ok()) status = s;
   }
   return status;

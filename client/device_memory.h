@@ -107,12 +107,12 @@ class DeviceCopier {
 // `fetch(piece, out)` writes each piece into one of kLanes pinned host
 // halves of `bounce` (`lane_bytes` each), and the piece's copy to the
 // device overlaps the next fetch. Returns the first error once nothing
-// writes `dst` any more (errors included); every copy wait ends at
-// `deadline` as DeviceCopier's do.
+// writes `dst` any more (errors included); each copy wait ends at the time
+// `deadline()` returns when the wait starts, as DeviceCopier's waits do.
 absl::Status FetchToDevice(DeviceCopier& device, uint8_t* bounce, size_t lane_bytes,
                            const FlatRange& range, size_t esize,
                            const std::function<absl::Status(const FlatRange&, void*)>& fetch,
-                           void* dst, absl::Time deadline);
+                           void* dst, const std::function<absl::Time()>& deadline);
 
 // A copier for CUDA device `device` (its own stream, events and a device
 // scratch buffer of at most `scratch_bytes` for the casts, all allocated

@@ -69,11 +69,11 @@ absl::StatusOr<std::unique_ptr<NcclCollective>> NcclCollective::Create(const Opt
 NcclCollective::~NcclCollective() {
   if (device_ == nullptr) return;  // never allocated
   cuda::DeviceScope scope(device_index_);
-  if (comm_ != nullptr && !comm_failed_) {
-    // Flush, then destroy; a finalize that does not end in 10 s is aborted.
-    ncclResult_t r = ncclCommFinalize(comm_);
+  if (comm_ != nullptr) {
+    // Flush, then destroy; a finalize that does not end in 10 s is aborted
+    // (by Release).
+    ncclResult_t state = ncclCommFinalize(comm_);
     const absl::Time end = absl::Now() + absl::Seconds(10);
-    ncclResult_t state = r;
     for (int spins = 0; state == ncclInProgress && absl::Now() < end; ++spins) {
       if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
       Pause(spins);
@@ -83,35 +83,45 @@ NcclCollective::~NcclCollective() {
       comm_ = nullptr;
     }
   }
-  if (comm_ != nullptr) ncclCommAbort(comm_);
-  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  Release();
+}
+
+void NcclCollective::Release() {
+  cuda::DeviceScope scope(device_index_);
+  AbortAndDrain();
+  if (accumulate_stream_ != nullptr) cudaStreamSynchronize(accumulate_stream_);
   if (acc_ != nullptr) cudaFree(acc_);
   if (done_ != nullptr) cudaEventDestroy(done_);
-  {
-    absl::MutexLock lock(&accumulate_mu_);
-    if (accumulated_ != nullptr) cudaEventDestroy(accumulated_);
-  }
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  if (accumulate_stream_ != nullptr) cudaStreamDestroy(accumulate_stream_);
   if (host_pinned_) device_->Unpin(host_.data());
   cudaGetLastError();
+  acc_ = nullptr;
+  done_ = nullptr;
+  stream_ = accumulate_stream_ = nullptr;
+  host_ = PinnableBuffer();
+  host_pinned_ = false;
+  device_ = nullptr;
+  device_index_ = -1;
 }
 
-uint64_t NcclCollective::allocated_bytes() const {
-  return acc_elements_ * sizeof(float) + host_.size();
-}
+uint64_t NcclCollective::allocated_bytes() const { return host_.size(); }
 
 absl::Status NcclCollective::Allocate(const CollectiveJob& job, const BucketPlan& plan) {
+  absl::Status s = AllocateBuffers(job, plan);
+  // A failed Bind keeps nothing, so that it can be tried again.
+  if (!s.ok() && device_ != nullptr) Release();
+  return s;
+}
+
+absl::Status NcclCollective::AllocateBuffers(const CollectiveJob& job, const BucketPlan& plan) {
   if (job.device == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("the ", kWhat,
                      " reduces on a CUDA device, but the client has none: set "
                      "ClientConfig.cuda_device"));
   }
-  if (device_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the ", kWhat, " failed to bind earlier; create a new one"));
-  }
-  // Set before anything is allocated: the destructor frees what is there.
+  // Set before anything is allocated: Release frees what is there.
   device_ = job.device;
   device_index_ = device_->device();
   cuda::DeviceScope scope(device_index_);
@@ -126,13 +136,11 @@ absl::Status NcclCollective::Allocate(const CollectiveJob& job, const BucketPlan
                                                    job.map->partition_elements(),
                                                    " elements do not cover the layout"));
   }
-  // A blocking stream: ordered with the legacy default stream's work.
+  // Blocking streams: ordered with the legacy default stream's work.
   absl::Status s = cuda::CudaStatus(cudaStreamCreate(&stream_), "stream");
-  if (s.ok())
-    s = cuda::CudaStatus(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "event");
+  if (s.ok()) s = cuda::CudaStatus(cudaStreamCreate(&accumulate_stream_), "stream");
   if (s.ok()) {
-    absl::MutexLock lock(&accumulate_mu_);
-    s = cuda::CudaStatus(cudaEventCreateWithFlags(&accumulated_, cudaEventDisableTiming), "event");
+    s = cuda::CudaStatus(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "event");
   }
   if (!s.ok()) return failed(s);
   const uint64_t acc_bytes = acc_elements_ * sizeof(float);
@@ -168,19 +176,23 @@ absl::Status NcclCollective::CheckBuffer(const void* p, uint64_t bytes, const ch
 absl::Status NcclCollective::Accumulate(uint32_t micro_batch, const FlatRange& range,
                                         const void* grads, DType dtype, absl::Time deadline) {
   cuda::DeviceScope scope(device_index_);
-  absl::MutexLock lock(&accumulate_mu_);
+  // An event of this call's own: concurrent calls (disjoint ranges) launch
+  // on the same stream and each waits for its kernels only.
+  cudaEvent_t done = nullptr;
+  absl::Status status =
+      cuda::CudaStatus(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "event");
+  if (!status.ok()) return status;
   const auto* src = static_cast<const uint8_t*>(grads);
   const size_t esize = DTypeSize(dtype);
-  absl::Status status;
   plan().ForEachRealSegment(range, [&](const FlatRange& s) {
     if (!status.ok()) return;
     const void* from = src + (s.begin - range.begin) * esize;
     float* to = acc_ + s.begin;
     // The first micro-batch overwrites the last step's values.
-    status = micro_batch == 0 ? cuda::UnpackToFloat(from, dtype, to, s.size(), stream_)
-                              : cuda::AddIntoFloat(from, dtype, to, s.size(), stream_);
+    status = micro_batch == 0 ? cuda::UnpackToFloat(from, dtype, to, s.size(), accumulate_stream_)
+                              : cuda::AddIntoFloat(from, dtype, to, s.size(), accumulate_stream_);
   });
-  if (absl::Status s = cuda::CudaStatus(cudaEventRecord(accumulated_, stream_), "event");
+  if (absl::Status s = cuda::CudaStatus(cudaEventRecord(done, accumulate_stream_), "event");
       status.ok()) {
     status = s;
   }
@@ -189,7 +201,7 @@ absl::Status NcclCollective::Accumulate(uint32_t micro_batch, const FlatRange& r
   // end is reported on stderr, not as an error).
   bool late = false;
   for (int spins = 0;; ++spins) {
-    const cudaError_t e = cudaEventQuery(accumulated_);
+    const cudaError_t e = cudaEventQuery(done);
     if (e == cudaSuccess) break;
     if (e != cudaErrorNotReady) {
       if (status.ok()) status = cuda::CudaStatus(e, "accumulating gradients");
@@ -204,6 +216,7 @@ absl::Status NcclCollective::Accumulate(uint32_t micro_batch, const FlatRange& r
     }
     Pause(spins);
   }
+  cudaEventDestroy(done);
   return status;
 }
 
@@ -211,9 +224,8 @@ std::string NcclCollective::IdPath() const {
   return absl::StrCat(options_.rendezvous_dir, "/zeroshard-nccl-", job().job_id, ".id");
 }
 
-absl::Status NcclCollective::CommStatus(ncclResult_t r, const std::string& what) {
+absl::Status NcclCollective::CommStatus(ncclResult_t r, const std::string& what) const {
   if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
-  comm_failed_ = true;
   const char* last = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;
   const std::string message =
       absl::StrCat(kWhat, ": rank ", job().rank, " of ", job().world_size, ", ", what, ": ",
@@ -223,20 +235,20 @@ absl::Status NcclCollective::CommStatus(ncclResult_t r, const std::string& what)
   return absl::InternalError(message);
 }
 
-void NcclCollective::Abort() {
-  if (comm_ == nullptr) return;
-  ncclCommAbort(comm_);
-  comm_ = nullptr;
-  comm_failed_ = true;
+void NcclCollective::AbortAndDrain() {
+  if (comm_ != nullptr) {
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+  if (stream_ != nullptr && cudaStreamSynchronize(stream_) != cudaSuccess) cudaGetLastError();
 }
 
 absl::Status NcclCollective::AwaitNccl(absl::Time deadline, const std::string& what) {
   auto timed_out = [&] {
-    Abort();
     return absl::DeadlineExceededError(absl::StrCat(
         kWhat, ": rank ", job().rank, " of ", job().world_size, ", ", what,
         " did not complete before the deadline (a rank is not running, not in this call, or "
-        "its link failed); the communicator was aborted"));
+        "its link failed)"));
   };
   // A non-blocking communicator may still be issuing the calls.
   ncclResult_t state = ncclInProgress;
@@ -252,7 +264,6 @@ absl::Status NcclCollective::AwaitNccl(absl::Time deadline, const std::string& w
     const cudaError_t e = cudaEventQuery(done_);
     if (e == cudaSuccess) return absl::OkStatus();
     if (e != cudaErrorNotReady) {
-      comm_failed_ = true;
       return cuda::CudaStatus(e, absl::StrCat(what, " on CUDA device ", device_index_));
     }
     // A peer that failed shows here while the kernels still wait for it.
@@ -311,7 +322,7 @@ absl::Status NcclCollective::Connect(absl::Time deadline) {
   comm_ = comm;
   if (r != ncclSuccess && r != ncclInProgress) {
     absl::Status s = CommStatus(r, "ncclCommInitRankConfig");
-    Abort();
+    AbortAndDrain();
     return s;
   }
   ncclResult_t state = ncclInProgress;
@@ -319,14 +330,14 @@ absl::Status NcclCollective::Connect(absl::Time deadline) {
     if (ncclResult_t e = ncclCommGetAsyncError(comm_, &state); e != ncclSuccess) state = e;
     if (state != ncclInProgress) break;
     if (absl::Now() >= deadline) {
-      Abort();
+      AbortAndDrain();
       return absl::DeadlineExceededError(
           absl::StrCat(where, ": not every rank joined the NCCL communicator before the deadline"));
     }
     absl::SleepFor(absl::Milliseconds(1));
   }
   if (absl::Status s = CommStatus(state, "creating the communicator"); !s.ok()) {
-    Abort();
+    AbortAndDrain();
     return s;
   }
   // Every rank has joined, so every rank has read the id.
@@ -335,6 +346,12 @@ absl::Status NcclCollective::Connect(absl::Time deadline) {
 }
 
 absl::Status NcclCollective::Exchange(absl::Time deadline) {
+  absl::Status s = ReduceScatter(deadline);
+  if (!s.ok()) AbortAndDrain();
+  return s;
+}
+
+absl::Status NcclCollective::ReduceScatter(absl::Time deadline) {
   if (comm_ == nullptr) RETURN_IF_ERROR(Connect(deadline));
   cuda::DeviceScope scope(device_index_);
   const uint64_t pe = job().map->partition_elements();
@@ -358,11 +375,19 @@ absl::StatusOr<const void*> NcclCollective::WireBucket(const FlatRange& bucket,
 absl::Status NcclCollective::FetchOwn(const FlatRange& own, void* own_dst, DType dtype,
                                       const FetchRange& fetch_own, absl::Time deadline) {
   return FetchToDevice(*device_, host_.data(), host_.size() / DeviceCopier::kLanes, own,
-                       DTypeSize(dtype), fetch_own, own_dst, deadline);
+                       DTypeSize(dtype), fetch_own, own_dst, [deadline] { return deadline; });
 }
 
 absl::Status NcclCollective::ExchangeGather(const FlatRange& range, void* dst, DType dtype,
                                             absl::Time deadline) {
+  absl::Status s = Broadcast(range, dst, dtype, deadline);
+  // Nothing writes `dst` once the call has returned.
+  if (!s.ok()) AbortAndDrain();
+  return s;
+}
+
+absl::Status NcclCollective::Broadcast(const FlatRange& range, void* dst, DType dtype,
+                                       absl::Time deadline) {
   if (comm_ == nullptr) RETURN_IF_ERROR(Connect(deadline));
   cuda::DeviceScope scope(device_index_);
   const uint32_t n = job().world_size;

@@ -29,13 +29,15 @@
 // others' pieces. The bytes NCCL moves on its links depend on its algorithm.
 //
 // Device memory, allocated once by Bind: the fp32 accumulator, N_d x the
-// padded partition (4 Ψ bytes, a little more for the padding). Host: one
-// pinned bucket of BucketPlan::StagingBytes (at least 64 KiB), which is also
-// the gather's bounce buffer (two halves, one copying while the other
-// fills). The collective's stream is a blocking CUDA stream: its work is
-// ordered with the legacy default stream (PyTorch's default stream) as the
-// client's DeviceCopier's is; work on other streams must be finished by the
-// caller before it hands a buffer over.
+// padded partition (4 Ψ bytes, a little more for the padding; not in the
+// client's memory report, which counts host memory). Host: one pinned bucket
+// of BucketPlan::StagingBytes (at least 64 KiB), which is also the gather's
+// bounce buffer (two halves, one copying while the other fills); that is
+// staging_bytes(). The collective's two streams (the accumulation's and
+// NCCL's) are blocking CUDA streams: their work is ordered with the legacy
+// default stream (PyTorch's default stream) as the client's DeviceCopier's
+// is; work on other streams must be finished by the caller before it hands
+// a buffer over.
 //
 // Rendezvous: the first Finish or AllGather connects the ranks. Rank 0
 // writes an NCCL unique id to "<rendezvous_dir>/zeroshard-nccl-<job id>.id"
@@ -48,15 +50,18 @@
 //
 // Deadlines: the communicator is created non-blocking, so every NCCL wait
 // (the rendezvous, the communicator's creation, each reduce-scatter and
-// broadcast) polls until the call's deadline; at the deadline the
-// communicator is aborted (ncclCommAbort) and the call returns
-// DeadlineExceeded, naming what it waited for. NCCL and CUDA errors are
-// Unavailable (a peer or the network failed: ncclRemoteError,
-// ncclSystemError) or Internal (others), with NCCL's message. Each breaks
-// the collective (restart the ranks).
+// broadcast) polls until the call's deadline; at the deadline the call
+// returns DeadlineExceeded, naming what it waited for. NCCL and CUDA errors
+// are Unavailable (a peer or the network failed: ncclRemoteError,
+// ncclSystemError) or Internal (others), with NCCL's message. After any of
+// them the communicator is aborted (ncclCommAbort stops its kernels) and
+// the stream drained before the call returns, and the collective is broken
+// (restart the ranks).
 //
 // Ranks and devices: NCCL refuses two ranks of one communicator on the same
-// GPU, so each rank needs a device of its own.
+// GPU, so each rank needs a device of its own. One rank alone still builds
+// a communicator of one and makes every NCCL call (so one GPU exercises
+// them all).
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -65,9 +70,7 @@
 #include <memory>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "client/device_memory.h"
 #include "client/trainer_collective.h"
 
@@ -107,37 +110,43 @@ class NcclCollective final : public TrainerCollective {
   absl::Status ExchangeGather(const FlatRange& range, void* dst, DType dtype,
                               absl::Time deadline) override;
 
+  absl::Status AllocateBuffers(const CollectiveJob& job, const BucketPlan& plan);
+  // Frees what AllocateBuffers allocated, after aborting the communicator
+  // if there is one; leaves the collective as created.
+  void Release();
   // The rendezvous and the communicator (the first exchange).
   absl::Status Connect(absl::Time deadline);
+  // Exchange and ExchangeGather without the abort on failure.
+  absl::Status ReduceScatter(absl::Time deadline);
+  absl::Status Broadcast(const FlatRange& range, void* dst, DType dtype, absl::Time deadline);
   // Polls the communicator until its pending NCCL calls are issued, then
-  // `done_` (recorded on stream_ here) until it completes. At the deadline
-  // aborts the communicator: DeadlineExceeded naming `what`.
+  // `done_` (recorded on stream_ here) until it completes: DeadlineExceeded
+  // naming `what` at the deadline.
   absl::Status AwaitNccl(absl::Time deadline, const std::string& what);
-  // The communicator's error as a Status (OK while fine or in progress).
-  absl::Status CommStatus(ncclResult_t r, const std::string& what);
-  void Abort();
+  // An NCCL result as a Status (OK for success or in progress).
+  absl::Status CommStatus(ncclResult_t r, const std::string& what) const;
+  // Aborts the communicator (NCCL's kernels stop), then waits for stream_
+  // to drain; after any NCCL failure, so that nothing stays queued on the
+  // device or writes a caller's buffer.
+  void AbortAndDrain();
   std::string IdPath() const;
 
   const Options options_;
 
-  // Written once by Allocate; used by the hooks under the protocol of
-  // TrainerCollective (Accumulate on claimed ranges, serialised by
-  // accumulate_mu_; the rest one at a time).
+  // Written by Allocate; used by the hooks under the protocol of
+  // TrainerCollective (Accumulate concurrently on claimed ranges; the rest
+  // one at a time).
   DeviceCopier* device_ = nullptr;
   int device_index_ = -1;
-  cudaStream_t stream_ = nullptr;
-  cudaEvent_t done_ = nullptr;
+  cudaStream_t stream_ = nullptr;             // NCCL's calls
+  cudaStream_t accumulate_stream_ = nullptr;  // Accumulate's kernels
+  cudaEvent_t done_ = nullptr;                // AwaitNccl's
   float* acc_ = nullptr;  // N_d * partition_elements fp32 on the device, gaps and padding 0
   uint64_t acc_elements_ = 0;
   PinnableBuffer host_;  // the push bucket, and the gather's two bounce halves
   bool host_pinned_ = false;
 
-  ncclComm_t comm_ = nullptr;  // created by Connect
-  bool comm_failed_ = false;   // abort it, not destroy it
-
-  // Serialises Accumulate's kernels and their event.
-  absl::Mutex accumulate_mu_;
-  cudaEvent_t accumulated_ ABSL_GUARDED_BY(accumulate_mu_) = nullptr;
+  ncclComm_t comm_ = nullptr;  // created by Connect; null again once aborted
 };
 
 }  // namespace zeroshard

@@ -12,12 +12,14 @@ namespace zeroshard {
 
 namespace {
 
-absl::Status WrongMemory(const char* call, const char* what, MemoryKind memory) {
-  const MemoryKind other =
-      memory == MemoryKind::kHost ? MemoryKind::kCudaDevice : MemoryKind::kHost;
+// `what` of `call` in `given` memory, for a collective that takes `taken`.
+absl::Status WrongMemory(const char* call, const char* what, MemoryKind given, MemoryKind taken) {
   return absl::FailedPreconditionError(absl::StrCat(
-      call, ": ", what, " in ", MemoryKindName(memory), " memory, but this trainer collective ",
-      "takes ", MemoryKindName(other), " memory only; pass buffers of that kind"));
+      call, ": ", what, " in ", MemoryKindName(given),
+      " memory, but this trainer collective takes ", MemoryKindName(taken), " memory only (",
+      taken == MemoryKind::kHost ? "copy the buffer to the host first"
+                                 : "use a client with ClientConfig.cuda_device and device buffers",
+      ")"));
 }
 
 }  // namespace
@@ -74,7 +76,9 @@ absl::Status TrainerCollective::Broken() const {
 absl::Status TrainerCollective::CheckArguments(uint32_t micro_batch, const FlatRange& range,
                                                const void* grads, DType dtype,
                                                MemoryKind memory) const {
-  if (memory != memory_kind()) return WrongMemory("PushGradients", "grads", memory);
+  if (memory != memory_kind()) {
+    return WrongMemory("PushGradients", "grads", memory, memory_kind());
+  }
   if (!bound_.load(std::memory_order_acquire)) {
     return absl::FailedPreconditionError("PushGradients before RegisterModel");
   }
@@ -201,13 +205,15 @@ absl::Status TrainerCollective::Incomplete(uint64_t step) const {
 }
 
 absl::Status TrainerCollective::PushPartition(uint64_t step, absl::Time deadline,
-                                              std::vector<uint8_t>* confirmed) {
+                                              std::vector<uint8_t>* confirmed, bool* read_failed) {
+  *read_failed = false;
   const DType wire = plan_.wire_dtype();
   for (size_t j = 0; j < my_buckets_.size(); ++j) {
     if ((*confirmed)[j]) continue;
     const Bucket& b = plan_.buckets()[my_buckets_[j]];
     absl::StatusOr<const void*> data = WireBucket(b.range, deadline);
     if (!data.ok()) {
+      *read_failed = true;
       return absl::Status(
           data.status().code(),
           absl::StrCat("Step ", step, ": rank ", job_.rank, " reading its reduced ", "partition [",
@@ -283,11 +289,12 @@ absl::Status TrainerCollective::Finish(uint64_t step, absl::Time deadline) {
   absl::Status status;
   if (exchange) status = Exchange(deadline);
   const bool exchanged = status.ok();
-  if (exchanged) status = PushPartition(step, deadline, &confirmed);
+  bool read_failed = false;
+  if (exchanged) status = PushPartition(step, deadline, &confirmed, &read_failed);
   absl::MutexLock lock(&mu_);
   finishing_ = false;
   ResetContributions();
-  if (!exchanged) {
+  if (!exchanged || read_failed) {
     broken_ = status;
     exchanged_step_ = 0;
   } else if (!status.ok()) {
@@ -335,12 +342,12 @@ absl::Status TrainerCollective::FetchOwn(const FlatRange& own, void* own_dst, DT
 absl::Status TrainerCollective::AllGather(const FlatRange& range, void* dst, DType dtype,
                                           MemoryKind memory, const FetchRange& fetch_own,
                                           absl::Time deadline) {
-  if (memory != memory_kind()) return WrongMemory("GatherAll", "dst", memory);
+  if (memory != memory_kind()) return WrongMemory("gather", "dst", memory, memory_kind());
   if (!bound_.load(std::memory_order_acquire)) {
     return absl::FailedPreconditionError("GatherAll before RegisterModel");
   }
   if (range.end <= plan_.total_elements() && !range.empty()) {
-    RETURN_IF_ERROR(CheckBuffer(dst, range.size() * DTypeSize(dtype), "GatherAll: dst"));
+    RETURN_IF_ERROR(CheckBuffer(dst, range.size() * DTypeSize(dtype), "gather: dst"));
   }
   {
     absl::MutexLock lock(&mu_);

@@ -103,9 +103,10 @@ class TrainerCollective : public Collective {
   // Called by Bind once the job is checked: allocates the subclass's
   // buffers (an fp32 accumulator of plan.total_elements(), whatever its
   // exchange needs, a push bucket of BucketPlan::StagingBytes). An error is
-  // returned by Bind as it is, and nothing is bound.
+  // returned by Bind as it is, and nothing is bound (nor kept: Bind may be
+  // called again).
   virtual absl::Status Allocate(const CollectiveJob& job, const BucketPlan& plan) = 0;
-  // Bytes Allocate allocated.
+  // Bytes of host memory Allocate allocated (staging_bytes()).
   virtual uint64_t allocated_bytes() const = 0;
 
   // Writes (micro_batch == 0) or adds (later micro-batches) `grads`
@@ -123,7 +124,8 @@ class TrainerCollective : public Collective {
   virtual absl::Status Exchange(absl::Time deadline) = 0;
 
   // The reduced values of `bucket` (a bucket of partition job().rank) in the
-  // job's wire dtype, for the push; valid until the next call.
+  // job's wire dtype, for the push; valid until the next call. An error
+  // breaks the collective.
   virtual absl::StatusOr<const void*> WireBucket(const FlatRange& bucket, absl::Time deadline) = 0;
 
   // Puts this rank's piece `own` of the gathered range (non-empty; its first
@@ -153,9 +155,11 @@ class TrainerCollective : public Collective {
   // Drops the contributions of the step being collected.
   void ResetContributions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Pushes the buckets of partition `rank` whose entry in `confirmed` (by
-  // index into my_buckets_) is 0, setting it once the daemon confirms. Runs
-  // without mu_.
-  absl::Status PushPartition(uint64_t step, absl::Time deadline, std::vector<uint8_t>* confirmed);
+  // index into my_buckets_) is 0, setting it once the daemon confirms.
+  // `read_failed`: the error came from WireBucket (which breaks the
+  // collective), not from a push. Runs without mu_.
+  absl::Status PushPartition(uint64_t step, absl::Time deadline, std::vector<uint8_t>* confirmed,
+                             bool* read_failed);
 
   const std::string what_;
 

@@ -24,6 +24,9 @@
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "client/gloo_collective.h"
+#ifdef ZS_WITH_NCCL
+#include "client/nccl_collective.h"
+#endif
 #include "common/dtype.h"
 #include "common/layout.h"
 #include "proto/zeroshard/v1/checkpoint.pb.h"
@@ -222,7 +225,8 @@ class PyClient {
            std::optional<std::string> token, std::optional<std::string> tls_cert,
            std::optional<std::string> tls_key, std::optional<std::string> tls_ca, uint32_t replicas,
            const std::string& reduction, std::optional<std::string> collective_dir,
-           const std::string& collective_host, std::optional<int> cuda_device) {
+           const std::string& collective_host, std::optional<int> cuda_device,
+           const std::string& collective_kind) {
     ClientConfig c;
     c.cuda_device = cuda_device.value_or(-1);
     std::unique_ptr<Collective> collective;
@@ -232,10 +236,25 @@ class PyClient {
             "collective_dir: reduction='trainer' needs the Gloo rendezvous directory, the same "
             "path for every rank (one host, or a filesystem every node mounts)");
       }
-      GlooCollective::Options o;
-      o.rendezvous_dir = *collective_dir;
-      o.hostname = collective_host;
-      collective = Check(GlooCollective::Create(o));
+      if (collective_kind == "gloo") {
+        GlooCollective::Options o;
+        o.rendezvous_dir = *collective_dir;
+        o.hostname = collective_host;
+        collective = Check(GlooCollective::Create(o));
+      } else if (collective_kind == "nccl") {
+#ifdef ZS_WITH_NCCL
+        NcclCollective::Options o;
+        o.rendezvous_dir = *collective_dir;
+        collective = Check(NcclCollective::Create(o));
+#else
+        throw py::value_error(
+            "collective: 'nccl' needs a build with CUDA and NCCL (nvcc and nccl.h were not found "
+            "when this module was built)");
+#endif
+      } else {
+        throw py::value_error(
+            absl::StrCat("collective: must be 'gloo' or 'nccl', got '", collective_kind, "'"));
+      }
       c.reduction = ReductionMode::kTrainerCollective;
     } else if (reduction != "daemon") {
       throw py::value_error(
@@ -549,40 +568,43 @@ PYBIND11_MODULE(_zeroshard, m) {
       .def_property_readonly("alignment", &Layout::alignment);
 
   py::class_<PyClient>(m, "Client")
-      .def(
-          py::init<std::vector<std::string>, std::string, uint32_t, uint32_t, uint32_t,
-                   const std::string&, float, std::pair<float, float>, float, float, float,
-                   uint64_t, double, double, std::optional<std::string>, std::optional<std::string>,
-                   std::optional<std::string>, std::optional<std::string>,
-                   std::optional<std::string>, uint32_t, const std::string&,
-                   std::optional<std::string>, const std::string&, std::optional<int>>(),
-          py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
-          py::arg("stage") = 2, py::arg("precision") = "fp32", py::arg("lr") = 1e-3f,
-          py::arg("betas") = std::make_pair(0.9f, 0.999f), py::arg("eps") = 1e-8f,
-          py::arg("weight_decay") = 0.01f, py::arg("max_grad_norm") = 0.0f,
-          py::arg("bucket_bytes") = uint64_t{32} << 20, py::arg("rpc_timeout") = 60.0,
-          py::arg("step_timeout") = 300.0, py::arg("resume") = py::none(),
-          py::arg("token") = py::none(), py::arg("tls_cert") = py::none(),
-          py::arg("tls_key") = py::none(), py::arg("tls_ca") = py::none(), py::arg("replicas") = 1u,
-          py::arg("reduction") = "daemon", py::arg("collective_dir") = py::none(),
-          py::arg("collective_host") = "127.0.0.1", py::arg("cuda_device") = py::none(),
-          "Validates the config and starts the client's threads; connects to nothing. "
-          "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
-          "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
-          "$ZS_TLS_CERT/_KEY/_CA; none: plaintext). "
-          "Timeouts in seconds. resume: None, a checkpoint name or 'latest' (the complete "
-          "checkpoint with the highest step): register_model on rank 0 then loads it into "
-          "the daemons instead of uploading initial_params ('latest' with no complete "
-          "checkpoint starts from initial_params). replicas: 1, or 2 for a primary and a backup "
-          "of each daemon's partitions (a daemon may die; a new Client then continues at the "
-          "committed step, the leader promoting the backups). reduction: 'daemon' (every rank "
-          "pushes its whole gradient) or 'trainer' (the ranks reduce-scatter the gradients and "
-          "all-gather the parameters among themselves over Gloo's TCP transport on "
-          "collective_host, each moving only its own partition with the daemons; "
-          "collective_dir is the rendezvous directory every rank shares; no reconnect). "
-          "cuda_device: the CUDA device whose tensors push_gradients, gather_all and gather "
-          "may be given (cast and copied through pinned host buffers); None: CPU tensors "
-          "only. A build without CUDA, or a machine without the device, raises.")
+      .def(py::init<std::vector<std::string>, std::string, uint32_t, uint32_t, uint32_t,
+                    const std::string&, float, std::pair<float, float>, float, float, float,
+                    uint64_t, double, double, std::optional<std::string>,
+                    std::optional<std::string>, std::optional<std::string>,
+                    std::optional<std::string>, std::optional<std::string>, uint32_t,
+                    const std::string&, std::optional<std::string>, const std::string&,
+                    std::optional<int>, const std::string&>(),
+           py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
+           py::arg("stage") = 2, py::arg("precision") = "fp32", py::arg("lr") = 1e-3f,
+           py::arg("betas") = std::make_pair(0.9f, 0.999f), py::arg("eps") = 1e-8f,
+           py::arg("weight_decay") = 0.01f, py::arg("max_grad_norm") = 0.0f,
+           py::arg("bucket_bytes") = uint64_t{32} << 20, py::arg("rpc_timeout") = 60.0,
+           py::arg("step_timeout") = 300.0, py::arg("resume") = py::none(),
+           py::arg("token") = py::none(), py::arg("tls_cert") = py::none(),
+           py::arg("tls_key") = py::none(), py::arg("tls_ca") = py::none(),
+           py::arg("replicas") = 1u, py::arg("reduction") = "daemon",
+           py::arg("collective_dir") = py::none(), py::arg("collective_host") = "127.0.0.1",
+           py::arg("cuda_device") = py::none(), py::arg("collective") = "gloo",
+           "Validates the config and starts the client's threads; connects to nothing. "
+           "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
+           "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
+           "$ZS_TLS_CERT/_KEY/_CA; none: plaintext). "
+           "Timeouts in seconds. resume: None, a checkpoint name or 'latest' (the complete "
+           "checkpoint with the highest step): register_model on rank 0 then loads it into "
+           "the daemons instead of uploading initial_params ('latest' with no complete "
+           "checkpoint starts from initial_params). replicas: 1, or 2 for a primary and a backup "
+           "of each daemon's partitions (a daemon may die; a new Client then continues at the "
+           "committed step, the leader promoting the backups). reduction: 'daemon' (every rank "
+           "pushes its whole gradient) or 'trainer' (the ranks reduce-scatter the gradients and "
+           "all-gather the parameters among themselves over Gloo's TCP transport on "
+           "collective_host, each moving only its own partition with the daemons; "
+           "collective_dir is the rendezvous directory every rank shares; no reconnect). "
+           "collective: 'gloo' (CPU tensors) or 'nccl' (CUDA tensors of cuda_device, one GPU "
+           "per rank; builds with CUDA and NCCL only) for reduction='trainer'. "
+           "cuda_device: the CUDA device whose tensors push_gradients, gather_all and gather "
+           "may be given (cast and copied through pinned host buffers); None: CPU tensors "
+           "only. A build without CUDA, or a machine without the device, raises.")
       .def(
           "register_model",
           [](PyClient& self, const py::object& layout, const py::object& initial_params) {

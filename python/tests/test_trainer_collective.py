@@ -81,6 +81,29 @@ def test_bad_reduction_raises(daemons):
     with pytest.raises(ValueError, match="collective_dir"):
         Client(daemons=daemons, job_id="x", rank=0, world_size=1,
                reduction="trainer", token="t" * 16)
+    with pytest.raises(ValueError, match="collective: must be 'gloo' or 'nccl'"):
+        Client(daemons=daemons, job_id="x", rank=0, world_size=1,
+               reduction="trainer", collective="mpi", collective_dir="/tmp",
+               token="t" * 16)
+
+
+def test_nccl_collective_needs_a_cuda_build_and_device(daemons, tmp_path):
+    """collective='nccl' is refused by a build without NCCL (ValueError) and,
+    in one with it, by register_model on a client without a CUDA device."""
+    import zeroshard
+    from zeroshard import Client
+    try:
+        client = Client(daemons=daemons[:1], job_id="pytest-nccl-no-device",
+                        rank=0, world_size=1, reduction="trainer",
+                        collective="nccl", collective_dir=str(tmp_path))
+    except ValueError as e:
+        assert "needs a build with CUDA and NCCL" in str(e)
+        return
+    layout = zeroshard.Layout([("w", (4, 4), 0)])
+    with pytest.raises(zeroshard.Error, match="cuda_device") as info:
+        client.register_model(
+            layout, np.zeros(layout.total_elements, dtype=np.float32))
+    assert info.value.code == "FAILED_PRECONDITION"
 
 
 @pytest.mark.parametrize("stage", [2, 3])
