@@ -313,6 +313,17 @@ absl::Status NcclCollective::Connect(absl::Time deadline) {
       absl::SleepFor(absl::Milliseconds(10));
     }
   }
+  absl::Status s = CreateCommunicator(id, deadline);
+  // Past the communicator's creation every rank has read the id; after a
+  // failure rank 0's file is of no use to anyone (a later run writes its
+  // own). Either way rank 0 removes it.
+  if (rank == 0) std::remove(path.c_str());
+  return s;
+}
+
+absl::Status NcclCollective::CreateCommunicator(const ncclUniqueId& id, absl::Time deadline) {
+  const uint32_t rank = job().rank;
+  const uint32_t n = job().world_size;
   cuda::DeviceScope scope(device_index_);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // so that every wait below has a deadline
@@ -331,8 +342,10 @@ absl::Status NcclCollective::Connect(absl::Time deadline) {
     if (state != ncclInProgress) break;
     if (absl::Now() >= deadline) {
       AbortAndDrain();
-      return absl::DeadlineExceededError(
-          absl::StrCat(where, ": not every rank joined the NCCL communicator before the deadline"));
+      return absl::DeadlineExceededError(absl::StrCat(
+          kWhat, ": rank ", rank, " of ", n,
+          ": not every rank joined the NCCL communicator before the deadline (a rank is not "
+          "running or has not reached this call)"));
     }
     absl::SleepFor(absl::Milliseconds(1));
   }
@@ -340,8 +353,6 @@ absl::Status NcclCollective::Connect(absl::Time deadline) {
     AbortAndDrain();
     return s;
   }
-  // Every rank has joined, so every rank has read the id.
-  if (rank == 0) std::remove(path.c_str());
   return absl::OkStatus();
 }
 

@@ -43,10 +43,11 @@
 // writes an NCCL unique id to "<rendezvous_dir>/zeroshard-nccl-<job id>.id"
 // (written under another name, then renamed); the others poll for that file
 // every 10 ms. Once the communicator is up (every rank has joined, so every
-// rank has read it) rank 0 removes the file. A file left by an earlier run
-// whose rendezvous failed makes rank 0 refuse (FailedPrecondition; remove
-// it, or use a fresh directory). The directory must be shared by every rank
-// (one host, or a filesystem every node mounts).
+// rank has read it), or its creation failed, rank 0 removes the file. A file
+// left by a rank 0 that died during a rendezvous makes the next run's rank 0
+// refuse (FailedPrecondition; remove it, or use a fresh directory). The
+// directory must be shared by every rank (one host, or a filesystem every
+// node mounts).
 //
 // Deadlines: the communicator is created non-blocking, so every NCCL wait
 // (the rendezvous, the communicator's creation, each reduce-scatter and
@@ -116,6 +117,7 @@ class NcclCollective final : public TrainerCollective {
   void Release();
   // The rendezvous and the communicator (the first exchange).
   absl::Status Connect(absl::Time deadline);
+  absl::Status CreateCommunicator(const ncclUniqueId& id, absl::Time deadline);
   // Exchange and ExchangeGather without the abort on failure.
   absl::Status ReduceScatter(absl::Time deadline);
   absl::Status Broadcast(const FlatRange& range, void* dst, DType dtype, absl::Time deadline);
