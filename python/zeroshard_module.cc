@@ -233,7 +233,7 @@ class PyClient {
     if (reduction == "trainer") {
       if (!collective_dir.has_value() || collective_dir->empty()) {
         throw py::value_error(
-            "collective_dir: reduction='trainer' needs the Gloo rendezvous directory, the same "
+            "collective_dir: reduction='trainer' needs the rendezvous directory, the same "
             "path for every rank (one host, or a filesystem every node mounts)");
       }
       if (collective_kind == "gloo") {
