@@ -10,9 +10,11 @@
 //    implements the same interface (client/trainer_collective.h):
 //    GlooCollective (client/gloo_collective.h) on CPUs over TCP, and
 //    NcclCollective (client/nccl_collective.h) on GPUs over NCCL.
-// Both must deliver the same numbers: every element of [0, total_elements)
+// All must deliver the same numbers: every element of [0, total_elements)
 // reaches the daemons each step, alignment gaps as zeros (the daemons count
-// them in the gradient norm), summed over ranks in rank order.
+// them in the gradient norm), summed over the ranks: in rank order, except
+// NcclCollective, which sums in NCCL's order (with three or more ranks the
+// sums may differ in the last bits).
 
 #include <cstdint>
 #include <functional>

@@ -41,7 +41,7 @@ namespace {
 
 constexpr char kWhat[] = "trainer collective (Gloo)";
 
-// Exchange rounds per step at most (see Bind): far inside int, and the slot
+// Exchange rounds per step at most (see Allocate): far inside int, and the slot
 // counter (uint64_t) cannot wrap in any run.
 constexpr uint64_t kMaxRounds = uint64_t{1} << 24;
 // Slots of the exchange start here, far from the slots of the barrier that

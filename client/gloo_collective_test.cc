@@ -6,9 +6,7 @@
 #include <dirent.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <random>
 #include <thread>
 

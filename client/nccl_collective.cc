@@ -130,8 +130,8 @@ absl::Status NcclCollective::AllocateBuffers(const CollectiveJob& job, const Buc
                         absl::StrCat(kWhat, " on CUDA device ", device_index_, " (rank ", job.rank,
                                      " of ", job.world_size, "): ", s.message()));
   };
-  acc_elements_ = job.map->padded_elements();
-  if (acc_elements_ < plan.total_elements()) {
+  const uint64_t acc_elements = job.map->padded_elements();
+  if (acc_elements < plan.total_elements()) {
     return absl::InvalidArgumentError(absl::StrCat("CollectiveJob: partitions of ",
                                                    job.map->partition_elements(),
                                                    " elements do not cover the layout"));
@@ -143,7 +143,7 @@ absl::Status NcclCollective::AllocateBuffers(const CollectiveJob& job, const Buc
     s = cuda::CudaStatus(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "event");
   }
   if (!s.ok()) return failed(s);
-  const uint64_t acc_bytes = acc_elements_ * sizeof(float);
+  const uint64_t acc_bytes = acc_elements * sizeof(float);
   s = cuda::CudaStatus(
       cudaMalloc(reinterpret_cast<void**>(&acc_), acc_bytes),
       absl::StrCat("cudaMalloc of ", acc_bytes, " bytes for the fp32 accumulator"));
@@ -177,7 +177,8 @@ absl::Status NcclCollective::Accumulate(uint32_t micro_batch, const FlatRange& r
                                         const void* grads, DType dtype, absl::Time deadline) {
   cuda::DeviceScope scope(device_index_);
   // An event of this call's own: concurrent calls (disjoint ranges) launch
-  // on the same stream and each waits for its kernels only.
+  // on the same in-order stream, and each waits for its kernels (and those
+  // launched on it before them), not for calls launched after it.
   cudaEvent_t done = nullptr;
   absl::Status status =
       cuda::CudaStatus(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "event");
@@ -193,8 +194,11 @@ absl::Status NcclCollective::Accumulate(uint32_t micro_batch, const FlatRange& r
                               : cuda::AddIntoFloat(from, dtype, to, s.size(), accumulate_stream_);
   });
   if (absl::Status s = cuda::CudaStatus(cudaEventRecord(done, accumulate_stream_), "event");
-      status.ok()) {
-    status = s;
+      !s.ok()) {
+    // An event never recorded reads as complete: wait for the whole stream.
+    if (cudaStreamSynchronize(accumulate_stream_) != cudaSuccess) cudaGetLastError();
+    cudaEventDestroy(done);
+    return status.ok() ? s : status;
   }
   // The kernels read the caller's buffer: wait for them even past the
   // deadline (they take microseconds; the sum is complete then, so a late

@@ -52,12 +52,15 @@
 // Deadlines: the communicator is created non-blocking, so every NCCL wait
 // (the rendezvous, the communicator's creation, each reduce-scatter and
 // broadcast) polls until the call's deadline; at the deadline the call
-// returns DeadlineExceeded, naming what it waited for. NCCL and CUDA errors
-// are Unavailable (a peer or the network failed: ncclRemoteError,
-// ncclSystemError) or Internal (others), with NCCL's message. After any of
-// them the communicator is aborted (ncclCommAbort stops its kernels) and
-// the stream drained before the call returns, and the collective is broken
-// (restart the ranks).
+// returns DeadlineExceeded, naming what it waited for. NCCL errors are
+// Unavailable (a peer or the network failed: ncclRemoteError,
+// ncclSystemError) or Internal (others), with NCCL's message; CUDA errors
+// are Internal. After any NCCL failure (a timeout included) the
+// communicator is aborted (ncclCommAbort stops its kernels) and its stream
+// drained before the call returns. Any failure of an exchange, or of a
+// device operation of a step or gather, breaks the collective (restart the
+// ranks). Bind's failures are FailedPrecondition (CUDA refused) or
+// ResourceExhausted (an allocation failed), and keep nothing.
 //
 // Ranks and devices: NCCL refuses two ranks of one communicator on the same
 // GPU, so each rank needs a device of its own. One rank alone still builds
@@ -144,7 +147,6 @@ class NcclCollective final : public TrainerCollective {
   cudaStream_t accumulate_stream_ = nullptr;  // Accumulate's kernels
   cudaEvent_t done_ = nullptr;                // AwaitNccl's
   float* acc_ = nullptr;  // N_d * partition_elements fp32 on the device, gaps and padding 0
-  uint64_t acc_elements_ = 0;
   PinnableBuffer host_;  // the push bucket, and the gather's two bounce halves
   bool host_pinned_ = false;
 

@@ -6,7 +6,11 @@
 // a job from device buffers through the Client at stages 2 and 3, fp32 and
 // bf16, and compares it with the Gloo trainer collective on host buffers:
 // bit for bit with one or two ranks (a sum of two is the same in any order),
-// within 1e-5 with more (NCCL's summation order is not rank order).
+// with more within a relative 1e-5 in fp32 and 1e-2 in bf16 (NCCL's
+// summation order is not rank order, and bf16 rounds a last-bit difference
+// to a whole half-precision step). A missing rank is tested with one GPU:
+// the rank that never gathers never joins the communicator, so both ranks
+// can name device 0.
 
 #include "client/nccl_collective.h"
 
@@ -15,7 +19,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <vector>
@@ -67,11 +70,13 @@ TEST(NcclCollectiveTest, RefusesHostMemoryAndAClientWithoutADevice) {
       c->Reduce(1, 0, {0, 10}, host.data(), DType::kFp32, BufferUse::kCopy, MemoryKind::kHost,
                 absl::Now() + absl::Seconds(5));
   EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(t.status().message().find("cuda"), std::string::npos) << t.status();
+  EXPECT_NE(t.status().message().find("takes cuda_device memory only"), std::string::npos)
+      << t.status();
   const absl::Status g = c->AllGather(
       {0, 10}, host.data(), DType::kFp32, MemoryKind::kHost,
       [](const FlatRange&, void*) { return absl::OkStatus(); }, absl::Now() + absl::Seconds(5));
   EXPECT_EQ(g.code(), absl::StatusCode::kFailedPrecondition) << g;
+  EXPECT_NE(g.message().find("takes cuda_device memory only"), std::string::npos) << g;
 
   // Through the Client: a client with no device cannot bind it.
   std::unique_ptr<Daemon> daemon = testing::StartDaemon();
@@ -234,21 +239,22 @@ TEST(NcclCollectiveTest, TrainsLikeTheGlooCollectiveThroughTheClient) {
   }
 }
 
-// Needs two GPUs: rank 1 registers but never gathers, so rank 0's first
+// Needs one GPU: rank 1 registers but never gathers, so rank 0's first
 // gather waits for it in the communicator's creation until its deadline,
-// and the collective is broken afterwards.
+// and the collective is broken afterwards. Rank 1 never joins NCCL, so it
+// may use rank 0's device.
 TEST(NcclCollectiveTest, AMissingRankIsDeadlineExceededThenBroken) {
   absl::StatusOr<int> devices = cuda::DeviceCount();
-  if (!devices.ok() || *devices < 2) GTEST_SKIP() << "needs two CUDA devices";
+  if (!devices.ok()) GTEST_SKIP() << devices.status();
   std::unique_ptr<Daemon> daemon = testing::StartDaemon();
   const Layout layout = testing::SampleLayout();
   const std::vector<float> init = testing::InitialParams(layout);
   const std::string dir = FreshDir();
   std::vector<std::unique_ptr<Client>> clients(2);
   RunRanks(2, [&](uint32_t rank) {
-    cudaSetDevice(static_cast<int>(rank));
+    cudaSetDevice(0);
     ClientConfig c = Config({daemon->address()}, "nccl-missing", rank, 2, 2, DType::kFp32);
-    c.cuda_device = static_cast<int>(rank);
+    c.cuda_device = 0;
     c.step_timeout = absl::Seconds(3);
     NcclCollective::Options o;
     o.rendezvous_dir = dir;

@@ -101,8 +101,8 @@ class TrainerCollective : public Collective {
   virtual absl::Status CheckBuffer(const void* p, uint64_t bytes, const char* what) const;
 
   // Called by Bind once the job is checked: allocates the subclass's
-  // buffers (an fp32 accumulator of plan.total_elements(), whatever its
-  // exchange needs, a push bucket of BucketPlan::StagingBytes). An error is
+  // buffers (an fp32 accumulator of at least plan.total_elements(), host or
+  // device, whatever its exchange needs, a push bucket of BucketPlan::StagingBytes). An error is
   // returned by Bind as it is, and nothing is bound (nor kept: Bind may be
   // called again).
   virtual absl::Status Allocate(const CollectiveJob& job, const BucketPlan& plan) = 0;

@@ -230,6 +230,14 @@ class PyClient {
     ClientConfig c;
     c.cuda_device = cuda_device.value_or(-1);
     std::unique_ptr<Collective> collective;
+    if (collective_kind != "gloo" && collective_kind != "nccl") {
+      throw py::value_error(
+          absl::StrCat("collective: must be 'gloo' or 'nccl', got '", collective_kind, "'"));
+    }
+    if (collective_kind == "nccl" && reduction != "trainer") {
+      throw py::value_error(
+          "collective: 'nccl' is the trainer collective; pass reduction='trainer'");
+    }
     if (reduction == "trainer") {
       if (!collective_dir.has_value() || collective_dir->empty()) {
         throw py::value_error(
@@ -251,9 +259,6 @@ class PyClient {
             "collective: 'nccl' needs a build with CUDA and NCCL (nvcc and nccl.h were not found "
             "when this module was built)");
 #endif
-      } else {
-        throw py::value_error(
-            absl::StrCat("collective: must be 'gloo' or 'nccl', got '", collective_kind, "'"));
       }
       c.reduction = ReductionMode::kTrainerCollective;
     } else if (reduction != "daemon") {
@@ -597,14 +602,15 @@ PYBIND11_MODULE(_zeroshard, m) {
            "of each daemon's partitions (a daemon may die; a new Client then continues at the "
            "committed step, the leader promoting the backups). reduction: 'daemon' (every rank "
            "pushes its whole gradient) or 'trainer' (the ranks reduce-scatter the gradients and "
-           "all-gather the parameters among themselves over Gloo's TCP transport on "
-           "collective_host, each moving only its own partition with the daemons; "
-           "collective_dir is the rendezvous directory every rank shares; no reconnect). "
-           "collective: 'gloo' (CPU tensors) or 'nccl' (CUDA tensors of cuda_device, one GPU "
-           "per rank; builds with CUDA and NCCL only) for reduction='trainer'. "
-           "cuda_device: the CUDA device whose tensors push_gradients, gather_all and gather "
-           "may be given (cast and copied through pinned host buffers); None: CPU tensors "
-           "only. A build without CUDA, or a machine without the device, raises.")
+           "all-gather the parameters among themselves, each moving only its own partition "
+           "with the daemons; collective_dir is the rendezvous directory every rank shares; no "
+           "reconnect). collective, for reduction='trainer': 'gloo' (CPU tensors, over Gloo's "
+           "TCP transport on collective_host) or 'nccl' (CUDA tensors of cuda_device, one GPU "
+           "per rank, over NCCL; collective_host is not used; only in a build with CUDA and "
+           "NCCL). cuda_device: the CUDA device whose tensors push_gradients, gather_all and "
+           "gather may be given (with daemon reduction cast and copied through pinned host "
+           "buffers); None: CPU tensors only. A build without CUDA, or a machine without the "
+           "device, raises.")
       .def(
           "register_model",
           [](PyClient& self, const py::object& layout, const py::object& initial_params) {

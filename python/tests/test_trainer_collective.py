@@ -85,6 +85,12 @@ def test_bad_reduction_raises(daemons):
         Client(daemons=daemons, job_id="x", rank=0, world_size=1,
                reduction="trainer", collective="mpi", collective_dir="/tmp",
                token="t" * 16)
+    with pytest.raises(ValueError, match="collective: must be 'gloo' or 'nccl'"):
+        Client(daemons=daemons, job_id="x", rank=0, world_size=1,
+               collective="mpi", token="t" * 16)
+    with pytest.raises(ValueError, match="pass reduction='trainer'"):
+        Client(daemons=daemons, job_id="x", rank=0, world_size=1,
+               collective="nccl", token="t" * 16)
 
 
 def test_nccl_collective_needs_a_cuda_build_and_device(daemons, tmp_path):
