@@ -4,8 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -19,13 +17,13 @@ namespace {
 
 using cuda::DeviceScope;
 
-absl::Status Cuda(cudaError_t e, absl::string_view what) { return cuda::CudaStatus(e, what); }
+using cuda::CudaStatus;
 
 // In a CudaCopier member: returns the CUDA error of `call` after letting the stream drain (so that
 // no enqueued copy still writes a caller's buffer).
-#define RETURN_CUDA(call, what)                                               \
-  do {                                                                        \
-    if (absl::Status s_ = Cuda((call), (what)); !s_.ok()) return Drained(s_); \
+#define RETURN_CUDA(call, what)                                                     \
+  do {                                                                              \
+    if (absl::Status s_ = CudaStatus((call), (what)); !s_.ok()) return Drained(s_); \
   } while (0)
 
 class CudaCopier final : public DeviceCopier {
@@ -57,21 +55,24 @@ class CudaCopier final : public DeviceCopier {
     };
     DeviceScope scope(device);
     // A blocking stream: ordered with the legacy default stream's work.
-    if (absl::Status s = Cuda(cudaStreamCreate(&c->stream_), "stream"); !s.ok()) {
+    if (absl::Status s = CudaStatus(cudaStreamCreate(&c->stream_), "stream"); !s.ok()) {
       return refused(s);
     }
     for (cudaEvent_t& e : c->lanes_) {
-      if (absl::Status s = Cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event");
+      if (absl::Status s =
+              CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event");
           !s.ok()) {
         return refused(s);
       }
     }
-    if (absl::Status s = Cuda(cudaEventCreateWithFlags(&c->done_, cudaEventDisableTiming), "event");
+    if (absl::Status s =
+            CudaStatus(cudaEventCreateWithFlags(&c->done_, cudaEventDisableTiming), "event");
         !s.ok()) {
       return refused(s);
     }
     c->scratch_bytes_ = std::max<size_t>(scratch_bytes, 4096) & ~size_t{7};
-    if (absl::Status s = Cuda(cudaMalloc(&c->scratch_, c->scratch_bytes_), "cudaMalloc scratch");
+    if (absl::Status s =
+            CudaStatus(cudaMalloc(&c->scratch_, c->scratch_bytes_), "cudaMalloc scratch");
         !s.ok()) {
       return refused(s);
     }
@@ -172,7 +173,7 @@ class CudaCopier final : public DeviceCopier {
 
   absl::Status Pin(void* p, size_t bytes) override {
     DeviceScope scope(device_);
-    return Cuda(cudaHostRegister(p, bytes, cudaHostRegisterDefault), "cudaHostRegister");
+    return CudaStatus(cudaHostRegister(p, bytes, cudaHostRegisterDefault), "cudaHostRegister");
   }
   void Unpin(void* p) override {
     DeviceScope scope(device_);
@@ -188,32 +189,10 @@ class CudaCopier final : public DeviceCopier {
     return s;
   }
 
-  // Polls `event` until it has completed. Past `deadline` it keeps waiting
-  // (the copy still writes the caller's buffer), says so on stderr every few
-  // seconds, and then returns DeadlineExceeded.
+  // Waits for `event` (cuda::WaitForEvent): DeadlineExceeded when it
+  // completed past `deadline`.
   absl::Status Await(cudaEvent_t event, absl::Time deadline, absl::string_view what) {
-    absl::Time next_warning = deadline;
-    bool late = false;
-    for (int spins = 0;; ++spins) {
-      const cudaError_t e = cudaEventQuery(event);
-      if (e == cudaSuccess) break;
-      if (e != cudaErrorNotReady) return Cuda(e, what);
-      const absl::Time now = absl::Now();
-      if (now >= next_warning) {
-        late = true;
-        std::fprintf(stderr,
-                     "zeroshard client: CUDA device %d: a %.*s is still running past its "
-                     "deadline; waiting for it\n",
-                     device_, static_cast<int>(what.size()), what.data());
-        next_warning = now + absl::Seconds(5);
-      }
-      // Copies of a bucket take tens of microseconds to milliseconds.
-      if (spins < 64) {
-        std::this_thread::yield();
-      } else {
-        absl::SleepFor(absl::Microseconds(50));
-      }
-    }
+    ASSIGN_OR_RETURN(const bool late, cuda::WaitForEvent(event, deadline, what));
     if (late) return absl::DeadlineExceededError(absl::StrCat(what, " ran past its deadline"));
     return absl::OkStatus();
   }

@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -21,16 +20,6 @@ namespace {
 constexpr char kWhat[] = "trainer collective (NCCL)";
 // The pinned host buffer holds at least this much (two gather halves).
 constexpr uint64_t kMinHostBytes = uint64_t{64} << 10;
-
-// Short waits spin, long ones sleep: a bucket's kernels and copies take
-// microseconds to milliseconds.
-void Pause(int spins) {
-  if (spins < 64) {
-    std::this_thread::yield();
-  } else {
-    absl::SleepFor(absl::Microseconds(50));
-  }
-}
 
 ncclDataType_t NcclType(DType dtype) {
   switch (dtype) {
@@ -76,7 +65,7 @@ NcclCollective::~NcclCollective() {
     const absl::Time end = absl::Now() + absl::Seconds(10);
     for (int spins = 0; state == ncclInProgress && absl::Now() < end; ++spins) {
       if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
-      Pause(spins);
+      cuda::PollPause(spins);
     }
     if (state == ncclSuccess) {
       ncclCommDestroy(comm_);
@@ -202,24 +191,9 @@ absl::Status NcclCollective::Accumulate(uint32_t micro_batch, const FlatRange& r
   }
   // The kernels read the caller's buffer: wait for them even past the
   // deadline (they take microseconds; the sum is complete then, so a late
-  // end is reported on stderr, not as an error).
-  bool late = false;
-  for (int spins = 0;; ++spins) {
-    const cudaError_t e = cudaEventQuery(done);
-    if (e == cudaSuccess) break;
-    if (e != cudaErrorNotReady) {
-      if (status.ok()) status = cuda::CudaStatus(e, "accumulating gradients");
-      break;
-    }
-    if (!late && absl::Now() >= deadline) {
-      late = true;
-      std::fprintf(stderr,
-                   "zeroshard client: %s: accumulating gradients on CUDA device %d ran "
-                   "past the deadline; waiting for it\n",
-                   kWhat, device_index_);
-    }
-    Pause(spins);
-  }
+  // end is said on stderr, not returned as an error).
+  absl::StatusOr<bool> late = cuda::WaitForEvent(done, deadline, "gradient accumulation");
+  if (status.ok()) status = late.status();
   cudaEventDestroy(done);
   return status;
 }
@@ -260,7 +234,7 @@ absl::Status NcclCollective::AwaitNccl(absl::Time deadline, const std::string& w
     if (ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) state = r;
     if (state != ncclInProgress) break;
     if (absl::Now() >= deadline) return timed_out();
-    Pause(spins);
+    cuda::PollPause(spins);
   }
   RETURN_IF_ERROR(CommStatus(state, what));
   RETURN_IF_ERROR(cuda::CudaStatus(cudaEventRecord(done_, stream_), "event"));
@@ -274,7 +248,7 @@ absl::Status NcclCollective::AwaitNccl(absl::Time deadline, const std::string& w
     if (ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) state = r;
     RETURN_IF_ERROR(CommStatus(state, what));
     if (absl::Now() >= deadline) return timed_out();
-    Pause(spins);
+    cuda::PollPause(spins);
   }
 }
 

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "common/dtype.h"
 
 namespace zeroshard::cuda {
@@ -19,6 +20,16 @@ namespace zeroshard::cuda {
 // CUDA's result as a Status: OK, or Internal naming `what` with CUDA's
 // message. Clears the sticky error so that later calls are not blamed.
 absl::Status CudaStatus(cudaError_t e, absl::string_view what);
+
+// The pause between two polls of device work: yields for the first 64
+// polls (work of microseconds), then sleeps 50 us each time.
+void PollPause(int spins);
+
+// Polls `event` until it has completed. Past `deadline` it keeps waiting
+// (the work still uses the caller's buffers) and says so on stderr every
+// 5 s, naming `what` and the current device. Returns whether it ran past
+// the deadline, or CUDA's error (Internal, naming `what`).
+absl::StatusOr<bool> WaitForEvent(cudaEvent_t event, absl::Time deadline, absl::string_view what);
 
 // Makes `device` the calling thread's current CUDA device for the scope and
 // then puts the previous one back: the trainer's threads keep theirs.

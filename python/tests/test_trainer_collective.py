@@ -73,24 +73,19 @@ def test_stage3_trainer_collective_equals_daemon_reduction(daemons, tmp_path):
         np.testing.assert_array_equal(r["params"], trainer[0]["params"])
 
 
-def test_bad_reduction_raises(daemons):
+@pytest.mark.parametrize("options, message", [
+    (dict(reduction="allreduce"), "reduction: must be 'daemon' or"),
+    (dict(reduction="trainer"), "collective_dir"),
+    (dict(reduction="trainer", collective="mpi", collective_dir="/tmp"),
+     "collective: must be 'gloo' or 'nccl'"),
+    (dict(collective="mpi"), "collective: must be 'gloo' or 'nccl'"),
+    (dict(collective="nccl"), "pass reduction='trainer'"),
+])
+def test_bad_reduction_raises(daemons, options, message):
     from zeroshard import Client
-    with pytest.raises(ValueError, match="reduction: must be 'daemon' or"):
+    with pytest.raises(ValueError, match=message):
         Client(daemons=daemons, job_id="x", rank=0, world_size=1,
-               reduction="allreduce", token="t" * 16)
-    with pytest.raises(ValueError, match="collective_dir"):
-        Client(daemons=daemons, job_id="x", rank=0, world_size=1,
-               reduction="trainer", token="t" * 16)
-    with pytest.raises(ValueError, match="collective: must be 'gloo' or 'nccl'"):
-        Client(daemons=daemons, job_id="x", rank=0, world_size=1,
-               reduction="trainer", collective="mpi", collective_dir="/tmp",
-               token="t" * 16)
-    with pytest.raises(ValueError, match="collective: must be 'gloo' or 'nccl'"):
-        Client(daemons=daemons, job_id="x", rank=0, world_size=1,
-               collective="mpi", token="t" * 16)
-    with pytest.raises(ValueError, match="pass reduction='trainer'"):
-        Client(daemons=daemons, job_id="x", rank=0, world_size=1,
-               collective="nccl", token="t" * 16)
+               token="t" * 16, **options)
 
 
 def test_nccl_collective_needs_a_cuda_build_and_device(daemons, tmp_path):
