@@ -261,10 +261,16 @@ absl::Status DaemonSliceStore::AwaitAll(const std::vector<std::shared_ptr<CountD
 }
 
 void DaemonSliceStore::Forget(const ActivationKey& key) {
+  unsure_.erase(key);
   auto it = stored_.find(key);
   if (it == stored_.end()) return;
-  stats_.stored_bytes -= it->second;
+  stats_.stored_bytes -= it->second.bytes;
   stored_.erase(it);
+}
+
+void DaemonSliceStore::MarkUnsure(const ActivationKey& key) {
+  Forget(key);
+  unsure_.insert(key);
 }
 
 absl::StatusOr<ActivationTicket> DaemonSliceStore::Offload(const ActivationKey& key,
@@ -285,20 +291,24 @@ absl::StatusOr<ActivationTicket> DaemonSliceStore::Offload(const ActivationKey& 
   }
   workers_->Submit([this, key, data, bytes, done] {
     bool spilled = false, streamed = false;
-    const absl::Status s = DoOffload(key, data, bytes, &spilled, &streamed);
+    Stored stored{bytes, std::nullopt, std::nullopt};
+    const absl::Status s = DoOffload(key, data, bytes, &spilled, &streamed, &stored);
     {
       absl::MutexLock lock(&mu_);
       Untrack(key, done.get());
       stats_.trainer_bytes -= bytes;
       stats_.streamed += streamed;
       if (s.ok()) {
-        stored_[key] = bytes;
+        stored_[key] = stored;
+        unsure_.erase(key);
         AddStored(stats_, bytes);
         ++stats_.offloads;
         stats_.offload_bytes += bytes;
         stats_.spilled_offloads += spilled;
       } else {
         ++stats_.failures;
+        // It may have reached the daemon (a lost answer): FreeStep frees it.
+        MarkUnsure(key);
       }
     }
     done->Done(s);  // the caller's buffer is free from here
@@ -307,18 +317,19 @@ absl::StatusOr<ActivationTicket> DaemonSliceStore::Offload(const ActivationKey& 
 }
 
 absl::Status DaemonSliceStore::DoOffload(const ActivationKey& key, const void* data, uint64_t bytes,
-                                         bool* spilled, bool* streamed) {
+                                         bool* spilled, bool* streamed, Stored* stored) {
   const absl::Time deadline = Deadline();
   ASSIGN_OR_RETURN(Path path, GetPath(deadline));
   if (path.bulk && bytes <= path.arena_bytes) {
-    return OffloadBulk(key, data, bytes, deadline, spilled);
+    return OffloadBulk(key, data, bytes, deadline, spilled, stored);
   }
   *streamed = true;
   return OffloadStream(key, data, bytes, deadline, spilled);
 }
 
 absl::Status DaemonSliceStore::OffloadBulk(const ActivationKey& key, const void* data,
-                                           uint64_t bytes, absl::Time deadline, bool* spilled) {
+                                           uint64_t bytes, absl::Time deadline, bool* spilled,
+                                           Stored* where) {
   v1::ReserveActivationRequest reserve;
   *reserve.mutable_owner() = OwnerProto();
   ToProto(key, reserve.mutable_key());
@@ -361,6 +372,8 @@ absl::Status DaemonSliceStore::OffloadBulk(const ActivationKey& key, const void*
                                             stored.bytes(), " bytes, sent ", bytes));
   }
   *spilled = stored.spilled();
+  where->offset = placement.offset();
+  if (options_.checksums) where->crc32c = crc;
   return absl::OkStatus();
 }
 
@@ -415,11 +428,11 @@ absl::StatusOr<ActivationTicket> DaemonSliceStore::StartFetch(const ActivationKe
     AddTrainer(stats_, bytes);
   }
   workers_->Submit([this, key, dst, bytes, then, done, earlier = std::move(earlier)] {
-    bool was_spilled = false, streamed = false;
+    bool was_spilled = false, streamed = false, freed = false;
     absl::Status s = AwaitAll(earlier, Deadline(),
                               absl::StrCat("daemon ", address_, ": fetch of activation ",
                                            DescribeActivationKey(key), " waiting for its offload"));
-    if (s.ok()) s = DoFetch(key, dst, bytes, then, &was_spilled, &streamed);
+    if (s.ok()) s = DoFetch(key, dst, bytes, then, &was_spilled, &streamed, &freed);
     {
       absl::MutexLock lock(&mu_);
       Untrack(key, done.get());
@@ -429,7 +442,11 @@ absl::StatusOr<ActivationTicket> DaemonSliceStore::StartFetch(const ActivationKe
         ++stats_.fetches;
         stats_.fetch_bytes += bytes;
         stats_.spilled_fetches += was_spilled;
-        if (then == AfterFetch::kFree) Forget(key);
+        if (freed) {
+          Forget(key);
+        } else if (then == AfterFetch::kFree) {
+          MarkUnsure(key);  // its free failed: FreeStep frees it
+        }
       } else {
         ++stats_.failures;
         if (absl::IsNotFound(s)) Forget(key);
@@ -441,10 +458,22 @@ absl::StatusOr<ActivationTicket> DaemonSliceStore::StartFetch(const ActivationKe
 }
 
 absl::Status DaemonSliceStore::DoFetch(const ActivationKey& key, void* dst, uint64_t bytes,
-                                       AfterFetch then, bool* was_spilled, bool* streamed) {
+                                       AfterFetch then, bool* was_spilled, bool* streamed,
+                                       bool* freed) {
   const absl::Time deadline = Deadline();
   ASSIGN_OR_RETURN(Path path, GetPath(deadline));
   if (path.bulk && bytes <= path.arena_bytes) {
+    std::optional<Stored> at;
+    if (then == AfterFetch::kFree) {
+      absl::MutexLock lock(&mu_);
+      if (auto it = stored_.find(key); it != stored_.end() && it->second.offset.has_value()) {
+        at = it->second;
+      }
+    }
+    if (at.has_value()) {
+      ASSIGN_OR_RETURN(*freed, FetchInPlace(key, *at, dst, bytes, deadline));
+      if (*freed) return absl::OkStatus();
+    }
     RETURN_IF_ERROR(FetchBulk(key, dst, bytes, deadline, was_spilled));
   } else {
     *streamed = true;
@@ -454,9 +483,32 @@ absl::Status DaemonSliceStore::DoFetch(const ActivationKey& key, void* dst, uint
     // The bytes are in `dst`: the slice is not needed any more. A free that
     // fails leaves the slice to FreeStep (or the rank's Leave); the fetch
     // itself succeeded.
-    FreeRpc(key, false, Deadline()).IgnoreError();
+    absl::StatusOr<v1::FreeActivationsResponse> r = FreeRpc(key, false, Deadline());
+    *freed = r.ok() || absl::IsNotFound(r.status());
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> DaemonSliceStore::FetchInPlace(const ActivationKey& key, const Stored& at,
+                                                    void* dst, uint64_t bytes,
+                                                    absl::Time deadline) {
+  if (at.bytes != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("daemon ", address_, ": activation ",
+                                                   DescribeActivationKey(key), ": the slice holds ",
+                                                   at.bytes, " bytes, dst ", bytes));
+  }
+  const bool verify = at.crc32c.has_value();
+  uint32_t crc = 0;
+  if (absl::Status s = MoveRegion(false, *at.offset, static_cast<uint8_t*>(dst), bytes, deadline,
+                                  verify ? &crc : nullptr);
+      !s.ok()) {
+    return AddActivationContext(s, key);
+  }
+  // Other bytes than those committed: the slice moved and its place was
+  // reused, or the arena was corrupted; the located fetch finds out which.
+  if (verify && crc != *at.crc32c) return false;
+  ASSIGN_OR_RETURN(v1::FreeActivationsResponse r, FreeRpc(key, false, deadline, *at.offset));
+  return !r.moved();
 }
 
 absl::Status DaemonSliceStore::FetchBulk(const ActivationKey& key, void* dst, uint64_t bytes,
@@ -602,13 +654,14 @@ absl::StatusOr<ActivationTicket> DaemonSliceStore::Prefetch(absl::Span<const Act
   return ActivationTicket(done);
 }
 
-absl::StatusOr<v1::FreeActivationsResponse> DaemonSliceStore::FreeRpc(const ActivationKey& key,
-                                                                      bool whole_step,
-                                                                      absl::Time deadline) {
+absl::StatusOr<v1::FreeActivationsResponse> DaemonSliceStore::FreeRpc(
+    const ActivationKey& key, bool whole_step, absl::Time deadline,
+    std::optional<uint64_t> if_at_offset) {
   v1::FreeActivationsRequest req;
   *req.mutable_owner() = OwnerProto();
   ToProto(key, req.mutable_key());
   req.set_whole_step(whole_step);
+  if (if_at_offset.has_value()) req.set_if_at_offset(*if_at_offset);
   v1::FreeActivationsResponse resp;
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
@@ -633,9 +686,12 @@ absl::StatusOr<uint64_t> DaemonSliceStore::Free(const ActivationKey& key, absl::
                absl::StrCat("daemon ", address_, ": free of activation ",
                             DescribeActivationKey(key), " waiting for its operations")));
   absl::StatusOr<v1::FreeActivationsResponse> r = FreeRpc(key, false, deadline);
-  // Not there (never stored, or freed already): nothing to free.
-  if (!r.ok() && !absl::IsNotFound(r.status())) return r.status();
   absl::MutexLock lock(&mu_);
+  // Not there (never stored, or freed already): nothing to free.
+  if (!r.ok() && !absl::IsNotFound(r.status())) {
+    MarkUnsure(key);
+    return r.status();
+  }
   Forget(key);
   return r.ok() ? r->bytes() : 0;
 }
@@ -651,17 +707,30 @@ absl::StatusOr<uint64_t> DaemonSliceStore::FreeStep(uint64_t step, absl::Time de
   RETURN_IF_ERROR(AwaitAll(
       earlier, deadline,
       absl::StrCat("daemon ", address_, ": free of step ", step, " waiting for its operations")));
+  {
+    absl::MutexLock lock(&mu_);
+    // Every slice of the step that reached the daemon was freed, and the
+    // daemon said so: nothing to send.
+    const bool stored = std::any_of(stored_.begin(), stored_.end(),
+                                    [step](const auto& e) { return e.first.step == step; });
+    const bool unsure = std::any_of(unsure_.begin(), unsure_.end(),
+                                    [step](const ActivationKey& k) { return k.step == step; });
+    if (!stored && !unsure) return 0;
+  }
   ActivationKey key;
   key.step = step;
   ASSIGN_OR_RETURN(v1::FreeActivationsResponse r, FreeRpc(key, true, deadline));
   absl::MutexLock lock(&mu_);
   for (auto it = stored_.begin(); it != stored_.end();) {
     if (it->first.step == step) {
-      stats_.stored_bytes -= it->second;
+      stats_.stored_bytes -= it->second.bytes;
       it = stored_.erase(it);
     } else {
       ++it;
     }
+  }
+  for (auto it = unsure_.begin(); it != unsure_.end();) {
+    it = it->step == step ? unsure_.erase(it) : std::next(it);
   }
   return r.bytes();
 }

@@ -14,9 +14,13 @@
 //    service (proto/zeroshard/v1/activation.proto), in its arena or its
 //    spill files. Over a bulk transport the bytes are Put into the daemon's
 //    ACTIVATION_ARENA region at the offset ReserveActivation returned and
-//    announced by CommitActivation with their CRC-32C; a fetch is
-//    LocateActivation, a Get at the placement, a check of the slice's
-//    CRC-32C and (by default) FreeActivations. Without a bulk transport, or
+//    announced by CommitActivation (with their CRC-32C when
+//    Options::checksums); a fetch is LocateActivation, a Get at the
+//    placement, a check of the slice's CRC-32C and (by default)
+//    FreeActivations. A fetch that frees the slice skips the locate: a Get
+//    at the offset the slice was reserved at, then a FreeActivations that
+//    frees it only if it never left that place (else the fetch locates it
+//    and gets it again). Without a bulk transport, or
 //    when the daemon hands out no arena region, the streaming RPCs
 //    (OffloadActivation / FetchActivation) carry the bytes in checksummed
 //    chunks; so does a slice larger than the arena region (a daemon that
@@ -47,6 +51,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -166,7 +171,9 @@ class ActivationSliceStore {
 
   // Frees one slice (OK if it is not there), or every slice of `step`,
   // after the operations on them submitted before have ended. Blocks until
-  // done or `deadline`; returns the bytes freed.
+  // done or `deadline`; returns the bytes freed (DaemonSliceStore: FreeStep
+  // sends nothing, and returns 0, when the daemon has confirmed every slice
+  // of the step freed already).
   virtual absl::StatusOr<uint64_t> Free(const ActivationKey& key, absl::Time deadline) = 0;
   virtual absl::StatusOr<uint64_t> FreeStep(uint64_t step, absl::Time deadline) = 0;
 
@@ -253,6 +260,14 @@ class DaemonSliceStore final : public ActivationSliceStore {
     bool bulk = false;         // Put/Get into the arena
     uint64_t arena_bytes = 0;  // larger slices are streamed
   };
+  // A slice the daemon committed. `offset`: where it was reserved, for a
+  // bulk offload (the slice is still there unless the daemon spilled it).
+  // `crc32c`: the one the commit carried.
+  struct Stored {
+    uint64_t bytes = 0;
+    std::optional<uint64_t> offset;
+    std::optional<uint32_t> crc32c;
+  };
   // An operation in flight on a key.
   struct Pending {
     std::shared_ptr<CountDown> done;
@@ -276,15 +291,22 @@ class DaemonSliceStore final : public ActivationSliceStore {
 
   // Run on a worker.
   absl::Status DoOffload(const ActivationKey& key, const void* data, uint64_t bytes, bool* spilled,
-                         bool* streamed);
+                         bool* streamed, Stored* stored);
   absl::Status OffloadBulk(const ActivationKey& key, const void* data, uint64_t bytes,
-                           absl::Time deadline, bool* spilled);
+                           absl::Time deadline, bool* spilled, Stored* stored);
   absl::Status OffloadStream(const ActivationKey& key, const void* data, uint64_t bytes,
                              absl::Time deadline, bool* spilled);
+  // *freed: the daemon confirmed the slice freed (with AfterFetch::kFree).
   absl::Status DoFetch(const ActivationKey& key, void* dst, uint64_t bytes, AfterFetch then,
-                       bool* was_spilled, bool* streamed);
+                       bool* was_spilled, bool* streamed, bool* freed);
   absl::Status FetchBulk(const ActivationKey& key, void* dst, uint64_t bytes, absl::Time deadline,
                          bool* was_spilled);
+  // A Get at the slice's reserved offset, then FreeActivations if_at_offset:
+  // true when the daemon freed it (the bytes in `dst` are the slice's),
+  // false when it had moved or the bytes fail the commit's CRC-32C (locate
+  // it and fetch again).
+  absl::StatusOr<bool> FetchInPlace(const ActivationKey& key, const Stored& at, void* dst,
+                                    uint64_t bytes, absl::Time deadline);
   absl::Status FetchStream(const ActivationKey& key, void* dst, uint64_t bytes,
                            absl::Time deadline);
   // Puts (`put`) or gets `bytes` at `offset` of the daemon's arena. With
@@ -292,10 +314,17 @@ class DaemonSliceStore final : public ActivationSliceStore {
   // *crc is the whole's. Blocks until done or `deadline`.
   absl::Status MoveRegion(bool put, uint64_t offset, uint8_t* buffer, uint64_t bytes,
                           absl::Time deadline, uint32_t* crc);
-  // FreeActivations of one key (`whole_step` false) or of key.step.
-  absl::StatusOr<v1::FreeActivationsResponse> FreeRpc(const ActivationKey& key, bool whole_step,
-                                                      absl::Time deadline);
+  // FreeActivations of one key (`whole_step` false; only if it lies at
+  // `if_at_offset` when given) or of key.step.
+  absl::StatusOr<v1::FreeActivationsResponse> FreeRpc(
+      const ActivationKey& key, bool whole_step, absl::Time deadline,
+      std::optional<uint64_t> if_at_offset = std::nullopt);
+  // The slice is not on the daemon (freed, or never there): FreeStep need
+  // not free it.
   void Forget(const ActivationKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Not stored as far as the caller is concerned, but it may be on the
+  // daemon (an offload or a free that failed): FreeStep frees it.
+  void MarkUnsure(const ActivationKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Owner owner_;
   const std::string address_;
@@ -309,7 +338,8 @@ class DaemonSliceStore final : public ActivationSliceStore {
 
   mutable absl::Mutex mu_;
   std::multimap<ActivationKey, Pending> pending_ ABSL_GUARDED_BY(mu_);
-  std::map<ActivationKey, uint64_t> stored_ ABSL_GUARDED_BY(mu_);  // committed slices' sizes
+  std::map<ActivationKey, Stored> stored_ ABSL_GUARDED_BY(mu_);  // committed slices
+  std::set<ActivationKey> unsure_ ABSL_GUARDED_BY(mu_);          // see MarkUnsure
   SliceStoreStats stats_ ABSL_GUARDED_BY(mu_);
 
   // Destroyed first: its workers use everything above.

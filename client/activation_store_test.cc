@@ -106,7 +106,9 @@ TEST_P(PathTest, SlicesComeBackBitForBitAndAreFreedOnceFetched) {
   if (bulk) {
     EXPECT_EQ(c.reserve, 3);
     EXPECT_EQ(c.commit, 3);
-    EXPECT_EQ(c.locate, 3);
+    // Each fetch read the slice where it was reserved and freed it there.
+    EXPECT_EQ(c.locate, 0);
+    EXPECT_EQ(c.free_in_place, 3);
     EXPECT_EQ(c.offload_stream + c.fetch_stream, 0);
     EXPECT_EQ(st.streamed, 0u);
     EXPECT_TRUE(absl::StrContains(rig.store->name(), "inproc")) << rig.store->name();
@@ -118,6 +120,11 @@ TEST_P(PathTest, SlicesComeBackBitForBitAndAreFreedOnceFetched) {
   }
   EXPECT_EQ(c.free, 3);
   EXPECT_EQ(rig.fake->activation().last_owner(), "job/0/5");
+  // The daemon confirmed each free: freeing the step sends nothing.
+  absl::StatusOr<uint64_t> freed = rig.store->FreeStep(1, In(absl::Seconds(10)));
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_EQ(*freed, 0u);
+  EXPECT_EQ(rig.fake->activation().counts().free, 3);
 }
 
 TEST_P(PathTest, ErrorsKeepTheirCodes) {
@@ -183,12 +190,23 @@ TEST(ActivationStoreTest, ACorruptedSliceIsDataLoss) {
   Rig rig(true, 1 << 16, 0, nullptr, /*checksums=*/true);
   const std::vector<uint8_t> v = Bytes(3000, 8);
   ASSERT_TRUE(rig.Offload(Key(0), v).ok());
-  EXPECT_EQ(rig.fake->activation().counts().commits_with_crc, 1);
+  ASSERT_TRUE(rig.Offload(Key(1), v).ok());
+  EXPECT_EQ(rig.fake->activation().counts().commits_with_crc, 2);
+  // A located fetch checks the daemon's checksum.
   rig.fake->activation().set_corrupt_locate_crc(true);
   std::vector<uint8_t> got;
-  const absl::Status s = rig.Fetch(Key(0), &got, v.size());
+  absl::Status s = rig.Fetch(Key(0), &got, v.size(), AfterFetch::kKeep);
   EXPECT_TRUE(absl::IsDataLoss(s)) << s;
   EXPECT_EQ(rig.store->Stats().failures, 1u);
+  // One read where it was reserved checks its own: other bytes there are
+  // located and read again, and fail again.
+  rig.fake->activation().set_corrupt_locate_crc(false);
+  rig.fake->activation().CorruptArenaSlices();
+  s = rig.Fetch(Key(1), &got, v.size());
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_EQ(rig.store->Stats().failures, 2u);
+  EXPECT_EQ(rig.fake->activation().counts().free_in_place, 0);
+  EXPECT_EQ(rig.fake->activation().counts().locate, 2);
 }
 
 // Without checksums (the default) the commit carries none and the fetch
@@ -220,7 +238,7 @@ TEST(ActivationStoreTest, LargeSlicesAreReadAndCheckedInPieces) {
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_TRUE(got == v);
   EXPECT_EQ(rig.store->Stats().streamed, 0u);
-  rig.fake->activation().set_corrupt_locate_crc(true);
+  rig.fake->activation().CorruptArenaSlices();
   s = rig.Fetch(Key(0), &got, v.size());
   EXPECT_TRUE(absl::IsDataLoss(s)) << s;
 }
@@ -274,11 +292,50 @@ TEST(ActivationStoreTest, SlicesBeyondTheArenaSpillAndComeBack) {
     EXPECT_EQ(got, v[l]) << l;
   }
   EXPECT_GT(rig.store->Stats().spilled_fetches, 0u);
+  // Slices spilled since their commit were not where they were reserved:
+  // those fetches located them (the daemon answered `moved`).
+  const testing::FakeActivation::Counts c = rig.fake->activation().counts();
+  EXPECT_GT(c.locate, 0);
+  EXPECT_EQ(c.free_in_place, 8);
   absl::StatusOr<uint64_t> freed = rig.store->FreeStep(1, In(absl::Seconds(10)));
   ASSERT_TRUE(freed.ok()) << freed.status();
   EXPECT_EQ(*freed, 2u * 16000);
   EXPECT_EQ(rig.fake->activation().slices(), 0u);
   EXPECT_EQ(rig.store->Stats().stored_bytes, 0u);
+}
+
+// FreeStep sends FreeActivations unless the daemon confirmed every slice of
+// the step freed: a failed offload may have left one there.
+TEST(ActivationStoreTest, FreeStepAsksTheDaemonOnlyForSlicesItMayStillHold) {
+  FakeShard::Options o;
+  o.activation_arena_bytes = 16 << 10;
+  o.activation_spill_bytes = 0;
+  std::unique_ptr<FakeShard> fake = *FakeShard::Start(o);
+  Rig rig(true, 0, 0, fake.get());
+  const std::vector<uint8_t> a = Bytes(10000, 30), b = Bytes(10000, 31);
+  ASSERT_TRUE(rig.Offload(Key(0, 1), a).ok());
+  const absl::Status full = rig.Offload(Key(1, 1), b);
+  ASSERT_TRUE(absl::IsResourceExhausted(full)) << full;
+  std::vector<uint8_t> got;
+  ASSERT_TRUE(rig.Fetch(Key(0, 1), &got, a.size()).ok());
+  EXPECT_EQ(got, a);
+  int frees = fake->activation().counts().free;
+  ASSERT_TRUE(rig.store->FreeStep(1, In(absl::Seconds(10))).ok());
+  EXPECT_EQ(fake->activation().counts().free, frees + 1);
+
+  ASSERT_TRUE(rig.Offload(Key(0, 2), b).ok());
+  ASSERT_TRUE(rig.Fetch(Key(0, 2), &got, b.size()).ok());
+  EXPECT_EQ(got, b);
+  frees = fake->activation().counts().free;
+  ASSERT_TRUE(rig.store->FreeStep(2, In(absl::Seconds(10))).ok());
+  EXPECT_EQ(fake->activation().counts().free, frees);
+  // A slice kept after its fetch is still there: freed by the step's free.
+  ASSERT_TRUE(rig.Offload(Key(0, 3), a).ok());
+  ASSERT_TRUE(rig.Fetch(Key(0, 3), &got, a.size(), AfterFetch::kKeep).ok());
+  absl::StatusOr<uint64_t> freed = rig.store->FreeStep(3, In(absl::Seconds(10)));
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_EQ(*freed, a.size());
+  EXPECT_EQ(fake->activation().slices(), 0u);
 }
 
 // P_a over daemons: an MP group of M ranks (M = 2, 3) each offloads its

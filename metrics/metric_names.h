@@ -96,8 +96,9 @@ inline constexpr MetricSpec kWorldSize = {
 inline constexpr MetricSpec kActivationFetchSeconds = {
     "zeroshard_activation_fetch_seconds",
     MetricType::kHistogram,
-    "Wall time of an activation fetch (LocateActivation or FetchActivation), a read-back from a "
-    "spill file included.",
+    "The daemon's wall time serving an activation fetch: LocateActivation or FetchActivation, a "
+    "read-back from a spill file included, or the FreeActivations (if_at_offset) that ends a "
+    "fetch read without locating.",
     {"job"}};
 
 inline constexpr MetricSpec kActivationHitsTotal = {

@@ -85,10 +85,11 @@ class ActivationBulkTest : public ::testing::Test {
   static absl::Time Deadline() { return absl::Now() + absl::Seconds(30); }
 
   grpc::Status Offload(const v1::ActivationOwner& owner, const v1::ActivationKey& key,
-                       const std::string& bytes) {
+                       const std::string& bytes, uint64_t* offset = nullptr) {
     v1::ActivationPlacement p;
     grpc::Status s = act_->Reserve(owner, key, bytes.size(), &p);
     if (!s.ok()) return s;
+    if (offset != nullptr) *offset = p.offset();
     EXPECT_EQ(p.bytes(), bytes.size());
     EXPECT_TRUE(conn_->Put(bytes.data(), bytes.size(), arena_, p.offset()).Wait(Deadline()).ok());
     v1::ActivationStored stored;
@@ -278,12 +279,57 @@ TEST_F(ActivationBulkTest, BadInputChangesNothing) {
                  [&] { return act_->Commit(owner, freed, 0); });
   ExpectRejected(grpc::FAILED_PRECONDITION, "has not joined",
                  [&] { return act_->Commit(MakeOwner("job", 0, 99), MakeKey(1, 8), 0); });
+  // FreeActivations ending a fetch read without locating (if_at_offset).
+  const v1::ActivationKey k0 = MakeKey(1, 0), k7 = MakeKey(1, 7);
+  ExpectRejected(grpc::NOT_FOUND, "key: no activation",
+                 [&] { return act_->Free(owner, &k7, false, nullptr, 0); });
+  ExpectRejected(grpc::NOT_FOUND, "key: no activation",
+                 [&] { return act_->Free(owner, &freed, false, nullptr, 0); });
+  ExpectRejected(grpc::NOT_FOUND, "not registered",
+                 [&] { return act_->Free(MakeOwner("other", 0), &k0, false, nullptr, 0); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "if_at_offset",
+                 [&] { return act_->Free(owner, &k0, /*whole_step=*/true, nullptr, 0); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "if_at_offset",
+                 [&] { return act_->Free(owner, nullptr, false, nullptr, 0); });
+  // Not where it lies: `moved`, and nothing changes.
+  {
+    const uint64_t hash = daemon_->activations()->StateHash();
+    const auto ledger = daemon_->ledger().Snapshot();
+    v1::FreeActivationsResponse moved;
+    ASSERT_TRUE(act_->Free(owner, &k0, false, &moved, uint64_t{1} << 40).ok());
+    EXPECT_TRUE(moved.moved());
+    EXPECT_EQ(moved.freed(), 0u);
+    EXPECT_EQ(daemon_->activations()->StateHash(), hash);
+    EXPECT_EQ(daemon_->ledger().Snapshot(), ledger);
+  }
   // The pinned slices are intact.
   for (uint32_t layer = 0; layer < 3; ++layer) {
     std::string got;
     ASSERT_TRUE(Get(owner, MakeKey(1, layer), &got).ok());
     EXPECT_TRUE(got == pinned[layer]);
   }
+}
+
+// A Get where the slice was reserved, then a FreeActivations if_at_offset:
+// the slice is freed and its bytes were the ones read.
+TEST_F(ActivationBulkTest, AGetWhereTheSliceWasReservedEndsWithARelease) {
+  const v1::ActivationOwner owner = MakeOwner("job", 0);
+  const std::string bytes = PatternBytes(5, 200 << 10);
+  const v1::ActivationKey key = MakeKey(2, 0);
+  uint64_t offset = 0;
+  ASSERT_TRUE(Offload(owner, key, bytes, &offset).ok());
+  std::string got(bytes.size(), '\0');
+  ASSERT_TRUE(conn_->Get(got.data(), got.size(), arena_, offset).Wait(Deadline()).ok());
+  v1::FreeActivationsResponse r;
+  const grpc::Status s = act_->Free(owner, &key, false, &r, offset);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_FALSE(r.moved());
+  EXPECT_EQ(r.freed(), 1u);
+  EXPECT_EQ(r.bytes(), bytes.size());
+  EXPECT_TRUE(got == bytes);
+  EXPECT_EQ(Activation(), 0u);
+  v1::ActivationPlacement p;
+  EXPECT_EQ(act_->Locate(owner, key, &p).error_code(), grpc::NOT_FOUND);
 }
 
 }  // namespace

@@ -25,7 +25,8 @@ class ActivationMetrics {
   void RecordMiss(const std::string& job);
   // One slice of `bytes` written to a spill file to make room.
   void RecordSpill(const std::string& job, uint64_t bytes);
-  // A LocateActivation or FetchActivation that succeeded, start to end.
+  // A LocateActivation, FetchActivation or fetch-ending FreeActivations
+  // that succeeded, start to end.
   void RecordFetch(const std::string& job, absl::Duration took);
 
  private:

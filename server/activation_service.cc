@@ -318,9 +318,29 @@ grpc::Status ActivationService::PrefetchActivations(grpc::ServerContext* ctx,
 absl::Status ActivationService::DoFree(const grpc::ServerContext& call,
                                        const v1::FreeActivationsRequest& req,
                                        v1::FreeActivationsResponse* resp) {
+  const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(SliceOwner owner, Owner(call, req.owner(), req.has_owner()));
   ActivationStore::Freed freed;
-  if (req.whole_step()) {
+  if (req.has_if_at_offset()) {
+    if (req.whole_step() || !req.has_key()) {
+      return absl::InvalidArgumentError(
+          "if_at_offset: ends the fetch of one key; set key and leave whole_step unset");
+    }
+    RETURN_IF_ERROR(CheckKey(req.key(), true, "key"));
+    ASSIGN_OR_RETURN(
+        std::optional<ActivationStore::Freed> released,
+        ctx_->activations->ReleaseFetched(owner, ToKey(req.key()), req.if_at_offset()));
+    if (!released.has_value()) {
+      resp->set_moved(true);
+      return absl::OkStatus();
+    }
+    freed = *released;
+    // The daemon's part of this fetch: a Get needs none of its time.
+    if (ctx_->bulk != nullptr) {
+      ctx_->metrics->RecordTraffic(owner.job_id, "fetch", ctx_->bulk->kind(), freed.bytes);
+    }
+    ctx_->activation_metrics->RecordFetch(owner.job_id, absl::Now() - start);
+  } else if (req.whole_step()) {
     if (!req.has_key()) {
       return absl::InvalidArgumentError("key: whole_step frees the step of key.step; set key");
     }

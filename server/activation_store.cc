@@ -54,6 +54,9 @@ struct ActivationStore::Slice {
   bool stream = false;    // received on a stream: no lease
   bool pinned = false;    // located: stays in the arena until freed
   bool detached = false;  // freed: out of its job's map, released once idle
+  // Committed, and its bytes have not left the block they were committed in
+  // since (ReleaseFetched).
+  bool in_commit_block = false;
   // Requests using the slice without the lock (a reservation waiting for
   // room, a stream writing it, a commit checking it, fetches reading it):
   // while > 0 it neither moves nor goes.
@@ -245,6 +248,7 @@ void ActivationStore::FreeBlockLocked(Slice& slice) {
   if (!slice.has_block) return;
   allocator_.Free(slice.offset - skew_);
   slice.has_block = false;
+  slice.in_commit_block = false;
   ledger_->Move(slice.job, MemoryCategory::kActivation, kDaemonLedgerEntry,
                 MemoryCategory::kActivation, slice.block);
   SyncFreeBookingLocked();
@@ -823,6 +827,7 @@ absl::Status ActivationStore::CommitIncoming(const std::shared_ptr<Slice>& slice
       slice->commit_crc = crc32c;
       slice->crc = crc32c;
       slice->state = Slice::State::kStored;
+      slice->in_commit_block = true;
       NotifyLocked();
     }
   }
@@ -858,6 +863,7 @@ absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const 
         if (!crc32c.has_value()) {
           // Trusts the transport: stored as put.
           slice->state = Slice::State::kStored;
+          slice->in_commit_block = true;
           NotifyLocked();
           return slice->bytes;
         }
@@ -901,6 +907,7 @@ absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const 
   slice->commit_crc = expected;
   slice->crc = expected;
   slice->state = Slice::State::kStored;
+  slice->in_commit_block = true;
   NotifyLocked();
   return slice->bytes;
 }
@@ -1136,6 +1143,25 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeKey(const SliceOwner
   return freed;
 }
 
+absl::StatusOr<std::optional<ActivationStore::Freed>> ActivationStore::ReleaseFetched(
+    const SliceOwner& owner, const SliceKey& key, uint64_t offset) {
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(std::shared_ptr<Slice> slice, FindLocked(owner, key));
+    // A spill write in flight only reads the block: the bytes are still
+    // there, as they were for the trainer's Get.
+    const bool in_place =
+        (slice->state == Slice::State::kStored || slice->state == Slice::State::kSpilling) &&
+        slice->in_commit_block && slice->offset == offset;
+    if (!in_place) return std::nullopt;
+  }
+  if (metrics_ != nullptr) metrics_->RecordHit(owner.job_id);
+  // Freed by another request since the check: the Get had the bytes all the
+  // same (the block was the slice's until then).
+  const Id want = MakeId(owner, key);
+  return FreeMatching(owner, [&](const Id& id) { return !(id < want) && !(want < id); });
+}
+
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeStep(const SliceOwner& owner,
                                                                  uint64_t step) {
   ASSIGN_OR_RETURN(Freed freed,
@@ -1265,6 +1291,7 @@ uint64_t ActivationStore::StateHash() const {
       HashValue(h, s->has_block);
       HashValue(h, s->offset);
       HashValue(h, s->pinned);
+      HashValue(h, s->in_commit_block);
       HashValue(h, s->commit_crc.has_value());
       HashValue(h, s->commit_crc.value_or(0));
       HashValue(h, s->crc.has_value());

@@ -234,6 +234,14 @@ class ActivationStore {
   // it ends), FreeKey leaves them to be removed when the disk's spill I/O
   // pauses.
   absl::StatusOr<Freed> FreeKey(const SliceOwner& owner, const SliceKey& key);
+  // The end of a bulk fetch that read the slice at `offset` without
+  // locating it: frees the slice like FreeKey, counting a fetch from the
+  // arena, if it lies at `offset` in the block it was committed in and has
+  // not left it since (so a Get from there that ended before this call read
+  // its bytes). Otherwise changes nothing and returns nullopt: the trainer
+  // locates the slice and gets it again. NOT_FOUND for an unknown key.
+  absl::StatusOr<std::optional<Freed>> ReleaseFetched(const SliceOwner& owner, const SliceKey& key,
+                                                      uint64_t offset);
   absl::StatusOr<Freed> FreeStep(const SliceOwner& owner, uint64_t step);
   absl::StatusOr<Freed> FreeAll(const SliceOwner& owner);
 

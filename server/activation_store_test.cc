@@ -128,9 +128,10 @@ class StoreTest : public ::testing::Test {
   // Offloads over the bulk path: reserve, put, commit (with the CRC-32C of
   // the bytes, or none).
   absl::Status Put(const SliceOwner& owner, const SliceKey& key, const std::string& bytes,
-                   bool with_crc = true) {
+                   bool with_crc = true, uint64_t* offset = nullptr) {
     absl::StatusOr<SlicePlacement> p = store_->Reserve(owner, key, bytes.size(), Deadline());
     if (!p.ok()) return p.status();
+    if (offset != nullptr) *offset = p->offset;
     EXPECT_EQ((region_.address + p->offset) % store_->alignment(), 0u);
     absl::Status put = conn_->Put(bytes.data(), bytes.size(), region_, p->offset).Wait(Deadline());
     if (!put.ok()) return put;
@@ -378,6 +379,64 @@ TEST_F(StoreTest, CommitWithoutChecksumAndItsSpill) {
   got = Get(Owner(), Key(3, 0));
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_TRUE(*got == d);
+  ExpectExactBooking();
+}
+
+// A fetch that reads a slice where it was reserved, without locating it,
+// and then releases it: freed only while it never left that block.
+TEST_F(StoreTest, AReleaseAfterAnUnlocatedGetFreesOnlyASliceThatNeverMoved) {
+  constexpr uint64_t kSlice = 600000;
+  Start(1 << 20, /*spill=*/16 << 20, /*bulk=*/true);
+  const std::string a = Pattern(21, kSlice), b = Pattern(22, kSlice), c = Pattern(23, kSlice);
+  uint64_t at = 0;
+  ASSERT_TRUE(Put(Owner(), Key(1, 0), a, /*with_crc=*/false, &at).ok());
+  std::string got(kSlice, '\0');
+  ASSERT_TRUE(conn_->Get(got.data(), got.size(), region_, at).Wait(Deadline()).ok());
+  EXPECT_TRUE(got == a);
+  const uint64_t hash = store_->StateHash();
+  const auto ledger = Ledger();
+  // Another offset, another key, another rank: nothing changes.
+  absl::StatusOr<std::optional<ActivationStore::Freed>> r =
+      store_->ReleaseFetched(Owner(), Key(1, 0), at + store_->alignment());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->has_value());
+  EXPECT_EQ(store_->ReleaseFetched(Owner(), Key(1, 1), at).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->ReleaseFetched(Owner("a", 1), Key(1, 0), at).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->StateHash(), hash);
+  EXPECT_EQ(Ledger(), ledger);
+  EXPECT_EQ(Sample("zeroshard_activation_hits_total{job=\"a\"}"), 0);
+  r = store_->ReleaseFetched(Owner(), Key(1, 0), at);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->has_value());
+  EXPECT_EQ((*r)->slices, 1u);
+  EXPECT_EQ((*r)->bytes, kSlice);
+  EXPECT_EQ(Sample("zeroshard_activation_hits_total{job=\"a\"}"), 1);
+  EXPECT_EQ(store_->GetStats().slices, 0u);
+  ExpectExactBooking();
+
+  // b is spilled to make room for c: it left its block, so the release
+  // answers "moved" and keeps it; read back (wherever it lands), it is
+  // still not in the block it was committed in.
+  uint64_t at_b = 0;
+  ASSERT_TRUE(Put(Owner(), Key(2, 0), b, /*with_crc=*/false, &at_b).ok());
+  ASSERT_TRUE(Put(Owner(), Key(2, 1), c, /*with_crc=*/false).ok());
+  ASSERT_EQ(SettledSpillFiles(), 1u);
+  const uint64_t spilled_hash = store_->StateHash();
+  r = store_->ReleaseFetched(Owner(), Key(2, 0), at_b);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->has_value());
+  EXPECT_EQ(store_->StateHash(), spilled_hash);
+  absl::StatusOr<SlicePlacement> p = store_->Locate(Owner(), Key(2, 0), Deadline());
+  ASSERT_TRUE(p.ok()) << p.status();
+  r = store_->ReleaseFetched(Owner(), Key(2, 0), p->offset);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->has_value());
+  absl::StatusOr<std::string> back = Get(Owner(), Key(2, 0));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == b);
+  ASSERT_TRUE(store_->FreeKey(Owner(), Key(2, 0)).ok());
   ExpectExactBooking();
 }
 

@@ -51,7 +51,8 @@ struct ActivationClient {
                         const std::vector<v1::ActivationKey>& keys, uint32_t* started = nullptr);
   // One key (key set), a step (whole_step), or all of the rank's (neither).
   grpc::Status Free(const v1::ActivationOwner& owner, const v1::ActivationKey* key,
-                    bool whole_step = false, v1::FreeActivationsResponse* response = nullptr);
+                    bool whole_step = false, v1::FreeActivationsResponse* response = nullptr,
+                    std::optional<uint64_t> if_at_offset = std::nullopt);
 };
 
 // ExpectRejected (daemon_fixture.h), and that no entry or category of the

@@ -47,6 +47,13 @@ void FakeActivation::set_corrupt_locate_crc(bool on) {
   corrupt_crc_ = on;
 }
 
+void FakeActivation::CorruptArenaSlices() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [k, s] : slices_) {
+    if (s.committed && s.in_arena) arena_base()[s.offset] ^= 0x5a;
+  }
+}
+
 void FakeActivation::set_commit_delay(absl::Duration d) {
   absl::MutexLock lock(&mu_);
   commit_delay_ = d;
@@ -95,6 +102,7 @@ bool FakeActivation::Allocate(uint64_t bytes, uint64_t* offset) {
     if (victim == nullptr || SpillUsed() + victim->bytes > spill_capacity_) return false;
     victim->spilled.assign(arena_base() + victim->offset, victim->bytes);
     victim->in_arena = false;
+    victim->moved = true;
     ++counts_.spills;
   }
   return true;
@@ -302,6 +310,22 @@ grpc::Status FakeActivation::FreeActivations(grpc::ServerContext*,
   absl::MutexLock lock(&mu_);
   ++counts_.free;
   const Key key = MakeKey(req->owner(), req->key());
+  if (req->has_if_at_offset()) {
+    ++counts_.free_in_place;
+    auto it = slices_.find(key);
+    if (it == slices_.end() || !it->second.committed) {
+      return Error(grpc::StatusCode::NOT_FOUND, "unknown key");
+    }
+    const Slice& s = it->second;
+    if (!s.in_arena || s.moved || s.offset != req->if_at_offset()) {
+      resp->set_moved(true);
+      return grpc::Status::OK;
+    }
+    resp->set_freed(1);
+    resp->set_bytes(s.bytes);
+    slices_.erase(it);
+    return grpc::Status::OK;
+  }
   uint32_t freed = 0;
   uint64_t bytes = 0;
   for (auto it = slices_.begin(); it != slices_.end();) {

@@ -5,8 +5,8 @@
 // (handed out by FakeShard as ACTIVATION_ARENA) with a first-fit allocator,
 // and past it in memory standing in for spill files, oldest step and lowest
 // layer first, like the daemon. Knobs a daemon does not have: the checksum
-// Locate reports can be corrupted, commits can be slowed, and the spill
-// space bounded. It records the owners it saw and counts each RPC.
+// Locate reports and the bytes in the arena can be corrupted, commits can be
+// slowed, and the spill space bounded. It records the owners it saw and counts each RPC.
 //
 // Thread-safe. Any job, rank and incarnation is served (keys of different
 // owners are kept apart).
@@ -35,6 +35,7 @@ class FakeActivation final : public v1::Activation::Service {
   struct Counts {
     int reserve = 0, commit = 0, offload_stream = 0, locate = 0, fetch_stream = 0;
     int prefetch = 0, free = 0;
+    int free_in_place = 0;     // FreeActivations calls with if_at_offset (within `free`)
     int commits_with_crc = 0;  // CommitActivation calls that carried a CRC-32C
     uint64_t spills = 0;     // slices moved from the arena to "spill"
     uint64_t readbacks = 0;  // slices brought back into the arena
@@ -47,6 +48,9 @@ class FakeActivation final : public v1::Activation::Service {
   std::string last_owner() const;
   // Locate reports a wrong checksum from now on.
   void set_corrupt_locate_crc(bool on);
+  // Flips the first byte of every committed slice in the arena (its
+  // checksum stays that of the bytes committed).
+  void CorruptArenaSlices();
   // CommitActivation and OffloadActivation wait this long first.
   void set_commit_delay(absl::Duration d);
 
@@ -73,6 +77,7 @@ class FakeActivation final : public v1::Activation::Service {
     bool committed = false;
     bool in_arena = false;
     bool pinned = false;
+    bool moved = false;  // spilled since its commit (if_at_offset answers `moved`)
     uint64_t offset = 0;
     uint64_t bytes = 0;
     std::optional<uint32_t> crc;  // taken at commit, with or without the client's
