@@ -285,6 +285,7 @@ int Main() {
               absl::StrFormat("%.1f MiB", slice / 1048576.0).c_str(), slices,
               absl::StrFormat("%.0f MiB", total / 1048576.0).c_str(),
               absl::GetFlag(FLAGS_ucx_tls).c_str(), depth);
+  std::printf("%s\n", bench::DescribeCopyThreshold().c_str());
   // Sources and sinks: offloads in flight and fetches ahead, like a trainer.
   auto sources = Buffers(depth + 1, slice);
   auto sinks = Buffers(depth + 1, slice);

@@ -1,7 +1,14 @@
 #include "bench/stats.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace zeroshard::bench {
 
@@ -10,6 +17,23 @@ double Median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const size_t m = values.size() / 2;
   return values.size() % 2 == 1 ? values[m] : (values[m - 1] + values[m]) / 2;
+}
+
+std::string DescribeCopyThreshold() {
+  constexpr absl::string_view kTunable = "glibc.cpu.x86_non_temporal_threshold=";
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if (tunables != nullptr) {
+    for (absl::string_view t : absl::StrSplit(tunables, ':')) {
+      if (absl::StartsWith(t, kTunable)) {
+        return absl::StrCat("glibc non-temporal copy threshold: ", t.substr(kTunable.size()),
+                            " B (GLIBC_TUNABLES)");
+      }
+    }
+  }
+  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return absl::StrCat("glibc non-temporal copy threshold: glibc's default, from the ",
+                      l3 > 0 ? absl::StrCat(l3 >> 20, " MiB") : std::string("unknown"),
+                      " of L3 the CPU reports (GLIBC_TUNABLES does not set it)");
 }
 
 }  // namespace zeroshard::bench

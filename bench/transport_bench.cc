@@ -379,6 +379,7 @@ int Main() {
               static_cast<unsigned long long>(bytes / 4), bytes / 1048576.0,
               static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)),
               absl::GetFlag(FLAGS_ucx_tls).c_str());
+  std::printf("%s\n", bench::DescribeCopyThreshold().c_str());
   struct Run {
     const char* transport;
     BufferUse use;

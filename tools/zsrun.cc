@@ -49,6 +49,10 @@ ABSL_FLAG(bool, peak_rss, false,
           "After the run, print each trainer's and daemon's peak resident set size (ru_maxrss).");
 ABSL_FLAG(bool, print_daemons, false,
           "Start the daemons, print ZS_DAEMONS=..., and keep them until SIGINT/SIGTERM.");
+ABSL_FLAG(uint64_t, nt_copy_threshold, zeroshard::tools::kNonTemporalCopyThreshold,
+          "Bytes above which glibc's memcpy uses non-temporal stores in the daemons and trainers "
+          "started (glibc.cpu.x86_non_temporal_threshold in GLIBC_TUNABLES, unless that sets it "
+          "already); 0 leaves glibc's own, which it derives from the L3 size the CPU reports.");
 
 namespace {
 
@@ -62,7 +66,8 @@ until each answers its gRPC health check as SERVING, then starts --nproc copies 
 TRAINER_COMMAND with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID,
 ZS_JOB_TOKEN, ZS_RESTART_COUNT, RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE (and ZS_METRICS_PORTS with
---metrics) set. Trainer stdout/stderr lines are prefixed "[rank N] "; a
+--metrics) set, and daemons and trainers with glibc's non-temporal copy
+threshold at --nt_copy_threshold in GLIBC_TUNABLES. Trainer stdout/stderr lines are prefixed "[rank N] "; a
 lone "\r" (a progress bar) also ends a line and is kept, so bars redraw in
 place. Trainers read stdin from /dev/null.
 
@@ -116,6 +121,7 @@ int main(int argc, char** argv) {
   options.verbose = absl::GetFlag(FLAGS_verbose);
   options.peak_rss = absl::GetFlag(FLAGS_peak_rss);
   options.print_daemons = absl::GetFlag(FLAGS_print_daemons);
+  options.nt_copy_threshold = absl::GetFlag(FLAGS_nt_copy_threshold);
 
   zeroshard::tools::Launcher launcher(std::move(options));
   g_launcher = &launcher;

@@ -371,6 +371,24 @@ absl::StatusOr<std::string> FindZeroshardd(absl::string_view flag) {
                                           absl::StrJoin(candidates, ", ")));
 }
 
+std::vector<std::string> WithNonTemporalThreshold(std::vector<std::string> env, uint64_t bytes) {
+  if (bytes == 0) return env;
+  constexpr absl::string_view kVar = "GLIBC_TUNABLES=";
+  constexpr absl::string_view kTunable = "glibc.cpu.x86_non_temporal_threshold=";
+  const std::string setting = absl::StrCat(kTunable, bytes);
+  for (std::string& e : env) {
+    if (!absl::StartsWith(e, kVar)) continue;
+    const absl::string_view tunables = absl::string_view(e).substr(kVar.size());
+    for (absl::string_view t : absl::StrSplit(tunables, ':')) {
+      if (absl::StartsWith(t, kTunable)) return env;
+    }
+    e = tunables.empty() ? absl::StrCat(kVar, setting) : absl::StrCat(e, ":", setting);
+    return env;
+  }
+  env.push_back(absl::StrCat(kVar, setting));
+  return env;
+}
+
 std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base,
                                             const TrainerEnv& env) {
   std::vector<std::pair<std::string, std::string>> vars = {
@@ -668,7 +686,8 @@ void Launcher::FinishLogDir(bool success) {
 absl::Status Launcher::StartDaemons() {
   ASSIGN_OR_RETURN(const std::string binary, FindZeroshardd(options_.zeroshardd));
   RETURN_IF_ERROR(PrepareLogDir());
-  const std::vector<std::string> env = CurrentEnvironment();
+  const std::vector<std::string> env =
+      WithNonTemporalThreshold(CurrentEnvironment(), options_.nt_copy_threshold);
   for (int d = 0; d < options_.daemons; ++d) {
     auto proc = std::make_unique<Proc>();
     proc->label = absl::StrCat("daemon ", d);
@@ -889,7 +908,7 @@ absl::Status Launcher::StartTrainer(int rank, int restarts) {
 
 absl::StatusOr<int> Launcher::RunTrainers() {
   ASSIGN_OR_RETURN(trainer_path_, ResolveExecutable(options_.command[0]));
-  trainer_base_env_ = CurrentEnvironment();
+  trainer_base_env_ = WithNonTemporalThreshold(CurrentEnvironment(), options_.nt_copy_threshold);
   rank_restarts_.assign(options_.nproc, 0);
   for (int rank = 0; rank < options_.nproc; ++rank) RETURN_IF_ERROR(StartTrainer(rank, 0));
 

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -28,6 +29,14 @@
 #include "common/channel.h"
 
 namespace zeroshard::tools {
+
+// The non-temporal copy threshold zsrun gives the processes it starts: 4
+// MiB. glibc derives its own from the L3 size the CPU reports, as if the
+// process had that cache to itself: on a VM with a few cores of a host with
+// hundreds of MiB of L3 it lands at hundreds of MiB, and copies of tens of
+// MiB (staging slots, arena slices, UCX's shared-memory puts and gets) then
+// read every destination line before writing it.
+inline constexpr uint64_t kNonTemporalCopyThreshold = 4ull << 20;
 
 struct LaunchOptions {
   // Local daemons to start; ignored when daemon_addresses is set.
@@ -67,6 +76,10 @@ struct LaunchOptions {
   // Start the daemons, print ZS_DAEMONS=..., and hold them until a signal.
   // Takes no command.
   bool print_daemons = false;
+  // glibc's threshold above which memcpy writes with non-temporal stores,
+  // for every daemon and trainer started (GLIBC_TUNABLES, see
+  // WithNonTemporalThreshold); 0 leaves glibc's own.
+  uint64_t nt_copy_threshold = kNonTemporalCopyThreshold;
   // Where prefixed trainer stdout, and trainer stderr plus the launcher's own
   // messages, are written (blocking writes). Not closed. If one is a pipe, the
   // caller should ignore SIGPIPE, as zsrun does.
@@ -243,6 +256,12 @@ struct TrainerEnv {
 // replacing any earlier values.
 std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base,
                                             const TrainerEnv& env);
+
+// `env` ("K=V" entries) with glibc.cpu.x86_non_temporal_threshold=`bytes`
+// in GLIBC_TUNABLES (added to the tunables already there). Unchanged when
+// `bytes` is 0 or GLIBC_TUNABLES sets that tunable already (the caller's
+// choice wins).
+std::vector<std::string> WithNonTemporalThreshold(std::vector<std::string> env, uint64_t bytes);
 
 // "job-<pid>-<unix seconds>".
 std::string DefaultJobId();

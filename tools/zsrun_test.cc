@@ -262,6 +262,21 @@ TEST(TrainerEnvironmentTest, SetsTheRankVariablesAndReplacesOldOnes) {
   EXPECT_EQ(TrainerEnvironment({}, te).back(), "ZS_METRICS_PORTS=81,82");
 }
 
+TEST(WithNonTemporalThresholdTest, AddsTheTunableUnlessTheCallerSetIt) {
+  constexpr char kSet[] = "GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=4194304";
+  EXPECT_THAT(WithNonTemporalThreshold({"PATH=/bin"}, 4 << 20), ElementsAre("PATH=/bin", kSet));
+  EXPECT_THAT(WithNonTemporalThreshold({"GLIBC_TUNABLES="}, 4 << 20), ElementsAre(kSet));
+  EXPECT_THAT(
+      WithNonTemporalThreshold({"GLIBC_TUNABLES=glibc.malloc.arena_max=2", "A=1"}, 4 << 20),
+      ElementsAre("GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.cpu.x86_non_temporal_threshold="
+                  "4194304",
+                  "A=1"));
+  const std::vector<std::string> mine = {
+      "GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.cpu.x86_non_temporal_threshold=1024"};
+  EXPECT_EQ(WithNonTemporalThreshold(mine, 4 << 20), mine);
+  EXPECT_THAT(WithNonTemporalThreshold({"PATH=/bin"}, 0), ElementsAre("PATH=/bin"));
+}
+
 TEST(FindZeroshardTest, SearchOrder) {
   EXPECT_THAT(ZeroshardddCandidates("/b/tools/zsrun", "/r", "/usr/bin::/bin"),
               ElementsAre("/b/tools/../server/zeroshardd",
