@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
@@ -25,8 +26,11 @@ std::string DescribeCopyThreshold() {
   if (tunables != nullptr) {
     for (absl::string_view t : absl::StrSplit(tunables, ':')) {
       if (absl::StartsWith(t, kTunable)) {
-        return absl::StrCat("glibc non-temporal copy threshold: ", t.substr(kTunable.size()),
-                            " B (GLIBC_TUNABLES)");
+        const absl::string_view value = t.substr(kTunable.size());
+        uint64_t bytes = 0;
+        const bool taken = absl::SimpleAtoi(value, &bytes) && bytes >= 0x4040;
+        return absl::StrCat("glibc non-temporal copy threshold: ", value, " B (GLIBC_TUNABLES",
+                            taken ? ")" : "; glibc ignores it: not a number of at least 16448)");
       }
     }
   }

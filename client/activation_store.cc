@@ -291,7 +291,8 @@ absl::StatusOr<ActivationTicket> DaemonSliceStore::Offload(const ActivationKey& 
   }
   workers_->Submit([this, key, data, bytes, done] {
     bool spilled = false, streamed = false;
-    Stored stored{bytes, std::nullopt, std::nullopt};
+    Stored stored;
+    stored.bytes = bytes;
     const absl::Status s = DoOffload(key, data, bytes, &spilled, &streamed, &stored);
     {
       absl::MutexLock lock(&mu_);
@@ -373,6 +374,7 @@ absl::Status DaemonSliceStore::OffloadBulk(const ActivationKey& key, const void*
   }
   *spilled = stored.spilled();
   where->offset = placement.offset();
+  where->placement = placement.placement();
   if (options_.checksums) where->crc32c = crc;
   return absl::OkStatus();
 }
@@ -466,13 +468,14 @@ absl::Status DaemonSliceStore::DoFetch(const ActivationKey& key, void* dst, uint
     std::optional<Stored> at;
     if (then == AfterFetch::kFree) {
       absl::MutexLock lock(&mu_);
-      if (auto it = stored_.find(key); it != stored_.end() && it->second.offset.has_value()) {
+      if (auto it = stored_.find(key); it != stored_.end() && it->second.placement != 0) {
         at = it->second;
       }
     }
     if (at.has_value()) {
-      ASSIGN_OR_RETURN(*freed, FetchInPlace(key, *at, dst, bytes, deadline));
-      if (*freed) return absl::OkStatus();
+      ASSIGN_OR_RETURN(InPlace in_place, FetchInPlace(key, *at, dst, bytes, deadline));
+      *freed = in_place == InPlace::kFreed;
+      if (in_place != InPlace::kMoved) return absl::OkStatus();
     }
     RETURN_IF_ERROR(FetchBulk(key, dst, bytes, deadline, was_spilled));
   } else {
@@ -489,9 +492,10 @@ absl::Status DaemonSliceStore::DoFetch(const ActivationKey& key, void* dst, uint
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> DaemonSliceStore::FetchInPlace(const ActivationKey& key, const Stored& at,
-                                                    void* dst, uint64_t bytes,
-                                                    absl::Time deadline) {
+absl::StatusOr<DaemonSliceStore::InPlace> DaemonSliceStore::FetchInPlace(const ActivationKey& key,
+                                                                         const Stored& at,
+                                                                         void* dst, uint64_t bytes,
+                                                                         absl::Time deadline) {
   if (at.bytes != bytes) {
     return absl::InvalidArgumentError(absl::StrCat("daemon ", address_, ": activation ",
                                                    DescribeActivationKey(key), ": the slice holds ",
@@ -499,16 +503,19 @@ absl::StatusOr<bool> DaemonSliceStore::FetchInPlace(const ActivationKey& key, co
   }
   const bool verify = at.crc32c.has_value();
   uint32_t crc = 0;
-  if (absl::Status s = MoveRegion(false, *at.offset, static_cast<uint8_t*>(dst), bytes, deadline,
+  if (absl::Status s = MoveRegion(false, at.offset, static_cast<uint8_t*>(dst), bytes, deadline,
                                   verify ? &crc : nullptr);
       !s.ok()) {
     return AddActivationContext(s, key);
   }
   // Other bytes than those committed: the slice moved and its place was
   // reused, or the arena was corrupted; the located fetch finds out which.
-  if (verify && crc != *at.crc32c) return false;
-  ASSIGN_OR_RETURN(v1::FreeActivationsResponse r, FreeRpc(key, false, deadline, *at.offset));
-  return !r.moved();
+  if (verify && crc != *at.crc32c) return InPlace::kMoved;
+  absl::StatusOr<v1::FreeActivationsResponse> r = FreeRpc(key, false, deadline, at.placement);
+  if (r.ok()) return r->moved() ? InPlace::kMoved : InPlace::kFreed;
+  // No answer: only the checksum can vouch for the bytes; without one the
+  // located fetch decides (it fails too if the slice is gone).
+  return verify ? InPlace::kUnconfirmed : InPlace::kMoved;
 }
 
 absl::Status DaemonSliceStore::FetchBulk(const ActivationKey& key, void* dst, uint64_t bytes,
@@ -656,12 +663,12 @@ absl::StatusOr<ActivationTicket> DaemonSliceStore::Prefetch(absl::Span<const Act
 
 absl::StatusOr<v1::FreeActivationsResponse> DaemonSliceStore::FreeRpc(
     const ActivationKey& key, bool whole_step, absl::Time deadline,
-    std::optional<uint64_t> if_at_offset) {
+    std::optional<uint64_t> if_placement) {
   v1::FreeActivationsRequest req;
   *req.mutable_owner() = OwnerProto();
   ToProto(key, req.mutable_key());
   req.set_whole_step(whole_step);
-  if (if_at_offset.has_value()) req.set_if_at_offset(*if_at_offset);
+  if (if_placement.has_value()) req.set_if_placement(*if_placement);
   v1::FreeActivationsResponse resp;
   grpc::ClientContext context;
   SetDeadline(&context, deadline);

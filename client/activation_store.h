@@ -17,10 +17,11 @@
 //    announced by CommitActivation (with their CRC-32C when
 //    Options::checksums); a fetch is LocateActivation, a Get at the
 //    placement, a check of the slice's CRC-32C and (by default)
-//    FreeActivations. A fetch that frees the slice skips the locate: a Get
-//    at the offset the slice was reserved at, then a FreeActivations that
-//    frees it only if it never left that place (else the fetch locates it
-//    and gets it again). Without a bulk transport, or
+//    FreeActivations. A fetch that frees the slice skips the locate when the
+//    daemon numbered the slice's reservation (ActivationPlacement.placement):
+//    a Get at the offset the slice was reserved at, then a FreeActivations
+//    (if_placement) that frees it only if it never left that place (else
+//    the fetch locates it and gets it again). Without a bulk transport, or
 //    when the daemon hands out no arena region, the streaming RPCs
 //    (OffloadActivation / FetchActivation) carry the bytes in checksummed
 //    chunks; so does a slice larger than the arena region (a daemon that
@@ -172,8 +173,9 @@ class ActivationSliceStore {
   // Frees one slice (OK if it is not there), or every slice of `step`,
   // after the operations on them submitted before have ended. Blocks until
   // done or `deadline`; returns the bytes freed (DaemonSliceStore: FreeStep
-  // sends nothing, and returns 0, when the daemon has confirmed every slice
-  // of the step freed already).
+  // sends nothing, and returns 0, when the daemon has confirmed freed every
+  // slice of the step this store offloaded; it knows nothing of slices
+  // another store of the same rank put there).
   virtual absl::StatusOr<uint64_t> Free(const ActivationKey& key, absl::Time deadline) = 0;
   virtual absl::StatusOr<uint64_t> FreeStep(uint64_t step, absl::Time deadline) = 0;
 
@@ -260,13 +262,21 @@ class DaemonSliceStore final : public ActivationSliceStore {
     bool bulk = false;         // Put/Get into the arena
     uint64_t arena_bytes = 0;  // larger slices are streamed
   };
-  // A slice the daemon committed. `offset`: where it was reserved, for a
-  // bulk offload (the slice is still there unless the daemon spilled it).
-  // `crc32c`: the one the commit carried.
+  // A slice the daemon committed. A bulk offload's reservation: `offset`,
+  // where the slice stays unless the daemon spills it, and `placement`, its
+  // number (0: none, the daemon does not serve if_placement). `crc32c`: the
+  // one the commit carried.
   struct Stored {
     uint64_t bytes = 0;
-    std::optional<uint64_t> offset;
+    uint64_t offset = 0;
+    uint64_t placement = 0;
     std::optional<uint32_t> crc32c;
+  };
+  // How a fetch without a locate ended.
+  enum class InPlace {
+    kFreed,        // the daemon freed the slice there: `dst` holds its bytes
+    kUnconfirmed,  // the bytes match the commit's CRC-32C; the free got no answer
+    kMoved,        // not there (or not known to be): locate it and get it again
   };
   // An operation in flight on a key.
   struct Pending {
@@ -301,12 +311,10 @@ class DaemonSliceStore final : public ActivationSliceStore {
                        bool* was_spilled, bool* streamed, bool* freed);
   absl::Status FetchBulk(const ActivationKey& key, void* dst, uint64_t bytes, absl::Time deadline,
                          bool* was_spilled);
-  // A Get at the slice's reserved offset, then FreeActivations if_at_offset:
-  // true when the daemon freed it (the bytes in `dst` are the slice's),
-  // false when it had moved or the bytes fail the commit's CRC-32C (locate
-  // it and fetch again).
-  absl::StatusOr<bool> FetchInPlace(const ActivationKey& key, const Stored& at, void* dst,
-                                    uint64_t bytes, absl::Time deadline);
+  // A Get at the slice's reserved offset, then FreeActivations
+  // if_placement. Errors: the Get's, or a size that does not match.
+  absl::StatusOr<InPlace> FetchInPlace(const ActivationKey& key, const Stored& at, void* dst,
+                                       uint64_t bytes, absl::Time deadline);
   absl::Status FetchStream(const ActivationKey& key, void* dst, uint64_t bytes,
                            absl::Time deadline);
   // Puts (`put`) or gets `bytes` at `offset` of the daemon's arena. With
@@ -314,11 +322,11 @@ class DaemonSliceStore final : public ActivationSliceStore {
   // *crc is the whole's. Blocks until done or `deadline`.
   absl::Status MoveRegion(bool put, uint64_t offset, uint8_t* buffer, uint64_t bytes,
                           absl::Time deadline, uint32_t* crc);
-  // FreeActivations of one key (`whole_step` false; only if it lies at
-  // `if_at_offset` when given) or of key.step.
+  // FreeActivations of one key (`whole_step` false; only if it is still
+  // where reservation `if_placement` put it, when given) or of key.step.
   absl::StatusOr<v1::FreeActivationsResponse> FreeRpc(
       const ActivationKey& key, bool whole_step, absl::Time deadline,
-      std::optional<uint64_t> if_at_offset = std::nullopt);
+      std::optional<uint64_t> if_placement = std::nullopt);
   // The slice is not on the daemon (freed, or never there): FreeStep need
   // not free it.
   void Forget(const ActivationKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

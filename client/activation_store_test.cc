@@ -220,10 +220,50 @@ TEST(ActivationStoreTest, WithoutChecksumsTheTransportIsTrusted) {
   EXPECT_EQ(rig.fake->activation().counts().commits_with_crc, 0);
   rig.fake->activation().set_corrupt_locate_crc(true);  // not checked without checksums
   std::vector<uint8_t> got;
-  const absl::Status s = rig.Fetch(Key(0), &got, v.size());
+  const absl::Status s = rig.Fetch(Key(0), &got, v.size(), AfterFetch::kKeep);
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_TRUE(got == v);
+  EXPECT_EQ(rig.fake->activation().counts().locate, 1);
   EXPECT_EQ(rig.store->Stats().streamed, 0u);
+}
+
+// A daemon that numbers no reservations (one without
+// FreeActivations.if_placement) gets located fetches; a free that gets no
+// answer sends the fetch to the locate unless the commit's checksum vouches
+// for the bytes, and then the step's free asks the daemon.
+TEST(ActivationStoreTest, FetchesLocateWhenTheDaemonCannotConfirmAFreeInPlace) {
+  {
+    Rig rig(true, 1 << 20);
+    rig.fake->activation().set_placements(false);
+    const std::vector<uint8_t> v = Bytes(5000, 40);
+    ASSERT_TRUE(rig.Offload(Key(0), v).ok());
+    std::vector<uint8_t> got;
+    ASSERT_TRUE(rig.Fetch(Key(0), &got, v.size()).ok());
+    EXPECT_EQ(got, v);
+    const testing::FakeActivation::Counts c = rig.fake->activation().counts();
+    EXPECT_EQ(c.locate, 1);
+    EXPECT_EQ(c.free_in_place, 0);
+    EXPECT_EQ(c.free, 1);
+  }
+  for (const bool checksums : {false, true}) {
+    Rig rig(true, 1 << 20, 0, nullptr, checksums);
+    rig.fake->activation().set_fail_releases(true);
+    const std::vector<uint8_t> v = Bytes(5000, 41);
+    ASSERT_TRUE(rig.Offload(Key(0), v).ok());
+    std::vector<uint8_t> got;
+    const absl::Status s = rig.Fetch(Key(0), &got, v.size());
+    ASSERT_TRUE(s.ok()) << s << " checksums " << checksums;
+    EXPECT_EQ(got, v);
+    testing::FakeActivation::Counts c = rig.fake->activation().counts();
+    EXPECT_EQ(c.free_in_place, 1);
+    EXPECT_EQ(c.locate, checksums ? 0 : 1) << checksums;
+    // Located, the slice was freed by a plain free; trusted by its
+    // checksum, it may still be on the daemon: the step's free asks.
+    EXPECT_EQ(rig.fake->activation().slices(), checksums ? 1u : 0u);
+    ASSERT_TRUE(rig.store->FreeStep(1, In(absl::Seconds(10))).ok());
+    EXPECT_EQ(rig.fake->activation().slices(), 0u);
+    EXPECT_EQ(rig.fake->activation().counts().free, c.free + (checksums ? 1 : 0)) << checksums;
+  }
 }
 
 // A slice larger than one read piece (4 MiB) comes back whole, and its

@@ -97,7 +97,7 @@ inline constexpr MetricSpec kActivationFetchSeconds = {
     "zeroshard_activation_fetch_seconds",
     MetricType::kHistogram,
     "The daemon's wall time serving an activation fetch: LocateActivation or FetchActivation, a "
-    "read-back from a spill file included, or the FreeActivations (if_at_offset) that ends a "
+    "read-back from a spill file included, or the FreeActivations (if_placement) that ends a "
     "fetch read without locating.",
     {"job"}};
 

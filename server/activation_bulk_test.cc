@@ -85,11 +85,11 @@ class ActivationBulkTest : public ::testing::Test {
   static absl::Time Deadline() { return absl::Now() + absl::Seconds(30); }
 
   grpc::Status Offload(const v1::ActivationOwner& owner, const v1::ActivationKey& key,
-                       const std::string& bytes, uint64_t* offset = nullptr) {
+                       const std::string& bytes, v1::ActivationPlacement* placed = nullptr) {
     v1::ActivationPlacement p;
     grpc::Status s = act_->Reserve(owner, key, bytes.size(), &p);
     if (!s.ok()) return s;
-    if (offset != nullptr) *offset = p.offset();
+    if (placed != nullptr) *placed = p;
     EXPECT_EQ(p.bytes(), bytes.size());
     EXPECT_TRUE(conn_->Put(bytes.data(), bytes.size(), arena_, p.offset()).Wait(Deadline()).ok());
     v1::ActivationStored stored;
@@ -279,19 +279,23 @@ TEST_F(ActivationBulkTest, BadInputChangesNothing) {
                  [&] { return act_->Commit(owner, freed, 0); });
   ExpectRejected(grpc::FAILED_PRECONDITION, "has not joined",
                  [&] { return act_->Commit(MakeOwner("job", 0, 99), MakeKey(1, 8), 0); });
-  // FreeActivations ending a fetch read without locating (if_at_offset).
-  const v1::ActivationKey k0 = MakeKey(1, 0), k7 = MakeKey(1, 7);
+  // FreeActivations ending a fetch read without locating (if_placement).
+  const v1::ActivationKey k0 = MakeKey(1, 0), k7 = MakeKey(1, 7), k8 = MakeKey(1, 8);
   ExpectRejected(grpc::NOT_FOUND, "key: no activation",
-                 [&] { return act_->Free(owner, &k7, false, nullptr, 0); });
+                 [&] { return act_->Free(owner, &k7, false, nullptr, 1); });
   ExpectRejected(grpc::NOT_FOUND, "key: no activation",
-                 [&] { return act_->Free(owner, &freed, false, nullptr, 0); });
+                 [&] { return act_->Free(owner, &freed, false, nullptr, 1); });
   ExpectRejected(grpc::NOT_FOUND, "not registered",
-                 [&] { return act_->Free(MakeOwner("other", 0), &k0, false, nullptr, 0); });
-  ExpectRejected(grpc::INVALID_ARGUMENT, "if_at_offset",
-                 [&] { return act_->Free(owner, &k0, /*whole_step=*/true, nullptr, 0); });
-  ExpectRejected(grpc::INVALID_ARGUMENT, "if_at_offset",
-                 [&] { return act_->Free(owner, nullptr, false, nullptr, 0); });
-  // Not where it lies: `moved`, and nothing changes.
+                 [&] { return act_->Free(MakeOwner("other", 0), &k0, false, nullptr, 1); });
+  ExpectRejected(grpc::FAILED_PRECONDITION, "not committed",
+                 [&] { return act_->Free(owner, &k8, false, nullptr, 1); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "if_placement: 0 names no reservation",
+                 [&] { return act_->Free(owner, &k0, false, nullptr, 0); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "if_placement: ends the fetch of one key",
+                 [&] { return act_->Free(owner, &k0, /*whole_step=*/true, nullptr, 1); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "if_placement: ends the fetch of one key",
+                 [&] { return act_->Free(owner, nullptr, false, nullptr, 1); });
+  // Another reservation's number: `moved`, and nothing changes.
   {
     const uint64_t hash = daemon_->activations()->StateHash();
     const auto ledger = daemon_->ledger().Snapshot();
@@ -310,26 +314,34 @@ TEST_F(ActivationBulkTest, BadInputChangesNothing) {
   }
 }
 
-// A Get where the slice was reserved, then a FreeActivations if_at_offset:
+// A Get where the slice was reserved, then a FreeActivations if_placement:
 // the slice is freed and its bytes were the ones read.
 TEST_F(ActivationBulkTest, AGetWhereTheSliceWasReservedEndsWithARelease) {
   const v1::ActivationOwner owner = MakeOwner("job", 0);
   const std::string bytes = PatternBytes(5, 200 << 10);
-  const v1::ActivationKey key = MakeKey(2, 0);
-  uint64_t offset = 0;
-  ASSERT_TRUE(Offload(owner, key, bytes, &offset).ok());
+  const v1::ActivationKey key = MakeKey(2, 0), other = MakeKey(2, 1);
+  v1::ActivationPlacement placed, placed_other;
+  ASSERT_TRUE(Offload(owner, key, bytes, &placed).ok());
+  ASSERT_TRUE(Offload(owner, other, bytes, &placed_other).ok());
+  EXPECT_NE(placed.placement(), 0u);
+  EXPECT_NE(placed.placement(), placed_other.placement());
   std::string got(bytes.size(), '\0');
-  ASSERT_TRUE(conn_->Get(got.data(), got.size(), arena_, offset).Wait(Deadline()).ok());
+  ASSERT_TRUE(conn_->Get(got.data(), got.size(), arena_, placed.offset()).Wait(Deadline()).ok());
   v1::FreeActivationsResponse r;
-  const grpc::Status s = act_->Free(owner, &key, false, &r, offset);
+  // The other slice's reservation does not free this one.
+  ASSERT_TRUE(act_->Free(owner, &key, false, &r, placed_other.placement()).ok());
+  EXPECT_TRUE(r.moved());
+  const grpc::Status s = act_->Free(owner, &key, false, &r, placed.placement());
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_FALSE(r.moved());
   EXPECT_EQ(r.freed(), 1u);
   EXPECT_EQ(r.bytes(), bytes.size());
   EXPECT_TRUE(got == bytes);
-  EXPECT_EQ(Activation(), 0u);
   v1::ActivationPlacement p;
   EXPECT_EQ(act_->Locate(owner, key, &p).error_code(), grpc::NOT_FOUND);
+  ASSERT_TRUE(act_->Free(owner, &other, false, &r, placed_other.placement()).ok());
+  EXPECT_EQ(r.freed(), 1u);
+  EXPECT_EQ(Activation(), 0u);
 }
 
 }  // namespace

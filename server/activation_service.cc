@@ -104,6 +104,7 @@ absl::Status ActivationService::DoReserve(grpc::ServerContext* ctx,
                                                                 req.bytes(), DeadlineOf(ctx)));
   resp->set_offset(p.offset);
   resp->set_bytes(p.bytes);
+  resp->set_placement(p.placement);
   return absl::OkStatus();
 }
 
@@ -321,24 +322,30 @@ absl::Status ActivationService::DoFree(const grpc::ServerContext& call,
   const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(SliceOwner owner, Owner(call, req.owner(), req.has_owner()));
   ActivationStore::Freed freed;
-  if (req.has_if_at_offset()) {
+  if (req.has_if_placement()) {
     if (req.whole_step() || !req.has_key()) {
       return absl::InvalidArgumentError(
-          "if_at_offset: ends the fetch of one key; set key and leave whole_step unset");
+          "if_placement: ends the fetch of one key; set key and leave whole_step unset");
+    }
+    if (req.if_placement() == 0) {
+      return absl::InvalidArgumentError(
+          "if_placement: 0 names no reservation; send the placement ReserveActivation answered");
     }
     RETURN_IF_ERROR(CheckKey(req.key(), true, "key"));
+    if (ctx_->bulk == nullptr) {
+      return absl::UnavailableError(absl::StrCat("this zeroshardd serves no bulk transport (",
+                                                 ctx_->bulk_error, "); free without if_placement"));
+    }
     ASSIGN_OR_RETURN(
         std::optional<ActivationStore::Freed> released,
-        ctx_->activations->ReleaseFetched(owner, ToKey(req.key()), req.if_at_offset()));
+        ctx_->activations->ReleaseFetched(owner, ToKey(req.key()), req.if_placement()));
     if (!released.has_value()) {
       resp->set_moved(true);
       return absl::OkStatus();
     }
     freed = *released;
     // The daemon's part of this fetch: a Get needs none of its time.
-    if (ctx_->bulk != nullptr) {
-      ctx_->metrics->RecordTraffic(owner.job_id, "fetch", ctx_->bulk->kind(), freed.bytes);
-    }
+    ctx_->metrics->RecordTraffic(owner.job_id, "fetch", ctx_->bulk->kind(), freed.bytes);
     ctx_->activation_metrics->RecordFetch(owner.job_id, absl::Now() - start);
   } else if (req.whole_step()) {
     if (!req.has_key()) {

@@ -57,6 +57,7 @@ struct ActivationStore::Slice {
   // Committed, and its bytes have not left the block they were committed in
   // since (ReleaseFetched).
   bool in_commit_block = false;
+  uint64_t placement = 0;  // its bulk reservation's number (SlicePlacement)
   // Requests using the slice without the lock (a reservation waiting for
   // room, a stream writing it, a commit checking it, fetches reading it):
   // while > 0 it neither moves nor goes.
@@ -786,9 +787,11 @@ absl::StatusOr<SlicePlacement> ActivationStore::Reserve(const SliceOwner& owner,
                                                         absl::Time deadline) {
   ASSIGN_OR_RETURN(std::shared_ptr<Slice> slice, ReserveSlice(owner, key, bytes, false, deadline));
   absl::MutexLock lock(&mu_);
+  slice->placement = ++last_placement_;
   SlicePlacement p;
   p.offset = slice->offset;
   p.bytes = slice->bytes;
+  p.placement = slice->placement;
   return p;
 }
 
@@ -1100,7 +1103,7 @@ std::vector<ActivationStore::IoStart> ActivationStore::ContinueHintsLocked(JobEn
 // ---- Frees ----
 
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
-    const SliceOwner& owner, const std::function<bool(const Id&)>& match) {
+    const SliceOwner& owner, const std::function<bool(const Id&, const Slice&)>& match) {
   Freed freed;
   std::vector<IoStart> io;
   std::vector<std::shared_ptr<Slice>> doomed;
@@ -1108,7 +1111,7 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
     for (const auto& [id, slice] : entry->slices) {
-      if (id.rank == owner.rank && match(id)) doomed.push_back(slice);
+      if (id.rank == owner.rank && match(id, *slice)) doomed.push_back(slice);
     }
     for (const auto& slice : doomed) {
       ++freed.slices;
@@ -1134,8 +1137,9 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeKey(const SliceOwner
     RETURN_IF_ERROR(FindLocked(owner, key).status());
   }
   const Id want = MakeId(owner, key);
-  ASSIGN_OR_RETURN(Freed freed,
-                   FreeMatching(owner, [&](const Id& id) { return !(id < want) && !(want < id); }));
+  ASSIGN_OR_RETURN(Freed freed, FreeMatching(owner, [&](const Id& id, const Slice&) {
+                     return !(id < want) && !(want < id);
+                   }));
   if (freed.slices == 0) {  // freed by someone else in between
     return absl::NotFoundError(absl::StrCat("key: no ", Describe(owner.job_id, want),
                                             " is stored here"));
@@ -1144,34 +1148,45 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeKey(const SliceOwner
 }
 
 absl::StatusOr<std::optional<ActivationStore::Freed>> ActivationStore::ReleaseFetched(
-    const SliceOwner& owner, const SliceKey& key, uint64_t offset) {
+    const SliceOwner& owner, const SliceKey& key, uint64_t placement) {
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(std::shared_ptr<Slice> slice, FindLocked(owner, key));
-    // A spill write in flight only reads the block: the bytes are still
-    // there, as they were for the trainer's Get.
-    const bool in_place =
-        (slice->state == Slice::State::kStored || slice->state == Slice::State::kSpilling) &&
-        slice->in_commit_block && slice->offset == offset;
-    if (!in_place) return std::nullopt;
+    switch (slice->state) {
+      case Slice::State::kPending:
+      case Slice::State::kReserved:
+      case Slice::State::kCommitting:
+        return absl::FailedPreconditionError(absl::StrCat(
+            "key: ", Describe(owner.job_id, slice->id), " is reserved but not committed"));
+      default:
+        break;
+    }
   }
-  if (metrics_ != nullptr) metrics_->RecordHit(owner.job_id);
-  // Freed by another request since the check: the Get had the bytes all the
-  // same (the block was the slice's until then).
   const Id want = MakeId(owner, key);
-  return FreeMatching(owner, [&](const Id& id) { return !(id < want) && !(want < id); });
+  // Checked under the lock that frees it. A spill write in flight only
+  // reads the block: the bytes are still there, as they were for the Get.
+  ASSIGN_OR_RETURN(
+      Freed freed, FreeMatching(owner, [&](const Id& id, const Slice& s) {
+        return !(id < want) && !(want < id) && s.in_commit_block && s.placement == placement &&
+               (s.state == Slice::State::kStored || s.state == Slice::State::kSpilling);
+      }));
+  // Moved (or freed since the look above: the locate that follows says so).
+  if (freed.slices == 0) return std::nullopt;
+  if (metrics_ != nullptr) metrics_->RecordHit(owner.job_id);
+  return freed;
 }
 
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeStep(const SliceOwner& owner,
                                                                  uint64_t step) {
-  ASSIGN_OR_RETURN(Freed freed,
-                   FreeMatching(owner, [step](const Id& id) { return id.step == step; }));
+  ASSIGN_OR_RETURN(Freed freed, FreeMatching(owner, [step](const Id& id, const Slice&) {
+                     return id.step == step;
+                   }));
   RemoveDroppedFiles(Removal::kNow);
   return freed;
 }
 
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeAll(const SliceOwner& owner) {
-  ASSIGN_OR_RETURN(Freed freed, FreeMatching(owner, [](const Id&) { return true; }));
+  ASSIGN_OR_RETURN(Freed freed, FreeMatching(owner, [](const Id&, const Slice&) { return true; }));
   RemoveDroppedFiles(Removal::kNow);
   return freed;
 }
@@ -1292,6 +1307,7 @@ uint64_t ActivationStore::StateHash() const {
       HashValue(h, s->offset);
       HashValue(h, s->pinned);
       HashValue(h, s->in_commit_block);
+      HashValue(h, s->placement);
       HashValue(h, s->commit_crc.has_value());
       HashValue(h, s->commit_crc.value_or(0));
       HashValue(h, s->crc.has_value());

@@ -109,6 +109,9 @@ struct SlicePlacement {
   // Read back from a spill file for this request, or ahead of it by a
   // prefetch since the slice was last fetched (a miss either way).
   bool was_spilled = false;
+  // Reserve: the reservation's number (never 0, never the same twice), for
+  // ReleaseFetched.
+  uint64_t placement = 0;
 };
 
 class ActivationStore {
@@ -234,14 +237,16 @@ class ActivationStore {
   // it ends), FreeKey leaves them to be removed when the disk's spill I/O
   // pauses.
   absl::StatusOr<Freed> FreeKey(const SliceOwner& owner, const SliceKey& key);
-  // The end of a bulk fetch that read the slice at `offset` without
-  // locating it: frees the slice like FreeKey, counting a fetch from the
-  // arena, if it lies at `offset` in the block it was committed in and has
-  // not left it since (so a Get from there that ended before this call read
-  // its bytes). Otherwise changes nothing and returns nullopt: the trainer
-  // locates the slice and gets it again. NOT_FOUND for an unknown key.
+  // The end of a bulk fetch that read the slice where its reservation put
+  // it, without locating it (`placement`: that Reserve's): frees the slice
+  // like FreeKey, counting a fetch from the arena, if it is still in the
+  // block of that reservation and has not left it since its commit (so a Get
+  // from there that ended before this call read its bytes); the check and
+  // the free are one step under the lock. Otherwise changes nothing and
+  // returns nullopt: the trainer locates the slice and gets it again.
+  // NOT_FOUND for an unknown key, FAILED_PRECONDITION for one not committed.
   absl::StatusOr<std::optional<Freed>> ReleaseFetched(const SliceOwner& owner, const SliceKey& key,
-                                                      uint64_t offset);
+                                                      uint64_t placement);
   absl::StatusOr<Freed> FreeStep(const SliceOwner& owner, uint64_t step);
   absl::StatusOr<Freed> FreeAll(const SliceOwner& owner);
 
@@ -383,10 +388,11 @@ class ActivationStore {
   bool AllocateBlockLocked(Slice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Books the free space's split into largest block and fragmentation.
   void SyncFreeBookingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Frees the owner's matching slices and waits for their spill I/O to end
-  // (their files are dropped; removing them is the caller's choice).
+  // Frees the owner's matching slices (`match` runs under the lock) and
+  // waits for their spill I/O to end (their files are dropped; removing them
+  // is the caller's choice).
   absl::StatusOr<Freed> FreeMatching(const SliceOwner& owner,
-                                     const std::function<bool(const Id&)>& match);
+                                     const std::function<bool(const Id&, const Slice&)>& match);
   std::string NoRoomMessage(uint64_t bytes, uint64_t block) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts a state change and wakes every waiter.
@@ -430,6 +436,7 @@ class ActivationStore {
   mutable absl::Mutex mu_;
   absl::CondVar changed_;  // any slice changed state
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // counts those changes
+  uint64_t last_placement_ ABSL_GUARDED_BY(mu_) = 0;  // Reserve's numbers
   ArenaAllocator allocator_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
   std::set<Slice*> spilling_ ABSL_GUARDED_BY(mu_);  // writes in flight

@@ -128,10 +128,10 @@ class StoreTest : public ::testing::Test {
   // Offloads over the bulk path: reserve, put, commit (with the CRC-32C of
   // the bytes, or none).
   absl::Status Put(const SliceOwner& owner, const SliceKey& key, const std::string& bytes,
-                   bool with_crc = true, uint64_t* offset = nullptr) {
+                   bool with_crc = true, SlicePlacement* placed = nullptr) {
     absl::StatusOr<SlicePlacement> p = store_->Reserve(owner, key, bytes.size(), Deadline());
     if (!p.ok()) return p.status();
-    if (offset != nullptr) *offset = p->offset;
+    if (placed != nullptr) *placed = *p;
     EXPECT_EQ((region_.address + p->offset) % store_->alignment(), 0u);
     absl::Status put = conn_->Put(bytes.data(), bytes.size(), region_, p->offset).Wait(Deadline());
     if (!put.ok()) return put;
@@ -383,31 +383,34 @@ TEST_F(StoreTest, CommitWithoutChecksumAndItsSpill) {
 }
 
 // A fetch that reads a slice where it was reserved, without locating it,
-// and then releases it: freed only while it never left that block.
+// and then releases it: freed only while it never left that reservation's
+// block.
 TEST_F(StoreTest, AReleaseAfterAnUnlocatedGetFreesOnlyASliceThatNeverMoved) {
   constexpr uint64_t kSlice = 600000;
   Start(1 << 20, /*spill=*/16 << 20, /*bulk=*/true);
   const std::string a = Pattern(21, kSlice), b = Pattern(22, kSlice), c = Pattern(23, kSlice);
-  uint64_t at = 0;
+  SlicePlacement at;
   ASSERT_TRUE(Put(Owner(), Key(1, 0), a, /*with_crc=*/false, &at).ok());
+  EXPECT_NE(at.placement, 0u);
   std::string got(kSlice, '\0');
-  ASSERT_TRUE(conn_->Get(got.data(), got.size(), region_, at).Wait(Deadline()).ok());
+  ASSERT_TRUE(conn_->Get(got.data(), got.size(), region_, at.offset).Wait(Deadline()).ok());
   EXPECT_TRUE(got == a);
   const uint64_t hash = store_->StateHash();
   const auto ledger = Ledger();
-  // Another offset, another key, another rank: nothing changes.
+  // Another reservation's number, another key, another rank: nothing
+  // changes.
   absl::StatusOr<std::optional<ActivationStore::Freed>> r =
-      store_->ReleaseFetched(Owner(), Key(1, 0), at + store_->alignment());
+      store_->ReleaseFetched(Owner(), Key(1, 0), at.placement + 1);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->has_value());
-  EXPECT_EQ(store_->ReleaseFetched(Owner(), Key(1, 1), at).status().code(),
+  EXPECT_EQ(store_->ReleaseFetched(Owner(), Key(1, 1), at.placement).status().code(),
             absl::StatusCode::kNotFound);
-  EXPECT_EQ(store_->ReleaseFetched(Owner("a", 1), Key(1, 0), at).status().code(),
+  EXPECT_EQ(store_->ReleaseFetched(Owner("a", 1), Key(1, 0), at.placement).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(store_->StateHash(), hash);
   EXPECT_EQ(Ledger(), ledger);
   EXPECT_EQ(Sample("zeroshard_activation_hits_total{job=\"a\"}"), 0);
-  r = store_->ReleaseFetched(Owner(), Key(1, 0), at);
+  r = store_->ReleaseFetched(Owner(), Key(1, 0), at.placement);
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_TRUE(r->has_value());
   EXPECT_EQ((*r)->slices, 1u);
@@ -416,26 +419,39 @@ TEST_F(StoreTest, AReleaseAfterAnUnlocatedGetFreesOnlyASliceThatNeverMoved) {
   EXPECT_EQ(store_->GetStats().slices, 0u);
   ExpectExactBooking();
 
+  // The same key offloaded again, into the same block: the first
+  // reservation's number no longer frees it.
+  SlicePlacement again;
+  ASSERT_TRUE(Put(Owner(), Key(1, 0), a, /*with_crc=*/false, &again).ok());
+  EXPECT_EQ(again.offset, at.offset);
+  r = store_->ReleaseFetched(Owner(), Key(1, 0), at.placement);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->has_value());
+  // Reserved, not committed: FAILED_PRECONDITION.
+  absl::StatusOr<SlicePlacement> reserved = store_->Reserve(Owner(), Key(1, 5), 1000, Deadline());
+  ASSERT_TRUE(reserved.ok()) << reserved.status();
+  EXPECT_EQ(store_->ReleaseFetched(Owner(), Key(1, 5), reserved->placement).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(store_->FreeStep(Owner(), 1).ok());
+
   // b is spilled to make room for c: it left its block, so the release
   // answers "moved" and keeps it; read back (wherever it lands), it is
-  // still not in the block it was committed in.
-  uint64_t at_b = 0;
+  // still not in the block of its reservation.
+  SlicePlacement at_b;
   ASSERT_TRUE(Put(Owner(), Key(2, 0), b, /*with_crc=*/false, &at_b).ok());
   ASSERT_TRUE(Put(Owner(), Key(2, 1), c, /*with_crc=*/false).ok());
   ASSERT_EQ(SettledSpillFiles(), 1u);
   const uint64_t spilled_hash = store_->StateHash();
-  r = store_->ReleaseFetched(Owner(), Key(2, 0), at_b);
+  r = store_->ReleaseFetched(Owner(), Key(2, 0), at_b.placement);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->has_value());
   EXPECT_EQ(store_->StateHash(), spilled_hash);
-  absl::StatusOr<SlicePlacement> p = store_->Locate(Owner(), Key(2, 0), Deadline());
-  ASSERT_TRUE(p.ok()) << p.status();
-  r = store_->ReleaseFetched(Owner(), Key(2, 0), p->offset);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_FALSE(r->has_value());
   absl::StatusOr<std::string> back = Get(Owner(), Key(2, 0));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_TRUE(*back == b);
+  r = store_->ReleaseFetched(Owner(), Key(2, 0), at_b.placement);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->has_value());
   ASSERT_TRUE(store_->FreeKey(Owner(), Key(2, 0)).ok());
   ExpectExactBooking();
 }

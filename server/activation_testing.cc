@@ -170,14 +170,14 @@ grpc::Status ActivationClient::Prefetch(const v1::ActivationOwner& owner,
 
 grpc::Status ActivationClient::Free(const v1::ActivationOwner& owner, const v1::ActivationKey* key,
                                     bool whole_step, v1::FreeActivationsResponse* response,
-                                    std::optional<uint64_t> if_at_offset) {
+                                    std::optional<uint64_t> if_placement) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   v1::FreeActivationsRequest req;
   *req.mutable_owner() = owner;
   if (key != nullptr) *req.mutable_key() = *key;
   req.set_whole_step(whole_step);
-  if (if_at_offset.has_value()) req.set_if_at_offset(*if_at_offset);
+  if (if_placement.has_value()) req.set_if_placement(*if_placement);
   v1::FreeActivationsResponse local;
   return stub->FreeActivations(&ctx, req, response != nullptr ? response : &local);
 }

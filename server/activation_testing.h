@@ -52,7 +52,7 @@ struct ActivationClient {
   // One key (key set), a step (whole_step), or all of the rank's (neither).
   grpc::Status Free(const v1::ActivationOwner& owner, const v1::ActivationKey* key,
                     bool whole_step = false, v1::FreeActivationsResponse* response = nullptr,
-                    std::optional<uint64_t> if_at_offset = std::nullopt);
+                    std::optional<uint64_t> if_placement = std::nullopt);
 };
 
 // ExpectRejected (daemon_fixture.h), and that no entry or category of the

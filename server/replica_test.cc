@@ -172,21 +172,6 @@ bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-// zeroshard_requests_total{rpc, code} of one daemon.
-double Requests(const Daemon& daemon, const std::string& rpc, const std::string& code = "OK") {
-  for (const metrics::MetricFamily& f : daemon.registry().Collect()) {
-    if (f.name != "zeroshard_requests_total") continue;
-    for (const metrics::ClientMetric& m : f.metrics) {
-      auto r = m.labels.find("rpc");
-      auto c = m.labels.find("code");
-      if (r != m.labels.end() && c != m.labels.end() && r->second == rpc && c->second == code) {
-        return m.value;
-      }
-    }
-  }
-  return 0;
-}
-
 const v1::ReplicaGroupState* GroupState(const v1::ReplicaState& state, uint32_t group) {
   for (const v1::ReplicaGroupState& g : state.groups()) {
     if (g.group() == group) return &g;
@@ -560,9 +545,9 @@ TEST_F(ReplicaTest, ReplicatedStepKeepsBackupBitIdentical) {
   // for every step after it: each daemon received them for the group it
   // backs up.
   for (int d = 0; d < 2; ++d) {
-    EXPECT_EQ(Requests(daemon(d), "TransferState"), 1) << "daemon " << d;
-    EXPECT_EQ(Requests(daemon(d), "ForwardGradient"), kSteps) << "daemon " << d;
-    EXPECT_EQ(Requests(daemon(d), "CommitReplica"), kSteps) << "daemon " << d;
+    EXPECT_EQ(testing::RequestCount(daemon(d), "TransferState"), 1) << "daemon " << d;
+    EXPECT_EQ(testing::RequestCount(daemon(d), "ForwardGradient"), kSteps) << "daemon " << d;
+    EXPECT_EQ(testing::RequestCount(daemon(d), "CommitReplica"), kSteps) << "daemon " << d;
     v1::ReplicaState state;
     ASSERT_TRUE(Replica(d).State(j.id, &state).ok());
     for (const v1::ReplicaGroupState& g : state.groups()) {

@@ -31,6 +31,7 @@
 #include "gtest/gtest.h"
 #include "server/activation_testing.h"
 #include "server/daemon.h"
+#include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {
 namespace {
@@ -224,6 +225,12 @@ TEST(ActivationSpillTest, TenTimesTheArenaComesBackAndLeavesNoFiles) {
   SliceStoreStats st = rank.store->Stats();
   EXPECT_GT(st.spilled_fetches, 0u);
   EXPECT_EQ(st.stored_bytes, 0u);
+  // The slices still where they were reserved were read there and freed in
+  // place; the spilled ones were located (read back) first.
+  const double located = testing::RequestCount(*daemon, "LocateActivation");
+  EXPECT_GT(located, 0);
+  EXPECT_LT(located, kSlices);
+  EXPECT_EQ(testing::RequestCount(*daemon, "FreeActivations"), kSlices + located);
   // Freed key by key: the daemon removes the files once its read-backs end.
   EXPECT_EQ(testing::SettledSpillFiles(*daemon->activations(), dir), 0u)
       << "after every slice of the step was fetched and freed";

@@ -52,7 +52,8 @@ ABSL_FLAG(bool, print_daemons, false,
 ABSL_FLAG(uint64_t, nt_copy_threshold, zeroshard::tools::kNonTemporalCopyThreshold,
           "Bytes above which glibc's memcpy uses non-temporal stores in the daemons and trainers "
           "started (glibc.cpu.x86_non_temporal_threshold in GLIBC_TUNABLES, unless that sets it "
-          "already); 0 leaves glibc's own, which it derives from the L3 size the CPU reports.");
+          "already); 0 leaves glibc's own, which it derives from the L3 size the CPU reports. "
+          "glibc ignores values under 16448, so those are refused.");
 
 namespace {
 
@@ -67,7 +68,7 @@ TRAINER_COMMAND with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID,
 ZS_JOB_TOKEN, ZS_RESTART_COUNT, RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE (and ZS_METRICS_PORTS with
 --metrics) set, and daemons and trainers with glibc's non-temporal copy
-threshold at --nt_copy_threshold in GLIBC_TUNABLES. Trainer stdout/stderr lines are prefixed "[rank N] "; a
+threshold at --nt_copy_threshold in GLIBC_TUNABLES (unless that sets it). Trainer stdout/stderr lines are prefixed "[rank N] "; a
 lone "\r" (a progress bar) also ends a line and is kept, so bars redraw in
 place. Trainers read stdin from /dev/null.
 

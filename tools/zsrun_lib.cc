@@ -623,6 +623,11 @@ absl::StatusOr<int> Launcher::RunInternal() {
     return absl::InvalidArgumentError("--startup_timeout_s must be positive");
   }
   if (o.grace < absl::ZeroDuration()) return absl::InvalidArgumentError("--grace_s must be >= 0");
+  if (o.nt_copy_threshold > 0 && o.nt_copy_threshold < kGlibcMinNonTemporalThreshold) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--nt_copy_threshold=", o.nt_copy_threshold, ": glibc ignores values under ",
+                     kGlibcMinNonTemporalThreshold, "; give 0 (glibc's own) or at least that"));
+  }
   if (options_.job_id.empty()) options_.job_id = DefaultJobId();
   job_token_ = JobTokenOrEnvironment("");
   if (job_token_.empty()) {

@@ -31,12 +31,14 @@
 namespace zeroshard::tools {
 
 // The non-temporal copy threshold zsrun gives the processes it starts: 4
-// MiB. glibc derives its own from the L3 size the CPU reports, as if the
-// process had that cache to itself: on a VM with a few cores of a host with
-// hundreds of MiB of L3 it lands at hundreds of MiB, and copies of tens of
-// MiB (staging slots, arena slices, UCX's shared-memory puts and gets) then
-// read every destination line before writing it.
+// MiB. glibc derives its own from the L3 size the CPU reports (glibc 2.36:
+// three quarters of each CPU's share of it): on a VM with a few CPUs of a
+// host with hundreds of MiB of L3 it lands at hundreds of MiB, and copies of
+// tens of MiB (staging slots, arena slices, UCX's shared-memory puts and
+// gets) then read every destination line before writing it.
 inline constexpr uint64_t kNonTemporalCopyThreshold = 4ull << 20;
+// The least glibc.cpu.x86_non_temporal_threshold glibc takes (0x4040).
+inline constexpr uint64_t kGlibcMinNonTemporalThreshold = 0x4040;
 
 struct LaunchOptions {
   // Local daemons to start; ignored when daemon_addresses is set.
@@ -78,7 +80,8 @@ struct LaunchOptions {
   bool print_daemons = false;
   // glibc's threshold above which memcpy writes with non-temporal stores,
   // for every daemon and trainer started (GLIBC_TUNABLES, see
-  // WithNonTemporalThreshold); 0 leaves glibc's own.
+  // WithNonTemporalThreshold); 0 leaves glibc's own. Run() refuses 1 to
+  // 16447, which glibc would ignore.
   uint64_t nt_copy_threshold = kNonTemporalCopyThreshold;
   // Where prefixed trainer stdout, and trainer stderr plus the launcher's own
   // messages, are written (blocking writes). Not closed. If one is a pipe, the

@@ -538,6 +538,20 @@ TEST(LauncherTest, RejectsBadOptions) {
   o.max_restarts = -1;
   Launch negative(o);
   EXPECT_EQ(negative.Run().status().code(), absl::StatusCode::kInvalidArgument);
+  o = ShellTrainers(1, 1, "true");
+  o.nt_copy_threshold = 4096;
+  Launch too_small(o);
+  const absl::Status s = too_small.Run().status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("--nt_copy_threshold=4096"));
+}
+
+TEST(LauncherTest, TrainersGetTheNonTemporalCopyThreshold) {
+  Launch l(ShellTrainers(1, 1, "echo \"tunables=$GLIBC_TUNABLES\""));
+  absl::StatusOr<int> code = l.Run();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_THAT(l.out(), HasSubstr("[rank 0] tunables=glibc.cpu.x86_non_temporal_threshold=4194304"));
 }
 
 // --- The zsrun binary ---------------------------------------------------------

@@ -54,6 +54,16 @@ void FakeActivation::CorruptArenaSlices() {
   }
 }
 
+void FakeActivation::set_placements(bool on) {
+  absl::MutexLock lock(&mu_);
+  placements_ = on;
+}
+
+void FakeActivation::set_fail_releases(bool on) {
+  absl::MutexLock lock(&mu_);
+  fail_releases_ = on;
+}
+
 void FakeActivation::set_commit_delay(absl::Duration d) {
   absl::MutexLock lock(&mu_);
   commit_delay_ = d;
@@ -160,8 +170,10 @@ grpc::Status FakeActivation::ReserveActivation(grpc::ServerContext*,
   s.in_arena = true;
   s.offset = offset;
   s.bytes = req->bytes();
+  s.placement = ++last_placement_;
   resp->set_offset(offset);
   resp->set_bytes(s.bytes);
+  if (placements_) resp->set_placement(s.placement);
   return grpc::Status::OK;
 }
 
@@ -310,14 +322,14 @@ grpc::Status FakeActivation::FreeActivations(grpc::ServerContext*,
   absl::MutexLock lock(&mu_);
   ++counts_.free;
   const Key key = MakeKey(req->owner(), req->key());
-  if (req->has_if_at_offset()) {
+  if (req->has_if_placement()) {
     ++counts_.free_in_place;
+    if (fail_releases_) return Error(grpc::StatusCode::UNAVAILABLE, "releases fail");
     auto it = slices_.find(key);
-    if (it == slices_.end() || !it->second.committed) {
-      return Error(grpc::StatusCode::NOT_FOUND, "unknown key");
-    }
+    if (it == slices_.end()) return Error(grpc::StatusCode::NOT_FOUND, "unknown key");
+    if (!it->second.committed) return Error(grpc::StatusCode::FAILED_PRECONDITION, "not committed");
     const Slice& s = it->second;
-    if (!s.in_arena || s.moved || s.offset != req->if_at_offset()) {
+    if (!s.in_arena || s.moved || s.placement != req->if_placement()) {
       resp->set_moved(true);
       return grpc::Status::OK;
     }

@@ -35,7 +35,7 @@ class FakeActivation final : public v1::Activation::Service {
   struct Counts {
     int reserve = 0, commit = 0, offload_stream = 0, locate = 0, fetch_stream = 0;
     int prefetch = 0, free = 0;
-    int free_in_place = 0;     // FreeActivations calls with if_at_offset (within `free`)
+    int free_in_place = 0;     // FreeActivations calls with if_placement (within `free`)
     int commits_with_crc = 0;  // CommitActivation calls that carried a CRC-32C
     uint64_t spills = 0;     // slices moved from the arena to "spill"
     uint64_t readbacks = 0;  // slices brought back into the arena
@@ -51,6 +51,11 @@ class FakeActivation final : public v1::Activation::Service {
   // Flips the first byte of every committed slice in the arena (its
   // checksum stays that of the bytes committed).
   void CorruptArenaSlices();
+  // Whether ReserveActivation answers a placement number (on by default);
+  // off, it is a daemon that does not serve FreeActivations.if_placement.
+  void set_placements(bool on);
+  // FreeActivations with if_placement fails UNAVAILABLE from now on.
+  void set_fail_releases(bool on);
   // CommitActivation and OffloadActivation wait this long first.
   void set_commit_delay(absl::Duration d);
 
@@ -77,7 +82,8 @@ class FakeActivation final : public v1::Activation::Service {
     bool committed = false;
     bool in_arena = false;
     bool pinned = false;
-    bool moved = false;  // spilled since its commit (if_at_offset answers `moved`)
+    bool moved = false;      // spilled since its commit (if_placement answers `moved`)
+    uint64_t placement = 0;  // its reservation's number
     uint64_t offset = 0;
     uint64_t bytes = 0;
     std::optional<uint32_t> crc;  // taken at commit, with or without the client's
@@ -106,6 +112,9 @@ class FakeActivation final : public v1::Activation::Service {
   std::string last_owner_ ABSL_GUARDED_BY(mu_);
   bool corrupt_crc_ ABSL_GUARDED_BY(mu_) = false;
   absl::Duration commit_delay_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  uint64_t last_placement_ ABSL_GUARDED_BY(mu_) = 0;
+  bool placements_ ABSL_GUARDED_BY(mu_) = true;
+  bool fail_releases_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace zeroshard::testing

@@ -10,6 +10,7 @@
 #include "common/job_spec.h"
 #include "common/protocol.h"
 #include "gtest/gtest.h"
+#include "metrics/registry.h"
 
 namespace zeroshard::testing {
 
@@ -205,6 +206,20 @@ grpc::Status DaemonClient::StepState(const std::string& job, v1::StepState* stat
   req.set_wait_for_step(wait_for_step);
   req.set_wait_ms(wait_ms);
   return shard->GetStepState(&ctx, req, state);
+}
+
+double RequestCount(const Daemon& daemon, const std::string& rpc, const std::string& code) {
+  for (const metrics::MetricFamily& f : daemon.registry().Collect()) {
+    if (f.name != "zeroshard_requests_total") continue;
+    for (const metrics::ClientMetric& m : f.metrics) {
+      auto r = m.labels.find("rpc");
+      auto c = m.labels.find("code");
+      if (r != m.labels.end() && c != m.labels.end() && r->second == rpc && c->second == code) {
+        return m.value;
+      }
+    }
+  }
+  return 0;
 }
 
 void ExpectRejected(Daemon& daemon, const std::string& job, grpc::StatusCode code,

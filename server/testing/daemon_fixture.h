@@ -79,6 +79,10 @@ std::vector<v1::GradientChunk> GradientChunks(const std::string& job, uint64_t s
 void ExpectRejected(Daemon& daemon, const std::string& job, grpc::StatusCode code,
                     const std::string& text, const std::function<grpc::Status()>& call);
 
+// The daemon's zeroshard_requests_total{rpc=`rpc`, code=`code`}: the calls
+// of that method it answered with that code.
+double RequestCount(const Daemon& daemon, const std::string& rpc, const std::string& code = "OK");
+
 // Starts a daemon with default options and `memory_limit`, writing
 // checkpoints under `checkpoint_dir` (empty: none).
 std::unique_ptr<Daemon> StartDaemon(uint64_t memory_limit = 0, int optimizer_threads = 1,

@@ -920,7 +920,8 @@ std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences() {
   }
   {  // Activation checkpoints placed in the arena (the bulk path): reserve,
      // put, commit, locate; then slices past the arena's size, which spill,
-     // a fetch of one of them, and a free of the first if it lies at 0.
+     // a fetch of one of them, and a free of the first where it was
+     // reserved.
     std::vector<Call> c;
     v1::ReserveActivationRequest reserve;
     *reserve.mutable_owner() = Owner(1);
@@ -947,12 +948,12 @@ std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences() {
     *fetch.mutable_owner() = Owner(1);
     *fetch.mutable_key() = Key(1, 1);
     c.push_back(One(Rpc::kFetchActivation, kLive, fetch));
-    // The end of a fetch read without locating: freed if the slice still
-    // lies at that offset, else `moved` (OK either way).
+    // The end of a fetch read without locating: freed if the slice is still
+    // where reservation 1 (its own) put it, else `moved` (OK either way).
     v1::FreeActivationsRequest release;
     *release.mutable_owner() = Owner(1);
     *release.mutable_key() = Key(1, 0);
-    release.set_if_at_offset(0);
+    release.set_if_placement(1);
     c.push_back(One(Rpc::kFreeActivations, kLive, release));
     seeds.emplace_back("activations_placed", std::move(c));
   }
