@@ -6,10 +6,9 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
+#include "common/glibc_tunables.h"
 
 namespace zeroshard::bench {
 
@@ -21,18 +20,14 @@ double Median(std::vector<double> values) {
 }
 
 std::string DescribeCopyThreshold() {
-  constexpr absl::string_view kTunable = "glibc.cpu.x86_non_temporal_threshold=";
   const char* tunables = std::getenv("GLIBC_TUNABLES");
-  if (tunables != nullptr) {
-    for (absl::string_view t : absl::StrSplit(tunables, ':')) {
-      if (absl::StartsWith(t, kTunable)) {
-        const absl::string_view value = t.substr(kTunable.size());
-        uint64_t bytes = 0;
-        const bool taken = absl::SimpleAtoi(value, &bytes) && bytes >= 0x4040;
-        return absl::StrCat("glibc non-temporal copy threshold: ", value, " B (GLIBC_TUNABLES",
-                            taken ? ")" : "; glibc ignores it: not a number of at least 16448)");
-      }
-    }
+  if (std::optional<absl::string_view> value =
+          NonTemporalThresholdIn(tunables != nullptr ? tunables : "");
+      value.has_value()) {
+    uint64_t bytes = 0;
+    const bool taken = absl::SimpleAtoi(*value, &bytes) && bytes >= kGlibcMinNonTemporalThreshold;
+    return absl::StrCat("glibc non-temporal copy threshold: ", *value, " B (GLIBC_TUNABLES",
+                        taken ? ")" : "; glibc ignores it: not a number of at least 16448)");
   }
   const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
   return absl::StrCat("glibc non-temporal copy threshold: glibc's default, from the ",

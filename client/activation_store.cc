@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,15 @@
 
 namespace zeroshard {
 namespace {
+
+// The keys of `step` in `keys`, a map or set ordered by ActivationKey (step
+// first): [first, last).
+template <typename Ordered>
+auto KeysOfStep(Ordered& keys, uint64_t step) {
+  constexpr uint32_t kMax = std::numeric_limits<uint32_t>::max();
+  return std::make_pair(keys.lower_bound(ActivationKey{step, 0, 0, 0, 0}),
+                        keys.upper_bound(ActivationKey{step, kMax, kMax, kMax, kMax}));
+}
 
 // PrefetchActivationsRequest.keys: at most this many per request.
 constexpr size_t kMaxPrefetchKeys = 1024;
@@ -718,27 +728,19 @@ absl::StatusOr<uint64_t> DaemonSliceStore::FreeStep(uint64_t step, absl::Time de
     absl::MutexLock lock(&mu_);
     // Every slice of the step that reached the daemon was freed, and the
     // daemon said so: nothing to send.
-    const bool stored = std::any_of(stored_.begin(), stored_.end(),
-                                    [step](const auto& e) { return e.first.step == step; });
-    const bool unsure = std::any_of(unsure_.begin(), unsure_.end(),
-                                    [step](const ActivationKey& k) { return k.step == step; });
-    if (!stored && !unsure) return 0;
+    auto [stored, stored_end] = KeysOfStep(stored_, step);
+    auto [unsure, unsure_end] = KeysOfStep(unsure_, step);
+    if (stored == stored_end && unsure == unsure_end) return 0;
   }
   ActivationKey key;
   key.step = step;
   ASSIGN_OR_RETURN(v1::FreeActivationsResponse r, FreeRpc(key, true, deadline));
   absl::MutexLock lock(&mu_);
-  for (auto it = stored_.begin(); it != stored_.end();) {
-    if (it->first.step == step) {
-      stats_.stored_bytes -= it->second.bytes;
-      it = stored_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  for (auto it = unsure_.begin(); it != unsure_.end();) {
-    it = it->step == step ? unsure_.erase(it) : std::next(it);
-  }
+  auto [stored, stored_end] = KeysOfStep(stored_, step);
+  for (auto it = stored; it != stored_end; ++it) stats_.stored_bytes -= it->second.bytes;
+  stored_.erase(stored, stored_end);
+  auto [unsure, unsure_end] = KeysOfStep(unsure_, step);
+  unsure_.erase(unsure, unsure_end);
   return r.bytes();
 }
 

@@ -42,6 +42,19 @@ bool ReadId(const std::string& path, ncclUniqueId* id) {
   return n == static_cast<ssize_t>(sizeof(*id));
 }
 
+// Polls `comm`'s asynchronous state (a non-blocking communicator's calls
+// still being issued) until it is no longer ncclInProgress, or until
+// `deadline` (then ncclInProgress). An error of the query itself is
+// returned as the state.
+ncclResult_t AwaitCommState(ncclComm_t comm, absl::Time deadline) {
+  for (int spins = 0;; ++spins) {
+    ncclResult_t state = ncclInProgress;
+    if (ncclResult_t r = ncclCommGetAsyncError(comm, &state); r != ncclSuccess) return r;
+    if (state != ncclInProgress || absl::Now() >= deadline) return state;
+    cuda::PollPause(spins);
+  }
+}
+
 }  // namespace
 
 NcclCollective::NcclCollective(const Options& options)
@@ -62,11 +75,7 @@ NcclCollective::~NcclCollective() {
     // Flush, then destroy; a finalize that does not end in 10 s is aborted
     // (by Release).
     ncclResult_t state = ncclCommFinalize(comm_);
-    const absl::Time end = absl::Now() + absl::Seconds(10);
-    for (int spins = 0; state == ncclInProgress && absl::Now() < end; ++spins) {
-      if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
-      cuda::PollPause(spins);
-    }
+    if (state == ncclInProgress) state = AwaitCommState(comm_, absl::Now() + absl::Seconds(10));
     if (state == ncclSuccess) {
       ncclCommDestroy(comm_);
       comm_ = nullptr;
@@ -228,14 +237,8 @@ absl::Status NcclCollective::AwaitNccl(absl::Time deadline, const std::string& w
         " did not complete before the deadline (a rank is not running, not in this call, or "
         "its link failed)"));
   };
-  // A non-blocking communicator may still be issuing the calls.
-  ncclResult_t state = ncclInProgress;
-  for (int spins = 0;; ++spins) {
-    if (ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) state = r;
-    if (state != ncclInProgress) break;
-    if (absl::Now() >= deadline) return timed_out();
-    cuda::PollPause(spins);
-  }
+  ncclResult_t state = AwaitCommState(comm_, deadline);
+  if (state == ncclInProgress) return timed_out();
   RETURN_IF_ERROR(CommStatus(state, what));
   RETURN_IF_ERROR(cuda::CudaStatus(cudaEventRecord(done_, stream_), "event"));
   for (int spins = 0;; ++spins) {
@@ -314,18 +317,13 @@ absl::Status NcclCollective::CreateCommunicator(const ncclUniqueId& id, absl::Ti
     AbortAndDrain();
     return s;
   }
-  ncclResult_t state = ncclInProgress;
-  for (int spins = 0;; ++spins) {
-    if (ncclResult_t e = ncclCommGetAsyncError(comm_, &state); e != ncclSuccess) state = e;
-    if (state != ncclInProgress) break;
-    if (absl::Now() >= deadline) {
-      AbortAndDrain();
-      return absl::DeadlineExceededError(absl::StrCat(
-          kWhat, ": rank ", rank, " of ", n,
-          ": not every rank joined the NCCL communicator before the deadline (a rank is not "
-          "running or has not reached this call)"));
-    }
-    absl::SleepFor(absl::Milliseconds(1));
+  const ncclResult_t state = AwaitCommState(comm_, deadline);
+  if (state == ncclInProgress) {
+    AbortAndDrain();
+    return absl::DeadlineExceededError(absl::StrCat(
+        kWhat, ": rank ", rank, " of ", n,
+        ": not every rank joined the NCCL communicator before the deadline (a rank is not "
+        "running or has not reached this call)"));
   }
   if (absl::Status s = CommStatus(state, "creating the communicator"); !s.ok()) {
     AbortAndDrain();

@@ -249,7 +249,7 @@ class PyClient {
         o.rendezvous_dir = *collective_dir;
         o.hostname = collective_host;
         collective = Check(GlooCollective::Create(o));
-      } else if (collective_kind == "nccl") {
+      } else {  // "nccl"
 #ifdef ZS_WITH_NCCL
         NcclCollective::Options o;
         o.rendezvous_dir = *collective_dir;

@@ -54,10 +54,10 @@ struct ActivationStore::Slice {
   bool stream = false;    // received on a stream: no lease
   bool pinned = false;    // located: stays in the arena until freed
   bool detached = false;  // freed: out of its job's map, released once idle
-  // Committed, and its bytes have not left the block they were committed in
-  // since (ReleaseFetched).
-  bool in_commit_block = false;
-  uint64_t placement = 0;  // its bulk reservation's number (SlicePlacement)
+  // Its bulk reservation's number (SlicePlacement) while it is in that
+  // reservation's block; 0 once it has left it, and for a streamed slice
+  // (ReleaseFetched).
+  uint64_t placement = 0;
   // Requests using the slice without the lock (a reservation waiting for
   // room, a stream writing it, a commit checking it, fetches reading it):
   // while > 0 it neither moves nor goes.
@@ -249,7 +249,7 @@ void ActivationStore::FreeBlockLocked(Slice& slice) {
   if (!slice.has_block) return;
   allocator_.Free(slice.offset - skew_);
   slice.has_block = false;
-  slice.in_commit_block = false;
+  slice.placement = 0;
   ledger_->Move(slice.job, MemoryCategory::kActivation, kDaemonLedgerEntry,
                 MemoryCategory::kActivation, slice.block);
   SyncFreeBookingLocked();
@@ -830,7 +830,6 @@ absl::Status ActivationStore::CommitIncoming(const std::shared_ptr<Slice>& slice
       slice->commit_crc = crc32c;
       slice->crc = crc32c;
       slice->state = Slice::State::kStored;
-      slice->in_commit_block = true;
       NotifyLocked();
     }
   }
@@ -866,7 +865,6 @@ absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const 
         if (!crc32c.has_value()) {
           // Trusts the transport: stored as put.
           slice->state = Slice::State::kStored;
-          slice->in_commit_block = true;
           NotifyLocked();
           return slice->bytes;
         }
@@ -910,7 +908,6 @@ absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const 
   slice->commit_crc = expected;
   slice->crc = expected;
   slice->state = Slice::State::kStored;
-  slice->in_commit_block = true;
   NotifyLocked();
   return slice->bytes;
 }
@@ -1137,9 +1134,8 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeKey(const SliceOwner
     RETURN_IF_ERROR(FindLocked(owner, key).status());
   }
   const Id want = MakeId(owner, key);
-  ASSIGN_OR_RETURN(Freed freed, FreeMatching(owner, [&](const Id& id, const Slice&) {
-                     return !(id < want) && !(want < id);
-                   }));
+  ASSIGN_OR_RETURN(Freed freed,
+                   FreeMatching(owner, [&](const Id& id, const Slice&) { return id == want; }));
   if (freed.slices == 0) {  // freed by someone else in between
     return absl::NotFoundError(absl::StrCat("key: no ", Describe(owner.job_id, want),
                                             " is stored here"));
@@ -1167,7 +1163,7 @@ absl::StatusOr<std::optional<ActivationStore::Freed>> ActivationStore::ReleaseFe
   // reads the block: the bytes are still there, as they were for the Get.
   ASSIGN_OR_RETURN(
       Freed freed, FreeMatching(owner, [&](const Id& id, const Slice& s) {
-        return !(id < want) && !(want < id) && s.in_commit_block && s.placement == placement &&
+        return id == want && s.placement == placement &&
                (s.state == Slice::State::kStored || s.state == Slice::State::kSpilling);
       }));
   // Moved (or freed since the look above: the locate that follows says so).
@@ -1306,7 +1302,6 @@ uint64_t ActivationStore::StateHash() const {
       HashValue(h, s->has_block);
       HashValue(h, s->offset);
       HashValue(h, s->pinned);
-      HashValue(h, s->in_commit_block);
       HashValue(h, s->placement);
       HashValue(h, s->commit_crc.has_value());
       HashValue(h, s->commit_crc.value_or(0));

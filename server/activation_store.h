@@ -300,6 +300,7 @@ class ActivationStore {
     uint32_t mp_rank;
     uint32_t mp_size;
     bool operator<(const Id& o) const;
+    bool operator==(const Id& o) const { return !(*this < o) && !(o < *this); }
   };
   // Which dropped files RemoveDroppedFiles removes. kWhenDiskIdle (the
   // remover thread): one at a time while no spill write or read-back is in

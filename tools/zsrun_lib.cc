@@ -22,6 +22,7 @@
 #include "common/auth.h"
 #include "common/channel.h"
 #include "common/format.h"
+#include "common/glibc_tunables.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
@@ -374,14 +375,11 @@ absl::StatusOr<std::string> FindZeroshardd(absl::string_view flag) {
 std::vector<std::string> WithNonTemporalThreshold(std::vector<std::string> env, uint64_t bytes) {
   if (bytes == 0) return env;
   constexpr absl::string_view kVar = "GLIBC_TUNABLES=";
-  constexpr absl::string_view kTunable = "glibc.cpu.x86_non_temporal_threshold=";
-  const std::string setting = absl::StrCat(kTunable, bytes);
+  const std::string setting = absl::StrCat(kNonTemporalThresholdTunable, "=", bytes);
   for (std::string& e : env) {
     if (!absl::StartsWith(e, kVar)) continue;
     const absl::string_view tunables = absl::string_view(e).substr(kVar.size());
-    for (absl::string_view t : absl::StrSplit(tunables, ':')) {
-      if (absl::StartsWith(t, kTunable)) return env;
-    }
+    if (NonTemporalThresholdIn(tunables).has_value()) return env;
     e = tunables.empty() ? absl::StrCat(kVar, setting) : absl::StrCat(e, ":", setting);
     return env;
   }

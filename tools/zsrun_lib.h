@@ -37,8 +37,6 @@ namespace zeroshard::tools {
 // tens of MiB (staging slots, arena slices, UCX's shared-memory puts and
 // gets) then read every destination line before writing it.
 inline constexpr uint64_t kNonTemporalCopyThreshold = 4ull << 20;
-// The least glibc.cpu.x86_non_temporal_threshold glibc takes (0x4040).
-inline constexpr uint64_t kGlibcMinNonTemporalThreshold = 0x4040;
 
 struct LaunchOptions {
   // Local daemons to start; ignored when daemon_addresses is set.
