@@ -72,6 +72,7 @@
 #include "absl/time/clock.h"
 #include "bench/stats.h"
 #include "common/dtype.h"
+#include "common/host_memory.h"
 #include "common/job_spec.h"
 #include "common/layout.h"
 #include "common/protocol.h"
@@ -107,21 +108,6 @@ void Check(const absl::Status& s, const char* what) {
     std::exit(1);
   }
 }
-
-// 64-byte aligned, zero-filled array.
-template <typename T>
-struct AlignedArray {
-  explicit AlignedArray(size_t n) {
-    const size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
-    data.reset(static_cast<T*>(std::aligned_alloc(64, bytes)));
-    std::memset(data.get(), 0, bytes);
-  }
-  T* get() const { return data.get(); }
-  struct Free {
-    void operator()(T* p) const { std::free(p); }
-  };
-  std::unique_ptr<T, Free> data;
-};
 
 double Seconds(const std::function<void()>& fn) {
   const auto start = std::chrono::steady_clock::now();
@@ -440,7 +426,7 @@ int Main() {
 
   // Every rank's gradient in the wire type, built once; the pushes point
   // into it (constant buffers, as a trainer's persistent bucket).
-  std::vector<AlignedArray<char>> wire;
+  std::vector<HostArray<char>> wire;
   std::vector<const char*> wire_ptrs;
   std::vector<const uint16_t*> bf16_ptrs;
   std::vector<const float*> fp32_ptrs;
@@ -470,8 +456,8 @@ int Main() {
   }
 
   // The roofline's buffers, the job's sizes.
-  AlignedArray<float> rp(n), rg(n), rm(n), rv(n);
-  AlignedArray<uint16_t> rcopy(half ? n : 1);
+  HostArray<float> rp(n), rg(n), rm(n), rv(n);
+  HostArray<uint16_t> rcopy(half ? n : 1);
   double roofline_sq_sum = 0;
   std::vector<double> part_sums(threads);
   auto roofline_reduce = [&](bool stream) {

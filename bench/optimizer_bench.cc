@@ -29,6 +29,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "bench/stats.h"
+#include "common/host_memory.h"
 #include "server/optimizer/optimizer.h"
 
 ABSL_FLAG(int64_t, params, 50000000, "parameters in the shard");
@@ -40,21 +41,6 @@ namespace zeroshard {
 namespace {
 
 using bench::Median;
-
-// 64-byte aligned, zero-filled array.
-template <typename T>
-struct AlignedArray {
-  explicit AlignedArray(size_t n) {
-    const size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
-    data.reset(static_cast<T*>(std::aligned_alloc(64, bytes)));
-    std::memset(data.get(), 0, bytes);
-  }
-  T* get() const { return data.get(); }
-  struct Free {
-    void operator()(T* p) const { std::free(p); }
-  };
-  std::unique_ptr<T, Free> data;
-};
 
 double Seconds(const std::function<void()>& fn) {
   const auto start = std::chrono::steady_clock::now();
@@ -144,8 +130,8 @@ int Main() {
   const int warmup = std::max(0, absl::GetFlag(FLAGS_warmup));
   const double mparams = static_cast<double>(n) / 1e6;
 
-  AlignedArray<float> p(n), g(n), m(n), v(n);
-  AlignedArray<uint16_t> copy(n);
+  HostArray<float> p(n), g(n), m(n), v(n);
+  HostArray<uint16_t> copy(n);
   Split(n, threads, [&](size_t begin, size_t end) {
     uint32_t x = static_cast<uint32_t>(begin) * 2654435761u + 1;
     for (size_t i = begin; i < end; ++i) {

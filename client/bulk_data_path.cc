@@ -26,8 +26,12 @@ bool LostDaemonOrJob(const absl::Status& s) {
   return absl::IsUnavailable(s) || absl::IsNotFound(s) || absl::IsFailedPrecondition(s);
 }
 
-StagingSlots::PushKey KeyOf(const GradientPush& push) {
-  return {push.step, push.micro_batch, push.range};
+// The pushes sent together in one slot (those of one request).
+StagingSlots::PushKey KeyOf(absl::Span<const GradientPush> pushes) {
+  StagingSlots::PushKey key{pushes[0].step, pushes[0].micro_batch, pushes[0].range};
+  for (const GradientPush& push : pushes.subspan(1))
+    key.more.push_back({push.micro_batch, push.range});
+  return key;
 }
 
 }  // namespace
@@ -245,21 +249,35 @@ absl::StatusOr<uint64_t> BulkDataPath::FenceSlot(const GradientPush& push, uint3
   return resp.applied_generation();
 }
 
-BulkDataPath::Attempt BulkDataPath::PushStaged(const Endpoint& ep, const GradientPush& push,
+BulkDataPath::Attempt BulkDataPath::PushStaged(const Endpoint& ep,
+                                               absl::Span<const GradientPush> pushes,
                                                absl::Time deadline) {
-  const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
+  const GradientPush& first = pushes.front();
+  std::vector<uint64_t> lengths(pushes.size());
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < pushes.size(); ++i) {
+    lengths[i] = pushes[i].range.size() * DTypeSize(pushes[i].dtype);
+    bytes += lengths[i];
+  }
   auto fence = [&](uint32_t slot, uint64_t generation) {
-    return FenceSlot(push, slot, generation);
+    return FenceSlot(first, slot, generation);
   };
-  absl::StatusOr<StagingSlots::Acquired> acquired = slots_.Acquire(KeyOf(push), deadline, fence);
+  absl::StatusOr<StagingSlots::Acquired> acquired = slots_.Acquire(KeyOf(pushes), deadline, fence);
   if (!acquired.ok()) return {acquired.status()};
   if (acquired->delivered) return {bytes};
   const StagingSlots::Lease lease = acquired->lease;
   absl::Status s;
   {
-    transport::Completion put =
-        ep.connections[0]->Put(push.data, bytes, ep.staging, lease.slot * ep.slot_bytes);
-    s = Finish(put, deadline, [&] { return DescribePush(push) + ": Put"; });
+    // Back to back from the slot's start, in order; all in flight at once.
+    std::vector<transport::Completion> puts;
+    puts.reserve(pushes.size());
+    for (size_t i = 0, at = lease.slot * ep.slot_bytes; i < pushes.size(); at += lengths[i], ++i) {
+      puts.push_back(ep.connections[0]->Put(pushes[i].data, lengths[i], ep.staging, at));
+    }
+    for (transport::Completion& put : puts) {
+      absl::Status p = Finish(put, deadline, [&] { return DescribePushes(pushes) + ": Put"; });
+      if (s.ok()) s = std::move(p);
+    }
   }
   if (!s.ok()) {
     // Nothing announced: the daemon applies no bytes of this generation.
@@ -268,24 +286,33 @@ BulkDataPath::Attempt BulkDataPath::PushStaged(const Endpoint& ep, const Gradien
     if (lost) DropEndpoint(&ep);
     return {s, lost};
   }
-  v1::GradientChunk chunk = GradientChunkHeader(push);
   // No checksum: the transport delivers the bytes intact, and a CRC pass on
   // each side would cost two more sweeps over the gradient. The generation
   // tells the daemon which write of the slot this is.
-  chunk.set_staged(true);
-  chunk.set_staging_slot(lease.slot);
-  chunk.set_staging_generation(lease.generation);
-  s = SendGradientChunk(stream_.stub(), chunk, push, deadline, address());
+  std::vector<v1::GradientChunk> chunks(pushes.size());
+  for (size_t i = 0; i < pushes.size(); ++i) {
+    chunks[i] = GradientChunkHeader(pushes[i]);
+    chunks[i].set_staged(true);
+    chunks[i].set_staging_slot(lease.slot);
+    chunks[i].set_staging_generation(lease.generation);
+  }
+  s = SendGradientChunks(stream_.stub(), chunks, pushes, deadline, address());
   // ALREADY_EXISTS: the daemon holds this contribution (the staged bytes have
   // its CRC-32C, or this process replays the open step of a predecessor
-  // whose staged push it holds); this generation was not applied.
-  if (s.ok() || absl::IsAlreadyExists(s)) {
+  // whose staged push it holds); this generation was not applied. For
+  // several chunks, it holds one of them and applied none: the caller
+  // sends each alone.
+  if (s.ok() || (absl::IsAlreadyExists(s) && pushes.size() == 1)) {
     slots_.Release(lease);
     return {bytes};
   }
+  if (absl::IsAlreadyExists(s)) {
+    slots_.Release(lease);
+    return {s};
+  }
   // The daemon may still be about to read the slot, or may have applied it:
   // fence it before the slot is written again, and learn which.
-  const absl::StatusOr<bool> applied = slots_.Resolve(lease, KeyOf(push), fence);
+  const absl::StatusOr<bool> applied = slots_.Resolve(lease, KeyOf(pushes), fence);
   if (LostDaemonOrJob(s)) DropEndpoint(&ep);
   if (applied.ok() && *applied) return {bytes};
   return {s};
@@ -293,15 +320,41 @@ BulkDataPath::Attempt BulkDataPath::PushStaged(const Endpoint& ep, const Gradien
 
 absl::StatusOr<uint64_t> BulkDataPath::PushGradient(const GradientPush& push,
                                                     absl::Time deadline) {
-  const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
-  const JobKey key{push.job_id, push.rank, push.incarnation};
+  return PushGradients({push}, deadline)[0];
+}
+
+std::vector<absl::StatusOr<uint64_t>> BulkDataPath::PushGradients(
+    const std::vector<GradientPush>& pushes, absl::Time deadline) {
+  std::vector<absl::StatusOr<uint64_t>> results;
+  if (pushes.empty()) return results;
+  uint64_t bytes = 0;
+  for (const GradientPush& push : pushes) bytes += push.range.size() * DTypeSize(push.dtype);
+  const JobKey key{pushes[0].job_id, pushes[0].rank, pushes[0].incarnation};
   for (int attempt = 0;; ++attempt) {
-    ASSIGN_OR_RETURN(std::shared_ptr<const Endpoint> ep, GetEndpoint(key, deadline));
-    // A chunk larger than a slot (a bucket wider in fp32 than in the wire
-    // type) goes inline.
-    if (bytes > ep->slot_bytes) return stream_.PushGradient(push, deadline);
-    Attempt a = PushStaged(*ep, push, deadline);
-    if (!a.retry || attempt > 0) return a.result;
+    absl::StatusOr<std::shared_ptr<const Endpoint>> ep = GetEndpoint(key, deadline);
+    if (!ep.ok()) return std::vector<absl::StatusOr<uint64_t>>(pushes.size(), ep.status());
+    // Pushes larger than a slot (a bucket wider in fp32 than in the wire
+    // type) go inline.
+    if (bytes > (*ep)->slot_bytes) {
+      if (pushes.size() == 1) return {stream_.PushGradient(pushes[0], deadline)};
+      for (const GradientPush& push : pushes) results.push_back(PushGradient(push, deadline));
+      return results;
+    }
+    Attempt a = PushStaged(**ep, pushes, deadline);
+    if (a.retry && attempt == 0) continue;
+    if (pushes.size() > 1 && absl::IsAlreadyExists(a.result.status())) {
+      // The daemon holds one of them and applied none: each alone shows which.
+      for (const GradientPush& push : pushes) results.push_back(PushGradient(push, deadline));
+      return results;
+    }
+    for (const GradientPush& push : pushes) {
+      if (a.result.ok()) {
+        results.push_back(push.range.size() * DTypeSize(push.dtype));
+      } else {
+        results.push_back(a.result.status());
+      }
+    }
+    return results;
   }
 }
 

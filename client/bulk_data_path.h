@@ -48,6 +48,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "client/data_path.h"
 #include "client/staging_slots.h"
 #include "client/stream_data_path.h"
@@ -108,6 +109,11 @@ class BulkDataPath final : public DataPath {
   // Blocks until the daemon applied the chunk (or a fence proved it did).
   // `push.data` is read by the transport only during the call.
   absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) override;
+  // Pushes that fit one staging slot together are put into it back to back
+  // and announced in one request (one generation: applied all or none);
+  // larger ones go one by one, inline when one is larger than a slot.
+  std::vector<absl::StatusOr<uint64_t>> PushGradients(const std::vector<GradientPush>& pushes,
+                                                      absl::Time deadline) override;
   absl::StatusOr<uint64_t> InitParameters(const ParameterUpload& upload,
                                           absl::Time deadline) override;
   // Blocks until the step is committed and the bytes are in `dst`. Range and
@@ -178,7 +184,10 @@ class BulkDataPath final : public DataPath {
   absl::Status ParseEndpoint(const v1::ExchangeEndpointResponse& resp, Endpoint* ep) const;
   // Forgets `stale` if it is still the cached endpoint.
   void DropEndpoint(const Endpoint* stale);
-  Attempt PushStaged(const Endpoint& ep, const GradientPush& push, absl::Time deadline);
+  // Puts `pushes` (together at most a slot) into one slot and announces them
+  // in one request.
+  Attempt PushStaged(const Endpoint& ep, absl::Span<const GradientPush> pushes,
+                     absl::Time deadline);
   Attempt GetOnce(const Endpoint& ep, const GatherRequestSpec& request, void* dst,
                   absl::Time deadline);
   absl::StatusOr<uint64_t> FenceSlot(const GradientPush& push, uint32_t slot,

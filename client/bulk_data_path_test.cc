@@ -7,6 +7,7 @@
 
 #include "client/bulk_data_path.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <random>
@@ -98,6 +99,92 @@ TEST(BulkDataPathTest, PushesGoThroughTheSlotsWithIncreasingGenerations) {
   for (int i = 0; i < 10; ++i) EXPECT_EQ(got[i], 0.5f * (10 + i));
   EXPECT_EQ(rig.path->exchanges(), 1u);
   EXPECT_STREQ(rig.path->name(), "inproc");
+}
+
+int Count(const std::vector<std::string>& events, absl::string_view prefix) {
+  return static_cast<int>(std::count_if(events.begin(), events.end(), [&](const std::string& e) {
+    return absl::StartsWith(e, prefix);
+  }));
+}
+
+// Buckets that fit one slot together (one per partition when partitions
+// are small) are put into it back to back and announced in one request;
+// pushes larger than a slot together go one by one.
+TEST(BulkDataPathTest, PushesThatFitOneSlotShareItAndOneRequest) {
+  Rig rig;  // slots of 4096 bytes: four 1024-byte buckets
+  const Grad a(0, 1.0f), b(256, 2.0f), c(768, 3.0f);
+  std::vector<absl::StatusOr<uint64_t>> sent =
+      rig.path->PushGradients({a.Push(), b.Push(), c.Push()}, In(absl::Seconds(5)));
+  ASSERT_EQ(sent.size(), 3u);
+  for (const auto& r : sent) {
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(*r, 1024u);
+  }
+  std::vector<FakeShard::Applied> applied = rig.fake->applied();
+  ASSERT_EQ(applied.size(), 3u);
+  EXPECT_EQ(applied[0].bytes, a.bytes());
+  EXPECT_EQ(applied[1].bytes, b.bytes());
+  EXPECT_EQ(applied[2].bytes, c.bytes());
+  EXPECT_EQ(applied[2].range, c.range);
+  for (const auto& e : applied) {
+    EXPECT_EQ(e.slot, applied[0].slot);
+    EXPECT_EQ(e.generation, 1u);
+  }
+  EXPECT_EQ(Count(rig.fake->events(), "announce "), 1);
+  // Five buckets are more than a slot: one request each.
+  std::vector<Grad> five;
+  std::vector<GradientPush> pushes;
+  for (int i = 0; i < 5; ++i) five.emplace_back(1024 + 256 * i, 4.0f + i);
+  for (const Grad& g : five) pushes.push_back(g.Push());
+  sent = rig.path->PushGradients(pushes, In(absl::Seconds(5)));
+  ASSERT_EQ(sent.size(), 5u);
+  for (const auto& r : sent) EXPECT_TRUE(r.ok()) << r.status();
+  applied = rig.fake->applied();
+  ASSERT_EQ(applied.size(), 8u);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(applied[3 + i].bytes, five[i].bytes());
+  EXPECT_EQ(Count(rig.fake->events(), "announce "), 6);
+}
+
+// ALREADY_EXISTS for several buckets in one slot means the daemon holds one
+// of them and applied none: each is sent again alone, and each alone is
+// delivered by its own ALREADY_EXISTS or applied.
+TEST(BulkDataPathTest, AlreadyExistsForSharedSlotSendsEachAlone) {
+  Rig rig;
+  rig.fake->set_push_status(grpc::Status(grpc::StatusCode::ALREADY_EXISTS, "duplicate"));
+  const Grad a(0, 1.0f), b(256, 2.0f);
+  const std::vector<absl::StatusOr<uint64_t>> sent =
+      rig.path->PushGradients({a.Push(), b.Push()}, In(absl::Seconds(5)));
+  ASSERT_EQ(sent.size(), 2u);
+  for (const auto& r : sent) EXPECT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(rig.fake->applied().empty());
+  EXPECT_EQ(Count(rig.fake->events(), "announce "), 3);
+  EXPECT_EQ(rig.path->quarantined_slots(), 0);
+}
+
+// A shared slot whose request timed out while the daemon read it: the
+// fence says its generation was applied, so every bucket in it is
+// delivered, with its own bytes.
+TEST(BulkDataPathTest, ATimedOutSharedSlotTheDaemonAppliedDeliversEveryBucket) {
+  FakeShard::Options o;
+  o.staging_slots = 1;
+  Rig rig(o);
+  rig.fake->set_delay_while_reading(absl::Milliseconds(600));
+  const Grad a(0, 1.0f), b(256, 2.0f), c(0, 5.0f);
+  std::vector<absl::StatusOr<uint64_t>> sent =
+      rig.path->PushGradients({a.Push(), b.Push()}, In(absl::Milliseconds(150)));
+  ASSERT_EQ(sent.size(), 2u);
+  for (const auto& r : sent) EXPECT_TRUE(r.ok()) << r.status();
+  rig.fake->set_delay_while_reading(absl::ZeroDuration());
+  ASSERT_TRUE(rig.path->PushGradient(c.Push(2), In(absl::Seconds(5))).ok());
+  const std::vector<FakeShard::Applied> applied = rig.fake->applied();
+  ASSERT_EQ(applied.size(), 3u);
+  EXPECT_EQ(applied[0].bytes, a.bytes());
+  EXPECT_EQ(applied[1].bytes, b.bytes());
+  EXPECT_EQ(applied[2].generation, 2u);
+  EXPECT_EQ(applied[2].bytes, c.bytes());
+  const std::vector<std::string> events = rig.fake->events();
+  EXPECT_LT(IndexOf(events, "fence 0 1 -> 1"), IndexOf(events, "announce 0 2"));
+  EXPECT_GE(IndexOf(events, "fence 0 1 -> 1"), 0);
 }
 
 // Bug 1: the push RPC times out while the daemon is still reading the slot.

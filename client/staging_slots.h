@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -31,14 +32,16 @@ namespace zeroshard {
 
 class StagingSlots {
  public:
-  // One contribution (a push of the same one may reuse a quarantined
-  // attempt's outcome).
+  // The contributions one slot carries (a push of the same ones may reuse a
+  // quarantined attempt's outcome): the first, and those after it in the
+  // same slot, in order, as (micro-batch, range).
   struct PushKey {
     uint64_t step = 0;
     uint32_t micro_batch = 0;
     FlatRange range;
+    std::vector<std::pair<uint32_t, FlatRange>> more;
     bool operator==(const PushKey& o) const {
-      return step == o.step && micro_batch == o.micro_batch && range == o.range;
+      return step == o.step && micro_batch == o.micro_batch && range == o.range && more == o.more;
     }
   };
   // A slot held by one push, with the generation that push announces.

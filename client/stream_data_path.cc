@@ -56,22 +56,33 @@ v1::GradientChunk GradientChunkHeader(const GradientPush& push) {
   return chunk;
 }
 
-absl::Status SendGradientChunk(v1::Shard::Stub* stub, const v1::GradientChunk& chunk,
-                               const GradientPush& push, absl::Time deadline,
-                               absl::string_view address) {
+std::string DescribePushes(absl::Span<const GradientPush> pushes) {
+  if (pushes.size() == 1) return DescribePush(pushes[0]);
+  return absl::StrCat(DescribePush(pushes[0]), " and ", pushes.size() - 1, " more in one stream");
+}
+
+absl::Status SendGradientChunks(v1::Shard::Stub* stub, absl::Span<const v1::GradientChunk> chunks,
+                                absl::Span<const GradientPush> pushes, absl::Time deadline,
+                                absl::string_view address) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   v1::PushGradientResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::GradientChunk>> writer =
       stub->PushGradient(&context, &response);
-  // A failed Write means the stream is broken; Finish reports why.
-  if (writer->Write(chunk)) writer->WritesDone();
+  uint64_t elements = 0;
+  bool written = true;
+  for (size_t i = 0; i < chunks.size() && written; ++i) {
+    elements += pushes[i].range.size();
+    // A failed Write means the stream is broken; Finish reports why.
+    written = writer->Write(chunks[i]);
+  }
+  if (written) writer->WritesDone();
   const grpc::Status status = writer->Finish();
-  if (!status.ok()) return DaemonError(status, address, DescribePush(push));
-  if (response.elements() != push.range.size()) {
-    return absl::DataLossError(absl::StrCat("daemon ", address, ": ", DescribePush(push),
-                                            ": accepted ", response.elements(),
-                                            " elements, sent ", push.range.size()));
+  if (!status.ok()) return DaemonError(status, address, DescribePushes(pushes));
+  if (response.elements() != elements) {
+    return absl::DataLossError(absl::StrCat("daemon ", address, ": ", DescribePushes(pushes),
+                                            ": accepted ", response.elements(), " elements, sent ",
+                                            elements));
   }
   return absl::OkStatus();
 }
@@ -82,7 +93,7 @@ absl::StatusOr<uint64_t> StreamDataPath::PushGradient(const GradientPush& push,
   v1::GradientChunk chunk = GradientChunkHeader(push);
   chunk.set_data(static_cast<const char*>(push.data), bytes);
   chunk.set_crc32c(Crc32c(push.data, bytes));
-  absl::Status s = SendGradientChunk(stub_.get(), chunk, push, deadline, address_);
+  absl::Status s = SendGradientChunks(stub_.get(), {chunk}, {push}, deadline, address_);
   // The daemon says ALREADY_EXISTS only when the contribution it holds has
   // this chunk's CRC-32C: an earlier attempt delivered these very bytes.
   if (!s.ok() && !absl::IsAlreadyExists(s)) return s;
@@ -112,8 +123,7 @@ std::vector<absl::StatusOr<uint64_t>> StreamDataPath::PushGradients(
   }
   if (written) writer->WritesDone();
   const grpc::Status status = writer->Finish();
-  const std::string what =
-      absl::StrCat(DescribePush(pushes.front()), " and ", pushes.size() - 1, " more in one stream");
+  const std::string what = DescribePushes(pushes);
   absl::Status s = status.ok() ? absl::OkStatus() : DaemonError(status, address_, what);
   if (s.ok() && response.elements() != elements) {
     s = absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what, ": accepted ",

@@ -14,6 +14,8 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "client/data_path.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
@@ -32,14 +34,18 @@ std::string DescribeGather(const GatherRequestSpec& request);
 // The Gather request for `request` (wait_ms clamped to kMaxWaitMs).
 v1::GatherRequest GatherRequestProto(const GatherRequestSpec& request);
 
-// Sends `chunk` as a one-chunk PushGradient stream on `stub` and checks that
-// the daemon at `address` accepted push.range.size() elements. Blocks until
-// the daemon answers or `deadline` (the daemon may read memory the chunk
-// refers to until then). Errors name the daemon, the step and the range;
-// the daemon's codes pass through (ALREADY_EXISTS included).
-absl::Status SendGradientChunk(v1::Shard::Stub* stub, const v1::GradientChunk& chunk,
-                               const GradientPush& push, absl::Time deadline,
-                               absl::string_view address);
+// Sends `chunks` (of `pushes`, one each, in order) as one PushGradient
+// stream on `stub` and checks that the daemon at `address` accepted every
+// push's elements. Blocks until the daemon answers or `deadline` (the daemon
+// may read memory the chunks refer to until then). Errors name the daemon,
+// the step and the ranges; the daemon's codes pass through (ALREADY_EXISTS
+// included).
+absl::Status SendGradientChunks(v1::Shard::Stub* stub, absl::Span<const v1::GradientChunk> chunks,
+                                absl::Span<const GradientPush> pushes, absl::Time deadline,
+                                absl::string_view address);
+// How errors name the pushes of one stream: DescribePush of the first, and
+// how many more.
+std::string DescribePushes(absl::Span<const GradientPush> pushes);
 
 class StreamDataPath final : public DataPath {
  public:

@@ -93,12 +93,16 @@ class DaemonBulkTest : public ::testing::TestWithParam<BulkParam> {
     EXPECT_EQ(endpoint_.regions(1).purpose(), v1::REGION_PURPOSE_PARAM_MASTER);
     EXPECT_EQ(endpoint_.transport(), kind_);
     EXPECT_EQ(endpoint_.staging_slots(), 2u);
-    EXPECT_EQ(endpoint_.staging_slot_bytes(), config_.bucket_bytes);
+    // A slot holds a bucket of C_B, or everything the daemon owns in fp32
+    // when that is less (this job).
+    const uint64_t owned_bytes = config_.map.DaemonRange(0).size() * sizeof(float);
+    ASSERT_LT(owned_bytes, config_.bucket_bytes);
+    EXPECT_EQ(endpoint_.staging_slot_bytes(), owned_bytes);
     staging_.address = endpoint_.regions(0).address();
     staging_.length = endpoint_.regions(0).length();
     staging_.rkey = endpoint_.regions(0).rkey();
-    // Two slots of one bucket, booked as buffer; the masters are booked once.
-    EXPECT_EQ(staging_.length, 2 * config_.bucket_bytes);
+    // Two slots, booked as buffer; the masters are booked once.
+    EXPECT_EQ(staging_.length, 2 * owned_bytes);
     EXPECT_EQ(Buffer() - buffer_before, staging_.length);
     EXPECT_EQ(Category(MemoryCategory::kParamMaster),
               config_.map.DaemonRange(0).size() * sizeof(float));
@@ -125,6 +129,24 @@ class DaemonBulkTest : public ::testing::TestWithParam<BulkParam> {
     c->set_staging_generation(++generation_[slot]);
     c->set_crc32c(0);
     c->clear_data();
+  }
+
+  // Puts the chunks' data back to back into slot `slot` and turns them into
+  // the staged chunks of one push, the slot's next generation.
+  void Stage(std::vector<v1::GradientChunk>* chunks, uint32_t slot = 0) {
+    uint64_t at = slot * endpoint_.staging_slot_bytes();
+    ++generation_[slot];
+    for (v1::GradientChunk& c : *chunks) {
+      ASSERT_LE(at + c.data().size(), (slot + 1) * endpoint_.staging_slot_bytes());
+      transport::Completion put = conn_->Put(c.data().data(), c.data().size(), staging_, at);
+      ASSERT_TRUE(put.Wait(absl::Now() + absl::Seconds(10)).ok());
+      at += c.data().size();
+      c.set_staged(true);
+      c.set_staging_slot(slot);
+      c.set_staging_generation(generation_[slot]);
+      c.set_crc32c(0);
+      c.clear_data();
+    }
   }
 
   template <typename Call>
@@ -183,16 +205,42 @@ TEST_P(DaemonBulkTest, StagedPushesAreValidatedAndMatchInlineOnes) {
                  push(one(0, [](v1::GradientChunk& c) { c.set_rank(1); })));
   ExpectRejected(grpc::INVALID_ARGUMENT, "range",
                  push(one(0, [](v1::GradientChunk& c) { c.mutable_range()->set_end(0); })));
-  ExpectRejected(grpc::INVALID_ARGUMENT, "alone", [&] {
+  ExpectRejected(grpc::INVALID_ARGUMENT, "all staged or all inline", [&] {
     std::vector<v1::GradientChunk> c = {chunks[0], chunks[1]};
     Stage(&c[0]);
     return client_->Push(c);
   });
-  // Rank 0 staged, ranks 1 and 2 inline: same sum as all inline.
-  for (const v1::GradientChunk& c : chunks) {
-    v1::GradientChunk s = c;
-    Stage(&s);
-    grpc::Status st = client_->Push({s});
+  ASSERT_GE(chunks.size(), 3u);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "slot and generation", [&] {
+    std::vector<v1::GradientChunk> c = {chunks[0], chunks[1]};
+    Stage(&c);
+    c[1].set_staging_slot(1);
+    return client_->Push(c);
+  });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "slot and generation", [&] {
+    std::vector<v1::GradientChunk> c = {chunks[0], chunks[1]};
+    Stage(&c);
+    c[1].set_staging_generation(c[0].staging_generation() + 1);
+    return client_->Push(c);
+  });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "do not fit a staging slot", [&] {
+    // More payload than a slot holds, announced as one push.
+    std::vector<v1::GradientChunk> c = {chunks[0]};
+    Stage(&c);
+    const uint64_t each = (c[0].range().end() - c[0].range().begin()) * sizeof(float);
+    while (c.size() * each <= endpoint_.staging_slot_bytes()) c.push_back(c[0]);
+    return client_->Push(c);
+  });
+  // Rank 0 staged (its first bucket alone, the rest back to back in one
+  // slot and one push), ranks 1 and 2 inline: same sum as all inline.
+  {
+    std::vector<v1::GradientChunk> first = {chunks[0]};
+    Stage(&first);
+    grpc::Status st = client_->Push(first);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    std::vector<v1::GradientChunk> rest(chunks.begin() + 1, chunks.end());
+    Stage(&rest, 1);
+    st = client_->Push(rest);
     ASSERT_TRUE(st.ok()) << st.error_message();
   }
   for (uint32_t r = 1; r < kWorld; ++r) {

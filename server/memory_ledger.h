@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/host_memory.h"
 
 namespace zeroshard {
 
@@ -207,12 +208,11 @@ absl::StatusOr<LedgerArray<T>> LedgerArray<T>::Create(MemoryLedger* ledger, cons
   if (n == 0) return a;
   const size_t bytes = n * sizeof(T);
   if (absl::Status s = ledger->Reserve(job, category, bytes); !s.ok()) return s;
-  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  void* p = AllocateHostArray(bytes);
   if (p == nullptr) {
     ledger->Release(job, category, bytes);
     return absl::ResourceExhaustedError("out of host memory");
   }
-  std::memset(p, 0, bytes);
   a.data_.reset(static_cast<T*>(p));
   a.size_ = n;
   a.ledger_ = ledger;
@@ -234,9 +234,8 @@ absl::StatusOr<LedgerArray<T>> LedgerArray<T>::Create(LedgerReservation* booked,
   }
   bool owned = false;
   if (memory == nullptr) {
-    memory = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    memory = AllocateHostArray(bytes);
     if (memory == nullptr) return absl::ResourceExhaustedError("out of host memory");
-    std::memset(memory, 0, bytes);
     owned = true;
   }
   booked->Take(category, bytes);

@@ -123,34 +123,54 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
     if (s.ok()) ctx_->metrics->RecordTraffic(id, "push", "stream", StreamBytes(chunks));
     return s;
   }
-  if (chunks.size() != 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a staged chunk travels alone in its push (one slot, one generation); got ",
-        chunks.size(), " chunks, ", staged, " staged"));
+  if (staged != static_cast<std::ptrdiff_t>(chunks.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a push's chunks are all staged or all inline; got ", chunks.size(),
+                     " chunks, ", staged, " staged"));
   }
-  const v1::GradientChunk& c = chunks[0];
-  if (!c.data().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk 0: a staged chunk carries no data, got ", c.data().size(), " bytes"));
+  // The payloads lie back to back in one slot, in chunk order, from its start.
+  const v1::GradientChunk& first = chunks[0];
+  std::vector<uint64_t> lengths(chunks.size());
+  uint64_t length = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const v1::GradientChunk& c = chunks[i];
+    if (c.staging_slot() != first.staging_slot() ||
+        c.staging_generation() != first.staging_generation() || c.rank() != first.rank() ||
+        c.incarnation() != first.incarnation()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk ", i, ": the staged chunks of a push name one rank, incarnation, slot and ",
+          "generation (chunk 0's: rank ", first.rank(), ", incarnation ", first.incarnation(),
+          ", slot ", first.staging_slot(), ", generation ", first.staging_generation(), ")"));
+    }
+    if (!c.data().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk ", i, ": a staged chunk carries no data, got ", c.data().size(), " bytes"));
+    }
+    const std::string field = absl::StrCat("chunk ", i, ".dtype");
+    absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), field);
+    if (!dt.ok()) return dt.status();
+    if (c.range().end() <= c.range().begin() ||
+        c.range().end() - c.range().begin() > kMaxChunkBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk ", i, ".range [", c.range().begin(),
+                                                     ", ", c.range().end(),
+                                                     ") is empty or too long for a staged chunk"));
+    }
+    lengths[i] = (c.range().end() - c.range().begin()) * DTypeSize(*dt);
+    length += lengths[i];  // at most chunks * 4 * kMaxChunkBytes: no overflow
   }
-  absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), "chunk 0.dtype");
-  if (!dt.ok()) return dt.status();
-  if (c.range().end() <= c.range().begin() ||
-      c.range().end() - c.range().begin() > kMaxChunkBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("chunk 0.range [", c.range().begin(), ", ",
-                                                   c.range().end(),
-                                                   ") is empty or too long for a staged chunk"));
-  }
-  const uint64_t length = (c.range().end() - c.range().begin()) * DTypeSize(*dt);
   absl::StatusOr<std::shared_ptr<RankStaging>> staging =
-      job->Staging(c.rank(), c.incarnation(), /*create=*/false);
+      job->Staging(first.rank(), first.incarnation(), /*create=*/false);
   if (!staging.ok()) return staging.status();
   // The slot's lock is held while the job reads the bytes: a fence of the
   // slot waits for this push, and refuses it if it came first.
-  absl::Status s = (*staging)->Apply(c.staging_slot(), c.staging_generation(), length,
-                                     [&](absl::string_view payload) {
-                                       return job->PushGradient(chunks, {payload}, deadline, resp);
-                                     });
+  absl::Status s = (*staging)->Apply(
+      first.staging_slot(), first.staging_generation(), length, [&](absl::string_view slot) {
+        std::vector<absl::string_view> payloads(chunks.size());
+        for (size_t i = 0, at = 0; i < chunks.size(); at += lengths[i], ++i) {
+          payloads[i] = slot.substr(at, lengths[i]);
+        }
+        return job->PushGradient(chunks, payloads, deadline, resp);
+      });
   if (s.ok()) ctx_->metrics->RecordTraffic(id, "push", ctx_->bulk->kind(), length);
   return s;
 }

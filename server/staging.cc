@@ -44,8 +44,8 @@ absl::Status RankStaging::Apply(uint32_t slot, uint64_t generation, uint64_t len
         absl::StrCat("staging_slot: must be < ", slots_, ", got ", slot));
   }
   if (length > slot_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat("staged chunk of ", length,
-                                                   " bytes does not fit a staging slot of ",
+    return absl::InvalidArgumentError(absl::StrCat("staged chunks of ", length,
+                                                   " bytes do not fit a staging slot of ",
                                                    slot_bytes_, " bytes"));
   }
   if (generation == 0) {

@@ -128,11 +128,20 @@ grpc::Status FakeShard::ExchangeEndpoint(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status FakeShard::ApplyStaged(const v1::GradientChunk& c) {
+grpc::Status FakeShard::ApplyStaged(const std::vector<v1::GradientChunk>& chunks) {
+  const v1::GradientChunk& c = chunks[0];
   const uint32_t slot = c.staging_slot();
   const uint64_t generation = c.staging_generation();
-  const FlatRange range{c.range().begin(), c.range().end()};
-  const uint64_t bytes = range.size() * (c.dtype() == v1::DTYPE_FP32 ? 4 : 2);
+  std::vector<uint64_t> lengths;
+  uint64_t bytes = 0;
+  for (const v1::GradientChunk& k : chunks) {
+    if (k.staging_slot() != slot || k.staging_generation() != generation) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "chunks name different slots");
+    }
+    lengths.push_back((k.range().end() - k.range().begin()) *
+                      (k.dtype() == v1::DTYPE_FP32 ? 4 : 2));
+    bytes += lengths.back();
+  }
   const std::string name = absl::StrCat(slot, " ", generation);
   absl::Duration before, during;
   {
@@ -157,8 +166,7 @@ grpc::Status FakeShard::ApplyStaged(const v1::GradientChunk& c) {
     s.reading = true;
   }
   absl::SleepFor(during);
-  std::string data(static_cast<const char*>(staging_->base()) + slot * options_.staging_slot_bytes,
-                   bytes);
+  const char* at = static_cast<const char*>(staging_->base()) + slot * options_.staging_slot_bytes;
   absl::MutexLock lock(&mu_);
   SlotState& s = slots_[slot];
   s.reading = false;
@@ -167,7 +175,12 @@ grpc::Status FakeShard::ApplyStaged(const v1::GradientChunk& c) {
     return push_status_;
   }
   s.applied = generation;
-  applied_.push_back({slot, generation, range, std::move(data)});
+  for (size_t i = 0; i < chunks.size(); at += lengths[i], ++i) {
+    applied_.push_back({slot,
+                        generation,
+                        {chunks[i].range().begin(), chunks[i].range().end()},
+                        std::string(at, lengths[i])});
+  }
   events_.push_back("apply " + name);
   return grpc::Status::OK;
 }
@@ -179,16 +192,24 @@ grpc::Status FakeShard::PushGradient(grpc::ServerContext*,
     absl::MutexLock lock(&mu_);
     ++pushes_running_;
   }
+  std::vector<v1::GradientChunk> chunks;
   v1::GradientChunk chunk;
+  while (reader->Read(&chunk)) chunks.push_back(chunk);
   grpc::Status status;
-  if (!reader->Read(&chunk)) {
+  if (chunks.empty()) {
     status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty stream");
-  } else if (!chunk.staged() || chunk.incarnation() < 1) {
+  } else if (std::any_of(chunks.begin(), chunks.end(), [](const v1::GradientChunk& c) {
+               return !c.staged() || c.incarnation() < 1;
+             })) {
     status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the fake takes staged chunks only");
   } else {
-    status = ApplyStaged(chunk);
+    status = ApplyStaged(chunks);
   }
-  if (status.ok()) response->set_elements(chunk.range().end() - chunk.range().begin());
+  if (status.ok()) {
+    uint64_t elements = 0;
+    for (const v1::GradientChunk& c : chunks) elements += c.range().end() - c.range().begin();
+    response->set_elements(elements);
+  }
   absl::MutexLock lock(&mu_);
   --pushes_running_;
   return status;

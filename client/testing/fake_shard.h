@@ -95,7 +95,8 @@ class FakeShard final : public v1::Shard::Service {
 
   explicit FakeShard(const Options& options) : options_(options) {}
   // Applies (or refuses) a staged chunk; the caller holds no lock.
-  grpc::Status ApplyStaged(const v1::GradientChunk& chunk);
+  // The chunks of one staged push: one slot, payloads back to back.
+  grpc::Status ApplyStaged(const std::vector<v1::GradientChunk>& chunks);
 
   const Options options_;
   std::unique_ptr<transport::Transport> transport_;

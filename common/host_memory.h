@@ -1,0 +1,37 @@
+#pragma once
+
+// Host memory for large arrays that are swept end to end: a daemon's model
+// states, gradients and staging, and the benchmarks' buffers of the same
+// sizes (so their rooflines run on the same kind of pages).
+
+#include <cstddef>
+#include <cstdlib>
+#include <memory>
+
+namespace zeroshard {
+
+// A transparent huge page on x86-64 and arm64 with 4 KiB base pages.
+inline constexpr size_t kHugePageBytes = size_t{2} << 20;
+
+// Zero-filled memory for `bytes` (> 0), 64-byte aligned, or null when the
+// process is out of memory. An array of at least kHugePageBytes is aligned
+// to kHugePageBytes, its length rounded up to a multiple, and advised
+// MADV_HUGEPAGE before it is first touched, so that where transparent huge
+// pages are "always" or "madvise" (Debian's default) the kernel backs it
+// with 2 MiB pages: a sweep over it then walks 512 times fewer page-table
+// entries. Free it with std::free.
+void* AllocateHostArray(size_t bytes);
+
+// An array of `n` T from AllocateHostArray, freed with it.
+template <typename T>
+struct HostArray {
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  // Null data when out of memory.
+  explicit HostArray(size_t n) : data(static_cast<T*>(AllocateHostArray(n * sizeof(T)))) {}
+  T* get() const { return data.get(); }
+  std::unique_ptr<T, Free> data;
+};
+
+}  // namespace zeroshard
