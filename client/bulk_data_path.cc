@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "client/rpc.h"
@@ -26,12 +27,10 @@ bool LostDaemonOrJob(const absl::Status& s) {
   return absl::IsUnavailable(s) || absl::IsNotFound(s) || absl::IsFailedPrecondition(s);
 }
 
-// The pushes sent together in one slot (those of one request).
-StagingSlots::PushKey KeyOf(absl::Span<const GradientPush> pushes) {
-  StagingSlots::PushKey key{pushes[0].step, pushes[0].micro_batch, pushes[0].range};
-  for (const GradientPush& push : pushes.subspan(1))
-    key.more.push_back({push.micro_batch, push.range});
-  return key;
+std::vector<StagingSlots::PushKey> KeysOf(absl::Span<const GradientPush> pushes) {
+  std::vector<StagingSlots::PushKey> keys;
+  for (const GradientPush& p : pushes) keys.push_back({p.step, p.micro_batch, p.range});
+  return keys;
 }
 
 }  // namespace
@@ -249,33 +248,51 @@ absl::StatusOr<uint64_t> BulkDataPath::FenceSlot(const GradientPush& push, uint3
   return resp.applied_generation();
 }
 
-BulkDataPath::Attempt BulkDataPath::PushStaged(const Endpoint& ep,
-                                               absl::Span<const GradientPush> pushes,
-                                               absl::Time deadline) {
-  const GradientPush& first = pushes.front();
-  std::vector<uint64_t> lengths(pushes.size());
-  uint64_t bytes = 0;
-  for (size_t i = 0; i < pushes.size(); ++i) {
-    lengths[i] = pushes[i].range.size() * DTypeSize(pushes[i].dtype);
-    bytes += lengths[i];
-  }
+bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush> pushes,
+                              absl::Time deadline, std::vector<absl::StatusOr<uint64_t>>* results) {
+  auto bytes_of = [](const GradientPush& p) { return p.range.size() * DTypeSize(p.dtype); };
   auto fence = [&](uint32_t slot, uint64_t generation) {
-    return FenceSlot(first, slot, generation);
+    return FenceSlot(pushes.front(), slot, generation);
   };
-  absl::StatusOr<StagingSlots::Acquired> acquired = slots_.Acquire(KeyOf(pushes), deadline, fence);
-  if (!acquired.ok()) return {acquired.status()};
-  if (acquired->delivered) return {bytes};
+  const std::vector<StagingSlots::PushKey> keys = KeysOf(pushes);
+  absl::StatusOr<StagingSlots::Acquired> acquired = slots_.Acquire(keys, deadline, fence);
+  if (!acquired.ok()) {
+    for (size_t i = 0; i < pushes.size(); ++i) (*results)[i] = acquired.status();
+    return false;
+  }
+  // What earlier attempts delivered is not sent again.
+  std::vector<size_t> send;
+  for (size_t i = 0; i < pushes.size(); ++i) {
+    if (acquired->applied[i]) {
+      (*results)[i] = bytes_of(pushes[i]);
+    } else {
+      send.push_back(i);
+    }
+  }
+  if (acquired->delivered) return false;
   const StagingSlots::Lease lease = acquired->lease;
+  std::vector<GradientPush> sent;
+  std::vector<StagingSlots::PushKey> sent_keys;
+  for (size_t i : send) {
+    sent.push_back(pushes[i]);
+    sent_keys.push_back(keys[i]);
+  }
+  auto finish = [&](const absl::Status& s) {
+    for (size_t i : send)
+      (*results)[i] = s.ok() ? absl::StatusOr<uint64_t>(bytes_of(pushes[i])) : s;
+  };
   absl::Status s;
   {
     // Back to back from the slot's start, in order; all in flight at once.
     std::vector<transport::Completion> puts;
-    puts.reserve(pushes.size());
-    for (size_t i = 0, at = lease.slot * ep.slot_bytes; i < pushes.size(); at += lengths[i], ++i) {
-      puts.push_back(ep.connections[0]->Put(pushes[i].data, lengths[i], ep.staging, at));
+    puts.reserve(sent.size());
+    uint64_t at = uint64_t{lease.slot} * ep.slot_bytes;
+    for (const GradientPush& push : sent) {
+      puts.push_back(ep.connections[0]->Put(push.data, bytes_of(push), ep.staging, at));
+      at += bytes_of(push);
     }
     for (transport::Completion& put : puts) {
-      absl::Status p = Finish(put, deadline, [&] { return DescribePushes(pushes) + ": Put"; });
+      absl::Status p = Finish(put, deadline, [&] { return DescribePushes(sent) + ": Put"; });
       if (s.ok()) s = std::move(p);
     }
   }
@@ -284,38 +301,36 @@ BulkDataPath::Attempt BulkDataPath::PushStaged(const Endpoint& ep,
     slots_.Release(lease);
     const bool lost = absl::IsUnavailable(s);
     if (lost) DropEndpoint(&ep);
-    return {s, lost};
+    finish(s);
+    return lost;
   }
   // No checksum: the transport delivers the bytes intact, and a CRC pass on
   // each side would cost two more sweeps over the gradient. The generation
   // tells the daemon which write of the slot this is.
-  std::vector<v1::GradientChunk> chunks(pushes.size());
-  for (size_t i = 0; i < pushes.size(); ++i) {
-    chunks[i] = GradientChunkHeader(pushes[i]);
+  std::vector<v1::GradientChunk> chunks(sent.size());
+  for (size_t i = 0; i < sent.size(); ++i) {
+    chunks[i] = GradientChunkHeader(sent[i]);
     chunks[i].set_staged(true);
     chunks[i].set_staging_slot(lease.slot);
     chunks[i].set_staging_generation(lease.generation);
   }
-  s = SendGradientChunks(stream_.stub(), chunks, pushes, deadline, address());
+  s = SendGradientChunks(stream_.stub(), chunks, sent, deadline, address());
   // ALREADY_EXISTS: the daemon holds this contribution (the staged bytes have
   // its CRC-32C, or this process replays the open step of a predecessor
   // whose staged push it holds); this generation was not applied. For
-  // several chunks, it holds one of them and applied none: the caller
-  // sends each alone.
-  if (s.ok() || (absl::IsAlreadyExists(s) && pushes.size() == 1)) {
+  // several chunks, it holds one of them and applied none: the caller sends
+  // each alone.
+  if (s.ok() || absl::IsAlreadyExists(s)) {
     slots_.Release(lease);
-    return {bytes};
-  }
-  if (absl::IsAlreadyExists(s)) {
-    slots_.Release(lease);
-    return {s};
+    finish(s.ok() || sent.size() == 1 ? absl::OkStatus() : s);
+    return false;
   }
   // The daemon may still be about to read the slot, or may have applied it:
   // fence it before the slot is written again, and learn which.
-  const absl::StatusOr<bool> applied = slots_.Resolve(lease, KeyOf(pushes), fence);
+  const absl::StatusOr<bool> applied = slots_.Resolve(lease, sent_keys, fence);
   if (LostDaemonOrJob(s)) DropEndpoint(&ep);
-  if (applied.ok() && *applied) return {bytes};
-  return {s};
+  finish(applied.ok() && *applied ? absl::OkStatus() : s);
+  return false;
 }
 
 absl::StatusOr<uint64_t> BulkDataPath::PushGradient(const GradientPush& push,
@@ -325,37 +340,61 @@ absl::StatusOr<uint64_t> BulkDataPath::PushGradient(const GradientPush& push,
 
 std::vector<absl::StatusOr<uint64_t>> BulkDataPath::PushGradients(
     const std::vector<GradientPush>& pushes, absl::Time deadline) {
-  std::vector<absl::StatusOr<uint64_t>> results;
-  if (pushes.empty()) return results;
-  uint64_t bytes = 0;
-  for (const GradientPush& push : pushes) bytes += push.range.size() * DTypeSize(push.dtype);
-  const JobKey key{pushes[0].job_id, pushes[0].rank, pushes[0].incarnation};
-  for (int attempt = 0;; ++attempt) {
-    absl::StatusOr<std::shared_ptr<const Endpoint>> ep = GetEndpoint(key, deadline);
-    if (!ep.ok()) return std::vector<absl::StatusOr<uint64_t>>(pushes.size(), ep.status());
-    // Pushes larger than a slot (a bucket wider in fp32 than in the wire
-    // type) go inline.
-    if (bytes > (*ep)->slot_bytes) {
-      if (pushes.size() == 1) return {stream_.PushGradient(pushes[0], deadline)};
-      for (const GradientPush& push : pushes) results.push_back(PushGradient(push, deadline));
-      return results;
-    }
-    Attempt a = PushStaged(**ep, pushes, deadline);
-    if (a.retry && attempt == 0) continue;
-    if (pushes.size() > 1 && absl::IsAlreadyExists(a.result.status())) {
-      // The daemon holds one of them and applied none: each alone shows which.
-      for (const GradientPush& push : pushes) results.push_back(PushGradient(push, deadline));
-      return results;
-    }
-    for (const GradientPush& push : pushes) {
-      if (a.result.ok()) {
-        results.push_back(push.range.size() * DTypeSize(push.dtype));
-      } else {
-        results.push_back(a.result.status());
-      }
-    }
+  std::vector<absl::StatusOr<uint64_t>> results(pushes.size(),
+                                                absl::InternalError("push not attempted"));
+  // One slot carries pushes of one rank process and step (the contract of a
+  // DataPath's PushGradients, checked here: others go one by one).
+  const bool together = std::all_of(pushes.begin(), pushes.end(), [&](const GradientPush& p) {
+    return p.job_id == pushes[0].job_id && p.rank == pushes[0].rank &&
+           p.incarnation == pushes[0].incarnation && p.step == pushes[0].step &&
+           p.dtype == pushes[0].dtype;
+  });
+  if (pushes.size() > 1 && !together) {
+    for (size_t i = 0; i < pushes.size(); ++i) results[i] = PushGradient(pushes[i], deadline);
     return results;
   }
+  std::vector<size_t> todo(pushes.size());
+  std::iota(todo.begin(), todo.end(), 0);
+  for (int attempt = 0; !todo.empty(); ++attempt) {
+    std::vector<GradientPush> batch;
+    uint64_t bytes = 0;
+    for (size_t i : todo) {
+      batch.push_back(pushes[i]);
+      bytes += pushes[i].range.size() * DTypeSize(pushes[i].dtype);
+    }
+    absl::StatusOr<std::shared_ptr<const Endpoint>> ep =
+        GetEndpoint({batch[0].job_id, batch[0].rank, batch[0].incarnation}, deadline);
+    if (!ep.ok()) {
+      for (size_t i : todo) results[i] = ep.status();
+      break;
+    }
+    if (bytes > (*ep)->slot_bytes) {
+      // More than a slot: one by one, and a push larger than a slot alone (a
+      // bucket wider in fp32 than in the wire type) inline.
+      for (size_t i : todo) {
+        results[i] = batch.size() == 1 ? stream_.PushGradient(pushes[i], deadline)
+                                       : PushGradient(pushes[i], deadline);
+      }
+      break;
+    }
+    std::vector<absl::StatusOr<uint64_t>> got(batch.size());
+    const bool retry = PushStaged(**ep, batch, deadline, &got);
+    std::vector<size_t> failed;
+    bool held_elsewhere = false;
+    for (size_t k = 0; k < todo.size(); ++k) {
+      results[todo[k]] = got[k];
+      if (!got[k].ok()) failed.push_back(todo[k]);
+      held_elsewhere = held_elsewhere || absl::IsAlreadyExists(got[k].status());
+    }
+    if (held_elsewhere) {
+      // The daemon holds one of them and applied none: each alone shows which.
+      for (size_t i : failed) results[i] = PushGradient(pushes[i], deadline);
+      break;
+    }
+    if (!retry || attempt > 0) break;
+    todo = std::move(failed);
+  }
+  return results;
 }
 
 absl::StatusOr<uint64_t> BulkDataPath::InitParameters(const ParameterUpload& upload,

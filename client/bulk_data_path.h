@@ -109,9 +109,10 @@ class BulkDataPath final : public DataPath {
   // Blocks until the daemon applied the chunk (or a fence proved it did).
   // `push.data` is read by the transport only during the call.
   absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) override;
-  // Pushes that fit one staging slot together are put into it back to back
-  // and announced in one request (one generation: applied all or none);
-  // larger ones go one by one, inline when one is larger than a slot.
+  // Pushes that fit one staging slot together (of one rank process, step
+  // and dtype) are put into it back to back and announced in one request
+  // (one generation: applied all or none); others go one by one, inline
+  // when one is larger than a slot.
   std::vector<absl::StatusOr<uint64_t>> PushGradients(const std::vector<GradientPush>& pushes,
                                                       absl::Time deadline) override;
   absl::StatusOr<uint64_t> InitParameters(const ParameterUpload& upload,
@@ -184,10 +185,13 @@ class BulkDataPath final : public DataPath {
   absl::Status ParseEndpoint(const v1::ExchangeEndpointResponse& resp, Endpoint* ep) const;
   // Forgets `stale` if it is still the cached endpoint.
   void DropEndpoint(const Endpoint* stale);
-  // Puts `pushes` (together at most a slot) into one slot and announces them
-  // in one request.
-  Attempt PushStaged(const Endpoint& ep, absl::Span<const GradientPush> pushes,
-                     absl::Time deadline);
+  // Puts `pushes` (of one rank process and step, together at most a slot)
+  // into one slot and announces them in one request; those an earlier,
+  // unanswered attempt turned out to have delivered are not sent again.
+  // Sets one result per push; returns whether the endpoint was lost before
+  // anything was announced (the caller may try once more).
+  bool PushStaged(const Endpoint& ep, absl::Span<const GradientPush> pushes, absl::Time deadline,
+                  std::vector<absl::StatusOr<uint64_t>>* results);
   Attempt GetOnce(const Endpoint& ep, const GatherRequestSpec& request, void* dst,
                   absl::Time deadline);
   absl::StatusOr<uint64_t> FenceSlot(const GradientPush& push, uint32_t slot,

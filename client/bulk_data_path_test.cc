@@ -187,6 +187,39 @@ TEST(BulkDataPathTest, ATimedOutSharedSlotTheDaemonAppliedDeliversEveryBucket) {
   EXPECT_GE(IndexOf(events, "fence 0 1 -> 1"), 0);
 }
 
+// A shared slot whose request timed out and whose fence failed too stays
+// quarantined with every bucket it carried. A later push of any of them, in
+// another grouping, fences it first and sends only what it did not apply.
+TEST(BulkDataPathTest, AQuarantinedSharedSlotSettlesItsBucketsInAnyLaterGrouping) {
+  Rig rig;  // two slots: the later pushes could take the other one
+
+  rig.fake->set_delay_while_reading(absl::Milliseconds(600));
+  rig.fake->fail_fences(1);
+  const Grad a(0, 1.0f), b(256, 2.0f), c(512, 3.0f);
+  std::vector<absl::StatusOr<uint64_t>> sent =
+      rig.path->PushGradients({a.Push(), b.Push()}, In(absl::Milliseconds(150)));
+  ASSERT_EQ(sent.size(), 2u);
+  EXPECT_FALSE(sent[0].ok());
+  EXPECT_FALSE(sent[1].ok());
+  EXPECT_EQ(rig.path->quarantined_slots(), 1);
+  rig.fake->set_delay_while_reading(absl::ZeroDuration());
+  // `a` alone: the fence says the slot's generation was applied.
+  absl::StatusOr<uint64_t> one = rig.path->PushGradient(a.Push(), In(absl::Seconds(5)));
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(rig.path->quarantined_slots(), 0);
+  // `b` with `c`: `b` is known applied, only `c` goes.
+  sent = rig.path->PushGradients({b.Push(), c.Push()}, In(absl::Seconds(5)));
+  ASSERT_EQ(sent.size(), 2u);
+  for (const auto& r : sent) EXPECT_TRUE(r.ok()) << r.status();
+  const std::vector<FakeShard::Applied> applied = rig.fake->applied();
+  ASSERT_EQ(applied.size(), 3u);
+  EXPECT_EQ(applied[0].bytes, a.bytes());
+  EXPECT_EQ(applied[1].bytes, b.bytes());
+  EXPECT_EQ(applied[2].range, c.range);
+  EXPECT_EQ(applied[2].bytes, c.bytes());
+  EXPECT_EQ(Count(rig.fake->events(), "announce "), 2);
+}
+
 // Bug 1: the push RPC times out while the daemon is still reading the slot.
 // The old client freed the slot at once, so the next push overwrote bytes
 // the daemon then applied for the first one; and a retry's ALREADY_EXISTS

@@ -9,7 +9,7 @@ namespace {
 
 // Outcomes learned by fencing a quarantined slot for another push, kept for
 // a later push of the same contribution.
-constexpr size_t kMaxResolvedKeys = 64;
+constexpr size_t kMaxResolvedKeys = 1024;
 
 bool Marked(const std::vector<bool>& marks, uint32_t i) { return i < marks.size() && marks[i]; }
 
@@ -42,7 +42,6 @@ std::optional<uint32_t> StagingSlots::Find(State state, const std::vector<bool>&
 
 absl::StatusOr<bool> StagingSlots::FenceLocked(uint32_t i, FenceFn fence) {
   const uint64_t generation = slots_[i].generation;
-  const PushKey key = slots_[i].key;
   slots_[i].state = State::kFencing;
   mu_.Unlock();
   const absl::StatusOr<uint64_t> applied = fence(i, generation);
@@ -52,54 +51,81 @@ absl::StatusOr<bool> StagingSlots::FenceLocked(uint32_t i, FenceFn fence) {
     return applied.status();
   }
   slots_[i].state = State::kFree;
+  std::vector<PushKey> keys = std::move(slots_[i].keys);
+  slots_[i].keys.clear();
   if (*applied != generation) return false;
-  if (resolved_.size() == kMaxResolvedKeys) resolved_.erase(resolved_.begin());
-  resolved_.push_back(key);
+  for (PushKey& key : keys) {
+    if (resolved_.size() == kMaxResolvedKeys) resolved_.erase(resolved_.begin());
+    resolved_.push_back(std::move(key));
+  }
   return true;
 }
 
-bool StagingSlots::ResolveEarlierAttempt(const PushKey& key, FenceFn fence,
-                                         std::vector<bool>* failed, absl::Status* last_error) {
+void StagingSlots::ResolveEarlierAttempts(absl::Span<const PushKey> keys, FenceFn fence,
+                                          std::vector<bool>* applied, std::vector<bool>* failed,
+                                          absl::Status* last_error) {
   for (;;) {
-    auto it = std::find(resolved_.begin(), resolved_.end(), key);
-    if (it != resolved_.end()) {
-      resolved_.erase(it);
-      return true;
+    // What earlier fences found applied.
+    for (size_t k = 0; k < keys.size(); ++k) {
+      if ((*applied)[k]) continue;
+      auto it = std::find(resolved_.begin(), resolved_.end(), keys[k]);
+      if (it != resolved_.end()) {
+        resolved_.erase(it);
+        (*applied)[k] = true;
+      }
     }
-    std::optional<uint32_t> same;
-    for (uint32_t i = 0; i < count_ && !same; ++i) {
+    // A quarantined slot holding one of the others.
+    std::optional<uint32_t> holding;
+    for (uint32_t i = 0; i < count_ && !holding; ++i) {
       const Slot& s = slots_[i];
-      if (s.state == State::kQuarantined && s.key == key && !Marked(*failed, i)) same = i;
+      if (s.state != State::kQuarantined || Marked(*failed, i)) continue;
+      for (size_t k = 0; k < keys.size() && !holding; ++k) {
+        if (!(*applied)[k] && std::find(s.keys.begin(), s.keys.end(), keys[k]) != s.keys.end()) {
+          holding = i;
+        }
+      }
     }
-    if (!same) return false;
-    absl::StatusOr<bool> applied = FenceLocked(*same, fence);
-    if (!applied.ok()) {
-      Mark(failed, *same);
-      *last_error = applied.status();
-    } else if (*applied) {
-      resolved_.pop_back();  // FenceLocked recorded it for us
-      return true;
+    if (!holding) return;
+    if (absl::StatusOr<bool> fenced = FenceLocked(*holding, fence); !fenced.ok()) {
+      Mark(failed, *holding);
+      *last_error = fenced.status();
     }
   }
 }
 
-absl::StatusOr<StagingSlots::Acquired> StagingSlots::Acquire(const PushKey& key,
-                                                             absl::Time deadline,
-                                                             FenceFn fence) {
+absl::StatusOr<StagingSlots::Acquired> StagingSlots::Acquire(absl::Span<const PushKey> keys,
+                                                             absl::Time deadline, FenceFn fence) {
   absl::MutexLock lock(&mu_);
   std::vector<bool> failed;  // quarantined slots whose fence failed in this call
   absl::Status last_error;
-  // An earlier attempt of this contribution that nobody answered: its
-  // outcome decides whether anything is left to send.
-  if (ResolveEarlierAttempt(key, fence, &failed, &last_error)) return Acquired{true, {}};
+  // Earlier attempts of these contributions that nobody answered: their
+  // outcomes decide what is left to send.
+  Acquired acquired;
+  acquired.applied.assign(keys.size(), false);
+  ResolveEarlierAttempts(keys, fence, &acquired.applied, &failed, &last_error);
+  if (std::find(acquired.applied.begin(), acquired.applied.end(), false) ==
+      acquired.applied.end()) {
+    acquired.delivered = true;
+    return acquired;
+  }
   auto usable = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return Find(State::kFree, {}).has_value() || Find(State::kQuarantined, failed).has_value();
   };
   for (;;) {
     if (std::optional<uint32_t> i = Find(State::kFree, {})) {
+      // Fences of other pushes' slots (the lock was released meanwhile) may
+      // have found more of these contributions applied.
+      ResolveEarlierAttempts(keys, fence, &acquired.applied, &failed, &last_error);
+      if (std::find(acquired.applied.begin(), acquired.applied.end(), false) ==
+          acquired.applied.end()) {
+        acquired.delivered = true;
+        return acquired;
+      }
+      if (slots_[*i].state != State::kFree) continue;
       Slot& s = slots_[*i];
       s.state = State::kBusy;
-      return Acquired{false, {*i, ++s.generation}};
+      acquired.lease = {*i, ++s.generation};
+      return acquired;
     }
     if (std::optional<uint32_t> q = Find(State::kQuarantined, failed)) {
       if (absl::StatusOr<bool> applied = FenceLocked(*q, fence); !applied.ok()) {
@@ -130,7 +156,7 @@ void StagingSlots::Release(const Lease& lease) {
   slots_[lease.slot].state = State::kFree;
 }
 
-absl::StatusOr<bool> StagingSlots::Resolve(const Lease& lease, const PushKey& key,
+absl::StatusOr<bool> StagingSlots::Resolve(const Lease& lease, absl::Span<const PushKey> keys,
                                            FenceFn fence) {
   // The slot stays kBusy (this push's) while the fence runs.
   const absl::StatusOr<uint64_t> applied = fence(lease.slot, lease.generation);
@@ -138,7 +164,7 @@ absl::StatusOr<bool> StagingSlots::Resolve(const Lease& lease, const PushKey& ke
   Slot& s = slots_[lease.slot];
   if (!applied.ok()) {
     s.state = State::kQuarantined;
-    s.key = key;
+    s.keys.assign(keys.begin(), keys.end());
     return applied.status();
   }
   s.state = State::kFree;

@@ -26,22 +26,21 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/flat_range.h"
 
 namespace zeroshard {
 
 class StagingSlots {
  public:
-  // The contributions one slot carries (a push of the same ones may reuse a
-  // quarantined attempt's outcome): the first, and those after it in the
-  // same slot, in order, as (micro-batch, range).
+  // One contribution (a later push of it may reuse a quarantined attempt's
+  // outcome). A slot carries one or several, back to back.
   struct PushKey {
     uint64_t step = 0;
     uint32_t micro_batch = 0;
     FlatRange range;
-    std::vector<std::pair<uint32_t, FlatRange>> more;
     bool operator==(const PushKey& o) const {
-      return step == o.step && micro_batch == o.micro_batch && range == o.range && more == o.more;
+      return step == o.step && micro_batch == o.micro_batch && range == o.range;
     }
   };
   // A slot held by one push, with the generation that push announces.
@@ -50,9 +49,13 @@ class StagingSlots {
     uint64_t generation = 0;
   };
   struct Acquired {
-    // An earlier, unanswered attempt of the same contribution turned out to
-    // be applied (its slot was fenced): nothing more to send; no lease.
+    // Every contribution asked for turned out to be applied by an earlier,
+    // unanswered attempt (its slot was fenced): nothing more to send; no
+    // lease.
     bool delivered = false;
+    // Per contribution asked for, in order: applied by an earlier attempt,
+    // not to be sent again (all true when `delivered`).
+    std::vector<bool> applied;
     Lease lease;
   };
   // Fences `slot` at `generation` on the daemon (FenceStagingSlot); returns
@@ -68,13 +71,18 @@ class StagingSlots {
   // longer handed out.
   void SetCount(uint32_t count);
 
-  // Takes a free slot with its next generation, waiting up to `deadline` for
-  // one. Before that, a quarantined slot that holds an earlier attempt of
-  // `key` is fenced (delivered = true if that attempt was applied), and
-  // quarantined slots are fenced before they are reused. Unavailable naming
-  // the daemon when no slot is usable because every fence failed;
-  // DeadlineExceeded when none became free in time.
-  absl::StatusOr<Acquired> Acquire(const PushKey& key, absl::Time deadline, FenceFn fence);
+  // Takes a free slot with its next generation for the contributions `keys`,
+  // waiting up to `deadline` for one. Before that, every quarantined slot
+  // that holds an earlier attempt of one of them is fenced (Acquired.applied
+  // says which were applied; a slot's attempt is applied whole or not at
+  // all), and quarantined slots are fenced before they are reused.
+  // Unavailable naming the daemon when no slot is usable because every fence
+  // failed; DeadlineExceeded when none became free in time.
+  absl::StatusOr<Acquired> Acquire(absl::Span<const PushKey> keys, absl::Time deadline,
+                                   FenceFn fence);
+  absl::StatusOr<Acquired> Acquire(const PushKey& key, absl::Time deadline, FenceFn fence) {
+    return Acquire(absl::MakeConstSpan(&key, 1), deadline, fence);
+  }
 
   // The push holding `lease` has finished with a known outcome (answered, or
   // never announced): the slot is free again.
@@ -83,8 +91,11 @@ class StagingSlots {
   // The push holding `lease` failed without a known outcome: fences the slot
   // now. true if the daemon applied this generation, false if it did not
   // (the slot is free either way); the fence's error if it failed (the slot
-  // is then quarantined with `key`).
-  absl::StatusOr<bool> Resolve(const Lease& lease, const PushKey& key, FenceFn fence);
+  // is then quarantined with `keys`, the contributions the push carried).
+  absl::StatusOr<bool> Resolve(const Lease& lease, absl::Span<const PushKey> keys, FenceFn fence);
+  absl::StatusOr<bool> Resolve(const Lease& lease, const PushKey& key, FenceFn fence) {
+    return Resolve(lease, absl::MakeConstSpan(&key, 1), fence);
+  }
 
   // Slots quarantined now (for tests and messages).
   int quarantined() const;
@@ -94,18 +105,19 @@ class StagingSlots {
   struct Slot {
     State state = State::kFree;
     uint64_t generation = 0;  // latest handed out (0: never written)
-    PushKey key;              // of the quarantined push
+    std::vector<PushKey> keys;  // the quarantined push's contributions
   };
 
   // Fences quarantined slot `i` (marked kFencing, lock released meanwhile).
   // Returns whether the quarantined generation was applied; on a failed
   // fence the slot is quarantined again and the error returned.
   absl::StatusOr<bool> FenceLocked(uint32_t i, FenceFn fence) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether an earlier attempt of `key` is known, or (by fencing its
-  // quarantined slot) found, to have been applied. Fences that fail are
-  // marked in `failed`.
-  bool ResolveEarlierAttempt(const PushKey& key, FenceFn fence, std::vector<bool>* failed,
-                             absl::Status* last_error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks in *applied (one per key) the contributions an earlier attempt is
+  // known, or (by fencing the quarantined slots holding them) found, to have
+  // applied. Fences that fail are marked in `failed`.
+  void ResolveEarlierAttempts(absl::Span<const PushKey> keys, FenceFn fence,
+                              std::vector<bool>* applied, std::vector<bool>* failed,
+                              absl::Status* last_error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A slot below count_ in `state` (and, for kQuarantined, not in `skip`).
   std::optional<uint32_t> Find(State state, const std::vector<bool>& skip) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -15,11 +15,12 @@ inline constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 // Zero-filled memory for `bytes` (> 0), 64-byte aligned, or null when the
 // process is out of memory. An array of at least kHugePageBytes is aligned
-// to kHugePageBytes, its length rounded up to a multiple, and advised
-// MADV_HUGEPAGE before it is first touched, so that where transparent huge
-// pages are "always" or "madvise" (Debian's default) the kernel backs it
-// with 2 MiB pages: a sweep over it then walks 512 times fewer page-table
-// entries. Free it with std::free.
+// to kHugePageBytes and its whole 2 MiB pages are advised MADV_HUGEPAGE
+// before they are first touched, so that where transparent huge pages are
+// "always" or "madvise" (Debian's default) the kernel backs them with 2 MiB
+// pages: a sweep over it then walks 512 times fewer page-table entries. Its
+// tail, less than 2 MiB, stays on 4 KiB pages: nothing past `bytes` (in 4
+// KiB pages) is touched. Free it with std::free.
 void* AllocateHostArray(size_t bytes);
 
 // An array of `n` T from AllocateHostArray, freed with it.

@@ -23,7 +23,7 @@ TEST(HostMemoryTest, SmallArraysAreZeroedAndCacheLineAligned) {
 }
 
 TEST(HostMemoryTest, LargeArraysAreZeroedAndHugePageAligned) {
-  const size_t n = kHugePageBytes + 12345;  // not a multiple
+  const size_t n = 3 * kHugePageBytes + 12345;  // not a multiple
   HostArray<uint8_t> a(n);
   ASSERT_NE(a.get(), nullptr);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(a.get()) % kHugePageBytes, 0u);

@@ -55,7 +55,8 @@ struct DaemonOptions {
   // Out-of-order gradient contributions each job may buffer (booked as
   // `buffer`); pushes past it wait.
   uint64_t reduction_buffer_bytes = 256ull << 20;
-  // Slots in each rank's staging region (each one bucket, at most 64 MiB).
+  // Slots in each rank's staging region (each one bucket, at most 64 MiB and
+  // at most the daemon's share of the parameters in fp32).
   uint32_t staging_slots = 2;
   // Daemon reduction: how long a staged push of the last micro-batch may be
   // held in its slot for its range's other contributions

@@ -223,6 +223,13 @@ TEST_P(DaemonBulkTest, StagedPushesAreValidatedAndMatchInlineOnes) {
     c[1].set_staging_generation(c[0].staging_generation() + 1);
     return client_->Push(c);
   });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "dtype, slot and generation", [&] {
+    // An fp32 payload after a bf16 one could start misaligned.
+    std::vector<v1::GradientChunk> c = {chunks[0], chunks[1]};
+    Stage(&c);
+    c[0].set_dtype(v1::DTYPE_BF16);
+    return client_->Push(c);
+  });
   ExpectRejected(grpc::INVALID_ARGUMENT, "do not fit a staging slot", [&] {
     // More payload than a slot holds, announced as one push.
     std::vector<v1::GradientChunk> c = {chunks[0]};

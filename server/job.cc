@@ -255,10 +255,14 @@ absl::StatusOr<std::shared_ptr<RankStaging>> Job::Staging(uint32_t rank, uint64_
           "rank ", rank, " of job ", config_.job_id,
           " has no staging region here; call ExchangeEndpoint first"));
     }
-    // A push to this daemon carries at most a bucket of C_B, and no more than
-    // the elements this daemon owns, each at most fp32.
-    const uint64_t slot_bytes =
-        std::min({config_.bucket_bytes, kMaxChunkBytes, std::max<uint64_t>(owned_.size(), 1) * 4});
+    // A slot holds a bucket of C_B, or the elements this daemon owns in fp32
+    // when they are fewer (the client sends pushes that do not fit a slot
+    // together one by one: several micro-batches of one range); a multiple
+    // of 64 bytes, so every slot starts aligned.
+    const uint64_t slot_bytes = std::max<uint64_t>(
+        64,
+        std::min({config_.bucket_bytes, kMaxChunkBytes, std::max<uint64_t>(owned_.size(), 1) * 4}) /
+            64 * 64);
     absl::StatusOr<std::unique_ptr<RankStaging>> staging =
         RankStaging::Create(resources_.transport, resources_.ledger, config_.job_id,
                             resources_.staging_slots, slot_bytes);

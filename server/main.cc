@@ -60,7 +60,8 @@ ABSL_FLAG(int, rank_timeout_seconds, 30,
 ABSL_FLAG(uint64_t, reduction_buffer_bytes, 256ull << 20,
           "Out-of-order gradient bytes each job may buffer; pushes past it wait.");
 ABSL_FLAG(int, reduction_hold_ms, 50,
-          "Up to this long a staged gradient push (of the last micro-batch) whose range still "
+          "Up to this long a staged gradient push of one bucket (of the last micro-batch) whose "
+          "range still "
           "waits for other ranks is held in its staging slot, so that the range's last "
           "contribution sums them all in one pass instead of one pass each (0: sum each as it "
           "comes). The push's answer waits meanwhile; the rank's other staging slots go on.");

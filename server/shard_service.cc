@@ -136,11 +136,12 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
     const v1::GradientChunk& c = chunks[i];
     if (c.staging_slot() != first.staging_slot() ||
         c.staging_generation() != first.staging_generation() || c.rank() != first.rank() ||
-        c.incarnation() != first.incarnation()) {
+        c.incarnation() != first.incarnation() || c.dtype() != first.dtype()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "chunk ", i, ": the staged chunks of a push name one rank, incarnation, slot and ",
-          "generation (chunk 0's: rank ", first.rank(), ", incarnation ", first.incarnation(),
-          ", slot ", first.staging_slot(), ", generation ", first.staging_generation(), ")"));
+          "chunk ", i, ": the staged chunks of a push name one rank, incarnation, dtype, slot ",
+          "and generation (chunk 0's: rank ", first.rank(), ", incarnation ", first.incarnation(),
+          ", dtype ", first.dtype(), ", slot ", first.staging_slot(), ", generation ",
+          first.staging_generation(), ")"));
     }
     if (!c.data().empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
