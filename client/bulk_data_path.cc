@@ -250,7 +250,6 @@ absl::StatusOr<uint64_t> BulkDataPath::FenceSlot(const GradientPush& push, uint3
 
 bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush> pushes,
                               absl::Time deadline, std::vector<absl::StatusOr<uint64_t>>* results) {
-  auto bytes_of = [](const GradientPush& p) { return p.range.size() * DTypeSize(p.dtype); };
   auto fence = [&](uint32_t slot, uint64_t generation) {
     return FenceSlot(pushes.front(), slot, generation);
   };
@@ -264,7 +263,7 @@ bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush>
   std::vector<size_t> send;
   for (size_t i = 0; i < pushes.size(); ++i) {
     if (acquired->applied[i]) {
-      (*results)[i] = bytes_of(pushes[i]);
+      (*results)[i] = PushBytes(pushes[i]);
     } else {
       send.push_back(i);
     }
@@ -279,7 +278,7 @@ bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush>
   }
   auto finish = [&](const absl::Status& s) {
     for (size_t i : send)
-      (*results)[i] = s.ok() ? absl::StatusOr<uint64_t>(bytes_of(pushes[i])) : s;
+      (*results)[i] = s.ok() ? absl::StatusOr<uint64_t>(PushBytes(pushes[i])) : s;
   };
   absl::Status s;
   {
@@ -288,8 +287,8 @@ bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush>
     puts.reserve(sent.size());
     uint64_t at = uint64_t{lease.slot} * ep.slot_bytes;
     for (const GradientPush& push : sent) {
-      puts.push_back(ep.connections[0]->Put(push.data, bytes_of(push), ep.staging, at));
-      at += bytes_of(push);
+      puts.push_back(ep.connections[0]->Put(push.data, PushBytes(push), ep.staging, at));
+      at += PushBytes(push);
     }
     for (transport::Completion& put : puts) {
       absl::Status p = Finish(put, deadline, [&] { return DescribePushes(sent) + ": Put"; });
@@ -307,14 +306,15 @@ bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush>
   // No checksum: the transport delivers the bytes intact, and a CRC pass on
   // each side would cost two more sweeps over the gradient. The generation
   // tells the daemon which write of the slot this is.
-  std::vector<v1::GradientChunk> chunks(sent.size());
-  for (size_t i = 0; i < sent.size(); ++i) {
-    chunks[i] = GradientChunkHeader(sent[i]);
-    chunks[i].set_staged(true);
-    chunks[i].set_staging_slot(lease.slot);
-    chunks[i].set_staging_generation(lease.generation);
-  }
-  s = SendGradientChunks(stream_.stub(), chunks, sent, deadline, address());
+  s = SendGradientChunks(
+      stream_.stub(), sent,
+      [&](size_t i, v1::GradientChunk* chunk) {
+        *chunk = GradientChunkHeader(sent[i]);
+        chunk->set_staged(true);
+        chunk->set_staging_slot(lease.slot);
+        chunk->set_staging_generation(lease.generation);
+      },
+      deadline, address());
   // ALREADY_EXISTS: the daemon holds this contribution (the staged bytes have
   // its CRC-32C, or this process replays the open step of a predecessor
   // whose staged push it holds); this generation was not applied. For
@@ -360,7 +360,7 @@ std::vector<absl::StatusOr<uint64_t>> BulkDataPath::PushGradients(
     uint64_t bytes = 0;
     for (size_t i : todo) {
       batch.push_back(pushes[i]);
-      bytes += pushes[i].range.size() * DTypeSize(pushes[i].dtype);
+      bytes += PushBytes(pushes[i]);
     }
     absl::StatusOr<std::shared_ptr<const Endpoint>> ep =
         GetEndpoint({batch[0].job_id, batch[0].rank, batch[0].incarnation}, deadline);

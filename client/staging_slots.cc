@@ -98,30 +98,22 @@ absl::StatusOr<StagingSlots::Acquired> StagingSlots::Acquire(absl::Span<const Pu
   absl::MutexLock lock(&mu_);
   std::vector<bool> failed;  // quarantined slots whose fence failed in this call
   absl::Status last_error;
-  // Earlier attempts of these contributions that nobody answered: their
-  // outcomes decide what is left to send.
   Acquired acquired;
   acquired.applied.assign(keys.size(), false);
-  ResolveEarlierAttempts(keys, fence, &acquired.applied, &failed, &last_error);
-  if (std::find(acquired.applied.begin(), acquired.applied.end(), false) ==
-      acquired.applied.end()) {
-    acquired.delivered = true;
-    return acquired;
-  }
   auto usable = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return Find(State::kFree, {}).has_value() || Find(State::kQuarantined, failed).has_value();
   };
   for (;;) {
+    // Earlier attempts of these contributions that nobody answered (and the
+    // fences of other pushes' slots while the lock was released): their
+    // outcomes decide what is left to send.
+    ResolveEarlierAttempts(keys, fence, &acquired.applied, &failed, &last_error);
+    if (std::find(acquired.applied.begin(), acquired.applied.end(), false) ==
+        acquired.applied.end()) {
+      acquired.delivered = true;
+      return acquired;
+    }
     if (std::optional<uint32_t> i = Find(State::kFree, {})) {
-      // Fences of other pushes' slots (the lock was released meanwhile) may
-      // have found more of these contributions applied.
-      ResolveEarlierAttempts(keys, fence, &acquired.applied, &failed, &last_error);
-      if (std::find(acquired.applied.begin(), acquired.applied.end(), false) ==
-          acquired.applied.end()) {
-        acquired.delivered = true;
-        return acquired;
-      }
-      if (slots_[*i].state != State::kFree) continue;
       Slot& s = slots_[*i];
       s.state = State::kBusy;
       acquired.lease = {*i, ++s.generation};

@@ -56,14 +56,16 @@ v1::GradientChunk GradientChunkHeader(const GradientPush& push) {
   return chunk;
 }
 
+uint64_t PushBytes(const GradientPush& push) { return push.range.size() * DTypeSize(push.dtype); }
+
 std::string DescribePushes(absl::Span<const GradientPush> pushes) {
   if (pushes.size() == 1) return DescribePush(pushes[0]);
   return absl::StrCat(DescribePush(pushes[0]), " and ", pushes.size() - 1, " more in one stream");
 }
 
-absl::Status SendGradientChunks(v1::Shard::Stub* stub, absl::Span<const v1::GradientChunk> chunks,
-                                absl::Span<const GradientPush> pushes, absl::Time deadline,
-                                absl::string_view address) {
+absl::Status SendGradientChunks(v1::Shard::Stub* stub, absl::Span<const GradientPush> pushes,
+                                absl::FunctionRef<void(size_t, v1::GradientChunk*)> chunk_of,
+                                absl::Time deadline, absl::string_view address) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   v1::PushGradientResponse response;
@@ -71,10 +73,13 @@ absl::Status SendGradientChunks(v1::Shard::Stub* stub, absl::Span<const v1::Grad
       stub->PushGradient(&context, &response);
   uint64_t elements = 0;
   bool written = true;
-  for (size_t i = 0; i < chunks.size() && written; ++i) {
+  v1::GradientChunk chunk;
+  for (size_t i = 0; i < pushes.size() && written; ++i) {
+    chunk.Clear();
+    chunk_of(i, &chunk);
     elements += pushes[i].range.size();
     // A failed Write means the stream is broken; Finish reports why.
-    written = writer->Write(chunks[i]);
+    written = writer->Write(chunk);
   }
   if (written) writer->WritesDone();
   const grpc::Status status = writer->Finish();
@@ -87,17 +92,26 @@ absl::Status SendGradientChunks(v1::Shard::Stub* stub, absl::Span<const v1::Grad
   return absl::OkStatus();
 }
 
+absl::Status StreamDataPath::SendInline(absl::Span<const GradientPush> pushes,
+                                        absl::Time deadline) {
+  return SendGradientChunks(
+      stub_.get(), pushes,
+      [&](size_t i, v1::GradientChunk* chunk) {
+        const GradientPush& push = pushes[i];
+        *chunk = GradientChunkHeader(push);
+        chunk->set_data(static_cast<const char*>(push.data), PushBytes(push));
+        chunk->set_crc32c(Crc32c(push.data, PushBytes(push)));
+      },
+      deadline, address_);
+}
+
 absl::StatusOr<uint64_t> StreamDataPath::PushGradient(const GradientPush& push,
                                                     absl::Time deadline) {
-  const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
-  v1::GradientChunk chunk = GradientChunkHeader(push);
-  chunk.set_data(static_cast<const char*>(push.data), bytes);
-  chunk.set_crc32c(Crc32c(push.data, bytes));
-  absl::Status s = SendGradientChunks(stub_.get(), {chunk}, {push}, deadline, address_);
+  absl::Status s = SendInline({push}, deadline);
   // The daemon says ALREADY_EXISTS only when the contribution it holds has
   // this chunk's CRC-32C: an earlier attempt delivered these very bytes.
   if (!s.ok() && !absl::IsAlreadyExists(s)) return s;
-  return bytes;
+  return PushBytes(push);
 }
 
 std::vector<absl::StatusOr<uint64_t>> StreamDataPath::PushGradients(
@@ -105,38 +119,13 @@ std::vector<absl::StatusOr<uint64_t>> StreamDataPath::PushGradients(
   if (pushes.size() == 1) return {PushGradient(pushes[0], deadline)};
   std::vector<absl::StatusOr<uint64_t>> results;
   if (pushes.empty()) return results;
-  grpc::ClientContext context;
-  SetDeadline(&context, deadline);
-  v1::PushGradientResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::GradientChunk>> writer =
-      stub_->PushGradient(&context, &response);
-  uint64_t elements = 0;
-  bool written = true;
+  const absl::Status s = SendInline(pushes, deadline);
   for (const GradientPush& push : pushes) {
-    const uint64_t bytes = push.range.size() * DTypeSize(push.dtype);
-    v1::GradientChunk chunk = GradientChunkHeader(push);
-    chunk.set_data(static_cast<const char*>(push.data), bytes);
-    chunk.set_crc32c(Crc32c(push.data, bytes));
-    elements += push.range.size();
-    // A failed Write means the stream is broken; Finish reports why.
-    if (!(written = writer->Write(chunk))) break;
-  }
-  if (written) writer->WritesDone();
-  const grpc::Status status = writer->Finish();
-  const std::string what = DescribePushes(pushes);
-  absl::Status s = status.ok() ? absl::OkStatus() : DaemonError(status, address_, what);
-  if (s.ok() && response.elements() != elements) {
-    s = absl::DataLossError(absl::StrCat("daemon ", address_, ": ", what, ": accepted ",
-                                         response.elements(), " elements, sent ", elements));
-  }
-  if (absl::IsAlreadyExists(s)) {
-    // Nothing of the batch was applied; each alone shows which are held.
-    for (const GradientPush& push : pushes) results.push_back(PushGradient(push, deadline));
-    return results;
-  }
-  for (const GradientPush& push : pushes) {
-    if (s.ok()) {
-      results.push_back(push.range.size() * DTypeSize(push.dtype));
+    if (absl::IsAlreadyExists(s)) {
+      // Nothing of the batch was applied; each alone shows which are held.
+      results.push_back(PushGradient(push, deadline));
+    } else if (s.ok()) {
+      results.push_back(PushBytes(push));
     } else {
       results.push_back(s);
     }

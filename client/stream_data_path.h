@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "client/data_path.h"
@@ -34,15 +35,18 @@ std::string DescribeGather(const GatherRequestSpec& request);
 // The Gather request for `request` (wait_ms clamped to kMaxWaitMs).
 v1::GatherRequest GatherRequestProto(const GatherRequestSpec& request);
 
-// Sends `chunks` (of `pushes`, one each, in order) as one PushGradient
-// stream on `stub` and checks that the daemon at `address` accepted every
-// push's elements. Blocks until the daemon answers or `deadline` (the daemon
-// may read memory the chunks refer to until then). Errors name the daemon,
-// the step and the ranges; the daemon's codes pass through (ALREADY_EXISTS
-// included).
-absl::Status SendGradientChunks(v1::Shard::Stub* stub, absl::Span<const v1::GradientChunk> chunks,
-                                absl::Span<const GradientPush> pushes, absl::Time deadline,
-                                absl::string_view address);
+// The payload bytes of `push`: range.size() * DTypeSize(dtype).
+uint64_t PushBytes(const GradientPush& push);
+
+// Sends one chunk per push, in order, as one PushGradient stream on `stub`
+// (`chunk_of(i, chunk)` fills push i's, one at a time) and checks that the
+// daemon at `address` accepted every push's elements. Blocks until the
+// daemon answers or `deadline` (the daemon may read memory the chunks refer
+// to until then). Errors name the daemon, the step and the ranges; the
+// daemon's codes pass through (ALREADY_EXISTS included).
+absl::Status SendGradientChunks(v1::Shard::Stub* stub, absl::Span<const GradientPush> pushes,
+                                absl::FunctionRef<void(size_t, v1::GradientChunk*)> chunk_of,
+                                absl::Time deadline, absl::string_view address);
 // How errors name the pushes of one stream: DescribePush of the first, and
 // how many more.
 std::string DescribePushes(absl::Span<const GradientPush> pushes);
@@ -77,6 +81,8 @@ class StreamDataPath final : public DataPath {
   v1::Shard::Stub* stub() const { return stub_.get(); }
 
  private:
+  // Sends `pushes` with their payloads and CRC-32Cs in one stream.
+  absl::Status SendInline(absl::Span<const GradientPush> pushes, absl::Time deadline);
   absl::StatusOr<uint64_t> GatherOnce(const GatherRequestSpec& request, void* dst,
                                       absl::Time deadline);
 

@@ -117,22 +117,9 @@ class DaemonBulkTest : public ::testing::TestWithParam<BulkParam> {
   }
   uint64_t Buffer() { return Category(MemoryCategory::kBuffer); }
 
-  // Puts the chunk's data into staging slot `slot` and turns it into a
-  // staged chunk of the next generation of that slot. No CRC: staged pushes
-  // carry none.
-  void Stage(v1::GradientChunk* c, uint32_t slot = 0) {
-    transport::Completion put =
-        conn_->Put(c->data().data(), c->data().size(), staging_, slot * endpoint_.staging_slot_bytes());
-    ASSERT_TRUE(put.Wait(absl::Now() + absl::Seconds(10)).ok());
-    c->set_staged(true);
-    c->set_staging_slot(slot);
-    c->set_staging_generation(++generation_[slot]);
-    c->set_crc32c(0);
-    c->clear_data();
-  }
-
   // Puts the chunks' data back to back into slot `slot` and turns them into
-  // the staged chunks of one push, the slot's next generation.
+  // the staged chunks of one push, the slot's next generation. No CRC:
+  // staged pushes carry none.
   void Stage(std::vector<v1::GradientChunk>* chunks, uint32_t slot = 0) {
     uint64_t at = slot * endpoint_.staging_slot_bytes();
     ++generation_[slot];
@@ -147,6 +134,13 @@ class DaemonBulkTest : public ::testing::TestWithParam<BulkParam> {
       c.set_crc32c(0);
       c.clear_data();
     }
+  }
+
+  // One chunk, the same way.
+  void Stage(v1::GradientChunk* c, uint32_t slot = 0) {
+    std::vector<v1::GradientChunk> one = {*c};
+    Stage(&one, slot);
+    *c = one[0];
   }
 
   template <typename Call>
