@@ -17,7 +17,7 @@ inline constexpr size_t kHugePageBytes = size_t{2} << 20;
 // process is out of memory. An array of at least kHugePageBytes is aligned
 // to kHugePageBytes and its whole 2 MiB pages are advised MADV_HUGEPAGE
 // before they are first touched, so that where transparent huge pages are
-// "always" or "madvise" (Debian's default) the kernel backs them with 2 MiB
+// "always" or "madvise" (not "never") the kernel backs them with 2 MiB
 // pages: a sweep over it then walks 512 times fewer page-table entries. Its
 // tail, less than 2 MiB, stays on 4 KiB pages: nothing past `bytes` (in 4
 // KiB pages) is touched. Free it with std::free.
