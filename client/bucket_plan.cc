@@ -12,7 +12,8 @@ uint64_t BucketPlan::StagingBytes(uint64_t bucket_bytes, DType wire_dtype) {
 }
 
 absl::StatusOr<BucketPlan> BucketPlan::Create(const Layout& layout, const PartitionMap& map,
-                                              uint64_t bucket_bytes, DType wire_dtype) {
+                                              uint64_t bucket_bytes, DType wire_dtype,
+                                              BucketCut cut) {
   const uint64_t elements = StagingBytes(bucket_bytes, wire_dtype) / DTypeSize(wire_dtype);
   if (elements == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -29,13 +30,16 @@ absl::StatusOr<BucketPlan> BucketPlan::Create(const Layout& layout, const Partit
   plan.total_elements_ = layout.total_elements();
   plan.tensors_.reserve(layout.tensors().size());
   for (const TensorPlacement& t : layout.tensors()) plan.tensors_.push_back(t.range());
-  for (uint32_t p = 0; p < map.world_size(); ++p) {
-    const FlatRange part = map.UnpaddedPartition(p);
-    for (uint64_t b = part.begin; b < part.end; b += elements) {
+  const FlatRange real{0, layout.total_elements()};
+  const uint32_t spans = cut == BucketCut::kPartition ? map.world_size() : map.num_daemons();
+  for (uint32_t i = 0; i < spans; ++i) {
+    const FlatRange span = (cut == BucketCut::kPartition ? map.Partition(i) : map.DaemonRange(i))
+                               .Intersect(real);
+    for (uint64_t b = span.begin; b < span.end; b += elements) {
       Bucket bucket;
-      bucket.range = {b, std::min(part.end, b + elements)};
-      bucket.partition = p;
-      bucket.daemon = map.DaemonOf(p);
+      bucket.range = {b, std::min(span.end, b + elements)};
+      bucket.partition = static_cast<uint32_t>(b / map.partition_elements());
+      bucket.daemon = map.DaemonOf(bucket.partition);
       bucket.real_elements = plan.RealElements(bucket.range);
       plan.buckets_.push_back(bucket);
     }

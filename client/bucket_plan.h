@@ -3,11 +3,17 @@
 // The constant-size buckets (C_B) that gradient pushes are cut into.
 //
 // The cut rule, identical on every rank of a job: the real part of each
-// partition p, [p * P, min((p + 1) * P, total_elements)), is cut every
+// span, [begin, min(end, total_elements)), is cut every
 // E = min(C_B, kMaxChunkBytes) / sizeof(precision) elements, counted from the
-// partition's first element. A bucket therefore never crosses a partition
-// (nor a daemon) boundary and never reaches into the partition padding.
-// Buckets depend only on (layout, N_d, C_B, precision): not on how a rank
+// span's first element. The spans are the partitions [p * P, (p + 1) * P)
+// (BucketCut::kPartition: what trainer-collective mode pushes, one
+// partition per rank) or each daemon's run of partitions
+// (BucketCut::kDaemon: daemon reduction, where a daemon sums its whole range
+// alike, so a rank's gradient for one daemon is at most
+// ceil(range / E) buckets however many partitions the range holds). A bucket
+// therefore never crosses a daemon boundary (with kPartition, nor a
+// partition boundary) and never reaches into the padding. Buckets depend
+// only on (layout, N_d, daemons, C_B, precision, cut): not on how a rank
 // splits its PushGradients calls, so a stage-3 rank pushing layer by layer and
 // a stage-1 rank pushing the whole model in one call produce the same chunks.
 //
@@ -28,9 +34,15 @@
 
 namespace zeroshard {
 
+// Which spans a BucketPlan cuts (see above).
+enum class BucketCut {
+  kPartition,  // each partition apart
+  kDaemon,     // each daemon's partitions as one span
+};
+
 struct Bucket {
-  FlatRange range;             // inside one partition and [0, total_elements)
-  uint32_t partition = 0;
+  FlatRange range;             // inside one span of the cut and [0, total_elements)
+  uint32_t partition = 0;      // of its first element
   uint32_t daemon = 0;         // index into the job's daemon list
   uint64_t real_elements = 0;  // elements of `range` that belong to a tensor
 };
@@ -40,7 +52,8 @@ class BucketPlan {
   // InvalidArgument when `bucket_bytes` is under one element or the map was
   // not made for this layout (total elements differ).
   static absl::StatusOr<BucketPlan> Create(const Layout& layout, const PartitionMap& map,
-                                           uint64_t bucket_bytes, DType wire_dtype);
+                                           uint64_t bucket_bytes, DType wire_dtype,
+                                           BucketCut cut);
 
   // Bytes of the largest bucket (the size of one staging buffer).
   static uint64_t StagingBytes(uint64_t bucket_bytes, DType wire_dtype);

@@ -18,7 +18,8 @@ TEST(BucketPlanTest, BucketsTileEachPartitionFromItsStart) {
   const Layout layout = MakeLayout();
   for (uint32_t world : {1u, 2u, 3u, 5u}) {
     const PartitionMap map = *PartitionMap::Create(layout.total_elements(), world, 2 > world ? 1 : 2);
-    const BucketPlan plan = *BucketPlan::Create(layout, map, 4096, DType::kFp32);
+    const BucketPlan plan =
+        *BucketPlan::Create(layout, map, 4096, DType::kFp32, BucketCut::kPartition);
     ASSERT_EQ(plan.bucket_elements(), 1024u);
     uint64_t pos = 0, real = 0;
     for (const Bucket& b : plan.buckets()) {
@@ -35,10 +36,50 @@ TEST(BucketPlanTest, BucketsTileEachPartitionFromItsStart) {
   }
 }
 
+TEST(BucketPlanTest, DaemonCutBucketsTileEachDaemonsRangeFromItsStart) {
+  const Layout layout = MakeLayout();
+  for (uint32_t world : {1u, 2u, 3u, 5u, 8u}) {
+    const PartitionMap map = *PartitionMap::Create(layout.total_elements(), world, 2 > world ? 1 : 2);
+    const BucketPlan plan = *BucketPlan::Create(layout, map, 4096, DType::kFp32, BucketCut::kDaemon);
+    uint64_t pos = 0, real = 0;
+    for (const Bucket& b : plan.buckets()) {
+      const FlatRange daemon = map.DaemonRange(b.daemon);
+      EXPECT_EQ(b.range.begin, pos);
+      EXPECT_LE(b.range.size(), plan.bucket_elements());
+      EXPECT_TRUE(daemon.Contains(b.range)) << "world " << world << " bucket " << b.range;
+      EXPECT_EQ((b.range.begin - daemon.begin) % plan.bucket_elements(), 0u);
+      EXPECT_TRUE(map.Partition(b.partition).Contains({b.range.begin, b.range.begin + 1}));
+      EXPECT_EQ(b.daemon, map.DaemonOf(b.partition));
+      real += b.real_elements;
+      pos = b.range.end;
+    }
+    EXPECT_EQ(pos, layout.total_elements()) << "world " << world;
+    EXPECT_EQ(real, layout.parameter_count());
+  }
+}
+
+// With daemon reduction a rank's gradient for one daemon is cut by C_B alone:
+// many small partitions (many ranks) do not multiply the buckets.
+TEST(BucketPlanTest, DaemonCutDoesNotGrowWithTheRanks) {
+  const Layout layout = *Layout::Create({{"w", {100'000}, DType::kFp32, 0}});
+  for (uint32_t world : {4u, 16u, 64u}) {
+    const PartitionMap map = *PartitionMap::Create(layout.total_elements(), world, 2);
+    const BucketPlan by_daemon =
+        *BucketPlan::Create(layout, map, 1 << 20, DType::kFp32, BucketCut::kDaemon);
+    const BucketPlan by_partition =
+        *BucketPlan::Create(layout, map, 1 << 20, DType::kFp32, BucketCut::kPartition);
+    EXPECT_EQ(by_daemon.buckets().size(), 2u) << "world " << world;
+    size_t holding = 0;  // partitions with real elements: one bucket each
+    for (uint32_t i = 0; i < world; ++i) holding += map.UnpaddedPartition(i).empty() ? 0 : 1;
+    EXPECT_EQ(by_partition.buckets().size(), holding);
+    EXPECT_GE(holding, world - 1);
+  }
+}
+
 TEST(BucketPlanTest, HalfPrecisionBucketsHoldTwiceTheElements) {
   const Layout layout = MakeLayout();
   const PartitionMap map = *PartitionMap::Create(layout.total_elements(), 2, 1);
-  EXPECT_EQ(BucketPlan::Create(layout, map, 8192, DType::kBf16)->bucket_elements(), 4096u);
+  EXPECT_EQ(BucketPlan::Create(layout, map, 8192, DType::kBf16, BucketCut::kPartition)->bucket_elements(), 4096u);
   EXPECT_EQ(BucketPlan::StagingBytes(8192, DType::kBf16), 8192u);
   // Buckets are capped at the 64 MiB chunk limit.
   EXPECT_EQ(BucketPlan::StagingBytes(1ull << 30, DType::kFp32), 64ull << 20);
@@ -47,7 +88,8 @@ TEST(BucketPlanTest, HalfPrecisionBucketsHoldTwiceTheElements) {
 TEST(BucketPlanTest, OverlappingAndSegments) {
   const Layout layout = MakeLayout();
   const PartitionMap map = *PartitionMap::Create(layout.total_elements(), 3, 1);
-  const BucketPlan plan = *BucketPlan::Create(layout, map, 4096, DType::kFp32);
+  const BucketPlan plan =
+      *BucketPlan::Create(layout, map, 4096, DType::kFp32, BucketCut::kDaemon);
   for (const FlatRange r : {FlatRange{0, 1}, FlatRange{1000, 3100}, FlatRange{0, layout.total_elements()},
                             FlatRange{3000, 3001}}) {
     const auto [first, last] = plan.Overlapping(r);
@@ -85,7 +127,8 @@ TEST(BucketPlanTest, BucketSizeDoesNotGrowWithTheModel) {
     const Layout layout = *Layout::Create({{"w", {sizes[i]}, DType::kBf16, 0},
                                            {"b", {1234}, DType::kBf16, 1}});
     const PartitionMap map = *PartitionMap::Create(layout.total_elements(), 4, 2);
-    const BucketPlan plan = *BucketPlan::Create(layout, map, cb, DType::kBf16);
+    const BucketPlan plan =
+        *BucketPlan::Create(layout, map, cb, DType::kBf16, BucketCut::kPartition);
     for (const Bucket& b : plan.buckets()) {
       largest[i] = std::max(largest[i], b.range.size() * 2);
     }
@@ -100,7 +143,7 @@ TEST(BucketPlanTest, BucketSizeDoesNotGrowWithTheModel) {
 TEST(BucketPlanTest, RejectsAMapOfAnotherLayout) {
   const Layout layout = MakeLayout();
   const PartitionMap map = *PartitionMap::Create(layout.total_elements() + 64, 2, 1);
-  EXPECT_EQ(BucketPlan::Create(layout, map, 4096, DType::kFp32).status().code(),
+  EXPECT_EQ(BucketPlan::Create(layout, map, 4096, DType::kFp32, BucketCut::kDaemon).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 

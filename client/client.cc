@@ -407,7 +407,7 @@ absl::Status Client::UploadInitialParams(const float* params) {
   // The plan's tensor index tells real elements from alignment gaps.
   ASSIGN_OR_RETURN(const BucketPlan plan,
                    BucketPlan::Create(layout_, map_, kUploadPieceElements * sizeof(float),
-                                      DType::kFp32));
+                                      DType::kFp32, BucketCut::kPartition));
   return ForEachDaemon([&](uint32_t d) -> absl::Status {
     const FlatRange owned = map_.DaemonRange(d).Intersect({0, total});
     std::vector<float> scratch;

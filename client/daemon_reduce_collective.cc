@@ -90,7 +90,7 @@ absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
     return absl::InvalidArgumentError("CollectiveJob: micro_batches must be >= 1");
   }
   absl::StatusOr<BucketPlan> plan =
-      BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes, job.wire_dtype);
+      BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes, job.wire_dtype, BucketCut::kDaemon);
   if (!plan.ok()) return plan.status();
   // Device gradients are copied into the staging pool by DMA: pinned once.
   if (job.device != nullptr) {
@@ -121,8 +121,8 @@ uint32_t DaemonReduceCollective::peak_buffers_in_use() const {
 std::string DaemonReduceCollective::DescribeBucket(uint64_t key) const {
   const size_t nb = plan_.buckets().size();
   const Bucket& b = plan_.buckets()[key % nb];
-  std::string s = absl::StrCat("bucket [", b.range.begin, ", ", b.range.end, ") of partition ",
-                               b.partition, " (daemon ", job_.daemons[b.daemon]->address(), ")");
+  std::string s = absl::StrCat("bucket [", b.range.begin, ", ", b.range.end, ") of daemon ",
+                               job_.daemons[b.daemon]->address());
   if (job_.micro_batches > 1) absl::StrAppend(&s, ", micro-batch ", key / nb);
   return s;
 }

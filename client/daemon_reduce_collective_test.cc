@@ -284,34 +284,52 @@ TEST(DaemonReduceCollectiveTest, DeviceGradientsAndAFailedCopy) {
 
 // Buckets queued for one daemon while a send is under way leave together,
 // as long as their bytes (with the daemon's per-chunk count) fit one bucket:
-// with many partitions of a few elements each, a rank sends far fewer
-// requests than buckets; a full bucket always goes alone.
+// the short last buckets of a daemon's range, from several micro-batches,
+// share requests; a full bucket always goes alone. However many partitions
+// a daemon's range holds, it is cut by C_B alone.
 TEST(DaemonReduceCollectiveTest, SmallBucketsForOneDaemonTravelTogether) {
   const Layout layout = TestLayout();
-  for (const uint64_t bucket_bytes : {uint64_t{16384}, uint64_t{4096}}) {
+  constexpr uint32_t kMicroBatches = 8;
+  for (const uint64_t bucket_bytes : {uint64_t{65536}, uint64_t{4096}}) {
     SCOPED_TRACE(bucket_bytes);
-    Rig rig(layout, 64, 2, bucket_bytes, 8);
+    Rig rig(layout, 64, 2, bucket_bytes, 8, DType::kFp32, kMicroBatches);
+    const size_t nb = rig.collective->plan().buckets().size();
+    for (const Bucket& b : rig.collective->plan().buckets()) {
+      EXPECT_TRUE(rig.map.DaemonRange(b.daemon).Contains(b.range));
+    }
+    EXPECT_LE(nb, 2 * (layout.total_elements() / 2 / (bucket_bytes / 4) + 1));
     for (auto& p : rig.paths) p->delay = absl::Milliseconds(20);
     const std::vector<float> g = Gradient(layout, 0.0f);
     // Borrowed: the buckets without gaps need no staging buffer, so the
     // pool does not bound how many wait.
-    const PushTicket t =
-        *rig.Push(1, {0, layout.total_elements()}, g.data(), 0, BufferUse::kBorrow);
+    std::vector<PushTicket> tickets;
+    for (uint32_t mb = 0; mb < kMicroBatches; ++mb) {
+      tickets.push_back(
+          *rig.Push(1, {0, layout.total_elements()}, g.data(), mb, BufferUse::kBorrow));
+    }
     ASSERT_TRUE(rig.Finish(1).ok());
-    ASSERT_TRUE(t.Wait(absl::Now()).ok());
+    for (const PushTicket& t : tickets) ASSERT_TRUE(t.Wait(absl::Now()).ok());
     size_t calls = 0;
     size_t pushes = 0;
+    size_t shared = 0;
     for (auto& p : rig.paths) {
       absl::MutexLock lock(&p->mu);
       calls += p->batches.size();
       for (const auto& [n, bytes] : p->batches) {
         pushes += n;
-        if (n > 1) EXPECT_LE(bytes + n * kPushChunkOverheadBytes, bucket_bytes);
+        if (n > 1) {
+          ++shared;
+          EXPECT_LE(bytes + n * kPushChunkOverheadBytes, bucket_bytes);
+        }
       }
     }
-    EXPECT_EQ(pushes, rig.collective->plan().buckets().size());
-    if (bucket_bytes == 16384) EXPECT_LT(calls * 4, pushes) << calls << " calls";
-    EXPECT_EQ(rig.traffic.Total().push, layout.total_elements() * 4);
+    EXPECT_EQ(pushes, nb * kMicroBatches);
+    if (bucket_bytes == 65536) {  // each daemon's range is one bucket of ~19 kB
+      EXPECT_EQ(nb, 2u);
+      EXPECT_GT(shared, 0u);
+      EXPECT_LT(calls, pushes) << calls << " calls";
+    }
+    EXPECT_EQ(rig.traffic.Total().push, layout.total_elements() * 4 * kMicroBatches);
   }
 }
 

@@ -215,6 +215,35 @@ TEST_F(BadInputTest, JoinHeartbeatLeave) {
   });
 }
 
+// In trainer-collective mode each rank pushes its own reduced partition and
+// nothing else.
+TEST_F(BadInputTest, PushGradientInTrainerCollectiveMode) {
+  v1::JobSpec spec = spec_;
+  spec.set_job_id("tc");
+  spec.set_reduction(v1::REDUCTION_MODE_TRAINER_COLLECTIVE);
+  ASSERT_TRUE(client_->Register(spec, 0).ok());
+  for (uint32_t r = 0; r < kWorld; ++r) ASSERT_TRUE(client_->Join(spec, r).ok());
+  const uint64_t edge = config_.map.partition_elements();
+  auto chunk = [&](uint32_t rank, FlatRange range) {
+    std::vector<v1::GradientChunk> c =
+        GradientChunks("tc", 1, rank, config_.map, range, grad_.data() + range.begin, 500);
+    return [this, c] { return client_->Push(c); };
+  };
+  auto rejected = [&](grpc::StatusCode code, const std::string& text, auto call) {
+    testing::ExpectRejected(*daemon_, "tc", code, text, call);
+  };
+  rejected(grpc::INVALID_ARGUMENT, "only rank 0 pushes partition 0", chunk(1, {0, 8}));
+  rejected(grpc::INVALID_ARGUMENT, "crosses the boundary of partition 0", [&] {
+    std::vector<v1::GradientChunk> c = GradientChunks("tc", 1, 0, config_.map, {edge - 4, edge},
+                                                      grad_.data() + edge - 4, 500);
+    c[0].mutable_range()->set_end(edge + 4);
+    c[0].set_data(std::string(32, '\0'));
+    c[0].set_crc32c(0);
+    return client_->Push(c);
+  });
+  EXPECT_TRUE(chunk(0, {0, 8})().ok());
+}
+
 TEST_F(BadInputTest, PushGradient) {
   auto push = [&](std::vector<v1::GradientChunk> chunks) {
     return [this, chunks] { return client_->Push(chunks); };
@@ -242,7 +271,9 @@ TEST_F(BadInputTest, PushGradient) {
                  })));
   ExpectRejected(grpc::INVALID_ARGUMENT, "empty",
                  push(one([](v1::GradientChunk& c) { c.mutable_range()->set_end(c.range().begin()); })));
-  ExpectRejected(grpc::INVALID_ARGUMENT, "crosses the boundary", push(one([&](v1::GradientChunk& c) {
+  // Daemon reduction takes chunks across partition boundaries (the daemon
+  // owns all three here), but every rank must cut them alike.
+  ExpectRejected(grpc::FAILED_PRECONDITION, "overlaps the chunk", push(one([&](v1::GradientChunk& c) {
                    const uint64_t edge = config_.map.partition_elements();
                    c.mutable_range()->set_begin(edge - 4);
                    c.mutable_range()->set_end(edge + 4);

@@ -347,16 +347,21 @@ absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index, absl::str
         where, ".range ", RangeString(c.range()), " is empty or outside the partitions this ",
         "daemon owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
   }
-  const uint32_t partition = static_cast<uint32_t>(r.begin / config_.map.partition_elements());
-  if (!config_.map.Partition(partition).Contains(r)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ".range ", RangeString(c.range()), " crosses the boundary of partition ",
-        partition, " (split pushes at partition boundaries)"));
-  }
-  if (config_.reduction == ReductionMode::kTrainerCollective && c.rank() != partition) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": in trainer-collective mode only rank ", partition, " pushes partition ",
-        partition, ", got rank ", c.rank()));
+  // Daemon reduction sums the whole owned range alike: a chunk may span the
+  // daemon's partitions. In trainer-collective mode a rank pushes its own
+  // partition only.
+  if (config_.reduction == ReductionMode::kTrainerCollective) {
+    const uint32_t partition = static_cast<uint32_t>(r.begin / config_.map.partition_elements());
+    if (!config_.map.Partition(partition).Contains(r)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".range ", RangeString(c.range()), " crosses the boundary of partition ",
+          partition, " (in trainer-collective mode a rank pushes its own partition)"));
+    }
+    if (c.rank() != partition) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": in trainer-collective mode only rank ", partition, " pushes partition ",
+          partition, ", got rank ", c.rank()));
+    }
   }
   if (payload.size() != r.size() * DTypeSize(*dt)) {
     return absl::InvalidArgumentError(absl::StrCat(
