@@ -87,11 +87,12 @@ absl::Status DaemonControl::Heartbeat(const RankId& id, absl::Time deadline) {
 absl::StatusOr<v1::StepState> DaemonControl::GetStepState(const std::string& job_id,
                                                           absl::Time deadline,
                                                           uint64_t wait_for_step,
-                                                          absl::Duration wait) {
+                                                          absl::Duration wait, Detail detail) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   v1::GetStepStateRequest request;
   request.set_job_id(job_id);
+  request.set_brief(detail == Detail::kBrief);
   if (wait_for_step > 0 && wait > absl::ZeroDuration()) {
     request.set_wait_for_step(wait_for_step);
     request.set_wait_ms(

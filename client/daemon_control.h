@@ -47,9 +47,12 @@ class DaemonControl {
   // Read-only: committed step, last commit's decisions, ranks joined. With
   // wait_for_step > 0 the daemon answers once it has committed that step or
   // after `wait` (a long poll; the RPC's deadline must leave room for it).
+  // kBrief leaves out the per-rank list and the missing ranges.
+  enum class Detail { kFull, kBrief };
   absl::StatusOr<v1::StepState> GetStepState(const std::string& job_id, absl::Time deadline,
                                              uint64_t wait_for_step = 0,
-                                             absl::Duration wait = absl::ZeroDuration());
+                                             absl::Duration wait = absl::ZeroDuration(),
+                                             Detail detail = Detail::kFull);
   absl::StatusOr<v1::PrepareStepResponse> PrepareStep(const std::string& job_id, uint64_t step,
                                                       absl::Time deadline);
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request,

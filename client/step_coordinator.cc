@@ -92,7 +92,8 @@ absl::StatusOr<uint64_t> StepCoordinator::MaxCommittedStep() {
 
 absl::Status StepCoordinator::CheckOpenStep(size_t d, uint64_t step, absl::Time deadline) {
   ASSIGN_OR_RETURN(v1::StepState s,
-                   daemons_[d]->GetStepState(options_.id.job_id, RpcDeadline(deadline)));
+                   daemons_[d]->GetStepState(options_.id.job_id, RpcDeadline(deadline), 0,
+                                             absl::ZeroDuration(), DaemonControl::Detail::kBrief));
   if (s.committed_step() + 1 == step) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "Step ", step, ": daemon ", daemons_[d]->address(), " has committed step ",
@@ -214,7 +215,8 @@ absl::StatusOr<StepResult> StepCoordinator::FollowerStep(uint64_t step) {
           const absl::Duration wait =
               std::min(kFollowerWait, (rpc_deadline - absl::Now()) - kFollowerWaitMargin);
           ASSIGN_OR_RETURN(v1::StepState s,
-                           daemons_[d]->GetStepState(options_.id.job_id, rpc_deadline, step, wait));
+                           daemons_[d]->GetStepState(options_.id.job_id, rpc_deadline, step, wait,
+                                                     DaemonControl::Detail::kBrief));
           const uint64_t c = s.committed_step();
           if (c > step || c + 1 < step) {
             return absl::FailedPreconditionError(absl::StrCat(

@@ -1014,11 +1014,11 @@ absl::StatusOr<v1::LoadCheckpointResponse> Job::LoadCheckpoint(const std::string
   return out;
 }
 
-void Job::FillStepState(absl::Duration rank_timeout, v1::StepState* state) const {
+void Job::FillStepState(absl::Duration rank_timeout, bool brief, v1::StepState* state) const {
   state->set_world_size(config_.world_size);
   state->set_ranks_joined(ranks_joined());
   state->set_ranks_connected(RanksConnected(rank_timeout));
-  {
+  if (!brief) {
     const absl::Time now = absl::Now();
     absl::MutexLock ranks_lock(&ranks_mu_);
     for (uint32_t r = 0; r < ranks_.size(); ++r) {
@@ -1045,6 +1045,7 @@ void Job::FillStepState(absl::Duration rank_timeout, v1::StepState* state) const
   state->set_prepared(prepared_);
   state->set_complete_elements(reduction_->CompleteElements());
   state->set_owned_elements(owned_unpadded_.size());
+  if (brief) return;
   for (const MissingRange& m : reduction_->Missing(kMaxMissingReported)) {
     v1::MissingContribution* out = state->add_missing();
     out->mutable_range()->set_begin(m.range.begin);

@@ -165,7 +165,8 @@ class Job {
   absl::StatusOr<v1::PrepareStepResponse> PrepareStep(uint64_t step, const std::string& token = "");
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request,
                                                     const std::string& token = "");
-  void FillStepState(absl::Duration rank_timeout, v1::StepState* state) const;
+  // With `brief`, leaves out the per-rank list and the missing ranges.
+  void FillStepState(absl::Duration rank_timeout, bool brief, v1::StepState* state) const;
   uint64_t committed_step() const { return committed_step_.load(std::memory_order_acquire); }
   float loss_scale() const;
 

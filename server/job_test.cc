@@ -74,6 +74,22 @@ TEST(JobTest, NewerIncarnationFencesTheOlder) {
   EXPECT_EQ(state.ranks_connected(), 2u);
   ASSERT_GT(state.missing_size(), 0);
   EXPECT_EQ(state.missing(0).rank(), 0u);  // rank 1 is in; it waits for rank 0
+  ASSERT_EQ(state.ranks_size(), 2);
+  EXPECT_EQ(state.ranks(1).incarnation(), 5u);
+  // A brief answer has the same step fields, without the per-rank list and
+  // the missing ranges.
+  grpc::ClientContext ctx;
+  v1::GetStepStateRequest req;
+  req.set_job_id("job");
+  req.set_brief(true);
+  v1::StepState brief;
+  ASSERT_TRUE(c.shard->GetStepState(&ctx, req, &brief).ok());
+  EXPECT_EQ(brief.ranks_size(), 0);
+  EXPECT_EQ(brief.missing_size(), 0);
+  v1::StepState full_without_lists = state;
+  full_without_lists.clear_ranks();
+  full_without_lists.clear_missing();
+  EXPECT_EQ(brief.SerializeAsString(), full_without_lists.SerializeAsString());
 }
 
 // Bug 6: when rank 0 is late, the others' early contributions fill a bounded

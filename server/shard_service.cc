@@ -269,7 +269,7 @@ grpc::Status ShardService::GetStepState(grpc::ServerContext* call,
         req->wait_for_step(),
         std::min(absl::Now() + absl::Milliseconds(req->wait_ms()), DeadlineOf(call)));
   }
-  (*job)->FillStepState(ctx_->jobs->options().rank_timeout, resp);
+  (*job)->FillStepState(ctx_->jobs->options().rank_timeout, req->brief(), resp);
   if ((*job)->replicated()) (*job)->FillReplicaState(resp->mutable_replica());
   return ctx_->Done(__func__, absl::OkStatus());
 }

@@ -246,7 +246,7 @@ std::string StatusPage::Render(absl::Time now) {
     v.k = c.optimizer.kind == OptimizerKind::kSgdMomentum ? 8.0 : kAdamK;
     if (auto it = ledger.find(v.id); it != ledger.end()) v.bytes = it->second;
     v1::StepState state;
-    job->FillStepState(sources_.rank_timeout, &state);
+    job->FillStepState(sources_.rank_timeout, /*brief=*/false, &state);
     const size_t shown = std::min<size_t>(state.ranks_size(), kMaxRanksShown);
     v.ranks.assign(state.ranks().begin(), state.ranks().begin() + shown);
     v.ranks_not_shown = state.ranks_size() - shown;
