@@ -14,47 +14,34 @@ Layout MakeLayout() {
                           {"d", {5}, DType::kFp32, 2}});
 }
 
-TEST(BucketPlanTest, BucketsTileEachPartitionFromItsStart) {
+// Buckets tile the real elements in order, each inside one span of its cut
+// (a partition, or a daemon's run of partitions), cut every bucket_elements
+// from the span's start.
+TEST(BucketPlanTest, BucketsTileEachSpanFromItsStart) {
   const Layout layout = MakeLayout();
-  for (uint32_t world : {1u, 2u, 3u, 5u}) {
-    const PartitionMap map = *PartitionMap::Create(layout.total_elements(), world, 2 > world ? 1 : 2);
-    const BucketPlan plan =
-        *BucketPlan::Create(layout, map, 4096, DType::kFp32, BucketCut::kPartition);
-    ASSERT_EQ(plan.bucket_elements(), 1024u);
-    uint64_t pos = 0, real = 0;
-    for (const Bucket& b : plan.buckets()) {
-      EXPECT_EQ(b.range.begin, pos);
-      EXPECT_LE(b.range.size(), plan.bucket_elements());
-      EXPECT_TRUE(map.Partition(b.partition).Contains(b.range));
-      EXPECT_EQ((b.range.begin - map.Partition(b.partition).begin) % plan.bucket_elements(), 0u);
-      EXPECT_EQ(b.daemon, map.DaemonOf(b.partition));
-      real += b.real_elements;
-      pos = b.range.end;
+  for (const BucketCut cut : {BucketCut::kPartition, BucketCut::kDaemon}) {
+    for (uint32_t world : {1u, 2u, 3u, 5u, 8u}) {
+      SCOPED_TRACE(::testing::Message() << "cut " << static_cast<int>(cut) << " world " << world);
+      const PartitionMap map =
+          *PartitionMap::Create(layout.total_elements(), world, 2 > world ? 1 : 2);
+      const BucketPlan plan = *BucketPlan::Create(layout, map, 4096, DType::kFp32, cut);
+      ASSERT_EQ(plan.bucket_elements(), 1024u);
+      uint64_t pos = 0, real = 0;
+      for (const Bucket& b : plan.buckets()) {
+        const FlatRange span =
+            cut == BucketCut::kPartition ? map.Partition(b.partition) : map.DaemonRange(b.daemon);
+        EXPECT_EQ(b.range.begin, pos);
+        EXPECT_LE(b.range.size(), plan.bucket_elements());
+        EXPECT_TRUE(span.Contains(b.range)) << b.range;
+        EXPECT_EQ((b.range.begin - span.begin) % plan.bucket_elements(), 0u);
+        EXPECT_TRUE(map.Partition(b.partition).Contains({b.range.begin, b.range.begin + 1}));
+        EXPECT_EQ(b.daemon, map.DaemonOf(b.partition));
+        real += b.real_elements;
+        pos = b.range.end;
+      }
+      EXPECT_EQ(pos, layout.total_elements());
+      EXPECT_EQ(real, layout.parameter_count());
     }
-    EXPECT_EQ(pos, layout.total_elements()) << "world " << world;
-    EXPECT_EQ(real, layout.parameter_count());
-  }
-}
-
-TEST(BucketPlanTest, DaemonCutBucketsTileEachDaemonsRangeFromItsStart) {
-  const Layout layout = MakeLayout();
-  for (uint32_t world : {1u, 2u, 3u, 5u, 8u}) {
-    const PartitionMap map = *PartitionMap::Create(layout.total_elements(), world, 2 > world ? 1 : 2);
-    const BucketPlan plan = *BucketPlan::Create(layout, map, 4096, DType::kFp32, BucketCut::kDaemon);
-    uint64_t pos = 0, real = 0;
-    for (const Bucket& b : plan.buckets()) {
-      const FlatRange daemon = map.DaemonRange(b.daemon);
-      EXPECT_EQ(b.range.begin, pos);
-      EXPECT_LE(b.range.size(), plan.bucket_elements());
-      EXPECT_TRUE(daemon.Contains(b.range)) << "world " << world << " bucket " << b.range;
-      EXPECT_EQ((b.range.begin - daemon.begin) % plan.bucket_elements(), 0u);
-      EXPECT_TRUE(map.Partition(b.partition).Contains({b.range.begin, b.range.begin + 1}));
-      EXPECT_EQ(b.daemon, map.DaemonOf(b.partition));
-      real += b.real_elements;
-      pos = b.range.end;
-    }
-    EXPECT_EQ(pos, layout.total_elements()) << "world " << world;
-    EXPECT_EQ(real, layout.parameter_count());
   }
 }
 
