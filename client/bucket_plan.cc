@@ -33,8 +33,8 @@ absl::StatusOr<BucketPlan> BucketPlan::Create(const Layout& layout, const Partit
   const FlatRange real{0, layout.total_elements()};
   const uint32_t spans = cut == BucketCut::kPartition ? map.world_size() : map.num_daemons();
   for (uint32_t i = 0; i < spans; ++i) {
-    const FlatRange span = (cut == BucketCut::kPartition ? map.Partition(i) : map.DaemonRange(i))
-                               .Intersect(real);
+    const FlatRange span =
+        (cut == BucketCut::kPartition ? map.Partition(i) : map.DaemonRange(i)).Intersect(real);
     for (uint64_t b = span.begin; b < span.end; b += elements) {
       Bucket bucket;
       bucket.range = {b, std::min(span.end, b + elements)};

@@ -52,8 +52,7 @@ class BucketPlan {
   // InvalidArgument when `bucket_bytes` is under one element or the map was
   // not made for this layout (total elements differ).
   static absl::StatusOr<BucketPlan> Create(const Layout& layout, const PartitionMap& map,
-                                           uint64_t bucket_bytes, DType wire_dtype,
-                                           BucketCut cut);
+                                           uint64_t bucket_bytes, DType wire_dtype, BucketCut cut);
 
   // Bytes of the largest bucket (the size of one staging buffer).
   static uint64_t StagingBytes(uint64_t bucket_bytes, DType wire_dtype);

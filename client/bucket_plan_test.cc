@@ -66,7 +66,9 @@ TEST(BucketPlanTest, DaemonCutDoesNotGrowWithTheRanks) {
 TEST(BucketPlanTest, HalfPrecisionBucketsHoldTwiceTheElements) {
   const Layout layout = MakeLayout();
   const PartitionMap map = *PartitionMap::Create(layout.total_elements(), 2, 1);
-  EXPECT_EQ(BucketPlan::Create(layout, map, 8192, DType::kBf16, BucketCut::kPartition)->bucket_elements(), 4096u);
+  EXPECT_EQ(
+      BucketPlan::Create(layout, map, 8192, DType::kBf16, BucketCut::kPartition)->bucket_elements(),
+      4096u);
   EXPECT_EQ(BucketPlan::StagingBytes(8192, DType::kBf16), 8192u);
   // Buckets are capped at the 64 MiB chunk limit.
   EXPECT_EQ(BucketPlan::StagingBytes(1ull << 30, DType::kFp32), 64ull << 20);
@@ -75,8 +77,7 @@ TEST(BucketPlanTest, HalfPrecisionBucketsHoldTwiceTheElements) {
 TEST(BucketPlanTest, OverlappingAndSegments) {
   const Layout layout = MakeLayout();
   const PartitionMap map = *PartitionMap::Create(layout.total_elements(), 3, 1);
-  const BucketPlan plan =
-      *BucketPlan::Create(layout, map, 4096, DType::kFp32, BucketCut::kDaemon);
+  const BucketPlan plan = *BucketPlan::Create(layout, map, 4096, DType::kFp32, BucketCut::kDaemon);
   for (const FlatRange r : {FlatRange{0, 1}, FlatRange{1000, 3100}, FlatRange{0, layout.total_elements()},
                             FlatRange{3000, 3001}}) {
     const auto [first, last] = plan.Overlapping(r);

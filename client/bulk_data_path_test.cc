@@ -107,8 +107,8 @@ int Count(const std::vector<std::string>& events, absl::string_view prefix) {
   }));
 }
 
-// Buckets that fit one slot together (one per partition when partitions
-// are small) are put into it back to back and announced in one request;
+// Buckets that fit one slot together (the short last buckets of several
+// micro-batches) are put into it back to back and announced in one request;
 // pushes larger than a slot together go one by one.
 TEST(BulkDataPathTest, PushesThatFitOneSlotShareItAndOneRequest) {
   Rig rig;  // slots of 4096 bytes: four 1024-byte buckets

@@ -202,8 +202,9 @@ class Client {
   // need not split alike), as long as every element is pushed exactly once
   // per micro-batch before Step; gap elements need not be pushed and are
   // sent as zeros. The client re-cuts the gradient into the job's buckets
-  // (client/bucket_plan.h: each partition cut every C_B bytes from its
-  // start), sending each one when all of its elements have arrived.
+  // (client/bucket_plan.h: each daemon's range cut every C_B bytes from its
+  // start; in trainer-collective mode each partition), sending each one
+  // when all of its elements have arrived.
   // Buffer use:
   //  - BufferUse::kCopy (the default): `grads` is copied (and converted to
   //    the wire dtype) into the staging pool before the call returns, so the

@@ -89,8 +89,8 @@ absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
   if (job.micro_batches < 1) {
     return absl::InvalidArgumentError("CollectiveJob: micro_batches must be >= 1");
   }
-  absl::StatusOr<BucketPlan> plan =
-      BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes, job.wire_dtype, BucketCut::kDaemon);
+  absl::StatusOr<BucketPlan> plan = BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes,
+                                                       job.wire_dtype, BucketCut::kDaemon);
   if (!plan.ok()) return plan.status();
   // Device gradients are copied into the staging pool by DMA: pinned once.
   if (job.device != nullptr) {

@@ -157,8 +157,9 @@ class DaemonReduceCollective final : public Collective {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the buckets queued for `daemon` (none: another sender took them)
   // in one request (DataPath::PushGradients) while they are of one attempt
-  // and their bytes fit one bucket, C_B: the small buckets at the ends of
-  // partitions travel together, a full bucket alone.
+  // and their bytes fit one bucket, C_B: the short last buckets of a
+  // daemon's range (of several micro-batches) travel together, a full
+  // bucket alone.
   void RunSends(uint32_t daemon);
   // Sends the buckets that hold no tensor element (zeros) not sent yet.
   absl::Status SendGapBuckets(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -50,7 +50,7 @@ struct GradientPush {
   uint64_t incarnation = 0;  // the rank's (JoinJobRequest.incarnation), >= 1
   uint32_t micro_batch = 0;
   uint32_t micro_batches = 1;
-  FlatRange range;            // inside one partition the daemon owns
+  FlatRange range;             // inside the daemon's range (trainer collective: one partition)
   DType dtype = DType::kFp32;  // of `data`
   const void* data = nullptr;  // range.size() * DTypeSize(dtype) bytes
 };

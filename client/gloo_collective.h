@@ -15,7 +15,11 @@
 // The reduced value of element i is (((g_0 + g_1) + g_2) + ...) in rank
 // order, with g_r rank r's micro-batch sum, in fp32: the order in which the
 // daemons sum contributions in daemon reduce (server/reduction.h), so with
-// one micro-batch and an fp32 job both modes deliver the same bits.
+// one micro-batch and an fp32 job both modes deliver the same bits. (The
+// squared norm for clipping is summed per pushed chunk, and the modes cut
+// chunks differently where a daemon owns several partitions: its double
+// may differ in the last bits, and the fp32 norm a step uses only if that
+// crosses a float rounding boundary.)
 //
 // Rendezvous: the first Finish connects the ranks through a
 // gloo::rendezvous::FileStore in `Options::rendezvous_dir` under the key

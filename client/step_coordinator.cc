@@ -65,8 +65,10 @@ absl::Status StepCoordinator::AwaitAllRanksJoined() {
       [&](std::string* waiting) -> absl::Status {
         for (size_t d = 0; d < daemons_.size(); ++d) {
           if (ready[d]) continue;
-          ASSIGN_OR_RETURN(v1::StepState s,
-                           daemons_[d]->GetStepState(options_.id.job_id, RpcDeadline(deadline)));
+          ASSIGN_OR_RETURN(
+              v1::StepState s,
+              daemons_[d]->GetStepState(options_.id.job_id, RpcDeadline(deadline), 0,
+                                        absl::ZeroDuration(), DaemonControl::Detail::kBrief));
           ready[d] = s.ranks_joined() >= options_.world_size;
           if (!ready[d] && waiting->empty()) {
             *waiting = absl::StrCat("daemon ", daemons_[d]->address(), " has ", s.ranks_joined(),

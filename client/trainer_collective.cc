@@ -48,9 +48,8 @@ absl::Status TrainerCollective::Bind(const CollectiveJob& job) {
   if (job.micro_batches < 1) {
     return absl::InvalidArgumentError("CollectiveJob: micro_batches must be >= 1");
   }
-  ASSIGN_OR_RETURN(BucketPlan plan,
-                   BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes, job.wire_dtype,
-                                      BucketCut::kPartition));
+  ASSIGN_OR_RETURN(BucketPlan plan, BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes,
+                                                       job.wire_dtype, BucketCut::kPartition));
   RETURN_IF_ERROR(Allocate(job, plan));
   std::vector<size_t> my_buckets;
   for (size_t i = 0; i < plan.buckets().size(); ++i) {

@@ -234,8 +234,8 @@ TEST_F(BadInputTest, PushGradientInTrainerCollectiveMode) {
   };
   rejected(grpc::INVALID_ARGUMENT, "only rank 0 pushes partition 0", chunk(1, {0, 8}));
   rejected(grpc::INVALID_ARGUMENT, "crosses the boundary of partition 0", [&] {
-    std::vector<v1::GradientChunk> c = GradientChunks("tc", 1, 0, config_.map, {edge - 4, edge},
-                                                      grad_.data() + edge - 4, 500);
+    std::vector<v1::GradientChunk> c =
+        GradientChunks("tc", 1, 0, config_.map, {edge - 4, edge}, grad_.data() + edge - 4, 500);
     c[0].mutable_range()->set_end(edge + 4);
     c[0].set_data(std::string(32, '\0'));
     c[0].set_crc32c(0);
@@ -273,7 +273,8 @@ TEST_F(BadInputTest, PushGradient) {
                  push(one([](v1::GradientChunk& c) { c.mutable_range()->set_end(c.range().begin()); })));
   // Daemon reduction takes chunks across partition boundaries (the daemon
   // owns all three here), but every rank must cut them alike.
-  ExpectRejected(grpc::FAILED_PRECONDITION, "overlaps the chunk", push(one([&](v1::GradientChunk& c) {
+  ExpectRejected(grpc::FAILED_PRECONDITION, "overlaps the chunk",
+                 push(one([&](v1::GradientChunk& c) {
                    const uint64_t edge = config_.map.partition_elements();
                    c.mutable_range()->set_begin(edge - 4);
                    c.mutable_range()->set_end(edge + 4);

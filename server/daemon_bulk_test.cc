@@ -10,9 +10,10 @@
 #include <vector>
 
 #include "common/crc32c.h"
+#include "common/job_spec.h"
+#include "common/protocol.h"
 #include "gtest/gtest.h"
 #include "server/daemon.h"
-#include "common/job_spec.h"
 #include "server/testing/daemon_fixture.h"
 #include "transport/transport.h"
 
@@ -199,6 +200,11 @@ TEST_P(DaemonBulkTest, StagedPushesAreValidatedAndMatchInlineOnes) {
                  push(one(0, [](v1::GradientChunk& c) { c.set_rank(1); })));
   ExpectRejected(grpc::INVALID_ARGUMENT, "range",
                  push(one(0, [](v1::GradientChunk& c) { c.mutable_range()->set_end(0); })));
+  // Over 64 MiB of fp32, though fewer than 64 Mi elements.
+  ExpectRejected(grpc::INVALID_ARGUMENT, "too long for a staged chunk",
+                 push(one(0, [](v1::GradientChunk& c) {
+                   c.mutable_range()->set_end(c.range().begin() + kMaxChunkBytes / 4 + 1);
+                 })));
   ExpectRejected(grpc::INVALID_ARGUMENT, "all staged or all inline", [&] {
     std::vector<v1::GradientChunk> c = {chunks[0], chunks[1]};
     Stage(&c[0]);

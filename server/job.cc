@@ -358,9 +358,9 @@ absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index, absl::str
           partition, " (in trainer-collective mode a rank pushes its own partition)"));
     }
     if (c.rank() != partition) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": in trainer-collective mode only rank ", partition, " pushes partition ",
-          partition, ", got rank ", c.rank()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": in trainer-collective mode only rank ", partition,
+                       " pushes partition ", partition, ", got rank ", c.rank()));
     }
   }
   if (payload.size() != r.size() * DTypeSize(*dt)) {

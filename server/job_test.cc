@@ -165,6 +165,46 @@ TEST(JobTest, OutOfOrderBufferIsBoundedAndExact) {
   EXPECT_FALSE(prepared[1].found_inf_nan());
 }
 
+// Daemon reduction: a chunk may span several of the daemon's partitions (a
+// client cuts a rank's gradient for a daemon by C_B alone). One chunk per
+// rank across all four partitions sums to the bits of per-partition chunks.
+TEST(JobTest, DaemonReductionSumsChunksAcrossPartitions) {
+  constexpr uint32_t kWorld = 4;
+  const Layout layout = SampleLayout();
+  std::vector<float> params[2];
+  v1::PrepareStepResponse prepared[2];
+  for (int pass = 0; pass < 2; ++pass) {
+    std::unique_ptr<Daemon> d = Start();
+    DaemonClient c(d->address());
+    const v1::JobSpec spec = MakeSpec("job", layout, 2, kWorld, {d->address()});
+    const JobConfig config = *ParseJobSpec(spec);
+    ASSERT_TRUE(c.Register(spec, 0).ok());
+    ASSERT_TRUE(c.JoinAll(spec).ok());
+    const uint64_t n = config.map.total_elements();
+    ASSERT_GT(n, config.map.partition_elements());  // the whole range spans partitions
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      std::vector<float> g(n);
+      for (uint64_t i = 0; i < n; ++i) g[i] = 0.1f * (r + 1) + 1e-3f * (i % 97);
+      std::vector<v1::GradientChunk> chunks =
+          GradientChunks("job", 1, r, config.map, {0, n}, g.data(), n);
+      if (pass == 1) {
+        v1::GradientChunk whole = chunks[0];
+        whole.mutable_range()->set_end(n);
+        whole.set_data(std::string(reinterpret_cast<const char*>(g.data()), n * sizeof(float)));
+        whole.set_crc32c(0);
+        chunks = {whole};
+      }
+      ASSERT_EQ(chunks.size() == 1, pass == 1);
+      const grpc::Status s = c.Push(chunks);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+    }
+    ASSERT_NO_FATAL_FAILURE(CommitFirstStep(c, n, &params[pass], &prepared[pass]));
+  }
+  ExpectSameBits(params[0], params[1]);
+  EXPECT_NEAR(prepared[0].grad_sq_sum(), prepared[1].grad_sq_sum(),
+              prepared[0].grad_sq_sum() * 1e-12);
+}
+
 // A rank's process dies in the middle of a step and a new one replays it:
 // what the old one left in the out-of-order buffer is dropped at the join,
 // what it had applied is kept, and the new one's pushes of those are

@@ -35,7 +35,7 @@ namespace zeroshard {
 
 // One chunk of one rank's gradient for the open step.
 struct Contribution {
-  FlatRange range;           // inside the owned range (trainer-collective: one partition)
+  FlatRange range;  // inside the owned range (trainer-collective: one partition)
   uint32_t rank = 0;
   uint32_t micro_batch = 0;
   DType dtype = DType::kFp32;

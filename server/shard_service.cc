@@ -151,7 +151,7 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
     absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), field);
     if (!dt.ok()) return dt.status();
     if (c.range().end() <= c.range().begin() ||
-        c.range().end() - c.range().begin() > kMaxChunkBytes) {
+        c.range().end() - c.range().begin() > kMaxChunkBytes / DTypeSize(*dt)) {
       return absl::InvalidArgumentError(absl::StrCat("chunk ", i, ".range [", c.range().begin(),
                                                      ", ", c.range().end(),
                                                      ") is empty or too long for a staged chunk"));

@@ -752,7 +752,8 @@ v1::ActivationKey Key(uint64_t step, uint32_t layer) {
 }
 
 // Both ranks' gradients for `step`, each partition in a stream of its own
-// (a push lies inside one partition), then the leader's prepare and commit.
+// (as a trainer-collective rank pushes; daemon reduction also takes chunks
+// across partitions), then the leader's prepare and commit.
 std::vector<Call> TrainingStep(uint64_t step) {
   const Layout layout = SampleLayout();
   const PartitionMap map = *PartitionMap::Create(layout.total_elements(), kLiveWorldSize);
