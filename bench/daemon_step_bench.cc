@@ -4,8 +4,8 @@
 //             partitions, fp32 masters, AdamW; with --precision=bf16 the
 //             contributions arrive as bf16 and the job keeps a bf16 half
 //             copy) is fed every rank's gradient as staged bulk pushes
-//             deliver it: chunks of --chunk_bytes cut inside partition
-//             boundaries, one chunk per push, without CRC-32C, rank after
+//             deliver it: the daemon's range cut every --chunk_bytes, as
+//             the client cuts it, one chunk per push, without CRC-32C, rank after
 //             rank (in order: nothing waits in the out-of-order buffer) with
 //             --hold_ms=0; with --hold_ms (the daemon's --reduction_hold_ms,
 //             50 by default as there) every rank pushes from its own thread,
@@ -311,31 +311,28 @@ struct Push {
 };
 
 // Rank `rank`'s pushes of its whole gradient `wire` (n elements of `dtype`
-// from flat index `owned.begin`), cut at `chunk_elements` and at partition
-// boundaries.
+// from flat index `owned.begin`), the daemon's range cut every
+// `chunk_elements` from its start, as the client cuts it for daemon
+// reduction (client/bucket_plan.h, BucketCut::kDaemon).
 std::vector<Push> RankPushes(const Job& job, uint32_t rank, const char* wire, DType dtype,
                              uint64_t chunk_elements) {
-  const PartitionMap& map = job.config().map;
   const FlatRange owned = job.owned_unpadded();
   const size_t esize = DTypeSize(dtype);
   std::vector<Push> pushes;
-  for (uint32_t partition : job.owned_partitions()) {
-    const FlatRange range = map.UnpaddedPartition(partition).Intersect(owned);
-    for (uint64_t b = range.begin; b < range.end; b += chunk_elements) {
-      const uint64_t e = std::min(range.end, b + chunk_elements);
-      v1::GradientChunk c;
-      c.set_job_id(kJobId);
-      c.set_rank(rank);
-      c.set_incarnation(kIncarnation);
-      c.mutable_range()->set_begin(b);
-      c.mutable_range()->set_end(e);
-      c.set_dtype(WireDType(dtype));
-      c.set_staged(true);  // the payload travels beside the chunk; crc32c 0
-      Push push;
-      push.chunks.push_back(std::move(c));
-      push.payloads.emplace_back(wire + (b - owned.begin) * esize, (e - b) * esize);
-      pushes.push_back(std::move(push));
-    }
+  for (uint64_t b = owned.begin; b < owned.end; b += chunk_elements) {
+    const uint64_t e = std::min(owned.end, b + chunk_elements);
+    v1::GradientChunk c;
+    c.set_job_id(kJobId);
+    c.set_rank(rank);
+    c.set_incarnation(kIncarnation);
+    c.mutable_range()->set_begin(b);
+    c.mutable_range()->set_end(e);
+    c.set_dtype(WireDType(dtype));
+    c.set_staged(true);  // the payload travels beside the chunk; crc32c 0
+    Push push;
+    push.chunks.push_back(std::move(c));
+    push.payloads.emplace_back(wire + (b - owned.begin) * esize, (e - b) * esize);
+    pushes.push_back(std::move(push));
   }
   return pushes;
 }
