@@ -1,8 +1,10 @@
 #pragma once
 
 // Host memory for large arrays that are swept end to end: a daemon's model
-// states, gradients and staging, and the benchmarks' buffers of the same
-// sizes (so their rooflines run on the same kind of pages).
+// states and gradients (LedgerArray; the regions a bulk transport serves,
+// such as staging slots, come from the transport), and the benchmarks'
+// buffers of the same sizes (so their rooflines run on the same kind of
+// pages).
 
 #include <cstddef>
 #include <cstdlib>

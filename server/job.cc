@@ -260,9 +260,7 @@ absl::StatusOr<std::shared_ptr<RankStaging>> Job::Staging(uint32_t rank, uint64_
     // together one by one: several micro-batches of one range); a multiple
     // of 64 bytes, so every slot starts aligned.
     const uint64_t slot_bytes = std::max<uint64_t>(
-        64,
-        std::min({config_.bucket_bytes, kMaxChunkBytes, std::max<uint64_t>(owned_.size(), 1) * 4}) /
-            64 * 64);
+        64, std::min({config_.bucket_bytes, kMaxChunkBytes, owned_.size() * 4}) / 64 * 64);
     absl::StatusOr<std::unique_ptr<RankStaging>> staging =
         RankStaging::Create(resources_.transport, resources_.ledger, config_.job_id,
                             resources_.staging_slots, slot_bytes);

@@ -130,6 +130,9 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
   }
   // The payloads lie back to back in one slot, in chunk order, from its start.
   const v1::GradientChunk& first = chunks[0];
+  absl::StatusOr<DType> dtype = DTypeFromProto(first.dtype(), "chunk 0.dtype");
+  if (!dtype.ok()) return dtype.status();
+  const uint64_t esize = DTypeSize(*dtype);
   std::vector<uint64_t> lengths(chunks.size());
   uint64_t length = 0;
   for (size_t i = 0; i < chunks.size(); ++i) {
@@ -147,17 +150,14 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
       return absl::InvalidArgumentError(absl::StrCat(
           "chunk ", i, ": a staged chunk carries no data, got ", c.data().size(), " bytes"));
     }
-    const std::string field = absl::StrCat("chunk ", i, ".dtype");
-    absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), field);
-    if (!dt.ok()) return dt.status();
     if (c.range().end() <= c.range().begin() ||
-        c.range().end() - c.range().begin() > kMaxChunkBytes / DTypeSize(*dt)) {
+        c.range().end() - c.range().begin() > kMaxChunkBytes / esize) {
       return absl::InvalidArgumentError(absl::StrCat("chunk ", i, ".range [", c.range().begin(),
                                                      ", ", c.range().end(),
                                                      ") is empty or too long for a staged chunk"));
     }
-    lengths[i] = (c.range().end() - c.range().begin()) * DTypeSize(*dt);
-    length += lengths[i];  // at most chunks * 4 * kMaxChunkBytes: no overflow
+    lengths[i] = (c.range().end() - c.range().begin()) * esize;
+    length += lengths[i];  // at most chunks * kMaxChunkBytes: no overflow
   }
   absl::StatusOr<std::shared_ptr<RankStaging>> staging =
       job->Staging(first.rank(), first.incarnation(), /*create=*/false);
