@@ -114,7 +114,11 @@ struct ClientConfig : JobSettings {
   // thread to every daemon. A gather's Gets are spread over them, so they
   // copy in parallel; a daemon's gradient Puts all take the first.
   int bulk_progress_threads = 2;
-  int sender_threads = 2;
+  // Gradient buckets in flight at once (each on its own thread): a bulk
+  // push holds one of the daemon's staging slots (--staging_slots, 4 by
+  // default) from its Put until the daemon has summed it, so up to that
+  // many per daemon overlap one bucket's Put with earlier buckets' sums.
+  int sender_threads = 4;
   int io_threads = 4;
   // The job's secret, sent with every request (common/auth.h); the first
   // rank to register the job binds it. Empty: ZS_JOB_TOKEN from the

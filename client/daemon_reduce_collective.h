@@ -55,7 +55,7 @@ class DaemonReduceCollective final : public Collective {
     uint64_t bucket_bytes = 32ull << 20;  // C_B
     DType wire_dtype = DType::kFp32;       // the job's precision
     uint32_t staging_buffers = 4;          // >= 2
-    int sender_threads = 2;                // >= 1
+    int sender_threads = 4;                // >= 1
   };
 
   // Allocates the staging pool. InvalidArgument for a bad option.

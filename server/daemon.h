@@ -56,8 +56,9 @@ struct DaemonOptions {
   // `buffer`); pushes past it wait.
   uint64_t reduction_buffer_bytes = 256ull << 20;
   // Slots in each rank's staging region (each one bucket, at most 64 MiB and
-  // at most the daemon's share of the parameters in fp32).
-  uint32_t staging_slots = 2;
+  // at most the daemon's share of the parameters in fp32): how many of a
+  // rank's pushes this daemon may hold at once (--staging_slots, 1..64).
+  uint32_t staging_slots = 4;
   // Daemon reduction: how long a staged push of the last micro-batch may be
   // held in its slot for its range's other contributions
   // (--reduction_hold_ms; 0: never).

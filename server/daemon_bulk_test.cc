@@ -93,7 +93,7 @@ class DaemonBulkTest : public ::testing::TestWithParam<BulkParam> {
     EXPECT_EQ(endpoint_.regions(0).purpose(), v1::REGION_PURPOSE_GRAD_STAGING);
     EXPECT_EQ(endpoint_.regions(1).purpose(), v1::REGION_PURPOSE_PARAM_MASTER);
     EXPECT_EQ(endpoint_.transport(), kind_);
-    EXPECT_EQ(endpoint_.staging_slots(), 2u);
+    EXPECT_EQ(endpoint_.staging_slots(), DaemonOptions{}.staging_slots);
     // A slot holds a bucket of C_B, or everything the daemon owns in fp32
     // when that is less (this job).
     const uint64_t owned_bytes = config_.map.DaemonRange(0).size() * sizeof(float);
@@ -102,8 +102,8 @@ class DaemonBulkTest : public ::testing::TestWithParam<BulkParam> {
     staging_.address = endpoint_.regions(0).address();
     staging_.length = endpoint_.regions(0).length();
     staging_.rkey = endpoint_.regions(0).rkey();
-    // Two slots, booked as buffer; the masters are booked once.
-    EXPECT_EQ(staging_.length, 2 * owned_bytes);
+    // The slots, booked as buffer; the masters are booked once.
+    EXPECT_EQ(staging_.length, endpoint_.staging_slots() * owned_bytes);
     EXPECT_EQ(Buffer() - buffer_before, staging_.length);
     EXPECT_EQ(Category(MemoryCategory::kParamMaster),
               config_.map.DaemonRange(0).size() * sizeof(float));
@@ -188,8 +188,9 @@ TEST_P(DaemonBulkTest, StagedPushesAreValidatedAndMatchInlineOnes) {
   auto push = [&](std::vector<v1::GradientChunk> c) {
     return [this, c] { return client_->Push(c); };
   };
-  ExpectRejected(grpc::INVALID_ARGUMENT, "staging_slot",
-                 push(one(0, [&](v1::GradientChunk& c) { c.set_staging_slot(2); })));
+  ExpectRejected(
+      grpc::INVALID_ARGUMENT, "staging_slot",
+      push(one(0, [&](v1::GradientChunk& c) { c.set_staging_slot(endpoint_.staging_slots()); })));
   ExpectRejected(grpc::INVALID_ARGUMENT, "staging_generation",
                  push(one(0, [&](v1::GradientChunk& c) { c.set_staging_generation(0); })));
   ExpectRejected(grpc::INVALID_ARGUMENT, "carries no data",
@@ -327,6 +328,32 @@ INSTANTIATE_TEST_SUITE_P(Transports, DaemonBulkTest,
                                            BulkParam{"ucx", "tcp", "UcxTcp"},
                                            BulkParam{"ucx", "posix,cma,self", "UcxShm"}),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// --staging_slots sets how many slots each rank's staging region has (each
+// booked as buffer); a count outside 1..64 keeps the daemon from starting.
+TEST(DaemonBulkOptionsTest, StagingSlotsSetTheRegionAndAreChecked) {
+  for (const uint32_t bad : {0u, 65u}) {
+    DaemonOptions o;
+    o.bulk_transport = "inproc";
+    o.staging_slots = bad;
+    absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+    ASSERT_FALSE(d.ok()) << bad;
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(d.status().message().find("--staging_slots"), std::string::npos) << d.status();
+  }
+  DaemonOptions o;
+  o.bulk_transport = "inproc";
+  o.staging_slots = 7;
+  std::unique_ptr<Daemon> daemon = *Daemon::Start(o);
+  DaemonClient client(daemon->address());
+  const v1::JobSpec spec = MakeSpec("job", SampleLayout(), 2, 1, {daemon->address()});
+  ASSERT_TRUE(client.Register(spec, 0).ok());
+  ASSERT_TRUE(client.JoinAll(spec).ok());
+  v1::ExchangeEndpointResponse endpoint;
+  ASSERT_TRUE(Exchange(client, "job", 0, &endpoint, v1::TRANSPORT_KIND_INPROC).ok());
+  EXPECT_EQ(endpoint.staging_slots(), 7u);
+  EXPECT_EQ(endpoint.regions(0).length(), 7 * endpoint.staging_slot_bytes());
+}
 
 // Bug 7: the last Leave removes the job, but its parameter regions stay
 // mapped (and booked) for the read lease after the job last handed out

@@ -54,7 +54,7 @@ struct JobResources {
   ShardOptimizer* optimizer = nullptr;
   transport::Transport* transport = nullptr;  // the bulk transport; may be null
   uint64_t reduction_buffer_bytes = 256ull << 20;  // out-of-order budget
-  uint32_t staging_slots = 2;
+  uint32_t staging_slots = 4;
   absl::Duration reduction_hold = absl::ZeroDuration();  // see DaemonOptions
   std::string checkpoint_dir;        // empty: no checkpoints
   DaemonMetrics* metrics = nullptr;  // may be null

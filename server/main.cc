@@ -59,6 +59,12 @@ ABSL_FLAG(int, rank_timeout_seconds, 30,
           "A joined rank not heard from (heartbeat, push) this long is no longer connected.");
 ABSL_FLAG(uint64_t, reduction_buffer_bytes, 256ull << 20,
           "Out-of-order gradient bytes each job may buffer; pushes past it wait.");
+ABSL_FLAG(uint32_t, staging_slots, 4,
+          "Slots in each joined rank's staging region (1..64), each one bucket (C_B, at most "
+          "64 MiB) or this daemon's share of the parameters in fp32 if smaller, booked as the "
+          "job's buffer memory: how many of a rank's bulk pushes may be in flight to this "
+          "daemon at once. Fewer slots save memory; more let a rank's Puts overlap the "
+          "daemon's sums of earlier buckets.");
 ABSL_FLAG(int, reduction_hold_ms, 50,
           "Up to this long a staged gradient push of one bucket (of the last micro-batch) whose "
           "range still "
@@ -119,6 +125,7 @@ int main(int argc, char** argv) {
   options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_seconds));
   options.reduction_buffer_bytes = absl::GetFlag(FLAGS_reduction_buffer_bytes);
   options.reduction_hold = absl::Milliseconds(absl::GetFlag(FLAGS_reduction_hold_ms));
+  options.staging_slots = absl::GetFlag(FLAGS_staging_slots);
   options.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.activation_arena_bytes = absl::GetFlag(FLAGS_activation_arena_bytes);
