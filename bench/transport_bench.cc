@@ -11,6 +11,9 @@
 //   memcpy    one copy of the same bytes between two buffers of --bytes,
 //             in C_B pieces, on one thread: the least a push or a gather
 //             does (printed beside, not in the summary).
+// The daemon runs with zeroshardd's defaults (--optimizer_threads: the CPUs
+// this process may use; 4 staging slots per rank), the client with its own
+// (4 sender threads).
 // A job of --bytes fp32 parameters (one rank, stage 2) pushes its whole
 // gradient and gathers all parameters per repetition; a repetition's figure
 // is (pushed + gathered bytes) / (push time + gather time), the optimizer
@@ -72,6 +75,7 @@
 #include "bench/stats.h"
 #include "client/client.h"
 #include "server/daemon.h"
+#include "server/system_resources.h"
 
 ABSL_FLAG(uint64_t, bytes, 268435456, "bytes of fp32 parameters in the job (Ψ * 4)");
 ABSL_FLAG(uint64_t, bucket_bytes, 32ull << 20, "the client's bucket C_B (and perftest's message)");
@@ -367,6 +371,9 @@ int Main() {
   DaemonOptions o;
   o.bulk_transport = "ucx";
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  // As zeroshardd's default: the optimizer threads (which also sum staged
+  // gradients) are the CPUs this process may use.
+  o.optimizer_threads = std::min(UsableCpus(), 256);
   // Loopback, and every peer is this process: UCX keys may go out over tcp.
   o.ucx_trust_peers = true;
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(o);
