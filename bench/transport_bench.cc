@@ -75,7 +75,6 @@
 #include "bench/stats.h"
 #include "client/client.h"
 #include "server/daemon.h"
-#include "server/system_resources.h"
 
 ABSL_FLAG(uint64_t, bytes, 268435456, "bytes of fp32 parameters in the job (Ψ * 4)");
 ABSL_FLAG(uint64_t, bucket_bytes, 32ull << 20, "the client's bucket C_B (and perftest's message)");
@@ -371,9 +370,8 @@ int Main() {
   DaemonOptions o;
   o.bulk_transport = "ucx";
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
-  // As zeroshardd's default: the optimizer threads (which also sum staged
-  // gradients) are the CPUs this process may use.
-  o.optimizer_threads = std::min(UsableCpus(), 256);
+  // As zeroshardd's default; the optimizer threads also sum staged gradients.
+  o.optimizer_threads = DefaultOptimizerThreads();
   // Loopback, and every peer is this process: UCX keys may go out over tcp.
   o.ucx_trust_peers = true;
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(o);

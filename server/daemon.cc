@@ -1,5 +1,6 @@
 #include "server/daemon.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <utility>
@@ -18,8 +19,12 @@
 #include "server/replica_link_grpc.h"
 #include "server/services.h"
 #include "server/status_page.h"
+#include "server/system_resources.h"
 
 namespace zeroshard {
+
+int DefaultOptimizerThreads() { return std::min(UsableCpus(), 256); }
+
 namespace {
 
 // Threads of the gRPC server that, after answering a request, keep waiting

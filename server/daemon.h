@@ -25,6 +25,11 @@
 
 namespace zeroshard {
 
+// zeroshardd's optimizer threads with --optimizer_threads=0 (its default):
+// the CPUs this process may use (UsableCpus(), server/system_resources.h),
+// at most 256.
+int DefaultOptimizerThreads();
+
 struct DaemonOptions {
   std::string listen = "127.0.0.1:0";  // HOST:PORT; port 0 picks a free one
   uint64_t memory_limit_bytes = 0;     // 0 = unlimited

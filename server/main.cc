@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
   }
   options.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
   if (options.optimizer_threads == 0) {
-    options.optimizer_threads = std::min(zeroshard::UsableCpus(), 256);
+    options.optimizer_threads = zeroshard::DefaultOptimizerThreads();
   }
   options.bulk_transport = absl::GetFlag(FLAGS_bulk_transport);
   options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_seconds));
