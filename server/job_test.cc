@@ -22,7 +22,8 @@ using testing::GradientChunks;
 using testing::MakeSpec;
 using testing::SampleLayout;
 
-std::unique_ptr<Daemon> Start(uint64_t reduction_buffer_bytes = 256ull << 20) {
+std::unique_ptr<Daemon> Start(
+    uint64_t reduction_buffer_bytes = DaemonOptions().reduction_buffer_bytes) {
   DaemonOptions o;
   o.reduction_buffer_bytes = reduction_buffer_bytes;
   o.read_lease = absl::ZeroDuration();
@@ -30,6 +31,27 @@ std::unique_ptr<Daemon> Start(uint64_t reduction_buffer_bytes = 256ull << 20) {
   EXPECT_TRUE(d.ok()) << d.status();
   return d.ok() ? *std::move(d) : nullptr;
 }
+
+// Job "job" of SampleLayout() at stage 2 with `world` ranks in `precision`,
+// on a daemon of its own (Start(reduction_buffer_bytes)), registered and
+// every rank joined (`joined`: whether both calls succeeded).
+struct JoinedJob {
+  explicit JoinedJob(uint32_t world,
+                     uint64_t reduction_buffer_bytes = DaemonOptions().reduction_buffer_bytes,
+                     v1::DType precision = v1::DTYPE_FP32)
+      : d(Start(reduction_buffer_bytes)),
+        c(d->address()),
+        spec(MakeSpec("job", SampleLayout(), 2, world, {d->address()})) {
+    spec.set_precision(precision);
+    config = *ParseJobSpec(spec);
+    joined = c.Register(spec, 0).ok() && c.JoinAll(spec).ok();
+  }
+  std::unique_ptr<Daemon> d;
+  DaemonClient c;
+  v1::JobSpec spec;
+  JobConfig config;
+  bool joined = false;
+};
 
 // Prepares and commits step 1 of job "job" as its leader, then gathers its
 // `n` parameters into *params (and the prepare result into *prepared).
@@ -50,12 +72,12 @@ void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b) {
 // Bug 5: a second process claiming a rank fences the first; the stale
 // process's pushes are refused and change nothing.
 TEST(JobTest, NewerIncarnationFencesTheOlder) {
-  std::unique_ptr<Daemon> d = Start();
-  DaemonClient c(d->address());
-  const v1::JobSpec spec = MakeSpec("job", SampleLayout(), 2, 2, {d->address()});
-  const JobConfig config = *ParseJobSpec(spec);
-  ASSERT_TRUE(c.Register(spec, 0).ok());
-  ASSERT_TRUE(c.JoinAll(spec).ok());
+  JoinedJob job(2);
+  ASSERT_TRUE(job.joined);
+  std::unique_ptr<Daemon>& d = job.d;
+  DaemonClient& c = job.c;
+  const v1::JobSpec& spec = job.spec;
+  const JobConfig& config = job.config;
   ASSERT_TRUE(c.Join(spec, 1, 5).ok());  // a restarted rank 1
   EXPECT_EQ(c.Join(spec, 1, 3).error_code(), grpc::FAILED_PRECONDITION);
   std::vector<float> g(config.map.total_elements(), 1.0f);
@@ -97,18 +119,16 @@ TEST(JobTest, NewerIncarnationFencesTheOlder) {
 // bit-identical to in-order arrival.
 TEST(JobTest, OutOfOrderBufferIsBoundedAndExact) {
   constexpr uint32_t kWorld = 4;
-  const Layout layout = SampleLayout();
   std::vector<float> in_order, out_of_order;
   v1::PrepareStepResponse prepared[2];
   double expected_sq_sum = 0;
   for (int pass = 0; pass < 2; ++pass) {
     const uint64_t budget = 16 << 10;  // a few chunks of fp32
-    std::unique_ptr<Daemon> d = Start(budget);
-    DaemonClient c(d->address());
-    const v1::JobSpec spec = MakeSpec("job", layout, 2, kWorld, {d->address()});
-    const JobConfig config = *ParseJobSpec(spec);
-    ASSERT_TRUE(c.Register(spec, 0).ok());
-    ASSERT_TRUE(c.JoinAll(spec).ok());
+    JoinedJob job(kWorld, budget);
+    ASSERT_TRUE(job.joined);
+    std::unique_ptr<Daemon>& d = job.d;
+    DaemonClient& c = job.c;
+    const JobConfig& config = job.config;
     const uint64_t n = config.map.total_elements();
     std::vector<std::vector<float>> grads(kWorld, std::vector<float>(n));
     for (uint32_t r = 0; r < kWorld; ++r) {
@@ -170,16 +190,13 @@ TEST(JobTest, OutOfOrderBufferIsBoundedAndExact) {
 // rank across all four partitions sums to the bits of per-partition chunks.
 TEST(JobTest, DaemonReductionSumsChunksAcrossPartitions) {
   constexpr uint32_t kWorld = 4;
-  const Layout layout = SampleLayout();
   std::vector<float> params[2];
   v1::PrepareStepResponse prepared[2];
   for (int pass = 0; pass < 2; ++pass) {
-    std::unique_ptr<Daemon> d = Start();
-    DaemonClient c(d->address());
-    const v1::JobSpec spec = MakeSpec("job", layout, 2, kWorld, {d->address()});
-    const JobConfig config = *ParseJobSpec(spec);
-    ASSERT_TRUE(c.Register(spec, 0).ok());
-    ASSERT_TRUE(c.JoinAll(spec).ok());
+    JoinedJob job(kWorld);
+    ASSERT_TRUE(job.joined);
+    DaemonClient& c = job.c;
+    const JobConfig& config = job.config;
     const uint64_t n = config.map.total_elements();
     ASSERT_GT(n, config.map.partition_elements());  // the whole range spans partitions
     for (uint32_t r = 0; r < kWorld; ++r) {
@@ -215,15 +232,14 @@ TEST(JobTest, DaemonReductionSumsChunksAcrossPartitions) {
 // parameters of a run where nothing failed.
 TEST(JobTest, RestartedRankReplaysTheOpenStep) {
   constexpr uint32_t kWorld = 3;
-  const Layout layout = SampleLayout();
   std::vector<std::vector<float>> params(2);
   for (int pass = 0; pass < 2; ++pass) {
-    std::unique_ptr<Daemon> d = Start();
-    DaemonClient c(d->address());
-    const v1::JobSpec spec = MakeSpec("job", layout, 2, kWorld, {d->address()});
-    const JobConfig config = *ParseJobSpec(spec);
-    ASSERT_TRUE(c.Register(spec, 0).ok());
-    ASSERT_TRUE(c.JoinAll(spec).ok());
+    JoinedJob job(kWorld);
+    ASSERT_TRUE(job.joined);
+    std::unique_ptr<Daemon>& d = job.d;
+    DaemonClient& c = job.c;
+    const v1::JobSpec& spec = job.spec;
+    const JobConfig& config = job.config;
     const uint64_t n = config.map.total_elements();
     const uint64_t half = n / 2;
     std::vector<std::vector<float>> grads(kWorld, std::vector<float>(n));
@@ -302,16 +318,13 @@ TEST(JobTest, RestartedRankReplaysTheOpenStep) {
 // the sum equals in-order arrival bit for bit.
 TEST(JobTest, OutOfOrderBf16WaitsInItsWireBytes) {
   constexpr uint32_t kWorld = 2;
-  const Layout layout = SampleLayout();
   std::vector<std::vector<float>> params(2);
   for (int pass = 0; pass < 2; ++pass) {
-    std::unique_ptr<Daemon> d = Start();
-    DaemonClient c(d->address());
-    v1::JobSpec spec = MakeSpec("job", layout, 2, kWorld, {d->address()});
-    spec.set_precision(v1::DTYPE_BF16);
-    const JobConfig config = *ParseJobSpec(spec);
-    ASSERT_TRUE(c.Register(spec, 0).ok());
-    ASSERT_TRUE(c.JoinAll(spec).ok());
+    JoinedJob job(kWorld, DaemonOptions().reduction_buffer_bytes, v1::DTYPE_BF16);
+    ASSERT_TRUE(job.joined);
+    std::unique_ptr<Daemon>& d = job.d;
+    DaemonClient& c = job.c;
+    const JobConfig& config = job.config;
     const uint64_t n = config.map.total_elements();
     // Rank r's chunks, converted to bf16 (no CRC: the bytes change).
     auto chunks = [&](uint32_t r) {
