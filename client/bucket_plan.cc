@@ -13,7 +13,7 @@ uint64_t BucketPlan::StagingBytes(uint64_t bucket_bytes, DType wire_dtype) {
 
 absl::StatusOr<BucketPlan> BucketPlan::Create(const Layout& layout, const PartitionMap& map,
                                               uint64_t bucket_bytes, DType wire_dtype,
-                                              BucketCut cut) {
+                                              BucketCut cut, bool at_layers) {
   const uint64_t elements = StagingBytes(bucket_bytes, wire_dtype) / DTypeSize(wire_dtype);
   if (elements == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -31,17 +31,34 @@ absl::StatusOr<BucketPlan> BucketPlan::Create(const Layout& layout, const Partit
   plan.tensors_.reserve(layout.tensors().size());
   for (const TensorPlacement& t : layout.tensors()) plan.tensors_.push_back(t.range());
   const FlatRange real{0, layout.total_elements()};
+  // The pieces cut every `elements` from their start: the spans, or with
+  // `at_layers` the spans cut at the layer boundaries (the layer ranges tile
+  // the flat space).
+  std::vector<FlatRange> layer_ranges;
+  if (at_layers) {
+    for (uint32_t layer : layout.layers()) layer_ranges.push_back(*layout.LayerRange(layer));
+  } else {
+    layer_ranges.push_back(real);
+  }
   const uint32_t spans = cut == BucketCut::kPartition ? map.world_size() : map.num_daemons();
+  size_t first_layer = 0;
   for (uint32_t i = 0; i < spans; ++i) {
     const FlatRange span =
         (cut == BucketCut::kPartition ? map.Partition(i) : map.DaemonRange(i)).Intersect(real);
-    for (uint64_t b = span.begin; b < span.end; b += elements) {
-      Bucket bucket;
-      bucket.range = {b, std::min(span.end, b + elements)};
-      bucket.partition = static_cast<uint32_t>(b / map.partition_elements());
-      bucket.daemon = map.DaemonOf(bucket.partition);
-      bucket.real_elements = plan.RealElements(bucket.range);
-      plan.buckets_.push_back(bucket);
+    while (first_layer < layer_ranges.size() && layer_ranges[first_layer].end <= span.begin) {
+      ++first_layer;
+    }
+    for (size_t l = first_layer; l < layer_ranges.size() && layer_ranges[l].begin < span.end;
+         ++l) {
+      const FlatRange piece = span.Intersect(layer_ranges[l]);
+      for (uint64_t b = piece.begin; b < piece.end; b += elements) {
+        Bucket bucket;
+        bucket.range = {b, std::min(piece.end, b + elements)};
+        bucket.partition = static_cast<uint32_t>(b / map.partition_elements());
+        bucket.daemon = map.DaemonOf(bucket.partition);
+        bucket.real_elements = plan.RealElements(bucket.range);
+        plan.buckets_.push_back(bucket);
+      }
     }
   }
   return plan;

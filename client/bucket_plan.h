@@ -12,10 +12,14 @@
 // alike, so a rank's gradient for one daemon is at most
 // ceil(range / E) buckets however many partitions the range holds). A bucket
 // therefore never crosses a daemon boundary (with kPartition, nor a
-// partition boundary) and never reaches into the padding. Buckets depend
-// only on (layout, N_d, daemons, C_B, precision, cut): not on how a rank
-// splits its PushGradients calls, so a stage-3 rank pushing layer by layer and
-// a stage-1 rank pushing the whole model in one call produce the same chunks.
+// partition boundary) and never reaches into the padding. With `at_layers`
+// (stage 3, which pushes layer by layer) each span is first cut at the
+// layers' boundaries (Layout::LayerRange) and each piece cut every E from
+// its start, so a layer's push covers whole buckets and never leaves one
+// partly written for another layer to complete, whatever order the layers'
+// gradients arrive in. Buckets depend only on (layout, N_d, daemons, C_B,
+// precision, cut, at_layers): not on how a rank splits its PushGradients
+// calls.
 //
 // Elements of a bucket that belong to no tensor (alignment gaps) are "gap"
 // elements; a bucket is complete once all of its real elements are written.
@@ -52,7 +56,8 @@ class BucketPlan {
   // InvalidArgument when `bucket_bytes` is under one element or the map was
   // not made for this layout (total elements differ).
   static absl::StatusOr<BucketPlan> Create(const Layout& layout, const PartitionMap& map,
-                                           uint64_t bucket_bytes, DType wire_dtype, BucketCut cut);
+                                           uint64_t bucket_bytes, DType wire_dtype, BucketCut cut,
+                                           bool at_layers = false);
 
   // Bytes of the largest bucket (the size of one staging buffer).
   static uint64_t StagingBytes(uint64_t bucket_bytes, DType wire_dtype);

@@ -16,11 +16,15 @@
 #include "client/stream_data_path.h"
 #include "common/auth.h"
 #include "common/checkpoint_files.h"
+#include "common/crc32c.h"
 #include "common/protocol.h"
 #include "common/status_macros.h"
 
 namespace zeroshard {
 namespace {
+
+// Payload of one WriteState chunk.
+constexpr uint64_t kWriteStateChunkBytes = uint64_t{4} << 20;
 
 constexpr uint64_t kUploadPieceElements = 1ull << 20;  // 4 MiB of fp32 per stream
 constexpr absl::string_view kStream = "stream";
@@ -263,6 +267,7 @@ absl::Status Client::BindCollective() {
   job.wire_dtype = config_.precision;
   job.bucket_bytes = config_.bucket_bytes;
   job.micro_batches = config_.micro_batches;
+  job.stage = config_.stage;
   for (const auto& p : data_paths_) job.daemons.push_back(p.get());
   job.traffic = &traffic_;
   job.rpc_timeout = config_.rpc_timeout;
@@ -344,6 +349,7 @@ absl::Status Client::RegisterModel(const Layout& layout, const float* initial_pa
     return absl::FailedPreconditionError(
         "RegisterModel: a retry must pass the layout of the first attempt");
   }
+  RETURN_IF_ERROR(ValidateLayoutGroups(config_, layout, "RegisterModel: "));
   ASSIGN_OR_RETURN(PartitionMap map,
                    PartitionMap::Create(layout.total_elements(), config_.world_size,
                                         static_cast<uint32_t>(config_.daemons.size())));
@@ -433,7 +439,8 @@ absl::Status Client::UploadInitialParams(const float* params) {
 
 absl::StatusOr<PushTicket> Client::PushGradients(const FlatRange& range, const void* grads,
                                                  DType dtype, uint32_t micro_batch, BufferUse use,
-                                                 MemoryKind memory) {
+                                                 MemoryKind memory,
+                                                 absl::Span<const uint32_t> no_grad_tensors) {
   if (!registered()) return absl::FailedPreconditionError("PushGradients before RegisterModel");
   if (dtype != DType::kFp32 && dtype != DType::kBf16 && dtype != DType::kFp16) {
     return absl::InvalidArgumentError(
@@ -444,15 +451,48 @@ absl::StatusOr<PushTicket> Client::PushGradients(const FlatRange& range, const v
         absl::StrCat("range: [", range.begin, ", ", range.end, ") is empty or outside the ",
                      "flat space [0, ", layout_.total_elements(), ")"));
   }
+  if (!no_grad_tensors.empty()) {
+    const auto [first, last] = layout_.TensorsIn(range);
+    for (size_t i = 0; i < no_grad_tensors.size(); ++i) {
+      const uint32_t t = no_grad_tensors[i];
+      if (t < first || t >= last || (i > 0 && t <= no_grad_tensors[i - 1])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("no_grad_tensors[", i, "]: ", t, " is not ascending or does not overlap ",
+                         "range [", range.begin, ", ", range.end, ") (tensors ", first, "..",
+                         last, " do)"));
+      }
+    }
+    RETURN_IF_ERROR(collective_->MarkNoGradient(step_ + 1, micro_batch, no_grad_tensors));
+  }
   return collective_->Reduce(step_ + 1, micro_batch, range, grads, dtype, use, memory,
                              RpcDeadline());
 }
 
 absl::StatusOr<StepResult> Client::Step(float lr) {
-  if (!registered()) return absl::FailedPreconditionError("Step before RegisterModel");
   if (!std::isfinite(lr) || lr < 0) {
     return absl::InvalidArgumentError(absl::StrCat("lr: must be finite and >= 0, got ", lr));
   }
+  return StepWith(lr, {});
+}
+
+absl::StatusOr<StepResult> Client::Step(absl::Span<const float> group_lrs) {
+  const uint32_t groups = GroupCount(config_);
+  if (group_lrs.size() != groups) {
+    return absl::InvalidArgumentError(absl::StrCat("group_lrs: the job has ", groups,
+                                                   " parameter groups, got ", group_lrs.size(),
+                                                   " learning rates"));
+  }
+  for (size_t g = 0; g < group_lrs.size(); ++g) {
+    if (!std::isfinite(group_lrs[g]) || group_lrs[g] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group_lrs[", g, "]: must be finite and >= 0, got ", group_lrs[g]));
+    }
+  }
+  return StepWith(group_lrs[0], std::vector<float>(group_lrs.begin(), group_lrs.end()));
+}
+
+absl::StatusOr<StepResult> Client::StepWith(float lr, std::vector<float> group_lrs) {
+  if (!registered()) return absl::FailedPreconditionError("Step before RegisterModel");
   RETURN_IF_ERROR(layers_->CheckNoneHeld());
   const uint64_t step = step_.load() + 1;
   // A retry of a failed commit phase resends the commit: the gradients are in.
@@ -461,7 +501,7 @@ absl::StatusOr<StepResult> Client::Step(float lr) {
     RETURN_IF_ERROR(collective_->Finish(step, push_start + config_.step_timeout));
   }
   const absl::Duration push_wait = absl::Now() - push_start;
-  ASSIGN_OR_RETURN(StepResult result, coordinator_->Step(step, lr));
+  ASSIGN_OR_RETURN(StepResult result, coordinator_->Step(step, lr, std::move(group_lrs)));
   result.push_wait = push_wait;
   // Committed: nothing below may fail.
   step_ = step;
@@ -472,6 +512,128 @@ absl::StatusOr<StepResult> Client::Step(float lr) {
   }
   layers_->DiscardAll();
   return result;
+}
+
+absl::Status Client::ReadState(v1::StateArray array, const FlatRange& range, float* dst,
+                               std::map<uint32_t, uint64_t>* steps) {
+  if (!registered()) return absl::FailedPreconditionError("ReadState before RegisterModel");
+  if (range.empty() || range.end > layout_.total_elements()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("range: [", range.begin, ", ", range.end, ") is empty or outside the ",
+                     "flat space [0, ", layout_.total_elements(), ")"));
+  }
+  absl::Mutex steps_mu;
+  return ForEachDaemon([&](uint32_t d) -> absl::Status {
+    const FlatRange piece = map_.DaemonRange(d).Intersect(range);
+    if (piece.empty()) return absl::OkStatus();
+    v1::ReadStateRequest request;
+    request.set_job_id(config_.job_id);
+    request.set_rank(config_.rank);
+    request.set_incarnation(incarnation_);
+    request.set_array(array);
+    request.mutable_range()->set_begin(piece.begin);
+    request.mutable_range()->set_end(piece.end);
+    uint64_t filled = piece.begin;
+    RETURN_IF_ERROR(controls_[d]->ReadState(
+        request, RpcDeadline(), [&](const v1::StateChunk& c) -> absl::Status {
+          const FlatRange r{c.range().begin(), c.range().end()};
+          if (r.begin != filled || r.end > piece.end || r.end < r.begin ||
+              c.data().size() != r.size() * sizeof(float)) {
+            return absl::DataLossError(absl::StrCat(
+                "daemon ", controls_[d]->address(), ": ReadState answered range [", r.begin,
+                ", ", r.end, ") with ", c.data().size(), " bytes where [", filled, ", ",
+                piece.end, ") was expected"));
+          }
+          if (c.crc32c() != 0 && Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
+            return absl::DataLossError(absl::StrCat("daemon ", controls_[d]->address(),
+                                                    ": ReadState: CRC-32C mismatch"));
+          }
+          std::memcpy(dst + (r.begin - range.begin), c.data().data(), c.data().size());
+          filled = r.end;
+          if (steps != nullptr && c.tensor_steps_size() > 0) {
+            absl::MutexLock lock(&steps_mu);
+            for (const v1::TensorStep& t : c.tensor_steps()) (*steps)[t.tensor()] = t.steps();
+          }
+          return absl::OkStatus();
+        }));
+    if (filled != piece.end) {
+      return absl::DataLossError(absl::StrCat("daemon ", controls_[d]->address(),
+                                              ": ReadState ended at element ", filled, " of [",
+                                              piece.begin, ", ", piece.end, ")"));
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status Client::WriteState(v1::StateArray array, const FlatRange& range, const float* src,
+                                const std::map<uint32_t, uint64_t>& steps) {
+  if (!registered()) return absl::FailedPreconditionError("WriteState before RegisterModel");
+  if (range.end > layout_.total_elements() || range.begin > range.end) {
+    return absl::InvalidArgumentError(absl::StrCat("range: [", range.begin, ", ", range.end,
+                                                   ") is outside the flat space [0, ",
+                                                   layout_.total_elements(), ")"));
+  }
+  for (const auto& [t, n] : steps) {
+    if (t >= layout_.tensors().size() || layout_.tensors()[t].spec.frozen) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("steps: tensor ", t, " is not a trainable tensor of the layout"));
+    }
+  }
+  RETURN_IF_ERROR(layers_->CheckNoneHeld());
+  const uint64_t chunk_elements = kWriteStateChunkBytes / sizeof(float);
+  const uint64_t stream_bytes = MaxPushStreamBytes(config_.bucket_bytes);
+  absl::Status written = ForEachDaemon([&](uint32_t d) -> absl::Status {
+    const FlatRange owned = map_.DaemonRange(d).Intersect({0, layout_.total_elements()});
+    const FlatRange piece = owned.Intersect(range);
+    std::vector<v1::StateChunk> stream;
+    uint64_t bytes = 0;
+    auto send = [&]() -> absl::Status {
+      if (stream.empty()) return absl::OkStatus();
+      RETURN_IF_ERROR(controls_[d]->WriteState(stream, RpcDeadline()).status());
+      stream.clear();
+      bytes = 0;
+      return absl::OkStatus();
+    };
+    auto header = [&]() {
+      v1::StateChunk c;
+      c.set_job_id(config_.job_id);
+      c.set_rank(config_.rank);
+      c.set_incarnation(incarnation_);
+      c.set_array(array);
+      return c;
+    };
+    // The counts of the tensors this daemon holds go with its first stream.
+    v1::StateChunk counts = header();
+    const auto [first, last] = layout_.TensorsIn(owned);
+    for (auto it = steps.lower_bound(static_cast<uint32_t>(first));
+         it != steps.end() && it->first < last; ++it) {
+      v1::TensorStep* t = counts.add_tensor_steps();
+      t->set_tensor(it->first);
+      t->set_steps(it->second);
+    }
+    if (counts.tensor_steps_size() > 0) {
+      bytes += counts.ByteSizeLong() + kPushChunkOverheadBytes;
+      stream.push_back(std::move(counts));
+    }
+    for (uint64_t pos = piece.begin; pos < piece.end;) {
+      const uint64_t end = std::min(piece.end, pos + chunk_elements);
+      const uint64_t held = (end - pos) * sizeof(float) + kPushChunkOverheadBytes;
+      if (!stream.empty() && bytes + held > stream_bytes) RETURN_IF_ERROR(send());
+      v1::StateChunk c = header();
+      c.mutable_range()->set_begin(pos);
+      c.mutable_range()->set_end(end);
+      c.set_data(reinterpret_cast<const char*>(src + (pos - range.begin)),
+                 (end - pos) * sizeof(float));
+      c.set_crc32c(Crc32c(c.data().data(), c.data().size()));
+      bytes += held;
+      stream.push_back(std::move(c));
+      pos = end;
+    }
+    return send();
+  });
+  // Whatever was written, the layers held from before are stale.
+  layers_->DiscardAll();
+  return written;
 }
 
 absl::Status Client::GatherRange(const FlatRange& range, DType dtype, uint64_t after_step,

@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -55,6 +56,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "client/activation_store.h"
 #include "client/checkpoint_driver.h"
 #include "client/collective.h"
@@ -231,10 +233,19 @@ class Client {
   // for a client without a device); it is cast to the wire dtype on the
   // device and copied into the pinned staging pool before the call returns
   // (kBorrow then works as kCopy), while earlier buckets are being sent.
+  // No gradient: `no_grad_tensors` (layout indices, ascending, each
+  // overlapping `range`) are tensors this push has no gradient for (torch's
+  // grad is None): their elements in `grads` must be zeros, and the step
+  // updates a tensor only if some rank's push, in some micro-batch, carried
+  // a gradient for it, as torch.optim skips a parameter without one (no
+  // weight decay, no moment update, its update count unchanged). Name a
+  // tensor in every push that covers part of it, or in none.
+  // InvalidArgument for an index that is not ascending or outside `range`.
   absl::StatusOr<PushTicket> PushGradients(const FlatRange& range, const void* grads, DType dtype,
                                            uint32_t micro_batch = 0,
                                            BufferUse use = BufferUse::kCopy,
-                                           MemoryKind memory = MemoryKind::kHost);
+                                           MemoryKind memory = MemoryKind::kHost,
+                                           absl::Span<const uint32_t> no_grad_tensors = {});
 
   // Ends the step: waits until this rank's pushes are accepted
   // (FailedPrecondition if some element was not pushed), then on the leader
@@ -259,6 +270,10 @@ class Client {
   // committed_step() and then fails. Step gathers nothing: stages 1-2 call
   // GatherAll for the new parameters.
   absl::StatusOr<StepResult> Step(float lr);
+  // Step with each parameter group's learning rate (JobSettings::
+  // param_groups; one per group, each finite and >= 0: InvalidArgument
+  // otherwise).
+  absl::StatusOr<StepResult> Step(absl::Span<const float> group_lrs);
 
   // Gathers every parameter as of the last committed step into `dst`
   // (total_elements() elements of `dtype`: fp32 or the job's precision;
@@ -325,6 +340,27 @@ class Client {
   // Whether RegisterModel resumed from a checkpoint, and which.
   const std::optional<v1::LoadCheckpointResponse>& resumed_from() const { return resumed_; }
 
+  // ---- State dicts (Shard.ReadState / WriteState) ----
+  // Reads the committed `array` (masters or moments) over `range` (inside
+  // [0, total_elements())) into `dst` (range.size() floats: alignment gaps,
+  // and the moments of frozen tensors, read as zeros) from the daemons that
+  // own it, and when `steps` is not null adds the update count of every
+  // trainable tensor overlapping the range (layout index -> count). Call
+  // between steps. Blocks (rpc_timeout per daemon, in parallel).
+  absl::Status ReadState(v1::StateArray array, const FlatRange& range, float* dst,
+                         std::map<uint32_t, uint64_t>* steps);
+  // Overwrites `array` over `range` with `src` (range.size() floats; zeros
+  // in the alignment gaps and, for moments, in frozen tensors) on the
+  // daemons that own it, in streams of at most C_B, and sets the update
+  // counts in `steps` (trainable tensors; each daemon gets those of the
+  // tensors overlapping its range). Each daemon applies its part whole or
+  // not at all. Call between steps, on one rank or on every rank with the
+  // same values (writes of equal values are harmless); the gathered layers
+  // this client holds are dropped, so the next gathers read the new values.
+  // An empty `range` writes only the counts. Blocks.
+  absl::Status WriteState(v1::StateArray array, const FlatRange& range, const float* src,
+                          const std::map<uint32_t, uint64_t>& steps);
+
   // ---- Activation checkpoints (client/activation_store.h) ----
   // A store for this rank's activation checkpoints on daemon `daemon` (an
   // index into ClientConfig.daemons; a trainer usually takes
@@ -366,6 +402,9 @@ class Client {
   Client(ClientConfig config, std::unique_ptr<Collective> collective);
 
   absl::Time RpcDeadline() const { return absl::Now() + config_.rpc_timeout; }
+  // Step with the learning rates checked (`group_lrs` empty: `lr` for every
+  // group).
+  absl::StatusOr<StepResult> StepWith(float lr, std::vector<float> group_lrs);
   RankId rank_id() const { return {config_.job_id, config_.rank, incarnation_}; }
   // Creates the controls, data paths, executor and step coordinator.
   absl::Status Connect();

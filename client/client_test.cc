@@ -390,6 +390,9 @@ class ToyTrainerCollective final : public Collective {
     std::memcpy(exchange_->grads(job_.rank).data() + range.begin, grads, range.size() * 4);
     return PushTicket();
   }
+  absl::Status MarkNoGradient(uint64_t, uint32_t, absl::Span<const uint32_t> tensors) override {
+    return tensors.empty() ? absl::OkStatus() : absl::UnimplementedError("no marks");
+  }
   absl::Status Finish(uint64_t step, absl::Time deadline) override {
     if (!exchange_->Barrier(deadline)) return absl::DeadlineExceededError("reduce-scatter");
     const FlatRange mine = job_.map->UnpaddedPartition(job_.rank);

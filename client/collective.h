@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "client/data_path.h"
 #include "client/device_memory.h"
 #include "client/executor.h"
@@ -74,6 +75,9 @@ struct CollectiveJob {
   DType wire_dtype = DType::kFp32;  // the job's precision
   uint64_t bucket_bytes = 0;        // C_B
   uint32_t micro_batches = 1;
+  // ZeRO stage: stage 3 pushes layer by layer, so daemon reduction cuts its
+  // buckets at the layer boundaries too (BucketPlan's at_layers).
+  uint32_t stage = 1;
   std::vector<DataPath*> daemons;   // by daemon index
   TrafficCounters* traffic = nullptr;
   absl::Duration rpc_timeout = absl::Seconds(60);
@@ -107,6 +111,15 @@ class Collective {
                                             const FlatRange& range, const void* grads, DType dtype,
                                             BufferUse use, MemoryKind memory,
                                             absl::Time deadline) = 0;
+
+  // Records that this rank's contribution to micro-batch `micro_batch` of
+  // `step` carries no gradient for `tensors` (layout indices, ascending;
+  // their elements are pushed as zeros), before the Reduce that pushes
+  // them. The daemons then skip a tensor in the step's update unless some
+  // rank, in some micro-batch, pushed a gradient for it (GradientChunk.
+  // no_grad_tensors). Thread-safe like Reduce.
+  virtual absl::Status MarkNoGradient(uint64_t step, uint32_t micro_batch,
+                                      absl::Span<const uint32_t> tensors) = 0;
 
   // Blocks until every contribution of `step` has been accepted (first error
   // otherwise). FailedPrecondition (naming the first missing range) if this

@@ -139,4 +139,38 @@ absl::Status DaemonControl::Leave(const RankId& id, absl::Time deadline) {
   return DaemonError(control_->Leave(&context, request, &response), address_, "Leave");
 }
 
+absl::Status DaemonControl::ReadState(
+    const v1::ReadStateRequest& request, absl::Time deadline,
+    absl::FunctionRef<absl::Status(const v1::StateChunk&)> take) {
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  std::unique_ptr<grpc::ClientReader<v1::StateChunk>> reader =
+      shard_->ReadState(&context, request);
+  v1::StateChunk chunk;
+  absl::Status taken;
+  while (taken.ok() && reader->Read(&chunk)) taken = take(chunk);
+  if (!taken.ok()) {
+    context.TryCancel();
+    (void)reader->Finish();  // cancelled: its status says only that
+    return taken;
+  }
+  return DaemonError(reader->Finish(), address_, "ReadState");
+}
+
+absl::StatusOr<v1::WriteStateResponse> DaemonControl::WriteState(
+    const std::vector<v1::StateChunk>& chunks, absl::Time deadline) {
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::WriteStateResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::StateChunk>> writer =
+      shard_->WriteState(&context, &response);
+  for (const v1::StateChunk& c : chunks) {
+    if (!writer->Write(c)) break;  // the daemon ended the stream: Finish says why
+  }
+  writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  if (!s.ok()) return DaemonError(s, address_, "WriteState");
+  return response;
+}
+
 }  // namespace zeroshard

@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
@@ -58,6 +60,14 @@ class DaemonControl {
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request,
                                                     absl::Time deadline);
   absl::Status Leave(const RankId& id, absl::Time deadline);
+  // Shard.ReadState: passes every chunk of the answer to `take`, in order;
+  // an error from `take` cancels the call and is returned.
+  absl::Status ReadState(const v1::ReadStateRequest& request, absl::Time deadline,
+                         absl::FunctionRef<absl::Status(const v1::StateChunk&)> take);
+  // Shard.WriteState with `chunks` as one stream (applied whole or not at
+  // all).
+  absl::StatusOr<v1::WriteStateResponse> WriteState(const std::vector<v1::StateChunk>& chunks,
+                                                    absl::Time deadline);
 
  private:
   const std::string address_;

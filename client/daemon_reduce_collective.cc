@@ -89,8 +89,9 @@ absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
   if (job.micro_batches < 1) {
     return absl::InvalidArgumentError("CollectiveJob: micro_batches must be >= 1");
   }
-  absl::StatusOr<BucketPlan> plan = BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes,
-                                                       job.wire_dtype, BucketCut::kDaemon);
+  absl::StatusOr<BucketPlan> plan =
+      BucketPlan::Create(*job.layout, *job.map, job.bucket_bytes, job.wire_dtype,
+                         BucketCut::kDaemon, /*at_layers=*/job.stage == 3);
   if (!plan.ok()) return plan.status();
   // Device gradients are copied into the staging pool by DMA: pinned once.
   if (job.device != nullptr) {
@@ -243,6 +244,38 @@ absl::Status DaemonReduceCollective::BeginReduce(const Contribution& c, size_t f
   }
   ++pushers_;
   return absl::OkStatus();
+}
+
+absl::Status DaemonReduceCollective::MarkNoGradient(uint64_t step, uint32_t micro_batch,
+                                                    absl::Span<const uint32_t> tensors) {
+  if (!bound_.load(std::memory_order_acquire)) {
+    return absl::FailedPreconditionError("PushGradients before RegisterModel");
+  }
+  if (micro_batch >= job_.micro_batches) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "micro_batch: must be < micro_batches (", job_.micro_batches, "), got ", micro_batch));
+  }
+  const uint64_t count = job_.layout->tensors().size();
+  absl::MutexLock lock(&mu_);
+  if (no_grad_step_ != step) {
+    no_grad_.clear();
+    no_grad_step_ = step;
+  }
+  for (uint32_t t : tensors) no_grad_.insert(micro_batch * count + t);
+  return absl::OkStatus();
+}
+
+std::vector<uint32_t> DaemonReduceCollective::NoGradTensorsOf(uint64_t key) const {
+  std::vector<uint32_t> out;
+  if (no_grad_.empty()) return out;
+  const size_t nb = plan_.buckets().size();
+  const uint64_t count = job_.layout->tensors().size();
+  const uint64_t micro_batch = key / nb;
+  const auto [first, last] = job_.layout->TensorsIn(plan_.buckets()[key % nb].range);
+  for (size_t t = first; t < last; ++t) {
+    if (no_grad_.contains(micro_batch * count + t)) out.push_back(static_cast<uint32_t>(t));
+  }
+  return out;
 }
 
 absl::StatusOr<PushTicket> DaemonReduceCollective::Reduce(uint64_t step, uint32_t micro_batch,
@@ -421,6 +454,7 @@ void DaemonReduceCollective::RunSends(uint32_t daemon) {
   const size_t nb = plan_.buckets().size();
   const uint64_t wire = DTypeSize(plan_.wire_dtype());
   std::vector<Queued> batch;
+  std::vector<std::vector<uint32_t>> no_grad;
   {
     absl::MutexLock lock(&mu_);
     std::deque<Queued>& queue = queued_[daemon];
@@ -437,6 +471,8 @@ void DaemonReduceCollective::RunSends(uint32_t daemon) {
       bytes += b;
       batch.push_back(std::move(queue.front()));
       queue.pop_front();
+      no_grad.push_back(no_grad_step_ == batch.back().step ? NoGradTensorsOf(batch.back().key)
+                                                           : std::vector<uint32_t>());
     }
   }
   if (batch.empty()) return;
@@ -453,6 +489,7 @@ void DaemonReduceCollective::RunSends(uint32_t daemon) {
     push.range = bucket.range;
     push.dtype = plan_.wire_dtype();
     push.data = batch[i].data;
+    push.no_grad_tensors = std::move(no_grad[i]);
   }
   const std::vector<absl::StatusOr<uint64_t>> sent =
       job_.daemons[daemon]->PushGradients(pushes, absl::Now() + job_.rpc_timeout);

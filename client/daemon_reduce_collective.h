@@ -42,6 +42,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "client/bucket_plan.h"
 #include "client/collective.h"
@@ -68,6 +69,8 @@ class DaemonReduceCollective final : public Collective {
   absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch, const FlatRange& range,
                                     const void* grads, DType dtype, BufferUse use,
                                     MemoryKind memory, absl::Time deadline) override;
+  absl::Status MarkNoGradient(uint64_t step, uint32_t micro_batch,
+                              absl::Span<const uint32_t> tensors) override;
   absl::Status Finish(uint64_t step, absl::Time deadline) override;
   uint64_t staging_bytes() const override { return buffer_bytes_ * buffer_count_; }
 
@@ -211,6 +214,12 @@ class DaemonReduceCollective final : public Collective {
   };
   // By daemon index: buckets dispatched and not yet taken by a sender.
   std::vector<std::deque<Queued>> queued_ ABSL_GUARDED_BY(mu_);
+  // MarkNoGradient's marks for step no_grad_step_: micro_batch * tensors +
+  // tensor index.
+  uint64_t no_grad_step_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_set<uint64_t> no_grad_ ABSL_GUARDED_BY(mu_);
+  // The marked tensors overlapping bucket `key` (for its push).
+  std::vector<uint32_t> NoGradTensorsOf(uint64_t key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Last member: destroyed first, so sends finish while the buffers live.
   std::unique_ptr<Executor> senders_;

@@ -53,6 +53,9 @@ struct GradientPush {
   FlatRange range;             // inside the daemon's range (trainer collective: one partition)
   DType dtype = DType::kFp32;  // of `data`
   const void* data = nullptr;  // range.size() * DTypeSize(dtype) bytes
+  // Layout indices (ascending, overlapping `range`) of the tensors this
+  // contribution has no gradient for (GradientChunk.no_grad_tensors).
+  std::vector<uint32_t> no_grad_tensors;
 };
 
 // Initial fp32 parameters for a range the daemon owns.

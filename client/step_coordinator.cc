@@ -50,9 +50,10 @@ StepCoordinator::StepCoordinator(Options options, std::vector<DaemonControl*> da
                                  Executor* io)
     : options_(std::move(options)), daemons_(std::move(daemons)), io_(io) {}
 
-absl::StatusOr<StepResult> StepCoordinator::Step(uint64_t step, float lr) {
+absl::StatusOr<StepResult> StepCoordinator::Step(uint64_t step, float lr,
+                                                 std::vector<float> group_lrs) {
   if (HasPendingCommit(step)) return Commit(*pending_);
-  return options_.id.rank == 0 ? LeaderStep(step, lr) : FollowerStep(step);
+  return options_.id.rank == 0 ? LeaderStep(step, lr, std::move(group_lrs)) : FollowerStep(step);
 }
 
 absl::Status StepCoordinator::AwaitAllRanksJoined() {
@@ -149,14 +150,16 @@ absl::StatusOr<std::vector<v1::PrepareStepResponse>> StepCoordinator::PrepareAll
   return out;
 }
 
-absl::StatusOr<StepResult> StepCoordinator::LeaderStep(uint64_t step, float lr) {
+absl::StatusOr<StepResult> StepCoordinator::LeaderStep(uint64_t step, float lr,
+                                                       std::vector<float> group_lrs) {
   const absl::Time deadline = absl::Now() + options_.step_timeout;
   ASSIGN_OR_RETURN(std::vector<v1::PrepareStepResponse> prepared, PrepareAll(step, deadline));
   bool found_inf_nan = false;
   for (const auto& p : prepared) found_inf_nan = found_inf_nan || p.found_inf_nan();
   PendingCommit commit;
   commit.step = step;
-  commit.lr = lr;
+  commit.lr = group_lrs.empty() ? lr : group_lrs[0];
+  commit.group_lrs = std::move(group_lrs);
   commit.grad_norm = GlobalNorm(prepared);
   commit.skip = found_inf_nan || !std::isfinite(commit.grad_norm);
   if (!commit.skip && options_.max_grad_norm > 0) {
@@ -173,6 +176,7 @@ absl::StatusOr<StepResult> StepCoordinator::Commit(const PendingCommit& commit) 
   request.set_clip_coef(commit.clip_coef);
   request.set_skip(commit.skip);
   request.set_lr(commit.lr);
+  for (float g : commit.group_lrs) request.add_group_lrs(g);
   request.set_grad_norm(commit.grad_norm);
   request.set_rank(options_.id.rank);
   request.set_incarnation(options_.id.incarnation);

@@ -77,8 +77,9 @@ class StepCoordinator {
   // Ends step `step` once this rank's gradients are in: the leader prepares
   // and commits it, a follower waits until every daemon committed it.
   // Blocks up to step_timeout. A failed commit phase is resent as it was by
-  // the next call for the same step (CommitStep is idempotent).
-  absl::StatusOr<StepResult> Step(uint64_t step, float lr);
+  // the next call for the same step (CommitStep is idempotent). `group_lrs`:
+  // each parameter group's learning rate (empty: `lr` for every group).
+  absl::StatusOr<StepResult> Step(uint64_t step, float lr, std::vector<float> group_lrs = {});
 
   // Blocks until every daemon counts world_size joined ranks (step_timeout).
   absl::Status AwaitAllRanksJoined();
@@ -90,6 +91,7 @@ class StepCoordinator {
   struct PendingCommit {
     uint64_t step = 0;
     float lr = 0;
+    std::vector<float> group_lrs;
     float clip_coef = 1.0f;
     bool skip = false;
     float grad_norm = 0;
@@ -98,7 +100,7 @@ class StepCoordinator {
   absl::Time RpcDeadline(absl::Time outer) const {
     return std::min(outer, absl::Now() + options_.rpc_timeout);
   }
-  absl::StatusOr<StepResult> LeaderStep(uint64_t step, float lr);
+  absl::StatusOr<StepResult> LeaderStep(uint64_t step, float lr, std::vector<float> group_lrs);
   // Every daemon's PrepareStep answer, polling while gradients are missing.
   absl::StatusOr<std::vector<v1::PrepareStepResponse>> PrepareAll(uint64_t step,
                                                                   absl::Time deadline);

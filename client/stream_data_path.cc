@@ -53,6 +53,7 @@ v1::GradientChunk GradientChunkHeader(const GradientPush& push) {
   chunk.set_dtype(WireDType(push.dtype));
   chunk.set_micro_batch(push.micro_batch);
   chunk.set_micro_batches(push.micro_batches);
+  chunk.mutable_no_grad_tensors()->Add(push.no_grad_tensors.begin(), push.no_grad_tensors.end());
   return chunk;
 }
 

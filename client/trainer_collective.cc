@@ -245,6 +245,15 @@ absl::Status TrainerCollective::PushPartition(uint64_t step, absl::Time deadline
   return absl::OkStatus();
 }
 
+absl::Status TrainerCollective::MarkNoGradient(uint64_t, uint32_t,
+                                               absl::Span<const uint32_t> tensors) {
+  if (tensors.empty()) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      what_, ": cannot tell the daemons which tensors got no gradient (the ranks do not agree on ",
+      "them before pushing); push zeros without marking them, or use reduction mode DAEMON, ",
+      "which skips such tensors exactly as torch.optim does"));
+}
+
 absl::Status TrainerCollective::Finish(uint64_t step, absl::Time deadline) {
   if (!bound_.load(std::memory_order_acquire)) {
     return absl::FailedPreconditionError("Step before RegisterModel");

@@ -74,6 +74,11 @@ class TrainerCollective : public Collective {
   absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch, const FlatRange& range,
                                     const void* grads, DType dtype, BufferUse use,
                                     MemoryKind memory, absl::Time deadline) final;
+  // Unimplemented for a non-empty `tensors`: the ranks would have to agree
+  // (an all-reduce of the marks) before rank p pushes partition p, which
+  // this collective does not do; reduction mode DAEMON carries the marks.
+  absl::Status MarkNoGradient(uint64_t step, uint32_t micro_batch,
+                              absl::Span<const uint32_t> tensors) final;
   absl::Status Finish(uint64_t step, absl::Time deadline) final;
   uint64_t staging_bytes() const final;
   bool gathers_parameters() const final { return true; }

@@ -59,6 +59,62 @@ absl::Status ValidateHostPort(absl::string_view address, absl::string_view field
   return absl::OkStatus();
 }
 
+namespace {
+
+// The hyper-parameters a kind uses, checked (`field` is e.g. "optimizer." or
+// "param_groups[2].").
+absl::Status CheckHyperParams(absl::string_view p, const std::string& field, OptimizerKind kind,
+                              float lr, float beta1, float beta2, float eps, float weight_decay) {
+  if (!Finite(lr) || lr < 0) {
+    return Invalid(p, field + "lr", absl::StrCat("must be finite and >= 0, got ", lr));
+  }
+  if (kind != OptimizerKind::kSgdMomentum) {
+    if (!(beta1 >= 0 && beta1 < 1)) {
+      return Invalid(p, field + "beta1", absl::StrCat("must be in [0, 1), got ", beta1));
+    }
+    if (!(beta2 >= 0 && beta2 < 1)) {
+      return Invalid(p, field + "beta2", absl::StrCat("must be in [0, 1), got ", beta2));
+    }
+    if (!(eps > 0) || !Finite(eps)) {
+      return Invalid(p, field + "eps", absl::StrCat("must be finite and > 0, got ", eps));
+    }
+  }
+  if (!Finite(weight_decay) || weight_decay < 0) {
+    return Invalid(p, field + "weight_decay",
+                   absl::StrCat("must be finite and >= 0, got ", weight_decay));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+OptimizerSettings GroupOptimizer(const JobSettings& s, uint32_t group) {
+  OptimizerSettings o = s.optimizer;
+  if (group < s.param_groups.size()) {
+    const ParamGroupSettings& g = s.param_groups[group];
+    o.lr = g.lr;
+    o.beta1 = g.beta1;
+    o.beta2 = g.beta2;
+    o.eps = g.eps;
+    o.weight_decay = g.weight_decay;
+  }
+  return o;
+}
+
+absl::Status ValidateLayoutGroups(const JobSettings& s, const Layout& layout,
+                                  absl::string_view prefix) {
+  const uint32_t groups = GroupCount(s);
+  for (size_t i = 0; i < layout.tensors().size(); ++i) {
+    const TensorSpec& t = layout.tensors()[i].spec;
+    if (t.group >= groups) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefix, "layout.tensors[", i, "].group (", t.name, "): the job has ", groups,
+          " parameter group", groups == 1 ? "" : "s", ", got group ", t.group));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateJobSettings(const JobSettings& s, absl::string_view p) {
   if (!IsValidJobId(s.job_id)) {
     return Invalid(p, "job_id",
@@ -90,25 +146,25 @@ absl::Status ValidateJobSettings(const JobSettings& s, absl::string_view p) {
                    absl::StrCat("must be ADAMW (1), ADAM (2) or SGD_MOMENTUM (3), got ",
                                 static_cast<int>(o.kind)));
   }
-  if (!Finite(o.lr) || o.lr < 0) {
-    return Invalid(p, "optimizer.lr", absl::StrCat("must be finite and >= 0, got ", o.lr));
+  if (absl::Status st = CheckHyperParams(p, "optimizer.", o.kind, o.lr, o.beta1, o.beta2, o.eps,
+                                         o.weight_decay);
+      !st.ok()) {
+    return st;
   }
-  if (o.kind != OptimizerKind::kSgdMomentum) {
-    if (!(o.beta1 >= 0 && o.beta1 < 1)) {
-      return Invalid(p, "optimizer.beta1", absl::StrCat("must be in [0, 1), got ", o.beta1));
-    }
-    if (!(o.beta2 >= 0 && o.beta2 < 1)) {
-      return Invalid(p, "optimizer.beta2", absl::StrCat("must be in [0, 1), got ", o.beta2));
-    }
-    if (!(o.eps > 0) || !Finite(o.eps)) {
-      return Invalid(p, "optimizer.eps", absl::StrCat("must be finite and > 0, got ", o.eps));
-    }
-  } else if (!(o.momentum >= 0 && o.momentum < 1)) {
+  if (o.kind == OptimizerKind::kSgdMomentum && !(o.momentum >= 0 && o.momentum < 1)) {
     return Invalid(p, "optimizer.momentum", absl::StrCat("must be in [0, 1), got ", o.momentum));
   }
-  if (!Finite(o.weight_decay) || o.weight_decay < 0) {
-    return Invalid(p, "optimizer.weight_decay",
-                   absl::StrCat("must be finite and >= 0, got ", o.weight_decay));
+  if (s.param_groups.size() > Layout::kMaxParamGroups) {
+    return Invalid(p, "param_groups",
+                   absl::StrCat("at most ", Layout::kMaxParamGroups, ", got ", s.param_groups.size()));
+  }
+  for (size_t g = 0; g < s.param_groups.size(); ++g) {
+    const ParamGroupSettings& pg = s.param_groups[g];
+    if (absl::Status st = CheckHyperParams(p, absl::StrCat("param_groups[", g, "]."), o.kind, pg.lr,
+                                           pg.beta1, pg.beta2, pg.eps, pg.weight_decay);
+        !st.ok()) {
+      return st;
+    }
   }
   const LossScaleSettings& ls = s.loss_scale;
   if (!Finite(ls.initial_scale) || ls.initial_scale <= 0) {
@@ -174,6 +230,7 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& layout) {
                                                      " dimensions, got ", t.shape_size()));
     }
     name_bytes += t.name().size();
+    for (const std::string& a : t.aliases()) name_bytes += a.size();
   }
   if (name_bytes > kMaxLayoutNameBytes) {
     return absl::InvalidArgumentError(absl::StrCat("spec.layout.tensors: the names take ",
@@ -187,7 +244,20 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& layout) {
     absl::StatusOr<DType> dtype =
         DTypeFromProto(t.dtype(), absl::StrCat("spec.layout.tensors[", i, "].dtype"));
     if (!dtype.ok()) return dtype.status();
-    specs.push_back(TensorSpec{t.name(), {t.shape().begin(), t.shape().end()}, *dtype, t.layer()});
+    if (t.aliases_size() > static_cast<int>(Layout::kMaxAliases)) {
+      return absl::InvalidArgumentError(absl::StrCat("spec.layout.tensors[", i, "].aliases: at most ",
+                                                     Layout::kMaxAliases, ", got ",
+                                                     t.aliases_size()));
+    }
+    TensorSpec spec;
+    spec.name = t.name();
+    spec.shape.assign(t.shape().begin(), t.shape().end());
+    spec.dtype = *dtype;
+    spec.layer = t.layer();
+    spec.group = t.group();
+    spec.frozen = t.frozen();
+    spec.aliases.assign(t.aliases().begin(), t.aliases().end());
+    specs.push_back(std::move(spec));
   }
   absl::StatusOr<Layout> out = Layout::Create(std::move(specs), layout.alignment_elements());
   if (!out.ok()) {
@@ -205,6 +275,9 @@ v1::Layout LayoutToProto(const Layout& layout) {
     for (int64_t d : t.spec.shape) s->add_shape(d);
     s->set_dtype(WireDType(t.spec.dtype));
     s->set_layer(t.spec.layer);
+    s->set_group(t.spec.group);
+    s->set_frozen(t.spec.frozen);
+    for (const std::string& a : t.spec.aliases) s->add_aliases(a);
   }
   return out;
 }
@@ -237,6 +310,14 @@ v1::JobSpec ToJobSpec(const JobSettings& s, const Layout& layout) {
   spec.set_bucket_bytes(s.bucket_bytes);
   for (const std::string& d : s.daemons) spec.add_daemons(d);
   if (s.replicas > 1) spec.set_replicas(s.replicas);
+  for (const ParamGroupSettings& g : s.param_groups) {
+    v1::ParamGroup* out = spec.add_param_groups();
+    out->set_lr(g.lr);
+    out->set_beta1(g.beta1);
+    out->set_beta2(g.beta2);
+    out->set_eps(g.eps);
+    out->set_weight_decay(g.weight_decay);
+  }
   return spec;
 }
 
@@ -270,6 +351,14 @@ absl::StatusOr<JobConfig> ParseJobSpec(const v1::JobSpec& spec) {
   c.bucket_bytes = spec.bucket_bytes() == 0 ? kDefaultBucketBytes : spec.bucket_bytes();
   c.daemons.assign(spec.daemons().begin(), spec.daemons().end());
   c.replicas = spec.replicas() == 0 ? 1 : spec.replicas();
+  if (spec.param_groups_size() > static_cast<int>(Layout::kMaxParamGroups)) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.param_groups: at most ",
+                                                   Layout::kMaxParamGroups, ", got ",
+                                                   spec.param_groups_size()));
+  }
+  for (const v1::ParamGroup& g : spec.param_groups()) {
+    c.param_groups.push_back({g.lr(), g.beta1(), g.beta2(), g.eps(), g.weight_decay()});
+  }
   if (spec.reduction() < 0 || spec.reduction() > 255 || spec.optimizer().kind() < 0 ||
       spec.optimizer().kind() > 255) {
     return absl::InvalidArgumentError(
@@ -285,6 +374,7 @@ absl::StatusOr<JobConfig> ParseJobSpec(const v1::JobSpec& spec) {
                      spec.layout_fingerprint(), ", the layout hashes to ", layout->fingerprint(),
                      "): the trainer and daemon disagree on the layout"));
   }
+  if (absl::Status s = ValidateLayoutGroups(c, *layout, "spec."); !s.ok()) return s;
   absl::StatusOr<PartitionMap> map = PartitionMap::Create(
       layout->total_elements(), c.world_size, static_cast<uint32_t>(c.daemons.size()));
   if (!map.ok()) return map.status();
@@ -330,6 +420,21 @@ std::string DescribeLayoutDifference(const v1::Layout& registered, const v1::Lay
       return absl::StrCat(where, " '", a.name(), "': registered in layer ", a.layer(),
                           ", got layer ", b.layer());
     }
+    if (a.group() != b.group()) {
+      return absl::StrCat(where, " '", a.name(), "': registered in parameter group ", a.group(),
+                          ", got group ", b.group());
+    }
+    if (a.frozen() != b.frozen()) {
+      return absl::StrCat(where, " '", a.name(), "': registered ",
+                          a.frozen() ? "frozen" : "trainable", ", got ",
+                          b.frozen() ? "frozen" : "trainable");
+    }
+    if (!std::equal(a.aliases().begin(), a.aliases().end(), b.aliases().begin(),
+                    b.aliases().end())) {
+      return absl::StrCat(where, " '", a.name(), "': registered aliases [",
+                          absl::StrJoin(a.aliases(), ", "), "], got [",
+                          absl::StrJoin(b.aliases(), ", "), "]");
+    }
   }
   if (registered.tensors_size() != got.tensors_size()) {
     const v1::TensorSpec& first_extra =
@@ -374,6 +479,14 @@ std::string DescribeSpecDifference(const v1::JobSpec& registered, const v1::JobS
                                                           got.loss_scale())) {
     return differ("loss_scale", registered.loss_scale().ShortDebugString(),
                   got.loss_scale().ShortDebugString());
+  }
+  {
+    v1::JobSpec a, b;
+    *a.mutable_param_groups() = registered.param_groups();
+    *b.mutable_param_groups() = got.param_groups();
+    if (!google::protobuf::util::MessageDifferencer::Equals(a, b)) {
+      return differ("param_groups", a.ShortDebugString(), b.ShortDebugString());
+    }
   }
   if (std::max(registered.replicas(), 1u) != std::max(got.replicas(), 1u)) {
     return differ("replicas", std::max(registered.replicas(), 1u), std::max(got.replicas(), 1u));

@@ -44,6 +44,17 @@ struct OptimizerSettings {
   float momentum = 0.0f;  // SGD only
 };
 
+// One parameter group's hyper-parameters (v1::ParamGroup): its tensors
+// (TensorSpec::group) are updated with these in place of the job's
+// OptimizerSettings fields of the same names.
+struct ParamGroupSettings {
+  float lr = 1e-3f;  // step 1's; each commit carries the group's own
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;
+};
+
 struct LossScaleSettings {
   bool dynamic = false;  // fp16: grow / back off the scale
   float initial_scale = 1.0f;
@@ -70,7 +81,21 @@ struct JobSettings {
   // primary and a backup. Group g (the partitions daemons[g] owns) is held
   // by daemons[g] and daemons[ReplicaPeer(g)].
   uint32_t replicas = 1;
+  // Parameter groups, indexed by TensorSpec::group: empty means one group
+  // with `optimizer`'s hyper-parameters; at most Layout::kMaxParamGroups.
+  std::vector<ParamGroupSettings> param_groups;
 };
+
+// The number of parameter groups of a job (at least 1).
+inline uint32_t GroupCount(const JobSettings& s) {
+  return s.param_groups.empty() ? 1 : static_cast<uint32_t>(s.param_groups.size());
+}
+// The update rule and hyper-parameters group `group` (< GroupCount) uses.
+OptimizerSettings GroupOptimizer(const JobSettings& settings, uint32_t group);
+// OK iff every tensor of `layout` names one of the job's groups;
+// InvalidArgument naming the first that does not (as `prefix` + field).
+absl::Status ValidateLayoutGroups(const JobSettings& settings, const Layout& layout,
+                                  absl::string_view prefix);
 
 // The other daemon of replica group `group` in a replicated job with
 // `daemons` daemons: the next one, wrapping around.

@@ -22,20 +22,25 @@ void MixU64(uint64_t& h, uint64_t v) {
 
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-absl::Status CheckName(const std::string& name, size_t index) {
+// `field` is e.g. "tensors[3].name" or "tensors[3].aliases[0]".
+absl::Status CheckName(const std::string& name, const std::string& field) {
   if (name.empty() || name.size() > Layout::kMaxNameBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "tensors[", index, "].name: must be 1..", Layout::kMaxNameBytes,
-        " bytes, got ", name.size()));
+        field, ": must be 1..", Layout::kMaxNameBytes, " bytes, got ", name.size()));
   }
   for (unsigned char c : name) {
     if (c < 0x20 || c > 0x7e) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensors[", index, "].name: only printable ASCII is allowed"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": only printable ASCII is allowed"));
     }
   }
   return absl::OkStatus();
 }
+
+// Marks the fields added after the first layouts: mixed only when a tensor
+// has a group, a frozen flag or aliases, so older layouts keep their
+// fingerprints (and their checkpoints stay loadable).
+constexpr uint64_t kExtendedTensorMarker = 0x7a73'6772'6f75'7073ull;
 
 }  // namespace
 
@@ -56,10 +61,30 @@ absl::StatusOr<Layout> Layout::Create(std::vector<TensorSpec> tensors, uint64_t 
   uint64_t cursor = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     TensorSpec& t = tensors[i];
-    if (absl::Status s = CheckName(t.name, i); !s.ok()) return s;
+    if (absl::Status s = CheckName(t.name, absl::StrCat("tensors[", i, "].name")); !s.ok()) {
+      return s;
+    }
     if (!names.insert(t.name).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensors[", i, "].name: \"", t.name, "\" appears twice"));
+    }
+    if (t.aliases.size() > kMaxAliases) {
+      return absl::InvalidArgumentError(absl::StrCat("tensors[", i, "].aliases (", t.name,
+                                                     "): at most ", kMaxAliases, ", got ",
+                                                     t.aliases.size()));
+    }
+    for (size_t a = 0; a < t.aliases.size(); ++a) {
+      const std::string field = absl::StrCat("tensors[", i, "].aliases[", a, "]");
+      if (absl::Status s = CheckName(t.aliases[a], field); !s.ok()) return s;
+      if (!names.insert(t.aliases[a]).second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, " (", t.name, "): \"", t.aliases[a], "\" is already a name in the layout"));
+      }
+    }
+    if (t.group >= kMaxParamGroups) {
+      return absl::InvalidArgumentError(absl::StrCat("tensors[", i, "].group (", t.name,
+                                                     "): must be < ", kMaxParamGroups, ", got ",
+                                                     t.group));
     }
     if (t.shape.empty() || t.shape.size() > kMaxDims) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -103,6 +128,18 @@ absl::StatusOr<Layout> Layout::Create(std::vector<TensorSpec> tensors, uint64_t 
     for (int64_t dim : t.shape) MixU64(h, static_cast<uint64_t>(dim));
     MixU64(h, static_cast<uint64_t>(t.dtype));
     MixU64(h, t.layer);
+    if (t.group != 0 || t.frozen || !t.aliases.empty()) {
+      MixU64(h, kExtendedTensorMarker);
+      MixU64(h, t.group);
+      MixU64(h, t.frozen ? 1 : 0);
+      MixU64(h, t.aliases.size());
+      for (const std::string& a : t.aliases) {
+        MixU64(h, a.size());
+        Mix(h, a.data(), a.size());
+      }
+    }
+    layout.group_count_ = std::max(layout.group_count_, t.group + 1);
+    if (t.frozen) layout.frozen_elements_ += numel;
 
     if (layout.layers_.empty() || layout.layers_.back() != t.layer) {
       layout.layers_.push_back(t.layer);
@@ -114,6 +151,19 @@ absl::StatusOr<Layout> Layout::Create(std::vector<TensorSpec> tensors, uint64_t 
   layout.total_elements_ = AlignUp(cursor, alignment);
   layout.fingerprint_ = h;
   return layout;
+}
+
+std::pair<size_t, size_t> Layout::TensorsIn(const FlatRange& range) const {
+  // Tensors are in flat order and do not overlap: the first one ending after
+  // range.begin, then every one starting before range.end.
+  auto first = std::upper_bound(
+      tensors_.begin(), tensors_.end(), range.begin,
+      [](uint64_t pos, const TensorPlacement& t) { return pos < t.offset + t.numel; });
+  auto last = std::lower_bound(
+      first, tensors_.end(), range.end,
+      [](const TensorPlacement& t, uint64_t pos) { return t.offset < pos; });
+  return {static_cast<size_t>(first - tensors_.begin()),
+          static_cast<size_t>(last - tensors_.begin())};
 }
 
 absl::StatusOr<FlatRange> Layout::LayerRange(uint32_t layer) const {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -19,6 +20,16 @@ struct TensorSpec {
   std::vector<int64_t> shape;  // 1..8 dims, each >= 1
   DType dtype = DType::kFp32;  // type the trainer holds it in
   uint32_t layer = 0;          // non-decreasing in registration order
+  // The parameter group whose hyper-parameters update it (an index into
+  // JobSettings::param_groups), < kMaxParamGroups.
+  uint32_t group = 0;
+  // Never updated and holds no optimizer state (a parameter with
+  // requires_grad=False, or a buffer kept with the model's states).
+  bool frozen = false;
+  // Other names of the same tensor (tied weights: a state dict lists it
+  // under each); the name rules apply, and every name and alias of a
+  // layout is unique. At most kMaxAliases.
+  std::vector<std::string> aliases;
 };
 
 struct TensorPlacement {
@@ -34,6 +45,8 @@ class Layout {
   static constexpr uint64_t kMaxElements = uint64_t{1} << 48;
   static constexpr size_t kMaxDims = 8;
   static constexpr size_t kMaxNameBytes = 256;
+  static constexpr size_t kMaxAliases = 16;
+  static constexpr uint32_t kMaxParamGroups = 256;
 
   // Validates and places `tensors`. `alignment` in elements: a power of two in
   // 1..4096, or 0 for kDefaultAlignment. InvalidArgument names the offending
@@ -53,8 +66,16 @@ class Layout {
   // The flat range spanned by `layer`'s tensors (from its first tensor's
   // offset to the aligned end of its last). NotFound for an unknown layer.
   absl::StatusOr<FlatRange> LayerRange(uint32_t layer) const;
-  // Stable 64-bit fingerprint of names, shapes, dtypes, layers and alignment.
+  // Stable 64-bit fingerprint of names, shapes, dtypes, layers, groups,
+  // frozen flags, aliases and alignment (a layout without groups, frozen
+  // tensors or aliases hashes as it did before they existed).
   uint64_t fingerprint() const { return fingerprint_; }
+  // Indices [first, last) of the tensors that overlap `range`.
+  std::pair<size_t, size_t> TensorsIn(const FlatRange& range) const;
+  // The largest group index of any tensor, plus one.
+  uint32_t group_count() const { return group_count_; }
+  // Elements of frozen tensors.
+  uint64_t frozen_elements() const { return frozen_elements_; }
 
  // An empty layout (no tensors); real ones come from Create.
   Layout() = default;
@@ -67,6 +88,8 @@ class Layout {
   uint64_t parameter_count_ = 0;
   uint64_t total_elements_ = 0;
   uint64_t fingerprint_ = 0;
+  uint32_t group_count_ = 1;
+  uint64_t frozen_elements_ = 0;
 };
 
 }  // namespace zeroshard

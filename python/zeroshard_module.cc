@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -189,19 +190,65 @@ TensorData WritableOut(const py::object& out, uint64_t expected, DType dtype, co
   return {keep->ptr, DType::kFp32, MemoryKind::kHost};
 }
 
-using TensorTuple = std::tuple<std::string, std::vector<int64_t>, uint32_t>;
-
-Layout MakeLayout(const std::vector<TensorTuple>& tensors, uint64_t alignment) {
+// A layout from a list of tuples (name, shape, layer[, group[, frozen[,
+// aliases]]]).
+Layout MakeLayout(const py::list& tensors, uint64_t alignment) {
   std::vector<TensorSpec> specs;
   specs.reserve(tensors.size());
-  for (const auto& [name, shape, layer] : tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const py::tuple t = tensors[i].cast<py::tuple>();
+    if (t.size() < 3 || t.size() > 6) {
+      throw py::value_error(absl::StrCat("tensors[", i, "]: expected (name, shape, layer[, group[, ",
+                                         "frozen[, aliases]]]), got ", t.size(), " fields"));
+    }
     TensorSpec spec;
-    spec.name = name;
-    spec.shape = shape;
-    spec.layer = layer;
+    spec.name = t[0].cast<std::string>();
+    spec.shape = t[1].cast<std::vector<int64_t>>();
+    spec.layer = t[2].cast<uint32_t>();
+    if (t.size() > 3) spec.group = t[3].cast<uint32_t>();
+    if (t.size() > 4) spec.frozen = t[4].cast<bool>();
+    if (t.size() > 5) spec.aliases = t[5].cast<std::vector<std::string>>();
     specs.push_back(std::move(spec));
   }
   return Check(Layout::Create(std::move(specs), alignment));
+}
+
+// Parameter groups from a list of dicts with keys lr, betas, eps and
+// weight_decay (each optional: the ClientConfig default otherwise).
+std::vector<ParamGroupSettings> ParseParamGroups(const py::object& groups) {
+  std::vector<ParamGroupSettings> out;
+  for (const py::handle& item : groups) {
+    const py::dict d = item.cast<py::dict>();
+    ParamGroupSettings g;
+    for (const auto& [key, value] : d) {
+      const std::string k = key.cast<std::string>();
+      if (k == "lr") {
+        g.lr = value.cast<float>();
+      } else if (k == "betas") {
+        const auto betas = value.cast<std::pair<float, float>>();
+        g.beta1 = betas.first;
+        g.beta2 = betas.second;
+      } else if (k == "eps") {
+        g.eps = value.cast<float>();
+      } else if (k == "weight_decay") {
+        g.weight_decay = value.cast<float>();
+      } else {
+        throw py::value_error(absl::StrCat("param_groups[", out.size(), "]: unknown key '", k,
+                                           "' (lr, betas, eps, weight_decay)"));
+      }
+    }
+    out.push_back(g);
+  }
+  return out;
+}
+
+// "master", "exp_avg", "exp_avg_sq".
+v1::StateArray ParseStateArray(const std::string& name) {
+  if (name == "master") return v1::STATE_ARRAY_MASTER;
+  if (name == "exp_avg") return v1::STATE_ARRAY_EXP_AVG;
+  if (name == "exp_avg_sq") return v1::STATE_ARRAY_EXP_AVG_SQ;
+  throw py::value_error(
+      absl::StrCat("array: expected 'master', 'exp_avg' or 'exp_avg_sq', got '", name, "'"));
 }
 
 py::dict TrafficDict(const TrafficBytes& b) {
@@ -226,8 +273,11 @@ class PyClient {
            std::optional<std::string> tls_key, std::optional<std::string> tls_ca, uint32_t replicas,
            const std::string& reduction, std::optional<std::string> collective_dir,
            const std::string& collective_host, std::optional<int> cuda_device,
-           const std::string& collective_kind) {
+           const std::string& collective_kind, const py::object& param_groups,
+           uint32_t micro_batches) {
     ClientConfig c;
+    c.micro_batches = micro_batches;
+    if (!param_groups.is_none()) c.param_groups = ParseParamGroups(param_groups);
     c.cuda_device = cuda_device.value_or(-1);
     std::unique_ptr<Collective> collective;
     if (collective_kind != "gloo" && collective_kind != "nccl") {
@@ -311,7 +361,8 @@ class PyClient {
     Check(status);
   }
 
-  void PushGradients(uint64_t begin, uint64_t end, const py::object& grads, bool borrow) {
+  void PushGradients(uint64_t begin, uint64_t end, const py::object& grads, bool borrow,
+                     uint32_t micro_batch, const std::vector<uint32_t>& no_grad) {
     if (end < begin) throw py::value_error("push_gradients: end < begin");
     const void* data = nullptr;
     DType dtype = DType::kFp32;
@@ -333,8 +384,9 @@ class PyClient {
     absl::StatusOr<PushTicket> ticket;
     {
       py::gil_scoped_release release;
-      ticket = client_->PushGradients({begin, end}, data, dtype, 0,
-                                      borrow ? BufferUse::kBorrow : BufferUse::kCopy, memory);
+      ticket = client_->PushGradients({begin, end}, data, dtype, micro_batch,
+                                      borrow ? BufferUse::kBorrow : BufferUse::kCopy, memory,
+                                      no_grad);
     }
     Check(ticket.status());
     // The client reads a borrowed buffer until the step has taken it in:
@@ -342,11 +394,17 @@ class PyClient {
     if (borrow) lent_.push_back(grads);
   }
 
-  py::dict Step(float lr) {
+  // `lr`: a float (every group's), or a list of each group's.
+  py::dict Step(const py::object& lr) {
     absl::StatusOr<StepResult> result;
-    {
+    if (py::isinstance<py::float_>(lr) || py::isinstance<py::int_>(lr)) {
+      const float v = lr.cast<float>();
       py::gil_scoped_release release;
-      result = client_->Step(lr);
+      result = client_->Step(v);
+    } else {
+      const std::vector<float> lrs = lr.cast<std::vector<float>>();
+      py::gil_scoped_release release;
+      result = client_->Step(lrs);
     }
     StepResult r = Check(std::move(result));
     lent_.clear();  // every push of the step has been accepted
@@ -500,7 +558,66 @@ class PyClient {
     return std::move(d);
   }
 
+  // The committed `array` over [begin, end) into `out` (end - begin float32
+  // values, a buffer or tensor); returns {tensor index: update count} of the
+  // trainable tensors overlapping the range.
+  std::map<uint32_t, uint64_t> ReadState(const std::string& array, uint64_t begin, uint64_t end,
+                                         const py::object& out) {
+    RequireRegistered("read_state");
+    if (end < begin) throw py::value_error("read_state: end < begin");
+    const v1::StateArray a = ParseStateArray(array);
+    py::buffer_info keep;
+    const TensorData dst = WritableOut(out, end - begin, DType::kFp32, "out", &keep);
+    if (dst.memory != MemoryKind::kHost) throw py::type_error("out: must be in host memory");
+    std::map<uint32_t, uint64_t> steps;
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = client_->ReadState(a, {begin, end}, static_cast<float*>(dst.data), &steps);
+    }
+    Check(status);
+    return steps;
+  }
+
+  // Overwrites `array` over [begin, end) with `values` (end - begin float32,
+  // a buffer or tensor; None when end == begin) and sets `steps` ({tensor
+  // index: update count}).
+  void WriteState(const std::string& array, uint64_t begin, uint64_t end, const py::object& values,
+                  const std::map<uint32_t, uint64_t>& steps) {
+    RequireRegistered("write_state");
+    if (end < begin) throw py::value_error("write_state: end < begin");
+    const v1::StateArray a = ParseStateArray(array);
+    const float* src = nullptr;
+    py::buffer_info keep;
+    if (end > begin) {
+      if (IsTensor(values)) {
+        const TensorData t = CheckedTensor(values, end - begin, DType::kFp32, "values");
+        if (t.memory != MemoryKind::kHost) throw py::type_error("values: must be in host memory");
+        src = static_cast<const float*>(t.data);
+      } else {
+        keep = Float32Buffer(values.cast<py::buffer>(), false, end - begin, "values");
+        src = static_cast<const float*>(keep.ptr);
+      }
+    }
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = client_->WriteState(a, {begin, end}, src, steps);
+    }
+    Check(status);
+  }
+
   uint64_t total_elements() const { return client_->total_elements(); }
+
+  std::pair<uint64_t, uint64_t> PartitionRange(uint32_t rank) const {
+    RequireRegistered("partition_range");
+    if (rank >= client_->partition_map().world_size()) {
+      throw py::value_error(absl::StrCat("rank: must be < world_size (",
+                                         client_->partition_map().world_size(), "), got ", rank));
+    }
+    const FlatRange r = client_->partition_map().Partition(rank);
+    return {r.begin, r.end};
+  }
   uint64_t committed_step() const { return client_->committed_step(); }
 
  private:
@@ -559,7 +676,10 @@ PYBIND11_MODULE(_zeroshard, m) {
                      "The flat parameter space: each tensor starts at a multiple of the "
                      "alignment (64 elements by default); gaps hold zeros.")
       .def(py::init(&MakeLayout), py::arg("tensors"), py::arg("alignment") = 0,
-           "tensors: list of (name, shape, layer), layers non-decreasing.")
+           "tensors: list of (name, shape, layer[, group[, frozen[, aliases]]]), layers "
+           "non-decreasing; group indexes the client's param_groups (default 0); frozen "
+           "tensors are never updated and hold no optimizer state; aliases are other names "
+           "of the tensor (tied weights), kept in exports.")
       .def_property_readonly("offsets", &Offsets, "First flat element of each tensor.")
       .def_property_readonly("numels", &Numels)
       .def_property_readonly("tensor_layers", &TensorLayers, "The layer of each tensor.")
@@ -579,7 +699,7 @@ PYBIND11_MODULE(_zeroshard, m) {
                     std::optional<std::string>, std::optional<std::string>,
                     std::optional<std::string>, std::optional<std::string>, uint32_t,
                     const std::string&, std::optional<std::string>, const std::string&,
-                    std::optional<int>, const std::string&>(),
+                    std::optional<int>, const std::string&, const py::object&, uint32_t>(),
            py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
            py::arg("stage") = 2, py::arg("precision") = "fp32", py::arg("lr") = 1e-3f,
            py::arg("betas") = std::make_pair(0.9f, 0.999f), py::arg("eps") = 1e-8f,
@@ -591,6 +711,7 @@ PYBIND11_MODULE(_zeroshard, m) {
            py::arg("replicas") = 1u, py::arg("reduction") = "daemon",
            py::arg("collective_dir") = py::none(), py::arg("collective_host") = "127.0.0.1",
            py::arg("cuda_device") = py::none(), py::arg("collective") = "gloo",
+           py::arg("param_groups") = py::none(), py::arg("micro_batches") = 1u,
            "Validates the config and starts the client's threads; connects to nothing. "
            "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
            "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
@@ -610,30 +731,50 @@ PYBIND11_MODULE(_zeroshard, m) {
            "NCCL). cuda_device: the CUDA device whose tensors push_gradients, gather_all and "
            "gather may be given (with daemon reduction cast and copied through pinned host "
            "buffers); None: CPU tensors only. A build without CUDA, or a machine without the "
-           "device, raises.")
+           "device, raises. param_groups: None (one group: lr, betas, eps, weight_decay) or a list of "
+           "dicts with keys lr, betas, eps, weight_decay, one per parameter group (a layout "
+           "tensor's group indexes it). micro_batches: gradient accumulation: how many times "
+           "each range is pushed per step (micro_batch 0..micro_batches-1).")
       .def(
           "register_model",
           [](PyClient& self, const py::object& layout, const py::object& initial_params) {
             if (py::isinstance<Layout>(layout)) {
               self.RegisterModel(layout.cast<const Layout&>(), initial_params);
             } else {
-              self.RegisterModel(MakeLayout(layout.cast<std::vector<TensorTuple>>(), 0),
-                                 initial_params);
+              self.RegisterModel(MakeLayout(layout.cast<py::list>(), 0), initial_params);
             }
           },
           py::arg("layout"), py::arg("initial_params") = py::none(),
           "Registers and joins the job; rank 0 uploads initial_params (total_elements "
           "float32 values). Blocks until every rank has joined.")
       .def("push_gradients", &PyClient::PushGradients, py::arg("begin"), py::arg("end"),
-           py::arg("grads"), py::arg("borrow") = false,
+           py::arg("grads"), py::arg("borrow") = false, py::arg("micro_batch") = 0u,
+           py::arg("no_grad") = std::vector<uint32_t>(),
            "Contributes gradients for flat [begin, end) to the next step: a float32 "
            "buffer, or a contiguous CPU tensor of float32, bfloat16 or float16 (converted "
            "to the job's precision, the wire dtype). The values are copied before it returns, or "
            "with borrow=True read from `grads` "
            "until the next successful step() (one copy fewer; the client keeps a "
-           "reference, and the caller must not change the values before then).")
+           "reference, and the caller must not change the values before then). micro_batch: "
+           "of the step (< micro_batches). no_grad: layout indices (ascending, overlapping the "
+           "range) of tensors this push has no gradient for (zeros in their place): the step "
+           "skips a tensor unless some rank pushed a gradient for it, as torch.optim skips a "
+           "parameter whose grad is None.")
+      .def("read_state", &PyClient::ReadState, py::arg("array"), py::arg("begin"),
+           py::arg("end"), py::arg("out"),
+           "Reads the committed 'master', 'exp_avg' or 'exp_avg_sq' over flat [begin, end) "
+           "into out (end - begin float32 values; gaps and frozen tensors' moments as 0); "
+           "returns {tensor index: update count} of the trainable tensors overlapping it. "
+           "Between steps.")
+      .def("write_state", &PyClient::WriteState, py::arg("array"), py::arg("begin"),
+           py::arg("end"), py::arg("values"), py::arg("steps") = std::map<uint32_t, uint64_t>(),
+           "Overwrites 'master', 'exp_avg' or 'exp_avg_sq' over flat [begin, end) with values "
+           "(end - begin float32; 0 in gaps, and in frozen tensors for moments) and sets the "
+           "update counts in steps ({tensor index: count}); each daemon applies its part whole "
+           "or not at all. Between steps; every rank may write the same values.")
       .def("step", &PyClient::Step, py::arg("lr"),
-           "Runs the two-phase step; returns dict(step, grad_norm, clip_coef, skipped, "
+           "Runs the two-phase step with lr (every group's) or a list of each parameter "
+           "group's learning rate; returns dict(step, grad_norm, clip_coef, skipped, "
            "loss_scale). grad_norm and clip_coef are None where this rank does not know "
            "them (rank 0 always does).")
       .def("gather_all", &PyClient::GatherAll, py::arg("out"),
@@ -673,5 +814,8 @@ PYBIND11_MODULE(_zeroshard, m) {
       .def("traffic_report", &PyClient::TrafficReport)
       .def_property_readonly("total_elements", &PyClient::total_elements,
                              "0 until register_model succeeds.")
-      .def_property_readonly("committed_step", &PyClient::committed_step);
+      .def_property_readonly("committed_step", &PyClient::committed_step)
+      .def("partition_range", &PyClient::PartitionRange, py::arg("rank"),
+           "(begin, end): the flat range of rank's partition (padding included: end may "
+           "pass total_elements).");
 }

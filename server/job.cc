@@ -80,7 +80,7 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
   // step before anything is allocated or touched: a job that does not fit is
   // refused whole, and concurrent registrations cannot each pass the limit
   // with part of theirs.
-  CategoryBytes footprint = ShardState::Footprint(c, n);
+  CategoryBytes footprint = ShardState::Footprint(c, job->owned_);
   footprint[static_cast<int>(grad_cat)] += n * sizeof(float);
   if (replica) footprint = BookedAsReplica(footprint);
   absl::Status allocated = [&]() -> absl::Status {
@@ -93,6 +93,7 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
           ShardState::Create(c, job->owned_, &*booked, resources.transport, replica);
       if (!shard.ok()) return shard.status();
       job->shard_ = *std::move(shard);
+      job->tensors_ = &job->shard_->tensors();
     }
     absl::MutexLock lock(&job->mu_);
     absl::StatusOr<LedgerArray<float>> g =
@@ -118,6 +119,7 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
   ro.world_size = c.world_size;
   ro.mode = c.reduction;
   ro.pending_budget_bytes = resources.reduction_buffer_bytes;
+  ro.tensors = job->tensors_;
   job->reduction_ = std::make_unique<ReductionState>(ro, job->grad_.data(), resources.optimizer,
                                                      resources.ledger);
   job->loss_scale_ = c.loss_scale.initial_scale;
@@ -375,11 +377,27 @@ absl::Status Job::CheckChunk(const v1::GradientChunk& c, size_t index, absl::str
     return absl::InvalidArgumentError(absl::StrCat(
         where, ".micro_batch: must be < micro_batches (", mbs, "), got ", c.micro_batch()));
   }
+  if (c.no_grad_tensors_size() > 0) {
+    // Ascending layout indices of tensors that overlap the chunk.
+    const auto [first, last] = config_.layout.TensorsIn(r);
+    uint64_t previous = 0;
+    for (int i = 0; i < c.no_grad_tensors_size(); ++i) {
+      const uint32_t t = c.no_grad_tensors(i);
+      if (t < first || t >= last || (i > 0 && t <= previous)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ".no_grad_tensors[", i, "]: ", t, " is not ascending or does not overlap ",
+            "the chunk's range ", RangeString(c.range()), " (tensors ", first, "..", last,
+            " do)"));
+      }
+      previous = t;
+    }
+  }
   if (c.crc32c() != 0 && Crc32c(payload.data(), payload.size()) != c.crc32c()) {
     return absl::DataLossError(absl::StrCat(where, ": CRC-32C of the data does not match ",
                                             "(corrupted in transit); resend the chunk"));
   }
   out->range = r;
+  out->no_grad = absl::MakeConstSpan(c.no_grad_tensors().data(), c.no_grad_tensors_size());
   out->rank = c.rank();
   out->micro_batch = c.micro_batch();
   out->dtype = *dt;
@@ -663,6 +681,7 @@ absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step, const st
     prepare_result_.set_elements(owned_unpadded_.size());
     prepare_result_.set_loss_scale(loss_scale_);
     prepare_result_.set_backup_in_sync(false);
+    prepared_no_grad_ = reduction_->NoGradTensors();
     prepared_ = true;
     prepared_by_forward_ = false;
     ++reduction_changes_;
@@ -676,10 +695,22 @@ absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step, const st
 }
 
 absl::StatusOr<float> Job::CheckCommitFields(const v1::CommitStepRequest& r,
-                                             absl::string_view prefix) {
+                                             absl::string_view prefix) const {
   if (!std::isfinite(r.lr()) || r.lr() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(prefix, "lr: must be finite and >= 0, got ", r.lr()));
+  }
+  const uint32_t groups = GroupCount(config_);
+  if (r.group_lrs_size() != 0 && r.group_lrs_size() != static_cast<int>(groups)) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "group_lrs: job ", config_.job_id,
+                                                   " has ", groups, " parameter groups, got ",
+                                                   r.group_lrs_size(), " learning rates"));
+  }
+  for (int g = 0; g < r.group_lrs_size(); ++g) {
+    if (!std::isfinite(r.group_lrs(g)) || r.group_lrs(g) < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefix, "group_lrs[", g, "]: must be finite and >= 0, got ", r.group_lrs(g)));
+    }
   }
   const float clip = r.clip_coef() == 0 ? 1.0f : r.clip_coef();
   if (!(clip > 0 && clip <= 1)) {
@@ -748,6 +779,7 @@ absl::StatusOr<v1::CommitStepResponse> Job::CommitChecked(const v1::CommitStepRe
                                                           float clip) {
   const float* grad = nullptr;
   double grad_scale = 1.0;
+  std::vector<uint32_t> no_grad;
   {
     absl::MutexLock lock(&mu_);
     const uint64_t committed = committed_step();
@@ -765,15 +797,18 @@ absl::StatusOr<v1::CommitStepResponse> Job::CommitChecked(const v1::CommitStepRe
     grad = reduction_->grad();
     grad_scale = static_cast<double>(clip) / (static_cast<double>(config_.world_size) *
                                               static_cast<double>(loss_scale_));
+    no_grad = prepared_no_grad_;
   }
   if (!r.skip()) {
     // The frozen gradient is read without the reduction lock: pushes are
     // refused while prepared, and commit_mu_ keeps other commits out.
     absl::MutexLock params_lock(&params_mu_);
-    StepHyperParams hp = HyperParamsOf(config_.optimizer);
-    hp.lr = r.lr();
-    hp.grad_scale = grad_scale;
-    if (absl::Status s = shard_->Step(resources_.optimizer, hp, grad, owned_unpadded_); !s.ok()) {
+    std::vector<StepHyperParams> groups = GroupHyperParams(config_);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      groups[g].lr = r.group_lrs_size() == 0 ? r.lr() : r.group_lrs(static_cast<int>(g));
+      groups[g].grad_scale = grad_scale;
+    }
+    if (absl::Status s = shard_->Step(resources_.optimizer, groups, grad, owned_unpadded_, no_grad); !s.ok()) {
       return s;
     }
     ++params_version_;
@@ -790,6 +825,7 @@ absl::StatusOr<v1::CommitStepResponse> Job::CommitChecked(const v1::CommitStepRe
   last_commit_.clip_coef = clip;
   last_commit_.grad_norm = r.grad_norm();
   last_commit_.lr = r.lr();
+  last_commit_.group_lrs.assign(r.group_lrs().begin(), r.group_lrs().end());
   // Published last, under mu_: whoever sees the step sees a reset reduction.
   committed_step_.store(r.step(), std::memory_order_release);
   return last_commit_.response;
@@ -809,6 +845,7 @@ v1::TrainingState Job::TrainingStateLocked() const {
     c->set_clip_coef(last_commit_.clip_coef);
     c->set_skipped(last_commit_.response.skipped());
     c->set_grad_norm(last_commit_.grad_norm);
+    for (float lr : last_commit_.group_lrs) c->add_group_lrs(lr);
   }
   return state;
 }
@@ -828,6 +865,8 @@ void Job::RestoreTrainingStateLocked(const v1::TrainingState& state) {
   last_commit_.clip_coef = state.last_commit().clip_coef();
   last_commit_.grad_norm = state.last_commit().grad_norm();
   last_commit_.lr = state.last_commit().lr();
+  last_commit_.group_lrs.assign(state.last_commit().group_lrs().begin(),
+                                state.last_commit().group_lrs().end());
   committed_step_.store(state.committed_step(), std::memory_order_release);
 }
 
@@ -874,6 +913,7 @@ absl::StatusOr<v1::SaveCheckpointResponse> Job::SaveCheckpoint(
     for (size_t i = 0; i < files.size(); ++i) dst.push_back(checkpoints_->buffer(i));
     shard_->CopyOut(n, dst.data());
     state.set_optimizer_steps(shard_->optimizer_steps());
+    for (v1::TensorStep& t : shard_->TensorStepsApart()) *state.add_tensor_steps() = std::move(t);
   }
   const absl::Duration stall = absl::Now() - start;
   checkpoints_->StartWrite(r.name(), owned_unpadded_, files, state);
@@ -992,12 +1032,19 @@ absl::StatusOr<v1::LoadCheckpointResponse> Job::LoadCheckpoint(const std::string
     src.push_back(dst);
   }
   const v1::TrainingState& state = m->state();
+  // Each part lists the counts of the tensors it overlaps that differ from
+  // the step count; a tensor's count is the same in every part holding it.
+  std::vector<v1::TensorStep> tensor_steps;
+  for (const v1::PartManifest& part : m->parts()) {
+    tensor_steps.insert(tensor_steps.end(), part.state().tensor_steps().begin(),
+                        part.state().tensor_steps().end());
+  }
   {
     absl::MutexLock commit_lock(&commit_mu_);
     absl::MutexLock lock(&mu_);
     {
       absl::MutexLock params_lock(&params_mu_);
-      shard_->Restore(resources_.optimizer, n, src.data(), state.optimizer_steps());
+      shard_->Restore(resources_.optimizer, n, src.data(), state.optimizer_steps(), tensor_steps);
       ++params_version_;
     }
     RestoreTrainingStateLocked(state);
@@ -1009,6 +1056,161 @@ absl::StatusOr<v1::LoadCheckpointResponse> Job::LoadCheckpoint(const std::string
   out.set_step(state.committed_step());
   out.set_bytes_read(bytes_read);
   out.set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  return out;
+}
+
+// ---- State dicts ----
+
+namespace {
+
+absl::StatusOr<StateArrayKind> StateArrayOf(v1::StateArray array, absl::string_view field) {
+  switch (array) {
+    case v1::STATE_ARRAY_MASTER: return StateArrayKind::kMaster;
+    case v1::STATE_ARRAY_EXP_AVG: return StateArrayKind::kExpAvg;
+    case v1::STATE_ARRAY_EXP_AVG_SQ: return StateArrayKind::kExpAvgSq;
+    default: break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": must be MASTER (1), EXP_AVG (2) or EXP_AVG_SQ (3), got ", static_cast<int>(array)));
+}
+
+}  // namespace
+
+absl::Status Job::ReadState(const v1::ReadStateRequest& r, uint64_t max_chunk_elements,
+                            const std::function<bool(v1::StateChunk&)>& write) {
+  RETURN_IF_ERROR(CheckRank(r.rank(), r.incarnation(), ""));
+  ASSIGN_OR_RETURN(const StateArrayKind array, StateArrayOf(r.array(), "array"));
+  const FlatRange range{r.range().begin(), r.range().end()};
+  if (range.begin >= range.end || !owned_unpadded_.Contains(range)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "range ", RangeString(r.range()), " is empty or outside the parameters this daemon owns [",
+        owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
+  }
+  v1::StateChunk chunk;
+  uint64_t version = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (prepared_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", config_.job_id, " step ", committed_step() + 1,
+          " is prepared: read the state once it is committed"));
+    }
+    absl::ReaderMutexLock params_lock(&params_mu_);
+    RETURN_IF_ERROR(shard_->CheckArray(array, "array"));
+    version = params_version_;
+    for (v1::TensorStep& t : shard_->TensorStepsIn(range)) {
+      *chunk.add_tensor_steps() = std::move(t);
+    }
+  }
+  chunk.set_job_id(config_.job_id);
+  chunk.set_array(r.array());
+  for (uint64_t pos = range.begin; pos < range.end;) {
+    const uint64_t end = std::min(range.end, pos + max_chunk_elements);
+    std::string* data = chunk.mutable_data();
+    data->resize((end - pos) * sizeof(float));
+    {
+      // Only the copy holds the lock; the write below holds none.
+      absl::ReaderMutexLock lock(&params_mu_);
+      if (params_version_ != version) {
+        return absl::AbortedError(absl::StrCat("job ", config_.job_id,
+                                               ": the state changed while it was being read; "
+                                               "read it again"));
+      }
+      shard_->ReadArray(array, {pos, end}, reinterpret_cast<float*>(data->data()));
+    }
+    chunk.mutable_range()->set_begin(pos);
+    chunk.mutable_range()->set_end(end);
+    chunk.set_crc32c(Crc32c(data->data(), data->size()));
+    if (!write(chunk)) return absl::CancelledError("the reading client went away");
+    chunk.clear_tensor_steps();
+    pos = end;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::WriteStateResponse> Job::WriteState(const std::vector<v1::StateChunk>& chunks) {
+  // Checked in full before anything changes.
+  std::vector<StateArrayKind> arrays(chunks.size());
+  std::vector<uint32_t> stepped;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const v1::StateChunk& c = chunks[i];
+    const std::string where = absl::StrCat("chunk ", i);
+    RETURN_IF_ERROR(CheckRank(c.rank(), c.incarnation(), where + "."));
+    const FlatRange r{c.range().begin(), c.range().end()};
+    if (!r.empty() || c.data().size() > 0) {
+      ASSIGN_OR_RETURN(arrays[i], StateArrayOf(c.array(), where + ".array"));
+      if (r.begin > r.end || !owned_unpadded_.Contains(r)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ".range ", RangeString(c.range()), " is outside the parameters this daemon ",
+            "owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
+      }
+      if (c.data().size() != r.size() * sizeof(float)) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".data: ", c.data().size(),
+                                                       " bytes, expected ", r.size() * 4, " for ",
+                                                       r.size(), " fp32 elements"));
+      }
+      if (c.crc32c() != 0 && Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
+        return absl::DataLossError(
+            absl::StrCat(where, ": CRC-32C of the data does not match (corrupted in transit)"));
+      }
+      for (size_t j = 0; j < i; ++j) {
+        const FlatRange other{chunks[j].range().begin(), chunks[j].range().end()};
+        if (arrays[j] == arrays[i] && !other.Intersect(r).empty()) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ".range ", RangeString(c.range()),
+                                                         " overlaps chunk ", j,
+                                                         "'s of the same array"));
+        }
+      }
+    }
+    for (int k = 0; k < c.tensor_steps_size(); ++k) stepped.push_back(c.tensor_steps(k).tensor());
+  }
+  std::sort(stepped.begin(), stepped.end());
+  if (std::adjacent_find(stepped.begin(), stepped.end()) != stepped.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor_steps: tensor ", *std::adjacent_find(stepped.begin(), stepped.end()),
+                     " is set twice in one stream"));
+  }
+  absl::MutexLock commit_lock(&commit_mu_);
+  absl::MutexLock lock(&mu_);
+  if (prepared_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", config_.job_id, " step ", committed_step() + 1,
+                     " is prepared: write the state once it is committed"));
+  }
+  absl::MutexLock params_lock(&params_mu_);
+  uint64_t elements = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const v1::StateChunk& c = chunks[i];
+    const std::string where = absl::StrCat("chunk ", i);
+    for (int k = 0; k < c.tensor_steps_size(); ++k) {
+      RETURN_IF_ERROR(shard_->CheckTensorStep(c.tensor_steps(k).tensor(),
+                                              absl::StrCat(where, ".tensor_steps[", k, "]")));
+    }
+    if (c.data().empty()) continue;
+    RETURN_IF_ERROR(shard_->CheckArray(arrays[i], where + ".array"));
+    RETURN_IF_ERROR(shard_->CheckWrite(arrays[i], {c.range().begin(), c.range().end()},
+                                       reinterpret_cast<const float*>(c.data().data()),
+                                       where + ".data"));
+  }
+  uint32_t steps = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const v1::StateChunk& c = chunks[i];
+    for (const v1::TensorStep& t : c.tensor_steps()) {
+      shard_->SetTensorStep(t.tensor(), t.steps());
+      ++steps;
+    }
+    if (c.data().empty()) continue;
+    const FlatRange r{c.range().begin(), c.range().end()};
+    shard_->WriteArray(resources_.optimizer, arrays[i], r,
+                       reinterpret_cast<const float*>(c.data().data()));
+    elements += r.size();
+  }
+  ++params_version_;
+  // The backup copies the new state before it takes the next step.
+  if (replicated()) MarkBackupStale(absl::OkStatus());
+  v1::WriteStateResponse out;
+  out.set_elements(elements);
+  out.set_tensor_steps(steps);
   return out;
 }
 

@@ -185,6 +185,20 @@ class Job {
   // on any error.
   absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(const std::string& name);
 
+  // ---- State dicts (Shard.ReadState / WriteState) ----
+  // The committed `array` over `range` (owned, unpadded) in chunks of at
+  // most `max_chunk_elements`, each passed to `write` with no lock held
+  // (false stops: Cancelled); the first chunk carries the update counts of
+  // the trainable tensors overlapping the range. Aborted when a commit or a
+  // write changes the state between two chunks (ask again);
+  // FailedPrecondition while the open step is prepared.
+  absl::Status ReadState(const v1::ReadStateRequest& request, uint64_t max_chunk_elements,
+                         const std::function<bool(v1::StateChunk&)>& write);
+  // Checks every chunk (rank, array, range, size, CRC, zeros where there
+  // is no state, update counts), then applies them all under every lock.
+  // Nothing changes on any error.
+  absl::StatusOr<v1::WriteStateResponse> WriteState(const std::vector<v1::StateChunk>& chunks);
+
   // Adds PARAM_MASTER / PARAM_HALF regions when the job has a transport.
   void FillParameterRegions(v1::ExchangeEndpointResponse* response) const;
   // The last time the job handed out remote access (an endpoint, a gather's
@@ -242,6 +256,7 @@ class Job {
     float clip_coef = 1.0f;
     float grad_norm = 0.0f;
     float lr = 0.0f;
+    std::vector<float> group_lrs;  // as the commit carried them (may be empty)
   };
 
   Job(JobConfig config, v1::JobSpec spec, uint32_t daemon_index, const JobResources& resources,
@@ -253,9 +268,10 @@ class Job {
   // Validates a CommitStep's own fields and the leader's incarnation;
   // returns the clip coefficient (0 read as 1).
   absl::StatusOr<float> CheckCommitRequest(const v1::CommitStepRequest& r);
-  // The decision's own fields (lr, clip_coef) named as `prefix` + field.
-  static absl::StatusOr<float> CheckCommitFields(const v1::CommitStepRequest& r,
-                                                 absl::string_view prefix);
+  // The decision's own fields (lr, group_lrs, clip_coef) named as `prefix` +
+  // field.
+  absl::StatusOr<float> CheckCommitFields(const v1::CommitStepRequest& r,
+                                          absl::string_view prefix) const;
   void UpdateLossScale(bool skipped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // 1 / (N_d * loss scale): what the summed gradient is multiplied by before
   // its norm is taken and the optimizer steps.
@@ -322,6 +338,8 @@ class Job {
   std::vector<uint32_t> owned_partitions_;
   FlatRange owned_;
   FlatRange owned_unpadded_;
+  // The owned tensors (shard_'s, immutable), set by Create.
+  const OwnedTensors* tensors_ = nullptr;
 
   mutable absl::Mutex commit_mu_ ABSL_ACQUIRED_BEFORE(mu_);
 
@@ -336,6 +354,10 @@ class Job {
   // died before any copy committed it).
   bool prepared_by_forward_ ABSL_GUARDED_BY(mu_) = false;
   v1::PrepareStepResponse prepare_result_ ABSL_GUARDED_BY(mu_);
+  // The prepared step's tensors without a gradient (layout indices,
+  // ascending), which its commit skips: from the reduction, or from the
+  // primary's forward.
+  std::vector<uint32_t> prepared_no_grad_ ABSL_GUARDED_BY(mu_);
   LastCommit last_commit_ ABSL_GUARDED_BY(mu_);
   float loss_scale_ ABSL_GUARDED_BY(mu_) = 1.0f;
   uint32_t good_steps_ ABSL_GUARDED_BY(mu_) = 0;

@@ -78,7 +78,8 @@ void SettleAbortedReads(std::vector<transport::Completion> reads,
 // bulk transport, another kind, the primary's address out of its reach) it
 // reads nothing and sets *refused to why: the primary then streams the data.
 absl::StatusOr<uint64_t> PullState(transport::Transport* transport,
-                                   const v1::BulkStateSource& source, uint64_t n,
+                                   const v1::BulkStateSource& source,
+                                   const std::vector<uint64_t>& sizes,
                                    std::vector<std::unique_ptr<float[]>>* held,
                                    absl::Time connect_deadline, absl::Time deadline,
                                    std::string* refused) {
@@ -97,9 +98,10 @@ absl::StatusOr<uint64_t> PullState(transport::Transport* transport,
     return absl::InvalidArgumentError(absl::StrCat(
         "bulk.arrays: this job's state has ", held->size(), " arrays, got ", source.arrays_size()));
   }
-  const uint64_t bytes = n * sizeof(float);
-  const int pieces = static_cast<int>((n + kReplicaChunkElements - 1) / kReplicaChunkElements);
   for (int a = 0; a < source.arrays_size(); ++a) {
+    const uint64_t n = sizes[a];
+    const uint64_t bytes = n * sizeof(float);
+    const int pieces = static_cast<int>((n + kReplicaChunkElements - 1) / kReplicaChunkElements);
     const v1::BulkStateArray& array = source.arrays(a);
     if (array.length() != bytes || array.crc32c_size() != pieces) {
       return absl::InvalidArgumentError(
@@ -119,17 +121,21 @@ absl::StatusOr<uint64_t> PullState(transport::Transport* transport,
   for (int a = 0; a < source.arrays_size(); ++a) {
     const v1::BulkStateArray& array = source.arrays(a);
     const transport::RegionDescriptor from{array.address(), array.length(), array.rkey()};
-    reads.push_back((*connection)->Get((*held)[a].get(), bytes, from, 0));
+    reads.push_back((*connection)->Get((*held)[a].get(), array.length(), from, 0));
   }
+  uint64_t total = 0;
+  for (uint64_t n : sizes) total += n * sizeof(float);
   for (transport::Completion& read : reads) {
     if (absl::Status s = read.Wait(deadline); !s.ok()) {
-      SettleAbortedReads(std::move(reads), held, bytes);
+      SettleAbortedReads(std::move(reads), held, total / std::max<size_t>(held->size(), 1));
       return absl::Status(s.code(), absl::StrCat("reading the primary's state over the bulk "
                                                  "transport: ",
                                                  s.message()));
     }
   }
   for (int a = 0; a < source.arrays_size(); ++a) {
+    const uint64_t n = sizes[a];
+    const int pieces = static_cast<int>((n + kReplicaChunkElements - 1) / kReplicaChunkElements);
     for (int p = 0; p < pieces; ++p) {
       const uint64_t pos = static_cast<uint64_t>(p) * kReplicaChunkElements;
       const uint64_t count = std::min(kReplicaChunkElements, n - pos);
@@ -140,7 +146,7 @@ absl::StatusOr<uint64_t> PullState(transport::Transport* transport,
       }
     }
   }
-  return source.arrays_size() * bytes;
+  return total;
 }
 
 }  // namespace
@@ -322,6 +328,7 @@ absl::Status Job::SendState(const std::string& token, absl::Time deadline) {
   {
     absl::ReaderMutexLock lock(&params_mu_);
     state.set_optimizer_steps(shard_->optimizer_steps());
+    for (v1::TensorStep& t : shard_->TensorStepsApart()) *state.add_tensor_steps() = std::move(t);
     arrays = shard_->checkpoint_arrays();
   }
   const uint64_t epoch = this->epoch();
@@ -379,13 +386,14 @@ std::optional<v1::ReplicaStateChunk> Job::BulkStateChunk(size_t arrays) const {
     const transport::Region* region = shard_->array_region(a);
     if (region == nullptr) return std::nullopt;
     const float* data = shard_->array(a);
+    const uint64_t elements = shard_->raw_elements(a, n);
     const uint64_t offset = static_cast<uint64_t>(reinterpret_cast<const char*>(data) -
                                                   static_cast<const char*>(region->base()));
     v1::BulkStateArray* out = source->add_arrays();
     out->set_address(region->Descriptor().address + offset);
-    out->set_length(n * sizeof(float));
+    out->set_length(elements * sizeof(float));
     out->set_rkey(region->Descriptor().rkey);
-    AddPieceCrcs(data, n, out);
+    AddPieceCrcs(data, elements, out);
   }
   return chunk;
 }
@@ -394,14 +402,22 @@ absl::StatusOr<v1::TransferStateResponse> Job::StreamState(const std::string& to
                                                            const v1::TrainingState& state,
                                                            size_t arrays, uint64_t epoch,
                                                            absl::Time deadline) {
-  const uint64_t n = owned_unpadded_.size();
+  std::vector<uint64_t> sizes;
+  {
+    absl::ReaderMutexLock lock(&params_mu_);
+    for (size_t a = 0; a < arrays; ++a) {
+      sizes.push_back(shard_->raw_elements(a, owned_unpadded_.size()));
+    }
+  }
   size_t array = 0;
   uint64_t offset = 0;
   bool first = true;
   return resources_.replica_link->TransferState(
       peer_address_, token,
       [&](v1::ReplicaStateChunk* chunk) {
+        while (array < arrays && sizes[array] == 0) ++array;
         if (array == arrays) return false;
+        const uint64_t n = sizes[array];
         chunk->Clear();
         chunk->set_job_id(config_.job_id);
         chunk->set_group(daemon_index_);
@@ -432,10 +448,12 @@ absl::StatusOr<v1::TransferStateResponse> Job::StreamState(const std::string& to
 absl::Status Job::SendGradient(uint64_t step, const std::string& token, absl::Time deadline) {
   v1::PrepareStepResponse prepared;
   const float* grad = nullptr;
+  std::vector<uint32_t> no_grad;
   {
     absl::MutexLock lock(&mu_);
     prepared = prepare_result_;
     grad = reduction_->grad();
+    no_grad = prepared_no_grad_;
   }
   const uint64_t epoch = this->epoch();
   const uint64_t off = owned_unpadded_.begin - owned_.begin;
@@ -450,7 +468,10 @@ absl::Status Job::SendGradient(uint64_t step, const std::string& token, absl::Ti
         chunk->set_group(daemon_index_);
         chunk->set_epoch(epoch);
         chunk->set_step(step);
-        if (first) *chunk->mutable_prepared() = prepared;
+        if (first) {
+          *chunk->mutable_prepared() = prepared;
+          chunk->mutable_no_grad_tensors()->Add(no_grad.begin(), no_grad.end());
+        }
         first = false;
         const uint64_t end = std::min(owned_unpadded_.end, pos + kReplicaChunkElements);
         chunk->mutable_range()->set_begin(pos);
@@ -485,25 +506,31 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
   }
   const uint64_t n = owned_unpadded_.size();
   size_t arrays = 0;
+  std::vector<uint64_t> sizes;  // of each raw array
+  uint64_t held_total = 0;
   {
     absl::ReaderMutexLock lock(&params_mu_);
     arrays = shard_->checkpoint_arrays();
+    for (size_t a = 0; a < arrays; ++a) {
+      sizes.push_back(shard_->raw_elements(a, n));
+      held_total += sizes.back();
+    }
   }
   // Held, booked as buffer, until every chunk is in.
   CategoryBytes held_bytes{};
-  held_bytes[static_cast<int>(MemoryCategory::kBuffer)] = arrays * n * sizeof(float);
+  held_bytes[static_cast<int>(MemoryCategory::kBuffer)] = held_total * sizeof(float);
   ASSIGN_OR_RETURN(const LedgerReservation booking,
                    LedgerReservation::Create(resources_.ledger, config_.job_id, held_bytes));
   // Not zero-filled: every element is written by a chunk before it is read.
   std::vector<std::unique_ptr<float[]>> held;
-  for (size_t a = 0; a < arrays; ++a) held.emplace_back(new float[n]);
+  for (size_t a = 0; a < arrays; ++a) held.emplace_back(new float[sizes[a]]);
   uint64_t bytes = 0;
   if (first.has_bulk()) {
     if (!first.data().empty()) {
       return absl::InvalidArgumentError("data: a bulk transfer's chunk carries no data");
     }
     std::string refused;
-    ASSIGN_OR_RETURN(bytes, PullState(resources_.transport, first.bulk(), n, &held,
+    ASSIGN_OR_RETURN(bytes, PullState(resources_.transport, first.bulk(), sizes, &held,
                                       absl::Now() + resources_.replica_timeout, deadline,
                                       &refused));
     v1::ReplicaStateChunk extra;
@@ -516,7 +543,8 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
       return out;
     }
   }
-  std::vector<uint64_t> filled(arrays, first.has_bulk() ? n : 0);
+  std::vector<uint64_t> filled(arrays, 0);
+  if (first.has_bulk()) filled = sizes;
   v1::ReplicaStateChunk chunk = first;
   for (size_t i = 0; !first.has_bulk(); ++i) {
     const std::string where = absl::StrCat("chunk ", i);
@@ -532,12 +560,13 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
                                                      " arrays, got ", chunk.array()));
     }
     const uint64_t count = chunk.data().size() / sizeof(float);
+    const uint64_t size = sizes[chunk.array()];
     if (chunk.data().size() % sizeof(float) != 0 || chunk.offset() != filled[chunk.array()] ||
-        count > n - chunk.offset() || count > kReplicaChunkElements) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": ", chunk.data().size(), " bytes at offset ", chunk.offset(),
-                       " of array ", chunk.array(), " do not continue it (", filled[chunk.array()],
-                       " of ", n, " elements in, at most ", kReplicaChunkElements, " per chunk)"));
+        count > size - chunk.offset() || count > kReplicaChunkElements) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": ", chunk.data().size(), " bytes at offset ", chunk.offset(), " of array ",
+          chunk.array(), " do not continue it (", filled[chunk.array()], " of ", size,
+          " elements in, at most ", kReplicaChunkElements, " per chunk)"));
     }
     if (chunk.crc32c() != 0 && Crc32c(chunk.data().data(), chunk.data().size()) != chunk.crc32c()) {
       return absl::DataLossError(absl::StrCat(where, ": CRC-32C of the data does not match"));
@@ -549,9 +578,9 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
     if (!next(&chunk)) break;
   }
   for (size_t a = 0; a < arrays; ++a) {
-    if (filled[a] != n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the transfer ended with ", filled[a], " of ", n, " elements of array ", a));
+    if (filled[a] != sizes[a]) {
+      return absl::InvalidArgumentError(absl::StrCat("the transfer ended with ", filled[a], " of ",
+                                                     sizes[a], " elements of array ", a));
     }
   }
   std::vector<const float*> src;
@@ -567,7 +596,9 @@ absl::StatusOr<v1::TransferStateResponse> Job::AcceptState(
     absl::MutexLock lock(&mu_);
     {
       absl::MutexLock params_lock(&params_mu_);
-      shard_->Restore(resources_.optimizer, n, src.data(), state.optimizer_steps());
+      shard_->RestoreRaw(
+          resources_.optimizer, n, src.data(), state.optimizer_steps(),
+          std::vector<v1::TensorStep>(state.tensor_steps().begin(), state.tensor_steps().end()));
       ++params_version_;
     }
     RestoreTrainingStateLocked(state);
@@ -642,9 +673,18 @@ absl::StatusOr<v1::ForwardGradientResponse> Job::AcceptGradient(
                                                           " of the group's range ending at ",
                                                           owned_unpadded_.end)));
   }
+  for (int i = 0; i < first.no_grad_tensors_size(); ++i) {
+    const uint32_t t = first.no_grad_tensors(i);
+    if (tensors_->Find(t) < 0 || (i > 0 && t <= first.no_grad_tensors(i - 1))) {
+      return refuse(absl::InvalidArgumentError(
+          absl::StrCat("no_grad_tensors[", i, "]: ", t, " is not ascending or not a tensor of ",
+                       "replica group ", daemon_index_)));
+    }
+  }
   absl::MutexLock lock(&mu_);
   std::memcpy(grad_.data() + (owned_unpadded_.begin - owned_.begin), forward_buffer_.data(),
               n * sizeof(float));
+  prepared_no_grad_.assign(first.no_grad_tensors().begin(), first.no_grad_tensors().end());
   prepare_result_ = first.prepared();
   prepared_ = true;
   prepared_by_forward_ = true;

@@ -30,7 +30,19 @@ uint32_t PayloadCrc(const Contribution& c) {
 
 ReductionState::ReductionState(Options options, float* grad, ShardOptimizer* optimizer,
                                MemoryLedger* ledger)
-    : options_(std::move(options)), grad_(grad), optimizer_(optimizer), ledger_(ledger) {}
+    : options_(std::move(options)), grad_(grad), optimizer_(optimizer), ledger_(ledger) {
+  if (options_.tensors != nullptr) has_grad_.assign(options_.tensors->entries().size(), 0);
+}
+
+std::vector<uint32_t> ReductionState::NoGradTensors() const {
+  std::vector<uint32_t> out;
+  if (options_.tensors == nullptr) return out;
+  const std::vector<OwnedTensors::Entry>& entries = options_.tensors->entries();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (!entries[i].frozen && has_grad_[i] == 0) out.push_back(entries[i].index);
+  }
+  return out;
+}
 
 ReductionState::~ReductionState() { Reset(); }
 
@@ -166,6 +178,15 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
   bookkeeping_bytes_ += reserved_bookkeeping;  // likewise
   uint64_t elements = 0;
   for (const Contribution& c : batch) {
+    if (options_.tensors != nullptr) {
+      const auto [first, last] = options_.tensors->In(c.range);
+      size_t skip = 0;
+      for (size_t i = first; i < last; ++i) {
+        const uint32_t index = options_.tensors->entries()[i].index;
+        while (skip < c.no_grad.size() && c.no_grad[skip] < index) ++skip;
+        if (skip == c.no_grad.size() || c.no_grad[skip] != index) has_grad_[i] = 1;
+      }
+    }
     const uint32_t order = Order(c, micro_batches);
     const size_t n = c.range.size();
     auto [it, inserted] = keys_.try_emplace(c.range.begin);
@@ -391,6 +412,7 @@ void ReductionState::Reset() {
     }
   }
   keys_.clear();
+  std::fill(has_grad_.begin(), has_grad_.end(), 0);
   replacing_.clear();
   micro_batches_ = 0;
   buffered_bytes_ = 0;
@@ -407,6 +429,7 @@ void ReductionState::Hash(uint64_t& h) const {
   HashValue(h, micro_batches_);
   for (uint32_t r : replacing_) HashValue(h, r);
   HashValue(h, pending_bytes_);
+  Fnv1aMix(h, has_grad_.data(), has_grad_.size());
   for (const auto& [b, k] : keys_) {
     HashValue(h, b);
     HashValue(h, k.end);

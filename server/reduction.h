@@ -30,6 +30,7 @@
 #include "common/job_spec.h"
 #include "server/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
+#include "server/owned_tensors.h"
 
 namespace zeroshard {
 
@@ -43,6 +44,9 @@ struct Contribution {
   absl::string_view payload;
   // Of payload as the sender computed it; 0 = not sent (a staged push).
   uint32_t crc32c = 0;
+  // Layout indices (ascending) of the tensors overlapping `range` that this
+  // contribution carries no gradient for; read during Apply only.
+  absl::Span<const uint32_t> no_grad;
 };
 
 // A contribution held where it arrived (ReductionState::Apply with `hold`):
@@ -81,6 +85,9 @@ class ReductionState {
     uint32_t world_size = 1;
     ReductionMode mode = ReductionMode::kDaemon;
     uint64_t pending_budget_bytes = 0;  // out-of-order buffer bound
+    // The tensors of the owned range (outlives the state); null: every
+    // tensor counts as having a gradient.
+    const OwnedTensors* tensors = nullptr;
   };
 
   // `grad` (owned.size() floats), `optimizer` and `ledger` must outlive this.
@@ -134,6 +141,11 @@ class ReductionState {
   void DropHeld(HeldContribution* held);
   // Whether `held` is next in its range's order (Unhold then needs no room).
   bool NextInOrder(const HeldContribution& held) const;
+
+  // The trainable owned tensors that no applied contribution of the step
+  // carried a gradient for (each overlapping contribution named it in
+  // no_grad), as layout indices, ascending: the commit skips them.
+  std::vector<uint32_t> NoGradTensors() const;
 
   // Owned unpadded elements whose every contribution is in.
   uint64_t CompleteElements() const;
@@ -236,6 +248,9 @@ class ReductionState {
   ShardOptimizer* const optimizer_;
   MemoryLedger* const ledger_;
   std::map<uint64_t, Key> keys_;  // by range begin
+  // By position in options_.tensors->entries(): some applied contribution
+  // carried a gradient for it.
+  std::vector<uint8_t> has_grad_;
   std::set<uint32_t> replacing_;  // ranks replaced during this step (ReplaceRank)
   uint32_t micro_batches_ = 0;    // 0: nothing pushed yet this step
   uint64_t pending_bytes_ = 0;    // booked as buffer

@@ -139,6 +139,10 @@ class ShardService final : public v1::Shard::Service {
                                 v1::ExchangeEndpointResponse* resp) override;
   grpc::Status FenceStagingSlot(grpc::ServerContext*, const v1::FenceStagingSlotRequest* req,
                                 v1::FenceStagingSlotResponse* resp) override;
+  grpc::Status ReadState(grpc::ServerContext* ctx, const v1::ReadStateRequest* req,
+                         grpc::ServerWriter<v1::StateChunk>* writer) override;
+  grpc::Status WriteState(grpc::ServerContext* ctx, grpc::ServerReader<v1::StateChunk>* reader,
+                          v1::WriteStateResponse* resp) override;
 
  private:
   absl::Status DoPush(grpc::ServerContext* ctx, grpc::ServerReader<v1::GradientChunk>* reader,

@@ -69,7 +69,10 @@ absl::Status ShardService::ReadStream(grpc::ServerContext* ctx, grpc::ServerRead
           "chunk ", chunks->size(), ".job_id: the stream started with job ",
           (*job)->config().job_id, ", got ", chunk.job_id().substr(0, 140)));
     }
-    const uint64_t held = chunk.data().size() + kPushChunkOverheadBytes;
+    // A chunk's data plus its fixed overhead, or its whole size when its
+    // lists (no_grad_tensors, tensor_steps) make it larger.
+    const uint64_t held =
+        std::max<uint64_t>(chunk.data().size() + kPushChunkOverheadBytes, chunk.ByteSizeLong());
     bytes += held;
     if (bytes > limit) {
       return absl::ResourceExhaustedError(
@@ -346,6 +349,30 @@ grpc::Status ShardService::FenceStagingSlot(grpc::ServerContext* call,
   absl::StatusOr<uint64_t> applied = (*staging)->Fence(req->slot(), req->generation());
   if (!applied.ok()) return ctx_->Done(__func__, applied.status());
   resp->set_applied_generation(*applied);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status ShardService::ReadState(grpc::ServerContext* ctx, const v1::ReadStateRequest* req,
+                                     grpc::ServerWriter<v1::StateChunk>* writer) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*ctx, req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  const uint64_t chunk_elements = std::max<uint64_t>(1, ctx_->max_chunk_bytes / sizeof(float));
+  return ctx_->Done(__func__, (*job)->ReadState(*req, chunk_elements, [writer](v1::StateChunk& c) {
+    return writer->Write(c);
+  }));
+}
+
+grpc::Status ShardService::WriteState(grpc::ServerContext* ctx,
+                                      grpc::ServerReader<v1::StateChunk>* reader,
+                                      v1::WriteStateResponse* resp) {
+  std::vector<v1::StateChunk> chunks;
+  std::shared_ptr<Job> job;
+  StreamBooking booking(ctx_->ledger);
+  absl::Status s = ReadStream(ctx, reader, &chunks, &job, &booking);
+  if (!s.ok()) return ctx_->Done(__func__, s);
+  absl::StatusOr<v1::WriteStateResponse> r = job->WriteState(chunks);
+  if (!r.ok()) return ctx_->Done(__func__, r.status());
+  *resp = *std::move(r);
   return ctx_->Done(__func__, absl::OkStatus());
 }
 

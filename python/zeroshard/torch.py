@@ -1,29 +1,43 @@
-"""ShardedOptimizer: AdamW whose fp32 master weights and moments live on
-zeroshardd daemons (ZeRO stages 1 and 2), for use in place of
-torch.optim.AdamW in a data-parallel job of `world_size` processes.
+"""PyTorch on zeroshardd daemons: ZeRO stages 1-3 with torch.optim.AdamW's
+semantics.
 
-shard_model: the same for a whole module, and in stage 3 also the
-parameters themselves, gathered layer by layer around forward and backward
-(like FSDP's fully_shard).
+`shard_model(module, config, stage=...)` wraps a module whose fp32 master
+weights, gradients and AdamW states live on the job's daemons (stage 3:
+the parameters too, gathered layer by layer, like FSDP's fully_shard);
+`model.optimizer` is its torch.optim.Optimizer (parameter groups, LR
+schedulers, state dicts). `ShardedOptimizer(params, config, stage=1|2)` is
+the same for a list of parameters, in place of torch.optim.AdamW in a
+data-parallel job.
+
+What it computes is torch.optim.AdamW's result: per parameter group
+lr, betas, eps and weight_decay; a parameter whose grad is None in a step
+(unused in that forward) is skipped as torch skips it (no weight decay, no
+moment update, its own step count unchanged); parameters with
+requires_grad=False (or in no group) are never changed and hold no
+optimizer state; tied parameters are one tensor under every name.
 """
 
 import collections
+import contextlib
+import inspect
 import os
 import re
-import time
 
-import numpy as np
 import torch
-from torch.autograd import Variable
 
-from zeroshard._zeroshard import Client, Error, Layout
+from zeroshard._zeroshard import Error
+from zeroshard import _engine, _layout
+from zeroshard._engine import Engine, config_error
+from zeroshard._flat import FlatSharding
+from zeroshard._stage3 import LayerSharding, is_dense
+
+# torch.optim.Optimizer.zero_grad's default (False in torch 1.x, True in 2.x).
+_SET_TO_NONE = inspect.signature(torch.optim.Optimizer.zero_grad).parameters[
+    "set_to_none"].default
 
 
-def _config_error(message):
-    """A zeroshard.Error with code INVALID_ARGUMENT."""
-    error = Error(message)
-    error.code = "INVALID_ARGUMENT"
-    return error
+__all__ = ["init_from_env", "shard_model", "ShardedModel", "ShardedOptimizer",
+           "reconnectable"]
 
 
 def init_from_env(**overrides):
@@ -50,11 +64,11 @@ def init_from_env(**overrides):
             if value is None:
                 continue
             if not re.fullmatch(r"[0-9]{1,9}", value):
-                raise _config_error(
+                raise config_error(
                     f"{name}: must be a whole number, got {value[:64]!r}")
             return int(value)
-        raise _config_error(f"{' or '.join(names)}: not set (run under "
-                            "zsrun or torchrun, or pass it to init_from_env)")
+        raise config_error(f"{' or '.join(names)}: not set (run under "
+                           "zsrun or torchrun, or pass it to init_from_env)")
 
     config = {}
     if "rank" not in overrides:
@@ -64,7 +78,7 @@ def init_from_env(**overrides):
     if "daemons" not in overrides:
         daemons = [d for d in env.get("ZS_DAEMONS", "").split(",") if d]
         if not daemons:
-            raise _config_error(
+            raise config_error(
                 "ZS_DAEMONS: not set (HOST:PORT,... of the job's daemons; "
                 "zsrun sets it)")
         config["daemons"] = daemons
@@ -75,48 +89,115 @@ def init_from_env(**overrides):
             if re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id) and run_id != "none":
                 job_id = run_id
         if not job_id:
-            raise _config_error(
+            raise config_error(
                 "ZS_JOB_ID: not set (and no usable TORCHELASTIC_RUN_ID)")
         config["job_id"] = job_id
     config.update(overrides)
     return config
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
-    """AdamW over the daemons.
+def _adamw_defaults(lr, betas, eps, weight_decay):
+    """torch.optim.AdamW's default group options with these values, so that
+    param_groups and state dicts carry AdamW's keys."""
+    defaults = {name: p.default
+                for name, p in inspect.signature(torch.optim.AdamW).parameters.items()
+                if name != "params" and p.default is not inspect.Parameter.empty}
+    defaults.update(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    return defaults
 
-    Every rank builds one with the same parameters (same order and shapes)
-    and the same `client_config`: a dict with `daemons`, `job_id`, `rank` and
-    `world_size`, and optionally any other `zeroshard.Client` keyword
-    (`precision`, `bucket_bytes`, `rpc_timeout`, `step_timeout`).
+
+def _split_names(params):
+    """(groups for torch.optim.Optimizer, {id(param): name}) from what
+    torch.optim optimizers take: tensors, dicts of parameter groups, and
+    also (name, tensor) pairs (model.named_parameters()), in either."""
+    params = list(params)
+    if not params:
+        raise ValueError("optimizer got an empty parameter list")
+    names = {}
+
+    def strip(items):
+        out = []
+        for item in items:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                names.setdefault(id(item[1]), item[0])
+                out.append(item[1])
+            else:
+                out.append(item)
+        return out
+
+    if isinstance(params[0], dict):
+        groups = []
+        for g in params:
+            g = dict(g)
+            ps = g["params"]
+            g["params"] = strip([ps] if isinstance(ps, torch.Tensor) else list(ps))
+            groups.append(g)
+        return groups, names
+    return strip(params), names
+
+
+class _DaemonOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer whose step() runs on the daemons. Its
+    param_groups are the job's parameter groups: LR schedulers set their
+    learning rates (read at every step); their betas, eps and weight_decay
+    are fixed once sharded. state_dict() / load_state_dict() move the
+    AdamW moments and step counts from / to the daemons, in
+    torch.optim.AdamW's format."""
+
+    def _bind(self, engine, step_fn):
+        self._engine = engine
+        self._step_fn = step_fn
+        self.last_result = None
+
+    def step(self, closure=None):
+        """Runs the step on the daemons (every rank together). Returns the
+        closure's loss, if any; the step's dict(step, grad_norm, clip_coef,
+        skipped, loss_scale, push_wait_ms) is in `last_result`."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.last_result = self._step_fn()
+        return loss
+
+    def state_dict(self):
+        return self._engine.optimizer_state_dict()
+
+    def load_state_dict(self, state_dict):
+        """Every rank calls it with the same state dict (each writes the same
+        values; nothing needs a barrier), between steps."""
+        self._engine.load_optimizer_state_dict(state_dict)
+
+    @property
+    def client(self):
+        """The underlying zeroshard.Client (reports, committed step)."""
+        return self._engine.client
+
+
+class ShardedOptimizer(_DaemonOptimizer):
+    """AdamW over the daemons (ZeRO stage 1 or 2), in place of
+    torch.optim.AdamW in a data-parallel job of `world_size` processes.
+
+    `params` as torch.optim takes them: tensors, or dicts of parameter
+    groups with their own `lr`, `betas`, `eps`, `weight_decay`; tensors may
+    also come with names (`model.named_parameters()`), which then label
+    them on the daemons and in checkpoints (so `zsctl export` writes a dict
+    `model.load_state_dict` takes). Every rank builds one with the same
+    parameters (same order and shapes) and the same `client_config`: a dict
+    with `daemons`, `job_id`, `rank` and `world_size`, and optionally any
+    other `zeroshard.Client` keyword (`precision`, `bucket_bytes`,
+    `rpc_timeout`, `step_timeout`, `token`, TLS files, `replicas`).
     Construction blocks until every rank has joined; rank 0's current
     parameter values become everyone's starting point.
 
-    `params` may be `model.named_parameters()`: the names then label the
-    tensors on the daemons and in checkpoints, so `zsctl export` writes a
-    dict that `model.load_state_dict` takes (0-d parameters are stored with
-    shape (1,)). Plain tensors are labelled p0, p1, ...
-
     `resume` (None, a checkpoint name or "latest") starts the job from a
-    checkpoint instead of rank 0's current values. The load is part of
-    construction: while joining, rank 0 has the daemons load the
-    checkpoint's fp32 masters and optimizer state (moments, step count, loss
-    scale) in place of uploading its parameters, and every rank's parameters
-    are then overwritten with the loaded values. So it only resumes a job
-    that is starting (a new run of it, or a restart after every rank left);
-    an optimizer already training cannot load. With "latest" and no complete
-    checkpoint the job starts from the current values: `resumed_from` says
-    which happened, and `client.committed_step` is the step training resumes
-    after. The checkpoint's layout must match these parameters; world size,
-    stage and daemon count may differ from the run that saved it (each
-    daemon then reads the parts it needs: give them a shared
-    `--checkpoint_dir`).
+    checkpoint instead of rank 0's current values; see ShardedModel.
 
-    Each `step()` pushes this rank's gradients (the daemons average them over
-    the ranks), runs the optimizer step and writes the new parameters into
-    the tensors in place. All ranks must call it together with the same
-    learning rate (`param_groups[0]["lr"]`, so LR schedulers work).
-    Failures raise `zeroshard.Error`.
+    Each `step()` pushes this rank's gradients (the daemons average them
+    over the ranks: several backward passes before a step sum in p.grad as
+    with torch), runs AdamW on the daemons and writes the new parameters
+    into the tensors. A parameter whose grad is None on every rank is not
+    touched. Failures raise `zeroshard.Error`.
     """
 
     def __init__(self, params, client_config, stage=1, lr=1e-3,
@@ -124,173 +205,70 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  max_grad_norm=0.0, resume=None):
         if stage not in (1, 2):
             raise ValueError(f"stage: must be 1 or 2, got {stage}")
-        if resume is not None and not isinstance(resume, str):
-            raise TypeError(
-                f"resume: expected None, a checkpoint name or 'latest', "
-                f"got {type(resume).__name__}")
-        params, names = _split_names(params)
-        defaults = dict(lr=lr, betas=betas, eps=eps,
-                        weight_decay=weight_decay)
-        super().__init__(params, defaults)
-        if len(self.param_groups) != 1:
-            raise ValueError("ShardedOptimizer takes one parameter group")
-        self._params = list(self.param_groups[0]["params"])
-        for p in self._params:
-            if p.dtype != torch.float32:
-                raise TypeError(f"parameters must be float32, got {p.dtype}")
-        if names is None:
-            names = [f"p{i}" for i in range(len(self._params))]
-        # A 0-d parameter is registered as shape (1,).
-        specs = [(name, tuple(p.shape) or (1,), i)
-                 for i, (name, p) in enumerate(zip(names, self._params))]
-        self._layout = Layout(specs)
-        self._offsets = self._layout.offsets
-        total = self._layout.total_elements
-
-        config = dict(client_config)
-        config.update(stage=stage, lr=lr, betas=tuple(betas), eps=eps,
-                      weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                      resume=resume)
-        self._config = config
-        self._client = Client(**config)
-        self._rank = config["rank"]
-        self._save_pending = False
-
-        # Reused every step; the tensors share memory with the arrays.
-        self._flat_params = np.zeros(total, dtype=np.float32)
-        self._flat_grads = np.zeros(total, dtype=np.float32)
-        self._params_t = torch.from_numpy(self._flat_params)
-        self._grads_t = torch.from_numpy(self._flat_grads)
-
-        initial = None
-        if self._rank == 0:
-            with torch.no_grad():
-                for p, off in zip(self._params, self._offsets):
-                    self._params_t[off:off + p.numel()].copy_(p.reshape(-1))
-            initial = self._flat_params
-        self._client.register_model(self._layout, initial)
-        self._load_params()
-        self.last_result = None
-
-    @property
-    def client(self):
-        """The underlying zeroshard.Client (reports, committed step)."""
-        return self._client
+        groups, names = _split_names(params)
+        super().__init__(groups, _adamw_defaults(lr, betas, eps, weight_decay))
+        entries, seen = [], set()
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                name = names.get(id(p), f"p{len(seen) - 1}")
+                _layout.check_param_dtype(name, p)
+                if p.numel() > 0:
+                    entries.append(_layout.Entry(name, "param", p.shape, group=gi,
+                                                 frozen=not p.requires_grad, param=p))
+        engine = Engine(entries, self.param_groups, client_config, stage, max_grad_norm,
+                        resume=resume)
+        engine.register()
+        self._flat = FlatSharding(engine)
+        self._flat.load_params()
+        self._bind(engine, self._flat.step)
 
     def reconnect(self):
         """Drops this rank's connection and joins the job again with a new
         one, after a `zeroshard.Error` that a new connection may get past
-        (`reconnectable(error)`: a daemon died or was replaced, a call or
-        a step ran out of time). With `replicas=2` the new connection finds
-        where each replica group is served now (rank 0 promotes the backups
-        of groups whose primary is gone). The parameters are loaded again
-        from the daemons; returns the committed step: train on from the
-        step after it (a step that failed before it committed is trained
-        again, by every rank). Every rank of the job reconnects too: the
-        others fail at their next step and reconnect in their turn."""
-        _refuse_trainer_reconnect(self._config)
-        self._client = None  # dropped first: its heartbeats stop
-        self._client = _rejoin(self._config, self._layout)
-        self._save_pending = False
-        self._load_params()
-        return self._client.committed_step
-
-    def _load_params(self):
-        self._client.gather_all(self._flat_params)
-        with torch.no_grad():
-            for p, off in zip(self._params, self._offsets):
-                n = p.numel()
-                p.copy_(self._params_t[off:off + n].view_as(p))
-
-    def step(self, closure=None):
-        """Pushes the gradients, steps on the daemons and loads the new
-        parameters. Returns the closure's loss, if any; the step's result
-        dict (step, grad_norm, clip_coef, skipped, loss_scale,
-        push_wait_ms: the time it waited for the pushes) is in
-        `last_result`."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with torch.no_grad():
-            for p, off in zip(self._params, self._offsets):
-                n = p.numel()
-                dst = self._grads_t[off:off + n]
-                if p.grad is None:
-                    dst.zero_()
-                else:
-                    dst.copy_(p.grad.reshape(-1))
-        # Lent, not copied: _flat_grads is not written again before step()
-        # has taken the pushes in.
-        push_start = time.perf_counter()
-        self._client.push_gradients(0, len(self._flat_grads), self._flat_grads,
-                                    borrow=True)
-        pushing = time.perf_counter() - push_start
-        self.last_result = _with_push_time(
-            self._client.step(float(self.param_groups[0]["lr"])), pushing)
-        self._load_params()
-        return loss
+        (`reconnectable(error)`). The parameters are loaded again from the
+        daemons; returns the committed step: train on from the step after
+        it. Every rank of the job reconnects too."""
+        _refuse_trainer_reconnect(self._engine.config)
+        self._engine.rejoin()
+        self._flat.load_params()
+        return self._engine.client.committed_step
 
     @property
     def resumed_from(self):
         """On rank 0: dict(name, step, bytes_read, seconds) of the
-        checkpoint the job resumed from, or None (see `resume`)."""
-        return self._client.resumed_from
+        checkpoint the job resumed from, or None."""
+        return self._engine.client.resumed_from
 
     def save_checkpoint(self, name):
-        """Saves the daemons' committed state (fp32 masters, moments, step
-        count, loss scale) under `name`. Call it on one rank (rank 0) after
-        a step; the daemons need `--checkpoint_dir`. Waits for this
-        optimizer's previous save to complete, then returns once every
-        daemon holds its snapshot (the training stall): dict(name, step,
-        bytes, snapshot_seconds). The files are written in the background
-        while training goes on; `await_checkpoint()` waits for them.
-
-        Only what the daemons hold is saved: the model's buffers (such as
-        batch-norm statistics), the LR scheduler and the data position are
-        the caller's to save."""
-        result = self._client.save_checkpoint(name)
-        self._save_pending = True
-        return result
+        """Saves the daemons' committed state (see ShardedModel)."""
+        return self._engine.save_checkpoint(name)
 
     def await_checkpoint(self):
-        """Waits for the last `save_checkpoint` to be complete on disk (its
-        MANIFEST written): dict(name, step, bytes, write_seconds)."""
-        self._save_pending = False
-        return self._client.await_checkpoint()
+        return self._engine.await_checkpoint()
 
     def list_checkpoints(self):
-        """The job's checkpoints complete on every daemon, by step."""
-        return self._client.list_checkpoints()
+        return self._engine.client.list_checkpoints()
 
     def close(self):
-        """Waits for a save not yet awaited, then leaves the job (the
-        daemons free it once every rank has left)."""
-        if self._save_pending:
-            self.await_checkpoint()
-        self._client.leave()
-
-
-def _split_names(params):
-    """(tensors, names) from named parameters; (params, None) otherwise."""
-    params = list(params)
-    if params and all(isinstance(p, tuple) and len(p) == 2
-                      and isinstance(p[0], str) for p in params):
-        return [p for _, p in params], [n for n, _ in params]
-    return params, None
+        """Waits for a save not yet awaited, then leaves the job."""
+        self._engine.close()
 
 
 def shard_model(module, client_config, stage=3, layers=None, lr=1e-3,
                 betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                max_grad_norm=0.0, overlap_comm=True):
+                max_grad_norm=0.0, overlap_comm=True, param_groups=None,
+                gradient_accumulation_steps=1, resume=None):
     """Shards `module`'s training state on the daemons; returns a
-    ShardedModel (see there). Stages 1 and 2 keep the parameters on the
-    trainer and use ShardedOptimizer; stage 3 frees them between uses."""
-    return ShardedModel(module, client_config, stage=stage, layers=layers,
-                        lr=lr, betas=betas, eps=eps,
-                        weight_decay=weight_decay,
-                        max_grad_norm=max_grad_norm,
-                        overlap_comm=overlap_comm)
+    ShardedModel (see there)."""
+    return ShardedModel(module, client_config, stage=stage, layers=layers, lr=lr,
+                        betas=betas, eps=eps, weight_decay=weight_decay,
+                        max_grad_norm=max_grad_norm, overlap_comm=overlap_comm,
+                        param_groups=param_groups,
+                        gradient_accumulation_steps=gradient_accumulation_steps,
+                        resume=resume)
 
 
 class ShardedModel(torch.nn.Module):
@@ -298,99 +276,204 @@ class ShardedModel(torch.nn.Module):
 
     Every rank builds one from the same model with the same `client_config`
     (as for ShardedOptimizer); construction blocks until every rank has
-    joined, and rank 0's current parameter values become everyone's start.
-    Call it like the module, then `step()` after each backward:
+    joined, and rank 0's parameter and buffer values become everyone's
+    start (or, with `resume`, a checkpoint's). Then train as with torch:
 
-        model = shard_model(net, config, stage=3, max_grad_norm=1.0)
-        loss_fn(model(x), y).backward()   # pushes the gradients
-        model.step()                      # AdamW (with clipping) on the daemons
-        model.zero_grad()
+        model = shard_model(net, config, stage=3, max_grad_norm=1.0,
+                            param_groups=[{"params": decay, "weight_decay": 0.1},
+                                          {"params": no_decay, "weight_decay": 0.0}])
+        sched = torch.optim.lr_scheduler.LambdaLR(model.optimizer, f)
+        loss_fn(model(x), y).backward()
+        model.optimizer.step()          # AdamW (with clipping) on the daemons
+        model.optimizer.zero_grad()
+        sched.step()
+
+    Parameter groups (`param_groups`: as torch.optim's first argument, dicts
+    with "params" and any of lr, betas, eps, weight_decay; default: one
+    group of every parameter with the keyword values). A parameter in no
+    group, or with requires_grad=False, is frozen: stored on the daemons,
+    never changed, no optimizer state. `max_grad_norm` clips the global
+    gradient norm as torch.nn.utils.clip_grad_norm_ does (the daemons
+    compute the norm of the reduced gradient; clipping p.grad on a rank
+    would clip its local part only).
+
+    Gradient accumulation: stages 1-2 sum the backward passes before a step
+    in p.grad, as torch does. Stage 3 pushes each backward as one
+    micro-batch of the step (`gradient_accumulation_steps` of them at most;
+    the daemons sum them), or, inside `with model.no_sync():`, keeps the
+    gradients in p.grad on the trainer until the next backward outside it
+    (as DDP's and FSDP's no_sync()). Scale the loss by 1 /
+    gradient_accumulation_steps as with torch; the daemons average over the
+    ranks.
 
     Stage 3 cuts the parameters into layers: each module named in `layers`
     (names as in `module.named_modules()`), by default each direct child of
     `module` that has parameters; a parameter belongs to the innermost
-    layer that contains it, and `module`'s parameters outside every layer
-    form a layer of their own, held for the whole forward of `module`. The
-    layers are registered in `module.named_modules()` order, which should be
-    the order the forward runs them in (the client prefetches the layers
-    that follow the one gathered). The daemons' tensors carry the names of
-    `module.named_parameters()`, so checkpoints and `zsctl export` keep them.
+    layer containing its first name, and `module`'s parameters outside
+    every layer form a layer of their own, held for the whole forward of
+    `module`. Layers are gathered around their forward and backward and
+    freed after (a trainer holds about two layers); a module whose
+    parameters include another layer's (tied weights: `lm_head.weight =
+    wte.weight`) gathers that layer too. A parameter must be used inside
+    the forward of a module containing it. Buffers stay on the trainer; the
+    daemons keep a copy for checkpoints (rank 0's, written at each save).
 
-    After construction every parameter's storage is freed (resized to 0;
-    the tensors themselves stay, with their shapes). Each layer's
-    parameters are gathered from the daemons right before its forward and
-    freed after it; the layer's output tensors get a gradient hook that
-    gathers them again before the layer's backward. Each parameter's
-    gradient is pushed to the daemons as soon as autograd has accumulated
-    it, and then dropped (`p.grad` stays None); once all of a layer's
-    gradients are pushed its parameters are freed again. So a trainer holds
-    about two layers' parameters at a time (a layer and the outer module's
-    own), plus the client's prefetch buffers (`client.memory_report()`).
+    Precision (stage 3): the job's, `client_config["precision"]`: "fp32"
+    (the default) or "bf16", where the module computes in bfloat16 (its
+    floating-point parameters and buffers are cast, as module.to(torch.
+    bfloat16) would) and the daemons keep fp32 masters and step in fp32.
+    Stages 1-2 keep the module's parameters (float32, bfloat16 or float16)
+    and push their gradients in fp32.
 
-    Precision (stage 3): the job's, `client_config["precision"]`. In an
-    "fp32" job (the default) parameters are float32. In a "bf16" job the
-    trainer computes in bfloat16 while the daemons keep fp32 masters and
-    step AdamW in fp32: `module`'s parameters (float32 or bfloat16) become
-    bfloat16 tensors, and its floating-point buffers are cast to bfloat16,
-    as `module.to(torch.bfloat16)` would; rank 0's values upload as the
-    fp32 masters. Gathers fetch the daemons' bf16 copy of the masters
-    straight into the layers' bf16 storage, and gradients are pushed as
-    bfloat16, as autograd made them (the wire dtype is the job's
-    precision); the daemons sum the ranks' gradients in fp32. The inputs
-    must be bfloat16 too; bf16 needs no loss scaling.
-
-    Limits of stage 3: an fp32 or bf16 job (fp16 would need loss scaling);
-    one backward per step (no gradient accumulation); a parameter must not be used by a
-    layer other than its own (tied weights across layers); parameters are
-    only readable inside the forward of their layer, or through
-    `full_state_dict()`.
+    State: `state_dict()` is the module's (every key, tied ones included,
+    the parameters' fp32 masters and the buffers), `load_state_dict()`
+    loads one; `sharded_state_dict()` is this rank's part of it;
+    `model.optimizer.state_dict()` is torch.optim.AdamW's. Every rank calls
+    the loaders with the same dict. `save_checkpoint(name)` saves the
+    daemons' state (masters, moments, step counts, buffers) under their
+    --checkpoint_dir at every stage; `resume="latest"` (or a name) starts
+    from one.
 
     `overlap_comm` (stage 3; settable between steps): True (the default)
-    pushes each gradient from its hook during backward, so the pushes
-    overlap the rest of the backward; False keeps every gradient until
-    `step()` and pushes them all there (a whole model's gradients held on
-    the trainer) — the baseline the overlap is measured against
-    (bench/python_overlap_bench). Stages 1-2 always push in `step()`.
-
-    `optimizer` is a torch.optim.Optimizer whose `param_groups[0]["lr"]`
-    `step()` uses (so LR schedulers work); `last_result` is the last step's
-    dict(step, grad_norm, clip_coef, skipped, loss_scale, push_wait_ms), where
-    push_wait_ms is how long step() waited for the step's gradients to
-    reach the daemons (the pushes it made itself, then the wait for the
-    daemons to accept every push). Failures raise `zeroshard.Error`.
+    pushes each layer's gradients as soon as the backward has them; False
+    keeps them until `step()` (the baseline the overlap is measured
+    against). Failures raise `zeroshard.Error`.
     """
 
     def __init__(self, module, client_config, stage=3, layers=None, lr=1e-3,
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 max_grad_norm=0.0, overlap_comm=True):
+                 max_grad_norm=0.0, overlap_comm=True, param_groups=None,
+                 gradient_accumulation_steps=1, resume=None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage: must be 1, 2 or 3, got {stage}")
+        if stage in (1, 2) and layers is not None:
+            raise ValueError("layers: only stage 3 gathers by layer")
+        if stage in (1, 2) and not overlap_comm:
+            raise ValueError("overlap_comm: stages 1-2 always push in step(); only stage 3 "
+                             "pushes during the backward")
+        if not isinstance(gradient_accumulation_steps, int) or not (
+                1 <= gradient_accumulation_steps <= 4096):
+            raise ValueError("gradient_accumulation_steps: must be an int in 1..4096, got "
+                             f"{gradient_accumulation_steps!r}")
         self.module = module
         self.stage = stage
+        named = list(module.named_parameters())
+        if not named:
+            raise ValueError("module: has no parameters")
+        aliases = _layout.parameter_aliases(module)
+        groups = param_groups if param_groups is not None else [
+            {"params": [p for _, p in named]}]
+        self.optimizer = _ModelOptimizer(groups, _adamw_defaults(lr, betas, eps, weight_decay))
+        group_of = {}
+        for gi, g in enumerate(self.optimizer.param_groups):
+            for p in g["params"]:
+                group_of.setdefault(id(p), gi)
+        module_ids = {id(p) for _, p in named}
+        for gi, g in enumerate(self.optimizer.param_groups):
+            for j, p in enumerate(g["params"]):
+                if id(p) not in module_ids:
+                    raise ValueError(f"param_groups[{gi}]['params'][{j}]: not a parameter of "
+                                     "the module")
+        precision = client_config.get("precision", "fp32")
+        micro_batches = gradient_accumulation_steps if stage == 3 else 1
+
+        def param_entry(name, p):
+            _layout.check_param_dtype(name, p)
+            if stage == 3 and not is_dense(p):
+                raise ValueError(f"parameter {name}: its elements overlap or leave gaps "
+                                 f"(strides {p.stride()}); make it contiguous")
+            e = _layout.Entry(name, "param", p.shape, group=group_of.get(id(p), 0),
+                              frozen=id(p) not in group_of or not p.requires_grad, param=p)
+            e.aliases = [a for a in aliases.get(id(p), [name]) if a != name]
+            return e
+
+        if stage == 3:
+            if precision not in _STAGE3_DTYPES:
+                raise ValueError(
+                    "stage 3: precision must be 'fp32' or 'bf16' (fp16 needs loss scaling, "
+                    f"which shard_model does not do), got {precision!r}")
+            dtype = _STAGE3_DTYPES[precision]
+            layer_modules, units = _layer_units(module, named, layers)
+            entries = []
+            for layer_id, (_, members) in enumerate(layer_modules):
+                for name, p in members:
+                    if p.numel() == 0:
+                        continue
+                    e = param_entry(name, p)
+                    e.layer = layer_id
+                    entries.append(e)
+            buffer_layer = len(layer_modules)
+        else:
+            entries = [param_entry(n, p) for n, p in named if p.numel() > 0]
+            buffer_layer = 1
+        for name, sub, key, buf in _layout.named_persistent_buffers(module):
+            _layout.check_buffer_dtype(name, buf)
+            if buf.numel() == 0:
+                continue
+            e = _layout.Entry(name, "buffer", buf.shape, frozen=True, module=sub, key=key)
+            e.layer = buffer_layer
+            entries.append(e)
+
+        engine = Engine(entries, self.optimizer.param_groups, client_config, stage,
+                        max_grad_norm, resume=resume, micro_batches=micro_batches)
+        engine.register()
+        self._engine = engine
         if stage in (1, 2):
-            if layers is not None:
-                raise ValueError("layers: only stage 3 gathers by layer")
-            if not overlap_comm:
-                raise ValueError("overlap_comm: stages 1-2 always push in "
-                                 "step(); only stage 3 pushes from hooks")
             self._sharded = None
-            self.optimizer = ShardedOptimizer(
-                module.named_parameters(), client_config, stage=stage, lr=lr,
-                betas=betas, eps=eps, weight_decay=weight_decay,
-                max_grad_norm=max_grad_norm)
+            self._flat = FlatSharding(engine)
+            self._flat.load_params()
+            step_fn = self._flat.step
+        else:
+            self._flat = None
+            if dtype != torch.float32:
+                # The module computes in the job's precision, as after
+                # module.to(dtype); the daemons kept rank 0's fp32 values.
+                for _, p in named:
+                    if p.is_floating_point():
+                        p.data = p.data.to(dtype)
+                for name, sub, key, buf in _layout.named_persistent_buffers(module):
+                    if buf.is_floating_point():
+                        setattr(sub, key, buf.to(dtype))
+            self._sharded = LayerSharding(engine, units, dtype, micro_batches,
+                                          overlap_comm=bool(overlap_comm))
+            step_fn = self._sharded.step
+        engine.load_buffers()
+        self.optimizer._bind(engine, step_fn)
+        self.optimizer._model = self
+
+    # ---- training ----
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def step(self, lr=None):
+        """`optimizer.step()`, with `lr` (when given) set on every group
+        first; returns the step's result dict."""
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        self.optimizer.step()
+        return self.optimizer.last_result
+
+    def zero_grad(self, set_to_none=_SET_TO_NONE):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside keep their gradients in p.grad on the
+        trainer (summed by autograd) instead of pushing them; the next
+        backward outside (or step()) pushes the sum. Stages 1-2 always sum
+        on the trainer: there it changes nothing."""
+        if self._sharded is None:
+            yield
             return
-        self._sharded = _LayerSharding(
-            module, client_config, layers, lr=lr, betas=betas, eps=eps,
-            weight_decay=weight_decay, max_grad_norm=max_grad_norm)
-        self._sharded.overlap_comm = bool(overlap_comm)
-        self.optimizer = _LayerShardedOptimizer(
-            self._sharded, module.parameters(),
-            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        with self._sharded.no_sync():
+            yield
 
     @property
     def overlap_comm(self):
-        """Stage 3: whether gradients are pushed from backward hooks (True)
+        """Stage 3: whether gradients are pushed during the backward (True)
         or all in step() (False). Stages 1-2: False."""
         return self._sharded is not None and self._sharded.overlap_comm
 
@@ -400,42 +483,21 @@ class ShardedModel(torch.nn.Module):
             raise ValueError("overlap_comm: stages 1-2 always push in step()")
         self._sharded.overlap_comm = bool(value)
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
     @property
     def client(self):
-        """The underlying zeroshard.Client (reports, committed step,
-        checkpoints)."""
-        if self._sharded is None:
-            return self.optimizer.client
-        return self._sharded.client
+        """The underlying zeroshard.Client (reports, committed step)."""
+        return self._engine.client
 
     @property
     def last_result(self):
         return self.optimizer.last_result
 
-    def step(self, lr=None):
-        """Pushes what the backward did not (stage 3: zeros for parameters
-        that got no gradient), runs AdamW on the daemons with `lr` (default
-        `optimizer.param_groups[0]["lr"]`, which a given `lr` replaces) and
-        returns the step's result dict. All ranks call it together."""
-        if lr is not None:
-            self.optimizer.param_groups[0]["lr"] = lr
-        self.optimizer.step()
-        return self.optimizer.last_result
-
-    def zero_grad(self, set_to_none=True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
     def reconnect(self):
         """Joins the job again with a new connection after a
-        `zeroshard.Error` for which `reconnectable(error)` holds (see
-        `ShardedOptimizer.reconnect`); returns the committed step, after
-        which training goes on. Stage 3 drops what the failed step had
-        gathered or held back; the next forward gathers from the daemons
-        that now serve each group. Typical loop, with `replicas=2` in the
-        config so that a daemon's death loses nothing:
+        `zeroshard.Error` for which `reconnectable(error)` holds; returns
+        the committed step, after which training goes on. Typical loop,
+        with `replicas=2` in the config so that a daemon's death loses
+        nothing:
 
             step = model.client.committed_step
             while step < steps:
@@ -449,18 +511,12 @@ class ShardedModel(torch.nn.Module):
                     model.zero_grad()
                     step = model.reconnect()
         """
+        _refuse_trainer_reconnect(self._engine.config)
         if self._sharded is None:
-            return self.optimizer.reconnect()
+            self._engine.rejoin()
+            self._flat.load_params()
+            return self._engine.client.committed_step
         return self._sharded.reconnect()
-
-    def full_state_dict(self):
-        """{name: tensor}: a copy of every parameter as of the last committed
-        step (stage 3 gathers the whole model for it: float32, the daemons'
-        masters, also in a bf16 job)."""
-        if self._sharded is None:
-            return {name: p.detach().clone()
-                    for name, p in self.module.named_parameters()}
-        return self._sharded.full_state_dict()
 
     @property
     def peak_param_bytes(self):
@@ -468,280 +524,224 @@ class ShardedModel(torch.nn.Module):
         held at once (gathered layers, alignment gaps included); stages
         1-2: the whole model's parameters."""
         if self._sharded is None:
-            return sum(p.numel() * p.element_size()
-                       for p in self.module.parameters())
+            return sum(p.numel() * p.element_size() for p in self.module.parameters())
         return self._sharded.peak_param_bytes
 
-    def close(self):
-        """Leaves the job (stages 1-2: after a pending checkpoint save)."""
-        if self._sharded is None:
-            self.optimizer.close()
-        else:
-            self._sharded.client.leave()
+    # ---- state dicts ----
 
+    def _entries_by_key(self):
+        """{state-dict key: entry} for every registered tensor."""
+        out = {}
+        for e in self._engine.entries:
+            for n in e.names:
+                out[n] = e
+        return out
 
-class _LayerShardedOptimizer(torch.optim.Optimizer):
-    """The optimizer face of a stage-3 ShardedModel: step() runs the step
-    on the daemons with param_groups[0]["lr"]."""
-
-    def __init__(self, sharding, params, defaults):
-        super().__init__(params, defaults)
-        self._sharding = sharding
-        self.last_result = None
-
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.last_result = self._sharding.step(
-            float(self.param_groups[0]["lr"]))
-        return loss
-
-    def zero_grad(self, set_to_none=True):
-        # Gradients are pushed and dropped during backward: nothing to zero.
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-
-class _Layer:
-    """One stage-3 layer: its parameters are views of `flat`, a tensor
-    covering the layer's flat range in the job's precision, whose storage
-    is freed between uses."""
-
-    def __init__(self, layer_id, module, begin, end, dtype):
-        self.id = layer_id
-        self.module = module
-        self.begin, self.end = begin, end
-        self.flat = torch.zeros(end - begin, dtype=dtype)
-        self.params = []   # (parameter, flat offset)
-        self.gathered = True
-        self.expected = 0  # gradients a backward delivers (requires_grad)
-        self.unpushed = 0  # of those, still to come in this backward
-
-    @property
-    def bytes(self):
-        return (self.end - self.begin) * self.flat.element_size()
-
-
-class _LayerSharding:
-    """Stage 3 for ShardedModel: the layout, hooks and client."""
-
-    def __init__(self, module, client_config, layer_names, lr, betas, eps,
-                 weight_decay, max_grad_norm):
-        named = list(module.named_parameters())
-        if not named:
-            raise ValueError("module: has no parameters")
-        config = dict(client_config)
-        precision = config.get("precision", "fp32")
-        if precision not in _STAGE3_DTYPES:
-            raise ValueError(
-                "stage 3: precision must be 'fp32' or 'bf16' (fp16 needs loss "
-                f"scaling, which shard_model does not do), got {precision!r}")
-        dtype = _STAGE3_DTYPES[precision]
-        allowed = {torch.float32, dtype}
-        for name, p in named:
-            if p.dtype not in allowed:
-                raise TypeError(
-                    f"parameters must be float32 (or {dtype} in a "
-                    f"{precision} job), got {p.dtype} for {name}")
-        groups = _layer_groups(module, named, layer_names)
-        specs = []
-        for layer_id, (_, members) in enumerate(groups):
-            specs += [(name, tuple(p.shape) or (1,), layer_id)
-                      for name, p in members]
-        self._layout = Layout(specs)
-        offsets = self._layout.offsets
-        offset_of = {spec[0]: off for spec, off in zip(specs, offsets)}
-        # In module order, as state_dict lists them.
-        self._named = [(name, p, offset_of[name]) for name, p in named]
-
-        config.update(stage=3, lr=lr, betas=tuple(betas), eps=eps,
-                      weight_decay=weight_decay, max_grad_norm=max_grad_norm)
-        self._config = config
-        self.client = Client(**config)
-        rank = config["rank"]
-
-        initial = None
-        if rank == 0:
-            # The daemons' fp32 masters start from these values (and write
-            # their half copy from them in a bf16 job).
-            initial = np.zeros(self._layout.total_elements, dtype=np.float32)
-            initial_t = torch.from_numpy(initial)
-            with torch.no_grad():
-                for _, p, off in self._named:
-                    initial_t[off:off + p.numel()].copy_(p.reshape(-1))
-        self.client.register_model(self._layout, initial)
-        del initial
-        if dtype != torch.float32:
-            # The module computes in the job's precision, as after
-            # module.to(dtype): floating-point buffers are cast too.
-            for sub in module.modules():
-                for key, buf in list(sub.named_buffers(recurse=False)):
-                    if buf.is_floating_point():
-                        setattr(sub, key, buf.to(dtype))
-
-        # Every parameter becomes a view of its layer's flat tensor.
-        self._layers = []
-        index = 0
-        for layer_id, (layer_module, members) in enumerate(groups):
-            begin, end = self._layout.layer_range(layer_id)
-            layer = _Layer(layer_id, layer_module, begin, end, dtype)
-            for _, p in members:
-                off = offsets[index]
-                index += 1
-                local = off - begin
-                p.data = layer.flat[local:local + p.numel()].view(p.shape)
-                layer.params.append((p, off))
-            self._layers.append(layer)
-        self._pushed = set()  # id() of the parameters pushed in this step
-        # Set by ShardedModel. False: gradients wait in _deferred (flat
-        # offset, tensor) until step() pushes them.
-        self.overlap_comm = True
-        self._deferred = collections.deque()
-        self._accumulators = []  # kept alive: the hooks live on them
-        self._callback_queued = False
-        self._held = sum(layer.bytes for layer in self._layers)
-        self.peak_param_bytes = 0
-        for layer in self._layers:
-            self._install_hooks(layer)
-        for layer in self._layers:
-            self._free(layer)
-
-    # ---- gather and free ----
-
-    def _gather(self, layer):
-        if layer.gathered:
-            return
-        _resize_storage(layer.flat, layer.end - layer.begin)
-        try:
-            self.client.gather(layer.id, layer.flat)
-        except BaseException:
-            _resize_storage(layer.flat, 0)
-            raise
-        layer.gathered = True
-        self._held += layer.bytes
-        self.peak_param_bytes = max(self.peak_param_bytes, self._held)
-
-    def _free(self, layer):
-        if not layer.gathered:
-            return
-        _resize_storage(layer.flat, 0)
-        layer.gathered = False
-        self._held -= layer.bytes
-
-    # ---- hooks ----
-
-    def _install_hooks(self, layer):
-        def pre_forward(module, inputs):
-            self._gather(layer)
-
-        def post_forward(module, inputs, output):
-            if torch.is_grad_enabled():
-                for t in _tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(pre_backward)
-            self._free(layer)
-
-        def pre_backward(grad):
-            if not self._callback_queued:
-                self._callback_queued = True
-                Variable._execution_engine.queue_callback(self._post_backward)
-            self._gather(layer)
-            return grad
-
-        layer.module.register_forward_pre_hook(pre_forward)
-        layer.module.register_forward_hook(post_forward)
-
-        with torch.enable_grad():
-            for p, off in layer.params:
-                if not p.requires_grad:
-                    continue
-                # The parameter's AccumulateGrad node: its hooks run once
-                # p.grad holds the whole gradient of the backward.
-                accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
-                accumulator.register_hook(
-                    self._make_grad_hook(layer, p, off))
-                self._accumulators.append(accumulator)
-                layer.expected += 1
-        layer.unpushed = layer.expected
-
-    def _make_grad_hook(self, layer, p, off):
-        def grad_ready(*unused):
-            grad = p.grad
-            if grad is None:
-                return
-            # In the parameter's dtype, which is the wire dtype: a bf16
-            # job's gradients go out as computed. Copied before the call
-            # returns.
-            data = grad.detach().reshape(-1).contiguous()
-            if self.overlap_comm:
-                self.client.push_gradients(off, off + p.numel(), data)
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """The module's state dict, as `module.state_dict()` lists it (every
+        key of a tied parameter, persistent buffers): each parameter's fp32
+        master as of the last committed step (gathered from the daemons;
+        tied keys share one tensor), each buffer as this rank holds it.
+        Blocks for the read (the whole model's fp32 values)."""
+        if destination is None:
+            destination = collections.OrderedDict()
+        masters, _ = self._engine.read("master")
+        by_key = self._entries_by_key()
+        values = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            e = by_key.get(key)
+            if e is None:  # zero-element
+                value = torch.empty(t.shape, dtype=t.dtype)
+            elif e.kind == "buffer":
+                value = e.tensor.detach().clone()
             else:
-                self._deferred.append((off, data))
-            self._pushed.add(id(p))
-            p.grad = None
-            layer.unpushed -= 1
-            if layer.unpushed == 0:
-                self._free(layer)
-        return grad_ready
-
-    def _post_backward(self):
-        self._callback_queued = False
-        for layer in self._layers:
-            self._free(layer)
-
-    # ---- reconnect ----
-
-    def reconnect(self):
-        _refuse_trainer_reconnect(self._config)
-        for layer in self._layers:
-            self._free(layer)
-            layer.unpushed = layer.expected
-        self._pushed.clear()
-        self._deferred.clear()
-        self._callback_queued = False
-        self.client = None  # dropped first: its heartbeats stop
-        self.client = _rejoin(self._config, self._layout)
-        return self.client.committed_step
-
-    # ---- step ----
-
-    def step(self, lr):
-        # What is pushed here is marked pushed at once, so that a step()
-        # retried after an error pushes only the rest.
-        push_start = time.perf_counter()
-        # Lent, not copied: the client holds the gradients until it has
-        # taken them in.
-        while self._deferred:
-            off, data = self._deferred[0]
-            self.client.push_gradients(off, off + data.numel(), data,
-                                       borrow=True)
-            self._deferred.popleft()
-        for layer in self._layers:
-            for p, off in layer.params:
-                if id(p) not in self._pushed:
-                    self.client.push_gradients(
-                        off, off + p.numel(),
-                        np.zeros(p.numel(), dtype=np.float32))
-                    self._pushed.add(id(p))
-        pushing = time.perf_counter() - push_start
-        result = self.client.step(lr)
-        for layer in self._layers:
-            self._free(layer)
-            layer.unpushed = layer.expected
-        self._pushed.clear()
-        return _with_push_time(result, pushing)
+                if e.index not in values:
+                    values[e.index] = masters[e.offset:e.offset + e.numel].clone().view(e.shape)
+                value = values[e.index]
+            destination[prefix + key] = value
+        return destination
 
     def full_state_dict(self):
-        flat = np.zeros(self._layout.total_elements, dtype=np.float32)
-        self.client.gather_all(flat)
-        flat_t = torch.from_numpy(flat)
+        """{name: tensor}: a copy of every parameter's fp32 master as of the
+        last committed step, in named_parameters() order (no buffers, first
+        names only)."""
+        masters, _ = self._engine.read("master")
+        by_key = self._entries_by_key()
         out = {}
-        for name, p, off in self._named:
-            out[name] = flat_t[off:off + p.numel()].clone().view(p.shape)
+        for name, p in self.module.named_parameters():
+            e = by_key.get(name)
+            out[name] = (torch.empty(p.shape) if e is None else
+                         masters[e.offset:e.offset + e.numel].clone().view(e.shape))
         return out
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Loads a state dict of the module (from `state_dict()`, a torch
+        checkpoint or `zsctl export`): parameters into the daemons' fp32
+        masters (the moments stay), buffers into the module (and the
+        daemons' copy). Every rank calls it with the same dict, between
+        steps. Errors as torch's: RuntimeError listing missing and
+        unexpected keys (strict) and size mismatches, with nothing
+        changed."""
+        expected = self.module.state_dict(keep_vars=True)
+        by_key = self._entries_by_key()
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        errors = []
+        if strict:
+            if unexpected:
+                errors.append("Unexpected key(s) in state_dict: " +
+                              ", ".join(f'"{k}"' for k in unexpected) + ". ")
+            if missing:
+                errors.append("Missing key(s) in state_dict: " +
+                              ", ".join(f'"{k}"' for k in missing) + ". ")
+        for key, t in expected.items():
+            if key in state_dict and tuple(state_dict[key].shape) != tuple(t.shape):
+                errors.append(
+                    f"size mismatch for {key}: copying a param with shape "
+                    f"{tuple(state_dict[key].shape)} from checkpoint, the shape in current "
+                    f"model is {tuple(t.shape)}.")
+        if errors:
+            raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+                type(self.module).__name__, "\n\t".join(errors)))
+        masters, _ = self._engine.read("master")
+        with torch.no_grad():
+            for key in expected:
+                e = by_key.get(key)
+                if e is None or key not in state_dict:
+                    continue
+                value = state_dict[key].detach()
+                flat = masters[e.offset:e.offset + e.numel]
+                if e.kind == "buffer":
+                    e.tensor.copy_(value)
+                    flat.copy_(_layout.buffer_values_as_float(key, value).reshape(-1))
+                else:
+                    flat.copy_(value.reshape(-1))
+        self._engine.write("master", masters)
+        if self._flat is not None:
+            self._flat.load_params()
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def sharded_state_dict(self):
+        """This rank's part of the state dict, the torch.distributed.
+        checkpoint split: {"parameters": {key: {"shape", "offset", "data"}},
+        "buffers": {...}} where each parameter's part is the stretch of its
+        flattened elements that lies in this rank's partition of the flat
+        space (`data`, fp32, starting at element `offset`; a parameter
+        outside it is left out), and "buffers" (rank 0 only) the module's
+        buffers. The parts of every rank together hold every element once."""
+        begin, end = self._engine.client.partition_range(self._engine.rank)
+        end = min(end, self._engine.total)
+        masters, _ = self._engine.read("master", begin, end) if end > begin else (None, None)
+        parts, buffers = {}, {}
+        for e in self._engine.entries:
+            if e.kind == "buffer":
+                if self._engine.rank == 0:
+                    buffers[e.name] = e.tensor.detach().clone()
+                continue
+            lo, hi = max(e.offset, begin), min(e.offset + e.numel, end)
+            if lo >= hi:
+                continue
+            part = {"shape": tuple(e.shape), "offset": lo - e.offset,
+                    "data": masters[lo - begin:hi - begin].clone()}
+            for n in e.names:
+                parts[n] = part
+        return {"parameters": parts, "buffers": buffers}
+
+    def load_sharded_state_dict(self, parts):
+        """Loads the parts of every rank (a list of sharded_state_dict()
+        results, e.g. each rank's saved file) into the daemons' masters and
+        the module's buffers; the parts may come from another world size.
+        Every rank calls it with every part (each rank writes the same
+        values, so nothing waits for another). ValueError, with nothing
+        changed, when some element of a parameter is in no part."""
+        masters, _ = self._engine.read("master")
+        covered = {}
+        buffers = {}
+        for part in parts:
+            buffers.update(part.get("buffers", {}))
+            for key, piece in part["parameters"].items():
+                e = self._entries_by_key().get(key)
+                if e is None or e.kind != "param":
+                    raise ValueError(f"parameters[{key!r}]: not a parameter of the module")
+                if tuple(piece["shape"]) != tuple(e.shape):
+                    raise ValueError(f"parameters[{key!r}]: shape {tuple(piece['shape'])}, the "
+                                     f"parameter's is {tuple(e.shape)}")
+                data = piece["data"].reshape(-1)
+                lo = int(piece["offset"])
+                if lo < 0 or lo + data.numel() > e.numel:
+                    raise ValueError(f"parameters[{key!r}]: elements [{lo}, "
+                                     f"{lo + data.numel()}) outside its {e.numel}")
+                masters[e.offset + lo:e.offset + lo + data.numel()].copy_(data)
+                covered.setdefault(e.index, set()).add((lo, lo + data.numel()))
+        for e in self._engine.entries:
+            if e.kind != "param":
+                continue
+            pos = 0
+            for lo, hi in sorted(covered.get(e.index, ())):
+                if lo > pos:
+                    break
+                pos = max(pos, hi)
+            if pos < e.numel:
+                raise ValueError(f"parameter {e.name}: elements from {pos} on are in no part "
+                                 "(pass every rank's part)")
+        with torch.no_grad():
+            for e in self._engine.entries:
+                if e.kind == "buffer" and e.name in buffers:
+                    e.tensor.copy_(buffers[e.name])
+                    masters[e.offset:e.offset + e.numel].copy_(
+                        _layout.buffer_values_as_float(e.name, buffers[e.name]).reshape(-1))
+        self._engine.write("master", masters)
+        if self._flat is not None:
+            self._flat.load_params()
+
+    # ---- checkpoints ----
+
+    @property
+    def resumed_from(self):
+        """On rank 0: dict(name, step, bytes_read, seconds) of the
+        checkpoint the job resumed from, or None. `client.committed_step`
+        is the step training resumes after."""
+        return self._engine.client.resumed_from
+
+    def save_checkpoint(self, name):
+        """Saves the daemons' committed state (fp32 masters, moments, step
+        counts, loss scale) with this rank's buffers under `name`. Call it
+        on one rank (rank 0) after a step; the daemons need
+        --checkpoint_dir. Waits for the previous save to complete, then
+        returns once every daemon holds its snapshot: dict(name, step,
+        bytes, snapshot_seconds); the files are written in the background
+        (`await_checkpoint()` waits). The LR scheduler and the data position
+        are the caller's to save."""
+        return self._engine.save_checkpoint(name)
+
+    def await_checkpoint(self):
+        """Waits for the last save to be complete on disk: dict(name, step,
+        bytes, write_seconds)."""
+        return self._engine.await_checkpoint()
+
+    def list_checkpoints(self):
+        """The job's checkpoints complete on every daemon, by step."""
+        return self._engine.client.list_checkpoints()
+
+    def close(self):
+        """Waits for a save not yet awaited, then leaves the job (the
+        daemons free it once every rank has left)."""
+        self._engine.close()
+
+
+class _ModelOptimizer(_DaemonOptimizer):
+    """ShardedModel.optimizer."""
+
+    def zero_grad(self, set_to_none=_SET_TO_NONE):
+        """torch's: with set_to_none each parameter's grad becomes None (a
+        parameter the next backward does not reach is then skipped by the
+        step), otherwise zeros (it is stepped with a zero gradient). Stage
+        3 keeps that distinction for the gradients it pushed; call it after
+        every step, as torch training loops do."""
+        super().zero_grad(set_to_none=set_to_none)
+        sharded = getattr(getattr(self, "_model", None), "_sharded", None)
+        if sharded is not None:
+            sharded.zero_grad(set_to_none)
 
 
 # The status codes after which a new connection may get on: a daemon gone
@@ -767,53 +767,19 @@ def _refuse_trainer_reconnect(config):
             "a checkpoint")
 
 
-def _rejoin(config, layout):
-    """A new Client of `config` joined to the job with `layout`, for a rank
-    whose old client was dropped without leaving the job (leaving would end
-    it when this is the last rank). Nothing is uploaded: the daemons keep
-    the job's state (a resume is not repeated)."""
-    client = Client(**dict(config, resume=None))
-    client.register_model(layout, None)
-    return client
-
-
-def _with_push_time(result, seconds):
-    """`result` (Client.step's dict) with the `seconds` step() spent pushing
-    gradients before Client.step added to its push_wait_ms: the whole time
-    step() waited for the step's gradients to reach the daemons."""
-    result["push_wait_ms"] += 1000 * seconds
-    return result
-
-
 # The dtype of stage 3's gathered parameters for each job precision.
 _STAGE3_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _resize_storage(tensor, numel):
-    """Resizes the storage under `tensor` (and every view of it) to `numel`
-    elements: 0 frees the memory, the views keep their shapes."""
-    if hasattr(tensor, "untyped_storage"):
-        tensor.untyped_storage().resize_(numel * tensor.element_size())
-    else:
-        tensor.storage().resize_(numel)
+def _layer_units(module, named, layer_names):
+    """The stage-3 layers and the modules that gather them.
 
-
-def _tensors(obj):
-    """The tensors in a module's output (a tensor, or nested tuples, lists
-    and dicts of them)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in _tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _tensors(item)]
-    return []
-
-
-def _layer_groups(module, named, layer_names):
-    """[(layer module, [(name, parameter)])] in registration order: the
-    layer of `module`'s own parameters first, then the named layers in
-    `module.named_modules()` order; layers without parameters left out."""
+    Returns (layers, units): layers = [(layer module, [(name, parameter)])]
+    in registration order (the layer of `module`'s own parameters first,
+    then the named layers in `module.named_modules()` order; layers that
+    own no parameter left out); units = [(module, layer index or None,
+    [layer indices of the shared parameters it uses])] for every named
+    layer and `module` itself."""
     if layer_names is None:
         layer_names = [name for name, child in module.named_children()
                        if any(True for _ in child.parameters())]
@@ -850,19 +816,31 @@ def _layer_groups(module, named, layer_names):
     for name, p in named:
         members[owner(name)].append((name, p))
         owners[id(p)] = owner(name)
-    # A layer may only use its own parameters and those of layers inside it.
-    for name in layer_names:
-        for p in module.get_submodule(name).parameters():
-            o = owners[id(p)]
-            if o != name and not o.startswith(name + "."):
-                raise ValueError(
-                    f"layers: a parameter of layer {o or 'the outer module'!r} "
-                    f"is also used by layer {name!r}; shared parameters must "
-                    "belong to one layer")
-    groups = []
+    layers, index = [], {}
     for name in [""] + layer_names:
         if members[name]:
+            index[name] = len(layers)
             layer_module = module if name == "" else module.get_submodule(name)
-            groups.append((layer_module, members[name]))
-    return groups
+            layers.append((layer_module, members[name]))
 
+    def used_directly(prefix, sub):
+        """Parameters under `sub` (named `prefix`) but not under a named
+        layer nested in it."""
+        nested = [w for w in layer_names
+                  if w != prefix and (prefix == "" or w.startswith(prefix + "."))]
+        out = []
+        for mname, m in sub.named_modules(prefix=prefix):
+            if any(mname == w or mname.startswith(w + ".") for w in nested):
+                continue
+            out.extend(p for p in m._parameters.values() if p is not None)
+        return out
+
+    units = []
+    for name in [""] + layer_names:
+        sub = module if name == "" else module.get_submodule(name)
+        own = index.get(name)
+        deps = sorted({index[owners[id(p)]] for p in used_directly(name, sub)
+                       if id(p) in owners and index[owners[id(p)]] != own})
+        if own is not None or deps:
+            units.append((sub, own, deps))
+    return layers, units
