@@ -1,6 +1,7 @@
 #include "client/bucket_plan.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -60,6 +61,89 @@ TEST(BucketPlanTest, DaemonCutDoesNotGrowWithTheRanks) {
     for (uint32_t i = 0; i < world; ++i) holding += map.UnpaddedPartition(i).empty() ? 0 : 1;
     EXPECT_EQ(by_partition.buckets().size(), holding);
     EXPECT_GE(holding, world - 1);
+  }
+}
+
+// Stage 3 pushes layer by layer: with at_layers every layer boundary is a
+// bucket boundary too, and the buckets still tile the flat space in order,
+// each inside one span of its cut and one layer, cut every bucket_elements
+// from the start of that piece.
+TEST(BucketPlanTest, AtLayersCutsEveryLayerBoundaryAndStillTiles) {
+  const Layout layout = MakeLayout();  // layers [0,3008) [3008,7296) [7296,7360)
+  std::vector<FlatRange> layers;
+  for (uint32_t l : layout.layers()) layers.push_back(*layout.LayerRange(l));
+  ASSERT_EQ(layers.size(), 3u);
+  for (const BucketCut cut : {BucketCut::kPartition, BucketCut::kDaemon}) {
+    for (uint32_t world : {1u, 2u, 3u, 5u, 8u}) {
+      SCOPED_TRACE(::testing::Message() << "cut " << static_cast<int>(cut) << " world " << world);
+      const PartitionMap map =
+          *PartitionMap::Create(layout.total_elements(), world, 2 > world ? 1 : 2);
+      const BucketPlan plan =
+          *BucketPlan::Create(layout, map, 4096, DType::kFp32, cut, /*at_layers=*/true);
+      uint64_t pos = 0, real = 0;
+      for (const Bucket& b : plan.buckets()) {
+        const FlatRange span =
+            cut == BucketCut::kPartition ? map.Partition(b.partition) : map.DaemonRange(b.daemon);
+        EXPECT_EQ(b.range.begin, pos);
+        EXPECT_LE(b.range.size(), plan.bucket_elements());
+        EXPECT_TRUE(span.Contains(b.range)) << b.range;
+        size_t in_layers = 0;
+        for (const FlatRange& l : layers) {
+          if (l.Contains(b.range)) {
+            ++in_layers;
+            const uint64_t piece_begin = std::max(l.begin, span.begin);
+            EXPECT_EQ((b.range.begin - piece_begin) % plan.bucket_elements(), 0u) << b.range;
+          }
+        }
+        EXPECT_EQ(in_layers, 1u) << b.range;
+        EXPECT_EQ(b.daemon, map.DaemonOf(b.partition));
+        EXPECT_EQ(b.real_elements, plan.RealElements(b.range));
+        real += b.real_elements;
+        pos = b.range.end;
+      }
+      EXPECT_EQ(pos, layout.total_elements());
+      EXPECT_EQ(real, layout.parameter_count());
+      // Every layer starts a bucket.
+      for (const FlatRange& l : layers) {
+        EXPECT_TRUE(std::any_of(plan.buckets().begin(), plan.buckets().end(),
+                                [&](const Bucket& b) { return b.range.begin == l.begin; }))
+            << "layer at " << l.begin;
+      }
+    }
+  }
+}
+
+// Without at_layers the cut is what it always was: each span cut every
+// bucket_elements from its start, across layer boundaries.
+TEST(BucketPlanTest, WithoutAtLayersTheCutIsUnchanged) {
+  const Layout layout = MakeLayout();
+  for (uint32_t world : {1u, 2u, 3u}) {
+    SCOPED_TRACE(world);
+    const PartitionMap map =
+        *PartitionMap::Create(layout.total_elements(), world, world > 1 ? 2 : 1);
+    std::vector<FlatRange> expected;
+    for (uint32_t d = 0; d < map.num_daemons(); ++d) {
+      const FlatRange span = map.DaemonRange(d).Intersect({0, layout.total_elements()});
+      for (uint64_t b = span.begin; b < span.end; b += 1024) {
+        expected.push_back({b, std::min(span.end, b + 1024)});
+      }
+    }
+    auto ranges = [](const BucketPlan& plan) {
+      std::vector<FlatRange> out;
+      for (const Bucket& b : plan.buckets()) out.push_back(b.range);
+      return out;
+    };
+    const BucketPlan by_default =
+        *BucketPlan::Create(layout, map, 4096, DType::kFp32, BucketCut::kDaemon);
+    const BucketPlan explicit_false =
+        *BucketPlan::Create(layout, map, 4096, DType::kFp32, BucketCut::kDaemon, false);
+    const BucketPlan at_layers =
+        *BucketPlan::Create(layout, map, 4096, DType::kFp32, BucketCut::kDaemon, true);
+    EXPECT_EQ(ranges(by_default), expected);
+    EXPECT_EQ(ranges(explicit_false), expected);
+    // [2048, 3072) crosses the end of layer 0 at 3008: the layer cut differs.
+    EXPECT_NE(ranges(at_layers), expected);
+    EXPECT_GT(at_layers.buckets().size(), by_default.buckets().size());
   }
 }
 

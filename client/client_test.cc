@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -556,6 +557,20 @@ TEST(ClientTest, BadCallsAreRejectedLocally) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client->Step(-1.0f).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client->RegisterModel(layout, nullptr).code(), absl::StatusCode::kFailedPrecondition);
+  // Tensors without a gradient: ascending layout indices, each overlapping
+  // the range (layer 1 holds l1.w and l1.b, tensors 1 and 2). Refused
+  // before anything is pushed.
+  const FlatRange l1 = *layout.LayerRange(1);
+  for (const std::vector<uint32_t>& bad : std::vector<std::vector<uint32_t>>{
+           {2, 1}, {1, 1}, {0}, {3}, {1, 2, 3}, {99}}) {
+    const absl::Status s = client
+                               ->PushGradients(l1, grad.data(), DType::kFp32, 0, BufferUse::kCopy,
+                                               MemoryKind::kHost, bad)
+                               .status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "no_grad_tensors[")) << s;
+  }
+  EXPECT_EQ(client->TrafficReport().total.push, 0u);
 
   // A step with part of the gradient missing names what is missing.
   const FlatRange big = *layout.LayerRange(2);
@@ -574,6 +589,64 @@ TEST(ClientTest, BadCallsAreRejectedLocally) {
   EXPECT_EQ(r->step, 1u);
   // What the first attempt delivered was not sent again.
   EXPECT_EQ(client->TrafficReport().total.push, total * 4);
+}
+
+// A tensor no rank pushed a gradient for is skipped by the step, as
+// torch.optim skips a parameter whose grad is None: its values and its
+// update count stay. One rank's gradient for it (zeros included) is enough
+// to update it.
+TEST(ClientTest, TensorsWithoutAGradientAreSkipped) {
+  Daemons daemons(2);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  const uint64_t total = layout.total_elements();
+  const FlatRange l1b = layout.tensors()[2].range();
+  std::vector<std::map<uint32_t, uint64_t>> steps(3);
+  std::vector<std::vector<float>> params(3, std::vector<float>(total));
+  std::atomic<int> failures{0};
+  RunRanks(2, [&](uint32_t rank) {
+    std::unique_ptr<Client> client =
+        Connect(MakeConfig("nograd", daemons.addresses, rank, 2, 2), layout, init.data());
+    if (client == nullptr) return void(++failures);
+    std::vector<float> grad(total, 0.25f);
+    std::fill(grad.begin() + l1b.begin, grad.begin() + l1b.end, 0.0f);
+    for (uint64_t step = 1; step <= 2; ++step) {
+      // Step 1: no rank has a gradient for l1.b; step 2: rank 1 has.
+      const std::vector<uint32_t> no_grad =
+          step == 1 || rank == 0 ? std::vector<uint32_t>{2} : std::vector<uint32_t>{};
+      absl::StatusOr<PushTicket> t = client->PushGradients(
+          {0, total}, grad.data(), DType::kFp32, 0, BufferUse::kCopy, MemoryKind::kHost, no_grad);
+      if (!t.ok()) {
+        ADD_FAILURE() << t.status();
+        return void(++failures);
+      }
+      absl::StatusOr<StepResult> r = client->Step(0.01f);
+      if (!r.ok()) {
+        ADD_FAILURE() << r.status();
+        return void(++failures);
+      }
+      if (rank == 0) {
+        const absl::Status s = client->ReadState(v1::STATE_ARRAY_MASTER, {0, total},
+                                                 params[step].data(), &steps[step]);
+        if (!s.ok()) {
+          ADD_FAILURE() << s;
+          return void(++failures);
+        }
+      }
+    }
+  });
+  ASSERT_EQ(failures.load(), 0);
+  const std::map<uint32_t, uint64_t> after1 = {{0, 1}, {1, 1}, {2, 0}, {3, 1}, {4, 1}, {5, 1}};
+  const std::map<uint32_t, uint64_t> after2 = {{0, 2}, {1, 2}, {2, 1}, {3, 2}, {4, 2}, {5, 2}};
+  EXPECT_EQ(steps[1], after1);
+  EXPECT_EQ(steps[2], after2);
+  EXPECT_EQ(std::vector<float>(params[1].begin() + l1b.begin, params[1].begin() + l1b.end),
+            std::vector<float>(init.begin() + l1b.begin, init.begin() + l1b.end));
+  // Step 2 updated it (weight decay, and its moments start).
+  for (uint64_t i = l1b.begin; i < l1b.end; ++i) EXPECT_NE(params[2][i], init[i]) << i;
+  // The others moved in step 1.
+  const FlatRange embed = layout.tensors()[0].range();
+  for (uint64_t i = embed.begin; i < embed.begin + 10; ++i) EXPECT_NE(params[1][i], init[i]) << i;
 }
 
 // Device buffers on a client without a device are refused before anything

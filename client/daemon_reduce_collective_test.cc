@@ -4,7 +4,9 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <set>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
@@ -24,6 +26,7 @@ class FakeDataPath final : public DataPath {
     std::string data;
     const void* source;  // where the bytes were read from
     uint64_t incarnation;
+    std::vector<uint32_t> no_grad_tensors;
   };
 
   explicit FakeDataPath(std::string address) : address_(std::move(address)) {}
@@ -38,7 +41,7 @@ class FakeDataPath final : public DataPath {
     const size_t bytes = push.range.size() * DTypeSize(push.dtype);
     received.push_back({push.step, push.micro_batch, push.range,
                         keep_data ? std::string(static_cast<const char*>(push.data), bytes) : "",
-                        push.data, push.incarnation});
+                        push.data, push.incarnation, push.no_grad_tensors});
     return bytes;
   }
   std::vector<absl::StatusOr<uint64_t>> PushGradients(const std::vector<GradientPush>& pushes,
@@ -124,7 +127,7 @@ Layout TestLayout() {
 struct Rig {
   Rig(const Layout& l, uint32_t world, uint32_t daemons, uint64_t bucket_bytes,
       uint32_t staging = 4, DType wire = DType::kFp32, uint32_t micro_batches = 1,
-      DeviceCopier* device = nullptr)
+      DeviceCopier* device = nullptr, uint32_t stage = 1)
       : layout(l), map(*PartitionMap::Create(l.total_elements(), world, daemons)) {
     for (uint32_t d = 0; d < daemons; ++d) {
       paths.push_back(std::make_unique<FakeDataPath>("fake:" + std::to_string(d)));
@@ -143,6 +146,7 @@ struct Rig {
     job.wire_dtype = wire;
     job.bucket_bytes = bucket_bytes;
     job.micro_batches = micro_batches;
+    job.stage = stage;
     for (auto& p : paths) job.daemons.push_back(p.get());
     job.traffic = &traffic;
     job.device = device;
@@ -336,6 +340,103 @@ TEST(DaemonReduceCollectiveTest, SmallBucketsForOneDaemonTravelTogether) {
     }
     EXPECT_EQ(rig.traffic.Total().push, layout.total_elements() * 4 * kMicroBatches);
   }
+}
+
+// MarkNoGradient's marks reach the daemons in the chunk of every bucket that
+// overlaps a marked tensor: the tensors of that bucket marked for that
+// micro-batch, ascending, and only in the step they were marked for.
+TEST(DaemonReduceCollectiveTest, PushesCarryTheTensorsMarkedWithoutAGradient) {
+  const Layout layout = TestLayout();  // embed, l1.w, l1.b, big.w, big.b, head
+  Rig rig(layout, 2, 2, 4096, 4, DType::kFp32, /*micro_batches=*/2);
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  const std::vector<std::vector<uint32_t>> marked = {{1, 2, 4}, {0, 4, 5}};  // by micro-batch
+  EXPECT_EQ(rig.collective->MarkNoGradient(1, 2, {0}).code(), absl::StatusCode::kInvalidArgument);
+  for (uint32_t mb = 0; mb < 2; ++mb) {
+    ASSERT_TRUE(rig.collective->MarkNoGradient(1, mb, marked[mb]).ok());
+  }
+  // Marks may come in several calls.
+  ASSERT_TRUE(rig.collective->MarkNoGradient(1, 0, {3}).ok());
+  const std::vector<std::vector<uint32_t>> expected_marks = {{1, 2, 3, 4}, {0, 4, 5}};
+  for (uint32_t mb = 0; mb < 2; ++mb) {
+    ASSERT_TRUE(rig.Push(1, {0, layout.total_elements()}, g.data(), mb).ok());
+  }
+  ASSERT_TRUE(rig.Finish(1).ok());
+  auto check = [&](uint64_t step, const std::vector<std::vector<uint32_t>>& marks) {
+    size_t pushes = 0, carrying = 0;
+    std::vector<std::set<uint32_t>> seen(2);
+    for (auto& p : rig.paths) {
+      absl::MutexLock lock(&p->mu);
+      for (const auto& r : p->received) {
+        if (r.step != step) continue;
+        ++pushes;
+        std::vector<uint32_t> want;
+        const auto [first, last] = layout.TensorsIn(r.range);
+        for (uint32_t t : marks[r.micro_batch]) {
+          if (t >= first && t < last) want.push_back(t);
+        }
+        EXPECT_EQ(r.no_grad_tensors, want) << "step " << step << " micro-batch " << r.micro_batch
+                                           << " range " << r.range;
+        carrying += r.no_grad_tensors.empty() ? 0 : 1;
+        seen[r.micro_batch].insert(r.no_grad_tensors.begin(), r.no_grad_tensors.end());
+      }
+    }
+    EXPECT_EQ(pushes, 2 * rig.collective->plan().buckets().size());
+    // Every marked tensor reached some daemon.
+    for (uint32_t mb = 0; mb < 2; ++mb) {
+      EXPECT_EQ(seen[mb], std::set<uint32_t>(marks[mb].begin(), marks[mb].end())) << mb;
+    }
+    return carrying;
+  };
+  EXPECT_GT(check(1, expected_marks), 2u);
+  // The next step carries nothing it was not told.
+  for (uint32_t mb = 0; mb < 2; ++mb) {
+    ASSERT_TRUE(rig.Push(2, {0, layout.total_elements()}, g.data(), mb).ok());
+  }
+  ASSERT_TRUE(rig.Finish(2).ok());
+  EXPECT_EQ(check(2, {{}, {}}), 0u);
+  // Step 3 marks its own.
+  ASSERT_TRUE(rig.collective->MarkNoGradient(3, 1, {5}).ok());
+  for (uint32_t mb = 0; mb < 2; ++mb) {
+    ASSERT_TRUE(rig.Push(3, {0, layout.total_elements()}, g.data(), mb).ok());
+  }
+  ASSERT_TRUE(rig.Finish(3).ok());
+  EXPECT_EQ(check(3, {{}, {5}}), 1u);
+}
+
+// Stage 3 pushes layer by layer: its buckets never cross a layer boundary.
+TEST(DaemonReduceCollectiveTest, Stage3BucketsFollowTheLayers) {
+  const Layout layout = TestLayout();
+  auto crossing = [&](const Rig& rig) {
+    size_t n = 0;
+    for (const Bucket& b : rig.collective->plan().buckets()) {
+      bool inside = false;
+      for (uint32_t l : layout.layers()) inside = inside || layout.LayerRange(l)->Contains(b.range);
+      n += inside ? 0 : 1;
+    }
+    return n;
+  };
+  Rig stage2(layout, 2, 2, 4096, 4, DType::kFp32, 1, nullptr, /*stage=*/2);
+  Rig stage3(layout, 2, 2, 4096, 4, DType::kFp32, 1, nullptr, /*stage=*/3);
+  EXPECT_GT(crossing(stage2), 0u);
+  EXPECT_EQ(crossing(stage3), 0u);
+  // Layer by layer, in backward order, as stage 3 pushes: the same bytes as
+  // one push of everything in stage 2, cut differently.
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  for (auto it = layout.layers().rbegin(); it != layout.layers().rend(); ++it) {
+    ASSERT_TRUE(stage3.Push(1, *layout.LayerRange(*it), g.data()).ok());
+  }
+  ASSERT_TRUE(stage2.Push(1, {0, layout.total_elements()}, g.data()).ok());
+  ASSERT_TRUE(stage2.Finish(1).ok());
+  ASSERT_TRUE(stage3.Finish(1).ok());
+  auto bytes = [](Rig& rig) {
+    std::vector<char> out;
+    for (const auto& [range, data] : rig.Received()) {
+      out.insert(out.end(), data.begin(), data.end());
+    }
+    return out;
+  };
+  EXPECT_EQ(bytes(stage3), bytes(stage2));
+  EXPECT_GT(stage3.Received().size(), stage2.Received().size());
 }
 
 TEST(DaemonReduceCollectiveTest, ConvertsToTheWireType) {

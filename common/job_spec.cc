@@ -500,12 +500,18 @@ std::string DescribeSpecDifference(const v1::JobSpec& registered, const v1::JobS
   return "";
 }
 
-uint64_t DaemonModelStateFormulaBytes(const JobConfig& config, uint64_t owned_elements) {
+uint64_t DaemonModelStateFormulaBytes(const JobConfig& config, FlatRange owned) {
   const uint64_t k = config.optimizer.kind == OptimizerKind::kSgdMomentum ? 8 : 12;
-  uint64_t per = k;
-  if (config.stage >= 2) per += 4;
-  if (config.stage == 3 && config.precision != DType::kFp32) per += 2;
-  return per * owned_elements;
+  uint64_t rest = 0;  // per element besides the optimizer state
+  if (config.stage >= 2) rest += 4;
+  if (config.stage == 3 && config.precision != DType::kFp32) rest += 2;
+  uint64_t frozen = 0;
+  const auto [first, last] = config.layout.TensorsIn(owned);
+  for (size_t i = first; i < last; ++i) {
+    const TensorPlacement& t = config.layout.tensors()[i];
+    if (t.spec.frozen) frozen += t.range().Intersect(owned).size();
+  }
+  return (k + rest) * (owned.size() - frozen) + (sizeof(float) + rest) * frozen;
 }
 
 }  // namespace zeroshard

@@ -140,12 +140,13 @@ v1::DType WireDType(DType t);
 // field that differs (job specs of ranks joining the same job must match).
 std::string DescribeSpecDifference(const v1::JobSpec& registered, const v1::JobSpec& got);
 
-// Model-state bytes a daemon should book for `owned_elements` of this job,
-// following the paper's partitioned terms: K bytes of optimizer state (fp32
-// master + m + v for Adam, master + momentum for SGD), plus in stages 2 and
-// 3 the reduced gradient shard (kept in fp32: 4 bytes where the paper counts
-// 2 in fp16), plus in stage 3 the half-precision parameter shard (2 bytes;
-// none for fp32 jobs, which serve the masters).
-uint64_t DaemonModelStateFormulaBytes(const JobConfig& config, uint64_t owned_elements);
+// Model-state bytes a daemon should book for the `owned` flat range of this
+// job, following the paper's partitioned terms: K bytes of optimizer state
+// (fp32 master + m + v for Adam, master + momentum for SGD), plus in stages
+// 2 and 3 the reduced gradient shard (kept in fp32: 4 bytes where the paper
+// counts 2 in fp16), plus in stage 3 the half-precision parameter shard (2
+// bytes; none for fp32 jobs, which serve the masters). Elements of frozen
+// tensors hold no optimizer state: their master in place of K.
+uint64_t DaemonModelStateFormulaBytes(const JobConfig& config, FlatRange owned);
 
 }  // namespace zeroshard

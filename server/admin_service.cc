@@ -42,7 +42,7 @@ grpc::Status AdminService::MemoryReport(grpc::ServerContext* call,
     m->set_world_size(c.world_size);
     m->set_parameters(c.layout.parameter_count());
     m->set_owned_partitions(static_cast<uint32_t>(job->owned_partitions().size()));
-    m->set_formula_bytes(DaemonModelStateFormulaBytes(c, job->owned_range().size()));
+    m->set_formula_bytes(DaemonModelStateFormulaBytes(c, job->owned_range()));
   }
   resp->set_memory_limit_bytes(ctx_->ledger->limit());
   resp->set_total_bytes(ctx_->ledger->total());

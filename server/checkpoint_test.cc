@@ -10,7 +10,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
+#include <utility>
+#include <vector>
 
 #include "common/checkpoint_files.h"
 #include "gtest/gtest.h"
@@ -33,12 +36,16 @@ class CheckpointTest : public ::testing::Test {
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
-  // Trains `steps` steps from step `from` + 1 with gradients drawn from `rng`.
-  static void Train(TestCluster& c, uint32_t world, uint64_t from, int steps, std::mt19937& rng) {
+  // Trains `steps` steps from step `from` + 1 with gradients drawn from `rng`;
+  // in the i-th of them every rank marks the tensors no_grad[i] (if given)
+  // as without a gradient.
+  static void Train(TestCluster& c, uint32_t world, uint64_t from, int steps, std::mt19937& rng,
+                    const std::vector<std::vector<uint32_t>>& no_grad = {}) {
     for (uint64_t step = from + 1; step <= from + steps; ++step) {
       std::vector<std::vector<float>> grads;
       for (uint32_t r = 0; r < world; ++r) grads.push_back(RandomVector(rng, c.total(), 0.1f));
-      c.PushAll(step, grads);
+      const size_t i = step - from - 1;
+      c.PushAll(step, grads, i < no_grad.size() ? no_grad[i] : std::vector<uint32_t>());
       c.Step(step, 0.01f, 1.0f);
     }
   }
@@ -169,6 +176,54 @@ TEST_F(CheckpointTest, LoadReslicesOntoAnotherPartitioning) {
     EXPECT_EQ(c.GatherAll(saved_steps), saved) << daemons << " daemons, N_d " << world;
     std::mt19937 rng(3);
     Train(c, world, saved_steps, 1, rng);
+  }
+}
+
+// Update counts that lag the commit count (tensors that got no gradient in
+// some steps) are saved with each part and restored, also onto another
+// partitioning, where a tensor's count may come from another daemon's part.
+TEST_F(CheckpointTest, TensorStepCountsSurviveSaveAndLoad) {
+  // SampleLayout: embed, l1.w, l1.b, big.w, big.b, head. big.b has no
+  // gradient in step 1, l1.b none in steps 2 and 3.
+  const std::vector<std::vector<uint32_t>> no_grad = {{4}, {2}, {2}};
+  const std::map<uint32_t, uint64_t> expected = {{0, 3}, {1, 3}, {2, 1},
+                                                 {3, 3}, {4, 2}, {5, 3}};
+  std::vector<float> saved;
+  {
+    TestCluster c(2, 2, 2, "counts", dir_);
+    std::mt19937 rng(7);
+    c.Init(RandomVector(rng, c.total(), 1.0f));
+    Train(c, 2, 0, 3, rng, no_grad);
+    ASSERT_EQ(c.TensorSteps(), expected);
+    const uint64_t h0 = Hash(c, 0), h1 = Hash(c, 1);
+    saved = c.GatherAll(3);
+    SaveAll(c, "s3", 3);
+    // Two steps with every gradient: every count moves on.
+    Train(c, 2, 3, 2, rng);
+    ASSERT_EQ(c.TensorSteps(), (std::map<uint32_t, uint64_t>{{0, 5}, {1, 5}, {2, 3},
+                                                              {3, 5}, {4, 4}, {5, 5}}));
+    for (int d = 0; d < 2; ++d) {
+      grpc::Status s = Load(c, d, "s3");
+      ASSERT_TRUE(s.ok()) << s.error_message();
+    }
+    EXPECT_EQ(c.TensorSteps(), expected);
+    EXPECT_EQ(Hash(c, 0), h0);
+    EXPECT_EQ(Hash(c, 1), h1);
+  }
+  for (const auto& [daemons, world] : std::vector<std::pair<int, uint32_t>>{{1, 2}, {3, 3}}) {
+    SCOPED_TRACE(::testing::Message() << daemons << " daemons, N_d " << world);
+    TestCluster c(daemons, world, 2, "counts", dir_);
+    for (int d = 0; d < daemons; ++d) {
+      grpc::Status s = Load(c, d, "s3");
+      ASSERT_TRUE(s.ok()) << s.error_message();
+    }
+    EXPECT_EQ(c.TensorSteps(), expected);
+    EXPECT_EQ(c.GatherAll(3), saved);
+    // A step with l1.b still without a gradient keeps its count.
+    std::mt19937 rng(8);
+    Train(c, world, 3, 1, rng, {{2}});
+    EXPECT_EQ(c.TensorSteps(), (std::map<uint32_t, uint64_t>{{0, 4}, {1, 4}, {2, 1},
+                                                              {3, 4}, {4, 3}, {5, 4}}));
   }
 }
 

@@ -1,10 +1,17 @@
 // Bad input to every RPC of the daemon: each gets a specific status code and
 // a message a person can act on, and the job's state (hashed) is unchanged.
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 
 #include "common/crc32c.h"
 #include "common/job_spec.h"
@@ -49,7 +56,90 @@ class BadInputTest : public ::testing::Test {
     testing::ExpectRejected(*daemon_, "job", code, text, call);
   }
 
+  // Job "sem": two parameter groups and a frozen tensor, over two daemons of
+  // which this one (index 0) owns [0, 128) of 240 elements (aligned to 16):
+  // w0 [0,70) group 0, frozen [80,100), w1 [112,172) group 1 (its first 16
+  // elements here), w2 [176,236) group 1 (all on the other daemon). Both
+  // ranks joined, masters initialised (zeros in the gaps).
+  void RegisterSemantics() {
+    std::vector<TensorSpec> specs = {{"w0", {70}, DType::kFp32, 0},
+                                     {"frozen", {20}, DType::kFp32, 0},
+                                     {"w1", {60}, DType::kFp32, 1},
+                                     {"w2", {6, 10}, DType::kFp32, 1}};
+    specs[1].frozen = true;
+    specs[2].group = 1;
+    specs[3].group = 1;
+    sem_layout_ = *Layout::Create(specs, 16);
+    sem_spec_ = MakeSpec("sem", sem_layout_, 2, 2, {daemon_->address(), "127.0.0.1:9"});
+    for (int g = 0; g < 2; ++g) {
+      v1::ParamGroup* pg = sem_spec_.add_param_groups();
+      pg->set_lr(g == 0 ? 1e-2f : 5e-2f);
+      pg->set_beta1(g == 0 ? 0.9f : 0.8f);
+      pg->set_beta2(g == 0 ? 0.999f : 0.99f);
+      pg->set_eps(1e-8f);
+      pg->set_weight_decay(g == 0 ? 0.01f : 0.1f);
+    }
+    sem_config_ = *ParseJobSpec(sem_spec_);
+    ASSERT_EQ(sem_config_.map.DaemonRange(0), (FlatRange{0, kSemOwned}));
+    grpc::Status s = client_->Register(sem_spec_, 0);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_TRUE(client_->JoinAll(sem_spec_).ok());
+    sem_init_ = Masked(0.5f, false);
+    ASSERT_TRUE(client_->Init(testing::ParamChunks("sem", {0, kSemOwned}, sem_init_.data())).ok());
+  }
+
+  // kSemOwned values (`base` + 0.01 * i) over this daemon's part of "sem",
+  // zeros in the gaps and, when `moments`, in the frozen tensor.
+  std::vector<float> Masked(float base, bool moments) const {
+    std::vector<float> out(kSemOwned, 0.0f);
+    for (const TensorPlacement& t : sem_layout_.tensors()) {
+      if (moments && t.spec.frozen) continue;
+      const FlatRange r = t.range().Intersect({0, kSemOwned});
+      for (uint64_t i = r.begin; i < r.end; ++i) out[i] = base + 0.01f * static_cast<float>(i);
+    }
+    return out;
+  }
+
+  v1::StateChunk SemChunk(v1::StateArray array, FlatRange range, const float* values) {
+    return testing::StateChunk("sem", 0, array, range, values);
+  }
+
+  // Both ranks push step `step` of "sem" (w1 without a gradient when
+  // `w1_no_grad`) and it is prepared.
+  void PrepareSemantics(uint64_t step, bool w1_no_grad = false) {
+    const std::vector<float> grad = Masked(0.125f, false);
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      std::vector<v1::GradientChunk> c =
+          GradientChunks("sem", step, rank, sem_config_.map, {0, kSemOwned}, grad.data(), 50);
+      if (w1_no_grad) testing::MarkNoGrad(sem_layout_, {2}, &c);
+      grpc::Status s = client_->Push(c);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+    }
+    v1::PrepareStepResponse p;
+    grpc::Status s = client_->Prepare("sem", step, &p);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+
+  grpc::Status CommitGroups(const std::string& job, uint64_t step,
+                            const std::vector<float>& group_lrs) {
+    grpc::ClientContext ctx;
+    v1::CommitStepRequest req;
+    req.set_job_id(job);
+    req.set_step(step);
+    req.set_lr(0.1f);  // valid whatever group_lrs hold
+    req.set_rank(0);
+    req.set_incarnation(testing::kTestIncarnation);
+    for (float lr : group_lrs) req.add_group_lrs(lr);
+    v1::CommitStepResponse resp;
+    return client_->shard->CommitStep(&ctx, req, &resp);
+  }
+
   static constexpr uint32_t kWorld = 3;
+  static constexpr uint64_t kSemOwned = 128;
+  Layout sem_layout_;
+  v1::JobSpec sem_spec_;
+  JobConfig sem_config_;
+  std::vector<float> sem_init_;
   std::unique_ptr<Daemon> daemon_;
   std::unique_ptr<DaemonClient> client_;
   v1::JobSpec spec_;
@@ -462,6 +552,269 @@ TEST_F(BadInputTest, GatherPrepareCommitInit) {
   const uint64_t before = Hash();
   ASSERT_TRUE(client_->Commit("job", 1, 0.1f).ok());
   EXPECT_EQ(Hash(), before);
+}
+
+// no_grad_tensors: layout indices, ascending, each overlapping the chunk.
+TEST_F(BadInputTest, PushGradientNoGradTensors) {
+  // A chunk of rank 1 that overlaps several tensors.
+  std::vector<v1::GradientChunk> chunks = Chunks(1, 1);
+  size_t k = 0;
+  std::pair<size_t, size_t> in;
+  for (; k < chunks.size(); ++k) {
+    in = config_.layout.TensorsIn({chunks[k].range().begin(), chunks[k].range().end()});
+    if (in.second - in.first >= 2) break;
+  }
+  ASSERT_LT(k, chunks.size());
+  const uint32_t first = static_cast<uint32_t>(in.first);
+  const uint32_t last = static_cast<uint32_t>(in.second);  // one past
+  auto marked = [&](std::vector<uint32_t> tensors) {
+    std::vector<v1::GradientChunk> c = chunks;
+    c[k].mutable_no_grad_tensors()->Add(tensors.begin(), tensors.end());
+    return [this, c] { return client_->Push(c); };
+  };
+  const std::string field = absl::StrCat("chunk ", k, ".no_grad_tensors[");
+  ExpectRejected(grpc::INVALID_ARGUMENT, field + "1]", marked({first + 1, first}));
+  ExpectRejected(grpc::INVALID_ARGUMENT, field + "1]", marked({first, first}));
+  ExpectRejected(grpc::INVALID_ARGUMENT, field + "0]", marked({last}));
+  ExpectRejected(grpc::INVALID_ARGUMENT, field + "1]", marked({first, last}));
+  ExpectRejected(grpc::INVALID_ARGUMENT, field + "0]", marked({1000}));
+  if (first > 0) ExpectRejected(grpc::INVALID_ARGUMENT, field + "0]", marked({first - 1}));
+  // Every tensor the chunk overlaps, ascending, is fine.
+  std::vector<uint32_t> all;
+  for (uint32_t t = first; t < last; ++t) all.push_back(t);
+  EXPECT_TRUE(marked(all)().ok());
+}
+
+TEST_F(BadInputTest, CommitStepGroupLrs) {
+  // "job" has one group; the lrs are checked before anything else.
+  ExpectRejected(grpc::INVALID_ARGUMENT, "group_lrs: job job has 1 parameter groups, got 2",
+                 [&] { return CommitGroups("job", 1, {0.1f, 0.2f}); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "group_lrs[0]: must be finite and >= 0",
+                 [&] { return CommitGroups("job", 1, {-0.1f}); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "group_lrs[0]",
+                 [&] { return CommitGroups("job", 1, {std::nanf("")}); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "group_lrs[0]", [&] {
+    return CommitGroups("job", 1, {std::numeric_limits<float>::infinity()});
+  });
+  // "sem" has two; refused even when prepared, and nothing moves.
+  RegisterSemantics();
+  PrepareSemantics(1);
+  auto rejected = [&](const std::string& text, std::vector<float> lrs) {
+    testing::ExpectRejected(*daemon_, "sem", grpc::INVALID_ARGUMENT, text,
+                            [&] { return CommitGroups("sem", 1, lrs); });
+  };
+  rejected("group_lrs: job sem has 2 parameter groups, got 1", {0.1f});
+  rejected("group_lrs: job sem has 2 parameter groups, got 3", {0.1f, 0.1f, 0.1f});
+  rejected("group_lrs[1]", {0.1f, std::nanf("")});
+  rejected("group_lrs[1]", {0.1f, -1.0f});
+  grpc::Status ok = CommitGroups("sem", 1, {0.1f, 0.0f});
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+}
+
+TEST_F(BadInputTest, ReadState) {
+  RegisterSemantics();
+  auto read = [&](auto mutate) {
+    return [this, mutate] {
+      v1::ReadStateRequest req;
+      req.set_job_id("sem");
+      req.set_rank(1);
+      req.set_incarnation(testing::kTestIncarnation);
+      req.set_array(v1::STATE_ARRAY_EXP_AVG);
+      req.mutable_range()->set_begin(0);
+      req.mutable_range()->set_end(kSemOwned);
+      mutate(req);
+      std::vector<v1::StateChunk> chunks;
+      return client_->ReadState(req, &chunks);
+    };
+  };
+  auto rejected = [&](grpc::StatusCode code, const std::string& text, auto call) {
+    testing::ExpectRejected(*daemon_, "sem", code, text, call);
+  };
+  ASSERT_TRUE(read([](v1::ReadStateRequest&) {})().ok());
+  rejected(grpc::NOT_FOUND, "not registered",
+           read([](v1::ReadStateRequest& r) { r.set_job_id("nope"); }));
+  rejected(grpc::INVALID_ARGUMENT, "array: must be MASTER (1), EXP_AVG (2) or EXP_AVG_SQ (3)",
+           read([](v1::ReadStateRequest& r) { r.set_array(v1::STATE_ARRAY_UNSPECIFIED); }));
+  rejected(grpc::INVALID_ARGUMENT, "array: must be",
+           read([](v1::ReadStateRequest& r) { r.set_array(static_cast<v1::StateArray>(9)); }));
+  // Outside the partitions this daemon owns (the other daemon's, or past the
+  // end), or empty.
+  for (const FlatRange bad : {FlatRange{100, 140}, FlatRange{128, 240}, FlatRange{200, 300},
+                              FlatRange{5, 5}, FlatRange{9, 3}}) {
+    rejected(grpc::INVALID_ARGUMENT, "is empty or outside the parameters this daemon owns [0, 128)",
+             read([bad](v1::ReadStateRequest& r) {
+               r.mutable_range()->set_begin(bad.begin);
+               r.mutable_range()->set_end(bad.end);
+             }));
+  }
+  // A rank the job does not have, or an incarnation that did not join.
+  rejected(grpc::INVALID_ARGUMENT, "rank",
+           read([](v1::ReadStateRequest& r) { r.set_rank(2); }));
+  rejected(grpc::FAILED_PRECONDITION, "has not joined as incarnation 5",
+           read([](v1::ReadStateRequest& r) { r.set_incarnation(5); }));
+  rejected(grpc::INVALID_ARGUMENT, "incarnation",
+           read([](v1::ReadStateRequest& r) { r.set_incarnation(0); }));
+  // While a step is prepared: its commit would change what is read.
+  PrepareSemantics(1);
+  rejected(grpc::FAILED_PRECONDITION, "step 1 is prepared", read([](v1::ReadStateRequest&) {}));
+  ASSERT_TRUE(CommitGroups("sem", 1, {0.1f, 0.2f}).ok());
+  ASSERT_TRUE(read([](v1::ReadStateRequest&) {})().ok());
+}
+
+TEST_F(BadInputTest, WriteState) {
+  RegisterSemantics();
+  const std::vector<float> masters = Masked(2.0f, false);
+  const std::vector<float> moments = Masked(0.25f, true);
+  auto write = [&](std::vector<v1::StateChunk> chunks) {
+    return [this, chunks] { return client_->WriteState(chunks); };
+  };
+  auto rejected = [&](grpc::StatusCode code, const std::string& text, auto call) {
+    testing::ExpectRejected(*daemon_, "sem", code, text, call);
+  };
+  const v1::StateChunk good = SemChunk(v1::STATE_ARRAY_MASTER, {0, 64}, masters.data());
+  auto one = [&](auto mutate) {
+    v1::StateChunk c = good;
+    mutate(c);
+    return write({c});
+  };
+  rejected(grpc::NOT_FOUND, "not registered", one([](v1::StateChunk& c) { c.set_job_id("nope"); }));
+  rejected(grpc::INVALID_ARGUMENT, "no chunk", write({}));
+  rejected(grpc::INVALID_ARGUMENT, "chunk 0.array: must be",
+           one([](v1::StateChunk& c) { c.set_array(v1::STATE_ARRAY_UNSPECIFIED); }));
+  rejected(grpc::INVALID_ARGUMENT, "chunk 0.array: must be",
+           one([](v1::StateChunk& c) { c.set_array(static_cast<v1::StateArray>(4)); }));
+  rejected(grpc::INVALID_ARGUMENT, "chunk 0.rank",
+           one([](v1::StateChunk& c) { c.set_rank(2); }));
+  rejected(grpc::FAILED_PRECONDITION, "has not joined as incarnation 9",
+           one([](v1::StateChunk& c) { c.set_incarnation(9); }));
+  // A range outside this daemon's part, reversed, or data of another size.
+  rejected(grpc::INVALID_ARGUMENT, "chunk 0.range [120, 136) is outside the parameters",
+           write({SemChunk(v1::STATE_ARRAY_MASTER, {120, 136}, std::vector<float>(16).data())}));
+  rejected(grpc::INVALID_ARGUMENT, "chunk 0.range [200, 210) is outside",
+           write({SemChunk(v1::STATE_ARRAY_MASTER, {200, 210}, std::vector<float>(10).data())}));
+  rejected(grpc::INVALID_ARGUMENT, "chunk 0.range [70, 2) is outside",
+           one([](v1::StateChunk& c) {
+             c.mutable_range()->set_begin(70);
+             c.mutable_range()->set_end(2);
+           }));
+  rejected(grpc::INVALID_ARGUMENT, "chunk 0.data: 256 bytes, expected 252",
+           one([](v1::StateChunk& c) { c.mutable_range()->set_end(63); }));
+  rejected(grpc::INVALID_ARGUMENT, "chunk 0.data: 0 bytes, expected 256",
+           one([](v1::StateChunk& c) {
+             c.clear_data();
+             c.set_crc32c(0);
+           }));
+  rejected(grpc::DATA_LOSS, "CRC-32C",
+           one([](v1::StateChunk& c) { (*c.mutable_data())[5] ^= 0x10; }));
+  // Zeros where there is no state: the gaps, and the frozen tensor's moments.
+  std::vector<float> gap = masters;
+  gap[75] = 1.0f;
+  rejected(grpc::INVALID_ARGUMENT, "chunk 0.data: element 75 is an alignment gap",
+           write({SemChunk(v1::STATE_ARRAY_MASTER, {64, 128}, gap.data() + 64)}));
+  std::vector<float> in_frozen = moments;
+  in_frozen[85] = 1e-3f;
+  rejected(grpc::INVALID_ARGUMENT, "chunk 1.data: element 85 is in frozen tensor 1",
+           write({SemChunk(v1::STATE_ARRAY_EXP_AVG, {0, 64}, moments.data()),
+                  SemChunk(v1::STATE_ARRAY_EXP_AVG_SQ, {64, 128}, in_frozen.data() + 64)}));
+  // Two chunks of one array over the same elements.
+  rejected(grpc::INVALID_ARGUMENT, "chunk 1.range [60, 70) overlaps chunk 0",
+           write({good, SemChunk(v1::STATE_ARRAY_MASTER, {60, 70}, masters.data() + 60)}));
+  // Update counts: trainable tensors overlapping this daemon's range, each
+  // once a stream.
+  auto counts = [&](std::vector<std::pair<uint32_t, uint64_t>> steps) {
+    v1::StateChunk c = SemChunk(v1::STATE_ARRAY_MASTER, {0, 0}, nullptr);
+    for (const auto& [t, n] : steps) {
+      v1::TensorStep* s = c.add_tensor_steps();
+      s->set_tensor(t);
+      s->set_steps(n);
+    }
+    return c;
+  };
+  rejected(grpc::INVALID_ARGUMENT, "chunk 1.tensor_steps[0]: tensor 1 is frozen",
+           write({good, counts({{1, 4}})}));
+  rejected(grpc::INVALID_ARGUMENT, "chunk 0.tensor_steps[1]: tensor 3 does not overlap",
+           write({counts({{0, 4}, {3, 4}})}));
+  rejected(grpc::INVALID_ARGUMENT, "tensor 17 does not overlap", write({counts({{17, 1}})}));
+  rejected(grpc::INVALID_ARGUMENT, "tensor_steps: tensor 0 is set twice",
+           write({counts({{0, 4}}), good, counts({{2, 1}, {0, 5}})}));
+  rejected(grpc::INVALID_ARGUMENT, "tensor_steps: tensor 2 is set twice",
+           write({counts({{2, 4}, {2, 4}})}));
+  // A stream whose last chunk is bad applies none of the good ones before it.
+  rejected(grpc::INVALID_ARGUMENT, "chunk 2.data: element 75",
+           write({counts({{0, 9}}), good,
+                  SemChunk(v1::STATE_ARRAY_MASTER, {64, 128}, gap.data() + 64)}));
+  // Not while a step is prepared; the prepared step stays.
+  PrepareSemantics(1);
+  rejected(grpc::FAILED_PRECONDITION, "step 1 is prepared", write({good}));
+  rejected(grpc::FAILED_PRECONDITION, "step 1 is prepared", write({counts({{0, 4}})}));
+  ASSERT_TRUE(CommitGroups("sem", 1, {0.1f, 0.2f}).ok());
+  EXPECT_TRUE(write({good, counts({{0, 4}})})().ok());
+}
+
+// What WriteState writes is what ReadState reads and a gather gathers, and
+// the next step updates from there, each tensor with its own count.
+TEST_F(BadInputTest, StateWrittenIsReadGatheredAndSteppedFrom) {
+  RegisterSemantics();
+  const FlatRange owned{0, kSemOwned};
+  const std::vector<float> masters = Masked(2.0f, false);
+  const std::vector<float> m = Masked(0.25f, true);
+  const std::vector<float> v = Masked(0.5f, true);
+  v1::StateChunk counts = SemChunk(v1::STATE_ARRAY_MASTER, {0, 0}, nullptr);
+  v1::TensorStep* t = counts.add_tensor_steps();
+  t->set_tensor(0);
+  t->set_steps(7);
+  t = counts.add_tensor_steps();
+  t->set_tensor(2);
+  t->set_steps(3);
+  v1::WriteStateResponse resp;
+  grpc::Status s = client_->WriteState(
+      {SemChunk(v1::STATE_ARRAY_MASTER, {0, 64}, masters.data()),
+       SemChunk(v1::STATE_ARRAY_MASTER, {64, 128}, masters.data() + 64),
+       SemChunk(v1::STATE_ARRAY_EXP_AVG, owned, m.data()),
+       SemChunk(v1::STATE_ARRAY_EXP_AVG_SQ, {32, 128}, v.data() + 32), counts},
+      &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.elements(), 128u + 128u + 96u);
+  EXPECT_EQ(resp.tensor_steps(), 2u);
+  std::vector<float> out;
+  std::vector<v1::TensorStep> steps;
+  auto step_map = [&] {
+    std::map<uint32_t, uint64_t> r;
+    for (const v1::TensorStep& x : steps) r[x.tensor()] = x.steps();
+    return r;
+  };
+  ASSERT_TRUE(client_->ReadState("sem", 1, v1::STATE_ARRAY_MASTER, owned, &out, &steps).ok());
+  EXPECT_EQ(out, masters);
+  EXPECT_EQ(step_map(), (std::map<uint32_t, uint64_t>{{0, 7}, {2, 3}}));
+  ASSERT_TRUE(client_->ReadState("sem", 0, v1::STATE_ARRAY_EXP_AVG, owned, &out, nullptr).ok());
+  EXPECT_EQ(out, m);
+  ASSERT_TRUE(client_->ReadState("sem", 0, v1::STATE_ARRAY_EXP_AVG_SQ, owned, &out, nullptr).ok());
+  std::vector<float> v_expected = v;
+  std::fill(v_expected.begin(), v_expected.begin() + 32, 0.0f);  // never written
+  EXPECT_EQ(out, v_expected);
+  // A sub-range: the counts of the trainable tensors it overlaps only.
+  ASSERT_TRUE(client_->ReadState("sem", 0, v1::STATE_ARRAY_MASTER, {75, 90}, &out, &steps).ok());
+  EXPECT_EQ(out, std::vector<float>(masters.begin() + 75, masters.begin() + 90));
+  EXPECT_TRUE(steps.empty());  // a gap and the frozen tensor
+  std::vector<float> gathered;
+  ASSERT_TRUE(client_->Gather("sem", 0, owned, &gathered).ok());
+  EXPECT_EQ(gathered, masters);
+  // A step where w1 has no gradient: w0 is updated (count 8), w1 keeps its
+  // values and its count, the frozen tensor its values.
+  PrepareSemantics(1, /*w1_no_grad=*/true);
+  ASSERT_TRUE(CommitGroups("sem", 1, {0.1f, 0.2f}).ok());
+  ASSERT_TRUE(client_->ReadState("sem", 0, v1::STATE_ARRAY_MASTER, owned, &out, &steps).ok());
+  EXPECT_EQ(step_map(), (std::map<uint32_t, uint64_t>{{0, 8}, {2, 3}}));
+  for (uint64_t i = 0; i < 70; ++i) EXPECT_NE(out[i], masters[i]) << i;
+  for (uint64_t i = 70; i < kSemOwned; ++i) EXPECT_EQ(out[i], masters[i]) << i;
+  ASSERT_TRUE(client_->ReadState("sem", 0, v1::STATE_ARRAY_EXP_AVG, owned, &out, nullptr).ok());
+  for (uint64_t i = 112; i < kSemOwned; ++i) EXPECT_EQ(out[i], m[i]) << i;
+  // Counts alone (an empty range) are a write too.
+  s = client_->WriteState({counts}, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.elements(), 0u);
+  ASSERT_TRUE(client_->ReadState("sem", 0, v1::STATE_ARRAY_MASTER, {0, 8}, &out, &steps).ok());
+  EXPECT_EQ(step_map(), (std::map<uint32_t, uint64_t>{{0, 7}}));
 }
 
 TEST_F(BadInputTest, Admin) {

@@ -969,6 +969,10 @@ absl::StatusOr<v1::CompleteCheckpointResponse> Job::CompleteCheckpoint(
   *m.mutable_spec() = spec_;
   *m.mutable_partition_map() = map;
   *m.mutable_state() = mine.state();
+  // The update counts differ between parts (each lists the tensors it
+  // overlaps) and a load reads them from the parts: without them the
+  // manifest is the same whichever daemon completes it.
+  m.mutable_state()->clear_tensor_steps();
   *m.mutable_parts() = r.parts();
   if (absl::Status s = CheckManifest(m); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("parts: ", s.message()));
@@ -1192,8 +1196,20 @@ absl::StatusOr<v1::WriteStateResponse> Job::WriteState(const std::vector<v1::Sta
                                        reinterpret_cast<const float*>(c.data().data()),
                                        where + ".data"));
   }
+  // A write of what is held changes nothing: every rank of a job may load
+  // the same state dict without gathers being aborted by the others.
+  bool changes = false;
+  for (size_t i = 0; i < chunks.size() && !changes; ++i) {
+    const v1::StateChunk& c = chunks[i];
+    for (const v1::TensorStep& t : c.tensor_steps()) {
+      changes = changes || !shard_->HasTensorStep(t.tensor(), t.steps());
+    }
+    changes = changes || (!c.data().empty() &&
+                          !shard_->Holds(arrays[i], {c.range().begin(), c.range().end()},
+                                         reinterpret_cast<const float*>(c.data().data())));
+  }
   uint32_t steps = 0;
-  for (size_t i = 0; i < chunks.size(); ++i) {
+  for (size_t i = 0; i < chunks.size() && changes; ++i) {
     const v1::StateChunk& c = chunks[i];
     for (const v1::TensorStep& t : c.tensor_steps()) {
       shard_->SetTensorStep(t.tensor(), t.steps());
@@ -1205,9 +1221,11 @@ absl::StatusOr<v1::WriteStateResponse> Job::WriteState(const std::vector<v1::Sta
                        reinterpret_cast<const float*>(c.data().data()));
     elements += r.size();
   }
-  ++params_version_;
-  // The backup copies the new state before it takes the next step.
-  if (replicated()) MarkBackupStale(absl::OkStatus());
+  if (changes) {
+    ++params_version_;
+    // The backup copies the new state before it takes the next step.
+    if (replicated()) MarkBackupStale(absl::OkStatus());
+  }
   v1::WriteStateResponse out;
   out.set_elements(elements);
   out.set_tensor_steps(steps);

@@ -31,6 +31,7 @@
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "server/daemon.h"
 #include "server/job.h"
+#include "server/owned_tensors.h"
 #include "server/testing/daemon_fixture.h"
 #include "transport/transport.h"
 
@@ -240,11 +241,14 @@ class ReplicaTest : public ::testing::Test {
 
   // Registers `id` on both daemons (daemon d as index d), joins every rank
   // on each daemon's home copy and initialises the parameters.
-  TestJob StartJob(const std::string& id, uint32_t stage, uint32_t replicas = 2) {
+  // `customize` may change the spec (its layout and param groups) first.
+  TestJob StartJob(const std::string& id, uint32_t stage, uint32_t replicas = 2,
+                   const std::function<void(v1::JobSpec&)>& customize = nullptr) {
     TestJob j;
     j.id = id;
     j.spec = MakeSpec(id, SampleLayout(), stage, kWorld, addresses_);
     if (replicas > 1) j.spec.set_replicas(replicas);
+    if (customize) customize(j.spec);
     j.config = *ParseJobSpec(j.spec);
     std::mt19937 rng(12345);
     j.init = RandomVector(rng, j.total(), 0.1f);
@@ -263,14 +267,18 @@ class ReplicaTest : public ::testing::Test {
   // Pushes every rank's gradient of `step` for the groups `where` names,
   // prepares them, combines the norms, and commits them (skipped when
   // `skip`). Returns the PrepareStep answers.
+  // Every rank marks the tensors `no_grad` as without a gradient.
   std::vector<v1::PrepareStepResponse> RunStep(const TestJob& j, uint64_t step,
-                                               const std::vector<Where>& where, bool skip = false) {
+                                               const std::vector<Where>& where, bool skip = false,
+                                               const std::vector<uint32_t>& no_grad = {}) {
     const std::vector<std::vector<float>> grads = Grads(j.total(), step);
     for (const Where& w : where) {
       const FlatRange r = j.Range(w.group);
       for (uint32_t rank = 0; rank < kWorld; ++rank) {
-        grpc::Status s = Target(w).Push(
-            GradientChunks(j.id, step, rank, j.config.map, r, grads[rank].data() + r.begin, 333));
+        std::vector<v1::GradientChunk> chunks =
+            GradientChunks(j.id, step, rank, j.config.map, r, grads[rank].data() + r.begin, 333);
+        testing::MarkNoGrad(j.config.layout, no_grad, &chunks);
+        grpc::Status s = Target(w).Push(chunks);
         EXPECT_TRUE(s.ok()) << "push of step " << step << " rank " << rank << " to daemon "
                             << w.daemon << " group " << w.group << ": " << s.error_message();
       }
@@ -443,6 +451,152 @@ class ReplicaTest : public ::testing::Test {
     return j;
   }
 
+  // A copy's whole state, compared across copies: joins every rank on
+  // `copy` directly (a backup has none joined; the state hash covers the
+  // rank table), then its StateHash, and through ReadState its moments and
+  // update counts over its group's range.
+  struct CopyState {
+    uint64_t hash = 0;
+    std::vector<float> masters, exp_avg, exp_avg_sq;
+    std::map<uint32_t, uint64_t> steps;
+  };
+  CopyState StateOf(Job& copy, const TestJob& j) {
+    for (uint32_t rank = 0; rank < kWorld; ++rank) {
+      v1::JoinJobRequest req;
+      req.set_job_id(j.id);
+      req.set_rank(rank);
+      req.set_layout_fingerprint(j.spec.layout_fingerprint());
+      req.set_stage(j.spec.stage());
+      req.set_world_size(kWorld);
+      req.set_precision(j.spec.precision());
+      req.set_incarnation(kTestIncarnation);
+      v1::JoinJobResponse resp;
+      absl::Status s = copy.Join(req, &resp);
+      EXPECT_TRUE(s.ok()) << s;
+    }
+    CopyState out;
+    out.hash = copy.StateHash();
+    for (v1::StateArray array :
+         {v1::STATE_ARRAY_MASTER, v1::STATE_ARRAY_EXP_AVG, v1::STATE_ARRAY_EXP_AVG_SQ}) {
+      v1::ReadStateRequest req;
+      req.set_job_id(j.id);
+      req.set_rank(0);
+      req.set_incarnation(kTestIncarnation);
+      req.set_array(array);
+      req.mutable_range()->set_begin(copy.owned_unpadded().begin);
+      req.mutable_range()->set_end(copy.owned_unpadded().end);
+      std::vector<float>& values = array == v1::STATE_ARRAY_MASTER    ? out.masters
+                                   : array == v1::STATE_ARRAY_EXP_AVG ? out.exp_avg
+                                                                      : out.exp_avg_sq;
+      absl::Status s = copy.ReadState(req, 1 << 12, [&](v1::StateChunk& c) {
+        const size_t old = values.size();
+        values.resize(old + c.data().size() / sizeof(float));
+        std::memcpy(values.data() + old, c.data().data(), c.data().size());
+        for (const v1::TensorStep& t : c.tensor_steps()) out.steps[t.tensor()] = t.steps();
+        return true;
+      });
+      EXPECT_TRUE(s.ok()) << s;
+    }
+    return out;
+  }
+  void ExpectSameState(const CopyState& a, const CopyState& b, const std::string& what) {
+    EXPECT_EQ(a.hash, b.hash) << what;
+    EXPECT_TRUE(SameBits(a.masters, b.masters)) << what;
+    EXPECT_TRUE(SameBits(a.exp_avg, b.exp_avg)) << what;
+    EXPECT_TRUE(SameBits(a.exp_avg_sq, b.exp_avg_sq)) << what;
+    EXPECT_EQ(a.steps, b.steps) << what;
+  }
+
+  // A replicated AdamW job with two parameter groups whose layout has a
+  // frozen tensor in each replica group: embed (group 0), l1.w (group 1),
+  // l1.b (frozen), big.w (group 1, across both replica groups), big.b
+  // (frozen), head (group 0). Both backups are refilled by a state
+  // transfer (the primaries' states written between steps) while some
+  // counts lag: the backups must end up equal to their primaries.
+  void StateTransferWithFrozenTensorsAndLaggingCounts(const std::string& id) {
+    const TestJob j = StartJob(id, 2, 2, [](v1::JobSpec& spec) {
+      for (int t : {1, 3}) spec.mutable_layout()->mutable_tensors(t)->set_group(1);
+      for (int t : {2, 4}) spec.mutable_layout()->mutable_tensors(t)->set_frozen(true);
+      absl::StatusOr<Layout> layout = LayoutFromProto(spec.layout());
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      spec.set_layout_fingerprint(layout->fingerprint());
+      for (int g = 0; g < 2; ++g) {
+        v1::ParamGroup* pg = spec.add_param_groups();
+        pg->set_lr(0.01f);
+        pg->set_beta1(g == 0 ? 0.9f : 0.85f);
+        pg->set_beta2(g == 0 ? 0.999f : 0.99f);
+        pg->set_eps(1e-8f);
+        pg->set_weight_decay(g == 0 ? 0.01f : 0.1f);
+      }
+    });
+    ASSERT_EQ(GroupCount(j.config), 2u);
+    const Layout& layout = j.config.layout;
+    for (uint32_t g = 0; g < 2; ++g) {
+      // Each replica group holds part of a frozen tensor.
+      ASSERT_GT(OwnedTensors(layout, j.config.map.DaemonRange(g)).frozen_elements(), 0u) << g;
+    }
+    const std::vector<Where> placement = {{0, 0, 1}, {1, 1, 1}};
+    for (const v1::PrepareStepResponse& p : RunStep(j, 1, placement)) {
+      EXPECT_TRUE(p.backup_in_sync());
+    }
+    // embed and head get no gradient in step 2: their counts lag.
+    for (const v1::PrepareStepResponse& p : RunStep(j, 2, placement, false, {0, 5})) {
+      EXPECT_TRUE(p.backup_in_sync());
+    }
+    // State written on each primary between steps: l1.w's count on group 0,
+    // head's masters on group 1. Each backup is stale until its next step.
+    {
+      v1::StateChunk counts = testing::StateChunk(id, 0, v1::STATE_ARRAY_MASTER, {0, 0}, nullptr);
+      v1::TensorStep* t = counts.add_tensor_steps();
+      t->set_tensor(1);
+      t->set_steps(9);
+      grpc::Status s = Plain(0).WriteState({counts});
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      const FlatRange head = layout.tensors()[5].range();
+      std::vector<float> values;
+      s = Plain(1).ReadState(id, 0, v1::STATE_ARRAY_MASTER, head, &values);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      for (float& v : values) v += 1.0f;
+      s = Plain(1).WriteState(
+          {testing::StateChunk(id, 0, v1::STATE_ARRAY_MASTER, head, values.data())});
+      ASSERT_TRUE(s.ok()) << s.error_message();
+    }
+    for (int d = 0; d < 2; ++d) {
+      v1::ReplicaState state;
+      ASSERT_TRUE(Replica(d).State(id, &state).ok());
+      EXPECT_FALSE(GroupState(state, d)->in_sync()) << state.ShortDebugString();
+    }
+    // Step 3 (head still without a gradient) copies each primary's state to
+    // its backup, then forwards the step.
+    for (const v1::PrepareStepResponse& p : RunStep(j, 3, placement, false, {5})) {
+      EXPECT_TRUE(p.backup_in_sync());
+    }
+    for (int d = 0; d < 2; ++d) {
+      EXPECT_EQ(testing::RequestCount(daemon(d), "TransferState"), 2) << "daemon " << d;
+    }
+    const std::map<uint32_t, uint64_t> expected[2] = {
+        {{0, 2}, {1, 10}, {3, 3}},  // embed, l1.w, the start of big.w
+        {{3, 3}, {5, 1}},           // the rest of big.w, head
+    };
+    for (uint32_t g = 0; g < 2; ++g) {
+      SCOPED_TRACE(absl::StrCat("group ", g));
+      std::shared_ptr<Job> primary = Copy(g, id, g);
+      std::shared_ptr<Job> backup = Copy(1 - g, id, g);
+      ASSERT_TRUE(primary && backup);
+      EXPECT_EQ(backup->committed_step(), 3u);
+      const CopyState want = StateOf(*primary, j);
+      EXPECT_EQ(want.steps, expected[g]);
+      ExpectSameState(StateOf(*backup, j), want, "backup");
+      // The frozen tensors' moments read as zeros.
+      for (int t : {2, 4}) {
+        const FlatRange f = layout.tensors()[t].range().Intersect(primary->owned_unpadded());
+        for (uint64_t i = f.begin; i < f.end; ++i) {
+          ASSERT_EQ(want.exp_avg[i - primary->owned_unpadded().begin], 0.0f) << i;
+        }
+      }
+    }
+  }
+
   std::vector<std::unique_ptr<Daemon>> daemons_;
   std::vector<std::string> addresses_;
   std::map<std::tuple<int, uint32_t, uint64_t>, std::unique_ptr<DaemonClient>> targets_;
@@ -564,6 +718,45 @@ TEST_F(ReplicaTest, ReplicatedStepKeepsBackupBitIdentical) {
   EXPECT_EQ(daemon(0).ledger().JobBytes(j.id)[static_cast<int>(MemoryCategory::kBuffer)],
             buffer_before[static_cast<int>(MemoryCategory::kBuffer)] +
                 backup->owned_unpadded().size() * sizeof(float));
+}
+
+// A step in which some tensors got no gradient: the primary forwards its
+// list with the reduced gradient, so the backup skips the same tensors (no
+// update, no weight decay, its count unchanged) and stays equal, counts and
+// moments included.
+TEST_F(ReplicaTest, BackupSkipsTheTensorsWithoutAGradient) {
+  const TestJob j = StartJob("nograd", 2);
+  const std::vector<Where> placement = {{0, 0, 1}, {1, 1, 1}};
+  // l1.b (group 0) misses steps 2 and 3, big.b (group 1) step 3.
+  const std::vector<std::vector<uint32_t>> no_grad = {{}, {2}, {2, 4}};
+  for (uint64_t step = 1; step <= 3; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    for (const v1::PrepareStepResponse& p : RunStep(j, step, placement, false, no_grad[step - 1])) {
+      EXPECT_TRUE(p.backup_in_sync());
+    }
+    for (uint32_t g = 0; g < 2; ++g) {
+      EXPECT_TRUE(SameBits(Masters(*Copy(1 - g, j.id, g)), Masters(*Copy(g, j.id, g))))
+          << "group " << g;
+    }
+  }
+  // One transfer (step 1): steps 2 and 3 were forwarded.
+  for (int d = 0; d < 2; ++d) {
+    EXPECT_EQ(testing::RequestCount(daemon(d), "TransferState"), 1) << "daemon " << d;
+  }
+  const std::map<uint32_t, uint64_t> expected[2] = {
+      {{0, 3}, {1, 3}, {2, 1}, {3, 3}},  // embed, l1.w, l1.b, the start of big.w
+      {{3, 3}, {4, 2}, {5, 3}},          // the rest of big.w, big.b, head
+  };
+  for (uint32_t g = 0; g < 2; ++g) {
+    SCOPED_TRACE(absl::StrCat("group ", g));
+    const CopyState primary = StateOf(*Copy(g, j.id, g), j);
+    EXPECT_EQ(primary.steps, expected[g]);
+    ExpectSameState(StateOf(*Copy(1 - g, j.id, g), j), primary, "backup");
+  }
+}
+
+TEST_F(ReplicaTest, StateTransferCarriesFrozenTensorsAndLaggingCounts) {
+  StateTransferWithFrozenTensorsAndLaggingCounts("frozen");
 }
 
 // ---- 2. Promotion and the epoch fence ----
@@ -1288,6 +1481,15 @@ TEST_F(BulkReplicaTest, StateCopiedOverTheBulkTransport) {
   for (uint32_t g = 0; g < 2; ++g) {
     EXPECT_TRUE(SameBits(Masters(*Copy(0, j.id, g)), Masters(*Copy(1, j.id, g)))) << g;
   }
+}
+
+// The moment arrays are shorter than the masters (no moments for frozen
+// tensors): the backup reads each at its own length.
+TEST_F(BulkReplicaTest, StateTransferCarriesFrozenTensorsAndLaggingCounts) {
+  ::testing::internal::CaptureStderr();
+  StateTransferWithFrozenTensorsAndLaggingCounts("bulk-frozen");
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(log.find("in the stream"), std::string::npos) << log;
 }
 
 // A bulk transfer from a source this test serves itself (its own inproc

@@ -131,6 +131,63 @@ TEST_F(SecurityTest, StrangerCannotLeaveCommitOrReadState) {
   ASSERT_NE(daemon_->jobs().Find(kJob).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(SecurityTest, StrangerCannotReadOrWriteState) {
+  const uint64_t n = SampleLayout().total_elements();
+  auto read = [n](DaemonClient& c, std::vector<float>* out) {
+    return c.ReadState(kJob, 0, v1::STATE_ARRAY_MASTER, {0, n}, out);
+  };
+  // A valid write (the first tensor's masters and update count), so that
+  // only the token can stop it.
+  const FlatRange first = SampleLayout().tensors()[0].range();
+  const std::vector<float> values(first.size(), 7.0f);
+  std::vector<v1::StateChunk> write = {
+      testing::StateChunk(kJob, 0, v1::STATE_ARRAY_MASTER, first, values.data())};
+  v1::TensorStep* steps = write[0].add_tensor_steps();
+  steps->set_tensor(0);
+  steps->set_steps(9);
+  ExpectStrangersRefused([&](DaemonClient& c) {
+    std::vector<float> out;
+    const grpc::Status s = read(c, &out);
+    EXPECT_THAT(out, ::testing::IsEmpty());
+    return s;
+  });
+  ExpectStrangersRefused([&](DaemonClient& c) {
+    v1::WriteStateResponse resp;
+    const grpc::Status s = c.WriteState(write, &resp);
+    EXPECT_EQ(resp.elements(), 0u);
+    return s;
+  });
+  // Nor with the token of another job on the same daemon.
+  DaemonClient other(daemon_->address(), "another-jobs-token-123");
+  ASSERT_TRUE(
+      other.Register(MakeSpec("other", SampleLayout(), 2, 1, {daemon_->address()}), 0).ok());
+  ExpectRejected(*daemon_, kJob, grpc::StatusCode::PERMISSION_DENIED, "does not open job", [&] {
+    std::vector<float> out;
+    const grpc::Status s = read(other, &out);
+    EXPECT_THAT(out, ::testing::IsEmpty());
+    return s;
+  });
+  ExpectRejected(*daemon_, kJob, grpc::StatusCode::PERMISSION_DENIED, "does not open job",
+                 [&] { return other.WriteState(write); });
+  // The job's token and the admin's read and write it.
+  std::vector<float> out;
+  for (DaemonClient* c : {owner_.get(), admin_.get()}) {
+    EXPECT_TRUE(read(*c, &out).ok());
+    ASSERT_EQ(out.size(), n);
+    EXPECT_EQ(out[0], 0.5f);
+  }
+  const uint64_t hash_before = (*daemon_->jobs().Find(kJob))->StateHash();
+  v1::WriteStateResponse resp;
+  const grpc::Status s = owner_->WriteState(write, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.elements(), first.size());
+  EXPECT_NE((*daemon_->jobs().Find(kJob))->StateHash(), hash_before);
+  // The same values again: let in, and nothing left to change.
+  const grpc::Status again = admin_->WriteState(write, &resp);
+  EXPECT_TRUE(again.ok()) << again.error_message();
+  EXPECT_EQ(resp.elements(), 0u);
+}
+
 TEST_F(SecurityTest, StrangerCannotTakeOverTheJobByRegisteringIt) {
   ExpectRejected(*daemon_, kJob, grpc::StatusCode::PERMISSION_DENIED, "another token",
                  [&] { return stranger_->Register(spec_, 0); });

@@ -339,6 +339,24 @@ absl::Status ShardState::CheckWrite(StateArrayKind array, const FlatRange& range
   return absl::OkStatus();
 }
 
+bool ShardState::Holds(StateArrayKind array, const FlatRange& range, const float* src) const {
+  if (array == StateArrayKind::kMaster) {
+    return std::memcmp(master_.data() + (range.begin - owned_.begin), src,
+                       range.size() * sizeof(float)) == 0;
+  }
+  const LedgerArray<float>& a = moments(array);
+  bool same = true;
+  tensors_.ForEachUnfrozen(range, [&](const FlatRange& r) {
+    same = same && std::memcmp(a.data() + tensors_.MomentIndex(r.begin),
+                               src + (r.begin - range.begin), r.size() * sizeof(float)) == 0;
+  });
+  return same;
+}
+
+bool ShardState::HasTensorStep(uint32_t index, uint64_t steps) const {
+  return tensor_steps_[tensors_.Find(index)] == steps;
+}
+
 void ShardState::WriteArray(ShardOptimizer* optimizer, StateArrayKind array,
                             const FlatRange& range, const float* src) {
   const uint64_t off = range.begin - owned_.begin;

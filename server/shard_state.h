@@ -119,6 +119,11 @@ class ShardState {
   // naming `field` and the element otherwise).
   absl::Status CheckWrite(StateArrayKind array, const FlatRange& range, const float* src,
                           absl::string_view field) const;
+  // Whether `array` over `range` holds exactly `src`'s bytes (where it holds
+  // anything: frozen tensors have no moments).
+  bool Holds(StateArrayKind array, const FlatRange& range, const float* src) const;
+  // Whether tensor `index` (trainable, owned) has update count `steps`.
+  bool HasTensorStep(uint32_t index, uint64_t steps) const;
   // Writes a checked `src`; masters also rewrite the range's half copy.
   void WriteArray(ShardOptimizer* optimizer, StateArrayKind array, const FlatRange& range,
                   const float* src);

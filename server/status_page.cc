@@ -242,7 +242,7 @@ std::string StatusPage::Render(absl::Time now) {
     v.parameters = c.layout.parameter_count();
     v.owned_partitions = job->owned_partitions().size();
     v.owned_elements = job->owned_range().size();
-    v.formula_bytes = DaemonModelStateFormulaBytes(c, v.owned_elements);
+    v.formula_bytes = DaemonModelStateFormulaBytes(c, job->owned_range());
     v.k = c.optimizer.kind == OptimizerKind::kSgdMomentum ? 8.0 : kAdamK;
     if (auto it = ledger.find(v.id); it != ledger.end()) v.bytes = it->second;
     v1::StepState state;

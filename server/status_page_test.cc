@@ -112,7 +112,7 @@ TEST_F(StatusPageTest, ServesTheJobsRowAndMemoryAtRoot) {
     EXPECT_THAT(body, HasSubstr(absl::StrCat("(", ledger[i], " B)")));
   }
   const std::shared_ptr<Job> job = *daemon_->jobs().Find(kJob);
-  const uint64_t formula = DaemonModelStateFormulaBytes(config_, job->owned_range().size());
+  const uint64_t formula = DaemonModelStateFormulaBytes(config_, job->owned_range());
   EXPECT_GT(formula, 0u);
   EXPECT_THAT(body, HasSubstr(absl::StrCat("<td>paper formula</td>")));
   EXPECT_THAT(body, HasSubstr(absl::StrCat("(", formula, " B)")));

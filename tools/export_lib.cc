@@ -117,6 +117,12 @@ absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> ReadMasterTensor
   const std::vector<TensorPlacement>& placements = layout.tensors();
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.reserve(placements.size());
+  // A tied tensor goes in under its name and each alias, as
+  // module.state_dict() lists it.
+  auto emit = [&out](const TensorSpec& spec, at::Tensor t) {
+    out.emplace_back(spec.name, t);
+    for (const std::string& alias : spec.aliases) out.emplace_back(alias, t);
+  };
   std::vector<float> window;
   size_t i = 0;
   while (i < placements.size()) {
@@ -127,7 +133,7 @@ absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> ReadMasterTensor
       RETURN_IF_ERROR(reader.ReadRange(kMasterFile, first.range(), t.data_ptr<float>(),
                                        bytes_read),
                       "tensor ", first.spec.name);
-      out.emplace_back(first.spec.name, std::move(t));
+      emit(first.spec, std::move(t));
       ++i;
       continue;
     }
@@ -146,7 +152,7 @@ absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> ReadMasterTensor
       ASSIGN_OR_RETURN(at::Tensor t, EmptyTensor(p.spec));
       std::memcpy(t.data_ptr<float>(), window.data() + (p.offset - span.begin),
                   p.numel * sizeof(float));
-      out.emplace_back(p.spec.name, std::move(t));
+      emit(p.spec, std::move(t));
     }
   }
   return out;

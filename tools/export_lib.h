@@ -46,7 +46,9 @@ inline constexpr uint64_t kExportWindowElements = 16ull << 20;  // 64 MiB of fp3
 
 // Every tensor of `manifest`'s layout, read from the checkpoint's master.f32
 // files under `root`: one contiguous tensor per layout entry, not views of a
-// shared storage. Holds the whole model in memory plus the read window.
+// shared storage, under its name and then (a tied tensor) each of its
+// aliases, sharing the tensor. Holds the whole model in memory
+// plus the read window.
 // Adds the bytes read from disk to *bytes_read (may be null).
 absl::StatusOr<std::vector<std::pair<std::string, at::Tensor>>> ReadMasterTensors(
     const std::string& root, const v1::CheckpointManifest& manifest, uint64_t* bytes_read,

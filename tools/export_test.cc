@@ -161,6 +161,27 @@ TEST(Export, ReadsTensorsLargerThanTheWindowAndAcrossWindows) {
   }
 }
 
+TEST(Export, WritesATiedTensorUnderEveryName) {
+  const std::string root = TestDir("tied");
+  std::vector<TensorSpec> specs(2);
+  specs[0].name = "wte.weight";
+  specs[0].shape = {6, 4};
+  specs[0].aliases = {"lm_head.weight"};
+  specs[1].name = "norm.running_mean";  // a buffer, kept as a frozen tensor
+  specs[1].shape = {4};
+  specs[1].frozen = true;
+  const Layout layout = Layout::Create(std::move(specs)).value();
+  const v1::CheckpointManifest m = WriteCheckpoint(root, "job-t", "c", layout, 2, 5);
+  auto tensors = ReadMasterTensors(root, m, nullptr);
+  ASSERT_TRUE(tensors.ok()) << tensors.status();
+  ASSERT_EQ(tensors->size(), 3u);
+  EXPECT_EQ((*tensors)[0].first, "wte.weight");
+  EXPECT_EQ((*tensors)[1].first, "lm_head.weight");
+  EXPECT_EQ((*tensors)[2].first, "norm.running_mean");
+  EXPECT_TRUE((*tensors)[0].second.is_same((*tensors)[1].second));
+  EXPECT_EQ((*tensors)[1].second.data_ptr<float>()[5], MasterValue(5, 5));
+}
+
 TEST(Export, LatestIsTheHighestStep) {
   const std::string root = TestDir("latest");
   const Layout layout = TestLayout();

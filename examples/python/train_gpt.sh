@@ -3,10 +3,12 @@
 # zeroshard package from this target's runfiles:
 #
 #   bazel run --config=clang //examples/python:train_gpt -- \
-#       [--daemons=D] [--nproc=N] [train_gpt.py flags]
+#       [--daemons=D] [--nproc=N] [--job_id=ID] [--daemon_args=ARGS] [train_gpt.py flags]
 #
-# --daemons (default 2) and --nproc (default 2), when they come first, go to
-# zsrun; everything else to train_gpt.py. $PYTHON overrides the interpreter
+# --daemons (default 2), --nproc (default 2), --job_id and --daemon_args
+# (e.g. --daemon_args=--checkpoint_dir=DIR, for --checkpoint_every and
+# --resume, with the same --job_id and ZS_JOB_TOKEN in both runs), when they
+# come first, go to zsrun; everything else to train_gpt.py. $PYTHON overrides the interpreter
 # (default /usr/bin/python3, which needs torch and numpy).
 set -u
 
@@ -21,7 +23,7 @@ fi
 zsrun_args=(--daemons=2 --nproc=2)
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --daemons=* | --nproc=*) zsrun_args+=("$1"); shift ;;
+    --daemons=* | --nproc=* | --job_id=* | --daemon_args=*) zsrun_args+=("$1"); shift ;;
     *) break ;;
   esac
 done

@@ -1,10 +1,16 @@
 #!/bin/bash
-# Runs the Python GPT example for 30 steps of a tiny model with 2 daemons
-# and 2 ranks under zsrun, alternating gradient pushes from backward hooks
-# with pushes in step() (--overlap=compare), and checks that both ranks
-# finished, that the held-out loss fell, and that rank 0 printed the memory
-# report with the daemons' ledger and the overlap comparison. Skips (exit
-# 0) only when the system Python lacks torch or numpy.
+# Runs the Python GPT-2 example with 2 daemons and 2 ranks under zsrun on a
+# tiny model: a 30-step run stopped after 20 at stage 3, saving a
+# checkpoint every 10, alternating
+# gradient pushes from backward hooks with pushes in step()
+# (--overlap=compare); then a second run of the same job that resumes from
+# the newest checkpoint, trains to step 30 and compares its loss curve with
+# a single-process torch.optim.AdamW run (--compare_torch). Checks that both
+# ranks finished, that the held-out loss fell, that rank 0 printed the
+# memory report with the daemons' ledger and the overlap comparison, that
+# the resumed run started at step 20, and that its losses stay within 1e-3
+# of torch's. Skips (exit 0) only when the system Python lacks torch or
+# numpy.
 set -u
 
 PYTHON=/usr/bin/python3
@@ -15,16 +21,29 @@ if ! "$PYTHON" -c "import torch, numpy" 2>/dev/null; then
   exit 0
 fi
 
-out="${TEST_TMPDIR:-$(mktemp -d)}/train_gpt.out"
+tmp="${TEST_TMPDIR:-$(mktemp -d)}"
+out="$tmp/train_gpt.out"
+resumed="$tmp/train_gpt_resumed.out"
 export RUNFILES_DIR="${TEST_SRCDIR:-$0.runfiles}"
 export PYTHON
 export TMPDIR="${TEST_TMPDIR:-${TMPDIR:-/tmp}}"
-"$RUNFILES/examples/python/train_gpt" --daemons=2 --nproc=2 \
-  --steps=30 --layers=2 --width=32 --heads=2 --seq_len=32 --batch=8 \
-  --lr=1e-2 --eval_batch=16 --log_every=5 --threads=1 --overlap=compare 2>&1 | tee "$out"
+# A job's checkpoints belong to its token: both runs share one.
+export ZS_JOB_TOKEN="train-gpt-test-token-0123456789"
+tiny=(--layers=2 --width=32 --heads=2 --seq_len=32 --batch=8 --lr=1e-2 --warmup=5
+      --eval_batch=16 --log_every=5 --threads=1)
+zsrun=(--daemons=2 --nproc=2 --job_id=train-gpt-test "--daemon_args=--checkpoint_dir=$tmp/ck")
+"$RUNFILES/examples/python/train_gpt" "${zsrun[@]}" --steps=30 --stop_at=20 "${tiny[@]}" \
+  --checkpoint_every=10 --overlap=compare 2>&1 | tee "$out"
 rc=${PIPESTATUS[0]}
 if [[ $rc -ne 0 ]]; then
   echo "FAILED: zsrun exited $rc"
+  exit 1
+fi
+"$RUNFILES/examples/python/train_gpt" "${zsrun[@]}" --steps=30 "${tiny[@]}" \
+  --resume --compare_torch="$tmp/loss.svg" 2>&1 | tee "$resumed"
+rc=${PIPESTATUS[0]}
+if [[ $rc -ne 0 ]]; then
+  echo "FAILED: the resumed run's zsrun exited $rc"
   exit 1
 fi
 
@@ -36,10 +55,10 @@ check() {  # check DESCRIPTION PATTERN: one line of the output matches
   fi
 }
 for rank in 0 1; do
-  check "rank $rank finished" "^\[rank $rank\] finished: 30 steps"
+  check "rank $rank finished" "^\[rank $rank\] finished: 20 steps"
 done
-check "progress lines with loss, ms/step and bytes moved" \
-  '^\[rank 0\] step 30/30  loss [0-9.]+ +[0-9.]+ ms/step  moved [0-9.]+ [kMG]?B/step'
+check "a progress bar with loss, ms/step and bytes moved" \
+  '^\[rank 0\] \[#+\] step 20/20  loss [0-9.]+ +[0-9.]+ ms/step  eta +[0-9]+ s  moved [0-9.]+ [kMG]?B/step'
 check "the memory report" '^\[rank 0\] ==== zeroshard memory report'
 check "the trainer's memory" '^\[rank 0\] Trainer rank 0 holds: staging buffers'
 check "the daemons' ledger" '^\[rank 0\]   daemon 127\.0\.0\.1:[0-9]+  total'
@@ -58,6 +77,21 @@ while read -r rank before after; do
   fi
   ranks_checked=$((ranks_checked + 1))
 done < <(sed -nE 's/^\[rank ([0-9]+)\] finished: .* held-out loss ([0-9.]+) -> ([0-9.]+)$/\1 \2 \3/p' "$out")
+
+if ! grep -q '^\[rank 0\] resumed from checkpoint step-20 at step 20$' "$resumed"; then
+  echo "FAILED: the second run did not resume from step-20"
+  fail=1
+fi
+diff=$(sed -nE 's/^\[rank 0\] loss curves written to .*: the largest difference .* is ([0-9.e+-]+) .*$/\1/p' "$resumed")
+if [[ -z "$diff" || ! -s "$tmp/loss.svg" ]]; then
+  echo "FAILED: no loss curves written"
+  fail=1
+elif ! awk -v d="$diff" 'BEGIN { exit !(d < 1e-3) }'; then
+  echo "FAILED: the loss differs from torch's by $diff"
+  fail=1
+else
+  echo "resumed run's loss vs single-process torch: largest difference $diff"
+fi
 
 if [[ $ranks_checked -ne 2 ]]; then
   echo "FAILED: read a held-out loss of $ranks_checked rank(s), expected 2"

@@ -119,14 +119,17 @@ def micro_batch(data, step, world_size, rank, k):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def uses(step, rank, k):
-    """(use_odd, use_rare) of a micro-batch."""
-    return step % 2 == 1, step % 3 == 0 and rank == 0 and k == 1
+def uses(step, rank, k, uniform=False):
+    """(use_odd, use_rare) of a micro-batch; with `uniform` every rank uses
+    what rank 0 does (the trainer collective gathers collectively: every
+    rank must run the same layers)."""
+    return step % 2 == 1, step % 3 == 0 and (rank == 0 or uniform) and k == 1
 
 
-def loss_of(model, inputs, targets, step, rank, k, world_size, precision="fp32"):
+def loss_of(model, inputs, targets, step, rank, k, world_size, precision="fp32",
+            uniform=False):
     """The micro-batch's share of the step's mean loss."""
-    use_odd, use_rare = uses(step, rank, k)
+    use_odd, use_rare = uses(step, rank, k, uniform)
     logits = model(inputs, use_odd, use_rare).float()
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
     return loss / MICRO_BATCHES

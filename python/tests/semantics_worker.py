@@ -32,6 +32,7 @@ def main():
     resume = config.pop("resume", None)
     state_dict_at = config.pop("state_dict_at", None)
     set_to_none = config.pop("set_to_none", True)
+    uniform = config.pop("uniform", False)
     precision = config.get("precision", "fp32")
     rank, world = config["rank"], config["world_size"]
 
@@ -55,9 +56,9 @@ def main():
             x, y = sc.micro_batch(data, s, world, rank, k)
             if accumulate == "no_sync" and k == 0:
                 with model.no_sync():
-                    sc.loss_of(model, x, y, s, rank, k, world, precision).backward()
+                    sc.loss_of(model, x, y, s, rank, k, world, precision, uniform).backward()
             else:
-                sc.loss_of(model, x, y, s, rank, k, world, precision).backward()
+                sc.loss_of(model, x, y, s, rank, k, world, precision, uniform).backward()
         model.optimizer.step()
         model.optimizer.zero_grad(set_to_none=set_to_none)
         sched.step()

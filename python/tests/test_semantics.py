@@ -130,3 +130,20 @@ def test_resume_and_state_dicts_are_byte_identical(daemons, tmp_path, stage, wor
     np.testing.assert_array_equal(resumed[0]["params"], straight[0]["params"])
     np.testing.assert_array_equal(reloaded[0]["params"], straight[0]["params"])
     np.testing.assert_array_equal(resumed[0]["norms"], straight[0]["norms"][15:])
+
+
+def test_trainer_collective_steps_parameters_without_a_gradient(daemons, tmp_path):
+    """reduction='trainer' cannot tell the daemons which parameters got no
+    gradient (its ranks do not agree on them before pushing): they are
+    pushed as zeros and stepped, as DeepSpeed and FSDP1 do (documented in
+    python/README.md). Daemon reduction is the exact mode above."""
+    rendezvous = tmp_path / "gloo"
+    rendezvous.mkdir()
+    # Every rank runs the same layers: its gathers are collective calls.
+    results = _train(daemons, tmp_path, "semantics-trainer", 3, 2, 2, uniform=True,
+                     reduction="trainer", collective_dir=str(rendezvous))
+    print(f"trainer collective, stage 3, 2 ranks: step counts odd/rare "
+          f"{float(results[0]['odd_step']):.0f}/{float(results[0]['rare_step']):.0f}")
+    assert (float(results[0]["odd_step"]), float(results[0]["rare_step"])) == (30, 30)
+    assert bool(results[0]["frozen_same"])
+    np.testing.assert_array_equal(results[1]["params"], results[0]["params"])

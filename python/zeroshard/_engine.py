@@ -71,6 +71,10 @@ class Engine:
                       micro_batches=micro_batches)
         self.config = config
         self.rank = config["rank"]
+        # The trainer collective cannot carry which tensors got no gradient
+        # (its ranks do not agree on them before pushing): there they are
+        # pushed as zeros and stepped, as DeepSpeed and FSDP1 do.
+        self.marks_no_grad = config.get("reduction", "daemon") != "trainer"
         self.layout = _layout.make_layout(entries)
         self.total = self.layout.total_elements
         self.by_id = {id(e.param): e for e in entries if e.kind == "param"}
@@ -122,6 +126,11 @@ class Engine:
                         "eps and weight_decay fixed (lr may change at every step); "
                         "save a checkpoint and shard anew to change them")
         return [float(g["lr"]) for g in self.groups]
+
+    def no_grad(self, indices):
+        """The no-grad marks a push carries (none with the trainer
+        collective)."""
+        return sorted(indices) if self.marks_no_grad else []
 
     def step(self, push_seconds=0.0):
         result = self.client.step(self.group_lrs())

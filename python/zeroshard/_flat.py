@@ -62,7 +62,7 @@ class FlatSharding:
         # Lent, not copied: _flat_grads is not written again before step()
         # has taken the pushes in.
         self.engine.client.push_gradients(0, self.engine.total, self._flat_grads, borrow=True,
-                                          no_grad=no_grad)
+                                          no_grad=self.engine.no_grad(no_grad))
         result = self.engine.step(time.perf_counter() - start)
         self.load_params()
         return result

@@ -300,8 +300,9 @@ class LayerSharding:
                 f"sharded with gradient_accumulation_steps={self.micro_batches}; call step() "
                 "after that many backward passes (or accumulate on the trainer inside "
                 "model.no_sync())")
-        no_grad = sorted(e.index for e, _ in layer.trainable
-                         if e.index not in layer.arrived and e.index not in self._sticky)
+        no_grad = self.engine.no_grad(e.index for e, _ in layer.trainable
+                                      if e.index not in layer.arrived
+                                      and e.index not in self._sticky)
         grad = layer.grad
         if grad is None:
             grad = torch.zeros(layer.end - layer.begin, dtype=self.dtype)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 
 #include "absl/time/clock.h"
 #include "common/channel.h"
@@ -163,6 +164,85 @@ grpc::Status DaemonClient::Commit(const std::string& job, uint64_t step, float l
   return shard->CommitStep(&ctx, req, resp ? resp : &local);
 }
 
+grpc::Status DaemonClient::ReadState(const v1::ReadStateRequest& request,
+                                     std::vector<v1::StateChunk>* chunks) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  auto reader = shard->ReadState(&ctx, request);
+  chunks->clear();
+  v1::StateChunk chunk;
+  while (reader->Read(&chunk)) chunks->push_back(chunk);
+  return reader->Finish();
+}
+
+grpc::Status DaemonClient::ReadState(const std::string& job, uint32_t rank, v1::StateArray array,
+                                     FlatRange range, std::vector<float>* out,
+                                     std::vector<v1::TensorStep>* steps) {
+  v1::ReadStateRequest req;
+  req.set_job_id(job);
+  req.set_rank(rank);
+  req.set_incarnation(kTestIncarnation);
+  req.set_array(array);
+  req.mutable_range()->set_begin(range.begin);
+  req.mutable_range()->set_end(range.end);
+  std::vector<v1::StateChunk> chunks;
+  grpc::Status s = ReadState(req, &chunks);
+  out->clear();
+  if (steps != nullptr) steps->clear();
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const v1::StateChunk& c = chunks[i];
+    EXPECT_EQ(c.range().begin(), range.begin + out->size()) << "chunk " << i;
+    EXPECT_EQ(c.data().size(), (c.range().end() - c.range().begin()) * sizeof(float));
+    EXPECT_EQ(c.crc32c(), Crc32c(c.data().data(), c.data().size())) << "chunk " << i;
+    if (i > 0) EXPECT_EQ(c.tensor_steps_size(), 0) << "chunk " << i;
+    const size_t old = out->size();
+    out->resize(old + c.data().size() / sizeof(float));
+    std::memcpy(out->data() + old, c.data().data(), c.data().size());
+    if (steps != nullptr && i == 0) steps->assign(c.tensor_steps().begin(), c.tensor_steps().end());
+  }
+  return s;
+}
+
+grpc::Status DaemonClient::WriteState(const std::vector<v1::StateChunk>& chunks,
+                                      v1::WriteStateResponse* resp) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::WriteStateResponse local;
+  auto writer = shard->WriteState(&ctx, resp ? resp : &local);
+  for (const auto& c : chunks) {
+    if (!writer->Write(c)) break;
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+v1::StateChunk StateChunk(const std::string& job, uint32_t rank, v1::StateArray array,
+                          FlatRange range, const float* values) {
+  v1::StateChunk c;
+  c.set_job_id(job);
+  c.set_rank(rank);
+  c.set_incarnation(kTestIncarnation);
+  c.set_array(array);
+  c.mutable_range()->set_begin(range.begin);
+  c.mutable_range()->set_end(range.end);
+  if (!range.empty()) {
+    c.set_data(reinterpret_cast<const char*>(values), range.size() * sizeof(float));
+    c.set_crc32c(Crc32c(c.data().data(), c.data().size()));
+  }
+  return c;
+}
+
+void MarkNoGrad(const Layout& layout, const std::vector<uint32_t>& tensors,
+                std::vector<v1::GradientChunk>* chunks) {
+  for (v1::GradientChunk& c : *chunks) {
+    c.clear_no_grad_tensors();
+    const auto [first, last] = layout.TensorsIn({c.range().begin(), c.range().end()});
+    for (uint32_t t : tensors) {
+      if (t >= first && t < last) c.add_no_grad_tensors(t);
+    }
+  }
+}
+
 std::vector<v1::GradientChunk> GradientChunks(const std::string& job, uint64_t step,
                                               uint32_t rank, const PartitionMap& map,
                                               FlatRange range, const float* values,
@@ -314,10 +394,13 @@ std::vector<v1::GradientChunk> TestCluster::RankChunks(uint64_t step, uint32_t r
   return GradientChunks(job_, step, rank, config_.map, r, grad.data() + r.begin, 333);
 }
 
-void TestCluster::PushAll(uint64_t step, const std::vector<std::vector<float>>& grads) {
+void TestCluster::PushAll(uint64_t step, const std::vector<std::vector<float>>& grads,
+                          const std::vector<uint32_t>& no_grad) {
   for (uint32_t rank = 0; rank < grads.size(); ++rank) {
     for (int d = 0; d < num_daemons(); ++d) {
-      grpc::Status s = client(d).Push(RankChunks(step, rank, d, grads[rank]));
+      std::vector<v1::GradientChunk> chunks = RankChunks(step, rank, d, grads[rank]);
+      MarkNoGrad(layout_, no_grad, &chunks);
+      grpc::Status s = client(d).Push(chunks);
       EXPECT_TRUE(s.ok()) << s.error_message();
     }
   }
@@ -349,6 +432,22 @@ std::vector<float> TestCluster::GatherAll(uint64_t after_step) {
     EXPECT_TRUE(s.ok()) << s.error_message();
     EXPECT_EQ(part.size(), r.size());
     std::copy(part.begin(), part.end(), out.begin() + r.begin);
+  }
+  return out;
+}
+
+std::map<uint32_t, uint64_t> TestCluster::TensorSteps() {
+  std::map<uint32_t, uint64_t> out;
+  for (int d = 0; d < num_daemons(); ++d) {
+    std::vector<float> values;
+    std::vector<v1::TensorStep> steps;
+    grpc::Status s =
+        client(d).ReadState(job_, 0, v1::STATE_ARRAY_MASTER, DaemonRange(d), &values, &steps);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    for (const v1::TensorStep& t : steps) {
+      auto [it, inserted] = out.emplace(t.tensor(), t.steps());
+      EXPECT_EQ(it->second, t.steps()) << "daemons disagree on tensor " << t.tensor();
+    }
   }
   return out;
 }

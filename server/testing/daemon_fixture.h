@@ -4,6 +4,7 @@
 // layout, and thin synchronous wrappers over the daemon's RPCs.
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -65,7 +66,28 @@ struct DaemonClient {
   // As the leader (rank 0, kTestIncarnation).
   grpc::Status Commit(const std::string& job, uint64_t step, float lr, float clip = 1.0f,
                       bool skip = false, v1::CommitStepResponse* resp = nullptr);
+  // Shard.ReadState: every chunk of the answer, as it came.
+  grpc::Status ReadState(const v1::ReadStateRequest& request, std::vector<v1::StateChunk>* chunks);
+  // ReadState of `array` over `range` as `rank` (kTestIncarnation): the
+  // values into *out, the first chunk's update counts into *steps (if set).
+  grpc::Status ReadState(const std::string& job, uint32_t rank, v1::StateArray array,
+                         FlatRange range, std::vector<float>* out,
+                         std::vector<v1::TensorStep>* steps = nullptr);
+  // Shard.WriteState with `chunks` as one stream.
+  grpc::Status WriteState(const std::vector<v1::StateChunk>& chunks,
+                          v1::WriteStateResponse* resp = nullptr);
 };
+
+// A WriteState chunk of `array` over `range` holding `values`
+// (range.size() floats; none for an empty range), as `rank`
+// (kTestIncarnation), with its CRC-32C.
+v1::StateChunk StateChunk(const std::string& job, uint32_t rank, v1::StateArray array,
+                          FlatRange range, const float* values);
+
+// Marks, in each chunk, the tensors of `tensors` (layout indices, ascending)
+// that overlap its range as having no gradient (GradientChunk.no_grad_tensors).
+void MarkNoGrad(const Layout& layout, const std::vector<uint32_t>& tensors,
+                std::vector<v1::GradientChunk>* chunks);
 
 // fp32 gradient chunks of `values` (flat, indexed from range.begin) for one
 // rank, cut at `chunk_elements` and at partition boundaries of `map`.
@@ -120,11 +142,16 @@ class TestCluster {
   // Rank `rank`'s chunks of `grad` (the whole flat gradient) for daemon d.
   std::vector<v1::GradientChunk> RankChunks(uint64_t step, uint32_t rank, int d,
                                             const std::vector<float>& grad);
-  // Pushes `grads[r]` for every rank r to every daemon (EXPECTs success).
-  void PushAll(uint64_t step, const std::vector<std::vector<float>>& grads);
+  // Pushes `grads[r]` for every rank r to every daemon (EXPECTs success),
+  // every rank marking the tensors `no_grad` as without a gradient.
+  void PushAll(uint64_t step, const std::vector<std::vector<float>>& grads,
+               const std::vector<uint32_t>& no_grad = {});
   // Prepares and commits `step`; returns the clip coefficient used.
   float Step(uint64_t step, float lr, float max_norm);
   std::vector<float> GatherAll(uint64_t after_step);
+  // Every trainable tensor's update count, as the daemons answer ReadState
+  // (EXPECTs the daemons holding a tensor to agree).
+  std::map<uint32_t, uint64_t> TensorSteps();
 
  private:
   Layout layout_;

@@ -2,8 +2,10 @@
 
 #include <stdlib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <system_error>
 #include <type_traits>
@@ -13,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "common/crc32c.h"
 #include "common/job_spec.h"
+#include "common/layout.h"
 #include "common/protocol.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
 #include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
@@ -59,6 +62,8 @@ constexpr RpcInfo kRpcs[kNumRpcs] = {
     {"Activation.FetchActivation", false},
     {"Activation.PrefetchActivations", false},
     {"Activation.FreeActivations", false},
+    {"Shard.ReadState", false},
+    {"Shard.WriteState", true},
 };
 
 // ---------------------------------------------------------------------------
@@ -68,7 +73,8 @@ constexpr RpcInfo kRpcs[kNumRpcs] = {
 struct Fixer {
   uint8_t fixups = 0;
   const v1::JobSpec* live = nullptr;
-  uint64_t committed = 0;  // the live job's committed step
+  const Layout* layout = nullptr;  // the live job's
+  uint64_t committed = 0;          // the live job's committed step
   uint32_t max_wait_ms = 100;
   const v1::PartManifest* last_part = nullptr;  // may be null
 
@@ -115,6 +121,32 @@ void FitData(const v1::FlatRange& range, int dtype, std::string* data) {
   const uint64_t elements = range.end() - range.begin();
   if (elements > kMaxFittedBytes / size) return;
   *data = Tile(*data, elements * size);
+}
+
+// Zeroes what a WriteState chunk of `array` over `range` of `layout` must
+// hold as zeros: alignment gaps, and the moments of frozen tensors.
+void ZeroStateGaps(const Layout& layout, int array, const v1::FlatRange& range, std::string* data) {
+  const FlatRange r{range.begin(), range.end()};
+  if (r.empty() || r.size() > kMaxFittedBytes / sizeof(float) ||
+      data->size() != r.size() * sizeof(float)) {
+    return;
+  }
+  auto zero = [&](uint64_t begin, uint64_t end) {
+    if (end <= begin) return;
+    std::memset(data->data() + (begin - r.begin) * sizeof(float), 0, (end - begin) * sizeof(float));
+  };
+  const bool moments = array != v1::STATE_ARRAY_MASTER;
+  uint64_t pos = r.begin;
+  const auto [first, last] = layout.TensorsIn(r);
+  for (size_t i = first; i < last; ++i) {
+    const TensorPlacement& t = layout.tensors()[i];
+    const FlatRange in = t.range().Intersect(r);
+    if (in.empty()) continue;
+    zero(pos, in.begin);
+    if (moments && t.spec.frozen) zero(in.begin, in.end);
+    pos = std::max(pos, in.end);
+  }
+  zero(pos, r.end);
 }
 
 void Fix(const Fixer& f, v1::ActivationOwner* owner) {
@@ -199,6 +231,22 @@ void Fix(const Fixer& f, v1::FenceStagingSlotRequest* r) {
   f.Job(r->mutable_job_id());
   r->set_rank(f.Rank(r->rank()));
   r->set_incarnation(f.Incarnation(r->incarnation()));
+}
+void Fix(const Fixer& f, v1::ReadStateRequest* r) {
+  f.Job(r->mutable_job_id());
+  r->set_rank(f.Rank(r->rank()));
+  r->set_incarnation(f.Incarnation(r->incarnation()));
+}
+void Fix(const Fixer& f, v1::StateChunk* c) {
+  // Later chunks of a stream may leave the job id out.
+  if (!c->job_id().empty()) f.Job(c->mutable_job_id());
+  c->set_rank(f.Rank(c->rank()));
+  c->set_incarnation(f.Incarnation(c->incarnation()));
+  if (f.on(kFitData)) {
+    FitData(c->range(), v1::DTYPE_FP32, c->mutable_data());
+    ZeroStateGaps(*f.layout, c->array(), c->range(), c->mutable_data());
+  }
+  if (f.on(kChecksums)) c->set_crc32c(Crc32c(c->data().data(), c->data().size()));
 }
 void Fix(const Fixer& f, v1::MemoryReportRequest* r) { f.Job(r->mutable_job_id()); }
 void Fix(const Fixer&, v1::StatusRequest*) {}
@@ -470,6 +518,7 @@ grpc::Status RequestWorld::Run(const Call& call) {
   Fixer f;
   f.fixups = call.fixups;
   f.live = &live_->spec();
+  f.layout = &live_->config().layout;
   f.max_wait_ms = options_.max_wait_ms;
   f.last_part = last_part_.get();
   if (absl::StatusOr<std::shared_ptr<Job>> live = daemon_->jobs().Find(kLiveJobId); live.ok()) {
@@ -594,6 +643,18 @@ grpc::Status RequestWorld::Run(const Call& call) {
                v1::PrefetchActivationsResponse)
     case Rpc::kFreeActivations:
       ZS_UNARY(activation, FreeActivations, v1::FreeActivationsRequest, v1::FreeActivationsResponse)
+    case Rpc::kReadState: {
+      v1::ReadStateRequest request;
+      if (!Parse(call, f, &request)) return Unparsable(call);
+      return ReadAll<v1::StateChunk>(shard.ReadState(&ctx, request));
+    }
+    case Rpc::kWriteState: {
+      std::vector<v1::StateChunk> chunks;
+      if (!ParseStream(call, f, &chunks)) return Unparsable(call);
+      v1::WriteStateResponse response;
+      return SendStream(&ctx, chunks,
+                        [&](grpc::ClientContext* c) { return shard.WriteState(c, &response); });
+    }
   }
 #undef ZS_UNARY
   return grpc::Status(grpc::StatusCode::INTERNAL, "no such rpc");
@@ -794,6 +855,52 @@ v1::GatherRequest GatherAll(uint64_t after_step) {
   return g;
 }
 
+v1::ReadStateRequest ReadState(uint32_t rank, v1::StateArray array, const v1::FlatRange& range) {
+  v1::ReadStateRequest r;
+  r.set_job_id(kLiveJobId);
+  r.set_rank(rank);
+  r.set_incarnation(kTestIncarnation);
+  r.set_array(array);
+  *r.mutable_range() = range;
+  return r;
+}
+
+// A WriteState chunk of the live job carrying `data` as it is (kFitData
+// tiles it to the range).
+v1::StateChunk StateData(uint32_t rank, v1::StateArray array, const v1::FlatRange& range,
+                         const std::string& data) {
+  v1::StateChunk c;
+  c.set_job_id(kLiveJobId);
+  c.set_rank(rank);
+  c.set_incarnation(kTestIncarnation);
+  c.set_array(array);
+  *c.mutable_range() = range;
+  c.set_data(data);
+  return c;
+}
+
+std::string Float(float value) { return std::string(reinterpret_cast<const char*>(&value), 4); }
+
+v1::TensorStep Steps(uint32_t tensor, uint64_t steps) {
+  v1::TensorStep t;
+  t.set_tensor(tensor);
+  t.set_steps(steps);
+  return t;
+}
+
+// SampleLayout with parameter groups (big.* in group 1), a frozen tensor
+// (head) and an alias (embed's).
+Layout GroupedLayout() {
+  const Layout sample = SampleLayout();
+  std::vector<TensorSpec> specs;
+  for (const TensorPlacement& t : sample.tensors()) specs.push_back(t.spec);
+  specs[0].aliases = {"lm_head.weight"};
+  specs[3].group = 1;
+  specs[4].group = 1;
+  specs[5].frozen = true;
+  return *Layout::Create(std::move(specs));
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences() {
@@ -986,10 +1093,25 @@ std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences() {
     c.push_back(One(Rpc::kGetStepState, kLiveJob, state));
     seeds.emplace_back("staged_push", std::move(c));
   }
-  {  // A second job: registered, joined, initialised, trained a step, left.
+  {  // A second job, with two parameter groups, a frozen tensor and an
+     // alias: registered, joined, initialised, trained a step (a tensor
+     // without a gradient, a learning rate per group), its moments read
+     // (zeros for the frozen tensor), left.
     std::vector<Call> c;
-    const Layout layout = SampleLayout();
+    const Layout layout = GroupedLayout();
     v1::JobSpec spec = MakeSpec("fuzz-other", layout, 1, 1, {"127.0.0.1:7070"});
+    v1::ParamGroup* fast = spec.add_param_groups();
+    fast->set_lr(0.1f);
+    fast->set_beta1(0.9f);
+    fast->set_beta2(0.999f);
+    fast->set_eps(1e-8f);
+    fast->set_weight_decay(0.01f);
+    v1::ParamGroup* slow = spec.add_param_groups();
+    slow->set_lr(0.05f);
+    slow->set_beta1(0.8f);
+    slow->set_beta2(0.99f);
+    slow->set_eps(1e-6f);
+    slow->set_weight_decay(0.0f);
     v1::RegisterJobRequest reg;
     *reg.mutable_spec() = spec;
     reg.set_daemon_index(0);
@@ -1013,6 +1135,7 @@ std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences() {
         Stream(Rpc::kInitParameters, kChecksums | kFitData, std::vector<v1::ParameterChunk>{init}));
     v1::GradientChunk grad = Gradient(0, 1, Range(0, total), 0.5f);
     grad.set_job_id("fuzz-other");
+    grad.add_no_grad_tensors(2);  // l1.b
     c.push_back(
         Stream(Rpc::kPushGradient, kChecksums | kFitData, std::vector<v1::GradientChunk>{grad}));
     v1::PrepareStepRequest prepare;
@@ -1023,9 +1146,14 @@ std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences() {
     commit.set_job_id("fuzz-other");
     commit.set_step(1);
     commit.set_lr(0.1f);
+    commit.add_group_lrs(0.1f);
+    commit.add_group_lrs(0.025f);
     commit.set_rank(0);
     commit.set_incarnation(kTestIncarnation);
     c.push_back(One(Rpc::kCommitStep, 0, commit));
+    v1::ReadStateRequest moments = ReadState(0, v1::STATE_ARRAY_EXP_AVG, Range(0, total));
+    moments.set_job_id("fuzz-other");
+    c.push_back(One(Rpc::kReadState, 0, moments));
     v1::MemoryReportRequest memory;
     memory.set_job_id("fuzz-other");
     c.push_back(One(Rpc::kMemoryReport, 0, memory));
@@ -1035,6 +1163,40 @@ std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences() {
     leave.set_incarnation(kTestIncarnation);
     c.push_back(One(Rpc::kLeave, 0, leave));
     seeds.emplace_back("second_job", std::move(c));
+  }
+  {  // State dicts: a write of what the daemon holds (changes nothing),
+     // reads of each array, a write of every array and of update counts
+     // (gaps zeroed by kFitData), a read of them back, then a step and a
+     // gather.
+    std::vector<Call> c;
+    const std::vector<float> held = LiveParameters(total);
+    const Layout layout = SampleLayout();
+    const FlatRange embed = layout.tensors()[0].range();
+    v1::StateChunk same = StateData(
+        1, v1::STATE_ARRAY_MASTER, Range(100, 164),
+        std::string(reinterpret_cast<const char*>(held.data() + 100), 64 * sizeof(float)));
+    c.push_back(Stream(Rpc::kWriteState, kLive | kChecksums, std::vector<v1::StateChunk>{same}));
+    c.push_back(One(Rpc::kReadState, kLive, ReadState(0, v1::STATE_ARRAY_MASTER, Range(0, total))));
+    c.push_back(
+        One(Rpc::kReadState, kLive, ReadState(1, v1::STATE_ARRAY_EXP_AVG, Range(1000, 2000))));
+    // Three chunks, one per array; the first also sets two update counts.
+    const uint64_t l1_end = layout.tensors()[2].range().end;
+    v1::StateChunk masters =
+        StateData(0, v1::STATE_ARRAY_MASTER, Range(0, embed.end), Float(0.25f));
+    *masters.add_tensor_steps() = Steps(0, 3);
+    *masters.add_tensor_steps() = Steps(1, 3);
+    v1::StateChunk exp_avg = StateData(0, v1::STATE_ARRAY_EXP_AVG, Range(0, l1_end), Float(1e-3f));
+    v1::StateChunk exp_avg_sq =
+        StateData(0, v1::STATE_ARRAY_EXP_AVG_SQ, Range(0, l1_end), Float(1e-6f));
+    exp_avg_sq.clear_job_id();  // later chunks may leave it out
+    c.push_back(
+        Stream(Rpc::kWriteState, kAll, std::vector<v1::StateChunk>{masters, exp_avg, exp_avg_sq}));
+    c.push_back(
+        One(Rpc::kReadState, kLive, ReadState(0, v1::STATE_ARRAY_EXP_AVG_SQ, Range(0, l1_end))));
+    for (Call& call : TrainingStep(1)) c.push_back(std::move(call));
+    c.push_back(One(Rpc::kGather, kAll, GatherAll(1)));
+    c.push_back(One(Rpc::kReadState, kLive, ReadState(0, v1::STATE_ARRAY_MASTER, Range(0, total))));
+    seeds.emplace_back("state_dict", std::move(c));
   }
   {  // The live job's ranks: one rejoins as a new incarnation, both leave
      // (the last removes the job).
@@ -1097,6 +1259,21 @@ std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences() {
     *reg.mutable_spec() = LiveJobSpec("127.0.0.1:7070");
     reg.mutable_spec()->set_world_size(3);
     c.push_back(One(Rpc::kRegisterJob, kLiveJob | kChecksums, reg));
+    // State: no array named, a range past the parameters, an alignment gap
+    // that is not zero, an incarnation that never joined.
+    c.push_back(
+        One(Rpc::kReadState, kLive, ReadState(0, v1::STATE_ARRAY_UNSPECIFIED, Range(0, total))));
+    c.push_back(Stream(Rpc::kWriteState, kAll,
+                       std::vector<v1::StateChunk>{StateData(
+                           0, v1::STATE_ARRAY_MASTER, Range(total - 8, total + 8), Float(1.0f))}));
+    const FlatRange embed = SampleLayout().tensors()[0].range();
+    c.push_back(Stream(Rpc::kWriteState, kLive | kChecksums,
+                       std::vector<v1::StateChunk>{
+                           StateData(0, v1::STATE_ARRAY_MASTER, Range(embed.end - 2, embed.end + 2),
+                                     std::string(4 * sizeof(float), '\x01'))}));
+    v1::ReadStateRequest stale = ReadState(1, v1::STATE_ARRAY_MASTER, Range(0, total));
+    stale.set_incarnation(kTestIncarnation + 7);
+    c.push_back(One(Rpc::kReadState, kLiveJob, stale));
     seeds.emplace_back("refused", std::move(c));
   }
   return seeds;

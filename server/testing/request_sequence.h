@@ -68,8 +68,12 @@ enum class Rpc : uint8_t {
   kFetchActivation,  // server stream
   kPrefetchActivations,
   kFreeActivations,
+  // Added after the others, so that inputs saved before them still decode
+  // to the same calls.
+  kReadState,   // server stream
+  kWriteState,  // client stream
 };
-inline constexpr int kNumRpcs = 29;
+inline constexpr int kNumRpcs = 31;
 
 // "Service.Method".
 const char* RpcName(Rpc rpc);
@@ -81,9 +85,9 @@ enum Fixup : uint8_t {
   // Every job id (also a spec's and an activation owner's) is the live job's.
   kLiveJob = 1 << 0,
   // Ranks are taken modulo the live job's world size (CommitStep: rank 0, the
-  // leader) and incarnations are the live ranks' (kTestIncarnation); a
-  // JoinJob also gets the live job's fingerprint, stage, world size and
-  // precision.
+  // leader) and incarnations are the live ranks' (kTestIncarnation), also in
+  // a ReadState and in every chunk of a WriteState; a JoinJob also gets the
+  // live job's fingerprint, stage, world size and precision.
   kLiveRank = 1 << 1,
   // CRC-32C fields of chunks are recomputed over their data, a
   // CommitActivation's is that of the bytes last put (see kFitData); a
@@ -91,9 +95,11 @@ enum Fixup : uint8_t {
   kChecksums = 1 << 2,
   // A chunk's data is tiled (from its bytes, or zeros) to the length its
   // range (activations: up to the next chunk's offset, or total_bytes) calls
-  // for, up to kMaxFittedBytes: small inputs carry whole gradients. After a
-  // ReserveActivation that succeeds, the placement is filled with a pattern
-  // through the bulk transport, as a trainer puts its slice.
+  // for, up to kMaxFittedBytes: small inputs carry whole gradients. A
+  // WriteState chunk (fp32) then has zeros where the live layout's alignment
+  // gaps are (and, for moments, its frozen tensors), as the daemon requires.
+  // After a ReserveActivation that succeeds, the placement is filled with a
+  // pattern through the bulk transport, as a trainer puts its slice.
   kFitData = 1 << 3,
   // CompleteCheckpoint's parts are the part of the last WRITTEN
   // GetCheckpointStatus answer of the sequence (when there is one).
@@ -124,8 +130,8 @@ std::vector<Call> DecodeSequence(absl::string_view bytes);
 std::string EncodeSequence(const std::vector<Call>& calls);
 
 // Named seeds for the fuzzer: valid sequences against the live job (one
-// training step, checkpoints, activations, a second job, ranks leaving) and
-// a few refused requests.
+// training step, checkpoints, activations, state reads and writes, a second
+// job with parameter groups, ranks leaving) and a few refused requests.
 std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences();
 
 // The live job every world serves, registered by RequestWorld.

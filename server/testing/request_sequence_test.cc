@@ -1,6 +1,7 @@
 #include "server/testing/request_sequence.h"
 
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,17 @@ TEST(RequestSequenceTest, SeedsFitTheFuzzersInputLimit) {
   }
 }
 
+// A new RPC in the table needs a seed that calls it.
+TEST(RequestSequenceTest, SeedsCallEveryRpc) {
+  std::set<int> called;
+  for (const auto& [name, calls] : SeedSequences()) {
+    for (const Call& call : calls) called.insert(static_cast<int>(call.rpc));
+  }
+  for (int rpc = 0; rpc < kNumRpcs; ++rpc) {
+    EXPECT_EQ(called.count(rpc), 1u) << "no seed calls " << RpcName(static_cast<Rpc>(rpc));
+  }
+}
+
 TEST(RequestSequenceTest, DecodingTakesAnyBytes) {
   EXPECT_TRUE(DecodeSequence("").empty());
   EXPECT_TRUE(DecodeSequence("\x05").empty());
@@ -37,10 +49,10 @@ TEST(RequestSequenceTest, DecodingTakesAnyBytes) {
   EXPECT_EQ(calls[0].fixups, kLiveJob);
   EXPECT_EQ(calls[0].messages, std::vector<std::string>{""});
   // The rpc byte wraps; a length past the end takes what is there.
-  calls =
-      DecodeSequence(std::string("\x1d\x00\xff\xff"
-                                 "abc",
-                                 7));
+  calls = DecodeSequence(std::string(1, static_cast<char>(kNumRpcs)) +
+                         std::string("\x00\xff\xff"
+                                     "abc",
+                                     6));
   ASSERT_EQ(calls.size(), 1u);
   EXPECT_EQ(calls[0].rpc, Rpc::kRegisterJob);
   EXPECT_EQ(calls[0].messages, std::vector<std::string>{"abc"});
@@ -102,7 +114,7 @@ std::vector<grpc::StatusCode> AllOk(size_t n) {
 
 TEST_F(RequestWorldTest, ValidSeedsSucceed) {
   for (const char* name : {"observe", "two_steps", "activations_streamed", "activations_placed",
-                           "staged_push", "second_job"}) {
+                           "staged_push", "second_job", "state_dict"}) {
     const std::vector<grpc::StatusCode> codes = RunSeed(name);
     EXPECT_EQ(codes, AllOk(codes.size())) << name;
     if (std::string(name) == "two_steps") EXPECT_EQ(Committed(), 2u);
@@ -122,6 +134,36 @@ TEST_F(RequestWorldTest, CheckpointSeedLoadsTheSavedStep) {
   EXPECT_EQ(again, codes);
   EXPECT_EQ(Committed(), 1u);
   CheckAndRestore();
+}
+
+TEST_F(RequestWorldTest, StateSeedWritesWhatItSays) {
+  std::vector<Call> calls;
+  for (const auto& [name, seed] : SeedSequences()) {
+    if (name == "state_dict") calls = seed;
+  }
+  ASSERT_GE(calls.size(), 2u);
+  ASSERT_EQ(calls[0].rpc, Rpc::kWriteState);
+  auto hash = [&] { return (*world_->daemon().jobs().Find(kLiveJobId))->StateHash(); };
+  // Its first call writes what the daemon holds: nothing changes.
+  const uint64_t before = hash();
+  const grpc::Status same = world_->Run(calls[0]);
+  EXPECT_TRUE(same.ok()) << same.error_message();
+  EXPECT_EQ(hash(), before);
+  CheckAndRestore();
+  const std::vector<grpc::StatusCode> codes = RunSeed("state_dict");
+  EXPECT_EQ(codes, AllOk(codes.size()));
+  EXPECT_EQ(Committed(), 1u);
+  // Tensors 0 and 1 were set to 3 updates, then the step updated every one.
+  std::vector<float> values;
+  std::vector<v1::TensorStep> steps;
+  const grpc::Status read = world_->client().ReadState(
+      kLiveJobId, 0, v1::STATE_ARRAY_MASTER, {0, SampleLayout().total_elements()}, &values, &steps);
+  ASSERT_TRUE(read.ok()) << read.error_message();
+  std::map<uint32_t, uint64_t> counts;
+  for (const v1::TensorStep& t : steps) counts[t.tensor()] = t.steps();
+  EXPECT_EQ(counts, (std::map<uint32_t, uint64_t>{{0, 4}, {1, 4}, {2, 1}, {3, 1}, {4, 1}, {5, 1}}));
+  CheckAndRestore();
+  EXPECT_EQ(Committed(), 0u);
 }
 
 TEST_F(RequestWorldTest, RanksLeavingRemoveTheJobAndRestoreBringsItBack) {
