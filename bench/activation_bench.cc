@@ -58,16 +58,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
 #include "bench/perftest.h"
 #include "bench/stats.h"
 #include "client/activation_store.h"
 #include "client/client.h"
-#include "metrics/text_serializer.h"
+#include "metrics/registry.h"
 #include "server/daemon.h"
 
 ABSL_FLAG(uint64_t, slice_bytes, 32ull << 20,
@@ -256,15 +253,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> StartDaemon(uint64_t arena, const std::s
 
 // The value of counter `name` of `job` in the daemon's registry, or 0.
 double DaemonCounter(const Daemon& daemon, const std::string& name, const std::string& job) {
-  const std::string text = metrics::TextSerializer().Serialize(daemon.registry().Collect());
-  const std::string prefix = absl::StrCat(name, "{job=\"", job, "\"} ");
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    double v = 0;
-    if (absl::StartsWith(line, prefix) && absl::SimpleAtod(line.substr(prefix.size()), &v)) {
-      return v;
-    }
-  }
-  return 0;
+  return metrics::SumOf(daemon.registry().Collect(), name, {{"job", job}});
 }
 
 std::vector<std::unique_ptr<Aligned>> Buffers(int n, uint64_t bytes) {

@@ -33,7 +33,7 @@
 #include "common/job_spec.h"
 #include "common/layout.h"
 #include "server/daemon.h"
-#include "server/job.h"
+#include "server/job/job.h"
 #include "server/services.h"
 
 ABSL_FLAG(int64_t, params, 96 << 20, "parameters of the job (12 bytes each are saved)");

@@ -76,7 +76,7 @@
 #include "common/job_spec.h"
 #include "common/layout.h"
 #include "common/protocol.h"
-#include "server/job.h"
+#include "server/job/job.h"
 #include "server/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 

@@ -110,11 +110,12 @@ int ThreadCount() {
 std::map<std::string, double> RequestsByRpc(const std::vector<std::unique_ptr<Daemon>>& daemons) {
   std::map<std::string, double> out;
   for (const auto& d : daemons) {
-    for (const metrics::MetricFamily& f : d->registry().Collect()) {
+    for (const prometheus::MetricFamily& f : d->registry().Collect()) {
       if (f.name != metrics::kRequestsTotal.name) continue;
-      for (const metrics::ClientMetric& m : f.metrics) {
-        auto rpc = m.labels.find("rpc");
-        if (rpc != m.labels.end()) out[rpc->second] += m.value;
+      for (const prometheus::ClientMetric& m : f.metric) {
+        for (const prometheus::ClientMetric::Label& label : m.label) {
+          if (label.name == "rpc") out[label.value] += m.counter.value;
+        }
       }
     }
   }

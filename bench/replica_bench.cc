@@ -122,7 +122,7 @@
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 #include "server/daemon.h"
-#include "server/replica_link_grpc.h"
+#include "server/rpc/grpc_replica_link.h"
 #include "transport/transport.h"
 
 ABSL_FLAG(uint64_t, params, 16ull << 20,

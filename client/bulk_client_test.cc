@@ -17,6 +17,7 @@
 #include "client/client.h"
 #include "client/testing/training_data.h"
 #include "gtest/gtest.h"
+#include "metrics/metric_names.h"
 #include "metrics/registry.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
@@ -81,18 +82,8 @@ struct RunResult {
 // Bytes the daemon counted under zeroshard_comm_bytes_total{op="push",
 // transport=`transport`}.
 double PushBytes(const Daemon& daemon, const std::string& transport_name) {
-  double bytes = 0;
-  for (const metrics::MetricFamily& f : daemon.registry().Collect()) {
-    if (f.name != "zeroshard_comm_bytes_total") continue;
-    for (const metrics::ClientMetric& m : f.metrics) {
-      auto op = m.labels.find("op"), transport = m.labels.find("transport");
-      if (op != m.labels.end() && op->second == "push" && transport != m.labels.end() &&
-          transport->second == transport_name) {
-        bytes += m.value;
-      }
-    }
-  }
-  return bytes;
+  return metrics::SumOf(daemon.registry().Collect(), metrics::kCommBytesTotal.name,
+                        {{"op", "push"}, {"transport", transport_name}});
 }
 
 RunResult RunSteps(const BulkCase& c, const std::string& transport) {

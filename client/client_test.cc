@@ -699,7 +699,7 @@ TEST(ClientTest, HeldPushesSumTheirRangeInOnePass) {
   const Layout layout = SampleLayout();
   const std::vector<float> init = InitialParams(layout);
   std::vector<float> params[2];
-  Job::ReductionCounts counts[2];
+  StepEngine::ReductionCounts counts[2];
   for (int hold = 0; hold < 2; ++hold) {
     std::unique_ptr<Daemon> daemon =
         StartDaemon(absl::Seconds(30), hold ? absl::Seconds(20) : absl::ZeroDuration());

@@ -19,7 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "civetweb.h"
-#include "metrics/text_serializer.h"
+#include "prometheus/text_serializer.h"
 
 namespace zeroshard::metrics {
 namespace {
@@ -120,6 +120,9 @@ void Poke(int port, bool ipv6) {
   close(fd);
 }
 
+// What prometheus::TextSerializer writes: the text format, version 0.0.4.
+constexpr absl::string_view kTextContentType = "text/plain; version=0.0.4; charset=utf-8";
+
 // civetweb would print connection-level errors (client resets, timeouts) to
 // stderr; a scrape endpoint has nothing useful to do with them.
 int DropLogMessage(const mg_connection*, const char*) { return 1; }
@@ -134,7 +137,7 @@ void SendEmpty(mg_connection* connection, int status, const char* allow) {
 
 }  // namespace
 
-MetricsHttpServer::MetricsHttpServer(const Registry& registry,
+MetricsHttpServer::MetricsHttpServer(const prometheus::Collectable& registry,
                                      std::string listen_address,
                                      PageRenderer page)
     : registry_(registry),
@@ -241,7 +244,7 @@ int MetricsHttpServer::HandleRequest(mg_connection* connection) {
   }
   const std::string body =
       page ? server->page_()
-           : TextSerializer().Serialize(server->registry_.Collect());
+           : prometheus::TextSerializer().Serialize(server->registry_.Collect());
   const std::string length = absl::StrCat(body.size());
   mg_response_header_start(connection, 200);
   if (page) {

@@ -1,9 +1,10 @@
 #pragma once
 
-// Serves a Registry's metrics over HTTP for Prometheus to scrape:
-// `GET /metrics` (and HEAD) answers 200 with the text format; with a page
-// renderer, `GET /` (and HEAD) answers 200 with the HTML page it renders;
-// any other path 404, any other method 405.
+// Serves a prometheus-cpp registry's metrics over HTTP for Prometheus to
+// scrape: `GET /metrics` (and HEAD) answers 200 with prometheus-cpp's text
+// exposition; with a page renderer, `GET /` (and HEAD) answers 200 with the
+// HTML page it renders; any other path 404, any other method 405. (Not
+// prometheus-cpp's Exposer: it serves only collectables, not the page.)
 //
 //   MetricsHttpServer server(registry, "0.0.0.0:9464");
 //   RETURN_IF_ERROR(server.Start());
@@ -12,7 +13,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "metrics/registry.h"
+#include "prometheus/collectable.h"
 
 struct mg_context;
 struct mg_connection;
@@ -28,12 +29,13 @@ using PageRenderer = std::function<std::string()>;
 
 class MetricsHttpServer {
  public:
-  // `registry` is not owned and must outlive the server. `listen_address` is
-  // HOST:PORT with HOST a numeric IPv4 address, a bracketed IPv6 address
-  // ("[::1]:9464"), "localhost" or empty (all interfaces); port 0 picks a
-  // free port (see port()). Without `page`, "/" is 404 like any other path;
+  // `registry` (a prometheus::Registry) is not owned and must outlive the
+  // server; its Collect() runs on civetweb's worker threads.
+  // `listen_address` is HOST:PORT with HOST a numeric IPv4 address, a
+  // bracketed IPv6 address ("[::1]:9464"), "localhost" or empty (all
+  // interfaces); port 0 picks a free port (see port()). Without `page`, "/" is 404 like any other path;
   // whatever `page` uses must outlive the server (or its Stop).
-  MetricsHttpServer(const Registry& registry, std::string listen_address,
+  MetricsHttpServer(const prometheus::Collectable& registry, std::string listen_address,
                     PageRenderer page = nullptr);
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
@@ -59,7 +61,7 @@ class MetricsHttpServer {
   // civetweb's begin_request callback, on a civetweb worker thread.
   static int HandleRequest(mg_connection* connection);
 
-  const Registry& registry_;
+  const prometheus::Collectable& registry_;
   const std::string listen_address_;
   const PageRenderer page_;
   mg_context* context_ = nullptr;

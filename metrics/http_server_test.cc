@@ -1,6 +1,5 @@
 #include "metrics/http_server.h"
 
-
 #include <string>
 
 #include "absl/strings/match.h"
@@ -10,11 +9,13 @@
 #include "metrics/metric_names.h"
 #include "metrics/promtool_testutil.h"
 #include "metrics/registry.h"
-#include "metrics/text_serializer.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
 
 namespace zeroshard::metrics {
 namespace {
 
+using ::prometheus::TextSerializer;
 using ::testing::HasSubstr;
 using testing::Fetch;
 using testing::HttpResponse;
@@ -23,32 +24,23 @@ using testing::HttpResponse;
 class MetricsHttpServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto& memory = BuildGauge().Spec(kMemoryBytes).Register(registry_);
+    auto& memory = Register<kMemoryBytes>(registry_);
     for (absl::string_view category : kMemoryCategories) {
       memory
           .Add({{"job", "gpt \"small\"\\run\n2"},
                 {"category", std::string(category)}})
           .Set(1 << 20);
     }
-    BuildCounter()
-        .Spec(kCommBytesTotal)
-        .Register(registry_)
+    Register<kCommBytesTotal>(registry_)
         .Add({{"job", "a"}, {"op", "push"}, {"transport", "ucx"}})
         .Increment(123456789);
-    auto& step = BuildHistogram()
-                     .Spec(kStepSeconds)
-                     .Buckets(LatencySecondsBuckets())
-                     .Register(registry_);
+    auto& step = Register<kStepSeconds>(registry_);
     for (double v : {0.002, 0.3, 7.0, 500.0})
-      step.Add({{"job", "a"}}).Observe(v);
-    BuildGauge()
-        .Spec(kBuildInfo)
-        .Register(registry_)
-        .Add({{"version", "0.1.0"}})
-        .Set(1);
+      step.Add({{"job", "a"}}, LatencySecondsBuckets()).Observe(v);
+    Register<kBuildInfo>(registry_).Add({{"version", "0.1.0"}}).Set(1);
   }
 
-  Registry registry_;
+  prometheus::Registry registry_;
 };
 
 TEST_F(MetricsHttpServerTest, ServesMetricsThatPromtoolAccepts) {

@@ -2,18 +2,17 @@
 
 // The metric families every zeroshardd exports: this list is the contract
 // between the daemon, dashboards/zeroshard.json and deploy/prometheus/*.yml,
-// whose tests check that they query nothing else. Register them with
+// whose tests check that they query nothing else. Register them in a
+// prometheus::Registry with metrics/registry.h:
 //
-//   Family<Gauge>& memory = BuildGauge().Spec(kMemoryBytes).Register(registry);
-//   Family<Histogram>& step = BuildHistogram()
-//                                 .Spec(kStepSeconds)
-//                                 .Buckets(LatencySecondsBuckets())
-//                                 .Register(registry);
+//   auto& memory = Register<kMemoryBytes>(registry);  // Family<Gauge>&
+//   auto& step = Register<kStepSeconds>(registry);    // Family<Histogram>&
+//   step.Add({{"job", "a"}}, LatencySecondsBuckets()).Observe(0.2);
 //
 // Label values:
 //   job        the training job's name, as its client registered it; every
 //              series of a job is removed when the job leaves
-//              (Registry::RemoveIf("job", name)).
+//              (RemoveSeries(family, "job", name)).
 //   category   one of kMemoryCategories.
 //   op         the kind of transfer (e.g. push, pull), a small fixed set.
 //   transport  the transport that carried it (ucx, grpc, inproc).

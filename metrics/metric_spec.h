@@ -2,7 +2,8 @@
 
 // The kind of a metric family and a compile-time description of one family
 // (name, type, help, label names). metric_names.h lists the families every
-// zeroshard daemon exports as MetricSpecs; Builder::Spec() registers one.
+// zeroshard daemon exports as MetricSpecs; Register<spec>() (registry.h)
+// registers one in a prometheus::Registry.
 
 #include <array>
 #include <string>
@@ -13,19 +14,6 @@
 namespace zeroshard::metrics {
 
 enum class MetricType { kCounter, kGauge, kHistogram };
-
-// "counter", "gauge" or "histogram": the word used by `# TYPE` lines.
-constexpr absl::string_view MetricTypeName(MetricType type) {
-  switch (type) {
-    case MetricType::kCounter:
-      return "counter";
-    case MetricType::kGauge:
-      return "gauge";
-    case MetricType::kHistogram:
-      return "histogram";
-  }
-  return "untyped";
-}
 
 // Up to kMaxLabels label names; unused trailing entries are empty.
 struct MetricSpec {

@@ -1,185 +1,116 @@
 #pragma once
 
-// The process's metric registry and the builders that register families in
-// it, modelled on prometheus-cpp:
+// The contract's families (metric_names.h) in a prometheus-cpp registry,
+// which holds the series and writes the text exposition:
 //
-//   Registry registry;  // one per process, owned by main()
-//   Family<Gauge>& memory = BuildGauge()
-//                               .Name("zeroshard_memory_bytes")
-//                               .Help("Bytes held, by job and category.")
-//                               .Labels({"job", "category"})
-//                               .Register(registry);
-//   Gauge& grad = memory.Add({{"job", "a"}, {"category", "grad"}});
-//   grad.Set(1 << 20);  // lock-free, from any thread
+//   prometheus::Registry registry;  // one per process, owned by main()
+//   prometheus::Family<prometheus::Gauge>& memory =
+//       metrics::Register<metrics::kMemoryBytes>(registry);
+//   memory.Add({{"job", "a"}, {"category", "grad"}}).Set(1 << 20);
 //   ...
-//   registry.RemoveIf("job", "a");  // job "a" left: drop all of its series
+//   metrics::RemoveSeries(memory, "job", "a");  // job "a" left
 //
-// Unlike prometheus-cpp, Labels() declares the family's label *names*; every
-// series must use exactly those. There are no constant labels.
+// prometheus-cpp throws std::invalid_argument for an invalid metric or label
+// name, for a name registered again as another type and for unsorted bucket
+// bounds. All of those are constants here (metric_names_test registers every
+// family), so a throw is our bug at start-up, never bad input.
 
 #include <cstddef>
-#include <map>
-#include <memory>
-#include <optional>
 #include <string>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
-#include "metrics/counter.h"
-#include "metrics/family.h"
-#include "metrics/gauge.h"
-#include "metrics/histogram.h"
-#include "metrics/metric_family.h"
 #include "metrics/metric_spec.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/labels.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
 
 namespace zeroshard::metrics {
 
-template <typename T>
-class Builder;
-
-// Thread-safe. Families, once registered, live as long as the registry, so
-// references to them (and to their series, until removed) stay valid.
-class Registry {
- public:
-  Registry() = default;
-  Registry(const Registry&) = delete;
-  Registry& operator=(const Registry&) = delete;
-  ~Registry() = default;
-
-  // A snapshot of every family that has at least one series, ordered by
-  // name; see FamilyBase::Collect for what "snapshot" guarantees. Takes the
-  // registry's and each family's lock in turn as a reader, so Add/Remove and
-  // registration wait for it; counter and gauge updates never do, a
-  // histogram's Observe only while that histogram is copied.
-  std::vector<MetricFamily> Collect() const;
-
-  // Removes, in every family, the series whose label `label_name` has value
-  // `label_value` (e.g. "job", "a" when job a leaves). Returns the number of
-  // series removed; references to them dangle afterwards.
-  std::size_t RemoveIf(absl::string_view label_name,
-                       absl::string_view label_value);
-
- private:
-  template <typename T>
-  friend class Builder;
-
-  // Registers a family, or returns the existing one of the same name when
-  // type, label names and (histograms) buckets match. InvalidArgument for a
-  // bad name, help, label name or boundaries; AlreadyExists when the name is
-  // taken by a different family, or a histogram's _bucket/_sum/_count name
-  // collides with another family's.
-  template <typename T>
-  absl::StatusOr<Family<T>*> Register(FamilyOptions options) {
-    absl::MutexLock lock(&mu_);
-    FamilyBase* existing = nullptr;
-    if (absl::Status s = CheckLocked(options, &existing); !s.ok()) return s;
-    if (existing != nullptr) return static_cast<Family<T>*>(existing);
-    auto family = std::unique_ptr<Family<T>>(new Family<T>(std::move(options)));
-    Family<T>* raw = family.get();
-    families_.emplace(raw->name(), std::move(family));
-    return raw;
-  }
-
-  // A family that is never exported, handed out when registration failed.
-  template <typename T>
-  Family<T>& Detach(FamilyOptions options) {
-    auto detached =
-        std::unique_ptr<Family<T>>(new Family<T>(std::move(options)));
-    Family<T>& ref = *detached;
-    absl::MutexLock lock(&mu_);
-    detached_.push_back(std::move(detached));
-    return ref;
-  }
-
-  // Validates `options` (normalising its buckets) and looks for a family of
-  // the same name, set in `*existing` when compatible.
-  absl::Status CheckLocked(FamilyOptions& options, FamilyBase** existing) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static void LogDropped(const absl::Status& status);
-
-  mutable absl::Mutex mu_;
-  std::map<std::string, std::unique_ptr<FamilyBase>> families_
-      ABSL_GUARDED_BY(mu_);
-  std::vector<std::unique_ptr<FamilyBase>> detached_ ABSL_GUARDED_BY(mu_);
+// prometheus-cpp's class for each MetricType.
+template <MetricType type>
+struct MetricClass;
+template <>
+struct MetricClass<MetricType::kCounter> {
+  using type = prometheus::Counter;
+};
+template <>
+struct MetricClass<MetricType::kGauge> {
+  using type = prometheus::Gauge;
+};
+template <>
+struct MetricClass<MetricType::kHistogram> {
+  using type = prometheus::Histogram;
 };
 
-// Collects a family's name, help, label names (and histogram buckets), then
-// registers it. Cheap to copy; not thread-safe itself.
-template <typename T>
-class Builder {
- public:
-  Builder() { options_.type = T::kType; }
+template <const MetricSpec& spec>
+using FamilyOf = prometheus::Family<typename MetricClass<spec.type>::type>;
 
-  Builder& Name(absl::string_view name) {
-    options_.name = std::string(name);
-    return *this;
-  }
-  Builder& Help(absl::string_view help) {
-    options_.help = std::string(help);
-    return *this;
-  }
-  // The label names every series of the family must carry.
-  Builder& Labels(std::vector<std::string> label_names) {
-    options_.label_names = std::move(label_names);
-    return *this;
-  }
-  // Name, help and labels from a spec (see metric_names.h); registering
-  // fails if the spec's type is not T's.
-  Builder& Spec(const MetricSpec& spec) {
-    spec_type_ = spec.type;
-    options_.name = std::string(spec.name);
-    options_.help = std::string(spec.help);
-    options_.label_names = spec.LabelNames();
-    return *this;
-  }
-  // Histograms: finite upper bounds, strictly increasing (+Inf is implied).
-  template <typename U = T,
-            std::enable_if_t<std::is_same_v<U, Histogram>, int> = 0>
-  Builder& Buckets(Histogram::BucketBoundaries boundaries) {
-    options_.buckets = std::move(boundaries);
-    return *this;
-  }
-
-  // Errors as Registry::Register, plus InvalidArgument for a Spec of
-  // another type.
-  absl::StatusOr<Family<T>*> TryRegister(Registry& registry) const {
-    if (absl::Status s = CheckSpecType(); !s.ok()) return s;
-    return registry.Register<T>(options_);
-  }
-
-  // As TryRegister, but on error logs it and returns a family that accepts
-  // every call and is never exported; meant for start-up code with constant
-  // names, which a test of that code should cover via TryRegister.
-  Family<T>& Register(Registry& registry) const {
-    absl::StatusOr<Family<T>*> family = TryRegister(registry);
-    if (family.ok()) return **family;
-    Registry::LogDropped(family.status());
-    return registry.Detach<T>(options_);
-  }
-
- private:
-  absl::Status CheckSpecType() const {
-    if (spec_type_.has_value() && *spec_type_ != T::kType) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          options_.name, ": spec says ", MetricTypeName(*spec_type_),
-          " but built as ", MetricTypeName(T::kType)));
+// Registers the family `spec` names, with its help text and its type, in
+// `registry` (or returns the one registered there before). Label names are
+// not declared: each Add names them, and CheckExportsContract holds the
+// series to the spec's. A histogram's Add takes the bucket bounds.
+template <const MetricSpec& spec>
+FamilyOf<spec>& Register(prometheus::Registry& registry) {
+  auto builder = [] {
+    if constexpr (spec.type == MetricType::kCounter) {
+      return prometheus::BuildCounter();
+    } else if constexpr (spec.type == MetricType::kGauge) {
+      return prometheus::BuildGauge();
+    } else {
+      return prometheus::BuildHistogram();
     }
-    return absl::OkStatus();
+  }();
+  return builder.Name(std::string(spec.name)).Help(std::string(spec.help)).Register(registry);
+}
+
+// Removes from `family` every series whose label `name` is `value` (e.g.
+// "job", "a" when job a leaves) and returns how many went. References to them
+// dangle afterwards: no other thread may still use them. Collects the family
+// once, so it is for rare events, not per step.
+template <typename T>
+std::size_t RemoveSeries(prometheus::Family<T>& family, const std::string& name,
+                         const std::string& value) {
+  static_assert(std::is_same_v<T, prometheus::Counter> || std::is_same_v<T, prometheus::Gauge> ||
+                std::is_same_v<T, prometheus::Histogram>);
+  std::size_t removed = 0;
+  for (const prometheus::MetricFamily& collected : family.Collect()) {
+    for (const prometheus::ClientMetric& series : collected.metric) {
+      prometheus::Labels labels;
+      for (const prometheus::ClientMetric::Label& label : series.label) {
+        labels.emplace(label.name, label.value);
+      }
+      const auto it = labels.find(name);
+      if (it == labels.end() || it->second != value) continue;
+      // prometheus-cpp removes by pointer, and Add returns the existing
+      // series (the bucket bounds are only used for a new one, which would
+      // go at once).
+      if constexpr (std::is_same_v<T, prometheus::Histogram>) {
+        family.Remove(&family.Add(labels, prometheus::Histogram::BucketBoundaries{}));
+      } else {
+        family.Remove(&family.Add(labels));
+      }
+      ++removed;
+    }
   }
+  return removed;
+}
 
-  FamilyOptions options_;
-  std::optional<MetricType> spec_type_;
-};
+// The sum of the values of the counter or gauge series of family `name` whose
+// labels include every pair of `match` (all of its series when empty); 0 when
+// there is none.
+double SumOf(const std::vector<prometheus::MetricFamily>& families, absl::string_view name,
+             const prometheus::Labels& match = {});
 
-inline Builder<Counter> BuildCounter() { return {}; }
-inline Builder<Gauge> BuildGauge() { return {}; }
-inline Builder<Histogram> BuildHistogram() { return {}; }
+// OK when every family in `families` is in the contract with its type and
+// help text, and every series carries exactly its spec's label names;
+// otherwise InvalidArgument naming the first family or series that is not.
+absl::Status CheckExportsContract(const std::vector<prometheus::MetricFamily>& families);
 
 }  // namespace zeroshard::metrics

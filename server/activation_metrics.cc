@@ -1,19 +1,17 @@
 #include "server/activation_metrics.h"
 
 #include "metrics/metric_names.h"
+#include "metrics/registry.h"
 
 namespace zeroshard {
 
-ActivationMetrics::ActivationMetrics(metrics::Registry* registry)
-    : hits_(metrics::BuildCounter().Spec(metrics::kActivationHitsTotal).Register(*registry)),
-      misses_(metrics::BuildCounter().Spec(metrics::kActivationMissesTotal).Register(*registry)),
-      spills_(metrics::BuildCounter().Spec(metrics::kActivationSpillsTotal).Register(*registry)),
-      spill_bytes_(
-          metrics::BuildCounter().Spec(metrics::kActivationSpillBytesTotal).Register(*registry)),
-      fetch_seconds_(metrics::BuildHistogram()
-                         .Spec(metrics::kActivationFetchSeconds)
-                         .Buckets(metrics::FetchSecondsBuckets())
-                         .Register(*registry)) {}
+ActivationMetrics::ActivationMetrics(prometheus::Registry* registry)
+    : fetch_buckets_(metrics::FetchSecondsBuckets()),
+      hits_(metrics::Register<metrics::kActivationHitsTotal>(*registry)),
+      misses_(metrics::Register<metrics::kActivationMissesTotal>(*registry)),
+      spills_(metrics::Register<metrics::kActivationSpillsTotal>(*registry)),
+      spill_bytes_(metrics::Register<metrics::kActivationSpillBytesTotal>(*registry)),
+      fetch_seconds_(metrics::Register<metrics::kActivationFetchSeconds>(*registry)) {}
 
 void ActivationMetrics::RecordHit(const std::string& job) {
   hits_.Add({{"job", job}}).Increment();
@@ -29,7 +27,15 @@ void ActivationMetrics::RecordSpill(const std::string& job, uint64_t bytes) {
 }
 
 void ActivationMetrics::RecordFetch(const std::string& job, absl::Duration took) {
-  fetch_seconds_.Add({{"job", job}}).Observe(absl::ToDoubleSeconds(took));
+  fetch_seconds_.Add({{"job", job}}, fetch_buckets_).Observe(absl::ToDoubleSeconds(took));
+}
+
+void ActivationMetrics::RemoveJob(const std::string& job) {
+  metrics::RemoveSeries(hits_, "job", job);
+  metrics::RemoveSeries(misses_, "job", job);
+  metrics::RemoveSeries(spills_, "job", job);
+  metrics::RemoveSeries(spill_bytes_, "job", job);
+  metrics::RemoveSeries(fetch_seconds_, "job", job);
 }
 
 }  // namespace zeroshard

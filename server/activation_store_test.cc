@@ -23,8 +23,8 @@
 #include "absl/strings/str_split.h"
 #include "common/crc32c.h"
 #include "gtest/gtest.h"
-#include "metrics/registry.h"
-#include "metrics/text_serializer.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
 #include "server/activation_testing.h"
 #include "transport/transport.h"
 
@@ -187,7 +187,7 @@ class StoreTest : public ::testing::Test {
   }
 
   double Sample(const std::string& series) {
-    const std::string text = metrics::TextSerializer().Serialize(registry_.Collect());
+    const std::string text = prometheus::TextSerializer().Serialize(registry_.Collect());
     for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
       if (absl::StartsWith(line, series + " ")) {
         double v = 0;
@@ -199,7 +199,7 @@ class StoreTest : public ::testing::Test {
   }
 
   MemoryLedger ledger_{0};
-  metrics::Registry registry_;
+  prometheus::Registry registry_;
   std::unique_ptr<ActivationMetrics> metrics_;
   std::unique_ptr<transport::Transport> server_;
   std::unique_ptr<transport::Transport> client_;

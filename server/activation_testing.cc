@@ -16,7 +16,7 @@
 #include "common/crc32c.h"
 #include "common/protocol.h"
 #include "gtest/gtest.h"
-#include "metrics/text_serializer.h"
+#include "prometheus/text_serializer.h"
 #include "server/activation_spill.h"
 
 namespace zeroshard::testing {
@@ -223,7 +223,7 @@ std::string TestDir(const std::string& name) {
 }
 
 double MetricValue(const Daemon& daemon, const std::string& series) {
-  const std::string text = metrics::TextSerializer().Serialize(daemon.registry().Collect());
+  const std::string text = prometheus::TextSerializer().Serialize(daemon.registry().Collect());
   for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
     if (absl::StartsWith(line, series + " ")) {
       double v = 0;

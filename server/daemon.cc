@@ -16,7 +16,7 @@
 #include "common/tls.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "server/replica_link_grpc.h"
+#include "server/rpc/grpc_replica_link.h"
 #include "server/services.h"
 #include "server/status_page.h"
 #include "server/system_resources.h"
@@ -137,7 +137,13 @@ Daemon::Daemon(const DaemonOptions& options)
     : options_(options),
       ledger_(options.memory_limit_bytes),
       metrics_(&registry_, &ledger_, options.version),
-      activation_metrics_(&registry_) {}
+      activation_metrics_(&registry_) {
+  // A job the ledger forgets takes its series with it.
+  ledger_.SetRemoveListener([this](const std::string& job) {
+    metrics_.RemoveJob(job);
+    activation_metrics_.RemoveJob(job);
+  });
+}
 
 Daemon::~Daemon() {
   Shutdown(absl::Seconds(1));

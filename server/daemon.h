@@ -13,12 +13,12 @@
 #include "common/tls.h"
 #include "grpcpp/grpcpp.h"
 #include "metrics/http_server.h"
-#include "metrics/registry.h"
+#include "prometheus/registry.h"
 #include "server/activation_metrics.h"
 #include "server/activation_store.h"
 #include "server/arena_tenancy.h"
 #include "server/daemon_metrics.h"
-#include "server/job_manager.h"
+#include "server/job/job_manager.h"
 #include "server/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 #include "transport/transport.h"
@@ -142,7 +142,8 @@ class Daemon {
   transport::Transport* bulk_transport() const { return transport_.get(); }
   // The activation store, or null (DaemonOptions::activation_arena_bytes 0).
   ActivationStore* activations() const { return activations_.get(); }
-  const metrics::Registry& registry() const { return registry_; }
+  // What /metrics serves (metrics/metric_names.h).
+  const prometheus::Registry& registry() const { return registry_; }
 
  private:
   explicit Daemon(const DaemonOptions& options);
@@ -150,7 +151,7 @@ class Daemon {
   // Declaration order is destruction order in reverse: jobs release ledger
   // bytes, which update metrics, which live in the registry.
   DaemonOptions options_;
-  metrics::Registry registry_;
+  prometheus::Registry registry_;
   MemoryLedger ledger_;
   DaemonMetrics metrics_;
   ActivationMetrics activation_metrics_;

@@ -3,45 +3,30 @@
 #include "metrics/metric_names.h"
 
 namespace zeroshard {
-namespace {
 
-template <typename T>
-metrics::Family<T>& Register(metrics::Registry* r, const metrics::MetricSpec& spec) {
-  metrics::Builder<T> b;
-  b.Spec(spec);
-  if constexpr (std::is_same_v<T, metrics::Histogram>) b.Buckets(metrics::LatencySecondsBuckets());
-  return b.Register(*r);
-}
-
-}  // namespace
-
-DaemonMetrics::DaemonMetrics(metrics::Registry* registry, MemoryLedger* ledger,
+DaemonMetrics::DaemonMetrics(prometheus::Registry* registry, MemoryLedger* ledger,
                              const std::string& version)
-    : registry_(registry),
-      memory_(Register<metrics::Gauge>(registry, metrics::kMemoryBytes)),
-      comm_(Register<metrics::Counter>(registry, metrics::kCommBytesTotal)),
-      requests_(Register<metrics::Counter>(registry, metrics::kRequestsTotal)),
-      step_seconds_(Register<metrics::Histogram>(registry, metrics::kStepSeconds)),
-      optimizer_seconds_(Register<metrics::Histogram>(registry, metrics::kOptimizerSeconds)),
-      checkpoint_seconds_(Register<metrics::Histogram>(registry, metrics::kCheckpointSeconds)),
-      checkpoint_bytes_(Register<metrics::Counter>(registry, metrics::kCheckpointBytesTotal)),
-      checkpoint_step_(Register<metrics::Gauge>(registry, metrics::kCheckpointLastCompleteStep)),
-      checkpoint_time_(
-          Register<metrics::Gauge>(registry, metrics::kCheckpointLastCompleteTimestamp)),
-      params_per_second_(
-          Register<metrics::Gauge>(registry, metrics::kOptimizerParamsPerSecond).Add({})),
-      jobs_(Register<metrics::Gauge>(registry, metrics::kJobs).Add({})),
-      ranks_(Register<metrics::Gauge>(registry, metrics::kRanksConnected)),
-      world_size_(Register<metrics::Gauge>(registry, metrics::kWorldSize)) {
-  Register<metrics::Gauge>(registry, metrics::kMemoryLimitBytes)
-      .Add({})
-      .Set(static_cast<double>(ledger->limit()));
-  Register<metrics::Gauge>(registry, metrics::kBuildInfo).Add({{"version", version}}).Set(1);
+    : latency_buckets_(metrics::LatencySecondsBuckets()),
+      memory_(metrics::Register<metrics::kMemoryBytes>(*registry)),
+      comm_(metrics::Register<metrics::kCommBytesTotal>(*registry)),
+      requests_(metrics::Register<metrics::kRequestsTotal>(*registry)),
+      step_seconds_(metrics::Register<metrics::kStepSeconds>(*registry)),
+      optimizer_seconds_(metrics::Register<metrics::kOptimizerSeconds>(*registry)),
+      checkpoint_seconds_(metrics::Register<metrics::kCheckpointSeconds>(*registry)),
+      checkpoint_bytes_(metrics::Register<metrics::kCheckpointBytesTotal>(*registry)),
+      checkpoint_step_(metrics::Register<metrics::kCheckpointLastCompleteStep>(*registry)),
+      checkpoint_time_(metrics::Register<metrics::kCheckpointLastCompleteTimestamp>(*registry)),
+      params_per_second_(metrics::Register<metrics::kOptimizerParamsPerSecond>(*registry).Add({})),
+      jobs_(metrics::Register<metrics::kJobs>(*registry).Add({})),
+      ranks_(metrics::Register<metrics::kRanksConnected>(*registry)),
+      world_size_(metrics::Register<metrics::kWorldSize>(*registry)) {
+  metrics::Register<metrics::kMemoryLimitBytes>(*registry).Add({}).Set(
+      static_cast<double>(ledger->limit()));
+  metrics::Register<metrics::kBuildInfo>(*registry).Add({{"version", version}}).Set(1);
   ledger->SetListener([this](const std::string& job, MemoryCategory c, uint64_t bytes) {
     memory_.Add({{"job", job}, {"category", MemoryCategoryName(c)}})
         .Set(static_cast<double>(bytes));
   });
-  ledger->SetRemoveListener([this](const std::string& job) { RemoveJob(job); });
 }
 
 void DaemonMetrics::RecordRequest(absl::string_view rpc, const absl::Status& status) {
@@ -59,26 +44,28 @@ void DaemonMetrics::RecordTraffic(const std::string& job, absl::string_view op,
 void DaemonMetrics::RecordCommit(const std::string& job, absl::Duration optimizer,
                                  uint64_t elements) {
   const double seconds = absl::ToDoubleSeconds(optimizer);
-  optimizer_seconds_.Add({{"job", job}}).Observe(seconds);
+  optimizer_seconds_.Add({{"job", job}}, latency_buckets_).Observe(seconds);
   if (seconds > 0 && elements > 0) params_per_second_.Set(elements / seconds);
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
   auto [it, first] = last_commit_.try_emplace(job, now);
   if (!first) {
-    step_seconds_.Add({{"job", job}}).Observe(absl::ToDoubleSeconds(now - it->second));
+    step_seconds_.Add({{"job", job}}, latency_buckets_)
+        .Observe(absl::ToDoubleSeconds(now - it->second));
     it->second = now;
   }
 }
 
 void DaemonMetrics::RecordCheckpointSnapshot(const std::string& job, absl::Duration took,
                                              uint64_t) {
-  checkpoint_seconds_.Add({{"job", job}, {"phase", "snapshot"}})
+  checkpoint_seconds_.Add({{"job", job}, {"phase", "snapshot"}}, latency_buckets_)
       .Observe(absl::ToDoubleSeconds(took));
 }
 
 void DaemonMetrics::RecordCheckpointWrite(const std::string& job, absl::Duration took,
                                           uint64_t bytes) {
-  checkpoint_seconds_.Add({{"job", job}, {"phase", "write"}}).Observe(absl::ToDoubleSeconds(took));
+  checkpoint_seconds_.Add({{"job", job}, {"phase", "write"}}, latency_buckets_)
+      .Observe(absl::ToDoubleSeconds(took));
   checkpoint_bytes_.Add({{"job", job}}).Increment(static_cast<double>(bytes));
 }
 
@@ -95,7 +82,16 @@ void DaemonMetrics::SetRanks(const std::string& job, uint32_t connected, uint32_
 }
 
 void DaemonMetrics::RemoveJob(const std::string& job) {
-  registry_->RemoveIf("job", job);
+  metrics::RemoveSeries(memory_, "job", job);
+  metrics::RemoveSeries(comm_, "job", job);
+  metrics::RemoveSeries(step_seconds_, "job", job);
+  metrics::RemoveSeries(optimizer_seconds_, "job", job);
+  metrics::RemoveSeries(checkpoint_seconds_, "job", job);
+  metrics::RemoveSeries(checkpoint_bytes_, "job", job);
+  metrics::RemoveSeries(checkpoint_step_, "job", job);
+  metrics::RemoveSeries(checkpoint_time_, "job", job);
+  metrics::RemoveSeries(ranks_, "job", job);
+  metrics::RemoveSeries(world_size_, "job", job);
   absl::MutexLock lock(&mu_);
   last_commit_.erase(job);
 }

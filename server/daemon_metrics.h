@@ -1,21 +1,23 @@
 #pragma once
 
 // What a daemon exports on /metrics (metrics/metric_names.h is the contract).
-// Families are registered once at start-up; components hold references.
-// Memory gauges are driven by the MemoryLedger's listener, so the exported
-// values are the ledger's. Thread-safe.
+// Families are registered once at start-up in a prometheus::Registry;
+// components hold references. Memory gauges are driven by the MemoryLedger's
+// listener, so the exported values are the ledger's. Thread-safe.
 
+#include <map>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "metrics/counter.h"
-#include "metrics/family.h"
-#include "metrics/gauge.h"
-#include "metrics/histogram.h"
 #include "metrics/registry.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
 #include "server/memory_ledger.h"
 
 namespace zeroshard {
@@ -23,8 +25,9 @@ namespace zeroshard {
 class DaemonMetrics {
  public:
   // Registers every family in `registry` (which must outlive this) and hooks
-  // the ledger's listeners.
-  DaemonMetrics(metrics::Registry* registry, MemoryLedger* ledger, const std::string& version);
+  // the ledger's value listener; the owner calls RemoveJob when the ledger
+  // forgets a job (MemoryLedger::SetRemoveListener).
+  DaemonMetrics(prometheus::Registry* registry, MemoryLedger* ledger, const std::string& version);
 
   void RecordRequest(absl::string_view rpc, const absl::Status& status);
   // op: "push", "gather", "init"; transport: "stream" (the Shard streaming
@@ -40,24 +43,26 @@ class DaemonMetrics {
   void SetCheckpointComplete(const std::string& job, uint64_t step);
   void SetJobs(size_t jobs);
   void SetRanks(const std::string& job, uint32_t connected, uint32_t world_size);
-  // Removes every series labelled with the job.
+  // Removes every series of these families labelled with the job. No other
+  // thread may still be recording for it.
   void RemoveJob(const std::string& job);
 
  private:
-  metrics::Registry* const registry_;
-  metrics::Family<metrics::Gauge>& memory_;
-  metrics::Family<metrics::Counter>& comm_;
-  metrics::Family<metrics::Counter>& requests_;
-  metrics::Family<metrics::Histogram>& step_seconds_;
-  metrics::Family<metrics::Histogram>& optimizer_seconds_;
-  metrics::Family<metrics::Histogram>& checkpoint_seconds_;
-  metrics::Family<metrics::Counter>& checkpoint_bytes_;
-  metrics::Family<metrics::Gauge>& checkpoint_step_;
-  metrics::Family<metrics::Gauge>& checkpoint_time_;
-  metrics::Gauge& params_per_second_;
-  metrics::Gauge& jobs_;
-  metrics::Family<metrics::Gauge>& ranks_;
-  metrics::Family<metrics::Gauge>& world_size_;
+  // Bucket bounds of the latency histograms (LatencySecondsBuckets()).
+  const prometheus::Histogram::BucketBoundaries latency_buckets_;
+  prometheus::Family<prometheus::Gauge>& memory_;
+  prometheus::Family<prometheus::Counter>& comm_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& step_seconds_;
+  prometheus::Family<prometheus::Histogram>& optimizer_seconds_;
+  prometheus::Family<prometheus::Histogram>& checkpoint_seconds_;
+  prometheus::Family<prometheus::Counter>& checkpoint_bytes_;
+  prometheus::Family<prometheus::Gauge>& checkpoint_step_;
+  prometheus::Family<prometheus::Gauge>& checkpoint_time_;
+  prometheus::Gauge& params_per_second_;
+  prometheus::Gauge& jobs_;
+  prometheus::Family<prometheus::Gauge>& ranks_;
+  prometheus::Family<prometheus::Gauge>& world_size_;
 
   absl::Mutex mu_;
   std::map<std::string, absl::Time> last_commit_ ABSL_GUARDED_BY(mu_);

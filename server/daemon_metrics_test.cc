@@ -2,15 +2,24 @@
 // check metrics, no lint), and values equal to the ledger and the traffic the
 // RPCs carried.
 
+#include "server/daemon_metrics.h"
+
 #include <map>
+#include <set>
+#include <string>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "gtest/gtest.h"
-#include "metrics/promtool_testutil.h"
-#include "server/daemon.h"
 #include "common/job_spec.h"
+#include "gtest/gtest.h"
+#include "metrics/metric_names.h"
+#include "metrics/promtool_testutil.h"
+#include "metrics/registry.h"
+#include "prometheus/registry.h"
+#include "server/activation_metrics.h"
+#include "server/daemon.h"
+#include "server/memory_ledger.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {
@@ -73,6 +82,8 @@ TEST(DaemonMetrics, ExportsValidMetricsEqualToTheLedger) {
     EXPECT_EQ(check.exit_code, 0) << check.output;
     EXPECT_EQ(check.output, "") << check.output;
   }
+  const absl::Status contract = metrics::CheckExportsContract((*daemon)->registry().Collect());
+  EXPECT_TRUE(contract.ok()) << contract;
   auto samples = ParseSamples(response.body);
   const CategoryBytes ledger = (*daemon)->ledger().JobBytes("m1");
   for (int c = 0; c < kNumMemoryCategories; ++c) {
@@ -113,6 +124,59 @@ TEST(DaemonMetrics, ExportsValidMetricsEqualToTheLedger) {
   const auto after = Fetch((*daemon)->metrics_port(), "GET", "/metrics");
   EXPECT_EQ(after.body.find("job=\"m1\""), std::string::npos) << after.body;
   EXPECT_NE(after.body.find("zeroshard_jobs 0"), std::string::npos) << after.body;
+}
+
+// The families with a series labelled job="`job`".
+std::set<std::string> FamiliesOfJob(const prometheus::Registry& registry, const std::string& job) {
+  std::set<std::string> out;
+  for (const prometheus::MetricFamily& f : registry.Collect()) {
+    for (const prometheus::ClientMetric& m : f.metric) {
+      for (const prometheus::ClientMetric::Label& l : m.label) {
+        if (l.name == "job" && l.value == job) out.insert(f.name);
+      }
+    }
+  }
+  return out;
+}
+
+// Every family of the contract with a job label gets that job's series from
+// DaemonMetrics or ActivationMetrics, and their RemoveJob leaves none of them
+// (prometheus-cpp cannot remove by label; each family must be listed).
+TEST(DaemonMetrics, RemoveJobRemovesEverySeriesOfTheJob) {
+  std::set<std::string> job_families;
+  for (const metrics::MetricSpec& spec : metrics::kAllMetrics) {
+    for (const std::string& label : spec.LabelNames()) {
+      if (label == "job") job_families.insert(std::string(spec.name));
+    }
+  }
+  prometheus::Registry registry;
+  MemoryLedger ledger(0);
+  DaemonMetrics daemon_metrics(&registry, &ledger, "dev");
+  ActivationMetrics activation_metrics(&registry);
+  for (const std::string job : {"a", "b"}) {
+    ASSERT_TRUE(ledger.Reserve(job, MemoryCategory::kGrad, 100).ok());
+    daemon_metrics.RecordTraffic(job, "push", "stream", 10);
+    daemon_metrics.RecordCommit(job, absl::Milliseconds(2), 100);
+    daemon_metrics.RecordCommit(job, absl::Milliseconds(2), 100);  // the second times a step
+    daemon_metrics.RecordCheckpointSnapshot(job, absl::Milliseconds(1), 0);
+    daemon_metrics.RecordCheckpointWrite(job, absl::Milliseconds(3), 1000);
+    daemon_metrics.SetCheckpointComplete(job, 1);
+    daemon_metrics.SetRanks(job, 1, 2);
+    activation_metrics.RecordHit(job);
+    activation_metrics.RecordMiss(job);
+    activation_metrics.RecordSpill(job, 4096);
+    activation_metrics.RecordFetch(job, absl::Microseconds(80));
+  }
+  daemon_metrics.RecordRequest("Join", absl::OkStatus());
+  EXPECT_EQ(FamiliesOfJob(registry, "a"), job_families);
+  const absl::Status contract = metrics::CheckExportsContract(registry.Collect());
+  EXPECT_TRUE(contract.ok()) << contract;
+
+  daemon_metrics.RemoveJob("a");
+  activation_metrics.RemoveJob("a");
+  EXPECT_EQ(FamiliesOfJob(registry, "a"), std::set<std::string>());
+  EXPECT_EQ(FamiliesOfJob(registry, "b"), job_families);
+  EXPECT_EQ(metrics::SumOf(registry.Collect(), metrics::kRequestsTotal.name), 1);
 }
 
 }  // namespace

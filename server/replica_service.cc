@@ -10,6 +10,15 @@ namespace {
 // The longest a backup reads a primary's state for one transfer.
 constexpr absl::Duration kMaxTransferWait = absl::Minutes(30);
 
+// The replica group of a copy: FailedPrecondition for a job that is not
+// replicated.
+absl::StatusOr<ReplicaGroup*> GroupOf(const absl::StatusOr<std::shared_ptr<Job>>& job) {
+  if (!job.ok()) return job.status();
+  if (ReplicaGroup* group = (*job)->replica(); group != nullptr) return group;
+  return absl::FailedPreconditionError(absl::StrCat(
+      "job ", (*job)->config().job_id, " is not replicated (its spec has replicas = 1)"));
+}
+
 }  // namespace
 
 absl::Status ReplicaService::FillState(const grpc::ServerContext& call, const std::string& id,
@@ -31,9 +40,10 @@ grpc::Status ReplicaService::GetReplicaState(grpc::ServerContext* call,
 
 grpc::Status ReplicaService::Promote(grpc::ServerContext* call, const v1::PromoteRequest* req,
                                      v1::ReplicaState* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindCopy(*call, req->job_id(), req->group());
-  if (!job.ok()) return ctx_->Done(__func__, job.status());
-  if (absl::Status s = (*job)->Promote(*req); !s.ok()) return ctx_->Done(__func__, s);
+  absl::StatusOr<ReplicaGroup*> group =
+      GroupOf(ctx_->FindCopy(*call, req->job_id(), req->group()));
+  if (!group.ok()) return ctx_->Done(__func__, group.status());
+  if (absl::Status s = (*group)->Promote(*req); !s.ok()) return ctx_->Done(__func__, s);
   return ctx_->Done(__func__, FillState(*call, req->job_id(), resp));
 }
 
@@ -64,12 +74,12 @@ grpc::Status ReplicaService::TransferState(grpc::ServerContext* call,
                                            grpc::ServerReader<v1::ReplicaStateChunk>* reader,
                                            v1::TransferStateResponse* resp) {
   v1::ReplicaStateChunk first;
-  absl::StatusOr<std::shared_ptr<Job>> job = FirstChunk(ctx_, call, reader, &first);
-  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  absl::StatusOr<ReplicaGroup*> group = GroupOf(FirstChunk(ctx_, call, reader, &first));
+  if (!group.ok()) return ctx_->Done(__func__, group.status());
   // A bulk transfer reads the primary's arrays within the caller's deadline.
   const absl::Time deadline =
       std::min(absl::FromChrono(call->deadline()), absl::Now() + kMaxTransferWait);
-  absl::StatusOr<v1::TransferStateResponse> r = (*job)->AcceptState(
+  absl::StatusOr<v1::TransferStateResponse> r = (*group)->AcceptState(
       first, [&](v1::ReplicaStateChunk* c) { return NextChunk(reader, c); }, deadline);
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   *resp = *std::move(r);
@@ -80,9 +90,9 @@ grpc::Status ReplicaService::ForwardGradient(grpc::ServerContext* call,
                                              grpc::ServerReader<v1::ForwardedGradientChunk>* reader,
                                              v1::ForwardGradientResponse* resp) {
   v1::ForwardedGradientChunk first;
-  absl::StatusOr<std::shared_ptr<Job>> job = FirstChunk(ctx_, call, reader, &first);
-  if (!job.ok()) return ctx_->Done(__func__, job.status());
-  absl::StatusOr<v1::ForwardGradientResponse> r = (*job)->AcceptGradient(
+  absl::StatusOr<ReplicaGroup*> group = GroupOf(FirstChunk(ctx_, call, reader, &first));
+  if (!group.ok()) return ctx_->Done(__func__, group.status());
+  absl::StatusOr<v1::ForwardGradientResponse> r = (*group)->AcceptGradient(
       first, [&](v1::ForwardedGradientChunk* c) { return NextChunk(reader, c); });
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   *resp = *std::move(r);
@@ -92,9 +102,10 @@ grpc::Status ReplicaService::ForwardGradient(grpc::ServerContext* call,
 grpc::Status ReplicaService::CommitReplica(grpc::ServerContext* call,
                                            const v1::CommitReplicaRequest* req,
                                            v1::CommitStepResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindCopy(*call, req->job_id(), req->group());
-  if (!job.ok()) return ctx_->Done(__func__, job.status());
-  absl::StatusOr<v1::CommitStepResponse> r = (*job)->CommitReplica(*req);
+  absl::StatusOr<ReplicaGroup*> group =
+      GroupOf(ctx_->FindCopy(*call, req->job_id(), req->group()));
+  if (!group.ok()) return ctx_->Done(__func__, group.status());
+  absl::StatusOr<v1::CommitStepResponse> r = (*group)->CommitReplica(*req);
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   *resp = *std::move(r);
   return ctx_->Done(__func__, absl::OkStatus());
@@ -106,7 +117,9 @@ grpc::Status ReplicaService::ReleaseReplica(grpc::ServerContext* call,
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindCopy(*call, req->job_id(), req->group());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   // Only the group's current primary releases its backup.
-  if (absl::Status s = (*job)->CheckDrivenBy(req->epoch(), /*transfer=*/false); !s.ok()) {
+  absl::StatusOr<ReplicaGroup*> group = GroupOf(job);
+  if (!group.ok()) return ctx_->Done(__func__, group.status());
+  if (absl::Status s = (*group)->CheckDrivenBy(req->epoch(), /*transfer=*/false); !s.ok()) {
     return ctx_->Done(__func__, s);
   }
   ctx_->jobs->Remove(*job);

@@ -30,8 +30,8 @@
 #include "metrics/registry.h"
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "server/daemon.h"
-#include "server/job.h"
-#include "server/owned_tensors.h"
+#include "server/job/job.h"
+#include "server/step/owned_tensors.h"
 #include "server/testing/daemon_fixture.h"
 #include "transport/transport.h"
 

@@ -26,7 +26,7 @@
 #include "server/activation_store.h"
 #include "server/arena_tenancy.h"
 #include "server/daemon_metrics.h"
-#include "server/job_manager.h"
+#include "server/job/job_manager.h"
 #include "server/memory_ledger.h"
 #include "transport/transport.h"
 

@@ -246,15 +246,10 @@ grpc::Status ShardService::CommitStep(grpc::ServerContext* call, const v1::Commi
                                       v1::CommitStepResponse* resp) {
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
-  const uint64_t before = (*job)->committed_step();
-  const absl::Time start = absl::Now();
+  // The step engine records the optimizer's time (zeroshard_optimizer_seconds).
   absl::StatusOr<v1::CommitStepResponse> r =
       (*job)->CommitStep(*req, PresentedToken(call->client_metadata()).value_or(""));
   if (!r.ok()) return ctx_->Done(__func__, r.status());
-  if (r->committed_step() > before && !r->skipped()) {
-    ctx_->metrics->RecordCommit(req->job_id(), absl::Now() - start,
-                                (*job)->owned_unpadded().size());
-  }
   *resp = *std::move(r);
   return ctx_->Done(__func__, absl::OkStatus());
 }

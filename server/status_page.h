@@ -24,7 +24,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/job.h"
+#include "server/job/job.h"
 #include "server/memory_ledger.h"
 
 namespace zeroshard {

@@ -27,7 +27,7 @@
 #include "common/job_spec.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
-#include "tools/json_writer.h"
+#include "tools/json_output.h"
 #include "tools/zsrun_lib.h"
 
 namespace zeroshard::tools {
@@ -120,13 +120,10 @@ absl::StatusOr<EstimateInput> CheckEstimateOptions(const EstimateOptions& option
 }
 
 // A byte count or element count as a whole number (as a double past 2^64).
-void WriteWhole(double value, JsonWriter* w) {
+Json Whole(double value) {
   const double r = std::round(value);
-  if (r >= 0 && r < 18446744073709551616.0) {
-    w->Uint(static_cast<uint64_t>(r));
-  } else {
-    w->Double(r);
-  }
+  if (r >= 0 && r < 18446744073709551616.0) return static_cast<uint64_t>(r);
+  return JsonNumber(r);
 }
 
 }  // namespace
@@ -181,47 +178,34 @@ absl::StatusOr<std::string> RunEstimate(const EstimateOptions& options) {
 absl::StatusOr<std::string> RunEstimateJson(const EstimateOptions& options) {
   absl::StatusOr<EstimateInput> in = CheckEstimateOptions(options);
   if (!in.ok()) return in.status();
-  JsonWriter w;
-  w.BeginObject().Key("parameters").Double(in->psi);
-  w.Key("world_size").Uint(options.world_size);
-  w.Key("optimizer_k").Double(options.optimizer_k);
-  w.Key("device_memory_bytes");
-  if (in->device_bytes > 0) {
-    WriteWhole(in->device_bytes, &w);
-  } else {
-    w.Null();
-  }
-  w.Key("stages").BeginArray();
+  Json doc;
+  doc["parameters"] = JsonNumber(in->psi);
+  doc["world_size"] = options.world_size;
+  doc["optimizer_k"] = JsonNumber(options.optimizer_k);
+  doc["device_memory_bytes"] = in->device_bytes > 0 ? Whole(in->device_bytes) : Json();
+  doc["stages"] = Json::array();
   for (int stage = 0; stage <= 3; ++stage) {
     auto e = EstimateModelStates(stage, in->psi, options.world_size, options.optimizer_k);
     if (!e.ok()) return e.status();
-    w.BeginObject().Key("stage").Int(stage);
-    w.Key("name").String(kStageNames[stage]);
-    w.Key("formula").String(kStageFormulas[stage]);
-    w.Key("param_bytes");
-    WriteWhole(e->param_bytes, &w);
-    w.Key("grad_bytes");
-    WriteWhole(e->grad_bytes, &w);
-    w.Key("optimizer_bytes");
-    WriteWhole(e->optimizer_bytes, &w);
-    w.Key("model_state_bytes");
-    WriteWhole(e->bytes_per_rank, &w);
-    w.Key("comm_elements");
-    WriteWhole(e->comm_elements, &w);
-    w.Key("comm_bytes_per_step");
-    WriteWhole(e->comm_bytes, &w);
-    w.Key("max_parameters");
+    Json s;
+    s["stage"] = stage;
+    s["name"] = kStageNames[stage];
+    s["formula"] = kStageFormulas[stage];
+    s["param_bytes"] = Whole(e->param_bytes);
+    s["grad_bytes"] = Whole(e->grad_bytes);
+    s["optimizer_bytes"] = Whole(e->optimizer_bytes);
+    s["model_state_bytes"] = Whole(e->bytes_per_rank);
+    s["comm_elements"] = Whole(e->comm_elements);
+    s["comm_bytes_per_step"] = Whole(e->comm_bytes);
+    s["max_parameters"] = nullptr;
     if (in->device_bytes > 0) {
       auto max = MaxParameters(stage, in->device_bytes, options.world_size, options.optimizer_k);
       if (!max.ok()) return max.status();
-      w.Double(*max);
-    } else {
-      w.Null();
+      s["max_parameters"] = JsonNumber(*max);
     }
-    w.EndObject();
+    doc["stages"].push_back(std::move(s));
   }
-  w.EndArray().EndObject();
-  return w.Finish();
+  return JsonDocument(doc);
 }
 
 namespace {
@@ -298,63 +282,61 @@ std::string RankLines(const std::string& address, const v1::StepState& state) {
   return out;
 }
 
-void WriteStepState(const v1::StepState& state, JsonWriter* w) {
-  w->Key("ranks").BeginArray();
+// The job's "ranks" and "open_step" members of *job.
+void WriteStepState(const v1::StepState& state, Json* job) {
+  Json& ranks = (*job)["ranks"] = Json::array();
   for (const v1::RankState& r : state.ranks()) {
-    w->BeginObject().Key("rank").Uint(r.rank());
-    w->Key("joined").Bool(r.joined());
-    w->Key("connected").Bool(r.connected());
-    w->Key("incarnation").Uint(r.incarnation());
-    w->Key("seconds_since_heard").Double(r.seconds_since_heard());
-    w->Key("last_step_pushed").Uint(r.last_step_pushed());
-    w->EndObject();
+    Json rank;
+    rank["rank"] = r.rank();
+    rank["joined"] = r.joined();
+    rank["connected"] = r.connected();
+    rank["incarnation"] = r.incarnation();
+    rank["seconds_since_heard"] = JsonNumber(r.seconds_since_heard());
+    rank["last_step_pushed"] = r.last_step_pushed();
+    ranks.push_back(std::move(rank));
   }
-  w->EndArray();
-  w->Key("open_step").BeginObject().Key("step").Uint(state.committed_step() + 1);
-  w->Key("prepared").Bool(state.prepared());
-  w->Key("complete_elements").Uint(state.complete_elements());
-  w->Key("owned_elements").Uint(state.owned_elements());
-  w->Key("missing").BeginArray();
+  Json& open = (*job)["open_step"];
+  open["step"] = state.committed_step() + 1;
+  open["prepared"] = state.prepared();
+  open["complete_elements"] = state.complete_elements();
+  open["owned_elements"] = state.owned_elements();
+  Json& missing = open["missing"] = Json::array();
   for (const v1::MissingContribution& m : state.missing()) {
-    w->BeginObject().Key("rank").Uint(m.rank());
-    w->Key("begin").Uint(m.range().begin());
-    w->Key("end").Uint(m.range().end());
-    w->Key("contributions").Uint(m.contributions());
-    w->Key("expected").Uint(m.expected());
-    w->EndObject();
+    Json entry;
+    entry["rank"] = m.rank();
+    entry["begin"] = m.range().begin();
+    entry["end"] = m.range().end();
+    entry["contributions"] = m.contributions();
+    entry["expected"] = m.expected();
+    missing.push_back(std::move(entry));
   }
-  w->EndArray().EndObject();
 }
 
-void WriteError(const absl::Status& error, JsonWriter* w) {
-  w->Key("error").BeginObject().Key("code").String(absl::StatusCodeToString(error.code()));
-  w->Key("message").String(error.message());
-  w->EndObject();
-}
-
-// {"daemons": [...]}: each daemon's entry from fetch(address), or its error.
-// Returns the first error.
+// {"daemons": [...]}: each daemon's entry, {"address"} and what write(data,
+// &entry) adds, from fetch(address), or its {"address", "error"}. Returns the
+// first error.
 template <typename T>
 absl::Status WriteDaemons(const AdminOptions& options,
                           const std::function<absl::StatusOr<T>(const std::string& address)>& fetch,
-                          const std::function<void(const T&, JsonWriter*)>& write,
+                          const std::function<void(const T&, Json*)>& write,
                           std::string* document) {
   absl::Status first_error;
-  JsonWriter w;
-  w.BeginObject().Key("daemons").BeginArray();
+  Json doc;
+  Json& daemons = doc["daemons"] = Json::array();
   for (const std::string& address : DaemonList(options.daemons)) {
-    w.BeginObject().Key("address").String(address);
+    Json entry;
+    entry["address"] = address;
     absl::StatusOr<T> data = fetch(address);
     if (data.ok()) {
-      write(*data, &w);
+      write(*data, &entry);
     } else {
-      WriteError(data.status(), &w);
+      entry["error"]["code"] = absl::StatusCodeToString(data.status().code());
+      entry["error"]["message"] = std::string(data.status().message());
       first_error.Update(data.status());
     }
-    w.EndObject();
+    daemons.push_back(std::move(entry));
   }
-  w.EndArray().EndObject();
-  *document = w.Finish();
+  *document = JsonDocument(doc);
   return first_error;
 }
 
@@ -400,27 +382,26 @@ absl::StatusOr<std::string> RunStatus(const AdminOptions& options) {
 absl::Status RunStatusJson(const AdminOptions& options, std::string* document) {
   return WriteDaemons<DaemonStatus>(
       options, [&](const std::string& address) { return GetDaemonStatus(address, options); },
-      [&](const DaemonStatus& d, JsonWriter* w) {
-        w->Key("version").String(d.status.version());
-        w->Key("uptime_seconds").Double(d.status.uptime_seconds());
-        w->Key("draining").Bool(d.status.draining());
-        w->Key("jobs").BeginArray();
+      [&](const DaemonStatus& d, Json* daemon) {
+        (*daemon)["version"] = d.status.version();
+        (*daemon)["uptime_seconds"] = JsonNumber(d.status.uptime_seconds());
+        (*daemon)["draining"] = d.status.draining();
+        Json& jobs = (*daemon)["jobs"] = Json::array();
         for (const v1::JobStatus& j : d.status.jobs()) {
-          w->BeginObject().Key("job_id").String(j.job_id());
-          w->Key("stage").Uint(j.stage());
-          w->Key("world_size").Uint(j.world_size());
-          w->Key("ranks_connected").Uint(j.ranks_connected());
-          w->Key("committed_step").Uint(j.committed_step());
-          w->Key("parameters").Uint(j.parameters());
-          w->Key("owned_partitions").BeginArray();
-          for (uint32_t p : j.owned_partitions()) w->Uint(p);
-          w->EndArray();
+          Json job;
+          job["job_id"] = j.job_id();
+          job["stage"] = j.stage();
+          job["world_size"] = j.world_size();
+          job["ranks_connected"] = j.ranks_connected();
+          job["committed_step"] = j.committed_step();
+          job["parameters"] = j.parameters();
+          job["owned_partitions"] = Json::array();
+          for (uint32_t p : j.owned_partitions()) job["owned_partitions"].push_back(p);
           if (j.job_id() == options.job && d.job_state.has_value()) {
-            WriteStepState(*d.job_state, w);
+            WriteStepState(*d.job_state, &job);
           }
-          w->EndObject();
+          jobs.push_back(std::move(job));
         }
-        w->EndArray();
       },
       document);
 }
@@ -533,26 +514,25 @@ absl::StatusOr<std::string> RunMemory(const AdminOptions& options) {
 absl::Status RunMemoryJson(const AdminOptions& options, std::string* document) {
   return WriteDaemons<v1::MemoryReportResponse>(
       options, [&](const std::string& address) { return GetMemoryReport(address, options); },
-      [](const v1::MemoryReportResponse& resp, JsonWriter* w) {
-        w->Key("total_bytes").Uint(resp.total_bytes());
-        w->Key("memory_limit_bytes").Uint(resp.memory_limit_bytes());
-        w->Key("jobs").BeginArray();
+      [](const v1::MemoryReportResponse& resp, Json* daemon) {
+        (*daemon)["total_bytes"] = resp.total_bytes();
+        (*daemon)["memory_limit_bytes"] = resp.memory_limit_bytes();
+        Json& jobs = (*daemon)["jobs"] = Json::array();
         for (const v1::JobMemory& j : resp.jobs()) {
-          w->BeginObject().Key("job_id").String(j.job_id());
-          w->Key("stage").Uint(j.stage());
-          w->Key("parameters").Uint(j.parameters());
-          w->Key("world_size").Uint(j.world_size());
-          w->Key("owned_partitions").Uint(j.owned_partitions());
-          w->Key("categories").BeginObject();
+          Json job;
+          job["job_id"] = j.job_id();
+          job["stage"] = j.stage();
+          job["parameters"] = j.parameters();
+          job["world_size"] = j.world_size();
+          job["owned_partitions"] = j.owned_partitions();
+          Json& categories = job["categories"] = Json::object();
           for (const char* category : kCategories) {
-            w->Key(category).Uint(CategoryBytes(j, category));
+            categories[category] = CategoryBytes(j, category);
           }
-          w->EndObject();
-          w->Key("model_state_bytes").Uint(ModelStateBytes(j));
-          w->Key("formula_bytes").Uint(j.formula_bytes());
-          w->EndObject();
+          job["model_state_bytes"] = ModelStateBytes(j);
+          job["formula_bytes"] = j.formula_bytes();
+          jobs.push_back(std::move(job));
         }
-        w->EndArray();
       },
       document);
 }

@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -25,43 +26,62 @@
 #include "client/testing/training_data.h"
 #include "common/checkpoint_files.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
-#include "tools/json_test_parser.h"
 
 namespace zeroshard::tools {
 namespace {
 
+using Json = nlohmann::ordered_json;
 using Keys = std::vector<std::string>;
 
 // A --output=json document: one JSON object and a newline.
-JsonValue ParseDocument(const std::string& document) {
+Json ParseDocument(const std::string& document) {
   EXPECT_TRUE(absl::EndsWith(document, "}\n")) << document;
-  absl::StatusOr<JsonValue> v = ParseJson(document);
-  EXPECT_TRUE(v.ok()) << v.status() << "\n" << document;
-  if (!v.ok()) return JsonValue();
-  EXPECT_EQ(v->type, JsonValue::Type::kObject) << document;
-  return *std::move(v);
+  Json v = Json::parse(document, nullptr, /*allow_exceptions=*/false);
+  EXPECT_FALSE(v.is_discarded()) << document;
+  if (v.is_discarded()) return Json();
+  EXPECT_TRUE(v.is_object()) << document;
+  return v;
+}
+
+// The member names of object `v`, in document order.
+Keys KeysOf(const Json& v) {
+  Keys keys;
+  if (!v.is_object()) return keys;
+  for (auto it = v.begin(); it != v.end(); ++it) keys.push_back(it.key());
+  return keys;
 }
 
 // Member `key` of object `v`; a null (and a failure) where there is none.
-const JsonValue& Member(const JsonValue& v, absl::string_view key) {
-  static const JsonValue* const kMissing = new JsonValue;
-  const JsonValue* m = v.Find(key);
-  EXPECT_NE(m, nullptr) << "no \"" << key << "\" among " << absl::StrJoin(v.keys, ",");
-  return m != nullptr ? *m : *kMissing;
+const Json& Member(const Json& v, absl::string_view key) {
+  static const Json* const kMissing = new Json;
+  const bool found = v.is_object() && v.contains(std::string(key));
+  EXPECT_TRUE(found) << "no \"" << key << "\" among " << absl::StrJoin(KeysOf(v), ",");
+  return found ? v.at(std::string(key)) : *kMissing;
 }
 
 // A JSON number written as a whole number: digits only, no fraction, no
-// exponent, no units.
-uint64_t Whole(const JsonValue& v) {
-  uint64_t n = 0;
-  EXPECT_EQ(v.type, JsonValue::Type::kNumber);
-  EXPECT_TRUE(!v.number_text.empty() &&
-              v.number_text.find_first_not_of("0123456789") == std::string::npos &&
-              absl::SimpleAtoi(v.number_text, &n))
-      << "not a whole number: " << v.number_text;
-  return n;
+// exponent, no sign (nlohmann reads exactly those as unsigned integers).
+uint64_t Whole(const Json& v) {
+  EXPECT_TRUE(v.is_number_unsigned()) << "not a whole number: " << v.dump();
+  return v.is_number_unsigned() ? v.get<uint64_t>() : 0;
+}
+
+std::string Text(const Json& v) {
+  EXPECT_TRUE(v.is_string()) << v.dump();
+  return v.is_string() ? v.get<std::string>() : "";
+}
+
+double Number(const Json& v) {
+  EXPECT_TRUE(v.is_number()) << v.dump();
+  return v.is_number() ? v.get<double>() : std::nan("");
+}
+
+bool Boolean(const Json& v) {
+  EXPECT_TRUE(v.is_boolean()) << v.dump();
+  return v.is_boolean() && v.get<bool>();
 }
 
 TEST(Zsctl, ParsesCountsAndBytes) {
@@ -115,26 +135,26 @@ TEST(Zsctl, EstimateAsJsonHasThePapersFiguresInBytes) {
   absl::StatusOr<std::string> out = RunEstimateJson(o);
   ASSERT_TRUE(out.ok()) << out.status();
   std::printf("zsctl estimate --output=json:\n%s", out->c_str());
-  JsonValue doc = ParseDocument(*out);
-  EXPECT_EQ(doc.keys,
+  Json doc = ParseDocument(*out);
+  EXPECT_EQ(KeysOf(doc),
             Keys({"parameters", "world_size", "optimizer_k", "device_memory_bytes", "stages"}));
   EXPECT_EQ(Whole(Member(doc, "parameters")), 7500000000u);
   EXPECT_EQ(Whole(Member(doc, "world_size")), 64u);
-  EXPECT_EQ(Member(doc, "optimizer_k").number, 12);
+  EXPECT_EQ(Number(Member(doc, "optimizer_k")), 12);
   EXPECT_TRUE(Member(doc, "device_memory_bytes").is_null());
-  const JsonValue& stages = Member(doc, "stages");
-  ASSERT_EQ(stages.elements.size(), 4u) << *out;
+  const Json& stages = Member(doc, "stages");
+  ASSERT_EQ(stages.size(), 4u) << *out;
   // 16Ψ, 4Ψ+12Ψ/N_d, 2Ψ+14Ψ/N_d, 16Ψ/N_d; 2Ψ elements (3Ψ at stage 3) of 2 bytes.
   const uint64_t kTotal[] = {120000000000, 31406250000, 16640625000, 1875000000};
   const char* const kNames[] = {"baseline DP", "P_os", "P_os+g", "P_os+g+p"};
   for (uint64_t stage = 0; stage < 4; ++stage) {
     SCOPED_TRACE(stage);
-    const JsonValue& s = stages.elements[stage];
-    EXPECT_EQ(s.keys, Keys({"stage", "name", "formula", "param_bytes", "grad_bytes",
+    const Json& s = stages[stage];
+    EXPECT_EQ(KeysOf(s), Keys({"stage", "name", "formula", "param_bytes", "grad_bytes",
                             "optimizer_bytes", "model_state_bytes", "comm_elements",
                             "comm_bytes_per_step", "max_parameters"}));
     EXPECT_EQ(Whole(Member(s, "stage")), stage);
-    EXPECT_EQ(Member(s, "name").string, kNames[stage]);
+    EXPECT_EQ(Text(Member(s, "name")), kNames[stage]);
     EXPECT_EQ(Whole(Member(s, "model_state_bytes")), kTotal[stage]);
     EXPECT_EQ(Whole(Member(s, "param_bytes")) + Whole(Member(s, "grad_bytes")) +
                   Whole(Member(s, "optimizer_bytes")),
@@ -144,17 +164,17 @@ TEST(Zsctl, EstimateAsJsonHasThePapersFiguresInBytes) {
     EXPECT_EQ(Whole(Member(s, "comm_bytes_per_step")), 2 * comm_elements);
     EXPECT_TRUE(Member(s, "max_parameters").is_null());
   }
-  EXPECT_EQ(Member(stages.elements[2], "formula").string, "2Ψ+(2+K)Ψ/N_d");
+  EXPECT_EQ(Text(Member(stages[2], "formula")), "2Ψ+(2+K)Ψ/N_d");
 
   o.device_memory = "32GB";
   out = RunEstimateJson(o);
   ASSERT_TRUE(out.ok()) << out.status();
   doc = ParseDocument(*out);
   EXPECT_EQ(Whole(Member(doc, "device_memory_bytes")), 32000000000u);
-  ASSERT_EQ(Member(doc, "stages").elements.size(), 4u);
+  ASSERT_EQ(Member(doc, "stages").size(), 4u);
   // 32 GB / 16 bytes per parameter, and 64 times that with everything sharded.
-  EXPECT_DOUBLE_EQ(Member(Member(doc, "stages").elements[0], "max_parameters").number, 2e9);
-  EXPECT_DOUBLE_EQ(Member(Member(doc, "stages").elements[3], "max_parameters").number, 128e9);
+  EXPECT_DOUBLE_EQ(Number(Member(Member(doc, "stages")[0], "max_parameters")), 2e9);
+  EXPECT_DOUBLE_EQ(Number(Member(Member(doc, "stages")[3], "max_parameters")), 128e9);
 
   EXPECT_EQ(RunEstimateJson(EstimateOptions()).status().code(), absl::StatusCode::kInvalidArgument);
 }
@@ -459,60 +479,60 @@ TEST_P(ZsctlCheckpointTest, StatusAsJsonShowsEveryDaemonRankAndWait) {
   EXPECT_TRUE(absl::StrContains(s.message(), kUnreachable)) << s;
   EXPECT_EQ(s.code(), RunStatus(o).status().code());
   std::printf("zsctl status --job=%s --output=json:\n%s", kJob, out.c_str());
-  const JsonValue doc = ParseDocument(out);
-  EXPECT_EQ(doc.keys, Keys({"daemons"}));
-  const JsonValue& daemons = Member(doc, "daemons");
-  ASSERT_EQ(daemons.elements.size(), 3u) << out;
+  const Json doc = ParseDocument(out);
+  EXPECT_EQ(KeysOf(doc), Keys({"daemons"}));
+  const Json& daemons = Member(doc, "daemons");
+  ASSERT_EQ(daemons.size(), 3u) << out;
   for (uint32_t d = 0; d < 2; ++d) {
     SCOPED_TRACE(d);
-    const JsonValue& daemon = daemons.elements[d];
-    EXPECT_EQ(daemon.keys, Keys({"address", "version", "uptime_seconds", "draining", "jobs"}));
-    EXPECT_EQ(Member(daemon, "address").string, addresses_[d]);
-    EXPECT_EQ(Member(daemon, "version").type, JsonValue::Type::kString);
-    EXPECT_GE(Member(daemon, "uptime_seconds").number, 0);
-    EXPECT_EQ(Member(daemon, "draining").type, JsonValue::Type::kBool);
-    EXPECT_FALSE(Member(daemon, "draining").boolean);
-    const JsonValue& jobs = Member(daemon, "jobs");
-    ASSERT_EQ(jobs.elements.size(), 1u) << out;
-    const JsonValue& job = jobs.elements[0];
-    EXPECT_EQ(job.keys, Keys({"job_id", "stage", "world_size", "ranks_connected", "committed_step",
+    const Json& daemon = daemons[d];
+    EXPECT_EQ(KeysOf(daemon), Keys({"address", "version", "uptime_seconds", "draining", "jobs"}));
+    EXPECT_EQ(Text(Member(daemon, "address")), addresses_[d]);
+    EXPECT_TRUE(Member(daemon, "version").is_string());
+    EXPECT_GE(Number(Member(daemon, "uptime_seconds")), 0);
+    EXPECT_TRUE(Member(daemon, "draining").is_boolean());
+    EXPECT_FALSE(Boolean(Member(daemon, "draining")));
+    const Json& jobs = Member(daemon, "jobs");
+    ASSERT_EQ(jobs.size(), 1u) << out;
+    const Json& job = jobs[0];
+    EXPECT_EQ(KeysOf(job), Keys({"job_id", "stage", "world_size", "ranks_connected", "committed_step",
                               "parameters", "owned_partitions", "ranks", "open_step"}));
-    EXPECT_EQ(Member(job, "job_id").string, kJob);
+    EXPECT_EQ(Text(Member(job, "job_id")), kJob);
     EXPECT_EQ(Whole(Member(job, "stage")), 2u);
     EXPECT_EQ(Whole(Member(job, "world_size")), 2u);
     EXPECT_EQ(Whole(Member(job, "ranks_connected")), 2u);
     EXPECT_EQ(Whole(Member(job, "committed_step")), 1u);
     EXPECT_EQ(Whole(Member(job, "parameters")), layout_.parameter_count());
-    const JsonValue& partitions = Member(job, "owned_partitions");
-    ASSERT_EQ(partitions.elements.size(), 1u) << out;
-    EXPECT_EQ(Whole(partitions.elements[0]), d);  // partition i on daemon i * 2 / 2
-    const JsonValue& ranks = Member(job, "ranks");
-    ASSERT_EQ(ranks.elements.size(), 2u) << out;
+    const Json& partitions = Member(job, "owned_partitions");
+    ASSERT_EQ(partitions.size(), 1u) << out;
+    EXPECT_EQ(Whole(partitions[0]), d);  // partition i on daemon i * 2 / 2
+    const Json& ranks = Member(job, "ranks");
+    ASSERT_EQ(ranks.size(), 2u) << out;
     for (uint64_t r = 0; r < 2; ++r) {
-      const JsonValue& rank = ranks.elements[r];
-      EXPECT_EQ(rank.keys, Keys({"rank", "joined", "connected", "incarnation",
+      const Json& rank = ranks[r];
+      EXPECT_EQ(KeysOf(rank), Keys({"rank", "joined", "connected", "incarnation",
                                  "seconds_since_heard", "last_step_pushed"}));
       EXPECT_EQ(Whole(Member(rank, "rank")), r);
-      EXPECT_TRUE(Member(rank, "joined").boolean);
-      EXPECT_TRUE(Member(rank, "connected").boolean);
+      EXPECT_TRUE(Boolean(Member(rank, "joined")));
+      EXPECT_TRUE(Boolean(Member(rank, "connected")));
       EXPECT_GT(Whole(Member(rank, "incarnation")), 0u);
-      EXPECT_GE(Member(rank, "seconds_since_heard").number, 0);
+      EXPECT_GE(Number(Member(rank, "seconds_since_heard")), 0);
       EXPECT_EQ(Whole(Member(rank, "last_step_pushed")), r == 0 ? 2u : 1u);
     }
     // Step 2 waits for rank 1, on every range of the daemon's partition.
-    const JsonValue& open = Member(job, "open_step");
-    EXPECT_EQ(open.keys,
+    const Json& open = Member(job, "open_step");
+    EXPECT_EQ(KeysOf(open),
               Keys({"step", "prepared", "complete_elements", "owned_elements", "missing"}));
     EXPECT_EQ(Whole(Member(open, "step")), 2u);
-    EXPECT_FALSE(Member(open, "prepared").boolean);
+    EXPECT_FALSE(Boolean(Member(open, "prepared")));
     EXPECT_EQ(Whole(Member(open, "complete_elements")), 0u);
     const uint64_t owned = Whole(Member(open, "owned_elements"));
     EXPECT_GT(owned, 0u);
-    const JsonValue& missing = Member(open, "missing");
-    ASSERT_FALSE(missing.elements.empty()) << out;
+    const Json& missing = Member(open, "missing");
+    ASSERT_FALSE(missing.empty()) << out;
     uint64_t waiting = 0;
-    for (const JsonValue& m : missing.elements) {
-      EXPECT_EQ(m.keys, Keys({"rank", "begin", "end", "contributions", "expected"}));
+    for (const Json& m : missing) {
+      EXPECT_EQ(KeysOf(m), Keys({"rank", "begin", "end", "contributions", "expected"}));
       EXPECT_EQ(Whole(Member(m, "rank")), 1u);
       EXPECT_EQ(Whole(Member(m, "contributions")), 1u);
       EXPECT_EQ(Whole(Member(m, "expected")), 2u);
@@ -521,28 +541,28 @@ TEST_P(ZsctlCheckpointTest, StatusAsJsonShowsEveryDaemonRankAndWait) {
     }
     EXPECT_EQ(waiting, owned);
   }
-  const JsonValue& bad = daemons.elements[2];
-  EXPECT_EQ(bad.keys, Keys({"address", "error"}));
-  EXPECT_EQ(Member(bad, "address").string, kUnreachable);
-  const JsonValue& error = Member(bad, "error");
-  EXPECT_EQ(error.keys, Keys({"code", "message"}));
-  EXPECT_EQ(Member(error, "code").string, "UNAVAILABLE");
-  EXPECT_TRUE(absl::StrContains(Member(error, "message").string, kUnreachable)) << out;
+  const Json& bad = daemons[2];
+  EXPECT_EQ(KeysOf(bad), Keys({"address", "error"}));
+  EXPECT_EQ(Text(Member(bad, "address")), kUnreachable);
+  const Json& error = Member(bad, "error");
+  EXPECT_EQ(KeysOf(error), Keys({"code", "message"}));
+  EXPECT_EQ(Text(Member(error, "code")), "UNAVAILABLE");
+  EXPECT_TRUE(absl::StrContains(Text(Member(error, "message")), kUnreachable)) << out;
 
   // Without --job, no ranks; without the token, no jobs.
   o.daemons = absl::StrJoin(addresses_, ",");
   o.job = "";
   ASSERT_TRUE(RunStatusJson(o, &out).ok()) << out;
-  JsonValue all = ParseDocument(out);
-  ASSERT_EQ(Member(all, "daemons").elements.size(), 2u) << out;
-  ASSERT_EQ(Member(Member(all, "daemons").elements[0], "jobs").elements.size(), 1u) << out;
-  EXPECT_EQ(Member(Member(all, "daemons").elements[0], "jobs").elements[0].Find("ranks"), nullptr)
+  Json all = ParseDocument(out);
+  ASSERT_EQ(Member(all, "daemons").size(), 2u) << out;
+  ASSERT_EQ(Member(Member(all, "daemons")[0], "jobs").size(), 1u) << out;
+  EXPECT_FALSE(Member(Member(all, "daemons")[0], "jobs")[0].contains("ranks"))
       << out;
   o.security = ChannelSecurity::Plaintext();
   ASSERT_TRUE(RunStatusJson(o, &out).ok()) << out;
   all = ParseDocument(out);
-  ASSERT_EQ(Member(all, "daemons").elements.size(), 2u) << out;
-  EXPECT_TRUE(Member(Member(all, "daemons").elements[1], "jobs").elements.empty()) << out;
+  ASSERT_EQ(Member(all, "daemons").size(), 2u) << out;
+  EXPECT_TRUE(Member(Member(all, "daemons")[1], "jobs").empty()) << out;
 
   // Rank 1 catches up; the step completes.
   RunRanks([&](uint32_t rank) {
@@ -566,29 +586,29 @@ TEST_P(ZsctlCheckpointTest, MemoryAsJsonHasEveryCategoryInBytes) {
   std::printf("zsctl memory --job=%s --output=json:\n%s", kJob, out.c_str());
   absl::StatusOr<std::string> text = RunMemory(o);
   ASSERT_TRUE(text.ok()) << text.status();
-  const JsonValue doc = ParseDocument(out);
-  EXPECT_EQ(doc.keys, Keys({"daemons"}));
-  const JsonValue& daemons = Member(doc, "daemons");
-  ASSERT_EQ(daemons.elements.size(), 2u) << out;
+  const Json doc = ParseDocument(out);
+  EXPECT_EQ(KeysOf(doc), Keys({"daemons"}));
+  const Json& daemons = Member(doc, "daemons");
+  ASSERT_EQ(daemons.size(), 2u) << out;
   for (uint32_t d = 0; d < 2; ++d) {
     SCOPED_TRACE(d);
-    const JsonValue& daemon = daemons.elements[d];
-    EXPECT_EQ(daemon.keys, Keys({"address", "total_bytes", "memory_limit_bytes", "jobs"}));
-    EXPECT_EQ(Member(daemon, "address").string, addresses_[d]);
+    const Json& daemon = daemons[d];
+    EXPECT_EQ(KeysOf(daemon), Keys({"address", "total_bytes", "memory_limit_bytes", "jobs"}));
+    EXPECT_EQ(Text(Member(daemon, "address")), addresses_[d]);
     EXPECT_GT(Whole(Member(daemon, "total_bytes")), 0u);
     EXPECT_EQ(Whole(Member(daemon, "memory_limit_bytes")), 0u);  // none
-    const JsonValue& jobs = Member(daemon, "jobs");
-    ASSERT_EQ(jobs.elements.size(), 1u) << out;
-    const JsonValue& job = jobs.elements[0];
-    EXPECT_EQ(job.keys, Keys({"job_id", "stage", "parameters", "world_size", "owned_partitions",
+    const Json& jobs = Member(daemon, "jobs");
+    ASSERT_EQ(jobs.size(), 1u) << out;
+    const Json& job = jobs[0];
+    EXPECT_EQ(KeysOf(job), Keys({"job_id", "stage", "parameters", "world_size", "owned_partitions",
                               "categories", "model_state_bytes", "formula_bytes"}));
-    EXPECT_EQ(Member(job, "job_id").string, kJob);
+    EXPECT_EQ(Text(Member(job, "job_id")), kJob);
     EXPECT_EQ(Whole(Member(job, "stage")), 2u);
     EXPECT_EQ(Whole(Member(job, "parameters")), layout_.parameter_count());
     EXPECT_EQ(Whole(Member(job, "world_size")), 2u);
     EXPECT_EQ(Whole(Member(job, "owned_partitions")), 1u);
-    const JsonValue& categories = Member(job, "categories");
-    EXPECT_EQ(categories.keys, Keys({"param_master", "param_half", "grad", "optim_m", "optim_v",
+    const Json& categories = Member(job, "categories");
+    EXPECT_EQ(KeysOf(categories), Keys({"param_master", "param_half", "grad", "optim_m", "optim_v",
                                      "activation", "buffer", "fragmentation", "replica"}));
     uint64_t model_states = 0;
     for (const char* c : {"param_master", "param_half", "grad", "optim_m", "optim_v"}) {
@@ -598,7 +618,7 @@ TEST_P(ZsctlCheckpointTest, MemoryAsJsonHasEveryCategoryInBytes) {
     EXPECT_EQ(Whole(Member(job, "model_state_bytes")), model_states);
     EXPECT_GT(Whole(Member(job, "formula_bytes")), 0u);
     // The same figures as the text, which prints each category's exact bytes.
-    for (const std::string& c : categories.keys) {
+    for (const std::string& c : KeysOf(categories)) {
       EXPECT_TRUE(absl::StrContains(*text, absl::StrCat(c, " "))) << c;
       EXPECT_TRUE(absl::StrContains(*text, absl::StrCat("(", Whole(Member(categories, c)), " B)")))
           << c << "\n"
@@ -611,11 +631,11 @@ TEST_P(ZsctlCheckpointTest, MemoryAsJsonHasEveryCategoryInBytes) {
   const absl::Status failed = RunMemoryJson(o, &out);
   EXPECT_EQ(failed.code(), absl::StatusCode::kUnavailable) << failed;
   EXPECT_EQ(failed.code(), RunMemory(o).status().code());
-  const JsonValue partial = ParseDocument(out);
-  ASSERT_EQ(Member(partial, "daemons").elements.size(), 2u) << out;
-  EXPECT_EQ(Member(Member(Member(partial, "daemons").elements[0], "error"), "code").string,
+  const Json partial = ParseDocument(out);
+  ASSERT_EQ(Member(partial, "daemons").size(), 2u) << out;
+  EXPECT_EQ(Text(Member(Member(Member(partial, "daemons")[0], "error"), "code")),
             "UNAVAILABLE");
-  EXPECT_EQ(Member(partial, "daemons").elements[1].keys,
+  EXPECT_EQ(KeysOf(Member(partial, "daemons")[1]),
             Keys({"address", "total_bytes", "memory_limit_bytes", "jobs"}));
 }
 

@@ -11,6 +11,7 @@
 #include "common/job_spec.h"
 #include "common/protocol.h"
 #include "gtest/gtest.h"
+#include "metrics/metric_names.h"
 #include "metrics/registry.h"
 
 namespace zeroshard::testing {
@@ -289,17 +290,8 @@ grpc::Status DaemonClient::StepState(const std::string& job, v1::StepState* stat
 }
 
 double RequestCount(const Daemon& daemon, const std::string& rpc, const std::string& code) {
-  for (const metrics::MetricFamily& f : daemon.registry().Collect()) {
-    if (f.name != "zeroshard_requests_total") continue;
-    for (const metrics::ClientMetric& m : f.metrics) {
-      auto r = m.labels.find("rpc");
-      auto c = m.labels.find("code");
-      if (r != m.labels.end() && c != m.labels.end() && r->second == rpc && c->second == code) {
-        return m.value;
-      }
-    }
-  }
-  return 0;
+  return metrics::SumOf(daemon.registry().Collect(), metrics::kRequestsTotal.name,
+                        {{"rpc", rpc}, {"code", code}});
 }
 
 void ExpectRejected(Daemon& daemon, const std::string& job, grpc::StatusCode code,

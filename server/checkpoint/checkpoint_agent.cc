@@ -1,0 +1,210 @@
+#include "server/checkpoint/checkpoint_agent.h"
+
+#include <unistd.h>
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/checkpoint_files.h"
+#include "common/status_macros.h"
+
+namespace zeroshard {
+
+CheckpointAgent::CheckpointAgent(Options options, const v1::JobSpec* spec, StepEngine* step)
+    : options_(std::move(options)),
+      spec_(spec),
+      step_(step),
+      config_(step->config()),
+      writer_([&] {
+        CheckpointWriter::Options o;
+        o.root = options_.root;
+        o.job_id = config_.job_id;
+        o.daemon_index = options_.daemon_index;
+        o.daemon_count = static_cast<uint32_t>(config_.daemons.size());
+        o.ledger = options_.ledger;
+        o.metrics = options_.metrics;
+        return o;
+      }()) {}
+
+absl::StatusOr<v1::SaveCheckpointResponse> CheckpointAgent::Save(
+    const v1::SaveCheckpointRequest& r) {
+  if (absl::Status s = ValidateCheckpointName(r.name(), false); !s.ok()) return s;
+  const std::string manifest =
+      absl::StrCat(CheckpointDir(writer_.root(), config_.job_id, r.name()), "/",
+                   kManifestFile);
+  if (::access(manifest.c_str(), F_OK) == 0) {
+    return absl::AlreadyExistsError(absl::StrCat("checkpoint ", config_.job_id, "/", r.name(),
+                                                 " exists and is complete; save under a new name"));
+  }
+  const std::vector<std::string> files = ArrayFilesOf(*spec_);
+  const uint64_t n = step_->owned_unpadded().size();
+  // The buffers are claimed (allocated and faulted in on the first save)
+  // before the commit lock: training goes on meanwhile.
+  if (absl::Status s = writer_.Claim(n, files.size()); !s.ok()) return s;
+  // Holding the commit lock keeps every step out while the copy runs: the
+  // training stall. Gathers go on (they share the parameter lock).
+  absl::Time start;
+  v1::TrainingState state;
+  {
+    absl::MutexLock commit_lock(&step_->commit_lock());
+    if (r.step() != step_->committed_step()) {
+      writer_.Release(/*failed=*/true);
+      return absl::FailedPreconditionError(
+          absl::StrCat("step: job ", config_.job_id, " has committed step ",
+                       step_->committed_step(), ", asked to save ", r.step()));
+    }
+    start = absl::Now();
+    state = step_->TrainingState();
+    step_->ReadModelStates([&](const ShardState& shard) {
+      std::vector<float*> dst;
+      for (size_t i = 0; i < files.size(); ++i) dst.push_back(writer_.buffer(i));
+      shard.CopyOut(n, dst.data());
+      state.set_optimizer_steps(shard.optimizer_steps());
+      for (v1::TensorStep& t : shard.TensorStepsApart()) {
+        *state.add_tensor_steps() = std::move(t);
+      }
+    });
+  }
+  const absl::Duration stall = absl::Now() - start;
+  writer_.StartWrite(r.name(), step_->owned_unpadded(), files, state);
+  v1::SaveCheckpointResponse out;
+  out.set_step(state.committed_step());
+  out.set_bytes(n * sizeof(float) * files.size());
+  out.set_snapshot_seconds(absl::ToDoubleSeconds(stall));
+  if (options_.metrics != nullptr) {
+    options_.metrics->RecordCheckpointSnapshot(config_.job_id, stall, out.bytes());
+  }
+  return out;
+}
+
+absl::StatusOr<v1::CheckpointStatus> CheckpointAgent::Status(const std::string& name,
+                                                             absl::Duration wait) {
+  return writer_.Status(name, wait);
+}
+
+absl::StatusOr<v1::CompleteCheckpointResponse> CheckpointAgent::Complete(
+    const v1::CompleteCheckpointRequest& r, const v1::PartitionMap& map) {
+  if (absl::Status s = ValidateCheckpointName(r.name(), false); !s.ok()) return s;
+  const uint32_t daemons = static_cast<uint32_t>(config_.daemons.size());
+  if (r.parts_size() != static_cast<int>(daemons)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parts: job ", config_.job_id, " has ", daemons, " daemons, got ", r.parts_size(), " parts"));
+  }
+  // This daemon's part must be the one it wrote.
+  v1::PartManifest mine;
+  const std::string root = writer_.root();
+  if (absl::Status s = ReadProtoFile(
+          absl::StrCat(CheckpointPartDir(root, config_.job_id, r.name(), options_.daemon_index), "/",
+                       kPartManifestFile),
+          &mine);
+      !s.ok()) {
+    if (absl::IsNotFound(s)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint ", config_.job_id, "/", r.name(), ": this daemon (part ", options_.daemon_index,
+          ") has not written its part; wait for GetCheckpointStatus to report it written"));
+    }
+    return s;
+  }
+  if (mine.SerializeAsString() != r.parts(static_cast<int>(options_.daemon_index)).SerializeAsString()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parts[", options_.daemon_index, "]: differs from the part this daemon wrote for checkpoint ",
+        config_.job_id, "/", r.name()));
+  }
+  v1::CheckpointManifest m;
+  m.set_format_version(kCheckpointFormatVersion);
+  m.set_job_id(config_.job_id);
+  m.set_name(r.name());
+  *m.mutable_spec() = *spec_;
+  *m.mutable_partition_map() = map;
+  *m.mutable_state() = mine.state();
+  // The update counts differ between parts (each lists the tensors it
+  // overlaps) and a load reads them from the parts: without them the
+  // manifest is the same whichever daemon completes it.
+  m.mutable_state()->clear_tensor_steps();
+  *m.mutable_parts() = r.parts();
+  if (absl::Status s = CheckManifest(m); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("parts: ", s.message()));
+  }
+  absl::StatusOr<v1::CheckpointManifest> existing = ReadManifest(root, config_.job_id, r.name());
+  if (existing.ok()) {
+    // Idempotent: the same parts again.
+    existing->clear_completed_unix_ms();
+    if (existing->SerializeAsString() != m.SerializeAsString()) {
+      return absl::AlreadyExistsError(absl::StrCat("checkpoint ", config_.job_id, "/", r.name(),
+                                                   " is complete with other parts"));
+    }
+  } else {
+    m.set_completed_unix_ms(absl::ToUnixMillis(absl::Now()));
+    if (absl::Status s =
+            WriteProtoFile(CheckpointDir(root, config_.job_id, r.name()), kManifestFile, m);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (options_.metrics != nullptr) {
+    options_.metrics->SetCheckpointComplete(config_.job_id, m.state().committed_step());
+  }
+  v1::CompleteCheckpointResponse out;
+  out.set_step(m.state().committed_step());
+  return out;
+}
+
+absl::StatusOr<v1::LoadCheckpointResponse> CheckpointAgent::Load(const std::string& requested) {
+  const absl::Time start = absl::Now();
+  const std::string root = writer_.root();
+  absl::StatusOr<std::string> name = ResolveCheckpointName(root, config_.job_id, requested);
+  if (!name.ok()) return name.status();
+  absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(root, config_.job_id, *name);
+  if (!m.ok()) return m.status();
+  if (m->spec().layout_fingerprint() != spec_->layout_fingerprint()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", config_.job_id, "/", *name, " is of another model (layout fingerprint ",
+        m->spec().layout_fingerprint(), ", this job's is ", spec_->layout_fingerprint(), ")"));
+  }
+  if (m->spec().optimizer().kind() != spec_->optimizer().kind()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", config_.job_id, "/", *name, " holds the state of optimizer kind ",
+        m->spec().optimizer().kind(), ", this job uses ", spec_->optimizer().kind()));
+  }
+  const std::vector<std::string> files = ArrayFilesOf(*spec_);
+  const FlatRange owned = step_->owned_unpadded();
+  CheckpointReader reader(root, *m);
+  if (absl::Status s = reader.CheckReadable(owned, files); !s.ok()) return s;
+  const uint64_t n = owned.size();
+  if (absl::Status s = writer_.Claim(n, files.size()); !s.ok()) return s;
+  // Read and check everything before touching the state, with no lock held.
+  uint64_t bytes_read = 0;
+  std::vector<const float*> src;
+  for (size_t i = 0; i < files.size(); ++i) {
+    float* dst = writer_.buffer(i);
+    if (absl::Status s = reader.ReadRange(files[i], owned, dst, &bytes_read); !s.ok()) {
+      writer_.Release(/*failed=*/true);
+      return s;
+    }
+    src.push_back(dst);
+  }
+  const v1::TrainingState& state = m->state();
+  // Each part lists the counts of the tensors it overlaps that differ from
+  // the step count; a tensor's count is the same in every part holding it.
+  std::vector<v1::TensorStep> tensor_steps;
+  for (const v1::PartManifest& part : m->parts()) {
+    tensor_steps.insert(tensor_steps.end(), part.state().tensor_steps().begin(),
+                        part.state().tensor_steps().end());
+  }
+  {
+    absl::MutexLock commit_lock(&step_->commit_lock());
+    step_->Restore(state, [&](ShardState& shard) {
+      shard.Restore(step_->optimizer(), n, src.data(), state.optimizer_steps(), tensor_steps);
+    });
+  }
+  writer_.Release(/*failed=*/false);
+  v1::LoadCheckpointResponse out;
+  out.set_name(*name);
+  out.set_step(state.committed_step());
+  out.set_bytes_read(bytes_read);
+  out.set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  return out;
+}
+
+}  // namespace zeroshard

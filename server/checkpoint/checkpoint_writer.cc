@@ -1,0 +1,158 @@
+#include "server/checkpoint/checkpoint_writer.h"
+
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/checkpoint_files.h"
+
+namespace zeroshard {
+
+CheckpointWriter::CheckpointWriter(Options options) : options_(std::move(options)) {}
+
+CheckpointWriter::~CheckpointWriter() {
+  std::thread writer;
+  {
+    absl::MutexLock lock(&mu_);
+    writer = std::move(writer_);
+  }
+  if (writer.joinable()) writer.join();
+}
+
+absl::Status CheckpointWriter::Claim(uint64_t elements, size_t arrays) {
+  absl::MutexLock lock(&mu_);
+  if (claimed_) {
+    if (status_.state() == v1::CheckpointStatus::STATE_WRITING) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", options_.job_id, ": checkpoint \"", status_.name(),
+          "\" is still being written (", bytes_written_.load(), " of ", status_.bytes_total(),
+          " bytes); try again when GetCheckpointStatus reports it written"));
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", options_.job_id, ": a checkpoint save or load is running; try again"));
+  }
+  allocated_by_claim_ = false;
+  if (buffers_.size() != arrays || (arrays > 0 && buffers_[0].size() != elements)) {
+    buffers_.clear();
+    if (absl::Status s = options_.ledger->CheckFits(options_.job_id, elements * arrays * 4);
+        !s.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("job ", options_.job_id, ": the checkpoint snapshot needs ",
+                       elements * arrays * 4, " bytes of buffers: ", s.message()));
+    }
+    for (size_t i = 0; i < arrays; ++i) {
+      absl::StatusOr<LedgerArray<float>> a = LedgerArray<float>::Create(
+          options_.ledger, options_.job_id, MemoryCategory::kBuffer, elements);
+      if (!a.ok()) {
+        buffers_.clear();
+        return a.status();
+      }
+      // Faulted in now, so that the snapshot copies into warm memory.
+      std::memset(a->data(), 0, elements * sizeof(float));
+      buffers_.push_back(*std::move(a));
+    }
+    allocated_by_claim_ = true;
+  }
+  // The previous writer thread has ended (it clears claimed_ last).
+  if (writer_.joinable()) writer_.join();
+  claimed_ = true;
+  return absl::OkStatus();
+}
+
+float* CheckpointWriter::buffer(size_t i) {
+  absl::MutexLock lock(&mu_);
+  return buffers_[i].data();
+}
+
+void CheckpointWriter::Release(bool failed) {
+  absl::MutexLock lock(&mu_);
+  if (failed && allocated_by_claim_) buffers_.clear();
+  allocated_by_claim_ = false;
+  claimed_ = false;
+}
+
+void CheckpointWriter::StartWrite(std::string name, FlatRange range, std::vector<std::string> files,
+                                v1::TrainingState state) {
+  absl::MutexLock lock(&mu_);
+  status_.Clear();
+  status_.set_state(v1::CheckpointStatus::STATE_WRITING);
+  status_.set_name(name);
+  status_.set_bytes_total(range.size() * sizeof(float) * files.size());
+  bytes_written_ = 0;
+  writer_ = std::thread([this, name = std::move(name), range, files = std::move(files),
+                         state = std::move(state)]() mutable {
+    Write(std::move(name), range, std::move(files), std::move(state));
+  });
+}
+
+void CheckpointWriter::Write(std::string name, FlatRange range, std::vector<std::string> files,
+                           v1::TrainingState state) {
+  const absl::Time start = absl::Now();
+  v1::PartManifest part;
+  part.set_daemon_index(options_.daemon_index);
+  part.set_daemon_count(options_.daemon_count);
+  part.mutable_range()->set_begin(range.begin);
+  part.mutable_range()->set_end(range.end);
+  *part.mutable_state() = std::move(state);
+  const std::string dir =
+      CheckpointPartDir(options_.root, options_.job_id, name, options_.daemon_index);
+  absl::Status s = MakeDirectories(dir);
+  for (size_t i = 0; s.ok() && i < files.size(); ++i) {
+    float* data = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      data = buffers_[i].data();  // stable: buffers change only under a claim
+    }
+    s = WriteArrayFile(dir, files[i], data, range.size() * sizeof(float), &bytes_written_,
+                       part.add_files());
+  }
+  const absl::Duration took = absl::Now() - start;
+  part.set_write_seconds(absl::ToDoubleSeconds(took));
+  part.set_written_unix_ms(absl::ToUnixMillis(absl::Now()));
+  if (s.ok()) s = WriteProtoFile(dir, kPartManifestFile, part);
+  if (!s.ok()) {
+    // Leave no pieces of a failed part under final names.
+    for (const v1::CheckpointFile& f : part.files()) {
+      ::unlink(absl::StrCat(dir, "/", f.name()).c_str());
+    }
+  }
+  if (s.ok() && options_.metrics != nullptr) {
+    options_.metrics->RecordCheckpointWrite(options_.job_id, took, bytes_written_.load());
+  }
+  absl::MutexLock lock(&mu_);
+  status_.set_bytes_written(bytes_written_.load());
+  if (s.ok()) {
+    status_.set_state(v1::CheckpointStatus::STATE_WRITTEN);
+    *status_.mutable_part() = std::move(part);
+  } else {
+    status_.set_state(v1::CheckpointStatus::STATE_FAILED);
+    status_.set_error(std::string(s.message()));
+    status_.set_error_code(static_cast<int32_t>(s.code()));
+  }
+  claimed_ = false;
+}
+
+absl::StatusOr<v1::CheckpointStatus> CheckpointWriter::Status(const std::string& name,
+                                                            absl::Duration wait) {
+  absl::MutexLock lock(&mu_);
+  if (status_.name() != name || status_.state() == v1::CheckpointStatus::STATE_UNSPECIFIED) {
+    return absl::NotFoundError(absl::StrCat(
+        "job ", options_.job_id, ": no save of checkpoint \"", name,
+        "\" was started on this daemon", status_.name().empty()
+                                             ? std::string()
+                                             : absl::StrCat(" (the last was \"", status_.name(), "\")")));
+  }
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return status_.state() != v1::CheckpointStatus::STATE_WRITING;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&done), wait);
+  v1::CheckpointStatus out = status_;
+  if (out.state() == v1::CheckpointStatus::STATE_WRITING) {
+    out.set_bytes_written(bytes_written_.load());
+  }
+  return out;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,90 @@
+#pragma once
+
+// One job copy's checkpoint files on one daemon: the snapshot buffers, the
+// background write of the last save and its status. The checkpoint agent
+// fills the buffers (holding the step engine's commit lock, so no step runs
+// meanwhile) and calls StartWrite; a thread of this object then writes them
+// to disk with no lock of the job held, so training goes on during the
+// write.
+//
+// The buffers (one per saved array, each the owned range) are allocated on
+// the first save, booked as `buffer` in the ledger, and kept for the next
+// saves and loads: a save's stall is a copy into warm memory. They are
+// freed with the job.
+//
+// Thread-safe. Blocking: only WaitForWrite / Status with a wait, and the
+// destructor (which joins the writer).
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/flat_range.h"
+#include "proto/zeroshard/v1/checkpoint.pb.h"
+#include "server/daemon_metrics.h"
+#include "server/memory_ledger.h"
+
+namespace zeroshard {
+
+class CheckpointWriter {
+ public:
+  struct Options {
+    std::string root;  // --checkpoint_dir
+    std::string job_id;
+    uint32_t daemon_index = 0;
+    uint32_t daemon_count = 1;
+    MemoryLedger* ledger = nullptr;
+    DaemonMetrics* metrics = nullptr;  // may be null
+  };
+
+  explicit CheckpointWriter(Options options);
+  // Waits for a write in progress to end.
+  ~CheckpointWriter();
+
+  const std::string& root() const { return options_.root; }
+
+  // Claims the buffers for a save or a load: FailedPrecondition while a
+  // write (or another claim) holds them. Allocates `arrays` buffers of
+  // `elements` floats on first use and touches every page (ResourceExhausted
+  // past the ledger's limit, nothing allocated). Call it without job locks. The claim ends with StartWrite (a save) or
+  // Release (a load, or a save that failed before writing).
+  absl::Status Claim(uint64_t elements, size_t arrays);
+  // Buffer i of the claim; valid while it lasts.
+  float* buffer(size_t i);
+  // Ends a claim. `failed`: the operation changed nothing, so buffers this
+  // claim allocated are freed again (the ledger is as before).
+  void Release(bool failed);
+
+  // Writes the claimed buffers as `name`'s part (the files named `files`,
+  // buffer i to files[i]) in the background and ends the claim when done.
+  // `range` is the flat range the buffers hold.
+  void StartWrite(std::string name, FlatRange range, std::vector<std::string> files,
+                  v1::TrainingState state);
+
+  // The last save's status; waits up to `wait` for a write in progress.
+  // NotFound when `name` is not the last save this daemon started for the
+  // job.
+  absl::StatusOr<v1::CheckpointStatus> Status(const std::string& name, absl::Duration wait);
+
+ private:
+  void Write(std::string name, FlatRange range, std::vector<std::string> files,
+             v1::TrainingState state);
+
+  const Options options_;
+
+  absl::Mutex mu_;
+  bool claimed_ ABSL_GUARDED_BY(mu_) = false;
+  bool allocated_by_claim_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<LedgerArray<float>> buffers_ ABSL_GUARDED_BY(mu_);
+  v1::CheckpointStatus status_ ABSL_GUARDED_BY(mu_);  // of the last save
+  std::thread writer_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> bytes_written_{0};
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,299 @@
+#include "server/job/job.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/fnv.h"
+#include "common/protocol.h"
+#include "common/status_macros.h"
+
+namespace zeroshard {
+namespace {
+
+RankTable::Options RankOptions(const JobConfig& c, const JobResources& resources,
+                               FlatRange owned) {
+  RankTable::Options o;
+  o.job_id = c.job_id;
+  o.world_size = c.world_size;
+  o.transport = resources.transport;
+  o.ledger = resources.ledger;
+  o.staging_slots = resources.staging_slots;
+  // A slot holds a bucket of C_B, or the elements this daemon owns in fp32
+  // when they are fewer (the client sends pushes that do not fit a slot
+  // together one by one: several micro-batches of one range); a multiple
+  // of 64 bytes, so every slot starts aligned.
+  o.staging_slot_bytes = std::max<uint64_t>(
+      64, std::min({c.bucket_bytes, kMaxChunkBytes, owned.size() * 4}) / 64 * 64);
+  return o;
+}
+
+}  // namespace
+
+Job::Job(std::unique_ptr<JobConfig> config, std::unique_ptr<v1::JobSpec> spec,
+         uint32_t daemon_index, const JobResources& resources)
+    : config_(std::move(config)),
+      spec_(std::move(spec)),
+      daemon_index_(daemon_index),
+      resources_(resources),
+      owned_partitions_(config_->map.PartitionsOfDaemon(daemon_index)),
+      ranks_(RankOptions(*config_, resources, config_->map.DaemonRange(daemon_index))) {}
+
+Job::~Job() = default;
+
+absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec spec,
+                                                 uint32_t daemon_index,
+                                                 const JobResources& resources, ReplicaRole role,
+                                                 uint32_t here) {
+  if (daemon_index >= config.daemons.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "daemon_index: must be < the number of daemons in spec.daemons (", config.daemons.size(),
+        "), got ", daemon_index));
+  }
+  std::unique_ptr<Job> job(new Job(std::make_unique<JobConfig>(std::move(config)),
+                                   std::make_unique<v1::JobSpec>(std::move(spec)), daemon_index,
+                                   resources));
+  const JobConfig& c = *job->config_;
+  StepEngine::Options so;
+  so.ledger = resources.ledger;
+  so.optimizer = resources.optimizer;
+  so.transport = resources.transport;
+  so.metrics = resources.metrics;
+  so.reduction_buffer_bytes = resources.reduction_buffer_bytes;
+  so.reduction_hold = resources.reduction_hold;
+  so.replica = role == ReplicaRole::kBackup;
+  ASSIGN_OR_RETURN(job->step_,
+                   StepEngine::Create(job->config_.get(), c.map.DaemonRange(daemon_index), so));
+  if (!resources.checkpoint_dir.empty()) {
+    CheckpointAgent::Options co;
+    co.root = resources.checkpoint_dir;
+    co.daemon_index = daemon_index;
+    co.ledger = resources.ledger;
+    co.metrics = resources.metrics;
+    job->checkpoints_ =
+        std::make_unique<CheckpointAgent>(co, job->spec_.get(), job->step_.get());
+  }
+  if (c.replicas > 1) {
+    const uint32_t daemons = static_cast<uint32_t>(c.daemons.size());
+    if (here == kHereIsGroup) here = daemon_index;
+    ReplicaGroup::Options ro;
+    ro.group = daemon_index;
+    ro.peer_index = here == daemon_index ? ReplicaPeer(daemon_index, daemons) : daemon_index;
+    ro.peer_address = c.daemons[ro.peer_index];
+    ro.role = role;
+    ro.link = resources.replica_link;
+    ro.timeout = resources.replica_timeout;
+    ro.transport = resources.transport;
+    ro.ledger = resources.ledger;
+    job->replica_ = std::make_unique<ReplicaGroup>(ro, job->spec_.get(), job->step_.get());
+  }
+  return job;
+}
+
+// ---- Ranks ----
+
+absl::Status Job::Join(const v1::JoinJobRequest& r, v1::JoinJobResponse* response) {
+  const JobConfig& c = *config_;
+  auto mismatch = [&](absl::string_view field, auto registered, auto got) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", c.job_id, ": ", field, " differs from the registered job (registered ",
+        registered, ", rank ", r.rank(), " has ", got, ")"));
+  };
+  if (r.rank() >= c.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: must be < world_size (", c.world_size, "), got ", r.rank()));
+  }
+  if (r.incarnation() == 0) {
+    return absl::InvalidArgumentError("incarnation: must be >= 1 (the client's start time in us)");
+  }
+  if (r.layout_fingerprint() != c.layout.fingerprint()) {
+    return mismatch("layout_fingerprint", c.layout.fingerprint(), r.layout_fingerprint());
+  }
+  if (r.stage() != c.stage) return mismatch("stage", c.stage, r.stage());
+  if (r.world_size() != c.world_size) return mismatch("world_size", c.world_size, r.world_size());
+  if (r.precision() != WireDType(c.precision)) {
+    return mismatch("precision", WireDType(c.precision), r.precision());
+  }
+  // A newer process of the rank fences the older one, and drops what the
+  // older one left waiting in the reduction, before any push of the new one.
+  uint64_t replaced = 0;
+  ASSIGN_OR_RETURN(const uint32_t dropped,
+                   step_->JoinRank(r.rank(), [&]() -> absl::StatusOr<uint64_t> {
+                     ASSIGN_OR_RETURN(replaced, ranks_.Join(r.rank(), r.incarnation()));
+                     return replaced;
+                   }));
+  if (replaced != 0) {
+    response->set_replaced_incarnation(replaced);
+    response->set_dropped_contributions(dropped);
+  }
+  response->set_ranks_connected(ranks_.joined());
+  response->set_committed_step(step_->committed_step());
+  return absl::OkStatus();
+}
+
+// ---- Data ----
+
+absl::Status Job::InitParameters(const std::vector<v1::ParameterChunk>& chunks,
+                                 uint64_t* elements) {
+  RETURN_IF_ERROR(step_->InitParameters(chunks, elements));
+  StateChangedOutsideAStep();
+  return absl::OkStatus();
+}
+
+absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
+                               const std::vector<absl::string_view>& payloads,
+                               absl::Time deadline, v1::PushGradientResponse* response) {
+  const uint64_t step = step_->committed_step() + 1;
+  RETURN_IF_ERROR(step_->PushGradient(
+      chunks, payloads, deadline,
+      [&]() -> absl::Status {
+        for (size_t i = 0; i < chunks.size(); ++i) {
+          RETURN_IF_ERROR(ranks_.Check(chunks[i].rank(), chunks[i].incarnation(),
+                                       absl::StrCat("chunk ", i, ".")));
+        }
+        return absl::OkStatus();
+      },
+      response));
+  // (A held push may be answered after the leader committed its step.)
+  for (const v1::GradientChunk& c : chunks) ranks_.NotePushed(c.rank(), step);
+  return absl::OkStatus();
+}
+
+// ---- Step ----
+
+absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step, const std::string& token) {
+  absl::MutexLock commit_lock(&step_->commit_lock());
+  if (replica_ != nullptr && replica_->role() != ReplicaRole::kPrimary) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", config_->job_id, " replica group ", daemon_index_,
+                     ": this copy is the backup; prepare the group's primary"));
+  }
+  ASSIGN_OR_RETURN(const StepEngine::Prepared prepared, step_->PrepareLocked(step));
+  if (!prepared.fresh) return prepared.result;
+  // The backup is brought along with the step frozen (see job.h).
+  const bool in_sync = replica_ != nullptr && replica_->ReplicatePrepared(prepared, token);
+  return step_->FinishPrepare(in_sync);
+}
+
+absl::StatusOr<float> Job::CheckCommitRequest(const v1::CommitStepRequest& r) {
+  if (r.rank() != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: only the job leader (rank 0) commits, got rank ", r.rank()));
+  }
+  RETURN_IF_ERROR(ranks_.Check(r.rank(), r.incarnation(), ""));
+  return step_->CheckCommitFields(r, "");
+}
+
+absl::StatusOr<v1::CommitStepResponse> Job::CommitStep(const v1::CommitStepRequest& r,
+                                                       const std::string& token) {
+  ASSIGN_OR_RETURN(const float clip, CheckCommitRequest(r));
+  uint64_t before = 0;
+  absl::StatusOr<v1::CommitStepResponse> done;
+  {
+    absl::MutexLock commit_lock(&step_->commit_lock());
+    if (replica_ != nullptr && replica_->role() != ReplicaRole::kPrimary) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", config_->job_id, " replica group ", daemon_index_,
+                       ": this copy is the backup; commit the group's primary"));
+    }
+    before = step_->committed_step();
+    done = step_->CommitLocked(r, clip);
+  }
+  // Sent to the backup after the lock is released: a stalled backup keeps
+  // no other request of this job waiting.
+  if (done.ok() && replica_ != nullptr && step_->committed_step() != before) {
+    replica_->SendCommit(r, token);
+  }
+  return done;
+}
+
+void Job::FillStepState(absl::Duration rank_timeout, bool brief, v1::StepState* state) const {
+  ranks_.FillStepState(rank_timeout, brief, state);
+  step_->FillStepState(brief, state);
+}
+
+// ---- State dicts ----
+
+absl::Status Job::ReadState(const v1::ReadStateRequest& r, uint64_t max_chunk_elements,
+                            const std::function<bool(v1::StateChunk&)>& write) {
+  RETURN_IF_ERROR(ranks_.Check(r.rank(), r.incarnation(), ""));
+  return step_->ReadState(r.array(), {r.range().begin(), r.range().end()}, max_chunk_elements,
+                          write);
+}
+
+absl::StatusOr<v1::WriteStateResponse> Job::WriteState(const std::vector<v1::StateChunk>& chunks) {
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    RETURN_IF_ERROR(ranks_.Check(chunks[i].rank(), chunks[i].incarnation(),
+                                 absl::StrCat("chunk ", i, ".")));
+  }
+  bool changed = false;
+  ASSIGN_OR_RETURN(v1::WriteStateResponse out, step_->WriteState(chunks, &changed));
+  if (changed) StateChangedOutsideAStep();
+  return out;
+}
+
+// ---- Checkpoints ----
+
+absl::Status Job::CheckpointsEnabled() const {
+  if (checkpoints_ != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "checkpoints: this daemon was started without --checkpoint_dir");
+}
+
+absl::StatusOr<v1::SaveCheckpointResponse> Job::SaveCheckpoint(
+    const v1::SaveCheckpointRequest& r) {
+  RETURN_IF_ERROR(CheckpointsEnabled());
+  return checkpoints_->Save(r);
+}
+
+absl::StatusOr<v1::CheckpointStatus> Job::CheckpointStatus(const std::string& name,
+                                                           absl::Duration wait) {
+  RETURN_IF_ERROR(CheckpointsEnabled());
+  return checkpoints_->Status(name, wait);
+}
+
+absl::StatusOr<v1::CompleteCheckpointResponse> Job::CompleteCheckpoint(
+    const v1::CompleteCheckpointRequest& r, const v1::PartitionMap& map) {
+  RETURN_IF_ERROR(CheckpointsEnabled());
+  return checkpoints_->Complete(r, map);
+}
+
+absl::StatusOr<v1::LoadCheckpointResponse> Job::LoadCheckpoint(const std::string& name) {
+  RETURN_IF_ERROR(CheckpointsEnabled());
+  ASSIGN_OR_RETURN(v1::LoadCheckpointResponse out, checkpoints_->Load(name));
+  StateChangedOutsideAStep();
+  return out;
+}
+
+// ---- Replication ----
+
+void Job::StateChangedOutsideAStep() {
+  if (replica_ != nullptr) replica_->MarkBackupStale(absl::OkStatus());
+}
+
+ReplicaRole Job::role() const {
+  return replica_ == nullptr ? ReplicaRole::kPrimary : replica_->role();
+}
+
+uint64_t Job::epoch() const { return replica_ == nullptr ? 1 : replica_->epoch(); }
+
+const std::string& Job::peer_address() const {
+  static const std::string* const kNone = new std::string();
+  return replica_ == nullptr ? *kNone : replica_->peer_address();
+}
+
+absl::Status Job::CheckServing(std::optional<uint64_t> epoch) const {
+  return replica_ == nullptr ? absl::OkStatus() : replica_->CheckServing(epoch);
+}
+
+void Job::FillReplicaState(v1::ReplicaGroupState* out) const {
+  if (replica_ != nullptr) replica_->FillReplicaState(out);
+}
+
+uint64_t Job::StateHash() const {
+  uint64_t h = kFnv1aOffset;
+  step_->Hash(h);
+  ranks_.Hash(h);
+  return h;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,221 @@
+#pragma once
+
+// One training job's copy of a replica group on one daemon, as the RPC
+// services see it: the composition of
+//   RankTable       (server/job/rank_table.h)   who may send, and as which process;
+//   StepEngine      (server/step/step_engine.h) the model states and the two-phase step;
+//   CheckpointAgent (server/checkpoint/)        saves and loads (with --checkpoint_dir);
+//   ReplicaGroup    (server/replica/)           state machine replication (replicas = 2).
+// Each holds one concern; this class checks who calls, routes, and orders
+// what spans two of them (a rank's new process fences its predecessor's
+// pushes; a prepare brings the backup along; a commit is sent to the
+// backup after it applied here; a state change outside a step makes the
+// backup copy the state again).
+//
+// Locks, in the order they may be taken: the step engine's commit lock,
+// then its reduction lock, then its parameter lock (step_engine.h); the
+// rank table's and the replica group's locks are leaves. No lock is held
+// across a network call of another request's, but the prepared step's
+// replication, which holds the commit lock (nothing else waits for it then
+// but the step's own commit). Every wait takes a deadline.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/auth.h"
+#include "common/job_spec.h"
+#include "proto/zeroshard/v1/checkpoint.pb.h"
+#include "proto/zeroshard/v1/control.pb.h"
+#include "proto/zeroshard/v1/replica.pb.h"
+#include "proto/zeroshard/v1/shard.pb.h"
+#include "server/checkpoint/checkpoint_agent.h"
+#include "server/daemon_metrics.h"
+#include "server/job/rank_table.h"
+#include "server/job/staging.h"
+#include "server/memory_ledger.h"
+#include "server/optimizer/optimizer.h"
+#include "server/replica/replica_group.h"
+#include "server/replica/replica_link.h"
+#include "server/step/step_engine.h"
+#include "transport/transport.h"
+
+namespace zeroshard {
+
+// What a job borrows from its daemon; everything must outlive the job.
+struct JobResources {
+  MemoryLedger* ledger = nullptr;
+  ShardOptimizer* optimizer = nullptr;
+  transport::Transport* transport = nullptr;  // the bulk transport; may be null
+  uint64_t reduction_buffer_bytes = 256ull << 20;  // out-of-order budget
+  uint32_t staging_slots = 4;
+  absl::Duration reduction_hold = absl::ZeroDuration();  // see DaemonOptions
+  std::string checkpoint_dir;        // empty: no checkpoints
+  DaemonMetrics* metrics = nullptr;  // may be null
+  // Replicated jobs: how a primary reaches its backup (null: a replicated
+  // job runs without its backups), and the longest one replication call
+  // (a state transfer, a forward, a commit) may take before the group goes
+  // on with one copy, plus its bytes at 50 MB/s.
+  ReplicaLink* replica_link = nullptr;
+  absl::Duration replica_timeout = absl::Seconds(5);
+};
+
+class Job {
+ public:
+  // Allocates the owned partitions' states (booked whole before anything is
+  // allocated: ResourceExhausted, with nothing allocated and no ledger
+  // entry left, when it does not fit). `daemon_index` is the replica group
+  // this copy holds (the partitions spec.daemons[daemon_index] owns).
+  // Replicated jobs: `here` is the index of the daemon the copy lives on
+  // (the group's own daemon or its peer), `role` its role at the start; a
+  // backup's memory is booked as replica.
+  static absl::StatusOr<std::unique_ptr<Job>> Create(JobConfig config, v1::JobSpec spec,
+                                                     uint32_t daemon_index,
+                                                     const JobResources& resources,
+                                                     ReplicaRole role = ReplicaRole::kPrimary,
+                                                     uint32_t here = kHereIsGroup);
+  static constexpr uint32_t kHereIsGroup = ~0u;
+  ~Job();
+
+  const JobConfig& config() const { return *config_; }
+  // The digest of the token the job was registered with (common/auth.h).
+  // Set by the JobManager before the job is published, then never changed.
+  const TokenDigest& token() const { return token_; }
+  void set_token(const TokenDigest& token) { token_ = token; }
+  const v1::JobSpec& spec() const { return *spec_; }
+  uint32_t daemon_index() const { return daemon_index_; }
+  const std::vector<uint32_t>& owned_partitions() const { return owned_partitions_; }
+  FlatRange owned_range() const { return step_->owned(); }
+  // Owned elements below total_elements (real parameters plus alignment gaps).
+  FlatRange owned_unpadded() const { return step_->owned_unpadded(); }
+
+  // ---- Ranks ----
+  // See Control.JoinJob. FailedPrecondition naming the field and both values
+  // when the rank's view differs from the registered job, or for an
+  // incarnation older than the rank's current one; NotFound once removed.
+  absl::Status Join(const v1::JoinJobRequest& request, v1::JoinJobResponse* response);
+  // OK iff `rank` is joined as `incarnation` (and records it heard from now).
+  absl::Status CheckRank(uint32_t rank, uint64_t incarnation, absl::string_view field) {
+    return ranks_.Check(rank, incarnation, field);
+  }
+  // Leaves; returns true when this was the last joined rank: the job is then
+  // marked removed and the caller takes it out of the registry.
+  absl::StatusOr<bool> Leave(uint32_t rank, uint64_t incarnation) {
+    return ranks_.Leave(rank, incarnation);
+  }
+  uint32_t ranks_joined() const { return ranks_.joined(); }
+  // Joined ranks heard from within `timeout`.
+  uint32_t RanksConnected(absl::Duration timeout) const { return ranks_.Connected(timeout); }
+  // The rank's staging region (created on first use through the transport).
+  absl::StatusOr<std::shared_ptr<RankStaging>> Staging(uint32_t rank, uint64_t incarnation,
+                                                       bool create) {
+    return ranks_.Staging(rank, incarnation, create);
+  }
+
+  // Blocks (without holding any lock other requests need) until `step` is
+  // committed or `deadline`; see StepEngine::AwaitCommit.
+  bool AwaitCommit(uint64_t step, absl::Time deadline) {
+    return step_->AwaitCommit(step, deadline);
+  }
+  StepEngine::ReductionCounts Reductions() const { return step_->Reductions(); }
+
+  // ---- Data ----
+  // See StepEngine::InitParameters; the backup copies the new state.
+  absl::Status InitParameters(const std::vector<v1::ParameterChunk>& chunks, uint64_t* elements);
+  // See StepEngine::PushGradient: every chunk's sender must be its rank's
+  // current process.
+  absl::Status PushGradient(const std::vector<v1::GradientChunk>& chunks,
+                            const std::vector<absl::string_view>& payloads, absl::Time deadline,
+                            v1::PushGradientResponse* response);
+  // See StepEngine::Gather.
+  absl::Status Gather(uint64_t after_step, const FlatRange& range, DType dtype,
+                      absl::Time deadline, uint64_t max_chunk_elements,
+                      const std::function<bool(v1::ParameterChunk&)>& write) {
+    return step_->Gather(after_step, range, dtype, deadline, max_chunk_elements, write);
+  }
+
+  // ---- Step ----
+  // A replicated job's primary brings its backup along before it answers a
+  // prepare (with `token`, the caller's, passed on), and sends it the
+  // commit after applying it here; when a call fails the group goes on with
+  // one copy (backup_in_sync false) and tries again at a later step.
+  absl::StatusOr<v1::PrepareStepResponse> PrepareStep(uint64_t step, const std::string& token = "");
+  absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request,
+                                                    const std::string& token = "");
+  // With `brief`, leaves out the per-rank list and the missing ranges.
+  void FillStepState(absl::Duration rank_timeout, bool brief, v1::StepState* state) const;
+  uint64_t committed_step() const { return step_->committed_step(); }
+  float loss_scale() const { return step_->loss_scale(); }
+
+  // ---- State dicts (Shard.ReadState / WriteState) ----
+  // A joined rank's; see StepEngine::ReadState / WriteState. A write that
+  // changed the state makes the backup copy it again.
+  absl::Status ReadState(const v1::ReadStateRequest& request, uint64_t max_chunk_elements,
+                         const std::function<bool(v1::StateChunk&)>& write);
+  absl::StatusOr<v1::WriteStateResponse> WriteState(const std::vector<v1::StateChunk>& chunks);
+
+  // ---- Checkpoints (proto/zeroshard/v1/checkpoint.proto) ----
+  // All: FailedPrecondition when the daemon has no --checkpoint_dir.
+  absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(const v1::SaveCheckpointRequest& r);
+  absl::StatusOr<v1::CheckpointStatus> CheckpointStatus(const std::string& name,
+                                                        absl::Duration wait);
+  absl::StatusOr<v1::CompleteCheckpointResponse> CompleteCheckpoint(
+      const v1::CompleteCheckpointRequest& r, const v1::PartitionMap& map);
+  absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(const std::string& name);
+
+  // Adds PARAM_MASTER / PARAM_HALF regions when the job has a transport.
+  void FillParameterRegions(v1::ExchangeEndpointResponse* response) const {
+    step_->FillParameterRegions(response);
+  }
+  // The last time the job handed out remote access; its regions must stay
+  // mapped a read lease past it.
+  absl::Time last_remote_access() const { return step_->last_remote_access(); }
+  void NoteRemoteAccess() { step_->NoteRemoteAccess(); }
+
+  // ---- Replication (JobSpec.replicas = 2; replica.proto) ----
+  bool replicated() const { return replica_ != nullptr; }
+  ReplicaRole role() const;
+  uint64_t epoch() const;
+  const std::string& peer_address() const;
+  // OK when this copy serves its group's requests (always, unreplicated).
+  absl::Status CheckServing(std::optional<uint64_t> epoch) const;
+  void FillReplicaState(v1::ReplicaGroupState* out) const;
+  // The replica group (null when the job is not replicated).
+  ReplicaGroup* replica() { return replica_.get(); }
+
+  // A hash over every piece of mutable state, for tests that check a
+  // rejected request changed nothing.
+  uint64_t StateHash() const;
+
+ private:
+  Job(std::unique_ptr<JobConfig> config, std::unique_ptr<v1::JobSpec> spec,
+      uint32_t daemon_index, const JobResources& resources);
+  // Rank 0 as its current incarnation, and the commit's own fields; the
+  // clip coefficient (0 read as 1).
+  absl::StatusOr<float> CheckCommitRequest(const v1::CommitStepRequest& r);
+  absl::Status CheckpointsEnabled() const;
+  // A state change outside a step: a replicated primary's backup copies the
+  // state again before the next step.
+  void StateChangedOutsideAStep();
+
+  // Heap-held so that the components' pointers to them stay put.
+  const std::unique_ptr<const JobConfig> config_;
+  const std::unique_ptr<const v1::JobSpec> spec_;
+  const uint32_t daemon_index_;
+  const JobResources resources_;
+  std::vector<uint32_t> owned_partitions_;
+  TokenDigest token_;
+
+  RankTable ranks_;
+  std::unique_ptr<StepEngine> step_;
+  std::unique_ptr<CheckpointAgent> checkpoints_;  // null without a checkpoint_dir
+  std::unique_ptr<ReplicaGroup> replica_;         // null unless replicated
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,253 @@
+#include "server/job/job_manager.h"
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace zeroshard {
+namespace {
+
+// The longest a registration waits for another registration of the same id.
+constexpr absl::Duration kCreateWait = absl::Seconds(60);
+
+absl::Status TooManyJobs(uint32_t max_jobs) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "this daemon serves ", max_jobs, " jobs already (--max_jobs); retry when one has ended"));
+}
+
+}  // namespace
+
+JobManager::JobManager(Options options, JobResources resources, DaemonMetrics* metrics)
+    : options_(options), resources_(resources), metrics_(metrics) {
+  janitor_ = std::thread([this] { RunJanitor(); });
+}
+
+JobManager::~JobManager() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  janitor_.join();
+  std::vector<Retired> retired;
+  std::map<std::string, Entry> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    retired.swap(retired_);
+    jobs.swap(jobs_);
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Job>> JobManager::Find(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(id);
+  if (it == jobs_.end() || it->second.copies.count(it->second.home) == 0) {
+    return absl::NotFoundError(
+        absl::StrCat("job \"", id.substr(0, 140), "\" is not registered on this daemon"));
+  }
+  return it->second.copies.at(it->second.home);
+}
+
+absl::StatusOr<std::shared_ptr<Job>> JobManager::Find(const std::string& id, uint32_t group) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("job \"", id.substr(0, 140),
+                                            "\" is not registered on this daemon"));
+  }
+  auto copy = it->second.copies.find(group);
+  if (copy == it->second.copies.end()) {
+    std::string held;
+    for (const auto& [g, job] : it->second.copies)
+      absl::StrAppend(&held, held.empty() ? "" : ", ", g);
+    return absl::NotFoundError(absl::StrCat("job ", id, ": this daemon holds replica groups [",
+                                            held, "], not group ", group));
+  }
+  return copy->second;
+}
+
+absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobRequest& request,
+                                                          const TokenDigest& token, bool draining,
+                                                          bool* created) {
+  *created = false;
+  absl::StatusOr<JobConfig> config = ParseJobSpec(request.spec());
+  if (!config.ok()) return config.status();
+  if (request.daemon_index() >= config->daemons.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "daemon_index: must be < the number of daemons in spec.daemons (",
+        config->daemons.size(), "), got ", request.daemon_index()));
+  }
+  auto same = [&](const Job& job) -> absl::Status {
+    if (!job.token().Matches(token)) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "job ", config->job_id, " is registered here with another token; nothing was changed"));
+    }
+    const std::string diff = DescribeSpecDifference(job.spec(), request.spec());
+    if (!diff.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", config->job_id, " is registered with a different spec: ", diff));
+    }
+    if (job.daemon_index() != request.daemon_index()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "daemon_index: job ", config->job_id, " is registered here as daemon ",
+          job.daemon_index(), ", got ", request.daemon_index()));
+    }
+    return absl::OkStatus();
+  };
+  const std::string id = config->job_id;
+  {
+    absl::MutexLock lock(&mu_);
+    auto not_creating = [this, &id]()
+                            ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return creating_.count(id) == 0; };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&not_creating), kCreateWait)) {
+      return absl::UnavailableError(absl::StrCat(
+          "job ", id, ": another registration of it is still allocating its memory; retry"));
+    }
+    if (auto it = jobs_.find(id); it != jobs_.end()) {
+      auto home = it->second.copies.find(it->second.home);
+      if (home != it->second.copies.end()) {
+        if (absl::Status s = same(*home->second); !s.ok()) return s;
+        return home->second;
+      }
+      return absl::UnavailableError(absl::StrCat(
+          "job ", id, " is being removed from this daemon; register it again shortly"));
+    }
+    if (draining) {
+      return absl::UnavailableError("this daemon is draining and accepts no new jobs");
+    }
+    // Jobs being created count: registrations in flight together do not
+    // pass the bound together.
+    if (jobs_.size() + creating_.size() >= options_.max_jobs) {
+      return TooManyJobs(options_.max_jobs);
+    }
+    creating_.insert(id);
+  }
+  // Books and allocates with no lock held.
+  const uint32_t home = request.daemon_index();
+  const bool replicated = config->replicas > 1;
+  const uint32_t daemons = static_cast<uint32_t>(config->daemons.size());
+  const ReplicaRole home_role =
+      replicated && request.as_backup() ? ReplicaRole::kBackup : ReplicaRole::kPrimary;
+  absl::StatusOr<std::unique_ptr<Job>> job =
+      Job::Create(*config, request.spec(), home, resources_, home_role, home);
+  absl::StatusOr<std::unique_ptr<Job>> backup = std::unique_ptr<Job>();
+  absl::Status failed = job.status();
+  if (job.ok() && replicated) {
+    backup = Job::Create(*config, request.spec(), BackedUpGroup(home, daemons), resources_,
+                         ReplicaRole::kBackup, home);
+    if (!backup.ok()) {
+      failed = backup.status();
+      job->reset();  // frees the home copy and its booking first
+      resources_.ledger->RemoveJobIfEmpty(id);
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  creating_.erase(id);
+  if (!failed.ok()) return failed;
+  Entry& entry = jobs_[id];
+  entry.home = home;
+  std::shared_ptr<Job> shared = *std::move(job);
+  shared->set_token(token);
+  entry.copies.emplace(home, shared);
+  if (*backup != nullptr) {
+    (*backup)->set_token(token);
+    const uint32_t group = (*backup)->daemon_index();
+    entry.copies.emplace(group, std::shared_ptr<Job>(*std::move(backup)));
+  }
+  *created = true;
+  return shared;
+}
+
+void JobManager::Remove(const std::shared_ptr<Job>& job) {
+  const std::string& id = job->config().job_id;
+  bool last = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(id);
+    last = it != jobs_.end() && it->second.copies.size() == 1 &&
+           it->second.copies.begin()->second == job;
+  }
+  // Before the id is free again: no newer job under the same id exists yet.
+  if (last && options_.on_remove) options_.on_remove(job);
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(id);
+  if (it != jobs_.end()) {
+    auto copy = it->second.copies.find(job->daemon_index());
+    if (copy != it->second.copies.end() && copy->second == job) it->second.copies.erase(copy);
+    if (it->second.copies.empty()) jobs_.erase(it);
+  }
+  retired_.push_back({job, job->last_remote_access() + options_.read_lease});
+}
+
+std::vector<std::shared_ptr<Job>> JobManager::All() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Job>> out;
+  for (const auto& [id, entry] : jobs_) {
+    for (const auto& [group, job] : entry.copies) out.push_back(job);
+  }
+  return out;
+}
+
+size_t JobManager::size() const {
+  absl::MutexLock lock(&mu_);
+  return jobs_.size();
+}
+
+size_t JobManager::retired() const {
+  absl::MutexLock lock(&mu_);
+  return retired_.size();
+}
+
+void JobManager::Tick() {
+  const absl::Time now = absl::Now();
+  std::vector<std::shared_ptr<Job>> reap;
+  std::vector<std::shared_ptr<Job>> live;
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < retired_.size();) {
+      if (retired_[i].until <= now) {
+        reap.push_back(std::move(retired_[i].job));
+        retired_[i] = std::move(retired_.back());
+        retired_.pop_back();
+      } else {
+        ++i;
+      }
+    }
+    for (const auto& [id, entry] : jobs_) {
+      for (const auto& [group, job] : entry.copies) {
+        // A backup has no ranks joined: the ranks gauges follow primaries.
+        if (job->role() == ReplicaRole::kPrimary) live.push_back(job);
+      }
+    }
+  }
+  for (std::shared_ptr<Job>& job : reap) {
+    const std::string id = job->config().job_id;
+    bool reregistered = false;
+    {
+      absl::MutexLock lock(&mu_);
+      reregistered = jobs_.count(id) > 0;
+    }
+    job.reset();  // frees its memory, unless an RPC still holds it
+    if (!reregistered) {
+      resources_.ledger->RemoveJobIfEmpty(id);
+      metrics_->RemoveJob(id);
+    }
+  }
+  for (const auto& job : live) {
+    metrics_->SetRanks(job->config().job_id, job->RanksConnected(options_.rank_timeout),
+                       job->config().world_size);
+  }
+}
+
+void JobManager::RunJanitor() {
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping), options_.janitor_period)) return;
+    }
+    Tick();
+  }
+}
+
+}  // namespace zeroshard

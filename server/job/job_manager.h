@@ -1,0 +1,112 @@
+#pragma once
+
+// The jobs a daemon serves, and their lifecycle: registration (idempotent,
+// spec-checked), removal after the last rank leaves, and retirement: a
+// removed job's memory (and so its transport regions) stays alive for the
+// read lease after it last handed out remote access, because peers may
+// still be reading it with one-sided Gets. A janitor thread reaps retired
+// jobs and refreshes the rank-liveness gauges.
+//
+// Thread-safe. Jobs are shared_ptr: an RPC in flight keeps its job alive.
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/zeroshard/v1/control.pb.h"
+#include "server/daemon_metrics.h"
+#include "server/job/job.h"
+
+namespace zeroshard {
+
+class JobManager {
+ public:
+  struct Options {
+    absl::Duration read_lease = absl::Seconds(30);
+    absl::Duration rank_timeout = absl::Seconds(30);
+    absl::Duration janitor_period = absl::Milliseconds(250);
+    // Jobs registered at once, at most (ResourceExhausted past it).
+    uint32_t max_jobs = 64;
+    // Called by Remove, on its thread with no manager lock held, before the
+    // job leaves the registry (so before a job of the same id can be
+    // registered again), for what the daemon keeps for a job outside it: its
+    // activation checkpoints.
+    std::function<void(const std::shared_ptr<Job>& job)> on_remove;
+  };
+
+  // Starts the janitor. Everything borrowed must outlive the manager.
+  JobManager(Options options, JobResources resources, DaemonMetrics* metrics);
+  // Stops the janitor; frees every job.
+  ~JobManager();
+
+  // The job's home copy: the replica group it was registered as
+  // (RegisterJobRequest.daemon_index). NotFound naming the job when it is
+  // not registered here.
+  absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& id) const;
+  // The copy of replica group `group` (replicated jobs hold two groups per
+  // daemon). NotFound naming the groups held here otherwise.
+  absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& id, uint32_t group) const;
+  // Creates the job bound to `token` (with replicas = 2 two copies: the
+  // group `daemon_index` as primary, or as backup with `as_backup`, and the
+  // backup of the group before it), or checks the registered one was
+  // bound to the same token: PermissionDenied otherwise, and that
+  // `request.spec` equals its spec: FailedPrecondition naming the first
+  // difference). *created tells which. Unavailable when `draining` and the
+  // job is new; ResourceExhausted when max_jobs are registered.
+  absl::StatusOr<std::shared_ptr<Job>> Register(const v1::RegisterJobRequest& request,
+                                                const TokenDigest& token, bool draining,
+                                                bool* created);
+  // Takes the copy `job` out of the registry (if it is still the one
+  // registered for its id and group) and retires it; before the job's last
+  // copy goes, calls Options::on_remove.
+  void Remove(const std::shared_ptr<Job>& job);
+  // Every copy of every job.
+  std::vector<std::shared_ptr<Job>> All() const;
+  // Jobs (ids) registered.
+  size_t size() const;
+  // Retired jobs still holding memory.
+  size_t retired() const;
+
+  const Options& options() const { return options_; }
+
+  // One janitor pass (exposed for tests): reaps retired jobs whose lease
+  // ended and updates the ranks-connected gauges.
+  void Tick();
+
+ private:
+  struct Retired {
+    std::shared_ptr<Job> job;
+    absl::Time until;
+  };
+
+  void RunJanitor();
+
+  const Options options_;
+  const JobResources resources_;
+  DaemonMetrics* const metrics_;
+
+  struct Entry {
+    uint32_t home = 0;                                // the group registered as
+    std::map<uint32_t, std::shared_ptr<Job>> copies;  // by replica group
+  };
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, Entry> jobs_ ABSL_GUARDED_BY(mu_);
+  // Ids a registration is creating (booking and allocating, with no lock
+  // held): another registration of the same id waits for it instead of
+  // booking the job's memory a second time.
+  std::set<std::string> creating_ ABSL_GUARDED_BY(mu_);
+  std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread janitor_;
+};
+
+}  // namespace zeroshard

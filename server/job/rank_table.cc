@@ -1,0 +1,146 @@
+#include "server/job/rank_table.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/fnv.h"
+
+namespace zeroshard {
+
+RankTable::RankTable(Options options) : options_(std::move(options)) {
+  absl::MutexLock lock(&mu_);
+  ranks_.resize(options_.world_size);
+}
+
+absl::StatusOr<uint64_t> RankTable::Join(uint32_t rank, uint64_t incarnation) {
+  absl::MutexLock lock(&mu_);
+  if (removed_) {
+    return absl::NotFoundError(
+        absl::StrCat("job ", options_.job_id, " was removed; register it again"));
+  }
+  Entry& e = ranks_[rank];
+  if (incarnation < e.incarnation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "incarnation: rank ", rank, " of job ", options_.job_id, " has joined as incarnation ",
+        e.incarnation, " since; incarnation ", incarnation, " is fenced"));
+  }
+  uint64_t replaced = 0;
+  if (incarnation > e.incarnation) {
+    // A newer process for this rank: the old one's staging goes with it.
+    replaced = e.incarnation;
+    e.incarnation = incarnation;
+    e.staging.reset();
+  }
+  if (!e.joined) joined_.fetch_add(1, std::memory_order_acq_rel);
+  e.joined = true;
+  e.last_seen = absl::Now();
+  return replaced;
+}
+
+absl::Status RankTable::CheckLocked(uint32_t rank, uint64_t incarnation,
+                                    absl::string_view field) {
+  if (rank >= options_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, "rank: must be < world_size (", options_.world_size, "), got ", rank));
+  }
+  if (incarnation == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, "incarnation: must be >= 1"));
+  }
+  Entry& e = ranks_[rank];
+  if (!e.joined || incarnation > e.incarnation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of job ", options_.job_id, " has not joined as incarnation ",
+        incarnation, "; call JoinJob first"));
+  }
+  if (incarnation < e.incarnation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " incarnation ", incarnation, " is fenced: incarnation ", e.incarnation,
+        " of the same rank joined job ", options_.job_id, " since"));
+  }
+  e.last_seen = absl::Now();
+  return absl::OkStatus();
+}
+
+absl::Status RankTable::Check(uint32_t rank, uint64_t incarnation, absl::string_view field) {
+  absl::MutexLock lock(&mu_);
+  return CheckLocked(rank, incarnation, field);
+}
+
+absl::StatusOr<bool> RankTable::Leave(uint32_t rank, uint64_t incarnation) {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckLocked(rank, incarnation, ""); !s.ok()) return s;
+  Entry& e = ranks_[rank];
+  e.joined = false;
+  e.staging.reset();
+  const uint32_t left = joined_.fetch_sub(1, std::memory_order_acq_rel) - 1;
+  if (left == 0) removed_ = true;
+  return left == 0;
+}
+
+absl::StatusOr<std::shared_ptr<RankStaging>> RankTable::Staging(uint32_t rank,
+                                                                uint64_t incarnation,
+                                                                bool create) {
+  if (options_.transport == nullptr) {
+    return absl::FailedPreconditionError("this daemon serves no bulk transport");
+  }
+  absl::MutexLock lock(&mu_);
+  if (removed_) {
+    return absl::NotFoundError(absl::StrCat("job ", options_.job_id, " was removed"));
+  }
+  if (absl::Status s = CheckLocked(rank, incarnation, ""); !s.ok()) return s;
+  Entry& e = ranks_[rank];
+  if (e.staging == nullptr) {
+    if (!create) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " of job ", options_.job_id,
+          " has no staging region here; call ExchangeEndpoint first"));
+    }
+    absl::StatusOr<std::unique_ptr<RankStaging>> staging =
+        RankStaging::Create(options_.transport, options_.ledger, options_.job_id,
+                            options_.staging_slots, options_.staging_slot_bytes);
+    if (!staging.ok()) return staging.status();
+    e.staging = *std::move(staging);
+  }
+  return e.staging;
+}
+
+void RankTable::NotePushed(uint32_t rank, uint64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (rank < ranks_.size()) ranks_[rank].last_step_pushed = step;
+}
+
+uint32_t RankTable::Connected(absl::Duration timeout) const {
+  const absl::Time cutoff = absl::Now() - timeout;
+  absl::MutexLock lock(&mu_);
+  uint32_t n = 0;
+  for (const Entry& e : ranks_) n += e.joined && e.last_seen >= cutoff ? 1 : 0;
+  return n;
+}
+
+void RankTable::FillStepState(absl::Duration timeout, bool brief, v1::StepState* state) const {
+  state->set_ranks_joined(joined());
+  state->set_ranks_connected(Connected(timeout));
+  if (brief) return;
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  for (uint32_t r = 0; r < ranks_.size(); ++r) {
+    const Entry& e = ranks_[r];
+    v1::RankState* out = state->add_ranks();
+    out->set_rank(r);
+    out->set_joined(e.joined);
+    out->set_connected(e.joined && e.last_seen >= now - timeout);
+    out->set_incarnation(e.incarnation);
+    out->set_seconds_since_heard(
+        e.last_seen == absl::InfinitePast() ? -1.0 : absl::ToDoubleSeconds(now - e.last_seen));
+    out->set_last_step_pushed(e.last_step_pushed);
+  }
+}
+
+void RankTable::Hash(uint64_t& h) const {
+  absl::MutexLock lock(&mu_);
+  for (const Entry& e : ranks_) {
+    Fnv1aMix(h, &e.incarnation, sizeof(e.incarnation));
+    Fnv1aMix(h, &e.joined, sizeof(e.joined));
+  }
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,80 @@
+#include "server/job/staging.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace zeroshard {
+
+RankStaging::RankStaging(MemoryLedger* ledger, std::string job_id, uint32_t slots,
+                         uint64_t slot_bytes)
+    : ledger_(ledger),
+      job_id_(std::move(job_id)),
+      slots_(slots),
+      slot_bytes_(slot_bytes),
+      slot_state_(new Slot[slots]) {}
+
+absl::StatusOr<std::unique_ptr<RankStaging>> RankStaging::Create(transport::Transport* transport,
+                                                                 MemoryLedger* ledger,
+                                                                 std::string job_id,
+                                                                 uint32_t slots,
+                                                                 uint64_t slot_bytes) {
+  const uint64_t bytes = uint64_t{slots} * slot_bytes;
+  if (absl::Status s = ledger->Reserve(job_id, MemoryCategory::kBuffer, bytes); !s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<transport::Region>> region =
+      transport->AllocateRegion(bytes, transport::Access::kRemoteReadWrite);
+  if (!region.ok()) {
+    ledger->Release(job_id, MemoryCategory::kBuffer, bytes);
+    return region.status();
+  }
+  std::unique_ptr<RankStaging> s(new RankStaging(ledger, std::move(job_id), slots, slot_bytes));
+  s->region_ = *std::move(region);
+  return s;
+}
+
+RankStaging::~RankStaging() {
+  region_.reset();
+  ledger_->Release(job_id_, MemoryCategory::kBuffer, uint64_t{slots_} * slot_bytes_);
+}
+
+absl::Status RankStaging::Apply(uint32_t slot, uint64_t generation, uint64_t length,
+                                absl::FunctionRef<absl::Status(absl::string_view)> apply) {
+  if (slot >= slots_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("staging_slot: must be < ", slots_, ", got ", slot));
+  }
+  if (length > slot_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("staged chunks of ", length,
+                                                   " bytes do not fit a staging slot of ",
+                                                   slot_bytes_, " bytes"));
+  }
+  if (generation == 0) {
+    return absl::InvalidArgumentError("staging_generation: must be >= 1");
+  }
+  Slot& s = slot_state_[slot];
+  absl::MutexLock lock(&s.mu);
+  if (generation <= s.applied || generation <= s.fenced) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "staging slot ", slot, " generation ", generation, " is ",
+        generation <= s.fenced ? "fenced" : "already applied", " (applied up to ", s.applied,
+        ", fenced up to ", s.fenced, "); write the slot again with a new generation"));
+  }
+  const absl::string_view payload(static_cast<const char*>(region_->base()) + slot * slot_bytes_,
+                                  length);
+  absl::Status status = apply(payload);
+  if (status.ok()) s.applied = generation;
+  return status;
+}
+
+absl::StatusOr<uint64_t> RankStaging::Fence(uint32_t slot, uint64_t generation) {
+  if (slot >= slots_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slot: must be < ", slots_, ", got ", slot));
+  }
+  Slot& s = slot_state_[slot];
+  absl::MutexLock lock(&s.mu);
+  s.fenced = std::max(s.fenced, generation);
+  return s.applied;
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,156 @@
+#pragma once
+
+// One copy of a replicated job's replica group on one daemon
+// (JobSpec.replicas = 2; proto/zeroshard/v1/replica.proto): its role
+// (primary or backup) and epoch, and state machine replication over the
+// step engine. The primary brings its backup along inside each prepare
+// (the state when the backup holds none, then the step's reduced gradient
+// and its no-grad list) and sends each commit after it; the backup takes
+// transfers, forwards and commits, and is promoted by the leader when its
+// primary is gone. Requests a daemon serves for a group go to its primary
+// at the current epoch (CheckServing).
+//
+// Locks: replica_mu_ is a leaf, held for bookkeeping only. The primary's
+// transfer and forward run inside the step's prepare, with the step
+// engine's commit lock held (the step is frozen; nothing else waits for
+// the lock then but the step's commit); its commit is sent with no lock
+// held. The backup reads a forward from the network with no lock of the
+// step engine held (a stalled primary delays no Promote), then takes the
+// commit lock to apply it. Every network wait has a deadline.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/zeroshard/v1/common.pb.h"
+#include "proto/zeroshard/v1/replica.pb.h"
+#include "proto/zeroshard/v1/shard.pb.h"
+#include "server/memory_ledger.h"
+#include "server/replica/replica_link.h"
+#include "server/step/step_engine.h"
+#include "transport/transport.h"
+
+namespace zeroshard {
+
+// A copy's role in its replica group.
+enum class ReplicaRole : uint8_t { kPrimary, kBackup };
+
+class ReplicaGroup {
+ public:
+  struct Options {
+    uint32_t group = 0;         // the replica group (its daemon's index)
+    uint32_t peer_index = 0;    // the group's other daemon
+    std::string peer_address;   // its HOST:PORT
+    ReplicaRole role = ReplicaRole::kPrimary;  // at the start
+    // How a primary reaches its backup (null: it runs without one).
+    ReplicaLink* link = nullptr;
+    // The longest one replication call may take before the group goes on
+    // with one copy, plus its bytes at 50 MB/s.
+    absl::Duration timeout = absl::Seconds(5);
+    transport::Transport* transport = nullptr;  // bulk state transfers; may be null
+    MemoryLedger* ledger = nullptr;
+  };
+
+  // `spec` (re-registered on a peer that lost the job) and `step` must
+  // outlive the group.
+  ReplicaGroup(Options options, const v1::JobSpec* spec, StepEngine* step);
+
+  ReplicaRole role() const;
+  uint64_t epoch() const;
+  const std::string& peer_address() const { return options_.peer_address; }
+  // OK when this copy serves its group's requests: it is the group's
+  // primary at `epoch` (nullopt: the caller named none). FailedPrecondition
+  // saying why otherwise.
+  absl::Status CheckServing(std::optional<uint64_t> epoch) const;
+  void FillReplicaState(v1::ReplicaGroupState* out) const;
+  // The primary's copy changed outside a step (initial parameters, a load,
+  // a state write): the backup copies the state again before the next
+  // step. `why` non-OK: a failure, logged, and retried after a pause.
+  void MarkBackupStale(const absl::Status& why);
+
+  // ---- The primary's side ----
+  // Brings the backup along to the prepared step `prepared`, with the step
+  // engine's commit lock held by the caller: the state when the backup has
+  // none (a restarted peer gets the job registered again), then the
+  // reduced gradient. Whether the backup holds the step; on failure the
+  // group goes on with one copy and tries again at a later step.
+  bool ReplicatePrepared(const StepEngine::Prepared& prepared, const std::string& token);
+  // Sends the leader's commit `request` to an in-sync backup, with no lock
+  // held (the caller committed it here first). A failure marks the backup
+  // stale.
+  void SendCommit(const v1::CommitStepRequest& request, const std::string& token);
+
+  // ---- The backup's side (the Replica service) ----
+  // See Replica.Promote.
+  absl::Status Promote(const v1::PromoteRequest& request);
+  // `first` is the stream's first chunk (which named this copy), `next`
+  // reads the following ones (false at the end). Nothing changes on any
+  // error; a refused forward or commit marks the copy out of sync (it waits
+  // for the next state transfer). A transfer whose first chunk names the
+  // primary's arrays (`bulk`) reads them over the bulk transport, blocking
+  // until `deadline` at most; when this daemon cannot it answers with
+  // bulk_refused set and takes nothing: the primary then streams the data.
+  absl::StatusOr<v1::TransferStateResponse> AcceptState(
+      const v1::ReplicaStateChunk& first, absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next,
+      absl::Time deadline);
+  absl::StatusOr<v1::ForwardGradientResponse> AcceptGradient(
+      const v1::ForwardedGradientChunk& first,
+      absl::FunctionRef<bool(v1::ForwardedGradientChunk*)> next);
+  absl::StatusOr<v1::CommitStepResponse> CommitReplica(const v1::CommitReplicaRequest& request);
+  // OK when a primary at `epoch` may drive this copy: it is the backup at
+  // that epoch (`transfer`: or at a lower one, or any role at a lower one).
+  absl::Status CheckDrivenBy(uint64_t epoch, bool transfer) const;
+
+ private:
+  // FailedPrecondition unless this backup holds a current copy.
+  absl::Status RequireCurrentCopy() const;
+  absl::Status PromoteLocked(const v1::PromoteRequest& r)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_->commit_lock());
+  // Over the bulk transport when both daemons have the same kind, else in
+  // the stream.
+  absl::Status SendState(const std::string& token, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_->commit_lock());
+  // The state's arrays in 4 MiB chunks of the stream.
+  absl::StatusOr<v1::TransferStateResponse> StreamState(const std::string& token,
+                                                        const v1::TrainingState& state,
+                                                        size_t arrays, uint64_t epoch,
+                                                        absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_->commit_lock());
+  // The first chunk of a bulk transfer (state and epoch set by the caller),
+  // or nullopt when this copy's arrays are not in transport regions.
+  std::optional<v1::ReplicaStateChunk> BulkStateChunk(size_t arrays) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_->commit_lock());
+  absl::Status SendGradient(const StepEngine::Prepared& prepared, const std::string& token,
+                            absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_->commit_lock());
+
+  const Options options_;
+  const v1::JobSpec* const spec_;
+  StepEngine* const step_;
+  const JobConfig& config_;
+
+  mutable absl::Mutex mu_;
+  ReplicaRole role_ ABSL_GUARDED_BY(mu_);
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 1;
+  // Backup: holds a copy of the primary's state. Primary: the backup took
+  // the last forward.
+  bool in_sync_ ABSL_GUARDED_BY(mu_) = false;
+  // Primary out of sync: the next attempt to bring the backup along.
+  absl::Time next_resync_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+
+  // Backup: where a forward's chunks land until all are in (booked as
+  // buffer on first use, released with the job). forward_mu_ lets one
+  // forward at a time read into it; the step engine's locks are not held
+  // while it reads the network.
+  absl::Mutex forward_mu_;
+  LedgerArray<float> forward_buffer_ ABSL_GUARDED_BY(forward_mu_);
+};
+
+}  // namespace zeroshard

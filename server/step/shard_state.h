@@ -1,0 +1,187 @@
+#pragma once
+
+// The model states of the partitions a daemon owns for one job: fp32
+// masters, the optimizer's moments, and (for half-precision jobs) the
+// half-precision copy trainers gather. With a bulk transport the masters and
+// the half copy live in transport regions, so trainers read them directly.
+//
+// Not thread-safe: the Job guards it with its parameter lock (gathers read
+// under the shared lock, the optimizer step and initial parameters write
+// under the exclusive one).
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "common/dtype.h"
+#include "common/flat_range.h"
+#include "common/job_spec.h"
+#include "proto/zeroshard/v1/common.pb.h"
+#include "proto/zeroshard/v1/shard.pb.h"
+#include "server/memory_ledger.h"
+#include "server/optimizer/optimizer.h"
+#include "server/step/owned_tensors.h"
+#include "transport/transport.h"
+
+namespace zeroshard {
+
+// A model-state array, as ReadState / WriteState name them.
+enum class StateArrayKind : uint8_t { kMaster = 1, kExpAvg = 2, kExpAvgSq = 3 };
+
+class ShardState {
+ public:
+  // The bytes Create books for the owned range of this job, by category:
+  // fp32 masters, the optimizer's moments (none for frozen tensors), and the
+  // half-precision copy (param_half in stage 3, buffer before: it only
+  // stages gathers). With `replica` (a backup's copy of another daemon's
+  // group) all of it is booked as replica.
+  static CategoryBytes Footprint(const JobConfig& config, FlatRange owned, bool replica = false);
+  // Allocates the owned range's states with bytes taken from `booked`, which
+  // must hold Footprint(config, owned) for the job: the caller books
+  // the whole footprint at once before anything is allocated. Transport
+  // regions are allocated only here, after that booking. ResourceExhausted
+  // when an allocation fails (what was not taken stays in `booked`).
+  // `transport` may be null (no bulk data path).
+  static absl::StatusOr<std::unique_ptr<ShardState>> Create(const JobConfig& config,
+                                                            FlatRange owned,
+                                                            LedgerReservation* booked,
+                                                            transport::Transport* transport,
+                                                            bool replica = false);
+  ~ShardState();
+
+  const OwnedTensors& tensors() const { return tensors_; }
+
+  // Stores fp32-converted `src` (n elements of `type`) at flat index `begin`.
+  void WriteMasters(ShardOptimizer* optimizer, uint64_t begin, const void* src, DType type,
+                    size_t n);
+  // Rewrites the half-precision copy from the masters (after WriteMasters).
+  void RefreshHalfCopy(ShardOptimizer* optimizer);
+  // Copies n elements at flat index `begin` into `dst` as `dtype` (fp32 from
+  // the masters, the job's precision from the half copy).
+  void Read(uint64_t begin, size_t n, DType dtype, void* dst) const;
+  // One optimizer update of `range` (owned, unpadded) with the reduced
+  // gradient `grad` (indexed like the owned range): every trainable tensor
+  // not in `no_grad` (layout indices, ascending) is updated with its
+  // group's hyper-parameters (`groups[group]`; their `step` is filled in
+  // here from the tensor's own update count) and its update count
+  // advanced, writing the half copy of what changed; the other tensors
+  // keep their values, moments and counts, as torch.optim leaves a
+  // parameter without a gradient. The alignment gaps go with the tensor
+  // before them (zeros stay zeros). Adjacent tensors of one group and one
+  // count are updated in one kernel call: a step of every tensor is one
+  // call over `range`. InvalidArgument, with nothing written, for bad
+  // hyper-parameters.
+  absl::Status Step(ShardOptimizer* optimizer, absl::Span<const StepHyperParams> groups,
+                    const float* grad, const FlatRange& range,
+                    absl::Span<const uint32_t> no_grad);
+
+  // ---- Checkpoints (dense: every array indexed like the owned range) ----
+  // The arrays a checkpoint holds, in checkpoint_files.h's file order:
+  // masters, m, and v for Adam(W).
+  size_t checkpoint_arrays() const { return v_.empty() ? 2 : 3; }
+  // Copies the first n owned elements of each checkpoint array into dst[i]
+  // (moments of frozen tensors as zeros).
+  void CopyOut(size_t n, float* const* dst) const;
+  // Replaces the first n owned elements of each checkpoint array with src[i]
+  // (the rest, partition padding, is zeroed; frozen tensors' moments are
+  // not kept), sets the update counts (`tensor_steps` may name tensors this
+  // range does not hold: they are ignored; the others count
+  // optimizer_steps) and rewrites the half copy.
+  void Restore(ShardOptimizer* optimizer, size_t n, const float* const* src,
+               uint64_t optimizer_steps, absl::Span<const v1::TensorStep> tensor_steps);
+
+  // ---- State transfers (raw: the arrays as held, moments in moment space) ----
+  // Elements of raw array i (i < checkpoint_arrays()) that cover the first
+  // `n` owned elements.
+  uint64_t raw_elements(size_t i, uint64_t n) const;
+  const float* array(size_t i) const {
+    return i == 0 ? master_.data() : i == 1 ? m_.data() : v_.data();
+  }
+  // The transport region holding array(i) (a backup reads it in a state
+  // transfer); null when created without a transport.
+  const transport::Region* array_region(size_t i) const {
+    return i == 0 ? master_region_.get() : i == 1 ? m_region_.get() : v_region_.get();
+  }
+  // Restore from raw arrays (raw_elements(i, n) elements each).
+  void RestoreRaw(ShardOptimizer* optimizer, size_t n, const float* const* src,
+                  uint64_t optimizer_steps, absl::Span<const v1::TensorStep> tensor_steps);
+
+  // ---- State dicts (ReadState / WriteState; dense over a flat range) ----
+  // Whether the job has `array` (InvalidArgument naming `field` if not).
+  absl::Status CheckArray(StateArrayKind array, absl::string_view field) const;
+  // Copies `array` over `range` (owned) into dst (range.size() floats).
+  void ReadArray(StateArrayKind array, const FlatRange& range, float* dst) const;
+  // OK iff `src` may be written to `array` over `range`: zeros in the
+  // alignment gaps, and for moments in frozen tensors (InvalidArgument
+  // naming `field` and the element otherwise).
+  absl::Status CheckWrite(StateArrayKind array, const FlatRange& range, const float* src,
+                          absl::string_view field) const;
+  // Whether `array` over `range` holds exactly `src`'s bytes (where it holds
+  // anything: frozen tensors have no moments).
+  bool Holds(StateArrayKind array, const FlatRange& range, const float* src) const;
+  // Whether tensor `index` (trainable, owned) has update count `steps`.
+  bool HasTensorStep(uint32_t index, uint64_t steps) const;
+  // Writes a checked `src`; masters also rewrite the range's half copy.
+  void WriteArray(ShardOptimizer* optimizer, StateArrayKind array, const FlatRange& range,
+                  const float* src);
+  // The update count of every trainable tensor overlapping `range`.
+  std::vector<v1::TensorStep> TensorStepsIn(const FlatRange& range) const;
+  // The trainable tensors whose count differs from optimizer_steps().
+  std::vector<v1::TensorStep> TensorStepsApart() const;
+  // OK iff tensor `index` is trainable and overlaps the owned range.
+  absl::Status CheckTensorStep(uint32_t index, absl::string_view field) const;
+  void SetTensorStep(uint32_t index, uint64_t steps);
+
+  // Adds PARAM_MASTER (and PARAM_HALF) regions covering the owned range, when
+  // created with a transport.
+  void FillRegions(v1::ExchangeEndpointResponse* response) const;
+  // Commits that updated (skipped steps excluded).
+  uint64_t optimizer_steps() const { return optimizer_steps_; }
+  void Hash(uint64_t& h) const;
+  // Books every array as replica (`replica`), or each under its own
+  // category again (a replica group's copy that changed role).
+  void Rebook(bool replica);
+
+ private:
+  ShardState(DType precision, const OwnedTensors& tensors, MemoryCategory half_category)
+      : precision_(precision),
+        owned_(tensors.owned()),
+        tensors_(tensors),
+        half_category_(half_category) {}
+  // The moment array of `array` (kExpAvg, kExpAvgSq).
+  const LedgerArray<float>& moments(StateArrayKind array) const {
+    return array == StateArrayKind::kExpAvg ? m_ : v_;
+  }
+  void SetAllSteps(uint64_t optimizer_steps, absl::Span<const v1::TensorStep> tensor_steps);
+
+  const DType precision_;
+  const FlatRange owned_;
+  const OwnedTensors tensors_;
+  const MemoryCategory half_category_;
+  // Transport memory behind master_, m_, v_ and half_; declared first so it
+  // is freed after the arrays.
+  std::unique_ptr<transport::Region> master_region_;
+  std::unique_ptr<transport::Region> m_region_;
+  std::unique_ptr<transport::Region> v_region_;
+  std::unique_ptr<transport::Region> half_region_;
+  LedgerArray<float> master_;        // owned range
+  LedgerArray<float> m_;             // moment space
+  LedgerArray<float> v_;             // moment space; empty for SGD
+  LedgerArray<uint16_t> half_;       // owned range; empty for fp32 jobs
+  uint64_t optimizer_steps_ = 0;
+  // By position in tensors_.entries(); frozen tensors' stay 0.
+  std::vector<uint64_t> tensor_steps_;
+};
+
+// `bytes` summed into the replica category.
+CategoryBytes BookedAsReplica(const CategoryBytes& bytes);
+
+// Hyper-parameters of a job's update rule, without the per-step fields.
+StepHyperParams HyperParamsOf(const OptimizerSettings& settings);
+// The same for each of the job's parameter groups, in group order.
+std::vector<StepHyperParams> GroupHyperParams(const JobSettings& settings);
+
+}  // namespace zeroshard

@@ -1,0 +1,944 @@
+#include "server/step/step_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/crc32c.h"
+#include "common/fnv.h"
+#include "common/protocol.h"
+#include "common/status_macros.h"
+
+namespace zeroshard {
+namespace {
+
+std::string RangeString(const v1::FlatRange& r) {
+  return absl::StrCat("[", r.begin(), ", ", r.end(), ")");
+}
+
+template <typename T>
+void HashValue(uint64_t& h, const T& v) {
+  Fnv1aMix(h, &v, sizeof(v));
+}
+
+absl::Status BadRank(uint32_t rank, uint32_t world_size, absl::string_view field) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": must be < world_size (", world_size, "), got ", rank));
+}
+
+}  // namespace
+
+StepEngine::StepEngine(const JobConfig* config, FlatRange owned, const Options& options)
+    : config_(config),
+      options_(options),
+      owned_(owned),
+      owned_unpadded_(owned.Intersect({0, config->map.total_elements()})) {}
+
+StepEngine::~StepEngine() {
+  absl::MutexLock lock(&mu_);
+  reduction_.reset();  // releases its buffer booking before grad_ goes
+}
+
+absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(const JobConfig* config,
+                                                               FlatRange owned,
+                                                               const Options& options) {
+  std::unique_ptr<StepEngine> engine(new StepEngine(config, owned, options));
+  const JobConfig& c = *config;
+  const uint64_t n = owned.size();
+  const bool replica = options.replica;
+  // In stage 1 full gradients live on the trainers (the paper's 2Ψ); the
+  // daemon's reduction target is a communication buffer. From stage 2 on it
+  // is the partitioned gradient.
+  const MemoryCategory grad_cat = c.stage >= 2 ? MemoryCategory::kGrad : MemoryCategory::kBuffer;
+  // The whole footprint (the shard states and the gradient) is booked in one
+  // step before anything is allocated or touched: a job that does not fit is
+  // refused whole, and concurrent registrations cannot each pass the limit
+  // with part of theirs.
+  CategoryBytes footprint = ShardState::Footprint(c, owned);
+  footprint[static_cast<int>(grad_cat)] += n * sizeof(float);
+  if (replica) footprint = BookedAsReplica(footprint);
+  absl::Status allocated = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(LedgerReservation booked,
+                     LedgerReservation::Create(options.ledger, c.job_id, footprint));
+    {
+      absl::MutexLock lock(&engine->params_mu_);
+      ASSIGN_OR_RETURN(engine->shard_,
+                       ShardState::Create(c, owned, &booked, options.transport, replica));
+      engine->tensors_ = &engine->shard_->tensors();
+    }
+    absl::MutexLock lock(&engine->mu_);
+    ASSIGN_OR_RETURN(engine->grad_,
+                     LedgerArray<float>::Create(
+                         &booked, replica ? MemoryCategory::kReplica : grad_cat, n));
+    return absl::OkStatus();
+  }();
+  if (!allocated.ok()) {
+    // Frees and releases what was allocated, then drops the job's ledger
+    // entry unless another registration of the same id holds bytes in it.
+    const std::string id = c.job_id;
+    engine.reset();
+    options.ledger->RemoveJobIfEmpty(id);
+    return allocated;
+  }
+  absl::MutexLock lock(&engine->mu_);
+  ReductionState::Options ro;
+  ro.job_id = c.job_id;
+  ro.owned = engine->owned_;
+  ro.owned_unpadded = engine->owned_unpadded_;
+  ro.partition_elements = c.map.partition_elements();
+  ro.world_size = c.world_size;
+  ro.mode = c.reduction;
+  ro.pending_budget_bytes = options.reduction_buffer_bytes;
+  ro.tensors = engine->tensors_;
+  engine->reduction_ = std::make_unique<ReductionState>(ro, engine->grad_.data(),
+                                                        options.optimizer, options.ledger);
+  engine->loss_scale_ = c.loss_scale.initial_scale;
+  return engine;
+}
+
+// ---- Data ----
+
+absl::StatusOr<uint32_t> StepEngine::JoinRank(uint32_t rank,
+                                              absl::FunctionRef<absl::StatusOr<uint64_t>()> join) {
+  // The reduction lock first: a rank's new process drops what its old one
+  // left in the out-of-order buffer before any push of the new one.
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(const uint64_t replaced, join());
+  return replaced == 0 ? 0 : reduction_->ReplaceRank(rank);
+}
+
+absl::Status StepEngine::InitParameters(const std::vector<v1::ParameterChunk>& chunks,
+                                 uint64_t* elements) {
+  absl::MutexLock commit_lock(&commit_mu_);
+  if (committed_step() > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", config_->job_id, " has committed step ", committed_step(),
+        "; initial parameters are only accepted before the first commit"));
+  }
+  std::vector<DType> types(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const v1::ParameterChunk& c = chunks[i];
+    const std::string where = absl::StrCat("chunk ", i);
+    absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), where + ".dtype");
+    if (!dt.ok()) return dt.status();
+    if (*dt != DType::kFp32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".dtype: initial parameters must be fp32, got ", DTypeName(*dt)));
+    }
+    const FlatRange r{c.range().begin(), c.range().end()};
+    if (r.begin >= r.end || !owned_unpadded_.Contains(r)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".range ", RangeString(c.range()), " is empty or outside the parameters this ",
+          "daemon owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
+    }
+    if (c.data().size() != r.size() * sizeof(float)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".data: ", c.data().size(),
+                                                     " bytes, expected ", r.size() * 4));
+    }
+    if (c.crc32c() != 0 && Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
+      return absl::DataLossError(
+          absl::StrCat(where, ": CRC-32C of the data does not match (corrupted in transit)"));
+    }
+    types[i] = *dt;
+  }
+  absl::MutexLock lock(&params_mu_);
+  uint64_t total = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const v1::ParameterChunk& c = chunks[i];
+    const uint64_t n = c.range().end() - c.range().begin();
+    shard_->WriteMasters(options_.optimizer, c.range().begin(), c.data().data(), types[i], n);
+    total += n;
+  }
+  shard_->RefreshHalfCopy(options_.optimizer);
+  ++params_version_;
+  *elements = total;
+  return absl::OkStatus();
+}
+
+absl::Status StepEngine::CheckChunk(const v1::GradientChunk& c, size_t index, absl::string_view payload,
+                             Contribution* out) const {
+  const std::string where = absl::StrCat("chunk ", index);
+  if (c.step() != committed_step() + 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ".step: job ", config_->job_id, " is computing step ", committed_step() + 1,
+        ", got a gradient for step ", c.step()));
+  }
+  if (c.rank() >= config_->world_size) {
+    return BadRank(c.rank(), config_->world_size, where + ".rank");
+  }
+  absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), where + ".dtype");
+  if (!dt.ok()) return dt.status();
+  if (*dt != DType::kFp32 && *dt != config_->precision) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".dtype: must be fp32 or the job's precision (", DTypeName(config_->precision),
+        "), got ", DTypeName(*dt)));
+  }
+  const FlatRange r{c.range().begin(), c.range().end()};
+  if (r.begin >= r.end || !owned_unpadded_.Contains(r)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".range ", RangeString(c.range()), " is empty or outside the partitions this ",
+        "daemon owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
+  }
+  // Daemon reduction sums the whole owned range alike: a chunk may span the
+  // daemon's partitions. In trainer-collective mode a rank pushes its own
+  // partition only.
+  if (config_->reduction == ReductionMode::kTrainerCollective) {
+    const uint32_t partition = static_cast<uint32_t>(r.begin / config_->map.partition_elements());
+    if (!config_->map.Partition(partition).Contains(r)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".range ", RangeString(c.range()), " crosses the boundary of partition ",
+          partition, " (in trainer-collective mode a rank pushes its own partition)"));
+    }
+    if (c.rank() != partition) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": in trainer-collective mode only rank ", partition,
+                       " pushes partition ", partition, ", got rank ", c.rank()));
+    }
+  }
+  if (payload.size() != r.size() * DTypeSize(*dt)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, c.staged() ? " (staged)" : ".data", ": ", payload.size(), " bytes, expected ",
+        r.size() * DTypeSize(*dt), " for ", r.size(), " ", DTypeName(*dt), " elements"));
+  }
+  const uint32_t mbs = std::max<uint32_t>(c.micro_batches(), 1);
+  if (mbs > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".micro_batches: at most 4096, got ", mbs));
+  }
+  if (c.micro_batch() >= mbs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ".micro_batch: must be < micro_batches (", mbs, "), got ", c.micro_batch()));
+  }
+  if (c.no_grad_tensors_size() > 0) {
+    // Ascending layout indices of tensors that overlap the chunk.
+    const auto [first, last] = config_->layout.TensorsIn(r);
+    uint64_t previous = 0;
+    for (int i = 0; i < c.no_grad_tensors_size(); ++i) {
+      const uint32_t t = c.no_grad_tensors(i);
+      if (t < first || t >= last || (i > 0 && t <= previous)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ".no_grad_tensors[", i, "]: ", t, " is not ascending or does not overlap ",
+            "the chunk's range ", RangeString(c.range()), " (tensors ", first, "..", last,
+            " do)"));
+      }
+      previous = t;
+    }
+  }
+  if (c.crc32c() != 0 && Crc32c(payload.data(), payload.size()) != c.crc32c()) {
+    return absl::DataLossError(absl::StrCat(where, ": CRC-32C of the data does not match ",
+                                            "(corrupted in transit); resend the chunk"));
+  }
+  out->range = r;
+  out->no_grad = absl::MakeConstSpan(c.no_grad_tensors().data(), c.no_grad_tensors_size());
+  out->rank = c.rank();
+  out->micro_batch = c.micro_batch();
+  out->dtype = *dt;
+  out->payload = payload;
+  out->crc32c = c.crc32c();
+  return absl::OkStatus();
+}
+
+absl::Status StepEngine::PushGradient(const std::vector<v1::GradientChunk>& chunks,
+                                      const std::vector<absl::string_view>& payloads,
+                                      absl::Time deadline,
+                                      absl::FunctionRef<absl::Status()> senders_current,
+                                      v1::PushGradientResponse* response) {
+  if (chunks.size() != payloads.size()) {
+    return absl::InternalError("PushGradient: one payload per chunk expected");
+  }
+  if (chunks.empty()) {
+    return absl::InvalidArgumentError("PushGradient: the stream carried no chunk");
+  }
+  const uint32_t mbs = std::max<uint32_t>(chunks[0].micro_batches(), 1);
+  absl::MutexLock lock(&mu_);
+  // Every chunk's sender must be its rank's current process, checked under
+  // the reduction lock (and again after any wait that released it), so a
+  // rank that rejoins meanwhile fences it.
+  RETURN_IF_ERROR(senders_current());
+  std::vector<Contribution> batch(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (absl::Status s = CheckChunk(chunks[i], i, payloads[i], &batch[i]); !s.ok()) return s;
+    if (std::max<uint32_t>(chunks[i].micro_batches(), 1) != mbs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk ", i, ".micro_batches: differs from chunk 0's (", mbs, ") in one push"));
+    }
+  }
+  if (prepared_ && prepared_by_forward_) {
+    // A promoted backup holding its dead primary's forward of a step no copy
+    // committed: the ranks compute the step again, and it is reduced here.
+    reduction_->Reset();
+    prepared_ = false;
+    prepared_by_forward_ = false;
+    ++reduction_changes_;
+  }
+  if (prepared_) {
+    // A restarted rank replaying the step: what the frozen gradient holds
+    // is a duplicate (ALREADY_EXISTS, delivered), as before the prepare.
+    uint64_t pending = 0, bookkeeping = 0;
+    absl::Status duplicate = reduction_->Check(batch, mbs, &pending, &bookkeeping);
+    if (absl::IsAlreadyExists(duplicate)) return duplicate;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", config_->job_id, " step ", committed_step() + 1,
+        " is prepared: its gradient is complete and frozen until the commit"));
+  }
+  uint64_t elements = 0;
+  // A staged contribution may wait in its slot for the rest of its range,
+  // which the ranks' last micro-batch completes (earlier ones would only
+  // wait out the hold), when the push's deadline leaves room for twice the
+  // hold (its answer must reach the rank in time).
+  const bool may_hold = options_.reduction_hold > absl::ZeroDuration() &&
+                        config_->reduction == ReductionMode::kDaemon && chunks.size() == 1 &&
+                        chunks[0].staged() && chunks[0].micro_batch() + 1 == mbs &&
+                        deadline - absl::Now() >= 2 * options_.reduction_hold;
+  std::shared_ptr<HeldContribution> held;
+  RETURN_IF_ERROR(
+      ApplyPush(batch, mbs, deadline, senders_current, &elements, may_hold ? &held : nullptr));
+  if (held != nullptr) RETURN_IF_ERROR(AwaitHeld(batch[0], held, deadline, senders_current));
+  response->set_elements(elements);
+  response->set_ranks_complete(reduction_->Complete() ? config_->world_size : 0);
+  return absl::OkStatus();
+}
+
+absl::Status StepEngine::ApplyPush(const std::vector<Contribution>& batch, uint32_t micro_batches,
+                            absl::Time deadline, absl::FunctionRef<absl::Status()> senders_current,
+                            uint64_t* elements, std::shared_ptr<HeldContribution>* held) {
+  const uint64_t step = committed_step() + 1;
+  for (;;) {
+    uint64_t pending = 0;
+    uint64_t bookkeeping = 0;
+    if (absl::Status s =
+            reduction_->Check(batch, micro_batches, &pending, &bookkeeping, held != nullptr);
+        !s.ok()) {
+      return s;
+    }
+    if (reduction_->Admit(pending)) {
+      // Both booked before the reduction allocates anything for them.
+      if (absl::Status s = options_.ledger->Reserve(config_->job_id, MemoryCategory::kBuffer,
+                                                      pending + bookkeeping);
+          s.ok()) {
+        *elements =
+            reduction_->Apply(batch, micro_batches, pending, bookkeeping, GradScale(), held);
+        ++reduction_changes_;
+        return absl::OkStatus();
+      } else if (reduction_->pending_bytes() == 0) {
+        return s;  // over the daemon's memory limit with nothing left to drain
+      }
+    }
+    // Back-pressure: wait for earlier contributions to drain the buffer.
+    const uint64_t seen = reduction_changes_;
+    auto changed = [this, seen, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return reduction_changes_ != seen || committed_step() + 1 != step;
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&changed), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "job ", config_->job_id, " step ", step, ": the out-of-order buffer (",
+          options_.reduction_buffer_bytes, " bytes) stayed full until the deadline; it waits ",
+          "for ", reduction_->DescribeIncomplete(), "; nothing was applied"));
+    }
+    if (committed_step() + 1 != step) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", config_->job_id, " committed step ", step, " while this push waited"));
+    }
+    RETURN_IF_ERROR(senders_current());
+  }
+}
+
+absl::Status StepEngine::AwaitHeld(const Contribution& c, const std::shared_ptr<HeldContribution>& held,
+                            absl::Time deadline,
+                            absl::FunctionRef<absl::Status()> senders_current) {
+  using State = HeldContribution::State;
+  auto let_go = [&held]() { return held->state != State::kHeld; };
+  mu_.AwaitWithDeadline(absl::Condition(&let_go),
+                        std::min(deadline, absl::Now() + options_.reduction_hold));
+  while (held->state == State::kHeld) {
+    // Still from the rank's current process (the lock was released)?
+    if (absl::Status s = senders_current(); !s.ok()) {
+      reduction_->DropHeld(held.get());
+      ++reduction_changes_;
+      return s;
+    }
+    // Held long enough: summed now if it is next in order, else buffered.
+    const uint64_t bytes = reduction_->NextInOrder(*held) ? 0 : held->bytes;
+    absl::Status booked;
+    if (reduction_->Admit(bytes) &&
+        (bytes == 0 ||
+         (booked = options_.ledger->Reserve(config_->job_id, MemoryCategory::kBuffer, bytes))
+             .ok())) {
+      reduction_->Unhold(held.get(), bytes, GradScale());
+      ++reduction_changes_;
+      break;
+    }
+    // Back-pressure: wait for the buffer to drain, or for a later arrival
+    // to sum it.
+    const uint64_t seen = reduction_changes_;
+    auto changed = [this, seen, &held]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return reduction_changes_ != seen || held->state != State::kHeld;
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&changed), deadline) &&
+        held->state == State::kHeld) {
+      reduction_->DropHeld(held.get());
+      ++reduction_changes_;
+      return absl::DeadlineExceededError(absl::StrCat(
+          "job ", config_->job_id, ": rank ", c.rank, "'s range [", c.range.begin, ", ", c.range.end,
+          ") was held for its range's other contributions, and then ",
+          booked.ok()
+              ? absl::StrCat("the out-of-order buffer (", options_.reduction_buffer_bytes,
+                             " bytes) stayed full")
+              : absl::StrCat("the daemon's memory limit refused its copy (", booked.message(), ")"),
+          " until the deadline; it waits for ", reduction_->DescribeIncomplete(),
+          "; nothing was applied"));
+    }
+  }
+  if (held->state == State::kDropped) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", config_->job_id, ": rank ", c.rank, "'s range [", c.range.begin, ", ", c.range.end,
+        ") was dropped unsummed while it was held (the rank rejoined, or the "
+        "step was reset); push it again"));
+  }
+  return absl::OkStatus();
+}
+
+StepEngine::ReductionCounts StepEngine::Reductions() const {
+  absl::MutexLock lock(&mu_);
+  return {reduction_->sum_passes(), reduction_->summed_contributions()};
+}
+
+bool StepEngine::AwaitCommit(uint64_t step, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  // Only the open step can become committed by waiting.
+  if (step != committed_step() + 1) return committed_step() >= step;
+  auto committed = [this, step]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return committed_step() >= step; };
+  return mu_.AwaitWithDeadline(absl::Condition(&committed), deadline);
+}
+
+absl::Status StepEngine::Gather(uint64_t after_step, const FlatRange& range, DType dtype,
+                         absl::Time deadline, uint64_t max_chunk_elements,
+                         const std::function<bool(v1::ParameterChunk&)>& write) {
+  if (range.begin >= range.end || !owned_unpadded_.Contains(range)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "range: [", range.begin, ", ", range.end, ") is empty or outside the parameters this ",
+        "daemon owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (after_step > committed_step() + 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "after_step: job ", config_->job_id, " has committed step ", committed_step(), "; step ",
+          after_step, " cannot be committed before step ", committed_step() + 1));
+    }
+    auto committed = [this, after_step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return committed_step() >= after_step;
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&committed), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "job ", config_->job_id, ": step ", after_step, " was not committed in time (committed: ",
+          committed_step(), ")"));
+    }
+  }
+  if (!write) {
+    NoteRemoteAccess();
+    return absl::OkStatus();
+  }
+  v1::ParameterChunk chunk;
+  chunk.set_job_id(config_->job_id);
+  chunk.set_dtype(WireDType(dtype));
+  const size_t esize = DTypeSize(dtype);
+  uint64_t version = 0;
+  {
+    absl::ReaderMutexLock lock(&params_mu_);
+    version = params_version_;
+  }
+  for (uint64_t pos = range.begin; pos < range.end;) {
+    const uint64_t end = std::min(range.end, pos + max_chunk_elements);
+    std::string* data = chunk.mutable_data();
+    data->resize((end - pos) * esize);
+    {
+      // Only the copy holds the lock; the write below holds none.
+      absl::ReaderMutexLock lock(&params_mu_);
+      if (params_version_ != version) {
+        return absl::AbortedError(absl::StrCat(
+            "job ", config_->job_id, ": the parameters changed (step ", committed_step(),
+            " was committed) while they were being gathered; gather again"));
+      }
+      shard_->Read(pos, end - pos, dtype, data->data());
+    }
+    chunk.mutable_range()->set_begin(pos);
+    chunk.mutable_range()->set_end(end);
+    chunk.set_crc32c(Crc32c(data->data(), data->size()));
+    if (!write(chunk)) return absl::CancelledError("the gathering client went away");
+    pos = end;
+  }
+  return absl::OkStatus();
+}
+
+// ---- Step ----
+
+absl::StatusOr<StepEngine::Prepared> StepEngine::PrepareLocked(uint64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (step != committed_step() + 1) {
+    return absl::FailedPreconditionError(absl::StrCat("step: job ", config_->job_id,
+                                                      " is computing step ",
+                                                      committed_step() + 1, ", got ", step));
+  }
+  Prepared prepared;
+  prepared.step = step;
+  if (!prepared_) {
+    if (!reduction_->Complete()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", config_->job_id, " step ", step,
+                                                        ": gradients incomplete: ",
+                                                        reduction_->DescribeIncomplete()));
+    }
+    // Each range's norm was taken in the pass of its last contribution.
+    const GradStats r = reduction_->GradStatsOfStep();
+    prepare_result_.set_grad_sq_sum(r.sum_sq);
+    prepare_result_.set_found_inf_nan(r.found_inf_nan);
+    prepare_result_.set_elements(owned_unpadded_.size());
+    prepare_result_.set_loss_scale(loss_scale_);
+    prepare_result_.set_backup_in_sync(false);
+    prepared_no_grad_ = reduction_->NoGradTensors();
+    prepared_ = true;
+    prepared_by_forward_ = false;
+    ++reduction_changes_;
+    prepared.fresh = true;
+  }
+  prepared.grad = reduction_->grad();
+  prepared.no_grad = prepared_no_grad_;
+  prepared.result = prepare_result_;
+  return prepared;
+}
+
+v1::PrepareStepResponse StepEngine::FinishPrepare(bool backup_in_sync) {
+  absl::MutexLock lock(&mu_);
+  prepare_result_.set_backup_in_sync(backup_in_sync);
+  return prepare_result_;
+}
+
+absl::StatusOr<float> StepEngine::CheckCommitFields(const v1::CommitStepRequest& r,
+                                             absl::string_view prefix) const {
+  if (!std::isfinite(r.lr()) || r.lr() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "lr: must be finite and >= 0, got ", r.lr()));
+  }
+  const uint32_t groups = GroupCount(*config_);
+  if (r.group_lrs_size() != 0 && r.group_lrs_size() != static_cast<int>(groups)) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "group_lrs: job ", config_->job_id,
+                                                   " has ", groups, " parameter groups, got ",
+                                                   r.group_lrs_size(), " learning rates"));
+  }
+  for (int g = 0; g < r.group_lrs_size(); ++g) {
+    if (!std::isfinite(r.group_lrs(g)) || r.group_lrs(g) < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefix, "group_lrs[", g, "]: must be finite and >= 0, got ", r.group_lrs(g)));
+    }
+  }
+  const float clip = r.clip_coef() == 0 ? 1.0f : r.clip_coef();
+  if (!(clip > 0 && clip <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "clip_coef: must be in (0, 1] (0 means 1), got ", r.clip_coef()));
+  }
+  return clip;
+}
+
+void StepEngine::UpdateLossScale(bool skipped) {
+  if (!config_->loss_scale.dynamic) return;
+  // Dynamic loss scaling, identical on every daemon of the job.
+  if (skipped) {
+    loss_scale_ = std::max(loss_scale_ * config_->loss_scale.backoff_factor, 1e-30f);
+    good_steps_ = 0;
+  } else if (++good_steps_ >= config_->loss_scale.growth_interval) {
+    const float grown = loss_scale_ * config_->loss_scale.growth_factor;
+    if (std::isfinite(grown)) loss_scale_ = grown;
+    good_steps_ = 0;
+  }
+}
+
+absl::StatusOr<v1::CommitStepResponse> StepEngine::Commit(const v1::CommitStepRequest& r,
+                                                          float clip) {
+  absl::MutexLock commit_lock(&commit_mu_);
+  return CommitLocked(r, clip);
+}
+
+absl::StatusOr<v1::CommitStepResponse> StepEngine::CommitLocked(const v1::CommitStepRequest& r,
+                                                                float clip) {
+  const float* grad = nullptr;
+  double grad_scale = 1.0;
+  std::vector<uint32_t> no_grad;
+  {
+    absl::MutexLock lock(&mu_);
+    const uint64_t committed = committed_step();
+    if (r.step() == committed && committed > 0) return last_commit_.response;
+    if (r.step() != committed + 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step: job ", config_->job_id, " is computing step ", committed + 1, ", got ", r.step()));
+    }
+    if (!prepared_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", config_->job_id, " step ", r.step(), ": CommitStep before PrepareStep (",
+          reduction_->Complete() ? "gradients complete" : reduction_->DescribeIncomplete(),
+          "); the leader prepares every daemon, then commits"));
+    }
+    grad = reduction_->grad();
+    grad_scale = static_cast<double>(clip) / (static_cast<double>(config_->world_size) *
+                                              static_cast<double>(loss_scale_));
+    no_grad = prepared_no_grad_;
+  }
+  if (!r.skip()) {
+    // The frozen gradient is read without the reduction lock: pushes are
+    // refused while prepared, and commit_mu_ keeps other commits out.
+    absl::MutexLock params_lock(&params_mu_);
+    std::vector<StepHyperParams> groups = GroupHyperParams(*config_);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      groups[g].lr = r.group_lrs_size() == 0 ? r.lr() : r.group_lrs(static_cast<int>(g));
+      groups[g].grad_scale = grad_scale;
+    }
+    const absl::Time start = absl::Now();
+    RETURN_IF_ERROR(shard_->Step(options_.optimizer, groups, grad, owned_unpadded_, no_grad));
+    // The update alone: what zeroshard_optimizer_seconds measures.
+    if (options_.metrics != nullptr) {
+      options_.metrics->RecordCommit(config_->job_id, absl::Now() - start,
+                                     owned_unpadded_.size());
+    }
+    ++params_version_;
+  }
+  absl::MutexLock lock(&mu_);
+  UpdateLossScale(r.skip());
+  reduction_->Reset();
+  prepared_ = false;
+  prepared_by_forward_ = false;
+  ++reduction_changes_;
+  last_commit_.response.set_committed_step(r.step());
+  last_commit_.response.set_loss_scale(loss_scale_);
+  last_commit_.response.set_skipped(r.skip());
+  last_commit_.clip_coef = clip;
+  last_commit_.grad_norm = r.grad_norm();
+  last_commit_.lr = r.lr();
+  last_commit_.group_lrs.assign(r.group_lrs().begin(), r.group_lrs().end());
+  // Published last, under mu_: whoever sees the step sees a reset reduction.
+  committed_step_.store(r.step(), std::memory_order_release);
+  return last_commit_.response;
+}
+
+// ---- Snapshots and restores ----
+
+v1::TrainingState StepEngine::TrainingStateLocked() const {
+  v1::TrainingState state;
+  state.set_committed_step(committed_step());
+  state.set_loss_scale(loss_scale_);
+  state.set_good_steps(good_steps_);
+  if (committed_step() > 0) {
+    v1::CommitRecord* c = state.mutable_last_commit();
+    c->set_step(committed_step());
+    c->set_lr(last_commit_.lr);
+    c->set_clip_coef(last_commit_.clip_coef);
+    c->set_skipped(last_commit_.response.skipped());
+    c->set_grad_norm(last_commit_.grad_norm);
+    for (float lr : last_commit_.group_lrs) c->add_group_lrs(lr);
+  }
+  return state;
+}
+
+v1::TrainingState StepEngine::TrainingState() const {
+  absl::MutexLock lock(&mu_);
+  return TrainingStateLocked();
+}
+
+std::vector<uint64_t> StepEngine::TransferSizes() const {
+  absl::ReaderMutexLock params_lock(&params_mu_);
+  std::vector<uint64_t> sizes;
+  for (size_t a = 0; a < shard_->checkpoint_arrays(); ++a) {
+    sizes.push_back(shard_->raw_elements(a, owned_unpadded_.size()));
+  }
+  return sizes;
+}
+
+void StepEngine::ReadModelStates(absl::FunctionRef<void(const ShardState&)> read) const {
+  absl::ReaderMutexLock params_lock(&params_mu_);
+  read(*shard_);
+}
+
+void StepEngine::Restore(const v1::TrainingState& state,
+                         absl::FunctionRef<void(ShardState&)> restore) {
+  absl::MutexLock lock(&mu_);
+  {
+    absl::MutexLock params_lock(&params_mu_);
+    restore(*shard_);
+    ++params_version_;
+  }
+  RestoreTrainingStateLocked(state);
+}
+
+absl::Status StepEngine::TakeForwardedStep(uint64_t step, const float* grad,
+                                           const v1::PrepareStepResponse& result,
+                                           std::vector<uint32_t> no_grad) {
+  absl::MutexLock lock(&mu_);
+  if (step != committed_step() + 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step: the backup of job ", config_->job_id, " is at committed step ", committed_step(),
+        ", got the gradient of step ", step));
+  }
+  std::memcpy(grad_.data() + (owned_unpadded_.begin - owned_.begin), grad,
+              owned_unpadded_.size() * sizeof(float));
+  prepared_no_grad_ = std::move(no_grad);
+  prepare_result_ = result;
+  prepared_ = true;
+  prepared_by_forward_ = true;
+  ++reduction_changes_;
+  return absl::OkStatus();
+}
+
+void StepEngine::Rebook(bool replica) {
+  absl::MutexLock lock(&mu_);
+  grad_.Rebook(replica               ? MemoryCategory::kReplica
+               : config_->stage >= 2 ? MemoryCategory::kGrad
+                                     : MemoryCategory::kBuffer);
+  absl::MutexLock params_lock(&params_mu_);
+  shard_->Rebook(replica);
+}
+
+bool StepEngine::prepared() const {
+  absl::MutexLock lock(&mu_);
+  return prepared_;
+}
+
+void StepEngine::RestoreTrainingStateLocked(const v1::TrainingState& state) {
+  // The open step's contributions belong to the replaced state.
+  reduction_->Reset();
+  prepared_ = false;
+  prepared_by_forward_ = false;
+  ++reduction_changes_;
+  loss_scale_ = state.loss_scale();
+  good_steps_ = state.good_steps();
+  last_commit_ = LastCommit();
+  last_commit_.response.set_committed_step(state.committed_step());
+  last_commit_.response.set_loss_scale(loss_scale_);
+  last_commit_.response.set_skipped(state.last_commit().skipped());
+  last_commit_.clip_coef = state.last_commit().clip_coef();
+  last_commit_.grad_norm = state.last_commit().grad_norm();
+  last_commit_.lr = state.last_commit().lr();
+  last_commit_.group_lrs.assign(state.last_commit().group_lrs().begin(),
+                                state.last_commit().group_lrs().end());
+  committed_step_.store(state.committed_step(), std::memory_order_release);
+}
+
+namespace {
+
+absl::StatusOr<StateArrayKind> StateArrayOf(v1::StateArray array, absl::string_view field) {
+  switch (array) {
+    case v1::STATE_ARRAY_MASTER: return StateArrayKind::kMaster;
+    case v1::STATE_ARRAY_EXP_AVG: return StateArrayKind::kExpAvg;
+    case v1::STATE_ARRAY_EXP_AVG_SQ: return StateArrayKind::kExpAvgSq;
+    default: break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": must be MASTER (1), EXP_AVG (2) or EXP_AVG_SQ (3), got ", static_cast<int>(array)));
+}
+
+}  // namespace
+
+absl::Status StepEngine::ReadState(v1::StateArray wire_array, const FlatRange& range,
+                                   uint64_t max_chunk_elements,
+                                   const std::function<bool(v1::StateChunk&)>& write) {
+  ASSIGN_OR_RETURN(const StateArrayKind array, StateArrayOf(wire_array, "array"));
+  if (range.begin >= range.end || !owned_unpadded_.Contains(range)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "range [", range.begin, ", ", range.end, ") is empty or outside the parameters this ",
+        "daemon owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
+  }
+  v1::StateChunk chunk;
+  uint64_t version = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (prepared_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", config_->job_id, " step ", committed_step() + 1,
+          " is prepared: read the state once it is committed"));
+    }
+    absl::ReaderMutexLock params_lock(&params_mu_);
+    RETURN_IF_ERROR(shard_->CheckArray(array, "array"));
+    version = params_version_;
+    for (v1::TensorStep& t : shard_->TensorStepsIn(range)) {
+      *chunk.add_tensor_steps() = std::move(t);
+    }
+  }
+  chunk.set_job_id(config_->job_id);
+  chunk.set_array(wire_array);
+  for (uint64_t pos = range.begin; pos < range.end;) {
+    const uint64_t end = std::min(range.end, pos + max_chunk_elements);
+    std::string* data = chunk.mutable_data();
+    data->resize((end - pos) * sizeof(float));
+    {
+      // Only the copy holds the lock; the write below holds none.
+      absl::ReaderMutexLock lock(&params_mu_);
+      if (params_version_ != version) {
+        return absl::AbortedError(absl::StrCat("job ", config_->job_id,
+                                               ": the state changed while it was being read; "
+                                               "read it again"));
+      }
+      shard_->ReadArray(array, {pos, end}, reinterpret_cast<float*>(data->data()));
+    }
+    chunk.mutable_range()->set_begin(pos);
+    chunk.mutable_range()->set_end(end);
+    chunk.set_crc32c(Crc32c(data->data(), data->size()));
+    if (!write(chunk)) return absl::CancelledError("the reading client went away");
+    chunk.clear_tensor_steps();
+    pos = end;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::WriteStateResponse> StepEngine::WriteState(
+    const std::vector<v1::StateChunk>& chunks, bool* changed) {
+  *changed = false;
+  // Checked in full before anything changes.
+  std::vector<StateArrayKind> arrays(chunks.size());
+  std::vector<uint32_t> stepped;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const v1::StateChunk& c = chunks[i];
+    const std::string where = absl::StrCat("chunk ", i);
+    const FlatRange r{c.range().begin(), c.range().end()};
+    if (!r.empty() || c.data().size() > 0) {
+      ASSIGN_OR_RETURN(arrays[i], StateArrayOf(c.array(), where + ".array"));
+      if (r.begin > r.end || !owned_unpadded_.Contains(r)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ".range ", RangeString(c.range()), " is outside the parameters this daemon ",
+            "owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
+      }
+      if (c.data().size() != r.size() * sizeof(float)) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".data: ", c.data().size(),
+                                                       " bytes, expected ", r.size() * 4, " for ",
+                                                       r.size(), " fp32 elements"));
+      }
+      if (c.crc32c() != 0 && Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
+        return absl::DataLossError(
+            absl::StrCat(where, ": CRC-32C of the data does not match (corrupted in transit)"));
+      }
+      for (size_t j = 0; j < i; ++j) {
+        const FlatRange other{chunks[j].range().begin(), chunks[j].range().end()};
+        if (arrays[j] == arrays[i] && !other.Intersect(r).empty()) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ".range ", RangeString(c.range()),
+                                                         " overlaps chunk ", j,
+                                                         "'s of the same array"));
+        }
+      }
+    }
+    for (int k = 0; k < c.tensor_steps_size(); ++k) stepped.push_back(c.tensor_steps(k).tensor());
+  }
+  std::sort(stepped.begin(), stepped.end());
+  if (std::adjacent_find(stepped.begin(), stepped.end()) != stepped.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor_steps: tensor ", *std::adjacent_find(stepped.begin(), stepped.end()),
+                     " is set twice in one stream"));
+  }
+  absl::MutexLock commit_lock(&commit_mu_);
+  absl::MutexLock lock(&mu_);
+  if (prepared_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", config_->job_id, " step ", committed_step() + 1,
+                     " is prepared: write the state once it is committed"));
+  }
+  absl::MutexLock params_lock(&params_mu_);
+  uint64_t elements = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const v1::StateChunk& c = chunks[i];
+    const std::string where = absl::StrCat("chunk ", i);
+    for (int k = 0; k < c.tensor_steps_size(); ++k) {
+      RETURN_IF_ERROR(shard_->CheckTensorStep(c.tensor_steps(k).tensor(),
+                                              absl::StrCat(where, ".tensor_steps[", k, "]")));
+    }
+    if (c.data().empty()) continue;
+    RETURN_IF_ERROR(shard_->CheckArray(arrays[i], where + ".array"));
+    RETURN_IF_ERROR(shard_->CheckWrite(arrays[i], {c.range().begin(), c.range().end()},
+                                       reinterpret_cast<const float*>(c.data().data()),
+                                       where + ".data"));
+  }
+  // A write of what is held changes nothing: every rank of a job may load
+  // the same state dict without gathers being aborted by the others.
+  bool changes = false;
+  for (size_t i = 0; i < chunks.size() && !changes; ++i) {
+    const v1::StateChunk& c = chunks[i];
+    for (const v1::TensorStep& t : c.tensor_steps()) {
+      changes = changes || !shard_->HasTensorStep(t.tensor(), t.steps());
+    }
+    changes = changes || (!c.data().empty() &&
+                          !shard_->Holds(arrays[i], {c.range().begin(), c.range().end()},
+                                         reinterpret_cast<const float*>(c.data().data())));
+  }
+  uint32_t steps = 0;
+  for (size_t i = 0; i < chunks.size() && changes; ++i) {
+    const v1::StateChunk& c = chunks[i];
+    for (const v1::TensorStep& t : c.tensor_steps()) {
+      shard_->SetTensorStep(t.tensor(), t.steps());
+      ++steps;
+    }
+    if (c.data().empty()) continue;
+    const FlatRange r{c.range().begin(), c.range().end()};
+    shard_->WriteArray(options_.optimizer, arrays[i], r,
+                       reinterpret_cast<const float*>(c.data().data()));
+    elements += r.size();
+  }
+  if (changes) ++params_version_;
+  *changed = changes;
+  v1::WriteStateResponse out;
+  out.set_elements(elements);
+  out.set_tensor_steps(steps);
+  return out;
+}
+
+void StepEngine::FillStepState(bool brief, v1::StepState* state) const {
+  state->set_world_size(config_->world_size);
+  absl::MutexLock lock(&mu_);
+  state->set_committed_step(committed_step());
+  state->set_loss_scale(loss_scale_);
+  if (committed_step() > 0) {
+    state->set_last_skipped(last_commit_.response.skipped());
+    state->set_last_clip_coef(last_commit_.clip_coef);
+    state->set_last_grad_norm(last_commit_.grad_norm);
+    state->set_last_lr(last_commit_.lr);
+  }
+  state->set_prepared(prepared_);
+  state->set_complete_elements(reduction_->CompleteElements());
+  state->set_owned_elements(owned_unpadded_.size());
+  if (brief) return;
+  for (const MissingRange& m : reduction_->Missing(kMaxMissingReported)) {
+    v1::MissingContribution* out = state->add_missing();
+    out->mutable_range()->set_begin(m.range.begin);
+    out->mutable_range()->set_end(m.range.end);
+    out->set_rank(m.rank);
+    out->set_contributions(m.contributions);
+    out->set_expected(m.expected);
+  }
+}
+
+float StepEngine::loss_scale() const {
+  absl::MutexLock lock(&mu_);
+  return loss_scale_;
+}
+
+void StepEngine::FillParameterRegions(v1::ExchangeEndpointResponse* response) const {
+  absl::ReaderMutexLock lock(&params_mu_);
+  shard_->FillRegions(response);
+}
+
+absl::Time StepEngine::last_remote_access() const {
+  return absl::FromUnixNanos(last_remote_access_ns_.load(std::memory_order_acquire));
+}
+
+void StepEngine::NoteRemoteAccess() {
+  last_remote_access_ns_.store(absl::ToUnixNanos(absl::Now()), std::memory_order_release);
+}
+
+void StepEngine::Hash(uint64_t& h) const {
+  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock params_lock(&params_mu_);
+  shard_->Hash(h);
+  reduction_->Hash(h);
+  HashValue(h, committed_step());
+  HashValue(h, loss_scale_);
+  HashValue(h, good_steps_);
+  HashValue(h, prepared_);
+}
+
+}  // namespace zeroshard
