@@ -12,7 +12,8 @@ cd "$(dirname "$0")"
 PACKAGES=(
   g++ bazel-bootstrap clang-14 libclang-rt-14-dev lld-14
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev libabsl-dev
-  libucx-dev ucx-utils libcivetweb-dev liburing-dev libssl-dev openssl
+  libucx-dev ucx-utils libcivetweb-dev prometheus-cpp-dev nlohmann-json3-dev
+  liburing-dev libssl-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   libtorch-dev python3-torch python3-numpy pybind11-dev python3-pytest
   python3-pip python3-venv python3-yaml

@@ -199,8 +199,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   resources.reduction_hold = options.reduction_hold;
   resources.checkpoint_dir = options.checkpoint_dir;
   resources.metrics = &d->metrics_;
-  d->replica_link_ = std::make_unique<GrpcReplicaLink>(options.tls);
-  resources.replica_link = d->replica_link_.get();
+  if (options.replica_link == nullptr) {
+    d->replica_link_ = std::make_unique<GrpcReplicaLink>(options.tls);
+  }
+  resources.replica_link =
+      options.replica_link != nullptr ? options.replica_link : d->replica_link_.get();
   d->jobs_ = std::make_unique<JobManager>(jo, resources, &d->metrics_);
   d->context_ = std::make_unique<ServiceContext>();
   ServiceContext& ctx = *d->context_;
@@ -215,7 +218,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   ctx.activations = d->activations_.get();
   ctx.arena_tenancy = &d->arena_tenancy_;
   ctx.activation_metrics = &d->activation_metrics_;
-  ctx.replica_link = d->replica_link_.get();
+  ctx.replica_link = resources.replica_link;
   ctx.replica_timeout = resources.replica_timeout;
   ctx.start = absl::Now();
   if (!options.admin_token.empty()) ctx.admin = TokenDigest::Of(options.admin_token);

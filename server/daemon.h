@@ -30,6 +30,8 @@ namespace zeroshard {
 // at most 256.
 int DefaultOptimizerThreads();
 
+class ReplicaLink;
+
 struct DaemonOptions {
   std::string listen = "127.0.0.1:0";  // HOST:PORT; port 0 picks a free one
   uint64_t memory_limit_bytes = 0;     // 0 = unlimited
@@ -85,6 +87,10 @@ struct DaemonOptions {
   // Bytes of spill files at most (with spill_dir).
   uint64_t spill_bytes = 4ull << 30;
 
+  // How this daemon's primaries reach their backups; null: over gRPC with
+  // `tls` (tests put a link of their own here; it must outlive the daemon).
+  ReplicaLink* replica_link = nullptr;
+
   // Security (docs/security.md).
   // Mutual TLS for the gRPC services (and a "grpc" bulk transport): all three
   // files, or none for plaintext.
@@ -113,7 +119,6 @@ class AdminService;
 class CheckpointService;
 class ActivationService;
 class ReplicaService;
-class ReplicaLink;
 
 class Daemon {
  public:

@@ -17,10 +17,12 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/channel.h"
 #include "common/crc32c.h"
@@ -30,6 +32,7 @@
 #include "metrics/registry.h"
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "server/daemon.h"
+#include "server/rpc/grpc_replica_link.h"
 #include "server/job/job.h"
 #include "server/step/owned_tensors.h"
 #include "server/testing/daemon_fixture.h"
@@ -196,6 +199,7 @@ class ReplicaTest : public ::testing::Test {
       o.listen = "127.0.0.1:0";
       o.read_lease = absl::ZeroDuration();  // removed jobs are freed at the next reap
       o.bulk_transport = BulkTransport(d);
+      o.replica_link = LinkOf(d);
       absl::StatusOr<std::unique_ptr<Daemon>> started = Daemon::Start(o);
       ASSERT_TRUE(started.ok()) << started.status();
       daemons_.push_back(*std::move(started));
@@ -205,6 +209,8 @@ class ReplicaTest : public ::testing::Test {
 
   // Daemon d's bulk transport (empty: none, state copies in the stream).
   virtual std::string BulkTransport(int d) const { return ""; }
+  // Daemon d's link to its backups (null: the daemon's own, over gRPC).
+  virtual ReplicaLink* LinkOf(int d) { return nullptr; }
 
   Daemon& daemon(int d) { return *daemons_[d]; }
 
@@ -879,6 +885,64 @@ TEST_F(ReplicaTest, PromoteAndFence) {
 
 // A backup holding the prepared step (forwarded, not yet committed) counts
 // it: the leader may promote it with that step as committed and finish it.
+// A primary that goes silent mid-forward (it sent part of the step's
+// gradient and stalled) keeps its backup's Promote waiting for nothing: the
+// backup reads a forward from the network with no lock of the step engine
+// held, and takes the commit lock only to apply the whole forward. (When
+// the forward held the commit lock while it read, the promotion waited for
+// the stream to end.) The stalled stream, from the replaced primary, is then
+// refused.
+TEST_F(ReplicaTest, StalledForwardStallsNoPromote) {
+  const TestJob j = StartJob("stalled-forward", 2);
+  RunStep(j, 1, {{0, 0, 1}, {1, 1, 1}});  // both backups in sync
+  // Group 0's backup is on daemon 1: half of step 2's forward, then silence.
+  const FlatRange r = j.Range(0);
+  const uint64_t half = r.begin + r.size() / 2;
+  std::vector<float> g(r.size(), 0.5f);
+  auto chunk = [&](FlatRange piece) {
+    v1::ForwardedGradientChunk c;
+    c.set_job_id(j.id);
+    c.set_group(0);
+    c.set_epoch(1);
+    c.set_step(2);
+    c.mutable_range()->set_begin(piece.begin);
+    c.mutable_range()->set_end(piece.end);
+    c.set_data(g.data() + (piece.begin - r.begin), piece.size() * sizeof(float));
+    return c;
+  };
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, 120);
+  v1::ForwardGradientResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::ForwardedGradientChunk>> writer =
+      Replica(1).stub->ForwardGradient(&ctx, &resp);
+  v1::ForwardedGradientChunk first = chunk({r.begin, half});
+  first.mutable_prepared()->set_elements(r.size());
+  ASSERT_TRUE(writer->Write(first));
+  absl::SleepFor(absl::Milliseconds(300));  // the backup is waiting for the rest
+
+  const absl::Time t0 = absl::Now();
+  grpc::Status promoted = Replica(1).Promote(j.id, 0, 2, 1);  // its own 30 s deadline
+  const absl::Duration took = absl::Now() - t0;
+  EXPECT_TRUE(promoted.ok()) << promoted.error_message();
+  EXPECT_LT(took, absl::Seconds(5)) << "the promotion waited for the stalled forward";
+
+  // The rest arrives from a primary that was replaced meanwhile.
+  ASSERT_TRUE(writer->Write(chunk({half, r.end})));
+  writer->WritesDone();
+  const grpc::Status refused = writer->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::FAILED_PRECONDITION) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("cannot drive it"), std::string::npos)
+      << refused.error_message();
+  std::shared_ptr<Job> copy = Copy(1, j.id, 0);
+  ASSERT_NE(copy, nullptr);
+  EXPECT_EQ(copy->role(), ReplicaRole::kPrimary);
+  EXPECT_EQ(copy->epoch(), 2u);
+  EXPECT_EQ(copy->committed_step(), 1u);
+  v1::StepState state;
+  copy->FillStepState(absl::Seconds(30), /*brief=*/true, &state);
+  EXPECT_FALSE(state.prepared()) << "the replaced primary's forward was taken";
+}
+
 TEST_F(ReplicaTest, PromoteCountsThePreparedStep) {
   const TestJob j = SyncedJob("prepared");
   const std::vector<std::vector<float>> grads = Grads(j.total(), 2);
@@ -1441,6 +1505,109 @@ class BulkReplicaTest : public ReplicaTest {
  protected:
   std::string BulkTransport(int d) const override { return "inproc"; }
 };
+
+// Daemon 0's primaries reach their backups over gRPC, but with `hold` set
+// its commits wait at the link until `release` (a backup that stalls while
+// it takes a commit).
+class HeldCommitLink final : public ReplicaLink {
+ public:
+  absl::Status RegisterBackup(const std::string& peer, const std::string& token,
+                              const v1::JobSpec& spec, uint32_t daemon_index,
+                              absl::Time deadline) override {
+    return inner_.RegisterBackup(peer, token, spec, daemon_index, deadline);
+  }
+  absl::StatusOr<v1::TransferStateResponse> TransferState(
+      const std::string& peer, const std::string& token,
+      absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next, absl::Time deadline) override {
+    return inner_.TransferState(peer, token, next, deadline);
+  }
+  absl::Status ForwardGradient(const std::string& peer, const std::string& token,
+                               absl::FunctionRef<bool(v1::ForwardedGradientChunk*)> next,
+                               absl::Time deadline) override {
+    return inner_.ForwardGradient(peer, token, next, deadline);
+  }
+  absl::Status CommitReplica(const std::string& peer, const std::string& token,
+                             const v1::CommitReplicaRequest& request,
+                             absl::Time deadline) override {
+    if (hold) {
+      if (!held.HasBeenNotified()) held.Notify();
+      release.WaitForNotificationWithDeadline(deadline);
+    }
+    return inner_.CommitReplica(peer, token, request, deadline);
+  }
+  absl::Status ReleaseReplica(const std::string& peer, const std::string& token,
+                              const v1::ReleaseReplicaRequest& request,
+                              absl::Time deadline) override {
+    return inner_.ReleaseReplica(peer, token, request, deadline);
+  }
+
+  std::atomic<bool> hold{false};
+  absl::Notification held;     // a commit is waiting at the link
+  absl::Notification release;  // let it go
+
+ private:
+  GrpcReplicaLink inner_{TlsFiles{}};
+};
+
+class StalledBackupTest : public ReplicaTest {
+ protected:
+  ReplicaLink* LinkOf(int d) override { return d == 0 ? &link_ : nullptr; }
+  HeldCommitLink link_;
+};
+
+// A backup that stalls while it takes a commit keeps nothing of its
+// primary's waiting but that commit's answer: the primary sends the commit
+// after applying it here, with the commit lock released, so a request that
+// needs the lock (a state write, a checkpoint) goes on, and the step reads
+// as committed. (When the commit held the lock across the call, the write
+// waited for the stalled backup.)
+TEST_F(StalledBackupTest, StalledBackupCommitStallsNothingElse) {
+  const TestJob j = StartJob("stalled-backup", 2);
+  RunStep(j, 1, {{0, 0, 1}, {1, 1, 1}});  // both backups in sync
+  link_.hold = true;
+  // Step 2 of group 0 (primary on daemon 0), prepared with its forward.
+  const std::vector<std::vector<float>> grads = Grads(j.total(), 2);
+  const FlatRange r = j.Range(0);
+  for (uint32_t rank = 0; rank < kWorld; ++rank) {
+    ASSERT_TRUE(Target(0, 0, 1)
+                    .Push(GradientChunks(j.id, 2, rank, j.config.map, r,
+                                         grads[rank].data() + r.begin, 333))
+                    .ok());
+  }
+  v1::PrepareStepResponse prepared;
+  ASSERT_TRUE(Target(0, 0, 1).Prepare(j.id, 2, &prepared).ok());
+  EXPECT_TRUE(prepared.backup_in_sync());
+  grpc::Status committed;
+  std::thread leader([&] { committed = Target(0, 0, 1).Commit(j.id, 2, kLr); });
+  ASSERT_TRUE(link_.held.WaitForNotificationWithTimeout(absl::Seconds(30)));
+
+  // Meanwhile on the primary: the step is committed, and a state write
+  // (of what is held: it takes the commit lock and changes nothing) goes
+  // through.
+  std::shared_ptr<Job> primary = Copy(0, j.id, 0);
+  ASSERT_NE(primary, nullptr);
+  EXPECT_EQ(primary->committed_step(), 2u);
+  // The first tensor of the group's range (the test's gaps hold values: a
+  // write must leave them alone).
+  const auto [first, last] = j.config.layout.TensorsIn(r);
+  ASSERT_LT(first, last);
+  const FlatRange tensor = j.config.layout.tensors()[first].range().Intersect(r);
+  std::vector<float> masters;
+  ASSERT_TRUE(Target(0, 0, 1).Gather(j.id, 2, tensor, &masters).ok());
+  const absl::Time t0 = absl::Now();
+  const grpc::Status written = Target(0, 0, 1).WriteState({testing::StateChunk(
+      j.id, 0, v1::STATE_ARRAY_MASTER, tensor, masters.data())});
+  const absl::Duration took = absl::Now() - t0;
+  EXPECT_TRUE(written.ok()) << written.error_message();
+  EXPECT_LT(took, absl::Seconds(5)) << "the state write waited for the stalled backup";
+
+  link_.release.Notify();
+  leader.join();
+  EXPECT_TRUE(committed.ok()) << committed.error_message();
+  std::shared_ptr<Job> backup = Copy(1, j.id, 0);
+  ASSERT_NE(backup, nullptr);
+  EXPECT_EQ(backup->committed_step(), 2u);
+}
 
 class MixedTransportReplicaTest : public ReplicaTest {
  protected:
