@@ -34,7 +34,7 @@
 #include "common/layout.h"
 #include "server/daemon.h"
 #include "server/job/job.h"
-#include "server/services.h"
+#include "server/rpc/services.h"
 
 ABSL_FLAG(int64_t, params, 96 << 20, "parameters of the job (12 bytes each are saved)");
 ABSL_FLAG(int, saves, 4, "checkpoint saves (the first is reported apart)");

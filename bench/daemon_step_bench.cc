@@ -77,7 +77,7 @@
 #include "common/layout.h"
 #include "common/protocol.h"
 #include "server/job/job.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 
 ABSL_FLAG(int64_t, params, 50000000, "parameters of the job (Ψ), all owned by the one daemon");

@@ -80,7 +80,7 @@
 // (the default), world 2, about 1.3 GB in all, twice that at 32 Mi.
 //
 // Size: a daemon gives its backup resources.replica_timeout (5 s, fixed:
-// server/job.h) for the transfer and the first forward together; past it
+// server/job/job.h) for the transfer and the first forward together; past it
 // the group goes on with one copy and this bench stops, saying so. The
 // default keeps the transfer near 1 s on a small loaded host, well over the
 // 100 ms that make it measurable, and the whole run under a minute on 2
@@ -153,7 +153,7 @@ using bench::Median;
 constexpr int kDaemons = 2;
 constexpr char kToken[] = "replica-bench-job-token";
 constexpr uint64_t kIncarnation = 1;
-// As server/job_replica.cc: 4 MiB of fp32 per transferred or forwarded chunk.
+// As server/replica/replica_group.cc: 4 MiB of fp32 per transferred or forwarded chunk.
 constexpr uint64_t kChunkElements = uint64_t{1} << 20;
 // fp32 AdamW: masters, m, v.
 constexpr uint64_t kStateArrays = 3;
@@ -260,7 +260,7 @@ class StderrTee {
     }
   }
 
-  // server/job_replica.cc, Job::SendState:
+  // server/replica/replica_group.cc, ReplicaGroup::SendState:
   //   zeroshardd: job J replica group G: copied the state of step S to the
   //   backup on ADDR over the bulk transport|in the stream: B bytes in T s
   //   (X GB/s)

@@ -14,7 +14,7 @@
 //
 // The reduced value of element i is (((g_0 + g_1) + g_2) + ...) in rank
 // order, with g_r rank r's micro-batch sum, in fp32: the order in which the
-// daemons sum contributions in daemon reduce (server/reduction.h), so with
+// daemons sum contributions in daemon reduce (server/step/reduction.h), so with
 // one micro-batch and an fp32 job both modes deliver the same bits. (The
 // squared norm for clipping is summed per pushed chunk, and the modes cut
 // chunks differently where a daemon owns several partitions: its double

@@ -14,7 +14,7 @@
 #include "common/job_spec.h"
 #include "common/protocol.h"
 #include "gtest/gtest.h"
-#include "server/activation_testing.h"
+#include "server/testing/activation_testing.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
 #include "transport/transport.h"

@@ -12,7 +12,7 @@
 #include "common/crc32c.h"
 #include "common/job_spec.h"
 #include "gtest/gtest.h"
-#include "server/activation_testing.h"
+#include "server/testing/activation_testing.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
 

@@ -17,9 +17,9 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/rpc/grpc_replica_link.h"
-#include "server/services.h"
+#include "server/rpc/services.h"
 #include "server/status_page.h"
-#include "server/system_resources.h"
+#include "server/ledger/system_resources.h"
 
 namespace zeroshard {
 

@@ -1,7 +1,7 @@
 #pragma once
 
 // zeroshardd's process: options, the bulk transport, the job manager, and
-// the gRPC services (server/services.h) over them. The optimizer step runs on
+// the gRPC services (server/rpc/services.h) over them. The optimizer step runs on
 // the daemon's ShardOptimizer threads, which the committing handler joins.
 
 #include <atomic>
@@ -14,19 +14,19 @@
 #include "grpcpp/grpcpp.h"
 #include "metrics/http_server.h"
 #include "prometheus/registry.h"
-#include "server/activation_metrics.h"
-#include "server/activation_store.h"
-#include "server/arena_tenancy.h"
-#include "server/daemon_metrics.h"
+#include "server/activation/activation_metrics.h"
+#include "server/activation/activation_store.h"
+#include "server/activation/arena_tenancy.h"
+#include "server/metrics/daemon_metrics.h"
 #include "server/job/job_manager.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 #include "transport/transport.h"
 
 namespace zeroshard {
 
 // zeroshardd's optimizer threads with --optimizer_threads=0 (its default):
-// the CPUs this process may use (UsableCpus(), server/system_resources.h),
+// the CPUs this process may use (UsableCpus(), server/ledger/system_resources.h),
 // at most 256.
 int DefaultOptimizerThreads();
 

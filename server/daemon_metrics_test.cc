@@ -2,7 +2,7 @@
 // check metrics, no lint), and values equal to the ledger and the traffic the
 // RPCs carried.
 
-#include "server/daemon_metrics.h"
+#include "server/metrics/daemon_metrics.h"
 
 #include <map>
 #include <set>
@@ -17,9 +17,9 @@
 #include "metrics/promtool_testutil.h"
 #include "metrics/registry.h"
 #include "prometheus/registry.h"
-#include "server/activation_metrics.h"
+#include "server/activation/activation_metrics.h"
 #include "server/daemon.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {

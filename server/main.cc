@@ -14,7 +14,7 @@
 #include "common/auth.h"
 #include "common/tls_flags.h"
 #include "server/daemon.h"
-#include "server/system_resources.h"
+#include "server/ledger/system_resources.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0",
           "HOST:PORT to serve gRPC on; port 0 picks a free port (printed at start).");

@@ -17,7 +17,7 @@
 #include "common/layout.h"
 #include "gtest/gtest.h"
 #include "server/daemon.h"
-#include "server/system_resources.h"
+#include "server/ledger/system_resources.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {

@@ -18,7 +18,7 @@
 #include "gtest/gtest.h"
 #include "server/daemon.h"
 #include "common/testing/test_pki.h"
-#include "server/activation_testing.h"
+#include "server/testing/activation_testing.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {

@@ -25,7 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/job/job.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 
 namespace zeroshard {
 

@@ -29,7 +29,7 @@
 #include "examples/oracle_diff.h"
 #include "examples/trainer.h"
 #include "gtest/gtest.h"
-#include "server/activation_testing.h"
+#include "server/testing/activation_testing.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
 

@@ -104,7 +104,7 @@ class Context:
 # Sizes, as each side parses them.
 
 def daemon_bytes(text):
-    """zeroshardd's --memory_limit grammar (server/system_resources.cc):
+    """zeroshardd's --memory_limit grammar (server/ledger/system_resources.cc):
     digits with an optional K, M, G, T (or KiB ... TiB), powers of 1024;
     None for "auto" (a share of the cgroup limit, so never above it)."""
     if text == "auto":

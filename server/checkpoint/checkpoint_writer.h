@@ -27,8 +27,8 @@
 #include "absl/time/time.h"
 #include "common/flat_range.h"
 #include "proto/zeroshard/v1/checkpoint.pb.h"
-#include "server/daemon_metrics.h"
-#include "server/memory_ledger.h"
+#include "server/metrics/daemon_metrics.h"
+#include "server/ledger/memory_ledger.h"
 
 namespace zeroshard {
 

@@ -22,7 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/zeroshard/v1/control.pb.h"
-#include "server/daemon_metrics.h"
+#include "server/metrics/daemon_metrics.h"
 #include "server/job/job.h"
 
 namespace zeroshard {

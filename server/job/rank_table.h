@@ -21,7 +21,7 @@
 #include "absl/time/time.h"
 #include "proto/zeroshard/v1/shard.pb.h"
 #include "server/job/staging.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 #include "transport/transport.h"
 
 namespace zeroshard {

@@ -20,7 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 #include "transport/transport.h"
 
 namespace zeroshard {

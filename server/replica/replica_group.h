@@ -32,7 +32,7 @@
 #include "proto/zeroshard/v1/common.pb.h"
 #include "proto/zeroshard/v1/replica.pb.h"
 #include "proto/zeroshard/v1/shard.pb.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 #include "server/replica/replica_link.h"
 #include "server/step/step_engine.h"
 #include "transport/transport.h"

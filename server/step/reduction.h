@@ -28,7 +28,7 @@
 #include "common/dtype.h"
 #include "common/flat_range.h"
 #include "common/job_spec.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 #include "server/step/owned_tensors.h"
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 #include "server/step/owned_tensors.h"
 

@@ -21,7 +21,7 @@
 #include "common/job_spec.h"
 #include "proto/zeroshard/v1/common.pb.h"
 #include "proto/zeroshard/v1/shard.pb.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 #include "server/step/owned_tensors.h"
 #include "transport/transport.h"

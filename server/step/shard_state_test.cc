@@ -22,7 +22,7 @@
 #include "common/job_spec.h"
 #include "common/layout.h"
 #include "gtest/gtest.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 
 namespace zeroshard {

@@ -42,7 +42,7 @@ const char* MemoryCategoryName(MemoryCategory c);
 using CategoryBytes = std::array<uint64_t, kNumMemoryCategories>;
 
 // The ledger entry for memory the daemon holds for no job: the activation
-// arena's free space (server/activation_store.h). No job id can take this
+// arena's free space (server/activation/activation_store.h). No job id can take this
 // name (common/job_id.h allows no parentheses).
 inline constexpr char kDaemonLedgerEntry[] = "(daemon)";
 

@@ -4,7 +4,7 @@
 // slice back exactly, capacity limits that refuse and change nothing,
 // reservation leases, and job removal.
 
-#include "server/activation_store.h"
+#include "server/activation/activation_store.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -25,7 +25,7 @@
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
-#include "server/activation_testing.h"
+#include "server/activation/activation_store_testing.h"
 #include "transport/transport.h"
 
 namespace zeroshard {

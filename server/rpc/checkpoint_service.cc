@@ -4,7 +4,7 @@
 #include "common/checkpoint_files.h"
 #include "common/job_id.h"
 #include "common/protocol.h"
-#include "server/services.h"
+#include "server/rpc/services.h"
 
 namespace zeroshard {
 namespace {

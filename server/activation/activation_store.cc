@@ -1,4 +1,4 @@
-#include "server/activation_store.h"
+#include "server/activation/activation_store.h"
 
 #include <sys/mman.h>
 #include <unistd.h>

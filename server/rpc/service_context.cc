@@ -1,8 +1,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/channel.h"
 #include "common/checkpoint_files.h"
-#include "server/grpc_status.h"
-#include "server/services.h"
+#include "server/rpc/grpc_status.h"
+#include "server/rpc/services.h"
 
 namespace zeroshard {
 

@@ -1,4 +1,4 @@
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 
 #include <string>
 #include <thread>

@@ -7,7 +7,7 @@
 #include "common/crc32c.h"
 #include "common/protocol.h"
 #include "common/status_macros.h"
-#include "server/services.h"
+#include "server/rpc/services.h"
 
 namespace zeroshard {
 namespace {

@@ -1,23 +1,15 @@
-#include "server/activation_testing.h"
-
-#include <dirent.h>
+#include "server/testing/activation_testing.h"
 
 #include <chrono>
-#include <cstdlib>
-#include <cstring>
-#include <random>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
 #include "common/channel.h"
 #include "common/crc32c.h"
 #include "common/protocol.h"
 #include "gtest/gtest.h"
 #include "prometheus/text_serializer.h"
-#include "server/activation_spill.h"
 
 namespace zeroshard::testing {
 namespace {
@@ -45,16 +37,6 @@ v1::ActivationKey MakeKey(uint64_t step, uint32_t layer, uint32_t micro_batch, u
   k.set_mp_rank(mp_rank);
   k.set_mp_size(mp_size);
   return k;
-}
-
-std::string PatternBytes(uint64_t seed, size_t bytes) {
-  std::string s(bytes, '\0');
-  std::mt19937_64 rng(seed);
-  for (size_t i = 0; i < bytes; i += 8) {
-    const uint64_t v = rng();
-    std::memcpy(&s[i], &v, std::min<size_t>(8, bytes - i));
-  }
-  return s;
 }
 
 ActivationClient::ActivationClient(const std::string& address, const std::string& token) {
@@ -191,35 +173,6 @@ void ExpectActivationRejected(Daemon& daemon, const std::string& job, grpc::Stat
   if (daemon.activations() != nullptr) {
     EXPECT_EQ(daemon.activations()->StateHash(), store) << "the store changed: " << text;
   }
-}
-
-size_t SpillFilesIn(const std::string& dir) {
-  size_t n = 0;
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return 0;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (SpillDirectory::IsSpillName(name) && !absl::StrContains(name, ".lock")) ++n;
-  }
-  ::closedir(d);
-  return n;
-}
-
-size_t SettledSpillFiles(const ActivationStore& store, const std::string& dir) {
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  auto settled = [&] {
-    const ActivationStore::Stats st = store.GetStats();
-    return st.dropped_files == 0 && st.in_flight == 0;
-  };
-  while (!settled() && absl::Now() < give_up) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  return SpillFilesIn(dir);
-}
-
-std::string TestDir(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(base != nullptr ? base : "/tmp", "/", name);
 }
 
 double MetricValue(const Daemon& daemon, const std::string& series) {

@@ -4,7 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/protocol.h"
-#include "server/services.h"
+#include "server/rpc/services.h"
 
 namespace zeroshard {
 namespace {

@@ -18,7 +18,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 
 namespace zeroshard {
 

@@ -1,4 +1,4 @@
-#include "server/system_resources.h"
+#include "server/ledger/system_resources.h"
 
 #include <sched.h>
 #include <unistd.h>

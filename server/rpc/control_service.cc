@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/job_id.h"
-#include "server/services.h"
+#include "server/rpc/services.h"
 
 namespace zeroshard {
 namespace {

@@ -22,12 +22,12 @@
 #include "proto/zeroshard/v1/control.grpc.pb.h"
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
-#include "server/activation_metrics.h"
-#include "server/activation_store.h"
-#include "server/arena_tenancy.h"
-#include "server/daemon_metrics.h"
+#include "server/activation/activation_metrics.h"
+#include "server/activation/activation_store.h"
+#include "server/activation/arena_tenancy.h"
+#include "server/metrics/daemon_metrics.h"
 #include "server/job/job_manager.h"
-#include "server/memory_ledger.h"
+#include "server/ledger/memory_ledger.h"
 #include "transport/transport.h"
 
 namespace zeroshard {
@@ -96,7 +96,7 @@ struct ServiceContext {
                                           absl::string_view what) const;
 };
 
-class StreamBooking;  // server/shard_service.cc
+class StreamBooking;  // server/rpc/shard_service.cc
 
 class ControlService final : public v1::Control::Service {
  public:

@@ -12,7 +12,8 @@
 
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/activation.grpc.pb.h"
-#include "server/activation_store.h"
+#include "server/activation/activation_store.h"
+#include "server/activation/activation_store_testing.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
 
@@ -22,8 +23,6 @@ v1::ActivationOwner MakeOwner(const std::string& job, uint32_t rank,
                               uint64_t incarnation = kTestIncarnation);
 v1::ActivationKey MakeKey(uint64_t step, uint32_t layer, uint32_t micro_batch = 0,
                           uint32_t mp_rank = 0, uint32_t mp_size = 1);
-// `bytes` bytes of a pattern determined by `seed`.
-std::string PatternBytes(uint64_t seed, size_t bytes);
 
 // Activation RPCs over a plaintext channel whose calls carry `token`.
 struct ActivationClient {
@@ -59,16 +58,6 @@ struct ActivationClient {
 // ledger and nothing in the daemon's activation store changed.
 void ExpectActivationRejected(Daemon& daemon, const std::string& job, grpc::StatusCode code,
                               const std::string& text, const std::function<grpc::Status()>& call);
-
-// Spill files (not locks) in `dir`.
-size_t SpillFilesIn(const std::string& dir);
-// SpillFilesIn(dir) once `store` has no spill I/O in flight and has removed
-// the files it dropped (it waits for its disk to be idle: see
-// ActivationStore), within 10 s.
-size_t SettledSpillFiles(const ActivationStore& store, const std::string& dir);
-
-// A directory under the test's temporary directory.
-std::string TestDir(const std::string& name);
 
 // The value of one sample ("name{labels}") of the daemon's metrics; 0 when
 // it is not exported.

@@ -74,10 +74,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/zeroshard/v1/shard.pb.h"
-#include "server/activation_allocator.h"
-#include "server/activation_metrics.h"
-#include "server/activation_spill.h"
-#include "server/memory_ledger.h"
+#include "server/activation/activation_allocator.h"
+#include "server/activation/activation_metrics.h"
+#include "server/activation/activation_spill.h"
+#include "server/ledger/memory_ledger.h"
 #include "transport/transport.h"
 
 namespace zeroshard {

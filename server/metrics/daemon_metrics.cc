@@ -1,4 +1,4 @@
-#include "server/daemon_metrics.h"
+#include "server/metrics/daemon_metrics.h"
 
 #include "metrics/metric_names.h"
 

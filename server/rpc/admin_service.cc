@@ -2,8 +2,8 @@
 #include <string>
 
 #include "common/estimator.h"
-#include "server/grpc_status.h"
-#include "server/services.h"
+#include "server/rpc/grpc_status.h"
+#include "server/rpc/services.h"
 
 namespace zeroshard {
 

@@ -1,4 +1,4 @@
-#include "server/activation_metrics.h"
+#include "server/activation/activation_metrics.h"
 
 #include "metrics/metric_names.h"
 #include "metrics/registry.h"

@@ -1,4 +1,4 @@
-#include "server/activation_spill.h"
+#include "server/activation/activation_spill.h"
 
 #include <dirent.h>
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-#include "server/activation_allocator.h"
+#include "server/activation/activation_allocator.h"
 
 #include <algorithm>
 #include <random>
