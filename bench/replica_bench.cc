@@ -371,13 +371,16 @@ double RawStream(GrpcReplicaLink& link, const std::string& sink, uint64_t n) {
 class RawGets {
  public:
   RawGets(const std::string& kind, const std::string& ucx_tls, uint64_t n) : n_(n) {
-    transport::TransportOptions to;
-    to.ucx_tls = ucx_tls;
-    to.name = "replica_bench source";
+    transport::TransportOptions common;
+    common.name = "replica_bench source";
+    transport::BackendOptions to;
+    to.SetCommon(common);
+    to.ucx.tls = ucx_tls;
     absl::StatusOr<std::unique_ptr<transport::Transport>> source =
         transport::CreateTransport(kind, to);
     Check(source.status(), "the baseline's source transport");
-    to.name = "replica_bench reader";
+    common.name = "replica_bench reader";
+    to.SetCommon(common);
     absl::StatusOr<std::unique_ptr<transport::Transport>> reader =
         transport::CreateTransport(kind, to);
     Check(reader.status(), "the baseline's reading transport");

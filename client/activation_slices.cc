@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/activation_protocol.h"
 #include "common/status_macros.h"
 
 namespace zeroshard {
@@ -15,11 +16,7 @@ absl::StatusOr<ActivationSliceRange> ActivationSlice(uint64_t bytes, size_t elem
     return absl::InvalidArgumentError(
         absl::StrCat("bytes: ", bytes, " is not a multiple of element_size ", element_size));
   }
-  if (mp_size == 0) return absl::InvalidArgumentError("mp_size: must be >= 1");
-  if (mp_rank >= mp_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("mp_rank: must be < mp_size (", mp_size, "), got ", mp_rank));
-  }
+  RETURN_IF_ERROR(ValidateModelParallelRank(mp_rank, mp_size, ""));
   const uint64_t elements = bytes / element_size;
   const uint64_t base = elements / mp_size, extra = elements % mp_size;
   const uint64_t first = mp_rank * base + std::min<uint64_t>(mp_rank, extra);

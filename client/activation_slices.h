@@ -26,8 +26,9 @@ struct ActivationSliceRange {
 };
 
 // MP rank `mp_rank`'s slice of the tensor. InvalidArgument naming the field
-// for element_size 0, bytes not a multiple of element_size, mp_size 0 or
-// mp_rank >= mp_size.
+// for element_size 0, bytes not a multiple of element_size, or an mp_rank
+// and mp_size no ActivationKey may carry (ValidateModelParallelRank:
+// mp_size outside 1..kMaxModelParallel, mp_rank >= mp_size).
 absl::StatusOr<ActivationSliceRange> ActivationSlice(uint64_t bytes, size_t element_size,
                                                      uint32_t mp_rank, uint32_t mp_size);
 

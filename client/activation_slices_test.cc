@@ -41,6 +41,11 @@ TEST(ActivationSlicesTest, RejectsBadArguments) {
   EXPECT_TRUE(absl::IsInvalidArgument(ActivationSlice(8, 0, 0, 2).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(ActivationSlice(8, 4, 0, 0).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(ActivationSlice(8, 4, 2, 2).status()));
+  // No key could carry more MP slices than the daemon accepts.
+  EXPECT_TRUE(ActivationSlice(8, 4, 0, kMaxModelParallel).ok());
+  const absl::Status m = ActivationSlice(8, 4, 0, kMaxModelParallel + 1).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(m)) << m;
+  EXPECT_NE(m.message().find("mp_size: must be in [1, 4096]"), std::string::npos) << m;
   std::vector<uint8_t> whole(12), a(4), b(4);  // slice 0 has 8 bytes
   const absl::Span<const uint8_t> parts[] = {a, b};
   const absl::Status s = ReassembleActivation(parts, 4, whole.data(), whole.size());

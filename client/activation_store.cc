@@ -23,27 +23,16 @@ auto KeysOfStep(Ordered& keys, uint64_t step) {
                         keys.upper_bound(ActivationKey{step, kMax, kMax, kMax, kMax}));
 }
 
-// PrefetchActivationsRequest.keys: at most this many per request.
-constexpr size_t kMaxPrefetchKeys = 1024;
-
 // Bulk offloads and fetches move a slice in pieces of this size; the
 // checksum of each piece is taken while the transport moves the next one.
 constexpr uint64_t kRegionPieceBytes = 4 << 20;
 
-void ToProto(const ActivationKey& key, v1::ActivationKey* out) {
-  out->set_step(key.step);
-  out->set_micro_batch(key.micro_batch);
-  out->set_layer(key.layer);
-  out->set_mp_rank(key.mp_rank);
-  out->set_mp_size(key.mp_size);
-}
-
 absl::Status CheckArgs(const ActivationKey& key, const void* buffer, uint64_t bytes,
                        const char* buffer_name) {
   RETURN_IF_ERROR(ValidateActivationKey(key));
-  if (bytes == 0) {
+  if (absl::Status s = ValidateActivationSliceBytes(bytes, "bytes"); !s.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("bytes: must be >= 1 (", DescribeActivationKey(key), ")"));
+        absl::StrCat(s.message(), " (", DescribeActivationKey(key), ")"));
   }
   if (buffer == nullptr) {
     return absl::InvalidArgumentError(
@@ -69,22 +58,6 @@ absl::Status AddActivationContext(const absl::Status& s, const ActivationKey& ke
 }
 
 }  // namespace
-
-std::string DescribeActivationKey(const ActivationKey& key) {
-  return absl::StrCat("step ", key.step, " micro-batch ", key.micro_batch, " layer ", key.layer,
-                      " mp ", key.mp_rank, "/", key.mp_size);
-}
-
-absl::Status ValidateActivationKey(const ActivationKey& key) {
-  if (key.mp_size < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("key.mp_size: must be >= 1, got ", key.mp_size));
-  }
-  if (key.mp_rank >= key.mp_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("key.mp_rank: must be < mp_size (", key.mp_size, "), got ", key.mp_rank));
-  }
-  return absl::OkStatus();
-}
 
 ActivationTicket ActivationTicket::Ready(const absl::Status& status) {
   auto state = std::make_shared<CountDown>(1);
@@ -343,7 +316,7 @@ absl::Status DaemonSliceStore::OffloadBulk(const ActivationKey& key, const void*
                                            Stored* where) {
   v1::ReserveActivationRequest reserve;
   *reserve.mutable_owner() = OwnerProto();
-  ToProto(key, reserve.mutable_key());
+  ActivationKeyToProto(key, reserve.mutable_key());
   reserve.set_bytes(bytes);
   v1::ActivationPlacement placement;
   {
@@ -370,7 +343,7 @@ absl::Status DaemonSliceStore::OffloadBulk(const ActivationKey& key, const void*
   }
   v1::CommitActivationRequest commit;
   *commit.mutable_owner() = OwnerProto();
-  ToProto(key, commit.mutable_key());
+  ActivationKeyToProto(key, commit.mutable_key());
   if (options_.checksums) commit.set_crc32c(crc);
   v1::ActivationStored stored;
   grpc::ClientContext context;
@@ -399,7 +372,7 @@ absl::Status DaemonSliceStore::OffloadStream(const ActivationKey& key, const voi
       stub_->OffloadActivation(&context, &stored);
   v1::ActivationChunk chunk;
   *chunk.mutable_owner() = OwnerProto();
-  ToProto(key, chunk.mutable_key());
+  ActivationKeyToProto(key, chunk.mutable_key());
   chunk.set_total_bytes(bytes);
   bool broken = false;
   for (uint64_t off = 0; off < bytes && !broken; off += piece) {
@@ -532,7 +505,7 @@ absl::Status DaemonSliceStore::FetchBulk(const ActivationKey& key, void* dst, ui
                                          absl::Time deadline, bool* was_spilled) {
   v1::LocateActivationRequest locate;
   *locate.mutable_owner() = OwnerProto();
-  ToProto(key, locate.mutable_key());
+  ActivationKeyToProto(key, locate.mutable_key());
   v1::ActivationPlacement placement;
   {
     grpc::ClientContext context;
@@ -591,7 +564,7 @@ absl::Status DaemonSliceStore::FetchStream(const ActivationKey& key, void* dst, 
   const std::string what = What("FetchActivation", key);
   v1::FetchActivationRequest req;
   *req.mutable_owner() = OwnerProto();
-  ToProto(key, req.mutable_key());
+  ActivationKeyToProto(key, req.mutable_key());
   req.set_max_chunk_bytes(std::clamp<uint64_t>(options_.stream_chunk_bytes, 4096, kMaxChunkBytes));
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
@@ -658,7 +631,7 @@ absl::StatusOr<ActivationTicket> DaemonSliceStore::Prefetch(absl::Span<const Act
       v1::PrefetchActivationsRequest req;
       *req.mutable_owner() = OwnerProto();
       for (size_t i = b; i < std::min(list.size(), b + kMaxPrefetchKeys); ++i) {
-        ToProto(list[i], req.add_keys());
+        ActivationKeyToProto(list[i], req.add_keys());
       }
       v1::PrefetchActivationsResponse resp;
       grpc::ClientContext context;
@@ -676,7 +649,7 @@ absl::StatusOr<v1::FreeActivationsResponse> DaemonSliceStore::FreeRpc(
     std::optional<uint64_t> if_placement) {
   v1::FreeActivationsRequest req;
   *req.mutable_owner() = OwnerProto();
-  ToProto(key, req.mutable_key());
+  ActivationKeyToProto(key, req.mutable_key());
   req.set_whole_step(whole_step);
   if (if_placement.has_value()) req.set_if_placement(*if_placement);
   v1::FreeActivationsResponse resp;

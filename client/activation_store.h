@@ -5,7 +5,9 @@
 // forward pass ends, fetches it back for the layer's recomputation in
 // backward, and frees it. With model parallelism of degree M each MP rank
 // stores only its slice of a checkpoint (P_a; client/activation_slices.h
-// cuts and reassembles), under a key naming its mp_rank and M.
+// cuts and reassembles), under a key naming its mp_rank and M. The key
+// (ActivationKey) and its validator are common/activation_protocol.h's,
+// the daemon's own.
 //
 // Two implementations:
 //  - LocalSliceStore: copies in the trainer's own memory (the
@@ -54,7 +56,6 @@
 #include <optional>
 #include <set>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -64,33 +65,11 @@
 #include "absl/types/span.h"
 #include "client/bulk_data_path.h"
 #include "client/executor.h"
+#include "common/activation_protocol.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/activation.grpc.pb.h"
 
 namespace zeroshard {
-
-// One slice of one checkpoint (ActivationKey of activation.proto); the owner
-// (job, rank) is the store's.
-struct ActivationKey {
-  uint64_t step = 0;
-  uint32_t micro_batch = 0;
-  uint32_t layer = 0;
-  uint32_t mp_rank = 0;  // < mp_size
-  uint32_t mp_size = 1;  // the model-parallel degree M, >= 1
-
-  auto tie() const { return std::tie(step, micro_batch, layer, mp_rank, mp_size); }
-  friend bool operator<(const ActivationKey& a, const ActivationKey& b) {
-    return a.tie() < b.tie();
-  }
-  friend bool operator==(const ActivationKey& a, const ActivationKey& b) {
-    return a.tie() == b.tie();
-  }
-};
-
-// "step S micro-batch B layer L mp R/M", for messages.
-std::string DescribeActivationKey(const ActivationKey& key);
-// OK, or InvalidArgument naming the field (mp_size >= 1, mp_rank < mp_size).
-absl::Status ValidateActivationKey(const ActivationKey& key);
 
 // Completion of one asynchronous store operation. Copyable; copies share
 // state. A default-constructed ticket is complete and OK.
@@ -144,9 +123,10 @@ class ActivationSliceStore {
   // name, or "stream" (once known: after the first operation).
   virtual std::string name() const = 0;
 
-  // Starts storing `bytes` (>= 1) bytes from `data` under `key`. `data` is
-  // borrowed: the store reads it until the ticket completes, errors
-  // included, and the caller must neither modify nor free it before then.
+  // Starts storing `bytes` (1..kMaxActivationSliceBytes) bytes from `data`
+  // under `key`. `data` is borrowed: the store reads it until the ticket
+  // completes, errors included, and the caller must neither modify nor free
+  // it before then.
   // InvalidArgument / AlreadyExists at once (nothing sent); other errors
   // reach the ticket.
   virtual absl::StatusOr<ActivationTicket> Offload(const ActivationKey& key, const void* data,

@@ -137,10 +137,24 @@ TEST_P(PathTest, ErrorsKeepTheirCodes) {
   absl::StatusOr<ActivationTicket> again = rig.store->Offload(Key(0), v.data(), v.size());
   EXPECT_TRUE(absl::IsAlreadyExists(again.status())) << again.status();
   EXPECT_EQ(rig.fake->activation().counts().reserve, reserves);
-  // Bad keys and sizes, at once.
+  // Bad keys and sizes, at once, by the daemon's own rules
+  // (common/activation_protocol.h): nothing reaches the daemon.
+  const testing::FakeActivation::Counts before = rig.fake->activation().counts();
   EXPECT_TRUE(absl::IsInvalidArgument(rig.store->Offload({1, 0, 0, 2, 2}, v.data(), 4).status()));
+  absl::StatusOr<ActivationTicket> bad =
+      rig.store->Offload({1, 0, 0, 0, kMaxModelParallel + 1}, v.data(), 4);
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status())) << bad.status();
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "key.mp_size")) << bad.status();
   EXPECT_TRUE(absl::IsInvalidArgument(rig.store->Offload(Key(1), v.data(), 0).status()));
+  bad = rig.store->Offload(Key(1), v.data(), kMaxActivationSliceBytes + 1);
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status())) << bad.status();
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "bytes: at most")) << bad.status();
   EXPECT_TRUE(absl::IsInvalidArgument(rig.store->Offload(Key(1), nullptr, 4).status()));
+  const ActivationKey bad_hint[] = {Key(1), {1, 0, 2, 0, 0}};
+  EXPECT_TRUE(absl::IsInvalidArgument(rig.store->Prefetch(bad_hint).status()));
+  EXPECT_EQ(rig.fake->activation().counts().reserve, before.reserve);
+  EXPECT_EQ(rig.fake->activation().counts().offload_stream, before.offload_stream);
+  EXPECT_EQ(rig.fake->activation().counts().prefetch, before.prefetch);
   // Wrong size: the slice stays.
   absl::Status s = rig.Fetch(Key(0), &got, 4095, AfterFetch::kKeep);
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;

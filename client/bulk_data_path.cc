@@ -36,7 +36,7 @@ std::vector<StagingSlots::PushKey> KeysOf(absl::Span<const GradientPush> pushes)
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<BulkTransport>> BulkTransport::Create(
-    const std::string& name, const transport::TransportOptions& options) {
+    const std::string& name, const transport::BackendOptions& options) {
   ASSIGN_OR_RETURN(v1::TransportKind kind, TransportKindFromName(name, "ClientConfig.transport"));
   ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> t,
                    transport::CreateTransport(name, options),

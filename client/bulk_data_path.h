@@ -65,7 +65,7 @@ class BulkTransport {
   // ClientConfig.transport for a name that is no bulk transport; the
   // factory's error otherwise (Unavailable when UCX cannot initialise).
   static absl::StatusOr<std::shared_ptr<BulkTransport>> Create(
-      const std::string& name, const transport::TransportOptions& options);
+      const std::string& name, const transport::BackendOptions& options);
 
   v1::TransportKind kind() const { return kind_; }
   const std::string& local_address() const { return transport_->LocalAddress(); }

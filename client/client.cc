@@ -175,11 +175,14 @@ absl::Status Client::Connect() {
   ASSIGN_OR_RETURN(const ChannelSecurity security,
                    MakeChannelSecurity(c.tls, c.job_token, "ClientConfig."));
   if (c.transport != kStream) {
-    transport::TransportOptions to;
-    to.name = absl::StrCat("client ", c.job_id, " rank ", c.rank);
-    to.ucx_tls = c.ucx_tls;
-    to.tls = c.tls;
-    to.progress_threads = c.bulk_progress_threads;
+    transport::TransportOptions common;
+    common.name = absl::StrCat("client ", c.job_id, " rank ", c.rank);
+    transport::BackendOptions to;
+    to.SetCommon(common);
+    to.ucx.tls = c.ucx_tls;
+    to.ucx.progress_threads = c.bulk_progress_threads;
+    to.inproc.progress_threads = c.bulk_progress_threads;
+    to.grpc.tls = c.tls;
     ASSIGN_OR_RETURN(bulk_, BulkTransport::Create(c.transport, to));
   }
   std::vector<DaemonControl*> controls;

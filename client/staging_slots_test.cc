@@ -126,14 +126,23 @@ TEST(StagingSlotsTest, TheSamePushLearnsItsQuarantinedAttemptWasApplied) {
 
 // Threads acquire, fail, resolve (with fences that fail at random) and
 // release: a slot never has two holders, and its generations only grow.
+// Every thread gets slots (the checks above would pass vacuously if Acquire
+// always failed), every slot is handed out, a push of a key never sent
+// before is never "delivered", and an Acquire that fails says why with one
+// of the two codes the header names.
 TEST(StagingSlotsTest, ConcurrentUseNeverSharesASlot) {
+  constexpr int kThreads = 8;
+  constexpr int kPushes = 300;
   StagingSlots slots("d:1");
   slots.SetCount(3);
   std::vector<std::atomic<int>> holders(3);
   std::vector<std::atomic<uint64_t>> last(3);
   std::atomic<int> failures{0};
+  std::atomic<int> delivered{0};
+  std::atomic<int> unexpected_codes{0};
+  std::vector<int> leases(kThreads, 0);  // per thread, written by that thread only
   std::vector<std::thread> threads;
-  for (int t = 0; t < 8; ++t) {
+  for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       std::mt19937 rng(t);
       std::mutex rng_mu;
@@ -142,10 +151,23 @@ TEST(StagingSlotsTest, ConcurrentUseNeverSharesASlot) {
         if (rng() % 3 == 0) return absl::UnavailableError("down");
         return rng() % 2 ? g : g - 1;
       };
-      for (int k = 0; k < 300; ++k) {
+      for (int k = 0; k < kPushes; ++k) {
         absl::StatusOr<StagingSlots::Acquired> a =
             slots.Acquire(K(1000 * t + k), absl::Now() + absl::Milliseconds(50), fence);
-        if (!a.ok() || a->delivered) continue;
+        if (!a.ok()) {
+          const absl::StatusCode code = a.status().code();
+          if (code != absl::StatusCode::kDeadlineExceeded &&
+              code != absl::StatusCode::kUnavailable) {
+            ++unexpected_codes;
+          }
+          continue;
+        }
+        // Every key is pushed once: no earlier attempt can have applied it.
+        if (a->delivered) {
+          ++delivered;
+          continue;
+        }
+        ++leases[t];
         const uint32_t s = a->lease.slot;
         if (holders[s].fetch_add(1) != 0) ++failures;
         if (a->lease.generation <= last[s].exchange(a->lease.generation)) ++failures;
@@ -161,6 +183,17 @@ TEST(StagingSlotsTest, ConcurrentUseNeverSharesASlot) {
   }
   for (auto& th : threads) th.join();
   EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(delivered.load(), 0);
+  EXPECT_EQ(unexpected_codes.load(), 0);
+  int total = 0;
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_GT(leases[t], 0) << "thread " << t << " never got a slot";
+    total += leases[t];
+  }
+  // A third of the fences fail, and a quarantined slot waits for one that
+  // answers, but most pushes find a slot within 50 ms.
+  EXPECT_GE(total, kThreads * kPushes / 4) << total << " of " << kThreads * kPushes;
+  for (uint32_t s = 0; s < 3; ++s) EXPECT_GE(last[s].load(), 1u) << "slot " << s << " unused";
 }
 
 }  // namespace

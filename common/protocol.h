@@ -35,6 +35,20 @@ inline uint64_t MaxPushStreamBytes(uint64_t bucket_bytes) {
 // StepState.missing lists at most this many ranges.
 inline constexpr int kMaxMissingReported = 16;
 
+// Activation checkpoints (activation.proto; common/activation_protocol.h
+// holds the key and its validator).
+// Largest model-parallel degree an ActivationKey may name (mp_size).
+inline constexpr uint32_t kMaxModelParallel = 4096;
+// Keys one PrefetchActivationsRequest may name; a client splits a longer
+// hint into several requests.
+inline constexpr int kMaxPrefetchKeys = 1024;
+// Largest slice any request may name, whatever the daemon's arena (sizes
+// past it are a caller's bug, not a capacity question).
+inline constexpr uint64_t kMaxActivationSliceBytes = uint64_t{64} << 30;
+// FetchActivationRequest.max_chunk_bytes: 0 (the daemon's default) or
+// kMinActivationChunkBytes..kMaxChunkBytes.
+inline constexpr uint64_t kMinActivationChunkBytes = 1024;
+
 // Bulk-transport names (the registry's, transport/transport.h) to the
 // protocol's TransportKind and back. InvalidArgument for a name that has no
 // kind, naming `field`.

@@ -1,14 +1,10 @@
 #include "common/tls.h"
 
-#include <arpa/inet.h>
-
-#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "grpcpp/security/server_credentials.h"
 
 namespace zeroshard {
@@ -57,40 +53,6 @@ absl::StatusOr<Pems> ReadAll(const TlsFiles& f, absl::string_view prefix) {
 
 }  // namespace
 
-TlsFiles TlsFilesFromEnvironment(TlsFiles files) {
-  auto from_env = [](std::string& field, const char* name) {
-    if (!field.empty()) return;
-    if (const char* v = std::getenv(name); v != nullptr) field = v;
-  };
-  from_env(files.cert, "ZS_TLS_CERT");
-  from_env(files.key, "ZS_TLS_KEY");
-  from_env(files.ca, "ZS_TLS_CA");
-  return files;
-}
-
-absl::Status ValidateTlsFiles(const TlsFiles& f, absl::string_view prefix) {
-  if (!f.enabled()) return absl::OkStatus();
-  const struct {
-    const std::string& value;
-    const char* name;
-  } fields[] = {{f.cert, "tls_cert"}, {f.key, "tls_key"}, {f.ca, "tls_ca"}};
-  for (const auto& field : fields) {
-    if (field.value.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          prefix, field.name, ": mutual TLS needs a certificate, its key and the CA bundle; ",
-          "this one is missing (or leave all three empty for plaintext)"));
-    }
-  }
-  for (const auto& field : fields) {
-    std::ifstream in(field.value);
-    if (!in) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(prefix, field.name, ": cannot read \"", field.value, "\""));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const TlsFiles& files, absl::string_view prefix) {
   if (!files.enabled()) return grpc::InsecureServerCredentials();
@@ -115,19 +77,5 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   return grpc::SslCredentials(o);
 }
 
-bool IsLoopbackAddress(absl::string_view address) {
-  absl::string_view host = address;
-  if (absl::ConsumePrefix(&host, "[")) {
-    const size_t end = host.find(']');
-    if (end == absl::string_view::npos) return false;
-    return host.substr(0, end) == "::1";
-  }
-  const size_t colon = host.rfind(':');
-  if (colon != absl::string_view::npos) host = host.substr(0, colon);
-  if (host == "localhost") return true;
-  in_addr v4;
-  return ::inet_pton(AF_INET, std::string(host).c_str(), &v4) == 1 &&
-         (ntohl(v4.s_addr) >> 24) == 127;
-}
 
 }  // namespace zeroshard

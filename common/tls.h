@@ -13,27 +13,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/tls_files.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 
 namespace zeroshard {
-
-struct TlsFiles {
-  std::string cert;  // this side's certificate (chain), PEM
-  std::string key;   // its private key, PEM
-  std::string ca;    // the CA bundle that signs the peers' certificates, PEM
-  // All three empty: plaintext (loopback and tests only; see the daemon's
-  // --insecure).
-  bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
-};
-
-// `files`, with each empty field taken from the environment: ZS_TLS_CERT,
-// ZS_TLS_KEY, ZS_TLS_CA.
-TlsFiles TlsFilesFromEnvironment(TlsFiles files);
-
-// OK for none or all three set and readable; InvalidArgument naming the
-// field as `prefix` + its name ("--tls_key: ...") otherwise.
-absl::Status ValidateTlsFiles(const TlsFiles& files, absl::string_view prefix);
 
 // Server credentials: mutual TLS requiring and verifying client
 // certificates, or insecure ones when `files` is not enabled.
@@ -45,9 +29,5 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 // against `files.ca`, or insecure ones when `files` is not enabled.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const TlsFiles& files, absl::string_view prefix);
-
-// True for addresses only this host can reach: 127.0.0.0/8, [::1],
-// localhost (HOST:PORT or HOST alone).
-bool IsLoopbackAddress(absl::string_view address);
 
 }  // namespace zeroshard

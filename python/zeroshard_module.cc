@@ -21,7 +21,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "client/gloo_collective.h"
@@ -65,6 +67,65 @@ DType ParsePrecision(const std::string& name) {
   if (name == "fp16") return DType::kFp16;
   throw py::value_error(
       absl::StrCat("precision: expected 'fp32', 'bf16' or 'fp16', got '", name, "'"));
+}
+
+// Client(...)'s defaults are a default ClientConfig's (and GlooCollective's
+// options'), so that a change of a C++ default reaches Python. One differs
+// on purpose: Python's precision is fp32 (the float32 buffers numpy holds),
+// where JobSettings' is bf16.
+constexpr DType kPythonDefaultPrecision = DType::kFp32;
+// Client(collective=...): a Python-side choice only.
+constexpr char kDefaultCollective[] = "gloo";
+
+// Client(reduction=...)'s name of `mode`.
+const char* ReductionName(ReductionMode mode) {
+  return mode == ReductionMode::kTrainerCollective ? "trainer" : "daemon";
+}
+
+// Client(cuda_device=...)'s form of ClientConfig::cuda_device: None for -1.
+py::object CudaDeviceArg(int device) {
+  return device < 0 ? py::object(py::none()) : py::object(py::int_(device));
+}
+
+// The shortest decimal that reads back as `f`, as a double: 1e-3f gives
+// 0.001, the literal it was written as (a plain conversion gives
+// 0.0010000000474974513). Locale-independent.
+double ShortestDecimal(float f) {
+  for (int digits = 1; digits <= 9; ++digits) {
+    const std::string text = absl::StrFormat("%.*g", digits, static_cast<double>(f));
+    float back = 0;
+    double value = 0;
+    if (absl::SimpleAtof(text, &back) && back == f && absl::SimpleAtod(text, &value)) {
+      return value;
+    }
+  }
+  return f;
+}
+
+// zeroshard._zeroshard.DEFAULTS: the default of each Client(...) argument
+// that has one and is not None, by name, as Client uses it; floats as
+// ShortestDecimal gives them, so that zeroshard.torch's defaults read as the
+// literals torch.optim.AdamW's do (1e-3, not 0.0010000000474974513; both
+// are the same float32 once passed to Client).
+py::dict ClientDefaults(const ClientConfig& c, const GlooCollective::Options& gloo) {
+  py::dict d;
+  d["stage"] = c.stage;
+  d["precision"] = std::string(DTypeName(kPythonDefaultPrecision));
+  d["lr"] = ShortestDecimal(c.optimizer.lr);
+  d["betas"] =
+      py::make_tuple(ShortestDecimal(c.optimizer.beta1), ShortestDecimal(c.optimizer.beta2));
+  d["eps"] = ShortestDecimal(c.optimizer.eps);
+  d["weight_decay"] = ShortestDecimal(c.optimizer.weight_decay);
+  d["max_grad_norm"] = ShortestDecimal(c.max_grad_norm);
+  d["bucket_bytes"] = c.bucket_bytes;
+  d["rpc_timeout"] = absl::ToDoubleSeconds(c.rpc_timeout);
+  d["step_timeout"] = absl::ToDoubleSeconds(c.step_timeout);
+  d["replicas"] = c.replicas;
+  d["reduction"] = ReductionName(c.reduction);
+  d["collective_host"] = gloo.hostname;
+  d["collective"] = kDefaultCollective;
+  d["micro_batches"] = c.micro_batches;
+  return d;
 }
 
 // A float32 view of `buffer` with `expected` elements (any shape), checked.
@@ -692,6 +753,11 @@ PYBIND11_MODULE(_zeroshard, m) {
       .def_property_readonly("parameter_count", &Layout::parameter_count)
       .def_property_readonly("alignment", &Layout::alignment);
 
+  // The C++ defaults Client(...) takes its own from.
+  const ClientConfig defaults;
+  const GlooCollective::Options gloo_defaults;
+  m.attr("DEFAULTS") = ClientDefaults(defaults, gloo_defaults);
+
   py::class_<PyClient>(m, "Client")
       .def(py::init<std::vector<std::string>, std::string, uint32_t, uint32_t, uint32_t,
                     const std::string&, float, std::pair<float, float>, float, float, float,
@@ -701,17 +767,25 @@ PYBIND11_MODULE(_zeroshard, m) {
                     const std::string&, std::optional<std::string>, const std::string&,
                     std::optional<int>, const std::string&, const py::object&, uint32_t>(),
            py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
-           py::arg("stage") = 2, py::arg("precision") = "fp32", py::arg("lr") = 1e-3f,
-           py::arg("betas") = std::make_pair(0.9f, 0.999f), py::arg("eps") = 1e-8f,
-           py::arg("weight_decay") = 0.01f, py::arg("max_grad_norm") = 0.0f,
-           py::arg("bucket_bytes") = uint64_t{32} << 20, py::arg("rpc_timeout") = 60.0,
-           py::arg("step_timeout") = 300.0, py::arg("resume") = py::none(),
-           py::arg("token") = py::none(), py::arg("tls_cert") = py::none(),
-           py::arg("tls_key") = py::none(), py::arg("tls_ca") = py::none(),
-           py::arg("replicas") = 1u, py::arg("reduction") = "daemon",
-           py::arg("collective_dir") = py::none(), py::arg("collective_host") = "127.0.0.1",
-           py::arg("cuda_device") = py::none(), py::arg("collective") = "gloo",
-           py::arg("param_groups") = py::none(), py::arg("micro_batches") = 1u,
+           py::arg("stage") = defaults.stage,
+           py::arg("precision") = std::string(DTypeName(kPythonDefaultPrecision)),
+           py::arg("lr") = defaults.optimizer.lr,
+           py::arg("betas") = std::make_pair(defaults.optimizer.beta1, defaults.optimizer.beta2),
+           py::arg("eps") = defaults.optimizer.eps,
+           py::arg("weight_decay") = defaults.optimizer.weight_decay,
+           py::arg("max_grad_norm") = defaults.max_grad_norm,
+           py::arg("bucket_bytes") = defaults.bucket_bytes,
+           py::arg("rpc_timeout") = absl::ToDoubleSeconds(defaults.rpc_timeout),
+           py::arg("step_timeout") = absl::ToDoubleSeconds(defaults.step_timeout),
+           py::arg("resume") = py::none(), py::arg("token") = py::none(),
+           py::arg("tls_cert") = py::none(), py::arg("tls_key") = py::none(),
+           py::arg("tls_ca") = py::none(), py::arg("replicas") = defaults.replicas,
+           py::arg("reduction") = ReductionName(defaults.reduction),
+           py::arg("collective_dir") = py::none(),
+           py::arg("collective_host") = gloo_defaults.hostname,
+           py::arg("cuda_device") = CudaDeviceArg(defaults.cuda_device),
+           py::arg("collective") = kDefaultCollective, py::arg("param_groups") = py::none(),
+           py::arg("micro_batches") = defaults.micro_batches,
            "Validates the config and starts the client's threads; connects to nothing. "
            "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
            "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "

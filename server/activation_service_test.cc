@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/job_spec.h"
+#include "common/protocol.h"
 #include "gtest/gtest.h"
 #include "server/testing/activation_testing.h"
 #include "server/daemon.h"
@@ -205,6 +206,11 @@ TEST_F(ActivationServiceTest, BadInputToEveryRpcChangesNothing) {
                  [&] { return act_->Offload(owner, MakeKey(1, 1, 0, 2, 2), b); });
   ExpectRejected(grpc::INVALID_ARGUMENT, "chunk 0.key.mp_size",
                  [&] { return act_->Offload(owner, MakeKey(1, 1, 0, 0, 0), b); });
+  // The client's rule (common/activation_protocol.h), word for word.
+  ExpectRejected(grpc::INVALID_ARGUMENT, "chunk 0.key.mp_size: must be in [1, 4096], got 4097",
+                 [&] {
+                   return act_->Offload(owner, MakeKey(1, 1, 0, 0, kMaxModelParallel + 1), b);
+                 });
   ExpectRejected(grpc::INVALID_ARGUMENT, "chunk 0.total_bytes",
                  [&] { return act_->Offload(owner, key, ""); });
   ExpectRejected(grpc::INVALID_ARGUMENT, "chunk 0.total_bytes",
@@ -288,7 +294,8 @@ TEST_F(ActivationServiceTest, BadInputToEveryRpcChangesNothing) {
 
   // PrefetchActivations.
   ExpectRejected(grpc::INVALID_ARGUMENT, "keys: at most 1024", [&] {
-    return act_->Prefetch(owner, std::vector<v1::ActivationKey>(1025, MakeKey(1, 0)));
+    return act_->Prefetch(owner,
+                          std::vector<v1::ActivationKey>(kMaxPrefetchKeys + 1, MakeKey(1, 0)));
   });
   ExpectRejected(grpc::INVALID_ARGUMENT, "keys[1].mp_rank",
                  [&] { return act_->Prefetch(owner, {MakeKey(1, 0), MakeKey(1, 0, 0, 3, 3)}); });

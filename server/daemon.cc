@@ -5,9 +5,7 @@
 #include <cstdio>
 #include <utility>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/checkpoint_files.h"
 #include "common/job_spec.h"
@@ -80,24 +78,6 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
   return absl::OkStatus();
 }
 
-// Whether every transport `ucx_tls` names enforces remote keys in hardware
-// or is reachable only by processes that may read the daemon's memory
-// anyway (shared memory on this host, same user). UCX's choice (empty) and
-// tcp emulate remote access in software, serving any address a key names.
-bool UcxTlsEnforcesKeys(absl::string_view ucx_tls) {
-  if (ucx_tls.empty()) return false;
-  static const char* const kSafe[] = {"posix", "sysv",    "xpmem", "knem", "cma",  "self",    "sm",
-                                      "shm",   "mm",      "rc",    "rc_v", "rc_x", "rc_mlx5", "dc",
-                                      "dc_x",  "dc_mlx5", "ud",    "ud_v", "ud_x", "ud_mlx5", "ib"};
-  for (absl::string_view name : absl::StrSplit(ucx_tls, ',')) {
-    name = absl::StripAsciiWhitespace(name);
-    bool safe = false;
-    for (const char* known : kSafe) safe |= name == known;
-    if (!safe) return false;
-  }
-  return true;
-}
-
 // The bulk transport the options ask for, or null with *error saying why
 // (not asked for, or it did not initialise: the daemon then serves the
 // streaming RPCs only, which is logged).
@@ -107,26 +87,37 @@ std::unique_ptr<transport::Transport> CreateBulkTransport(const DaemonOptions& o
     *error = "started without --bulk_transport";
     return nullptr;
   }
-  if (options.bulk_transport == "ucx" && !options.ucx_trust_peers &&
-      !UcxTlsEnforcesKeys(options.ucx_tls)) {
-    // Not even started: a UCX worker listening on tcp would serve forged
-    // keys to whoever connects to it.
-    *error = absl::StrCat("UCX is not started with --ucx_tls=\"", options.ucx_tls,
-                          "\": UCX emulates remote access in software over tcp (or may, by its "
-                          "own choice), where any key reaches any memory of the daemon; give "
-                          "--ucx_tls naming shared-memory or RDMA transports only, or "
-                          "--ucx_trust_peers on a trusted network (docs/security.md)");
-    Log(absl::StrCat("serving the streaming data path only: ", *error));
-    return nullptr;
-  }
-  transport::TransportOptions to;
-  to.name = absl::StrCat("zeroshardd ", options.listen);
-  to.ucx_tls = options.ucx_tls;
-  to.tls = options.tls;
+  transport::TransportOptions common;
+  common.name = absl::StrCat("zeroshardd ", options.listen);
+  // Where a forged key would reach any memory of the daemon (UCX over tcp,
+  // or UCX's own choice), the transport refuses to start (no listener, no
+  // keys) unless every peer that can reach it is trusted.
+  common.require_enforced_remote_keys = !options.ucx_trust_peers;
+  transport::BackendOptions to;
+  to.SetCommon(common);
+  to.ucx.tls = options.ucx_tls;
+  to.grpc.tls = options.tls;
   absl::StatusOr<std::unique_ptr<transport::Transport>> t =
       transport::CreateTransport(options.bulk_transport, to);
+  if (t.ok() && !(*t)->enforces_remote_keys()) {
+    if (options.ucx_trust_peers) {
+      Log(absl::StrCat(options.bulk_transport,
+                       " does not enforce remote keys: serving it to the peers "
+                       "--ucx_trust_peers trusts"));
+    } else {
+      t = absl::FailedPreconditionError(
+          absl::StrCat(options.bulk_transport, " does not enforce remote keys"));
+    }
+  }
   if (t.ok()) return *std::move(t);
-  *error = absl::StrCat(options.bulk_transport, " did not initialise: ", t.status().message());
+  if (absl::IsFailedPrecondition(t.status()) && options.bulk_transport == "ucx") {
+    *error = absl::StrCat("UCX is not started with --ucx_tls=\"", options.ucx_tls, "\": ",
+                          t.status().message(),
+                          "; give --ucx_tls naming shared-memory or RDMA transports only, or "
+                          "--ucx_trust_peers on a trusted network (docs/security.md)");
+  } else {
+    *error = absl::StrCat(options.bulk_transport, " did not initialise: ", t.status().message());
+  }
   Log(absl::StrCat("serving the streaming data path only: ", *error));
   return nullptr;
 }
@@ -161,80 +152,99 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   std::string bulk_error;
   d->transport_ = CreateBulkTransport(options, &bulk_error);
-  if (options.activation_arena_bytes > 0) {
-    ActivationStore::Options ao;
-    ao.arena_bytes = options.activation_arena_bytes;
-    ao.spill_dir = options.spill_dir;
-    ao.spill_bytes = options.spill_bytes;
-    ao.reservation_lease = options.read_lease;
-    ASSIGN_OR_RETURN(d->activations_, ActivationStore::Create(ao, d->transport_.get(), &d->ledger_,
-                                                              &d->activation_metrics_));
-    Log(absl::StrCat("activation arena of ", options.activation_arena_bytes, " bytes",
-                     d->transport_ != nullptr ? absl::StrCat(" (", d->transport_->kind(), ")") : "",
-                     options.spill_dir.empty()
-                         ? std::string(", no spilling")
-                         : absl::StrCat(", spilling up to ", options.spill_bytes, " bytes to ",
-                                        options.spill_dir,
-                                        d->activations_->spill_directory()->direct()
-                                            ? " (O_DIRECT)"
-                                            : " (buffered)")));
+  if (options.activation_arena_bytes > 0) RETURN_IF_ERROR(d->StartActivations());
+  d->StartJobs();
+  d->StartServices(bulk_error);
+  if (!options.metrics_listen.empty()) {
+    d->http_ = std::make_unique<metrics::MetricsHttpServer>(
+        d->registry_, options.metrics_listen,
+        StatusPageRenderer({options.version, [jobs = d->jobs_.get()] { return jobs->All(); },
+                            options.rank_timeout, &d->ledger_, d->context_->start}));
+    RETURN_IF_ERROR(d->http_->Start(), "--metrics_port");
   }
+  RETURN_IF_ERROR(d->StartGrpcServers());
+  return d;
+}
+
+absl::Status Daemon::StartActivations() {
+  const DaemonOptions& options = options_;
+  ActivationStore::Options ao;
+  ao.arena_bytes = options.activation_arena_bytes;
+  ao.spill_dir = options.spill_dir;
+  ao.spill_bytes = options.spill_bytes;
+  ao.reservation_lease = options.read_lease;
+  ASSIGN_OR_RETURN(activations_,
+                   ActivationStore::Create(ao, transport_.get(), &ledger_, &activation_metrics_));
+  Log(absl::StrCat(
+      "activation arena of ", options.activation_arena_bytes, " bytes",
+      transport_ != nullptr ? absl::StrCat(" (", transport_->kind(), ")") : "",
+      options.spill_dir.empty()
+          ? std::string(", no spilling")
+          : absl::StrCat(", spilling up to ", options.spill_bytes, " bytes to ", options.spill_dir,
+                         activations_->spill_directory()->direct() ? " (O_DIRECT)"
+                                                                   : " (buffered)")));
+  return absl::OkStatus();
+}
+
+void Daemon::StartJobs() {
+  const DaemonOptions& options = options_;
   JobManager::Options jo;
   jo.read_lease = options.read_lease;
   jo.rank_timeout = options.rank_timeout;
   jo.max_jobs = options.max_jobs;
-  if (ActivationStore* store = d->activations_.get(); store != nullptr) {
-    ArenaTenancy* tenancy = &d->arena_tenancy_;
+  if (ActivationStore* store = activations_.get(); store != nullptr) {
+    ArenaTenancy* tenancy = &arena_tenancy_;
     jo.on_remove = [store, tenancy](const std::shared_ptr<Job>& job) {
       store->RemoveJob(job->config().job_id, job);
       tenancy->Return(job.get());
     };
   }
   JobResources resources;
-  resources.ledger = &d->ledger_;
-  resources.optimizer = d->optimizer_.get();
-  resources.transport = d->transport_.get();
+  resources.ledger = &ledger_;
+  resources.optimizer = optimizer_.get();
+  resources.transport = transport_.get();
   resources.reduction_buffer_bytes = options.reduction_buffer_bytes;
   resources.staging_slots = options.staging_slots;
   resources.reduction_hold = options.reduction_hold;
   resources.checkpoint_dir = options.checkpoint_dir;
-  resources.metrics = &d->metrics_;
+  resources.metrics = &metrics_;
   if (options.replica_link == nullptr) {
-    d->replica_link_ = std::make_unique<GrpcReplicaLink>(options.tls);
+    replica_link_ = std::make_unique<GrpcReplicaLink>(options.tls);
   }
   resources.replica_link =
-      options.replica_link != nullptr ? options.replica_link : d->replica_link_.get();
-  d->jobs_ = std::make_unique<JobManager>(jo, resources, &d->metrics_);
-  d->context_ = std::make_unique<ServiceContext>();
-  ServiceContext& ctx = *d->context_;
+      options.replica_link != nullptr ? options.replica_link : replica_link_.get();
+  jobs_ = std::make_unique<JobManager>(jo, resources, &metrics_);
+}
+
+void Daemon::StartServices(const std::string& bulk_error) {
+  const DaemonOptions& options = options_;
+  context_ = std::make_unique<ServiceContext>();
+  ServiceContext& ctx = *context_;
   ctx.version = options.version;
   ctx.max_chunk_bytes = options.max_chunk_bytes;
-  ctx.jobs = d->jobs_.get();
-  ctx.ledger = &d->ledger_;
-  ctx.metrics = &d->metrics_;
-  ctx.bulk = d->transport_.get();
+  ctx.jobs = jobs_.get();
+  ctx.ledger = &ledger_;
+  ctx.metrics = &metrics_;
+  ctx.bulk = transport_.get();
   ctx.bulk_error = bulk_error;
   ctx.checkpoint_dir = options.checkpoint_dir;
-  ctx.activations = d->activations_.get();
-  ctx.arena_tenancy = &d->arena_tenancy_;
-  ctx.activation_metrics = &d->activation_metrics_;
-  ctx.replica_link = resources.replica_link;
-  ctx.replica_timeout = resources.replica_timeout;
+  ctx.activations = activations_.get();
+  ctx.arena_tenancy = &arena_tenancy_;
+  ctx.activation_metrics = &activation_metrics_;
+  ctx.replica_link = jobs_->resources().replica_link;
+  ctx.replica_timeout = jobs_->resources().replica_timeout;
   ctx.start = absl::Now();
   if (!options.admin_token.empty()) ctx.admin = TokenDigest::Of(options.admin_token);
-  d->control_ = std::make_unique<ControlService>(&ctx);
-  d->shard_ = std::make_unique<ShardService>(&ctx);
-  d->admin_ = std::make_unique<AdminService>(&ctx);
-  d->checkpoint_ = std::make_unique<CheckpointService>(&ctx);
-  d->activation_ = std::make_unique<ActivationService>(&ctx);
-  d->replica_ = std::make_unique<ReplicaService>(&ctx);
-  if (!options.metrics_listen.empty()) {
-    d->http_ = std::make_unique<metrics::MetricsHttpServer>(
-        d->registry_, options.metrics_listen,
-        StatusPageRenderer({options.version, [jobs = d->jobs_.get()] { return jobs->All(); },
-                            options.rank_timeout, &d->ledger_, ctx.start}));
-    RETURN_IF_ERROR(d->http_->Start(), "--metrics_port");
-  }
+  control_ = std::make_unique<ControlService>(&ctx);
+  shard_ = std::make_unique<ShardService>(&ctx);
+  admin_ = std::make_unique<AdminService>(&ctx);
+  checkpoint_ = std::make_unique<CheckpointService>(&ctx);
+  activation_ = std::make_unique<ActivationService>(&ctx);
+  replica_ = std::make_unique<ReplicaService>(&ctx);
+}
+
+absl::Status Daemon::StartGrpcServers() {
+  const DaemonOptions& options = options_;
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                    MakeServerCredentials(options.tls, "--"));
   // Standard probes (process-wide settings of gRPC, read by every server
@@ -243,37 +253,37 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, credentials, &d->port_);
+  builder.AddListeningPort(options.listen, credentials, &port_);
   builder.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   builder.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS,
                               kRpcThreadsKeptPolling);
-  builder.RegisterService(d->control_.get());
-  builder.RegisterService(d->shard_.get());
-  builder.RegisterService(d->admin_.get());
-  builder.RegisterService(d->checkpoint_.get());
-  builder.RegisterService(d->activation_.get());
-  builder.RegisterService(d->replica_.get());
-  d->server_ = builder.BuildAndStart();
-  if (d->server_ == nullptr || d->port_ == 0) {
+  builder.RegisterService(control_.get());
+  builder.RegisterService(shard_.get());
+  builder.RegisterService(admin_.get());
+  builder.RegisterService(checkpoint_.get());
+  builder.RegisterService(activation_.get());
+  builder.RegisterService(replica_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
     return absl::UnavailableError(
         absl::StrCat("--listen: cannot bind ", options.listen, " (in use or not local?)"));
   }
-  d->address_ = options.listen.substr(0, options.listen.rfind(':') + 1) + std::to_string(d->port_);
-  ctx.health = d->server_->GetHealthCheckService();
+  address_ = options.listen.substr(0, options.listen.rfind(':') + 1) + std::to_string(port_);
+  context_->health = server_->GetHealthCheckService();
   if (!options.health_listen.empty()) {
     // Plaintext on purpose: it carries only the serving status.
     grpc::ServerBuilder probe_builder;
     probe_builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
-                                   &d->health_port_);
-    d->health_server_ = probe_builder.BuildAndStart();
-    if (d->health_server_ == nullptr || d->health_port_ == 0) {
+                                   &health_port_);
+    health_server_ = probe_builder.BuildAndStart();
+    if (health_server_ == nullptr || health_port_ == 0) {
       return absl::UnavailableError(absl::StrCat("--health_listen: cannot bind ",
                                                  options.health_listen, " (in use or not local?)"));
     }
-    ctx.probe_health = d->health_server_->GetHealthCheckService();
+    context_->probe_health = health_server_->GetHealthCheckService();
   }
-  return d;
+  return absl::OkStatus();
 }
 
 void Daemon::Shutdown(absl::Duration grace) {

@@ -103,10 +103,11 @@ struct DaemonOptions {
   std::string admin_token;
   // Start a "ucx" bulk transport even when UCX may emulate remote access in
   // software (tcp, or UCX's own choice: ucx_tls empty), where a forged key
-  // reaches any memory of the daemon. Without it, "ucx" starts only when
-  // ucx_tls names shared-memory or RDMA transports alone; otherwise the
-  // daemon serves the streaming RPCs only (logged, and ExchangeEndpoint
-  // says why).
+  // reaches any memory of the daemon. Without it, the bulk transport starts
+  // only where it enforces remote keys (transport::Transport::
+  // enforces_remote_keys(); "ucx": ucx_tls names shared-memory or RDMA
+  // transports alone, and UCX selected only such); otherwise the daemon
+  // serves the streaming RPCs only (logged, and ExchangeEndpoint says why).
   bool ucx_trust_peers = false;
   // Jobs registered at once, at most (RESOURCE_EXHAUSTED past it).
   uint32_t max_jobs = 64;
@@ -152,6 +153,11 @@ class Daemon {
 
  private:
   explicit Daemon(const DaemonOptions& options);
+  // The parts of Start, in its order (each with the parts before it built).
+  absl::Status StartActivations();  // the activation store
+  void StartJobs();                 // the job manager and what jobs borrow
+  void StartServices(const std::string& bulk_error);  // the gRPC services' context
+  absl::Status StartGrpcServers();  // the main server and the health-only one
 
   // Declaration order is destruction order in reverse: jobs release ledger
   // bytes, which update metrics, which live in the registry.

@@ -74,8 +74,8 @@ class DaemonBulkTest : public ::testing::TestWithParam<BulkParam> {
       GTEST_SKIP() << GetParam().transport << " cannot initialise with " << GetParam().tls;
     }
     kind_ = *TransportKindFromName(GetParam().transport, "t");
-    transport::TransportOptions to;
-    to.ucx_tls = GetParam().tls;
+    transport::BackendOptions to;
+    to.ucx.tls = GetParam().tls;
     absl::StatusOr<std::unique_ptr<transport::Transport>> t =
         transport::CreateTransport(GetParam().transport, to);
     if (!t.ok()) GTEST_SKIP() << "cannot initialise: " << t.status();

@@ -392,6 +392,9 @@ TEST(JobTest, StalledReaderStallsNobody) {
   ASSERT_TRUE(c.Register(spec, 0).ok());
   ASSERT_TRUE(c.JoinAll(spec).ok());
   std::vector<float> g(config.map.total_elements(), 0.5f);
+  // The promise is 1 s; the call's own deadline is well past it, so a slow
+  // answer fails the timing check below, not the call.
+  constexpr absl::Duration kStatusBound = absl::Seconds(1);
   absl::Duration slowest_status;
   for (uint64_t step = 1; step <= 20; ++step) {
     ASSERT_TRUE(c.Push(GradientChunks("job", step, 0, config.map,
@@ -400,25 +403,31 @@ TEST(JobTest, StalledReaderStallsNobody) {
     v1::PrepareStepResponse p;
     ASSERT_TRUE(c.Prepare("job", step, &p).ok());
     ASSERT_TRUE(c.Commit("job", step, 0.01f).ok());
-    // Also commit the stalled job's steps: its commit must not wait for the
-    // stalled reader either.
     const absl::Time t0 = absl::Now();
     grpc::ClientContext sctx;
-    sctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    sctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     v1::StatusResponse status;
-    ASSERT_TRUE(c.admin->Status(&sctx, v1::StatusRequest(), &status).ok());
-    slowest_status = std::max(slowest_status, absl::Now() - t0);
+    const grpc::Status s = c.admin->Status(&sctx, v1::StatusRequest(), &status);
+    const absl::Duration took = absl::Now() - t0;
+    ASSERT_TRUE(s.ok()) << s.error_message() << " after " << took;
+    ASSERT_LT(took, kStatusBound) << "Admin.Status at step " << step
+                                  << " waited for the stalled reader";
+    slowest_status = std::max(slowest_status, took);
+    // Both jobs are in the answer: the stalled one is read, not skipped.
+    ASSERT_EQ(status.jobs_size(), 2);
   }
   std::vector<float> slow_grad(4 << 20, 0.25f);
   ASSERT_TRUE(stalled.Push(GradientChunks("slow", 1, 0, *PartitionMap::Create(4 << 20, 1, 1),
                                           {0, 4 << 20}, slow_grad.data(), 1 << 20))
                   .ok());
+  // The stalled job's own commit must not wait for its stalled reader
+  // either (DaemonClient::Commit's deadline is 30 s, past this bound).
   v1::PrepareStepResponse p;
   ASSERT_TRUE(stalled.Prepare("slow", 1, &p).ok());
   const absl::Time t0 = absl::Now();
   ASSERT_TRUE(stalled.Commit("slow", 1, 0.01f).ok());
   EXPECT_LT(absl::Now() - t0, absl::Seconds(5)) << "the commit waited for the stalled reader";
-  EXPECT_LT(slowest_status, absl::Seconds(1));
+  RecordProperty("slowest_status_ms", std::to_string(absl::ToInt64Milliseconds(slowest_status)));
   ctx.TryCancel();
 }
 

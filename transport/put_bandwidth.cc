@@ -113,8 +113,8 @@ int Main(int argc, char** argv) {
   double best = 0;
   std::string best_label = "none";
   for (const Case& c : cases) {
-    TransportOptions options;
-    options.ucx_tls = c.tls;
+    BackendOptions options;
+    options.ucx.tls = c.tls;
     auto server = CreateTransport(c.transport, options);
     auto client = CreateTransport(c.transport, options);
     if (!server.ok() || !client.ok()) {

@@ -43,7 +43,7 @@ uint64_t Take(const uint8_t*& p, size_t& n, int bytes) {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  zeroshard::transport::TransportOptions o;
+  const zeroshard::transport::InprocTransportOptions o;
   world = new World;
   world->owner = *zeroshard::transport::inproc::CreateInprocTransport(o);
   world->peer = *zeroshard::transport::inproc::CreateInprocTransport(o);

@@ -3,7 +3,25 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+
 namespace zeroshard::transport {
+
+absl::Status CheckAccess(const RegionRecord& record, uint64_t offset,
+                         uint64_t length, Access needed,
+                         absl::string_view owner) {
+  if (!RangeWithin(record.length, offset, length)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bytes [", offset, ", ", offset, "+", length, ") lie outside region ",
+        record.id, " of ", owner, " (", record.length, " bytes)"));
+  }
+  if (!Allows(record.access, needed)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "region ", record.id, " of ", owner, " does not allow remote ",
+        needed == Access::kRemoteWrite ? "writes" : "reads"));
+  }
+  return absl::OkStatus();
+}
 
 std::shared_ptr<RegionRecord> RegionTable::Add(uint64_t owner, char* base,
                                                size_t length, Access access) {

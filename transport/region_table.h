@@ -18,6 +18,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/random/random.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "transport/transport.h"
 
@@ -37,6 +39,15 @@ struct RegionRecord {
   absl::Mutex mu;
   bool live ABSL_GUARDED_BY(mu) = true;
 };
+
+// The checks a serving side runs on a peer's access to `record` before it
+// touches memory: [offset, offset + length) lies within the region
+// (InvalidArgument) and the region allows `needed` (PermissionDenied).
+// Messages name the region as "region <id> of <owner>", e.g. owner
+// `"daemon"` or `inproc peer "daemon"`. Reads only fields fixed at Add().
+absl::Status CheckAccess(const RegionRecord& record, uint64_t offset,
+                         uint64_t length, Access needed,
+                         absl::string_view owner);
 
 class RegionTable {
  public:

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -138,6 +139,28 @@ TEST(RegionTableTest, RevokeOwnedByRevokesOnlyThatOwnersRecords) {
   // A record's own Revoke after its owner's is harmless.
   table.Revoke(*a1);
   EXPECT_FALSE(Live(*a1));
+}
+
+TEST(RegionTableTest, CheckAccessRefusesRangesOutsideAndDirectionsNotAllowed) {
+  RegionTable table;
+  char buffer[16];
+  auto record = table.Add(0, buffer, sizeof(buffer), Access::kRemoteRead);
+  EXPECT_TRUE(CheckAccess(*record, 0, 16, Access::kRemoteRead, "\"x\"").ok());
+  EXPECT_TRUE(CheckAccess(*record, 16, 0, Access::kRemoteRead, "\"x\"").ok());
+  const absl::Status outside =
+      CheckAccess(*record, 8, 9, Access::kRemoteRead, "\"x\"");
+  EXPECT_TRUE(absl::IsInvalidArgument(outside)) << outside;
+  EXPECT_NE(outside.message().find("outside region"), absl::string_view::npos);
+  EXPECT_NE(outside.message().find("\"x\""), absl::string_view::npos);
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      CheckAccess(*record, 1, ~uint64_t{0}, Access::kRemoteRead, "\"x\"")));
+  const absl::Status denied =
+      CheckAccess(*record, 0, 1, Access::kRemoteWrite, "\"x\"");
+  EXPECT_TRUE(absl::IsPermissionDenied(denied)) << denied;
+  EXPECT_NE(denied.message().find("writes"), absl::string_view::npos);
+  // The range is checked first.
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      CheckAccess(*record, 0, 17, Access::kRemoteWrite, "\"x\"")));
 }
 
 }  // namespace

@@ -73,7 +73,7 @@ absl::StatusOr<RegionDescriptor> DecodeRegionDescriptor(
 
 absl::Status CheckRange(const RegionDescriptor& descriptor, uint64_t offset,
                         uint64_t length, absl::string_view what) {
-  if (offset > descriptor.length || length > descriptor.length - offset) {
+  if (!RangeWithin(descriptor.length, offset, length)) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": bytes [", offset, ", ", offset, "+", length,
         ") lie outside the region of ", descriptor.length, " bytes"));
@@ -174,6 +174,60 @@ void Completion::Abort() {
 }
 
 // ---------------------------------------------------------------------------
+// CheckedConnection.
+
+CheckedConnection::CheckedConnection(absl::string_view backend)
+    : put_what_(absl::StrCat(backend, " put")),
+      get_what_(absl::StrCat(backend, " get")) {}
+
+Completion CheckedConnection::Put(const void* src, size_t length,
+                                  const RegionDescriptor& dst,
+                                  uint64_t dst_offset) {
+  // The transport only reads `src`; Request::local is one pointer for both
+  // directions.
+  return Start(Kind::kPut, const_cast<void*>(src), length, dst, dst_offset);
+}
+
+Completion CheckedConnection::Get(void* dst, size_t length,
+                                  const RegionDescriptor& src,
+                                  uint64_t src_offset) {
+  return Start(Kind::kGet, dst, length, src, src_offset);
+}
+
+Completion CheckedConnection::Start(Kind kind, void* local, size_t length,
+                                    const RegionDescriptor& remote,
+                                    uint64_t offset) {
+  const std::string& what = kind == Kind::kPut ? put_what_ : get_what_;
+  absl::Status status = CheckRange(remote, offset, length, what);
+  if (!status.ok()) return Completion::Ready(std::move(status));
+  absl::StatusOr<absl::string_view> key = CheckKey(remote, what);
+  if (!key.ok()) return Completion::Ready(key.status());
+  if (length == 0) return Completion::Ready(absl::OkStatus());
+  if (local == nullptr) {
+    return Completion::Ready(
+        absl::InvalidArgumentError(absl::StrCat(what, ": null buffer")));
+  }
+  Request request;
+  request.kind = kind;
+  request.local = static_cast<char*>(local);
+  request.length = length;
+  request.remote_address = remote.address + offset;
+  request.offset = offset;
+  request.key = *key;
+  return Issue(request);
+}
+
+absl::Status CheckedConnection::Flush(absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<CompletionState>> marker = IssueFlush();
+  if (!marker.ok()) return marker.status();
+  const absl::Status status = (*marker)->Wait(deadline);
+  // The marker holds no buffer: dropping it waits for nothing, and the
+  // operations before it go on.
+  if (absl::IsDeadlineExceeded(status)) (*marker)->Abort();
+  return status;
+}
+
+// ---------------------------------------------------------------------------
 // Registry.
 
 namespace {
@@ -204,7 +258,7 @@ absl::Status RegisterTransportFactory(absl::string_view name,
 }
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(
-    absl::string_view name, const TransportOptions& options) {
+    absl::string_view name, const BackendOptions& options) {
   TransportFactory factory;
   {
     Registry& registry = GetRegistry();
@@ -218,14 +272,6 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(
                                               absl::StrJoin(names, ", "), "]"));
     }
     factory = it->second;
-  }
-  if (options.progress_threads < 1 || options.max_piece_bytes == 0 ||
-      options.max_pieces_in_flight < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("transport options: progress_threads (",
-                     options.progress_threads, "), max_piece_bytes (",
-                     options.max_piece_bytes, ") and max_pieces_in_flight (",
-                     options.max_pieces_in_flight, ") must be positive"));
   }
   return factory(options);
 }

@@ -41,7 +41,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/tls.h"
+#include "common/tls_files.h"
 
 namespace zeroshard::transport {
 
@@ -76,6 +76,19 @@ absl::StatusOr<RegionDescriptor> DecodeRegionDescriptor(
 // before touching any memory.
 absl::Status CheckRange(const RegionDescriptor& descriptor, uint64_t offset,
                         uint64_t length, absl::string_view what);
+
+// Whether [offset, offset + length) lies within `region_length` bytes, with
+// no integer overflow.
+inline bool RangeWithin(uint64_t region_length, uint64_t offset,
+                        uint64_t length) {
+  return offset <= region_length && length <= region_length - offset;
+}
+
+// Whether a region registered with `granted` allows `needed`.
+inline bool Allows(Access granted, Access needed) {
+  return (static_cast<uint8_t>(granted) & static_cast<uint8_t>(needed)) ==
+         static_cast<uint8_t>(needed);
+}
 
 // The shared state of one operation, for transport implementations: the
 // transport calls Finish() once; the Completion handle waits on it.
@@ -206,29 +219,133 @@ class Connection {
   virtual const std::string& peer_name() const = 0;
 };
 
-// Knobs shared by the transports; each reads the fields it understands.
+// For transport implementations: a Connection whose Put, Get and Flush are
+// written once. Put and Get run the checks transport.h promises, in this
+// order, each answering with an already-done handle before anything is
+// queued: the range lies within the descriptor (CheckRange), the rkey is one
+// of this backend's (CheckKey), length 0 is done at once (OK), a null buffer
+// is InvalidArgument. What passes goes to Issue(). Flush queues a marker
+// (IssueFlush) and waits for it; at the deadline it aborts the marker, never
+// the operations before it, and returns DeadlineExceeded.
+class CheckedConnection : public Connection {
+ public:
+  enum class Kind : uint8_t { kPut, kGet };
+
+  // `backend` starts every error message of the checks: "<backend> put: ...".
+  explicit CheckedConnection(absl::string_view backend);
+
+  Completion Put(const void* src, size_t length, const RegionDescriptor& dst,
+                 uint64_t dst_offset) final;
+  Completion Get(void* dst, size_t length, const RegionDescriptor& src,
+                 uint64_t src_offset) final;
+  absl::Status Flush(absl::Time deadline) final;
+
+ protected:
+  // One Put or Get that passed the checks.
+  struct Request {
+    Kind kind;
+    // src of a Put, dst of a Get (never null); owned by the transport until
+    // the handle Issue() returns is done.
+    char* local;
+    size_t length;  // > 0
+    // remote.address + offset: the first byte of the peer's memory touched.
+    uint64_t remote_address;
+    uint64_t offset;  // within the region
+    // What CheckKey returned: a view into the caller's descriptor, valid
+    // only during Issue().
+    absl::string_view key;
+  };
+
+  // The bytes of `remote.rkey` that Issue() acts on (a view into it), or
+  // InvalidArgument starting with `what` ("<backend> put") when the rkey is
+  // not this backend's.
+  virtual absl::StatusOr<absl::string_view> CheckKey(
+      const RegionDescriptor& remote, absl::string_view what) const = 0;
+
+  // Queues `request`; never blocks. A handle already done with the error
+  // when it cannot be queued (e.g. FailedPrecondition after shutdown).
+  virtual Completion Issue(const Request& request) = 0;
+
+  // Queues a marker that finishes once every operation issued on this
+  // Connection before it is complete at the target (or the peer is found
+  // gone); never blocks. The error when it cannot be queued. Aborting the
+  // marker must not touch the operations before it.
+  virtual absl::StatusOr<std::shared_ptr<CompletionState>> IssueFlush() = 0;
+
+ private:
+  Completion Start(Kind kind, void* local, size_t length,
+                   const RegionDescriptor& remote, uint64_t offset);
+
+  const std::string put_what_;  // "<backend> put"
+  const std::string get_what_;  // "<backend> get"
+};
+
+// The options every backend reads; each backend's own options embed them as
+// `common` (below).
 struct TransportOptions {
   // Label used in error messages seen by peers (default: transport, host,
   // pid and an instance number).
   std::string name;
-  // UCX: the UCX_TLS value, e.g. "tcp" or "posix,cma,self" (shm) or
-  // "rc,ud,sm,self"; empty keeps UCX's default (or the UCX_TLS environment).
-  std::string ucx_tls;
-  // Progress threads, each with its own UCX worker (inproc: executor
-  // threads that run the copies). Connections take them in turn, round-
-  // robin over a Transport's Connect() calls; LocalAddress() names the
-  // first, which serves all incoming traffic.
-  int progress_threads = 1;
-  // Operations longer than this are split into pieces of this size, at most
-  // `max_pieces_in_flight` of them outstanding per operation.
+  // Operations longer than this are moved in pieces of at most this many
+  // bytes (PiecePlan, piece_plan.h): UCX posts one request per piece, grpc
+  // sends one stream message per piece (at most 1 MiB), inproc copies one
+  // piece at a time and looks for an Abort() between pieces. > 0.
   size_t max_piece_bytes = size_t{8} << 20;
+  // Refuse to create a Transport whose enforces_remote_keys() would be false
+  // (FailedPrecondition saying why), before it starts anything a peer could
+  // reach. Only UCX can refuse; see enforces_remote_keys().
+  bool require_enforced_remote_keys = false;
+};
+
+// transport/inproc (CreateInprocTransport).
+struct InprocTransportOptions {
+  TransportOptions common;
+  // Executor threads that run the copies; Connections take them in turn,
+  // round-robin over a Transport's Connect() calls. >= 1.
+  int progress_threads = 1;
+};
+
+// transport/ucx (CreateUcxTransport).
+struct UcxTransportOptions {
+  TransportOptions common;
+  // The UCX_TLS value, e.g. "tcp" or "posix,cma,self" (shm) or
+  // "rc,ud,sm,self"; empty keeps UCX's default (or the UCX_TLS environment).
+  std::string tls;
+  // Progress threads, each with its own UCX worker. Connections take them in
+  // turn, round-robin over a Transport's Connect() calls; LocalAddress()
+  // names the first, which serves all incoming traffic. >= 1.
+  int progress_threads = 1;
+  // Pieces (common.max_piece_bytes each) outstanding per operation. >= 1.
   int max_pieces_in_flight = 4;
-  // gRPC transport: "HOST:PORT" to serve regions on; empty means
-  // "127.0.0.1:0" (loopback, any port).
+};
+
+// transport/grpc (CreateGrpcTransport).
+struct GrpcTransportOptions {
+  TransportOptions common;
+  // "HOST:PORT" to serve regions on; empty means "127.0.0.1:0" (loopback,
+  // any port).
   std::string listen_address;
-  // gRPC transport: mutual TLS for its server and its connections
-  // (common/tls.h); empty: plaintext.
+  // Mutual TLS for its server and its connections (common/tls_files.h); empty:
+  // plaintext.
   TlsFiles tls;
+};
+
+// The options of every backend, for CreateTransport(name, options), which
+// picks the backend by name at run time; the picked backend's
+// Create...Transport() receives its own member only, never another backend's
+// knobs.
+struct BackendOptions {
+  InprocTransportOptions inproc;
+  UcxTransportOptions ucx;
+  GrpcTransportOptions grpc;
+
+  // Sets `common` of every member: the same name, piece size and key
+  // requirement whichever backend is picked.
+  void SetCommon(const TransportOptions& common) {
+    inproc.common = common;
+    ucx.common = common;
+    grpc.common = common;
+  }
 };
 
 // One per process side (a daemon or a trainer usually has one). Destroying it
@@ -266,23 +383,36 @@ class Transport {
   // this kind of transport; Unavailable if the peer cannot be reached.
   virtual absl::StatusOr<std::unique_ptr<Connection>> Connect(
       absl::string_view peer_address, absl::Time deadline) = 0;
+
+  // Whether a peer can reach through this Transport only the regions it
+  // holds a descriptor of, with the Access each allows: checked by the
+  // hardware or by the serving side's own code before any byte moves, or
+  // else reachable only by peers that may read this process's memory anyway
+  // (shared memory on this host, this process). False where a forged or
+  // reused rkey reaches any memory of the process (UCX emulating RMA in
+  // software over tcp). Fixed for the Transport's life; never blocks.
+  // Keeping keys secret in transit is another matter (grpc: TlsFiles).
+  virtual bool enforces_remote_keys() const = 0;
 };
 
-// Registry of transports by name ("inproc", "ucx"). Each implementation
-// library registers itself when linked in.
+// Registry of transports by name ("inproc", "ucx", "grpc"). Each
+// implementation library registers itself when linked in, with a factory that
+// passes its own member of BackendOptions to its Create...Transport().
 using TransportFactory =
     std::function<absl::StatusOr<std::unique_ptr<Transport>>(
-        const TransportOptions&)>;
+        const BackendOptions&)>;
 
 // AlreadyExists if `name` is taken.
 absl::Status RegisterTransportFactory(absl::string_view name,
                                       TransportFactory factory);
 
 // NotFound naming the registered transports if `name` is not one of them;
-// otherwise whatever the factory returns (e.g. Unavailable when UCX cannot
-// initialise for the requested UCX_TLS).
+// otherwise whatever the factory returns: InvalidArgument for options out of
+// range, Unavailable when UCX cannot initialise for the requested UCX_TLS,
+// FailedPrecondition when common.require_enforced_remote_keys is set and the
+// backend, so configured, does not enforce them.
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(
-    absl::string_view name, const TransportOptions& options = {});
+    absl::string_view name, const BackendOptions& options = {});
 
 // Sorted names of the registered transports.
 std::vector<std::string> RegisteredTransports();

@@ -52,6 +52,8 @@ struct TransportCase {
   // A Region destroyed by its owner is refused to peers (software-emulated
   // RMA cannot tell).
   bool refuses_revoked_region = false;
+  // Transport::enforces_remote_keys().
+  bool enforces_remote_keys = false;
 };
 
 std::string CaseName(const ::testing::TestParamInfo<TransportCase>& info) {
@@ -89,13 +91,15 @@ absl::Time Deadline() { return absl::Now() + kDeadline; }
 class TransportConformanceTest
     : public ::testing::TestWithParam<TransportCase> {
  protected:
-  TransportOptions Options(const std::string& name) const {
-    TransportOptions options;
-    options.name = name;
-    options.ucx_tls = GetParam().ucx_tls;
+  BackendOptions Options(const std::string& name) const {
+    TransportOptions common;
+    common.name = name;
     // Small pieces so that large transfers exercise splitting and windows.
-    options.max_piece_bytes = size_t{1} << 20;
-    options.max_pieces_in_flight = 4;
+    common.max_piece_bytes = size_t{1} << 20;
+    BackendOptions options;
+    options.SetCommon(common);
+    options.ucx.tls = GetParam().ucx_tls;
+    options.ucx.max_pieces_in_flight = 4;
     return options;
   }
 
@@ -149,6 +153,24 @@ class TransportConformanceTest
   RegionDescriptor slot_;
   std::unique_ptr<Connection> connection_;
 };
+
+TEST_P(TransportConformanceTest, EnforcesRemoteKeysAsTheBackendSays) {
+  EXPECT_EQ(server_->enforces_remote_keys(), GetParam().enforces_remote_keys);
+  EXPECT_EQ(client_->enforces_remote_keys(), GetParam().enforces_remote_keys);
+  // Asking for enforcement refuses exactly the transports without it, with
+  // FailedPrecondition.
+  BackendOptions options = Options("strict");
+  TransportOptions common = options.ucx.common;
+  common.require_enforced_remote_keys = true;
+  options.SetCommon(common);
+  auto strict = CreateTransport(GetParam().transport, options);
+  if (GetParam().enforces_remote_keys) {
+    ASSERT_TRUE(strict.ok()) << strict.status();
+    EXPECT_TRUE((*strict)->enforces_remote_keys());
+  } else {
+    EXPECT_TRUE(absl::IsFailedPrecondition(strict.status())) << strict.status();
+  }
+}
 
 TEST_P(TransportConformanceTest, PutThenGetRoundTrip) {
   std::vector<unsigned char> data(64 << 10), back(64 << 10, 0);
@@ -620,11 +642,12 @@ void TransportConformanceTest::KillPeerMidTransfer(bool allocate) {
 
 INSTANTIATE_TEST_SUITE_P(
     Transports, TransportConformanceTest,
-    ::testing::Values(TransportCase{"inproc", "inproc", "", false, true, true},
-                      TransportCase{"ucx_tcp", "ucx", "tcp", true, true, false},
-                      TransportCase{"ucx_shm", "ucx", "posix,cma,self", true,
-                                    true, false},
-                      TransportCase{"grpc", "grpc", "", true, true, true}),
+    ::testing::Values(
+        TransportCase{"inproc", "inproc", "", false, true, true, true},
+        TransportCase{"ucx_tcp", "ucx", "tcp", true, true, false, false},
+        TransportCase{"ucx_shm", "ucx", "posix,cma,self", true, true, false,
+                      true},
+        TransportCase{"grpc", "grpc", "", true, true, true, true}),
     CaseName);
 
 }  // namespace

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   using zeroshard::transport::CreateTransport;
   using zeroshard::transport::EncodeRegionDescriptor;
   using zeroshard::transport::Region;
+  using zeroshard::transport::BackendOptions;
   using zeroshard::transport::TransportOptions;
 
   size_t bytes = 0;
@@ -39,9 +40,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool allocate = argc == 5;
-  TransportOptions options;
-  options.name = "test-peer";
-  options.ucx_tls = argv[2];
+  TransportOptions common;
+  common.name = "test-peer";
+  BackendOptions options;
+  options.SetCommon(common);
+  options.ucx.tls = argv[2];
   auto transport = CreateTransport(argv[1], options);
   if (!transport.ok()) {
     std::printf("ERROR %s\n", transport.status().ToString().c_str());

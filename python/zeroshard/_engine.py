@@ -9,7 +9,7 @@ import time
 import numpy as np
 import torch
 
-from zeroshard._zeroshard import Client, Error
+from zeroshard._zeroshard import DEFAULTS, Client, Error
 from zeroshard import _layout
 
 
@@ -74,7 +74,7 @@ class Engine:
         # The trainer collective cannot carry which tensors got no gradient
         # (its ranks do not agree on them before pushing): there they are
         # pushed as zeros and stepped, as DeepSpeed and FSDP1 do.
-        self.marks_no_grad = config.get("reduction", "daemon") != "trainer"
+        self.marks_no_grad = config.get("reduction", DEFAULTS["reduction"]) != "trainer"
         self.layout = _layout.make_layout(entries)
         self.total = self.layout.total_elements
         self.by_id = {id(e.param): e for e in entries if e.kind == "param"}

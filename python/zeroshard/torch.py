@@ -25,11 +25,19 @@ import re
 
 import torch
 
-from zeroshard._zeroshard import Error
+from zeroshard._zeroshard import DEFAULTS as _DEFAULTS, Error
 from zeroshard import _engine, _layout
 from zeroshard._engine import Engine, config_error
 from zeroshard._flat import FlatSharding
 from zeroshard._stage3 import LayerSharding, is_dense
+
+# The optimizer's defaults are the client's (C++ ClientConfig's, through
+# the binding), which are torch.optim.AdamW's.
+_LR = _DEFAULTS["lr"]
+_BETAS = _DEFAULTS["betas"]
+_EPS = _DEFAULTS["eps"]
+_WEIGHT_DECAY = _DEFAULTS["weight_decay"]
+_MAX_GRAD_NORM = _DEFAULTS["max_grad_norm"]
 
 # torch.optim.Optimizer.zero_grad's default (False in torch 1.x, True in 2.x).
 _SET_TO_NONE = inspect.signature(torch.optim.Optimizer.zero_grad).parameters[
@@ -200,9 +208,9 @@ class ShardedOptimizer(_DaemonOptimizer):
     touched. Failures raise `zeroshard.Error`.
     """
 
-    def __init__(self, params, client_config, stage=1, lr=1e-3,
-                 betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 max_grad_norm=0.0, resume=None):
+    def __init__(self, params, client_config, stage=1, lr=_LR,
+                 betas=_BETAS, eps=_EPS, weight_decay=_WEIGHT_DECAY,
+                 max_grad_norm=_MAX_GRAD_NORM, resume=None):
         if stage not in (1, 2):
             raise ValueError(f"stage: must be 1 or 2, got {stage}")
         groups, names = _split_names(params)
@@ -257,9 +265,9 @@ class ShardedOptimizer(_DaemonOptimizer):
         self._engine.close()
 
 
-def shard_model(module, client_config, stage=3, layers=None, lr=1e-3,
-                betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                max_grad_norm=0.0, overlap_comm=True, param_groups=None,
+def shard_model(module, client_config, stage=3, layers=None, lr=_LR,
+                betas=_BETAS, eps=_EPS, weight_decay=_WEIGHT_DECAY,
+                max_grad_norm=_MAX_GRAD_NORM, overlap_comm=True, param_groups=None,
                 gradient_accumulation_steps=1, resume=None):
     """Shards `module`'s training state on the daemons; returns a
     ShardedModel (see there)."""
@@ -340,9 +348,9 @@ class ShardedModel(torch.nn.Module):
     against). Failures raise `zeroshard.Error`.
     """
 
-    def __init__(self, module, client_config, stage=3, layers=None, lr=1e-3,
-                 betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 max_grad_norm=0.0, overlap_comm=True, param_groups=None,
+    def __init__(self, module, client_config, stage=3, layers=None, lr=_LR,
+                 betas=_BETAS, eps=_EPS, weight_decay=_WEIGHT_DECAY,
+                 max_grad_norm=_MAX_GRAD_NORM, overlap_comm=True, param_groups=None,
                  gradient_accumulation_steps=1, resume=None):
         super().__init__()
         if stage not in (1, 2, 3):
@@ -375,7 +383,7 @@ class ShardedModel(torch.nn.Module):
                 if id(p) not in module_ids:
                     raise ValueError(f"param_groups[{gi}]['params'][{j}]: not a parameter of "
                                      "the module")
-        precision = client_config.get("precision", "fp32")
+        precision = client_config.get("precision", _DEFAULTS["precision"])
         micro_batches = gradient_accumulation_steps if stage == 3 else 1
 
         def param_entry(name, p):
@@ -760,7 +768,7 @@ def reconnectable(error):
 def _refuse_trainer_reconnect(config):
     """The trainer collective's ranks are connected to each other: one rank
     cannot join again alone (restart every rank instead)."""
-    if config.get("reduction", "daemon") == "trainer":
+    if config.get("reduction", _DEFAULTS["reduction"]) == "trainer":
         raise ValueError(
             "reconnect: not supported with reduction='trainer' (the ranks' "
             "Gloo connections fail with the job); restart every rank, from "

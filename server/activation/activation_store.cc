@@ -88,17 +88,17 @@ struct ActivationStore::JobEntry {
 };
 
 bool ActivationStore::Id::operator<(const Id& o) const {
-  return std::tie(step, layer, micro_batch, rank, mp_rank, mp_size) <
-         std::tie(o.step, o.layer, o.micro_batch, o.rank, o.mp_rank, o.mp_size);
+  return std::tie(key.step, key.layer, key.micro_batch, rank, key.mp_rank, key.mp_size) <
+         std::tie(o.key.step, o.key.layer, o.key.micro_batch, o.rank, o.key.mp_rank,
+                  o.key.mp_size);
 }
 
 namespace {
 
 template <typename IdT>
 std::string Describe(const std::string& job, const IdT& id) {
-  return absl::StrCat("activation (step ", id.step, ", micro_batch ", id.micro_batch, ", layer ",
-                      id.layer, ", mp_rank ", id.mp_rank, " of ", id.mp_size, ") of job ", job,
-                      " rank ", id.rank);
+  return absl::StrCat("activation (", DescribeActivationKey(id.key), ") of job ", job, " rank ",
+                      id.rank);
 }
 
 std::string DescribeCrc(std::optional<uint32_t> crc) {
@@ -111,8 +111,8 @@ bool SameInstance(const std::weak_ptr<const void>& a, const std::shared_ptr<cons
 
 }  // namespace
 
-ActivationStore::Id ActivationStore::MakeId(const SliceOwner& owner, const SliceKey& key) {
-  return Id{key.step, key.layer, key.micro_batch, owner.rank, key.mp_rank, key.mp_size};
+ActivationStore::Id ActivationStore::MakeId(const SliceOwner& owner, const ActivationKey& key) {
+  return Id{key, owner.rank};
 }
 
 ActivationStore::ActivationStore(const Options& options, MemoryLedger* ledger,
@@ -369,7 +369,7 @@ absl::StatusOr<ActivationStore::JobEntry*> ActivationStore::EntryLocked(const Sl
 }
 
 absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::FindLocked(
-    const SliceOwner& owner, const SliceKey& key) {
+    const SliceOwner& owner, const ActivationKey& key) {
   ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
   const Id id = MakeId(owner, key);
   auto it = entry->slices.find(id);
@@ -668,7 +668,7 @@ void ActivationStore::AwaitIoEndLocked(const std::vector<std::shared_ptr<Slice>>
 // ---- Reservations ----
 
 absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::ReserveSlice(
-    const SliceOwner& owner, const SliceKey& key, uint64_t bytes, bool stream,
+    const SliceOwner& owner, const ActivationKey& key, uint64_t bytes, bool stream,
     absl::Time deadline) {
   if (bytes == 0) return absl::InvalidArgumentError("bytes: must be >= 1");
   if (bytes > capacity_) {
@@ -783,7 +783,7 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
 }
 
 absl::StatusOr<SlicePlacement> ActivationStore::Reserve(const SliceOwner& owner,
-                                                        const SliceKey& key, uint64_t bytes,
+                                                        const ActivationKey& key, uint64_t bytes,
                                                         absl::Time deadline) {
   ASSIGN_OR_RETURN(std::shared_ptr<Slice> slice, ReserveSlice(owner, key, bytes, false, deadline));
   absl::MutexLock lock(&mu_);
@@ -796,7 +796,7 @@ absl::StatusOr<SlicePlacement> ActivationStore::Reserve(const SliceOwner& owner,
 }
 
 absl::StatusOr<std::unique_ptr<ActivationStore::Incoming>> ActivationStore::ReserveIncoming(
-    const SliceOwner& owner, const SliceKey& key, uint64_t bytes, absl::Time deadline) {
+    const SliceOwner& owner, const ActivationKey& key, uint64_t bytes, absl::Time deadline) {
   ASSIGN_OR_RETURN(std::shared_ptr<Slice> slice, ReserveSlice(owner, key, bytes, true, deadline));
   uint64_t offset;
   {
@@ -848,7 +848,7 @@ void ActivationStore::AbandonIncoming(const std::shared_ptr<Slice>& slice) {
   }
 }
 
-absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const SliceKey& key,
+absl::StatusOr<uint64_t> ActivationStore::Commit(const SliceOwner& owner, const ActivationKey& key,
                                                  std::optional<uint32_t> crc32c) {
   std::shared_ptr<Slice> slice;
   const char* data = nullptr;
@@ -987,7 +987,8 @@ absl::Status ActivationStore::EnsureInArena(const std::shared_ptr<Slice>& slice,
   }
 }
 
-absl::StatusOr<SlicePlacement> ActivationStore::Locate(const SliceOwner& owner, const SliceKey& key,
+absl::StatusOr<SlicePlacement> ActivationStore::Locate(const SliceOwner& owner,
+                                                       const ActivationKey& key,
                                                        absl::Time deadline) {
   SlicePlacement p;
   {
@@ -1009,7 +1010,7 @@ absl::StatusOr<SlicePlacement> ActivationStore::Locate(const SliceOwner& owner, 
   return p;
 }
 
-absl::Status ActivationStore::Fetch(const SliceOwner& owner, const SliceKey& key,
+absl::Status ActivationStore::Fetch(const SliceOwner& owner, const ActivationKey& key,
                                     absl::Time deadline, uint64_t chunk_bytes,
                                     const FetchWriter& write) {
   std::shared_ptr<Slice> slice;
@@ -1047,7 +1048,7 @@ absl::Status ActivationStore::Fetch(const SliceOwner& owner, const SliceKey& key
 }
 
 absl::StatusOr<uint32_t> ActivationStore::Prefetch(const SliceOwner& owner,
-                                                   const std::vector<SliceKey>& keys,
+                                                   const std::vector<ActivationKey>& keys,
                                                    absl::Time deadline) {
   std::vector<IoStart> io;
   {
@@ -1056,7 +1057,7 @@ absl::StatusOr<uint32_t> ActivationStore::Prefetch(const SliceOwner& owner,
     // The latest hint replaces the rank's earlier one.
     std::deque<Id>& later = entry->hinted[owner.rank];
     later.clear();
-    for (const SliceKey& key : keys) {
+    for (const ActivationKey& key : keys) {
       const Id id = MakeId(owner, key);
       auto it = entry->slices.find(id);
       if (it == entry->slices.end()) continue;
@@ -1128,7 +1129,7 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
 }
 
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeKey(const SliceOwner& owner,
-                                                                const SliceKey& key) {
+                                                                const ActivationKey& key) {
   {
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(FindLocked(owner, key).status());
@@ -1144,7 +1145,7 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeKey(const SliceOwner
 }
 
 absl::StatusOr<std::optional<ActivationStore::Freed>> ActivationStore::ReleaseFetched(
-    const SliceOwner& owner, const SliceKey& key, uint64_t placement) {
+    const SliceOwner& owner, const ActivationKey& key, uint64_t placement) {
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(std::shared_ptr<Slice> slice, FindLocked(owner, key));
@@ -1175,7 +1176,7 @@ absl::StatusOr<std::optional<ActivationStore::Freed>> ActivationStore::ReleaseFe
 absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeStep(const SliceOwner& owner,
                                                                  uint64_t step) {
   ASSIGN_OR_RETURN(Freed freed, FreeMatching(owner, [step](const Id& id, const Slice&) {
-                     return id.step == step;
+                     return id.key.step == step;
                    }));
   RemoveDroppedFiles(Removal::kNow);
   return freed;
@@ -1291,12 +1292,12 @@ uint64_t ActivationStore::StateHash() const {
     if (e.slices.empty()) continue;  // an entry alone holds nothing
     Fnv1aMix(h, job.data(), job.size());
     for (const auto& [id, s] : e.slices) {
-      HashValue(h, id.step);
-      HashValue(h, id.layer);
-      HashValue(h, id.micro_batch);
+      HashValue(h, id.key.step);
+      HashValue(h, id.key.layer);
+      HashValue(h, id.key.micro_batch);
       HashValue(h, id.rank);
-      HashValue(h, id.mp_rank);
-      HashValue(h, id.mp_size);
+      HashValue(h, id.key.mp_rank);
+      HashValue(h, id.key.mp_size);
       HashValue(h, s->state);
       HashValue(h, s->bytes);
       HashValue(h, s->has_block);

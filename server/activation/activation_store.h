@@ -35,10 +35,11 @@
 // SpillDirectory::kDirectAlignment so that they go to the files without a
 // copy; otherwise to 64 bytes.
 //
-// Slices are keyed by (job, rank, step, micro-batch, layer, mp_rank,
-// mp_size) and belong to one job instance: a job removed (every rank left)
-// loses all of them at once, and a job registered again under the same id is
-// a new instance that starts empty.
+// Slices are keyed by their owner (job, rank) and their ActivationKey
+// (common/activation_protocol.h: step, micro-batch, layer, mp_rank,
+// mp_size; the service validates it) and belong to one job instance: a job
+// removed (every rank left) loses all of them at once, and a job registered
+// again under the same id is a new instance that starts empty.
 //
 // Threads: every method is thread-safe. One lock guards the store's state;
 // no disk I/O, network I/O, waiting or checksum over a slice happens under
@@ -73,6 +74,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/activation_protocol.h"
 #include "proto/zeroshard/v1/shard.pb.h"
 #include "server/activation/activation_allocator.h"
 #include "server/activation/activation_metrics.h"
@@ -81,15 +83,6 @@
 #include "transport/transport.h"
 
 namespace zeroshard {
-
-// One slice of one activation checkpoint (activation.proto's ActivationKey).
-struct SliceKey {
-  uint64_t step = 0;
-  uint32_t micro_batch = 0;
-  uint32_t layer = 0;
-  uint32_t mp_rank = 0;
-  uint32_t mp_size = 1;
-};
 
 // Whose slices: a rank of one job instance. `instance` identifies the job
 // object (the daemon passes its Job); it is compared, never dereferenced.
@@ -155,7 +148,7 @@ class ActivationStore {
   // naming the arena and spill sizes when they cannot hold it (nothing
   // changes); NOT_FOUND when the job instance was removed. The reservation
   // is dropped unless committed within the reservation lease.
-  absl::StatusOr<SlicePlacement> Reserve(const SliceOwner& owner, const SliceKey& key,
+  absl::StatusOr<SlicePlacement> Reserve(const SliceOwner& owner, const ActivationKey& key,
                                          uint64_t bytes, absl::Time deadline);
   // Stores the slice, checking the CRC-32C of the reserved bytes first when
   // one is given (DATA_LOSS, and the reservation is dropped, on a mismatch);
@@ -164,14 +157,14 @@ class ActivationStore {
   // ALREADY_EXISTS. NOT_FOUND without a
   // reservation (never made, expired or freed); FAILED_PRECONDITION while it
   // waits for room or is being streamed.
-  absl::StatusOr<uint64_t> Commit(const SliceOwner& owner, const SliceKey& key,
+  absl::StatusOr<uint64_t> Commit(const SliceOwner& owner, const ActivationKey& key,
                                   std::optional<uint32_t> crc32c);
   // Brings the slice into the arena (reading it back from its spill file,
   // making room like Reserve, waiting until `deadline`), pins it there until
   // it is freed, and says where it is. NOT_FOUND for an unknown or freed
   // key; FAILED_PRECONDITION for one not committed; DATA_LOSS when its spill
   // file no longer holds its bytes.
-  absl::StatusOr<SlicePlacement> Locate(const SliceOwner& owner, const SliceKey& key,
+  absl::StatusOr<SlicePlacement> Locate(const SliceOwner& owner, const ActivationKey& key,
                                         absl::Time deadline);
 
   // ---- The streaming path ----
@@ -202,15 +195,15 @@ class ActivationStore {
   };
   // Reserve for a stream: same rules and errors.
   absl::StatusOr<std::unique_ptr<Incoming>> ReserveIncoming(const SliceOwner& owner,
-                                                            const SliceKey& key, uint64_t bytes,
-                                                            absl::Time deadline);
+                                                            const ActivationKey& key,
+                                                            uint64_t bytes, absl::Time deadline);
   // Brings the slice into the arena like Locate (without pinning it), then
   // calls `write` with consecutive pieces of at most `chunk_bytes` (>= 1),
   // with no lock held; the slice stays in place until the last returns.
   // `write` returning false stops with CANCELLED. Errors as Locate.
   using FetchWriter = std::function<bool(const SlicePlacement& slice, uint64_t offset,
                                          absl::string_view data)>;
-  absl::Status Fetch(const SliceOwner& owner, const SliceKey& key, absl::Time deadline,
+  absl::Status Fetch(const SliceOwner& owner, const ActivationKey& key, absl::Time deadline,
                      uint64_t chunk_bytes, const FetchWriter& write);
 
   // ---- Both ----
@@ -223,7 +216,7 @@ class ActivationStore {
   // hint's order, as frees of the rank's slices make room, unless spill
   // writes are in flight or reservations wait for room then: so the disk
   // reads ahead of a backward pass that frees each slice once fetched.
-  absl::StatusOr<uint32_t> Prefetch(const SliceOwner& owner, const std::vector<SliceKey>& keys,
+  absl::StatusOr<uint32_t> Prefetch(const SliceOwner& owner, const std::vector<ActivationKey>& keys,
                                     absl::Time deadline);
   struct Freed {
     uint32_t slices = 0;
@@ -236,7 +229,7 @@ class ActivationStore {
   // of the slices they free has not ended within 30 s; those files go when
   // it ends), FreeKey leaves them to be removed when the disk's spill I/O
   // pauses.
-  absl::StatusOr<Freed> FreeKey(const SliceOwner& owner, const SliceKey& key);
+  absl::StatusOr<Freed> FreeKey(const SliceOwner& owner, const ActivationKey& key);
   // The end of a bulk fetch that read the slice where its reservation put
   // it, without locating it (`placement`: that Reserve's): frees the slice
   // like FreeKey, counting a fetch from the arena, if it is still in the
@@ -245,7 +238,8 @@ class ActivationStore {
   // the free are one step under the lock. Otherwise changes nothing and
   // returns nullopt: the trainer locates the slice and gets it again.
   // NOT_FOUND for an unknown key, FAILED_PRECONDITION for one not committed.
-  absl::StatusOr<std::optional<Freed>> ReleaseFetched(const SliceOwner& owner, const SliceKey& key,
+  absl::StatusOr<std::optional<Freed>> ReleaseFetched(const SliceOwner& owner,
+                                                      const ActivationKey& key,
                                                       uint64_t placement);
   absl::StatusOr<Freed> FreeStep(const SliceOwner& owner, uint64_t step);
   absl::StatusOr<Freed> FreeAll(const SliceOwner& owner);
@@ -292,15 +286,14 @@ class ActivationStore {
 
  private:
   struct JobEntry;
+  // A slice within its job: the owner's rank and the key. Ordered for
+  // spilling: lowest step, then lowest layer (backward fetches them last),
+  // then micro-batch, rank, mp_rank, mp_size.
   struct Id {
-    uint64_t step;
-    uint32_t layer;
-    uint32_t micro_batch;
-    uint32_t rank;
-    uint32_t mp_rank;
-    uint32_t mp_size;
+    ActivationKey key;
+    uint32_t rank = 0;
     bool operator<(const Id& o) const;
-    bool operator==(const Id& o) const { return !(*this < o) && !(o < *this); }
+    bool operator==(const Id& o) const { return key == o.key && rank == o.rank; }
   };
   // Which dropped files RemoveDroppedFiles removes. kWhenDiskIdle (the
   // remover thread): one at a time while no spill write or read-back is in
@@ -323,16 +316,17 @@ class ActivationStore {
   };
 
   ActivationStore(const Options& options, MemoryLedger* ledger, ActivationMetrics* metrics);
-  static Id MakeId(const SliceOwner& owner, const SliceKey& key);
+  static Id MakeId(const SliceOwner& owner, const ActivationKey& key);
   // The owner's job entry, created on first use, and taken over by a new
   // instance of the job once the old one was removed (RemoveJob) or is gone.
   // NOT_FOUND for a removed instance, and for one older than the entry's.
   absl::StatusOr<JobEntry*> EntryLocked(const SliceOwner& owner)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<std::shared_ptr<Slice>> FindLocked(const SliceOwner& owner, const SliceKey& key)
+  absl::StatusOr<std::shared_ptr<Slice>> FindLocked(const SliceOwner& owner,
+                                                    const ActivationKey& key)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<Slice>> ReserveSlice(const SliceOwner& owner,
-                                                      const SliceKey& key, uint64_t bytes,
+                                                      const ActivationKey& key, uint64_t bytes,
                                                       bool stream, absl::Time deadline);
   // Makes room for a block of `block` bytes: picks victims (the job's oldest
   // stored slices, never `exclude`) whose spilling, with the spills already

@@ -43,8 +43,8 @@ using testing::SpillFilesIn;
 
 std::string Pattern(uint64_t seed, size_t bytes) { return testing::PatternBytes(seed, bytes); }
 
-SliceKey Key(uint64_t step, uint32_t layer, uint32_t micro_batch = 0) {
-  SliceKey k;
+ActivationKey Key(uint64_t step, uint32_t layer, uint32_t micro_batch = 0) {
+  ActivationKey k;
   k.step = step;
   k.layer = layer;
   k.micro_batch = micro_batch;
@@ -103,7 +103,8 @@ class StoreTest : public ::testing::Test {
   static absl::Time Deadline() { return absl::Now() + absl::Seconds(30); }
 
   // Offloads over the streaming path.
-  absl::Status Offload(const SliceOwner& owner, const SliceKey& key, const std::string& bytes) {
+  absl::Status Offload(const SliceOwner& owner, const ActivationKey& key,
+                       const std::string& bytes) {
     absl::StatusOr<std::unique_ptr<ActivationStore::Incoming>> in =
         store_->ReserveIncoming(owner, key, bytes.size(), Deadline());
     if (!in.ok()) return in.status();
@@ -111,7 +112,7 @@ class StoreTest : public ::testing::Test {
     return (*in)->Commit(Crc32c(bytes.data(), bytes.size()));
   }
   // Fetches over the streaming path.
-  absl::StatusOr<std::string> FetchBytes(const SliceOwner& owner, const SliceKey& key,
+  absl::StatusOr<std::string> FetchBytes(const SliceOwner& owner, const ActivationKey& key,
                                          bool* missed = nullptr) {
     std::string out;
     absl::Status s = store_->Fetch(owner, key, Deadline(), 1 << 20,
@@ -127,7 +128,7 @@ class StoreTest : public ::testing::Test {
   }
   // Offloads over the bulk path: reserve, put, commit (with the CRC-32C of
   // the bytes, or none).
-  absl::Status Put(const SliceOwner& owner, const SliceKey& key, const std::string& bytes,
+  absl::Status Put(const SliceOwner& owner, const ActivationKey& key, const std::string& bytes,
                    bool with_crc = true, SlicePlacement* placed = nullptr) {
     absl::StatusOr<SlicePlacement> p = store_->Reserve(owner, key, bytes.size(), Deadline());
     if (!p.ok()) return p.status();
@@ -143,7 +144,7 @@ class StoreTest : public ::testing::Test {
   }
   // Locates and gets over the bulk path; checks the CRC the daemon answers,
   // if any.
-  absl::StatusOr<std::string> Get(const SliceOwner& owner, const SliceKey& key,
+  absl::StatusOr<std::string> Get(const SliceOwner& owner, const ActivationKey& key,
                                   bool* missed = nullptr) {
     absl::StatusOr<SlicePlacement> p = store_->Locate(owner, key, Deadline());
     if (!p.ok()) return p.status();
@@ -524,7 +525,7 @@ TEST_F(StoreTest, SpillsAJobTenTimesTheArena) {
   int misses = 0;
   for (int layer = kLayers - 1; layer >= 0; --layer) {
     for (int mb = kMicroBatches - 1; mb >= 0; --mb) {
-      std::vector<SliceKey> ahead;
+      std::vector<ActivationKey> ahead;
       for (int l = layer - 1; l >= std::max(0, layer - 2); --l) ahead.push_back(Key(2, l, mb));
       ASSERT_TRUE(store_->Prefetch(Owner(), ahead, Deadline()).ok());
       bool missed = false;
@@ -752,7 +753,7 @@ TEST_F(StoreTest, DroppedFilesGoOnceTheDiskIsIdleAndWithTheStep) {
       ASSERT_TRUE(Offload(Owner(), Key(step, layer), Pattern(step * 100 + layer, kSlice)).ok());
       within_budget("after an offload");
     }
-    std::vector<SliceKey> hint;
+    std::vector<ActivationKey> hint;
     for (uint32_t layer = kLayers; layer-- > 0;) hint.push_back(Key(step, layer));
     ASSERT_TRUE(store_->Prefetch(Owner(), hint, Deadline()).ok());
     // Backward: fetch and free each slice; the next step's first slices
@@ -806,7 +807,7 @@ TEST_F(StoreTest, DroppedFilesGoWhenASpillNeedsTheirSpaceOrTheStepIsFreed) {
   }
   ASSERT_EQ(store_->GetStats().spill_files, 10u);
   // Backward of the last 8 layers, reading ahead.
-  std::vector<SliceKey> hint;
+  std::vector<ActivationKey> hint;
   for (uint32_t layer = kLayers; layer-- > 0;) hint.push_back(Key(1, layer));
   ASSERT_TRUE(store_->Prefetch(Owner(), hint, Deadline()).ok());
   for (uint32_t layer = kLayers; layer-- > 4;) {

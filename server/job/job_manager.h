@@ -76,6 +76,8 @@ class JobManager {
   size_t retired() const;
 
   const Options& options() const { return options_; }
+  // What every job borrows from the daemon.
+  const JobResources& resources() const { return resources_; }
 
   // One janitor pass (exposed for tests): reaps retired jobs whose lease
   // ended and updates the ranks-connected gauges.

@@ -10,7 +10,7 @@
 // primary is gone. Requests a daemon serves for a group go to its primary
 // at the current epoch (CheckServing).
 //
-// Locks: replica_mu_ is a leaf, held for bookkeeping only. The primary's
+// Locks: mu_ is a leaf, held for bookkeeping only. The primary's
 // transfer and forward run inside the step's prepare, with the step
 // engine's commit lock held (the step is frozen; nothing else waits for
 // the lock then but the step's commit); its commit is sent with no lock

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/activation_protocol.h"
 #include "common/crc32c.h"
 #include "common/protocol.h"
 #include "common/status_macros.h"
@@ -12,53 +13,20 @@
 namespace zeroshard {
 namespace {
 
-// Largest slice any request may name, whatever the arena (sizes past it are
-// a caller's bug, not a capacity question).
-constexpr uint64_t kMaxActivationSliceBytes = uint64_t{64} << 30;
-// Largest model-parallel degree a key may name.
-constexpr uint32_t kMaxModelParallel = 4096;
-// Keys one PrefetchActivations may name (activation.proto).
-constexpr int kMaxPrefetchKeys = 1024;
-
 absl::Time DeadlineOf(grpc::ServerContext* ctx) {
   return std::min(absl::FromChrono(ctx->deadline()),
                   absl::Now() + ActivationService::kMaxActivationWait);
 }
 
-absl::Status CheckKey(const v1::ActivationKey& k, bool has_key, absl::string_view field) {
+// The request's key `field`, validated (common/activation_protocol.h).
+absl::StatusOr<ActivationKey> KeyOf(const v1::ActivationKey& k, bool has_key,
+                                    absl::string_view field) {
   if (!has_key) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));
-  if (k.mp_size() < 1 || k.mp_size() > kMaxModelParallel) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".mp_size: must be in 1..",
-                                                   kMaxModelParallel, ", got ", k.mp_size()));
-  }
-  if (k.mp_rank() >= k.mp_size()) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".mp_rank: must be < mp_size (",
-                                                   k.mp_size(), "), got ", k.mp_rank()));
-  }
-  return absl::OkStatus();
-}
-
-SliceKey ToKey(const v1::ActivationKey& k) {
-  SliceKey key;
-  key.step = k.step();
-  key.micro_batch = k.micro_batch();
-  key.layer = k.layer();
-  key.mp_rank = k.mp_rank();
-  key.mp_size = k.mp_size();
-  return key;
-}
-
-bool SameKey(const v1::ActivationKey& a, const v1::ActivationKey& b) {
-  return a.step() == b.step() && a.micro_batch() == b.micro_batch() && a.layer() == b.layer() &&
-         a.mp_rank() == b.mp_rank() && a.mp_size() == b.mp_size();
+  return ParseActivationKey(k, field);
 }
 
 absl::Status CheckBytes(uint64_t bytes, const ActivationStore& store, absl::string_view field) {
-  if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat(field, ": must be >= 1"));
-  if (bytes > kMaxActivationSliceBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": at most ", kMaxActivationSliceBytes,
-                                                   " bytes per slice, got ", bytes));
-  }
+  RETURN_IF_ERROR(ValidateActivationSliceBytes(bytes, field));
   if (bytes > store.capacity()) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": ", bytes, " bytes is more than this daemon's activation arena holds (",
@@ -93,15 +61,15 @@ absl::Status ActivationService::DoReserve(grpc::ServerContext* ctx,
                                           const v1::ReserveActivationRequest& req,
                                           v1::ActivationPlacement* resp) {
   ASSIGN_OR_RETURN(SliceOwner owner, Owner(*ctx, req.owner(), req.has_owner()));
-  RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
+  ASSIGN_OR_RETURN(const ActivationKey key, KeyOf(req.key(), req.has_key(), "key"));
   RETURN_IF_ERROR(CheckBytes(req.bytes(), *ctx_->activations, "bytes"));
   if (ctx_->bulk == nullptr) {
     return absl::UnavailableError(absl::StrCat(
         "this zeroshardd serves no bulk transport (", ctx_->bulk_error,
         "); offload with OffloadActivation"));
   }
-  ASSIGN_OR_RETURN(SlicePlacement p, ctx_->activations->Reserve(owner, ToKey(req.key()),
-                                                                req.bytes(), DeadlineOf(ctx)));
+  ASSIGN_OR_RETURN(SlicePlacement p,
+                   ctx_->activations->Reserve(owner, key, req.bytes(), DeadlineOf(ctx)));
   resp->set_offset(p.offset);
   resp->set_bytes(p.bytes);
   resp->set_placement(p.placement);
@@ -118,10 +86,10 @@ absl::Status ActivationService::DoCommit(const grpc::ServerContext& call,
                                          const v1::CommitActivationRequest& req,
                                          v1::ActivationStored* resp) {
   ASSIGN_OR_RETURN(SliceOwner owner, Owner(call, req.owner(), req.has_owner()));
-  RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
+  ASSIGN_OR_RETURN(const ActivationKey key, KeyOf(req.key(), req.has_key(), "key"));
   const std::optional<uint32_t> crc =
       req.has_crc32c() ? std::optional<uint32_t>(req.crc32c()) : std::nullopt;
-  ASSIGN_OR_RETURN(uint64_t bytes, ctx_->activations->Commit(owner, ToKey(req.key()), crc));
+  ASSIGN_OR_RETURN(uint64_t bytes, ctx_->activations->Commit(owner, key, crc));
   resp->set_bytes(bytes);
   resp->set_spilled(false);
   if (ctx_->bulk != nullptr) {
@@ -141,14 +109,13 @@ absl::Status ActivationService::DoLocate(grpc::ServerContext* ctx,
                                          v1::ActivationPlacement* resp) {
   const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(SliceOwner owner, Owner(*ctx, req.owner(), req.has_owner()));
-  RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
+  ASSIGN_OR_RETURN(const ActivationKey key, KeyOf(req.key(), req.has_key(), "key"));
   if (ctx_->bulk == nullptr) {
     return absl::UnavailableError(absl::StrCat(
         "this zeroshardd serves no bulk transport (", ctx_->bulk_error,
         "); fetch with FetchActivation"));
   }
-  ASSIGN_OR_RETURN(SlicePlacement p,
-                   ctx_->activations->Locate(owner, ToKey(req.key()), DeadlineOf(ctx)));
+  ASSIGN_OR_RETURN(SlicePlacement p, ctx_->activations->Locate(owner, key, DeadlineOf(ctx)));
   resp->set_offset(p.offset);
   resp->set_bytes(p.bytes);
   if (p.crc32c.has_value()) resp->set_crc32c(*p.crc32c);
@@ -175,15 +142,15 @@ absl::Status ActivationService::DoOffload(grpc::ServerContext* ctx,
     return absl::InvalidArgumentError("the stream carried no chunk");
   }
   ASSIGN_OR_RETURN(SliceOwner owner, Owner(*ctx, chunk.owner(), chunk.has_owner()));
-  RETURN_IF_ERROR(CheckKey(chunk.key(), chunk.has_key(), "chunk 0.key"));
+  ASSIGN_OR_RETURN(const ActivationKey key,
+                   KeyOf(chunk.key(), chunk.has_key(), "chunk 0.key"));
   const uint64_t total = chunk.total_bytes();
   RETURN_IF_ERROR(CheckBytes(total, *ctx_->activations, "chunk 0.total_bytes"));
   const v1::ActivationOwner first_owner = chunk.owner();
-  const v1::ActivationKey key = chunk.key();
   // The slice's bytes go straight into its reserved block; the reservation
   // is dropped unless the stream ends complete and intact.
   ASSIGN_OR_RETURN(std::unique_ptr<ActivationStore::Incoming> incoming,
-                   ctx_->activations->ReserveIncoming(owner, ToKey(key), total, DeadlineOf(ctx)));
+                   ctx_->activations->ReserveIncoming(owner, key, total, DeadlineOf(ctx)));
   uint64_t received = 0;
   uint32_t crc = 0;
   for (size_t i = 0;; ++i) {
@@ -195,7 +162,7 @@ absl::Status ActivationService::DoOffload(grpc::ServerContext* ctx,
         return absl::InvalidArgumentError(
             absl::StrCat(where, ".owner: differs from chunk 0's (set it on the first chunk only)"));
       }
-      if (chunk.has_key() && !SameKey(chunk.key(), key)) {
+      if (chunk.has_key() && ActivationKeyFromProto(chunk.key()) != key) {
         return absl::InvalidArgumentError(
             absl::StrCat(where, ".key: differs from chunk 0's (set it on the first chunk only)"));
       }
@@ -255,18 +222,19 @@ absl::Status ActivationService::DoFetch(grpc::ServerContext* ctx,
                                         grpc::ServerWriter<v1::ActivationChunk>* writer) {
   const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(SliceOwner owner, Owner(*ctx, req.owner(), req.has_owner()));
-  RETURN_IF_ERROR(CheckKey(req.key(), req.has_key(), "key"));
-  if (req.max_chunk_bytes() != 0 && (req.max_chunk_bytes() < 1024 || req.max_chunk_bytes() > kMaxChunkBytes)) {
-    return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes: must be 0 (the daemon's ",
-                                                   "default) or 1024..", kMaxChunkBytes, ", got ",
-                                                   req.max_chunk_bytes()));
+  ASSIGN_OR_RETURN(const ActivationKey key, KeyOf(req.key(), req.has_key(), "key"));
+  if (req.max_chunk_bytes() != 0 && (req.max_chunk_bytes() < kMinActivationChunkBytes ||
+                                     req.max_chunk_bytes() > kMaxChunkBytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_chunk_bytes: must be 0 (the daemon's default) or ", kMinActivationChunkBytes, "..",
+        kMaxChunkBytes, ", got ", req.max_chunk_bytes()));
   }
   const uint64_t chunk_bytes = req.max_chunk_bytes() != 0 ? req.max_chunk_bytes() : ctx_->max_chunk_bytes;
   uint64_t sent = 0;
   // Each piece is written from the arena with no lock held; the store keeps
   // the slice in place until the last is written.
   absl::Status s = ctx_->activations->Fetch(
-      owner, ToKey(req.key()), DeadlineOf(ctx), chunk_bytes,
+      owner, key, DeadlineOf(ctx), chunk_bytes,
       [&](const SlicePlacement& slice, uint64_t offset, absl::string_view data) {
         v1::ActivationChunk c;
         if (offset == 0) {
@@ -300,10 +268,12 @@ absl::Status ActivationService::DoPrefetch(grpc::ServerContext* ctx,
     return absl::InvalidArgumentError(
         absl::StrCat("keys: at most ", kMaxPrefetchKeys, ", got ", req.keys_size()));
   }
-  std::vector<SliceKey> keys;
+  std::vector<ActivationKey> keys;
+  keys.reserve(req.keys_size());
   for (int i = 0; i < req.keys_size(); ++i) {
-    RETURN_IF_ERROR(CheckKey(req.keys(i), true, absl::StrCat("keys[", i, "]")));
-    keys.push_back(ToKey(req.keys(i)));
+    ASSIGN_OR_RETURN(const ActivationKey key,
+                     ParseActivationKey(req.keys(i), absl::StrCat("keys[", i, "]")));
+    keys.push_back(key);
   }
   ASSIGN_OR_RETURN(uint32_t started, ctx_->activations->Prefetch(owner, keys, DeadlineOf(ctx)));
   resp->set_started(started);
@@ -331,14 +301,14 @@ absl::Status ActivationService::DoFree(const grpc::ServerContext& call,
       return absl::InvalidArgumentError(
           "if_placement: 0 names no reservation; send the placement ReserveActivation answered");
     }
-    RETURN_IF_ERROR(CheckKey(req.key(), true, "key"));
+    ASSIGN_OR_RETURN(const ActivationKey key, ParseActivationKey(req.key(), "key"));
     if (ctx_->bulk == nullptr) {
       return absl::UnavailableError(absl::StrCat("this zeroshardd serves no bulk transport (",
                                                  ctx_->bulk_error, "); free without if_placement"));
     }
     ASSIGN_OR_RETURN(
         std::optional<ActivationStore::Freed> released,
-        ctx_->activations->ReleaseFetched(owner, ToKey(req.key()), req.if_placement()));
+        ctx_->activations->ReleaseFetched(owner, key, req.if_placement()));
     if (!released.has_value()) {
       resp->set_moved(true);
       return absl::OkStatus();
@@ -353,8 +323,8 @@ absl::Status ActivationService::DoFree(const grpc::ServerContext& call,
     }
     ASSIGN_OR_RETURN(freed, ctx_->activations->FreeStep(owner, req.key().step()));
   } else if (req.has_key()) {
-    RETURN_IF_ERROR(CheckKey(req.key(), true, "key"));
-    ASSIGN_OR_RETURN(freed, ctx_->activations->FreeKey(owner, ToKey(req.key())));
+    ASSIGN_OR_RETURN(const ActivationKey key, ParseActivationKey(req.key(), "key"));
+    ASSIGN_OR_RETURN(freed, ctx_->activations->FreeKey(owner, key));
   } else {
     ASSIGN_OR_RETURN(freed, ctx_->activations->FreeAll(owner));
   }

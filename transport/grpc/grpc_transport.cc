@@ -27,6 +27,7 @@
 #include "common/tls.h"
 #include "grpcpp/grpcpp.h"
 #include "transport/grpc/region_access.grpc.pb.h"
+#include "transport/piece_plan.h"
 #include "transport/region_table.h"
 
 namespace zeroshard::transport::grpc {
@@ -61,11 +62,6 @@ uint64_t ReadU64(const char* p) {
 bool IsRkey(absl::string_view rkey) {
   return rkey.size() == kRkeySize &&
          std::memcmp(rkey.data(), kRkeyMagic, sizeof(kRkeyMagic)) == 0;
-}
-
-bool Allows(Access access, Access needed) {
-  return (static_cast<uint8_t>(access) & static_cast<uint8_t>(needed)) ==
-         static_cast<uint8_t>(needed);
 }
 
 std::string Hostname() {
@@ -194,7 +190,9 @@ class GrpcRegion : public Region {
 class RegionAccessService final : public v1::RegionAccess::Service {
  public:
   RegionAccessService(std::string name, std::shared_ptr<RegionTable> regions)
-      : name_(std::move(name)), regions_(std::move(regions)) {}
+      : name_(std::move(name)),
+        quoted_name_(absl::StrCat("\"", name_, "\"")),
+        regions_(std::move(regions)) {}
 
   ::grpc::Status Put(::grpc::ServerContext* context,
                      ::grpc::ServerReader<v1::PutChunk>* reader,
@@ -239,18 +237,9 @@ class RegionAccessService final : public v1::RegionAccess::Service {
           "descriptor address does not match region ", id, " of \"", name_,
           "\" (stale or forged descriptor)"));
     }
-    if (range.offset() > record->length ||
-        range.length() > record->length - range.offset()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bytes [", range.offset(), ", ", range.offset(), "+",
-                       range.length(), ") lie outside region ", id, " of \"",
-                       name_, "\" (", record->length, " bytes)"));
-    }
-    if (!Allows(record->access, needed)) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "region ", id, " of \"", name_, "\" does not allow remote ",
-          needed == Access::kRemoteWrite ? "writes" : "reads"));
-    }
+    absl::Status status = CheckAccess(*record, range.offset(), range.length(),
+                                      needed, quoted_name_);
+    if (!status.ok()) return status;
     return record;
   }
 
@@ -270,10 +259,11 @@ class RegionAccessService final : public v1::RegionAccess::Service {
     if (!resolved.ok()) return resolved.status();
     RegionRecord& record = **resolved;
     char* const dst = record.base + target.offset();
-    uint64_t written = 0;
+    PiecePlan received(target.length());
     while (true) {
       const std::string& data = chunk.data();
-      if (data.size() > target.length() - written) {
+      const uint64_t at = received.offset();
+      if (!received.Take(data.size())) {
         return absl::InvalidArgumentError(
             absl::StrCat("put stream carries more than the ", target.length(),
                          " bytes it announced"));
@@ -281,9 +271,8 @@ class RegionAccessService final : public v1::RegionAccess::Service {
       {
         absl::ReaderMutexLock lock(&record.mu);
         if (!record.live) return RegionGone(record.id);
-        std::memcpy(dst + written, data.data(), data.size());
+        std::memcpy(dst + at, data.data(), data.size());
       }
-      written += data.size();
       if (!reader.Read(&chunk)) break;
       if (chunk.has_target()) {
         return absl::InvalidArgumentError(
@@ -291,16 +280,16 @@ class RegionAccessService final : public v1::RegionAccess::Service {
       }
     }
     if (context.IsCancelled()) {
-      return absl::CancelledError(absl::StrCat("put cancelled after ", written,
-                                               " of ", target.length(),
-                                               " bytes"));
+      return absl::CancelledError(
+          absl::StrCat("put cancelled after ", received.offset(), " of ",
+                       target.length(), " bytes"));
     }
-    if (written != target.length()) {
+    if (!received.done()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("put stream ended after ", written, " of the ",
-                       target.length(), " bytes it announced"));
+          absl::StrCat("put stream ended after ", received.offset(),
+                       " of the ", target.length(), " bytes it announced"));
     }
-    reply.set_bytes_written(written);
+    reply.set_bytes_written(received.offset());
     return absl::OkStatus();
   }
 
@@ -317,25 +306,25 @@ class RegionAccessService final : public v1::RegionAccess::Service {
     }
     const char* const src = record.base + source.offset();
     v1::GetChunk chunk;
-    uint64_t sent = 0;
-    while (sent < source.length()) {
-      const uint64_t n = std::min(chunk_bytes, source.length() - sent);
+    PiecePlan plan(source.length(), chunk_bytes);
+    while (!plan.done()) {
+      const PiecePlan::Piece piece = plan.Next();
       {
         absl::ReaderMutexLock lock(&record.mu);
         if (!record.live) return RegionGone(record.id);
-        chunk.mutable_data()->assign(src + sent, n);
+        chunk.mutable_data()->assign(src + piece.offset, piece.length);
       }
       if (!writer.Write(chunk)) {
-        return absl::CancelledError(absl::StrCat("get stream closed after ",
-                                                 sent, " of ", source.length(),
-                                                 " bytes"));
+        return absl::CancelledError(
+            absl::StrCat("get stream closed after ", piece.offset, " of ",
+                         source.length(), " bytes"));
       }
-      sent += n;
     }
     return absl::OkStatus();
   }
 
   const std::string name_;
+  const std::string quoted_name_;  // "\"<name>\"", for error messages
   const std::shared_ptr<RegionTable> regions_;
 };
 
@@ -510,14 +499,13 @@ class ConnectionCore {
     std::unique_ptr<::grpc::ClientWriter<v1::PutChunk>> writer =
         stub_->Put(&context, &reply);
     *put_chunk_.mutable_target() = op.range;
-    size_t sent = 0;
+    PiecePlan plan(op.length, chunk_bytes_);
     bool stream_ok = true;
-    while (stream_ok && sent < op.length) {
-      const size_t n = std::min(chunk_bytes_, op.length - sent);
-      put_chunk_.set_data(op.local + sent, n);
+    while (stream_ok && !plan.done()) {
+      const PiecePlan::Piece piece = plan.Next();
+      put_chunk_.set_data(op.local + piece.offset, piece.length);
       stream_ok = writer->Write(put_chunk_);
       put_chunk_.clear_target();
-      sent += n;
     }
     if (stream_ok) writer->WritesDone();
     return FromRpc(writer->Finish(), "put");
@@ -529,11 +517,12 @@ class ConnectionCore {
     request.set_max_chunk_bytes(static_cast<uint32_t>(chunk_bytes_));
     std::unique_ptr<::grpc::ClientReader<v1::GetChunk>> reader =
         stub_->Get(&context, request);
-    size_t received = 0;
+    PiecePlan received(op.length);
     absl::Status broken = absl::OkStatus();
     while (reader->Read(&get_chunk_)) {
       const std::string& data = get_chunk_.data();
-      if (data.size() > op.length - received) {
+      const uint64_t at = received.offset();
+      if (!received.Take(data.size())) {
         broken = absl::UnavailableError(absl::StrCat(
             "grpc get on peer \"", peer_name_, "\": it sent more than the ",
             op.length, " bytes asked for"));
@@ -542,15 +531,14 @@ class ConnectionCore {
         }
         break;
       }
-      std::memcpy(op.local + received, data.data(), data.size());
-      received += data.size();
+      std::memcpy(op.local + at, data.data(), data.size());
     }
     const absl::Status status = FromRpc(reader->Finish(), "get");
     if (!broken.ok()) return broken;
-    if (status.ok() && received != op.length) {
+    if (status.ok() && !received.done()) {
       return absl::UnavailableError(absl::StrCat(
           "grpc get on peer \"", peer_name_, "\": stream ended after ",
-          received, " of ", op.length, " bytes"));
+          received.offset(), " of ", op.length, " bytes"));
     }
     return status;
   }
@@ -594,65 +582,50 @@ class ConnectionCore {
   std::thread thread_;   // last: starts after the fields above exist
 };
 
-class GrpcConnection : public Connection {
+class GrpcConnection : public CheckedConnection {
  public:
   explicit GrpcConnection(std::shared_ptr<ConnectionCore> core)
-      : core_(std::move(core)) {}
+      : CheckedConnection("grpc"), core_(std::move(core)) {}
 
   ~GrpcConnection() override {
     core_->Close(absl::CancelledError(absl::StrCat(
         "connection to grpc peer \"", core_->peer_name(), "\" closed")));
   }
 
-  Completion Put(const void* src, size_t length, const RegionDescriptor& dst,
-                 uint64_t dst_offset) override {
-    return Start(Op::Kind::kPut, const_cast<void*>(src), length, dst,
-                 dst_offset);
-  }
-
-  Completion Get(void* dst, size_t length, const RegionDescriptor& src,
-                 uint64_t src_offset) override {
-    return Start(Op::Kind::kGet, dst, length, src, src_offset);
-  }
-
-  absl::Status Flush(absl::Time deadline) override {
-    auto op = std::make_shared<Op>(Op::Kind::kFlush);
-    absl::Status status = core_->Post(op);
-    if (!status.ok()) return status;
-    status = op->Wait(deadline);
-    // Drops the marker (not the operations before it) so it sends nothing.
-    if (absl::IsDeadlineExceeded(status)) op->Abort();
-    return status;
-  }
-
   const std::string& peer_name() const override { return core_->peer_name(); }
 
  private:
-  Completion Start(Op::Kind kind, void* local, size_t length,
-                   const RegionDescriptor& remote, uint64_t offset) {
-    const char* what = kind == Op::Kind::kPut ? "grpc put" : "grpc get";
-    absl::Status status = CheckRange(remote, offset, length, what);
-    if (!status.ok()) return Completion::Ready(std::move(status));
+  absl::StatusOr<absl::string_view> CheckKey(
+      const RegionDescriptor& remote, absl::string_view what) const override {
     if (!IsRkey(remote.rkey)) {
-      return Completion::Ready(absl::InvalidArgumentError(
+      return absl::InvalidArgumentError(
           absl::StrCat(what, ": descriptor's rkey (", remote.rkey.size(),
-                       " bytes) is not a grpc transport key")));
+                       " bytes) is not a grpc transport key"));
     }
-    if (length == 0) return Completion::Ready(absl::OkStatus());
-    if (local == nullptr) {
-      return Completion::Ready(
-          absl::InvalidArgumentError(absl::StrCat(what, ": null buffer")));
-    }
-    auto op = std::make_shared<Op>(kind);
-    op->local = static_cast<char*>(local);
-    op->length = length;
-    op->range.set_region_address(remote.address);
-    op->range.set_rkey(remote.rkey);
-    op->range.set_offset(offset);
-    op->range.set_length(length);
-    status = core_->Post(op);
+    return absl::string_view(remote.rkey);
+  }
+
+  Completion Issue(const Request& request) override {
+    auto op = std::make_shared<Op>(request.kind == Kind::kPut ? Op::Kind::kPut
+                                                              : Op::Kind::kGet);
+    op->local = request.local;
+    op->length = request.length;
+    op->range.set_region_address(request.remote_address - request.offset);
+    op->range.set_rkey(request.key.data(), request.key.size());
+    op->range.set_offset(request.offset);
+    op->range.set_length(request.length);
+    absl::Status status = core_->Post(op);
     if (!status.ok()) return Completion::Ready(std::move(status));
     return Completion(std::move(op));
+  }
+
+  // Sends nothing if aborted while queued (CheckedConnection::Flush aborts
+  // it at the deadline); the operations before it are not touched.
+  absl::StatusOr<std::shared_ptr<CompletionState>> IssueFlush() override {
+    auto op = std::make_shared<Op>(Op::Kind::kFlush);
+    absl::Status status = core_->Post(op);
+    if (!status.ok()) return status;
+    return op;
   }
 
   const std::shared_ptr<ConnectionCore> core_;
@@ -689,6 +662,11 @@ class GrpcTransport : public Transport {
   }
 
   absl::string_view kind() const override { return "grpc"; }
+
+  // Checked in software by this Transport's server before any byte moves:
+  // the rkey's region id and random 64-bit token, the descriptor's address,
+  // the range and the region's Access (RegionAccessService::Resolve).
+  bool enforces_remote_keys() const override { return true; }
 
   absl::StatusOr<std::unique_ptr<Region>> RegisterRegion(
       void* base, size_t length, Access access) override {
@@ -808,7 +786,7 @@ class GrpcTransport : public Transport {
   const std::unique_ptr<RegionAccessService> service_;
   const std::unique_ptr<::grpc::Server> server_;
   const std::string address_;
-  // Of the Connections it makes: TLS or plaintext (TransportOptions::tls).
+  // Of the Connections it makes: TLS or plaintext (GrpcTransportOptions::tls).
   const std::shared_ptr<::grpc::ChannelCredentials> credentials_;
   absl::Mutex mu_;
   // Closed when the Transport is destroyed.
@@ -816,16 +794,19 @@ class GrpcTransport : public Transport {
 };
 
 const bool kRegistered = [] {
-  (void)RegisterTransportFactory("grpc", &CreateGrpcTransport);
+  (void)RegisterTransportFactory("grpc", [](const BackendOptions& options) {
+    return CreateGrpcTransport(options.grpc);
+  });
   return true;
 }();
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateGrpcTransport(
-    const TransportOptions& options) {
-  if (options.max_piece_bytes == 0) {
-    return absl::InvalidArgumentError("grpc: max_piece_bytes must be > 0");
+    const GrpcTransportOptions& options) {
+  if (options.common.max_piece_bytes == 0) {
+    return absl::InvalidArgumentError(
+        "grpc transport: common.max_piece_bytes must be > 0");
   }
   const std::string listen = options.listen_address.empty()
                                  ? std::string(kDefaultListenAddress)
@@ -835,10 +816,10 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGrpcTransport(
   if (!parsed.ok()) return parsed.status();
 
   static std::atomic<int> instances{0};
-  std::string name = options.name.empty()
+  std::string name = options.common.name.empty()
                          ? absl::StrCat("grpc:", Hostname(), ":", getpid(),
                                         ":", instances++)
-                         : options.name;
+                         : options.common.name;
   auto regions = std::make_shared<RegionTable>();
   auto service = std::make_unique<RegionAccessService>(name, regions);
 
@@ -865,7 +846,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGrpcTransport(
   }
   std::string host = parsed->host;
   if (host == "0.0.0.0" || host == "[::]") host = Hostname();
-  const size_t chunk_bytes = std::min(options.max_piece_bytes, kMaxChunkBytes);
+  const size_t chunk_bytes =
+      std::min(options.common.max_piece_bytes, kMaxChunkBytes);
   return std::make_unique<GrpcTransport>(
       std::move(name), chunk_bytes, std::move(regions), std::move(service), std::move(server),
       absl::StrCat(host, ":", port), *std::move(channel_credentials));

@@ -6,7 +6,7 @@
 // library beyond gRPC, and every byte is copied by the serving side's CPU.
 //
 // Serving side: each Transport runs its own grpc::Server on
-// TransportOptions::listen_address ("HOST:PORT"; empty: "127.0.0.1:0").
+// GrpcTransportOptions::listen_address ("HOST:PORT"; empty: "127.0.0.1:0").
 // LocalAddress() is "HOST:PORT" with the port actually bound; a wildcard host
 // (0.0.0.0, [::]) is replaced by this machine's hostname. Incoming Puts and
 // Gets run on gRPC's own server threads, which copy straight between the
@@ -19,8 +19,7 @@
 // wins, and a Get sees every earlier Put. Put/Get never block; Flush waits
 // for the operations issued before it and then pings the peer (Unavailable
 // if it is gone). Operations are sent in chunks of min(max_piece_bytes,
-// 1 MiB), paced by gRPC's flow control; progress_threads and
-// max_pieces_in_flight are not used. Every RPC carries a deadline of its own
+// 1 MiB), paced by gRPC's flow control. Every RPC carries a deadline of its own
 // (60 s plus 1 s per MiB), so a stuck peer cannot hold the worker forever;
 // the RPC then fails with Unavailable.
 //
@@ -30,7 +29,9 @@
 //   wrong token with Unavailable ("region no longer exists"), a range outside
 //   the region or a mismatched address with InvalidArgument, and a direction
 //   the region's Access does not allow with PermissionDenied. All of this is
-//   checked before the first byte is written or read.
+//   checked, in software, before the first byte is written or read, so
+//   enforces_remote_keys() is true (TLS keeps keys secret in transit;
+//   without it they cross the network in plaintext).
 // - Destroying a Region revokes it: it waits for chunk copies into or out of
 //   it that are under way (at most one chunk each) and later accesses fail
 //   with Unavailable, so no write lands in freed memory. A Put that the
@@ -61,11 +62,12 @@
 
 namespace zeroshard::transport::grpc {
 
-// Also reachable as CreateTransport("grpc", options). Reads options.name and
-// options.listen_address (InvalidArgument if it is not "HOST:PORT";
-// Unavailable if the server cannot bind it, e.g. the port is taken) and
-// options.max_piece_bytes. Blocks while the server starts.
+// Also reachable as CreateTransport("grpc", options), which passes
+// options.grpc. InvalidArgument if listen_address is not "HOST:PORT" or
+// common.max_piece_bytes is 0; Unavailable if the server cannot bind it
+// (e.g. the port is taken); the TLS files' errors (common/tls.h). Blocks
+// while the server starts.
 absl::StatusOr<std::unique_ptr<Transport>> CreateGrpcTransport(
-    const TransportOptions& options);
+    const GrpcTransportOptions& options = {});
 
 }  // namespace zeroshard::transport::grpc

@@ -58,9 +58,9 @@ int PortOf(const std::string& address) {
 
 std::unique_ptr<Transport> NewTransport(const std::string& name,
                                         const std::string& listen = "") {
-  TransportOptions options;
-  options.name = name;
-  options.listen_address = listen;
+  BackendOptions options;
+  options.grpc.common.name = name;
+  options.grpc.listen_address = listen;
   auto transport = CreateTransport("grpc", options);
   EXPECT_TRUE(transport.ok()) << transport.status();
   return transport.ok() ? *std::move(transport) : nullptr;
@@ -107,6 +107,8 @@ TEST(GrpcTransportOptionsTest, RegisteredAsGrpc) {
   std::unique_ptr<Transport> transport = NewTransport("t");
   ASSERT_NE(transport, nullptr);
   EXPECT_EQ(transport->kind(), "grpc");
+  // Its server checks every key (region id and token), range and Access.
+  EXPECT_TRUE(transport->enforces_remote_keys());
 }
 
 TEST(GrpcTransportOptionsTest, LocalAddressHasTheBoundPort) {
@@ -140,9 +142,9 @@ TEST(GrpcTransportOptionsTest, ListenAddressOption) {
   EXPECT_EQ((*connection)->peer_name(), "named");
 
   // A port that is taken is refused, not shared.
-  TransportOptions options;
+  GrpcTransportOptions options;
   options.listen_address = explicit_loopback->LocalAddress();
-  auto taken = CreateTransport("grpc", options);
+  auto taken = CreateGrpcTransport(options);
   EXPECT_TRUE(absl::IsUnavailable(taken.status())) << taken.status();
 
   for (const char* bad : {"nonsense", "127.0.0.1", "127.0.0.1:", ":0",
@@ -150,8 +152,7 @@ TEST(GrpcTransportOptionsTest, ListenAddressOption) {
                           "[::1:0"}) {
     SCOPED_TRACE(bad);
     options.listen_address = bad;
-    EXPECT_TRUE(
-        absl::IsInvalidArgument(CreateTransport("grpc", options).status()));
+    EXPECT_TRUE(absl::IsInvalidArgument(CreateGrpcTransport(options).status()));
   }
 }
 

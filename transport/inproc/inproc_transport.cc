@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "transport/piece_plan.h"
 #include "transport/region_table.h"
 
 namespace zeroshard::transport::inproc {
@@ -106,10 +107,12 @@ class Op : public CompletionState {
   Kind kind = Kind::kFlush;
   char* local = nullptr;  // src of a Put, dst of a Get
   size_t length = 0;
+  size_t piece_bytes = 0;  // copied in pieces of this many bytes
   uint64_t region_id = 0;
   uint64_t remote_address = 0;  // descriptor.address + offset
   uint64_t peer = 0;
-  std::string peer_name;
+  // `inproc peer "<name>"`, how error messages name the peer.
+  std::shared_ptr<const std::string> peer_label;
 
   // Claims the op for execution; false if it was aborted first.
   bool Start() {
@@ -131,8 +134,7 @@ class Op : public CompletionState {
 };
 
 absl::Status PeerGone(const Op& op) {
-  return absl::UnavailableError(
-      absl::StrCat("inproc peer \"", op.peer_name, "\" is gone"));
+  return absl::UnavailableError(absl::StrCat(*op.peer_label, " is gone"));
 }
 
 absl::Status Execute(Op& op) {
@@ -142,45 +144,45 @@ absl::Status Execute(Op& op) {
 
   std::shared_ptr<RegionRecord> record = directory.regions().Find(op.region_id);
   if (record == nullptr) {
-    return absl::UnavailableError(absl::StrCat("inproc peer \"", op.peer_name,
-                                               "\": region ", op.region_id,
-                                               " has been deregistered"));
+    return absl::UnavailableError(absl::StrCat(
+        *op.peer_label, ": region ", op.region_id, " has been deregistered"));
   }
   absl::ReaderMutexLock lock(&record->mu);
   if (!record->live) {
-    return absl::UnavailableError(absl::StrCat("inproc peer \"", op.peer_name,
-                                               "\": region ", op.region_id,
-                                               " has been deregistered"));
+    return absl::UnavailableError(absl::StrCat(
+        *op.peer_label, ": region ", op.region_id, " has been deregistered"));
   }
   if (record->owner != op.peer) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("region ", op.region_id,
-                     " does not belong to inproc peer \"", op.peer_name, "\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "region ", op.region_id, " does not belong to ", *op.peer_label));
   }
   const uint64_t base = reinterpret_cast<uintptr_t>(record->base);
-  if (op.remote_address < base || op.remote_address - base > record->length ||
-      op.length > record->length - (op.remote_address - base)) {
+  if (op.remote_address < base) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "descriptor does not match region ", op.region_id, " of inproc peer \"",
-        op.peer_name, "\" (stale or forged address/length)"));
+        "descriptor does not match region ", op.region_id, " of ",
+        *op.peer_label, " (stale or forged address)"));
   }
-  char* remote = record->base + (op.remote_address - base);
-  if (op.kind == Op::Kind::kPut) {
-    if ((static_cast<uint8_t>(record->access) &
-         static_cast<uint8_t>(Access::kRemoteWrite)) == 0) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("region ", op.region_id, " of inproc peer \"",
-                       op.peer_name, "\" does not allow remote writes"));
+  const uint64_t offset = op.remote_address - base;
+  const bool put = op.kind == Op::Kind::kPut;
+  absl::Status status =
+      CheckAccess(*record, offset, op.length,
+                  put ? Access::kRemoteWrite : Access::kRemoteRead,
+                  *op.peer_label);
+  if (!status.ok()) return status;
+  char* remote = record->base + offset;
+  PiecePlan plan(op.length, op.piece_bytes);
+  while (!plan.done()) {
+    if (plan.offset() > 0 && op.abort_requested()) {
+      return absl::CancelledError(absl::StrCat(
+          "inproc operation aborted after ", plan.offset(), " of ", op.length,
+          " bytes"));
     }
-    std::memcpy(remote, op.local, op.length);
-  } else {
-    if ((static_cast<uint8_t>(record->access) &
-         static_cast<uint8_t>(Access::kRemoteRead)) == 0) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("region ", op.region_id, " of inproc peer \"",
-                       op.peer_name, "\" does not allow remote reads"));
+    const PiecePlan::Piece piece = plan.Next();
+    if (put) {
+      std::memcpy(remote + piece.offset, op.local + piece.offset, piece.length);
+    } else {
+      std::memcpy(op.local + piece.offset, remote + piece.offset, piece.length);
     }
-    std::memcpy(op.local, remote, op.length);
   }
   return absl::OkStatus();
 }
@@ -249,31 +251,17 @@ class Executor {
   std::thread thread_;  // last: starts after the fields above exist
 };
 
-class InprocConnection : public Connection {
+class InprocConnection : public CheckedConnection {
  public:
   InprocConnection(std::shared_ptr<Executor> executor, uint64_t peer,
-                   std::string peer_name)
-      : executor_(std::move(executor)),
+                   std::string peer_name, size_t piece_bytes)
+      : CheckedConnection("inproc"),
+        executor_(std::move(executor)),
         peer_(peer),
-        peer_name_(std::move(peer_name)) {}
-
-  Completion Put(const void* src, size_t length, const RegionDescriptor& dst,
-                 uint64_t dst_offset) override {
-    return Start(Op::Kind::kPut, const_cast<void*>(src), length, dst,
-                 dst_offset);
-  }
-
-  Completion Get(void* dst, size_t length, const RegionDescriptor& src,
-                 uint64_t src_offset) override {
-    return Start(Op::Kind::kGet, dst, length, src, src_offset);
-  }
-
-  absl::Status Flush(absl::Time deadline) override {
-    auto op = NewOp(Op::Kind::kFlush);
-    if (!executor_->Post(op)) return executor_->ShutDownError();
-    Completion completion(std::move(op));
-    return completion.Wait(deadline);
-  }
+        peer_name_(std::move(peer_name)),
+        peer_label_(std::make_shared<const std::string>(
+            absl::StrCat("inproc peer \"", peer_name_, "\""))),
+        piece_bytes_(piece_bytes) {}
 
   const std::string& peer_name() const override { return peer_name_; }
 
@@ -282,54 +270,61 @@ class InprocConnection : public Connection {
     auto op = std::make_shared<Op>();
     op->kind = kind;
     op->peer = peer_;
-    op->peer_name = peer_name_;
+    op->peer_label = peer_label_;
     return op;
   }
 
-  Completion Start(Op::Kind kind, void* local, size_t length,
-                   const RegionDescriptor& remote, uint64_t offset) {
-    const char* what = kind == Op::Kind::kPut ? "inproc put" : "inproc get";
-    absl::Status status = CheckRange(remote, offset, length, what);
-    if (!status.ok()) return Completion::Ready(std::move(status));
+  absl::StatusOr<absl::string_view> CheckKey(
+      const RegionDescriptor& remote, absl::string_view what) const override {
     if (remote.rkey.size() != kRkeySize ||
         std::memcmp(remote.rkey.data(), kRkeyMagic, 4) != 0) {
-      return Completion::Ready(absl::InvalidArgumentError(
+      return absl::InvalidArgumentError(
           absl::StrCat(what, ": descriptor's rkey (", remote.rkey.size(),
-                       " bytes) is not an inproc key")));
+                       " bytes) is not an inproc key"));
     }
     if (ReadU64(remote.rkey.data() + 12) != peer_) {
-      return Completion::Ready(absl::InvalidArgumentError(absl::StrCat(
+      return absl::InvalidArgumentError(absl::StrCat(
           what, ": descriptor was issued by another transport, not by \"",
-          peer_name_, "\"")));
+          peer_name_, "\""));
     }
-    if (length == 0) return Completion::Ready(absl::OkStatus());
-    if (local == nullptr) {
-      return Completion::Ready(
-          absl::InvalidArgumentError(absl::StrCat(what, ": null buffer")));
-    }
-    auto op = NewOp(kind);
-    op->local = static_cast<char*>(local);
-    op->length = length;
-    op->region_id = ReadU64(remote.rkey.data() + 4);
-    op->remote_address = remote.address + offset;
+    return absl::string_view(remote.rkey);
+  }
+
+  Completion Issue(const Request& request) override {
+    auto op = NewOp(request.kind == Kind::kPut ? Op::Kind::kPut
+                                               : Op::Kind::kGet);
+    op->local = request.local;
+    op->length = request.length;
+    op->piece_bytes = piece_bytes_;
+    op->region_id = ReadU64(request.key.data() + 4);
+    op->remote_address = request.remote_address;
     if (!executor_->Post(op)) {
       return Completion::Ready(executor_->ShutDownError());
     }
     return Completion(std::move(op));
   }
 
+  absl::StatusOr<std::shared_ptr<CompletionState>> IssueFlush() override {
+    auto op = NewOp(Op::Kind::kFlush);
+    if (!executor_->Post(op)) return executor_->ShutDownError();
+    return op;
+  }
+
   std::shared_ptr<Executor> executor_;
   const uint64_t peer_;
   const std::string peer_name_;
+  const std::shared_ptr<const std::string> peer_label_;
+  const size_t piece_bytes_;
 };
 
 class InprocTransport : public Transport {
  public:
-  explicit InprocTransport(const TransportOptions& options) {
+  explicit InprocTransport(const InprocTransportOptions& options)
+      : piece_bytes_(options.common.max_piece_bytes) {
     static std::atomic<int> instances{0};
-    name_ = options.name.empty()
+    name_ = options.common.name.empty()
                 ? absl::StrCat("inproc:", getpid(), ":", instances++)
-                : options.name;
+                : options.common.name;
     id_ = Directory::Get().AddTransport();
     address_.assign(kAddressMagic, sizeof(kAddressMagic));
     AppendU64(&address_, id_);
@@ -345,6 +340,11 @@ class InprocTransport : public Transport {
   }
 
   absl::string_view kind() const override { return "inproc"; }
+
+  // Every access is checked against the process-wide table of live regions
+  // (id, owner, range, Access) before a byte moves, and only this process
+  // can reach it.
+  bool enforces_remote_keys() const override { return true; }
 
   absl::StatusOr<std::unique_ptr<Region>> RegisterRegion(
       void* base, size_t length, Access access) override {
@@ -395,10 +395,12 @@ class InprocTransport : public Transport {
     }
     const size_t index = next_executor_.fetch_add(1) % executors_.size();
     return std::make_unique<InprocConnection>(executors_[index], peer,
-                                              std::move(peer_name));
+                                              std::move(peer_name),
+                                              piece_bytes_);
   }
 
  private:
+  const size_t piece_bytes_;
   std::string name_;
   uint64_t id_ = 0;
   std::string address_;
@@ -407,16 +409,21 @@ class InprocTransport : public Transport {
 };
 
 const bool kRegistered = [] {
-  (void)RegisterTransportFactory("inproc", &CreateInprocTransport);
+  (void)RegisterTransportFactory("inproc", [](const BackendOptions& options) {
+    return CreateInprocTransport(options.inproc);
+  });
   return true;
 }();
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateInprocTransport(
-    const TransportOptions& options) {
-  if (options.progress_threads < 1) {
-    return absl::InvalidArgumentError("inproc: progress_threads must be >= 1");
+    const InprocTransportOptions& options) {
+  if (options.progress_threads < 1 || options.common.max_piece_bytes == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inproc transport: progress_threads (", options.progress_threads,
+        ") and common.max_piece_bytes (", options.common.max_piece_bytes,
+        ") must be positive"));
   }
   return std::make_unique<InprocTransport>(options);
 }

@@ -8,10 +8,13 @@
 // Destroying a Region waits for copies into or out of it that are under way.
 // Access flags are enforced (PermissionDenied). AllocateRegion uses the heap.
 // Each Connection runs its operations in order on one executor thread of
-// the initiating Transport (TransportOptions::progress_threads of them).
+// the initiating Transport (InprocTransportOptions::progress_threads of
+// them), copying in pieces of TransportOptions::max_piece_bytes.
+// enforces_remote_keys() is true.
 //
 // Abort of an operation that has not started copying finishes it at once
-// with Cancelled; one that is copying finishes when the copy does.
+// with Cancelled; one that is copying stops after the piece under way and
+// finishes with Cancelled, the pieces before it written.
 
 #include <memory>
 
@@ -20,9 +23,10 @@
 
 namespace zeroshard::transport::inproc {
 
-// Also reachable as CreateTransport("inproc", options). Uses
-// options.progress_threads executor threads.
+// Also reachable as CreateTransport("inproc", options), which passes
+// options.inproc. InvalidArgument when progress_threads or
+// common.max_piece_bytes is not positive.
 absl::StatusOr<std::unique_ptr<Transport>> CreateInprocTransport(
-    const TransportOptions& options);
+    const InprocTransportOptions& options = {});
 
 }  // namespace zeroshard::transport::inproc

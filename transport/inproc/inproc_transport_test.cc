@@ -115,7 +115,7 @@ TEST(InprocTransportTest, RegionDestroyedWhileCopiesRunIsSafe) {
 }
 
 TEST(InprocTransportTest, SeveralExecutorsServeSeveralConnections) {
-  TransportOptions options;
+  InprocTransportOptions options;
   options.progress_threads = 3;
   auto server = CreateInprocTransport({});
   auto client = CreateInprocTransport(options);
@@ -135,6 +135,36 @@ TEST(InprocTransportTest, SeveralExecutorsServeSeveralConnections) {
     EXPECT_EQ((*connection)->Flush(Deadline()), absl::OkStatus());
   }
   EXPECT_EQ(std::string(memory.data(), 6), "abcdef");
+}
+
+TEST(InprocTransportTest, CopiesInPiecesOfMaxPieceBytes) {
+  InprocTransportOptions options;
+  options.common.max_piece_bytes = 1000;  // not a divisor of anything below
+  auto server = CreateInprocTransport(options);
+  auto client = CreateInprocTransport(options);
+  ASSERT_TRUE(server.ok() && client.ok());
+  EXPECT_TRUE((*server)->enforces_remote_keys());
+  constexpr size_t kBytes = 100003;
+  std::vector<char> memory(kBytes + 5, 0), data(kBytes), back(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) data[i] = static_cast<char>(i * 31 + 1);
+  auto region = (*server)->RegisterRegion(memory.data(), memory.size(),
+                                          Access::kRemoteReadWrite);
+  ASSERT_TRUE(region.ok());
+  auto connection = (*client)->Connect((*server)->LocalAddress(), Deadline());
+  ASSERT_TRUE(connection.ok());
+  ASSERT_EQ((*connection)
+                ->Put(data.data(), kBytes, (*region)->Descriptor(), 5)
+                .Wait(Deadline()),
+            absl::OkStatus());
+  EXPECT_EQ(std::memcmp(memory.data() + 5, data.data(), kBytes), 0);
+  ASSERT_EQ((*connection)
+                ->Get(back.data(), kBytes, (*region)->Descriptor(), 5)
+                .Wait(Deadline()),
+            absl::OkStatus());
+  EXPECT_TRUE(back == data);
+
+  options.common.max_piece_bytes = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(CreateInprocTransport(options).status()));
 }
 
 TEST(InprocTransportTest, AbortBeforeExecutionCancels) {

@@ -37,6 +37,8 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/fnv.h"
+#include "transport/piece_plan.h"
+#include "transport/ucx/ucx_tls.h"
 #include "transport/ucx/ucx_wire.h"
 
 namespace zeroshard::transport::ucx {
@@ -310,31 +312,51 @@ const std::string& PrivateShmDirectory() {
 // ---------------------------------------------------------------------------
 // Context, shared by the Transport, its workers and its Regions.
 
+// The UCX_TLS value UCX reads: `tls` if given, else the environment's.
+std::string EffectiveTls(const std::string& tls) {
+  if (!tls.empty()) return tls;
+  const char* env = std::getenv("UCX_TLS");
+  return env != nullptr ? env : "";
+}
+
+// Which transport resources `context` selected, as ucx_tls.h reads them from
+// ucp_context_print_info(); empty if that text cannot be had.
+std::vector<std::string> ContextTransports(ucp_context_h context) {
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* stream = open_memstream(&text, &size);
+  if (stream == nullptr) return {};
+  ucp_context_print_info(context, stream);
+  std::fclose(stream);
+  std::vector<std::string> selected =
+      SelectedTransports(absl::string_view(text, size));
+  std::free(text);
+  return selected;
+}
+
 class Context {
  public:
   static absl::StatusOr<std::shared_ptr<Context>> Create(
-      const TransportOptions& options) {
+      const UcxTransportOptions& options) {
     ucp_config_t* config = nullptr;
     ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
     if (status != UCS_OK) {
       return absl::UnavailableError(
           absl::StrCat("ucp_config_read: ", UcsText(status)));
     }
-    if (!options.ucx_tls.empty()) {
-      status = ucp_config_modify(config, "TLS", options.ucx_tls.c_str());
+    if (!options.tls.empty()) {
+      status = ucp_config_modify(config, "TLS", options.tls.c_str());
       if (status != UCS_OK) {
         ucp_config_release(config);
         return absl::InvalidArgumentError(absl::StrCat(
-            "UCX_TLS=\"", options.ucx_tls, "\": ", UcsText(status)));
+            "UCX_TLS=\"", options.tls, "\": ", UcsText(status)));
       }
     }
     // Shared-memory files go to the directory that dies with this process
     // (see PrivateShmDirectory). "DIR" is the posix memory domain's own name
     // for UCX_POSIX_DIR: UCX applies it when it opens that domain.
-    const char* env_tls = std::getenv("UCX_TLS");
-    if (MayUsePosixSharedMemory(!options.ucx_tls.empty() ? options.ucx_tls
-                                : env_tls != nullptr     ? env_tls
-                                                         : "")) {
+    const std::string tls = EffectiveTls(options.tls);
+    if (MayUsePosixSharedMemory(tls)) {
       if (const std::string& dir = PrivateShmDirectory(); !dir.empty()) {
         status = ucp_config_modify(config, "DIR", dir.c_str());
         if (status != UCS_OK) {
@@ -356,17 +378,22 @@ class Context {
     ucp_config_release(config);
     if (status != UCS_OK) {
       return absl::UnavailableError(absl::StrCat(
-          "ucp_init (UCX_TLS=\"", options.ucx_tls, "\"): ", UcsText(status)));
+          "ucp_init (UCX_TLS=\"", options.tls, "\"): ", UcsText(status)));
     }
-    return std::shared_ptr<Context>(new Context(handle));
+    return std::shared_ptr<Context>(new Context(
+        handle, DecideKeyEnforcement(tls, ContextTransports(handle))));
   }
 
   ~Context() { ucp_cleanup(handle_); }
   ucp_context_h handle() const { return handle_; }
+  // From the UCX_TLS in effect and the resources UCX selected for it.
+  const KeyEnforcement& key_enforcement() const { return key_enforcement_; }
 
  private:
-  explicit Context(ucp_context_h handle) : handle_(handle) {}
+  Context(ucp_context_h handle, KeyEnforcement key_enforcement)
+      : handle_(handle), key_enforcement_(std::move(key_enforcement)) {}
   ucp_context_h handle_;
+  const KeyEnforcement key_enforcement_;
 };
 
 class UcxRegion : public Region {
@@ -449,7 +476,7 @@ struct Op : CompletionState, std::enable_shared_from_this<Op> {
 
   // worker:
   ucp_rkey_h rkey_handle = nullptr;
-  size_t next = 0;             // first byte not yet posted
+  PiecePlan plan;              // pieces of `length`; offset(): first not posted
   int pieces_outstanding = 0;  // data requests in flight
   bool flush_outstanding = false;
   bool flush_posted = false;
@@ -476,7 +503,7 @@ class Worker : public std::enable_shared_from_this<Worker> {
  public:
   static absl::StatusOr<std::shared_ptr<Worker>> Start(
       std::shared_ptr<Context> context, std::string name,
-      const TransportOptions& options) {
+      const UcxTransportOptions& options) {
     std::shared_ptr<Worker> worker(
         new Worker(std::move(context), std::move(name), options));
     worker->thread_ = std::thread([w = worker.get()] { w->Run(); });
@@ -495,6 +522,7 @@ class Worker : public std::enable_shared_from_this<Worker> {
   }
 
   const std::string& name() const { return name_; }
+  size_t piece_bytes() const { return piece_bytes_; }
   // Packed ucp worker address (valid after Start).
   const std::string& address() const { return address_; }
 
@@ -531,12 +559,12 @@ class Worker : public std::enable_shared_from_this<Worker> {
 
  private:
   Worker(std::shared_ptr<Context> context, std::string name,
-         const TransportOptions& options)
+         const UcxTransportOptions& options)
       : context_(std::move(context)),
         name_(std::move(name)),
-        piece_bytes_(options.max_piece_bytes),
+        piece_bytes_(options.common.max_piece_bytes),
         window_(options.max_pieces_in_flight),
-        peer_error_mode_(WantsPeerErrorMode(options.ucx_tls)),
+        peer_error_mode_(WantsPeerErrorMode(options.tls)),
         wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
 
   void Wake() {
@@ -1046,9 +1074,9 @@ bool Worker::PostMore(Endpoint& e, Op& op) {
     if (!op.flush_posted) PostFlush(e, op);
     return true;
   }
-  while (op.next < op.length) {
+  while (!op.plan.done()) {
     if (op.pieces_outstanding >= window_) return false;
-    const size_t n = std::min(piece_bytes_, op.length - op.next);
+    const PiecePlan::Piece piece = op.plan.Next();
     ucp_request_param_t params{};
     params.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -1056,11 +1084,12 @@ bool Worker::PostMore(Endpoint& e, Op& op) {
     params.user_data = &op;
     ucs_status_ptr_t request =
         op.kind == Op::Kind::kPut
-            ? ucp_put_nbx(e.ep, op.local + op.next, n,
-                          op.remote_address + op.next, op.rkey_handle, &params)
-            : ucp_get_nbx(e.ep, op.local + op.next, n,
-                          op.remote_address + op.next, op.rkey_handle, &params);
-    op.next += n;
+            ? ucp_put_nbx(e.ep, op.local + piece.offset, piece.length,
+                          op.remote_address + piece.offset, op.rkey_handle,
+                          &params)
+            : ucp_get_nbx(e.ep, op.local + piece.offset, piece.length,
+                          op.remote_address + piece.offset, op.rkey_handle,
+                          &params);
     if (UCS_PTR_IS_ERR(request)) {
       op.error = ErrorFor(e, UCS_PTR_STATUS(request),
                           op.kind == Op::Kind::kPut ? "put to" : "get from");
@@ -1142,7 +1171,7 @@ void Worker::MaybeFinish(Op& op) {
   const bool all_posted =
       op.kind == Op::Kind::kFlush
           ? op.flush_posted
-          : op.next >= op.length &&
+          : op.plan.done() &&
                 (op.kind != Op::Kind::kPut || op.flush_posted);
   if (status.ok() && op.aborted && !all_posted) {
     status = absl::CancelledError("UCX operation aborted");
@@ -1209,11 +1238,13 @@ void Worker::AbortOp(const std::shared_ptr<Op>& op) {
 // ---------------------------------------------------------------------------
 // Public objects.
 
-class UcxConnection : public Connection {
+class UcxConnection : public CheckedConnection {
  public:
   UcxConnection(std::shared_ptr<Worker> worker,
                 std::shared_ptr<Endpoint> endpoint)
-      : worker_(std::move(worker)), endpoint_(std::move(endpoint)) {}
+      : CheckedConnection("UCX"),
+        worker_(std::move(worker)),
+        endpoint_(std::move(endpoint)) {}
 
   ~UcxConnection() override {
     std::shared_ptr<Worker> worker = worker_;
@@ -1231,52 +1262,36 @@ class UcxConnection : public Connection {
   // The destructor then returns without waiting for the close to finish.
   void DontWaitOnClose() { wait_on_close_ = false; }
 
-  Completion Put(const void* src, size_t length, const RegionDescriptor& dst,
-                 uint64_t dst_offset) override {
-    return Start(Op::Kind::kPut, const_cast<void*>(src), length, dst,
-                 dst_offset);
-  }
-
-  Completion Get(void* dst, size_t length, const RegionDescriptor& src,
-                 uint64_t src_offset) override {
-    return Start(Op::Kind::kGet, dst, length, src, src_offset);
-  }
-
-  absl::Status Flush(absl::Time deadline) override {
-    auto op = std::make_shared<Op>(Op::Kind::kFlush, worker_, endpoint_);
-    if (!worker_->Post([op] { op->worker->StartOp(op); })) {
-      return ShutDownError(worker_->name());
-    }
-    Completion completion(std::move(op));
-    return completion.Wait(deadline);
-  }
-
   const std::string& peer_name() const override { return endpoint_->peer_name; }
 
  private:
-  Completion Start(Op::Kind kind, void* local, size_t length,
-                   const RegionDescriptor& remote, uint64_t offset) {
-    const char* what = kind == Op::Kind::kPut ? "UCX put" : "UCX get";
-    absl::Status status = CheckRange(remote, offset, length, what);
-    if (!status.ok()) return Completion::Ready(std::move(status));
-    absl::StatusOr<absl::string_view> rkey =
-        DecodeRkey(remote.rkey, kind == Op::Kind::kPut ? "UCX put: descriptor's rkey"
-                                                       : "UCX get: descriptor's rkey");
-    if (!rkey.ok()) return Completion::Ready(rkey.status());
-    if (length == 0) return Completion::Ready(absl::OkStatus());
-    if (local == nullptr) {
-      return Completion::Ready(
-          absl::InvalidArgumentError(absl::StrCat(what, ": null buffer")));
-    }
-    auto op = std::make_shared<Op>(kind, worker_, endpoint_);
-    op->local = static_cast<char*>(local);
-    op->length = length;
-    op->remote_address = remote.address + offset;
-    op->rkey.assign(rkey->data(), rkey->size());
+  // The packed rkey inside the envelope.
+  absl::StatusOr<absl::string_view> CheckKey(
+      const RegionDescriptor& remote, absl::string_view what) const override {
+    return DecodeRkey(remote.rkey, absl::StrCat(what, ": descriptor's rkey"));
+  }
+
+  Completion Issue(const Request& request) override {
+    auto op = std::make_shared<Op>(request.kind == Kind::kPut ? Op::Kind::kPut
+                                                              : Op::Kind::kGet,
+                                   worker_, endpoint_);
+    op->local = request.local;
+    op->length = request.length;
+    op->plan = PiecePlan(request.length, worker_->piece_bytes());
+    op->remote_address = request.remote_address;
+    op->rkey.assign(request.key.data(), request.key.size());
     if (!worker_->Post([op] { op->worker->StartOp(op); })) {
       return Completion::Ready(ShutDownError(worker_->name()));
     }
     return Completion(std::move(op));
+  }
+
+  absl::StatusOr<std::shared_ptr<CompletionState>> IssueFlush() override {
+    auto op = std::make_shared<Op>(Op::Kind::kFlush, worker_, endpoint_);
+    if (!worker_->Post([op] { op->worker->StartOp(op); })) {
+      return ShutDownError(worker_->name());
+    }
+    return op;
   }
 
   const std::shared_ptr<Worker> worker_;
@@ -1307,6 +1322,10 @@ class UcxTransport : public Transport {
   }
 
   absl::string_view kind() const override { return "ucx"; }
+
+  bool enforces_remote_keys() const override {
+    return context_->key_enforcement().enforced;
+  }
 
   absl::StatusOr<std::unique_ptr<Region>> RegisterRegion(
       void* base, size_t length, Access access) override {
@@ -1427,23 +1446,41 @@ class UcxTransport : public Transport {
 };
 
 const bool kRegistered = [] {
-  (void)RegisterTransportFactory("ucx", &CreateUcxTransport);
+  (void)RegisterTransportFactory("ucx", [](const BackendOptions& options) {
+    return CreateUcxTransport(options.ucx);
+  });
   return true;
 }();
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(
-    const TransportOptions& options) {
-  if (options.progress_threads < 1 || options.max_piece_bytes == 0 ||
+    const UcxTransportOptions& options) {
+  if (options.progress_threads < 1 || options.common.max_piece_bytes == 0 ||
       options.max_pieces_in_flight < 1) {
-    return absl::InvalidArgumentError(
-        "UCX transport: progress_threads, max_piece_bytes and "
-        "max_pieces_in_flight must be positive");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "UCX transport: progress_threads (", options.progress_threads,
+        "), common.max_piece_bytes (", options.common.max_piece_bytes,
+        ") and max_pieces_in_flight (", options.max_pieces_in_flight,
+        ") must be positive"));
+  }
+  // What UCX_TLS asks for is refused before UCX even initialises; what UCX
+  // selected for it, before any worker exists: nothing listens yet.
+  if (options.common.require_enforced_remote_keys) {
+    KeyEnforcement requested = CheckRequestedTls(EffectiveTls(options.tls));
+    if (!requested.enforced) {
+      return absl::FailedPreconditionError(std::move(requested.reason));
+    }
   }
   absl::StatusOr<std::shared_ptr<Context>> context = Context::Create(options);
   if (!context.ok()) return context.status();
-  const std::string name = options.name.empty() ? DefaultName() : options.name;
+  if (options.common.require_enforced_remote_keys &&
+      !(*context)->key_enforcement().enforced) {
+    return absl::FailedPreconditionError(
+        (*context)->key_enforcement().reason);
+  }
+  const std::string name =
+      options.common.name.empty() ? DefaultName() : options.common.name;
   std::vector<std::shared_ptr<Worker>> workers;
   for (int i = 0; i < options.progress_threads; ++i) {
     absl::StatusOr<std::shared_ptr<Worker>> worker =

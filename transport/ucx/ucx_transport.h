@@ -16,7 +16,12 @@
 // - Put completion is remote completion (the endpoint is flushed before the
 //   handle is done); Get completion means the bytes are in `dst`.
 // - Operations longer than TransportOptions::max_piece_bytes are split into
-//   pieces, at most max_pieces_in_flight outstanding per operation.
+//   pieces, at most UcxTransportOptions::max_pieces_in_flight outstanding
+//   per operation.
+// - enforces_remote_keys() (ucx_tls.h): true when UCX_TLS names only
+//   shared-memory or RDMA transports and every transport UCX selected for it
+//   is one of them; false over tcp, and for an empty UCX_TLS, "all" or an
+//   exclusion list, which leave the choice to UCX.
 // - Memory from AllocateRegion is UCX-allocated (shared memory when posix or
 //   sysv is enabled): peers on the node then copy straight into and out of
 //   it. UCX's posix files live in a directory private to the process
@@ -59,10 +64,14 @@
 
 namespace zeroshard::transport::ucx {
 
-// Also reachable as CreateTransport("ucx", options). Unavailable (with
-// UCX's reason) when UCX cannot initialise for options.ucx_tls, e.g. a TLS
-// name that is unknown or has no usable device here.
+// Also reachable as CreateTransport("ucx", options), which passes
+// options.ucx. Unavailable (with UCX's reason) when UCX cannot initialise
+// for options.tls, e.g. a TLS name that is unknown or has no usable device
+// here; InvalidArgument for counts that are not positive;
+// FailedPrecondition (saying why) when common.require_enforced_remote_keys
+// is set and enforces_remote_keys() would be false, decided before any
+// worker starts, so nothing was reachable.
 absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(
-    const TransportOptions& options);
+    const UcxTransportOptions& options = {});
 
 }  // namespace zeroshard::transport::ucx

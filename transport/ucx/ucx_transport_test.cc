@@ -20,8 +20,8 @@ absl::Time Deadline() { return absl::Now() + absl::Seconds(10); }
 class UcxTransportTest : public ::testing::TestWithParam<std::string> {
  protected:
   // A transport over GetParam() as UCX_TLS, or null after GTEST_SKIP.
-  std::unique_ptr<Transport> Make(TransportOptions options = {}) {
-    options.ucx_tls = GetParam();
+  std::unique_ptr<Transport> Make(UcxTransportOptions options = {}) {
+    options.tls = GetParam();
     auto transport = CreateUcxTransport(options);
     if (!transport.ok()) {
       ADD_FAILURE_AT(__FILE__, __LINE__)
@@ -32,8 +32,8 @@ class UcxTransportTest : public ::testing::TestWithParam<std::string> {
   }
 
   void SetUp() override {
-    TransportOptions options;
-    options.ucx_tls = GetParam();
+    UcxTransportOptions options;
+    options.tls = GetParam();
     auto probe = CreateUcxTransport(options);
     if (!probe.ok())
       GTEST_SKIP() << "UCX_TLS=" << GetParam() << ": " << probe.status();
@@ -41,8 +41,8 @@ class UcxTransportTest : public ::testing::TestWithParam<std::string> {
 };
 
 TEST_P(UcxTransportTest, RegisteredThroughTheRegistry) {
-  TransportOptions options;
-  options.ucx_tls = GetParam();
+  BackendOptions options;
+  options.ucx.tls = GetParam();
   auto transport = CreateTransport("ucx", options);
   ASSERT_TRUE(transport.ok()) << transport.status();
   EXPECT_EQ((*transport)->kind(), "ucx");
@@ -85,9 +85,9 @@ TEST_P(UcxTransportTest, DamagedAddressesAndRkeysAreRefusedBeforeUcxSeesThem) {
 }
 
 TEST_P(UcxTransportTest, ManySmallPiecesAndSeveralProgressThreads) {
-  TransportOptions options;
+  UcxTransportOptions options;
   options.progress_threads = 2;
-  options.max_piece_bytes = 64 << 10;
+  options.common.max_piece_bytes = 64 << 10;
   options.max_pieces_in_flight = 2;
   auto server = Make(options);
   auto client = Make(options);
@@ -141,13 +141,43 @@ INSTANTIATE_TEST_SUITE_P(Tls, UcxTransportTest,
                                                       : std::string("shm");
                          });
 
+// Shared memory and RDMA enforce keys (or reach only peers that could read
+// this process anyway); tcp, which UCX serves in software, does not.
+TEST_P(UcxTransportTest, EnforcesRemoteKeysOnlyWithoutTcp) {
+  auto transport = Make();
+  ASSERT_NE(transport, nullptr);
+  EXPECT_EQ(transport->enforces_remote_keys(), GetParam() != "tcp");
+}
+
+TEST_P(UcxTransportTest, RequiringEnforcedKeysRefusesTcpBeforeStarting) {
+  UcxTransportOptions options;
+  options.common.require_enforced_remote_keys = true;
+  options.tls = GetParam();
+  auto transport = CreateUcxTransport(options);
+  if (GetParam() == "tcp") {
+    ASSERT_TRUE(absl::IsFailedPrecondition(transport.status()))
+        << transport.status();
+    EXPECT_NE(transport.status().message().find("tcp"), absl::string_view::npos)
+        << transport.status();
+  } else {
+    ASSERT_TRUE(transport.ok()) << transport.status();
+    EXPECT_TRUE((*transport)->enforces_remote_keys());
+  }
+}
+
 TEST(UcxTransportOptionsTest, UnknownTlsOrBadOptionsFailWithoutCrashing) {
-  TransportOptions options;
-  options.ucx_tls = "no_such_transport";
+  UcxTransportOptions options;
+  options.tls = "no_such_transport";
   const absl::Status status = CreateUcxTransport(options).status();
   EXPECT_TRUE(absl::IsUnavailable(status)) << status;
   options = {};
-  options.max_piece_bytes = 0;
+  options.common.max_piece_bytes = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(CreateUcxTransport(options).status()));
+  options = {};
+  options.progress_threads = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(CreateUcxTransport(options).status()));
+  options = {};
+  options.max_pieces_in_flight = 0;
   EXPECT_TRUE(absl::IsInvalidArgument(CreateUcxTransport(options).status()));
 }
 

@@ -1,0 +1,195 @@
+// RankStaging over the inproc transport: what it books, the checks Apply
+// makes before it reads a slot, generations applied at most once and never
+// after a fence, and a fence that waits for the push reading its slot.
+
+#include "server/job/staging.h"
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/ledger/memory_ledger.h"
+#include "transport/inproc/inproc_transport.h"
+
+namespace zeroshard {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint32_t kSlots = 3;
+constexpr uint64_t kSlotBytes = 64;
+
+uint64_t Buffer(const MemoryLedger& ledger, const std::string& job) {
+  return ledger.JobBytes(job)[static_cast<int>(MemoryCategory::kBuffer)];
+}
+
+class RankStagingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<transport::Transport>> t =
+        transport::inproc::CreateInprocTransport();
+    ASSERT_TRUE(t.ok()) << t.status();
+    transport_ = *std::move(t);
+    absl::StatusOr<std::unique_ptr<RankStaging>> s =
+        RankStaging::Create(transport_.get(), &ledger_, "job", kSlots, kSlotBytes);
+    ASSERT_TRUE(s.ok()) << s.status();
+    staging_ = *std::move(s);
+  }
+
+  // What the rank's one-sided Put leaves in slot `slot` (inproc descriptors
+  // carry the region's real address).
+  void Write(uint32_t slot, const std::string& bytes) {
+    ASSERT_LE(bytes.size(), kSlotBytes);
+    char* base = reinterpret_cast<char*>(staging_->descriptor().address);
+    std::memcpy(base + slot * kSlotBytes, bytes.data(), bytes.size());
+  }
+
+  // Apply that records the payload it was given.
+  absl::Status Apply(uint32_t slot, uint64_t generation, uint64_t length,
+                     std::string* payload = nullptr, absl::Status result = absl::OkStatus()) {
+    return staging_->Apply(slot, generation, length, [&](absl::string_view p) {
+      ++applies_;
+      if (payload != nullptr) *payload = std::string(p);
+      return result;
+    });
+  }
+
+  MemoryLedger ledger_{0};
+  std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<RankStaging> staging_;
+  int applies_ = 0;
+};
+
+TEST_F(RankStagingTest, BooksItsRegionForItsLifetime) {
+  EXPECT_EQ(staging_->slots(), kSlots);
+  EXPECT_EQ(staging_->slot_bytes(), kSlotBytes);
+  EXPECT_EQ(staging_->descriptor().length, kSlots * kSlotBytes);
+  EXPECT_NE(staging_->descriptor().address, 0u);
+  EXPECT_EQ(Buffer(ledger_, "job"), kSlots * kSlotBytes);
+  EXPECT_EQ(ledger_.total(), kSlots * kSlotBytes);
+  staging_.reset();
+  EXPECT_EQ(Buffer(ledger_, "job"), 0u);
+  EXPECT_EQ(ledger_.total(), 0u);
+}
+
+TEST_F(RankStagingTest, ARegionPastTheLimitIsRefusedAndNothingBooked) {
+  MemoryLedger small(kSlots * kSlotBytes - 1);
+  absl::StatusOr<std::unique_ptr<RankStaging>> s =
+      RankStaging::Create(transport_.get(), &small, "job", kSlots, kSlotBytes);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted) << s.status();
+  EXPECT_EQ(small.total(), 0u);
+}
+
+TEST_F(RankStagingTest, ApplyReadsTheSlotsFirstBytes) {
+  Write(0, "slot zero bytes");
+  Write(1, "the second slot");
+  std::string payload;
+  ASSERT_TRUE(Apply(1, 1, 10, &payload).ok());
+  EXPECT_EQ(payload, "the second");
+  ASSERT_TRUE(Apply(0, 1, 4, &payload).ok());
+  EXPECT_EQ(payload, "slot");
+  // A full slot, the last one.
+  Write(2, std::string(kSlotBytes, 'z'));
+  ASSERT_TRUE(Apply(2, 7, kSlotBytes, &payload).ok());
+  EXPECT_EQ(payload, std::string(kSlotBytes, 'z'));
+  EXPECT_EQ(applies_, 3);
+}
+
+TEST_F(RankStagingTest, BadArgumentsAreRefusedBeforeAnyRead) {
+  absl::Status s = Apply(kSlots, 1, 8);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("staging_slot"));
+  s = Apply(0, 1, kSlotBytes + 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("do not fit"));
+  s = Apply(0, 0, 8);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("staging_generation"));
+  EXPECT_EQ(applies_, 0);
+  // None of them consumed a generation.
+  EXPECT_TRUE(Apply(0, 1, 8).ok());
+  EXPECT_EQ(staging_->Fence(kSlots, 1).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(RankStagingTest, AGenerationIsAppliedAtMostOnce) {
+  ASSERT_TRUE(Apply(0, 5, 8).ok());
+  for (uint64_t g : {5, 4, 1}) {
+    const absl::Status s = Apply(0, g, 8);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << g;
+    EXPECT_THAT(s.message(), HasSubstr("already applied")) << g;
+  }
+  EXPECT_EQ(applies_, 1);
+  EXPECT_TRUE(Apply(0, 6, 8).ok());
+  // Slots keep their own generations.
+  EXPECT_TRUE(Apply(1, 1, 8).ok());
+  EXPECT_EQ(applies_, 3);
+}
+
+TEST_F(RankStagingTest, AFailedApplyLeavesItsGenerationUnapplied) {
+  const absl::Status s = Apply(0, 3, 8, nullptr, absl::DataLossError("bad chunk"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << "apply's own error is returned";
+  EXPECT_EQ(staging_->Fence(0, 0).value_or(99), 0u) << "nothing applied";
+  EXPECT_TRUE(Apply(0, 3, 8).ok());
+  EXPECT_EQ(staging_->Fence(0, 0).value_or(99), 3u);
+}
+
+TEST_F(RankStagingTest, AFenceRefusesEveryGenerationUpToIt) {
+  EXPECT_EQ(staging_->Fence(0, 4).value_or(99), 0u);
+  for (uint64_t g : {1, 4}) {
+    const absl::Status s = Apply(0, g, 8);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << g;
+    EXPECT_THAT(s.message(), HasSubstr("fenced")) << g;
+  }
+  EXPECT_EQ(applies_, 0);
+  ASSERT_TRUE(Apply(0, 5, 8).ok());
+  // A fence answers the newest applied generation, and a lower fence does
+  // not lower the bar.
+  EXPECT_EQ(staging_->Fence(0, 2).value_or(99), 5u);
+  EXPECT_EQ(Apply(0, 5, 8).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Apply(0, 6, 8).ok());
+  // Other slots are not fenced.
+  EXPECT_TRUE(Apply(1, 1, 8).ok());
+}
+
+// The rule the header states: once a fence has answered, nothing reads the
+// slot's old bytes. A fence that comes while a push reads the slot waits
+// for it (and then reports it applied); a fence of another slot does not.
+TEST_F(RankStagingTest, AFenceWaitsForThePushReadingItsSlot) {
+  absl::Notification reading, finish;
+  std::thread push([&] {
+    EXPECT_TRUE(staging_
+                    ->Apply(0, 2, 8,
+                            [&](absl::string_view) {
+                              reading.Notify();
+                              finish.WaitForNotification();
+                              return absl::OkStatus();
+                            })
+                    .ok());
+  });
+  reading.WaitForNotification();
+  std::atomic<bool> fenced{false};
+  uint64_t applied = 99;
+  std::thread fence([&] {
+    applied = staging_->Fence(0, 2).value_or(99);
+    fenced = true;
+  });
+  // Another slot is fenced at once.
+  EXPECT_EQ(staging_->Fence(1, 1).value_or(99), 0u);
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_FALSE(fenced.load()) << "the fence answered while the push was reading the slot";
+  finish.Notify();
+  push.join();
+  fence.join();
+  EXPECT_TRUE(fenced.load());
+  EXPECT_EQ(applied, 2u);
+  EXPECT_EQ(Apply(0, 2, 8).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,296 @@
+// The step engine alone, with no job, rank table, replica or gRPC service:
+// pushes from two ranks reduced, a two-phase step, gathers, state writes,
+// against torch::optim::AdamW over the averaged gradient; and its refusals,
+// each of which must leave every piece of its state (StepEngine::Hash) and
+// the ledger as they were.
+
+#include "server/step/step_engine.h"
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "common/crc32c.h"
+#include "common/job_spec.h"
+#include "common/layout.h"
+#include "gtest/gtest.h"
+#include "server/ledger/memory_ledger.h"
+#include "server/optimizer/optimizer.h"
+#include "torch/torch.h"
+
+namespace zeroshard {
+namespace {
+
+constexpr uint32_t kWorld = 2;
+const std::vector<int64_t> kShapeA = {3, 5};  // 15 elements at [0, 15)
+const std::vector<int64_t> kShapeB = {7};     // 7 elements at [16, 23)
+
+JobConfig MakeConfig() {
+  JobSettings s;
+  s.job_id = "engine";
+  s.stage = 2;
+  s.world_size = kWorld;
+  s.precision = DType::kFp32;
+  s.optimizer.lr = 0.01f;
+  s.optimizer.weight_decay = 0.1f;
+  s.daemons = {"127.0.0.1:1"};
+  absl::StatusOr<Layout> layout =
+      Layout::Create({{"a", kShapeA, DType::kFp32, 0}, {"b", kShapeB, DType::kFp32, 1}}, 16);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  absl::StatusOr<JobConfig> c = ParseJobSpec(ToJobSpec(s, *layout));
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *std::move(c);
+}
+
+std::vector<float> Random(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d;
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+class StepEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    config_ = MakeConfig();
+    optimizer_ = *ShardOptimizer::Create(ShardOptimizer::Options{});
+    StepEngine::Options o;
+    o.ledger = &ledger_;
+    o.optimizer = optimizer_.get();
+    owned_ = config_.map.DaemonRange(0);
+    absl::StatusOr<std::unique_ptr<StepEngine>> e = StepEngine::Create(&config_, owned_, o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    engine_ = *std::move(e);
+  }
+
+  uint64_t Total() const { return config_.layout.total_elements(); }
+
+  // The whole flat space (gaps zero) as one chunk.
+  static void Fill(FlatRange range, const std::vector<float>& values, std::string* bytes,
+                   uint32_t* crc) {
+    bytes->assign(reinterpret_cast<const char*>(values.data()) + range.begin * sizeof(float),
+                  range.size() * sizeof(float));
+    *crc = Crc32c(bytes->data(), bytes->size());
+  }
+
+  absl::Status Init(const std::vector<float>& params) {
+    v1::ParameterChunk c;
+    c.set_job_id(config_.job_id);
+    c.mutable_range()->set_begin(0);
+    c.mutable_range()->set_end(Total());
+    c.set_dtype(v1::DTYPE_FP32);
+    uint32_t crc = 0;
+    Fill({0, Total()}, params, c.mutable_data(), &crc);
+    c.set_crc32c(crc);
+    uint64_t elements = 0;
+    return engine_->InitParameters({c}, &elements);
+  }
+
+  // Rank `rank`'s gradient for `step` over [0, total) as one chunk.
+  absl::Status Push(uint64_t step, uint32_t rank, const std::vector<float>& grad,
+                    bool corrupt_crc = false) {
+    v1::GradientChunk c;
+    c.set_job_id(config_.job_id);
+    c.set_step(step);
+    c.set_rank(rank);
+    c.set_incarnation(1);
+    c.mutable_range()->set_begin(0);
+    c.mutable_range()->set_end(Total());
+    c.set_dtype(v1::DTYPE_FP32);
+    uint32_t crc = 0;
+    std::string payload;
+    Fill({0, Total()}, grad, &payload, &crc);
+    c.set_crc32c(corrupt_crc ? crc ^ 1 : crc);
+    v1::PushGradientResponse response;
+    return engine_->PushGradient({c}, {payload}, absl::Now() + absl::Seconds(10),
+                                 [] { return absl::OkStatus(); }, &response);
+  }
+
+  absl::StatusOr<v1::PrepareStepResponse> Prepare(uint64_t step) {
+    absl::MutexLock lock(&engine_->commit_lock());
+    absl::StatusOr<StepEngine::Prepared> p = engine_->PrepareLocked(step);
+    if (!p.ok()) return p.status();
+    return engine_->FinishPrepare(false);
+  }
+
+  absl::StatusOr<v1::CommitStepResponse> Commit(uint64_t step, float lr) {
+    v1::CommitStepRequest r;
+    r.set_job_id(config_.job_id);
+    r.set_step(step);
+    r.set_lr(lr);
+    absl::StatusOr<float> clip = engine_->CheckCommitFields(r, "");
+    if (!clip.ok()) return clip.status();
+    return engine_->Commit(r, *clip);
+  }
+
+  std::vector<float> Gather(uint64_t after_step) {
+    std::vector<float> out(Total(), 0.0f);
+    absl::Status s = engine_->Gather(
+        after_step, {0, Total()}, DType::kFp32, absl::Now() + absl::Seconds(10), 1 << 20,
+        [&](v1::ParameterChunk& c) {
+          std::memcpy(out.data() + c.range().begin(), c.data().data(), c.data().size());
+          return true;
+        });
+    EXPECT_TRUE(s.ok()) << s;
+    return out;
+  }
+
+  uint64_t StateHash() const {
+    uint64_t h = 0;
+    engine_->Hash(h);
+    return h;
+  }
+
+  JobConfig config_;
+  MemoryLedger ledger_{0};
+  std::unique_ptr<ShardOptimizer> optimizer_;
+  FlatRange owned_;
+  std::unique_ptr<StepEngine> engine_;
+};
+
+TEST_F(StepEngineTest, ThreeStepsMatchTorchAdamWOverTheAveragedGradient) {
+  const std::vector<float> init = Random(Total(), 1);
+  ASSERT_TRUE(Init(init).ok());
+
+  // torch: the same two tensors, gaps excluded.
+  const TensorPlacement& pa = config_.layout.tensors()[0];
+  const TensorPlacement& pb = config_.layout.tensors()[1];
+  auto slice = [](const std::vector<float>& v, const TensorPlacement& p,
+                  const std::vector<int64_t>& shape) {
+    return torch::from_blob(const_cast<float*>(v.data()) + p.offset, shape, torch::kFloat32)
+        .clone();
+  };
+  torch::Tensor a = slice(init, pa, kShapeA).set_requires_grad(true);
+  torch::Tensor b = slice(init, pb, kShapeB).set_requires_grad(true);
+  torch::optim::AdamW opt({a, b}, torch::optim::AdamWOptions(0.01)
+                                      .betas({0.9, 0.999})
+                                      .eps(1e-8)
+                                      .weight_decay(0.1));
+  const float lrs[] = {0.01f, 0.02f, 0.005f};
+  for (uint64_t step = 1; step <= 3; ++step) {
+    std::vector<float> g0 = Random(Total(), 100 + step), g1 = Random(Total(), 200 + step);
+    // The gaps between tensors carry zeros, as a trainer's flat buffer does.
+    for (uint64_t i = pa.offset + pa.numel; i < pb.offset; ++i) g0[i] = g1[i] = 0;
+    for (uint64_t i = pb.offset + pb.numel; i < Total(); ++i) g0[i] = g1[i] = 0;
+    // Rank 1 first: the sum is in rank order whatever order pushes arrive in.
+    ASSERT_TRUE(Push(step, 1, g1).ok());
+    ASSERT_TRUE(Push(step, 0, g0).ok());
+    absl::StatusOr<v1::PrepareStepResponse> prepared = Prepare(step);
+    ASSERT_TRUE(prepared.ok()) << prepared.status();
+    absl::StatusOr<v1::CommitStepResponse> committed = Commit(step, lrs[step - 1]);
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    EXPECT_EQ(committed->committed_step(), step);
+    EXPECT_FALSE(committed->skipped());
+
+    auto mean = [&](const TensorPlacement& p, const std::vector<int64_t>& shape) {
+      return (slice(g0, p, shape) + slice(g1, p, shape)) / static_cast<float>(kWorld);
+    };
+    a.mutable_grad() = mean(pa, kShapeA);
+    b.mutable_grad() = mean(pb, kShapeB);
+    // The step's norm squared, as the engine answers it for the leader.
+    const double norm_sq = (a.grad().square().sum() + b.grad().square().sum()).item<double>();
+    EXPECT_NEAR(prepared->grad_sq_sum(), norm_sq, 1e-5 * norm_sq);
+    for (auto& group : opt.param_groups()) group.options().set_lr(lrs[step - 1]);
+    opt.step();
+
+    const std::vector<float> got = Gather(step);
+    const torch::Tensor want_a = a.detach().flatten(), want_b = b.detach().flatten();
+    for (uint64_t i = 0; i < pa.numel; ++i) {
+      EXPECT_NEAR(got[pa.offset + i], want_a[i].item<float>(), 1e-6f) << "a[" << i << "]";
+    }
+    for (uint64_t i = 0; i < pb.numel; ++i) {
+      EXPECT_NEAR(got[pb.offset + i], want_b[i].item<float>(), 1e-6f) << "b[" << i << "]";
+    }
+    EXPECT_EQ(engine_->committed_step(), step);
+  }
+}
+
+TEST_F(StepEngineTest, PrepareWithARankMissingIsRefusedAndChangesNothing) {
+  ASSERT_TRUE(Init(Random(Total(), 1)).ok());
+  ASSERT_TRUE(Push(1, 0, Random(Total(), 2)).ok());
+  const uint64_t before = StateHash();
+  absl::StatusOr<v1::PrepareStepResponse> prepared = Prepare(1);
+  EXPECT_EQ(prepared.status().code(), absl::StatusCode::kFailedPrecondition) << prepared.status();
+  EXPECT_EQ(StateHash(), before);
+  EXPECT_FALSE(engine_->prepared());
+  // Once the other rank pushes, the step goes through.
+  ASSERT_TRUE(Push(1, 1, Random(Total(), 3)).ok());
+  EXPECT_TRUE(Prepare(1).ok());
+  EXPECT_TRUE(Commit(1, 0.01f).ok());
+}
+
+TEST_F(StepEngineTest, BadPushesAreRefusedAndChangeNothing) {
+  ASSERT_TRUE(Init(Random(Total(), 1)).ok());
+  const uint64_t before = StateHash();
+  const auto ledger_before = ledger_.Snapshot();
+  EXPECT_EQ(Push(1, 0, Random(Total(), 2), /*corrupt_crc=*/true).code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(Push(2, 0, Random(Total(), 2)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(StateHash(), before);
+  EXPECT_EQ(ledger_.Snapshot(), ledger_before);
+  // The same push, well formed, is taken; a second copy of it is not summed.
+  ASSERT_TRUE(Push(1, 0, Random(Total(), 2)).ok());
+  const uint64_t after_one = StateHash();
+  EXPECT_NE(after_one, before);
+  EXPECT_EQ(Push(1, 0, Random(Total(), 2)).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(StateHash(), after_one);
+}
+
+TEST_F(StepEngineTest, BadCommitsAreRefusedAndChangeNothing) {
+  ASSERT_TRUE(Init(Random(Total(), 1)).ok());
+  ASSERT_TRUE(Push(1, 0, Random(Total(), 2)).ok());
+  ASSERT_TRUE(Push(1, 1, Random(Total(), 3)).ok());
+  // Not prepared yet.
+  const uint64_t unprepared = StateHash();
+  EXPECT_EQ(Commit(1, 0.01f).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(StateHash(), unprepared);
+  ASSERT_TRUE(Prepare(1).ok());
+  const uint64_t prepared = StateHash();
+  EXPECT_EQ(Commit(1, -1.0f).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Commit(2, 0.01f).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(StateHash(), prepared);
+  EXPECT_EQ(engine_->committed_step(), 0u);
+  ASSERT_TRUE(Commit(1, 0.01f).ok());
+  // A repeated commit answers the recorded one and steps nothing again.
+  const uint64_t committed = StateHash();
+  absl::StatusOr<v1::CommitStepResponse> again = Commit(1, 0.01f);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->committed_step(), 1u);
+  EXPECT_EQ(StateHash(), committed);
+}
+
+TEST_F(StepEngineTest, GatherOfAStepNotCommittedTimesOutWithNoLockHeld) {
+  ASSERT_TRUE(Init(Random(Total(), 1)).ok());
+  const absl::Time start = absl::Now();
+  absl::Status s = engine_->Gather(1, {0, Total()}, DType::kFp32,
+                                   start + absl::Milliseconds(200), 1 << 20, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
+  // Meanwhile the step proceeds: a push is not held up by a waiting gather.
+  EXPECT_TRUE(Push(1, 0, Random(Total(), 2)).ok());
+  // Outside the owned range: refused at once.
+  s = engine_->Gather(0, {0, owned_.end + 64}, DType::kFp32, absl::Now() + absl::Seconds(1),
+                      1 << 20, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+}
+
+TEST(StepEngineLedger, AFootprintOverTheLimitAllocatesNothing) {
+  JobConfig config = MakeConfig();
+  std::unique_ptr<ShardOptimizer> optimizer = *ShardOptimizer::Create(ShardOptimizer::Options{});
+  MemoryLedger ledger(64);  // far below the job's model states
+  StepEngine::Options o;
+  o.ledger = &ledger;
+  o.optimizer = optimizer.get();
+  absl::StatusOr<std::unique_ptr<StepEngine>> e =
+      StepEngine::Create(&config, config.map.DaemonRange(0), o);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted) << e.status();
+  EXPECT_EQ(ledger.total(), 0u);
+  EXPECT_TRUE(ledger.Snapshot().empty());
+}
+
+}  // namespace
+}  // namespace zeroshard

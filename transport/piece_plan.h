@@ -1,0 +1,59 @@
+#pragma once
+
+// The pieces of one Put or Get, for transport implementations: the side that
+// sends an operation's bytes cuts them into pieces of at most
+// TransportOptions::max_piece_bytes (UCX: one RMA request each; grpc: one
+// stream message each, both ways; inproc: one memcpy each), in order, and the
+// side that receives pieces whose sizes a peer chose (grpc) takes them in
+// order, refusing any byte past the operation's length.
+//
+// Plain data: no locks, no allocation; one thread at a time.
+
+#include <algorithm>
+#include <cstdint>
+
+namespace zeroshard::transport {
+
+class PiecePlan {
+ public:
+  struct Piece {
+    uint64_t offset = 0;  // from the operation's first byte
+    uint64_t length = 0;
+  };
+
+  // Nothing to move: done().
+  PiecePlan() = default;
+  // `length` bytes in pieces of at most `piece_bytes`; 0: one piece, however
+  // long (a receiver that takes what arrives).
+  explicit PiecePlan(uint64_t length, uint64_t piece_bytes = 0)
+      : length_(length), piece_bytes_(piece_bytes == 0 ? length : piece_bytes) {}
+
+  uint64_t length() const { return length_; }
+  // Bytes handed out or taken so far: the next piece's offset.
+  uint64_t offset() const { return offset_; }
+  uint64_t remaining() const { return length_ - offset_; }
+  bool done() const { return offset_ == length_; }
+
+  // Sender: the next piece, at most `piece_bytes` and at least 1 byte while
+  // !done(); an empty piece at offset length() once done().
+  Piece Next() {
+    const Piece piece{offset_, std::min(piece_bytes_, remaining())};
+    offset_ += piece.length;
+    return piece;
+  }
+
+  // Receiver: takes the next `n` bytes that arrived. False, taking nothing,
+  // when they would run past length().
+  bool Take(uint64_t n) {
+    if (n > remaining()) return false;
+    offset_ += n;
+    return true;
+  }
+
+ private:
+  uint64_t length_ = 0;
+  uint64_t piece_bytes_ = 0;
+  uint64_t offset_ = 0;
+};
+
+}  // namespace zeroshard::transport

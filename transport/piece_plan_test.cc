@@ -1,0 +1,77 @@
+#include "transport/piece_plan.h"
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace zeroshard::transport {
+namespace {
+
+std::vector<PiecePlan::Piece> AllPieces(PiecePlan plan) {
+  std::vector<PiecePlan::Piece> pieces;
+  while (!plan.done()) pieces.push_back(plan.Next());
+  return pieces;
+}
+
+TEST(PiecePlanTest, CutsIntoFullPiecesAndOneShortLastPiece) {
+  const std::vector<PiecePlan::Piece> pieces = AllPieces(PiecePlan(10, 4));
+  ASSERT_EQ(pieces.size(), 3u);
+  EXPECT_EQ(pieces[0].offset, 0u);
+  EXPECT_EQ(pieces[0].length, 4u);
+  EXPECT_EQ(pieces[1].offset, 4u);
+  EXPECT_EQ(pieces[1].length, 4u);
+  EXPECT_EQ(pieces[2].offset, 8u);
+  EXPECT_EQ(pieces[2].length, 2u);
+}
+
+TEST(PiecePlanTest, ExactMultipleHasNoEmptyTail) {
+  const std::vector<PiecePlan::Piece> pieces = AllPieces(PiecePlan(8, 4));
+  ASSERT_EQ(pieces.size(), 2u);
+  EXPECT_EQ(pieces[1].offset + pieces[1].length, 8u);
+}
+
+TEST(PiecePlanTest, PieceLargerThanTheOperationAndNoLimitGiveOnePiece) {
+  for (const PiecePlan& plan : {PiecePlan(5, 1 << 20), PiecePlan(5)}) {
+    const std::vector<PiecePlan::Piece> pieces = AllPieces(plan);
+    ASSERT_EQ(pieces.size(), 1u);
+    EXPECT_EQ(pieces[0].length, 5u);
+  }
+}
+
+TEST(PiecePlanTest, EmptyOperationIsDoneAtOnce) {
+  EXPECT_TRUE(PiecePlan().done());
+  PiecePlan plan(0, 4);
+  EXPECT_TRUE(plan.done());
+  const PiecePlan::Piece piece = plan.Next();
+  EXPECT_EQ(piece.length, 0u);
+  EXPECT_TRUE(plan.done());
+}
+
+TEST(PiecePlanTest, HugeLengthsDoNotOverflow) {
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  PiecePlan plan(kMax, kMax - 1);
+  EXPECT_EQ(plan.Next().length, kMax - 1);
+  const PiecePlan::Piece last = plan.Next();
+  EXPECT_EQ(last.offset, kMax - 1);
+  EXPECT_EQ(last.length, 1u);
+  EXPECT_TRUE(plan.done());
+}
+
+TEST(PiecePlanTest, ReceiverTakesUpToTheLengthAndRefusesMore) {
+  PiecePlan plan(10);
+  EXPECT_TRUE(plan.Take(3));
+  EXPECT_TRUE(plan.Take(0));
+  EXPECT_EQ(plan.offset(), 3u);
+  EXPECT_EQ(plan.remaining(), 7u);
+  EXPECT_FALSE(plan.Take(8));  // past the end: nothing taken
+  EXPECT_EQ(plan.offset(), 3u);
+  EXPECT_FALSE(plan.Take(std::numeric_limits<uint64_t>::max()));
+  EXPECT_TRUE(plan.Take(7));
+  EXPECT_TRUE(plan.done());
+  EXPECT_FALSE(plan.Take(1));
+}
+
+}  // namespace
+}  // namespace zeroshard::transport
