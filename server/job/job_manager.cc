@@ -171,11 +171,11 @@ void JobManager::Remove(const std::shared_ptr<Job>& job) {
   if (last && options_.on_remove) options_.on_remove(job);
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(id);
-  if (it != jobs_.end()) {
-    auto copy = it->second.copies.find(job->daemon_index());
-    if (copy != it->second.copies.end() && copy->second == job) it->second.copies.erase(copy);
-    if (it->second.copies.empty()) jobs_.erase(it);
-  }
+  if (it == jobs_.end()) return;  // removed before: retired once already
+  auto copy = it->second.copies.find(job->daemon_index());
+  if (copy == it->second.copies.end() || copy->second != job) return;  // a stale copy
+  it->second.copies.erase(copy);
+  if (it->second.copies.empty()) jobs_.erase(it);
   retired_.push_back({job, job->last_remote_access() + options_.read_lease});
 }
 
@@ -205,7 +205,12 @@ void JobManager::Tick() {
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < retired_.size();) {
-      if (retired_[i].until <= now) {
+      // Out of the registry, a retired job is reachable only from here and
+      // from callers that found it before: use_count() == 1 means no RPC
+      // holds it any more, and none can take it again. A job still held
+      // waits for a later pass, so that its memory, its ledger entry and
+      // its metric series go together.
+      if (retired_[i].until <= now && retired_[i].job.use_count() == 1) {
         reap.push_back(std::move(retired_[i].job));
         retired_[i] = std::move(retired_.back());
         retired_.pop_back();
@@ -227,7 +232,7 @@ void JobManager::Tick() {
       absl::MutexLock lock(&mu_);
       reregistered = jobs_.count(id) > 0;
     }
-    job.reset();  // frees its memory, unless an RPC still holds it
+    job.reset();  // the last reference: frees its memory and its bookings
     if (!reregistered) {
       resources_.ledger->RemoveJobIfEmpty(id);
       metrics_->RemoveJob(id);

@@ -64,9 +64,10 @@ class JobManager {
   absl::StatusOr<std::shared_ptr<Job>> Register(const v1::RegisterJobRequest& request,
                                                 const TokenDigest& token, bool draining,
                                                 bool* created);
-  // Takes the copy `job` out of the registry (if it is still the one
-  // registered for its id and group) and retires it; before the job's last
-  // copy goes, calls Options::on_remove.
+  // Takes the copy `job` out of the registry and retires it, if it is still
+  // the one registered for its id and group (otherwise does nothing: a copy
+  // is retired once); before the job's last copy goes, calls
+  // Options::on_remove.
   void Remove(const std::shared_ptr<Job>& job);
   // Every copy of every job.
   std::vector<std::shared_ptr<Job>> All() const;
@@ -80,7 +81,8 @@ class JobManager {
   const JobResources& resources() const { return resources_; }
 
   // One janitor pass (exposed for tests): reaps retired jobs whose lease
-  // ended and updates the ranks-connected gauges.
+  // ended and that no caller holds any more (their memory, ledger entry and
+  // metric series go together), and updates the ranks-connected gauges.
   void Tick();
 
  private:

@@ -376,19 +376,39 @@ TEST_F(JobManagerTest, TheJanitorReapsWithoutBeingAsked) {
   EXPECT_EQ(ledger_.total(), 0u);
 }
 
-// An RPC in flight holds its job: reaping drops the manager's reference,
-// not the memory the RPC still reads.
-TEST_F(JobManagerTest, AJobHeldByACallerOutlivesItsReaping) {
+// An RPC in flight holds its job: reaping waits until the RPC lets go, then
+// frees the memory, the ledger entry and the metric series together (not an
+// empty ledger entry and a series left behind for good).
+TEST_F(JobManagerTest, AJobHeldByACallerIsReapedWhenReleased) {
+  JobManager::Options o;
+  o.read_lease = absl::ZeroDuration();
+  o.janitor_period = absl::Hours(1);
+  Make(o);
   ASSERT_TRUE(Register(Spec("a")).ok());
   std::shared_ptr<Job> held = *manager_->Find("a");
   const uint64_t booked = ledger_.total();
   manager_->Remove(held);
   manager_->Tick();
-  EXPECT_EQ(manager_->retired(), 0u);
+  EXPECT_EQ(manager_->retired(), 1u) << "reaped while an RPC holds it";
   EXPECT_EQ(ledger_.total(), booked);
   EXPECT_EQ(held->config().job_id, "a");
   held.reset();
+  manager_->Tick();
+  EXPECT_EQ(manager_->retired(), 0u);
   EXPECT_EQ(ledger_.total(), 0u);
+  EXPECT_EQ(ledger_.Snapshot().count("a"), 0u) << "the ledger kept an empty entry for the job";
+}
+
+// Removing a copy that is no longer registered retires nothing a second time.
+TEST_F(JobManagerTest, RemoveTwiceRetiresOnce) {
+  JobManager::Options o;
+  o.janitor_period = absl::Hours(1);
+  Make(o);
+  ASSERT_TRUE(Register(Spec("a")).ok());
+  std::shared_ptr<Job> job = *manager_->Find("a");
+  manager_->Remove(job);
+  manager_->Remove(job);
+  EXPECT_EQ(manager_->retired(), 1u);
 }
 
 TEST_F(JobManagerTest, OnRemoveRunsOnceBeforeTheIdIsFree) {

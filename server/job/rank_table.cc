@@ -82,25 +82,35 @@ absl::StatusOr<std::shared_ptr<RankStaging>> RankTable::Staging(uint32_t rank,
   if (options_.transport == nullptr) {
     return absl::FailedPreconditionError("this daemon serves no bulk transport");
   }
-  absl::MutexLock lock(&mu_);
-  if (removed_) {
-    return absl::NotFoundError(absl::StrCat("job ", options_.job_id, " was removed"));
-  }
-  if (absl::Status s = CheckLocked(rank, incarnation, ""); !s.ok()) return s;
-  Entry& e = ranks_[rank];
-  if (e.staging == nullptr) {
+  auto check = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+    if (removed_) {
+      return absl::NotFoundError(absl::StrCat("job ", options_.job_id, " was removed"));
+    }
+    return CheckLocked(rank, incarnation, "");
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = check(); !s.ok()) return s;
+    if (ranks_[rank].staging != nullptr) return ranks_[rank].staging;
     if (!create) {
       return absl::FailedPreconditionError(absl::StrCat(
           "rank ", rank, " of job ", options_.job_id,
           " has no staging region here; call ExchangeEndpoint first"));
     }
-    absl::StatusOr<std::unique_ptr<RankStaging>> staging =
-        RankStaging::Create(options_.transport, options_.ledger, options_.job_id,
-                            options_.staging_slots, options_.staging_slot_bytes);
-    if (!staging.ok()) return staging.status();
-    e.staging = *std::move(staging);
   }
-  return e.staging;
+  // Registers memory with the transport and books it, with no lock held:
+  // heartbeats and joins of every rank take mu_.
+  absl::StatusOr<std::unique_ptr<RankStaging>> created =
+      RankStaging::Create(options_.transport, options_.ledger, options_.job_id,
+                          options_.staging_slots, options_.staging_slot_bytes);
+  if (!created.ok()) return created.status();
+  std::shared_ptr<RankStaging> fresh = *std::move(created);
+  absl::MutexLock lock(&mu_);
+  // The rank may have been fenced, or the job removed, meanwhile; a region
+  // another call installed first wins (ours is freed when `fresh` goes).
+  if (absl::Status s = check(); !s.ok()) return s;
+  if (ranks_[rank].staging == nullptr) ranks_[rank].staging = std::move(fresh);
+  return ranks_[rank].staging;
 }
 
 void RankTable::NotePushed(uint32_t rank, uint64_t step) {

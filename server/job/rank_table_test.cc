@@ -6,8 +6,11 @@
 #include "server/job/rank_table.h"
 
 #include <memory>
+#include <thread>
+#include <vector>
 #include <string>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/fnv.h"
 #include "gmock/gmock.h"
@@ -161,6 +164,59 @@ TEST_F(RankTableTest, ANewProcessOrALeaveDropsTheStaging) {
   // Rank 1 leaves: its region goes too.
   ASSERT_TRUE(t.Leave(1, 1).ok());
   EXPECT_EQ(Buffer(ledger_), 0u);
+}
+
+// A staging region is registered and booked with no table lock held: while
+// one rank's region is being made, another rank's heartbeat check goes
+// through. A rank fenced meanwhile gets no region, and nothing stays booked.
+TEST_F(RankTableTest, StagingIsMadeWithNoLockHeld) {
+  RankTable* table = nullptr;
+  bool other_rank_checked = false;
+  bool fence_while_booking = false;
+  // The other call runs on its own thread, joined after Staging returns (a
+  // table that held its lock here would block it, not deadlock the test).
+  std::vector<std::thread> others;
+  ledger_.SetListener([&](const std::string&, MemoryCategory, uint64_t bytes) {
+    if (table == nullptr || bytes == 0) return;
+    auto done = std::make_shared<absl::Notification>();
+    auto ok = std::make_shared<bool>(false);
+    RankTable* const target = table;
+    const bool fence = fence_while_booking;
+    others.emplace_back([target, fence, done, ok] {
+      *ok = fence ? target->Join(0, 2).ok() : target->Check(1, 1, "").ok();
+      done->Notify();
+    });
+    other_rank_checked = done->WaitForNotificationWithTimeout(absl::Seconds(5)) && *ok;
+  });
+  auto join_others = [&] {
+    for (std::thread& th : others) th.join();
+    others.clear();
+  };
+  RankTable t(Options(2));
+  ASSERT_TRUE(t.Join(0, 1).ok());
+  ASSERT_TRUE(t.Join(1, 1).ok());
+  table = &t;
+  EXPECT_TRUE(t.Staging(0, 1, true).ok());
+  table = nullptr;
+  join_others();
+  EXPECT_TRUE(other_rank_checked) << "rank 1's check waited for rank 0's region";
+
+  // Rank 1's process is replaced while its region is being made.
+  RankTable u(Options(2));
+  ASSERT_TRUE(u.Join(0, 1).ok());
+  ASSERT_TRUE(u.Join(1, 1).ok());
+  fence_while_booking = true;
+  other_rank_checked = false;
+  const uint64_t before = Buffer(ledger_);
+  table = &u;
+  absl::StatusOr<std::shared_ptr<RankStaging>> fenced = u.Staging(0, 1, true);
+  table = nullptr;
+  join_others();
+  EXPECT_TRUE(other_rank_checked);
+  EXPECT_EQ(fenced.status().code(), absl::StatusCode::kFailedPrecondition) << fenced.status();
+  EXPECT_EQ(Buffer(ledger_), before) << "the fenced process's region stayed booked";
+  EXPECT_EQ(u.Staging(0, 2, false).status().code(), absl::StatusCode::kFailedPrecondition);
+  ledger_.SetListener(nullptr);
 }
 
 TEST_F(RankTableTest, StagingNeedsATransportAndALiveJob) {
