@@ -3,11 +3,14 @@
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
 #include <openssl/sha.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
@@ -42,20 +45,48 @@ absl::StatusOr<std::string> GenerateToken() {
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path, absl::string_view what) {
+  // The file is opened first and its descriptor checked, so what is checked
+  // is what is read (no swap between a stat and the open). Symbolic links
+  // are followed: Kubernetes mounts secrets as links into a private
+  // directory; the file they lead to must pass the checks. O_NONBLOCK: a
+  // FIFO planted at the path does not hang the reader.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": cannot read \"", path, "\": ", std::strerror(errno)));
+  }
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
   struct stat st;
-  if (::stat(path.c_str(), &st) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": cannot read \"", path, "\""));
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": \"", path, "\" is not a regular file"));
   }
   if ((st.st_mode & 077) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": \"", path, "\" is readable by others (mode ",
                      absl::StrCat(absl::Hex(st.st_mode & 0777)), "); chmod 600 it"));
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(what, ": cannot read \"", path, "\""));
+  if (st.st_uid != ::geteuid() && st.st_uid != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": \"", path, "\" belongs to uid ", st.st_uid, ", not to this process (uid ",
+        ::geteuid(), ") or root: anyone who owns it can change the token; chown it"));
+  }
   std::string text(kMaxTokenLength + 64, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(text.size()));
-  text.resize(static_cast<size_t>(in.gcount()));
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": cannot read \"", path, "\": ", std::strerror(errno)));
+    }
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  text.resize(got);
   std::string token(absl::StripAsciiWhitespace(text));
   if (absl::Status s = ValidateToken(token, absl::StrCat(what, " \"", path, "\"")); !s.ok()) {
     return s;

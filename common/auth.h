@@ -43,8 +43,10 @@ absl::Status ValidateToken(absl::string_view token, absl::string_view what);
 absl::StatusOr<std::string> GenerateToken();
 
 // The token in `path`, surrounding whitespace stripped. InvalidArgument
-// naming `what` when the file cannot be read, is group- or world-accessible
-// (it must be mode 0600 or stricter), or does not hold a valid token.
+// naming `what` when the file cannot be read, is not a regular file, is
+// group- or world-accessible (it must be mode 0600 or stricter), belongs to
+// neither this process's user nor root, or does not hold a valid token.
+// Links are followed; the checks apply to the file opened.
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path, absl::string_view what);
 
 // `token`, or ZS_JOB_TOKEN from the environment when `token` is empty.

@@ -1,6 +1,7 @@
 #include "common/auth.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
@@ -65,6 +66,39 @@ TEST(AuthTest, TokenFilesMustBePrivate) {
   EXPECT_FALSE(ReadTokenFile(WriteFile("empty", "\n", 0600), "--f").ok());
   EXPECT_THAT(ReadTokenFile("/nonexistent/token", "--f").status().message(),
               HasSubstr("cannot read"));
+}
+
+// What is read is what is checked: a link to a private file is read (secrets
+// in Kubernetes are links), a link to an open one is not; a directory or a
+// FIFO at the path is refused at once, not read (a FIFO would block).
+TEST(AuthTest, TokenFilesAreCheckedAsOpened) {
+  const std::string token = "secret-secret-secret-2";
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR"));
+  const std::string link = dir + "/link";
+  ::unlink(link.c_str());
+  ASSERT_EQ(::symlink(WriteFile("target", token, 0600).c_str(), link.c_str()), 0);
+  EXPECT_EQ(ReadTokenFile(link, "--f").value_or(""), token);
+  const std::string open_link = dir + "/open_link";
+  ::unlink(open_link.c_str());
+  ASSERT_EQ(::symlink(WriteFile("open_target", token, 0644).c_str(), open_link.c_str()), 0);
+  EXPECT_THAT(ReadTokenFile(open_link, "--f").status().message(), HasSubstr("chmod 600"));
+
+  const std::string sub = dir + "/a_directory";
+  ::mkdir(sub.c_str(), 0700);
+  EXPECT_THAT(ReadTokenFile(sub, "--f").status().message(), HasSubstr("not a regular file"));
+  const std::string fifo = dir + "/fifo";
+  ::unlink(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THAT(ReadTokenFile(fifo, "--f").status().message(), HasSubstr("not a regular file"));
+}
+
+// A private file of another user: that user can change the token at will.
+TEST(AuthTest, TokenFilesOfAnotherUserAreRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a file to another user";
+  const std::string path = WriteFile("other", "secret-secret-secret-3", 0600);
+  ASSERT_EQ(::chown(path.c_str(), 65534, 65534), 0);
+  absl::StatusOr<std::string> read = ReadTokenFile(path, "--f");
+  EXPECT_THAT(read.status().message(), HasSubstr("belongs to uid 65534"));
 }
 
 TEST(AuthTest, PresentedTokenReadsBearerMetadata) {

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
@@ -22,6 +24,8 @@
 #include "absl/time/clock.h"
 #include "common/crc32c.h"
 #include "common/job_id.h"
+#include "common/job_spec.h"
+#include "common/protocol.h"
 
 namespace zeroshard {
 namespace {
@@ -44,6 +48,9 @@ absl::Status FileError(int err, absl::string_view what, absl::string_view path) 
     case EPERM:
     case EROFS:
       return absl::PermissionDeniedError(msg);
+    case ELOOP:
+      return absl::FailedPreconditionError(
+          absl::StrCat(msg, " (a symbolic link: checkpoint files are not opened through links)"));
     default:
       return absl::InternalError(msg);
   }
@@ -58,6 +65,47 @@ struct Fd {
     if (fd >= 0) ::close(fd);
   }
 };
+
+// 16 hex digits from the kernel's random source: a name nobody can guess.
+absl::StatusOr<std::string> RandomHex() {
+  uint64_t r = 0;
+  for (size_t got = 0; got < sizeof(r);) {
+    const ssize_t n = ::getrandom(reinterpret_cast<char*>(&r) + got, sizeof(r) - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return FileError(errno, "getrandom for a temporary name in", "the checkpoint directory");
+    }
+    got += static_cast<size_t>(n);
+  }
+  return absl::StrCat(absl::Hex(r, absl::kZeroPad16));
+}
+
+bool TrustedOwner(uid_t uid) { return uid == ::geteuid() || uid == 0; }
+
+// OK iff the directory `st` (at `path`) can hold this daemon's files: owned
+// by the daemon's effective user or root, and writable by nobody else
+// unless sticky (where others cannot replace what the daemon made).
+absl::Status CheckTrustedDirectory(const struct stat& st, const std::string& path) {
+  if (!TrustedOwner(st.st_uid)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint: ", path, " is owned by uid ", st.st_uid, ", not by this daemon's user (uid ",
+        ::geteuid(), ") or root: another user could replace its files; chown ", ::geteuid(), " ",
+        path, ", or use a directory this user owns"));
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (st.st_mode & S_ISVTX) == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint: ", path, " is writable by group or others (mode ",
+        absl::StrFormat("%04o", st.st_mode & 07777),
+        ") without the sticky bit: chmod go-w ", path));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTrustedDirectory(int fd, const std::string& path) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return FileError(errno, "checking directory", path);
+  return CheckTrustedDirectory(st, path);
+}
 
 // Writes n bytes at p to fd, whose file offset is `offset`.
 absl::Status WriteAll(int fd, const char* p, uint64_t n, uint64_t offset, const std::string& path,
@@ -85,17 +133,28 @@ absl::Status WriteAll(int fd, const char* p, uint64_t n, uint64_t offset, const 
 absl::Status WriteFileAtomically(
     const std::string& dir, const std::string& name,
     const std::function<absl::Status(int fd, const std::string& tmp_path)>& produce) {
-  const std::string path = absl::StrCat(dir, "/", name);
-  // Unique per writer: daemons sharing a directory (on several hosts) write
-  // the same MANIFEST.
-  static std::atomic<uint64_t> sequence{0};
+  Fd d;
+  d.fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (d.fd < 0) return FileError(errno, "opening directory", dir);
+  // Host and pid say whose a leftover is; the random part makes the name
+  // one nobody can plant a link at in advance (O_EXCL | O_NOFOLLOW refuse
+  // whatever is there anyway).
   char host[64] = {};
   ::gethostname(host, sizeof(host) - 1);
-  const std::string tmp = absl::StrCat(dir, "/.", name, ".tmp.", host, ".", ::getpid(), ".",
-                                       sequence.fetch_add(1));
+  std::string tmp_name;
   Fd f;
-  f.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (f.fd < 0) return FileError(errno, "creating", tmp);
+  for (int attempt = 0;; ++attempt) {
+    absl::StatusOr<std::string> random = RandomHex();
+    if (!random.ok()) return random.status();
+    tmp_name = absl::StrCat(".", name, ".tmp.", host, ".", ::getpid(), ".", *random);
+    f.fd = ::openat(d.fd, tmp_name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                    0600);
+    if (f.fd >= 0) break;
+    if (errno != EEXIST || attempt == 3) {
+      return FileError(errno, "creating", absl::StrCat(dir, "/", tmp_name));
+    }
+  }
+  const std::string tmp = absl::StrCat(dir, "/", tmp_name);
   absl::Status s = produce(f.fd, tmp);
   if (s.ok() && ::fsync(f.fd) != 0) s = FileError(errno, "syncing", tmp);
   if (s.ok()) {
@@ -103,12 +162,16 @@ absl::Status WriteFileAtomically(
     f.fd = -1;
     if (::close(fd) != 0) s = FileError(errno, "closing", tmp);
   }
-  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) s = FileError(errno, "renaming", tmp);
+  // Replaces whatever is at `name`, a link included, without following it.
+  if (s.ok() && ::renameat(d.fd, tmp_name.c_str(), d.fd, name.c_str()) != 0) {
+    s = FileError(errno, "renaming", tmp);
+  }
   if (!s.ok()) {
-    ::unlink(tmp.c_str());
+    ::unlinkat(d.fd, tmp_name.c_str(), 0);
     return s;
   }
-  return SyncDirectory(dir);
+  if (::fsync(d.fd) != 0) return FileError(errno, "syncing directory", dir);
+  return absl::OkStatus();
 }
 
 namespace {
@@ -155,20 +218,64 @@ std::string CheckpointPartDir(absl::string_view root, absl::string_view job_id,
 
 absl::Status MakeDirectories(const std::string& path) {
   if (path.empty()) return absl::InvalidArgumentError("checkpoint: empty directory name");
-  for (size_t i = 1; i <= path.size(); ++i) {
-    if (i != path.size() && path[i] != '/') continue;
-    const std::string prefix = path.substr(0, i);
-    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+  constexpr int kOpenDir = O_RDONLY | O_DIRECTORY | O_CLOEXEC;
+  Fd dir;
+  dir.fd = ::open(path[0] == '/' ? "/" : ".", kOpenDir);
+  if (dir.fd < 0) return FileError(errno, "opening directory", path[0] == '/' ? "/" : ".");
+  // Each component relative to its parent's descriptor, so that what is
+  // checked is what is created into.
+  for (size_t begin = 0; begin < path.size();) {
+    if (path[begin] == '/') {
+      ++begin;
+      continue;
+    }
+    size_t end = path.find('/', begin);
+    if (end == std::string::npos) end = path.size();
+    const std::string name = path.substr(begin, end - begin);
+    const std::string prefix = path.substr(0, end);
+    std::string parent = path.substr(0, begin);
+    while (parent.size() > 1 && parent.back() == '/') parent.pop_back();
+    if (parent.empty()) parent = ".";
+    Fd next;
+    next.fd = ::openat(dir.fd, name.c_str(), kOpenDir | O_NOFOLLOW);
+    if (next.fd < 0 && errno == ENOENT) {
+      if (absl::Status s = CheckTrustedDirectory(dir.fd, parent); !s.ok()) return s;
+      if (::mkdirat(dir.fd, name.c_str(), 0700) != 0 && errno != EEXIST) {
+        return FileError(errno, "creating directory", prefix);
+      }
+      next.fd = ::openat(dir.fd, name.c_str(), kOpenDir | O_NOFOLLOW);
+    }
+    if (next.fd < 0 && (errno == ELOOP || errno == ENOTDIR)) {
+      struct stat st;
+      if (::fstatat(dir.fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+        return FileError(errno, "creating directory", prefix);
+      }
+      if (S_ISLNK(st.st_mode)) {
+        // Followed only when nobody but this user or root can have placed
+        // it: owned by one of them, in a directory only they can change.
+        if (!TrustedOwner(st.st_uid)) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "checkpoint: ", prefix, " is a symbolic link owned by uid ", st.st_uid,
+              ", not by this daemon's user (uid ", ::geteuid(),
+              ") or root: not followed; remove it or name the real directory"));
+        }
+        if (absl::Status s = CheckTrustedDirectory(dir.fd, parent); !s.ok()) return s;
+        next.fd = ::openat(dir.fd, name.c_str(), kOpenDir);
+      } else {
+        errno = ENOTDIR;
+      }
+    }
+    if (next.fd < 0) {
+      if (errno == ENOTDIR) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("checkpoint: ", prefix, " exists and is not a directory"));
+      }
       return FileError(errno, "creating directory", prefix);
     }
+    std::swap(dir.fd, next.fd);
+    begin = end;
   }
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0) return FileError(errno, "creating directory", path);
-  if (!S_ISDIR(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint: ", path, " exists and is not a directory"));
-  }
-  return absl::OkStatus();
+  return CheckTrustedDirectory(dir.fd, path);
 }
 
 absl::Status SyncDirectory(const std::string& dir) {
@@ -215,8 +322,15 @@ absl::Status WriteProtoFile(const std::string& dir, const std::string& name,
 
 absl::Status ReadProtoFile(const std::string& path, google::protobuf::Message* message) {
   Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  f.fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (f.fd < 0) return FileError(errno, "opening", path);
+  struct stat st;
+  if (::fstat(f.fd, &st) != 0) return FileError(errno, "reading", path);
+  if (static_cast<uint64_t>(st.st_size) > kMaxManifestFileBytes) {
+    return absl::DataLossError(absl::StrCat("checkpoint: ", path, " has ", st.st_size,
+                                            " bytes, more than a manifest can be (",
+                                            kMaxManifestFileBytes, ")"));
+  }
   std::string bytes;
   char buf[1 << 16];
   for (;;) {
@@ -227,7 +341,7 @@ absl::Status ReadProtoFile(const std::string& path, google::protobuf::Message* m
     }
     if (r == 0) break;
     bytes.append(buf, static_cast<size_t>(r));
-    if (bytes.size() > (64u << 20)) {
+    if (bytes.size() > kMaxManifestFileBytes) {
       return absl::DataLossError(absl::StrCat("checkpoint: ", path, " is larger than a manifest can be"));
     }
   }
@@ -254,7 +368,15 @@ absl::Status CheckManifest(const v1::CheckpointManifest& m) {
     return bad("has format version ", m.format_version(), "; this build reads ",
                kCheckpointFormatVersion);
   }
+  // Every length below is bounded by the spec's layout (at most
+  // Layout::kMaxElements elements), so no product or sum of them overflows.
   const uint64_t total = m.partition_map().total_elements();
+  absl::StatusOr<Layout> layout = LayoutFromProto(m.spec().layout());
+  if (!layout.ok()) return bad("spec: ", layout.status().message());
+  if (total != layout->total_elements()) {
+    return bad("partition_map.total_elements is ", total, ", the spec's layout has ",
+               layout->total_elements());
+  }
   const std::vector<std::string> files = ArrayFilesOf(m.spec());
   uint64_t next = 0;
   for (int i = 0; i < m.parts_size(); ++i) {
@@ -280,9 +402,13 @@ absl::Status CheckManifest(const v1::CheckpointManifest& m) {
     const uint64_t bytes = (p.range().end() - p.range().begin()) * sizeof(float);
     for (int f = 0; f < p.files_size(); ++f) {
       const v1::CheckpointFile& file = p.files(f);
+      if (file.block_bytes() == 0 || file.block_bytes() > kMaxCheckpointBlockBytes) {
+        return bad("part ", i, " file ", f, " (", file.name(), ") has block_bytes ",
+                   file.block_bytes(), ", outside 1..", kMaxCheckpointBlockBytes);
+      }
       const uint64_t blocks =
-          file.block_bytes() == 0 ? 0 : (file.bytes() + file.block_bytes() - 1) / file.block_bytes();
-      if (file.name() != files[f] || file.bytes() != bytes || file.block_bytes() == 0 ||
+          file.bytes() / file.block_bytes() + (file.bytes() % file.block_bytes() != 0 ? 1 : 0);
+      if (file.name() != files[f] || file.bytes() != bytes ||
           static_cast<uint64_t>(file.block_crc32c_size()) != blocks) {
         return bad("part ", i, " file ", f, " (", file.name(), ", ", file.bytes(),
                    " bytes) does not match its range");
@@ -330,9 +456,14 @@ absl::StatusOr<v1::CheckpointManifest> ReadManifest(absl::string_view root,
     for (const auto& [d, step] : parts) {
       written.push_back(absl::StrCat("part-", d, " (step ", step, ")"));
     }
-    for (uint32_t d = 0; d < count; ++d) {
+    // `count` comes from the PART files: list a bounded number, count the rest.
+    uint32_t d = 0;
+    for (; d < count && missing.size() < static_cast<size_t>(kMaxMissingReported); ++d) {
       if (parts.count(d) == 0) missing.push_back(absl::StrCat("part-", d));
     }
+    uint64_t unlisted = count - d;
+    for (auto it = parts.lower_bound(d); it != parts.end() && it->first < count; ++it) --unlisted;
+    if (unlisted != 0) missing.push_back(absl::StrCat("and ", unlisted, " more"));
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint ", job_id, "/", name, " is incomplete (no ", kManifestFile,
         "): written: ", written.empty() ? "none" : absl::StrJoin(written, ", "),
@@ -351,7 +482,7 @@ absl::StatusOr<v1::CheckpointManifest> ReadManifest(absl::string_view root,
 absl::StatusOr<std::string> ReadCheckpointOwner(absl::string_view root,
                                                 absl::string_view job_id) {
   const std::string path = absl::StrCat(CheckpointJobDir(root, job_id), "/", kCheckpointOwnerFile);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) return std::string();
     return FileError(errno, "opening", path);
@@ -440,6 +571,39 @@ const v1::CheckpointFile* FindFile(const v1::PartManifest& part, const std::stri
 
 FlatRange RangeOf(const v1::PartManifest& p) { return {p.range().begin(), p.range().end()}; }
 
+// DataLoss naming `path` and the field unless `file`, of the part covering
+// `range`, has the size the range implies, the size fstat gives `fd`, a
+// block size within the protocol's bound and one CRC-32C per block. A
+// reader's manifest normally passed CheckManifest; this keeps every read
+// bounded by the file whatever manifest the reader was given.
+absl::Status CheckFileShape(int fd, const std::string& path, const v1::CheckpointFile& file,
+                            const FlatRange& range) {
+  auto bad = [&](auto... what) {
+    return absl::DataLossError(absl::StrCat("checkpoint: ", path, ": ", what...));
+  };
+  if (range.end < range.begin || range.size() > file.bytes() / sizeof(float) ||
+      range.size() * sizeof(float) != file.bytes()) {
+    return bad("the manifest says bytes ", file.bytes(), " for elements [", range.begin, ", ",
+               range.end, ")");
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return FileError(errno, "reading", path);
+  if (static_cast<uint64_t>(st.st_size) != file.bytes()) {
+    return bad("has ", st.st_size, " bytes, the manifest says ", file.bytes());
+  }
+  if (file.block_bytes() == 0 || file.block_bytes() > kMaxCheckpointBlockBytes) {
+    return bad("the manifest says block_bytes ", file.block_bytes(), ", outside 1..",
+               kMaxCheckpointBlockBytes);
+  }
+  const uint64_t blocks =
+      file.bytes() / file.block_bytes() + (file.bytes() % file.block_bytes() != 0 ? 1 : 0);
+  if (static_cast<uint64_t>(file.block_crc32c_size()) != blocks) {
+    return bad("the manifest lists ", file.block_crc32c_size(), " block CRC-32Cs for ", blocks,
+               " blocks");
+  }
+  return absl::OkStatus();
+}
+
 // Reads block b of `file` (open as fd) whole into buf and checks it against
 // its CRC-32C; adds the bytes read to *bytes_read (may be null).
 absl::Status ReadCheckedBlock(int fd, const std::string& path, const v1::CheckpointFile& file,
@@ -508,8 +672,9 @@ absl::Status CheckpointReader::ReadRange(const std::string& file, const FlatRang
       return absl::DataLossError(absl::StrCat("checkpoint: ", path, " is not in the manifest"));
     }
     Fd fd;
-    fd.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    fd.fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd.fd < 0) return FileError(errno, "opening", path);
+    if (absl::Status st = CheckFileShape(fd.fd, path, *f, part); !st.ok()) return st;
     const uint64_t first = (piece.begin - part.begin) * sizeof(float);
     const uint64_t last = (piece.end - part.begin) * sizeof(float);
     const uint64_t bb = f->block_bytes();
@@ -541,14 +706,9 @@ absl::Status CheckpointReader::VerifyPart(uint32_t daemon_index, uint64_t* bytes
   for (const v1::CheckpointFile& f : p.files()) {
     const std::string path = PartFilePath(daemon_index, f.name());
     Fd fd;
-    fd.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    fd.fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd.fd < 0) return FileError(errno, "opening", path);
-    struct stat st;
-    if (::fstat(fd.fd, &st) != 0) return FileError(errno, "reading", path);
-    if (static_cast<uint64_t>(st.st_size) != f.bytes()) {
-      return absl::DataLossError(absl::StrCat("checkpoint: ", path, " has ", st.st_size,
-                                              " bytes, the manifest says ", f.bytes()));
-    }
+    if (absl::Status st = CheckFileShape(fd.fd, path, f, RangeOf(p)); !st.ok()) return st;
     block.resize(f.block_bytes());
     uint32_t whole = 0;
     for (uint64_t off = 0, b = 0; off < f.bytes(); off += f.block_bytes(), ++b) {

@@ -9,8 +9,10 @@
 // Errors: InvalidArgument for a bad name; NotFound when a checkpoint does not
 // exist; FailedPrecondition for an incomplete one (the message lists what is
 // missing); DataLoss naming the file whose bytes or manifest do not check;
-// ResourceExhausted when the disk is full (ENOSPC, EDQUOT, EFBIG); Internal
-// for other I/O errors (with strerror). All functions block on disk I/O and
+// ResourceExhausted when the disk is full (ENOSPC, EDQUOT, EFBIG);
+// FailedPrecondition for a symbolic link where a checkpoint file should be
+// (files are opened with O_NOFOLLOW); Internal for other I/O errors (with
+// strerror). All functions block on disk I/O and
 // take no locks; thread-compatible.
 
 #include <atomic>
@@ -32,6 +34,9 @@ inline constexpr char kCheckpointNameRule[] =
 inline constexpr char kLatestCheckpoint[] = "latest";
 inline constexpr uint32_t kCheckpointFormatVersion = 1;
 inline constexpr uint64_t kCheckpointBlockBytes = 4ull << 20;
+// Largest MANIFEST or PART file read (checked against the file's size before
+// reading): a manifest of the largest layout and daemon count fits.
+inline constexpr uint64_t kMaxManifestFileBytes = 64ull << 20;
 
 // The array files of a part, in the order they are written.
 inline constexpr char kMasterFile[] = "master.f32";
@@ -61,15 +66,23 @@ std::string CheckpointDir(absl::string_view root, absl::string_view job_id,
 std::string CheckpointPartDir(absl::string_view root, absl::string_view job_id,
                               absl::string_view name, uint32_t daemon_index);
 
-// mkdir -p.
+// mkdir -p, new directories mode 0700. FailedPrecondition naming the
+// directory (and the chown or chmod that fixes it) when `path`, or a
+// directory this creates one in, is owned by neither the effective user
+// nor root, or is writable by group or others without the sticky bit; also
+// for a symbolic link on the way that such a user could have placed (owned
+// by another user, or in such a directory): it is not followed.
 absl::Status MakeDirectories(const std::string& path);
 // fsync of a directory (makes renames in it durable).
 absl::Status SyncDirectory(const std::string& dir);
 
 // Writes dir/name atomically: `produce` writes the content to a descriptor
 // of a temporary file in dir (its path given for messages), which is then
-// fsynced and renamed, and dir fsynced. On any error the temporary file is
-// removed and dir/name is untouched. I/O errors map as described above.
+// fsynced and renamed, and dir fsynced. The file is mode 0600; the
+// temporary name has a random part and is created with O_EXCL | O_NOFOLLOW,
+// and the rename replaces a link at dir/name without following it. On any
+// error the temporary file is removed and dir/name is untouched. I/O errors
+// map as described above.
 absl::Status WriteFileAtomically(
     const std::string& dir, const std::string& name,
     const std::function<absl::Status(int fd, const std::string& tmp_path)>& produce);
@@ -93,7 +106,7 @@ absl::Status ReadProtoFile(const std::string& path, google::protobuf::Message* m
 // A complete checkpoint's manifest. NotFound when there is nothing of that
 // name; FailedPrecondition for an incomplete one (listing the parts that
 // are and are not written); DataLoss for a manifest that does not check
-// (CheckManifest).
+// (CheckManifest) or is larger than kMaxManifestFileBytes.
 absl::StatusOr<v1::CheckpointManifest> ReadManifest(absl::string_view root,
                                                     absl::string_view job_id,
                                                     absl::string_view name);
@@ -107,9 +120,13 @@ absl::StatusOr<std::vector<v1::CheckpointManifest>> ListCompleteCheckpoints(
 absl::StatusOr<std::string> ResolveCheckpointName(absl::string_view root,
                                                   absl::string_view job_id,
                                                   absl::string_view name);
-// OK iff the manifest is self-consistent: one part per daemon of the writer,
-// their ranges tiling [0, total_elements), each with the array files its
-// optimizer needs, sized to its range, steps agreeing. DataLoss otherwise.
+// OK iff the manifest is self-consistent: partition_map.total_elements that
+// of the spec's layout, one part per daemon of the writer, their ranges
+// tiling [0, total_elements), each with the array files its optimizer needs,
+// sized to its range, with block_bytes in 1..kMaxCheckpointBlockBytes and one
+// CRC-32C per block, steps agreeing. DataLoss naming the part, file and field
+// otherwise. A manifest that passes bounds every length a reader allocates
+// by: no arithmetic on its fields overflows.
 absl::Status CheckManifest(const v1::CheckpointManifest& manifest);
 // The array files a part holds for `spec`'s optimizer.
 std::vector<std::string> ArrayFilesOf(const v1::JobSpec& spec);

@@ -32,6 +32,7 @@ class CheckpointFilesTest : public ::testing::Test {
     m.set_job_id("job");
     m.set_name(name);
     m.mutable_spec()->mutable_optimizer()->set_kind(v1::OPTIMIZER_KIND_ADAMW);
+    SetLayout(m.mutable_spec(), total);
     m.mutable_partition_map()->set_total_elements(total);
     m.mutable_state()->set_committed_step(step);
     std::vector<uint64_t> bounds = {0};
@@ -63,6 +64,20 @@ class CheckpointFilesTest : public ::testing::Test {
       EXPECT_TRUE(WriteProtoFile(CheckpointDir(root_, "job", name), kManifestFile, m).ok());
     }
     return m;
+  }
+
+  // One fp32 tensor of `total` elements, unaligned: its flat space is `total`.
+  static void SetLayout(v1::JobSpec* spec, uint64_t total) {
+    spec->mutable_layout()->Clear();
+    spec->mutable_layout()->set_alignment_elements(1);
+    v1::TensorSpec* t = spec->mutable_layout()->add_tensors();
+    t->set_name("w");
+    t->add_shape(static_cast<int64_t>(total));
+    t->set_dtype(v1::DTYPE_FP32);
+  }
+
+  void Rewrite(const v1::CheckpointManifest& m) {
+    ASSERT_TRUE(WriteProtoFile(CheckpointDir(root_, "job", m.name()), kManifestFile, m).ok());
   }
 
   std::string root_;
@@ -132,6 +147,103 @@ TEST_F(CheckpointFilesTest, IncompleteCheckpointsListWhatIsMissing) {
             std::string::npos)
       << s;
   EXPECT_EQ(ReadManifest(root_, "job", "none").status().code(), absl::StatusCode::kNotFound);
+}
+
+// A block size of 2^62 in a MANIFEST: refused with the field named, before
+// any reader allocates a block of it.
+TEST_F(CheckpointFilesTest, HostileBlockBytesIsDataLossWithoutAllocating) {
+  v1::CheckpointManifest m = Write("c", 1000, {400}, 2);
+  m.mutable_parts(1)->mutable_files(2)->set_block_bytes(uint64_t{1} << 62);
+  Rewrite(m);
+  absl::Status s = ReadManifest(root_, "job", "c").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("MANIFEST part 1 file 2 (exp_avg_sq.f32) has block_bytes "
+                             "4611686018427387904, outside 1..67108864"),
+            std::string::npos)
+      << s;
+  // A reader given the manifest anyway checks each file before reading it.
+  CheckpointReader reader(root_, m);
+  s = reader.VerifyPart(1, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("part-1/exp_avg_sq.f32: the manifest says block_bytes"),
+            std::string::npos)
+      << s;
+  std::vector<float> out(10);
+  s = reader.ReadRange(kExpAvgSqFile, {500, 510}, out.data(), nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("block_bytes"), std::string::npos) << s;
+  // The other part and the other files still verify.
+  EXPECT_TRUE(reader.VerifyPart(0, nullptr).ok());
+  EXPECT_TRUE(reader.ReadRange(kMasterFile, {500, 510}, out.data(), nullptr).ok());
+}
+
+// Lengths whose sums and products wrap around 2^64: a part of 2^62 - 1
+// elements claims 2^64 - 4 bytes (its range times 4, wrapped) and no block
+// CRC (2^64 - 4 + block_bytes - 1, wrapped, is less than one block).
+TEST_F(CheckpointFilesTest, LengthsNearUint64MaxAreDataLoss) {
+  v1::CheckpointManifest m = Write("c", 1000, {}, 2);
+  const uint64_t elements = (uint64_t{1} << 62) - 1;
+  m.mutable_partition_map()->set_total_elements(elements);
+  m.mutable_parts(0)->mutable_range()->set_end(elements);
+  for (v1::CheckpointFile& f : *m.mutable_parts(0)->mutable_files()) {
+    f.set_bytes(elements * 4);  // 2^64 - 4
+    f.clear_block_crc32c();
+  }
+  Rewrite(m);
+  absl::Status s = ReadManifest(root_, "job", "c").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("partition_map.total_elements is 4611686018427387903, the spec's "
+                             "layout has 1000"),
+            std::string::npos)
+      << s;
+  CheckpointReader reader(root_, m);
+  s = reader.VerifyPart(0, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("master.f32: has 4000 bytes, the manifest says 18446744073709551612"),
+            std::string::npos)
+      << s;
+  std::vector<float> out(64);
+  s = reader.ReadRange(kMasterFile, {0, 64}, out.data(), nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("18446744073709551612"), std::string::npos) << s;
+}
+
+// partition_map.total_elements is the spec's: a map over another flat space
+// (its parts tiling it, their files sized to it) is refused.
+TEST_F(CheckpointFilesTest, TotalElementsNotTheSpecsIsDataLoss) {
+  v1::CheckpointManifest m = Write("c", 1000, {400}, 2);
+  SetLayout(m.mutable_spec(), 2000);
+  Rewrite(m);
+  absl::Status s = ReadManifest(root_, "job", "c").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("MANIFEST partition_map.total_elements is 1000, the spec's layout "
+                             "has 2000"),
+            std::string::npos)
+      << s;
+  // A spec whose layout is no layout.
+  m.mutable_spec()->clear_layout();
+  Rewrite(m);
+  s = ReadManifest(root_, "job", "c").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("MANIFEST spec: "), std::string::npos) << s;
+}
+
+// An incomplete checkpoint whose PART file claims 2^32 - 1 daemons: the
+// message lists a bounded number of missing parts.
+TEST_F(CheckpointFilesTest, HostileDaemonCountListsBoundedMissingParts) {
+  Write("half", 1000, {400, 700}, 3, /*manifest=*/false);
+  const std::string dir = CheckpointPartDir(root_, "job", "half", 0);
+  v1::PartManifest part;
+  ASSERT_TRUE(ReadProtoFile(dir + "/" + kPartManifestFile, &part).ok());
+  part.set_daemon_count(UINT32_MAX);
+  ASSERT_TRUE(WriteProtoFile(dir, kPartManifestFile, part).ok());
+  absl::Status s = ReadManifest(root_, "job", "half").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  // part-3..part-18 listed; 2^32 - 1 - 19 not.
+  EXPECT_NE(s.message().find("missing: part-3, part-4"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("part-18, and 4294967276 more (4294967295 daemons"),
+            std::string::npos)
+      << s;
 }
 
 TEST_F(CheckpointFilesTest, LatestIsTheHighestCompleteStep) {

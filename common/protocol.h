@@ -34,6 +34,12 @@ inline uint64_t MaxPushStreamBytes(uint64_t bucket_bytes) {
 }
 // StepState.missing lists at most this many ranges.
 inline constexpr int kMaxMissingReported = 16;
+// Largest CheckpointFile.block_bytes a reader accepts, in a MANIFEST, a PART
+// file or a CompleteCheckpointRequest. A reader holds one block in memory
+// per read (a daemon handler, zsctl), so this bounds what a hostile manifest
+// can make it allocate: one chunk's size. Writers use 4 MiB
+// (kCheckpointBlockBytes).
+inline constexpr uint64_t kMaxCheckpointBlockBytes = kMaxChunkBytes;
 
 // Activation checkpoints (activation.proto; common/activation_protocol.h
 // holds the key and its validator).

@@ -54,10 +54,24 @@ class ActivationBulkTest : public ::testing::Test {
     spec_ = testing::MakeSpec("job", testing::SampleLayout(), 3, 2, {daemon_->address()});
     ASSERT_TRUE(client_->Register(spec_, 0).ok());
     ASSERT_TRUE(client_->JoinAll(spec_).ok());
-    // The arena comes with the rank's endpoint, after its own regions.
+    std::string worker;
+    ASSERT_NO_FATAL_FAILURE(ExchangeArena("job", &arena_, &worker));
+    EXPECT_EQ(arena_.length, daemon_->activations()->region_bytes());
+    EXPECT_EQ(daemon_->activations()->capacity(), kArena);
+    transport_ = *transport::CreateTransport("inproc");
+    absl::StatusOr<std::unique_ptr<transport::Connection>> conn =
+        transport_->Connect(worker, absl::Now() + absl::Seconds(10));
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    conn_ = *std::move(conn);
+  }
+
+  // Rank 0 of `job` exchanges endpoints: the arena comes with it, after the
+  // rank's own regions.
+  void ExchangeArena(const std::string& job, transport::RegionDescriptor* arena,
+                     std::string* worker) {
     grpc::ClientContext ctx;
     v1::ExchangeEndpointRequest req;
-    req.set_job_id("job");
+    req.set_job_id(job);
     req.set_rank(0);
     req.set_incarnation(testing::kTestIncarnation);
     req.set_transport(v1::TRANSPORT_KIND_INPROC);
@@ -68,18 +82,12 @@ class ActivationBulkTest : public ::testing::Test {
     for (const v1::RemoteRegion& r : endpoint.regions()) {
       if (r.purpose() != v1::REGION_PURPOSE_ACTIVATION_ARENA) continue;
       ++arenas;
-      arena_.address = r.address();
-      arena_.length = r.length();
-      arena_.rkey = r.rkey();
+      arena->address = r.address();
+      arena->length = r.length();
+      arena->rkey = r.rkey();
     }
     ASSERT_EQ(arenas, 1);
-    EXPECT_EQ(arena_.length, daemon_->activations()->region_bytes());
-    EXPECT_EQ(daemon_->activations()->capacity(), kArena);
-    transport_ = *transport::CreateTransport("inproc");
-    absl::StatusOr<std::unique_ptr<transport::Connection>> conn =
-        transport_->Connect(endpoint.worker_address(), absl::Now() + absl::Seconds(10));
-    ASSERT_TRUE(conn.ok()) << conn.status();
-    conn_ = *std::move(conn);
+    *worker = endpoint.worker_address();
   }
 
   static absl::Time Deadline() { return absl::Now() + absl::Seconds(30); }
@@ -126,6 +134,43 @@ class ActivationBulkTest : public ::testing::Test {
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<transport::Connection> conn_;
 };
+
+// The arena's key is the tenancy's own: when the tenant job ends and another
+// becomes the tenant, a key the first one kept reaches nothing, while the
+// new tenant's key works over the same connection.
+TEST_F(ActivationBulkTest, AFormerTenantsKeyReachesNothing) {
+  const std::string bytes = PatternBytes(7, 4096);
+  ASSERT_TRUE(conn_->Put(bytes.data(), bytes.size(), arena_, 0).Wait(Deadline()).ok());
+  const transport::RegionDescriptor old_key = arena_;
+  for (uint32_t rank = 0; rank < spec_.world_size(); ++rank) {
+    grpc::ClientContext ctx;
+    v1::LeaveRequest req;
+    req.set_job_id("job");
+    req.set_rank(rank);
+    req.set_incarnation(testing::kTestIncarnation);
+    v1::LeaveResponse resp;
+    ASSERT_TRUE(client_->control->Leave(&ctx, req, &resp).ok());
+  }
+  ASSERT_FALSE(daemon_->jobs().Find("job").ok());
+  EXPECT_FALSE(conn_->Put(bytes.data(), bytes.size(), old_key, 0).Wait(Deadline()).ok())
+      << "the key of a job that ended still writes the arena";
+
+  const v1::JobSpec next =
+      testing::MakeSpec("next", testing::SampleLayout(), 3, 2, {daemon_->address()});
+  ASSERT_TRUE(client_->Register(next, 0).ok());
+  ASSERT_TRUE(client_->JoinAll(next).ok());
+  transport::RegionDescriptor new_key;
+  std::string worker;
+  ASSERT_NO_FATAL_FAILURE(ExchangeArena("next", &new_key, &worker));
+  EXPECT_NE(new_key.rkey, old_key.rkey);
+  EXPECT_FALSE(conn_->Put(bytes.data(), bytes.size(), old_key, 0).Wait(Deadline()).ok())
+      << "the former tenant's key reaches the next tenant's arena";
+  std::string back(bytes.size(), '\0');
+  EXPECT_FALSE(conn_->Get(back.data(), back.size(), old_key, 0).Wait(Deadline()).ok());
+  EXPECT_TRUE(conn_->Put(bytes.data(), bytes.size(), new_key, 0).Wait(Deadline()).ok());
+  EXPECT_TRUE(conn_->Get(back.data(), back.size(), new_key, 0).Wait(Deadline()).ok());
+  EXPECT_EQ(back, bytes);
+}
 
 // Ten times the arena over the bulk path, two ranks: every located slice
 // reads back byte for byte, the ones spilled say so, and freeing the steps

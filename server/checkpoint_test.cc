@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "common/checkpoint_files.h"
+#include "common/crc32c.h"
+#include "common/job_spec.h"
 #include "gtest/gtest.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
@@ -328,6 +330,137 @@ TEST_F(CheckpointTest, CorruptionMissingPartsAndBadNamesChangeNothing) {
     grpc::Status s = Load(c, d, "good");
     ASSERT_TRUE(s.ok()) << s.error_message();
   }
+}
+
+// A MANIFEST written by whoever can write the checkpoint directory, with a
+// block size of 2^62: Verify and Load answer DATA_LOSS naming the field (not
+// UNKNOWN from an allocation that throws), and the daemon serves the next
+// request.
+TEST_F(CheckpointTest, HostileManifestIsDataLossAndTheDaemonServesOn) {
+  TestCluster c(2, 2, 2, "hostile", dir_);
+  std::mt19937 rng(9);
+  c.Init(RandomVector(rng, c.total(), 1.0f));
+  Train(c, 2, 0, 1, rng);
+  SaveAll(c, "good", 1);
+  SaveAll(c, "evil", 1);
+  Train(c, 2, 1, 1, rng);
+  const std::string dir = CheckpointDir(dir_, "hostile", "evil");
+  v1::CheckpointManifest m;
+  ASSERT_TRUE(ReadProtoFile(dir + "/MANIFEST", &m).ok());
+  m.mutable_parts(0)->mutable_files(0)->set_block_bytes(uint64_t{1} << 62);
+  ASSERT_TRUE(WriteProtoFile(dir, kManifestFile, m).ok());
+
+  auto verify = [&](const std::string& name, uint32_t part) {
+    v1::VerifyCheckpointRequest req;
+    req.set_job_id("hostile");
+    req.set_name(name);
+    req.set_daemon_index(part);
+    v1::VerifyCheckpointResponse resp;
+    grpc::ClientContext ctx;
+    return c.client(0).checkpoint->VerifyCheckpoint(&ctx, req, &resp);
+  };
+  ExpectRejected(c.daemon(0), "hostile", grpc::StatusCode::DATA_LOSS,
+                 "MANIFEST part 0 file 0 (master.f32) has block_bytes 4611686018427387904",
+                 [&] { return verify("evil", 0); });
+  ExpectRejected(c.daemon(0), "hostile", grpc::StatusCode::DATA_LOSS, "block_bytes",
+                 [&] { return Load(c, 0, "evil"); });
+  // "latest" lists every complete checkpoint: the hostile one names itself.
+  ExpectRejected(c.daemon(0), "hostile", grpc::StatusCode::DATA_LOSS, "hostile/evil",
+                 [&] { return verify("latest", 0); });
+  // A spec whose flat space is not the partition map's.
+  m.mutable_parts(0)->mutable_files(0)->set_block_bytes(kCheckpointBlockBytes);
+  m.mutable_partition_map()->set_total_elements(c.total() + 64);
+  ASSERT_TRUE(WriteProtoFile(dir, kManifestFile, m).ok());
+  ExpectRejected(c.daemon(0), "hostile", grpc::StatusCode::DATA_LOSS,
+                 "partition_map.total_elements", [&] { return verify("evil", 1); });
+  // A layout one tensor short under the job's fingerprint, its last part's
+  // files cut to it with their CRC-32Cs recomputed: every length checks, but
+  // the parts do not cover what this daemon owns.
+  ASSERT_TRUE(ReadProtoFile(CheckpointDir(dir_, "hostile", "good") + "/MANIFEST", &m).ok());
+  m.set_name("evil");
+  m.mutable_spec()->mutable_layout()->mutable_tensors()->RemoveLast();
+  absl::StatusOr<Layout> shorter = LayoutFromProto(m.spec().layout());
+  ASSERT_TRUE(shorter.ok()) << shorter.status();
+  const uint64_t total = shorter->total_elements();
+  ASSERT_LT(total, c.total());
+  m.mutable_partition_map()->set_total_elements(total);
+  v1::PartManifest* last = m.mutable_parts(1);
+  ASSERT_LT(last->range().begin(), total);
+  last->mutable_range()->set_end(total);
+  for (v1::CheckpointFile& f : *last->mutable_files()) {
+    const std::string path = CheckpointPartDir(dir_, "hostile", "evil", 1) + "/" + f.name();
+    f.set_bytes((total - last->range().begin()) * 4);
+    std::filesystem::resize_file(path, f.bytes());
+    std::ifstream in(path, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSERT_EQ(bytes.size(), f.bytes());
+    ASSERT_LE(f.bytes(), kCheckpointBlockBytes);
+    f.set_crc32c(Crc32c(bytes.data(), bytes.size()));
+    f.clear_block_crc32c();
+    f.add_block_crc32c(f.crc32c());
+  }
+  ASSERT_TRUE(WriteProtoFile(dir, kManifestFile, m).ok());
+  ASSERT_TRUE(verify("evil", 1).ok());
+  ExpectRejected(c.daemon(1), "hostile", grpc::StatusCode::FAILED_PRECONDITION,
+                 absl::StrCat("checkpoint hostile/evil spans ", total,
+                              " elements, this job's layout ", c.total()),
+                 [&] { return Load(c, 1, "evil"); });
+  // The daemon serves on.
+  std::filesystem::remove_all(dir);
+  grpc::Status s = verify("good", 0);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  s = Load(c, 1, "good");
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// CompleteCheckpoint writes the other daemons' parts into MANIFEST: a part
+// with a hostile block size, or a range other than its daemon's (still tiling
+// the flat space, its files sized to it), is refused and no MANIFEST written.
+TEST_F(CheckpointTest, CompleteRefusesOtherDaemonsHostileParts) {
+  TestCluster c(3, 3, 2, "parts", dir_);
+  std::mt19937 rng(10);
+  c.Init(RandomVector(rng, c.total(), 1.0f));
+  Train(c, 3, 0, 1, rng);
+  std::vector<v1::PartManifest> parts;
+  for (int d = 0; d < 3; ++d) {
+    grpc::Status s = Save(c, d, "s1", 1);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  for (int d = 0; d < 3; ++d) parts.push_back(WaitWritten(c, d, "s1").part());
+  const std::string manifest = CheckpointDir(dir_, "parts", "s1") + "/MANIFEST";
+
+  std::vector<v1::PartManifest> huge_blocks = parts;
+  huge_blocks[1].mutable_files(1)->set_block_bytes(uint64_t{1} << 62);
+  ExpectRejected(c.daemon(0), "parts", grpc::StatusCode::INVALID_ARGUMENT,
+                 "parts: checkpoint parts/s1: MANIFEST part 1 file 1 (exp_avg.f32) has "
+                 "block_bytes 4611686018427387904",
+                 [&] { return Complete(c, "s1", huge_blocks, 0); });
+  EXPECT_FALSE(std::filesystem::exists(manifest));
+
+  // Move 64 elements from part 2 to part 1.
+  std::vector<v1::PartManifest> shifted = parts;
+  const uint64_t cut = shifted[1].range().end() + 64;
+  shifted[1].mutable_range()->set_end(cut);
+  shifted[2].mutable_range()->set_begin(cut);
+  for (int d : {1, 2}) {
+    const v1::FlatRange& r = shifted[d].range();
+    for (v1::CheckpointFile& f : *shifted[d].mutable_files()) {
+      f.set_bytes((r.end() - r.begin()) * 4);
+    }
+  }
+  ExpectRejected(c.daemon(0), "parts", grpc::StatusCode::INVALID_ARGUMENT,
+                 absl::StrCat("parts[1].range: [", parts[1].range().begin(), ", ", cut,
+                              "), daemon 1 of job parts owns [", parts[1].range().begin(), ", ",
+                              parts[1].range().end(), ")"),
+                 [&] { return Complete(c, "s1", shifted, 0); });
+  EXPECT_FALSE(std::filesystem::exists(manifest));
+
+  // The parts as written complete it.
+  for (int d = 0; d < 3; ++d) {
+    grpc::Status s = Complete(c, "s1", parts, d);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  EXPECT_TRUE(std::filesystem::exists(manifest));
 }
 
 TEST_F(CheckpointTest, FullDiskIsResourceExhaustedAndKeepsThePreviousCheckpoint) {

@@ -18,6 +18,7 @@
 #include "server/rpc/services.h"
 #include "server/status_page.h"
 #include "server/ledger/system_resources.h"
+#include "transport/host_address.h"
 
 namespace zeroshard {
 
@@ -60,6 +61,9 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
   if (o.read_lease < absl::ZeroDuration() || o.rank_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--read_lease must be >= 0 and --rank_timeout > 0");
   }
+  if (o.join_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--join_timeout_seconds: must be >= 0 (0: never)");
+  }
   if (!o.spill_dir.empty() && o.activation_arena_bytes == 0) {
     return absl::InvalidArgumentError("--spill_dir: needs an arena (--activation_arena_bytes > 0)");
   }
@@ -74,14 +78,58 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
         "(mutual TLS, docs/security.md), or --insecure to serve plaintext anyway"));
   }
   if (!o.admin_token.empty()) RETURN_IF_ERROR(ValidateToken(o.admin_token, "--admin_token_file"));
+  if ((!o.bulk_listen.empty() || !o.advertise_address.empty()) && o.bulk_transport != "grpc") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--bulk_listen_address and --advertise_address apply to --bulk_transport=grpc only, got "
+        "--bulk_transport=\"",
+        o.bulk_transport, "\" (UCX's worker address lists the interfaces UCX chose)"));
+  }
+  if (!o.bulk_listen.empty()) {
+    RETURN_IF_ERROR(ValidateHostPort(o.bulk_listen, "--bulk_listen_address"));
+    if (!o.tls.enabled() && !o.insecure && !IsLoopbackAddress(o.bulk_listen)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--bulk_listen_address=", o.bulk_listen,
+          " is reachable from other machines, and plaintext would show region keys and bytes "
+          "to anyone there: give --tls_cert, --tls_key and --tls_ca, or --insecure"));
+    }
+  }
+  if (!o.advertise_address.empty()) {
+    RETURN_IF_ERROR(transport::CanonicalHost(o.advertise_address, "--advertise_address").status());
+  }
   if (o.max_jobs < 1) return absl::InvalidArgumentError("--max_jobs: must be >= 1");
+  return absl::OkStatus();
+}
+
+// Where a "grpc" bulk transport listens (--bulk_listen_address, else
+// --listen's host with port 0) and the host it advertises
+// (--advertise_address, else the listen host, else for a wildcard this
+// machine's primary address). FailedPrecondition when a wildcard leaves no
+// address to advertise: peers would be handed one they cannot dial.
+absl::Status GrpcBulkAddresses(const DaemonOptions& o, std::string* listen,
+                               std::string* advertise) {
+  *listen = !o.bulk_listen.empty() ? o.bulk_listen
+                                   : o.listen.substr(0, o.listen.rfind(':')) + ":0";
+  *advertise = o.advertise_address;
+  const std::string host = listen->substr(0, listen->rfind(':'));
+  if (!advertise->empty() || !transport::IsWildcardHost(host)) return absl::OkStatus();
+  absl::StatusOr<std::string> primary = transport::PrimaryHostAddress();
+  if (!primary.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--bulk_transport=grpc listens on ", *listen, ", a wildcard trainers cannot dial, and ",
+        primary.status().message(),
+        ": give --advertise_address=HOST, the address trainers reach this machine at"));
+  }
+  *advertise = *std::move(primary);
   return absl::OkStatus();
 }
 
 // The bulk transport the options ask for, or null with *error saying why
 // (not asked for, or it did not initialise: the daemon then serves the
-// streaming RPCs only, which is logged).
+// streaming RPCs only, which is logged). A "grpc" one listens on
+// `grpc_listen` and advertises `grpc_advertise` (GrpcBulkAddresses).
 std::unique_ptr<transport::Transport> CreateBulkTransport(const DaemonOptions& options,
+                                                          const std::string& grpc_listen,
+                                                          const std::string& grpc_advertise,
                                                           std::string* error) {
   if (options.bulk_transport.empty()) {
     *error = "started without --bulk_transport";
@@ -97,6 +145,8 @@ std::unique_ptr<transport::Transport> CreateBulkTransport(const DaemonOptions& o
   to.SetCommon(common);
   to.ucx.tls = options.ucx_tls;
   to.grpc.tls = options.tls;
+  to.grpc.listen_address = grpc_listen;
+  to.grpc.advertise_host = grpc_advertise;
   absl::StatusOr<std::unique_ptr<transport::Transport>> t =
       transport::CreateTransport(options.bulk_transport, to);
   if (t.ok() && !(*t)->enforces_remote_keys()) {
@@ -109,7 +159,13 @@ std::unique_ptr<transport::Transport> CreateBulkTransport(const DaemonOptions& o
           absl::StrCat(options.bulk_transport, " does not enforce remote keys"));
     }
   }
-  if (t.ok()) return *std::move(t);
+  if (t.ok()) {
+    if (options.bulk_transport == "grpc") {
+      Log(absl::StrCat("grpc bulk transport on ", to.grpc.listen_address, ", advertised as ",
+                       (*t)->LocalAddress()));
+    }
+    return *std::move(t);
+  }
   if (absl::IsFailedPrecondition(t.status()) && options.bulk_transport == "ucx") {
     *error = absl::StrCat("UCX is not started with --ucx_tls=\"", options.ucx_tls, "\": ",
                           t.status().message(),
@@ -150,8 +206,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   if (!options.checkpoint_dir.empty()) {
     RETURN_IF_ERROR(MakeDirectories(options.checkpoint_dir), "--checkpoint_dir");
   }
+  std::string grpc_listen, grpc_advertise;
+  if (options.bulk_transport == "grpc") {
+    RETURN_IF_ERROR(GrpcBulkAddresses(options, &grpc_listen, &grpc_advertise));
+  }
   std::string bulk_error;
-  d->transport_ = CreateBulkTransport(options, &bulk_error);
+  d->transport_ = CreateBulkTransport(options, grpc_listen, grpc_advertise, &bulk_error);
   if (options.activation_arena_bytes > 0) RETURN_IF_ERROR(d->StartActivations());
   d->StartJobs();
   d->StartServices(bulk_error);
@@ -191,12 +251,14 @@ void Daemon::StartJobs() {
   JobManager::Options jo;
   jo.read_lease = options.read_lease;
   jo.rank_timeout = options.rank_timeout;
+  jo.join_timeout = options.join_timeout;
   jo.max_jobs = options.max_jobs;
   if (ActivationStore* store = activations_.get(); store != nullptr) {
     ArenaTenancy* tenancy = &arena_tenancy_;
     jo.on_remove = [store, tenancy](const std::shared_ptr<Job>& job) {
+      // The key first: from here the job's ranks reach none of the arena.
+      tenancy->Return(job.get(), store);
       store->RemoveJob(job->config().job_id, job);
-      tenancy->Return(job.get());
     };
   }
   JobResources resources;

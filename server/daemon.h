@@ -54,11 +54,24 @@ struct DaemonOptions {
   std::string bulk_transport;
   // UCX_TLS for a "ucx" bulk transport; empty = UCX's choice.
   std::string ucx_tls;
+  // HOST:PORT a "grpc" bulk transport serves regions on
+  // (--bulk_listen_address); empty: `listen`'s host, any free port.
+  std::string bulk_listen;
+  // The host trainers and other daemons dial for a "grpc" bulk transport
+  // (--advertise_address): ExchangeEndpoint's and a replica transfer's
+  // worker_address carry it in place of the bulk listen host. Empty: that
+  // host, or, when it is a wildcard, this machine's primary address
+  // (transport/host_address.h); Start fails with FailedPrecondition when
+  // there is none. InvalidArgument with any other bulk transport: UCX's
+  // worker address lists the interfaces UCX itself chose.
+  std::string advertise_address;
   // A removed job's memory stays mapped this long after it last handed out
   // remote access (trainers finish their reads within it).
   absl::Duration read_lease = absl::Seconds(30);
   // A joined rank not heard from this long no longer counts as connected.
   absl::Duration rank_timeout = absl::Seconds(30);
+  // A registered job no rank joins within this is removed (zero: never).
+  absl::Duration join_timeout = absl::Minutes(2);
   // Out-of-order gradient contributions each job may buffer (booked as
   // `buffer`); pushes past it wait.
   uint64_t reduction_buffer_bytes = 256ull << 20;
@@ -124,7 +137,9 @@ class ReplicaService;
 class Daemon {
  public:
   // Binds `options.listen` and starts serving. InvalidArgument for bad
-  // options, Unavailable when the address cannot be bound.
+  // options, Unavailable when the address cannot be bound,
+  // FailedPrecondition when a "grpc" bulk transport on a wildcard has no
+  // address to advertise (DaemonOptions::advertise_address).
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(const DaemonOptions& options);
   ~Daemon();
 

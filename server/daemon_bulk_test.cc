@@ -3,18 +3,21 @@
 // staging region per rank and the parameter regions, booked once in the
 // ledger; staged pushes are validated like inline ones and give the same
 // result; staging-slot generations and fences; bad input gets a specific
-// status and changes nothing.
+// status and changes nothing; the address a "grpc" bulk transport listens on
+// and the one it hands trainers.
 
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/job_spec.h"
 #include "common/protocol.h"
 #include "gtest/gtest.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
+#include "transport/host_address.h"
 #include "transport/transport.h"
 
 namespace zeroshard {
@@ -23,6 +26,7 @@ namespace {
 using testing::DaemonClient;
 using testing::GradientChunks;
 using testing::MakeSpec;
+using testing::ParamChunks;
 using testing::SampleLayout;
 
 constexpr uint32_t kWorld = 3;
@@ -400,6 +404,147 @@ TEST(DaemonBulkLeaseTest, RemovedJobsRegionsOutliveTheReadLease) {
   EXPECT_EQ(daemon->ledger().total(), 0u);
   transport::Completion late = conn->Get(out.data(), out.size() * 4, master, 0);
   EXPECT_FALSE(late.Wait(absl::Now() + absl::Seconds(10)).ok());
+}
+
+// This machine's first non-loopback IPv4 address (getifaddrs), or empty.
+std::string NonLoopbackIpv4() {
+  const std::vector<transport::InterfaceAddress> addresses =
+      transport::NonLoopbackIpv4Addresses();
+  return addresses.empty() ? "" : addresses.front().address;
+}
+
+// A daemon with a "grpc" bulk transport, plaintext on any address.
+std::unique_ptr<Daemon> StartGrpcBulkDaemon(const std::string& listen,
+                                            const std::string& advertise = "") {
+  DaemonOptions o;
+  o.listen = listen;
+  o.insecure = true;
+  o.bulk_transport = "grpc";
+  o.advertise_address = advertise;
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  EXPECT_TRUE(d.ok()) << d.status();
+  if (!d.ok()) return nullptr;
+  EXPECT_NE((*d)->bulk_transport(), nullptr) << "the grpc bulk transport did not start";
+  return *std::move(d);
+}
+
+// What a trainer does with a daemon's grpc bulk transport: joins a job,
+// takes the worker_address ExchangeEndpoint hands out (which must start
+// with `host`), connects there and reads the parameters it initialised
+// through the parameter region; returns the worker_address.
+std::string ExpectTrainerReadsThrough(Daemon& daemon, const std::string& host) {
+  DaemonClient client(daemon.address());
+  const v1::JobSpec spec = MakeSpec("job", SampleLayout(), 2, 1, {daemon.address()});
+  const JobConfig config = *ParseJobSpec(spec);
+  EXPECT_TRUE(client.Register(spec, 0).ok());
+  EXPECT_TRUE(client.JoinAll(spec).ok());
+  std::vector<float> params(config.map.total_elements());
+  for (size_t i = 0; i < params.size(); ++i) params[i] = 0.5f * static_cast<float>(i % 97);
+  grpc::Status s = client.Init(ParamChunks("job", {0, params.size()}, params.data()));
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  v1::ExchangeEndpointResponse endpoint;
+  s = Exchange(client, "job", 0, &endpoint, v1::TRANSPORT_KIND_GRPC);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  if (!s.ok()) return "";
+  EXPECT_EQ(endpoint.worker_address(), daemon.bulk_transport()->LocalAddress());
+  EXPECT_EQ(endpoint.worker_address().rfind(host + ":", 0), 0u)
+      << endpoint.worker_address() << " does not start with " << host << ":";
+  std::unique_ptr<transport::Transport> peer = *transport::CreateTransport("grpc");
+  absl::StatusOr<std::unique_ptr<transport::Connection>> conn =
+      peer->Connect(endpoint.worker_address(), absl::Now() + absl::Seconds(10));
+  EXPECT_TRUE(conn.ok()) << conn.status();
+  if (!conn.ok()) return endpoint.worker_address();
+  EXPECT_EQ(endpoint.regions(1).purpose(), v1::REGION_PURPOSE_PARAM_MASTER);
+  transport::RegionDescriptor master;
+  master.address = endpoint.regions(1).address();
+  master.length = endpoint.regions(1).length();
+  master.rkey = endpoint.regions(1).rkey();
+  std::vector<float> out(params.size(), -1.0f);
+  EXPECT_EQ((*conn)->Get(out.data(), out.size() * 4, master, 0).Wait(
+                absl::Now() + absl::Seconds(10)),
+            absl::OkStatus());
+  EXPECT_EQ(out, params);
+  return endpoint.worker_address();
+}
+
+// Issue 38: the grpc bulk transport listened on, and advertised, 127.0.0.1
+// whatever --listen said, so trainers on other machines could not reach it.
+TEST(DaemonBulkGrpcAddressTest, ServesAndAdvertisesTheListenHost) {
+  const std::string ip = NonLoopbackIpv4();
+  if (ip.empty()) GTEST_SKIP() << "no non-loopback IPv4 address on this machine";
+  std::unique_ptr<Daemon> daemon = StartGrpcBulkDaemon(ip + ":0");
+  ASSERT_NE(daemon, nullptr);
+  ASSERT_NE(daemon->bulk_transport(), nullptr);
+  ExpectTrainerReadsThrough(*daemon, ip);
+}
+
+TEST(DaemonBulkGrpcAddressTest, AdvertiseAddressIsWhatTrainersAreGiven) {
+  const std::string ip = NonLoopbackIpv4();
+  if (ip.empty()) GTEST_SKIP() << "no non-loopback IPv4 address on this machine";
+  std::unique_ptr<Daemon> daemon = StartGrpcBulkDaemon("0.0.0.0:0", ip);
+  ASSERT_NE(daemon, nullptr);
+  ASSERT_NE(daemon->bulk_transport(), nullptr);
+  ExpectTrainerReadsThrough(*daemon, ip);
+}
+
+TEST(DaemonBulkGrpcAddressTest, WildcardListenAdvertisesThePrimaryAddress) {
+  if (NonLoopbackIpv4().empty()) {
+    GTEST_SKIP() << "no non-loopback IPv4 address on this machine";
+  }
+  const absl::StatusOr<std::string> primary = transport::PrimaryHostAddress();
+  ASSERT_TRUE(primary.ok()) << primary.status();
+  std::unique_ptr<Daemon> daemon = StartGrpcBulkDaemon("0.0.0.0:0");
+  ASSERT_NE(daemon, nullptr);
+  ASSERT_NE(daemon->bulk_transport(), nullptr);
+  const std::string advertised = ExpectTrainerReadsThrough(*daemon, *primary);
+  EXPECT_NE(advertised.rfind("0.0.0.0:", 0), 0u) << advertised;
+  EXPECT_NE(advertised.rfind("127.", 0), 0u) << advertised;
+}
+
+TEST(DaemonBulkGrpcAddressTest, LoopbackListenStaysLoopback) {
+  std::unique_ptr<Daemon> daemon = StartGrpcBulkDaemon("127.0.0.1:0");
+  ASSERT_NE(daemon, nullptr);
+  ASSERT_NE(daemon->bulk_transport(), nullptr);
+  ExpectTrainerReadsThrough(*daemon, "127.0.0.1");
+}
+
+TEST(DaemonBulkGrpcAddressTest, AddressOptionsAreChecked) {
+  struct Case {
+    const char* bulk_transport;
+    const char* bulk_listen;
+    const char* advertise;
+    bool insecure;
+    const char* field;
+  };
+  for (const Case& c : {
+           // UCX's worker address carries the interfaces UCX chose.
+           Case{"ucx", "", "10.0.0.5", true, "--advertise_address"},
+           Case{"inproc", "127.0.0.1:0", "", true, "--bulk_listen_address"},
+           Case{"grpc", "", "10.0.0.5:7070", true, "--advertise_address"},
+           Case{"grpc", "", "0.0.0.0", true, "--advertise_address"},
+           Case{"grpc", "nonsense", "", true, "--bulk_listen_address"},
+           // Plaintext bulk bytes and keys on the network need --insecure.
+           Case{"grpc", "0.0.0.0:0", "10.0.0.5", false, "--bulk_listen_address"},
+       }) {
+    SCOPED_TRACE(absl::StrCat(c.bulk_transport, " ", c.bulk_listen, " ", c.advertise));
+    DaemonOptions o;
+    o.bulk_transport = c.bulk_transport;
+    o.bulk_listen = c.bulk_listen;
+    o.advertise_address = c.advertise;
+    o.insecure = c.insecure;
+    absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+    ASSERT_FALSE(d.ok());
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << d.status();
+    EXPECT_NE(d.status().message().find(c.field), std::string::npos) << d.status();
+  }
+  // --bulk_listen_address alone picks the interface and port.
+  DaemonOptions o;
+  o.bulk_transport = "grpc";
+  o.bulk_listen = "localhost:0";
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_NE((*d)->bulk_transport(), nullptr);
+  ExpectTrainerReadsThrough(**d, "localhost");
 }
 
 TEST(DaemonBulkOffTest, ExchangeWithoutBulkTransportIsUnavailable) {

@@ -55,6 +55,22 @@ ABSL_FLAG(std::string, bulk_transport, "ucx",
           "Bulk transport served to trainers (ExchangeEndpoint): ucx, grpc or inproc; empty = "
           "none. When it cannot initialise, the daemon serves the streaming RPCs only and "
           "trainers must use the \"stream\" data path.");
+ABSL_FLAG(std::string, bulk_listen_address, "",
+          "HOST:PORT the grpc bulk transport (--bulk_transport=grpc) serves regions on; empty: "
+          "the host of --listen, port 0 (any free port). A non-loopback address needs mutual "
+          "TLS or --insecure, as --listen does. Only for --bulk_transport=grpc.");
+ABSL_FLAG(std::string, advertise_address, "",
+          "Host (name or IP address, no port) that trainers and other daemons dial to reach "
+          "the grpc bulk transport, handed out in place of its listen host: behind NAT, or "
+          "the pod IP in Kubernetes (downward API status.podIP). Empty: the listen host, or, "
+          "when that is a wildcard (0.0.0.0, [::]), this machine's primary address (its host "
+          "name's address, else the default route's interface); with none found the daemon "
+          "refuses to start. With mutual TLS the daemon's certificate must name it. Only for "
+          "--bulk_transport=grpc: UCX's worker address lists the interfaces UCX itself chose "
+          "(UCX_NET_DEVICES).");
+ABSL_FLAG(int, join_timeout_seconds, 120,
+          "A job registered here that no rank joins within this many seconds is removed, so "
+          "that registrations nobody follows up cannot hold --max_jobs or memory; 0: never.");
 ABSL_FLAG(int, rank_timeout_seconds, 30,
           "A joined rank not heard from (heartbeat, push) this long is no longer connected.");
 ABSL_FLAG(uint64_t, reduction_buffer_bytes, 256ull << 20,
@@ -123,10 +139,13 @@ int main(int argc, char** argv) {
   }
   options.bulk_transport = absl::GetFlag(FLAGS_bulk_transport);
   options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_seconds));
+  options.join_timeout = absl::Seconds(absl::GetFlag(FLAGS_join_timeout_seconds));
   options.reduction_buffer_bytes = absl::GetFlag(FLAGS_reduction_buffer_bytes);
   options.reduction_hold = absl::Milliseconds(absl::GetFlag(FLAGS_reduction_hold_ms));
   options.staging_slots = absl::GetFlag(FLAGS_staging_slots);
   options.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  options.bulk_listen = absl::GetFlag(FLAGS_bulk_listen_address);
+  options.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.activation_arena_bytes = absl::GetFlag(FLAGS_activation_arena_bytes);
   options.spill_dir = absl::GetFlag(FLAGS_spill_dir);

@@ -8,6 +8,7 @@
 // and step count to do that), within the oracle's tolerance.
 
 #include <stdlib.h>
+#include <sys/stat.h>
 
 #include <cstring>
 #include <filesystem>
@@ -203,6 +204,24 @@ INSTANTIATE_TEST_SUITE_P(NewLayouts, CheckpointReshardTest,
                            return absl::StrCat("Nd", std::get<0>(info.param), "Over",
                                                std::get<1>(info.param), "Daemons");
                          });
+
+// A --checkpoint_dir that another local user could write into (and so
+// replace or read what the daemon saves) stops the daemon at start.
+TEST(CheckpointDirTest, DaemonRefusesADirectoryOthersCanWrite) {
+  std::string dir = ::testing::TempDir() + "/checkpoint_open.XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  ASSERT_EQ(::chmod(dir.c_str(), 0777), 0);
+  DaemonOptions options;
+  options.checkpoint_dir = dir;
+  options.listen = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(options);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition) << d.status();
+  EXPECT_NE(d.status().message().find("--checkpoint_dir"), std::string::npos) << d.status();
+  EXPECT_NE(d.status().message().find(absl::StrCat("chmod go-w ", dir)), std::string::npos)
+      << d.status();
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
 
 }  // namespace
 }  // namespace zeroshard::examples

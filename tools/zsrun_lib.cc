@@ -652,11 +652,12 @@ absl::StatusOr<int> Launcher::RunInternal() {
 absl::Status Launcher::PrepareLogDir() {
   if (!options_.log_dir.empty()) {
     log_dir_ = options_.log_dir;
-    // mkdir -p: each ancestor, then the directory itself.
+    // mkdir -p: each ancestor, then the directory itself; owner-only, as
+    // daemon logs may hold tokens.
     for (size_t slash = log_dir_.find('/', 1);; slash = log_dir_.find('/', slash + 1)) {
       const std::string dir = log_dir_.substr(0, slash);
       struct stat st;
-      if (!dir.empty() && mkdir(dir.c_str(), 0755) != 0) {
+      if (!dir.empty() && mkdir(dir.c_str(), 0700) != 0) {
         const int e = errno;
         if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
           return ErrnoError(e, absl::StrCat("--log_dir: cannot create ", dir));
@@ -696,8 +697,12 @@ absl::Status Launcher::StartDaemons() {
     proc->label = absl::StrCat("daemon ", d);
     const std::string out_path = absl::StrCat(log_dir_, "/daemon-", d, ".stdout.log");
     proc->stderr_path = absl::StrCat(log_dir_, "/daemon-", d, ".stderr.log");
-    int out_log = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    int err_log = open(proc->stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    // Owner-only, also when an earlier run's file is reused; never through a link.
+    constexpr int kLogFlags = O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC;
+    int out_log = open(out_path.c_str(), kLogFlags, 0600);
+    int err_log = open(proc->stderr_path.c_str(), kLogFlags, 0600);
+    if (out_log >= 0) fchmod(out_log, 0600);
+    if (err_log >= 0) fchmod(err_log, 0600);
     if (out_log < 0 || err_log < 0) {
       const int e = errno;
       CloseFd(out_log);

@@ -522,6 +522,13 @@ TEST(LauncherTest, LogDirMetricsAndVerbose) {
   EXPECT_THAT(ReadFile(dir + "/daemon-0.stdout.log"),
               HasSubstr(absl::StrCat("zeroshardd listening on ", l.launcher->addresses()[0])));
   EXPECT_THAT(ReadFile(dir + "/daemon-0.stderr.log"), HasSubstr("zeroshardd: stopped"));
+  // Logs may hold tokens: nobody but the owner reads them.
+  for (const std::string& path :
+       {dir, dir + "/daemon-0.stdout.log", dir + "/daemon-0.stderr.log"}) {
+    struct stat st;
+    ASSERT_EQ(stat(path.c_str(), &st), 0) << path;
+    EXPECT_EQ(st.st_mode & 077, 0u) << path << std::oct << " mode " << (st.st_mode & 0777);
+  }
   EXPECT_THAT(l.err(), HasSubstr("[daemon 0] zeroshardd: stopped"));
   EXPECT_THAT(l.err(), HasSubstr("daemon logs are in " + dir));
 }

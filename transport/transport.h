@@ -325,6 +325,12 @@ struct GrpcTransportOptions {
   // "HOST:PORT" to serve regions on; empty means "127.0.0.1:0" (loopback,
   // any port).
   std::string listen_address;
+  // The host peers dial, put in LocalAddress() in place of listen_address's
+  // host (behind NAT, or a Kubernetes pod's IP): a name, an IPv4 address or
+  // an IPv6 address (brackets optional). Empty: listen_address's host, or,
+  // when that is a wildcard (0.0.0.0, [::]), this machine's primary address
+  // (PrimaryHostAddress(), transport/host_address.h).
+  std::string advertise_host;
   // Mutual TLS for its server and its connections (common/tls_files.h); empty:
   // plaintext.
   TlsFiles tls;

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <liburing.h>
 #include <sys/file.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -50,6 +51,7 @@ absl::Status Errno(int err, absl::string_view what, absl::string_view path) {
     case EPERM:
     case EROFS:
     case ENOTDIR:
+    case ELOOP:
       return absl::FailedPreconditionError(message);
     default:
       return absl::InternalError(message);
@@ -78,18 +80,20 @@ std::optional<SpillName> ParseName(absl::string_view name) {
   return SpillName{SpillName::kData, std::string(instance)};
 }
 
+// From the kernel's random source: names nobody can guess in advance.
 std::string NewInstance() {
-  std::random_device device;
-  const uint64_t r = (uint64_t{device()} << 32) ^ device() ^
-                     (static_cast<uint64_t>(::getpid()) << 20) ^
-                     static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  uint64_t r = 0;
+  if (::getrandom(&r, sizeof(r), 0) != static_cast<ssize_t>(sizeof(r))) {
+    std::random_device device;
+    r = (uint64_t{device()} << 32) ^ device();
+  }
   return absl::StrFormat("%016x", r);
 }
 
 // True iff nobody holds the lock at `path` (its daemon is gone). A lock that
 // cannot be opened (removed meanwhile) counts as held: its files are left.
 bool LockIsDead(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return false;
   const bool dead = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
   ::close(fd);  // releases the lock taken just now, if any
@@ -104,7 +108,8 @@ absl::StatusOr<std::unique_ptr<SpillDirectory>> SpillDirectory::Open(const std::
                                                                     DirectIo direct_io) {
   if (dir.empty()) return absl::InvalidArgumentError("--spill_dir: empty path");
   if (absl::Status s = MakeDirectories(dir); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("--spill_dir: ", s.message()));
+    const absl::string_view why = absl::StripPrefix(s.message(), "checkpoint: ");
+    return absl::Status(s.code(), absl::StrCat("--spill_dir: ", why));
   }
   std::unique_ptr<SpillDirectory> d(new SpillDirectory(dir));
   // The lock first: another daemon starting now then sees this one as alive.
@@ -119,7 +124,7 @@ absl::Status SpillDirectory::TakeLock() {
     instance_ = NewInstance();
     const std::string lock = absl::StrCat(dir_, "/", kPrefix, instance_, kLockSuffix);
     const std::string fresh = lock + ".new";
-    const int fd = ::open(fresh.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    const int fd = ::open(fresh.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) {
       if (errno == EEXIST && attempt < 3) continue;
       return Errno(errno, "cannot create", fresh);
@@ -187,7 +192,8 @@ void SpillDirectory::RemoveDeadInstances() {
 absl::Status SpillDirectory::ProbeDirect(DirectIo direct_io) {
   const std::string probe = NewPath();
   if (direct_io == DirectIo::kIfSupported) {
-    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0600);
+    const int fd = ::open(probe.c_str(),
+                          O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_DIRECT, 0600);
     if (fd < 0 && errno != EINVAL) return Errno(errno, "cannot create", probe);
     if (fd >= 0) {
       void* block = std::aligned_alloc(kDirectAlignment, kDirectAlignment);
@@ -208,12 +214,16 @@ absl::Status SpillDirectory::ProbeDirect(DirectIo direct_io) {
       if (n >= 0) return Errno(EIO, "short write to", probe);
       if (err != EINVAL) return Errno(err, "cannot write", probe);
     }
-    // EINVAL: the file system refuses O_DIRECT (or this alignment).
+    // EINVAL: the file system refuses O_DIRECT (or this alignment). The
+    // refused open may have made the file: the next probe takes a new name.
+    Remove(probe);
   }
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return Errno(errno, "cannot create", probe);
+  const std::string buffered = NewPath();
+  const int fd =
+      ::open(buffered.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) return Errno(errno, "cannot create", buffered);
   ::close(fd);
-  Remove(probe);
+  Remove(buffered);
   direct_ = false;
   return absl::OkStatus();
 }
@@ -241,14 +251,16 @@ std::string SpillDirectory::NewPath() {
 }
 
 absl::StatusOr<int> SpillDirectory::OpenForWrite(const std::string& path) const {
-  const int fd =
-      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | (direct_ ? O_DIRECT : 0), 0600);
+  // Always a new file: whatever is at `path` already (a planted link
+  // included) is refused, not followed or truncated.
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | (direct_ ? O_DIRECT : 0);
+  const int fd = ::open(path.c_str(), flags, 0600);
   if (fd < 0) return Errno(errno, "cannot create", path);
   return fd;
 }
 
 absl::StatusOr<int> SpillDirectory::OpenForRead(const std::string& path) const {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (direct_ ? O_DIRECT : 0));
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | (direct_ ? O_DIRECT : 0));
   if (fd < 0) return Errno(errno, "cannot open", path);
   return fd;
 }

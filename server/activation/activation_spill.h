@@ -47,7 +47,10 @@ class SpillDirectory {
   // system that refuses it with EINVAL, like tmpfs before Linux 6.6, gets
   // buffered I/O through the page cache; so does kNever). Blocks on the
   // file system. InvalidArgument for an empty path; the errno text naming
-  // the path when the directory cannot be used.
+  // the path when the directory cannot be used; FailedPrecondition (as
+  // MakeDirectories) for a directory owned by neither this user nor root,
+  // or writable by group or others without the sticky bit. Directories it
+  // makes are mode 0700, files 0600.
   static absl::StatusOr<std::unique_ptr<SpillDirectory>> Open(
       const std::string& dir, DirectIo direct_io = DirectIo::kIfSupported);
   // Removes this instance's remaining files and its lock.
@@ -61,7 +64,8 @@ class SpillDirectory {
 
   // A path for a new file of this instance (never the same twice).
   std::string NewPath();
-  // Opens `path` for writing (created, truncated) or reading; O_DIRECT when
+  // Opens `path` for writing (a new file: anything already there, a link
+  // included, is an error) or reading (not through a link); O_DIRECT when
   // direct(). Blocks on the file system; returns the descriptor, which the
   // caller closes, or the errno text naming the path.
   absl::StatusOr<int> OpenForWrite(const std::string& path) const;

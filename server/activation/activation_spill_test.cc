@@ -142,6 +142,76 @@ TEST(SpillDirectory, RefusesAnUnusableDirectory) {
   EXPECT_NE(d.status().message().find("--spill_dir"), std::string::npos) << d.status();
 }
 
+mode_t ModeOf(const std::string& path) {
+  struct stat st;
+  EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
+  return st.st_mode & 07777;
+}
+
+TEST(SpillDirectory, DirectoriesAndFilesAreOwnerOnly) {
+  const std::string base = TempDir("spill_modes_owner");
+  const mode_t old_umask = ::umask(0);  // the modes asked for, not the umask's
+  absl::StatusOr<std::unique_ptr<SpillDirectory>> d = SpillDirectory::Open(base + "/a/b");
+  absl::StatusOr<int> fd = d.ok() ? (*d)->OpenForWrite((*d)->NewPath()) : d.status();
+  ::umask(old_umask);
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  ::close(*fd);
+  EXPECT_EQ(ModeOf(base + "/a"), 0700u);
+  EXPECT_EQ(ModeOf(base + "/a/b"), 0700u);
+  for (const std::string& name : List(base + "/a/b")) {
+    EXPECT_EQ(ModeOf(base + "/a/b/" + name), 0600u) << name;
+  }
+}
+
+// A link planted at a spill file's name is neither followed nor truncated.
+TEST(SpillDirectory, NewFilesRefuseAPlantedLink) {
+  const std::string base = TempDir("spill_planted");
+  const std::string victim = base + "/victim";
+  Touch(victim);
+  absl::StatusOr<std::unique_ptr<SpillDirectory>> d =
+      SpillDirectory::Open(base + "/dir", SpillDirectory::DirectIo::kNever);
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::string path = (*d)->NewPath();
+  ASSERT_EQ(::symlink(victim.c_str(), path.c_str()), 0);
+  absl::StatusOr<int> w = (*d)->OpenForWrite(path);
+  EXPECT_FALSE(w.ok());
+  if (w.ok()) ::close(*w);
+  EXPECT_NE(w.status().message().find(path), std::string::npos) << w.status();
+  absl::StatusOr<int> r = (*d)->OpenForRead(path);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  if (r.ok()) ::close(*r);
+  struct stat st;
+  ASSERT_EQ(::stat(victim.c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 1) << "the link's target was truncated";
+}
+
+TEST(SpillDirectory, RefusesADirectoryOthersCanWrite) {
+  const std::string dir = TempDir("spill_open_to_all");
+  ASSERT_EQ(::chmod(dir.c_str(), 0777), 0);
+  absl::StatusOr<std::unique_ptr<SpillDirectory>> d = SpillDirectory::Open(dir);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition) << d.status();
+  EXPECT_NE(d.status().message().find(
+                absl::StrCat("--spill_dir: ", dir, " is writable by group or others")),
+            std::string::npos)
+      << d.status();
+  EXPECT_NE(d.status().message().find(absl::StrCat("chmod go-w ", dir)), std::string::npos)
+      << d.status();
+  EXPECT_TRUE(List(dir).empty()) << "nothing is created in a refused directory";
+}
+
+TEST(SpillDirectory, RefusesADirectoryOfAnotherUser) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to make a directory of uid 65534";
+  const std::string dir = TempDir("spill_of_nobody");
+  ASSERT_EQ(::chown(dir.c_str(), 65534, 65534), 0);
+  absl::StatusOr<std::unique_ptr<SpillDirectory>> d = SpillDirectory::Open(dir);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition) << d.status();
+  EXPECT_NE(d.status().message().find(absl::StrCat(dir, " is owned by uid 65534")),
+            std::string::npos)
+      << d.status();
+  EXPECT_TRUE(List(dir).empty()) << "nothing is created in a refused directory";
+}
+
 // Writes and reads back through io_uring, in the directory's mode, with more
 // operations than the ring holds at once.
 class SpillIoTest : public ::testing::TestWithParam<SpillDirectory::DirectIo> {

@@ -157,6 +157,7 @@ absl::StatusOr<std::unique_ptr<ActivationStore>> ActivationStore::Create(
       return absl::Status(region.status().code(),
                           absl::StrCat("--activation_arena_bytes: ", region.status().message()));
     }
+    s->transport_ = transport;
     s->region_ = *std::move(region);
     s->base_ = static_cast<char*>(s->region_->base());
   } else {
@@ -214,6 +215,7 @@ ActivationStore::~ActivationStore() {
   ledger_->Release(kDaemonLedgerEntry, MemoryCategory::kActivation, region_bytes_);
   ledger_->Release(kDaemonLedgerEntry, MemoryCategory::kFragmentation, region_bytes_);
   ledger_->RemoveJobIfEmpty(kDaemonLedgerEntry);
+  RevokeTenantKey();
   region_.reset();
   if (memory_ != nullptr) ::munmap(memory_, region_bytes_);
   spill_dir_.reset();
@@ -1259,13 +1261,41 @@ void ActivationStore::RunJanitor() {
 
 // ---- Introspection ----
 
+absl::Status ActivationStore::IssueTenantKey() {
+  if (transport_ == nullptr || region_ == nullptr) {
+    return absl::FailedPreconditionError("the activation arena has no bulk transport");
+  }
+  absl::StatusOr<std::unique_ptr<transport::Region>> key = transport_->RegisterRegion(
+      region_->base(), region_->length(), transport::Access::kRemoteReadWrite);
+  if (!key.ok()) {
+    return absl::Status(key.status().code(), absl::StrCat("activation arena key: ",
+                                                          key.status().message()));
+  }
+  std::unique_ptr<transport::Region> old = *std::move(key);
+  {
+    absl::MutexLock lock(&key_mu_);
+    tenant_key_.swap(old);
+  }
+  return absl::OkStatus();  // `old`, if any, is revoked here with no lock held
+}
+
+void ActivationStore::RevokeTenantKey() {
+  std::unique_ptr<transport::Region> old;
+  {
+    absl::MutexLock lock(&key_mu_);
+    tenant_key_.swap(old);
+  }
+}
+
 void ActivationStore::FillRegion(v1::ExchangeEndpointResponse* response) const {
-  if (region_ == nullptr) return;
+  absl::MutexLock lock(&key_mu_);
+  if (tenant_key_ == nullptr) return;
+  const transport::RegionDescriptor& d = tenant_key_->Descriptor();
   v1::RemoteRegion* r = response->add_regions();
   r->set_purpose(v1::REGION_PURPOSE_ACTIVATION_ARENA);
-  r->set_address(region_->Descriptor().address);
-  r->set_length(region_->Descriptor().length);
-  r->set_rkey(region_->Descriptor().rkey);
+  r->set_address(d.address);
+  r->set_length(d.length);
+  r->set_rkey(d.rkey);
 }
 
 ActivationStore::Stats ActivationStore::GetStats() const {

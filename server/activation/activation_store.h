@@ -253,8 +253,17 @@ class ActivationStore {
   // lease.
   void Tick();
 
-  // Adds the ACTIVATION_ARENA region (with a transport).
-  void FillRegion(v1::ExchangeEndpointResponse* response) const;
+  // The arena's key for its tenant (the one job the arena is lent to, see
+  // ArenaTenancy): a registration of the arena's memory of its own, made when
+  // a job becomes the tenant and destroyed when it stops being one, so that
+  // a key a former tenant kept reaches nothing (where the transport enforces
+  // keys). IssueTenantKey replaces any key issued before; it blocks while the
+  // memory is registered. FailedPrecondition without a transport.
+  absl::Status IssueTenantKey() ABSL_LOCKS_EXCLUDED(key_mu_);
+  void RevokeTenantKey() ABSL_LOCKS_EXCLUDED(key_mu_);
+  // Adds the ACTIVATION_ARENA region under the tenant's key; nothing when no
+  // key is issued.
+  void FillRegion(v1::ExchangeEndpointResponse* response) const ABSL_LOCKS_EXCLUDED(key_mu_);
   // Bytes a slice may have: the arena's usable size (arena_bytes rounded
   // down to the alignment).
   uint64_t capacity() const { return capacity_; }
@@ -412,7 +421,11 @@ class ActivationStore {
   const Options options_;
   MemoryLedger* const ledger_;
   ActivationMetrics* const metrics_;
-  std::unique_ptr<transport::Region> region_;  // with a transport
+  transport::Transport* transport_ = nullptr;
+  std::unique_ptr<transport::Region> region_;  // with a transport; its own key is never lent
+  // A leaf: taken by nothing else while held.
+  mutable absl::Mutex key_mu_;
+  std::unique_ptr<transport::Region> tenant_key_ ABSL_GUARDED_BY(key_mu_);
   void* memory_ = nullptr;                     // without one (mmap)
   char* base_ = nullptr;                       // the region's first byte
   uint64_t region_bytes_ = 0;

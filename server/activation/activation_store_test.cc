@@ -81,6 +81,9 @@ class StoreTest : public ::testing::Test {
     if (bulk) {
       v1::ExchangeEndpointResponse r;
       store_->FillRegion(&r);
+      ASSERT_EQ(r.regions_size(), 0) << "a key before any tenancy";
+      ASSERT_TRUE(store_->IssueTenantKey().ok());
+      store_->FillRegion(&r);
       ASSERT_EQ(r.regions_size(), 1);
       ASSERT_EQ(r.regions(0).purpose(), v1::REGION_PURPOSE_ACTIVATION_ARENA);
       region_.address = r.regions(0).address();

@@ -6,7 +6,9 @@
 // activations in the arena. While it holds the key, other jobs' activation
 // requests are refused (their slices would be readable with it); when no
 // job holds it, every job may keep activations there over the streaming
-// RPCs. The key returns when its job is removed. Thread-safe.
+// RPCs. The key returns when its job is removed. Each tenancy has a key of
+// its own (ActivationStore::IssueTenantKey when it starts, RevokeTenantKey
+// when it ends): a key a former tenant kept reaches nothing. Thread-safe.
 
 #include <functional>
 #include <string>
@@ -14,7 +16,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/activation/activation_store.h"
 
 namespace zeroshard {
 
@@ -25,12 +29,17 @@ class ArenaTenancy {
   // Lends the key to `job` unless another job holds it, or
   // `others_have_activations()` (called with this object's lock held; it
   // must not call back into it) says another job has slices in the arena.
-  // Returns whether `job` holds the key now.
-  bool Lend(const Job* job, const std::string& job_id,
-            const std::function<bool()>& others_have_activations) {
+  // A new tenancy gets a fresh key from `store` (registered under this
+  // object's lock: activation requests wait for it, once per tenancy).
+  // Returns whether `job` holds the key now; the store's error when the key
+  // cannot be made (nothing lent).
+  absl::StatusOr<bool> Lend(const Job* job, const std::string& job_id,
+                            const std::function<bool()>& others_have_activations,
+                            ActivationStore* store) {
     absl::MutexLock lock(&mu_);
     if (tenant_ == job) return true;
     if (tenant_ != nullptr || others_have_activations()) return false;
+    if (absl::Status s = store->IssueTenantKey(); !s.ok()) return s;
     tenant_ = job;
     tenant_id_ = job_id;
     return true;
@@ -47,10 +56,11 @@ class ArenaTenancy {
         "checkpoints on the trainer, or on daemons of its own"));
   }
 
-  // Called when `job` is removed.
-  void Return(const Job* job) {
+  // Called when `job` is removed: when it is the tenant, revokes its key.
+  void Return(const Job* job, ActivationStore* store) {
     absl::MutexLock lock(&mu_);
     if (tenant_ != job) return;
+    store->RevokeTenantKey();
     tenant_ = nullptr;
     tenant_id_.clear();
   }

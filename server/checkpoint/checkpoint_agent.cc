@@ -111,6 +111,18 @@ absl::StatusOr<v1::CompleteCheckpointResponse> CheckpointAgent::Complete(
         "parts[", options_.daemon_index, "]: differs from the part this daemon wrote for checkpoint ",
         config_.job_id, "/", r.name()));
   }
+  // The other daemons' parts go into MANIFEST as sent: each must cover what
+  // its daemon owns under this job's partition map (CheckManifest below ties
+  // their files to those ranges and the map to the spec).
+  for (uint32_t d = 0; d < daemons; ++d) {
+    const v1::FlatRange& got = r.parts(static_cast<int>(d)).range();
+    const FlatRange owned = config_.map.DaemonRange(d).Intersect({0, config_.map.total_elements()});
+    if (got.begin() != owned.begin || got.end() != owned.end) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parts[", d, "].range: [", got.begin(), ", ", got.end(), "), daemon ", d, " of job ",
+          config_.job_id, " owns [", owned.begin, ", ", owned.end, ")"));
+    }
+  }
   v1::CheckpointManifest m;
   m.set_format_version(kCheckpointFormatVersion);
   m.set_job_id(config_.job_id);
@@ -166,6 +178,14 @@ absl::StatusOr<v1::LoadCheckpointResponse> CheckpointAgent::Load(const std::stri
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint ", config_.job_id, "/", *name, " holds the state of optimizer kind ",
         m->spec().optimizer().kind(), ", this job uses ", spec_->optimizer().kind()));
+  }
+  // The fingerprint is the manifest's word; its flat space (tied to its
+  // layout by ReadManifest) must also be this job's, or the parts would not
+  // cover what this daemon owns.
+  if (m->partition_map().total_elements() != config_.map.total_elements()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", config_.job_id, "/", *name, " spans ", m->partition_map().total_elements(),
+        " elements, this job's layout ", config_.map.total_elements()));
   }
   const std::vector<std::string> files = ArrayFilesOf(*spec_);
   const FlatRange owned = step_->owned_unpadded();

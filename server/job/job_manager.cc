@@ -198,8 +198,29 @@ size_t JobManager::retired() const {
   return retired_.size();
 }
 
+uint64_t JobManager::unjoined_removed() const {
+  absl::MutexLock lock(&mu_);
+  return unjoined_removed_;
+}
+
 void JobManager::Tick() {
   const absl::Time now = absl::Now();
+  std::vector<std::shared_ptr<Job>> unjoined;  // every copy of such jobs
+  {
+    absl::MutexLock lock(&mu_);
+    if (options_.join_timeout > absl::ZeroDuration()) {
+      for (const auto& [id, entry] : jobs_) {
+        auto home = entry.copies.find(entry.home);
+        if (home == entry.copies.end() || home->second->role() != ReplicaRole::kPrimary) continue;
+        const std::optional<absl::Time> since = home->second->unjoined_since();
+        if (!since.has_value() || *since + options_.join_timeout > now) continue;
+        for (const auto& [group, job] : entry.copies) unjoined.push_back(job);
+        ++unjoined_removed_;
+      }
+    }
+  }
+  for (const std::shared_ptr<Job>& job : unjoined) Remove(job);
+  unjoined.clear();  // the retired list holds them now: reapable below
   std::vector<std::shared_ptr<Job>> reap;
   std::vector<std::shared_ptr<Job>> live;
   {

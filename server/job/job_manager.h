@@ -35,6 +35,10 @@ class JobManager {
     absl::Duration janitor_period = absl::Milliseconds(250);
     // Jobs registered at once, at most (ResourceExhausted past it).
     uint32_t max_jobs = 64;
+    // A job registered here whose home copy (a primary) no rank joins within
+    // this is removed with every copy, so that registrations nobody follows
+    // up cannot hold --max_jobs or memory for good. Zero: never.
+    absl::Duration join_timeout = absl::Minutes(2);
     // Called by Remove, on its thread with no manager lock held, before the
     // job leaves the registry (so before a job of the same id can be
     // registered again), for what the daemon keeps for a job outside it: its
@@ -75,14 +79,17 @@ class JobManager {
   size_t size() const;
   // Retired jobs still holding memory.
   size_t retired() const;
+  // Jobs removed because no rank joined them within join_timeout.
+  uint64_t unjoined_removed() const;
 
   const Options& options() const { return options_; }
   // What every job borrows from the daemon.
   const JobResources& resources() const { return resources_; }
 
-  // One janitor pass (exposed for tests): reaps retired jobs whose lease
-  // ended and that no caller holds any more (their memory, ledger entry and
-  // metric series go together), and updates the ranks-connected gauges.
+  // One janitor pass (exposed for tests): removes jobs past join_timeout
+  // with no rank joined, reaps retired jobs whose lease ended and that no
+  // caller holds any more (their memory, ledger entry and metric series go
+  // together), and updates the ranks-connected gauges.
   void Tick();
 
  private:
@@ -110,6 +117,7 @@ class JobManager {
   std::set<std::string> creating_ ABSL_GUARDED_BY(mu_);
   std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t unjoined_removed_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread janitor_;
 };
 

@@ -399,6 +399,44 @@ TEST_F(JobManagerTest, AJobHeldByACallerIsReapedWhenReleased) {
   EXPECT_EQ(ledger_.Snapshot().count("a"), 0u) << "the ledger kept an empty entry for the job";
 }
 
+// A registration nobody follows up with a join is removed after
+// join_timeout, with every copy, its memory and its place under max_jobs; a
+// job a rank joined stays however old it is.
+TEST_F(JobManagerTest, AJobNoRankJoinsIsRemovedAfterTheJoinTimeout) {
+  JobManager::Options o;
+  o.read_lease = absl::ZeroDuration();
+  o.janitor_period = absl::Hours(1);
+  o.join_timeout = absl::Milliseconds(200);
+  o.max_jobs = 3;
+  Make(o);
+  ASSERT_TRUE(Register(Spec("idle")).ok());
+  ASSERT_TRUE(Register(Spec("replicated", 2, 2)).ok());
+  std::shared_ptr<Job> used = *Register(Spec("used"));
+  v1::JoinJobRequest join;
+  join.set_job_id("used");
+  join.set_rank(0);
+  join.set_incarnation(1);
+  join.set_layout_fingerprint(used->config().layout.fingerprint());
+  join.set_stage(used->config().stage);
+  join.set_world_size(used->config().world_size);
+  join.set_precision(WireDType(used->config().precision));
+  v1::JoinJobResponse joined;
+  ASSERT_TRUE(used->Join(join, &joined).ok());
+  used.reset();
+  EXPECT_EQ(Register(Spec("fourth")).status().code(), absl::StatusCode::kResourceExhausted);
+  manager_->Tick();
+  EXPECT_EQ(manager_->size(), 3u) << "removed before the join timeout";
+  absl::SleepFor(absl::Milliseconds(250));
+  manager_->Tick();
+  EXPECT_EQ(manager_->unjoined_removed(), 2u);
+  EXPECT_FALSE(manager_->Find("idle").ok());
+  EXPECT_FALSE(manager_->Find("replicated").ok());
+  EXPECT_FALSE(manager_->Find("replicated", 1).ok()) << "the backup copy stayed";
+  EXPECT_TRUE(manager_->Find("used").ok());
+  EXPECT_EQ(ledger_.Snapshot().count("idle"), 0u);
+  EXPECT_TRUE(Register(Spec("fourth")).ok()) << "the removed jobs still count against max_jobs";
+}
+
 // Removing a copy that is no longer registered retires nothing a second time.
 TEST_F(JobManagerTest, RemoveTwiceRetiresOnce) {
   JobManager::Options o;

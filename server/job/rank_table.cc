@@ -33,7 +33,14 @@ absl::StatusOr<uint64_t> RankTable::Join(uint32_t rank, uint64_t incarnation) {
   if (!e.joined) joined_.fetch_add(1, std::memory_order_acq_rel);
   e.joined = true;
   e.last_seen = absl::Now();
+  ever_joined_ = true;
   return replaced;
+}
+
+std::optional<absl::Time> RankTable::unjoined_since() const {
+  absl::MutexLock lock(&mu_);
+  if (ever_joined_) return std::nullopt;
+  return created_;
 }
 
 absl::Status RankTable::CheckLocked(uint32_t rank, uint64_t incarnation,

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,9 @@ class RankTable {
   void NotePushed(uint32_t rank, uint64_t step);
 
   uint32_t joined() const { return joined_.load(std::memory_order_acquire); }
+  // When the table was made, while no rank has ever joined it (a job nobody
+  // uses); nullopt from the first join on.
+  std::optional<absl::Time> unjoined_since() const;
   // Joined ranks heard from within `timeout`.
   uint32_t Connected(absl::Duration timeout) const;
   // Every rank, in rank order, into state->ranks (and the joined and
@@ -88,6 +92,8 @@ class RankTable {
   mutable absl::Mutex mu_;
   std::vector<Entry> ranks_ ABSL_GUARDED_BY(mu_);
   bool removed_ ABSL_GUARDED_BY(mu_) = false;
+  const absl::Time created_ = absl::Now();
+  bool ever_joined_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<uint32_t> joined_{0};
 };
 

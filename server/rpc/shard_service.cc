@@ -311,7 +311,7 @@ absl::Status ShardService::DoExchangeEndpoint(const grpc::ServerContext& call,
   if (ctx_->activations != nullptr) {
     // The arena's key reaches every job's slices: lent to one job at a time.
     const Job* self = job->get();
-    const bool lent = ctx_->arena_tenancy->Lend(self, req.job_id(), [&] {
+    absl::StatusOr<bool> lent = ctx_->arena_tenancy->Lend(self, req.job_id(), [&] {
       for (const std::shared_ptr<Job>& other : ctx_->jobs->All()) {
         if (other.get() != self &&
             ctx_->ledger->JobBytes(other->config().job_id)[static_cast<int>(
@@ -320,8 +320,9 @@ absl::Status ShardService::DoExchangeEndpoint(const grpc::ServerContext& call,
         }
       }
       return false;
-    });
-    if (lent) ctx_->activations->FillRegion(resp);
+    }, ctx_->activations);
+    if (!lent.ok()) return lent.status();
+    if (*lent) ctx_->activations->FillRegion(resp);
   }
   (*job)->NoteRemoteAccess();
   return absl::OkStatus();

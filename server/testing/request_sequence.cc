@@ -473,6 +473,9 @@ absl::StatusOr<std::unique_ptr<RequestWorld>> RequestWorld::Create(const Options
   w->empty_ledger_bytes_ = w->daemon_->ledger().total();
   if (ActivationStore* store = w->daemon_->activations();
       store != nullptr && w->daemon_->bulk_transport() != nullptr) {
+    // The world plays the arena's tenant: a key of its own, as a job whose
+    // rank exchanged endpoints would get.
+    if (absl::Status s = store->IssueTenantKey(); !s.ok()) return s;
     v1::ExchangeEndpointResponse regions;
     store->FillRegion(&regions);
     absl::StatusOr<std::unique_ptr<transport::Transport>> peer =

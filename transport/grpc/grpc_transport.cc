@@ -27,6 +27,7 @@
 #include "common/tls.h"
 #include "grpcpp/grpcpp.h"
 #include "transport/grpc/region_access.grpc.pb.h"
+#include "transport/host_address.h"
 #include "transport/piece_plan.h"
 #include "transport/region_table.h"
 
@@ -814,6 +815,24 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGrpcTransport(
   absl::StatusOr<HostPort> parsed =
       ParseHostPort(listen, "grpc transport listen_address");
   if (!parsed.ok()) return parsed.status();
+  // What peers dial, settled before anything starts.
+  std::string host = parsed->host;
+  if (!options.advertise_host.empty()) {
+    absl::StatusOr<std::string> advertised =
+        CanonicalHost(options.advertise_host, "grpc transport advertise_host");
+    if (!advertised.ok()) return advertised.status();
+    host = *std::move(advertised);
+  } else if (IsWildcardHost(host)) {
+    absl::StatusOr<std::string> primary = PrimaryHostAddress();
+    if (!primary.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "grpc transport listen_address \"", listen,
+          "\" is a wildcard, which peers cannot dial, and advertise_host is "
+          "not set: ",
+          primary.status().message()));
+    }
+    host = *std::move(primary);
+  }
 
   static std::atomic<int> instances{0};
   std::string name = options.common.name.empty()
@@ -844,8 +863,6 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGrpcTransport(
         absl::StrCat("grpc transport \"", name, "\": cannot serve on \"",
                      listen, "\" (address in use or not local?)"));
   }
-  std::string host = parsed->host;
-  if (host == "0.0.0.0" || host == "[::]") host = Hostname();
   const size_t chunk_bytes =
       std::min(options.common.max_piece_bytes, kMaxChunkBytes);
   return std::make_unique<GrpcTransport>(

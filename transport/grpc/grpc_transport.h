@@ -7,8 +7,12 @@
 //
 // Serving side: each Transport runs its own grpc::Server on
 // GrpcTransportOptions::listen_address ("HOST:PORT"; empty: "127.0.0.1:0").
-// LocalAddress() is "HOST:PORT" with the port actually bound; a wildcard host
-// (0.0.0.0, [::]) is replaced by this machine's hostname. Incoming Puts and
+// LocalAddress() is "HOST:PORT" with the port actually bound and, as HOST,
+// GrpcTransportOptions::advertise_host when set, else the listen host; a
+// wildcard listen host (0.0.0.0, [::]) is replaced by this machine's primary
+// address (PrimaryHostAddress(), transport/host_address.h), never advertised
+// itself. Region descriptors carry no address: peers reach a region through
+// a Connection to LocalAddress(). Incoming Puts and
 // Gets run on gRPC's own server threads, which copy straight between the
 // stream's messages and the region's memory.
 //
@@ -63,10 +67,13 @@
 namespace zeroshard::transport::grpc {
 
 // Also reachable as CreateTransport("grpc", options), which passes
-// options.grpc. InvalidArgument if listen_address is not "HOST:PORT" or
-// common.max_piece_bytes is 0; Unavailable if the server cannot bind it
-// (e.g. the port is taken); the TLS files' errors (common/tls.h). Blocks
-// while the server starts.
+// options.grpc. InvalidArgument if listen_address is not "HOST:PORT",
+// advertise_host is not a host (CanonicalHost) or common.max_piece_bytes is
+// 0; FailedPrecondition if listen_address's host is a wildcard, advertise_host
+// is empty and this machine has no primary address (nothing started);
+// Unavailable if the server cannot bind it (e.g. the port is taken); the TLS
+// files' errors (common/tls.h). Blocks while the server starts, and while
+// this machine's name resolves (wildcard without advertise_host).
 absl::StatusOr<std::unique_ptr<Transport>> CreateGrpcTransport(
     const GrpcTransportOptions& options = {});
 

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "transport/host_address.h"
 #include "transport/transport.h"
 
 namespace zeroshard::transport::grpc {
@@ -153,6 +154,107 @@ TEST(GrpcTransportOptionsTest, ListenAddressOption) {
     SCOPED_TRACE(bad);
     options.listen_address = bad;
     EXPECT_TRUE(absl::IsInvalidArgument(CreateGrpcTransport(options).status()));
+  }
+}
+
+// This machine's first non-loopback IPv4 address (getifaddrs), or empty.
+std::string NonLoopbackIpv4() {
+  const std::vector<InterfaceAddress> addresses = NonLoopbackIpv4Addresses();
+  return addresses.empty() ? "" : addresses.front().address;
+}
+
+// Puts bytes into a region of `server` through a Connection that `client`
+// makes to `server`'s LocalAddress(), and Gets them back.
+void ExpectRoundTrip(Transport& server, Transport& client) {
+  std::vector<unsigned char> memory(4096, 0);
+  auto region = server.RegisterRegion(memory.data(), memory.size(),
+                                      Access::kRemoteReadWrite);
+  ASSERT_TRUE(region.ok()) << region.status();
+  auto connection = client.Connect(server.LocalAddress(), Deadline());
+  ASSERT_TRUE(connection.ok()) << connection.status();
+  std::vector<unsigned char> data(memory.size()), back(memory.size());
+  for (size_t i = 0; i < data.size(); ++i) data[i] = i * 13 + 5;
+  ASSERT_EQ((*connection)
+                ->Put(data.data(), data.size(), (*region)->Descriptor(), 0)
+                .Wait(Deadline()),
+            absl::OkStatus());
+  EXPECT_EQ(memory, data);
+  ASSERT_EQ((*connection)
+                ->Get(back.data(), back.size(), (*region)->Descriptor(), 0)
+                .Wait(Deadline()),
+            absl::OkStatus());
+  EXPECT_EQ(back, data);
+}
+
+TEST(GrpcTransportAddressTest, NonLoopbackListenHostIsAdvertisedAndServes) {
+  const std::string ip = NonLoopbackIpv4();
+  if (ip.empty()) GTEST_SKIP() << "no non-loopback IPv4 address on this machine";
+  std::unique_ptr<Transport> server = NewTransport("server", ip + ":0");
+  std::unique_ptr<Transport> client = NewTransport("client");
+  ASSERT_NE(server, nullptr);
+  ASSERT_NE(client, nullptr);
+  EXPECT_THAT(server->LocalAddress(), StartsWith(ip + ":"));
+  EXPECT_GT(PortOf(server->LocalAddress()), 0);
+  ExpectRoundTrip(*server, *client);
+}
+
+TEST(GrpcTransportAddressTest, WildcardListenAdvertisesThePrimaryAddress) {
+  if (NonLoopbackIpv4().empty()) {
+    GTEST_SKIP() << "no non-loopback IPv4 address on this machine";
+  }
+  std::unique_ptr<Transport> server = NewTransport("server", "0.0.0.0:0");
+  std::unique_ptr<Transport> client = NewTransport("client");
+  ASSERT_NE(server, nullptr);
+  ASSERT_NE(client, nullptr);
+  // Not the wildcard, not a name that may resolve to loopback on this
+  // machine or to nothing on another one: the primary address itself.
+  const absl::StatusOr<std::string> primary = PrimaryHostAddress();
+  ASSERT_TRUE(primary.ok()) << primary.status();
+  EXPECT_EQ(server->LocalAddress(),
+            absl::StrCat(*primary, ":", PortOf(server->LocalAddress())));
+  EXPECT_THAT(server->LocalAddress(), ::testing::Not(StartsWith("127.")));
+  ExpectRoundTrip(*server, *client);
+}
+
+TEST(GrpcTransportAddressTest, AdvertiseHostIsWhatPeersAreGiven) {
+  const std::string ip = NonLoopbackIpv4();
+  if (ip.empty()) GTEST_SKIP() << "no non-loopback IPv4 address on this machine";
+  // Listening everywhere, advertising one address: peers dial that.
+  BackendOptions options;
+  options.grpc.common.name = "server";
+  options.grpc.listen_address = "0.0.0.0:0";
+  options.grpc.advertise_host = ip;
+  auto server = CreateTransport("grpc", options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_THAT((*server)->LocalAddress(), StartsWith(ip + ":"));
+  std::unique_ptr<Transport> client = NewTransport("client");
+  ASSERT_NE(client, nullptr);
+  ExpectRoundTrip(**server, *client);
+}
+
+TEST(GrpcTransportAddressTest, AdvertiseHostReplacesTheListenHost) {
+  GrpcTransportOptions options;
+  options.listen_address = "127.0.0.1:0";
+  options.advertise_host = "zs-advertised.example";
+  auto named = CreateGrpcTransport(options);
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ((*named)->LocalAddress(),
+            absl::StrCat("zs-advertised.example:",
+                         PortOf((*named)->LocalAddress())));
+  EXPECT_GT(PortOf((*named)->LocalAddress()), 0);
+
+  // An IPv6 address as Kubernetes' status.podIP gives it, unbracketed.
+  options.advertise_host = "fd00::12";
+  auto v6 = CreateGrpcTransport(options);
+  ASSERT_TRUE(v6.ok()) << v6.status();
+  EXPECT_THAT((*v6)->LocalAddress(), StartsWith("[fd00::12]:"));
+
+  for (const char* bad : {"10.0.0.1:7070", "0.0.0.0", "bad host"}) {
+    SCOPED_TRACE(bad);
+    options.advertise_host = bad;
+    const absl::Status status = CreateGrpcTransport(options).status();
+    EXPECT_TRUE(absl::IsInvalidArgument(status)) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("advertise_host"));
   }
 }
 
