@@ -451,8 +451,14 @@ class PyClient {
     }
     Check(ticket.status());
     // The client reads a borrowed buffer until the step has taken it in:
-    // keep the object (and so its memory) alive until then.
-    if (borrow) lent_.push_back(grads);
+    // keep the object alive, and its buffer exported (an array.array or a
+    // bytearray with an export cannot be resized, so its memory cannot move),
+    // until then. A tensor is kept alive; resizing it in place before the
+    // step is the caller's error, as with any tensor torch is reading.
+    if (borrow) {
+      lent_.push_back(grads);
+      if (info.ptr != nullptr) lent_views_.push_back(std::move(info));
+    }
   }
 
   // `lr`: a float (every group's), or a list of each group's.
@@ -468,7 +474,8 @@ class PyClient {
       result = client_->Step(lrs);
     }
     StepResult r = Check(std::move(result));
-    lent_.clear();  // every push of the step has been accepted
+    lent_views_.clear();  // every push of the step has been accepted
+    lent_.clear();
     py::dict d;
     d["step"] = r.step;
     d["skipped"] = r.skipped;
@@ -693,6 +700,8 @@ class PyClient {
   // Buffers lent by push_gradients(borrow=True) since the last successful
   // step; touched with the GIL held.
   std::vector<py::object> lent_;
+  // The buffer exports of those that are buffers, held as long.
+  std::vector<py::buffer_info> lent_views_;
 };
 
 std::vector<uint64_t> Offsets(const Layout& layout) {

@@ -1,6 +1,7 @@
 """End to end: two zeroshardd daemons, two trainer processes using
 ShardedOptimizer, checked against single-process torch.optim.AdamW."""
 
+import array
 import gc
 
 import numpy as np
@@ -90,6 +91,15 @@ def test_bad_buffers_raise(daemons):
     gc.collect()
     result = client.step(1e-3)
     assert result["step"] == 2 and not result["skipped"]
+    # A lent buffer stays exported until the step: it cannot be resized (its
+    # memory moved) while the client may still read it.
+    lent = array.array("f", [0.0] * n)
+    client.push_gradients(0, n, lent, borrow=True)
+    with pytest.raises(BufferError):
+        lent.extend([1.0])
+    result = client.step(1e-3)
+    assert result["step"] == 3 and not result["skipped"]
+    lent.extend([1.0])  # released by the step
     out = np.zeros(n, dtype=np.float32)
     client.gather_all(out)
     assert out[0] < 1.0 and out[20] == 0.0  # decayed; gaps read as zeros
