@@ -781,14 +781,20 @@ TEST_F(ReplicaTest, PromoteAndFence) {
   std::vector<float> masters0;
   ASSERT_TRUE(Target(0, 0, 1).Gather(j.id, 2, j.Range(0), &masters0).ok());
 
-  // Group 1's backup on daemon 0: not at its own epoch or below, and not
-  // when the job committed a step it has not.
-  ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "epoch: must be above the backup's (1), got 1",
+  // Group 1's backup on daemon 0: only one epoch up from its own (not at
+  // it, below it, or a jump that would leave no epoch above), and not when
+  // the job committed a step it has not.
+  ExpectRejected(j.id, grpc::FAILED_PRECONDITION,
+                 "epoch: a promotion steps the backup's epoch (1) by one: must be 2, got 1",
                  [&] { return Replica(0).Promote(j.id, 1, 1, 2); });
-  ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "epoch: must be above",
+  ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "must be 2, got 0",
                  [&] { return Replica(0).Promote(j.id, 1, 0, 2); });
+  ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "must be 2, got 18446744073709551615",
+                 [&] { return Replica(0).Promote(j.id, 1, UINT64_MAX, 2); });
+  ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "must be 2, got 5",
+                 [&] { return Replica(0).Promote(j.id, 1, 5, 2); });
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "behind",
-                 [&] { return Replica(0).Promote(j.id, 1, 5, 3); });
+                 [&] { return Replica(0).Promote(j.id, 1, 2, 3); });
   // A group a daemon does not hold.
   ExpectRejected(j.id, grpc::NOT_FOUND, "not group 7",
                  [&] { return Replica(0).Promote(j.id, 7, 5, 2); });

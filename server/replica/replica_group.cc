@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -232,9 +233,12 @@ absl::Status ReplicaGroup::PromoteLocked(const v1::PromoteRequest& r) {
         "job ", config_.job_id, " replica group ", options_.group, " is primary here at epoch ",
         epoch_, "; asked to promote at epoch ", r.epoch()));
   }
-  if (r.epoch() <= epoch_) {
+  // One step up from the epoch both copies agreed on: a caller cannot jump
+  // the group to an epoch (UINT64_MAX) that no later promotion could pass.
+  if (epoch_ == std::numeric_limits<uint64_t>::max() || r.epoch() != epoch_ + 1) {
     return absl::FailedPreconditionError(
-        absl::StrCat("epoch: must be above the backup's (", epoch_, "), got ", r.epoch()));
+        absl::StrCat("epoch: a promotion steps the backup's epoch (", epoch_,
+                     ") by one: must be ", epoch_ + 1, ", got ", r.epoch()));
   }
   // A backup holding the prepared step counts it: the leader finishes it.
   if (!in_sync_ || committed + (prepared ? 1 : 0) < r.committed_step()) {
