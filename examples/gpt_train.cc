@@ -92,8 +92,8 @@ ABSL_FLAG(std::string, reduction, "daemon",
           "all-gather the rest, per layer in stage 3, without prefetching). trainer needs "
           "--collective_dir and takes no reconnects.");
 ABSL_FLAG(std::string, collective_dir, "",
-          "--reduction=trainer (required): the Gloo rendezvous directory, the same path for "
-          "every rank: on one host any directory, across nodes one on a filesystem they all "
+          "--reduction=trainer (required unless ZS_COLLECTIVE_DIR is set, as zsrun sets it): "
+          "the Gloo rendezvous directory, the same path for every rank: on one host any directory, across nodes one on a filesystem they all "
           "mount. Created if missing. Each rank removes its files once connected; files left by "
           "a run of the same job id whose rendezvous failed make this one fail: remove them, or "
           "use a fresh directory.");
@@ -369,6 +369,9 @@ int Main() {
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   o.reduction = absl::GetFlag(FLAGS_reduction);
   o.collective_dir = absl::GetFlag(FLAGS_collective_dir);
+  if (const char* dir = std::getenv("ZS_COLLECTIVE_DIR"); o.collective_dir.empty() && dir) {
+    o.collective_dir = dir;  // zsrun's, the same for every rank of the run
+  }
   o.collective_hostname = absl::GetFlag(FLAGS_collective_host);
   if (o.reduction != "daemon" && o.reduction != "trainer") {
     std::fprintf(stderr, "gpt_train: --reduction: daemon or trainer, got \"%s\"\n",
@@ -379,7 +382,7 @@ int Main() {
     if (o.collective_dir.empty()) {
       std::fprintf(stderr,
                    "gpt_train: --reduction=trainer needs --collective_dir (a directory "
-                   "every rank shares)\n");
+                   "every rank shares) or ZS_COLLECTIVE_DIR (zsrun sets it)\n");
       return 2;
     }
     if (absl::GetFlag(FLAGS_reconnects) > 0) {

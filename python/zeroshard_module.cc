@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <map>
 #include <optional>
@@ -350,10 +351,15 @@ class PyClient {
           "collective: 'nccl' is the trainer collective; pass reduction='trainer'");
     }
     if (reduction == "trainer") {
+      if (const char* dir = std::getenv("ZS_COLLECTIVE_DIR");
+          (!collective_dir.has_value() || collective_dir->empty()) && dir != nullptr) {
+        collective_dir = dir;  // zsrun's, the same for every rank of the run
+      }
       if (!collective_dir.has_value() || collective_dir->empty()) {
         throw py::value_error(
             "collective_dir: reduction='trainer' needs the rendezvous directory, the same "
-            "path for every rank (one host, or a filesystem every node mounts)");
+            "path for every rank (one host, or a filesystem every node mounts); zsrun sets "
+            "ZS_COLLECTIVE_DIR");
       }
       if (collective_kind == "gloo") {
         GlooCollective::Options o;
@@ -807,7 +813,8 @@ PYBIND11_MODULE(_zeroshard, m) {
            "committed step, the leader promoting the backups). reduction: 'daemon' (every rank "
            "pushes its whole gradient) or 'trainer' (the ranks reduce-scatter the gradients and "
            "all-gather the parameters among themselves, each moving only its own partition "
-           "with the daemons; collective_dir is the rendezvous directory every rank shares; no "
+           "with the daemons; collective_dir is the rendezvous directory every rank shares, "
+           "ZS_COLLECTIVE_DIR by default (zsrun sets it); no "
            "reconnect). collective, for reduction='trainer': 'gloo' (CPU tensors, over Gloo's "
            "TCP transport on collective_host) or 'nccl' (CUDA tensors of cuda_device, one GPU "
            "per rank, over NCCL; collective_host is not used; only in a build with CUDA and "

@@ -1,9 +1,12 @@
 #include "tools/zsrun_lib.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -387,6 +390,25 @@ std::vector<std::string> WithNonTemporalThreshold(std::vector<std::string> env, 
   return env;
 }
 
+absl::StatusOr<int> FreeLoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int error = errno;
+  ::close(fd);
+  if (!ok) {
+    return absl::InternalError(
+        absl::StrCat("cannot find a free port on 127.0.0.1: ", std::strerror(error)));
+  }
+  return ntohs(addr.sin_port);
+}
+
 std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base,
                                             const TrainerEnv& env) {
   std::vector<std::pair<std::string, std::string>> vars = {
@@ -404,6 +426,11 @@ std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base
   if (!env.metrics_ports.empty()) {
     vars.emplace_back("ZS_METRICS_PORTS", absl::StrJoin(env.metrics_ports, ","));
   }
+  if (env.master_port > 0) {
+    vars.emplace_back("MASTER_ADDR", env.master_addr);
+    vars.emplace_back("MASTER_PORT", absl::StrCat(env.master_port));
+  }
+  if (!env.collective_dir.empty()) vars.emplace_back("ZS_COLLECTIVE_DIR", env.collective_dir);
   std::vector<std::string> out;
   for (const std::string& entry : base) {
     const absl::string_view key = absl::string_view(entry).substr(0, entry.find('='));
@@ -681,6 +708,8 @@ void Launcher::FinishLogDir(bool success) {
   if (log_dir_.empty()) return;
   if (temp_log_dir_ && success) {
     for (const std::string& f : log_files_) unlink(f.c_str());
+    // Empty after a good run: each rank removes its rendezvous files.
+    if (!collective_dir_.empty()) rmdir(collective_dir_.c_str());
     rmdir(log_dir_.c_str());
     return;
   }
@@ -890,6 +919,8 @@ absl::Status Launcher::StartTrainer(int rank, int restarts) {
   te.job_token = job_token_;
   te.metrics_ports = metrics_ports_;
   te.restart_count = restarts;
+  te.master_port = master_port_;
+  te.collective_dir = collective_dir_;
   SpawnSpec spec;
   spec.path = trainer_path_;
   spec.argv = options_.command;
@@ -918,6 +949,13 @@ absl::StatusOr<int> Launcher::RunTrainers() {
   ASSIGN_OR_RETURN(trainer_path_, ResolveExecutable(options_.command[0]));
   trainer_base_env_ = WithNonTemporalThreshold(CurrentEnvironment(), options_.nt_copy_threshold);
   rank_restarts_.assign(options_.nproc, 0);
+  ASSIGN_OR_RETURN(master_port_, FreeLoopbackPort());
+  if (log_dir_.empty()) RETURN_IF_ERROR(PrepareLogDir());  // daemons started elsewhere
+  collective_dir_ = absl::StrCat(log_dir_, "/collective");
+  if (::mkdir(collective_dir_.c_str(), 0700) != 0 && errno != EEXIST) {
+    return absl::InternalError(
+        absl::StrCat("cannot make ", collective_dir_, ": ", std::strerror(errno)));
+  }
   for (int rank = 0; rank < options_.nproc; ++rank) RETURN_IF_ERROR(StartTrainer(rank, 0));
 
   int result = 0;

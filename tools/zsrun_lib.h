@@ -182,6 +182,10 @@ class Launcher {
   std::string job_token_;
   std::string log_dir_;
   bool temp_log_dir_ = false;
+  // The run's torch.distributed rendezvous port and trainer-collective
+  // directory (under the log directory), the same for every rank.
+  int master_port_ = 0;
+  std::string collective_dir_;
   std::vector<std::string> log_files_;
 };
 
@@ -249,14 +253,24 @@ struct TrainerEnv {
   std::string job_token;           // the run's secret, ZS_JOB_TOKEN
   std::vector<int> metrics_ports;  // empty: ZS_METRICS_PORTS not set
   int restart_count = 0;           // ZS_RESTART_COUNT: times this rank was restarted
+  // What torchrun gives its trainers for torch.distributed's env://
+  // rendezvous (MASTER_ADDR, MASTER_PORT; port 0: not set), and the trainer
+  // collective's rendezvous directory (ZS_COLLECTIVE_DIR; empty: not set).
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  std::string collective_dir;
 };
 
 // `base` ("K=V" entries) with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID,
 // ZS_JOB_TOKEN, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, ZS_RESTART_COUNT
-// (and ZS_METRICS_PORTS)
+// (and ZS_METRICS_PORTS, MASTER_ADDR with MASTER_PORT, ZS_COLLECTIVE_DIR)
 // replacing any earlier values.
 std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base,
                                             const TrainerEnv& env);
+
+// A TCP port on 127.0.0.1 that was free when asked (bound and released: the
+// run's trainers bind it next, as torchrun's static rendezvous does).
+absl::StatusOr<int> FreeLoopbackPort();
 
 // `env` ("K=V" entries) with glibc.cpu.x86_non_temporal_threshold=`bytes`
 // in GLIBC_TUNABLES (added to the tunables already there). Unchanged when

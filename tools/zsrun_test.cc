@@ -260,6 +260,13 @@ TEST(TrainerEnvironmentTest, SetsTheRankVariablesAndReplacesOldOnes) {
                                "LOCAL_RANK=2", "LOCAL_WORLD_SIZE=4", "ZS_RESTART_COUNT=0"));
   te.metrics_ports = {81, 82};
   EXPECT_EQ(TrainerEnvironment({}, te).back(), "ZS_METRICS_PORTS=81,82");
+  te.master_port = 29500;
+  te.collective_dir = "/run/zs/collective";
+  EXPECT_THAT(TrainerEnvironment({"MASTER_PORT=1"}, te),
+              ::testing::IsSupersetOf({"MASTER_ADDR=127.0.0.1", "MASTER_PORT=29500",
+                                       "ZS_COLLECTIVE_DIR=/run/zs/collective"}));
+  EXPECT_THAT(TrainerEnvironment({"MASTER_PORT=1"}, te), ::testing::Not(::testing::Contains(
+                                                             "MASTER_PORT=1")));
 }
 
 TEST(WithNonTemporalThresholdTest, AddsTheTunableUnlessTheCallerSetIt) {
@@ -303,6 +310,7 @@ TEST(ExitCodeTest, SignalsMapTo128Plus) {
 TEST(LauncherTest, TwoDaemonsThreeTrainersSeeTheirEnvironment) {
   Launch l(ShellTrainers(2, 3,
                          "echo rank=$ZS_RANK world=$ZS_WORLD_SIZE daemons=$ZS_DAEMONS; "
+                         "echo master=$MASTER_ADDR:$MASTER_PORT collective=$ZS_COLLECTIVE_DIR >&2; "
                          "echo oops >&2"),
            /*temp_logs=*/true);
   absl::StatusOr<int> code = l.Run();
@@ -331,6 +339,17 @@ TEST(LauncherTest, TwoDaemonsThreeTrainersSeeTheirEnvironment) {
   for (int r = 0; r < 3; ++r) {
     EXPECT_THAT(l.err(), HasSubstr(absl::StrCat("[rank ", r, "] oops\n")));
   }
+  // What torch.distributed's env:// and the trainer collective rendezvous
+  // on: one port and one directory for every rank.
+  std::set<std::string> rendezvous;
+  for (const std::string& line : Lines(l.err())) {
+    if (line.find("] master=") != std::string::npos) {
+      rendezvous.insert(line.substr(line.find("master=")));
+    }
+  }
+  ASSERT_EQ(rendezvous.size(), 1u) << l.err();
+  EXPECT_THAT(*rendezvous.begin(), ::testing::MatchesRegex(
+                                       "master=127\\.0\\.0\\.1:[1-9][0-9]* collective=.*/collective"));
 
   // Afterwards the daemons are stopped and reaped, and the temp log dir gone.
   for (pid_t pid : l.launcher->daemon_pids()) EXPECT_TRUE(Gone(pid)) << pid;
@@ -354,6 +373,24 @@ TEST(LauncherTest, FailingTrainerStopsTheOthersAndSetsTheExitCode) {
   EXPECT_THAT(l.err(), HasSubstr("rank 1 exited with code 3"));
   for (pid_t pid : l.launcher->trainer_pids()) EXPECT_TRUE(Gone(pid)) << pid;
   for (pid_t pid : l.launcher->daemon_pids()) EXPECT_TRUE(Gone(pid)) << pid;
+}
+
+// torch.distributed.init_process_group() with no arguments (env://) works
+// under zsrun as under torchrun: the ranks meet at MASTER_ADDR:MASTER_PORT
+// and all-reduce.
+TEST(LauncherTest, TorchDistributedInitializesWithoutArguments) {
+  if (std::system("python3 -c 'import torch.distributed' 2>/dev/null") != 0) {
+    GTEST_SKIP() << "python3 with torch is not installed";
+  }
+  Launch l(ShellTrainers(1, 2,
+                         "exec python3 -c 'import torch, torch.distributed as d; "
+                         "d.init_process_group(\"gloo\"); t = torch.ones(1) * (d.get_rank() + 1); "
+                         "d.all_reduce(t); print(\"sum\", int(t.item()), d.get_world_size())'"));
+  absl::StatusOr<int> code = l.Run();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << l.err();
+  EXPECT_THAT(l.out(), HasSubstr("[rank 0] sum 3 2"));
+  EXPECT_THAT(l.out(), HasSubstr("[rank 1] sum 3 2"));
 }
 
 // --peak_rss: each process's peak resident set, as wait4 reported it. A
