@@ -117,6 +117,9 @@ absl::Status ValidateConfig(const ClientConfig& c) {
                                 "prints a fresh one)"));
   }
   RETURN_IF_ERROR(ValidateToken(c.job_token, "ClientConfig.job_token"));
+  if (!c.registration_token.empty()) {
+    RETURN_IF_ERROR(ValidateToken(c.registration_token, "ClientConfig.registration_token"));
+  }
   RETURN_IF_ERROR(ValidateTlsFiles(c.tls, "ClientConfig."));
   if (!c.resume.empty() && !ValidateCheckpointName(c.resume, true).ok()) {
     return Invalid("resume", absl::StrCat("must be \"latest\" or a checkpoint name (",
@@ -144,6 +147,7 @@ Client::~Client() {
 absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientConfig config,
                                                        std::unique_ptr<Collective> collective) {
   config.job_token = JobTokenOrEnvironment(config.job_token);
+  config.registration_token = RegistrationTokenOrEnvironment(config.registration_token);
   config.tls = TlsFilesFromEnvironment(config.tls);
   RETURN_IF_ERROR(ValidateConfig(config));
   if (collective == nullptr) {
@@ -243,7 +247,8 @@ absl::Status Client::RegisterJobEverywhere(const Layout& layout, const Partition
     const bool away = !placement_[d].home;
     absl::StatusOr<v1::RegisterJobResponse> registered = home_controls_[d]->RegisterJob(
         spec, d, away,
-        away ? absl::Now() + std::min(config_.rpc_timeout, absl::Seconds(5)) : RpcDeadline());
+        away ? absl::Now() + std::min(config_.rpc_timeout, absl::Seconds(5)) : RpcDeadline(),
+        config_.registration_token);
     if (away && !registered.ok()) return absl::OkStatus();
     ASSIGN_OR_RETURN(v1::RegisterJobResponse r, std::move(registered));
     const v1::PartitionMap& m = r.partition_map();

@@ -126,6 +126,11 @@ struct ClientConfig : JobSettings {
   // rank to register the job binds it. Empty: ZS_JOB_TOKEN from the
   // environment (zsrun sets it); one of them is required.
   std::string job_token;
+  // The deployment's registration token, which a daemon started with
+  // --registration_token_file demands of a RegisterJob that creates a job.
+  // Empty: ZS_REGISTRATION_TOKEN from the environment (zsrun sets it), or
+  // none.
+  std::string registration_token;
   // Mutual TLS to the daemons (and a "grpc" bulk transport's connections):
   // the three PEM files, each empty field taken from ZS_TLS_CERT /
   // ZS_TLS_KEY / ZS_TLS_CA; all empty: plaintext.

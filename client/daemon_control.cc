@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/rpc.h"
+#include "common/auth.h"
 #include "common/protocol.h"
 
 namespace zeroshard {
@@ -47,9 +48,11 @@ DaemonControl::DaemonControl(std::string address, std::shared_ptr<grpc::Channel>
 absl::StatusOr<v1::RegisterJobResponse> DaemonControl::RegisterJob(const v1::JobSpec& spec,
                                                                    uint32_t daemon_index,
                                                                    bool as_backup,
-                                                                   absl::Time deadline) {
+                                                                   absl::Time deadline,
+                                                                   const std::string& registration_token) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
+  if (!registration_token.empty()) context.AddMetadata(kRegistrationMetadataKey, registration_token);
   v1::RegisterJobRequest request;
   *request.mutable_spec() = spec;
   request.set_daemon_index(daemon_index);

@@ -39,9 +39,11 @@ class DaemonControl {
 
   const std::string& address() const { return address_; }
 
+  // With `registration_token` (non-empty) sent as kRegistrationMetadataKey.
   absl::StatusOr<v1::RegisterJobResponse> RegisterJob(const v1::JobSpec& spec,
                                                       uint32_t daemon_index, bool as_backup,
-                                                      absl::Time deadline);
+                                                      absl::Time deadline,
+                                                      const std::string& registration_token = "");
   absl::StatusOr<v1::JoinJobResponse> JoinJob(const v1::JoinJobRequest& request,
                                               absl::Time deadline);
   // Liveness: the daemon records that `id` is alive.

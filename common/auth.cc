@@ -100,6 +100,12 @@ std::string JobTokenOrEnvironment(const std::string& token) {
   return v == nullptr ? std::string() : std::string(v);
 }
 
+std::string RegistrationTokenOrEnvironment(const std::string& token) {
+  if (!token.empty()) return token;
+  const char* v = std::getenv(kRegistrationTokenEnvironment);
+  return v == nullptr ? std::string() : std::string(v);
+}
+
 TokenDigest TokenDigest::Of(absl::string_view token) {
   TokenDigest d;
   SHA256(reinterpret_cast<const unsigned char*>(token.data()), token.size(), d.bytes_.data());
@@ -136,6 +142,16 @@ std::optional<std::string> PresentedToken(
     return std::nullopt;
   }
   return std::string(value);
+}
+
+std::optional<std::string> PresentedRegistrationToken(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata) {
+  auto it = client_metadata.find(kRegistrationMetadataKey);
+  if (it == client_metadata.end() || it->second.size() == 0 ||
+      it->second.size() > kMaxTokenLength) {
+    return std::nullopt;
+  }
+  return std::string(it->second.data(), it->second.size());
 }
 
 }  // namespace zeroshard

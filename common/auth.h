@@ -35,6 +35,12 @@ inline constexpr size_t kMaxTokenLength = 256;
 // The environment variable trainers read their job token from.
 inline constexpr char kJobTokenEnvironment[] = "ZS_JOB_TOKEN";
 
+// The deployment's registration token (zeroshardd --registration_token_file):
+// a RegisterJob that creates a job carries it under this metadata key; the
+// client reads it from ClientConfig.registration_token or this variable.
+inline constexpr char kRegistrationMetadataKey[] = "x-zeroshard-registration";
+inline constexpr char kRegistrationTokenEnvironment[] = "ZS_REGISTRATION_TOKEN";
+
 // OK, or InvalidArgument naming `what` and what a token must look like.
 absl::Status ValidateToken(absl::string_view token, absl::string_view what);
 
@@ -51,6 +57,8 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path, absl::string_
 
 // `token`, or ZS_JOB_TOKEN from the environment when `token` is empty.
 std::string JobTokenOrEnvironment(const std::string& token);
+// `token`, or ZS_REGISTRATION_TOKEN from the environment when `token` is empty.
+std::string RegistrationTokenOrEnvironment(const std::string& token);
 
 class TokenDigest {
  public:
@@ -69,6 +77,10 @@ class TokenDigest {
 // The token a caller presented ("authorization: Bearer <token>"), nullopt
 // when there is none or the value is not a bearer token.
 std::optional<std::string> PresentedToken(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata);
+// The registration token a caller presented (kRegistrationMetadataKey),
+// nullopt when there is none or it is longer than a token may be.
+std::optional<std::string> PresentedRegistrationToken(
     const std::multimap<grpc::string_ref, grpc::string_ref>& client_metadata);
 
 }  // namespace zeroshard

@@ -78,6 +78,9 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
         "(mutual TLS, docs/security.md), or --insecure to serve plaintext anyway"));
   }
   if (!o.admin_token.empty()) RETURN_IF_ERROR(ValidateToken(o.admin_token, "--admin_token_file"));
+  if (!o.registration_token.empty()) {
+    RETURN_IF_ERROR(ValidateToken(o.registration_token, "--registration_token_file"));
+  }
   if ((!o.bulk_listen.empty() || !o.advertise_address.empty()) && o.bulk_transport != "grpc") {
     return absl::InvalidArgumentError(absl::StrCat(
         "--bulk_listen_address and --advertise_address apply to --bulk_transport=grpc only, got "
@@ -297,6 +300,9 @@ void Daemon::StartServices(const std::string& bulk_error) {
   ctx.replica_timeout = jobs_->resources().replica_timeout;
   ctx.start = absl::Now();
   if (!options.admin_token.empty()) ctx.admin = TokenDigest::Of(options.admin_token);
+  if (!options.registration_token.empty()) {
+    ctx.registration = TokenDigest::Of(options.registration_token);
+  }
   control_ = std::make_unique<ControlService>(&ctx);
   shard_ = std::make_unique<ShardService>(&ctx);
   admin_ = std::make_unique<AdminService>(&ctx);

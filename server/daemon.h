@@ -114,6 +114,9 @@ struct DaemonOptions {
   // The secret that opens every job, Admin.Drain and the all-jobs views;
   // empty: no caller has that authority.
   std::string admin_token;
+  // The secret a RegisterJob that creates a job must carry (or the admin
+  // token); empty: any caller may create jobs.
+  std::string registration_token;
   // Start a "ucx" bulk transport even when UCX may emulate remote access in
   // software (tcp, or UCX's own choice: ucx_tls empty), where a forged key
   // reaches any memory of the daemon. Without it, the bulk transport starts

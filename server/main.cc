@@ -42,6 +42,12 @@ ABSL_FLAG(std::string, admin_token_file, "",
           "File holding the admin secret (mode 0600 or stricter): it opens every job, "
           "Admin.Drain and the all-jobs views of Admin.Status and MemoryReport. Empty: no "
           "caller has that authority.");
+ABSL_FLAG(std::string, registration_token_file, "",
+          "File holding the deployment's registration secret (mode 0600 or stricter): a "
+          "RegisterJob that creates a job must carry it (metadata x-zeroshard-registration; "
+          "trainers send ZS_REGISTRATION_TOKEN) or the admin token; ranks of a job already "
+          "registered need only the job's token. Empty: any caller may register jobs (up to "
+          "--max_jobs).");
 ABSL_FLAG(bool, ucx_trust_peers, false,
           "Start the UCX data path even when UCX may emulate remote access in software (tcp, "
           "or UCX's own choice), where any peer that reaches UCX's listener can read and write "
@@ -132,6 +138,15 @@ int main(int argc, char** argv) {
       return 1;
     }
     options.admin_token = *std::move(token);
+  }
+  if (const std::string file = absl::GetFlag(FLAGS_registration_token_file); !file.empty()) {
+    absl::StatusOr<std::string> token =
+        zeroshard::ReadTokenFile(file, "--registration_token_file");
+    if (!token.ok()) {
+      std::fprintf(stderr, "zeroshardd: %s\n", token.status().ToString().c_str());
+      return 1;
+    }
+    options.registration_token = *std::move(token);
   }
   options.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
   if (options.optimizer_threads == 0) {

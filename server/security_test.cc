@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/daemon_control.h"
 #include "common/channel.h"
 #include "common/protocol.h"
 #include "gmock/gmock.h"
@@ -311,6 +312,40 @@ TEST(SecurityLimitsTest, JobsPerDaemonAreBounded) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(s.error_message(), HasSubstr("--max_jobs"));
   EXPECT_EQ(daemon->ledger().total(), ledger_before);
+  EXPECT_EQ(daemon->jobs().size(), 2u);
+}
+
+// With --registration_token_file a new job needs the registration token
+// (sent by the client's DaemonControl as ClientConfig.registration_token
+// is) or the admin token; a rank of a registered job needs its job token
+// alone. A refused registration creates and books nothing.
+TEST(SecurityLimitsTest, NewJobsNeedTheRegistrationToken) {
+  constexpr char kRegistration[] = "the-deployments-registration-secret";
+  DaemonOptions o;
+  o.registration_token = kRegistration;
+  o.admin_token = kAdminToken;
+  std::unique_ptr<Daemon> daemon = Start(o);
+  ASSERT_NE(daemon, nullptr);
+  DaemonClient c(daemon->address());
+  const v1::JobSpec spec = MakeSpec("a", SampleLayout(), 2, 1, {daemon->address()});
+  const uint64_t ledger_before = daemon->ledger().total();
+  grpc::Status s = c.Register(spec, 0);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("ZS_REGISTRATION_TOKEN"));
+  DaemonControl control(daemon->address(), c.channel);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  absl::StatusOr<v1::RegisterJobResponse> r =
+      control.RegisterJob(spec, 0, false, deadline, "not-the-registration-secret");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << r.status();
+  EXPECT_EQ(daemon->jobs().size(), 0u);
+  EXPECT_EQ(daemon->ledger().total(), ledger_before);
+
+  r = control.RegisterJob(spec, 0, false, deadline, kRegistration);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->created());
+  EXPECT_TRUE(c.Register(spec, 0).ok()) << "a rank of the registered job needs its token alone";
+  DaemonClient admin(daemon->address(), kAdminToken);
+  EXPECT_TRUE(admin.Register(MakeSpec("b", SampleLayout(), 2, 1, {daemon->address()}), 0).ok());
   EXPECT_EQ(daemon->jobs().size(), 2u);
 }
 

@@ -417,6 +417,7 @@ std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base
       {"ZS_DAEMONS", absl::StrJoin(env.daemons, ",")},
       {"ZS_JOB_ID", env.job_id},
       {"ZS_JOB_TOKEN", env.job_token},
+      {"ZS_REGISTRATION_TOKEN", env.registration_token},
       {"RANK", absl::StrCat(env.rank)},
       {"WORLD_SIZE", absl::StrCat(env.world_size)},
       {"LOCAL_RANK", absl::StrCat(env.rank)},
@@ -721,6 +722,30 @@ absl::Status Launcher::StartDaemons() {
   RETURN_IF_ERROR(PrepareLogDir());
   const std::vector<std::string> env =
       WithNonTemporalThreshold(CurrentEnvironment(), options_.nt_copy_threshold);
+  // The daemons create jobs only for the run's trainers: a registration
+  // token, in an owner-only file for the daemons and ZS_REGISTRATION_TOKEN
+  // for the trainers. Not with --print_daemons, whose trainers start
+  // elsewhere.
+  std::string registration_flag;
+  if (!options_.print_daemons) {
+    registration_token_ = RegistrationTokenOrEnvironment("");
+    if (registration_token_.empty()) {
+      ASSIGN_OR_RETURN(registration_token_, GenerateToken());
+    } else {
+      RETURN_IF_ERROR(ValidateToken(registration_token_, "ZS_REGISTRATION_TOKEN"));
+    }
+    const std::string path = absl::StrCat(log_dir_, "/registration.token");
+    int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+    const bool written =
+        fd >= 0 && fchmod(fd, 0600) == 0 &&
+        write(fd, registration_token_.data(), registration_token_.size()) ==
+            static_cast<ssize_t>(registration_token_.size());
+    const int e = errno;
+    CloseFd(fd);
+    if (!written) return ErrnoError(e, absl::StrCat("cannot write ", path));
+    log_files_.push_back(path);
+    registration_flag = absl::StrCat("--registration_token_file=", path);
+  }
   for (int d = 0; d < options_.daemons; ++d) {
     auto proc = std::make_unique<Proc>();
     proc->label = absl::StrCat("daemon ", d);
@@ -748,6 +773,7 @@ absl::Status Launcher::StartDaemons() {
     spec.path = binary;
     spec.argv = {binary, "--listen=127.0.0.1:0"};
     if (options_.metrics) spec.argv.push_back("--metrics_port=0");
+    if (!registration_flag.empty()) spec.argv.push_back(registration_flag);
     for (const std::string& a : options_.daemon_args) spec.argv.push_back(a);
     spec.env = env;
     spec.stdin_fd = devnull_;
@@ -917,6 +943,8 @@ absl::Status Launcher::StartTrainer(int rank, int restarts) {
   te.daemons = addresses_;
   te.job_id = options_.job_id;
   te.job_token = job_token_;
+  te.registration_token = registration_token_.empty() ? RegistrationTokenOrEnvironment("")
+                                                      : registration_token_;
   te.metrics_ports = metrics_ports_;
   te.restart_count = restarts;
   te.master_port = master_port_;

@@ -180,6 +180,9 @@ class Launcher {
   // The job's secret handed to every trainer: ZS_JOB_TOKEN from zsrun's own
   // environment, else a fresh one per run.
   std::string job_token_;
+  // The registration token zsrun's own daemons demand (--registration_token_file
+  // in the log directory); empty with --print_daemons or external daemons.
+  std::string registration_token_;
   std::string log_dir_;
   bool temp_log_dir_ = false;
   // The run's torch.distributed rendezvous port and trainer-collective
@@ -251,6 +254,8 @@ struct TrainerEnv {
   std::vector<std::string> daemons;
   std::string job_id;
   std::string job_token;           // the run's secret, ZS_JOB_TOKEN
+  // The daemons' registration token, ZS_REGISTRATION_TOKEN (empty: set empty).
+  std::string registration_token;
   std::vector<int> metrics_ports;  // empty: ZS_METRICS_PORTS not set
   int restart_count = 0;           // ZS_RESTART_COUNT: times this rank was restarted
   // What torchrun gives its trainers for torch.distributed's env://
@@ -262,7 +267,7 @@ struct TrainerEnv {
 };
 
 // `base` ("K=V" entries) with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID,
-// ZS_JOB_TOKEN, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, ZS_RESTART_COUNT
+// ZS_JOB_TOKEN, ZS_REGISTRATION_TOKEN, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, ZS_RESTART_COUNT
 // (and ZS_METRICS_PORTS, MASTER_ADDR with MASTER_PORT, ZS_COLLECTIVE_DIR)
 // replacing any earlier values.
 std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base,

@@ -256,7 +256,8 @@ TEST(TrainerEnvironmentTest, SetsTheRankVariablesAndReplacesOldOnes) {
       TrainerEnvironment({"PATH=/bin", "RANK=9", "ZS_METRICS_PORTS=5", "ZS_JOB_TOKEN=old"}, te);
   EXPECT_THAT(env, ElementsAre("PATH=/bin", "ZS_RANK=2", "ZS_WORLD_SIZE=4",
                                "ZS_DAEMONS=127.0.0.1:1,127.0.0.1:2", "ZS_JOB_ID=j",
-                               "ZS_JOB_TOKEN=t0123456789abcdef", "RANK=2", "WORLD_SIZE=4",
+                               "ZS_JOB_TOKEN=t0123456789abcdef", "ZS_REGISTRATION_TOKEN=",
+                               "RANK=2", "WORLD_SIZE=4",
                                "LOCAL_RANK=2", "LOCAL_WORLD_SIZE=4", "ZS_RESTART_COUNT=0"));
   te.metrics_ports = {81, 82};
   EXPECT_EQ(TrainerEnvironment({}, te).back(), "ZS_METRICS_PORTS=81,82");
@@ -311,6 +312,7 @@ TEST(LauncherTest, TwoDaemonsThreeTrainersSeeTheirEnvironment) {
   Launch l(ShellTrainers(2, 3,
                          "echo rank=$ZS_RANK world=$ZS_WORLD_SIZE daemons=$ZS_DAEMONS; "
                          "echo master=$MASTER_ADDR:$MASTER_PORT collective=$ZS_COLLECTIVE_DIR >&2; "
+                         "echo registration=${#ZS_REGISTRATION_TOKEN} >&2; "
                          "echo oops >&2"),
            /*temp_logs=*/true);
   absl::StatusOr<int> code = l.Run();
@@ -348,6 +350,10 @@ TEST(LauncherTest, TwoDaemonsThreeTrainersSeeTheirEnvironment) {
     }
   }
   ASSERT_EQ(rendezvous.size(), 1u) << l.err();
+  // The daemons' registration token (64 hex digits), for every rank.
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_THAT(l.err(), HasSubstr(absl::StrCat("[rank ", r, "] registration=64\n")));
+  }
   EXPECT_THAT(*rendezvous.begin(), ::testing::MatchesRegex(
                                        "master=127\\.0\\.0\\.1:[1-9][0-9]* collective=.*/collective"));
 

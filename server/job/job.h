@@ -110,8 +110,8 @@ class Job {
     return ranks_.Leave(rank, incarnation);
   }
   uint32_t ranks_joined() const { return ranks_.joined(); }
-  // When the copy was made, while no rank has ever joined it.
-  std::optional<absl::Time> unjoined_since() const { return ranks_.unjoined_since(); }
+  // Whether any rank has joined this copy.
+  bool ever_joined() const { return ranks_.ever_joined(); }
   // Joined ranks heard from within `timeout`.
   uint32_t RanksConnected(absl::Duration timeout) const { return ranks_.Connected(timeout); }
   // The rank's staging region (created on first use through the transport).

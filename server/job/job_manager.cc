@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/auth.h"
 
 namespace zeroshard {
 namespace {
@@ -68,7 +69,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Find(const std::string& id, uin
 
 absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobRequest& request,
                                                           const TokenDigest& token, bool draining,
-                                                          bool* created) {
+                                                          bool may_create, bool* created) {
   *created = false;
   absl::StatusOr<JobConfig> config = ParseJobSpec(request.spec());
   if (!config.ok()) return config.status();
@@ -115,6 +116,13 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobR
     if (draining) {
       return absl::UnavailableError("this daemon is draining and accepts no new jobs");
     }
+    if (!may_create) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "job ", id, " is not registered here, and creating a job on this daemon needs the "
+          "deployment's registration token (ZS_REGISTRATION_TOKEN or "
+          "ClientConfig.registration_token, sent as metadata ",
+          kRegistrationMetadataKey, ") or the admin token; nothing was created"));
+    }
     // Jobs being created count: registrations in flight together do not
     // pass the bound together.
     if (jobs_.size() + creating_.size() >= options_.max_jobs) {
@@ -146,6 +154,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobR
   if (!failed.ok()) return failed;
   Entry& entry = jobs_[id];
   entry.home = home;
+  entry.registered = absl::Now();
   std::shared_ptr<Job> shared = *std::move(job);
   shared->set_token(token);
   entry.copies.emplace(home, shared);
@@ -212,8 +221,9 @@ void JobManager::Tick() {
       for (const auto& [id, entry] : jobs_) {
         auto home = entry.copies.find(entry.home);
         if (home == entry.copies.end() || home->second->role() != ReplicaRole::kPrimary) continue;
-        const std::optional<absl::Time> since = home->second->unjoined_since();
-        if (!since.has_value() || *since + options_.join_timeout > now) continue;
+        if (entry.registered + options_.join_timeout > now || home->second->ever_joined()) {
+          continue;
+        }
         for (const auto& [group, job] : entry.copies) unjoined.push_back(job);
         ++unjoined_removed_;
       }

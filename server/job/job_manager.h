@@ -64,10 +64,12 @@ class JobManager {
   // bound to the same token: PermissionDenied otherwise, and that
   // `request.spec` equals its spec: FailedPrecondition naming the first
   // difference). *created tells which. Unavailable when `draining` and the
-  // job is new; ResourceExhausted when max_jobs are registered.
+  // job is new; ResourceExhausted when max_jobs are registered;
+  // PermissionDenied when the job is new and not `may_create` (the caller
+  // lacks the daemon's registration token).
   absl::StatusOr<std::shared_ptr<Job>> Register(const v1::RegisterJobRequest& request,
                                                 const TokenDigest& token, bool draining,
-                                                bool* created);
+                                                bool may_create, bool* created);
   // Takes the copy `job` out of the registry and retires it, if it is still
   // the one registered for its id and group (otherwise does nothing: a copy
   // is retired once); before the job's last copy goes, calls
@@ -106,6 +108,7 @@ class JobManager {
 
   struct Entry {
     uint32_t home = 0;                                // the group registered as
+    absl::Time registered;                            // when it entered the registry
     std::map<uint32_t, std::shared_ptr<Job>> copies;  // by replica group
   };
 

@@ -84,9 +84,9 @@ class JobManagerTest : public ::testing::Test {
   absl::StatusOr<std::shared_ptr<Job>> Register(const v1::JobSpec& spec,
                                                 const TokenDigest& token = kOwner,
                                                 bool* created = nullptr, bool draining = false,
-                                                uint32_t daemon_index = 0) {
+                                                uint32_t daemon_index = 0, bool may_create = true) {
     bool ignored = false;
-    return manager_->Register(Request(spec, daemon_index), token, draining,
+    return manager_->Register(Request(spec, daemon_index), token, draining, may_create,
                               created != nullptr ? created : &ignored);
   }
 
@@ -175,6 +175,19 @@ TEST_F(JobManagerTest, BadRequestsCreateNothing) {
   EXPECT_EQ(ledger_.total(), 0u);
 }
 
+// Without the right to create (no registration token), a new job is refused
+// and nothing is booked; a registered job is found as before.
+TEST_F(JobManagerTest, WithoutTheRightToCreateOnlyRegisteredJobsAreFound) {
+  absl::StatusOr<std::shared_ptr<Job>> refused =
+      Register(Spec("a"), kOwner, nullptr, false, 0, /*may_create=*/false);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(refused.status().message(), HasSubstr("registration token"));
+  EXPECT_EQ(ledger_.total(), 0u);
+  EXPECT_EQ(manager_->size(), 0u);
+  std::shared_ptr<Job> created = *Register(Spec("a"));
+  EXPECT_EQ(Register(Spec("a"), kOwner, nullptr, false, 0, false).value_or(nullptr), created);
+}
+
 TEST_F(JobManagerTest, DrainingRefusesNewJobsOnly) {
   ASSERT_TRUE(Register(Spec("old")).ok());
   bool created = true;
@@ -242,7 +255,8 @@ TEST_F(JobManagerTest, ConcurrentRegistrationsDoNotPassMaxJobsTogether) {
       while (!go.load()) std::this_thread::yield();
       bool created = false;
       absl::StatusOr<std::shared_ptr<Job>> s =
-          slow.manager->Register(Request(Spec(absl::StrCat("job", t))), kOwner, false, &created);
+          slow.manager->Register(Request(Spec(absl::StrCat("job", t))), kOwner, false, true,
+                                 &created);
       if (s.ok()) {
         ++ok;
       } else if (s.status().code() == absl::StatusCode::kResourceExhausted) {
@@ -280,7 +294,7 @@ TEST_F(JobManagerTest, ConcurrentRegistrationsOfOneIdCreateItOnce) {
       while (!go.load()) std::this_thread::yield();
       bool c = false;
       absl::StatusOr<std::shared_ptr<Job>> s =
-          slow.manager->Register(Request(Spec("same")), kOwner, false, &c);
+          slow.manager->Register(Request(Spec("same")), kOwner, false, true, &c);
       if (!s.ok()) {
         ++errors;
         return;
@@ -319,7 +333,7 @@ TEST(JobManagerLimitTest, AJobThatDoesNotFitLeavesNothingBehind) {
     bool created = true;
     const absl::Time t0 = absl::Now();
     absl::StatusOr<std::shared_ptr<Job>> s =
-        m.Register(Request(Spec("big")), kOwner, false, &created);
+        m.Register(Request(Spec("big")), kOwner, false, true, &created);
     EXPECT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted) << s.status();
     EXPECT_FALSE(created);
     EXPECT_LT(absl::Now() - t0, absl::Seconds(10)) << "attempt " << attempt;

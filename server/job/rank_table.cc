@@ -37,10 +37,9 @@ absl::StatusOr<uint64_t> RankTable::Join(uint32_t rank, uint64_t incarnation) {
   return replaced;
 }
 
-std::optional<absl::Time> RankTable::unjoined_since() const {
+bool RankTable::ever_joined() const {
   absl::MutexLock lock(&mu_);
-  if (ever_joined_) return std::nullopt;
-  return created_;
+  return ever_joined_;
 }
 
 absl::Status RankTable::CheckLocked(uint32_t rank, uint64_t incarnation,

@@ -11,7 +11,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -65,9 +64,8 @@ class RankTable {
   void NotePushed(uint32_t rank, uint64_t step);
 
   uint32_t joined() const { return joined_.load(std::memory_order_acquire); }
-  // When the table was made, while no rank has ever joined it (a job nobody
-  // uses); nullopt from the first join on.
-  std::optional<absl::Time> unjoined_since() const;
+  // Whether any rank has joined since the table was made.
+  bool ever_joined() const;
   // Joined ranks heard from within `timeout`.
   uint32_t Connected(absl::Duration timeout) const;
   // Every rank, in rank order, into state->ranks (and the joined and
@@ -92,7 +90,6 @@ class RankTable {
   mutable absl::Mutex mu_;
   std::vector<Entry> ranks_ ABSL_GUARDED_BY(mu_);
   bool removed_ ABSL_GUARDED_BY(mu_) = false;
-  const absl::Time created_ = absl::Now();
   bool ever_joined_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<uint32_t> joined_{0};
 };

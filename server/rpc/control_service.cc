@@ -36,8 +36,8 @@ grpc::Status ControlService::RegisterJob(grpc::ServerContext* call,
     if (!s.ok()) return ctx_->Done(__func__, s);
   }
   bool created = false;
-  absl::StatusOr<std::shared_ptr<Job>> job =
-      ctx_->jobs->Register(*req, *token, ctx_->draining.load(), &created);
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Register(
+      *req, *token, ctx_->draining.load(), ctx_->MayCreateJobs(*call, *token), &created);
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   const JobConfig& c = (*job)->config();
   resp->set_created(created);

@@ -56,6 +56,14 @@ absl::StatusOr<std::shared_ptr<Job>> ServiceContext::FindCopy(const grpc::Server
   return job;
 }
 
+bool ServiceContext::MayCreateJobs(const grpc::ServerContext& call,
+                                   const TokenDigest& caller) const {
+  if (!registration.has_value()) return true;
+  if (admin.has_value() && admin->Matches(caller)) return true;
+  const std::optional<std::string> presented = PresentedRegistrationToken(call.client_metadata());
+  return presented.has_value() && registration->Matches(TokenDigest::Of(*presented));
+}
+
 absl::Status ServiceContext::RequireAdmin(const grpc::ServerContext& call) const {
   absl::StatusOr<TokenDigest> caller = CallerToken(call, "this request");
   if (!caller.ok()) return caller.status();

@@ -91,11 +91,11 @@ class ServiceContextTest : public ::testing::Test {
     bool created = false;
     v1::RegisterJobRequest plain;
     *plain.mutable_spec() = Spec("victim", 1);
-    job_ = *jobs_->Register(plain, TokenDigest::Of(kJobToken), false, &created);
+    job_ = *jobs_->Register(plain, TokenDigest::Of(kJobToken), false, true, &created);
     // Replicated, home group 0 (primary), backing up group 1.
     v1::RegisterJobRequest replicated;
     *replicated.mutable_spec() = Spec("pair", 2);
-    pair_ = *jobs_->Register(replicated, TokenDigest::Of(kJobToken), false, &created);
+    pair_ = *jobs_->Register(replicated, TokenDigest::Of(kJobToken), false, true, &created);
     pair_backup_ = *jobs_->Find("pair", 1);
     v1::ReplicaGroupState state;
     pair_->FillReplicaState(&state);
@@ -228,6 +228,22 @@ TEST_F(ServiceContextTest, RequireAdminTakesOnlyTheAdminToken) {
   EXPECT_EQ(ctx_.RequireAdmin(*Call()).code(), absl::StatusCode::kUnauthenticated);
 }
 
+// With a registration token, creating a job takes that token (as its own
+// metadata) or the admin's bearer token; without one, anyone may.
+TEST_F(ServiceContextTest, MayCreateJobsTakesTheRegistrationTokenOrTheAdmins) {
+  const TokenDigest job = TokenDigest::Of(kJobToken);
+  EXPECT_TRUE(ctx_.MayCreateJobs(*Call(), job)) << "no registration token: open";
+  constexpr char kRegistration[] = "the-registration-token-0123";
+  ctx_.registration = TokenDigest::Of(kRegistration);
+  EXPECT_FALSE(ctx_.MayCreateJobs(*Call(), job));
+  EXPECT_FALSE(ctx_.MayCreateJobs(*Call({{kRegistrationMetadataKey, kOtherToken}}), job));
+  EXPECT_FALSE(ctx_.MayCreateJobs(*Call({{kRegistrationMetadataKey, ""}}), job));
+  EXPECT_TRUE(ctx_.MayCreateJobs(*Call({{kRegistrationMetadataKey, kRegistration}}), job));
+  EXPECT_TRUE(ctx_.MayCreateJobs(*Call(), TokenDigest::Of(kAdminToken)));
+  ctx_.admin.reset();
+  EXPECT_FALSE(ctx_.MayCreateJobs(*Call(), TokenDigest::Of(kAdminToken)));
+}
+
 TEST_F(ServiceContextTest, MayOpenIsTheJobsTokenOrTheAdmins) {
   EXPECT_TRUE(ctx_.MayOpen(**Call::WithToken(kJobToken), *job_));
   EXPECT_TRUE(ctx_.MayOpen(**Call::WithToken(kAdminToken), *job_));
@@ -283,7 +299,7 @@ TEST_F(ServiceContextTest, JobFilesBelongToTheTokenThatClaimedThem) {
   v1::RegisterJobRequest again;
   *again.mutable_spec() = Spec("victim", 1);
   absl::StatusOr<std::shared_ptr<Job>> taken =
-      jobs_->Register(again, TokenDigest::Of(kOtherToken), false, &created);
+      jobs_->Register(again, TokenDigest::Of(kOtherToken), false, true, &created);
   ASSERT_TRUE(taken.ok()) << taken.status();
   s = ctx_.ClaimFiles(**taken);
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;

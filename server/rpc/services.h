@@ -57,6 +57,8 @@ struct ServiceContext {
   std::atomic<grpc::HealthCheckServiceInterface*> probe_health{nullptr};
   // The admin token's digest; nullopt: no caller has admin authority.
   std::optional<TokenDigest> admin;
+  // The registration token's digest; nullopt: any caller may create jobs.
+  std::optional<TokenDigest> registration;
 
   // Counts the request under its RPC name and result code.
   grpc::Status Done(const char* rpc, const absl::Status& status);
@@ -89,6 +91,10 @@ struct ServiceContext {
   // Before `job` saves: records its token as the owner of its files, or
   // checks it is (CheckFilesOwner).
   absl::Status ClaimFiles(const Job& job) const;
+  // Whether the caller may create a job: always without a registration
+  // token; with one, when it presented it (kRegistrationMetadataKey) or its
+  // bearer token `caller` is the admin's.
+  bool MayCreateJobs(const grpc::ServerContext& call, const TokenDigest& caller) const;
   // Whether the caller's token opens `job` (for the all-jobs views).
   bool MayOpen(const grpc::ServerContext& call, const Job& job) const;
   // The caller's token's digest: Unauthenticated naming `what` without one.
