@@ -215,6 +215,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   std::string bulk_error;
   d->transport_ = CreateBulkTransport(options, grpc_listen, grpc_advertise, &bulk_error);
+  // An address given explicitly is a promise to the deployment: no silent
+  // fallback to the streaming path when it cannot be served.
+  if (d->transport_ == nullptr && !options.bulk_listen.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--bulk_listen_address=", options.bulk_listen, ": ", bulk_error));
+  }
   if (options.activation_arena_bytes > 0) RETURN_IF_ERROR(d->StartActivations());
   d->StartJobs();
   d->StartServices(bulk_error);

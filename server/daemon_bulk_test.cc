@@ -547,6 +547,26 @@ TEST(DaemonBulkGrpcAddressTest, AddressOptionsAreChecked) {
   ExpectTrainerReadsThrough(**d, "localhost");
 }
 
+// A --bulk_listen_address that cannot be served (its port is taken) stops
+// the daemon from starting, instead of falling back to the streaming path.
+TEST(DaemonBulkGrpcAddressTest, AnExplicitBulkAddressThatCannotBeServedIsFatal) {
+  DaemonOptions first;
+  first.bulk_transport = "grpc";
+  first.bulk_listen = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<Daemon>> taken = Daemon::Start(first);
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  ASSERT_NE((*taken)->bulk_transport(), nullptr);
+  DaemonOptions o;
+  o.bulk_transport = "grpc";
+  o.bulk_listen = (*taken)->bulk_transport()->LocalAddress();
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  ASSERT_FALSE(d.ok()) << "started on a bulk address another daemon holds";
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition) << d.status();
+  EXPECT_NE(d.status().message().find("--bulk_listen_address=" + o.bulk_listen),
+            std::string::npos)
+      << d.status();
+}
+
 TEST(DaemonBulkOffTest, ExchangeWithoutBulkTransportIsUnavailable) {
   std::unique_ptr<Daemon> daemon = testing::StartDaemon();
   DaemonClient client(daemon->address());

@@ -64,7 +64,8 @@ ABSL_FLAG(std::string, bulk_transport, "ucx",
 ABSL_FLAG(std::string, bulk_listen_address, "",
           "HOST:PORT the grpc bulk transport (--bulk_transport=grpc) serves regions on; empty: "
           "the host of --listen, port 0 (any free port). A non-loopback address needs mutual "
-          "TLS or --insecure, as --listen does. Only for --bulk_transport=grpc.");
+          "TLS or --insecure, as --listen does. Only for --bulk_transport=grpc. Given and not "
+          "servable (in use, not local), the daemon does not start.");
 ABSL_FLAG(std::string, advertise_address, "",
           "Host (name or IP address, no port) that trainers and other daemons dial to reach "
           "the grpc bulk transport, handed out in place of its listen host: behind NAT, or "
