@@ -245,7 +245,10 @@ class Client {
   // a gradient for it, as torch.optim skips a parameter without one (no
   // weight decay, no moment update, its update count unchanged). Name a
   // tensor in every push that covers part of it, or in none.
-  // InvalidArgument for an index that is not ascending or outside `range`.
+  // InvalidArgument for an index that is not ascending or outside `range`;
+  // Unimplemented for any `no_grad_tensors` with a trainer collective
+  // (reduction mode TRAINER_COLLECTIVE cannot carry the marks: push zeros
+  // without them there).
   absl::StatusOr<PushTicket> PushGradients(const FlatRange& range, const void* grads, DType dtype,
                                            uint32_t micro_batch = 0,
                                            BufferUse use = BufferUse::kCopy,
