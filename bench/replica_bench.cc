@@ -693,6 +693,8 @@ JobRun RunJob(Workload& w, const std::string& id, uint32_t replicas,
       v1::PrepareStepRequest req;
       req.set_job_id(id);
       req.set_step(step);
+      req.set_rank(0);
+      req.set_incarnation(kIncarnation);
       v1::PrepareStepResponse resp;
       const double start = Now();
       Check(target[d]->shard->PrepareStep(&ctx, req, &resp),

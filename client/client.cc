@@ -121,6 +121,12 @@ absl::Status ValidateConfig(const ClientConfig& c) {
     RETURN_IF_ERROR(ValidateToken(c.registration_token, "ClientConfig.registration_token"));
   }
   RETURN_IF_ERROR(ValidateTlsFiles(c.tls, "ClientConfig."));
+  for (size_t i = 0; i < c.daemons.size(); ++i) {
+    RETURN_IF_ERROR(CheckPlaintextAddress(
+        c.daemons[i], c.tls.enabled(), c.insecure, absl::StrCat("ClientConfig.daemons[", i, "]"),
+        "ClientConfig.tls (or ZS_TLS_CERT, ZS_TLS_KEY and ZS_TLS_CA)",
+        "ClientConfig.insecure = true (or ZS_INSECURE=1)"));
+  }
   if (!c.resume.empty() && !ValidateCheckpointName(c.resume, true).ok()) {
     return Invalid("resume", absl::StrCat("must be \"latest\" or a checkpoint name (",
                                           kCheckpointNameRule, "), got \"",
@@ -149,6 +155,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientConfig config,
   config.job_token = JobTokenOrEnvironment(config.job_token);
   config.registration_token = RegistrationTokenOrEnvironment(config.registration_token);
   config.tls = TlsFilesFromEnvironment(config.tls);
+  config.insecure = InsecureOrEnvironment(config.insecure);
   RETURN_IF_ERROR(ValidateConfig(config));
   if (collective == nullptr) {
     ASSIGN_OR_RETURN(collective, DefaultCollective(config));
@@ -322,7 +329,7 @@ absl::StatusOr<uint64_t> Client::AgreedCommittedStep() {
       const v1::StepState& done = states[hi];
       RETURN_IF_ERROR(ForEachDaemon([&](uint32_t d) -> absl::Status {
         if (states[d].committed_step() != low) return absl::OkStatus();
-        RETURN_IF_ERROR(controls_[d]->PrepareStep(config_.job_id, high, RpcDeadline()).status(),
+        RETURN_IF_ERROR(controls_[d]->PrepareStep(rank_id(), high, RpcDeadline()).status(),
                         absl::StrCat("finishing step ", high, " (committed on ",
                                      controls_[hi]->address(), ")"));
         v1::CommitStepRequest commit;

@@ -135,6 +135,12 @@ struct ClientConfig : JobSettings {
   // the three PEM files, each empty field taken from ZS_TLS_CERT /
   // ZS_TLS_KEY / ZS_TLS_CA; all empty: plaintext.
   TlsFiles tls;
+  // Plaintext (no `tls`) sends the job token in the clear, so Create refuses
+  // it to a daemon address that is not loopback (127.0.0.0/8, [::1],
+  // localhost) unless this is true or ZS_INSECURE=1 is in the environment:
+  // for networks where something else (a VPN, a private fabric) already
+  // protects the traffic, as the daemons' --insecure.
+  bool insecure = false;
   // Resume: a checkpoint name, or "latest" (the complete checkpoint with the
   // highest step), that RegisterModel on rank 0 loads into the daemons
   // instead of uploading initial parameters. With "latest" and no complete

@@ -649,6 +649,31 @@ TEST(ClientTest, TensorsWithoutAGradientAreSkipped) {
   for (uint64_t i = embed.begin; i < embed.begin + 10; ++i) EXPECT_NE(params[1][i], init[i]) << i;
 }
 
+// Without TLS the job token would cross the network in the clear: Create
+// refuses a daemon that is not on loopback, naming it and both fixes, until
+// the caller opts in (ClientConfig.insecure or ZS_INSECURE=1). It connects
+// to nothing, so no daemon needs to be there.
+TEST(ClientTest, PlaintextToTheNetworkNeedsInsecure) {
+  ::unsetenv("ZS_INSECURE");
+  for (const std::string remote : {"10.255.0.1:7070", "[fd00::1]:7070", "node0:7070"}) {
+    ClientConfig config = MakeConfig("plain", {"127.0.0.1:7070", remote}, 0, 2, 2);
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Create(config);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+    EXPECT_TRUE(absl::StrContains(c.status().message(), "ClientConfig.daemons[1]: " + remote))
+        << c.status();
+    EXPECT_TRUE(absl::StrContains(c.status().message(), "ClientConfig.tls")) << c.status();
+    EXPECT_TRUE(absl::StrContains(c.status().message(), "ZS_INSECURE=1")) << c.status();
+    config.insecure = true;
+    EXPECT_TRUE(Client::Create(config).ok()) << remote;
+    config.insecure = false;
+    ::setenv("ZS_INSECURE", "1", 1);
+    EXPECT_TRUE(Client::Create(config).ok()) << remote;
+    ::unsetenv("ZS_INSECURE");
+  }
+  EXPECT_TRUE(Client::Create(MakeConfig("plain", {"127.0.0.1:7070", "localhost:7071"}, 0, 2, 2))
+                  .ok());
+}
+
 // Device buffers on a client without a device are refused before anything
 // is sent, and the step goes on with host buffers; a device the machine does
 // not have (or a build without CUDA) fails Create.

@@ -107,14 +107,16 @@ absl::StatusOr<v1::StepState> DaemonControl::GetStepState(const std::string& job
   return response;
 }
 
-absl::StatusOr<v1::PrepareStepResponse> DaemonControl::PrepareStep(const std::string& job_id,
+absl::StatusOr<v1::PrepareStepResponse> DaemonControl::PrepareStep(const RankId& id,
                                                                    uint64_t step,
                                                                    absl::Time deadline) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   v1::PrepareStepRequest request;
-  request.set_job_id(job_id);
+  request.set_job_id(id.job_id);
   request.set_step(step);
+  request.set_rank(id.rank);
+  request.set_incarnation(id.incarnation);
   v1::PrepareStepResponse response;
   const grpc::Status s = shard_->PrepareStep(&context, request, &response);
   if (!s.ok()) return DaemonError(s, address_, absl::StrCat("PrepareStep ", step));

@@ -57,7 +57,8 @@ class DaemonControl {
                                              uint64_t wait_for_step = 0,
                                              absl::Duration wait = absl::ZeroDuration(),
                                              Detail detail = Detail::kFull);
-  absl::StatusOr<v1::PrepareStepResponse> PrepareStep(const std::string& job_id, uint64_t step,
+  // As the leader `id` (rank 0).
+  absl::StatusOr<v1::PrepareStepResponse> PrepareStep(const RankId& id, uint64_t step,
                                                       absl::Time deadline);
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request,
                                                     absl::Time deadline);

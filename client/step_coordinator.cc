@@ -131,7 +131,7 @@ absl::StatusOr<std::vector<v1::PrepareStepResponse>> StepCoordinator::PrepareAll
         for (size_t d = 0; d < n; ++d) {
           if (prepared[d].has_value()) continue;
           absl::StatusOr<v1::PrepareStepResponse> r =
-              daemons_[d]->PrepareStep(options_.id.job_id, step, RpcDeadline(deadline));
+              daemons_[d]->PrepareStep(options_.id, step, RpcDeadline(deadline));
           if (r.ok()) {
             prepared[d] = *std::move(r);
             continue;

@@ -1,6 +1,7 @@
 #include "common/tls_files.h"
 
 #include <arpa/inet.h>
+#include <netinet/in.h>
 
 #include <cstdlib>
 #include <fstream>
@@ -49,7 +50,12 @@ bool IsLoopbackAddress(absl::string_view address) {
   if (absl::ConsumePrefix(&host, "[")) {
     const size_t end = host.find(']');
     if (end == absl::string_view::npos) return false;
-    return host.substr(0, end) == "::1";
+    const absl::string_view rest = host.substr(end + 1);
+    if (!rest.empty() && rest[0] != ':') return false;
+    in6_addr v6;
+    if (::inet_pton(AF_INET6, std::string(host.substr(0, end)).c_str(), &v6) != 1) return false;
+    if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+    return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
   }
   const size_t colon = host.rfind(':');
   if (colon != absl::string_view::npos) host = host.substr(0, colon);
@@ -57,6 +63,22 @@ bool IsLoopbackAddress(absl::string_view address) {
   in_addr v4;
   return ::inet_pton(AF_INET, std::string(host).c_str(), &v4) == 1 &&
          (ntohl(v4.s_addr) >> 24) == 127;
+}
+
+absl::Status CheckPlaintextAddress(absl::string_view address, bool tls, bool insecure,
+                                   absl::string_view field, absl::string_view tls_fix,
+                                   absl::string_view insecure_fix) {
+  if (tls || insecure || IsLoopbackAddress(address)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": ", address, " is not a loopback address, and plaintext would show the token ",
+      "and every call's data to anyone on the way: give ", tls_fix,
+      " for mutual TLS (docs/security.md), or ", insecure_fix, " to send plaintext anyway"));
+}
+
+bool InsecureOrEnvironment(bool insecure) {
+  if (insecure) return true;
+  const char* v = std::getenv(kInsecureEnvironment);
+  return v != nullptr && std::string(v) == "1";
 }
 
 }  // namespace zeroshard

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "common/testing/test_pki.h"
 #include "gtest/gtest.h"
 
@@ -77,6 +78,56 @@ TEST(LoopbackTest, OnlyThisHost) {
   EXPECT_FALSE(IsLoopbackAddress("[::]:7070"));
   EXPECT_FALSE(IsLoopbackAddress("node0:7070"));
   EXPECT_FALSE(IsLoopbackAddress("127.0.0.1.example.com:7070"));
+  // IPv6 in brackets, any spelling of ::1; IPv4-mapped loopback.
+  EXPECT_TRUE(IsLoopbackAddress("[::1]"));
+  EXPECT_TRUE(IsLoopbackAddress("[0:0:0:0:0:0:0:1]:7070"));
+  EXPECT_TRUE(IsLoopbackAddress("[::ffff:127.0.0.1]:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("[::ffff:10.0.0.5]:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("[fe80::1]:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("[::1]x:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("[::1:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("::1"));  // without brackets: host "::" and port 1
+  // Hostnames: localhost alone.
+  EXPECT_TRUE(IsLoopbackAddress("localhost"));
+  EXPECT_FALSE(IsLoopbackAddress("localhost.example.com:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("mylocalhost:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("192.168.1.2:7070"));
+  EXPECT_FALSE(IsLoopbackAddress("128.0.0.1:7070"));
+  EXPECT_FALSE(IsLoopbackAddress(""));
+}
+
+TEST(PlaintextAddressTest, TokensInPlaintextStayOnThisHost) {
+  auto check = [](absl::string_view address, bool tls, bool insecure) {
+    return CheckPlaintextAddress(address, tls, insecure, "ClientConfig.daemons",
+                                 "ClientConfig.tls", "ClientConfig.insecure");
+  };
+  for (absl::string_view loopback : {"127.0.0.1:7070", "[::1]:7070", "localhost:7070"}) {
+    EXPECT_TRUE(check(loopback, false, false).ok()) << loopback;
+  }
+  for (absl::string_view remote : {"10.0.0.5:7070", "[fe80::1]:7070", "node0:7070",
+                                   "0.0.0.0:7070"}) {
+    const absl::Status s = check(remote, false, false);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << remote;
+    EXPECT_NE(s.message().find(absl::StrCat("ClientConfig.daemons: ", remote)), std::string::npos)
+        << s;
+    EXPECT_NE(s.message().find("give ClientConfig.tls"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("or ClientConfig.insecure"), std::string::npos) << s;
+    EXPECT_TRUE(check(remote, true, false).ok()) << remote;   // TLS
+    EXPECT_TRUE(check(remote, false, true).ok()) << remote;   // said so
+  }
+}
+
+TEST(PlaintextAddressTest, InsecureFromTheEnvironment) {
+  ::unsetenv("ZS_INSECURE");
+  EXPECT_FALSE(InsecureOrEnvironment(false));
+  EXPECT_TRUE(InsecureOrEnvironment(true));
+  ::setenv("ZS_INSECURE", "0", 1);
+  EXPECT_FALSE(InsecureOrEnvironment(false));
+  ::setenv("ZS_INSECURE", "yes", 1);
+  EXPECT_FALSE(InsecureOrEnvironment(false));
+  ::setenv("ZS_INSECURE", "1", 1);
+  EXPECT_TRUE(InsecureOrEnvironment(false));
+  ::unsetenv("ZS_INSECURE");
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "common/tls.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "server/rpc/grpc_replica_link.h"
 #include "server/rpc/services.h"
 #include "server/status_page.h"
@@ -35,6 +36,11 @@ namespace {
 // 16 ranks, 100 at 64). Idle threads above gRPC's minimum still exit after
 // its completion-queue timeout (10 s).
 constexpr int kRpcThreadsKeptPolling = 256;
+
+// Calls one connection may have open at once. A trainer's channel carries
+// its prefetched gathers, its pushes in flight and its control calls: a few
+// dozen.
+constexpr int kMaxStreamsPerConnection = 256;
 
 void Log(const std::string& line) { std::fprintf(stderr, "zeroshardd: %s\n", line.c_str()); }
 
@@ -63,6 +69,11 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
   }
   if (o.join_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--join_timeout_seconds: must be >= 0 (0: never)");
+  }
+  if (o.job_idle_timeout < absl::ZeroDuration() ||
+      (o.job_idle_timeout > absl::ZeroDuration() && o.job_idle_timeout <= o.rank_timeout)) {
+    return absl::InvalidArgumentError(
+        "--job_idle_timeout_seconds: must be 0 (never) or longer than --rank_timeout_seconds");
   }
   if (!o.spill_dir.empty() && o.activation_arena_bytes == 0) {
     return absl::InvalidArgumentError("--spill_dir: needs an arena (--activation_arena_bytes > 0)");
@@ -100,6 +111,15 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
     RETURN_IF_ERROR(transport::CanonicalHost(o.advertise_address, "--advertise_address").status());
   }
   if (o.max_jobs < 1) return absl::InvalidArgumentError("--max_jobs: must be >= 1");
+  if (o.max_rpc_threads < 4 || o.max_rpc_threads > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_rpc_threads: must be in 4..65536, got ", o.max_rpc_threads));
+  }
+  if (o.stream_idle_timeout < absl::Seconds(1) && o.stream_idle_timeout != absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--stream_idle_timeout_seconds: must be >= 1 (0: never), got ",
+        absl::FormatDuration(o.stream_idle_timeout)));
+  }
   return absl::OkStatus();
 }
 
@@ -261,6 +281,7 @@ void Daemon::StartJobs() {
   jo.read_lease = options.read_lease;
   jo.rank_timeout = options.rank_timeout;
   jo.join_timeout = options.join_timeout;
+  jo.job_idle_timeout = options.job_idle_timeout;
   jo.max_jobs = options.max_jobs;
   if (ActivationStore* store = activations_.get(); store != nullptr) {
     ArenaTenancy* tenancy = &arena_tenancy_;
@@ -305,9 +326,14 @@ void Daemon::StartServices(const std::string& bulk_error) {
   ctx.replica_link = jobs_->resources().replica_link;
   ctx.replica_timeout = jobs_->resources().replica_timeout;
   ctx.start = absl::Now();
+  ctx.tls = options.tls.enabled();
   if (!options.admin_token.empty()) ctx.admin = TokenDigest::Of(options.admin_token);
   if (!options.registration_token.empty()) {
     ctx.registration = TokenDigest::Of(options.registration_token);
+  }
+  if (options.stream_idle_timeout > absl::ZeroDuration()) {
+    stream_watchdog_ = std::make_unique<StreamWatchdog>(options.stream_idle_timeout);
+    ctx.stream_watchdog = stream_watchdog_.get();
   }
   control_ = std::make_unique<ControlService>(&ctx);
   shard_ = std::make_unique<ShardService>(&ctx);
@@ -331,7 +357,15 @@ absl::Status Daemon::StartGrpcServers() {
   builder.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   builder.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS,
-                              kRpcThreadsKeptPolling);
+                              std::min(kRpcThreadsKeptPolling, options.max_rpc_threads));
+  // Each request in flight holds one of these threads; past the quota gRPC
+  // answers RESOURCE_EXHAUSTED itself. One connection opens at most
+  // kMaxStreamsPerConnection calls at once (HTTP/2 SETTINGS; more wait in
+  // the client).
+  grpc::ResourceQuota quota("zeroshardd");
+  quota.SetMaxThreads(options.max_rpc_threads);
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
   builder.RegisterService(control_.get());
   builder.RegisterService(shard_.get());
   builder.RegisterService(admin_.get());

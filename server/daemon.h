@@ -72,6 +72,9 @@ struct DaemonOptions {
   absl::Duration rank_timeout = absl::Seconds(30);
   // A registered job no rank joins within this is removed (zero: never).
   absl::Duration join_timeout = absl::Minutes(2);
+  // A joined job no rank is heard from within this is removed (zero: never;
+  // JobManager::Options::job_idle_timeout).
+  absl::Duration job_idle_timeout = absl::Hours(1);
   // Out-of-order gradient contributions each job may buffer (booked as
   // `buffer`); pushes past it wait.
   uint64_t reduction_buffer_bytes = 256ull << 20;
@@ -127,9 +130,19 @@ struct DaemonOptions {
   bool ucx_trust_peers = false;
   // Jobs registered at once, at most (RESOURCE_EXHAUSTED past it).
   uint32_t max_jobs = 64;
+  // Threads of the gRPC server, at most (--max_rpc_threads): one serves each
+  // request in flight, and a request past them is answered
+  // RESOURCE_EXHAUSTED at once. Streams are only read after their token
+  // opened a job here, so callers without one hold no thread.
+  int max_rpc_threads = 256;
+  // A stream whose peer sends (or reads) nothing for this long is cancelled
+  // (--stream_idle_timeout_seconds): a stalled trainer holds no thread,
+  // reservation or activation slice past it.
+  absl::Duration stream_idle_timeout = absl::Seconds(60);
 };
 
 struct ServiceContext;
+class StreamWatchdog;
 class ControlService;
 class ShardService;
 class AdminService;
@@ -191,6 +204,7 @@ class Daemon {
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<ReplicaLink> replica_link_;  // before jobs_: they use it
   std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<StreamWatchdog> stream_watchdog_;  // null: no stream idle timeout
   std::unique_ptr<ServiceContext> context_;
   std::unique_ptr<ControlService> control_;
   std::unique_ptr<ShardService> shard_;

@@ -481,6 +481,24 @@ TEST_F(BadInputTest, GatherPrepareCommitInit) {
                  [&] { return client_->Prepare("job", 2, &p); });
   ExpectRejected(grpc::FAILED_PRECONDITION, "waits for rank 1",
                  [&] { return client_->Prepare("job", 1, &p); });
+  // Only the leader, at its current incarnation, prepares.
+  auto prepare_as = [&](uint32_t rank, uint64_t incarnation) {
+    return [&, rank, incarnation] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      v1::PrepareStepRequest req;
+      req.set_job_id("job");
+      req.set_step(1);
+      req.set_rank(rank);
+      req.set_incarnation(incarnation);
+      return client_->shard->PrepareStep(&ctx, req, &p);
+    };
+  };
+  ExpectRejected(grpc::INVALID_ARGUMENT, "only the job leader (rank 0) prepares",
+                 prepare_as(1, testing::kTestIncarnation));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "incarnation: must be >= 1", prepare_as(0, 0));
+  ExpectRejected(grpc::FAILED_PRECONDITION, "incarnation",
+                 prepare_as(0, testing::kTestIncarnation + 1));
 
   ExpectRejected(grpc::FAILED_PRECONDITION, "computing step 1",
                  [&] { return client_->Commit("job", 3, 0.1f); });

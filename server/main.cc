@@ -35,6 +35,13 @@ ABSL_FLAG(std::string, memory_limit, "auto",
           "for powers of 1024), \"auto\" for 90% of what the machine or this process's cgroup "
           "allows, or 0 for no limit.");
 ABSL_FLAG(uint32_t, max_jobs, 64, "Jobs registered at once, at most.");
+ABSL_FLAG(int, max_rpc_threads, 256,
+          "Threads serving gRPC requests, at most: each request in flight holds one, and one "
+          "past them is answered RESOURCE_EXHAUSTED. Streams are read only after their token "
+          "opened a job here.");
+ABSL_FLAG(int, stream_idle_timeout_seconds, 60,
+          "A stream whose peer sends (or reads) nothing for this many seconds is cancelled, "
+          "releasing its thread and what it reserved; 0: never.");
 ABSL_FLAG(bool, insecure, false,
           "Serve plaintext gRPC on an address other machines can reach (without it, a "
           "non-loopback --listen needs --tls_cert/--tls_key/--tls_ca).");
@@ -78,6 +85,11 @@ ABSL_FLAG(std::string, advertise_address, "",
 ABSL_FLAG(int, join_timeout_seconds, 120,
           "A job registered here that no rank joins within this many seconds is removed, so "
           "that registrations nobody follows up cannot hold --max_jobs or memory; 0: never.");
+ABSL_FLAG(int, job_idle_timeout_seconds, 3600,
+          "A job whose ranks have all been silent (no heartbeat, no request) for this many "
+          "seconds is removed with its memory, so a crashed run's state stays for the time a "
+          "restart needs and not for good; nothing is saved first (a restart resumes from the "
+          "job's last checkpoint). 0: never.");
 ABSL_FLAG(int, rank_timeout_seconds, 30,
           "A joined rank not heard from (heartbeat, push) this long is no longer connected.");
 ABSL_FLAG(uint64_t, reduction_buffer_bytes, 256ull << 20,
@@ -129,6 +141,8 @@ int main(int argc, char** argv) {
   }
   options.memory_limit_bytes = *memory_limit;
   options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
+  options.max_rpc_threads = absl::GetFlag(FLAGS_max_rpc_threads);
+  options.stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_seconds));
   options.tls = zeroshard::TlsFilesFromFlags();
   options.insecure = absl::GetFlag(FLAGS_insecure);
   options.ucx_trust_peers = absl::GetFlag(FLAGS_ucx_trust_peers);
@@ -156,6 +170,7 @@ int main(int argc, char** argv) {
   options.bulk_transport = absl::GetFlag(FLAGS_bulk_transport);
   options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_seconds));
   options.join_timeout = absl::Seconds(absl::GetFlag(FLAGS_join_timeout_seconds));
+  options.job_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_job_idle_timeout_seconds));
   options.reduction_buffer_bytes = absl::GetFlag(FLAGS_reduction_buffer_bytes);
   options.reduction_hold = absl::Milliseconds(absl::GetFlag(FLAGS_reduction_hold_ms));
   options.staging_slots = absl::GetFlag(FLAGS_staging_slots);

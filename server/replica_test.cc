@@ -232,6 +232,8 @@ class ReplicaTest : public ::testing::Test {
   }
   DaemonClient& Target(const Where& w) { return Target(w.daemon, w.group, w.epoch); }
   DaemonClient& Plain(int d) { return Target(d, 0, 0); }
+  // Daemon d's own group at the first epoch: how trainers reach a new job.
+  DaemonClient& Home(int d) { return Target(d, d, 1); }
   ReplicaClient& Replica(int d) {
     std::unique_ptr<ReplicaClient>& c = replica_clients_[d];
     if (c == nullptr) c = std::make_unique<ReplicaClient>(addresses_[d]);
@@ -261,10 +263,11 @@ class ReplicaTest : public ::testing::Test {
     for (int d = 0; d < 2; ++d) {
       grpc::Status s = Plain(d).Register(j.spec, d);
       EXPECT_TRUE(s.ok()) << s.error_message();
-      s = Plain(d).JoinAll(j.spec);
+      DaemonClient& home = replicas > 1 ? Home(d) : Plain(d);
+      s = home.JoinAll(j.spec);
       EXPECT_TRUE(s.ok()) << s.error_message();
       const FlatRange r = j.Range(d);
-      s = Plain(d).Init(ParamChunks(id, r, j.init.data() + r.begin));
+      s = home.Init(ParamChunks(id, r, j.init.data() + r.begin));
       EXPECT_TRUE(s.ok()) << s.error_message();
     }
     return j;
@@ -556,14 +559,14 @@ class ReplicaTest : public ::testing::Test {
       v1::TensorStep* t = counts.add_tensor_steps();
       t->set_tensor(1);
       t->set_steps(9);
-      grpc::Status s = Plain(0).WriteState({counts});
+      grpc::Status s = Home(0).WriteState({counts});
       ASSERT_TRUE(s.ok()) << s.error_message();
       const FlatRange head = layout.tensors()[5].range();
       std::vector<float> values;
-      s = Plain(1).ReadState(id, 0, v1::STATE_ARRAY_MASTER, head, &values);
+      s = Home(1).ReadState(id, 0, v1::STATE_ARRAY_MASTER, head, &values);
       ASSERT_TRUE(s.ok()) << s.error_message();
       for (float& v : values) v += 1.0f;
-      s = Plain(1).WriteState(
+      s = Home(1).WriteState(
           {testing::StateChunk(id, 0, v1::STATE_ARRAY_MASTER, head, values.data())});
       ASSERT_TRUE(s.ok()) << s.error_message();
     }
@@ -668,8 +671,7 @@ TEST_F(ReplicaTest, ReplicatedStepKeepsBackupBitIdentical) {
   constexpr uint64_t kSteps = 5;
   for (uint64_t step = 1; step <= kSteps; ++step) {
     SCOPED_TRACE(absl::StrCat("step ", step));
-    // Step 3 calls without the metadata: the home copies serve them.
-    const uint64_t e = step == 3 ? 0 : 1;
+    const uint64_t e = 1;
     const bool skip = step == 4;  // a skipped step is replicated too
     const std::vector<v1::PrepareStepResponse> prepared =
         RunStep(j, step, {{0, 0, e}, {1, 1, e}}, skip);
@@ -1075,7 +1077,12 @@ TEST_F(ReplicaTest, AuthAndUnknownNamesChangeNothing) {
     SCOPED_TRACE(c.rpc);
     ExpectRejected(j.id, grpc::UNAUTHENTICATED, "needs a token",
                    [&] { return c.call(none, j.id, 0); });
-    ExpectRejected(j.id, grpc::PERMISSION_DENIED, "does not open job",
+    // Streams are refused before their first message: the wrong token opens
+    // no job here.
+    const bool stream =
+        std::string(c.rpc) == "TransferState" || std::string(c.rpc) == "ForwardGradient";
+    ExpectRejected(j.id, stream ? grpc::NOT_FOUND : grpc::PERMISSION_DENIED,
+                   stream ? "opens with the token presented" : "does not open job",
                    [&] { return c.call(wrong, j.id, 0); });
     ExpectRejected(j.id, grpc::NOT_FOUND, "is not registered on this daemon",
                    [&] { return c.call(good, "no-such-job", 0); });
@@ -1421,6 +1428,9 @@ TEST_F(ReplicaTest, MalformedReplicaMetadata) {
   // Well-formed: a group the daemon does not hold, the group it backs up
   // (readable, not served), its own group at the right epoch.
   ExpectRejected(j.id, grpc::NOT_FOUND, "not group 3", step_state({{kG, "3"}, {kE, "1"}}));
+  // None: a replicated job's requests say which copy and epoch they expect
+  // (reads of the step state need not).
+  ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "is replicated", gather({}));
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "as its backup", gather({{kG, "1"}, {kE, "1"}}));
   EXPECT_TRUE(step_state({{kG, "1"}, {kE, "1"}})().ok());
   EXPECT_TRUE(gather({{kG, "0"}, {kE, "1"}})().ok());

@@ -17,6 +17,7 @@
 #include "common/protocol.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "server/daemon.h"
 #include "common/testing/test_pki.h"
 #include "server/testing/activation_testing.h"
@@ -79,6 +80,15 @@ class SecurityTest : public ::testing::Test {
     ExpectRejected(*daemon_, kJob, grpc::StatusCode::PERMISSION_DENIED, "does not open job",
                    [&] { return call(*stranger_); });
   }
+  // The same for a client stream, refused before its first message: the
+  // stranger's token opens no job here (NOT_FOUND).
+  void ExpectStrangerStreamsRefused(const std::function<grpc::Status(DaemonClient&)>& call) {
+    ExpectRejected(*daemon_, kJob, grpc::StatusCode::UNAUTHENTICATED, "needs a token",
+                   [&] { return call(*anonymous_); });
+    ExpectRejected(*daemon_, kJob, grpc::StatusCode::NOT_FOUND,
+                   "opens with the token presented; nothing was read",
+                   [&] { return call(*stranger_); });
+  }
 
   static constexpr char kJob[] = "victim";
   std::unique_ptr<Daemon> daemon_;
@@ -99,7 +109,7 @@ TEST_F(SecurityTest, StrangerCannotReadMasterWeights) {
 TEST_F(SecurityTest, StrangerCannotPushGradients) {
   const PartitionMap map = *PartitionMap::Create(SampleLayout().total_elements(), 1, 1);
   std::vector<float> grad(100, 1.0f);
-  ExpectStrangersRefused([&](DaemonClient& c) {
+  ExpectStrangerStreamsRefused([&](DaemonClient& c) {
     return c.Push(testing::GradientChunks(kJob, 1, 0, map, {0, 100}, grad.data(), 64));
   });
 }
@@ -154,7 +164,7 @@ TEST_F(SecurityTest, StrangerCannotReadOrWriteState) {
     EXPECT_THAT(out, ::testing::IsEmpty());
     return s;
   });
-  ExpectStrangersRefused([&](DaemonClient& c) {
+  ExpectStrangerStreamsRefused([&](DaemonClient& c) {
     v1::WriteStateResponse resp;
     const grpc::Status s = c.WriteState(write, &resp);
     EXPECT_EQ(resp.elements(), 0u);
@@ -359,6 +369,22 @@ TEST(SecurityLimitsTest, PlaintextOnTheNetworkNeedsInsecure) {
   o.insecure = true;
   d = Daemon::Start(o);
   EXPECT_TRUE(d.ok()) << d.status();
+}
+
+// A plaintext daemon has no certificates to ask: tokens alone guard the
+// Replica calls, as every other call.
+TEST(SecurityLimitsTest, PlaintextDaemonDemandsNoRole) {
+  std::unique_ptr<Daemon> daemon = Start(DaemonOptions());
+  ASSERT_NE(daemon, nullptr);
+  DaemonClient c(daemon->address());
+  auto replica = v1::Replica::NewStub(c.channel);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::CommitReplicaRequest req;
+  req.set_job_id("unknown-job");
+  v1::CommitStepResponse resp;
+  const grpc::Status s = replica->CommitReplica(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
 }
 
 // Over tcp UCX serves any address a key names from its progress thread: an
@@ -621,11 +647,118 @@ class TlsDaemonTest : public ::testing::Test {
                            << " did not answer a good certificate: " << good.error_message();
   }
 
+  // Stubs over mutual TLS with `leaf`'s certificate, carrying kTestToken.
+  std::shared_ptr<grpc::Channel> ChannelAs(const std::string& leaf) {
+    absl::StatusOr<ChannelSecurity> s = MakeChannelSecurity(Pair(leaf, "ca"), kTestToken, "");
+    EXPECT_TRUE(s.ok()) << s.status();
+    return MakeChannel(daemon_->address(), s.ok() ? *s : ChannelSecurity(),
+                       grpc::ChannelArguments());
+  }
+  grpc::Status CommitReplica(const std::string& leaf, const std::string& job) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::CommitReplicaRequest req;
+    req.set_job_id(job);
+    v1::CommitStepResponse resp;
+    return v1::Replica::NewStub(ChannelAs(leaf))->CommitReplica(&ctx, req, &resp);
+  }
+  grpc::Status ReleaseReplica(const std::string& leaf, const std::string& job) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::ReleaseReplicaRequest req;
+    req.set_job_id(job);
+    v1::ReleaseReplicaResponse resp;
+    return v1::Replica::NewStub(ChannelAs(leaf))->ReleaseReplica(&ctx, req, &resp);
+  }
+  // A TransferState stream of one header chunk naming `job`.
+  grpc::Status TransferState(const std::string& leaf, const std::string& job) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::TransferStateResponse resp;
+    auto stub = v1::Replica::NewStub(ChannelAs(leaf));
+    std::unique_ptr<grpc::ClientWriter<v1::ReplicaStateChunk>> w = stub->TransferState(&ctx, &resp);
+    v1::ReplicaStateChunk chunk;
+    chunk.set_job_id(job);
+    w->Write(chunk);
+    w->WritesDone();
+    return w->Finish();
+  }
+  grpc::Status ForwardGradient(const std::string& leaf, const std::string& job) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::ForwardGradientResponse resp;
+    auto stub = v1::Replica::NewStub(ChannelAs(leaf));
+    std::unique_ptr<grpc::ClientWriter<v1::ForwardedGradientChunk>> w =
+        stub->ForwardGradient(&ctx, &resp);
+    v1::ForwardedGradientChunk chunk;
+    chunk.set_job_id(job);
+    w->Write(chunk);
+    w->WritesDone();
+    return w->Finish();
+  }
+  // Registers job `id` (one rank, this daemon) as a trainer, over TLS.
+  void RegisterAsTrainer(const std::string& id) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::RegisterJobRequest req;
+    *req.mutable_spec() = MakeSpec(id, SampleLayout(), 2, 1, {daemon_->address()});
+    req.set_daemon_index(0);
+    v1::RegisterJobResponse resp;
+    const grpc::Status s = v1::Control::NewStub(ChannelAs("client"))->RegisterJob(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+
   static testing::TestPki* pki_;
   std::unique_ptr<Daemon> daemon_;
 };
 
 testing::TestPki* TlsDaemonTest::pki_ = nullptr;
+
+// The daemon-to-daemon Replica calls demand the daemon role of the caller's
+// certificate: a trainer's, an operator's or a role-less certificate from
+// the same CA is refused before anything is read, with the fix in the
+// message.
+TEST_F(TlsDaemonTest, ReplicaCallsNeedTheDaemonRole) {
+  RegisterAsTrainer("job");
+  for (const std::string leaf : {"client", "admin", "norole"}) {
+    const std::string has = leaf == "client"  ? "the role(s) trainer"
+                            : leaf == "admin" ? "the role(s) admin"
+                                              : "no role";
+    for (const grpc::Status& s :
+         {TransferState(leaf, "job"), ForwardGradient(leaf, "job"), CommitReplica(leaf, "job"),
+          ReleaseReplica(leaf, "job"), CommitReplica(leaf, "unknown-job")}) {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+          << leaf << ": " << s.error_message();
+      EXPECT_THAT(s.error_message(), HasSubstr("the daemon role")) << leaf;
+      EXPECT_THAT(s.error_message(), HasSubstr("URI:urn:zeroshard:role:daemon")) << leaf;
+      EXPECT_THAT(s.error_message(), HasSubstr(has)) << leaf;
+    }
+  }
+  EXPECT_EQ(daemon_->jobs().size(), 1u) << "a refused ReleaseReplica removed the job";
+}
+
+// A daemon's certificate gets past the role check to the job lookup; the
+// calls trainers make on failover stay open to theirs.
+TEST_F(TlsDaemonTest, DaemonCertificatePassesTheRoleCheck) {
+  EXPECT_EQ(CommitReplica("server", "unknown-job").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(ReleaseReplica("server", "unknown-job").error_code(), grpc::StatusCode::NOT_FOUND);
+  RegisterAsTrainer("job");
+  for (const grpc::Status& s : {TransferState("server", "job"), ForwardGradient("server", "job"),
+                                CommitReplica("server", "job"), ReleaseReplica("server", "job")}) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("not replicated"));
+  }
+  for (const std::string leaf : {"client", "server"}) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::GetReplicaStateRequest req;
+    req.set_job_id("job");
+    v1::ReplicaState resp;
+    const grpc::Status s =
+        v1::Replica::NewStub(ChannelAs(leaf))->GetReplicaState(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << leaf << ": " << s.error_message();
+  }
+}
 
 TEST_F(TlsDaemonTest, GoodCertificateWorks) { EXPECT_TRUE(StatusWith(Pair("client", "ca")).ok()); }
 

@@ -115,7 +115,9 @@ last_step() {
 # link goes down for that long once rank 0 has passed step CUT_AFTER.
 run() {
   local tag="$1" cut="$2" t0=$SECONDS
-  "$ZSRUN" --daemon_addresses="${DAEMON_ADDRS[0]},${DAEMON_ADDRS[1]}" --nproc=2 \
+  # ZS_INSECURE=1: the trainers send the job token in plaintext to the
+  # daemons' non-loopback addresses on the test subnet (as --insecure above).
+  ZS_INSECURE=1 "$ZSRUN" --daemon_addresses="${DAEMON_ADDRS[0]},${DAEMON_ADDRS[1]}" --nproc=2 \
     --job_id="link-cut-$tag" --max_restarts=20 --grace_s=5 -- \
     "$GPT_TRAIN" "${TRAINER_FLAGS[@]}" --dump_params="$WORK/$tag.f32" >"$WORK/$tag.log" 2>&1 &
   ZSRUN_PID=$!

@@ -17,6 +17,9 @@
 //       Python's torch.load reads (NAME may be "latest"); reads files only.
 //   --output=json (estimate, status, memory): one JSON document on stdout, for
 //       scripts; its keys are in tools/zsctl_commands.h.
+//   --tls_cert/--tls_key/--tls_ca (or ZS_TLS_*): mutual TLS to the daemons.
+//       Without them a token goes only to loopback daemons, unless --insecure
+//       (or ZS_INSECURE=1) says plaintext on the network is wanted.
 
 #include <cstdio>
 #include <string>
@@ -28,6 +31,7 @@
 #include "absl/flags/usage.h"
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/auth.h"
 #include "common/channel.h"
 #include "common/tls_flags.h"
@@ -62,6 +66,10 @@ ABSL_FLAG(std::string, token_file, "",
           "File (mode 0600) holding the job's token, or the admin token; default: "
           "$ZS_JOB_TOKEN. Without one, daemons show no job and refuse job commands.");
 
+ABSL_FLAG(bool, insecure, false,
+          "Send the token in plaintext to daemons that are not on loopback (no --tls_* files; "
+          "also ZS_INSECURE=1): for networks where something else protects the traffic.");
+
 namespace {
 
 constexpr char kUsage[] =
@@ -88,11 +96,26 @@ absl::StatusOr<zeroshard::ChannelSecurity> Security() {
 }
 
 // Sets `*security` from the flags, then returns `run()`; the credentials'
-// error (and no call) when the flags' files cannot be read.
-absl::StatusOr<std::string> Secured(zeroshard::ChannelSecurity* security,
+// error (and no call) when the flags' files cannot be read, or when a token
+// would go in plaintext to one of `daemons` that is not on loopback without
+// --insecure.
+absl::StatusOr<std::string> Secured(const std::string& daemons,
+                                    zeroshard::ChannelSecurity* security,
                                     absl::FunctionRef<absl::StatusOr<std::string>()> run) {
   absl::StatusOr<zeroshard::ChannelSecurity> s = Security();
   if (!s.ok()) return s.status();
+  if (!s->token.empty()) {
+    const bool insecure = zeroshard::InsecureOrEnvironment(absl::GetFlag(FLAGS_insecure));
+    for (absl::string_view address : absl::StrSplit(daemons, ',', absl::SkipEmpty())) {
+      if (absl::Status plain = zeroshard::CheckPlaintextAddress(
+              address, s->tls, insecure, "--daemons",
+              "--tls_cert, --tls_key and --tls_ca (or ZS_TLS_CERT, ZS_TLS_KEY and ZS_TLS_CA)",
+              "--insecure (or ZS_INSECURE=1)");
+          !plain.ok()) {
+        return plain;
+      }
+    }
+  }
   *security = *std::move(s);
   return run();
 }
@@ -150,7 +173,7 @@ int main(int argc, char** argv) {
     o.daemons = absl::GetFlag(FLAGS_daemons);
     o.job = absl::GetFlag(FLAGS_job);
     o.timeout_ms = TimeoutMs(5000);
-    out = Secured(&o.security, [&]() -> absl::StatusOr<std::string> {
+    out = Secured(o.daemons, &o.security, [&]() -> absl::StatusOr<std::string> {
       if (!json) {
         return command == "status"   ? zeroshard::tools::RunStatus(o)
                : command == "memory" ? zeroshard::tools::RunMemory(o)
@@ -165,7 +188,7 @@ int main(int argc, char** argv) {
     zeroshard::tools::AdminOptions o;
     o.daemons = absl::GetFlag(FLAGS_daemons);
     o.timeout_ms = TimeoutMs(30000);
-    out = Secured(&o.security, [&] { return zeroshard::tools::RunHealth(o); });
+    out = Secured(o.daemons, &o.security, [&] { return zeroshard::tools::RunHealth(o); });
   } else if (command == "checkpoint") {
     zeroshard::tools::CheckpointOptions o;
     o.daemons = absl::GetFlag(FLAGS_daemons);
@@ -174,7 +197,8 @@ int main(int argc, char** argv) {
     o.timeout_ms = TimeoutMs(600000);
     const std::string action = args[2];
     command = absl::StrCat(command, " ", action);
-    out = Secured(&o.security, [&] { return zeroshard::tools::RunCheckpoint(action, o); });
+    out = Secured(o.daemons, &o.security,
+                  [&] { return zeroshard::tools::RunCheckpoint(action, o); });
   } else if (command == "export") {
     zeroshard::tools::ExportOptions o;
     o.checkpoint = absl::GetFlag(FLAGS_checkpoint);

@@ -1,8 +1,11 @@
 #!/bin/bash
 # Writes a throwaway PKI for TLS tests into DIR (made by the caller):
 #   ca.{crt,key}            the CA every good certificate chains to
-#   server.{crt,key}        subjectAltName IP:127.0.0.1, DNS:localhost
-#   client.{crt,key}        a trainer's / operator's certificate
+#   server.{crt,key}        a daemon's: subjectAltName IP:127.0.0.1, DNS:localhost and
+#                           the daemon role (URI:urn:zeroshard:role:daemon)
+#   client.{crt,key}        a trainer's: the trainer role
+#   admin.{crt,key}         an operator's: the admin role
+#   norole.{crt,key}        signed by the CA, naming no role
 #   expired.{crt,key}       signed by the CA, valid 2020-01-01..2020-01-02 only
 #   other_ca.{crt,key}      an unrelated CA
 #   stranger.{crt,key}      signed by other_ca
@@ -27,8 +30,10 @@ leaf() {
 }
 ca ca
 ca other_ca
-leaf server ca "IP:127.0.0.1,DNS:localhost"
-leaf client ca "DNS:trainer"
+leaf server ca "IP:127.0.0.1,DNS:localhost,URI:urn:zeroshard:role:daemon"
+leaf client ca "DNS:trainer,URI:urn:zeroshard:role:trainer"
+leaf admin ca "DNS:admin,URI:urn:zeroshard:role:admin"
+leaf norole ca "DNS:norole"
 leaf stranger other_ca "DNS:stranger"
 # An expired certificate: `openssl ca` takes explicit validity dates.
 key expired

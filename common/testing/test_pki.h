@@ -35,8 +35,9 @@ class TestPki {
   }
   ~TestPki() { std::filesystem::remove_all(dir_); }
 
-  // dir/name: ca.crt, server.{crt,key}, client.{crt,key}, expired.{crt,key},
-  // other_ca.crt, stranger.{crt,key} (make_test_certs.sh says what each is).
+  // dir/name: ca.crt, server.{crt,key}, client.{crt,key}, admin.{crt,key},
+  // norole.{crt,key}, expired.{crt,key}, other_ca.crt, stranger.{crt,key}
+  // (make_test_certs.sh says what each is and which role it names).
   std::string File(const std::string& name) const { return dir_ + "/" + name; }
 
  private:

@@ -114,6 +114,8 @@ class Job {
   bool ever_joined() const { return ranks_.ever_joined(); }
   // Joined ranks heard from within `timeout`.
   uint32_t RanksConnected(absl::Duration timeout) const { return ranks_.Connected(timeout); }
+  // When any rank was last heard from (InfinitePast: never).
+  absl::Time LastHeard() const { return ranks_.LastHeard(); }
   // The rank's staging region (created on first use through the transport).
   absl::StatusOr<std::shared_ptr<RankStaging>> Staging(uint32_t rank, uint64_t incarnation,
                                                        bool create) {

@@ -212,21 +212,38 @@ uint64_t JobManager::unjoined_removed() const {
   return unjoined_removed_;
 }
 
+uint64_t JobManager::idle_removed() const {
+  absl::MutexLock lock(&mu_);
+  return idle_removed_;
+}
+
 void JobManager::Tick() {
   const absl::Time now = absl::Now();
-  std::vector<std::shared_ptr<Job>> unjoined;  // every copy of such jobs
+  std::vector<std::shared_ptr<Job>> unjoined;  // every copy of such jobs, and of idle ones
   {
     absl::MutexLock lock(&mu_);
-    if (options_.join_timeout > absl::ZeroDuration()) {
-      for (const auto& [id, entry] : jobs_) {
-        auto home = entry.copies.find(entry.home);
-        if (home == entry.copies.end() || home->second->role() != ReplicaRole::kPrimary) continue;
-        if (entry.registered + options_.join_timeout > now || home->second->ever_joined()) {
+    for (const auto& [id, entry] : jobs_) {
+      auto home = entry.copies.find(entry.home);
+      if (home == entry.copies.end() || home->second->role() != ReplicaRole::kPrimary) continue;
+      const Job& job = *home->second;
+      if (!job.ever_joined()) {
+        if (options_.join_timeout == absl::ZeroDuration() ||
+            entry.registered + options_.join_timeout > now) {
           continue;
         }
-        for (const auto& [group, job] : entry.copies) unjoined.push_back(job);
         ++unjoined_removed_;
+      } else {
+        if (options_.job_idle_timeout == absl::ZeroDuration() ||
+            job.LastHeard() + options_.job_idle_timeout > now) {
+          continue;
+        }
+        ++idle_removed_;
+        std::fprintf(stderr,
+                     "zeroshardd: job %s removed: no rank heard from for %s "
+                     "(--job_idle_timeout_seconds)\n",
+                     id.c_str(), absl::FormatDuration(options_.job_idle_timeout).c_str());
       }
+      for (const auto& [group, copy] : entry.copies) unjoined.push_back(copy);
     }
   }
   for (const std::shared_ptr<Job>& job : unjoined) Remove(job);

@@ -39,6 +39,12 @@ class JobManager {
     // this is removed with every copy, so that registrations nobody follows
     // up cannot hold --max_jobs or memory for good. Zero: never.
     absl::Duration join_timeout = absl::Minutes(2);
+    // A job whose home copy (a primary) had ranks joined and has heard from
+    // none of them (join, heartbeat, any rank request) for this long is
+    // removed with every copy: a crashed run's state stays for the time a
+    // restart needs, not for good. Nothing is saved first: a restart resumes
+    // from the job's last checkpoint. Zero: never.
+    absl::Duration job_idle_timeout = absl::Hours(1);
     // Called by Remove, on its thread with no manager lock held, before the
     // job leaves the registry (so before a job of the same id can be
     // registered again), for what the daemon keeps for a job outside it: its
@@ -83,13 +89,15 @@ class JobManager {
   size_t retired() const;
   // Jobs removed because no rank joined them within join_timeout.
   uint64_t unjoined_removed() const;
+  // Jobs removed because no rank was heard from within job_idle_timeout.
+  uint64_t idle_removed() const;
 
   const Options& options() const { return options_; }
   // What every job borrows from the daemon.
   const JobResources& resources() const { return resources_; }
 
   // One janitor pass (exposed for tests): removes jobs past join_timeout
-  // with no rank joined, reaps retired jobs whose lease ended and that no
+  // with no rank joined and jobs idle past job_idle_timeout, reaps retired jobs whose lease ended and that no
   // caller holds any more (their memory, ledger entry and metric series go
   // together), and updates the ranks-connected gauges.
   void Tick();
@@ -121,6 +129,7 @@ class JobManager {
   std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t unjoined_removed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t idle_removed_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread janitor_;
 };
 

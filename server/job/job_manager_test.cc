@@ -451,6 +451,46 @@ TEST_F(JobManagerTest, AJobNoRankJoinsIsRemovedAfterTheJoinTimeout) {
   EXPECT_TRUE(Register(Spec("fourth")).ok()) << "the removed jobs still count against max_jobs";
 }
 
+// A job whose ranks all fell silent is removed after job_idle_timeout with
+// every copy; one whose ranks are heard from stays.
+TEST_F(JobManagerTest, AJobNoRankIsHeardFromIsRemovedAfterTheIdleTimeout) {
+  JobManager::Options o;
+  o.read_lease = absl::ZeroDuration();
+  o.janitor_period = absl::Hours(1);
+  o.job_idle_timeout = absl::Milliseconds(300);
+  Make(o);
+  auto join = [](const std::shared_ptr<Job>& job) {
+    v1::JoinJobRequest r;
+    r.set_job_id(job->config().job_id);
+    r.set_rank(0);
+    r.set_incarnation(1);
+    r.set_layout_fingerprint(job->config().layout.fingerprint());
+    r.set_stage(job->config().stage);
+    r.set_world_size(job->config().world_size);
+    r.set_precision(WireDType(job->config().precision));
+    v1::JoinJobResponse joined;
+    return job->Join(r, &joined);
+  };
+  std::shared_ptr<Job> crashed = *Register(Spec("crashed", 2, 2));
+  std::shared_ptr<Job> alive = *Register(Spec("alive"));
+  ASSERT_TRUE(join(crashed).ok());
+  ASSERT_TRUE(join(alive).ok());
+  crashed.reset();
+  manager_->Tick();
+  EXPECT_EQ(manager_->size(), 2u) << "removed before the idle timeout";
+  // "alive" is heard from every 100 ms (as a heartbeat does); "crashed" not.
+  for (int i = 0; i < 4; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    ASSERT_TRUE(alive->CheckRank(0, 1, "").ok());
+  }
+  manager_->Tick();
+  EXPECT_EQ(manager_->idle_removed(), 1u);
+  EXPECT_FALSE(manager_->Find("crashed").ok());
+  EXPECT_FALSE(manager_->Find("crashed", 1).ok()) << "the backup copy stayed";
+  EXPECT_TRUE(manager_->Find("alive").ok());
+  EXPECT_EQ(manager_->unjoined_removed(), 0u);
+}
+
 // Removing a copy that is no longer registered retires nothing a second time.
 TEST_F(JobManagerTest, RemoveTwiceRetiresOnce) {
   JobManager::Options o;

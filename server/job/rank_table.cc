@@ -1,5 +1,7 @@
 #include "server/job/rank_table.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/fnv.h"
@@ -22,6 +24,16 @@ absl::StatusOr<uint64_t> RankTable::Join(uint32_t rank, uint64_t incarnation) {
     return absl::FailedPreconditionError(absl::StrCat(
         "incarnation: rank ", rank, " of job ", options_.job_id, " has joined as incarnation ",
         e.incarnation, " since; incarnation ", incarnation, " is fenced"));
+  }
+  // An incarnation far ahead would fence every later process of the rank
+  // for good: the step is bounded past this daemon's clock.
+  const uint64_t now_us = static_cast<uint64_t>(std::max<int64_t>(0, absl::ToUnixMicros(absl::Now())));
+  const uint64_t bound = std::max(now_us, e.incarnation) + kMaxIncarnationAheadMicros;
+  if (incarnation > bound) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "incarnation: at most ", bound, " (this daemon's clock in microseconds since the Unix ",
+        "epoch, or the rank's current incarnation, plus one day), got ", incarnation,
+        "; a trainer's incarnation is its start time in microseconds"));
   }
   uint64_t replaced = 0;
   if (incarnation > e.incarnation) {
@@ -130,6 +142,13 @@ uint32_t RankTable::Connected(absl::Duration timeout) const {
   uint32_t n = 0;
   for (const Entry& e : ranks_) n += e.joined && e.last_seen >= cutoff ? 1 : 0;
   return n;
+}
+
+absl::Time RankTable::LastHeard() const {
+  absl::MutexLock lock(&mu_);
+  absl::Time last = absl::InfinitePast();
+  for (const Entry& e : ranks_) last = std::max(last, e.last_seen);
+  return last;
 }
 
 void RankTable::FillStepState(absl::Duration timeout, bool brief, v1::StepState* state) const {

@@ -46,7 +46,11 @@ class RankTable {
   // incarnation than the rank's replaces the older process, whose staging
   // region is dropped: returns the replaced incarnation (0 when none). The
   // same incarnation again is idempotent. FailedPrecondition for an older
-  // incarnation (it is fenced); NotFound once the job was removed.
+  // incarnation (it is fenced); InvalidArgument for one more than
+  // kMaxIncarnationAheadMicros past both this daemon's clock (microseconds
+  // since the Unix epoch, what clients use) and the rank's incarnation;
+  // NotFound once the job was removed.
+  static constexpr uint64_t kMaxIncarnationAheadMicros = uint64_t{86400} * 1000 * 1000;
   absl::StatusOr<uint64_t> Join(uint32_t rank, uint64_t incarnation);
   // OK iff `rank` is joined as `incarnation` (and records it heard from
   // now). InvalidArgument / FailedPrecondition naming `field` + "rank" /
@@ -68,6 +72,8 @@ class RankTable {
   bool ever_joined() const;
   // Joined ranks heard from within `timeout`.
   uint32_t Connected(absl::Duration timeout) const;
+  // When any rank was last heard from (InfinitePast: never).
+  absl::Time LastHeard() const;
   // Every rank, in rank order, into state->ranks (and the joined and
   // connected counts).
   void FillStepState(absl::Duration timeout, bool brief, v1::StepState* state) const;

@@ -5,6 +5,7 @@
 
 #include "server/job/rank_table.h"
 
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -79,6 +80,21 @@ TEST_F(RankTableTest, NewerIncarnationsFenceOlderOnes) {
   // Rank 1 is its own.
   EXPECT_EQ(t.Join(1, 1).value_or(99), 0u);
   EXPECT_EQ(t.joined(), 2u);
+}
+
+TEST_F(RankTableTest, AnIncarnationFarAheadIsRefused) {
+  RankTable t(Options(1));
+  // UINT64_MAX would fence every later process of rank 0 for good.
+  absl::StatusOr<uint64_t> far = t.Join(0, std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(far.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(far.status().message(), HasSubstr("incarnation: at most"));
+  EXPECT_EQ(t.joined(), 0u);
+  // A trainer's start time, and one a few hours ahead (clock skew), join.
+  const uint64_t now = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
+  EXPECT_TRUE(t.Join(0, now).ok());
+  EXPECT_TRUE(t.Join(0, now + uint64_t{3600} * 1000 * 1000 * 5).ok());
+  EXPECT_EQ(t.Join(0, now + 2 * RankTable::kMaxIncarnationAheadMicros).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(RankTableTest, CheckNamesTheFieldThatIsWrong) {

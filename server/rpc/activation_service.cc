@@ -136,8 +136,12 @@ grpc::Status ActivationService::LocateActivation(grpc::ServerContext* ctx,
 absl::Status ActivationService::DoOffload(grpc::ServerContext* ctx,
                                           grpc::ServerReader<v1::ActivationChunk>* reader,
                                           v1::ActivationStored* resp) {
+  RETURN_IF_ERROR(ctx_->CheckStreamCaller(*ctx, "OffloadActivation"));
+  // A stalled stream holds its reservation until the watchdog ends it.
+  const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(ctx);
   v1::ActivationChunk chunk;
-  if (!reader->Read(&chunk)) {
+  if (!watch->Wait([&] { return reader->Read(&chunk); })) {
+    if (watch->expired()) return ctx_->IdleStreamError("OffloadActivation");
     if (ctx->IsCancelled()) return absl::CancelledError("the client abandoned the stream");
     return absl::InvalidArgumentError("the stream carried no chunk");
   }
@@ -194,8 +198,9 @@ absl::Status ActivationService::DoOffload(grpc::ServerContext* ctx,
     crc = Crc32cCombine(crc, chunk_crc, n);
     received += n;
     chunk.Clear();
-    if (!reader->Read(&chunk)) break;
+    if (!watch->Wait([&] { return reader->Read(&chunk); })) break;
   }
+  if (watch->expired()) return ctx_->IdleStreamError("OffloadActivation");
   if (ctx->IsCancelled()) {
     return absl::CancelledError("the client abandoned the stream; nothing is stored");
   }
@@ -232,7 +237,9 @@ absl::Status ActivationService::DoFetch(grpc::ServerContext* ctx,
   const uint64_t chunk_bytes = req.max_chunk_bytes() != 0 ? req.max_chunk_bytes() : ctx_->max_chunk_bytes;
   uint64_t sent = 0;
   // Each piece is written from the arena with no lock held; the store keeps
-  // the slice in place until the last is written.
+  // the slice in place until the last is written (or the watchdog ends a
+  // stalled reader's call).
+  const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(ctx);
   absl::Status s = ctx_->activations->Fetch(
       owner, key, DeadlineOf(ctx), chunk_bytes,
       [&](const SlicePlacement& slice, uint64_t offset, absl::string_view data) {
@@ -245,8 +252,9 @@ absl::Status ActivationService::DoFetch(grpc::ServerContext* ctx,
         c.set_data(data.data(), data.size());
         c.set_crc32c(Crc32c(data.data(), data.size()));
         sent += data.size();
-        return writer->Write(c);
+        return watch->Wait([&] { return writer->Write(c); });
       });
+  if (watch->expired()) s = ctx_->IdleStreamError("FetchActivation");
   ctx_->metrics->RecordTraffic(owner.job_id, "fetch", "stream", sent);
   if (s.ok()) ctx_->activation_metrics->RecordFetch(owner.job_id, absl::Now() - start);
   return s;

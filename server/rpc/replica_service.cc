@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/rpc/peer_role.h"
 #include "server/rpc/services.h"
 
 namespace zeroshard {
@@ -32,6 +33,9 @@ absl::Status ReplicaService::FillState(const grpc::ServerContext& call, const st
   return absl::OkStatus();
 }
 
+// GetReplicaState and Promote demand no certificate role: trainers call them
+// on failover (client/replica_placement.cc) with the trainer role. The calls
+// between daemons below demand the daemon role under mutual TLS.
 grpc::Status ReplicaService::GetReplicaState(grpc::ServerContext* call,
                                              const v1::GetReplicaStateRequest* req,
                                              v1::ReplicaState* resp) {
@@ -49,12 +53,15 @@ grpc::Status ReplicaService::Promote(grpc::ServerContext* call, const v1::Promot
 
 namespace {
 
-// Reads the stream's first chunk and finds the copy it names: the handlers'
-// common start.
+// Checks the call's token, reads the stream's first chunk and finds the
+// copy it names: the handlers' common start.
 template <typename Chunk>
-absl::StatusOr<std::shared_ptr<Job>> FirstChunk(ServiceContext* ctx, grpc::ServerContext* call,
+absl::StatusOr<std::shared_ptr<Job>> FirstChunk(ServiceContext* ctx, const char* rpc,
+                                                grpc::ServerContext* call, StreamWatch* watch,
                                                 grpc::ServerReader<Chunk>* reader, Chunk* first) {
-  if (!reader->Read(first)) {
+  if (absl::Status s = ctx->CheckStreamCaller(*call, rpc); !s.ok()) return s;
+  if (!watch->Wait([&] { return reader->Read(first); })) {
+    if (watch->expired()) return ctx->IdleStreamError(rpc);
     return absl::InvalidArgumentError("the stream carried no chunk");
   }
   return ctx->FindCopy(*call, first->job_id(), first->group());
@@ -64,8 +71,8 @@ absl::StatusOr<std::shared_ptr<Job>> FirstChunk(ServiceContext* ctx, grpc::Serve
 // none) is checked by the job with the rest of each chunk, so that a stream
 // refused for it applies nothing.
 template <typename Chunk>
-bool NextChunk(grpc::ServerReader<Chunk>* reader, Chunk* chunk) {
-  return reader->Read(chunk);
+bool NextChunk(StreamWatch* watch, grpc::ServerReader<Chunk>* reader, Chunk* chunk) {
+  return watch->Wait([&] { return reader->Read(chunk); });
 }
 
 }  // namespace
@@ -73,14 +80,21 @@ bool NextChunk(grpc::ServerReader<Chunk>* reader, Chunk* chunk) {
 grpc::Status ReplicaService::TransferState(grpc::ServerContext* call,
                                            grpc::ServerReader<v1::ReplicaStateChunk>* reader,
                                            v1::TransferStateResponse* resp) {
+  if (absl::Status s = RequirePeerRole(*call, PeerRole::kDaemon, ctx_->tls); !s.ok()) {
+    return ctx_->Done(__func__, s);
+  }
+  const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(call);
   v1::ReplicaStateChunk first;
-  absl::StatusOr<ReplicaGroup*> group = GroupOf(FirstChunk(ctx_, call, reader, &first));
+  absl::StatusOr<ReplicaGroup*> group =
+      GroupOf(FirstChunk(ctx_, __func__, call, watch.get(), reader, &first));
   if (!group.ok()) return ctx_->Done(__func__, group.status());
   // A bulk transfer reads the primary's arrays within the caller's deadline.
   const absl::Time deadline =
       std::min(absl::FromChrono(call->deadline()), absl::Now() + kMaxTransferWait);
   absl::StatusOr<v1::TransferStateResponse> r = (*group)->AcceptState(
-      first, [&](v1::ReplicaStateChunk* c) { return NextChunk(reader, c); }, deadline);
+      first, [&](v1::ReplicaStateChunk* c) { return NextChunk(watch.get(), reader, c); },
+      deadline);
+  if (watch->expired()) return ctx_->Done(__func__, ctx_->IdleStreamError(__func__));
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   *resp = *std::move(r);
   return ctx_->Done(__func__, absl::OkStatus());
@@ -89,11 +103,17 @@ grpc::Status ReplicaService::TransferState(grpc::ServerContext* call,
 grpc::Status ReplicaService::ForwardGradient(grpc::ServerContext* call,
                                              grpc::ServerReader<v1::ForwardedGradientChunk>* reader,
                                              v1::ForwardGradientResponse* resp) {
+  if (absl::Status s = RequirePeerRole(*call, PeerRole::kDaemon, ctx_->tls); !s.ok()) {
+    return ctx_->Done(__func__, s);
+  }
+  const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(call);
   v1::ForwardedGradientChunk first;
-  absl::StatusOr<ReplicaGroup*> group = GroupOf(FirstChunk(ctx_, call, reader, &first));
+  absl::StatusOr<ReplicaGroup*> group =
+      GroupOf(FirstChunk(ctx_, __func__, call, watch.get(), reader, &first));
   if (!group.ok()) return ctx_->Done(__func__, group.status());
   absl::StatusOr<v1::ForwardGradientResponse> r = (*group)->AcceptGradient(
-      first, [&](v1::ForwardedGradientChunk* c) { return NextChunk(reader, c); });
+      first, [&](v1::ForwardedGradientChunk* c) { return NextChunk(watch.get(), reader, c); });
+  if (watch->expired()) return ctx_->Done(__func__, ctx_->IdleStreamError(__func__));
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   *resp = *std::move(r);
   return ctx_->Done(__func__, absl::OkStatus());
@@ -102,6 +122,9 @@ grpc::Status ReplicaService::ForwardGradient(grpc::ServerContext* call,
 grpc::Status ReplicaService::CommitReplica(grpc::ServerContext* call,
                                            const v1::CommitReplicaRequest* req,
                                            v1::CommitStepResponse* resp) {
+  if (absl::Status s = RequirePeerRole(*call, PeerRole::kDaemon, ctx_->tls); !s.ok()) {
+    return ctx_->Done(__func__, s);
+  }
   absl::StatusOr<ReplicaGroup*> group =
       GroupOf(ctx_->FindCopy(*call, req->job_id(), req->group()));
   if (!group.ok()) return ctx_->Done(__func__, group.status());
@@ -114,6 +137,9 @@ grpc::Status ReplicaService::CommitReplica(grpc::ServerContext* call,
 grpc::Status ReplicaService::ReleaseReplica(grpc::ServerContext* call,
                                             const v1::ReleaseReplicaRequest* req,
                                             v1::ReleaseReplicaResponse*) {
+  if (absl::Status s = RequirePeerRole(*call, PeerRole::kDaemon, ctx_->tls); !s.ok()) {
+    return ctx_->Done(__func__, s);
+  }
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindCopy(*call, req->job_id(), req->group());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   // Only the group's current primary releases its backup.

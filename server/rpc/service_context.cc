@@ -35,6 +35,13 @@ absl::StatusOr<std::shared_ptr<Job>> ServiceContext::FindJob(const grpc::ServerC
       target->has_value() ? FindCopy(call, id, (*target)->group) : FindCopy(call, id, ~0u);
   if (!job.ok()) return job.status();
   if (serving) {
+    if (!target->has_value() && (*job)->replica() != nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", id, " is replicated: its requests name the replica group and the epoch they "
+          "expect (metadata ", kReplicaGroupMetadataKey, " and ", kReplicaEpochMetadataKey,
+          ", from Replica.GetReplicaState), so that a replaced copy serves nobody; nothing was "
+          "changed"));
+    }
     std::optional<uint64_t> epoch;
     if (target->has_value()) epoch = (*target)->epoch;
     if (absl::Status s = (*job)->CheckServing(epoch); !s.ok()) return s;
@@ -119,6 +126,30 @@ absl::Status ServiceContext::ClaimFiles(const Job& job) const {
   return absl::PermissionDeniedError(absl::StrCat(
       "job ", id, "'s checkpoints on this daemon were saved with another job token; this job "
       "cannot save beside them (choose another job id)"));
+}
+
+absl::Status ServiceContext::CheckStreamCaller(const grpc::ServerContext& call,
+                                               absl::string_view rpc) const {
+  absl::StatusOr<TokenDigest> caller = CallerToken(call, rpc);
+  if (!caller.ok()) return caller.status();
+  if (admin.has_value() && admin->Matches(*caller)) return absl::OkStatus();
+  for (const std::shared_ptr<Job>& job : jobs->All()) {
+    if (job->token().Matches(*caller)) return absl::OkStatus();
+  }
+  return absl::NotFoundError(absl::StrCat(
+      rpc, ": no job registered on this daemon opens with the token presented; nothing was read"));
+}
+
+std::unique_ptr<StreamWatch> ServiceContext::WatchStream(grpc::ServerContext* call) const {
+  if (stream_watchdog == nullptr) return std::make_unique<StreamWatch>();
+  return stream_watchdog->Watch([call] { call->TryCancel(); });
+}
+
+absl::Status ServiceContext::IdleStreamError(absl::string_view what) const {
+  return absl::DeadlineExceededError(absl::StrCat(
+      what, ": the peer sent or read nothing for ",
+      absl::FormatDuration(stream_watchdog != nullptr ? stream_watchdog->idle() : absl::ZeroDuration()),
+      " (--stream_idle_timeout_seconds); the stream was cancelled and nothing was applied"));
 }
 
 bool ServiceContext::MayOpen(const grpc::ServerContext& call, const Job& job) const {

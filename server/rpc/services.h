@@ -28,6 +28,7 @@
 #include "server/metrics/daemon_metrics.h"
 #include "server/job/job_manager.h"
 #include "server/ledger/memory_ledger.h"
+#include "server/rpc/stream_watchdog.h"
 #include "transport/transport.h"
 
 namespace zeroshard {
@@ -59,6 +60,12 @@ struct ServiceContext {
   std::optional<TokenDigest> admin;
   // The registration token's digest; nullopt: any caller may create jobs.
   std::optional<TokenDigest> registration;
+  // Whether the daemon serves mutual TLS (DaemonOptions::tls): only then do
+  // services demand roles of the callers' certificates (peer_role.h).
+  bool tls = false;
+  // Ends streams whose peer stopped (--stream_idle_timeout_seconds); null:
+  // none (streams wait for as long as their deadline allows).
+  StreamWatchdog* stream_watchdog = nullptr;
 
   // Counts the request under its RPC name and result code.
   grpc::Status Done(const char* rpc, const absl::Status& status);
@@ -71,7 +78,8 @@ struct ServiceContext {
   // Replicated jobs: the copy of the replica group the call's metadata
   // names (common/channel.h; none: the home copy), which must serve the
   // group at the call's epoch (Job::CheckServing) unless `serving` is false
-  // (reads: the step state, the partition map).
+  // (reads: the step state, the partition map). A serving request of a
+  // replicated job without that metadata is FailedPrecondition.
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const grpc::ServerContext& call,
                                                const std::string& id, bool serving = true) const;
   // The copy of replica group `group`, whatever its role (the Replica
@@ -100,6 +108,20 @@ struct ServiceContext {
   // The caller's token's digest: Unauthenticated naming `what` without one.
   absl::StatusOr<TokenDigest> CallerToken(const grpc::ServerContext& call,
                                           absl::string_view what) const;
+
+  // Streams whose messages name their job. Before a client-streaming
+  // handler reads anything: OK when the call's token opens some job on this
+  // daemon or is the admin's; Unauthenticated without a usable token,
+  // NotFound for a token that opens nothing here (its job is not registered
+  // here: a primary re-registers its job on a restarted backup on
+  // NotFound). The job the first message names is then checked as usual
+  // (FindJob).
+  absl::Status CheckStreamCaller(const grpc::ServerContext& call, absl::string_view rpc) const;
+  // A watch over `call`'s reads and writes (stream_watchdog); one that does
+  // nothing without a watchdog.
+  std::unique_ptr<StreamWatch> WatchStream(grpc::ServerContext* call) const;
+  // What a handler returns when its watch expired.
+  absl::Status IdleStreamError(absl::string_view what) const;
 };
 
 class StreamBooking;  // server/rpc/shard_service.cc
@@ -158,12 +180,15 @@ class ShardService final : public v1::Shard::Service {
   absl::Status DoExchangeEndpoint(const grpc::ServerContext& call,
                                   const v1::ExchangeEndpointRequest& req,
                                   v1::ExchangeEndpointResponse* resp);
-  // Reads a whole client stream; the first chunk names the job (whose token
-  // the caller must present), later chunks must name the same one (or none).
-  // The bytes held are bounded (per chunk too) and booked in `booking`. A
-  // stream the client abandons yields Cancelled and nothing is applied.
+  // Reads a whole client stream of RPC `rpc`: nothing before the call's
+  // token passed CheckStreamCaller; the first chunk names the job (whose
+  // token the caller must present), later chunks must name the same one (or
+  // none). The bytes held are bounded (per chunk too) and booked in
+  // `booking`. A stream the client abandons yields Cancelled, one idle past
+  // the watchdog's limit DeadlineExceeded, and nothing is applied.
   template <typename Chunk>
-  absl::Status ReadStream(grpc::ServerContext* ctx, grpc::ServerReader<Chunk>* reader,
+  absl::Status ReadStream(const char* rpc, grpc::ServerContext* ctx,
+                          grpc::ServerReader<Chunk>* reader,
                           std::vector<Chunk>* chunks, std::shared_ptr<Job>* job,
                           StreamBooking* booking);
 

@@ -52,13 +52,16 @@ class StreamBooking {
 };
 
 template <typename Chunk>
-absl::Status ShardService::ReadStream(grpc::ServerContext* ctx, grpc::ServerReader<Chunk>* reader,
+absl::Status ShardService::ReadStream(const char* rpc, grpc::ServerContext* ctx,
+                                      grpc::ServerReader<Chunk>* reader,
                                       std::vector<Chunk>* chunks, std::shared_ptr<Job>* job,
                                       StreamBooking* booking) {
+  if (absl::Status s = ctx_->CheckStreamCaller(*ctx, rpc); !s.ok()) return s;
+  const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(ctx);
   Chunk chunk;
   uint64_t bytes = 0;
   uint64_t limit = 0;
-  while (reader->Read(&chunk)) {
+  while (watch->Wait([&] { return reader->Read(&chunk); })) {
     if (chunks->empty()) {
       absl::StatusOr<std::shared_ptr<Job>> found = ctx_->FindJob(*ctx, chunk.job_id());
       if (!found.ok()) return found.status();
@@ -84,6 +87,7 @@ absl::Status ShardService::ReadStream(grpc::ServerContext* ctx, grpc::ServerRead
     chunks->push_back(std::move(chunk));
     chunk.Clear();
   }
+  if (watch->expired()) return ctx_->IdleStreamError(rpc);
   if (ctx->IsCancelled()) {
     return absl::CancelledError("the client abandoned the stream; nothing was applied");
   }
@@ -97,7 +101,7 @@ grpc::Status ShardService::InitParameters(grpc::ServerContext* ctx,
   std::vector<v1::ParameterChunk> chunks;
   std::shared_ptr<Job> job;
   StreamBooking booking(ctx_->ledger);
-  absl::Status s = ReadStream(ctx, reader, &chunks, &job, &booking);
+  absl::Status s = ReadStream(__func__, ctx, reader, &chunks, &job, &booking);
   if (!s.ok()) return ctx_->Done(__func__, s);
   uint64_t elements = 0;
   s = job->InitParameters(chunks, &elements);
@@ -114,7 +118,9 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
   std::vector<v1::GradientChunk> chunks;
   std::shared_ptr<Job> job;
   StreamBooking booking(ctx_->ledger);
-  if (absl::Status s = ReadStream(ctx, reader, &chunks, &job, &booking); !s.ok()) return s;
+  if (absl::Status s = ReadStream("PushGradient", ctx, reader, &chunks, &job, &booking); !s.ok()) {
+    return s;
+  }
   const std::string& id = job->config().job_id;
   const absl::Time deadline = DeadlineOf(ctx);
   const auto staged = std::count_if(chunks.begin(), chunks.end(),
@@ -217,12 +223,14 @@ absl::Status ShardService::DoGather(grpc::ServerContext* ctx, const v1::GatherRe
     return s;
   }
   uint64_t bytes = 0;
+  const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(ctx);
   absl::Status s = (*job)->Gather(req.after_step(), range, *dtype, deadline, chunk_elements,
-                                  [writer, &bytes](v1::ParameterChunk& chunk) {
+                                  [&](v1::ParameterChunk& chunk) {
                                     bytes += chunk.data().size();
-                                    return writer->Write(chunk);
+                                    return watch->Wait([&] { return writer->Write(chunk); });
                                   });
   ctx_->metrics->RecordTraffic(req.job_id(), "gather", "stream", bytes);
+  if (watch->expired()) return ctx_->IdleStreamError("Gather");
   return s;
 }
 
@@ -235,6 +243,15 @@ grpc::Status ShardService::PrepareStep(grpc::ServerContext* call, const v1::Prep
                                        v1::PrepareStepResponse* resp) {
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
+  // Only the leader prepares: preparing freezes the step for every rank.
+  if (req->rank() != 0) {
+    return ctx_->Done(__func__, absl::InvalidArgumentError(absl::StrCat(
+                                    "rank: only the job leader (rank 0) prepares, got rank ",
+                                    req->rank())));
+  }
+  if (absl::Status s = (*job)->CheckRank(req->rank(), req->incarnation(), ""); !s.ok()) {
+    return ctx_->Done(__func__, s);
+  }
   absl::StatusOr<v1::PrepareStepResponse> r =
       (*job)->PrepareStep(req->step(), PresentedToken(call->client_metadata()).value_or(""));
   if (!r.ok()) return ctx_->Done(__func__, r.status());
@@ -353,9 +370,12 @@ grpc::Status ShardService::ReadState(grpc::ServerContext* ctx, const v1::ReadSta
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*ctx, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   const uint64_t chunk_elements = std::max<uint64_t>(1, ctx_->max_chunk_bytes / sizeof(float));
-  return ctx_->Done(__func__, (*job)->ReadState(*req, chunk_elements, [writer](v1::StateChunk& c) {
-    return writer->Write(c);
-  }));
+  const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(ctx);
+  absl::Status s = (*job)->ReadState(*req, chunk_elements, [&](v1::StateChunk& c) {
+    return watch->Wait([&] { return writer->Write(c); });
+  });
+  if (watch->expired()) s = ctx_->IdleStreamError(__func__);
+  return ctx_->Done(__func__, s);
 }
 
 grpc::Status ShardService::WriteState(grpc::ServerContext* ctx,
@@ -364,7 +384,7 @@ grpc::Status ShardService::WriteState(grpc::ServerContext* ctx,
   std::vector<v1::StateChunk> chunks;
   std::shared_ptr<Job> job;
   StreamBooking booking(ctx_->ledger);
-  absl::Status s = ReadStream(ctx, reader, &chunks, &job, &booking);
+  absl::Status s = ReadStream(__func__, ctx, reader, &chunks, &job, &booking);
   if (!s.ok()) return ctx_->Done(__func__, s);
   absl::StatusOr<v1::WriteStateResponse> r = job->WriteState(chunks);
   if (!r.ok()) return ctx_->Done(__func__, r.status());

@@ -146,6 +146,8 @@ grpc::Status DaemonClient::Prepare(const std::string& job, uint64_t step,
   v1::PrepareStepRequest req;
   req.set_job_id(job);
   req.set_step(step);
+  req.set_rank(0);
+  req.set_incarnation(kTestIncarnation);
   return shard->PrepareStep(&ctx, req, resp);
 }
 

@@ -213,6 +213,8 @@ void Fix(const Fixer& f, v1::GatherRequest* r) {
 }
 void Fix(const Fixer& f, v1::PrepareStepRequest* r) {
   f.Job(r->mutable_job_id());
+  if (f.on(kLiveRank)) r->set_rank(0);
+  r->set_incarnation(f.Incarnation(r->incarnation()));
   r->set_step(f.NextStep(r->step()));
 }
 void Fix(const Fixer& f, v1::CommitStepRequest* r) {
@@ -1144,6 +1146,7 @@ std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences() {
     v1::PrepareStepRequest prepare;
     prepare.set_job_id("fuzz-other");
     prepare.set_step(1);
+    prepare.set_incarnation(kTestIncarnation);
     c.push_back(One(Rpc::kPrepareStep, 0, prepare));
     v1::CommitStepRequest commit;
     commit.set_job_id("fuzz-other");

@@ -1,0 +1,202 @@
+// The daemon's bounds on streaming calls (docs/security.md, "Streams"): no
+// stream is read before its token opened a job here, a stream whose peer
+// stops is cancelled after --stream_idle_timeout_seconds, and requests in
+// flight hold at most --max_rpc_threads threads.
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "common/auth.h"
+#include "gtest/gtest.h"
+#include "proto/zeroshard/v1/activation.grpc.pb.h"
+#include "proto/zeroshard/v1/replica.grpc.pb.h"
+#include "proto/zeroshard/v1/shard.grpc.pb.h"
+#include "server/daemon.h"
+#include "server/testing/daemon_fixture.h"
+
+namespace zeroshard {
+namespace {
+
+using testing::DaemonClient;
+using testing::kTestToken;
+
+constexpr char kStrangerToken[] = "a-token-that-opens-nothing-here";
+
+std::unique_ptr<Daemon> Start(absl::Duration idle, int threads = 256) {
+  DaemonOptions options;
+  options.listen = "127.0.0.1:0";
+  options.activation_arena_bytes = 1 << 20;
+  options.stream_idle_timeout = idle;
+  options.max_rpc_threads = threads;
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(options);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? *std::move(d) : nullptr;
+}
+
+// A registered and joined one-daemon job, so that kTestToken opens a job.
+void AddJob(Daemon& daemon, const std::string& job) {
+  const v1::JobSpec spec = testing::MakeSpec(job, testing::SampleLayout(), 2, 1, {daemon.address()});
+  DaemonClient client(daemon.address());
+  ASSERT_TRUE(client.Register(spec, 0).ok());
+  ASSERT_TRUE(client.Join(spec, 0).ok());
+}
+
+// Opens every client-streaming RPC of the daemon with `token` (none when
+// empty), sends no message and waits for the daemon's answer (at most
+// `wait`). Returns the status of each, by name.
+std::vector<std::pair<std::string, grpc::Status>> SilentStreams(const std::string& address,
+                                                                const std::string& token,
+                                                                absl::Duration wait) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  auto shard = v1::Shard::NewStub(channel);
+  auto activation = v1::Activation::NewStub(channel);
+  auto replica = v1::Replica::NewStub(channel);
+  auto call = [&](auto open) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + wait));
+    if (!token.empty()) ctx.AddMetadata(kAuthorizationMetadataKey, std::string(kBearerPrefix) + token);
+    return open(&ctx)->Finish();
+  };
+  std::vector<std::pair<std::string, grpc::Status>> out;
+  v1::InitParametersResponse init;
+  out.emplace_back("InitParameters",
+                   call([&](grpc::ClientContext* c) { return shard->InitParameters(c, &init); }));
+  v1::PushGradientResponse push;
+  out.emplace_back("PushGradient",
+                   call([&](grpc::ClientContext* c) { return shard->PushGradient(c, &push); }));
+  v1::WriteStateResponse write;
+  out.emplace_back("WriteState",
+                   call([&](grpc::ClientContext* c) { return shard->WriteState(c, &write); }));
+  v1::ActivationStored stored;
+  out.emplace_back("OffloadActivation", call([&](grpc::ClientContext* c) {
+                     return activation->OffloadActivation(c, &stored);
+                   }));
+  v1::TransferStateResponse transfer;
+  out.emplace_back("TransferState", call([&](grpc::ClientContext* c) {
+                     return replica->TransferState(c, &transfer);
+                   }));
+  v1::ForwardGradientResponse forward;
+  out.emplace_back("ForwardGradient", call([&](grpc::ClientContext* c) {
+                     return replica->ForwardGradient(c, &forward);
+                   }));
+  return out;
+}
+
+TEST(StreamLimitsTest, AStreamWithoutATokenIsRefusedBeforeItsFirstMessage) {
+  std::unique_ptr<Daemon> daemon = Start(absl::ZeroDuration());
+  ASSERT_NE(daemon, nullptr);
+  AddJob(*daemon, "job");
+  // Without the check the daemon waits for a first message that never
+  // comes, and the caller's deadline ends the call.
+  for (const auto& [rpc, s] : SilentStreams(daemon->address(), "", absl::Seconds(5))) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << rpc << ": " << s.error_message();
+  }
+}
+
+TEST(StreamLimitsTest, AStreamWhoseTokenOpensNoJobIsRefusedBeforeItsFirstMessage) {
+  std::unique_ptr<Daemon> daemon = Start(absl::ZeroDuration());
+  ASSERT_NE(daemon, nullptr);
+  AddJob(*daemon, "job");
+  for (const auto& [rpc, s] : SilentStreams(daemon->address(), kStrangerToken, absl::Seconds(5))) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << rpc << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find("nothing was read"), std::string::npos) << rpc;
+  }
+}
+
+TEST(StreamLimitsTest, AnIdleStreamIsCancelledAndCounted) {
+  std::unique_ptr<Daemon> daemon = Start(absl::Seconds(1));
+  ASSERT_NE(daemon, nullptr);
+  AddJob(*daemon, "job");
+  // The job's own token passes the check; then nothing comes. The caller's
+  // deadline (10 s) is far past the idle limit (1 s).
+  for (const auto& [rpc, s] : SilentStreams(daemon->address(), kTestToken, absl::Seconds(10))) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << rpc << ": " << s.error_message();
+    // The caller learns of the cancel before the handler has returned.
+    const absl::Time settle = absl::Now() + absl::Seconds(5);
+    while (testing::RequestCount(*daemon, rpc, "DEADLINE_EXCEEDED") == 0 && absl::Now() < settle) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_EQ(testing::RequestCount(*daemon, rpc, "DEADLINE_EXCEEDED"), 1) << rpc;
+  }
+}
+
+TEST(StreamLimitsTest, AStreamStalledMidwayAppliesNothing) {
+  std::unique_ptr<Daemon> daemon = Start(absl::Seconds(1));
+  ASSERT_NE(daemon, nullptr);
+  AddJob(*daemon, "job");
+  testing::ExpectRejected(*daemon, "job", grpc::StatusCode::CANCELLED, "", [&] {
+    DaemonClient client(daemon->address());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    v1::PushGradientResponse resp;
+    std::unique_ptr<grpc::ClientWriter<v1::GradientChunk>> writer =
+        client.shard->PushGradient(&ctx, &resp);
+    const std::vector<float> grad(16, 1.0f);
+    absl::StatusOr<JobConfig> config = ParseJobSpec(
+        testing::MakeSpec("job", testing::SampleLayout(), 2, 1, {daemon->address()}));
+    EXPECT_TRUE(config.ok());
+    const std::vector<v1::GradientChunk> chunks = testing::GradientChunks(
+        "job", 1, 0, config->map, FlatRange{0, 16}, grad.data(), 16);
+    EXPECT_TRUE(writer->Write(chunks[0]));
+    // ... and then nothing, not even the end of the stream.
+    return writer->Finish();
+  });
+}
+
+TEST(StreamLimitsTest, RequestsInFlightHoldAtMostMaxRpcThreads) {
+  constexpr int kThreads = 8;
+  constexpr int kCalls = 24;
+  std::unique_ptr<Daemon> daemon = Start(absl::Seconds(2), kThreads);
+  ASSERT_NE(daemon, nullptr);
+  AddJob(*daemon, "job");
+  // kCalls idle streams with the job's token, each on its own connection;
+  // those past the thread quota are answered at once.
+  std::atomic<int> exhausted{0};
+  std::atomic<int> cancelled{0};
+  std::vector<std::thread> callers;
+  for (int i = 0; i < kCalls; ++i) {
+    callers.emplace_back([&, i] {
+      grpc::ChannelArguments args;
+      args.SetInt("zs.test_connection", i);
+      auto channel =
+          grpc::CreateCustomChannel(daemon->address(), grpc::InsecureChannelCredentials(), args);
+      auto shard = v1::Shard::NewStub(channel);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+      ctx.AddMetadata(kAuthorizationMetadataKey, std::string(kBearerPrefix) + kTestToken);
+      v1::PushGradientResponse resp;
+      const grpc::Status s = shard->PushGradient(&ctx, &resp)->Finish();
+      if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++exhausted;
+      if (s.error_code() == grpc::StatusCode::CANCELLED) ++cancelled;
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  // Every call ended within the idle limit or at once; at most kThreads
+  // were held by a thread of the daemon's at a time.
+  EXPECT_EQ(exhausted + cancelled, kCalls);
+  EXPECT_GE(exhausted.load(), kCalls - kThreads);
+  // The daemon serves again once they are gone.
+  DaemonClient client(daemon->address());
+  v1::StepState state;
+  EXPECT_TRUE(client.StepState("job", &state).ok());
+}
+
+TEST(StreamLimitsTest, BadLimitsAreRefusedAtStart) {
+  DaemonOptions options;
+  options.max_rpc_threads = 2;
+  absl::Status s = Daemon::Start(options).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("--max_rpc_threads"), std::string::npos) << s;
+  options.max_rpc_threads = 256;
+  options.stream_idle_timeout = absl::Milliseconds(10);
+  s = Daemon::Start(options).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("--stream_idle_timeout_seconds"), std::string::npos) << s;
+}
+
+}  // namespace
+}  // namespace zeroshard

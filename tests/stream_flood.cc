@@ -1,0 +1,248 @@
+// stream_flood: what a caller on a daemon's port can do to it, measured.
+// Prints key=value lines on stdout (one run, one mode):
+//
+//   --mode=flood     --streams calls of Shard/PushGradient over --channels TCP
+//                    connections, none of which sends a message, held open
+//                    for --hold_s seconds and then cancelled. Prints how many
+//                    the daemon ended before the hold was over
+//                    (flood_ended_early), by status code (flood_early_<CODE>).
+//                    Says "flood: N streams open" on stderr once every call
+//                    has started.
+//   --mode=status    Admin/Status every 100 ms for --hold_s seconds: the calls,
+//                    the failed ones, and the latency's p50 and max in ms.
+//   --mode=register  --calls RegisterJob calls of a well-formed new job each,
+//                    without the registration token: how many were refused
+//                    (PERMISSION_DENIED or UNAUTHENTICATED), by status code.
+//
+// --token, when not empty, goes with every call as "authorization: Bearer".
+// Exit 0 when the run took place (the caller judges the figures), 1 when it
+// could not (no connection, calls that never ended), 2 for bad flags.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/job_spec.h"
+#include "common/layout.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/zeroshard/v1/admin.grpc.pb.h"
+#include "proto/zeroshard/v1/control.grpc.pb.h"
+#include "proto/zeroshard/v1/shard.grpc.pb.h"
+
+ABSL_FLAG(std::string, target, "", "The daemon, HOST:PORT.");
+ABSL_FLAG(std::string, mode, "flood", "flood, status or register.");
+ABSL_FLAG(std::string, token, "", "Bearer token sent with every call; empty: none.");
+ABSL_FLAG(int, streams, 3000, "flood: calls held open.");
+ABSL_FLAG(int, channels, 30, "flood: TCP connections the calls are spread over.");
+ABSL_FLAG(int, hold_s, 20, "flood, status: seconds to run.");
+ABSL_FLAG(int, calls, 64, "register: RegisterJob calls.");
+
+namespace zs = zeroshard;
+namespace v1 = zeroshard::v1;
+
+namespace {
+
+std::string CodeName(grpc::StatusCode code) {
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+}
+
+void AddToken(grpc::ClientContext* ctx, const std::string& token) {
+  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
+}
+
+// The calls that have ended, by status code, and whether the hold was still
+// on when they did.
+class Tally {
+ public:
+  void Ended(grpc::StatusCode code) {
+    absl::MutexLock lock(&mu_);
+    ++ended_;
+    if (holding_) ++early_[CodeName(code)];
+  }
+  void EndHold() {
+    absl::MutexLock lock(&mu_);
+    holding_ = false;
+  }
+  // Waits up to `timeout` until `n` calls have ended; false if they did not.
+  bool AwaitEnded(int n, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto all = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ended_ >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&all), timeout);
+  }
+  int ended() {
+    absl::MutexLock lock(&mu_);
+    return ended_;
+  }
+  std::map<std::string, int> early() {
+    absl::MutexLock lock(&mu_);
+    return early_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool holding_ ABSL_GUARDED_BY(mu_) = true;
+  int ended_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, int> early_ ABSL_GUARDED_BY(mu_);
+};
+
+// One PushGradient call that sends its headers and nothing else: the daemon
+// sees a stream whose first message never comes.
+class IdleStream : public grpc::ClientWriteReactor<v1::GradientChunk> {
+ public:
+  IdleStream(v1::Shard::Stub* stub, const std::string& token, Tally* tally) : tally_(tally) {
+    AddToken(&ctx_, token);
+    stub->async()->PushGradient(&ctx_, &response_, this);
+    StartCall();
+  }
+  void Cancel() { ctx_.TryCancel(); }
+  void OnDone(const grpc::Status& status) override { tally_->Ended(status.error_code()); }
+
+ private:
+  grpc::ClientContext ctx_;
+  v1::PushGradientResponse response_;
+  Tally* tally_;
+};
+
+int Flood(const std::string& target, const std::string& token) {
+  const int n = absl::GetFlag(FLAGS_streams);
+  const int c = absl::GetFlag(FLAGS_channels);
+  if (n < 1 || c < 1) return 2;
+  std::vector<std::unique_ptr<v1::Shard::Stub>> stubs;
+  for (int i = 0; i < c; ++i) {
+    // Channels with equal arguments share one connection; this one differs.
+    grpc::ChannelArguments args;
+    args.SetInt("zs.flood_channel", i);
+    std::shared_ptr<grpc::Channel> channel =
+        grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
+      std::fprintf(stderr, "flood: channel %d did not connect to %s within 10 s\n", i,
+                   target.c_str());
+      return 1;
+    }
+    stubs.push_back(v1::Shard::NewStub(channel));
+  }
+  Tally tally;
+  std::vector<std::unique_ptr<IdleStream>> calls;
+  for (int i = 0; i < n; ++i) {
+    calls.push_back(std::make_unique<IdleStream>(stubs[i % c].get(), token, &tally));
+  }
+  std::fprintf(stderr, "flood: %d streams open over %d connections\n", n, c);
+  absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_hold_s)));
+  tally.EndHold();
+  const int early = tally.ended();
+  for (auto& call : calls) call->Cancel();
+  const bool all_ended = tally.AwaitEnded(n, absl::Seconds(20));
+  std::printf("flood_streams=%d\nflood_channels=%d\nflood_ended_early=%d\n", n, c, early);
+  for (const auto& [code, count] : tally.early()) {
+    std::printf("flood_early_%s=%d\n", code.c_str(), count);
+  }
+  if (!all_ended) {
+    std::printf("flood_unended=%d\n", n - tally.ended());
+    std::fflush(stdout);
+    // Calls still in flight cannot be destroyed; leave without trying.
+    _exit(1);
+  }
+  return 0;
+}
+
+int StatusProbe(const std::string& target, const std::string& token) {
+  std::unique_ptr<v1::Admin::Stub> stub =
+      v1::Admin::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  std::vector<double> ms;
+  int failed = 0;
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point end = Clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_hold_s));
+  for (Clock::time_point next = Clock::now(); next < end;
+       next += std::chrono::milliseconds(100)) {
+    std::this_thread::sleep_until(next);
+    grpc::ClientContext ctx;
+    AddToken(&ctx, token);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::StatusResponse response;
+    const Clock::time_point start = Clock::now();
+    grpc::Status s = stub->Status(&ctx, v1::StatusRequest(), &response);
+    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    if (!s.ok()) {
+      ++failed;
+      std::fprintf(stderr, "status: %s: %s\n", CodeName(s.error_code()).c_str(),
+                   s.error_message().c_str());
+    }
+  }
+  if (ms.empty()) return 1;
+  std::sort(ms.begin(), ms.end());
+  std::printf("status_calls=%zu\nstatus_failed=%d\nstatus_p50_ms=%.1f\nstatus_max_ms=%.1f\n",
+              ms.size(), failed, ms[(ms.size() - 1) / 2], ms.back());
+  return 0;
+}
+
+int Register(const std::string& target, const std::string& token) {
+  // A spec the daemon accepts, so that what refuses it is the missing
+  // registration token and not the spec.
+  absl::StatusOr<zs::Layout> layout = zs::Layout::Create({zs::TensorSpec{"w", {256}}});
+  if (!layout.ok()) return 1;
+  std::unique_ptr<v1::Control::Stub> stub =
+      v1::Control::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  const int k = absl::GetFlag(FLAGS_calls);
+  std::map<std::string, int> codes;
+  int refused = 0;
+  for (int i = 0; i < k; ++i) {
+    zs::JobSettings settings;
+    settings.job_id = absl::StrCat("flood-", getpid(), "-", i);
+    settings.stage = 3;
+    settings.daemons = {target};
+    v1::RegisterJobRequest request;
+    *request.mutable_spec() = zs::ToJobSpec(settings, *layout);
+    grpc::ClientContext ctx;
+    AddToken(&ctx, token);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::RegisterJobResponse response;
+    grpc::Status s = stub->RegisterJob(&ctx, request, &response);
+    ++codes[CodeName(s.error_code())];
+    if (s.error_code() == grpc::StatusCode::PERMISSION_DENIED ||
+        s.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+      ++refused;
+    } else if (!s.ok()) {
+      std::fprintf(stderr, "register: %s: %s\n", CodeName(s.error_code()).c_str(),
+                   s.error_message().c_str());
+    }
+  }
+  std::printf("register_calls=%d\nregister_refused=%d\n", k, refused);
+  for (const auto& [code, count] : codes) std::printf("register_%s=%d\n", code.c_str(), count);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "stream_flood --target HOST:PORT --mode flood|status|register [--token T]");
+  absl::ParseCommandLine(argc, argv);
+  const std::string target = absl::GetFlag(FLAGS_target);
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  const std::string token = absl::GetFlag(FLAGS_token);
+  if (target.empty()) {
+    std::fputs("stream_flood: --target is required\n", stderr);
+    return 2;
+  }
+  if (mode == "flood") return Flood(target, token);
+  if (mode == "status") return StatusProbe(target, token);
+  if (mode == "register") return Register(target, token);
+  std::fprintf(stderr, "stream_flood: --mode must be flood, status or register, not %s\n",
+               mode.c_str());
+  return 2;
+}
