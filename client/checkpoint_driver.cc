@@ -158,6 +158,32 @@ absl::StatusOr<v1::LoadCheckpointResponse> CheckpointDriver::Load(const std::str
   return out[0];
 }
 
+absl::StatusOr<LatestLoad> CheckpointDriver::LoadLatestVerified(absl::Time deadline) {
+  ASSIGN_OR_RETURN(std::vector<v1::CheckpointInfo> complete, List(deadline));
+  if (complete.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("job ", job_id_, " has no complete checkpoint on its daemons"));
+  }
+  std::sort(complete.begin(), complete.end(),
+            [](const v1::CheckpointInfo& a, const v1::CheckpointInfo& b) {
+              return a.step() > b.step();
+            });
+  LatestLoad out;
+  for (const v1::CheckpointInfo& c : complete) {
+    absl::Status verified = Verify(c.name(), deadline).status();
+    if (verified.ok()) {
+      ASSIGN_OR_RETURN(out.loaded, Load(c.name(), deadline));
+      return out;
+    }
+    // A daemon that cannot be reached says nothing about the checkpoint.
+    if (absl::IsUnavailable(verified) || absl::IsDeadlineExceeded(verified)) return verified;
+    out.skipped.push_back(
+        absl::StrCat(c.name(), " (step ", c.step(), "): ", verified.message()));
+  }
+  return absl::DataLossError(absl::StrCat("no complete checkpoint of job ", job_id_,
+                                          " verifies: ", absl::StrJoin(out.skipped, "; ")));
+}
+
 absl::StatusOr<std::vector<v1::CheckpointInfo>> CheckpointDriver::List(absl::Time deadline) {
   std::vector<v1::ListCheckpointsResponse> out(stubs_.size());
   RETURN_IF_ERROR(ForEach(stubs_.size(), [&](size_t d) -> absl::Status {

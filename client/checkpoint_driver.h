@@ -31,6 +31,13 @@ struct CheckpointStarted {
   double snapshot_seconds = 0;     // the slowest daemon's snapshot
 };
 
+// What LoadLatestVerified loaded, and the newer checkpoints it passed over.
+struct LatestLoad {
+  v1::LoadCheckpointResponse loaded;
+  // "NAME (step S): why", newest first: each failed verification.
+  std::vector<std::string> skipped;
+};
+
 struct CheckpointCompleted {
   std::string name;
   uint64_t step = 0;
@@ -62,6 +69,12 @@ class CheckpointDriver {
   // daemon 0 first, so every daemon loads the same checkpoint). Returns
   // daemon 0's answer; FailedPrecondition if daemons end on different steps.
   absl::StatusOr<v1::LoadCheckpointResponse> Load(const std::string& name, absl::Time deadline);
+  // Loads the newest checkpoint complete on every daemon that verifies
+  // (Verify) on every daemon, passing over newer ones that do not (a part
+  // damaged on disk, a file missing). NotFound when there is no complete
+  // checkpoint; DataLoss naming each one when none verifies. Reads every
+  // file of each candidate once to verify it before the load reads it again.
+  absl::StatusOr<LatestLoad> LoadLatestVerified(absl::Time deadline);
   // The checkpoints complete on every daemon (by step).
   absl::StatusOr<std::vector<v1::CheckpointInfo>> List(absl::Time deadline);
   // VerifyCheckpoint of every part p of `name` ("latest" resolved by daemon

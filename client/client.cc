@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <initializer_list>
 #include <thread>
@@ -376,15 +377,24 @@ absl::Status Client::RegisterModel(const Layout& layout, const float* initial_pa
   // implies the state is in place; a job that has committed a step keeps
   // its own unless resuming.
   bool loaded = false;
-  if (config_.rank == 0 && !config_.resume.empty() && !resumed_.has_value()) {
-    absl::StatusOr<v1::LoadCheckpointResponse> r =
-        checkpoints_->Load(config_.resume, absl::Now() + config_.step_timeout);
+  if (config_.rank == 0 && config_.resume == "latest" && !resumed_.has_value()) {
+    absl::StatusOr<LatestLoad> r =
+        checkpoints_->LoadLatestVerified(absl::Now() + config_.step_timeout);
     if (r.ok()) {
-      resumed_ = *std::move(r);
+      for (const std::string& s : r->skipped) {
+        std::fprintf(stderr, "zeroshard: resume=latest skipped checkpoint %s\n", s.c_str());
+      }
+      resume_skipped_ = std::move(r->skipped);
+      resumed_ = std::move(r->loaded);
       loaded = true;
-    } else if (!(absl::IsNotFound(r.status()) && config_.resume == "latest")) {
+    } else if (!absl::IsNotFound(r.status())) {
       return r.status();
     }
+  } else if (config_.rank == 0 && !config_.resume.empty() && !resumed_.has_value()) {
+    ASSIGN_OR_RETURN(v1::LoadCheckpointResponse r,
+                     checkpoints_->Load(config_.resume, absl::Now() + config_.step_timeout));
+    resumed_ = std::move(r);
+    loaded = true;
   }
   if (config_.rank == 0 && initial_params != nullptr && !loaded && !resumed_.has_value()) {
     ASSIGN_OR_RETURN(uint64_t committed, coordinator_->MaxCommittedStep());

@@ -142,9 +142,13 @@ struct ClientConfig : JobSettings {
   // protects the traffic, as the daemons' --insecure.
   bool insecure = false;
   // Resume: a checkpoint name, or "latest" (the complete checkpoint with the
-  // highest step), that RegisterModel on rank 0 loads into the daemons
+  // highest step that verifies on every daemon: newer ones whose files are
+  // damaged or missing are passed over, each said on stderr and in
+  // resume_skipped()), that RegisterModel on rank 0 loads into the daemons
   // instead of uploading initial parameters. With "latest" and no complete
-  // checkpoint, the job starts from the initial parameters. Empty: no resume.
+  // checkpoint, the job starts from the initial parameters; when none
+  // verifies, RegisterModel fails with DataLoss. A name that does not
+  // verify fails the load (DataLoss naming the file). Empty: no resume.
   std::string resume;
   // Replicated jobs (JobSettings::replicas = 2): the least step this rank
   // knows committed (a trainer reconnecting after a failure passes the last
@@ -353,6 +357,9 @@ class Client {
   absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpoints();
   // Whether RegisterModel resumed from a checkpoint, and which.
   const std::optional<v1::LoadCheckpointResponse>& resumed_from() const { return resumed_; }
+  // With resume = "latest": the newer checkpoints passed over because they
+  // did not verify ("NAME (step S): why", newest first).
+  const std::vector<std::string>& resume_skipped() const { return resume_skipped_; }
 
   // ---- State dicts (Shard.ReadState / WriteState) ----
   // Reads the committed `array` (masters or moments) over `range` (inside
@@ -489,6 +496,7 @@ class Client {
   std::unique_ptr<StepCoordinator> coordinator_;
   std::unique_ptr<CheckpointDriver> checkpoints_;
   std::optional<v1::LoadCheckpointResponse> resumed_;
+  std::vector<std::string> resume_skipped_;
   // The background completion of the last save (training thread only).
   std::thread checkpoint_finisher_;
   std::optional<absl::StatusOr<CheckpointCompleted>> checkpoint_result_;

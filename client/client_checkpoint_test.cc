@@ -5,10 +5,12 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <thread>
 #include <vector>
 
+#include "client/checkpoint_driver.h"
 #include "client/client.h"
 #include "client/testing/training_data.h"
 #include "gtest/gtest.h"
@@ -167,6 +169,62 @@ TEST_F(ClientCheckpointTest, ResumeFromLatestWithNoneStartsFresh) {
   // A named checkpoint that does not exist is an error.
   ConnectAll(Configs("fresh2", {daemon->address()}, "nope"), layout, init.data(),
              absl::StatusCode::kNotFound);
+}
+
+// A newest checkpoint damaged on disk is passed over by resume = "latest"
+// (said in resume_skipped()), which resumes from the one before; it does
+// not verify (nor load, DataLoss, when named).
+TEST_F(ClientCheckpointTest, ResumeFromLatestSkipsADamagedCheckpoint) {
+  std::vector<std::unique_ptr<Daemon>> daemons;
+  std::vector<std::string> addresses;
+  for (int i = 0; i < 2; ++i) {
+    daemons.push_back(StartDaemon(dir_));
+    addresses.push_back(daemons.back()->address());
+  }
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = testing::InitialParams(layout);
+  std::vector<float> at_one;
+  {
+    auto clients = ConnectAll(Configs("dmg", addresses), layout, init.data());
+    Client& leader = *clients[0];
+    TrainStep(clients, layout);
+    at_one = Gather(leader);
+    ASSERT_TRUE(leader.SaveCheckpoint("one").ok());
+    ASSERT_TRUE(leader.AwaitCheckpoint().ok());
+    TrainStep(clients, layout);
+    ASSERT_TRUE(leader.SaveCheckpoint("two").ok());
+    ASSERT_TRUE(leader.AwaitCheckpoint().ok());
+    for (auto& c : clients) ASSERT_TRUE(c->Leave().ok());
+  }
+  // One flipped byte in the largest file of checkpoint "two" (part 1).
+  std::filesystem::path largest;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir_)) {
+    if (!e.is_regular_file() || e.path().string().find("/two/") == std::string::npos) continue;
+    if (largest.empty() || e.file_size() > std::filesystem::file_size(largest)) largest = e.path();
+  }
+  ASSERT_FALSE(largest.empty());
+  {
+    std::fstream f(largest, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(std::filesystem::file_size(largest) / 2));
+    char byte = 0;
+    f.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x40);
+    f.seekp(static_cast<std::streamoff>(std::filesystem::file_size(largest) / 2));
+    f.write(&byte, 1);
+  }
+  const absl::Status damaged =
+      CheckpointDriver::Connect("dmg", addresses, ChannelSecurity::Plaintext(testing::kTestToken))
+          ->Verify("two", absl::Now() + absl::Seconds(10))
+          .status();
+  EXPECT_EQ(damaged.code(), absl::StatusCode::kDataLoss) << damaged;
+  auto clients = ConnectAll(Configs("dmg", addresses, "latest"), layout, init.data());
+  ASSERT_TRUE(clients[0]->resumed_from().has_value());
+  EXPECT_EQ(clients[0]->resumed_from()->name(), "one");
+  ASSERT_EQ(clients[0]->resume_skipped().size(), 1u);
+  EXPECT_NE(clients[0]->resume_skipped()[0].find("two (step 2)"), std::string::npos)
+      << clients[0]->resume_skipped()[0];
+  for (auto& c : clients) EXPECT_EQ(c->committed_step(), 1u);
+  EXPECT_EQ(Gather(*clients[1]), at_one);
 }
 
 // Drives step 1 of a job of one rank per daemon by raw RPCs (as

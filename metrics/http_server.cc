@@ -154,14 +154,19 @@ absl::Status MetricsHttpServer::Start() {
   if (absl::Status s = ParseListenAddress(listen_address_, &address); !s.ok()) {
     return s;
   }
+  // Each connection holds one of kThreads workers until it is answered or
+  // its client stalls past kRequestTimeoutMs: a few slow clients (a request
+  // trickled in, a response not read) leave workers for the scrapes.
+  static constexpr char kThreads[] = "8";
+  static constexpr char kRequestTimeoutMs[] = "3000";
   static std::once_flag init_once;
   std::call_once(init_once, [] { mg_init_library(0); });
 
   // clang-format off
   const char* options[] = {
       "listening_ports", address.civetweb_ports.c_str(),
-      "num_threads", "2",
-      "request_timeout_ms", "10000",
+      "num_threads", kThreads,
+      "request_timeout_ms", kRequestTimeoutMs,
       "enable_keep_alive", "no",
       nullptr,
   };

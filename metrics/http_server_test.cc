@@ -1,6 +1,13 @@
 #include "metrics/http_server.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -123,6 +130,40 @@ TEST_F(MetricsHttpServerTest, ServesThePageAtRootWhenGivenOne) {
   const HttpResponse metrics = Fetch(server.port(), "GET", "/metrics");
   EXPECT_EQ(metrics.status, 200);
   EXPECT_EQ(metrics.body, TextSerializer().Serialize(registry_.Collect()));
+}
+
+// Clients that connect and send nothing hold a worker each until the
+// request timeout: a scrape is served while a few of them are held, and the
+// daemon closes them after the timeout.
+TEST_F(MetricsHttpServerTest, SlowClientsDoNotStallScrapes) {
+  MetricsHttpServer server(registry_, "127.0.0.1:0");
+  ASSERT_TRUE(server.Start().ok());
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(server.port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::vector<int> idle;
+  for (int i = 0; i < 4; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    idle.push_back(fd);
+  }
+  EXPECT_EQ(Fetch(server.port(), "GET", "/metrics").status, 200);
+  // Served while every idle connection was still held open by the server
+  // (a connection it closed would read as end of file at once).
+  for (int fd : idle) {
+    pollfd p = {fd, POLLIN, 0};
+    EXPECT_EQ(poll(&p, 1, 0), 0) << "the server dropped an idle connection before the scrape";
+  }
+  // ... and it closes them once they stalled past the request timeout.
+  for (int fd : idle) {
+    pollfd p = {fd, POLLIN, 0};
+    EXPECT_EQ(poll(&p, 1, 10000), 1) << "an idle connection was kept past the timeout";
+    char byte;
+    EXPECT_LE(read(fd, &byte, 1), 0);
+    close(fd);
+  }
 }
 
 TEST_F(MetricsHttpServerTest, PortInUseIsAClearError) {

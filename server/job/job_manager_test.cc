@@ -413,6 +413,20 @@ TEST_F(JobManagerTest, AJobHeldByACallerIsReapedWhenReleased) {
   EXPECT_EQ(ledger_.Snapshot().count("a"), 0u) << "the ledger kept an empty entry for the job";
 }
 
+// Rank 0 of `job` joins as incarnation 1.
+absl::Status JoinRank0(const std::shared_ptr<Job>& job) {
+  v1::JoinJobRequest join;
+  join.set_job_id(job->config().job_id);
+  join.set_rank(0);
+  join.set_incarnation(1);
+  join.set_layout_fingerprint(job->config().layout.fingerprint());
+  join.set_stage(job->config().stage);
+  join.set_world_size(job->config().world_size);
+  join.set_precision(WireDType(job->config().precision));
+  v1::JoinJobResponse joined;
+  return job->Join(join, &joined);
+}
+
 // A registration nobody follows up with a join is removed after
 // join_timeout, with every copy, its memory and its place under max_jobs; a
 // job a rank joined stays however old it is.
@@ -426,16 +440,7 @@ TEST_F(JobManagerTest, AJobNoRankJoinsIsRemovedAfterTheJoinTimeout) {
   ASSERT_TRUE(Register(Spec("idle")).ok());
   ASSERT_TRUE(Register(Spec("replicated", 2, 2)).ok());
   std::shared_ptr<Job> used = *Register(Spec("used"));
-  v1::JoinJobRequest join;
-  join.set_job_id("used");
-  join.set_rank(0);
-  join.set_incarnation(1);
-  join.set_layout_fingerprint(used->config().layout.fingerprint());
-  join.set_stage(used->config().stage);
-  join.set_world_size(used->config().world_size);
-  join.set_precision(WireDType(used->config().precision));
-  v1::JoinJobResponse joined;
-  ASSERT_TRUE(used->Join(join, &joined).ok());
+  ASSERT_TRUE(JoinRank0(used).ok());
   used.reset();
   EXPECT_EQ(Register(Spec("fourth")).status().code(), absl::StatusCode::kResourceExhausted);
   manager_->Tick();
@@ -459,22 +464,10 @@ TEST_F(JobManagerTest, AJobNoRankIsHeardFromIsRemovedAfterTheIdleTimeout) {
   o.janitor_period = absl::Hours(1);
   o.job_idle_timeout = absl::Milliseconds(300);
   Make(o);
-  auto join = [](const std::shared_ptr<Job>& job) {
-    v1::JoinJobRequest r;
-    r.set_job_id(job->config().job_id);
-    r.set_rank(0);
-    r.set_incarnation(1);
-    r.set_layout_fingerprint(job->config().layout.fingerprint());
-    r.set_stage(job->config().stage);
-    r.set_world_size(job->config().world_size);
-    r.set_precision(WireDType(job->config().precision));
-    v1::JoinJobResponse joined;
-    return job->Join(r, &joined);
-  };
   std::shared_ptr<Job> crashed = *Register(Spec("crashed", 2, 2));
   std::shared_ptr<Job> alive = *Register(Spec("alive"));
-  ASSERT_TRUE(join(crashed).ok());
-  ASSERT_TRUE(join(alive).ok());
+  ASSERT_TRUE(JoinRank0(crashed).ok());
+  ASSERT_TRUE(JoinRank0(alive).ok());
   crashed.reset();
   manager_->Tick();
   EXPECT_EQ(manager_->size(), 2u) << "removed before the idle timeout";
