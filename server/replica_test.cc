@@ -850,19 +850,43 @@ TEST_F(ReplicaTest, PromoteAndFence) {
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "this copy was replaced",
                  [&] { return Target(0, 0, 2).Gather(j.id, 2, j.Range(0), &out); });
 
-  // The old primary, not knowing, runs step 3 alone: its forwards are
-  // refused by the promoted copy, which does not change.
+  // The old primary, not knowing, prepares step 3 alone: its forward is
+  // refused by the promoted copy (ABORTED: the sender was replaced), which
+  // does not change; the old primary steps down to a backup that is not
+  // current (booked as replica again), refuses the prepare and the commit,
+  // and serves its old callers no more.
   const std::string promoted_before = Snapshot(j.id);
   const uint64_t promoted_hash = Copy(1, j.id, 0)->StateHash();
-  const std::vector<v1::PrepareStepResponse> alone = RunStep(j, 3, {{0, 0, 1}});
-  EXPECT_FALSE(alone[0].backup_in_sync());
+  for (uint32_t rank = 0; rank < kWorld; ++rank) {
+    const std::vector<float> g = Grads(j.total(), 3)[rank];
+    ASSERT_TRUE(Target(0, 0, 1)
+                    .Push(GradientChunks(j.id, 3, rank, j.config.map, j.Range(0),
+                                         g.data() + j.Range(0).begin, 333))
+                    .ok());
+  }
+  const uint64_t old_total = daemon(0).ledger().total();
+  v1::PrepareStepResponse alone;
+  s = Target(0, 0, 1).Prepare(j.id, 3, &alone);
+  EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_NE(s.error_message().find("was replaced (its backup was promoted) and stepped down"),
+            std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(Copy(0, j.id, 0)->role(), ReplicaRole::kBackup);
+  EXPECT_EQ(Copy(0, j.id, 0)->epoch(), 1u);
+  EXPECT_EQ(Copy(0, j.id, 0)->committed_step(), 2u);
+  EXPECT_EQ(daemon(0).ledger().total(), old_total);  // rebooked, not allocated
+  ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "as its backup",
+                 [&] { return Target(0, 0, 1).Gather(j.id, 2, j.Range(0), &out); });
   EXPECT_EQ(Copy(1, j.id, 0)->StateHash(), promoted_hash);
   EXPECT_EQ(Copy(1, j.id, 0)->committed_step(), 2u);
   EXPECT_EQ(Copy(1, j.id, 0)->epoch(), 2u);
+  // Not current: it cannot be promoted back.
+  ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "holds no current copy",
+                 [&] { return Replica(0).Promote(j.id, 0, 2, 3); });
 
   // The new primary runs step 3 (its ranks join it first): it copies its
-  // state to the old primary, which becomes its backup at epoch 2 (its own
-  // step 3 is undone), and forwards the step.
+  // state to the old primary, a backup at epoch 2 from then on, and forwards
+  // the step.
   ASSERT_TRUE(Target(1, 0, 2).JoinAll(j.spec).ok());
   for (const v1::PrepareStepResponse& p : RunStep(j, 3, {{1, 0, 2}, {1, 1, 1}})) {
     EXPECT_TRUE(p.backup_in_sync());
@@ -938,7 +962,7 @@ TEST_F(ReplicaTest, StalledForwardStallsNoPromote) {
   ASSERT_TRUE(writer->Write(chunk({half, r.end})));
   writer->WritesDone();
   const grpc::Status refused = writer->Finish();
-  EXPECT_EQ(refused.error_code(), grpc::FAILED_PRECONDITION) << refused.error_message();
+  EXPECT_EQ(refused.error_code(), grpc::ABORTED) << refused.error_message();
   EXPECT_NE(refused.error_message().find("cannot drive it"), std::string::npos)
       << refused.error_message();
   std::shared_ptr<Job> copy = Copy(1, j.id, 0);
@@ -1163,11 +1187,12 @@ TEST_F(ReplicaTest, BadTransferStateChangesNothing) {
     chunks.push_back(extra);
     reject(grpc::INVALID_ARGUMENT, "every chunk of the stream must name job", chunks);
   }
-  // A sender at a lower epoch than the backup's (it was replaced).
+  // A sender at a lower epoch than the backup's (it was replaced): ABORTED,
+  // which makes a primary step down.
   {
     std::vector<v1::ReplicaStateChunk> chunks = good;
     for (auto& ch : chunks) ch.set_epoch(0);
-    reject(grpc::FAILED_PRECONDITION, "cannot drive it", chunks);
+    reject(grpc::ABORTED, "the sender was replaced", chunks);
   }
   // The primary's own copy at its own epoch is not overwritten.
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "is primary here at epoch 1",
@@ -1205,7 +1230,7 @@ TEST_F(ReplicaTest, BadForwardGradientChangesNothing) {
   };
   reject(grpc::INVALID_ARGUMENT, "carried no chunk", false, [](auto& c) { c.clear(); });
   // Another epoch than the backup's: a replaced primary, or a future one.
-  reject(grpc::FAILED_PRECONDITION, "cannot drive it", false, [](auto& c) {
+  reject(grpc::ABORTED, "the sender was replaced", false, [](auto& c) {
     for (auto& ch : c) ch.set_epoch(0);
   });
   reject(grpc::FAILED_PRECONDITION, "cannot drive it", false, [](auto& c) {
@@ -1329,7 +1354,7 @@ TEST_F(ReplicaTest, BadCommitReplicaChangesNothing) {
          CommitRequest(j, 0, 1, 2, kLr, 1.5f));
   reject(grpc::INVALID_ARGUMENT, "commit.clip_coef", CommitRequest(j, 0, 1, 2, kLr, -0.5f));
   reject(grpc::INVALID_ARGUMENT, "commit.clip_coef", CommitRequest(j, 0, 1, 2, kLr, std::nanf("")));
-  reject(grpc::FAILED_PRECONDITION, "cannot drive it", CommitRequest(j, 0, 0, 2));
+  reject(grpc::ABORTED, "the sender was replaced", CommitRequest(j, 0, 0, 2));
   reject(grpc::FAILED_PRECONDITION, "cannot drive it", CommitRequest(j, 0, 2, 2));
   // Group 1 on daemon 1 is its primary: a commit forward does not reach it.
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "is primary here",
@@ -1342,7 +1367,7 @@ TEST_F(ReplicaTest, BadCommitReplicaChangesNothing) {
 TEST_F(ReplicaTest, BadReleaseReplicaChangesNothing) {
   const TestJob j = SyncedJob("release");
   ReplicaClient& c = Replica(1);
-  ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "cannot drive it",
+  ExpectRejected(j.id, grpc::ABORTED, "the sender was replaced",
                  [&] { return c.Release(j.id, 0, 0); });
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "cannot drive it",
                  [&] { return c.Release(j.id, 0, 2); });
@@ -1353,7 +1378,7 @@ TEST_F(ReplicaTest, BadReleaseReplicaChangesNothing) {
   EXPECT_TRUE(daemon(1).jobs().Find(j.id, 0).ok());
   // Promoted at epoch 2, the copy is released by nobody at epoch 1.
   ASSERT_TRUE(c.Promote(j.id, 0, 2, 1).ok());
-  ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "cannot drive it",
+  ExpectRejected(j.id, grpc::ABORTED, "the sender was replaced",
                  [&] { return c.Release(j.id, 0, 1); });
   ASSERT_TRUE(daemon(1).jobs().Find(j.id, 0).ok());
 

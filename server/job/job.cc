@@ -171,6 +171,13 @@ absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step, const st
   if (!prepared.fresh) return prepared.result;
   // The backup is brought along with the step frozen (see job.h).
   const bool in_sync = replica_ != nullptr && replica_->ReplicatePrepared(prepared, token);
+  if (replica_ != nullptr && replica_->role() != ReplicaRole::kPrimary) {
+    // The backup said a promotion replaced this copy (it stepped down).
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", config_->job_id, " replica group ", daemon_index_,
+        ": this copy was replaced (its backup was promoted) and stepped down; read the "
+        "placement with Replica.GetReplicaState"));
+  }
   return step_->FinishPrepare(in_sync);
 }
 

@@ -263,10 +263,13 @@ absl::Status ReplicaGroup::CheckDrivenBy(uint64_t epoch, bool transfer) const {
   const bool ok = transfer ? (epoch > epoch_ || (epoch == epoch_ && role_ == ReplicaRole::kBackup))
                            : (epoch == epoch_ && role_ == ReplicaRole::kBackup);
   if (ok) return absl::OkStatus();
-  return absl::FailedPreconditionError(
+  const std::string why =
       absl::StrCat("job ", config_.job_id, " replica group ", options_.group, " is ",
                    RoleName(role_), " here at epoch ", epoch_, "; a primary at epoch ", epoch,
-                   " cannot drive it", older ? " (the sender was replaced)" : ""));
+                   " cannot drive it", older ? " (the sender was replaced)" : "");
+  // ABORTED tells a sender at an older epoch that a promotion replaced it
+  // (epochs grow only by promotion): it steps down.
+  return older ? absl::AbortedError(why) : absl::FailedPreconditionError(why);
 }
 
 // ---- The primary's side ----
@@ -300,12 +303,20 @@ bool ReplicaGroup::ReplicatePrepared(const StepEngine::Prepared& prepared,
       if (s.ok()) s = SendState(token, deadline(state_bytes));
     }
     if (!s.ok()) {
-      MarkBackupStale(s);
+      if (absl::IsAborted(s)) {
+        StepDownLocked(s);
+      } else {
+        MarkBackupStale(s);
+      }
       return false;
     }
   }
   if (absl::Status s = SendGradient(prepared, token, deadline(n * sizeof(float))); !s.ok()) {
-    MarkBackupStale(s);
+    if (absl::IsAborted(s)) {
+      StepDownLocked(s);
+    } else {
+      MarkBackupStale(s);
+    }
     return false;
   }
   absl::MutexLock lock(&mu_);
@@ -492,7 +503,33 @@ void ReplicaGroup::SendCommit(const v1::CommitStepRequest& request, const std::s
   // backup refuses a step it is not at.
   absl::Status s = options_.link->CommitReplica(options_.peer_address, token, forward,
                                                 absl::Now() + options_.timeout);
-  if (!s.ok()) MarkBackupStale(s);
+  if (absl::IsAborted(s)) {
+    absl::MutexLock commit_lock(&step_->commit_lock());
+    StepDownLocked(s);
+  } else if (!s.ok()) {
+    MarkBackupStale(s);
+  }
+}
+
+void ReplicaGroup::StepDownLocked(const absl::Status& why) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (role_ != ReplicaRole::kPrimary) return;
+  }
+  step_->Rebook(/*replica=*/true);
+  uint64_t epoch = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    role_ = ReplicaRole::kBackup;
+    in_sync_ = false;  // not a current copy until the new primary sends its state
+    epoch = epoch_;
+  }
+  std::fprintf(stderr,
+               "zeroshardd: job %s replica group %u: this primary (epoch %llu) was replaced: its "
+               "backup answered %s; it steps down to a backup and serves nobody until the new "
+               "primary copies its state here\n",
+               config_.job_id.c_str(), options_.group, static_cast<unsigned long long>(epoch),
+               std::string(why.message()).c_str());
 }
 
 // ---- The backup's side ----

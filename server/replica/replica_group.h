@@ -111,6 +111,11 @@ class ReplicaGroup {
  private:
   // FailedPrecondition unless this backup holds a current copy.
   absl::Status RequireCurrentCopy() const;
+  // The backup answered ABORTED (`why`): it is at a newer epoch, so a
+  // promotion replaced this primary. Becomes a backup that is not current
+  // (its bytes booked as replica again) and says so on stderr; the new
+  // primary copies its state here. Nothing when already a backup.
+  void StepDownLocked(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_->commit_lock());
   absl::Status PromoteLocked(const v1::PromoteRequest& r)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_->commit_lock());
   // Over the bulk transport when both daemons have the same kind, else in
