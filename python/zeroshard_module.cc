@@ -10,6 +10,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -126,6 +127,8 @@ py::dict ClientDefaults(const ClientConfig& c, const GlooCollective::Options& gl
   d["collective_host"] = gloo.hostname;
   d["collective"] = kDefaultCollective;
   d["micro_batches"] = c.micro_batches;
+  d["transport"] = c.transport;
+  d["ucx_tls"] = c.ucx_tls;
   return d;
 }
 
@@ -323,6 +326,202 @@ py::dict TrafficDict(const TrafficBytes& b) {
   return d;
 }
 
+// ---- Activation checkpoints (client/activation_store.h) ----
+
+// The memory of a CPU tensor of any dtype whose elements are dense and do not
+// overlap, in whatever order its strides give (contiguous, transposed,
+// permuted): `bytes` bytes from `data`, which a tensor made with
+// torch.empty_strided of the same size, stride and dtype holds the same way.
+// Checked (TypeError / ValueError naming `what`); valid while the caller
+// holds `t`.
+std::pair<void*, uint64_t> DenseTensorBytes(const py::object& t, const char* what) {
+  if (!IsTensor(t)) throw py::type_error(absl::StrCat(what, ": expected a torch tensor"));
+  const std::string device = py::str(t.attr("device").attr("type"));
+  if (device != "cpu") {
+    throw py::type_error(absl::StrCat(what, ": expected a CPU tensor, got one on ", device));
+  }
+  const std::vector<int64_t> sizes = t.attr("size")().cast<std::vector<int64_t>>();
+  const std::vector<int64_t> strides = t.attr("stride")().cast<std::vector<int64_t>>();
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims longer than 1
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] > 1) dims.emplace_back(strides[d], sizes[d]);
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (const auto& [stride, size] : dims) {
+    if (stride != expected) {
+      throw py::value_error(absl::StrCat(
+          what, ": the tensor's elements must be dense and not overlap (a contiguous or "
+                "permuted tensor), got size ",
+          py::str(t.attr("size")()).cast<std::string>(), " stride ",
+          py::str(t.attr("stride")()).cast<std::string>()));
+    }
+    expected *= size;
+  }
+  const uint64_t numel = t.attr("numel")().cast<uint64_t>();
+  const uint64_t esize = t.attr("element_size")().cast<uint64_t>();
+  const uint64_t offset = t.attr("storage_offset")().cast<uint64_t>();
+  const py::object storage = py::hasattr(t, "untyped_storage") ? t.attr("untyped_storage")()
+                                                               : t.attr("storage")();
+  const uint64_t storage_bytes = storage.attr("nbytes")().cast<uint64_t>();
+  if (storage_bytes < (offset + numel) * esize) {
+    throw py::value_error(absl::StrCat(what, ": the tensor's storage holds ", storage_bytes,
+                                       " bytes, too few for its elements (freed?)"));
+  }
+  return {reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>()), numel * esize};
+}
+
+ActivationKey MakeActivationKey(uint64_t step, uint32_t micro_batch, uint32_t layer) {
+  ActivationKey k;
+  k.step = step;
+  k.micro_batch = micro_batch;
+  k.layer = layer;
+  return k;
+}
+
+absl::Time DeadlineIn(std::optional<double> seconds) {
+  return seconds.has_value() ? absl::Now() + absl::Seconds(*seconds) : absl::InfiniteFuture();
+}
+
+// An asynchronous store operation: ActivationTicket.
+class PyActivationTicket {
+ public:
+  explicit PyActivationTicket(ActivationTicket ticket) : ticket_(std::move(ticket)) {}
+  bool done() const { return ticket_.done(); }
+  void Wait(std::optional<double> timeout) const {
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = ticket_.Wait(DeadlineIn(timeout));
+    }
+    Check(status);
+  }
+
+ private:
+  ActivationTicket ticket_;
+};
+
+// Client.open_activation_store's: a DaemonSliceStore. It holds the tensors
+// it reads or writes until their operations end (so the caller may drop
+// them), and the Python client (keep_alive) as long as it lives.
+class PyActivationStore {
+ public:
+  explicit PyActivationStore(std::unique_ptr<DaemonSliceStore> store)
+      : store_(std::move(store)) {}
+  ~PyActivationStore() { Close(); }
+
+  // Waits for every operation in flight, then drops the store (the slices
+  // stay on the daemon until freed or the job ends).
+  void Close() {
+    if (store_ == nullptr) return;
+    {
+      py::gil_scoped_release release;
+      store_.reset();
+    }
+    lent_.clear();
+  }
+
+  std::string Name() const { return Store().name(); }
+
+  PyActivationTicket Offload(uint64_t step, uint32_t layer, const py::object& tensor,
+                             uint32_t micro_batch) {
+    const auto [data, bytes] = DenseTensorBytes(tensor, "tensor");
+    Sweep();
+    absl::StatusOr<ActivationTicket> ticket;
+    {
+      py::gil_scoped_release release;
+      ticket = Store().Offload(MakeActivationKey(step, micro_batch, layer), data, bytes);
+    }
+    return Lend(Check(std::move(ticket)), tensor);
+  }
+
+  PyActivationTicket StartFetch(uint64_t step, uint32_t layer, const py::object& out,
+                                uint32_t micro_batch, bool free) {
+    const auto [data, bytes] = DenseTensorBytes(out, "out");
+    Sweep();
+    absl::StatusOr<ActivationTicket> ticket;
+    {
+      py::gil_scoped_release release;
+      ticket = Store().StartFetch(MakeActivationKey(step, micro_batch, layer), data, bytes,
+                                  free ? AfterFetch::kFree : AfterFetch::kKeep);
+    }
+    return Lend(Check(std::move(ticket)), out);
+  }
+
+  PyActivationTicket Prefetch(const std::vector<std::tuple<uint64_t, uint32_t, uint32_t>>& keys) {
+    std::vector<ActivationKey> k;
+    for (const auto& [step, micro_batch, layer] : keys) {
+      k.push_back(MakeActivationKey(step, micro_batch, layer));
+    }
+    absl::StatusOr<ActivationTicket> ticket;
+    {
+      py::gil_scoped_release release;
+      ticket = Store().Prefetch(k);
+    }
+    return PyActivationTicket(Check(std::move(ticket)));
+  }
+
+  uint64_t Free(uint64_t step, uint32_t layer, uint32_t micro_batch,
+                std::optional<double> timeout) {
+    absl::StatusOr<uint64_t> freed;
+    {
+      py::gil_scoped_release release;
+      freed = Store().Free(MakeActivationKey(step, micro_batch, layer), DeadlineIn(timeout));
+    }
+    return Check(std::move(freed));
+  }
+
+  uint64_t FreeStep(uint64_t step, std::optional<double> timeout) {
+    absl::StatusOr<uint64_t> freed;
+    {
+      py::gil_scoped_release release;
+      freed = Store().FreeStep(step, DeadlineIn(timeout));
+    }
+    return Check(std::move(freed));
+  }
+
+  py::dict Stats() const {
+    const SliceStoreStats s = Store().Stats();
+    py::dict d;
+    d["stored_bytes"] = s.stored_bytes;
+    d["peak_stored_bytes"] = s.peak_stored_bytes;
+    d["trainer_bytes"] = s.trainer_bytes;
+    d["peak_trainer_bytes"] = s.peak_trainer_bytes;
+    d["offloads"] = s.offloads;
+    d["fetches"] = s.fetches;
+    d["offload_bytes"] = s.offload_bytes;
+    d["fetch_bytes"] = s.fetch_bytes;
+    d["failures"] = s.failures;
+    d["spilled_offloads"] = s.spilled_offloads;
+    d["spilled_fetches"] = s.spilled_fetches;
+    d["streamed"] = s.streamed;
+    return d;
+  }
+
+ private:
+  DaemonSliceStore& Store() const {
+    if (store_ == nullptr) {
+      ThrowStatus(absl::FailedPreconditionError("activation store: closed"));
+    }
+    return *store_;
+  }
+  // Keeps `tensor` until `ticket` completes.
+  PyActivationTicket Lend(ActivationTicket ticket, const py::object& tensor) {
+    if (!ticket.done()) lent_.emplace_back(ticket, tensor);
+    return PyActivationTicket(std::move(ticket));
+  }
+  // Drops the tensors of completed operations.
+  void Sweep() {
+    lent_.erase(std::remove_if(lent_.begin(), lent_.end(),
+                               [](const auto& l) { return l.first.done(); }),
+                lent_.end());
+  }
+
+  std::unique_ptr<DaemonSliceStore> store_;
+  // Tensors lent to operations in flight; touched with the GIL held.
+  std::vector<std::pair<ActivationTicket, py::object>> lent_;
+};
+
 // Owns the C++ client. Like the client, every method except push_gradients,
 // memory_report and traffic_report must be called from one thread at a time.
 class PyClient {
@@ -336,8 +535,11 @@ class PyClient {
            const std::string& reduction, std::optional<std::string> collective_dir,
            const std::string& collective_host, std::optional<int> cuda_device,
            const std::string& collective_kind, const py::object& param_groups,
-           uint32_t micro_batches) {
+           uint32_t micro_batches, bool insecure, const std::string& transport,
+           const std::string& ucx_tls) {
     ClientConfig c;
+    c.transport = transport;  // ValidateConfig (in Create) names a bad one
+    c.ucx_tls = ucx_tls;
     c.micro_batches = micro_batches;
     if (!param_groups.is_none()) c.param_groups = ParseParamGroups(param_groups);
     c.cuda_device = cuda_device.value_or(-1);
@@ -385,6 +587,7 @@ class PyClient {
     c.replicas = replicas;
     c.job_token = token.value_or("");
     c.tls = {tls_cert.value_or(""), tls_key.value_or(""), tls_ca.value_or("")};
+    c.insecure = insecure;
     c.daemons = std::move(daemons);
     c.job_id = std::move(job_id);
     c.rank = rank;
@@ -694,6 +897,24 @@ class PyClient {
   }
   uint64_t committed_step() const { return client_->committed_step(); }
 
+  // `daemon`: an index into daemons; None: this rank's partition's daemon
+  // (rank * len(daemons) / world_size).
+  std::unique_ptr<PyActivationStore> OpenActivationStore(std::optional<uint32_t> daemon,
+                                                         int threads, bool checksums,
+                                                         std::optional<double> rpc_timeout) {
+    const ClientConfig& c = client_->config();
+    DaemonSliceStore::Options o;
+    o.threads = threads;
+    o.checksums = checksums;
+    if (rpc_timeout.has_value() && !(*rpc_timeout > 0)) {
+      throw py::value_error("rpc_timeout: must be > 0 seconds");
+    }
+    o.rpc_timeout = rpc_timeout.has_value() ? absl::Seconds(*rpc_timeout) : c.rpc_timeout;
+    const uint32_t d = daemon.value_or(static_cast<uint32_t>(
+        uint64_t{c.rank} * c.daemons.size() / std::max<uint32_t>(1, c.world_size)));
+    return std::make_unique<PyActivationStore>(Check(client_->OpenActivationStore(d, o)));
+  }
+
  private:
   void RequireRegistered(const char* what) const {
     if (client_->total_elements() == 0) {
@@ -771,6 +992,7 @@ PYBIND11_MODULE(_zeroshard, m) {
   // The C++ defaults Client(...) takes its own from.
   const ClientConfig defaults;
   const GlooCollective::Options gloo_defaults;
+  const DaemonSliceStore::Options store_defaults;
   m.attr("DEFAULTS") = ClientDefaults(defaults, gloo_defaults);
 
   py::class_<PyClient>(m, "Client")
@@ -780,7 +1002,8 @@ PYBIND11_MODULE(_zeroshard, m) {
                     std::optional<std::string>, std::optional<std::string>,
                     std::optional<std::string>, std::optional<std::string>, uint32_t,
                     const std::string&, std::optional<std::string>, const std::string&,
-                    std::optional<int>, const std::string&, const py::object&, uint32_t>(),
+                    std::optional<int>, const std::string&, const py::object&, uint32_t,
+                    bool, const std::string&, const std::string&>(),
            py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
            py::arg("stage") = defaults.stage,
            py::arg("precision") = std::string(DTypeName(kPythonDefaultPrecision)),
@@ -801,10 +1024,13 @@ PYBIND11_MODULE(_zeroshard, m) {
            py::arg("cuda_device") = CudaDeviceArg(defaults.cuda_device),
            py::arg("collective") = kDefaultCollective, py::arg("param_groups") = py::none(),
            py::arg("micro_batches") = defaults.micro_batches,
+           py::arg("insecure") = defaults.insecure,
+           py::arg("transport") = defaults.transport, py::arg("ucx_tls") = defaults.ucx_tls,
            "Validates the config and starts the client's threads; connects to nothing. "
            "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
            "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
-           "$ZS_TLS_CERT/_KEY/_CA; none: plaintext). "
+           "$ZS_TLS_CERT/_KEY/_CA; none: plaintext, which is refused to a daemon address that is "
+           "not loopback unless insecure=True or $ZS_INSECURE=1). "
            "Timeouts in seconds. resume: None, a checkpoint name or 'latest' (the complete "
            "checkpoint with the highest step): register_model on rank 0 then loads it into "
            "the daemons instead of uploading initial_params ('latest' with no complete "
@@ -824,7 +1050,13 @@ PYBIND11_MODULE(_zeroshard, m) {
            "device, raises. param_groups: None (one group: lr, betas, eps, weight_decay) or a list of "
            "dicts with keys lr, betas, eps, weight_decay, one per parameter group (a layout "
            "tensor's group indexes it). micro_batches: gradient accumulation: how many times "
-           "each range is pushed per step (micro_batch 0..micro_batches-1).")
+           "each range is pushed per step (micro_batch 0..micro_batches-1). "
+           "transport: the data path for gradients, parameters and activations: 'stream' (the "
+           "Shard streaming RPCs, which every daemon serves) or a bulk transport, which must be "
+           "the daemons' --bulk_transport: 'ucx', 'grpc' (one-sided Put/Get over gRPC) or "
+           "'inproc' (daemons in this process); raises UNAVAILABLE when UCX cannot start. "
+           "ucx_tls: UCX_TLS of a 'ucx' transport, e.g. 'posix,cma,self' or 'tcp' (empty: "
+           "UCX's choice or $UCX_TLS).")
       .def(
           "register_model",
           [](PyClient& self, const py::object& layout, const py::object& initial_params) {
@@ -907,5 +1139,67 @@ PYBIND11_MODULE(_zeroshard, m) {
       .def_property_readonly("committed_step", &PyClient::committed_step)
       .def("partition_range", &PyClient::PartitionRange, py::arg("rank"),
            "(begin, end): the flat range of rank's partition (padding included: end may "
-           "pass total_elements).");
+           "pass total_elements).")
+      .def("open_activation_store", &PyClient::OpenActivationStore, py::keep_alive<0, 1>(),
+           py::arg("daemon") = py::none(), py::arg("threads") = store_defaults.threads,
+           py::arg("checksums") = store_defaults.checksums, py::arg("rpc_timeout") = py::none(),
+           "After register_model: an ActivationStore for this rank's activation checkpoints "
+           "on daemon `daemon` (an index into daemons; None: rank * len(daemons) // "
+           "world_size, the rank's partition's daemon), held in its activation arena "
+           "(zeroshardd --activation_arena_bytes) or spill files, over the client's transport. "
+           "threads: its workers (1..16); checksums: a CRC-32C with every slice on a bulk "
+           "transport (the streaming RPCs always check); rpc_timeout: seconds per operation "
+           "(None: the client's). The client lives as long as the store.");
+
+  py::class_<PyActivationTicket>(m, "ActivationTicket",
+                                 "An activation store operation running in the background.")
+      .def_property_readonly("done", &PyActivationTicket::done)
+      .def("wait", &PyActivationTicket::Wait, py::arg("timeout") = py::none(),
+           "Blocks until the operation ends (raising its error) or `timeout` seconds pass "
+           "(DEADLINE_EXCEEDED; the operation goes on).");
+
+  py::class_<PyActivationStore>(
+      m, "ActivationStore",
+      "Activation checkpoints of this rank on one daemon (client/activation_store.h), by key "
+      "(step, micro_batch, layer): a slice is the bytes of one CPU tensor whose elements are "
+      "dense (contiguous or permuted), of any dtype. Operations run on the store's threads in "
+      "submission order per key (a fetch waits for the offload of its key submitted before); "
+      "the store holds the tensors they read or write until they end.")
+      .def_property_readonly("name", &PyActivationStore::Name,
+                             "'daemon <address> (<data path>)'.")
+      .def("offload", &PyActivationStore::Offload, py::arg("step"), py::arg("layer"),
+           py::arg("tensor"), py::arg("micro_batch") = 0u,
+           "Starts storing the tensor's bytes under the key; returns an ActivationTicket. The "
+           "tensor must not change until the ticket is done. ALREADY_EXISTS for a key stored.")
+      .def("start_fetch", &PyActivationStore::StartFetch, py::arg("step"), py::arg("layer"),
+           py::arg("out"), py::arg("micro_batch") = 0u, py::arg("free") = true,
+           "Starts fetching the slice into `out` (a tensor of exactly its bytes, laid out as "
+           "the one offloaded: torch.empty_strided with its size, stride and dtype); returns "
+           "an ActivationTicket. free: drop the slice on the daemon once fetched.")
+      .def(
+          "fetch",
+          [](PyActivationStore& self, uint64_t step, uint32_t layer, const py::object& out,
+             uint32_t micro_batch, bool free, std::optional<double> timeout) {
+            self.StartFetch(step, layer, out, micro_batch, free).Wait(timeout);
+          },
+          py::arg("step"), py::arg("layer"), py::arg("out"), py::arg("micro_batch") = 0u,
+          py::arg("free") = true, py::arg("timeout") = py::none(),
+          "start_fetch and wait for it.")
+      .def("prefetch", &PyActivationStore::Prefetch, py::arg("keys"),
+           "A hint: these slices ((step, micro_batch, layer) tuples) will be fetched soon, in "
+           "this order; the daemon reads spilled ones back into its arena.")
+      .def("free", &PyActivationStore::Free, py::arg("step"), py::arg("layer"),
+           py::arg("micro_batch") = 0u, py::arg("timeout") = py::none(),
+           "Frees one slice (after the operations on it submitted before); returns the bytes "
+           "freed (0 if it was not there).")
+      .def("free_step", &PyActivationStore::FreeStep, py::arg("step"),
+           py::arg("timeout") = py::none(),
+           "Frees every slice of `step` this store offloaded; returns the bytes freed.")
+      .def("stats", &PyActivationStore::Stats,
+           "dict(stored_bytes, peak_stored_bytes, trainer_bytes, peak_trainer_bytes, offloads, "
+           "fetches, offload_bytes, fetch_bytes, failures, spilled_offloads, spilled_fetches, "
+           "streamed): SliceStoreStats.")
+      .def("close", &PyActivationStore::Close,
+           "Waits for the operations in flight and drops the store (slices not freed stay on "
+           "the daemon until the job ends there).");
 }

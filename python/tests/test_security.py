@@ -57,6 +57,20 @@ def _train_one_step(client):
     return out
 
 
+def test_plaintext_to_the_network_needs_insecure(monkeypatch):
+    # Creating a client connects to nothing: no daemon needs to be there.
+    monkeypatch.delenv("ZS_INSECURE", raising=False)
+    daemons = ["127.0.0.1:7070", "10.255.0.1:7070"]
+    with pytest.raises(zeroshard.Error) as info:
+        _client(daemons, "plain", world_size=2)
+    assert info.value.code == "INVALID_ARGUMENT", info.value
+    assert "10.255.0.1:7070" in str(info.value)
+    assert "ZS_INSECURE=1" in str(info.value)
+    _client(daemons, "plain", world_size=2, insecure=True)
+    monkeypatch.setenv("ZS_INSECURE", "1")
+    _client(daemons, "plain", world_size=2)
+
+
 # ---- tokens ----
 
 @pytest.fixture(scope="module")

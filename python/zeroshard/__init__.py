@@ -10,6 +10,6 @@ Failures raise `Error` (a RuntimeError) whose `.code` names the status code.
 # The project's version; //python:wheel names the wheel after it.
 __version__ = "0.1.0"
 
-from zeroshard._zeroshard import Client, Error, Layout
+from zeroshard._zeroshard import ActivationStore, ActivationTicket, Client, Error, Layout
 
-__all__ = ["Client", "Error", "Layout"]
+__all__ = ["ActivationStore", "ActivationTicket", "Client", "Error", "Layout"]

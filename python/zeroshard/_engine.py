@@ -81,6 +81,7 @@ class Engine:
         self.buffers = [e for e in entries if e.kind == "buffer"]
         self.client = Client(**config)
         self.save_pending = False
+        self._activations = None  # (client, its ActivationStore), opened when first used
 
     # ---- construction ----
 
@@ -105,6 +106,7 @@ class Engine:
     def rejoin(self):
         """A new client of the same job, after a failure (no upload, no
         resume)."""
+        self.close_activation_store()
         self.client = None  # dropped first: its heartbeats stop
         client = Client(**dict(self.config, resume=None))
         client.register_model(self.layout, None)
@@ -196,7 +198,23 @@ class Engine:
     def close(self):
         if self.save_pending:
             self.await_checkpoint()
+        self.close_activation_store()
         self.client.leave()
+
+    # ---- activation offload (zeroshard.torch.offload_activations) ----
+
+    def activation_store(self):
+        """This rank's ActivationStore on its partition's daemon, of the
+        current client (opened when first asked for)."""
+        if self._activations is None or self._activations[0] is not self.client:
+            self.close_activation_store()
+            self._activations = (self.client, self.client.open_activation_store())
+        return self._activations[1]
+
+    def close_activation_store(self):
+        if self._activations is not None:
+            store, self._activations = self._activations[1], None
+            store.close()
 
     # ---- optimizer state dicts (torch.optim.AdamW's format) ----
 

@@ -29,6 +29,7 @@ from zeroshard._zeroshard import DEFAULTS as _DEFAULTS, Error
 from zeroshard import _engine, _layout
 from zeroshard._engine import Engine, config_error
 from zeroshard._flat import FlatSharding
+from zeroshard import _offload
 from zeroshard._stage3 import LayerSharding, is_dense
 
 # The optimizer's defaults are the client's (C++ ClientConfig's, through
@@ -45,7 +46,40 @@ _SET_TO_NONE = inspect.signature(torch.optim.Optimizer.zero_grad).parameters[
 
 
 __all__ = ["init_from_env", "shard_model", "ShardedModel", "ShardedOptimizer",
-           "reconnectable"]
+           "reconnectable", "offload_activations"]
+
+
+def offload_activations(target, min_bytes=_offload.DEFAULT_MIN_BYTES,
+                        prefetch=_offload.DEFAULT_PREFETCH):
+    """A context manager: the tensors autograd saves for backward inside it
+    (torch.autograd.graph.saved_tensors_hooks) go to the activation arena of
+    this rank's daemon (zeroshardd --activation_arena_bytes, and its spill
+    files), and come back when backward unpacks them; the gradients are
+    bit-identical to keeping them:
+
+        with offload_activations(model):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+
+    `target`: a ShardedModel or ShardedOptimizer (their client's store on the
+    rank's partition's daemon, opened once and closed by close()), a
+    zeroshard.ActivationStore (client.open_activation_store(...)), or a
+    zeroshard.Client (a store for this block alone). Offloaded: saved
+    tensors of at least `min_bytes` bytes whose elements are dense
+    (contiguous or permuted; CUDA ones through a CPU copy), except
+    parameters and views of them, which the graph holds anyway. Smaller
+    ones stay. Offloads run behind the forward (each tensor is held until
+    the daemon has it); backward fetches each one as it is unpacked, with
+    the next `prefetch` ones (in the reverse order of the saves), and the
+    daemon frees each once fetched (a second backward with retain_graph
+    reuses the fetched tensor). An offload the daemon refuses (arena and
+    spill space full) keeps its tensor in the trainer, with a
+    RuntimeWarning. Every block is a step of its own in the store's keys
+    (step, micro_batch 0, layer = the save's index). Slices of a graph freed
+    without backward are freed when the next block opens on the store.
+    Yields an object with `offloaded_bytes` and `offloaded_tensors`; the
+    store's stats() count the bytes moved."""
+    return _offload.offload_activations(target, min_bytes=min_bytes, prefetch=prefetch)
 
 
 def init_from_env(**overrides):
@@ -180,6 +214,13 @@ class _DaemonOptimizer(torch.optim.Optimizer):
     def client(self):
         """The underlying zeroshard.Client (reports, committed step)."""
         return self._engine.client
+
+    @property
+    def activation_store(self):
+        """The client's zeroshard.ActivationStore on this rank's partition's
+        daemon, which offload_activations(self) uses (opened when first
+        asked for; closed by close()): its stats() count the bytes moved."""
+        return self._engine.activation_store()
 
 
 class ShardedOptimizer(_DaemonOptimizer):
@@ -495,6 +536,13 @@ class ShardedModel(torch.nn.Module):
     def client(self):
         """The underlying zeroshard.Client (reports, committed step)."""
         return self._engine.client
+
+    @property
+    def activation_store(self):
+        """The client's zeroshard.ActivationStore on this rank's partition's
+        daemon, which offload_activations(self) uses (opened when first
+        asked for; closed by close()): its stats() count the bytes moved."""
+        return self._engine.activation_store()
 
     @property
     def last_result(self):
