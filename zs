@@ -18,7 +18,7 @@ PACKAGES=(
   libtorch-dev python3-torch python3-numpy pybind11-dev python3-pytest
   python3-pip python3-venv python3-yaml
   slurmctld slurmd slurm-client munge
-  prometheus curl iproute2 chromium libgloo-dev
+  prometheus curl iproute2 nftables chromium libgloo-dev
 )
 
 log() { printf '\033[1m[zs]\033[0m %s\n' "$*" >&2; }

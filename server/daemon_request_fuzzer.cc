@@ -3,12 +3,15 @@
 // (server/testing/request_sequence.h has the input format and the fixups
 // that point requests at the live job's real state). The daemon is started
 // once, in this process, with a live job (two ranks joined, parameters
-// initialised); calls have a 200 ms deadline. After each input the daemon
-// must still answer Admin.Status and not be draining, and its ledger must
-// never exceed the memory limit (checked after every call); when an input
-// changed anything, every job is removed and the ledger must come back to
-// what it held before the live job (no bytes leaked), then the live job is
-// registered again, so each input starts from the same state.
+// initialised) and a replicated job (replicas = 2, its peer an address
+// nothing listens on) whose backup copy the Replica RPCs drive (transfer,
+// forward, commit, promote, release); calls have a 200 ms deadline. After
+// each input the daemon must still answer Admin.Status and not be draining,
+// and its ledger must never exceed the memory limit (checked after every
+// call); when an input changed anything, every job is removed and the
+// ledger must come back to what it held before the live job (no bytes
+// leaked), then both jobs are registered again, so each input starts from
+// the same state.
 // Run: tools/fuzz.sh //server:daemon_request_fuzzer 60
 // Seeds: bazel run //server/testing:write_request_seeds -- \
 //   "$PWD/server/fuzz_corpus/daemon_request"

@@ -223,3 +223,56 @@ zs_hosts_teardown() {
   _ZS_HOSTS_LINKS=()
   ZS_HOST_HOLDERS=()
 }
+
+# zs_hosts_resolve_names: every host resolves each host's name (h<i>) to its
+# address on the bridge, as a cluster's DNS would: a hosts file naming
+# localhost and the hosts, bind-mounted over /etc/hosts in each host's mount
+# namespace (this namespace's /etc/hosts is untouched). Call after
+# zs_hosts_setup. On failure sets ZS_HOSTS_ERROR and returns 1.
+zs_hosts_resolve_names() {
+  local file i rc=0
+  file="$(mktemp "${TMPDIR:-/tmp}/zs_hosts.XXXXXX")" || {
+    ZS_HOSTS_ERROR="mktemp failed"
+    return 1
+  }
+  {
+    echo "127.0.0.1 localhost"
+    echo "::1 localhost ip6-localhost ip6-loopback"
+    for i in "${!ZS_HOST_ADDRS[@]}"; do echo "${ZS_HOST_ADDRS[$i]} ${ZS_HOST_NAMES[$i]}"; done
+  } >"$file"
+  chmod 644 "$file"
+  for i in "${!ZS_HOST_HOLDERS[@]}"; do
+    _zs_hosts_err "could not mount a hosts file on host $i" \
+      nsenter --target "${ZS_HOST_HOLDERS[$i]}" --mount -- mount --bind "$file" /etc/hosts ||
+      { rc=1; break; }
+  done
+  # The mounts keep the file; its name is no longer needed.
+  rm -f "$file"
+  return $rc
+}
+
+# zs_hosts_mount_cgroups: each host sees this machine's cgroup filesystems
+# under /sys/fs/cgroup (a host's /sys is its network namespace's own sysfs,
+# with nothing mounted below it), mounted again as this namespace has them:
+# the same types and options, so the same hierarchies (cgroup v1 or v2).
+# For daemons that will not start without them (slurmd). Call after
+# zs_hosts_setup. On failure sets ZS_HOSTS_ERROR and returns 1.
+zs_hosts_mount_cgroups() {
+  local i m src mp type opts rest mounts=()
+  while read -r src mp type opts rest; do
+    [[ "$mp" == /sys/fs/cgroup || "$mp" == /sys/fs/cgroup/* ]] && mounts+=("$src $mp $type $opts")
+  done </proc/self/mounts
+  if ((${#mounts[@]} == 0)); then
+    ZS_HOSTS_ERROR="nothing is mounted on /sys/fs/cgroup here"
+    return 1
+  fi
+  for i in "${!ZS_HOST_HOLDERS[@]}"; do
+    for m in "${mounts[@]}"; do
+      read -r src mp type opts <<<"$m"
+      _zs_hosts_err "could not mount $type on $mp on host $i" \
+        nsenter --target "${ZS_HOST_HOLDERS[$i]}" --mount -- \
+        sh -c 'mkdir -p "$4" && mount -t "$2" -o "$3" "$1" "$4"' sh "$src" "$type" "$opts" "$mp" ||
+        return 1
+    done
+  done
+}

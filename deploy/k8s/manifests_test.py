@@ -30,7 +30,8 @@ COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-ind
 # daemon (docs/security.md).
 REQUIRED_TRAINER_ENV = ["ZS_RANK", "ZS_WORLD_SIZE", "ZS_DAEMONS", "ZS_JOB_ID", "ZS_JOB_TOKEN",
                         "ZS_TLS_CERT", "ZS_TLS_KEY", "ZS_TLS_CA"]
-FILE_FLAGS = ["tls_cert", "tls_key", "tls_ca", "admin_token_file"]
+FILE_FLAGS = ["tls_cert", "tls_key", "tls_ca", "admin_token_file", "registration_token_file"]
+TOKEN_FILE_FLAGS = ["admin_token_file", "registration_token_file"]
 DIR_FLAGS = ["checkpoint_dir", "spill_dir"]
 
 
@@ -347,15 +348,15 @@ def check(docs, ctx):
                 errors.append(f"{where}: --{name} should come from a Secret")
                 continue
             secret_refs.append((f"{where} --{name}", volume["secret"]["secretName"], key))
-        if name == "admin_token_file":
+        if name in TOKEN_FILE_FLAGS:
             mode = volume["secret"].get("defaultMode", 0o644)
             item_mode = next((i.get("mode") for i in volume["secret"].get("items", [])
                               if i["key"] == key), None)
             if (item_mode if item_mode is not None else mode) & 0o077:
-                errors.append(f"{where}: the admin token's mode must be 0600 or stricter "
+                errors.append(f"{where}: --{name}'s mode must be 0600 or stricter "
                               "(the daemon refuses it otherwise)")
             if dpod.get("securityContext", {}).get("fsGroup") is not None:
-                errors.append("DaemonSet: fsGroup makes the admin token group-readable, which the "
+                errors.append(f"DaemonSet: fsGroup makes --{name} group-readable, which the "
                               "daemon refuses")
         if name in DIR_FLAGS and "persistentVolumeClaim" in volume:
             claim = volume["persistentVolumeClaim"]["claimName"]
@@ -431,11 +432,15 @@ def check(docs, ctx):
     for name in ("ZS_WORLD_SIZE", "WORLD_SIZE"):
         if name in env and str(env[name].get("value")) != str(world):
             errors.append(f"{where}: {name}={env[name].get('value')} but completions={world}")
-    token = env.get("ZS_JOB_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef")
-    if "ZS_JOB_TOKEN" in env and token is None:
-        errors.append(f"{where}: ZS_JOB_TOKEN must come from a Secret")
-    elif token is not None:
-        secret_refs.append((f"{where} ZS_JOB_TOKEN", token["name"], token["key"]))
+    for name in ("ZS_JOB_TOKEN", "ZS_REGISTRATION_TOKEN"):
+        token = env.get(name, {}).get("valueFrom", {}).get("secretKeyRef")
+        if name in env and token is None:
+            errors.append(f"{where}: {name} must come from a Secret")
+        elif token is not None:
+            secret_refs.append((f"{where} {name}", token["name"], token["key"]))
+    if flags.get("registration_token_file") and "ZS_REGISTRATION_TOKEN" not in env:
+        errors.append(f"{where}: the daemons demand a registration token "
+                      "(--registration_token_file) and ZS_REGISTRATION_TOKEN is not set")
     daemons_ref = env.get("ZS_DAEMONS", {}).get("valueFrom", {}).get("configMapKeyRef")
     if daemons_ref is None and "ZS_DAEMONS" in env:
         errors.append(f"{where}: ZS_DAEMONS must come from the ConfigMap every rank reads")

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <system_error>
 #include <type_traits>
 #include <utility>
@@ -20,6 +21,7 @@
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
 #include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
 #include "proto/zeroshard/v1/control.grpc.pb.h"
+#include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 #include "transport/transport.h"
 
@@ -64,10 +66,26 @@ constexpr RpcInfo kRpcs[kNumRpcs] = {
     {"Activation.FreeActivations", false},
     {"Shard.ReadState", false},
     {"Shard.WriteState", true},
+    {"Replica.GetReplicaState", false},
+    {"Replica.Promote", false},
+    {"Replica.TransferState", true},
+    {"Replica.ForwardGradient", true},
+    {"Replica.CommitReplica", false},
+    {"Replica.ReleaseReplica", false},
 };
 
 // ---------------------------------------------------------------------------
 // Fixups.
+
+// The replicated job's backup copy (kReplicaBackupGroup) as the call
+// finds it; `present` false once it was released (the fixes then use its
+// first epoch and step).
+struct BackupCopy {
+  bool present = false;
+  uint64_t epoch = 1;
+  uint64_t committed = 0;
+  FlatRange owned;  // its owned unpadded range
+};
 
 // What the fixups of one call need to know.
 struct Fixer {
@@ -77,6 +95,7 @@ struct Fixer {
   uint64_t committed = 0;          // the live job's committed step
   uint32_t max_wait_ms = 100;
   const v1::PartManifest* last_part = nullptr;  // may be null
+  BackupCopy backup;
 
   bool on(Fixup f) const { return (fixups & f) != 0; }
   void Job(std::string* id) const {
@@ -90,6 +109,16 @@ struct Fixer {
   uint32_t Wait(uint32_t ms) const { return ms > kMaxWaitMs ? ms : ms % (max_wait_ms + 1); }
   uint64_t NextStep(uint64_t step) const { return on(kLiveStep) ? committed + 1 : step; }
   uint64_t CommittedStep(uint64_t step) const { return on(kLiveStep) ? committed : step; }
+  // The Replica RPCs' fields (see Fixup).
+  void ReplicaJob(std::string* id) const {
+    if (on(kLiveJob)) *id = kReplicaJobId;
+  }
+  template <typename Request>
+  void GroupAndEpoch(Request* r) const {
+    if (!on(kLiveRank)) return;
+    r->set_group(kReplicaBackupGroup);
+    r->set_epoch(backup.epoch);
+  }
 };
 
 // `data` repeated (zeros when empty) to `bytes` bytes.
@@ -283,6 +312,83 @@ void Fix(const Fixer& f, v1::ActivationChunk* c) {
   if (f.on(kChecksums)) c->set_crc32c(Crc32c(c->data().data(), c->data().size()));
 }
 
+void Fix(const Fixer& f, v1::GetReplicaStateRequest* r) { f.ReplicaJob(r->mutable_job_id()); }
+void Fix(const Fixer& f, v1::PromoteRequest* r) {
+  f.ReplicaJob(r->mutable_job_id());
+  f.GroupAndEpoch(r);
+  if (f.on(kLiveRank)) r->set_epoch(f.backup.epoch + 1);
+  if (f.on(kLiveStep)) r->set_committed_step(f.backup.committed);
+}
+void Fix(const Fixer& f, v1::ReplicaStateChunk* c) {
+  // Later chunks of a stream may leave the job id out.
+  if (!c->job_id().empty()) f.ReplicaJob(c->mutable_job_id());
+  f.GroupAndEpoch(c);
+  if (f.on(kLiveStep) && c->has_state()) c->mutable_state()->set_committed_step(f.backup.committed);
+  if (f.on(kChecksums)) c->set_crc32c(Crc32c(c->data().data(), c->data().size()));
+}
+void Fix(const Fixer& f, v1::ForwardedGradientChunk* c) {
+  if (!c->job_id().empty()) f.ReplicaJob(c->mutable_job_id());
+  f.GroupAndEpoch(c);
+  if (f.on(kLiveStep)) c->set_step(f.backup.committed + 1);
+  if (f.on(kChecksums)) c->set_crc32c(Crc32c(c->data().data(), c->data().size()));
+}
+void Fix(const Fixer& f, v1::CommitReplicaRequest* r) {
+  f.ReplicaJob(r->mutable_job_id());
+  f.GroupAndEpoch(r);
+  if (f.on(kLiveJob)) r->mutable_commit()->set_job_id(kReplicaJobId);
+  if (f.on(kLiveStep)) r->mutable_commit()->set_step(f.backup.committed + 1);
+}
+void Fix(const Fixer& f, v1::ReleaseReplicaRequest* r) {
+  f.ReplicaJob(r->mutable_job_id());
+  f.GroupAndEpoch(r);
+}
+
+// kFitData for a TransferState: each chunk continues its array from where
+// the stream's earlier chunks left it, the last chunk of an array filling
+// it to the backup copy's range (fp32 arrays of that many elements).
+void FitTransferStream(const Fixer& f, std::vector<v1::ReplicaStateChunk>* chunks) {
+  const uint64_t n = f.backup.owned.size();
+  if (!f.backup.present || n == 0 || n > kMaxFittedBytes / sizeof(float)) return;
+  std::map<uint32_t, uint64_t> filled;  // by array
+  for (size_t i = 0; i < chunks->size(); ++i) {
+    v1::ReplicaStateChunk& c = (*chunks)[i];
+    if (c.has_bulk()) continue;
+    bool last = true;
+    for (size_t j = i + 1; j < chunks->size(); ++j) {
+      if ((*chunks)[j].array() == c.array()) last = false;
+    }
+    uint64_t& offset = filled[c.array()];
+    const uint64_t count =
+        last ? n - offset : std::min<uint64_t>(c.data().size() / sizeof(float), n - offset);
+    c.set_offset(offset);
+    *c.mutable_data() = Tile(c.data(), count * sizeof(float));
+    offset += count;
+  }
+}
+
+// kFitData for a ForwardGradient: the chunks cover the backup copy's range
+// back to back (each keeping its length where it fits), the last to its
+// end.
+void FitForwardStream(const Fixer& f, std::vector<v1::ForwardedGradientChunk>* chunks) {
+  const FlatRange owned = f.backup.owned;
+  if (!f.backup.present || owned.empty() || owned.size() > kMaxFittedBytes / sizeof(float)) {
+    return;
+  }
+  uint64_t pos = owned.begin;
+  for (size_t i = 0; i < chunks->size(); ++i) {
+    v1::ForwardedGradientChunk& c = (*chunks)[i];
+    const uint64_t length =
+        c.range().end() > c.range().begin() ? c.range().end() - c.range().begin() : 0;
+    const uint64_t end =
+        i + 1 == chunks->size() || length == 0 || length > owned.end - pos ? owned.end
+                                                                            : pos + length;
+    c.mutable_range()->set_begin(pos);
+    c.mutable_range()->set_end(end);
+    *c.mutable_data() = Tile(c.data(), (end - pos) * sizeof(float));
+    pos = end;
+  }
+}
+
 // Tiles each chunk's data to where the next chunk starts (the last: to the
 // slice's total_bytes, which the first chunk gives).
 void FitActivationStream(std::vector<v1::ActivationChunk>* chunks) {
@@ -320,6 +426,12 @@ bool ParseStream(const Call& call, const Fixer& f, std::vector<Chunk>* chunks) {
   }
   if constexpr (std::is_same_v<Chunk, v1::ActivationChunk>) {
     if (f.on(kFitData)) FitActivationStream(chunks);
+  }
+  if constexpr (std::is_same_v<Chunk, v1::ReplicaStateChunk>) {
+    if (f.on(kFitData)) FitTransferStream(f, chunks);
+  }
+  if constexpr (std::is_same_v<Chunk, v1::ForwardedGradientChunk>) {
+    if (f.on(kFitData)) FitForwardStream(f, chunks);
   }
   for (Chunk& c : *chunks) Fix(f, &c);
   return true;
@@ -432,6 +544,13 @@ v1::JobSpec LiveJobSpec(const std::string& address) {
   return MakeSpec(kLiveJobId, SampleLayout(), kLiveStage, kLiveWorldSize, {address});
 }
 
+v1::JobSpec ReplicaJobSpec(const std::string& address) {
+  v1::JobSpec spec = MakeSpec(kReplicaJobId, SampleLayout(), kLiveStage, kLiveWorldSize,
+                              {address, kReplicaPeerAddress});
+  spec.set_replicas(2);
+  return spec;
+}
+
 RequestWorld::RequestWorld(const Options& options, std::string dir)
     : options_(options), dir_(std::move(dir)) {}
 
@@ -440,6 +559,7 @@ RequestWorld::~RequestWorld() {
   arena_connection_.reset();
   peer_.reset();
   activation_.reset();
+  replica_.reset();
   client_.reset();
   daemon_.reset();
   std::error_code ignored;
@@ -462,6 +582,8 @@ absl::StatusOr<std::unique_ptr<RequestWorld>> RequestWorld::Create(const Options
   o.read_lease = absl::ZeroDuration();
   // Small enough that pushes out of order can run out of it.
   o.reduction_buffer_bytes = 1 << 20;
+  // The replicated job is never joined: it stays until Restore removes it.
+  o.join_timeout = absl::ZeroDuration();
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(o);
   if (!daemon.ok()) {
     // Without io_uring (some sandboxes) the arena works without spilling.
@@ -472,6 +594,7 @@ absl::StatusOr<std::unique_ptr<RequestWorld>> RequestWorld::Create(const Options
   w->daemon_ = *std::move(daemon);
   w->client_ = std::make_unique<DaemonClient>(w->daemon_->address());
   w->activation_ = v1::Activation::NewStub(w->client_->channel);
+  w->replica_ = v1::Replica::NewStub(w->client_->channel);
   w->empty_ledger_bytes_ = w->daemon_->ledger().total();
   if (ActivationStore* store = w->daemon_->activations();
       store != nullptr && w->daemon_->bulk_transport() != nullptr) {
@@ -512,8 +635,30 @@ absl::Status RequestWorld::StartLiveJob() {
   if (!live.ok()) return live.status();
   live_ = *std::move(live);
   live_hash_ = live_->StateHash();
+  // The replicated job: this daemon is its index 0, the peer never answers.
+  if (grpc::Status s = client_->Register(ReplicaJobSpec(daemon_->address()), 0); !s.ok()) {
+    return absl::InternalError(
+        absl::StrCat("the replicated job: RegisterJob: ", s.error_message()));
+  }
+  replica_snapshot_ = ReplicaSnapshot();
   live_ledger_bytes_ = daemon_->ledger().total();
   return absl::OkStatus();
+}
+
+std::string RequestWorld::ReplicaSnapshot() {
+  std::string out;
+  for (uint32_t group = 0; group < 2; ++group) {
+    absl::StatusOr<std::shared_ptr<Job>> copy = daemon_->jobs().Find(kReplicaJobId, group);
+    if (!copy.ok()) {
+      absl::StrAppend(&out, "group ", group, ": none\n");
+      continue;
+    }
+    v1::ReplicaGroupState state;
+    (*copy)->FillReplicaState(&state);
+    absl::StrAppend(&out, "group ", group, ": ", reinterpret_cast<uintptr_t>(copy->get()),
+                    " hash ", (*copy)->StateHash(), " ", state.ShortDebugString(), "\n");
+  }
+  return out;
 }
 
 grpc::Status RequestWorld::Run(const Call& call) {
@@ -529,6 +674,16 @@ grpc::Status RequestWorld::Run(const Call& call) {
   if (absl::StatusOr<std::shared_ptr<Job>> live = daemon_->jobs().Find(kLiveJobId); live.ok()) {
     f.committed = (*live)->committed_step();
   }
+  if (absl::StatusOr<std::shared_ptr<Job>> backup =
+          daemon_->jobs().Find(kReplicaJobId, kReplicaBackupGroup);
+      backup.ok()) {
+    v1::ReplicaGroupState state;
+    (*backup)->FillReplicaState(&state);
+    f.backup.present = true;
+    f.backup.epoch = state.epoch();
+    f.backup.committed = state.committed_step();
+    f.backup.owned = (*backup)->owned_unpadded();
+  }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    absl::ToChronoMilliseconds(options_.call_deadline));
@@ -537,6 +692,7 @@ grpc::Status RequestWorld::Run(const Call& call) {
   v1::Admin::Stub& admin = *client_->admin;
   v1::Checkpoint::Stub& checkpoint = *client_->checkpoint;
   v1::Activation::Stub& activation = *activation_;
+  v1::Replica::Stub& replica = *replica_;
 
 // One request message and one answer.
 #define ZS_UNARY(stub, Method, Request, Response)           \
@@ -660,6 +816,29 @@ grpc::Status RequestWorld::Run(const Call& call) {
       return SendStream(&ctx, chunks,
                         [&](grpc::ClientContext* c) { return shard.WriteState(c, &response); });
     }
+    case Rpc::kGetReplicaState:
+      ZS_UNARY(replica, GetReplicaState, v1::GetReplicaStateRequest, v1::ReplicaState)
+    case Rpc::kPromote:
+      ZS_UNARY(replica, Promote, v1::PromoteRequest, v1::ReplicaState)
+    case Rpc::kTransferState: {
+      std::vector<v1::ReplicaStateChunk> chunks;
+      if (!ParseStream(call, f, &chunks)) return Unparsable(call);
+      v1::TransferStateResponse response;
+      return SendStream(
+          &ctx, chunks, [&](grpc::ClientContext* c) { return replica.TransferState(c, &response); });
+    }
+    case Rpc::kForwardGradient: {
+      std::vector<v1::ForwardedGradientChunk> chunks;
+      if (!ParseStream(call, f, &chunks)) return Unparsable(call);
+      v1::ForwardGradientResponse response;
+      return SendStream(&ctx, chunks, [&](grpc::ClientContext* c) {
+        return replica.ForwardGradient(c, &response);
+      });
+    }
+    case Rpc::kCommitReplica:
+      ZS_UNARY(replica, CommitReplica, v1::CommitReplicaRequest, v1::CommitStepResponse)
+    case Rpc::kReleaseReplica:
+      ZS_UNARY(replica, ReleaseReplica, v1::ReleaseReplicaRequest, v1::ReleaseReplicaResponse)
   }
 #undef ZS_UNARY
   return grpc::Status(grpc::StatusCode::INTERNAL, "no such rpc");
@@ -711,8 +890,9 @@ absl::Status RequestWorld::CheckInvariants() {
 bool RequestWorld::Changed() {
   absl::StatusOr<std::shared_ptr<Job>> live = daemon_->jobs().Find(kLiveJobId);
   if (!live.ok() || *live != live_) return true;
-  if (daemon_->jobs().size() != 1 || daemon_->jobs().retired() != 0) return true;
+  if (daemon_->jobs().size() != 2 || daemon_->jobs().retired() != 0) return true;
   if (live_->StateHash() != live_hash_) return true;
+  if (ReplicaSnapshot() != replica_snapshot_) return true;
   if (daemon_->ledger().total() != live_ledger_bytes_) return true;
   if (ActivationStore* store = daemon_->activations(); store != nullptr) {
     const ActivationStore::Stats stats = store->GetStats();
@@ -891,6 +1071,67 @@ v1::TensorStep Steps(uint32_t tensor, uint64_t steps) {
   t.set_tensor(tensor);
   t.set_steps(steps);
   return t;
+}
+
+// Replica calls of the replicated job's backup group at its first epoch.
+v1::ReplicaStateChunk StateChunk(uint32_t array, const std::string& data) {
+  v1::ReplicaStateChunk c;
+  c.set_job_id(kReplicaJobId);
+  c.set_group(kReplicaBackupGroup);
+  c.set_epoch(1);
+  c.set_array(array);
+  c.set_data(data);
+  return c;
+}
+
+// A whole transfer of the committed state at step 0 (kFitData tiles each
+// array's value over the backup's range): masters, then both moments.
+std::vector<v1::ReplicaStateChunk> Transfer() {
+  v1::ReplicaStateChunk masters = StateChunk(0, Float(0.25f));
+  v1::TrainingState* state = masters.mutable_state();
+  state->set_committed_step(0);
+  state->set_loss_scale(1.0f);
+  v1::ReplicaStateChunk exp_avg = StateChunk(1, Float(1e-3f));
+  v1::ReplicaStateChunk exp_avg_sq = StateChunk(2, Float(1e-6f));
+  exp_avg_sq.clear_job_id();  // later chunks may leave it out
+  return {masters, exp_avg, exp_avg_sq};
+}
+
+// The gradient of step 1 in two chunks (kFitData lays them over the
+// backup's range).
+std::vector<v1::ForwardedGradientChunk> Forward() {
+  v1::ForwardedGradientChunk first;
+  first.set_job_id(kReplicaJobId);
+  first.set_group(kReplicaBackupGroup);
+  first.set_epoch(1);
+  first.set_step(1);
+  *first.mutable_range() = Range(0, 1000);
+  first.set_data(Float(0.01f));
+  first.mutable_prepared()->set_grad_sq_sum(0.5);
+  v1::ForwardedGradientChunk second = first;
+  second.clear_job_id();
+  second.clear_prepared();
+  second.set_data(Float(-0.02f));
+  return {first, second};
+}
+
+v1::CommitReplicaRequest CommitReplica() {
+  v1::CommitReplicaRequest r;
+  r.set_job_id(kReplicaJobId);
+  r.set_group(kReplicaBackupGroup);
+  r.set_epoch(1);
+  v1::CommitStepRequest* commit = r.mutable_commit();
+  commit->set_job_id(kReplicaJobId);
+  commit->set_step(1);
+  commit->set_lr(1e-3f);
+  commit->set_clip_coef(1.0f);
+  return r;
+}
+
+v1::GetReplicaStateRequest ReplicaState(const std::string& job_id) {
+  v1::GetReplicaStateRequest r;
+  r.set_job_id(job_id);
+  return r;
 }
 
 // SampleLayout with parameter groups (big.* in group 1), a frozen tensor
@@ -1281,6 +1522,69 @@ std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences() {
     stale.set_incarnation(kTestIncarnation + 7);
     c.push_back(One(Rpc::kReadState, kLiveJob, stale));
     seeds.emplace_back("refused", std::move(c));
+  }
+  {  // The replicated job's backup driven as its primary would: the state
+     // copied, a step forwarded and committed, then promoted to primary.
+    std::vector<Call> c;
+    c.push_back(One(Rpc::kGetReplicaState, kLiveJob, ReplicaState(kReplicaJobId)));
+    c.push_back(Stream(Rpc::kTransferState, kAll, Transfer()));
+    c.push_back(Stream(Rpc::kForwardGradient, kAll, Forward()));
+    c.push_back(One(Rpc::kCommitReplica, kAll, CommitReplica()));
+    c.push_back(One(Rpc::kGetReplicaState, kLiveJob, ReplicaState(kReplicaJobId)));
+    v1::PromoteRequest promote;
+    promote.set_job_id(kReplicaJobId);
+    promote.set_group(kReplicaBackupGroup);
+    promote.set_epoch(2);
+    promote.set_committed_step(1);
+    c.push_back(One(Rpc::kPromote, kAll, promote));
+    c.push_back(One(Rpc::kGetReplicaState, kLiveJob, ReplicaState(kReplicaJobId)));
+    seeds.emplace_back("replica_driven", std::move(c));
+  }
+  {  // The backup's state copied, then released by its primary: the copy
+     // goes, a forward to it finds nothing.
+    std::vector<Call> c;
+    c.push_back(Stream(Rpc::kTransferState, kAll, Transfer()));
+    v1::ReleaseReplicaRequest release;
+    release.set_job_id(kReplicaJobId);
+    release.set_group(kReplicaBackupGroup);
+    release.set_epoch(1);
+    c.push_back(One(Rpc::kReleaseReplica, kLive, release));
+    c.push_back(One(Rpc::kGetReplicaState, kLiveJob, ReplicaState(kReplicaJobId)));
+    c.push_back(Stream(Rpc::kForwardGradient, kAll, Forward()));
+    seeds.emplace_back("replica_released", std::move(c));
+  }
+  {  // Refused replica calls: a promotion, a forward and a commit before any
+     // state was copied, a transfer from an older epoch, a release of the
+     // group this daemon is primary of, an unknown job, a job that is not
+     // replicated, a bad checksum, a transfer missing an array.
+    std::vector<Call> c;
+    v1::PromoteRequest promote;
+    promote.set_job_id(kReplicaJobId);
+    promote.set_group(kReplicaBackupGroup);
+    promote.set_epoch(2);
+    c.push_back(One(Rpc::kPromote, kLive, promote));
+    c.push_back(Stream(Rpc::kForwardGradient, kAll, Forward()));
+    c.push_back(One(Rpc::kCommitReplica, kAll, CommitReplica()));
+    std::vector<v1::ReplicaStateChunk> old = Transfer();
+    for (v1::ReplicaStateChunk& chunk : old) chunk.set_epoch(0);
+    c.push_back(Stream(Rpc::kTransferState, kLiveJob | kFitData, old));
+    v1::ReleaseReplicaRequest release;
+    release.set_job_id(kReplicaJobId);
+    release.set_group(0);
+    release.set_epoch(1);
+    c.push_back(One(Rpc::kReleaseReplica, kLiveJob, release));
+    c.push_back(One(Rpc::kGetReplicaState, 0, ReplicaState("no-such-job")));
+    v1::PromoteRequest not_replicated = promote;
+    not_replicated.set_job_id(kLiveJobId);
+    not_replicated.set_group(0);
+    c.push_back(One(Rpc::kPromote, 0, not_replicated));
+    std::vector<v1::ReplicaStateChunk> bad_crc = Transfer();
+    bad_crc[0].set_crc32c(12345);
+    c.push_back(Stream(Rpc::kTransferState, kLive | kFitData | kLiveStep, bad_crc));
+    std::vector<v1::ReplicaStateChunk> short_of_one = Transfer();
+    short_of_one.pop_back();
+    c.push_back(Stream(Rpc::kTransferState, kAll, short_of_one));
+    seeds.emplace_back("replica_refused", std::move(c));
   }
   return seeds;
 }

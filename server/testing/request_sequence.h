@@ -14,9 +14,9 @@
 //   per message:  u16 length (little endian), then that many bytes of the
 //                 request message (protobuf wire format)
 //
-// Every method of Control, Shard, Admin, Checkpoint and Activation is in the
-// table but Control.Drain, which would stop the daemon taking jobs for the
-// rest of the run. A message that does not parse is not sent.
+// Every method of Control, Shard, Admin, Checkpoint, Activation and Replica
+// is in the table but Control.Drain, which would stop the daemon taking jobs
+// for the rest of the run. A message that does not parse is not sent.
 
 #include <cstddef>
 #include <cstdint>
@@ -32,6 +32,7 @@
 #include "proto/zeroshard/v1/activation.grpc.pb.h"
 #include "proto/zeroshard/v1/checkpoint.pb.h"
 #include "proto/zeroshard/v1/common.pb.h"
+#include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
 #include "transport/transport.h"
@@ -72,22 +73,35 @@ enum class Rpc : uint8_t {
   // to the same calls.
   kReadState,   // server stream
   kWriteState,  // client stream
+  // The Replica service, driving the replicated job's backup copy (see
+  // kReplicaJobId).
+  kGetReplicaState,
+  kPromote,
+  kTransferState,    // client stream
+  kForwardGradient,  // client stream
+  kCommitReplica,
+  kReleaseReplica,
 };
-inline constexpr int kNumRpcs = 31;
+inline constexpr int kNumRpcs = 37;
 
 // "Service.Method".
 const char* RpcName(Rpc rpc);
 bool IsClientStreaming(Rpc rpc);
 
 // Edits made to a call's messages before they are sent, so that mutated
-// inputs get past checks a fuzzer cannot satisfy by chance.
+// inputs get past checks a fuzzer cannot satisfy by chance. For the Replica
+// RPCs the bits aim at the replicated job's backup copy instead (see each).
 enum Fixup : uint8_t {
   // Every job id (also a spec's and an activation owner's) is the live job's.
+  // Replica RPCs: the replicated job's (kReplicaJobId), also a
+  // CommitReplica's commit's.
   kLiveJob = 1 << 0,
   // Ranks are taken modulo the live job's world size (CommitStep: rank 0, the
   // leader) and incarnations are the live ranks' (kTestIncarnation), also in
   // a ReadState and in every chunk of a WriteState; a JoinJob also gets the
   // live job's fingerprint, stage, world size and precision.
+  // Replica RPCs: the group is kReplicaBackupGroup and the epoch that copy's
+  // (Promote: one above it), in every chunk of a stream.
   kLiveRank = 1 << 1,
   // CRC-32C fields of chunks are recomputed over their data, a
   // CommitActivation's is that of the bytes last put (see kFitData); a
@@ -100,13 +114,19 @@ enum Fixup : uint8_t {
   // gaps are (and, for moments, its frozen tensors), as the daemon requires.
   // After a ReserveActivation that succeeds, the placement is filled with a
   // pattern through the bulk transport, as a trainer puts its slice.
+  // TransferState chunks (but a bulk one) continue their array from where
+  // the stream's earlier chunks left it, the last chunk of each array
+  // filling it to the backup copy's owned range; ForwardGradient chunks
+  // cover that range back to back, the last one to its end.
   kFitData = 1 << 3,
   // CompleteCheckpoint's parts are the part of the last WRITTEN
   // GetCheckpointStatus answer of the sequence (when there is one).
   kLastPart = 1 << 4,
   // Step fields follow the live job: steps to push, prepare and commit are
   // its committed step + 1; after_step and a save's step are the committed
-  // step.
+  // step. Replica RPCs follow the backup copy's committed step the same
+  // way (ForwardGradient's step and CommitReplica's commit.step: + 1;
+  // Promote's committed_step and a transfer's state.committed_step: as is).
   kLiveStep = 1 << 5,
 };
 inline constexpr size_t kMaxFittedBytes = 1 << 20;
@@ -141,10 +161,23 @@ inline constexpr uint32_t kLiveStage = 3;
 // The live job's spec (SampleLayout) for a daemon at `address`.
 v1::JobSpec LiveJobSpec(const std::string& address);
 
+// A second job every world serves, replicated (JobSpec.replicas = 2) over
+// the world's daemon (index 0) and kReplicaPeerAddress, where nothing
+// listens: the daemon holds group 0 as its primary and group 1
+// (kReplicaBackupGroup) as its backup, at epoch 1 and not yet in sync; the
+// Replica RPCs drive that copy as group 1's primary would. No rank joins it
+// (the world's daemon has no join timeout) and nothing drives group 0: its
+// calls need the replica metadata, which the world's calls do not carry.
+inline constexpr char kReplicaJobId[] = "fuzz-replica";
+inline constexpr char kReplicaPeerAddress[] = "127.0.0.1:1";
+inline constexpr uint32_t kReplicaBackupGroup = 1;
+v1::JobSpec ReplicaJobSpec(const std::string& address);
+
 // An in-process daemon on loopback (inproc bulk transport, an activation
 // arena, spill files and checkpoints in a temporary directory removed on
 // destruction) and the live job on it: registered, every rank joined as
-// kTestIncarnation, parameters initialised. Calls go through a DaemonClient
+// kTestIncarnation, parameters initialised; and the replicated job
+// (kReplicaJobId), registered. Calls go through a DaemonClient
 // (its channel, and so the credentials it carries). Not thread-safe.
 class RequestWorld {
  public:
@@ -173,10 +206,11 @@ class RequestWorld {
 
   // Puts the daemon back to where Create left it when a sequence changed
   // anything (other jobs, the live job's state, the ledger, files in the
-  // checkpoint directory): removes every job, waits until the ledger holds
-  // only what it held before the live job was registered (Internal naming
-  // the difference if it does not within `settle`: a leak), empties the
-  // checkpoint directory and registers the live job again.
+  // checkpoint directory, the replicated job's copies): removes every job,
+  // waits until the ledger holds only what it held before the live job was
+  // registered (Internal naming the difference if it does not within
+  // `settle`: a leak), empties the checkpoint directory and registers the
+  // live job and the replicated job again.
   absl::Status Restore(absl::Duration settle = absl::Seconds(2));
 
   Daemon& daemon() { return *daemon_; }
@@ -191,17 +225,21 @@ class RequestWorld {
   // ReserveActivation, and the put after it (kFitData).
   grpc::Status RunReserve(grpc::ClientContext* ctx, v1::ReserveActivationRequest request, bool put);
   bool Changed();
+  // Which copies of the replicated job there are, and their state.
+  std::string ReplicaSnapshot();
 
   const Options options_;
   const std::string dir_;  // checkpoints/ and spill/ under it
   std::unique_ptr<Daemon> daemon_;
   std::unique_ptr<DaemonClient> client_;
   std::unique_ptr<v1::Activation::Stub> activation_;
+  std::unique_ptr<v1::Replica::Stub> replica_;
   uint64_t empty_ledger_bytes_ = 0;  // with no job registered
   // The live job as registered, and what it held then.
   std::shared_ptr<Job> live_;
   uint64_t live_hash_ = 0;
-  uint64_t live_ledger_bytes_ = 0;
+  uint64_t live_ledger_bytes_ = 0;  // with the replicated job too
+  std::string replica_snapshot_;     // as registered
   // The part of the last WRITTEN checkpoint status since Restore.
   std::unique_ptr<v1::PartManifest> last_part_;
   // A trainer's end of the bulk transport, for the puts after

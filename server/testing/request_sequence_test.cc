@@ -114,7 +114,7 @@ std::vector<grpc::StatusCode> AllOk(size_t n) {
 
 TEST_F(RequestWorldTest, ValidSeedsSucceed) {
   for (const char* name : {"observe", "two_steps", "activations_streamed", "activations_placed",
-                           "staged_push", "second_job", "state_dict"}) {
+                           "staged_push", "second_job", "state_dict", "replica_driven"}) {
     const std::vector<grpc::StatusCode> codes = RunSeed(name);
     EXPECT_EQ(codes, AllOk(codes.size())) << name;
     if (std::string(name) == "two_steps") EXPECT_EQ(Committed(), 2u);
@@ -177,6 +177,62 @@ TEST_F(RequestWorldTest, RanksLeavingRemoveTheJobAndRestoreBringsItBack) {
 
 TEST_F(RequestWorldTest, RefusedSeedIsRefusedAndChangesNothing) {
   for (grpc::StatusCode code : RunSeed("refused")) EXPECT_NE(code, grpc::StatusCode::OK);
+  CheckAndRestore();
+}
+
+// The replicated job's backup copy (group 1) as the world finds it.
+v1::ReplicaGroupState Backup(RequestWorld& world) {
+  v1::ReplicaGroupState state;
+  absl::StatusOr<std::shared_ptr<Job>> copy =
+      world.daemon().jobs().Find(kReplicaJobId, kReplicaBackupGroup);
+  if (copy.ok()) (*copy)->FillReplicaState(&state);
+  return state;
+}
+
+TEST_F(RequestWorldTest, ReplicaSeedsDriveTheBackup) {
+  v1::ReplicaGroupState backup = Backup(*world_);
+  EXPECT_EQ(backup.role(), v1::REPLICA_ROLE_BACKUP);
+  EXPECT_EQ(backup.epoch(), 1u);
+  EXPECT_FALSE(backup.in_sync());
+  // Copied, a step forwarded and committed, promoted.
+  std::vector<grpc::StatusCode> codes = RunSeed("replica_driven");
+  EXPECT_EQ(codes, AllOk(7));
+  backup = Backup(*world_);
+  EXPECT_EQ(backup.role(), v1::REPLICA_ROLE_PRIMARY);
+  EXPECT_EQ(backup.epoch(), 2u);
+  EXPECT_EQ(backup.committed_step(), 1u);
+  CheckAndRestore();
+  backup = Backup(*world_);
+  EXPECT_EQ(backup.role(), v1::REPLICA_ROLE_BACKUP);
+  EXPECT_EQ(backup.epoch(), 1u);
+  EXPECT_EQ(backup.committed_step(), 0u);
+  EXPECT_FALSE(backup.in_sync());
+
+  // Released: the copy is gone until the restore.
+  codes = RunSeed("replica_released");
+  EXPECT_EQ(codes, (std::vector<grpc::StatusCode>{grpc::StatusCode::OK, grpc::StatusCode::OK,
+                                                  grpc::StatusCode::OK,
+                                                  grpc::StatusCode::NOT_FOUND}));
+  EXPECT_FALSE(world_->daemon().jobs().Find(kReplicaJobId, kReplicaBackupGroup).ok());
+  CheckAndRestore();
+  EXPECT_TRUE(world_->daemon().jobs().Find(kReplicaJobId, kReplicaBackupGroup).ok());
+
+  codes = RunSeed("replica_refused");
+  EXPECT_EQ(codes, (std::vector<grpc::StatusCode>{
+                       grpc::StatusCode::FAILED_PRECONDITION,  // Promote: not in sync
+                       grpc::StatusCode::FAILED_PRECONDITION,  // ForwardGradient: no copy
+                       grpc::StatusCode::FAILED_PRECONDITION,  // CommitReplica: no copy
+                       grpc::StatusCode::ABORTED,              // TransferState: older epoch
+                       grpc::StatusCode::FAILED_PRECONDITION,  // ReleaseReplica: primary
+                       grpc::StatusCode::NOT_FOUND,            // GetReplicaState: no job
+                       grpc::StatusCode::FAILED_PRECONDITION,  // Promote: not replicated
+                       grpc::StatusCode::DATA_LOSS,            // TransferState: CRC
+                       grpc::StatusCode::INVALID_ARGUMENT,     // TransferState: an array short
+                   }));
+  backup = Backup(*world_);
+  EXPECT_EQ(backup.role(), v1::REPLICA_ROLE_BACKUP);
+  EXPECT_EQ(backup.epoch(), 1u);
+  EXPECT_FALSE(backup.in_sync());
   CheckAndRestore();
 }
 
