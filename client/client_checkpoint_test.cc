@@ -110,16 +110,21 @@ class ClientCheckpointTest : public ::testing::Test {
     dir_ = tmpl;
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
+  // Starts n daemons writing checkpoints under dir_; their addresses.
+  std::vector<std::string> StartDaemons(int n, std::vector<std::unique_ptr<Daemon>>* daemons) {
+    std::vector<std::string> addresses;
+    for (int i = 0; i < n; ++i) {
+      daemons->push_back(StartDaemon(dir_));
+      addresses.push_back(daemons->back()->address());
+    }
+    return addresses;
+  }
   std::string dir_;
 };
 
 TEST_F(ClientCheckpointTest, SaveInTheBackgroundThenResumeFromLatest) {
   std::vector<std::unique_ptr<Daemon>> daemons;
-  std::vector<std::string> addresses;
-  for (int i = 0; i < 2; ++i) {
-    daemons.push_back(StartDaemon(dir_));
-    addresses.push_back(daemons.back()->address());
-  }
+  const std::vector<std::string> addresses = StartDaemons(2, &daemons);
   const Layout layout = SampleLayout();
   const std::vector<float> init = testing::InitialParams(layout);
   std::vector<float> saved;
@@ -176,11 +181,7 @@ TEST_F(ClientCheckpointTest, ResumeFromLatestWithNoneStartsFresh) {
 // not verify (nor load, DataLoss, when named).
 TEST_F(ClientCheckpointTest, ResumeFromLatestSkipsADamagedCheckpoint) {
   std::vector<std::unique_ptr<Daemon>> daemons;
-  std::vector<std::string> addresses;
-  for (int i = 0; i < 2; ++i) {
-    daemons.push_back(StartDaemon(dir_));
-    addresses.push_back(daemons.back()->address());
-  }
+  const std::vector<std::string> addresses = StartDaemons(2, &daemons);
   const Layout layout = SampleLayout();
   const std::vector<float> init = testing::InitialParams(layout);
   std::vector<float> at_one;
