@@ -31,6 +31,8 @@ namespace zeroshard {
 namespace {
 
 constexpr uint64_t kWritePieceBytes = 8ull << 20;
+// The longest identity (or owner digest) a job's checkpoint directory notes.
+constexpr size_t kMaxJobNoteBytes = 1024;
 
 }  // namespace
 
@@ -479,15 +481,19 @@ absl::StatusOr<v1::CheckpointManifest> ReadManifest(absl::string_view root,
   return m;
 }
 
-absl::StatusOr<std::string> ReadCheckpointOwner(absl::string_view root,
-                                                absl::string_view job_id) {
-  const std::string path = absl::StrCat(CheckpointJobDir(root, job_id), "/", kCheckpointOwnerFile);
+namespace {
+
+// One short line in the job's checkpoint directory: its text without the
+// surrounding white space; empty when the file does not exist.
+absl::StatusOr<std::string> ReadJobNote(absl::string_view root, absl::string_view job_id,
+                                        absl::string_view file) {
+  const std::string path = absl::StrCat(CheckpointJobDir(root, job_id), "/", file);
   const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) return std::string();
     return FileError(errno, "opening", path);
   }
-  char buf[128];
+  char buf[kMaxJobNoteBytes + 2];
   const ssize_t n = ::read(fd, buf, sizeof(buf));
   const int err = errno;
   ::close(fd);
@@ -495,12 +501,12 @@ absl::StatusOr<std::string> ReadCheckpointOwner(absl::string_view root,
   return std::string(absl::StripAsciiWhitespace(absl::string_view(buf, static_cast<size_t>(n))));
 }
 
-absl::Status WriteCheckpointOwner(absl::string_view root, absl::string_view job_id,
-                                  absl::string_view digest_hex) {
+absl::Status WriteJobNote(absl::string_view root, absl::string_view job_id, absl::string_view file,
+                          absl::string_view value) {
   const std::string dir = CheckpointJobDir(root, job_id);
   if (absl::Status s = MakeDirectories(dir); !s.ok()) return s;
-  const std::string text = absl::StrCat(digest_hex, "\n");
-  return WriteFileAtomically(dir, kCheckpointOwnerFile,
+  const std::string text = absl::StrCat(value, "\n");
+  return WriteFileAtomically(dir, std::string(file),
                              [&](int fd, const std::string& tmp) -> absl::Status {
                                if (::write(fd, text.data(), text.size()) !=
                                    static_cast<ssize_t>(text.size())) {
@@ -508,6 +514,81 @@ absl::Status WriteCheckpointOwner(absl::string_view root, absl::string_view job_
                                }
                                return absl::OkStatus();
                              });
+}
+
+// Bytes of the regular files under `dir` (not following symbolic links);
+// a name that vanishes meanwhile counts nothing.
+absl::StatusOr<uint64_t> TreeBytes(const std::string& dir, int depth) {
+  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), ::closedir);
+  if (d == nullptr) {
+    if (errno == ENOENT) return 0;
+    return FileError(errno, "listing", dir);
+  }
+  uint64_t total = 0;
+  while (const dirent* e = ::readdir(d.get())) {
+    const std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    const std::string path = absl::StrCat(dir, "/", name);
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) continue;
+    if (S_ISREG(st.st_mode)) {
+      total += static_cast<uint64_t>(st.st_size);
+    } else if (S_ISDIR(st.st_mode) && depth > 0) {
+      absl::StatusOr<uint64_t> below = TreeBytes(path, depth - 1);
+      if (!below.ok()) return below.status();
+      total += *below;
+    }
+  }
+  return total;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadCheckpointOwner(absl::string_view root,
+                                                absl::string_view job_id) {
+  return ReadJobNote(root, job_id, kCheckpointOwnerFile);
+}
+
+absl::Status WriteCheckpointOwner(absl::string_view root, absl::string_view job_id,
+                                  absl::string_view digest_hex) {
+  return WriteJobNote(root, job_id, kCheckpointOwnerFile, digest_hex);
+}
+
+absl::StatusOr<std::string> ReadCheckpointIdentity(absl::string_view root,
+                                                   absl::string_view job_id) {
+  return ReadJobNote(root, job_id, kCheckpointIdentityFile);
+}
+
+absl::Status WriteCheckpointIdentity(absl::string_view root, absl::string_view job_id,
+                                     absl::string_view identity) {
+  if (identity.empty() || identity.size() > kMaxJobNoteBytes ||
+      absl::StrContains(identity, '\n')) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("identity: 1..", kMaxJobNoteBytes, " bytes on one line"));
+  }
+  return WriteJobNote(root, job_id, kCheckpointIdentityFile, identity);
+}
+
+absl::StatusOr<uint64_t> CheckpointBytesOfIdentity(absl::string_view root,
+                                                   absl::string_view identity) {
+  const std::string top(root);
+  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(top.c_str()), ::closedir);
+  if (d == nullptr) {
+    if (errno == ENOENT) return 0;
+    return FileError(errno, "listing", top);
+  }
+  uint64_t total = 0;
+  while (const dirent* e = ::readdir(d.get())) {
+    const std::string job_id = e->d_name;
+    if (!IsValidJobId(job_id)) continue;
+    absl::StatusOr<std::string> recorded = ReadCheckpointIdentity(root, job_id);
+    if (!recorded.ok() || *recorded != identity) continue;
+    // A job directory holds checkpoints, each of parts: three levels.
+    absl::StatusOr<uint64_t> bytes = TreeBytes(CheckpointJobDir(root, job_id), 3);
+    if (!bytes.ok()) return bytes.status();
+    total += *bytes;
+  }
+  return total;
 }
 
 absl::StatusOr<std::vector<v1::CheckpointManifest>> ListCompleteCheckpoints(

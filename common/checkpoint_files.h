@@ -56,6 +56,25 @@ absl::StatusOr<std::string> ReadCheckpointOwner(absl::string_view root, absl::st
 absl::Status WriteCheckpointOwner(absl::string_view root, absl::string_view job_id,
                                   absl::string_view digest_hex);
 
+// In a job's checkpoint directory: the identity that registered the job
+// that first saved there (server/rpc/services.h RegistrantOf), whose
+// --max_checkpoint_bytes_per_identity the directory counts toward. Absent
+// for the admin's jobs (exempt) and checkpoints saved before it existed.
+inline constexpr char kCheckpointIdentityFile[] = "owner@identity";
+// The identity recorded for job_id's checkpoints under root; empty when none
+// is. Errors: see the top.
+absl::StatusOr<std::string> ReadCheckpointIdentity(absl::string_view root,
+                                                   absl::string_view job_id);
+// Records it (creating the job's directory), atomically. InvalidArgument
+// for an empty identity or one past 1 KiB.
+absl::Status WriteCheckpointIdentity(absl::string_view root, absl::string_view job_id,
+                                     absl::string_view identity);
+// Bytes of the regular files in the checkpoint directories of the jobs
+// whose recorded identity is `identity` (symbolic links are not followed).
+// Blocks on a walk of root: for a save, not a hot path.
+absl::StatusOr<uint64_t> CheckpointBytesOfIdentity(absl::string_view root,
+                                                   absl::string_view identity);
+
 // InvalidArgument ("name: ...") unless `name` follows kCheckpointNameRule.
 // `allow_latest` admits "latest" (for loads).
 absl::Status ValidateCheckpointName(absl::string_view name, bool allow_latest);

@@ -54,4 +54,14 @@ PeerRoles PeerRolesOf(const grpc::AuthContext* auth) {
   return PeerRolesFromUris(uris);
 }
 
+std::string PeerSubjectOf(const grpc::AuthContext* auth) {
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) return "";
+  for (const char* property : {GRPC_X509_SUBJECT_PROPERTY_NAME, GRPC_X509_CN_PROPERTY_NAME}) {
+    for (const grpc::string_ref& value : auth->FindPropertyValues(property)) {
+      if (value.size() != 0) return std::string(value.data(), value.size());
+    }
+  }
+  return "";
+}
+
 }  // namespace zeroshard

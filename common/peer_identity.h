@@ -63,4 +63,10 @@ PeerRoles PeerRolesFromUris(const std::vector<absl::string_view>& uris);
 // peer gRPC did not authenticate, or a plaintext call.
 PeerRoles PeerRolesOf(const grpc::AuthContext* auth);
 
+// Who the peer's certificate names, for quotas and logs: its subject
+// distinguished name as gRPC prints it ("x509_subject", e.g.
+// "CN=trainer-a,O=lab"), else its common name; empty for a null context, a
+// peer gRPC did not authenticate, or a plaintext call.
+std::string PeerSubjectOf(const grpc::AuthContext* auth);
+
 }  // namespace zeroshard

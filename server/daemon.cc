@@ -205,7 +205,7 @@ std::unique_ptr<transport::Transport> CreateBulkTransport(const DaemonOptions& o
 
 Daemon::Daemon(const DaemonOptions& options)
     : options_(options),
-      ledger_(options.memory_limit_bytes),
+      ledger_(options.memory_limit_bytes, options.max_memory_per_identity),
       metrics_(&registry_, &ledger_, options.version),
       activation_metrics_(&registry_) {
   // A job the ledger forgets takes its series with it.
@@ -283,6 +283,7 @@ void Daemon::StartJobs() {
   jo.join_timeout = options.join_timeout;
   jo.job_idle_timeout = options.job_idle_timeout;
   jo.max_jobs = options.max_jobs;
+  jo.max_jobs_per_identity = options.max_jobs_per_identity;
   if (ActivationStore* store = activations_.get(); store != nullptr) {
     ArenaTenancy* tenancy = &arena_tenancy_;
     jo.on_remove = [store, tenancy](const std::shared_ptr<Job>& job) {
@@ -320,6 +321,7 @@ void Daemon::StartServices(const std::string& bulk_error) {
   ctx.bulk = transport_.get();
   ctx.bulk_error = bulk_error;
   ctx.checkpoint_dir = options.checkpoint_dir;
+  ctx.max_checkpoint_bytes_per_identity = options.max_checkpoint_bytes_per_identity;
   ctx.activations = activations_.get();
   ctx.arena_tenancy = &arena_tenancy_;
   ctx.activation_metrics = &activation_metrics_;

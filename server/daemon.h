@@ -130,6 +130,14 @@ struct DaemonOptions {
   bool ucx_trust_peers = false;
   // Jobs registered at once, at most (RESOURCE_EXHAUSTED past it).
   uint32_t max_jobs = 64;
+  // Quotas per identity (server/rpc/services.h RegistrantOf): jobs one
+  // identity may have registered at once (0: only max_jobs), and bytes its
+  // jobs may hold together (0: only memory_limit_bytes).
+  uint32_t max_jobs_per_identity = 32;
+  uint64_t max_memory_per_identity = 0;
+  // Bytes the checkpoints of one identity's jobs may take in checkpoint_dir
+  // (0: no bound): a save past it is RESOURCE_EXHAUSTED.
+  uint64_t max_checkpoint_bytes_per_identity = 0;
   // Threads of the gRPC server, at most (--max_rpc_threads): one serves each
   // request in flight, and a request past them is answered
   // RESOURCE_EXHAUSTED at once. Streams are only read after their token

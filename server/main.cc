@@ -35,6 +35,16 @@ ABSL_FLAG(std::string, memory_limit, "auto",
           "for powers of 1024), \"auto\" for 90% of what the machine or this process's cgroup "
           "allows, or 0 for no limit.");
 ABSL_FLAG(uint32_t, max_jobs, 64, "Jobs registered at once, at most.");
+ABSL_FLAG(uint32_t, max_jobs_per_identity, 32,
+          "Jobs one identity may have registered at once: a client certificate's subject under "
+          "mutual TLS, else every holder of the registration token together, else every "
+          "anonymous caller together (the admin token is exempt); 0: only --max_jobs.");
+ABSL_FLAG(std::string, max_memory_per_identity, "0",
+          "Bytes the jobs of one identity (as for --max_jobs_per_identity) may hold together "
+          "(suffixes K, M, G, T for powers of 1024); 0: only --memory_limit.");
+ABSL_FLAG(std::string, max_checkpoint_bytes_per_identity, "0",
+          "Bytes the checkpoints of one identity's jobs (as for --max_jobs_per_identity) may take "
+          "in --checkpoint_dir (suffixes K, M, G, T); a save past it is refused. 0: no bound.");
 ABSL_FLAG(int, max_rpc_threads, 256,
           "Threads serving gRPC requests, at most: each request in flight holds one, and one "
           "past them is answered RESOURCE_EXHAUSTED. Streams are read only after their token "
@@ -126,6 +136,19 @@ ABSL_FLAG(int, drain_seconds, 10, "On SIGTERM, how long in-flight requests may f
 namespace {
 volatile std::sig_atomic_t g_signal = 0;
 void OnSignal(int sig) { g_signal = sig; }
+// A quota flag's bytes: as --memory_limit takes them, but not "auto".
+absl::StatusOr<uint64_t> ParseQuotaBytes(const std::string& text, absl::string_view flag) {
+  if (text == "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": expected a number of bytes (suffixes K, M, G, T) or 0, got auto"));
+  }
+  absl::StatusOr<uint64_t> bytes = zeroshard::ParseMemoryLimit(text, flag);
+  if (bytes.ok()) return bytes;
+  return absl::InvalidArgumentError(absl::StrCat(
+      flag, ": expected 0 (no bound) or a number of bytes with an optional suffix K, M, G or T "
+      "(powers of 1024), got \"", text, "\""));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -141,6 +164,22 @@ int main(int argc, char** argv) {
   }
   options.memory_limit_bytes = *memory_limit;
   options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
+  options.max_jobs_per_identity = absl::GetFlag(FLAGS_max_jobs_per_identity);
+  absl::StatusOr<uint64_t> identity_memory = ParseQuotaBytes(
+      absl::GetFlag(FLAGS_max_memory_per_identity), "--max_memory_per_identity");
+  if (!identity_memory.ok()) {
+    std::fprintf(stderr, "zeroshardd: %s\n", identity_memory.status().ToString().c_str());
+    return 1;
+  }
+  options.max_memory_per_identity = *identity_memory;
+  absl::StatusOr<uint64_t> identity_disk =
+      ParseQuotaBytes(absl::GetFlag(FLAGS_max_checkpoint_bytes_per_identity),
+                      "--max_checkpoint_bytes_per_identity");
+  if (!identity_disk.ok()) {
+    std::fprintf(stderr, "zeroshardd: %s\n", identity_disk.status().ToString().c_str());
+    return 1;
+  }
+  options.max_checkpoint_bytes_per_identity = *identity_disk;
   options.max_rpc_threads = absl::GetFlag(FLAGS_max_rpc_threads);
   options.stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_seconds));
   options.tls = zeroshard::TlsFilesFromFlags();

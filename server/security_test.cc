@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/daemon_control.h"
 #include "common/channel.h"
+#include "common/checkpoint_files.h"
 #include "common/protocol.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -600,6 +601,71 @@ TEST(SecurityLimitsTest, CheckpointFilesBelongToTheirJobsToken) {
   EXPECT_TRUE(owner.Register(spec, 0).ok());  // the owner resumes
 }
 
+// The checkpoints of one identity's jobs take at most
+// --max_checkpoint_bytes_per_identity of the daemon's disk: a save past it
+// is refused with nothing written, whichever of the identity's jobs saves;
+// the admin's jobs are exempt.
+TEST(SecurityLimitsTest, CheckpointBytesPerIdentityAreBounded) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/quota_checkpoints");
+  std::filesystem::remove_all(dir);
+  const uint64_t n = SampleLayout().total_elements();
+  const uint64_t one = n * sizeof(float) * 3;  // master, exp_avg, exp_avg_sq
+  DaemonOptions o;
+  o.checkpoint_dir = dir;
+  o.admin_token = kAdminToken;
+  o.max_checkpoint_bytes_per_identity = one * 5 / 2;
+  std::unique_ptr<Daemon> daemon = Start(o);
+  ASSERT_NE(daemon, nullptr);
+  DaemonClient user(daemon->address());
+  DaemonClient admin(daemon->address(), kAdminToken);
+  std::vector<float> params(n, 0.25f);
+  auto start = [&](DaemonClient& c, const std::string& job) {
+    const v1::JobSpec spec = MakeSpec(job, SampleLayout(), 2, 1, {daemon->address()});
+    ASSERT_TRUE(c.Register(spec, 0).ok() && c.JoinAll(spec).ok());
+    ASSERT_TRUE(c.Init(testing::ParamChunks(job, {0, n}, params.data())).ok());
+  };
+  // Saves and waits until the part is written.
+  auto save = [&](DaemonClient& c, const std::string& job, const std::string& name) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::SaveCheckpointRequest req;
+    req.set_job_id(job);
+    req.set_name(name);
+    v1::SaveCheckpointResponse resp;
+    grpc::Status s = c.checkpoint->SaveCheckpoint(&ctx, req, &resp);
+    if (!s.ok()) return s;
+    grpc::ClientContext wait_ctx;
+    SetDeadline(&wait_ctx);
+    v1::GetCheckpointStatusRequest wait;
+    wait.set_job_id(job);
+    wait.set_name(name);
+    wait.set_wait_ms(4000);
+    v1::CheckpointStatus status;
+    s = c.checkpoint->GetCheckpointStatus(&wait_ctx, wait, &status);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(status.state(), v1::CheckpointStatus::STATE_WRITTEN) << status.error();
+    return s;
+  };
+  start(user, "q1");
+  ASSERT_TRUE(save(user, "q1", "c1").ok());
+  ASSERT_TRUE(save(user, "q1", "c2").ok());
+  grpc::Status s = save(user, "q1", "c3");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("--max_checkpoint_bytes_per_identity"));
+  EXPECT_THAT(s.error_message(), HasSubstr("anonymous"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/q1/c3")) << "a refused save wrote nothing";
+  // Another job of the same identity shares the bound.
+  start(user, "q2");
+  EXPECT_EQ(save(user, "q2", "c1").error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // The admin's jobs count toward no quota.
+  start(admin, "q3");
+  for (const char* name : {"c1", "c2", "c3"}) EXPECT_TRUE(save(admin, "q3", name).ok()) << name;
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(dir, "/q3/", kCheckpointIdentityFile)));
+  // Once old checkpoints are removed, the identity saves again.
+  std::filesystem::remove_all(dir + "/q1/c1");
+  EXPECT_TRUE(save(user, "q2", "c1").ok());
+}
+
 // ---- Mutual TLS ----
 
 class TlsDaemonTest : public ::testing::Test {
@@ -696,15 +762,19 @@ class TlsDaemonTest : public ::testing::Test {
     w->WritesDone();
     return w->Finish();
   }
-  // Registers job `id` (one rank, this daemon) as a trainer, over TLS.
-  void RegisterAsTrainer(const std::string& id) {
+  // Registers job `id` (one rank, this daemon) with `leaf`'s certificate.
+  grpc::Status Register(const std::string& id, const std::string& leaf) {
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
     v1::RegisterJobRequest req;
     *req.mutable_spec() = MakeSpec(id, SampleLayout(), 2, 1, {daemon_->address()});
     req.set_daemon_index(0);
     v1::RegisterJobResponse resp;
-    const grpc::Status s = v1::Control::NewStub(ChannelAs("client"))->RegisterJob(&ctx, req, &resp);
+    return v1::Control::NewStub(ChannelAs(leaf))->RegisterJob(&ctx, req, &resp);
+  }
+  // Registers job `id` as a trainer, over TLS.
+  void RegisterAsTrainer(const std::string& id) {
+    const grpc::Status s = Register(id, "client");
     ASSERT_TRUE(s.ok()) << s.error_message();
   }
 
@@ -758,6 +828,42 @@ TEST_F(TlsDaemonTest, DaemonCertificatePassesTheRoleCheck) {
         v1::Replica::NewStub(ChannelAs(leaf))->GetReplicaState(&ctx, req, &resp);
     EXPECT_TRUE(s.ok()) << leaf << ": " << s.error_message();
   }
+}
+
+// Under mutual TLS each certificate is an identity with its own job quota
+// (--max_jobs_per_identity) and memory quota (--max_memory_per_identity).
+TEST_F(TlsDaemonTest, RegistrationsCountPerCertificate) {
+  daemon_.reset();
+  DaemonOptions o;
+  o.tls = Pair("server", "ca");
+  o.max_jobs_per_identity = 1;
+  daemon_ = Start(o);
+  ASSERT_NE(daemon_, nullptr);
+  ASSERT_TRUE(Register("first", "client").ok());
+  const uint64_t booked = daemon_->ledger().total();
+  grpc::Status s = Register("second", "client");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("--max_jobs_per_identity"));
+  EXPECT_THAT(s.error_message(), HasSubstr("cert:"));
+  EXPECT_THAT(s.error_message(), HasSubstr("CN=client"));
+  EXPECT_EQ(daemon_->ledger().total(), booked);
+  EXPECT_EQ(daemon_->jobs().size(), 1u);
+  // Another certificate of the same CA is another identity.
+  EXPECT_TRUE(Register("second", "norole").ok());
+  EXPECT_EQ(daemon_->jobs().size(), 2u);
+
+  // Memory: the first job of a certificate fits its quota, a second does not.
+  daemon_.reset();
+  o.max_jobs_per_identity = 0;
+  o.max_memory_per_identity = booked + booked / 2;
+  daemon_ = Start(o);
+  ASSERT_NE(daemon_, nullptr);
+  ASSERT_TRUE(Register("first", "client").ok());
+  s = Register("second", "client");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("--max_memory_per_identity"));
+  EXPECT_EQ(daemon_->jobs().size(), 1u);
+  EXPECT_TRUE(Register("second", "norole").ok());
 }
 
 TEST_F(TlsDaemonTest, GoodCertificateWorks) { EXPECT_TRUE(StatusWith(Pair("client", "ca")).ok()); }

@@ -69,7 +69,8 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Find(const std::string& id, uin
 
 absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobRequest& request,
                                                           const TokenDigest& token, bool draining,
-                                                          bool may_create, bool* created) {
+                                                          const Registrant& registrant,
+                                                          bool* created) {
   *created = false;
   absl::StatusOr<JobConfig> config = ParseJobSpec(request.spec());
   if (!config.ok()) return config.status();
@@ -116,7 +117,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobR
     if (draining) {
       return absl::UnavailableError("this daemon is draining and accepts no new jobs");
     }
-    if (!may_create) {
+    if (!registrant.may_create) {
       return absl::PermissionDeniedError(absl::StrCat(
           "job ", id, " is not registered here, and creating a job on this daemon needs the "
           "deployment's registration token (ZS_REGISTRATION_TOKEN or "
@@ -128,8 +129,17 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobR
     if (jobs_.size() + creating_.size() >= options_.max_jobs) {
       return TooManyJobs(options_.max_jobs);
     }
-    creating_.insert(id);
+    if (!registrant.exempt && options_.max_jobs_per_identity != 0 &&
+        CountOfLocked(registrant.identity) >= options_.max_jobs_per_identity) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          registrant.identity, " has ", options_.max_jobs_per_identity,
+          " jobs registered on this daemon already (--max_jobs_per_identity); job ", id,
+          " was not created: retry when one of them has ended"));
+    }
+    creating_.emplace(id, registrant.identity);
   }
+  // The job's bytes count toward its registrant's (booked by Create).
+  if (!registrant.exempt) resources_.ledger->SetOwner(id, registrant.identity);
   // Books and allocates with no lock held.
   const uint32_t home = request.daemon_index();
   const bool replicated = config->replicas > 1;
@@ -149,12 +159,14 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Register(const v1::RegisterJobR
       resources_.ledger->RemoveJobIfEmpty(id);
     }
   }
+  if (!failed.ok()) resources_.ledger->RemoveJobIfEmpty(id);  // and its owner binding
   absl::MutexLock lock(&mu_);
   creating_.erase(id);
   if (!failed.ok()) return failed;
   Entry& entry = jobs_[id];
   entry.home = home;
   entry.registered = absl::Now();
+  entry.registrant = registrant;
   std::shared_ptr<Job> shared = *std::move(job);
   shared->set_token(token);
   entry.copies.emplace(home, shared);
@@ -195,6 +207,30 @@ std::vector<std::shared_ptr<Job>> JobManager::All() const {
     for (const auto& [group, job] : entry.copies) out.push_back(job);
   }
   return out;
+}
+
+size_t JobManager::CountOfLocked(const std::string& identity) const {
+  size_t n = 0;
+  for (const auto& [id, entry] : jobs_) {
+    n += !entry.registrant.exempt && entry.registrant.identity == identity ? 1 : 0;
+  }
+  for (const auto& [id, who] : creating_) n += who == identity ? 1 : 0;
+  return n;
+}
+
+size_t JobManager::CountOf(const std::string& identity) const {
+  absl::MutexLock lock(&mu_);
+  return CountOfLocked(identity);
+}
+
+absl::StatusOr<JobManager::Registrant> JobManager::RegisteredBy(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("job \"", id.substr(0, 140), "\" is not registered on this daemon"));
+  }
+  return it->second.registrant;
 }
 
 size_t JobManager::size() const {

@@ -35,6 +35,9 @@ class JobManager {
     absl::Duration janitor_period = absl::Milliseconds(250);
     // Jobs registered at once, at most (ResourceExhausted past it).
     uint32_t max_jobs = 64;
+    // Jobs one identity (Registrant::identity) may have registered at once
+    // (ResourceExhausted past it); exempt registrants are not counted.
+    uint32_t max_jobs_per_identity = 32;
     // A job registered here whose home copy (a primary) no rank joins within
     // this is removed with every copy, so that registrations nobody follows
     // up cannot hold --max_jobs or memory for good. Zero: never.
@@ -50,6 +53,17 @@ class JobManager {
     // registered again), for what the daemon keeps for a job outside it: its
     // activation checkpoints.
     std::function<void(const std::shared_ptr<Job>& job)> on_remove;
+  };
+
+  // Who registers a job (the RPC layer decides, server/rpc/services.h):
+  // whether the caller may create one, and the identity its quotas count
+  // against (the jobs it has registered here, Options::
+  // max_jobs_per_identity, and the bytes those hold, the ledger's owner
+  // limit). `exempt` (the admin) counts against no quota.
+  struct Registrant {
+    bool may_create = true;
+    std::string identity;
+    bool exempt = false;
   };
 
   // Starts the janitor. Everything borrowed must outlive the manager.
@@ -70,12 +84,14 @@ class JobManager {
   // bound to the same token: PermissionDenied otherwise, and that
   // `request.spec` equals its spec: FailedPrecondition naming the first
   // difference). *created tells which. Unavailable when `draining` and the
-  // job is new; ResourceExhausted when max_jobs are registered;
-  // PermissionDenied when the job is new and not `may_create` (the caller
-  // lacks the daemon's registration token).
+  // job is new; ResourceExhausted when max_jobs are registered, or
+  // max_jobs_per_identity by the registrant's identity; PermissionDenied
+  // when the job is new and the registrant may not create it (the caller
+  // lacks the daemon's registration token). A new job's memory is booked
+  // under the registrant's identity (MemoryLedger::SetOwner).
   absl::StatusOr<std::shared_ptr<Job>> Register(const v1::RegisterJobRequest& request,
                                                 const TokenDigest& token, bool draining,
-                                                bool may_create, bool* created);
+                                                const Registrant& registrant, bool* created);
   // Takes the copy `job` out of the registry and retires it, if it is still
   // the one registered for its id and group (otherwise does nothing: a copy
   // is retired once); before the job's last copy goes, calls
@@ -85,6 +101,11 @@ class JobManager {
   std::vector<std::shared_ptr<Job>> All() const;
   // Jobs (ids) registered.
   size_t size() const;
+  // Jobs (ids) registered by `identity`, and being registered.
+  size_t CountOf(const std::string& identity) const;
+  // Who registered job `id` (its first registration); NotFound when it is
+  // not registered here.
+  absl::StatusOr<Registrant> RegisteredBy(const std::string& id) const;
   // Retired jobs still holding memory.
   size_t retired() const;
   // Jobs removed because no rank joined them within join_timeout.
@@ -117,15 +138,17 @@ class JobManager {
   struct Entry {
     uint32_t home = 0;                                // the group registered as
     absl::Time registered;                            // when it entered the registry
+    Registrant registrant;                            // who created it
     std::map<uint32_t, std::shared_ptr<Job>> copies;  // by replica group
   };
 
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> jobs_ ABSL_GUARDED_BY(mu_);
   // Ids a registration is creating (booking and allocating, with no lock
-  // held): another registration of the same id waits for it instead of
-  // booking the job's memory a second time.
-  std::set<std::string> creating_ ABSL_GUARDED_BY(mu_);
+  // held), with the registrant's identity: another registration of the
+  // same id waits for it instead of booking the job's memory a second time.
+  std::map<std::string, std::string> creating_ ABSL_GUARDED_BY(mu_);
+  size_t CountOfLocked(const std::string& identity) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t unjoined_removed_ ABSL_GUARDED_BY(mu_) = 0;

@@ -84,10 +84,21 @@ class JobManagerTest : public ::testing::Test {
   absl::StatusOr<std::shared_ptr<Job>> Register(const v1::JobSpec& spec,
                                                 const TokenDigest& token = kOwner,
                                                 bool* created = nullptr, bool draining = false,
-                                                uint32_t daemon_index = 0, bool may_create = true) {
+                                                uint32_t daemon_index = 0, bool may_create = true,
+                                                const std::string& identity = "anonymous",
+                                                bool exempt = false) {
     bool ignored = false;
-    return manager_->Register(Request(spec, daemon_index), token, draining, may_create,
+    JobManager::Registrant registrant;
+    registrant.may_create = may_create;
+    registrant.identity = identity;
+    registrant.exempt = exempt;
+    return manager_->Register(Request(spec, daemon_index), token, draining, registrant,
                               created != nullptr ? created : &ignored);
+  }
+  absl::StatusOr<std::shared_ptr<Job>> RegisterAs(const std::string& id,
+                                                  const std::string& identity,
+                                                  bool exempt = false) {
+    return Register(Spec(id), kOwner, nullptr, false, 0, true, identity, exempt);
   }
 
   MemoryLedger ledger_;
@@ -118,6 +129,47 @@ TEST_F(JobManagerTest, RegisterCreatesOnceThenFindsTheSameJob) {
   EXPECT_EQ(*again, *job);
   EXPECT_EQ(ledger_.total(), booked);
   EXPECT_EQ(manager_->size(), 1u);
+}
+
+TEST_F(JobManagerTest, OneIdentityRegistersAtMostItsQuotaOfJobs) {
+  JobManager::Options o;
+  o.read_lease = absl::ZeroDuration();
+  o.janitor_period = absl::Hours(1);
+  o.max_jobs_per_identity = 2;
+  Make(o);
+  ASSERT_TRUE(RegisterAs("a1", "cert:CN=alice").ok());
+  ASSERT_TRUE(RegisterAs("a2", "cert:CN=alice").ok());
+  const uint64_t booked = ledger_.total();
+  absl::StatusOr<std::shared_ptr<Job>> third = RegisterAs("a3", "cert:CN=alice");
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.status().message(), HasSubstr("--max_jobs_per_identity"));
+  EXPECT_THAT(third.status().message(), HasSubstr("cert:CN=alice"));
+  EXPECT_EQ(ledger_.total(), booked) << "nothing booked for the refused job";
+  EXPECT_EQ(manager_->size(), 2u);
+  // A registered job opens again for its identity whatever the count.
+  EXPECT_TRUE(RegisterAs("a1", "cert:CN=alice").ok());
+  // Other identities, and the exempt admin, are not held back by Alice.
+  EXPECT_TRUE(RegisterAs("b1", "cert:CN=bob").ok());
+  EXPECT_TRUE(RegisterAs("x1", "admin", /*exempt=*/true).ok());
+  EXPECT_TRUE(RegisterAs("x2", "admin", /*exempt=*/true).ok());
+  EXPECT_TRUE(RegisterAs("x3", "admin", /*exempt=*/true).ok());
+  EXPECT_EQ(manager_->CountOf("cert:CN=alice"), 2u);
+  // When one of Alice's jobs ends she may register another.
+  manager_->Remove(*manager_->Find("a2"));
+  EXPECT_TRUE(RegisterAs("a3", "cert:CN=alice").ok());
+}
+
+TEST_F(JobManagerTest, AJobsMemoryIsBookedUnderItsRegistrant) {
+  ASSERT_TRUE(RegisterAs("a1", "cert:CN=alice").ok());
+  const uint64_t alice = ledger_.total();
+  EXPECT_GT(alice, 0u);
+  EXPECT_EQ(ledger_.OwnerBytes("cert:CN=alice"), alice);
+  ASSERT_TRUE(RegisterAs("x1", "admin", /*exempt=*/true).ok());
+  EXPECT_EQ(ledger_.OwnerBytes("admin"), 0u) << "the admin's jobs count toward no quota";
+  EXPECT_EQ(ledger_.OwnerBytes("cert:CN=alice"), alice);
+  manager_->Remove(*manager_->Find("a1"));
+  manager_->Tick();  // reaps it (no read lease here)
+  EXPECT_EQ(ledger_.OwnerBytes("cert:CN=alice"), 0u);
 }
 
 TEST_F(JobManagerTest, FindNamesWhatIsMissing) {
@@ -255,7 +307,7 @@ TEST_F(JobManagerTest, ConcurrentRegistrationsDoNotPassMaxJobsTogether) {
       while (!go.load()) std::this_thread::yield();
       bool created = false;
       absl::StatusOr<std::shared_ptr<Job>> s =
-          slow.manager->Register(Request(Spec(absl::StrCat("job", t))), kOwner, false, true,
+          slow.manager->Register(Request(Spec(absl::StrCat("job", t))), kOwner, false, JobManager::Registrant(),
                                  &created);
       if (s.ok()) {
         ++ok;
@@ -294,7 +346,7 @@ TEST_F(JobManagerTest, ConcurrentRegistrationsOfOneIdCreateItOnce) {
       while (!go.load()) std::this_thread::yield();
       bool c = false;
       absl::StatusOr<std::shared_ptr<Job>> s =
-          slow.manager->Register(Request(Spec("same")), kOwner, false, true, &c);
+          slow.manager->Register(Request(Spec("same")), kOwner, false, JobManager::Registrant(), &c);
       if (!s.ok()) {
         ++errors;
         return;
@@ -333,7 +385,7 @@ TEST(JobManagerLimitTest, AJobThatDoesNotFitLeavesNothingBehind) {
     bool created = true;
     const absl::Time t0 = absl::Now();
     absl::StatusOr<std::shared_ptr<Job>> s =
-        m.Register(Request(Spec("big")), kOwner, false, true, &created);
+        m.Register(Request(Spec("big")), kOwner, false, JobManager::Registrant(), &created);
     EXPECT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted) << s.status();
     EXPECT_FALSE(created);
     EXPECT_LT(absl::Now() - t0, absl::Seconds(10)) << "attempt " << attempt;

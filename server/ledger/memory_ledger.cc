@@ -1,5 +1,6 @@
 #include "server/ledger/memory_ledger.h"
 
+#include <algorithm>
 #include <iterator>
 
 #include "absl/strings/str_cat.h"
@@ -18,14 +19,45 @@ const char* MemoryCategoryName(MemoryCategory c) {
 
 void MemoryLedger::SetListener(Listener listener) { listener_ = std::move(listener); }
 
-absl::Status MemoryLedger::CheckFits(const std::string& job, uint64_t bytes) const {
-  absl::MutexLock lock(&mu_);
+absl::Status MemoryLedger::CheckLocked(const std::string& job, uint64_t bytes,
+                                       absl::FunctionRef<std::string()> what) const {
   if (limit_ != 0 && (bytes > limit_ || total_ > limit_ - bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "job ", job, ": ", FormatBytes(bytes), " (", bytes, " B) more would exceed the daemon's ",
-        "--memory_limit of ", FormatBytes(limit_), " (", FormatBytes(total_), " in use)"));
+        "job ", job, ": ", what(), " would exceed the daemon's --memory_limit of ",
+        FormatBytes(limit_), " (", FormatBytes(total_), " in use)"));
+  }
+  if (owner_limit_ == 0) return absl::OkStatus();
+  auto owner = owner_of_.find(job);
+  if (owner == owner_of_.end()) return absl::OkStatus();
+  auto held = owner_bytes_.find(owner->second);
+  const uint64_t in_use = held == owner_bytes_.end() ? 0 : held->second;
+  if (bytes > owner_limit_ || in_use > owner_limit_ - bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "job ", job, ": ", what(), " would exceed the --max_memory_per_identity of ",
+        FormatBytes(owner_limit_), " for ", owner->second, ", who registered it (",
+        FormatBytes(in_use), " in use by that identity's jobs)"));
   }
   return absl::OkStatus();
+}
+
+void MemoryLedger::AddOwnerBytesLocked(const std::string& job, int64_t bytes) {
+  if (bytes == 0) return;
+  auto owner = owner_of_.find(job);
+  if (owner == owner_of_.end()) return;
+  uint64_t& held = owner_bytes_[owner->second];
+  if (bytes > 0) {
+    held += static_cast<uint64_t>(bytes);
+  } else {
+    held -= std::min(held, static_cast<uint64_t>(-bytes));
+    if (held == 0) owner_bytes_.erase(owner->second);
+  }
+}
+
+absl::Status MemoryLedger::CheckFits(const std::string& job, uint64_t bytes) const {
+  absl::MutexLock lock(&mu_);
+  return CheckLocked(job, bytes, [&] {
+    return absl::StrCat(FormatBytes(bytes), " (", bytes, " B) more");
+  });
 }
 
 absl::Status MemoryLedger::Reserve(const std::string& job, MemoryCategory category,
@@ -33,14 +65,13 @@ absl::Status MemoryLedger::Reserve(const std::string& job, MemoryCategory catego
   uint64_t now;
   {
     absl::MutexLock lock(&mu_);
-    if (limit_ != 0 && (bytes > limit_ || total_ > limit_ - bytes)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "job ", job, ": ", FormatBytes(bytes), " more for ", MemoryCategoryName(category),
-          " would exceed the daemon's --memory_limit of ", FormatBytes(limit_), " (",
-          FormatBytes(total_), " in use)"));
-    }
+    absl::Status fits = CheckLocked(job, bytes, [&] {
+      return absl::StrCat(FormatBytes(bytes), " more for ", MemoryCategoryName(category));
+    });
+    if (!fits.ok()) return fits;
     total_ += bytes;
     now = (jobs_[job][static_cast<int>(category)] += bytes);
+    AddOwnerBytesLocked(job, static_cast<int64_t>(bytes));
   }
   Notify(job, category, now);
   return absl::OkStatus();
@@ -58,7 +89,7 @@ absl::Status MemoryLedger::ReserveAll(const std::string& job, const CategoryByte
   CategoryBytes now{};
   {
     absl::MutexLock lock(&mu_);
-    if (limit_ != 0 && (sum > limit_ || total_ > limit_ - sum)) {
+    absl::Status fits = CheckLocked(job, sum, [&] {
       std::string parts;
       for (int c = 0; c < kNumMemoryCategories; ++c) {
         if (bytes[c] == 0) continue;
@@ -66,13 +97,12 @@ absl::Status MemoryLedger::ReserveAll(const std::string& job, const CategoryByte
                         MemoryCategoryName(static_cast<MemoryCategory>(c)), " ",
                         FormatBytes(bytes[c]));
       }
-      return absl::ResourceExhaustedError(
-          absl::StrCat("job ", job, ": ", FormatBytes(sum), " (", sum, " B: ", parts,
-                       ") would exceed the daemon's --memory_limit of ", FormatBytes(limit_), " (",
-                       FormatBytes(total_), " in use)"));
-    }
+      return absl::StrCat(FormatBytes(sum), " (", sum, " B: ", parts, ")");
+    });
+    if (!fits.ok()) return fits;
     if (sum == 0) return absl::OkStatus();
     total_ += sum;
+    AddOwnerBytesLocked(job, static_cast<int64_t>(sum));
     CategoryBytes& entry = jobs_[job];
     for (int c = 0; c < kNumMemoryCategories; ++c) now[c] = (entry[c] += bytes[c]);
   }
@@ -92,6 +122,7 @@ void MemoryLedger::Release(const std::string& job, MemoryCategory category, uint
     const uint64_t b = std::min(bytes, slot);
     slot -= b;
     total_ -= b;
+    AddOwnerBytesLocked(job, -static_cast<int64_t>(b));
     now = slot;
   }
   Notify(job, category, now);
@@ -111,6 +142,10 @@ void MemoryLedger::Move(const std::string& from_job, MemoryCategory from,
     from_now = source;
     // Looked up again: the emplace below may be the first entry of to_job.
     to_now = (jobs_[to_job][static_cast<int>(to)] += b);
+    if (from_job != to_job) {
+      AddOwnerBytesLocked(from_job, -static_cast<int64_t>(b));
+      AddOwnerBytesLocked(to_job, static_cast<int64_t>(b));
+    }
   }
   Notify(from_job, from, from_now);
   Notify(to_job, to, to_now);
@@ -120,11 +155,15 @@ bool MemoryLedger::RemoveJobIfEmpty(const std::string& job) {
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job);
-    if (it == jobs_.end()) return true;
+    if (it == jobs_.end()) {
+      owner_of_.erase(job);
+      return true;
+    }
     for (uint64_t b : it->second) {
       if (b != 0) return false;
     }
     jobs_.erase(it);
+    owner_of_.erase(job);
   }
   if (remove_listener_) remove_listener_(job);
   return true;
@@ -132,6 +171,23 @@ bool MemoryLedger::RemoveJobIfEmpty(const std::string& job) {
 
 void MemoryLedger::SetRemoveListener(std::function<void(const std::string&)> listener) {
   remove_listener_ = std::move(listener);
+}
+
+void MemoryLedger::SetOwner(const std::string& job, const std::string& owner) {
+  absl::MutexLock lock(&mu_);
+  uint64_t held = 0;
+  if (auto it = jobs_.find(job); it != jobs_.end()) {
+    for (uint64_t b : it->second) held += b;
+  }
+  AddOwnerBytesLocked(job, -static_cast<int64_t>(held));
+  owner_of_[job] = owner;
+  AddOwnerBytesLocked(job, static_cast<int64_t>(held));
+}
+
+uint64_t MemoryLedger::OwnerBytes(const std::string& owner) const {
+  absl::MutexLock lock(&mu_);
+  auto it = owner_bytes_.find(owner);
+  return it == owner_bytes_.end() ? 0 : it->second;
 }
 
 uint64_t MemoryLedger::total() const {

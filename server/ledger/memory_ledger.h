@@ -17,6 +17,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 #include "common/host_memory.h"
 
@@ -48,17 +49,20 @@ inline constexpr char kDaemonLedgerEntry[] = "(daemon)";
 
 class MemoryLedger {
  public:
-  // limit_bytes 0 = unlimited.
-  explicit MemoryLedger(uint64_t limit_bytes) : limit_(limit_bytes) {}
+  // limit_bytes 0 = unlimited. owner_limit_bytes: what the jobs of one
+  // owner (the identity that registered them, SetOwner) may hold together;
+  // 0 = only the daemon's limit.
+  explicit MemoryLedger(uint64_t limit_bytes, uint64_t owner_limit_bytes = 0)
+      : limit_(limit_bytes), owner_limit_(owner_limit_bytes) {}
 
   // Called after every change with the job, category and new byte count (on
   // the thread that made the change, with no ledger lock held).
   using Listener = std::function<void(const std::string& job, MemoryCategory, uint64_t bytes)>;
   void SetListener(Listener listener);
 
-  // Books `bytes` under (job, category) if the total stays within the limit;
-  // ResourceExhausted naming the job, the request and the limit otherwise
-  // (nothing booked).
+  // Books `bytes` under (job, category) if the total stays within the limit
+  // (and the job's owner's total within the owner limit); ResourceExhausted
+  // naming the job, the request and the limit otherwise (nothing booked).
   absl::Status Reserve(const std::string& job, MemoryCategory category, uint64_t bytes);
   // Books every category's bytes of `bytes` under `job` in one step, all or
   // nothing: ResourceExhausted naming the job, the request and the limit when
@@ -74,8 +78,16 @@ class MemoryLedger {
   // unaffected. Moves at most what (from_job, from) holds.
   void Move(const std::string& from_job, MemoryCategory from, const std::string& to_job,
             MemoryCategory to, uint64_t bytes);
-  // Drops the job's entry when all its bytes are released (returns false and
-  // keeps it otherwise), then calls the remove listener.
+  // Binds `job` to `owner` for the owner limit: its bytes booked so far and
+  // from now on count toward the owner's total, until the entry is dropped
+  // (RemoveJobIfEmpty). A job with no owner counts toward no owner.
+  void SetOwner(const std::string& job, const std::string& owner);
+  // Bytes the jobs bound to `owner` hold.
+  uint64_t OwnerBytes(const std::string& owner) const;
+  uint64_t owner_limit() const { return owner_limit_; }
+  // Drops the job's entry (and its owner binding) when all its bytes are
+  // released (returns false and keeps it otherwise), then calls the remove
+  // listener.
   bool RemoveJobIfEmpty(const std::string& job);
   // Called after a job's entry is dropped (set once at start-up).
   void SetRemoveListener(std::function<void(const std::string& job)> listener);
@@ -87,11 +99,22 @@ class MemoryLedger {
 
  private:
   void Notify(const std::string& job, MemoryCategory c, uint64_t bytes);
+  // OK when `bytes` more for `job` keep the daemon's total within the limit
+  // and the job's owner's within the owner limit; the error says which
+  // limit, `what()` naming the request (built only then).
+  absl::Status CheckLocked(const std::string& job, uint64_t bytes,
+                           absl::FunctionRef<std::string()> what) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds (or, negative, takes) `bytes` to the total of `job`'s owner, if any.
+  void AddOwnerBytesLocked(const std::string& job, int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const uint64_t limit_;
+  const uint64_t owner_limit_;
   mutable absl::Mutex mu_;
   uint64_t total_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, CategoryBytes> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> owner_of_ ABSL_GUARDED_BY(mu_);  // job -> owner
+  std::map<std::string, uint64_t> owner_bytes_ ABSL_GUARDED_BY(mu_);   // owner -> bytes
   Listener listener_;  // set once at start-up, before concurrent use
   std::function<void(const std::string&)> remove_listener_;
 };

@@ -45,6 +45,41 @@ TEST(MemoryLedger, LimitIsCheckedBeforeBooking) {
             absl::StatusCode::kResourceExhausted);
 }
 
+TEST(MemoryLedger, OneOwnersJobsShareTheOwnerLimit) {
+  MemoryLedger ledger(10000, 1000);
+  ledger.SetOwner("a1", "cert:CN=alice");
+  ledger.SetOwner("a2", "cert:CN=alice");
+  ledger.SetOwner("b1", "cert:CN=bob");
+  ASSERT_TRUE(ledger.Reserve("a1", MemoryCategory::kParamMaster, 700).ok());
+  // Alice's second job does not fit beside her first; nothing is booked.
+  absl::Status s = ledger.ReserveAll("a2", CategoryBytes{400});
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("--max_memory_per_identity"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("cert:CN=alice"), absl::string_view::npos) << s;
+  EXPECT_EQ(ledger.Reserve("a2", MemoryCategory::kGrad, 301).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(ledger.CheckFits("a1", 301).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(ledger.total(), 700u);
+  EXPECT_EQ(ledger.OwnerBytes("cert:CN=alice"), 700u);
+  ASSERT_TRUE(ledger.Reserve("a2", MemoryCategory::kGrad, 300).ok());
+  // Bob's and ownerless jobs are not held back by Alice's.
+  ASSERT_TRUE(ledger.Reserve("b1", MemoryCategory::kGrad, 1000).ok());
+  ASSERT_TRUE(ledger.Reserve("x", MemoryCategory::kGrad, 5000).ok());
+  // Bytes moved between an owned and an ownerless entry follow the owner.
+  ledger.Move("x", MemoryCategory::kGrad, "b1", MemoryCategory::kActivation, 10);
+  EXPECT_EQ(ledger.OwnerBytes("cert:CN=bob"), 1010u);
+  ledger.Move("b1", MemoryCategory::kActivation, "x", MemoryCategory::kGrad, 10);
+  // Released bytes leave the owner's total; a dropped entry its binding.
+  ledger.Release("a1", MemoryCategory::kParamMaster, 700);
+  EXPECT_EQ(ledger.OwnerBytes("cert:CN=alice"), 300u);
+  EXPECT_TRUE(ledger.RemoveJobIfEmpty("a1"));
+  ASSERT_TRUE(ledger.Reserve("a1", MemoryCategory::kGrad, 900).ok());  // no owner now
+  EXPECT_EQ(ledger.OwnerBytes("cert:CN=alice"), 300u);
+  // Binding an entry that holds bytes brings them along.
+  ledger.SetOwner("a1", "cert:CN=bob");
+  EXPECT_EQ(ledger.OwnerBytes("cert:CN=bob"), 1900u);
+}
+
 TEST(MemoryLedger, MoveRebooksWithoutTouchingTheTotal) {
   MemoryLedger ledger(1000);
   std::vector<std::tuple<std::string, MemoryCategory, uint64_t>> seen;

@@ -32,6 +32,7 @@ grpc::Status CheckpointService::SaveCheckpoint(grpc::ServerContext* call,
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   if (absl::Status s = ctx_->ClaimFiles(**job); !s.ok()) return ctx_->Done(__func__, s);
+  if (absl::Status s = ctx_->CheckCheckpointQuota(**job); !s.ok()) return ctx_->Done(__func__, s);
   absl::StatusOr<v1::SaveCheckpointResponse> r = (*job)->SaveCheckpoint(*req);
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   *resp = *std::move(r);

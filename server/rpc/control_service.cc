@@ -37,7 +37,7 @@ grpc::Status ControlService::RegisterJob(grpc::ServerContext* call,
   }
   bool created = false;
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->jobs->Register(
-      *req, *token, ctx_->draining.load(), ctx_->MayCreateJobs(*call, *token), &created);
+      *req, *token, ctx_->draining.load(), ctx_->RegistrantOf(*call, *token), &created);
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   const JobConfig& c = (*job)->config();
   resp->set_created(created);
@@ -46,7 +46,8 @@ grpc::Status ControlService::RegisterJob(grpc::ServerContext* call,
   ctx_->metrics->SetJobs(ctx_->jobs->size());
   if (created) {
     ctx_->metrics->SetRanks(c.job_id, 0, c.world_size);
-    Log(absl::StrCat("job ", c.job_id, " registered: stage ", c.stage, ", N_d ", c.world_size,
+    Log(absl::StrCat("job ", c.job_id, " registered by ", ctx_->RegistrantOf(*call, *token).identity,
+                     ": stage ", c.stage, ", N_d ", c.world_size,
                      ", Ψ ", c.layout.parameter_count(), ", partitions ",
                      (*job)->owned_partitions().size(), " owned here"));
   }

@@ -1,6 +1,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/channel.h"
 #include "common/checkpoint_files.h"
+#include "common/format.h"
+#include "common/peer_identity.h"
+#include "common/status_macros.h"
 #include "server/rpc/grpc_status.h"
 #include "server/rpc/services.h"
 
@@ -71,6 +74,26 @@ bool ServiceContext::MayCreateJobs(const grpc::ServerContext& call,
   return presented.has_value() && registration->Matches(TokenDigest::Of(*presented));
 }
 
+JobManager::Registrant ServiceContext::RegistrantOf(const grpc::ServerContext& call,
+                                                    const TokenDigest& caller) const {
+  JobManager::Registrant r;
+  r.may_create = MayCreateJobs(call, caller);
+  if (admin.has_value() && admin->Matches(caller)) {
+    r.identity = "admin";
+    r.exempt = true;
+    return r;
+  }
+  if (tls) {
+    const std::string subject = PeerSubjectOf(call.auth_context().get());
+    if (!subject.empty()) {
+      r.identity = absl::StrCat("cert:", subject);
+      return r;
+    }
+  }
+  r.identity = registration.has_value() ? "registration token" : "anonymous";
+  return r;
+}
+
 absl::Status ServiceContext::RequireAdmin(const grpc::ServerContext& call) const {
   absl::StatusOr<TokenDigest> caller = CallerToken(call, "this request");
   if (!caller.ok()) return caller.status();
@@ -120,12 +143,50 @@ absl::Status ServiceContext::ClaimFiles(const Job& job) const {
   const std::string& id = job.config().job_id;
   absl::StatusOr<std::string> owner = ReadCheckpointOwner(checkpoint_dir, id);
   if (!owner.ok()) return owner.status();
-  if (owner->empty()) return WriteCheckpointOwner(checkpoint_dir, id, job.token().ToHex());
-  const std::optional<TokenDigest> recorded = TokenDigest::FromHex(*owner);
-  if (recorded.has_value() && recorded->Matches(job.token())) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrCat(
-      "job ", id, "'s checkpoints on this daemon were saved with another job token; this job "
-      "cannot save beside them (choose another job id)"));
+  if (owner->empty()) {
+    RETURN_IF_ERROR(WriteCheckpointOwner(checkpoint_dir, id, job.token().ToHex()));
+  } else {
+    const std::optional<TokenDigest> recorded = TokenDigest::FromHex(*owner);
+    if (!recorded.has_value() || !recorded->Matches(job.token())) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "job ", id, "'s checkpoints on this daemon were saved with another job token; this job "
+          "cannot save beside them (choose another job id)"));
+    }
+  }
+  absl::StatusOr<JobManager::Registrant> registrant = jobs->RegisteredBy(id);
+  if (!registrant.ok() || registrant->exempt || registrant->identity.empty()) {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> identity = ReadCheckpointIdentity(checkpoint_dir, id);
+  if (!identity.ok()) return identity.status();
+  if (!identity->empty()) return absl::OkStatus();
+  return WriteCheckpointIdentity(checkpoint_dir, id, registrant->identity);
+}
+
+absl::Status ServiceContext::CheckCheckpointQuota(const Job& job) const {
+  if (checkpoint_dir.empty() || max_checkpoint_bytes_per_identity == 0) return absl::OkStatus();
+  const std::string& id = job.config().job_id;
+  absl::StatusOr<std::string> identity = ReadCheckpointIdentity(checkpoint_dir, id);
+  if (!identity.ok()) return identity.status();
+  if (identity->empty()) {
+    absl::StatusOr<JobManager::Registrant> registrant = jobs->RegisteredBy(id);
+    if (!registrant.ok() || registrant->exempt) return absl::OkStatus();
+    *identity = registrant->identity;
+  }
+  absl::StatusOr<uint64_t> used = CheckpointBytesOfIdentity(checkpoint_dir, *identity);
+  if (!used.ok()) return used.status();
+  const uint64_t bytes =
+      job.owned_unpadded().size() * sizeof(float) * ArrayFilesOf(job.spec()).size();
+  const uint64_t quota = max_checkpoint_bytes_per_identity;
+  if (bytes > quota || *used > quota - bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "job ", id, ": a checkpoint of ", FormatBytes(bytes), " would take the checkpoints of ",
+        *identity, " on this daemon to ", FormatBytes(*used + bytes), ", past its ",
+        "--max_checkpoint_bytes_per_identity of ", FormatBytes(quota),
+        "; nothing was saved: have the daemon's operator remove old checkpoints of its jobs "
+        "from --checkpoint_dir"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ServiceContext::CheckStreamCaller(const grpc::ServerContext& call,

@@ -91,11 +91,11 @@ class ServiceContextTest : public ::testing::Test {
     bool created = false;
     v1::RegisterJobRequest plain;
     *plain.mutable_spec() = Spec("victim", 1);
-    job_ = *jobs_->Register(plain, TokenDigest::Of(kJobToken), false, true, &created);
+    job_ = *jobs_->Register(plain, TokenDigest::Of(kJobToken), false, JobManager::Registrant(), &created);
     // Replicated, home group 0 (primary), backing up group 1.
     v1::RegisterJobRequest replicated;
     *replicated.mutable_spec() = Spec("pair", 2);
-    pair_ = *jobs_->Register(replicated, TokenDigest::Of(kJobToken), false, true, &created);
+    pair_ = *jobs_->Register(replicated, TokenDigest::Of(kJobToken), false, JobManager::Registrant(), &created);
     pair_backup_ = *jobs_->Find("pair", 1);
     v1::ReplicaGroupState state;
     pair_->FillReplicaState(&state);
@@ -244,6 +244,29 @@ TEST_F(ServiceContextTest, MayCreateJobsTakesTheRegistrationTokenOrTheAdmins) {
   EXPECT_FALSE(ctx_.MayCreateJobs(*Call(), TokenDigest::Of(kAdminToken)));
 }
 
+// The identity a registration's quotas count against: the admin (exempt),
+// the holders of the registration token together, or every anonymous
+// caller together (certificates: tls_test's RegistrationsCountPerCertificate).
+TEST_F(ServiceContextTest, RegistrantIsTheAdminTheRegistrationTokenOrAnonymous) {
+  const TokenDigest job = TokenDigest::Of(kJobToken);
+  JobManager::Registrant r = ctx_.RegistrantOf(*Call(), job);
+  EXPECT_TRUE(r.may_create);
+  EXPECT_EQ(r.identity, "anonymous");
+  EXPECT_FALSE(r.exempt);
+  r = ctx_.RegistrantOf(*Call(), TokenDigest::Of(kAdminToken));
+  EXPECT_EQ(r.identity, "admin");
+  EXPECT_TRUE(r.exempt);
+  constexpr char kRegistration[] = "the-registration-token-0123";
+  ctx_.registration = TokenDigest::Of(kRegistration);
+  r = ctx_.RegistrantOf(*Call({{kRegistrationMetadataKey, kRegistration}}), job);
+  EXPECT_TRUE(r.may_create);
+  EXPECT_EQ(r.identity, "registration token");
+  EXPECT_FALSE(r.exempt);
+  r = ctx_.RegistrantOf(*Call(), job);
+  EXPECT_FALSE(r.may_create);
+  EXPECT_FALSE(r.exempt);
+}
+
 TEST_F(ServiceContextTest, MayOpenIsTheJobsTokenOrTheAdmins) {
   EXPECT_TRUE(ctx_.MayOpen(**Call::WithToken(kJobToken), *job_));
   EXPECT_TRUE(ctx_.MayOpen(**Call::WithToken(kAdminToken), *job_));
@@ -299,7 +322,7 @@ TEST_F(ServiceContextTest, JobFilesBelongToTheTokenThatClaimedThem) {
   v1::RegisterJobRequest again;
   *again.mutable_spec() = Spec("victim", 1);
   absl::StatusOr<std::shared_ptr<Job>> taken =
-      jobs_->Register(again, TokenDigest::Of(kOtherToken), false, true, &created);
+      jobs_->Register(again, TokenDigest::Of(kOtherToken), false, JobManager::Registrant(), &created);
   ASSERT_TRUE(taken.ok()) << taken.status();
   s = ctx_.ClaimFiles(**taken);
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;

@@ -58,6 +58,9 @@ struct ServiceContext {
   std::atomic<grpc::HealthCheckServiceInterface*> probe_health{nullptr};
   // The admin token's digest; nullopt: no caller has admin authority.
   std::optional<TokenDigest> admin;
+  // Bytes on disk the checkpoints of one identity's jobs may take on this
+  // daemon (--max_checkpoint_bytes_per_identity); 0: no bound.
+  uint64_t max_checkpoint_bytes_per_identity = 0;
   // The registration token's digest; nullopt: any caller may create jobs.
   std::optional<TokenDigest> registration;
   // Whether the daemon serves mutual TLS (DaemonOptions::tls): only then do
@@ -97,12 +100,26 @@ struct ServiceContext {
   // `job_id` must be a valid id.
   absl::Status CheckFilesOwner(const std::string& job_id, const TokenDigest& token) const;
   // Before `job` saves: records its token as the owner of its files, or
-  // checks it is (CheckFilesOwner).
+  // checks it is (CheckFilesOwner), and records its registrant's identity
+  // for the checkpoint quota (kCheckpointIdentityFile) unless one is.
   absl::Status ClaimFiles(const Job& job) const;
+  // Before `job` saves: ResourceExhausted when its checkpoint's bytes would
+  // take the checkpoints of the identity its files count toward (recorded
+  // in them, else its registrant's) past
+  // max_checkpoint_bytes_per_identity. Walks the checkpoint directory.
+  absl::Status CheckCheckpointQuota(const Job& job) const;
   // Whether the caller may create a job: always without a registration
   // token; with one, when it presented it (kRegistrationMetadataKey) or its
   // bearer token `caller` is the admin's.
   bool MayCreateJobs(const grpc::ServerContext& call, const TokenDigest& caller) const;
+  // Who registers a job, for JobManager::Register: whether it may create
+  // one (MayCreateJobs) and the identity its quotas count against: "admin"
+  // (exempt) for the admin token; under mutual TLS the client certificate,
+  // "cert:" and its subject; otherwise "registration token" when the
+  // deployment's registration token was presented (every holder of it is
+  // one identity), and "anonymous" on a daemon that asks for none.
+  JobManager::Registrant RegistrantOf(const grpc::ServerContext& call,
+                                      const TokenDigest& caller) const;
   // Whether the caller's token opens `job` (for the all-jobs views).
   bool MayOpen(const grpc::ServerContext& call, const Job& job) const;
   // The caller's token's digest: Unauthenticated naming `what` without one.
