@@ -238,10 +238,12 @@ absl::Status MakeDirectories(const std::string& path) {
     std::string parent = path.substr(0, begin);
     while (parent.size() > 1 && parent.back() == '/') parent.pop_back();
     if (parent.empty()) parent = ".";
+    // Every directory on the way, existing or made here: whoever may
+    // replace one may replace everything below it.
+    if (absl::Status s = CheckTrustedDirectory(dir.fd, parent); !s.ok()) return s;
     Fd next;
     next.fd = ::openat(dir.fd, name.c_str(), kOpenDir | O_NOFOLLOW);
     if (next.fd < 0 && errno == ENOENT) {
-      if (absl::Status s = CheckTrustedDirectory(dir.fd, parent); !s.ok()) return s;
       if (::mkdirat(dir.fd, name.c_str(), 0700) != 0 && errno != EEXIST) {
         return FileError(errno, "creating directory", prefix);
       }

@@ -86,9 +86,10 @@ std::string CheckpointPartDir(absl::string_view root, absl::string_view job_id,
                               absl::string_view name, uint32_t daemon_index);
 
 // mkdir -p, new directories mode 0700. FailedPrecondition naming the
-// directory (and the chown or chmod that fixes it) when `path`, or a
-// directory this creates one in, is owned by neither the effective user
-// nor root, or is writable by group or others without the sticky bit; also
+// directory (and the chown or chmod that fixes it) when `path`, or any
+// directory on the way to it (from "/", or from the working directory for
+// a relative path), is owned by neither the effective user nor root, or is
+// writable by group or others without the sticky bit; also
 // for a symbolic link on the way that such a user could have placed (owned
 // by another user, or in such a directory): it is not followed.
 absl::Status MakeDirectories(const std::string& path);

@@ -145,6 +145,26 @@ TEST_F(CheckpointFilesSecurityTest, RefusesADirectoryOthersCanWrite) {
   EXPECT_TRUE(sticky.ok()) << sticky;
 }
 
+// A directory above the checkpoint directory that others may write into
+// lets them replace everything below it, existing directories included.
+TEST_F(CheckpointFilesSecurityTest, RefusesAnExistingDirectoryAboveThatOthersCanWrite) {
+  const std::string open = root_ + "/open";
+  const std::string existing = open + "/existing";
+  ASSERT_EQ(::mkdir(open.c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir(existing.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(open.c_str(), 0777), 0);
+  for (const std::string& path : {existing, existing + "/job"}) {
+    const absl::Status s = MakeDirectories(path);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << path << ": " << s;
+    EXPECT_NE(s.message().find(absl::StrCat(open, " is writable by group or others")),
+              std::string::npos)
+        << s;
+  }
+  EXPECT_FALSE(std::filesystem::exists(existing + "/job"));
+  ASSERT_EQ(::chmod(open.c_str(), 0700), 0);
+  EXPECT_TRUE(MakeDirectories(existing + "/job").ok());
+}
+
 TEST_F(CheckpointFilesSecurityTest, RefusesADirectoryOrLinkOfAnotherUser) {
   if (::geteuid() != 0) {
     GTEST_SKIP() << "needs root to make a directory and a link of uid " << kNobody;
