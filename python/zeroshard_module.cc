@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <map>
 #include <optional>
@@ -307,6 +308,55 @@ std::vector<ParamGroupSettings> ParseParamGroups(const py::object& groups) {
   return out;
 }
 
+// Client(loss_scale=...): None (JobSettings' default: a static scale of 1),
+// a number (a static scale), or a dict of torch.cuda.amp.GradScaler's
+// arguments (init_scale, growth_factor, backoff_factor, growth_interval; each
+// optional, with GradScaler's default) for dynamic scaling.
+LossScaleSettings ParseLossScale(const py::object& value) {
+  LossScaleSettings s;
+  if (value.is_none()) return s;
+  if (py::isinstance<py::bool_>(value)) {
+    throw py::type_error("loss_scale: expected None, a number or a dict, got a bool");
+  }
+  if (py::isinstance<py::float_>(value) || py::isinstance<py::int_>(value)) {
+    s.dynamic = false;
+    s.initial_scale = value.cast<float>();
+    return s;
+  }
+  if (!py::isinstance<py::dict>(value)) {
+    throw py::type_error(absl::StrCat("loss_scale: expected None, a number or a dict, got ",
+                                      py::str(value.get_type().attr("__name__")).cast<std::string>()));
+  }
+  // torch.cuda.amp.GradScaler's defaults.
+  s.dynamic = true;
+  s.initial_scale = 65536.0f;
+  s.growth_factor = 2.0f;
+  s.backoff_factor = 0.5f;
+  s.growth_interval = 2000;
+  for (const auto& [key, item] : value.cast<py::dict>()) {
+    const std::string k = key.cast<std::string>();
+    if (k == "init_scale") {
+      s.initial_scale = item.cast<float>();
+    } else if (k == "growth_factor") {
+      s.growth_factor = item.cast<float>();
+    } else if (k == "backoff_factor") {
+      s.backoff_factor = item.cast<float>();
+    } else if (k == "growth_interval") {
+      const int64_t n = item.cast<int64_t>();
+      if (n < 1 || n > std::numeric_limits<uint32_t>::max()) {
+        throw py::value_error(
+            absl::StrCat("loss_scale['growth_interval']: must be in 1..2**32-1, got ", n));
+      }
+      s.growth_interval = static_cast<uint32_t>(n);
+    } else {
+      throw py::value_error(absl::StrCat(
+          "loss_scale: unknown key '", k,
+          "' (init_scale, growth_factor, backoff_factor, growth_interval)"));
+    }
+  }
+  return s;
+}
+
 // "master", "exp_avg", "exp_avg_sq".
 v1::StateArray ParseStateArray(const std::string& name) {
   if (name == "master") return v1::STATE_ARRAY_MASTER;
@@ -536,8 +586,9 @@ class PyClient {
            const std::string& collective_host, std::optional<int> cuda_device,
            const std::string& collective_kind, const py::object& param_groups,
            uint32_t micro_batches, bool insecure, const std::string& transport,
-           const std::string& ucx_tls) {
+           const std::string& ucx_tls, const py::object& loss_scale) {
     ClientConfig c;
+    c.loss_scale = ParseLossScale(loss_scale);  // ValidateConfig (in Create) checks the values
     c.transport = transport;  // ValidateConfig (in Create) names a bad one
     c.ucx_tls = ucx_tls;
     c.micro_batches = micro_batches;
@@ -896,6 +947,7 @@ class PyClient {
     return {r.begin, r.end};
   }
   uint64_t committed_step() const { return client_->committed_step(); }
+  float loss_scale() const { return client_->loss_scale(); }
 
   // `daemon`: an index into daemons; None: this rank's partition's daemon
   // (rank * len(daemons) / world_size).
@@ -1003,7 +1055,7 @@ PYBIND11_MODULE(_zeroshard, m) {
                     std::optional<std::string>, std::optional<std::string>, uint32_t,
                     const std::string&, std::optional<std::string>, const std::string&,
                     std::optional<int>, const std::string&, const py::object&, uint32_t,
-                    bool, const std::string&, const std::string&>(),
+                    bool, const std::string&, const std::string&, const py::object&>(),
            py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
            py::arg("stage") = defaults.stage,
            py::arg("precision") = std::string(DTypeName(kPythonDefaultPrecision)),
@@ -1026,6 +1078,7 @@ PYBIND11_MODULE(_zeroshard, m) {
            py::arg("micro_batches") = defaults.micro_batches,
            py::arg("insecure") = defaults.insecure,
            py::arg("transport") = defaults.transport, py::arg("ucx_tls") = defaults.ucx_tls,
+           py::arg("loss_scale") = py::none(),
            "Validates the config and starts the client's threads; connects to nothing. "
            "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
            "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
@@ -1056,7 +1109,15 @@ PYBIND11_MODULE(_zeroshard, m) {
            "the daemons' --bulk_transport: 'ucx', 'grpc' (one-sided Put/Get over gRPC) or "
            "'inproc' (daemons in this process); raises UNAVAILABLE when UCX cannot start. "
            "ucx_tls: UCX_TLS of a 'ucx' transport, e.g. 'posix,cma,self' or 'tcp' (empty: "
-           "UCX's choice or $UCX_TLS).")
+           "UCX's choice or $UCX_TLS). "
+           "loss_scale: what the daemons divide the pushed gradients by (every rank passes the "
+           "same): None (a static 1), a number (a static scale), or a dict of "
+           "torch.cuda.amp.GradScaler's arguments init_scale, growth_factor, backoff_factor, "
+           "growth_interval (each optional, GradScaler's default otherwise) for dynamic "
+           "scaling: a step whose gradients hold an inf or NaN is skipped and the scale "
+           "multiplied by backoff_factor; after growth_interval steps in a row that were not "
+           "skipped it is multiplied by growth_factor. The loss must be multiplied by "
+           "the `loss_scale` property before backward.")
       .def(
           "register_model",
           [](PyClient& self, const py::object& layout, const py::object& initial_params) {
@@ -1137,6 +1198,10 @@ PYBIND11_MODULE(_zeroshard, m) {
       .def_property_readonly("total_elements", &PyClient::total_elements,
                              "0 until register_model succeeds.")
       .def_property_readonly("committed_step", &PyClient::committed_step)
+      .def_property_readonly("loss_scale", &PyClient::loss_scale,
+                             "The scale to multiply the next step's loss by: the "
+                             "job's initial scale until a step returns, then the "
+                             "one that step's commit left (the daemons move it).")
       .def("partition_range", &PyClient::PartitionRange, py::arg("rank"),
            "(begin, end): the flat range of rank's partition (padding included: end may "
            "pass total_elements).")

@@ -4,7 +4,8 @@ shard_model and saves what the test compares.
 argv: CONFIG_JSON OUTPUT. The config is a client config plus "stage",
 "accumulate" ("daemons": gradient_accumulation_steps micro-batches;
 "no_sync": the first micro-batch inside model.no_sync()), "steps",
-and optionally "save_at" / "resume" / "state_dict_at" for the checkpoint
+optionally shard_model's "push_bucket_bytes" and "reshard_after_forward" (a
+bool), and optionally "save_at" / "resume" / "state_dict_at" for the checkpoint
 tests: save a checkpoint named "ck" after that many steps; resume from
 "latest"; or round-trip the model's and optimizer's state dicts through
 torch.save after that many steps.
@@ -33,6 +34,8 @@ def main():
     state_dict_at = config.pop("state_dict_at", None)
     set_to_none = config.pop("set_to_none", True)
     uniform = config.pop("uniform", False)
+    extra = {k: config.pop(k) for k in ("push_bucket_bytes", "reshard_after_forward")
+             if k in config}
     precision = config.get("precision", "fp32")
     rank, world = config["rank"], config["world_size"]
 
@@ -42,7 +45,7 @@ def main():
                         max_grad_norm=sc.MAX_GRAD_NORM, param_groups=sc.groups_of(net),
                         gradient_accumulation_steps=(sc.MICRO_BATCHES
                                                      if accumulate == "daemons" else 1),
-                        resume=resume)
+                        resume=resume, **extra)
     sched = torch.optim.lr_scheduler.LambdaLR(model.optimizer, sc.lr_lambda)
     start = model.client.committed_step
     with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()"
@@ -87,7 +90,9 @@ def main():
              odd_step=np.array(float(optim["state"][_index_of(model, net.odd.weight)]["step"])),
              block_step=np.array(float(optim["state"][_index_of(model, net.block.fc1.weight)]["step"])),
              rare_step=np.array(float(optim["state"][_index_of(model, net.rare.weight)]["step"])),
-             peak=np.array(model.peak_param_bytes))
+             peak=np.array(model.peak_param_bytes),
+             pushes=np.array(model.last_result["pushes"] if stage == 3 else 0),
+             gathers=np.array(model.last_result["gathers"] if stage == 3 else 0))
     model.close()
 
 

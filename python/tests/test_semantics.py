@@ -59,21 +59,35 @@ def _relative(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("stage,world_size,n_daemons,accumulate,set_to_none", [
-    (1, 2, 1, "daemons", True),
-    (1, 3, 2, "daemons", False),
-    (2, 2, 2, "daemons", True),
-    (2, 3, 1, "daemons", True),
-    (3, 2, 2, "daemons", True),
-    (3, 3, 2, "no_sync", True),
-    (3, 3, 1, "daemons", True),
-    (3, 2, 1, "daemons", False),
-])
+# Stage 3 with the defaults pushes each layer alone (every layer is larger
+# than C_B = 4096 bytes); the "buckets" cases coalesce the whole model's
+# completed layers into pushes of up to 1 MiB, and "kept" ones also keep
+# every layer gathered from its forward to its backward
+# (reshard_after_forward=False): the same oracle holds for both.
+BIG_BUCKETS = dict(push_bucket_bytes=1 << 20)
+KEPT = dict(push_bucket_bytes=1 << 20, reshard_after_forward=False)
+
+
+@pytest.mark.parametrize("stage,world_size,n_daemons,accumulate,set_to_none,options", [
+    (1, 2, 1, "daemons", True, {}),
+    (1, 3, 2, "daemons", False, {}),
+    (2, 2, 2, "daemons", True, {}),
+    (2, 3, 1, "daemons", True, {}),
+    (3, 2, 2, "daemons", True, {}),
+    (3, 3, 2, "no_sync", True, {}),
+    (3, 3, 1, "daemons", True, {}),
+    (3, 2, 1, "daemons", False, {}),
+    (3, 2, 2, "daemons", True, KEPT),
+    (3, 3, 2, "no_sync", True, BIG_BUCKETS),
+    (3, 2, 1, "daemons", False, KEPT),
+], ids=lambda v: ("buckets" if v is BIG_BUCKETS else "kept" if v is KEPT else
+                  "defaults" if v == {} else None))
 def test_matches_single_process_adamw(daemons, tmp_path, stage, world_size, n_daemons,
-                                      accumulate, set_to_none):
-    job = f"semantics-{stage}-{world_size}-{n_daemons}-{accumulate}-{int(set_to_none)}"
+                                      accumulate, set_to_none, options):
+    job = (f"semantics-{stage}-{world_size}-{n_daemons}-{accumulate}-{int(set_to_none)}"
+           f"-{len(options)}")
     results = _train(daemons, tmp_path, job, stage, world_size, n_daemons,
-                     accumulate=accumulate, set_to_none=set_to_none)
+                     accumulate=accumulate, set_to_none=set_to_none, **options)
     expected, norms = _reference(world_size, set_to_none=set_to_none)
     for rank, r in enumerate(results):
         err = _relative(r["params"], expected)
@@ -81,7 +95,8 @@ def test_matches_single_process_adamw(daemons, tmp_path, stage, world_size, n_da
               f"{'the trainer (no_sync)' if accumulate == 'no_sync' else 'the daemons'}, "
               f"zero_grad(set_to_none={set_to_none}), rank {rank}: relative L2 {err:.3e}; "
               f"step counts odd/rare/block {float(r['odd_step']):.0f}/"
-              f"{float(r['rare_step']):.0f}/{float(r['block_step']):.0f}")
+              f"{float(r['rare_step']):.0f}/{float(r['block_step']):.0f}; options {options}: "
+              f"last step {int(r['pushes'])} pushes, {int(r['gathers'])} gathers")
         assert err <= TOLERANCE
         assert bool(r["frozen_same"]), "a frozen parameter changed"
         assert bool(r["tied_same"]), "the tied keys are not one tensor"
@@ -94,6 +109,18 @@ def test_matches_single_process_adamw(daemons, tmp_path, stage, world_size, n_da
         else:
             assert (float(r["odd_step"]), float(r["rare_step"])) == (29, 30)
         assert float(r["block_step"]) == sc.STEPS
+        if stage == 3:
+            # The last step (odd: 5 of the 6 layers used, "rare" not): each
+            # synced micro-batch pushes the 6 layers, alone or in buckets.
+            synced = 1 if accumulate == "no_sync" else sc.MICRO_BATCHES
+            if "push_bucket_bytes" in options:
+                assert int(r["pushes"]) < 6 * synced
+            else:
+                assert int(r["pushes"]) == 6 * synced
+            if options.get("reshard_after_forward") is False:
+                # Each used layer gathered once a forward, kept for its
+                # backward (the block, applied twice, and the tied head too).
+                assert int(r["gathers"]) == 5 * sc.MICRO_BATCHES
     for r in results[1:]:
         np.testing.assert_array_equal(r["params"], results[0]["params"])
     np.testing.assert_allclose(results[0]["norms"], norms, rtol=1e-5)

@@ -14,17 +14,30 @@ while any user runs: a module whose parameters include another layer's
 (shared) parameters gathers that layer around its own forward and
 backward too.
 
+A layer kept after its forward (reshard_after_forward=False for it) is
+not freed by its forward: the forward's hold passes to the backward,
+which then needs no second gather, and ends once the layer's gradients
+are in (or at the end of the backward; a forward whose backward never
+runs holds it until step()), as FSDP's reshard_after_forward.
+A forward without autograd (torch.no_grad(), or no output requiring a
+gradient) frees it as usual.
+
 Gradients: each parameter's gradient, once autograd has accumulated it
 for the backward (a hook on its AccumulateGrad node: once per backward
 however often the parameter was used), is copied into the layer's
 gradient buffer and dropped; when every trainable parameter of the layer
-has arrived, the layer is pushed whole (its buckets are cut at the layer
-boundaries, so a layer's push never waits for another layer's, whatever
-order autograd finishes them in). At the end of the backward the layers
-still waiting are pushed with zeros for the parameters that got no
-gradient, which are marked: the daemons skip a tensor no rank gave a
-gradient in any micro-batch, as torch.optim skips a parameter whose grad
-is None. Each backward is one micro-batch of the step
+has arrived, the layer is complete. Completed layers whose flat ranges
+adjoin are coalesced into one push of about `bucket_bytes` (one
+client.push_gradients call, copied together: the client's buckets are cut
+at the layer boundaries, so a push never waits for another layer's,
+whatever order autograd finishes them in): a bucket is pushed once it
+holds bucket_bytes, when a completed layer does not adjoin it, and at the
+end of the backward. A layer of at least bucket_bytes is pushed alone,
+without a copy; bucket_bytes 0 pushes each layer as it completes. At the
+end of the backward the layers still waiting are pushed with zeros for
+the parameters that got no gradient, which are marked: the daemons skip a
+tensor no rank gave a gradient in any micro-batch, as torch.optim skips a
+parameter whose grad is None. Each backward is one micro-batch of the step
 (gradient_accumulation_steps of them at most; fewer are padded with empty
 ones in step()); inside no_sync() nothing is pushed and the gradients sum
 in p.grad on the trainer, to be pushed by the next backward outside it or
@@ -74,9 +87,6 @@ def tensors_in(obj):
     return []
 
 
-_Range = collections.namedtuple("_Range", ["begin", "end"])
-
-
 class Layer:
     """One layer of the layout: flat range [begin, end) of `dtype`."""
 
@@ -105,29 +115,72 @@ class Layer:
 class Unit:
     """A module whose forward and backward need layers gathered: its own
     layer (None when it owns no parameters, only uses shared ones) and
-    the layers whose parameters it shares."""
+    the layers whose parameters it shares. `keep`: its layers stay
+    gathered from its forward to its backward (reshard_after_forward
+    False)."""
 
-    def __init__(self, module, layer, deps):
+    def __init__(self, module, layer, deps, keep=False):
         self.module = module
         self.layer = layer
         self.deps = deps
+        self.keep = keep
 
     @property
     def needs(self):
         return ([self.layer] if self.layer is not None else []) + self.deps
 
 
+class _Bucket:
+    """Completed gradients waiting to be pushed together: pieces (begin, end,
+    grad, no_grad) whose flat ranges adjoin, in flat order."""
+
+    def __init__(self):
+        self.pieces = []
+        self.bytes = 0
+
+    def adjoins(self, begin, end):
+        return (not self.pieces or begin == self.pieces[-1][1]
+                or end == self.pieces[0][0])
+
+    def add(self, piece, nbytes):
+        if self.pieces and piece[1] == self.pieces[0][0]:
+            self.pieces.insert(0, piece)
+        else:
+            self.pieces.append(piece)
+        self.bytes += nbytes
+
+    def take(self):
+        """(begin, end, grad, no_grad) of the whole bucket (the pieces'
+        gradients copied into one tensor when there are several), and empties
+        it; None when empty."""
+        if not self.pieces:
+            return None
+        pieces, self.pieces, self.bytes = self.pieces, [], 0
+        if len(pieces) == 1:
+            return pieces[0]
+        grad = torch.cat([g for _, _, g, _ in pieces])
+        no_grad = [i for _, _, _, marks in pieces for i in marks]
+        return pieces[0][0], pieces[-1][1], grad, no_grad
+
+
 class LayerSharding:
     """Stage 3 over `engine`: `units` are (module, layer id or None, [layer ids
-    of shared parameters' layers]); the engine's param entries carry their
-    layer ids."""
+    of shared parameters' layers], keep after forward); the engine's param
+    entries carry their layer ids. `bucket_bytes`: completed layers are
+    pushed together up to this many bytes of gradient (0: each alone)."""
 
-    def __init__(self, engine, units, dtype, micro_batches, overlap_comm=True):
+    def __init__(self, engine, units, dtype, micro_batches, overlap_comm=True,
+                 bucket_bytes=0):
         self.engine = engine
         self.client = engine.client
         self.dtype = dtype
         self.micro_batches = micro_batches
         self.overlap_comm = overlap_comm
+        self.bucket_bytes = bucket_bytes
+        self._bucket = _Bucket()
+        # This step's client.push_gradients calls and layer gathers.
+        self.pushes = 0
+        self.gathers = 0
         layout = engine.layout
         self.layers = {}
         for e in engine.entries:
@@ -155,8 +208,8 @@ class LayerSharding:
         self._zero_ranges = [layout.layer_range(k) for k in layout.layers
                              if k not in self.layers]
         self.units = [Unit(m, self.layers.get(lid) if lid is not None else None,
-                           [self.layers[d] for d in deps])
-                      for m, lid, deps in units]
+                           [self.layers[d] for d in deps], keep)
+                      for m, lid, deps, keep in units]
         self._micro_batch = 0     # synced backward passes (micro-batches) this step
         self._unsynced = False    # no_sync() gradients wait in p.grad
         self._no_sync = False
@@ -165,7 +218,7 @@ class LayerSharding:
         # a step counts them as having one.
         self._sticky = set()
         self._callback_queued = False
-        self._deferred = collections.deque()  # (layer, grad, no_grad, micro_batch)
+        self._deferred = collections.deque()  # (begin, end, grad, no_grad, micro_batch)
         self._accumulators = []  # kept alive: the hooks live on them
         self._not_requiring = [e for e in engine.entries
                                if e.kind == "param" and not e.param.requires_grad]
@@ -196,6 +249,7 @@ class LayerSharding:
                 resize_storage(p.data, 0)
             raise
         layer.gathered = True
+        self.gathers += 1
         self._held += layer.bytes
         self.peak_param_bytes = max(self.peak_param_bytes, self._held)
 
@@ -234,11 +288,22 @@ class LayerSharding:
             self._acquire(needs)
 
         def post_forward(module, inputs, output):
+            hooked = False
             if torch.is_grad_enabled():
                 for t in tensors_in(output):
                     if t.requires_grad:
                         t.register_hook(pre_backward)
-            self._release(needs)
+                        hooked = True
+            if not (unit.keep and hooked):
+                self._release(needs)
+                return
+            # Kept for the backward: this forward's hold becomes the
+            # backward's (one per layer; a second call's is given back).
+            for layer in needs:
+                if layer.backward_held:
+                    self._release([layer])
+                else:
+                    layer.backward_held = True
 
         def pre_backward(grad):
             self._queue_callback()
@@ -308,11 +373,35 @@ class LayerSharding:
             grad = torch.zeros(layer.end - layer.begin, dtype=self.dtype)
         layer.grad = None
         layer.pushed = True
+        self._add_to_bucket(layer.begin, layer.end, grad, no_grad)
+
+    def _add_to_bucket(self, begin, end, grad, no_grad):
+        """Queues the gradient of flat range [begin, end) for the current
+        micro-batch: pushed with the bucket it joins once that is full, or
+        alone (without a copy) when it is at least bucket_bytes."""
+        nbytes = grad.numel() * grad.element_size()
+        if nbytes >= self.bucket_bytes:
+            self._push_bucket()
+            self._send(begin, end, grad, no_grad)
+            return
+        if not self._bucket.adjoins(begin, end):
+            self._push_bucket()
+        self._bucket.add((begin, end, grad, no_grad), nbytes)
+        if self._bucket.bytes >= self.bucket_bytes:
+            self._push_bucket()
+
+    def _push_bucket(self):
+        taken = self._bucket.take()
+        if taken is not None:
+            self._send(*taken)
+
+    def _send(self, begin, end, grad, no_grad):
         if self.overlap_comm:
-            self.client.push_gradients(layer.begin, layer.end, grad,
-                                       micro_batch=self._micro_batch, no_grad=no_grad)
+            self.pushes += 1
+            self.client.push_gradients(begin, end, grad, micro_batch=self._micro_batch,
+                                       no_grad=no_grad)
         else:
-            self._deferred.append((layer, grad, no_grad, self._micro_batch))
+            self._deferred.append((begin, end, grad, no_grad, self._micro_batch))
 
     def _flush(self):
         """Ends a micro-batch: every layer not pushed in it yet is pushed,
@@ -326,11 +415,8 @@ class LayerSharding:
                     self._take(layer, e, p)
             self._push(layer)
         for begin, end in self._zero_ranges:
-            zeros = torch.zeros(end - begin, dtype=self.dtype)
-            if self.overlap_comm:
-                self.client.push_gradients(begin, end, zeros, micro_batch=self._micro_batch)
-            else:
-                self._deferred.append((_Range(begin, end), zeros, [], self._micro_batch))
+            self._add_to_bucket(begin, end, torch.zeros(end - begin, dtype=self.dtype), [])
+        self._push_bucket()
         for layer in self._ordered:
             layer.pushed = False
             layer.arrived.clear()
@@ -372,12 +458,14 @@ class LayerSharding:
         # Lent, not copied: each buffer stays untouched until the step has
         # taken it in.
         while self._deferred:
-            layer, grad, no_grad, mb = self._deferred[0]
-            self.client.push_gradients(layer.begin, layer.end, grad, borrow=True,
+            begin, end, grad, no_grad, mb = self._deferred[0]
+            self.pushes += 1
+            self.client.push_gradients(begin, end, grad, borrow=True,
                                        micro_batch=mb, no_grad=no_grad)
             self._deferred.popleft()
         pushing = time.perf_counter() - start
         result = self.engine.step(pushing)
+        result["pushes"], result["gathers"] = self.pushes, self.gathers
         self._reset()
         return result
 
@@ -386,6 +474,9 @@ class LayerSharding:
         self._micro_batch = 0
         self._unsynced = False
         self._deferred.clear()
+        self._bucket = _Bucket()
+        self.pushes = 0
+        self.gathers = 0
         self._callback_queued = False
         for layer in self._ordered:
             layer.grad = None

@@ -7,7 +7,8 @@ the parameters too, gathered layer by layer, like FSDP's fully_shard);
 `model.optimizer` is its torch.optim.Optimizer (parameter groups, LR
 schedulers, state dicts). `ShardedOptimizer(params, config, stage=1|2)` is
 the same for a list of parameters, in place of torch.optim.AdamW in a
-data-parallel job.
+data-parallel job. `GradScaler(model)` is torch.cuda.amp.GradScaler's
+interface over the daemons' dynamic loss scale (fp16 jobs).
 
 What it computes is torch.optim.AdamW's result: per parameter group
 lr, betas, eps and weight_decay; a parameter whose grad is None in a step
@@ -46,7 +47,7 @@ _SET_TO_NONE = inspect.signature(torch.optim.Optimizer.zero_grad).parameters[
 
 
 __all__ = ["init_from_env", "shard_model", "ShardedModel", "ShardedOptimizer",
-           "reconnectable", "offload_activations"]
+           "GradScaler", "reconnectable", "offload_activations"]
 
 
 def offload_activations(target, min_bytes=_offload.DEFAULT_MIN_BYTES,
@@ -194,7 +195,8 @@ class _DaemonOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Runs the step on the daemons (every rank together). Returns the
         closure's loss, if any; the step's dict(step, grad_norm, clip_coef,
-        skipped, loss_scale, push_wait_ms) is in `last_result`."""
+        skipped, loss_scale, push_wait_ms, and at stage 3 pushes and
+        gathers) is in `last_result`."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -309,7 +311,8 @@ class ShardedOptimizer(_DaemonOptimizer):
 def shard_model(module, client_config, stage=3, layers=None, lr=_LR,
                 betas=_BETAS, eps=_EPS, weight_decay=_WEIGHT_DECAY,
                 max_grad_norm=_MAX_GRAD_NORM, overlap_comm=True, param_groups=None,
-                gradient_accumulation_steps=1, resume=None):
+                gradient_accumulation_steps=1, resume=None, reshard_after_forward=True,
+                push_bucket_bytes=None):
     """Shards `module`'s training state on the daemons; returns a
     ShardedModel (see there)."""
     return ShardedModel(module, client_config, stage=stage, layers=layers, lr=lr,
@@ -317,7 +320,8 @@ def shard_model(module, client_config, stage=3, layers=None, lr=_LR,
                         max_grad_norm=max_grad_norm, overlap_comm=overlap_comm,
                         param_groups=param_groups,
                         gradient_accumulation_steps=gradient_accumulation_steps,
-                        resume=resume)
+                        resume=resume, reshard_after_forward=reshard_after_forward,
+                        push_bucket_bytes=push_bucket_bytes)
 
 
 class ShardedModel(torch.nn.Module):
@@ -367,12 +371,35 @@ class ShardedModel(torch.nn.Module):
     the forward of a module containing it. Buffers stay on the trainer; the
     daemons keep a copy for checkpoints (rank 0's, written at each save).
 
+    `reshard_after_forward` (stage 3): True (the default) frees each layer
+    after its forward and gathers it again for its backward; False keeps
+    every layer gathered from its forward until its gradients are in (one
+    gather per layer and step instead of two, for up to the whole model's
+    parameters held at the end of the forward), as FSDP's option; or a
+    callable taking a layer's name (as in `layers`; "" for `module`'s own
+    parameters) and returning that layer's choice. A forward without
+    autograd (torch.no_grad()) frees its layers either way.
+
+    Stage 3 pushes completed layers whose gradients adjoin in the flat
+    layout together, in buckets of about `push_bucket_bytes` bytes of
+    gradient (default None: the job's `bucket_bytes`, C_B; 0 pushes each
+    layer as it completes), each as soon as it is full, when the next
+    completed layer does not adjoin it, and at the end of the backward; a
+    layer of at least that size is pushed alone. The daemons sum the same
+    values however they are grouped: the results are bit-identical.
+    Settable between steps (`model.push_bucket_bytes`). Each step's result
+    dict has `pushes` (this rank's client.push_gradients calls) and
+    `gathers` (layer gathers since the previous step).
+
     Precision (stage 3): the job's, `client_config["precision"]`: "fp32"
-    (the default) or "bf16", where the module computes in bfloat16 (its
-    floating-point parameters and buffers are cast, as module.to(torch.
-    bfloat16) would) and the daemons keep fp32 masters and step in fp32.
-    Stages 1-2 keep the module's parameters (float32, bfloat16 or float16)
-    and push their gradients in fp32.
+    (the default), "bf16" or "fp16", where the module computes in bfloat16
+    or float16 (its floating-point parameters and buffers are cast, as
+    module.to(dtype) would) and the daemons keep fp32 masters and step in
+    fp32. "fp16" needs `loss_scale` in the config (a dict of
+    torch.cuda.amp.GradScaler's arguments for dynamic scaling, or a
+    number) and the loss multiplied by it: see GradScaler. Stages 1-2 keep
+    the module's parameters (float32, bfloat16 or float16) and push their
+    gradients in fp32 (converted to the job's precision on the wire).
 
     State: `state_dict()` is the module's (every key, tied ones included,
     the parameters' fp32 masters and the buffers), `load_state_dict()`
@@ -392,12 +419,25 @@ class ShardedModel(torch.nn.Module):
     def __init__(self, module, client_config, stage=3, layers=None, lr=_LR,
                  betas=_BETAS, eps=_EPS, weight_decay=_WEIGHT_DECAY,
                  max_grad_norm=_MAX_GRAD_NORM, overlap_comm=True, param_groups=None,
-                 gradient_accumulation_steps=1, resume=None):
+                 gradient_accumulation_steps=1, resume=None, reshard_after_forward=True,
+                 push_bucket_bytes=None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage: must be 1, 2 or 3, got {stage}")
         if stage in (1, 2) and layers is not None:
             raise ValueError("layers: only stage 3 gathers by layer")
+        if stage in (1, 2) and reshard_after_forward is not True:
+            raise ValueError("reshard_after_forward: only stage 3 gathers (and frees) "
+                             "parameters; stages 1-2 keep them on the trainer")
+        if stage in (1, 2) and push_bucket_bytes is not None:
+            raise ValueError("push_bucket_bytes: stages 1-2 push the whole gradient in "
+                             "one call in step()")
+        if not (isinstance(reshard_after_forward, bool) or callable(reshard_after_forward)):
+            raise TypeError("reshard_after_forward: expected a bool or a callable taking a "
+                            f"layer's name, got {type(reshard_after_forward).__name__}")
+        if push_bucket_bytes is None:
+            push_bucket_bytes = client_config.get("bucket_bytes", _DEFAULTS["bucket_bytes"])
+        push_bucket_bytes = _check_push_bucket_bytes(push_bucket_bytes)
         if stage in (1, 2) and not overlap_comm:
             raise ValueError("overlap_comm: stages 1-2 always push in step(); only stage 3 "
                              "pushes during the backward")
@@ -440,10 +480,18 @@ class ShardedModel(torch.nn.Module):
         if stage == 3:
             if precision not in _STAGE3_DTYPES:
                 raise ValueError(
-                    "stage 3: precision must be 'fp32' or 'bf16' (fp16 needs loss scaling, "
-                    f"which shard_model does not do), got {precision!r}")
+                    "stage 3: precision must be 'fp32', 'bf16' or 'fp16', got "
+                    f"{precision!r}")
+            if precision == "fp16" and client_config.get("loss_scale") is None:
+                raise ValueError(
+                    "stage 3: precision 'fp16' needs loss scaling: give the config a "
+                    "loss_scale (a dict of torch.cuda.amp.GradScaler's arguments, e.g. "
+                    "{'init_scale': 65536.0}, for dynamic scaling; or a number) and "
+                    "multiply the loss by GradScaler(model).scale(loss)")
             dtype = _STAGE3_DTYPES[precision]
             layer_modules, units = _layer_units(module, named, layers)
+            units = [(sub, own, deps, _keeps_after_forward(reshard_after_forward, name))
+                     for sub, own, deps, name in units]
             entries = []
             for layer_id, (_, members) in enumerate(layer_modules):
                 for name, p in members:
@@ -485,7 +533,8 @@ class ShardedModel(torch.nn.Module):
                     if buf.is_floating_point():
                         setattr(sub, key, buf.to(dtype))
             self._sharded = LayerSharding(engine, units, dtype, micro_batches,
-                                          overlap_comm=bool(overlap_comm))
+                                          overlap_comm=bool(overlap_comm),
+                                          bucket_bytes=push_bucket_bytes)
             step_fn = self._sharded.step
         engine.load_buffers()
         self.optimizer._bind(engine, step_fn)
@@ -531,6 +580,19 @@ class ShardedModel(torch.nn.Module):
         if self._sharded is None:
             raise ValueError("overlap_comm: stages 1-2 always push in step()")
         self._sharded.overlap_comm = bool(value)
+
+    @property
+    def push_bucket_bytes(self):
+        """Stage 3: the bytes of gradient up to which completed layers are
+        pushed together (0: each layer alone); None at stages 1-2. Set it
+        between steps."""
+        return None if self._sharded is None else self._sharded.bucket_bytes
+
+    @push_bucket_bytes.setter
+    def push_bucket_bytes(self, value):
+        if self._sharded is None:
+            raise ValueError("push_bucket_bytes: stages 1-2 push the whole gradient in step()")
+        self._sharded.bucket_bytes = _check_push_bucket_bytes(value)
 
     @property
     def client(self):
@@ -800,6 +862,86 @@ class _ModelOptimizer(_DaemonOptimizer):
             sharded.zero_grad(set_to_none)
 
 
+class GradScaler:
+    """torch.cuda.amp.GradScaler's interface over the daemons' loss scale,
+    for jobs whose config has `loss_scale` (fp16 jobs need it):
+
+        config = init_from_env(precision="fp16", loss_scale={"init_scale": 2.0**16})
+        model = shard_model(net, config, stage=3)
+        scaler = GradScaler(model)
+        scaler.scale(loss_fn(model(x), y)).backward()
+        scaler.step(model.optimizer)   # None when the step was skipped
+        scaler.update()
+
+    The daemons do what GradScaler does on the trainer: they divide the
+    pushed gradients by the scale (after summing the ranks'), skip the step
+    when they hold an inf or NaN (no parameter, moment or step count
+    changes; `optimizer.last_result["skipped"]` is True, on every rank),
+    multiply the scale by backoff_factor after a skipped step and by
+    growth_factor after growth_interval steps in a row that were not.
+    `get_scale()` is the scale the next backward must use, the same on
+    every rank (the daemons' after the last step). The job's settings are
+    fixed when it is registered (the config's `loss_scale`); the daemons'
+    checkpoints hold the current scale.
+
+    Clipping (`max_grad_norm`) is applied by the daemons to the unscaled
+    gradient: there is no `unscale_()` (it raises)."""
+
+    def __init__(self, target):
+        """`target`: a ShardedModel, its `optimizer`, or a
+        ShardedOptimizer."""
+        if isinstance(target, ShardedModel):
+            target = target.optimizer
+        if not isinstance(target, _DaemonOptimizer):
+            raise TypeError("GradScaler: expected a ShardedModel, its optimizer or a "
+                            f"ShardedOptimizer, got {type(target).__name__}")
+        self._optimizer = target
+
+    def get_scale(self):
+        """The current loss scale (a float)."""
+        return float(self._optimizer.client.loss_scale)
+
+    def is_enabled(self):
+        return True
+
+    def scale(self, outputs):
+        """`outputs` (a tensor, or lists, tuples and dicts of them)
+        multiplied by the current scale, in each tensor's dtype."""
+        factor = self.get_scale()
+        if isinstance(outputs, torch.Tensor):
+            return outputs * factor
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        if isinstance(outputs, dict):
+            return {k: self.scale(v) for k, v in outputs.items()}
+        raise TypeError(f"scale: expected tensors, got {type(outputs).__name__}")
+
+    def unscale_(self, optimizer):
+        raise RuntimeError(
+            "unscale_: the gradients are unscaled on the daemons, at the step; clip with "
+            "shard_model's (or ShardedOptimizer's) max_grad_norm, which the daemons apply "
+            "to the unscaled gradient")
+
+    def step(self, optimizer=None, *args, **kwargs):
+        """Runs `optimizer.step(*args, **kwargs)` (this scaler's optimizer;
+        another raises ValueError). Returns what it returned, or None when
+        the daemons skipped the step for an inf or NaN gradient."""
+        if optimizer is None:
+            optimizer = self._optimizer
+        if optimizer is not self._optimizer:
+            raise ValueError("step: this GradScaler scales the loss of another optimizer")
+        result = optimizer.step(*args, **kwargs)
+        return None if optimizer.last_result["skipped"] else result
+
+    def update(self, new_scale=None):
+        """Nothing to do: the daemons moved the scale at the step's commit.
+        `new_scale` cannot be set (ValueError): the job's scale is the
+        daemons'."""
+        if new_scale is not None:
+            raise ValueError("update: the loss scale is the daemons' (set loss_scale in the "
+                             "config when the job is registered); new_scale cannot be set")
+
+
 # The status codes after which a new connection may get on: a daemon gone
 # or replaced, a call or a step out of time, a step the daemons could not
 # take (as the C++ trainer's reconnects).
@@ -824,7 +966,25 @@ def _refuse_trainer_reconnect(config):
 
 
 # The dtype of stage 3's gathered parameters for each job precision.
-_STAGE3_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_STAGE3_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _check_push_bucket_bytes(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"push_bucket_bytes: must be an int >= 0, got {value!r}")
+    return value
+
+
+def _keeps_after_forward(reshard_after_forward, name):
+    """Whether the layer `name` ("" for the outer module) stays gathered
+    from its forward to its backward."""
+    if isinstance(reshard_after_forward, bool):
+        return not reshard_after_forward
+    choice = reshard_after_forward(name)
+    if not isinstance(choice, bool):
+        raise TypeError(f"reshard_after_forward({name!r}): expected True or False, got "
+                        f"{choice!r}")
+    return not choice
 
 
 def _layer_units(module, named, layer_names):
@@ -834,8 +994,8 @@ def _layer_units(module, named, layer_names):
     in registration order (the layer of `module`'s own parameters first,
     then the named layers in `module.named_modules()` order; layers that
     own no parameter left out); units = [(module, layer index or None,
-    [layer indices of the shared parameters it uses])] for every named
-    layer and `module` itself."""
+    [layer indices of the shared parameters it uses], its name ("" for
+    `module`))] for every named layer and `module` itself."""
     if layer_names is None:
         layer_names = [name for name, child in module.named_children()
                        if any(True for _ in child.parameters())]
@@ -898,5 +1058,5 @@ def _layer_units(module, named, layer_names):
         deps = sorted({index[owners[id(p)]] for p in used_directly(name, sub)
                        if id(p) in owners and index[owners[id(p)]] != own})
         if own is not None or deps:
-            units.append((sub, own, deps))
+            units.append((sub, own, deps, name))
     return layers, units
