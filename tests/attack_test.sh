@@ -17,7 +17,11 @@
 #             registration token are all refused (register_refused=).
 # Then:
 #   files     the checkpoint's files are mode 600 and its directories 700
-#             (their `stat -c '%a %n'` is printed).
+#             (their `stat -c '%a %n'` is printed);
+#   manifest  that checkpoint's MANIFEST rewritten to claim blocks of 2^62
+#             bytes, and VerifyCheckpoint asked of it with the job's token:
+#             a clear error (DATA_LOSS or INVALID_ARGUMENT, not UNKNOWN or
+#             a crash), and the daemon still answers Admin.Status.
 # Everything started is killed on exit; the test fails if any check failed.
 #
 # Usage: attack_test.sh ZEROSHARDD GPT_TRAIN STREAM_FLOOD (runfiles paths).
@@ -172,6 +176,20 @@ saved="$(find "$CKPT" -mindepth 1 -type f | wc -l)"
 loose="$(find "$CKPT" -mindepth 1 \( -type f ! -perm 600 -o -type d ! -perm 700 \) | wc -l)"
 ((saved > 0 && loose == 0))
 check $? "files" "$saved files, $loose not owner-only (600 files, 700 directories)"
+
+# ---- a hostile manifest ----
+# The checkpoint gpt_train saved (and completed: it has a MANIFEST).
+saved_name="$(cd "$CKPT/$JOB" 2>/dev/null && ls -d */MANIFEST 2>/dev/null | head -n 1)"
+saved_name="${saved_name%/MANIFEST}"
+"$STREAM_FLOOD" --target="$ADDR" --mode=manifest --token="$ZS_JOB_TOKEN" \
+  --checkpoint_dir="$CKPT" --job="$JOB" --name="$saved_name" >"$WORK/manifest.out" \
+  2>"$WORK/manifest.log"
+manifest_rc=$?
+cat "$WORK/manifest.out" "$WORK/manifest.log"
+verify="$(value "$WORK/manifest.out" manifest_verify)"
+[[ "$manifest_rc" == 0 && ("$verify" == DATA_LOSS || "$verify" == INVALID_ARGUMENT) &&
+  "$(value "$WORK/manifest.out" manifest_alive)" == 1 ]] && kill -0 "$DAEMON_PID" 2>/dev/null
+check $? "manifest" "checkpoint $saved_name's MANIFEST with 2^62-byte blocks: VerifyCheckpoint $verify, daemon alive"
 
 if ((FAILED)); then
   fail "a check failed"

@@ -13,6 +13,12 @@
 //   --mode=register  --calls RegisterJob calls of a well-formed new job each,
 //                    without the registration token: how many were refused
 //                    (PERMISSION_DENIED or UNAUTHENTICATED), by status code.
+//   --mode=manifest  rewrites the MANIFEST of checkpoint --name of job --job
+//                    (in --checkpoint_dir) so that every file claims blocks of
+//                    2^62 bytes, as a hostile writer could, then asks the
+//                    daemon to VerifyCheckpoint it: the answer's code
+//                    (manifest_verify=<CODE>, its message on stderr), and
+//                    whether Admin.Status answers after (manifest_alive=).
 //
 // --token, when not empty, goes with every call as "authorization: Bearer".
 // Exit 0 when the run took place (the caller judges the figures), 1 when it
@@ -23,6 +29,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -41,6 +48,7 @@
 #include "common/layout.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
+#include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
 #include "proto/zeroshard/v1/control.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 
@@ -51,6 +59,9 @@ ABSL_FLAG(int, streams, 3000, "flood: calls held open.");
 ABSL_FLAG(int, channels, 30, "flood: TCP connections the calls are spread over.");
 ABSL_FLAG(int, hold_s, 20, "flood, status: seconds to run.");
 ABSL_FLAG(int, calls, 64, "register: RegisterJob calls.");
+ABSL_FLAG(std::string, checkpoint_dir, "", "manifest: the daemon's --checkpoint_dir.");
+ABSL_FLAG(std::string, job, "", "manifest: the job whose checkpoint is rewritten.");
+ABSL_FLAG(std::string, name, "", "manifest: the checkpoint rewritten.");
 
 namespace zs = zeroshard;
 namespace v1 = zeroshard::v1;
@@ -226,11 +237,61 @@ int Register(const std::string& target, const std::string& token) {
   return 0;
 }
 
+int HostileManifest(const std::string& target, const std::string& token) {
+  const std::string job = absl::GetFlag(FLAGS_job);
+  const std::string name = absl::GetFlag(FLAGS_name);
+  const std::string path =
+      absl::StrCat(absl::GetFlag(FLAGS_checkpoint_dir), "/", job, "/", name, "/MANIFEST");
+  v1::CheckpointManifest manifest;
+  {
+    std::ifstream in(path, std::ios::binary);
+    if (!in || !manifest.ParseFromIstream(&in)) {
+      std::fprintf(stderr, "manifest: cannot read %s\n", path.c_str());
+      return 1;
+    }
+  }
+  int files = 0;
+  for (v1::PartManifest& part : *manifest.mutable_parts()) {
+    for (v1::CheckpointFile& file : *part.mutable_files()) {
+      file.set_block_bytes(uint64_t{1} << 62);
+      ++files;
+    }
+  }
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    if (!out || !manifest.SerializeToOstream(&out)) {
+      std::fprintf(stderr, "manifest: cannot write %s\n", path.c_str());
+      return 1;
+    }
+  }
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  grpc::ClientContext ctx;
+  AddToken(&ctx, token);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::VerifyCheckpointRequest request;
+  request.set_job_id(job);
+  request.set_name(name);
+  v1::VerifyCheckpointResponse response;
+  const grpc::Status s = v1::Checkpoint::NewStub(channel)->VerifyCheckpoint(&ctx, request, &response);
+  std::fprintf(stderr, "manifest: VerifyCheckpoint: %s: %s\n", CodeName(s.error_code()).c_str(),
+               s.error_message().c_str());
+  grpc::ClientContext status_ctx;
+  AddToken(&status_ctx, token);
+  status_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::StatusResponse status;
+  const grpc::Status alive =
+      v1::Admin::NewStub(channel)->Status(&status_ctx, v1::StatusRequest(), &status);
+  std::printf("manifest_files=%d\nmanifest_verify=%s\nmanifest_alive=%d\n", files,
+              CodeName(s.error_code()).c_str(), alive.ok() ? 1 : 0);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "stream_flood --target HOST:PORT --mode flood|status|register [--token T]");
+      "stream_flood --target HOST:PORT --mode flood|status|register|manifest [--token T]");
   absl::ParseCommandLine(argc, argv);
   const std::string target = absl::GetFlag(FLAGS_target);
   const std::string mode = absl::GetFlag(FLAGS_mode);
@@ -242,7 +303,8 @@ int main(int argc, char** argv) {
   if (mode == "flood") return Flood(target, token);
   if (mode == "status") return StatusProbe(target, token);
   if (mode == "register") return Register(target, token);
-  std::fprintf(stderr, "stream_flood: --mode must be flood, status or register, not %s\n",
+  if (mode == "manifest") return HostileManifest(target, token);
+  std::fprintf(stderr, "stream_flood: --mode must be flood, status, register or manifest, not %s\n",
                mode.c_str());
   return 2;
 }
