@@ -139,7 +139,7 @@ int Main() {
   reg.set_daemon_index(0);
   bool created = false;
   absl::StatusOr<std::shared_ptr<Job>> job =
-      (*daemon)->jobs().Register(reg, TokenDigest::Of("bench"), false, true, &created);
+      (*daemon)->jobs().Register(reg, TokenDigest::Of("bench"), false, JobManager::Registrant(), &created);
   Check(job.status(), "RegisterJob");
   v1::JoinJobRequest join;
   join.set_job_id("bench");

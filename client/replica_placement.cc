@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "client/rpc.h"
 #include "common/job_spec.h"
+#include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 
 namespace zeroshard {
@@ -41,6 +42,56 @@ DaemonView Ask(v1::Replica::Stub* stub, const std::string& address, const std::s
   return view;
 }
 
+// What daemon `h` holds of group `g`, for a message: "is unreachable (...)",
+// "holds nothing of it", "holds a backup that is not current", ...
+std::string Holding(const DaemonView& view, uint32_t g, uint64_t top_epoch) {
+  switch (view.kind) {
+    case DaemonView::kUnreachable:
+      return absl::StrCat("does not answer (", view.error, ")");
+    case DaemonView::kNotRegistered:
+      return "holds nothing of the job (restarted empty?)";
+    case DaemonView::kHolds:
+      break;
+  }
+  auto it = view.groups.find(g);
+  if (it == view.groups.end()) return "holds nothing of the group";
+  if (it->second.role() == v1::REPLICA_ROLE_BACKUP) {
+    return it->second.in_sync() ? "holds a current backup" : "holds a backup that is not current";
+  }
+  return it->second.epoch() < top_epoch ? "holds a primary that was replaced" : "holds the primary";
+}
+
+// The newest complete checkpoint of the job any reachable daemon lists, as
+// a clause for the message.
+std::string NewestCheckpoint(const std::vector<std::string>& daemons,
+                             const ChannelSecurity& security, const std::vector<DaemonView>& views,
+                             const PlacementOptions& o) {
+  const v1::CheckpointInfo* newest = nullptr;
+  v1::ListCheckpointsResponse best;
+  for (size_t d = 0; d < daemons.size(); ++d) {
+    if (views[d].kind == DaemonView::kUnreachable) continue;
+    grpc::ClientContext context;
+    SetDeadline(&context, absl::Now() + o.rpc_timeout);
+    v1::ListCheckpointsRequest request;
+    request.set_job_id(o.job_id);
+    v1::ListCheckpointsResponse list;
+    if (!v1::Checkpoint::NewStub(MakeDaemonChannel(daemons[d], security))
+             ->ListCheckpoints(&context, request, &list)
+             .ok() ||
+        list.checkpoints().empty()) {
+      continue;
+    }
+    const v1::CheckpointInfo& last = *list.checkpoints().rbegin();
+    if (newest == nullptr || last.step() > newest->step()) {
+      best = list;
+      newest = &*best.checkpoints().rbegin();
+    }
+  }
+  if (newest == nullptr) return "no reachable daemon lists a complete checkpoint of the job";
+  return absl::StrCat("the newest complete checkpoint is ", newest->name(), " (step ",
+                      newest->step(), "): resume from it (--resume=latest)");
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<GroupPlacement>> ResolvePlacement(
@@ -52,6 +103,8 @@ absl::StatusOr<std::vector<GroupPlacement>> ResolvePlacement(
     stubs.push_back(v1::Replica::NewStub(MakeDaemonChannel(address, security)));
   }
   const absl::Time deadline = absl::Now() + o.wait;
+  // Since when each group has seemed lost but for an unreachable daemon.
+  std::map<uint32_t, absl::Time> lost_since;
   for (bool first = true;; first = false) {
     if (!first) absl::SleepFor(absl::Milliseconds(100));
     std::vector<DaemonView> views;
@@ -86,12 +139,34 @@ absl::StatusOr<std::vector<GroupPlacement>> ResolvePlacement(
         continue;
       }
       // A job (or a group) not started anywhere: its own daemon, epoch 1.
-      if (top_epoch <= 1 && top_step == 0 && views[g].kind != DaemonView::kUnreachable &&
+      if (top_epoch <= 1 && top_step == 0 && o.known_committed_step == 0 &&
+          views[g].kind != DaemonView::kUnreachable &&
           !(backup && views[*backup].groups[g].prepared())) {
         out[g] = {daemons[g], 1, true};
         continue;
       }
       if (!backup) {
+        // No copy left on the daemons that answer: at once when both answer,
+        // after lost_grace when the other one does not (it may be hung, not
+        // dead, and come back with the group).
+        const bool unreachable = views[holders[0]].kind == DaemonView::kUnreachable ||
+                                 views[holders[1]].kind == DaemonView::kUnreachable;
+        const bool both_unreachable = views[holders[0]].kind == DaemonView::kUnreachable &&
+                                      views[holders[1]].kind == DaemonView::kUnreachable;
+        const absl::Time since = lost_since.emplace(g, absl::Now()).first->second;
+        if (!both_unreachable && (!unreachable || absl::Now() - since >= o.lost_grace)) {
+          std::string holding;
+          for (uint32_t h : holders) {
+            absl::StrAppend(&holding, holding.empty() ? "" : "; ", daemons[h], " ",
+                            Holding(views[h], g, top_epoch));
+          }
+          return absl::DataLossError(absl::StrCat(
+              "replica group ", g, " of job ", o.job_id,
+              " has no copy left (committed steps up to ", std::max(top_step, o.known_committed_step),
+              " are lost with it): ", holding,
+              unreachable ? absl::StrCat(" for ", absl::FormatDuration(o.lost_grace)) : "", "; ",
+              NewestCheckpoint(daemons, security, views, o)));
+        }
         waiting = absl::StrCat(
             "replica group ", g, " of job ", o.job_id, " has no primary and no current backup on ",
             daemons[holders[0]], " (",
@@ -100,6 +175,7 @@ absl::StatusOr<std::vector<GroupPlacement>> ResolvePlacement(
             views[holders[1]].error.empty() ? "reachable" : views[holders[1]].error, ")");
         continue;
       }
+      lost_since.erase(g);
       if (o.rank != 0) {
         waiting = absl::StrCat("replica group ", g,
                                ": waiting for the job leader to promote its "

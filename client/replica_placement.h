@@ -35,13 +35,22 @@ struct PlacementOptions {
   // promotion.
   absl::Duration rpc_timeout = absl::Seconds(5);
   absl::Duration wait = absl::Minutes(1);
+  // A group whose only possible copy is on an unreachable daemon (the other
+  // holder is up and has none) is given up after this long, not `wait`.
+  absl::Duration lost_grace = absl::Seconds(10);
 };
 
 // The placement of every group of the job on `daemons` (spec.daemons). A
-// job registered nowhere yet is placed at home, epoch 1. FailedPrecondition
-// naming the group when a group has neither a primary nor a current backup
-// on a reachable daemon by the deadline (its state is lost with the
-// primary: resume from a checkpoint).
+// job registered nowhere yet, by a caller that knows no committed step, is
+// placed at home, epoch 1. DataLoss at once when a group has no copy left
+// (both of its daemons answer and neither holds a current one: they were
+// restarted empty, or hold a backup that was not current), or after
+// lost_grace when its only possible copy is on a daemon that does not
+// answer; the message names the group, what each daemon holds and the
+// newest complete checkpoint the reachable daemons have, to resume from.
+// FailedPrecondition naming the group when a group has neither a primary
+// nor a current backup on a reachable daemon by the deadline otherwise.
+// Blocks: polls every 100 ms.
 absl::StatusOr<std::vector<GroupPlacement>> ResolvePlacement(
     const std::vector<std::string>& daemons, const ChannelSecurity& security,
     const PlacementOptions& options);

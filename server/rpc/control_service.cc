@@ -46,10 +46,10 @@ grpc::Status ControlService::RegisterJob(grpc::ServerContext* call,
   ctx_->metrics->SetJobs(ctx_->jobs->size());
   if (created) {
     ctx_->metrics->SetRanks(c.job_id, 0, c.world_size);
-    Log(absl::StrCat("job ", c.job_id, " registered by ", ctx_->RegistrantOf(*call, *token).identity,
-                     ": stage ", c.stage, ", N_d ", c.world_size,
+    Log(absl::StrCat("job ", c.job_id, " registered: stage ", c.stage, ", N_d ", c.world_size,
                      ", Ψ ", c.layout.parameter_count(), ", partitions ",
-                     (*job)->owned_partitions().size(), " owned here"));
+                     (*job)->owned_partitions().size(), " owned here, by ",
+                     ctx_->RegistrantOf(*call, *token).identity));
   }
   return ctx_->Done(__func__, absl::OkStatus());
 }
