@@ -111,6 +111,11 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
     RETURN_IF_ERROR(transport::CanonicalHost(o.advertise_address, "--advertise_address").status());
   }
   if (o.max_jobs < 1) return absl::InvalidArgumentError("--max_jobs: must be >= 1");
+  if (o.rpc_memory_bytes != 0 && o.rpc_memory_bytes < kMinRpcMemoryBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--rpc_memory_bytes: must be 0 (unbounded) or at least ", kMinRpcMemoryBytes,
+        " (two messages of the largest size), got ", o.rpc_memory_bytes));
+  }
   if (o.max_rpc_threads < 4 || o.max_rpc_threads > 65536) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_rpc_threads: must be in 4..65536, got ", o.max_rpc_threads));
@@ -215,6 +220,12 @@ Daemon::Daemon(const DaemonOptions& options)
   });
 }
 
+uint64_t AutoRpcMemoryBytes(uint64_t memory_limit_bytes) {
+  constexpr uint64_t kMostRpcMemoryBytes = uint64_t{1} << 30;
+  if (memory_limit_bytes == 0) return kMostRpcMemoryBytes;
+  return std::clamp(memory_limit_bytes / 8, kMinRpcMemoryBytes, kMostRpcMemoryBytes);
+}
+
 Daemon::~Daemon() {
   Shutdown(absl::Seconds(1));
   Wait();
@@ -240,6 +251,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   if (d->transport_ == nullptr && !options.bulk_listen.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("--bulk_listen_address=", options.bulk_listen, ": ", bulk_error));
+  }
+  if (options.rpc_memory_bytes != 0) {
+    // Held for the daemon's life; released with the ledger.
+    RETURN_IF_ERROR(d->ledger_.Reserve(kDaemonLedgerEntry, MemoryCategory::kBuffer,
+                                       options.rpc_memory_bytes),
+                    "--rpc_memory_bytes (booked at start, within --memory_limit)");
   }
   if (options.activation_arena_bytes > 0) RETURN_IF_ERROR(d->StartActivations());
   d->StartJobs();
@@ -366,6 +383,7 @@ absl::Status Daemon::StartGrpcServers() {
   // the client).
   grpc::ResourceQuota quota("zeroshardd");
   quota.SetMaxThreads(options.max_rpc_threads);
+  if (options.rpc_memory_bytes != 0) quota.Resize(options.rpc_memory_bytes);
   builder.SetResourceQuota(quota);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
   builder.RegisterService(control_.get());

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/protocol.h"
 #include "common/tls.h"
 #include "grpcpp/grpcpp.h"
 #include "metrics/http_server.h"
@@ -31,6 +32,12 @@ namespace zeroshard {
 int DefaultOptimizerThreads();
 
 class ReplicaLink;
+
+// The least --rpc_memory_bytes: two messages of the largest size.
+inline constexpr uint64_t kMinRpcMemoryBytes = 2 * static_cast<uint64_t>(kMaxGrpcMessageBytes);
+// --rpc_memory_bytes=auto: an eighth of the memory limit, within
+// [kMinRpcMemoryBytes, 1 GiB] (1 GiB without a limit).
+uint64_t AutoRpcMemoryBytes(uint64_t memory_limit_bytes);
 
 struct DaemonOptions {
   std::string listen = "127.0.0.1:0";  // HOST:PORT; port 0 picks a free one
@@ -138,6 +145,14 @@ struct DaemonOptions {
   // Bytes the checkpoints of one identity's jobs may take in checkpoint_dir
   // (0: no bound): a save past it is RESOURCE_EXHAUSTED.
   uint64_t max_checkpoint_bytes_per_identity = 0;
+  // Bytes gRPC may hold for messages it is receiving, over all connections
+  // (--rpc_memory_bytes; grpc::ResourceQuota's memory): a message is held
+  // whole before its handler sees it, so this bounds what callers can make
+  // the daemon hold outside the jobs' bookings. Past it gRPC resets streams
+  // (the caller sees RESOURCE_EXHAUSTED). Booked whole at start as the
+  // daemon's own `buffer` (MemoryLedger entry kDaemonLedgerEntry); at least
+  // kMinRpcMemoryBytes. 0: unbounded, nothing booked.
+  uint64_t rpc_memory_bytes = 0;
   // Threads of the gRPC server, at most (--max_rpc_threads): one serves each
   // request in flight, and a request past them is answered
   // RESOURCE_EXHAUSTED at once. Streams are only read after their token

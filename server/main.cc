@@ -45,6 +45,11 @@ ABSL_FLAG(std::string, max_memory_per_identity, "0",
 ABSL_FLAG(std::string, max_checkpoint_bytes_per_identity, "0",
           "Bytes the checkpoints of one identity's jobs (as for --max_jobs_per_identity) may take "
           "in --checkpoint_dir (suffixes K, M, G, T); a save past it is refused. 0: no bound.");
+ABSL_FLAG(std::string, rpc_memory_bytes, "auto",
+          "Bytes gRPC may hold for messages being received, over all connections (each message "
+          "is held whole before its handler runs); past it gRPC resets streams "
+          "(RESOURCE_EXHAUSTED). Booked at start within --memory_limit. \"auto\": an eighth of "
+          "--memory_limit, between 160 MiB and 1 GiB (1 GiB without a limit); 0: unbounded.");
 ABSL_FLAG(int, max_rpc_threads, 256,
           "Threads serving gRPC requests, at most: each request in flight holds one, and one "
           "past them is answered RESOURCE_EXHAUSTED. Streams are read only after their token "
@@ -164,6 +169,16 @@ int main(int argc, char** argv) {
   }
   options.memory_limit_bytes = *memory_limit;
   options.max_jobs = absl::GetFlag(FLAGS_max_jobs);
+  if (const std::string rpc = absl::GetFlag(FLAGS_rpc_memory_bytes); rpc == "auto") {
+    options.rpc_memory_bytes = zeroshard::AutoRpcMemoryBytes(options.memory_limit_bytes);
+  } else {
+    absl::StatusOr<uint64_t> bytes = ParseQuotaBytes(rpc, "--rpc_memory_bytes");
+    if (!bytes.ok()) {
+      std::fprintf(stderr, "zeroshardd: %s\n", bytes.status().ToString().c_str());
+      return 1;
+    }
+    options.rpc_memory_bytes = *bytes;
+  }
   options.max_jobs_per_identity = absl::GetFlag(FLAGS_max_jobs_per_identity);
   absl::StatusOr<uint64_t> identity_memory = ParseQuotaBytes(
       absl::GetFlag(FLAGS_max_memory_per_identity), "--max_memory_per_identity");

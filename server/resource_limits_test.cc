@@ -245,5 +245,80 @@ TEST(ResourceLimits, ReductionBookkeepingIsBookedAgainstTheLimit) {
       << refused.error_message();
 }
 
+// What gRPC holds for messages being received is bounded by
+// --rpc_memory_bytes and booked at start: a flood of large unary requests
+// (read whole before any handler or token check runs) is refused by gRPC
+// past the bound, and the daemon goes on answering. Without the bound every
+// one of them is read.
+TEST(RpcMemoryTest, ReceivedMessagesAreBoundedAndBooked) {
+  DaemonOptions o;
+  o.listen = "127.0.0.1:0";
+  o.memory_limit_bytes = uint64_t{1} << 30;
+  o.rpc_memory_bytes = 1 << 20;
+  EXPECT_EQ(Daemon::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.rpc_memory_bytes = kMinRpcMemoryBytes;
+  o.memory_limit_bytes = kMinRpcMemoryBytes - 1;
+  absl::Status small = Daemon::Start(o).status();
+  EXPECT_EQ(small.code(), absl::StatusCode::kResourceExhausted) << small;
+  EXPECT_NE(small.message().find("--rpc_memory_bytes"), absl::string_view::npos) << small;
+
+  // A RegisterJob whose spec carries ~70 MiB of layout names: refused by the
+  // spec's limits once read, so every one that gets in is read whole.
+  v1::RegisterJobRequest huge;
+  *huge.mutable_spec() = MakeSpec("huge", testing::SampleLayout(), 2, 1, {"127.0.0.1:1"});
+  v1::TensorSpec* t = huge.mutable_spec()->mutable_layout()->add_tensors();
+  t->set_name(std::string(70 << 20, 'x'));
+  t->add_shape(1);
+  auto flood = [&](Daemon& daemon, int calls) {
+    std::vector<std::thread> threads;
+    std::atomic<int> exhausted{0};
+    std::atomic<int> read{0};
+    for (int i = 0; i < calls; ++i) {
+      threads.emplace_back([&] {
+        DaemonClient c(daemon.address());
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+        v1::RegisterJobResponse resp;
+        const grpc::Status s = c.control->RegisterJob(&ctx, huge, &resp);
+        if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++exhausted;
+        if (s.error_code() == grpc::StatusCode::INVALID_ARGUMENT) ++read;
+      });
+    }
+    for (std::thread& th : threads) th.join();
+    return std::make_pair(exhausted.load(), read.load());
+  };
+  constexpr int kCalls = 8;
+
+  o.memory_limit_bytes = uint64_t{1} << 30;
+  absl::StatusOr<std::unique_ptr<Daemon>> bounded = Daemon::Start(o);
+  ASSERT_TRUE(bounded.ok()) << bounded.status();
+  EXPECT_EQ((*bounded)->ledger().JobBytes(kDaemonLedgerEntry)[static_cast<int>(
+                MemoryCategory::kBuffer)],
+            kMinRpcMemoryBytes);
+  const auto [exhausted, read] = flood(**bounded, kCalls);
+  std::printf("bounded: %d of %d refused by gRPC, %d read\n", exhausted, kCalls, read);
+  EXPECT_GT(exhausted, 0) << "every message was read past --rpc_memory_bytes";
+  EXPECT_LT(read, kCalls);
+  {
+    DaemonClient c((*bounded)->address());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::StatusResponse status;
+    EXPECT_TRUE(c.admin->Status(&ctx, v1::StatusRequest(), &status).ok())
+        << "the daemon stopped answering";
+  }
+  EXPECT_EQ((*bounded)->ledger().total(), kMinRpcMemoryBytes);
+  bounded->reset();
+
+  o.rpc_memory_bytes = 0;
+  absl::StatusOr<std::unique_ptr<Daemon>> unbounded = Daemon::Start(o);
+  ASSERT_TRUE(unbounded.ok()) << unbounded.status();
+  EXPECT_EQ((*unbounded)->ledger().total(), 0u);
+  const auto [unbounded_exhausted, unbounded_read] = flood(**unbounded, kCalls);
+  std::printf("unbounded: %d of %d refused by gRPC, %d read\n", unbounded_exhausted, kCalls,
+              unbounded_read);
+  EXPECT_EQ(unbounded_read, kCalls);
+}
+
 }  // namespace
 }  // namespace zeroshard
