@@ -18,7 +18,7 @@
 #
 # Usage: checkpoint_resume_test.sh ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
-# zs_kill_all, zs_fail.
+# zs_kill_all, zs_fail, zs_last_step.
 source "$(dirname "$0")/lib.sh"
 
 ZEROSHARDD="$1"
@@ -97,13 +97,6 @@ wait_trainers() {
   return $rc
 }
 
-# last_step LOG: the last step rank 0 reported, 0 if none yet.
-last_step() {
-  local s
-  s="$(sed -n 's|^step \([0-9]*\)/.*|\1|p' "$1" | tail -n 1)"
-  echo "${s:-0}"
-}
-
 start=$SECONDS
 mkdir -p "$CKPT"
 start_daemon 0 127.0.0.1:0 || fail "daemon 0 did not start"
@@ -124,7 +117,7 @@ done
 start_trainers ckpt-b b1
 deadline=$((SECONDS + 120))
 while :; do
-  step="$(last_step "$WORK/b1.rank0.log")"
+  step="$(zs_last_step "$WORK/b1.rank0.log")"
   ((step > KILL_AFTER)) && break
   ((SECONDS < deadline)) || fail "run B did not pass step $KILL_AFTER within 120 s"
   kill -0 "${TRAINER_PIDS[0]}" 2>/dev/null || fail "run B rank 0 exited before step $KILL_AFTER"
@@ -149,7 +142,7 @@ for r in 0 1; do
   fi
 done
 wait_trainers && fail "run B's trainers exited 0 although daemon 1 died"
-last_b1="$(last_step "$WORK/b1.rank0.log")"
+last_b1="$(zs_last_step "$WORK/b1.rank0.log")"
 ((last_b1 < STEPS)) || fail "run B reached step $STEPS before the daemon died"
 log "run B: rank 0 stopped at step $last_b1"
 grep -h '^gpt_train rank' "$WORK"/b1.rank*.log

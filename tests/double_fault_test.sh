@@ -22,7 +22,7 @@
 #
 # Usage: double_fault_test.sh ZSRUN ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
-# zs_fail, zs_abspath, zs_free_ports, zs_kill_all.
+# zs_fail, zs_abspath, zs_free_ports, zs_kill_all, zs_last_step, zs_now_ms.
 source "$(dirname "$0")/lib.sh"
 
 ZSRUN="$(zs_abspath "$1")"
@@ -66,23 +66,14 @@ start_daemon() {
   done
 }
 
-# last_step TAG: the last step rank 0 of run TAG reported (0: none yet).
-last_step() {
-  local s
-  s="$(sed -n 's|^\[rank 0\] step \([0-9]*\)/.*|\1|p' "$WORK/$1.log" | tail -n 1)"
-  echo "${s:-0}"
-}
-
 wait_step() {
   local deadline=$((SECONDS + 120))
-  until (($(last_step "$1") >= $2)); do
+  until (($(zs_last_step "$WORK/$1.log") >= $2)); do
     kill -0 "$ZSRUN_PID" 2>/dev/null || fail "run $1 ended before step $2"
     ((SECONDS < deadline)) || fail "run $1: rank 0 did not reach step $2"
     sleep 0.01
   done
 }
-
-now_ms() { date +%s%3N; }
 
 # start_run TAG JOB GPT_TRAIN_FLAGS...: in the background.
 start_run() {
@@ -102,9 +93,9 @@ double_fault() {
   shift
   wait_step "$tag" 15
   kill -9 "${DAEMON_PIDS[0]}" "${DAEMON_PIDS[1]}" 2>/dev/null
-  local killed=$(now_ms)
+  local killed=$(zs_now_ms)
   wait "${DAEMON_PIDS[0]}" "${DAEMON_PIDS[1]}" 2>/dev/null
-  log "run $tag: both daemons killed (SIGKILL) after step $(last_step "$tag")"
+  log "run $tag: both daemons killed (SIGKILL) after step $(zs_last_step "$WORK/$tag.log")"
   local d
   for d in "$@"; do
     start_daemon "$d" "$((RESTARTS[d] + 1))" || fail "daemon $d did not start again"
@@ -114,7 +105,7 @@ double_fault() {
   wait "$ZSRUN_PID"
   RC=$?
   ZSRUN_PID=""
-  LOST_MS=$(($(now_ms) - killed))
+  LOST_MS=$(($(zs_now_ms) - killed))
   log "run $tag: exit $RC, $LOST_MS ms after the kills"
   grep -m 1 "has no copy left" "$WORK/$tag.log" || true
 }

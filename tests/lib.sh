@@ -75,5 +75,16 @@ zs_step_times() {
   sed -n "s|^\[rank 0\] step [0-9]*/$2 loss [^ ]* \([0-9.]*\) ms/step.*|\1|p" "$1"
 }
 
+# zs_last_step LOG: the last step rank 0 reported in LOG ("[rank 0] step
+# S/..." under zsrun, "step S/..." in a rank's own log); 0 if none yet.
+zs_last_step() {
+  local s
+  s="$(sed -n 's|^\(\[rank 0\] \)\{0,1\}step \([0-9]*\)/.*|\2|p' "$1" | tail -n 1)"
+  echo "${s:-0}"
+}
+
+# zs_now_ms: the wall clock in milliseconds.
+zs_now_ms() { date +%s%3N; }
+
 # zs_median: the median of the numbers on standard input, one per line.
 zs_median() { sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }

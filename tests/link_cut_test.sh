@@ -26,7 +26,7 @@
 #
 # Usage: link_cut_test.sh ZSRUN ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
-# zs_kill_all, zs_fail, zs_abspath, zs_step_times, zs_median.
+# zs_kill_all, zs_fail, zs_abspath, zs_step_times, zs_median, zs_last_step.
 source "$(dirname "$0")/lib.sh"
 
 ZSRUN="$(zs_abspath "$1")"
@@ -104,13 +104,6 @@ start_daemon() {
   return 1
 }
 
-# last_step LOG: the last step rank 0 reported, 0 if none yet.
-last_step() {
-  local s
-  s="$(sed -n 's|^\[rank 0\] step \([0-9]*\)/.*|\1|p' "$1" | tail -n 1)"
-  echo "${s:-0}"
-}
-
 # run TAG CUT_SECONDS: one job under zsrun; with CUT_SECONDS > 0, daemon 1's
 # link goes down for that long once rank 0 has passed step CUT_AFTER.
 run() {
@@ -123,13 +116,13 @@ run() {
   ZSRUN_PID=$!
   if ((cut > 0)); then
     local deadline=$((SECONDS + 120))
-    while (($(last_step "$WORK/$tag.log") <= CUT_AFTER)); do
+    while (($(zs_last_step "$WORK/$tag.log") <= CUT_AFTER)); do
       kill -0 "$ZSRUN_PID" 2>/dev/null || break
       ((SECONDS < deadline)) || fail "run $tag: rank 0 did not pass step $CUT_AFTER"
       sleep 0.05
     done
     ip link set "${TAG}h1" down
-    log "run $tag: daemon 1's link down after step $(last_step "$WORK/$tag.log")"
+    log "run $tag: daemon 1's link down after step $(zs_last_step "$WORK/$tag.log")"
     sleep "$cut"
     ip link set "${TAG}h1" up
     log "run $tag: daemon 1's link up again after ${cut} s"

@@ -31,7 +31,7 @@
 #
 # Usage: link_faults_test.sh ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
-# zs_fail, zs_abspath, zs_median.
+# zs_fail, zs_abspath, zs_median, zs_last_step, zs_now_ms.
 source "$(dirname "$0")/lib.sh"
 # zs_hosts_check, zs_hosts_setup, zs_on_host, zs_host_kill,
 # zs_hosts_teardown, ZS_HOST_ADDRS.
@@ -153,13 +153,6 @@ step_times() {
   sed -n 's|^step [0-9]*/[0-9]* loss [^ ]* \([0-9.]*\) ms/step.*|\1|p' "$WORK/$1.rank0.log"
 }
 
-# last_step TAG: the last step rank 0 of run TAG reported (0: none yet).
-last_step() {
-  local s
-  s="$(sed -n 's|^step \([0-9]*\)/.*|\1|p' "$WORK/$1.rank0.log" | tail -n 1)"
-  echo "${s:-0}"
-}
-
 # report TAG CLEAN: TAG's median and longest step beside run CLEAN's.
 report() {
   local median max clean_median clean_max
@@ -171,8 +164,6 @@ report() {
     "clean_max_ms=$clean_max ratio=$(awk -v a="$median" -v b="$clean_median" \
       'BEGIN { printf "%.2f", a / b }')"
 }
-
-now_ms() { date +%s%3N; }
 
 start=$SECONDS
 for h in 0 1; do start_daemon "$h" || fail "zeroshardd on h$h did not start"; done
@@ -234,7 +225,7 @@ report rclean rclean
 
 start_run stopped --steps="$D_STEPS" --replicas=2 --rpc_timeout_s="$D_RPC_TIMEOUT_S"
 deadline=$((SECONDS + 60))
-until (($(last_step stopped) >= STOP_AFTER)); do
+until (($(zs_last_step "$WORK/stopped.rank0.log") >= STOP_AFTER)); do
   kill -0 "${RUN_PIDS[0]}" 2>/dev/null || fail "run stopped ended before step $STOP_AFTER"
   ((SECONDS < deadline)) || fail "run stopped: rank 0 did not reach step $STOP_AFTER"
   sleep 0.01
@@ -247,7 +238,7 @@ for f in "${TIMELINE_LOGS[@]}"; do SEEN[$f]=$(wc -l <"$WORK/$f.log"); done
 # timeline_poll: appends the lines added to each log since the last poll.
 timeline_poll() {
   local f n t
-  t="$(awk -v ms=$(($(now_ms) - stopped_at)) 'BEGIN { printf "%6.2f", ms / 1000 }')"
+  t="$(awk -v ms=$(($(zs_now_ms) - stopped_at)) 'BEGIN { printf "%6.2f", ms / 1000 }')"
   for f in "${TIMELINE_LOGS[@]}"; do
     n=$(wc -l <"$WORK/$f.log")
     ((n > SEEN[$f])) || continue
@@ -257,22 +248,22 @@ timeline_poll() {
   done
 }
 kill -STOP "${DAEMON_PIDS[1]}"
-stopped_at=$(now_ms)
-at="$(last_step stopped)"
+stopped_at=$(zs_now_ms)
+at="$(zs_last_step "$WORK/stopped.rank0.log")"
 log "run stopped: daemon 1 stopped (SIGSTOP) after step $at"
 next_ms=""
 continued=0
 deadline=$((SECONDS + RUN_TIMEOUT_S))
 # Until the run ended and daemon 1 was continued.
 while { ((!continued)) || kill -0 "${RUN_PIDS[0]}" 2>/dev/null; } && ((SECONDS < deadline)); do
-  if [[ -z "$next_ms" ]] && (($(last_step stopped) > at)); then
-    next_ms=$(($(now_ms) - stopped_at))
+  if [[ -z "$next_ms" ]] && (($(zs_last_step "$WORK/stopped.rank0.log") > at)); then
+    next_ms=$(($(zs_now_ms) - stopped_at))
   fi
-  if ((!continued && $(now_ms) - stopped_at >= STOP_S * 1000)); then
+  if ((!continued && $(zs_now_ms) - stopped_at >= STOP_S * 1000)); then
     timeline_poll
     kill -CONT "${DAEMON_PIDS[1]}"
     continued=1
-    echo "+$STOP_S s: daemon 1 continued (SIGCONT), rank 0 at step $(last_step stopped)" \
+    echo "+$STOP_S s: daemon 1 continued (SIGCONT), rank 0 at step $(zs_last_step "$WORK/stopped.rank0.log")" \
       >>"$WORK/timeline.txt"
   fi
   timeline_poll

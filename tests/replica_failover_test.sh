@@ -31,7 +31,8 @@
 #
 # Usage: replica_failover_test.sh ZSRUN ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
-# zs_fail, zs_abspath, zs_step_times, zs_median, zs_kill_all.
+# zs_fail, zs_abspath, zs_step_times, zs_median, zs_kill_all, zs_last_step,
+# zs_now_ms.
 source "$(dirname "$0")/lib.sh"
 
 ZSRUN="$(zs_abspath "$1")"
@@ -76,30 +77,20 @@ kill_daemon() {
   wait "${DAEMON_PIDS[$1]}" 2>/dev/null
 }
 
-# last_step TAG: the last step rank 0 of run TAG reported (0: none yet).
-last_step() {
-  local s
-  s="$(sed -n 's|^\[rank 0\] step \([0-9]*\)/.*|\1|p' "$WORK/$1.log" | tail -n 1)"
-  echo "${s:-0}"
-}
-
 # wait_step TAG S: until rank 0 reported step S of run TAG, or a later one
 # (a step committed just before a daemon died is not reported again after
 # the reconnect).
 wait_step() {
   local deadline=$((SECONDS + 120))
-  until (($(last_step "$1") >= $2)); do
+  until (($(zs_last_step "$WORK/$1.log") >= $2)); do
     if ! kill -0 "$ZSRUN_PID" 2>/dev/null; then
-      (($(last_step "$1") >= $2)) && return
+      (($(zs_last_step "$WORK/$1.log") >= $2)) && return
       fail "run $1 ended before step $2"
     fi
     ((SECONDS < deadline)) || fail "run $1: rank 0 did not reach step $2"
     sleep 0.01
   done
 }
-
-# now_ms: the wall clock in milliseconds.
-now_ms() { date +%s%3N; }
 
 # start_run TAG REPLICAS ZSRUN_FLAGS... -- GPT_TRAIN_FLAGS...: in the
 # background; ZSRUN_PID is its zsrun.
@@ -177,10 +168,10 @@ log "run R: median step ${median_r} ms replicated against ${median_u} ms unrepli
 start_run D 2 -- --report=false
 wait_step D 15
 kill_daemon 0
-killed_at=$(now_ms)
+killed_at=$(zs_now_ms)
 log "run D: daemon 0 killed (SIGKILL) after step 15"
 wait_step D 16
-log "run D: kill -9 to the next committed step: $(($(now_ms) - killed_at)) ms"
+log "run D: kill -9 to the next committed step: $(($(zs_now_ms) - killed_at)) ms"
 wait_step D 25
 start_daemon 0 || fail "daemon 0 did not start again"
 log "run D: daemon 0 started again, empty, after step 25"
@@ -197,13 +188,13 @@ for g in 0 1; do
   done
 done
 wait_step D 40
-last="$(last_step D)"
+last="$(zs_last_step "$WORK/D.log")"
 ((last < STEPS)) || fail "run D reached its last step before daemon 1 could be killed"
 kill_daemon 1
-killed_at=$(now_ms)
+killed_at=$(zs_now_ms)
 log "run D: daemon 1 killed (SIGKILL) after step $last"
 wait_step D $((last + 1))
-log "run D: kill -9 to the next committed step: $(($(now_ms) - killed_at)) ms"
+log "run D: kill -9 to the next committed step: $(($(zs_now_ms) - killed_at)) ms"
 finish_run D
 grep -q "restarting it" "$WORK/D.log" && fail "run D: zsrun restarted a trainer"
 for g in "group 0 on ${ADDRS[1]} to primary (epoch 2)" "group 0 on ${ADDRS[0]} to primary (epoch 3)" \
@@ -228,10 +219,10 @@ finish_run U3 U3
 start_run K3 2 -- --report=false --batch=12
 wait_step K3 15
 kill_daemon 1
-killed_at=$(now_ms)
+killed_at=$(zs_now_ms)
 log "run K3: daemon 1 of 3 killed (SIGKILL) after step 15"
 wait_step K3 16
-log "run K3: kill -9 to the next committed step: $(($(now_ms) - killed_at)) ms"
+log "run K3: kill -9 to the next committed step: $(($(zs_now_ms) - killed_at)) ms"
 wait_step K3 25
 start_daemon 1 || fail "daemon 1 did not start again"
 log "run K3: daemon 1 started again, empty, after step 25"
