@@ -70,28 +70,22 @@ double TrainStep(Job& job, uint64_t total) {
   }
   for (uint64_t b = 0; b < total; b += chunk) {
     const uint64_t e = std::min(total, b + chunk);
-    v1::GradientChunk c;
-    c.set_job_id(job.config().job_id);
-    c.set_step(step);
-    c.set_rank(0);
-    c.set_incarnation(1);
-    c.mutable_range()->set_begin(b);
-    c.mutable_range()->set_end(e);
-    c.set_dtype(v1::DTYPE_FP32);
-    c.set_data(payload.data(), (e - b) * 4);
-    v1::PushGradientResponse r;
-    Check(job.PushGradient({c}, {absl::string_view(c.data())}, absl::Now() + absl::Minutes(5),
-                           &r),
-          "PushGradient");
+    GradientChunkIn c;
+    c.step = step;
+    c.rank = 0;
+    c.incarnation = 1;
+    c.range = {b, e};
+    c.dtype = DTypeToProto(DType::kFp32);
+    c.payload = absl::string_view(payload.data(), (e - b) * 4);
+    Check(job.PushGradient({c}, absl::Now() + absl::Minutes(5)).status(), "PushGradient");
   }
   return Seconds([&] {
     Check(job.PrepareStep(step).status(), "PrepareStep");
-    v1::CommitStepRequest commit;
-    commit.set_job_id(job.config().job_id);
-    commit.set_step(step);
-    commit.set_lr(1e-3f);
-    commit.set_rank(0);
-    commit.set_incarnation(1);
+    CommitRequest commit;
+    commit.step = step;
+    commit.lr = 1e-3f;
+    commit.rank = 0;
+    commit.incarnation = 1;
     Check(job.CommitStep(commit).status(), "CommitStep");
   });
 }
@@ -141,16 +135,14 @@ int Main() {
   absl::StatusOr<std::shared_ptr<Job>> job =
       (*daemon)->jobs().Register(reg, TokenDigest::Of("bench"), false, JobManager::Registrant(), &created);
   Check(job.status(), "RegisterJob");
-  v1::JoinJobRequest join;
-  join.set_job_id("bench");
-  join.set_rank(0);
-  join.set_incarnation(1);
-  join.set_layout_fingerprint(layout->fingerprint());
-  join.set_stage(3);
-  join.set_world_size(1);
-  join.set_precision(v1::DTYPE_FP32);
-  v1::JoinJobResponse joined;
-  Check((*job)->Join(join, &joined), "JoinJob");
+  JoinRequest join;
+  join.rank = 0;
+  join.incarnation = 1;
+  join.layout_fingerprint = layout->fingerprint();
+  join.stage = 3;
+  join.world_size = 1;
+  join.precision = DTypeToProto(DType::kFp32);
+  Check((*job)->Join(join).status(), "JoinJob");
   const uint64_t total = (*job)->owned_unpadded().size();
   // One step touches every array (masters, m, v), as training does.
   const double idle_commit = TrainStep(**job, total);
@@ -167,29 +159,20 @@ int Main() {
   // One save: snapshot, then (optionally) a training step while the write
   // runs, then the job manifest. Returns the part's status.
   auto save = [&](const std::string& name, double* stall, double* wall, double* commit) {
-    v1::SaveCheckpointRequest req;
-    req.set_job_id("bench");
-    req.set_name(name);
-    req.set_step((*job)->committed_step());
-    absl::StatusOr<v1::SaveCheckpointResponse> r;
-    *wall = Seconds([&] { r = (*job)->SaveCheckpoint(req); });
+    absl::StatusOr<CheckpointSaved> r;
+    const uint64_t step = (*job)->committed_step();
+    *wall = Seconds([&] { r = (*job)->SaveCheckpoint(name, step); });
     Check(r.status(), "SaveCheckpoint");
-    *stall = r->snapshot_seconds();
+    *stall = r->snapshot_seconds;
     if (commit != nullptr) *commit = TrainStep(**job, total);
-    absl::StatusOr<v1::CheckpointStatus> st = (*job)->CheckpointStatus(name, absl::Minutes(10));
+    absl::StatusOr<CheckpointProgress> st = (*job)->CheckpointStatus(name, absl::Minutes(10));
     Check(st.status(), "GetCheckpointStatus");
-    if (st->state() != v1::CheckpointStatus::STATE_WRITTEN) {
-      Check(absl::InternalError(st->error()), "writing");
+    if (st->state != CheckpointProgress::State::kWritten || !st->part.has_value()) {
+      Check(absl::InternalError(st->error.message()), "writing");
     }
-    v1::CompleteCheckpointRequest complete;
-    complete.set_job_id("bench");
-    complete.set_name(name);
-    *complete.add_parts() = st->part();
-    v1::PartitionMap map;
-    FillPartitionMap((*job)->config(), &map);
-    Check((*job)->CompleteCheckpoint(complete, map).status(), "CompleteCheckpoint");
+    Check((*job)->CompleteCheckpoint(name, {*st->part}).status(), "CompleteCheckpoint");
     std::filesystem::remove_all(absl::StrCat(dir, "/bench/", name));
-    return bytes / st->part().write_seconds() / 1e9;
+    return bytes / st->part->write_seconds() / 1e9;
   };
   for (int i = 0; i < saves; ++i) {
     const double copy = Seconds([&] { std::memcpy(dst.data(), src.data(), bytes); });

@@ -306,8 +306,7 @@ JobSettings Settings(uint32_t ranks, DType precision) {
 
 // One push: a single staged chunk and its payload, as the bulk path applies.
 struct Push {
-  std::vector<v1::GradientChunk> chunks;
-  std::vector<absl::string_view> payloads;
+  std::vector<GradientChunkIn> chunks;  // payloads point into the rank's gradient
 };
 
 // Rank `rank`'s pushes of its whole gradient `wire` (n elements of `dtype`
@@ -321,17 +320,15 @@ std::vector<Push> RankPushes(const Job& job, uint32_t rank, const char* wire, DT
   std::vector<Push> pushes;
   for (uint64_t b = owned.begin; b < owned.end; b += chunk_elements) {
     const uint64_t e = std::min(owned.end, b + chunk_elements);
-    v1::GradientChunk c;
-    c.set_job_id(kJobId);
-    c.set_rank(rank);
-    c.set_incarnation(kIncarnation);
-    c.mutable_range()->set_begin(b);
-    c.mutable_range()->set_end(e);
-    c.set_dtype(WireDType(dtype));
-    c.set_staged(true);  // the payload travels beside the chunk; crc32c 0
+    GradientChunkIn c;
+    c.rank = rank;
+    c.incarnation = kIncarnation;
+    c.range = {b, e};
+    c.dtype = DTypeToProto(dtype);
+    c.staged = true;  // the payload travels beside the chunk; crc32c 0
+    c.payload = absl::string_view(wire + (b - owned.begin) * esize, (e - b) * esize);
     Push push;
-    push.chunks.push_back(std::move(c));
-    push.payloads.emplace_back(wire + (b - owned.begin) * esize, (e - b) * esize);
+    push.chunks.push_back(c);
     pushes.push_back(std::move(push));
   }
   return pushes;
@@ -342,18 +339,17 @@ void InitMasters(Job& job, uint64_t chunk_elements) {
   const FlatRange owned = job.owned_unpadded();
   for (uint64_t b = owned.begin; b < owned.end; b += chunk_elements) {
     const uint64_t e = std::min(owned.end, b + chunk_elements);
-    std::vector<v1::ParameterChunk> chunks(1);
-    v1::ParameterChunk& c = chunks[0];
-    c.set_job_id(kJobId);
-    c.mutable_range()->set_begin(b);
-    c.mutable_range()->set_end(e);
-    c.set_dtype(v1::DTYPE_FP32);
-    std::string* data = c.mutable_data();
-    data->resize((e - b) * sizeof(float));
+    std::vector<ParameterChunkIn> chunks(1);
+    ParameterChunkIn& c = chunks[0];
+    c.range = {b, e};
+    c.dtype = DTypeToProto(DType::kFp32);
+    std::string data;
+    data.resize((e - b) * sizeof(float));
     for (uint64_t i = b; i < e; ++i) {
       const float p = Noise(i, 7);
-      std::memcpy(&(*data)[(i - b) * sizeof(float)], &p, sizeof(float));
+      std::memcpy(&data[(i - b) * sizeof(float)], &p, sizeof(float));
     }
+    c.data = data;
     uint64_t elements = 0;
     Check(job.InitParameters(chunks, &elements), "InitParameters");
   }
@@ -407,16 +403,14 @@ int Main() {
   Check(created.status(), "Job::Create");
   Job& job = **created;
   for (uint32_t r = 0; r < ranks; ++r) {
-    v1::JoinJobRequest join;
-    join.set_job_id(kJobId);
-    join.set_rank(r);
-    join.set_incarnation(kIncarnation);
-    join.set_layout_fingerprint(layout->fingerprint());
-    join.set_stage(spec.stage());
-    join.set_world_size(ranks);
-    join.set_precision(spec.precision());
-    v1::JoinJobResponse joined;
-    Check(job.Join(join, &joined), "Join");
+    JoinRequest join;
+    join.rank = r;
+    join.incarnation = kIncarnation;
+    join.layout_fingerprint = layout->fingerprint();
+    join.stage = spec.stage();
+    join.world_size = ranks;
+    join.precision = spec.precision();
+    Check(job.Join(join).status(), "Join");
   }
   InitMasters(job, 8 << 20);
   const size_t n = job.owned_unpadded().size();
@@ -493,13 +487,15 @@ int Main() {
   for (int rep = 0; rep < warmup + steps; ++rep) {
     const uint64_t step = job.committed_step() + 1;
     for (auto& rank : rank_pushes) {
-      for (Push& p : rank) p.chunks[0].set_step(step);
+      for (Push& p : rank) p.chunks[0].step = step;
     }
     const absl::Time deadline = absl::Now() + absl::Minutes(5);
-    v1::PushGradientResponse pushed;
-    auto push_rank = [&](uint32_t r, v1::PushGradientResponse* response) {
+    PushResult pushed;
+    auto push_rank = [&](uint32_t r, PushResult* response) {
       for (const Push& p : rank_pushes[r]) {
-        Check(job.PushGradient(p.chunks, p.payloads, deadline, response), "PushGradient");
+        absl::StatusOr<PushResult> result = job.PushGradient(p.chunks, deadline);
+        Check(result.status(), "PushGradient");
+        *response = *result;
       }
     };
     const double reduce = Seconds([&] {
@@ -508,29 +504,28 @@ int Main() {
         for (uint32_t r = 0; r < ranks; ++r) push_rank(r, &pushed);
         return;
       }
-      std::vector<v1::PushGradientResponse> responses(ranks);
+      std::vector<PushResult> responses(ranks);
       std::vector<std::thread> threads;
       for (uint32_t r = 0; r < ranks; ++r) threads.emplace_back(push_rank, r, &responses[r]);
       for (std::thread& t : threads) t.join();
-      for (const v1::PushGradientResponse& r : responses) {
-        pushed.set_ranks_complete(std::max(pushed.ranks_complete(), r.ranks_complete()));
+      for (const PushResult& r : responses) {
+        pushed.ranks_complete = std::max(pushed.ranks_complete, r.ranks_complete);
       }
     });
-    if (pushed.ranks_complete() != ranks) {
+    if (pushed.ranks_complete != ranks) {
       Check(absl::InternalError("the gradient is incomplete after every rank's pushes"), "push");
     }
-    absl::StatusOr<v1::PrepareStepResponse> prepared;
+    absl::StatusOr<PrepareResult> prepared;
     const double prepare = Seconds([&] { prepared = job.PrepareStep(step); });
     Check(prepared.status(), "PrepareStep");
-    daemon_sq_sum = prepared->grad_sq_sum();
-    v1::CommitStepRequest commit;
-    commit.set_job_id(kJobId);
-    commit.set_step(step);
-    commit.set_lr(1e-3f);
-    commit.set_clip_coef(1.0f);
-    commit.set_rank(0);
-    commit.set_incarnation(kIncarnation);
-    absl::StatusOr<v1::CommitStepResponse> committed;
+    daemon_sq_sum = prepared->grad_sq_sum;
+    CommitRequest commit;
+    commit.step = step;
+    commit.lr = 1e-3f;
+    commit.clip_coef = 1.0f;
+    commit.rank = 0;
+    commit.incarnation = kIncarnation;
+    absl::StatusOr<CommitResult> committed;
     const double commit_s = Seconds([&] { committed = job.CommitStep(commit); });
     Check(committed.status(), "CommitStep");
 

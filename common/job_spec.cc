@@ -214,6 +214,19 @@ absl::Status ValidateJobSettings(const JobSettings& s, absl::string_view p) {
 
 v1::DType WireDType(DType t) { return static_cast<v1::DType>(DTypeToProto(t)); }
 
+void FillPartitionMap(const JobConfig& c, v1::PartitionMap* m) {
+  m->set_total_elements(c.map.total_elements());
+  m->set_padded_elements(c.map.padded_elements());
+  m->set_partition_elements(c.map.partition_elements());
+  for (uint32_t i = 0; i < c.world_size; ++i) {
+    v1::Partition* p = m->add_partitions();
+    p->set_index(i);
+    p->mutable_range()->set_begin(c.map.Partition(i).begin);
+    p->mutable_range()->set_end(c.map.Partition(i).end);
+    p->set_daemon_address(c.daemons[c.map.DaemonOf(i)]);
+  }
+}
+
 absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& layout) {
   // Bounded before anything is copied out of the message.
   if (layout.tensors_size() > kMaxLayoutTensors) {

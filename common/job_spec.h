@@ -136,6 +136,9 @@ v1::Layout LayoutToProto(const Layout& layout);
 // The wire enum of a dtype (DTYPE_UNSPECIFIED for none).
 v1::DType WireDType(DType t);
 
+// The wire PartitionMap of a job (Control's answers, checkpoint manifests).
+void FillPartitionMap(const JobConfig& config, v1::PartitionMap* map);
+
 // Empty when equal; otherwise "field: registered X, got Y" for the first
 // field that differs (job specs of ranks joining the same job must match).
 std::string DescribeSpecDifference(const v1::JobSpec& registered, const v1::JobSpec& got);

@@ -33,6 +33,7 @@
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "server/daemon.h"
 #include "server/rpc/grpc_replica_link.h"
+#include "server/rpc/job_wire.h"
 #include "server/job/job.h"
 #include "server/step/owned_tensors.h"
 #include "server/testing/daemon_fixture.h"
@@ -157,15 +158,23 @@ std::vector<std::vector<float>> Grads(uint64_t total, uint64_t step) {
   return out;
 }
 
+// A copy's replica group state in its wire form (ShortDebugString names
+// every field).
+v1::ReplicaGroupState ReplicaStateOf(const Job& job) {
+  v1::ReplicaGroupState out;
+  if (std::optional<ReplicaGroupStatus> r = job.ReplicaState(); r.has_value()) ToWire(*r, &out);
+  return out;
+}
+
 // The fp32 masters of one copy, read from the Job object itself (a backup
 // serves no Gather).
 std::vector<float> Masters(Job& job) {
   std::vector<float> out;
   absl::Status s = job.Gather(job.committed_step(), job.owned_unpadded(), DType::kFp32,
-                              absl::Now() + absl::Seconds(5), 1 << 16, [&](v1::ParameterChunk& c) {
+                              absl::Now() + absl::Seconds(5), 1 << 16, [&](ParameterChunkOut& c) {
                                 const size_t old = out.size();
-                                out.resize(old + c.data().size() / sizeof(float));
-                                std::memcpy(out.data() + old, c.data().data(), c.data().size());
+                                out.resize(old + c.data.size() / sizeof(float));
+                                std::memcpy(out.data() + old, c.data.data(), c.data.size());
                                 return true;
                               });
   EXPECT_TRUE(s.ok()) << s;
@@ -317,8 +326,7 @@ class ReplicaTest : public ::testing::Test {
       if (daemons_[d] == nullptr) continue;
       for (const std::shared_ptr<Job>& job : daemon(d).jobs().All()) {
         if (job->config().job_id != id) continue;
-        v1::ReplicaGroupState state;
-        job->FillReplicaState(&state);
+        const v1::ReplicaGroupState state = ReplicaStateOf(*job);
         absl::StrAppend(&out, "daemon ", d, " group ", job->daemon_index(), ": hash ",
                         job->StateHash(), " ", state.ShortDebugString(), "\n");
       }
@@ -340,7 +348,7 @@ class ReplicaTest : public ::testing::Test {
     if (out_of_sync.has_value()) {
       marked = Copy(out_of_sync->first, id, out_of_sync->second);
       marked_hash = marked->StateHash();
-      marked->FillReplicaState(&marked_before);
+      marked_before = ReplicaStateOf(*marked);
     }
     const std::string before = Snapshot(id);
     std::vector<uint64_t> ledgers;
@@ -351,8 +359,7 @@ class ReplicaTest : public ::testing::Test {
         << "message \"" << s.error_message() << "\" lacks \"" << text << "\"";
     if (out_of_sync.has_value()) {
       EXPECT_EQ(marked->StateHash(), marked_hash) << "state changed by: " << s.error_message();
-      v1::ReplicaGroupState after;
-      marked->FillReplicaState(&after);
+      const v1::ReplicaGroupState after = ReplicaStateOf(*marked);
       EXPECT_FALSE(after.in_sync()) << after.ShortDebugString();
       marked_before.set_in_sync(false);
       EXPECT_EQ(after.ShortDebugString(), marked_before.ShortDebugString());
@@ -479,9 +486,8 @@ class ReplicaTest : public ::testing::Test {
       req.set_world_size(kWorld);
       req.set_precision(j.spec.precision());
       req.set_incarnation(kTestIncarnation);
-      v1::JoinJobResponse resp;
-      absl::Status s = copy.Join(req, &resp);
-      EXPECT_TRUE(s.ok()) << s;
+      absl::StatusOr<JoinResult> s = copy.Join(FromWire(req));
+      EXPECT_TRUE(s.ok()) << s.status();
     }
     CopyState out;
     out.hash = copy.StateHash();
@@ -497,13 +503,15 @@ class ReplicaTest : public ::testing::Test {
       std::vector<float>& values = array == v1::STATE_ARRAY_MASTER    ? out.masters
                                    : array == v1::STATE_ARRAY_EXP_AVG ? out.exp_avg
                                                                       : out.exp_avg_sq;
-      absl::Status s = copy.ReadState(req, 1 << 12, [&](v1::StateChunk& c) {
-        const size_t old = values.size();
-        values.resize(old + c.data().size() / sizeof(float));
-        std::memcpy(values.data() + old, c.data().data(), c.data().size());
-        for (const v1::TensorStep& t : c.tensor_steps()) out.steps[t.tensor()] = t.steps();
-        return true;
-      });
+      absl::Status s = copy.ReadState(
+          req.rank(), req.incarnation(), req.array(), {req.range().begin(), req.range().end()},
+          1 << 12, [&](StateChunkOut& c) {
+            const size_t old = values.size();
+            values.resize(old + c.data.size() / sizeof(float));
+            std::memcpy(values.data() + old, c.data.data(), c.data.size());
+            for (const TensorStepCount& t : c.tensor_steps) out.steps[t.tensor] = t.steps;
+            return true;
+          });
       EXPECT_TRUE(s.ok()) << s;
     }
     return out;
@@ -970,9 +978,8 @@ TEST_F(ReplicaTest, StalledForwardStallsNoPromote) {
   EXPECT_EQ(copy->role(), ReplicaRole::kPrimary);
   EXPECT_EQ(copy->epoch(), 2u);
   EXPECT_EQ(copy->committed_step(), 1u);
-  v1::StepState state;
-  copy->FillStepState(absl::Seconds(30), /*brief=*/true, &state);
-  EXPECT_FALSE(state.prepared()) << "the replaced primary's forward was taken";
+  EXPECT_FALSE(copy->StepState(absl::Seconds(30), /*brief=*/true).step.prepared)
+      << "the replaced primary's forward was taken";
 }
 
 TEST_F(ReplicaTest, PromoteCountsThePreparedStep) {
@@ -988,8 +995,7 @@ TEST_F(ReplicaTest, PromoteCountsThePreparedStep) {
   v1::PrepareStepResponse p;
   ASSERT_TRUE(Target(0, 0, 1).Prepare(j.id, 2, &p).ok());
   EXPECT_TRUE(p.backup_in_sync());
-  v1::ReplicaGroupState held;
-  Copy(1, j.id, 0)->FillReplicaState(&held);
+  const v1::ReplicaGroupState held = ReplicaStateOf(*Copy(1, j.id, 0));
   EXPECT_TRUE(held.prepared()) << held.ShortDebugString();
   EXPECT_TRUE(held.in_sync()) << held.ShortDebugString();
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "behind",
@@ -1032,8 +1038,7 @@ TEST_F(ReplicaTest, PromotedCopyTakesTheStepPushedAgain) {
   // The ranks join the promoted copy and push the same gradients again.
   grpc::Status pushed = push_all(Target(1, 0, 2));
   ASSERT_TRUE(pushed.ok()) << pushed.error_message();
-  v1::ReplicaGroupState state;
-  Copy(1, j.id, 0)->FillReplicaState(&state);
+  const v1::ReplicaGroupState state = ReplicaStateOf(*Copy(1, j.id, 0));
   EXPECT_FALSE(state.prepared()) << state.ShortDebugString();
   v1::PrepareStepResponse again;
   ASSERT_TRUE(Target(1, 0, 2).Prepare(j.id, 2, &again).ok());
@@ -1322,8 +1327,7 @@ TEST_F(ReplicaTest, BadForwardGradientChangesNothing) {
     grpc::Status s = Replica(1).Forward(ForwardChunks(j, 0, 1, 2), &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
     EXPECT_EQ(resp.elements(), j.Range(0).size());
-    v1::ReplicaGroupState state;
-    backup->FillReplicaState(&state);
+    const v1::ReplicaGroupState state = ReplicaStateOf(*backup);
     EXPECT_TRUE(state.prepared());
     EXPECT_TRUE(state.in_sync());
     s = Replica(1).Commit(CommitRequest(j, 0, 1, 2));

@@ -59,7 +59,7 @@ struct JobView {
   uint64_t formula_bytes = 0;  // the paper's partitioned terms for the owned elements
   double k = kAdamK;
   CategoryBytes bytes{};
-  std::vector<v1::RankState> ranks;  // the first kMaxRanksShown
+  std::vector<RankStatus> ranks;  // the first kMaxRanksShown
   size_t ranks_not_shown = 0;
 };
 
@@ -82,19 +82,19 @@ void AppendRanks(const JobView& j, std::string* out) {
                   "</h2>\n<table class=\"ranks\" id=\"ranks-", HtmlEscape(j.id),
                   "\">\n<tr><th>rank</th><th>state</th><th>incarnation</th>"
                   "<th>last heard</th><th>last step pushed</th></tr>\n");
-  for (const v1::RankState& r : j.ranks) {
-    const char* state = r.connected()          ? "connected"
-                        : r.joined()           ? "silent (past --rank_timeout)"
-                        : r.incarnation() == 0 ? "not joined"
-                                               : "left";
-    const bool silent = r.joined() && !r.connected();
+  for (const RankStatus& r : j.ranks) {
+    const char* state = r.connected          ? "connected"
+                        : r.joined           ? "silent (past --rank_timeout)"
+                        : r.incarnation == 0 ? "not joined"
+                                             : "left";
+    const bool silent = r.joined && !r.connected;
     absl::StrAppend(
-        out, "<tr", silent ? " class=\"silent\"" : "", "><td class=\"n\">", r.rank(), "</td><td>",
-        state, "</td><td class=\"n\">", r.incarnation(), "</td><td class=\"n\">",
-        r.seconds_since_heard() < 0 ? std::string("never")
-                                    : absl::StrFormat("%.1f s ago", r.seconds_since_heard()),
+        out, "<tr", silent ? " class=\"silent\"" : "", "><td class=\"n\">", r.rank, "</td><td>",
+        state, "</td><td class=\"n\">", r.incarnation, "</td><td class=\"n\">",
+        r.seconds_since_heard < 0 ? std::string("never")
+                                  : absl::StrFormat("%.1f s ago", r.seconds_since_heard),
         "</td><td class=\"n\">",
-        r.last_step_pushed() == 0 ? std::string("\u2013") : absl::StrCat(r.last_step_pushed()),
+        r.last_step_pushed == 0 ? std::string("\u2013") : absl::StrCat(r.last_step_pushed),
         "</td></tr>\n");
   }
   absl::StrAppend(out, "</table>\n");
@@ -245,11 +245,12 @@ std::string StatusPage::Render(absl::Time now) {
     v.formula_bytes = DaemonModelStateFormulaBytes(c, job->owned_range());
     v.k = c.optimizer.kind == OptimizerKind::kSgdMomentum ? 8.0 : kAdamK;
     if (auto it = ledger.find(v.id); it != ledger.end()) v.bytes = it->second;
-    v1::StepState state;
-    job->FillStepState(sources_.rank_timeout, /*brief=*/false, &state);
-    const size_t shown = std::min<size_t>(state.ranks_size(), kMaxRanksShown);
-    v.ranks.assign(state.ranks().begin(), state.ranks().begin() + shown);
-    v.ranks_not_shown = state.ranks_size() - shown;
+    std::vector<RankStatus> ranks =
+        job->StepState(sources_.rank_timeout, /*brief=*/false).ranks;
+    const size_t shown = std::min<size_t>(ranks.size(), kMaxRanksShown);
+    v.ranks_not_shown = ranks.size() - shown;
+    ranks.resize(shown);
+    v.ranks = std::move(ranks);
     alive.emplace(v.id, job.get());
     views.push_back(std::move(v));
   }

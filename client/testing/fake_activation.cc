@@ -72,7 +72,7 @@ void FakeActivation::set_commit_delay(absl::Duration d) {
 FakeActivation::Key FakeActivation::MakeKey(const v1::ActivationOwner& o,
                                             const v1::ActivationKey& k) {
   last_owner_ = absl::StrCat(o.job_id(), "/", o.rank(), "/", o.incarnation());
-  return Key{o.job_id(), o.rank(), k.step(), k.micro_batch(), k.layer(), k.mp_rank(), k.mp_size()};
+  return Key{o.job_id(), o.rank(), ActivationKeyFromProto(k)};
 }
 
 bool FakeActivation::FindGap(uint64_t bytes, uint64_t* offset) const {
@@ -342,12 +342,12 @@ grpc::Status FakeActivation::FreeActivations(grpc::ServerContext*,
   uint64_t bytes = 0;
   for (auto it = slices_.begin(); it != slices_.end();) {
     const Key& k = it->first;
-    const bool owner = std::get<0>(k) == std::get<0>(key) && std::get<1>(k) == std::get<1>(key);
+    const bool owner = k.job_id == key.job_id && k.rank == key.rank;
     bool match = false;
     if (!owner) {
       match = false;
     } else if (req->has_key() && req->whole_step()) {
-      match = std::get<2>(k) == std::get<2>(key);
+      match = k.key.step == key.key.step;
     } else if (req->has_key()) {
       match = k == key;
     } else {

@@ -21,6 +21,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/activation_protocol.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/activation.grpc.pb.h"
 #include "transport/transport.h"
@@ -76,8 +77,17 @@ class FakeActivation final : public v1::Activation::Service {
                                v1::FreeActivationsResponse* resp) override;
 
  private:
-  // (job, rank, step, micro-batch, layer, mp_rank, mp_size)
-  using Key = std::tuple<std::string, uint32_t, uint64_t, uint32_t, uint32_t, uint32_t, uint32_t>;
+  // A slice's owner (job, rank) and its key, the one key type of
+  // common/activation_protocol.h: ordered by owner, then as the key orders
+  // (step first).
+  struct Key {
+    std::string job_id;
+    uint32_t rank = 0;
+    ActivationKey key;
+    auto tie() const { return std::tie(job_id, rank, key); }
+    friend bool operator<(const Key& a, const Key& b) { return a.tie() < b.tie(); }
+    friend bool operator==(const Key& a, const Key& b) { return a.tie() == b.tie(); }
+  };
   struct Slice {
     bool committed = false;
     bool in_arena = false;

@@ -27,14 +27,13 @@ CheckpointAgent::CheckpointAgent(Options options, const v1::JobSpec* spec, StepE
         return o;
       }()) {}
 
-absl::StatusOr<v1::SaveCheckpointResponse> CheckpointAgent::Save(
-    const v1::SaveCheckpointRequest& r) {
-  if (absl::Status s = ValidateCheckpointName(r.name(), false); !s.ok()) return s;
+absl::StatusOr<CheckpointSaved> CheckpointAgent::Save(const std::string& name, uint64_t step) {
+  if (absl::Status s = ValidateCheckpointName(name, false); !s.ok()) return s;
   const std::string manifest =
-      absl::StrCat(CheckpointDir(writer_.root(), config_.job_id, r.name()), "/",
+      absl::StrCat(CheckpointDir(writer_.root(), config_.job_id, name), "/",
                    kManifestFile);
   if (::access(manifest.c_str(), F_OK) == 0) {
-    return absl::AlreadyExistsError(absl::StrCat("checkpoint ", config_.job_id, "/", r.name(),
+    return absl::AlreadyExistsError(absl::StrCat("checkpoint ", config_.job_id, "/", name,
                                                  " exists and is complete; save under a new name"));
   }
   const std::vector<std::string> files = ArrayFilesOf(*spec_);
@@ -48,11 +47,11 @@ absl::StatusOr<v1::SaveCheckpointResponse> CheckpointAgent::Save(
   v1::TrainingState state;
   {
     absl::MutexLock commit_lock(&step_->commit_lock());
-    if (r.step() != step_->committed_step()) {
+    if (step != step_->committed_step()) {
       writer_.Release(/*failed=*/true);
       return absl::FailedPreconditionError(
           absl::StrCat("step: job ", config_.job_id, " has committed step ",
-                       step_->committed_step(), ", asked to save ", r.step()));
+                       step_->committed_step(), ", asked to save ", step));
     }
     start = absl::Now();
     state = step_->TrainingState();
@@ -67,55 +66,55 @@ absl::StatusOr<v1::SaveCheckpointResponse> CheckpointAgent::Save(
     });
   }
   const absl::Duration stall = absl::Now() - start;
-  writer_.StartWrite(r.name(), step_->owned_unpadded(), files, state);
-  v1::SaveCheckpointResponse out;
-  out.set_step(state.committed_step());
-  out.set_bytes(n * sizeof(float) * files.size());
-  out.set_snapshot_seconds(absl::ToDoubleSeconds(stall));
+  writer_.StartWrite(name, step_->owned_unpadded(), files, state);
+  CheckpointSaved out;
+  out.step = state.committed_step();
+  out.bytes = n * sizeof(float) * files.size();
+  out.snapshot_seconds = absl::ToDoubleSeconds(stall);
   if (options_.metrics != nullptr) {
-    options_.metrics->RecordCheckpointSnapshot(config_.job_id, stall, out.bytes());
+    options_.metrics->RecordCheckpointSnapshot(config_.job_id, stall, out.bytes);
   }
   return out;
 }
 
-absl::StatusOr<v1::CheckpointStatus> CheckpointAgent::Status(const std::string& name,
-                                                             absl::Duration wait) {
+absl::StatusOr<CheckpointProgress> CheckpointAgent::Status(const std::string& name,
+                                                           absl::Duration wait) {
   return writer_.Status(name, wait);
 }
 
-absl::StatusOr<v1::CompleteCheckpointResponse> CheckpointAgent::Complete(
-    const v1::CompleteCheckpointRequest& r, const v1::PartitionMap& map) {
-  if (absl::Status s = ValidateCheckpointName(r.name(), false); !s.ok()) return s;
+absl::StatusOr<uint64_t> CheckpointAgent::Complete(const std::string& name,
+                                                   const std::vector<v1::PartManifest>& parts) {
+  if (absl::Status s = ValidateCheckpointName(name, false); !s.ok()) return s;
   const uint32_t daemons = static_cast<uint32_t>(config_.daemons.size());
-  if (r.parts_size() != static_cast<int>(daemons)) {
+  if (parts.size() != daemons) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "parts: job ", config_.job_id, " has ", daemons, " daemons, got ", r.parts_size(), " parts"));
+        "parts: job ", config_.job_id, " has ", daemons, " daemons, got ", parts.size(), " parts"));
   }
   // This daemon's part must be the one it wrote.
   v1::PartManifest mine;
   const std::string root = writer_.root();
   if (absl::Status s = ReadProtoFile(
-          absl::StrCat(CheckpointPartDir(root, config_.job_id, r.name(), options_.daemon_index), "/",
+          absl::StrCat(CheckpointPartDir(root, config_.job_id, name, options_.daemon_index), "/",
                        kPartManifestFile),
           &mine);
       !s.ok()) {
     if (absl::IsNotFound(s)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint ", config_.job_id, "/", r.name(), ": this daemon (part ", options_.daemon_index,
+          "checkpoint ", config_.job_id, "/", name, ": this daemon (part ", options_.daemon_index,
           ") has not written its part; wait for GetCheckpointStatus to report it written"));
     }
     return s;
   }
-  if (mine.SerializeAsString() != r.parts(static_cast<int>(options_.daemon_index)).SerializeAsString()) {
+  if (mine.SerializeAsString() != parts[options_.daemon_index].SerializeAsString()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "parts[", options_.daemon_index, "]: differs from the part this daemon wrote for checkpoint ",
-        config_.job_id, "/", r.name()));
+        config_.job_id, "/", name));
   }
   // The other daemons' parts go into MANIFEST as sent: each must cover what
   // its daemon owns under this job's partition map (CheckManifest below ties
   // their files to those ranges and the map to the spec).
   for (uint32_t d = 0; d < daemons; ++d) {
-    const v1::FlatRange& got = r.parts(static_cast<int>(d)).range();
+    const v1::FlatRange& got = parts[d].range();
     const FlatRange owned = config_.map.DaemonRange(d).Intersect({0, config_.map.total_elements()});
     if (got.begin() != owned.begin || got.end() != owned.end) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -126,30 +125,30 @@ absl::StatusOr<v1::CompleteCheckpointResponse> CheckpointAgent::Complete(
   v1::CheckpointManifest m;
   m.set_format_version(kCheckpointFormatVersion);
   m.set_job_id(config_.job_id);
-  m.set_name(r.name());
+  m.set_name(name);
   *m.mutable_spec() = *spec_;
-  *m.mutable_partition_map() = map;
+  FillPartitionMap(config_, m.mutable_partition_map());
   *m.mutable_state() = mine.state();
   // The update counts differ between parts (each lists the tensors it
   // overlaps) and a load reads them from the parts: without them the
   // manifest is the same whichever daemon completes it.
   m.mutable_state()->clear_tensor_steps();
-  *m.mutable_parts() = r.parts();
+  m.mutable_parts()->Add(parts.begin(), parts.end());
   if (absl::Status s = CheckManifest(m); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("parts: ", s.message()));
   }
-  absl::StatusOr<v1::CheckpointManifest> existing = ReadManifest(root, config_.job_id, r.name());
+  absl::StatusOr<v1::CheckpointManifest> existing = ReadManifest(root, config_.job_id, name);
   if (existing.ok()) {
     // Idempotent: the same parts again.
     existing->clear_completed_unix_ms();
     if (existing->SerializeAsString() != m.SerializeAsString()) {
-      return absl::AlreadyExistsError(absl::StrCat("checkpoint ", config_.job_id, "/", r.name(),
+      return absl::AlreadyExistsError(absl::StrCat("checkpoint ", config_.job_id, "/", name,
                                                    " is complete with other parts"));
     }
   } else {
     m.set_completed_unix_ms(absl::ToUnixMillis(absl::Now()));
     if (absl::Status s =
-            WriteProtoFile(CheckpointDir(root, config_.job_id, r.name()), kManifestFile, m);
+            WriteProtoFile(CheckpointDir(root, config_.job_id, name), kManifestFile, m);
         !s.ok()) {
       return s;
     }
@@ -157,12 +156,10 @@ absl::StatusOr<v1::CompleteCheckpointResponse> CheckpointAgent::Complete(
   if (options_.metrics != nullptr) {
     options_.metrics->SetCheckpointComplete(config_.job_id, m.state().committed_step());
   }
-  v1::CompleteCheckpointResponse out;
-  out.set_step(m.state().committed_step());
-  return out;
+  return m.state().committed_step();
 }
 
-absl::StatusOr<v1::LoadCheckpointResponse> CheckpointAgent::Load(const std::string& requested) {
+absl::StatusOr<CheckpointLoaded> CheckpointAgent::Load(const std::string& requested) {
   const absl::Time start = absl::Now();
   const std::string root = writer_.root();
   absl::StatusOr<std::string> name = ResolveCheckpointName(root, config_.job_id, requested);
@@ -219,11 +216,11 @@ absl::StatusOr<v1::LoadCheckpointResponse> CheckpointAgent::Load(const std::stri
     });
   }
   writer_.Release(/*failed=*/false);
-  v1::LoadCheckpointResponse out;
-  out.set_name(*name);
-  out.set_step(state.committed_step());
-  out.set_bytes_read(bytes_read);
-  out.set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  CheckpointLoaded out;
+  out.name = *name;
+  out.step = state.committed_step();
+  out.bytes_read = bytes_read;
+  out.seconds = absl::ToDoubleSeconds(absl::Now() - start);
   return out;
 }
 

@@ -10,10 +10,19 @@
 // Thread-safe. Blocking: a save waits for the commit lock for its copy; a
 // load reads its files with no lock held, then replaces the state under
 // the commit lock.
+//
+// Its calls take names and steps and answer the plain structs below (and
+// CheckpointProgress, checkpoint_writer.h);
+// server/rpc/checkpoint_service.cc does the wire form. The checkpoint files'
+// own format stays protobuf (common/checkpoint_files.h): the part manifests
+// a Complete is given and a written part's status carries, and the
+// manifest built from them.
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -23,6 +32,20 @@
 #include "server/step/step_engine.h"
 
 namespace zeroshard {
+
+// A save's snapshot, taken; its write goes on in the background.
+struct CheckpointSaved {
+  uint64_t step = 0;
+  uint64_t bytes = 0;             // being written
+  double snapshot_seconds = 0;    // the training stall
+};
+
+struct CheckpointLoaded {
+  std::string name;  // "latest" resolved
+  uint64_t step = 0;  // the job's committed step now
+  uint64_t bytes_read = 0;
+  double seconds = 0;
+};
 
 class CheckpointAgent {
  public:
@@ -39,14 +62,17 @@ class CheckpointAgent {
 
   // Snapshots the committed state (holding the commit lock for the copy
   // only) and starts writing it in the background.
-  absl::StatusOr<v1::SaveCheckpointResponse> Save(const v1::SaveCheckpointRequest& request);
-  absl::StatusOr<v1::CheckpointStatus> Status(const std::string& name, absl::Duration wait);
-  // Writes MANIFEST from every daemon's part (`map` is this job's).
-  absl::StatusOr<v1::CompleteCheckpointResponse> Complete(
-      const v1::CompleteCheckpointRequest& request, const v1::PartitionMap& map);
+  // FailedPrecondition unless `step` is the committed step.
+  absl::StatusOr<CheckpointSaved> Save(const std::string& name, uint64_t step);
+  // Waits up to `wait` for the save of `name` to finish writing.
+  absl::StatusOr<CheckpointProgress> Status(const std::string& name, absl::Duration wait);
+  // Writes MANIFEST from every daemon's part (`parts`, one per daemon);
+  // the checkpoint's step.
+  absl::StatusOr<uint64_t> Complete(const std::string& name,
+                                    const std::vector<v1::PartManifest>& parts);
   // Reads the owned range of a complete checkpoint (no lock held), then
   // replaces the state with it. Nothing changes on any error.
-  absl::StatusOr<v1::LoadCheckpointResponse> Load(const std::string& name);
+  absl::StatusOr<CheckpointLoaded> Load(const std::string& name);
 
  private:
   const Options options_;

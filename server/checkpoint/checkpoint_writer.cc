@@ -24,10 +24,10 @@ CheckpointWriter::~CheckpointWriter() {
 absl::Status CheckpointWriter::Claim(uint64_t elements, size_t arrays) {
   absl::MutexLock lock(&mu_);
   if (claimed_) {
-    if (status_.state() == v1::CheckpointStatus::STATE_WRITING) {
+    if (status_.has_value() && status_->state == CheckpointProgress::State::kWriting) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "job ", options_.job_id, ": checkpoint \"", status_.name(),
-          "\" is still being written (", bytes_written_.load(), " of ", status_.bytes_total(),
+          "job ", options_.job_id, ": checkpoint \"", status_->name,
+          "\" is still being written (", bytes_written_.load(), " of ", status_->bytes_total,
           " bytes); try again when GetCheckpointStatus reports it written"));
     }
     return absl::FailedPreconditionError(absl::StrCat(
@@ -76,10 +76,10 @@ void CheckpointWriter::Release(bool failed) {
 void CheckpointWriter::StartWrite(std::string name, FlatRange range, std::vector<std::string> files,
                                 v1::TrainingState state) {
   absl::MutexLock lock(&mu_);
-  status_.Clear();
-  status_.set_state(v1::CheckpointStatus::STATE_WRITING);
-  status_.set_name(name);
-  status_.set_bytes_total(range.size() * sizeof(float) * files.size());
+  status_.emplace();
+  status_->state = CheckpointProgress::State::kWriting;
+  status_->name = name;
+  status_->bytes_total = range.size() * sizeof(float) * files.size();
   bytes_written_ = 0;
   writer_ = std::thread([this, name = std::move(name), range, files = std::move(files),
                          state = std::move(state)]() mutable {
@@ -122,35 +122,35 @@ void CheckpointWriter::Write(std::string name, FlatRange range, std::vector<std:
     options_.metrics->RecordCheckpointWrite(options_.job_id, took, bytes_written_.load());
   }
   absl::MutexLock lock(&mu_);
-  status_.set_bytes_written(bytes_written_.load());
+  status_->bytes_written = bytes_written_.load();
   if (s.ok()) {
-    status_.set_state(v1::CheckpointStatus::STATE_WRITTEN);
-    *status_.mutable_part() = std::move(part);
+    status_->state = CheckpointProgress::State::kWritten;
+    status_->part = std::move(part);
   } else {
-    status_.set_state(v1::CheckpointStatus::STATE_FAILED);
-    status_.set_error(std::string(s.message()));
-    status_.set_error_code(static_cast<int32_t>(s.code()));
+    status_->state = CheckpointProgress::State::kFailed;
+    status_->error = s;
   }
   claimed_ = false;
 }
 
-absl::StatusOr<v1::CheckpointStatus> CheckpointWriter::Status(const std::string& name,
+absl::StatusOr<CheckpointProgress> CheckpointWriter::Status(const std::string& name,
                                                             absl::Duration wait) {
   absl::MutexLock lock(&mu_);
-  if (status_.name() != name || status_.state() == v1::CheckpointStatus::STATE_UNSPECIFIED) {
+  if (!status_.has_value() || status_->name != name) {
+    const std::string last = status_.has_value() ? status_->name : std::string();
     return absl::NotFoundError(absl::StrCat(
         "job ", options_.job_id, ": no save of checkpoint \"", name,
-        "\" was started on this daemon", status_.name().empty()
+        "\" was started on this daemon", last.empty()
                                              ? std::string()
-                                             : absl::StrCat(" (the last was \"", status_.name(), "\")")));
+                                             : absl::StrCat(" (the last was \"", last, "\")")));
   }
   auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return status_.state() != v1::CheckpointStatus::STATE_WRITING;
+    return status_->state != CheckpointProgress::State::kWriting;
   };
   mu_.AwaitWithTimeout(absl::Condition(&done), wait);
-  v1::CheckpointStatus out = status_;
-  if (out.state() == v1::CheckpointStatus::STATE_WRITING) {
-    out.set_bytes_written(bytes_written_.load());
+  CheckpointProgress out = *status_;
+  if (out.state == CheckpointProgress::State::kWriting) {
+    out.bytes_written = bytes_written_.load();
   }
   return out;
 }

@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,6 +32,19 @@
 #include "server/ledger/memory_ledger.h"
 
 namespace zeroshard {
+
+// The last save's progress on this daemon. The part manifest is the
+// checkpoint files' own format (common/checkpoint_files.h), kept as a
+// protobuf, as the TrainingState a write is given.
+struct CheckpointProgress {
+  enum class State : uint8_t { kWriting, kWritten, kFailed };
+  State state = State::kWriting;
+  std::string name;
+  uint64_t bytes_written = 0;
+  uint64_t bytes_total = 0;
+  std::optional<v1::PartManifest> part;  // kWritten: the part as written
+  absl::Status error;                    // kFailed: why
+};
 
 class CheckpointWriter {
  public:
@@ -70,7 +84,7 @@ class CheckpointWriter {
   // The last save's status; waits up to `wait` for a write in progress.
   // NotFound when `name` is not the last save this daemon started for the
   // job.
-  absl::StatusOr<v1::CheckpointStatus> Status(const std::string& name, absl::Duration wait);
+  absl::StatusOr<CheckpointProgress> Status(const std::string& name, absl::Duration wait);
 
  private:
   void Write(std::string name, FlatRange range, std::vector<std::string> files,
@@ -82,7 +96,7 @@ class CheckpointWriter {
   bool claimed_ ABSL_GUARDED_BY(mu_) = false;
   bool allocated_by_claim_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<LedgerArray<float>> buffers_ ABSL_GUARDED_BY(mu_);
-  v1::CheckpointStatus status_ ABSL_GUARDED_BY(mu_);  // of the last save
+  std::optional<CheckpointProgress> status_ ABSL_GUARDED_BY(mu_);  // of the last save
   std::thread writer_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> bytes_written_{0};
 };

@@ -91,76 +91,74 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
 
 // ---- Ranks ----
 
-absl::Status Job::Join(const v1::JoinJobRequest& r, v1::JoinJobResponse* response) {
+absl::StatusOr<JoinResult> Job::Join(const JoinRequest& r) {
   const JobConfig& c = *config_;
   auto mismatch = [&](absl::string_view field, auto registered, auto got) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", c.job_id, ": ", field, " differs from the registered job (registered ",
-        registered, ", rank ", r.rank(), " has ", got, ")"));
+        registered, ", rank ", r.rank, " has ", got, ")"));
   };
-  if (r.rank() >= c.world_size) {
+  if (r.rank >= c.world_size) {
     return absl::InvalidArgumentError(
-        absl::StrCat("rank: must be < world_size (", c.world_size, "), got ", r.rank()));
+        absl::StrCat("rank: must be < world_size (", c.world_size, "), got ", r.rank));
   }
-  if (r.incarnation() == 0) {
+  if (r.incarnation == 0) {
     return absl::InvalidArgumentError("incarnation: must be >= 1 (the client's start time in us)");
   }
-  if (r.layout_fingerprint() != c.layout.fingerprint()) {
-    return mismatch("layout_fingerprint", c.layout.fingerprint(), r.layout_fingerprint());
+  if (r.layout_fingerprint != c.layout.fingerprint()) {
+    return mismatch("layout_fingerprint", c.layout.fingerprint(), r.layout_fingerprint);
   }
-  if (r.stage() != c.stage) return mismatch("stage", c.stage, r.stage());
-  if (r.world_size() != c.world_size) return mismatch("world_size", c.world_size, r.world_size());
-  if (r.precision() != WireDType(c.precision)) {
-    return mismatch("precision", WireDType(c.precision), r.precision());
+  if (r.stage != c.stage) return mismatch("stage", c.stage, r.stage);
+  if (r.world_size != c.world_size) return mismatch("world_size", c.world_size, r.world_size);
+  if (r.precision != DTypeToProto(c.precision)) {
+    return mismatch("precision", DTypeToProto(c.precision), r.precision);
   }
   // A newer process of the rank fences the older one, and drops what the
   // older one left waiting in the reduction, before any push of the new one.
   uint64_t replaced = 0;
   ASSIGN_OR_RETURN(const uint32_t dropped,
-                   step_->JoinRank(r.rank(), [&]() -> absl::StatusOr<uint64_t> {
-                     ASSIGN_OR_RETURN(replaced, ranks_.Join(r.rank(), r.incarnation()));
+                   step_->JoinRank(r.rank, [&]() -> absl::StatusOr<uint64_t> {
+                     ASSIGN_OR_RETURN(replaced, ranks_.Join(r.rank, r.incarnation));
                      return replaced;
                    }));
+  JoinResult result;
   if (replaced != 0) {
-    response->set_replaced_incarnation(replaced);
-    response->set_dropped_contributions(dropped);
+    result.replaced_incarnation = replaced;
+    result.dropped_contributions = dropped;
   }
-  response->set_ranks_connected(ranks_.joined());
-  response->set_committed_step(step_->committed_step());
-  return absl::OkStatus();
+  result.ranks_connected = ranks_.joined();
+  result.committed_step = step_->committed_step();
+  return result;
 }
 
 // ---- Data ----
 
-absl::Status Job::InitParameters(const std::vector<v1::ParameterChunk>& chunks,
+absl::Status Job::InitParameters(const std::vector<ParameterChunkIn>& chunks,
                                  uint64_t* elements) {
   RETURN_IF_ERROR(step_->InitParameters(chunks, elements));
   StateChangedOutsideAStep();
   return absl::OkStatus();
 }
 
-absl::Status Job::PushGradient(const std::vector<v1::GradientChunk>& chunks,
-                               const std::vector<absl::string_view>& payloads,
-                               absl::Time deadline, v1::PushGradientResponse* response) {
+absl::StatusOr<PushResult> Job::PushGradient(const std::vector<GradientChunkIn>& chunks,
+                                             absl::Time deadline) {
   const uint64_t step = step_->committed_step() + 1;
-  RETURN_IF_ERROR(step_->PushGradient(
-      chunks, payloads, deadline,
-      [&]() -> absl::Status {
-        for (size_t i = 0; i < chunks.size(); ++i) {
-          RETURN_IF_ERROR(ranks_.Check(chunks[i].rank(), chunks[i].incarnation(),
-                                       absl::StrCat("chunk ", i, ".")));
-        }
-        return absl::OkStatus();
-      },
-      response));
+  ASSIGN_OR_RETURN(const PushResult result,
+                   step_->PushGradient(chunks, deadline, [&]() -> absl::Status {
+                     for (size_t i = 0; i < chunks.size(); ++i) {
+                       RETURN_IF_ERROR(ranks_.Check(chunks[i].rank, chunks[i].incarnation,
+                                                    absl::StrCat("chunk ", i, ".")));
+                     }
+                     return absl::OkStatus();
+                   }));
   // (A held push may be answered after the leader committed its step.)
-  for (const v1::GradientChunk& c : chunks) ranks_.NotePushed(c.rank(), step);
-  return absl::OkStatus();
+  for (const GradientChunkIn& c : chunks) ranks_.NotePushed(c.rank, step);
+  return result;
 }
 
 // ---- Step ----
 
-absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step, const std::string& token) {
+absl::StatusOr<PrepareResult> Job::PrepareStep(uint64_t step, const std::string& token) {
   absl::MutexLock commit_lock(&step_->commit_lock());
   if (replica_ != nullptr && replica_->role() != ReplicaRole::kPrimary) {
     return absl::FailedPreconditionError(
@@ -181,20 +179,19 @@ absl::StatusOr<v1::PrepareStepResponse> Job::PrepareStep(uint64_t step, const st
   return step_->FinishPrepare(in_sync);
 }
 
-absl::StatusOr<float> Job::CheckCommitRequest(const v1::CommitStepRequest& r) {
-  if (r.rank() != 0) {
+absl::StatusOr<float> Job::CheckCommitRequest(const CommitRequest& r) {
+  if (r.rank != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("rank: only the job leader (rank 0) commits, got rank ", r.rank()));
+        absl::StrCat("rank: only the job leader (rank 0) commits, got rank ", r.rank));
   }
-  RETURN_IF_ERROR(ranks_.Check(r.rank(), r.incarnation(), ""));
+  RETURN_IF_ERROR(ranks_.Check(r.rank, r.incarnation, ""));
   return step_->CheckCommitFields(r, "");
 }
 
-absl::StatusOr<v1::CommitStepResponse> Job::CommitStep(const v1::CommitStepRequest& r,
-                                                       const std::string& token) {
+absl::StatusOr<CommitResult> Job::CommitStep(const CommitRequest& r, const std::string& token) {
   ASSIGN_OR_RETURN(const float clip, CheckCommitRequest(r));
   uint64_t before = 0;
-  absl::StatusOr<v1::CommitStepResponse> done;
+  absl::StatusOr<CommitResult> done;
   {
     absl::MutexLock commit_lock(&step_->commit_lock());
     if (replica_ != nullptr && replica_->role() != ReplicaRole::kPrimary) {
@@ -213,27 +210,31 @@ absl::StatusOr<v1::CommitStepResponse> Job::CommitStep(const v1::CommitStepReque
   return done;
 }
 
-void Job::FillStepState(absl::Duration rank_timeout, bool brief, v1::StepState* state) const {
-  ranks_.FillStepState(rank_timeout, brief, state);
-  step_->FillStepState(brief, state);
+JobStepState Job::StepState(absl::Duration rank_timeout, bool brief) const {
+  JobStepState state;
+  state.ranks_joined = ranks_.joined();
+  state.ranks_connected = ranks_.Connected(rank_timeout);
+  if (!brief) state.ranks = ranks_.Ranks(rank_timeout);
+  state.step = step_->Progress(brief);
+  return state;
 }
 
 // ---- State dicts ----
 
-absl::Status Job::ReadState(const v1::ReadStateRequest& r, uint64_t max_chunk_elements,
-                            const std::function<bool(v1::StateChunk&)>& write) {
-  RETURN_IF_ERROR(ranks_.Check(r.rank(), r.incarnation(), ""));
-  return step_->ReadState(r.array(), {r.range().begin(), r.range().end()}, max_chunk_elements,
-                          write);
+absl::Status Job::ReadState(uint32_t rank, uint64_t incarnation, WireEnum array,
+                            const FlatRange& range, uint64_t max_chunk_elements,
+                            const std::function<bool(StateChunkOut&)>& write) {
+  RETURN_IF_ERROR(ranks_.Check(rank, incarnation, ""));
+  return step_->ReadState(array, range, max_chunk_elements, write);
 }
 
-absl::StatusOr<v1::WriteStateResponse> Job::WriteState(const std::vector<v1::StateChunk>& chunks) {
+absl::StatusOr<WriteStateResult> Job::WriteState(const std::vector<StateChunkIn>& chunks) {
   for (size_t i = 0; i < chunks.size(); ++i) {
-    RETURN_IF_ERROR(ranks_.Check(chunks[i].rank(), chunks[i].incarnation(),
+    RETURN_IF_ERROR(ranks_.Check(chunks[i].rank, chunks[i].incarnation,
                                  absl::StrCat("chunk ", i, ".")));
   }
   bool changed = false;
-  ASSIGN_OR_RETURN(v1::WriteStateResponse out, step_->WriteState(chunks, &changed));
+  ASSIGN_OR_RETURN(WriteStateResult out, step_->WriteState(chunks, &changed));
   if (changed) StateChangedOutsideAStep();
   return out;
 }
@@ -246,27 +247,26 @@ absl::Status Job::CheckpointsEnabled() const {
       "checkpoints: this daemon was started without --checkpoint_dir");
 }
 
-absl::StatusOr<v1::SaveCheckpointResponse> Job::SaveCheckpoint(
-    const v1::SaveCheckpointRequest& r) {
+absl::StatusOr<CheckpointSaved> Job::SaveCheckpoint(const std::string& name, uint64_t step) {
   RETURN_IF_ERROR(CheckpointsEnabled());
-  return checkpoints_->Save(r);
+  return checkpoints_->Save(name, step);
 }
 
-absl::StatusOr<v1::CheckpointStatus> Job::CheckpointStatus(const std::string& name,
-                                                           absl::Duration wait) {
+absl::StatusOr<CheckpointProgress> Job::CheckpointStatus(const std::string& name,
+                                                         absl::Duration wait) {
   RETURN_IF_ERROR(CheckpointsEnabled());
   return checkpoints_->Status(name, wait);
 }
 
-absl::StatusOr<v1::CompleteCheckpointResponse> Job::CompleteCheckpoint(
-    const v1::CompleteCheckpointRequest& r, const v1::PartitionMap& map) {
+absl::StatusOr<uint64_t> Job::CompleteCheckpoint(const std::string& name,
+                                                 const std::vector<v1::PartManifest>& parts) {
   RETURN_IF_ERROR(CheckpointsEnabled());
-  return checkpoints_->Complete(r, map);
+  return checkpoints_->Complete(name, parts);
 }
 
-absl::StatusOr<v1::LoadCheckpointResponse> Job::LoadCheckpoint(const std::string& name) {
+absl::StatusOr<CheckpointLoaded> Job::LoadCheckpoint(const std::string& name) {
   RETURN_IF_ERROR(CheckpointsEnabled());
-  ASSIGN_OR_RETURN(v1::LoadCheckpointResponse out, checkpoints_->Load(name));
+  ASSIGN_OR_RETURN(CheckpointLoaded out, checkpoints_->Load(name));
   StateChangedOutsideAStep();
   return out;
 }
@@ -292,8 +292,9 @@ absl::Status Job::CheckServing(std::optional<uint64_t> epoch) const {
   return replica_ == nullptr ? absl::OkStatus() : replica_->CheckServing(epoch);
 }
 
-void Job::FillReplicaState(v1::ReplicaGroupState* out) const {
-  if (replica_ != nullptr) replica_->FillReplicaState(out);
+std::optional<ReplicaGroupStatus> Job::ReplicaState() const {
+  if (replica_ == nullptr) return std::nullopt;
+  return replica_->State();
 }
 
 uint64_t Job::StateHash() const {

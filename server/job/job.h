@@ -18,6 +18,14 @@
 // across a network call of another request's, but the prepared step's
 // replication, which holds the commit lock (nothing else waits for it then
 // but the step's own commit). Every wait takes a deadline.
+//
+// Its calls take and answer plain structs (below, server/step/step_types.h,
+// server/job/rank_table.h, server/checkpoint/, server/replica/replica_group.h):
+// server/rpc decodes the requests and encodes the answers, so nothing here
+// sees a request or response message. What stays a protobuf is what is
+// persisted or sent to the peer as it is: the registered v1::JobSpec
+// (written into checkpoint manifests, re-registered on a replica peer) and
+// the checkpoint part manifests a CompleteCheckpoint names.
 
 #include <cstdint>
 #include <functional>
@@ -32,9 +40,7 @@
 #include "common/auth.h"
 #include "common/job_spec.h"
 #include "proto/zeroshard/v1/checkpoint.pb.h"
-#include "proto/zeroshard/v1/control.pb.h"
-#include "proto/zeroshard/v1/replica.pb.h"
-#include "proto/zeroshard/v1/shard.pb.h"
+#include "proto/zeroshard/v1/common.pb.h"
 #include "server/checkpoint/checkpoint_agent.h"
 #include "server/metrics/daemon_metrics.h"
 #include "server/job/rank_table.h"
@@ -44,9 +50,37 @@
 #include "server/replica/replica_group.h"
 #include "server/replica/replica_link.h"
 #include "server/step/step_engine.h"
+#include "server/step/step_types.h"
 #include "transport/transport.h"
 
 namespace zeroshard {
+
+// A rank's join (Control.JoinJob): who it is and its view of the job, each
+// checked against the registered job.
+struct JoinRequest {
+  uint32_t rank = 0;
+  uint64_t incarnation = 0;  // >= 1
+  uint64_t layout_fingerprint = 0;
+  uint32_t stage = 0;
+  uint32_t world_size = 0;
+  WireEnum precision = 0;  // as sent (zeroshard.v1.DType's number)
+};
+
+struct JoinResult {
+  uint64_t committed_step = 0;
+  uint32_t ranks_connected = 0;  // joined ranks
+  uint64_t replaced_incarnation = 0;  // the older process fenced; 0: none
+  uint32_t dropped_contributions = 0;  // what it left in the reduction
+};
+
+// The step as Shard.GetStepState reports it: the engine's view and the
+// ranks'.
+struct JobStepState {
+  StepProgress step;
+  uint32_t ranks_joined = 0;
+  uint32_t ranks_connected = 0;
+  std::vector<RankStatus> ranks;  // every rank in order; empty when brief
+};
 
 // What a job borrows from its daemon; everything must outlive the job.
 struct JobResources {
@@ -99,7 +133,7 @@ class Job {
   // See Control.JoinJob. FailedPrecondition naming the field and both values
   // when the rank's view differs from the registered job, or for an
   // incarnation older than the rank's current one; NotFound once removed.
-  absl::Status Join(const v1::JoinJobRequest& request, v1::JoinJobResponse* response);
+  absl::StatusOr<JoinResult> Join(const JoinRequest& request);
   // OK iff `rank` is joined as `incarnation` (and records it heard from now).
   absl::Status CheckRank(uint32_t rank, uint64_t incarnation, absl::string_view field) {
     return ranks_.Check(rank, incarnation, field);
@@ -131,16 +165,15 @@ class Job {
 
   // ---- Data ----
   // See StepEngine::InitParameters; the backup copies the new state.
-  absl::Status InitParameters(const std::vector<v1::ParameterChunk>& chunks, uint64_t* elements);
-  // See StepEngine::PushGradient: every chunk's sender must be its rank's
-  // current process.
-  absl::Status PushGradient(const std::vector<v1::GradientChunk>& chunks,
-                            const std::vector<absl::string_view>& payloads, absl::Time deadline,
-                            v1::PushGradientResponse* response);
+  absl::Status InitParameters(const std::vector<ParameterChunkIn>& chunks, uint64_t* elements);
+  // See StepEngine::PushGradient: every chunk's sender (rank, incarnation)
+  // must be its rank's current process.
+  absl::StatusOr<PushResult> PushGradient(const std::vector<GradientChunkIn>& chunks,
+                                          absl::Time deadline);
   // See StepEngine::Gather.
   absl::Status Gather(uint64_t after_step, const FlatRange& range, DType dtype,
                       absl::Time deadline, uint64_t max_chunk_elements,
-                      const std::function<bool(v1::ParameterChunk&)>& write) {
+                      const std::function<bool(ParameterChunkOut&)>& write) {
     return step_->Gather(after_step, range, dtype, deadline, max_chunk_elements, write);
   }
 
@@ -149,34 +182,36 @@ class Job {
   // prepare (with `token`, the caller's, passed on), and sends it the
   // commit after applying it here; when a call fails the group goes on with
   // one copy (backup_in_sync false) and tries again at a later step.
-  absl::StatusOr<v1::PrepareStepResponse> PrepareStep(uint64_t step, const std::string& token = "");
-  absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request,
-                                                    const std::string& token = "");
+  absl::StatusOr<PrepareResult> PrepareStep(uint64_t step, const std::string& token = "");
+  absl::StatusOr<CommitResult> CommitStep(const CommitRequest& request,
+                                          const std::string& token = "");
   // With `brief`, leaves out the per-rank list and the missing ranges.
-  void FillStepState(absl::Duration rank_timeout, bool brief, v1::StepState* state) const;
+  JobStepState StepState(absl::Duration rank_timeout, bool brief) const;
   uint64_t committed_step() const { return step_->committed_step(); }
   float loss_scale() const { return step_->loss_scale(); }
 
   // ---- State dicts (Shard.ReadState / WriteState) ----
-  // A joined rank's; see StepEngine::ReadState / WriteState. A write that
-  // changed the state makes the backup copy it again.
-  absl::Status ReadState(const v1::ReadStateRequest& request, uint64_t max_chunk_elements,
-                         const std::function<bool(v1::StateChunk&)>& write);
-  absl::StatusOr<v1::WriteStateResponse> WriteState(const std::vector<v1::StateChunk>& chunks);
+  // A joined rank's (`rank` as `incarnation`; every chunk's for a write);
+  // see StepEngine::ReadState / WriteState. A write that changed the state
+  // makes the backup copy it again.
+  absl::Status ReadState(uint32_t rank, uint64_t incarnation, WireEnum array,
+                         const FlatRange& range, uint64_t max_chunk_elements,
+                         const std::function<bool(StateChunkOut&)>& write);
+  absl::StatusOr<WriteStateResult> WriteState(const std::vector<StateChunkIn>& chunks);
 
-  // ---- Checkpoints (proto/zeroshard/v1/checkpoint.proto) ----
+  // ---- Checkpoints (see CheckpointAgent) ----
   // All: FailedPrecondition when the daemon has no --checkpoint_dir.
-  absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(const v1::SaveCheckpointRequest& r);
-  absl::StatusOr<v1::CheckpointStatus> CheckpointStatus(const std::string& name,
-                                                        absl::Duration wait);
-  absl::StatusOr<v1::CompleteCheckpointResponse> CompleteCheckpoint(
-      const v1::CompleteCheckpointRequest& r, const v1::PartitionMap& map);
-  absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(const std::string& name);
+  absl::StatusOr<CheckpointSaved> SaveCheckpoint(const std::string& name, uint64_t step);
+  absl::StatusOr<CheckpointProgress> CheckpointStatus(const std::string& name,
+                                                      absl::Duration wait);
+  // `parts`: one per daemon of the job, the part manifests as written
+  // (the checkpoint files' own format, kept as protobufs).
+  absl::StatusOr<uint64_t> CompleteCheckpoint(const std::string& name,
+                                              const std::vector<v1::PartManifest>& parts);
+  absl::StatusOr<CheckpointLoaded> LoadCheckpoint(const std::string& name);
 
-  // Adds PARAM_MASTER / PARAM_HALF regions when the job has a transport.
-  void FillParameterRegions(v1::ExchangeEndpointResponse* response) const {
-    step_->FillParameterRegions(response);
-  }
+  // The master (and half) parameter regions when the job has a transport.
+  std::vector<ParameterRegion> ParameterRegions() const { return step_->ParameterRegions(); }
   // The last time the job handed out remote access; its regions must stay
   // mapped a read lease past it.
   absl::Time last_remote_access() const { return step_->last_remote_access(); }
@@ -189,7 +224,8 @@ class Job {
   const std::string& peer_address() const;
   // OK when this copy serves its group's requests (always, unreplicated).
   absl::Status CheckServing(std::optional<uint64_t> epoch) const;
-  void FillReplicaState(v1::ReplicaGroupState* out) const;
+  // The replica group's state (nullopt when the job is not replicated).
+  std::optional<ReplicaGroupStatus> ReplicaState() const;
   // The replica group (null when the job is not replicated).
   ReplicaGroup* replica() { return replica_.get(); }
 
@@ -202,7 +238,7 @@ class Job {
       uint32_t daemon_index, const JobResources& resources);
   // Rank 0 as its current incarnation, and the commit's own fields; the
   // clip coefficient (0 read as 1).
-  absl::StatusOr<float> CheckCommitRequest(const v1::CommitStepRequest& r);
+  absl::StatusOr<float> CheckCommitRequest(const CommitRequest& r);
   absl::Status CheckpointsEnabled() const;
   // A state change outside a step: a replicated primary's backup copies the
   // state again before the next step.

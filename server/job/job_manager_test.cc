@@ -467,16 +467,14 @@ TEST_F(JobManagerTest, AJobHeldByACallerIsReapedWhenReleased) {
 
 // Rank 0 of `job` joins as incarnation 1.
 absl::Status JoinRank0(const std::shared_ptr<Job>& job) {
-  v1::JoinJobRequest join;
-  join.set_job_id(job->config().job_id);
-  join.set_rank(0);
-  join.set_incarnation(1);
-  join.set_layout_fingerprint(job->config().layout.fingerprint());
-  join.set_stage(job->config().stage);
-  join.set_world_size(job->config().world_size);
-  join.set_precision(WireDType(job->config().precision));
-  v1::JoinJobResponse joined;
-  return job->Join(join, &joined);
+  JoinRequest join;
+  join.rank = 0;
+  join.incarnation = 1;
+  join.layout_fingerprint = job->config().layout.fingerprint();
+  join.stage = job->config().stage;
+  join.world_size = job->config().world_size;
+  join.precision = DTypeToProto(job->config().precision);
+  return job->Join(join).status();
 }
 
 // A registration nobody follows up with a join is removed after

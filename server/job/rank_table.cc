@@ -151,23 +151,23 @@ absl::Time RankTable::LastHeard() const {
   return last;
 }
 
-void RankTable::FillStepState(absl::Duration timeout, bool brief, v1::StepState* state) const {
-  state->set_ranks_joined(joined());
-  state->set_ranks_connected(Connected(timeout));
-  if (brief) return;
+std::vector<RankStatus> RankTable::Ranks(absl::Duration timeout) const {
+  std::vector<RankStatus> out;
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
+  out.reserve(ranks_.size());
   for (uint32_t r = 0; r < ranks_.size(); ++r) {
     const Entry& e = ranks_[r];
-    v1::RankState* out = state->add_ranks();
-    out->set_rank(r);
-    out->set_joined(e.joined);
-    out->set_connected(e.joined && e.last_seen >= now - timeout);
-    out->set_incarnation(e.incarnation);
-    out->set_seconds_since_heard(
-        e.last_seen == absl::InfinitePast() ? -1.0 : absl::ToDoubleSeconds(now - e.last_seen));
-    out->set_last_step_pushed(e.last_step_pushed);
+    RankStatus& o = out.emplace_back();
+    o.rank = r;
+    o.joined = e.joined;
+    o.connected = e.joined && e.last_seen >= now - timeout;
+    o.incarnation = e.incarnation;
+    o.seconds_since_heard =
+        e.last_seen == absl::InfinitePast() ? -1.0 : absl::ToDoubleSeconds(now - e.last_seen);
+    o.last_step_pushed = e.last_step_pushed;
   }
+  return out;
 }
 
 void RankTable::Hash(uint64_t& h) const {

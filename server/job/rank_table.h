@@ -19,12 +19,21 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "proto/zeroshard/v1/shard.pb.h"
 #include "server/job/staging.h"
 #include "server/ledger/memory_ledger.h"
 #include "transport/transport.h"
 
 namespace zeroshard {
+
+// A rank as Shard.GetStepState reports it.
+struct RankStatus {
+  uint32_t rank = 0;
+  bool joined = false;     // joined and not left
+  bool connected = false;  // heard from within the timeout
+  uint64_t incarnation = 0;  // 0: never joined
+  double seconds_since_heard = -1;  // -1: never
+  uint64_t last_step_pushed = 0;
+};
 
 class RankTable {
  public:
@@ -74,9 +83,8 @@ class RankTable {
   uint32_t Connected(absl::Duration timeout) const;
   // When any rank was last heard from (InfinitePast: never).
   absl::Time LastHeard() const;
-  // Every rank, in rank order, into state->ranks (and the joined and
-  // connected counts).
-  void FillStepState(absl::Duration timeout, bool brief, v1::StepState* state) const;
+  // Every rank, in rank order, as heard from within `timeout`.
+  std::vector<RankStatus> Ranks(absl::Duration timeout) const;
   // Mixes the incarnations and joined flags into h (tests).
   void Hash(uint64_t& h) const;
 

@@ -281,33 +281,29 @@ TEST_F(RankTableTest, ConnectedCountsRanksHeardFromRecently) {
   EXPECT_EQ(t.Connected(absl::Hours(1)), 1u);
 }
 
-TEST_F(RankTableTest, FillStepStateListsEveryRankInOrder) {
+TEST_F(RankTableTest, RanksListsEveryRankInOrder) {
   RankTable t(Options(3));
   ASSERT_TRUE(t.Join(0, 4).ok());
   ASSERT_TRUE(t.Join(2, 9).ok());
   t.NotePushed(2, 17);
   t.NotePushed(5, 1);  // past world_size: ignored
-  v1::StepState brief;
-  t.FillStepState(absl::Hours(1), /*brief=*/true, &brief);
-  EXPECT_EQ(brief.ranks_joined(), 2u);
-  EXPECT_EQ(brief.ranks_connected(), 2u);
-  EXPECT_EQ(brief.ranks_size(), 0);
-  v1::StepState full;
-  t.FillStepState(absl::Hours(1), /*brief=*/false, &full);
-  ASSERT_EQ(full.ranks_size(), 3);
-  for (uint32_t r = 0; r < 3; ++r) EXPECT_EQ(full.ranks(r).rank(), r);
-  EXPECT_TRUE(full.ranks(0).joined());
-  EXPECT_TRUE(full.ranks(0).connected());
-  EXPECT_EQ(full.ranks(0).incarnation(), 4u);
-  EXPECT_GE(full.ranks(0).seconds_since_heard(), 0.0);
-  EXPECT_LT(full.ranks(0).seconds_since_heard(), 60.0);
-  EXPECT_FALSE(full.ranks(1).joined());
-  EXPECT_FALSE(full.ranks(1).connected());
-  EXPECT_EQ(full.ranks(1).incarnation(), 0u);
-  EXPECT_EQ(full.ranks(1).seconds_since_heard(), -1.0) << "never heard from";
-  EXPECT_EQ(full.ranks(2).incarnation(), 9u);
-  EXPECT_EQ(full.ranks(2).last_step_pushed(), 17u);
-  EXPECT_EQ(full.ranks(0).last_step_pushed(), 0u);
+  EXPECT_EQ(t.joined(), 2u);
+  EXPECT_EQ(t.Connected(absl::Hours(1)), 2u);
+  const std::vector<RankStatus> full = t.Ranks(absl::Hours(1));
+  ASSERT_EQ(full.size(), 3u);
+  for (uint32_t r = 0; r < 3; ++r) EXPECT_EQ(full[r].rank, r);
+  EXPECT_TRUE(full[0].joined);
+  EXPECT_TRUE(full[0].connected);
+  EXPECT_EQ(full[0].incarnation, 4u);
+  EXPECT_GE(full[0].seconds_since_heard, 0.0);
+  EXPECT_LT(full[0].seconds_since_heard, 60.0);
+  EXPECT_FALSE(full[1].joined);
+  EXPECT_FALSE(full[1].connected);
+  EXPECT_EQ(full[1].incarnation, 0u);
+  EXPECT_EQ(full[1].seconds_since_heard, -1.0) << "never heard from";
+  EXPECT_EQ(full[2].incarnation, 9u);
+  EXPECT_EQ(full[2].last_step_pushed, 17u);
+  EXPECT_EQ(full[0].last_step_pushed, 0u);
 }
 
 TEST_F(RankTableTest, HashFollowsIncarnationsAndJoins) {

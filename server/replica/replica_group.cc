@@ -183,18 +183,19 @@ absl::Status ReplicaGroup::CheckServing(std::optional<uint64_t> epoch) const {
   return absl::OkStatus();
 }
 
-void ReplicaGroup::FillReplicaState(v1::ReplicaGroupState* out) const {
-  out->set_group(options_.group);
-  out->set_peer_address(options_.peer_address);
+ReplicaGroupStatus ReplicaGroup::State() const {
+  ReplicaGroupStatus out;
+  out.group = options_.group;
+  out.peer_address = options_.peer_address;
   {
     absl::MutexLock lock(&mu_);
-    out->set_role(role_ == ReplicaRole::kPrimary ? v1::REPLICA_ROLE_PRIMARY
-                                                 : v1::REPLICA_ROLE_BACKUP);
-    out->set_epoch(epoch_);
-    out->set_in_sync(in_sync_);
+    out.role = role_;
+    out.epoch = epoch_;
+    out.in_sync = in_sync_;
   }
-  out->set_committed_step(step_->committed_step());
-  out->set_prepared(step_->prepared());
+  out.committed_step = step_->committed_step();
+  out.prepared = step_->prepared();
+  return out;
 }
 
 void ReplicaGroup::MarkBackupStale(const absl::Status& why) {
@@ -464,7 +465,12 @@ absl::Status ReplicaGroup::SendGradient(const StepEngine::Prepared& prepared,
         chunk->set_epoch(epoch);
         chunk->set_step(prepared.step);
         if (first) {
-          *chunk->mutable_prepared() = prepared.result;
+          v1::PrepareStepResponse* result = chunk->mutable_prepared();
+          result->set_grad_sq_sum(prepared.result.grad_sq_sum);
+          result->set_found_inf_nan(prepared.result.found_inf_nan);
+          result->set_elements(prepared.result.elements);
+          result->set_loss_scale(prepared.result.loss_scale);
+          result->set_backup_in_sync(prepared.result.backup_in_sync);
           chunk->mutable_no_grad_tensors()->Add(prepared.no_grad.begin(), prepared.no_grad.end());
         }
         first = false;
@@ -483,7 +489,7 @@ absl::Status ReplicaGroup::SendGradient(const StepEngine::Prepared& prepared,
       deadline);
 }
 
-void ReplicaGroup::SendCommit(const v1::CommitStepRequest& request, const std::string& token) {
+void ReplicaGroup::SendCommit(const CommitRequest& request, const std::string& token) {
   bool in_sync = false;
   uint64_t epoch = 0;
   {
@@ -496,7 +502,16 @@ void ReplicaGroup::SendCommit(const v1::CommitStepRequest& request, const std::s
   forward.set_job_id(config_.job_id);
   forward.set_group(options_.group);
   forward.set_epoch(epoch);
-  *forward.mutable_commit() = request;
+  v1::CommitStepRequest* commit = forward.mutable_commit();
+  commit->set_job_id(config_.job_id);
+  commit->set_step(request.step);
+  commit->set_clip_coef(request.clip_coef);
+  commit->set_skip(request.skip);
+  commit->set_lr(request.lr);
+  commit->set_grad_norm(request.grad_norm);
+  commit->set_rank(request.rank);
+  commit->set_incarnation(request.incarnation);
+  commit->mutable_group_lrs()->Add(request.group_lrs.begin(), request.group_lrs.end());
   // No lock held: a stalled backup delays this commit's answer (up to the
   // replica timeout), never another request. Commits reach the backup in
   // step order: the leader commits step s + 1 only after this answer, and a
@@ -723,8 +738,14 @@ absl::StatusOr<v1::ForwardGradientResponse> ReplicaGroup::AcceptGradient(
     // Checked again: a promotion or a transfer may have run meanwhile.
     RETURN_IF_ERROR(CheckDrivenBy(first.epoch(), /*transfer=*/false));
     RETURN_IF_ERROR(RequireCurrentCopy());
+    PrepareResult result;
+    result.grad_sq_sum = first.prepared().grad_sq_sum();
+    result.found_inf_nan = first.prepared().found_inf_nan();
+    result.elements = first.prepared().elements();
+    result.loss_scale = first.prepared().loss_scale();
+    result.backup_in_sync = first.prepared().backup_in_sync();
     if (absl::Status s = step_->TakeForwardedStep(
-            first.step(), forward_buffer_.data(), first.prepared(),
+            first.step(), forward_buffer_.data(), result,
             std::vector<uint32_t>(first.no_grad_tensors().begin(),
                                   first.no_grad_tensors().end()));
         !s.ok()) {
@@ -737,16 +758,30 @@ absl::StatusOr<v1::ForwardGradientResponse> ReplicaGroup::AcceptGradient(
 }
 
 absl::StatusOr<v1::CommitStepResponse> ReplicaGroup::CommitReplica(const v1::CommitReplicaRequest& r) {
-  ASSIGN_OR_RETURN(const float clip, step_->CheckCommitFields(r.commit(), "commit."));
+  CommitRequest commit;
+  commit.step = r.commit().step();
+  commit.clip_coef = r.commit().clip_coef();
+  commit.skip = r.commit().skip();
+  commit.lr = r.commit().lr();
+  commit.grad_norm = r.commit().grad_norm();
+  commit.rank = r.commit().rank();
+  commit.incarnation = r.commit().incarnation();
+  commit.group_lrs.assign(r.commit().group_lrs().begin(), r.commit().group_lrs().end());
+  ASSIGN_OR_RETURN(const float clip, step_->CheckCommitFields(commit, "commit."));
   absl::MutexLock commit_lock(&step_->commit_lock());
   RETURN_IF_ERROR(CheckDrivenBy(r.epoch(), /*transfer=*/false));
   RETURN_IF_ERROR(RequireCurrentCopy());
-  absl::StatusOr<v1::CommitStepResponse> done = step_->CommitLocked(r.commit(), clip);
+  absl::StatusOr<CommitResult> done = step_->CommitLocked(commit, clip);
   if (!done.ok()) {
     absl::MutexLock lock(&mu_);
     in_sync_ = false;
+    return done.status();
   }
-  return done;
+  v1::CommitStepResponse out;
+  out.set_committed_step(done->committed_step);
+  out.set_loss_scale(done->loss_scale);
+  out.set_skipped(done->skipped);
+  return out;
 }
 
 }  // namespace zeroshard

@@ -17,6 +17,11 @@
 // held. The backup reads a forward from the network with no lock of the
 // step engine held (a stalled primary delays no Promote), then takes the
 // commit lock to apply it. Every network wait has a deadline.
+//
+// The replica protocol's messages (replica.proto: transfers, forwards,
+// commits, promotions) are this package's peer format, kept as protobufs:
+// the Replica service hands them through as received. What the job asks of
+// the group (State, SendCommit) is in plain structs.
 
 #include <cstdint>
 #include <memory>
@@ -41,6 +46,18 @@ namespace zeroshard {
 
 // A copy's role in its replica group.
 enum class ReplicaRole : uint8_t { kPrimary, kBackup };
+
+// A copy's place in its replica group (Replica.GetReplicaState and the step
+// state report it).
+struct ReplicaGroupStatus {
+  uint32_t group = 0;
+  ReplicaRole role = ReplicaRole::kPrimary;
+  uint64_t epoch = 0;
+  uint64_t committed_step = 0;
+  bool prepared = false;
+  bool in_sync = false;
+  std::string peer_address;
+};
 
 class ReplicaGroup {
  public:
@@ -69,7 +86,7 @@ class ReplicaGroup {
   // primary at `epoch` (nullopt: the caller named none). FailedPrecondition
   // saying why otherwise.
   absl::Status CheckServing(std::optional<uint64_t> epoch) const;
-  void FillReplicaState(v1::ReplicaGroupState* out) const;
+  ReplicaGroupStatus State() const;
   // The primary's copy changed outside a step (initial parameters, a load,
   // a state write): the backup copies the state again before the next
   // step. `why` non-OK: a failure, logged, and retried after a pause.
@@ -85,7 +102,7 @@ class ReplicaGroup {
   // Sends the leader's commit `request` to an in-sync backup, with no lock
   // held (the caller committed it here first). A failure marks the backup
   // stale.
-  void SendCommit(const v1::CommitStepRequest& request, const std::string& token);
+  void SendCommit(const CommitRequest& request, const std::string& token);
 
   // ---- The backup's side (the Replica service) ----
   // See Replica.Promote.

@@ -3,6 +3,7 @@
 
 #include "common/estimator.h"
 #include "server/rpc/grpc_status.h"
+#include "server/rpc/job_wire.h"
 #include "server/rpc/services.h"
 
 namespace zeroshard {
@@ -66,7 +67,9 @@ grpc::Status AdminService::Status(grpc::ServerContext* call, const v1::StatusReq
     j->set_committed_step(job->committed_step());
     j->set_parameters(job->config().layout.parameter_count());
     for (uint32_t p : job->owned_partitions()) j->add_owned_partitions(p);
-    if (job->replicated()) job->FillReplicaState(j->mutable_replica());
+    if (std::optional<ReplicaGroupStatus> r = job->ReplicaState(); r.has_value()) {
+      ToWire(*r, j->mutable_replica());
+    }
   }
   return ctx_->Done(__func__, absl::OkStatus());
 }

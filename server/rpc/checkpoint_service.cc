@@ -4,6 +4,7 @@
 #include "common/checkpoint_files.h"
 #include "common/job_id.h"
 #include "common/protocol.h"
+#include "server/rpc/job_wire.h"
 #include "server/rpc/services.h"
 
 namespace zeroshard {
@@ -33,9 +34,9 @@ grpc::Status CheckpointService::SaveCheckpoint(grpc::ServerContext* call,
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   if (absl::Status s = ctx_->ClaimFiles(**job); !s.ok()) return ctx_->Done(__func__, s);
   if (absl::Status s = ctx_->CheckCheckpointQuota(**job); !s.ok()) return ctx_->Done(__func__, s);
-  absl::StatusOr<v1::SaveCheckpointResponse> r = (*job)->SaveCheckpoint(*req);
+  absl::StatusOr<CheckpointSaved> r = (*job)->SaveCheckpoint(req->name(), req->step());
   if (!r.ok()) return ctx_->Done(__func__, r.status());
-  *resp = *std::move(r);
+  ToWire(*r, resp);
   Log(absl::StrCat("job ", req->job_id(), " checkpoint ", req->name(), ": step ", resp->step(),
                    " snapshotted in ", resp->snapshot_seconds(), " s, ", resp->bytes(),
                    " bytes being written"));
@@ -57,10 +58,10 @@ grpc::Status CheckpointService::GetCheckpointStatus(grpc::ServerContext* context
   if (deadline != absl::InfiniteFuture()) {
     wait = std::min(wait, (deadline - absl::Now()) - absl::Milliseconds(100));
   }
-  absl::StatusOr<v1::CheckpointStatus> s =
+  absl::StatusOr<CheckpointProgress> s =
       (*job)->CheckpointStatus(req->name(), std::max(wait, absl::ZeroDuration()));
   if (!s.ok()) return ctx_->Done(__func__, s.status());
-  *resp = *std::move(s);
+  ToWire(*std::move(s), resp);
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
@@ -69,11 +70,10 @@ grpc::Status CheckpointService::CompleteCheckpoint(grpc::ServerContext* call,
                                                    v1::CompleteCheckpointResponse* resp) {
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
-  v1::PartitionMap map;
-  FillPartitionMap((*job)->config(), &map);
-  absl::StatusOr<v1::CompleteCheckpointResponse> r = (*job)->CompleteCheckpoint(*req, map);
+  absl::StatusOr<uint64_t> r = (*job)->CompleteCheckpoint(
+      req->name(), std::vector<v1::PartManifest>(req->parts().begin(), req->parts().end()));
   if (!r.ok()) return ctx_->Done(__func__, r.status());
-  *resp = *std::move(r);
+  resp->set_step(*r);
   Log(absl::StrCat("job ", req->job_id(), " checkpoint ", req->name(), " of step ", resp->step(),
                    " is complete"));
   return ctx_->Done(__func__, absl::OkStatus());
@@ -87,9 +87,9 @@ grpc::Status CheckpointService::LoadCheckpoint(grpc::ServerContext* call,
   if (absl::Status s = ctx_->CheckFilesOwner(req->job_id(), (*job)->token()); !s.ok()) {
     return ctx_->Done(__func__, s);
   }
-  absl::StatusOr<v1::LoadCheckpointResponse> r = (*job)->LoadCheckpoint(req->name());
+  absl::StatusOr<CheckpointLoaded> r = (*job)->LoadCheckpoint(req->name());
   if (!r.ok()) return ctx_->Done(__func__, r.status());
-  *resp = *std::move(r);
+  ToWire(*r, resp);
   Log(absl::StrCat("job ", req->job_id(), " loaded checkpoint ", resp->name(), ": step ",
                    resp->step(), ", ", resp->bytes_read(), " bytes read in ", resp->seconds(),
                    " s"));

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/job_id.h"
+#include "server/rpc/job_wire.h"
 #include "server/rpc/services.h"
 
 namespace zeroshard {
@@ -10,19 +11,6 @@ namespace {
 void Log(const std::string& line) { std::fprintf(stderr, "zeroshardd: %s\n", line.c_str()); }
 
 }  // namespace
-
-void FillPartitionMap(const JobConfig& c, v1::PartitionMap* m) {
-  m->set_total_elements(c.map.total_elements());
-  m->set_padded_elements(c.map.padded_elements());
-  m->set_partition_elements(c.map.partition_elements());
-  for (uint32_t i = 0; i < c.world_size; ++i) {
-    v1::Partition* p = m->add_partitions();
-    p->set_index(i);
-    p->mutable_range()->set_begin(c.map.Partition(i).begin);
-    p->mutable_range()->set_end(c.map.Partition(i).end);
-    p->set_daemon_address(c.daemons[c.map.DaemonOf(i)]);
-  }
-}
 
 grpc::Status ControlService::RegisterJob(grpc::ServerContext* call,
                                          const v1::RegisterJobRequest* req,
@@ -58,7 +46,9 @@ grpc::Status ControlService::JoinJob(grpc::ServerContext* call, const v1::JoinJo
                                      v1::JoinJobResponse* resp) {
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
-  absl::Status s = (*job)->Join(*req, resp);
+  absl::StatusOr<JoinResult> joined = (*job)->Join(FromWire(*req));
+  if (joined.ok()) ToWire(*joined, resp);
+  const absl::Status s = joined.status();
   if (s.ok()) {
     const uint32_t world = (*job)->config().world_size;
     ctx_->metrics->SetRanks(req->job_id(),

@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/rpc/peer_role.h"
+#include "server/rpc/job_wire.h"
 #include "server/rpc/services.h"
 
 namespace zeroshard {
@@ -28,7 +29,11 @@ absl::Status ReplicaService::FillState(const grpc::ServerContext& call, const st
   if (!home.ok()) return home.status();
   out->set_job_id(id);
   for (const std::shared_ptr<Job>& job : ctx_->jobs->All()) {
-    if (job->config().job_id == id) job->FillReplicaState(out->add_groups());
+    if (job->config().job_id != id) continue;
+    v1::ReplicaGroupState* group = out->add_groups();
+    if (std::optional<ReplicaGroupStatus> r = job->ReplicaState(); r.has_value()) {
+      ToWire(*r, group);
+    }
   }
   return absl::OkStatus();
 }

@@ -97,9 +97,7 @@ class ServiceContextTest : public ::testing::Test {
     *replicated.mutable_spec() = Spec("pair", 2);
     pair_ = *jobs_->Register(replicated, TokenDigest::Of(kJobToken), false, JobManager::Registrant(), &created);
     pair_backup_ = *jobs_->Find("pair", 1);
-    v1::ReplicaGroupState state;
-    pair_->FillReplicaState(&state);
-    epoch_ = state.epoch();
+    epoch_ = pair_->ReplicaState()->epoch;
   }
 
   MemoryLedger ledger_;

@@ -331,7 +331,4 @@ class ActivationService final : public v1::Activation::Service {
   ServiceContext* const ctx_;
 };
 
-// The wire PartitionMap of a job.
-void FillPartitionMap(const JobConfig& config, v1::PartitionMap* map);
-
 }  // namespace zeroshard

@@ -4,6 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/protocol.h"
+#include "server/rpc/job_wire.h"
 #include "server/rpc/services.h"
 
 namespace zeroshard {
@@ -104,7 +105,7 @@ grpc::Status ShardService::InitParameters(grpc::ServerContext* ctx,
   absl::Status s = ReadStream(__func__, ctx, reader, &chunks, &job, &booking);
   if (!s.ok()) return ctx_->Done(__func__, s);
   uint64_t elements = 0;
-  s = job->InitParameters(chunks, &elements);
+  s = job->InitParameters(FromWire(chunks), &elements);
   if (s.ok()) {
     resp->set_elements(elements);
     ctx_->metrics->RecordTraffic(job->config().job_id, "init", "stream", StreamBytes(chunks));
@@ -125,12 +126,14 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
   const absl::Time deadline = DeadlineOf(ctx);
   const auto staged = std::count_if(chunks.begin(), chunks.end(),
                                     [](const v1::GradientChunk& c) { return c.staged(); });
+  // Views of the messages' fields (and data): nothing is copied.
+  std::vector<GradientChunkIn> views = FromWire(chunks);
   if (staged == 0) {
-    std::vector<absl::string_view> payloads;
-    for (const v1::GradientChunk& c : chunks) payloads.push_back(c.data());
-    absl::Status s = job->PushGradient(chunks, payloads, deadline, resp);
-    if (s.ok()) ctx_->metrics->RecordTraffic(id, "push", "stream", StreamBytes(chunks));
-    return s;
+    absl::StatusOr<PushResult> r = job->PushGradient(views, deadline);
+    if (!r.ok()) return r.status();
+    ToWire(*r, resp);
+    ctx_->metrics->RecordTraffic(id, "push", "stream", StreamBytes(chunks));
+    return absl::OkStatus();
   }
   if (staged != static_cast<std::ptrdiff_t>(chunks.size())) {
     return absl::InvalidArgumentError(
@@ -174,12 +177,15 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
   // The slot's lock is held while the job reads the bytes: a fence of the
   // slot waits for this push, and refuses it if it came first.
   absl::Status s = (*staging)->Apply(
-      first.staging_slot(), first.staging_generation(), length, [&](absl::string_view slot) {
-        std::vector<absl::string_view> payloads(chunks.size());
+      first.staging_slot(), first.staging_generation(), length,
+      [&](absl::string_view slot) -> absl::Status {
         for (size_t i = 0, at = 0; i < chunks.size(); at += lengths[i], ++i) {
-          payloads[i] = slot.substr(at, lengths[i]);
+          views[i].payload = slot.substr(at, lengths[i]);
         }
-        return job->PushGradient(chunks, payloads, deadline, resp);
+        absl::StatusOr<PushResult> r = job->PushGradient(views, deadline);
+        if (!r.ok()) return r.status();
+        ToWire(*r, resp);
+        return absl::OkStatus();
       });
   if (s.ok()) ctx_->metrics->RecordTraffic(id, "push", ctx_->bulk->kind(), length);
   return s;
@@ -224,10 +230,16 @@ absl::Status ShardService::DoGather(grpc::ServerContext* ctx, const v1::GatherRe
   }
   uint64_t bytes = 0;
   const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(ctx);
+  v1::ParameterChunk message;
+  message.set_job_id(c.job_id);
   absl::Status s = (*job)->Gather(req.after_step(), range, *dtype, deadline, chunk_elements,
-                                  [&](v1::ParameterChunk& chunk) {
-                                    bytes += chunk.data().size();
-                                    return watch->Wait([&] { return writer->Write(chunk); });
+                                  [&](ParameterChunkOut& chunk) {
+                                    bytes += chunk.data.size();
+                                    SwapToWire(chunk, &message);
+                                    const bool written =
+                                        watch->Wait([&] { return writer->Write(message); });
+                                    SwapBack(&message, chunk);
+                                    return written;
                                   });
   ctx_->metrics->RecordTraffic(req.job_id(), "gather", "stream", bytes);
   if (watch->expired()) return ctx_->IdleStreamError("Gather");
@@ -252,10 +264,10 @@ grpc::Status ShardService::PrepareStep(grpc::ServerContext* call, const v1::Prep
   if (absl::Status s = (*job)->CheckRank(req->rank(), req->incarnation(), ""); !s.ok()) {
     return ctx_->Done(__func__, s);
   }
-  absl::StatusOr<v1::PrepareStepResponse> r =
+  absl::StatusOr<PrepareResult> r =
       (*job)->PrepareStep(req->step(), PresentedToken(call->client_metadata()).value_or(""));
   if (!r.ok()) return ctx_->Done(__func__, r.status());
-  *resp = *std::move(r);
+  ToWire(*r, resp);
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
@@ -264,10 +276,10 @@ grpc::Status ShardService::CommitStep(grpc::ServerContext* call, const v1::Commi
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   // The step engine records the optimizer's time (zeroshard_optimizer_seconds).
-  absl::StatusOr<v1::CommitStepResponse> r =
-      (*job)->CommitStep(*req, PresentedToken(call->client_metadata()).value_or(""));
+  absl::StatusOr<CommitResult> r = (*job)->CommitStep(
+      FromWire(*req), PresentedToken(call->client_metadata()).value_or(""));
   if (!r.ok()) return ctx_->Done(__func__, r.status());
-  *resp = *std::move(r);
+  ToWire(*r, resp);
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
@@ -284,8 +296,10 @@ grpc::Status ShardService::GetStepState(grpc::ServerContext* call,
         req->wait_for_step(),
         std::min(absl::Now() + absl::Milliseconds(req->wait_ms()), DeadlineOf(call)));
   }
-  (*job)->FillStepState(ctx_->jobs->options().rank_timeout, req->brief(), resp);
-  if ((*job)->replicated()) (*job)->FillReplicaState(resp->mutable_replica());
+  ToWire((*job)->StepState(ctx_->jobs->options().rank_timeout, req->brief()), resp);
+  if (std::optional<ReplicaGroupStatus> r = (*job)->ReplicaState(); r.has_value()) {
+    ToWire(*r, resp->mutable_replica());
+  }
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
@@ -324,7 +338,7 @@ absl::Status ShardService::DoExchangeEndpoint(const grpc::ServerContext& call,
   r->set_address(d.address);
   r->set_length(d.length);
   r->set_rkey(d.rkey);
-  (*job)->FillParameterRegions(resp);
+  ToWire((*job)->ParameterRegions(), resp);
   if (ctx_->activations != nullptr) {
     // The arena's key reaches every job's slices: lent to one job at a time.
     const Job* self = job->get();
@@ -371,9 +385,17 @@ grpc::Status ShardService::ReadState(grpc::ServerContext* ctx, const v1::ReadSta
   if (!job.ok()) return ctx_->Done(__func__, job.status());
   const uint64_t chunk_elements = std::max<uint64_t>(1, ctx_->max_chunk_bytes / sizeof(float));
   const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(ctx);
-  absl::Status s = (*job)->ReadState(*req, chunk_elements, [&](v1::StateChunk& c) {
-    return watch->Wait([&] { return writer->Write(c); });
-  });
+  v1::StateChunk message;
+  message.set_job_id((*job)->config().job_id);
+  message.set_array(req->array());
+  absl::Status s = (*job)->ReadState(
+      req->rank(), req->incarnation(), req->array(), {req->range().begin(), req->range().end()},
+      chunk_elements, [&](StateChunkOut& c) {
+        SwapToWire(c, &message);
+        const bool written = watch->Wait([&] { return writer->Write(message); });
+        SwapBack(&message, c);
+        return written;
+      });
   if (watch->expired()) s = ctx_->IdleStreamError(__func__);
   return ctx_->Done(__func__, s);
 }
@@ -386,9 +408,9 @@ grpc::Status ShardService::WriteState(grpc::ServerContext* ctx,
   StreamBooking booking(ctx_->ledger);
   absl::Status s = ReadStream(__func__, ctx, reader, &chunks, &job, &booking);
   if (!s.ok()) return ctx_->Done(__func__, s);
-  absl::StatusOr<v1::WriteStateResponse> r = job->WriteState(chunks);
+  absl::StatusOr<WriteStateResult> r = job->WriteState(FromWire(chunks));
   if (!r.ok()) return ctx_->Done(__func__, r.status());
-  *resp = *std::move(r);
+  ToWire(*r, resp);
   return ctx_->Done(__func__, absl::OkStatus());
 }
 

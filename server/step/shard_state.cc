@@ -416,21 +416,6 @@ void ShardState::SetTensorStep(uint32_t index, uint64_t steps) {
   tensor_steps_[tensors_.Find(index)] = steps;
 }
 
-void ShardState::FillRegions(v1::ExchangeEndpointResponse* response) const {
-  auto add = [&](v1::RegionPurpose purpose, const transport::Region* region) {
-    if (region == nullptr) return;
-    v1::RemoteRegion* r = response->add_regions();
-    r->set_purpose(purpose);
-    r->set_address(region->Descriptor().address);
-    r->set_length(region->Descriptor().length);
-    r->set_rkey(region->Descriptor().rkey);
-    r->mutable_range()->set_begin(owned_.begin);
-    r->mutable_range()->set_end(owned_.end);
-  };
-  add(v1::REGION_PURPOSE_PARAM_MASTER, master_region_.get());
-  add(v1::REGION_PURPOSE_PARAM_HALF, half_region_.get());
-}
-
 void ShardState::Hash(uint64_t& h) const {
   Fnv1aMix(h, master_.data(), master_.size() * sizeof(float));
   Fnv1aMix(h, m_.data(), m_.size() * sizeof(float));

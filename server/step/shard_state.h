@@ -20,7 +20,6 @@
 #include "common/flat_range.h"
 #include "common/job_spec.h"
 #include "proto/zeroshard/v1/common.pb.h"
-#include "proto/zeroshard/v1/shard.pb.h"
 #include "server/ledger/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 #include "server/step/owned_tensors.h"
@@ -135,9 +134,9 @@ class ShardState {
   absl::Status CheckTensorStep(uint32_t index, absl::string_view field) const;
   void SetTensorStep(uint32_t index, uint64_t steps);
 
-  // Adds PARAM_MASTER (and PARAM_HALF) regions covering the owned range, when
-  // created with a transport.
-  void FillRegions(v1::ExchangeEndpointResponse* response) const;
+  // The transport region holding the half copy; null without a transport
+  // or a half copy. The masters' is array_region(0).
+  const transport::Region* half_region() const { return half_region_.get(); }
   // Commits that updated (skipped steps excluded).
   uint64_t optimizer_steps() const { return optimizer_steps_; }
   void Hash(uint64_t& h) const;

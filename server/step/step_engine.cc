@@ -14,8 +14,8 @@
 namespace zeroshard {
 namespace {
 
-std::string RangeString(const v1::FlatRange& r) {
-  return absl::StrCat("[", r.begin(), ", ", r.end(), ")");
+std::string RangeString(const FlatRange& r) {
+  return absl::StrCat("[", r.begin, ", ", r.end, ")");
 }
 
 template <typename T>
@@ -109,8 +109,8 @@ absl::StatusOr<uint32_t> StepEngine::JoinRank(uint32_t rank,
   return replaced == 0 ? 0 : reduction_->ReplaceRank(rank);
 }
 
-absl::Status StepEngine::InitParameters(const std::vector<v1::ParameterChunk>& chunks,
-                                 uint64_t* elements) {
+absl::Status StepEngine::InitParameters(const std::vector<ParameterChunkIn>& chunks,
+                                        uint64_t* elements) {
   absl::MutexLock commit_lock(&commit_mu_);
   if (committed_step() > 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -119,25 +119,25 @@ absl::Status StepEngine::InitParameters(const std::vector<v1::ParameterChunk>& c
   }
   std::vector<DType> types(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) {
-    const v1::ParameterChunk& c = chunks[i];
+    const ParameterChunkIn& c = chunks[i];
     const std::string where = absl::StrCat("chunk ", i);
-    absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), where + ".dtype");
+    absl::StatusOr<DType> dt = DTypeFromProto(c.dtype, where + ".dtype");
     if (!dt.ok()) return dt.status();
     if (*dt != DType::kFp32) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ".dtype: initial parameters must be fp32, got ", DTypeName(*dt)));
     }
-    const FlatRange r{c.range().begin(), c.range().end()};
+    const FlatRange r = c.range;
     if (r.begin >= r.end || !owned_unpadded_.Contains(r)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, ".range ", RangeString(c.range()), " is empty or outside the parameters this ",
+          where, ".range ", RangeString(c.range), " is empty or outside the parameters this ",
           "daemon owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
     }
-    if (c.data().size() != r.size() * sizeof(float)) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".data: ", c.data().size(),
+    if (c.data.size() != r.size() * sizeof(float)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".data: ", c.data.size(),
                                                      " bytes, expected ", r.size() * 4));
     }
-    if (c.crc32c() != 0 && Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
+    if (c.crc32c != 0 && Crc32c(c.data.data(), c.data.size()) != c.crc32c) {
       return absl::DataLossError(
           absl::StrCat(where, ": CRC-32C of the data does not match (corrupted in transit)"));
     }
@@ -146,9 +146,9 @@ absl::Status StepEngine::InitParameters(const std::vector<v1::ParameterChunk>& c
   absl::MutexLock lock(&params_mu_);
   uint64_t total = 0;
   for (size_t i = 0; i < chunks.size(); ++i) {
-    const v1::ParameterChunk& c = chunks[i];
-    const uint64_t n = c.range().end() - c.range().begin();
-    shard_->WriteMasters(options_.optimizer, c.range().begin(), c.data().data(), types[i], n);
+    const ParameterChunkIn& c = chunks[i];
+    const uint64_t n = c.range.size();
+    shard_->WriteMasters(options_.optimizer, c.range.begin, c.data.data(), types[i], n);
     total += n;
   }
   shard_->RefreshHalfCopy(options_.optimizer);
@@ -157,28 +157,29 @@ absl::Status StepEngine::InitParameters(const std::vector<v1::ParameterChunk>& c
   return absl::OkStatus();
 }
 
-absl::Status StepEngine::CheckChunk(const v1::GradientChunk& c, size_t index, absl::string_view payload,
-                             Contribution* out) const {
+absl::Status StepEngine::CheckChunk(const GradientChunkIn& c, size_t index,
+                                    Contribution* out) const {
+  const absl::string_view payload = c.payload;
   const std::string where = absl::StrCat("chunk ", index);
-  if (c.step() != committed_step() + 1) {
+  if (c.step != committed_step() + 1) {
     return absl::FailedPreconditionError(absl::StrCat(
         where, ".step: job ", config_->job_id, " is computing step ", committed_step() + 1,
-        ", got a gradient for step ", c.step()));
+        ", got a gradient for step ", c.step));
   }
-  if (c.rank() >= config_->world_size) {
-    return BadRank(c.rank(), config_->world_size, where + ".rank");
+  if (c.rank >= config_->world_size) {
+    return BadRank(c.rank, config_->world_size, where + ".rank");
   }
-  absl::StatusOr<DType> dt = DTypeFromProto(c.dtype(), where + ".dtype");
+  absl::StatusOr<DType> dt = DTypeFromProto(c.dtype, where + ".dtype");
   if (!dt.ok()) return dt.status();
   if (*dt != DType::kFp32 && *dt != config_->precision) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, ".dtype: must be fp32 or the job's precision (", DTypeName(config_->precision),
         "), got ", DTypeName(*dt)));
   }
-  const FlatRange r{c.range().begin(), c.range().end()};
+  const FlatRange r = c.range;
   if (r.begin >= r.end || !owned_unpadded_.Contains(r)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ".range ", RangeString(c.range()), " is empty or outside the partitions this ",
+        where, ".range ", RangeString(c.range), " is empty or outside the partitions this ",
         "daemon owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
   }
   // Daemon reduction sums the whole owned range alike: a chunk may span the
@@ -188,70 +189,65 @@ absl::Status StepEngine::CheckChunk(const v1::GradientChunk& c, size_t index, ab
     const uint32_t partition = static_cast<uint32_t>(r.begin / config_->map.partition_elements());
     if (!config_->map.Partition(partition).Contains(r)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, ".range ", RangeString(c.range()), " crosses the boundary of partition ",
+          where, ".range ", RangeString(c.range), " crosses the boundary of partition ",
           partition, " (in trainer-collective mode a rank pushes its own partition)"));
     }
-    if (c.rank() != partition) {
+    if (c.rank != partition) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": in trainer-collective mode only rank ", partition,
-                       " pushes partition ", partition, ", got rank ", c.rank()));
+                       " pushes partition ", partition, ", got rank ", c.rank));
     }
   }
   if (payload.size() != r.size() * DTypeSize(*dt)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, c.staged() ? " (staged)" : ".data", ": ", payload.size(), " bytes, expected ",
+        where, c.staged ? " (staged)" : ".data", ": ", payload.size(), " bytes, expected ",
         r.size() * DTypeSize(*dt), " for ", r.size(), " ", DTypeName(*dt), " elements"));
   }
-  const uint32_t mbs = std::max<uint32_t>(c.micro_batches(), 1);
+  const uint32_t mbs = std::max<uint32_t>(c.micro_batches, 1);
   if (mbs > 4096) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ".micro_batches: at most 4096, got ", mbs));
   }
-  if (c.micro_batch() >= mbs) {
+  if (c.micro_batch >= mbs) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ".micro_batch: must be < micro_batches (", mbs, "), got ", c.micro_batch()));
+        where, ".micro_batch: must be < micro_batches (", mbs, "), got ", c.micro_batch));
   }
-  if (c.no_grad_tensors_size() > 0) {
+  if (c.no_grad_tensors.size() > 0) {
     // Ascending layout indices of tensors that overlap the chunk.
     const auto [first, last] = config_->layout.TensorsIn(r);
     uint64_t previous = 0;
-    for (int i = 0; i < c.no_grad_tensors_size(); ++i) {
-      const uint32_t t = c.no_grad_tensors(i);
+    for (size_t i = 0; i < c.no_grad_tensors.size(); ++i) {
+      const uint32_t t = c.no_grad_tensors[i];
       if (t < first || t >= last || (i > 0 && t <= previous)) {
         return absl::InvalidArgumentError(absl::StrCat(
             where, ".no_grad_tensors[", i, "]: ", t, " is not ascending or does not overlap ",
-            "the chunk's range ", RangeString(c.range()), " (tensors ", first, "..", last,
+            "the chunk's range ", RangeString(c.range), " (tensors ", first, "..", last,
             " do)"));
       }
       previous = t;
     }
   }
-  if (c.crc32c() != 0 && Crc32c(payload.data(), payload.size()) != c.crc32c()) {
+  if (c.crc32c != 0 && Crc32c(payload.data(), payload.size()) != c.crc32c) {
     return absl::DataLossError(absl::StrCat(where, ": CRC-32C of the data does not match ",
                                             "(corrupted in transit); resend the chunk"));
   }
   out->range = r;
-  out->no_grad = absl::MakeConstSpan(c.no_grad_tensors().data(), c.no_grad_tensors_size());
-  out->rank = c.rank();
-  out->micro_batch = c.micro_batch();
+  out->no_grad = c.no_grad_tensors;
+  out->rank = c.rank;
+  out->micro_batch = c.micro_batch;
   out->dtype = *dt;
   out->payload = payload;
-  out->crc32c = c.crc32c();
+  out->crc32c = c.crc32c;
   return absl::OkStatus();
 }
 
-absl::Status StepEngine::PushGradient(const std::vector<v1::GradientChunk>& chunks,
-                                      const std::vector<absl::string_view>& payloads,
-                                      absl::Time deadline,
-                                      absl::FunctionRef<absl::Status()> senders_current,
-                                      v1::PushGradientResponse* response) {
-  if (chunks.size() != payloads.size()) {
-    return absl::InternalError("PushGradient: one payload per chunk expected");
-  }
+absl::StatusOr<PushResult> StepEngine::PushGradient(
+    const std::vector<GradientChunkIn>& chunks, absl::Time deadline,
+    absl::FunctionRef<absl::Status()> senders_current) {
   if (chunks.empty()) {
     return absl::InvalidArgumentError("PushGradient: the stream carried no chunk");
   }
-  const uint32_t mbs = std::max<uint32_t>(chunks[0].micro_batches(), 1);
+  const uint32_t mbs = std::max<uint32_t>(chunks[0].micro_batches, 1);
   absl::MutexLock lock(&mu_);
   // Every chunk's sender must be its rank's current process, checked under
   // the reduction lock (and again after any wait that released it), so a
@@ -259,8 +255,8 @@ absl::Status StepEngine::PushGradient(const std::vector<v1::GradientChunk>& chun
   RETURN_IF_ERROR(senders_current());
   std::vector<Contribution> batch(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) {
-    if (absl::Status s = CheckChunk(chunks[i], i, payloads[i], &batch[i]); !s.ok()) return s;
-    if (std::max<uint32_t>(chunks[i].micro_batches(), 1) != mbs) {
+    if (absl::Status s = CheckChunk(chunks[i], i, &batch[i]); !s.ok()) return s;
+    if (std::max<uint32_t>(chunks[i].micro_batches, 1) != mbs) {
       return absl::InvalidArgumentError(absl::StrCat(
           "chunk ", i, ".micro_batches: differs from chunk 0's (", mbs, ") in one push"));
     }
@@ -290,15 +286,16 @@ absl::Status StepEngine::PushGradient(const std::vector<v1::GradientChunk>& chun
   // hold (its answer must reach the rank in time).
   const bool may_hold = options_.reduction_hold > absl::ZeroDuration() &&
                         config_->reduction == ReductionMode::kDaemon && chunks.size() == 1 &&
-                        chunks[0].staged() && chunks[0].micro_batch() + 1 == mbs &&
+                        chunks[0].staged && chunks[0].micro_batch + 1 == mbs &&
                         deadline - absl::Now() >= 2 * options_.reduction_hold;
   std::shared_ptr<HeldContribution> held;
   RETURN_IF_ERROR(
       ApplyPush(batch, mbs, deadline, senders_current, &elements, may_hold ? &held : nullptr));
   if (held != nullptr) RETURN_IF_ERROR(AwaitHeld(batch[0], held, deadline, senders_current));
-  response->set_elements(elements);
-  response->set_ranks_complete(reduction_->Complete() ? config_->world_size : 0);
-  return absl::OkStatus();
+  PushResult result;
+  result.elements = elements;
+  result.ranks_complete = reduction_->Complete() ? config_->world_size : 0;
+  return result;
 }
 
 absl::Status StepEngine::ApplyPush(const std::vector<Contribution>& batch, uint32_t micro_batches,
@@ -416,7 +413,7 @@ bool StepEngine::AwaitCommit(uint64_t step, absl::Time deadline) {
 
 absl::Status StepEngine::Gather(uint64_t after_step, const FlatRange& range, DType dtype,
                          absl::Time deadline, uint64_t max_chunk_elements,
-                         const std::function<bool(v1::ParameterChunk&)>& write) {
+                                const std::function<bool(ParameterChunkOut&)>& write) {
   if (range.begin >= range.end || !owned_unpadded_.Contains(range)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "range: [", range.begin, ", ", range.end, ") is empty or outside the parameters this ",
@@ -442,9 +439,8 @@ absl::Status StepEngine::Gather(uint64_t after_step, const FlatRange& range, DTy
     NoteRemoteAccess();
     return absl::OkStatus();
   }
-  v1::ParameterChunk chunk;
-  chunk.set_job_id(config_->job_id);
-  chunk.set_dtype(WireDType(dtype));
+  ParameterChunkOut chunk;
+  chunk.dtype = dtype;
   const size_t esize = DTypeSize(dtype);
   uint64_t version = 0;
   {
@@ -453,7 +449,7 @@ absl::Status StepEngine::Gather(uint64_t after_step, const FlatRange& range, DTy
   }
   for (uint64_t pos = range.begin; pos < range.end;) {
     const uint64_t end = std::min(range.end, pos + max_chunk_elements);
-    std::string* data = chunk.mutable_data();
+    std::string* data = &chunk.data;
     data->resize((end - pos) * esize);
     {
       // Only the copy holds the lock; the write below holds none.
@@ -465,9 +461,8 @@ absl::Status StepEngine::Gather(uint64_t after_step, const FlatRange& range, DTy
       }
       shard_->Read(pos, end - pos, dtype, data->data());
     }
-    chunk.mutable_range()->set_begin(pos);
-    chunk.mutable_range()->set_end(end);
-    chunk.set_crc32c(Crc32c(data->data(), data->size()));
+    chunk.range = {pos, end};
+    chunk.crc32c = Crc32c(data->data(), data->size());
     if (!write(chunk)) return absl::CancelledError("the gathering client went away");
     pos = end;
   }
@@ -493,11 +488,11 @@ absl::StatusOr<StepEngine::Prepared> StepEngine::PrepareLocked(uint64_t step) {
     }
     // Each range's norm was taken in the pass of its last contribution.
     const GradStats r = reduction_->GradStatsOfStep();
-    prepare_result_.set_grad_sq_sum(r.sum_sq);
-    prepare_result_.set_found_inf_nan(r.found_inf_nan);
-    prepare_result_.set_elements(owned_unpadded_.size());
-    prepare_result_.set_loss_scale(loss_scale_);
-    prepare_result_.set_backup_in_sync(false);
+    prepare_result_.grad_sq_sum = r.sum_sq;
+    prepare_result_.found_inf_nan = r.found_inf_nan;
+    prepare_result_.elements = owned_unpadded_.size();
+    prepare_result_.loss_scale = loss_scale_;
+    prepare_result_.backup_in_sync = false;
     prepared_no_grad_ = reduction_->NoGradTensors();
     prepared_ = true;
     prepared_by_forward_ = false;
@@ -510,34 +505,34 @@ absl::StatusOr<StepEngine::Prepared> StepEngine::PrepareLocked(uint64_t step) {
   return prepared;
 }
 
-v1::PrepareStepResponse StepEngine::FinishPrepare(bool backup_in_sync) {
+PrepareResult StepEngine::FinishPrepare(bool backup_in_sync) {
   absl::MutexLock lock(&mu_);
-  prepare_result_.set_backup_in_sync(backup_in_sync);
+  prepare_result_.backup_in_sync = backup_in_sync;
   return prepare_result_;
 }
 
-absl::StatusOr<float> StepEngine::CheckCommitFields(const v1::CommitStepRequest& r,
-                                             absl::string_view prefix) const {
-  if (!std::isfinite(r.lr()) || r.lr() < 0) {
+absl::StatusOr<float> StepEngine::CheckCommitFields(const CommitRequest& r,
+                                                    absl::string_view prefix) const {
+  if (!std::isfinite(r.lr) || r.lr < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(prefix, "lr: must be finite and >= 0, got ", r.lr()));
+        absl::StrCat(prefix, "lr: must be finite and >= 0, got ", r.lr));
   }
   const uint32_t groups = GroupCount(*config_);
-  if (r.group_lrs_size() != 0 && r.group_lrs_size() != static_cast<int>(groups)) {
+  if (!r.group_lrs.empty() && r.group_lrs.size() != groups) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, "group_lrs: job ", config_->job_id,
                                                    " has ", groups, " parameter groups, got ",
-                                                   r.group_lrs_size(), " learning rates"));
+                                                   r.group_lrs.size(), " learning rates"));
   }
-  for (int g = 0; g < r.group_lrs_size(); ++g) {
-    if (!std::isfinite(r.group_lrs(g)) || r.group_lrs(g) < 0) {
+  for (size_t g = 0; g < r.group_lrs.size(); ++g) {
+    if (!std::isfinite(r.group_lrs[g]) || r.group_lrs[g] < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          prefix, "group_lrs[", g, "]: must be finite and >= 0, got ", r.group_lrs(g)));
+          prefix, "group_lrs[", g, "]: must be finite and >= 0, got ", r.group_lrs[g]));
     }
   }
-  const float clip = r.clip_coef() == 0 ? 1.0f : r.clip_coef();
+  const float clip = r.clip_coef == 0 ? 1.0f : r.clip_coef;
   if (!(clip > 0 && clip <= 1)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(prefix, "clip_coef: must be in (0, 1] (0 means 1), got ", r.clip_coef()));
+        absl::StrCat(prefix, "clip_coef: must be in (0, 1] (0 means 1), got ", r.clip_coef));
   }
   return clip;
 }
@@ -555,28 +550,26 @@ void StepEngine::UpdateLossScale(bool skipped) {
   }
 }
 
-absl::StatusOr<v1::CommitStepResponse> StepEngine::Commit(const v1::CommitStepRequest& r,
-                                                          float clip) {
+absl::StatusOr<CommitResult> StepEngine::Commit(const CommitRequest& r, float clip) {
   absl::MutexLock commit_lock(&commit_mu_);
   return CommitLocked(r, clip);
 }
 
-absl::StatusOr<v1::CommitStepResponse> StepEngine::CommitLocked(const v1::CommitStepRequest& r,
-                                                                float clip) {
+absl::StatusOr<CommitResult> StepEngine::CommitLocked(const CommitRequest& r, float clip) {
   const float* grad = nullptr;
   double grad_scale = 1.0;
   std::vector<uint32_t> no_grad;
   {
     absl::MutexLock lock(&mu_);
     const uint64_t committed = committed_step();
-    if (r.step() == committed && committed > 0) return last_commit_.response;
-    if (r.step() != committed + 1) {
+    if (r.step == committed && committed > 0) return last_commit_.response;
+    if (r.step != committed + 1) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "step: job ", config_->job_id, " is computing step ", committed + 1, ", got ", r.step()));
+          "step: job ", config_->job_id, " is computing step ", committed + 1, ", got ", r.step));
     }
     if (!prepared_) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "job ", config_->job_id, " step ", r.step(), ": CommitStep before PrepareStep (",
+          "job ", config_->job_id, " step ", r.step, ": CommitStep before PrepareStep (",
           reduction_->Complete() ? "gradients complete" : reduction_->DescribeIncomplete(),
           "); the leader prepares every daemon, then commits"));
     }
@@ -585,13 +578,13 @@ absl::StatusOr<v1::CommitStepResponse> StepEngine::CommitLocked(const v1::Commit
                                               static_cast<double>(loss_scale_));
     no_grad = prepared_no_grad_;
   }
-  if (!r.skip()) {
+  if (!r.skip) {
     // The frozen gradient is read without the reduction lock: pushes are
     // refused while prepared, and commit_mu_ keeps other commits out.
     absl::MutexLock params_lock(&params_mu_);
     std::vector<StepHyperParams> groups = GroupHyperParams(*config_);
     for (size_t g = 0; g < groups.size(); ++g) {
-      groups[g].lr = r.group_lrs_size() == 0 ? r.lr() : r.group_lrs(static_cast<int>(g));
+      groups[g].lr = r.group_lrs.empty() ? r.lr : r.group_lrs[g];
       groups[g].grad_scale = grad_scale;
     }
     const absl::Time start = absl::Now();
@@ -604,20 +597,20 @@ absl::StatusOr<v1::CommitStepResponse> StepEngine::CommitLocked(const v1::Commit
     ++params_version_;
   }
   absl::MutexLock lock(&mu_);
-  UpdateLossScale(r.skip());
+  UpdateLossScale(r.skip);
   reduction_->Reset();
   prepared_ = false;
   prepared_by_forward_ = false;
   ++reduction_changes_;
-  last_commit_.response.set_committed_step(r.step());
-  last_commit_.response.set_loss_scale(loss_scale_);
-  last_commit_.response.set_skipped(r.skip());
+  last_commit_.response.committed_step = r.step;
+  last_commit_.response.loss_scale = loss_scale_;
+  last_commit_.response.skipped = r.skip;
   last_commit_.clip_coef = clip;
-  last_commit_.grad_norm = r.grad_norm();
-  last_commit_.lr = r.lr();
-  last_commit_.group_lrs.assign(r.group_lrs().begin(), r.group_lrs().end());
+  last_commit_.grad_norm = r.grad_norm;
+  last_commit_.lr = r.lr;
+  last_commit_.group_lrs = r.group_lrs;
   // Published last, under mu_: whoever sees the step sees a reset reduction.
-  committed_step_.store(r.step(), std::memory_order_release);
+  committed_step_.store(r.step, std::memory_order_release);
   return last_commit_.response;
 }
 
@@ -633,7 +626,7 @@ v1::TrainingState StepEngine::TrainingStateLocked() const {
     c->set_step(committed_step());
     c->set_lr(last_commit_.lr);
     c->set_clip_coef(last_commit_.clip_coef);
-    c->set_skipped(last_commit_.response.skipped());
+    c->set_skipped(last_commit_.response.skipped);
     c->set_grad_norm(last_commit_.grad_norm);
     for (float lr : last_commit_.group_lrs) c->add_group_lrs(lr);
   }
@@ -671,7 +664,7 @@ void StepEngine::Restore(const v1::TrainingState& state,
 }
 
 absl::Status StepEngine::TakeForwardedStep(uint64_t step, const float* grad,
-                                           const v1::PrepareStepResponse& result,
+                                           const PrepareResult& result,
                                            std::vector<uint32_t> no_grad) {
   absl::MutexLock lock(&mu_);
   if (step != committed_step() + 1) {
@@ -712,9 +705,9 @@ void StepEngine::RestoreTrainingStateLocked(const v1::TrainingState& state) {
   loss_scale_ = state.loss_scale();
   good_steps_ = state.good_steps();
   last_commit_ = LastCommit();
-  last_commit_.response.set_committed_step(state.committed_step());
-  last_commit_.response.set_loss_scale(loss_scale_);
-  last_commit_.response.set_skipped(state.last_commit().skipped());
+  last_commit_.response.committed_step = state.committed_step();
+  last_commit_.response.loss_scale = loss_scale_;
+  last_commit_.response.skipped = state.last_commit().skipped();
   last_commit_.clip_coef = state.last_commit().clip_coef();
   last_commit_.grad_norm = state.last_commit().grad_norm();
   last_commit_.lr = state.last_commit().lr();
@@ -725,11 +718,13 @@ void StepEngine::RestoreTrainingStateLocked(const v1::TrainingState& state) {
 
 namespace {
 
-absl::StatusOr<StateArrayKind> StateArrayOf(v1::StateArray array, absl::string_view field) {
+// The wire numbers of zeroshard.v1.StateArray, which StateArrayKind's
+// values are.
+absl::StatusOr<StateArrayKind> StateArrayOf(WireEnum array, absl::string_view field) {
   switch (array) {
-    case v1::STATE_ARRAY_MASTER: return StateArrayKind::kMaster;
-    case v1::STATE_ARRAY_EXP_AVG: return StateArrayKind::kExpAvg;
-    case v1::STATE_ARRAY_EXP_AVG_SQ: return StateArrayKind::kExpAvgSq;
+    case static_cast<int>(StateArrayKind::kMaster): return StateArrayKind::kMaster;
+    case static_cast<int>(StateArrayKind::kExpAvg): return StateArrayKind::kExpAvg;
+    case static_cast<int>(StateArrayKind::kExpAvgSq): return StateArrayKind::kExpAvgSq;
     default: break;
   }
   return absl::InvalidArgumentError(absl::StrCat(
@@ -738,16 +733,16 @@ absl::StatusOr<StateArrayKind> StateArrayOf(v1::StateArray array, absl::string_v
 
 }  // namespace
 
-absl::Status StepEngine::ReadState(v1::StateArray wire_array, const FlatRange& range,
+absl::Status StepEngine::ReadState(WireEnum wire_array, const FlatRange& range,
                                    uint64_t max_chunk_elements,
-                                   const std::function<bool(v1::StateChunk&)>& write) {
+                                   const std::function<bool(StateChunkOut&)>& write) {
   ASSIGN_OR_RETURN(const StateArrayKind array, StateArrayOf(wire_array, "array"));
   if (range.begin >= range.end || !owned_unpadded_.Contains(range)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "range [", range.begin, ", ", range.end, ") is empty or outside the parameters this ",
         "daemon owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
   }
-  v1::StateChunk chunk;
+  StateChunkOut chunk;
   uint64_t version = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -759,15 +754,13 @@ absl::Status StepEngine::ReadState(v1::StateArray wire_array, const FlatRange& r
     absl::ReaderMutexLock params_lock(&params_mu_);
     RETURN_IF_ERROR(shard_->CheckArray(array, "array"));
     version = params_version_;
-    for (v1::TensorStep& t : shard_->TensorStepsIn(range)) {
-      *chunk.add_tensor_steps() = std::move(t);
+    for (const v1::TensorStep& t : shard_->TensorStepsIn(range)) {
+      chunk.tensor_steps.push_back({t.tensor(), t.steps()});
     }
   }
-  chunk.set_job_id(config_->job_id);
-  chunk.set_array(wire_array);
   for (uint64_t pos = range.begin; pos < range.end;) {
     const uint64_t end = std::min(range.end, pos + max_chunk_elements);
-    std::string* data = chunk.mutable_data();
+    std::string* data = &chunk.data;
     data->resize((end - pos) * sizeof(float));
     {
       // Only the copy holds the lock; the write below holds none.
@@ -779,52 +772,51 @@ absl::Status StepEngine::ReadState(v1::StateArray wire_array, const FlatRange& r
       }
       shard_->ReadArray(array, {pos, end}, reinterpret_cast<float*>(data->data()));
     }
-    chunk.mutable_range()->set_begin(pos);
-    chunk.mutable_range()->set_end(end);
-    chunk.set_crc32c(Crc32c(data->data(), data->size()));
+    chunk.range = {pos, end};
+    chunk.crc32c = Crc32c(data->data(), data->size());
     if (!write(chunk)) return absl::CancelledError("the reading client went away");
-    chunk.clear_tensor_steps();
+    chunk.tensor_steps.clear();
     pos = end;
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::WriteStateResponse> StepEngine::WriteState(
-    const std::vector<v1::StateChunk>& chunks, bool* changed) {
+absl::StatusOr<WriteStateResult> StepEngine::WriteState(const std::vector<StateChunkIn>& chunks,
+                                                         bool* changed) {
   *changed = false;
   // Checked in full before anything changes.
   std::vector<StateArrayKind> arrays(chunks.size());
   std::vector<uint32_t> stepped;
   for (size_t i = 0; i < chunks.size(); ++i) {
-    const v1::StateChunk& c = chunks[i];
+    const StateChunkIn& c = chunks[i];
     const std::string where = absl::StrCat("chunk ", i);
-    const FlatRange r{c.range().begin(), c.range().end()};
-    if (!r.empty() || c.data().size() > 0) {
-      ASSIGN_OR_RETURN(arrays[i], StateArrayOf(c.array(), where + ".array"));
+    const FlatRange r = c.range;
+    if (!r.empty() || c.data.size() > 0) {
+      ASSIGN_OR_RETURN(arrays[i], StateArrayOf(c.array, where + ".array"));
       if (r.begin > r.end || !owned_unpadded_.Contains(r)) {
         return absl::InvalidArgumentError(absl::StrCat(
-            where, ".range ", RangeString(c.range()), " is outside the parameters this daemon ",
+            where, ".range ", RangeString(c.range), " is outside the parameters this daemon ",
             "owns [", owned_unpadded_.begin, ", ", owned_unpadded_.end, ")"));
       }
-      if (c.data().size() != r.size() * sizeof(float)) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ".data: ", c.data().size(),
+      if (c.data.size() != r.size() * sizeof(float)) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ".data: ", c.data.size(),
                                                        " bytes, expected ", r.size() * 4, " for ",
                                                        r.size(), " fp32 elements"));
       }
-      if (c.crc32c() != 0 && Crc32c(c.data().data(), c.data().size()) != c.crc32c()) {
+      if (c.crc32c != 0 && Crc32c(c.data.data(), c.data.size()) != c.crc32c) {
         return absl::DataLossError(
             absl::StrCat(where, ": CRC-32C of the data does not match (corrupted in transit)"));
       }
       for (size_t j = 0; j < i; ++j) {
-        const FlatRange other{chunks[j].range().begin(), chunks[j].range().end()};
+        const FlatRange other = chunks[j].range;
         if (arrays[j] == arrays[i] && !other.Intersect(r).empty()) {
-          return absl::InvalidArgumentError(absl::StrCat(where, ".range ", RangeString(c.range()),
+          return absl::InvalidArgumentError(absl::StrCat(where, ".range ", RangeString(c.range),
                                                          " overlaps chunk ", j,
                                                          "'s of the same array"));
         }
       }
     }
-    for (int k = 0; k < c.tensor_steps_size(); ++k) stepped.push_back(c.tensor_steps(k).tensor());
+    for (const TensorStepCount& t : c.tensor_steps) stepped.push_back(t.tensor);
   }
   std::sort(stepped.begin(), stepped.end());
   if (std::adjacent_find(stepped.begin(), stepped.end()) != stepped.end()) {
@@ -842,74 +834,68 @@ absl::StatusOr<v1::WriteStateResponse> StepEngine::WriteState(
   absl::MutexLock params_lock(&params_mu_);
   uint64_t elements = 0;
   for (size_t i = 0; i < chunks.size(); ++i) {
-    const v1::StateChunk& c = chunks[i];
+    const StateChunkIn& c = chunks[i];
     const std::string where = absl::StrCat("chunk ", i);
-    for (int k = 0; k < c.tensor_steps_size(); ++k) {
-      RETURN_IF_ERROR(shard_->CheckTensorStep(c.tensor_steps(k).tensor(),
+    for (size_t k = 0; k < c.tensor_steps.size(); ++k) {
+      RETURN_IF_ERROR(shard_->CheckTensorStep(c.tensor_steps[k].tensor,
                                               absl::StrCat(where, ".tensor_steps[", k, "]")));
     }
-    if (c.data().empty()) continue;
+    if (c.data.empty()) continue;
     RETURN_IF_ERROR(shard_->CheckArray(arrays[i], where + ".array"));
-    RETURN_IF_ERROR(shard_->CheckWrite(arrays[i], {c.range().begin(), c.range().end()},
-                                       reinterpret_cast<const float*>(c.data().data()),
+    RETURN_IF_ERROR(shard_->CheckWrite(arrays[i], c.range,
+                                       reinterpret_cast<const float*>(c.data.data()),
                                        where + ".data"));
   }
   // A write of what is held changes nothing: every rank of a job may load
   // the same state dict without gathers being aborted by the others.
   bool changes = false;
   for (size_t i = 0; i < chunks.size() && !changes; ++i) {
-    const v1::StateChunk& c = chunks[i];
-    for (const v1::TensorStep& t : c.tensor_steps()) {
-      changes = changes || !shard_->HasTensorStep(t.tensor(), t.steps());
+    const StateChunkIn& c = chunks[i];
+    for (const TensorStepCount& t : c.tensor_steps) {
+      changes = changes || !shard_->HasTensorStep(t.tensor, t.steps);
     }
-    changes = changes || (!c.data().empty() &&
-                          !shard_->Holds(arrays[i], {c.range().begin(), c.range().end()},
-                                         reinterpret_cast<const float*>(c.data().data())));
+    changes = changes || (!c.data.empty() &&
+                          !shard_->Holds(arrays[i], c.range,
+                                         reinterpret_cast<const float*>(c.data.data())));
   }
   uint32_t steps = 0;
   for (size_t i = 0; i < chunks.size() && changes; ++i) {
-    const v1::StateChunk& c = chunks[i];
-    for (const v1::TensorStep& t : c.tensor_steps()) {
-      shard_->SetTensorStep(t.tensor(), t.steps());
+    const StateChunkIn& c = chunks[i];
+    for (const TensorStepCount& t : c.tensor_steps) {
+      shard_->SetTensorStep(t.tensor, t.steps);
       ++steps;
     }
-    if (c.data().empty()) continue;
-    const FlatRange r{c.range().begin(), c.range().end()};
+    if (c.data.empty()) continue;
+    const FlatRange r = c.range;
     shard_->WriteArray(options_.optimizer, arrays[i], r,
-                       reinterpret_cast<const float*>(c.data().data()));
+                       reinterpret_cast<const float*>(c.data.data()));
     elements += r.size();
   }
   if (changes) ++params_version_;
   *changed = changes;
-  v1::WriteStateResponse out;
-  out.set_elements(elements);
-  out.set_tensor_steps(steps);
+  WriteStateResult out;
+  out.elements = elements;
+  out.tensor_steps = steps;
   return out;
 }
 
-void StepEngine::FillStepState(bool brief, v1::StepState* state) const {
-  state->set_world_size(config_->world_size);
+StepProgress StepEngine::Progress(bool brief) const {
+  StepProgress state;
+  state.world_size = config_->world_size;
   absl::MutexLock lock(&mu_);
-  state->set_committed_step(committed_step());
-  state->set_loss_scale(loss_scale_);
+  state.committed_step = committed_step();
+  state.loss_scale = loss_scale_;
   if (committed_step() > 0) {
-    state->set_last_skipped(last_commit_.response.skipped());
-    state->set_last_clip_coef(last_commit_.clip_coef);
-    state->set_last_grad_norm(last_commit_.grad_norm);
-    state->set_last_lr(last_commit_.lr);
+    state.last_skipped = last_commit_.response.skipped;
+    state.last_clip_coef = last_commit_.clip_coef;
+    state.last_grad_norm = last_commit_.grad_norm;
+    state.last_lr = last_commit_.lr;
   }
-  state->set_prepared(prepared_);
-  state->set_complete_elements(reduction_->CompleteElements());
-  state->set_owned_elements(owned_unpadded_.size());
-  if (brief) return;
-  for (const MissingRange& m : reduction_->Missing(kMaxMissingReported)) {
-    v1::MissingContribution* out = state->add_missing();
-    out->mutable_range()->set_begin(m.range.begin);
-    out->mutable_range()->set_end(m.range.end);
-    out->set_rank(m.rank);
-    out->set_contributions(m.contributions);
-    out->set_expected(m.expected);
-  }
+  state.prepared = prepared_;
+  state.complete_elements = reduction_->CompleteElements();
+  state.owned_elements = owned_unpadded_.size();
+  if (!brief) state.missing = reduction_->Missing(kMaxMissingReported);
+  return state;
 }
 
 float StepEngine::loss_scale() const {
@@ -917,9 +903,22 @@ float StepEngine::loss_scale() const {
   return loss_scale_;
 }
 
-void StepEngine::FillParameterRegions(v1::ExchangeEndpointResponse* response) const {
+std::vector<ParameterRegion> StepEngine::ParameterRegions() const {
+  std::vector<ParameterRegion> out;
   absl::ReaderMutexLock lock(&params_mu_);
-  shard_->FillRegions(response);
+  auto add = [&](ParameterRegion::Purpose purpose, const transport::Region* region) {
+    if (region == nullptr) return;
+    ParameterRegion r;
+    r.purpose = purpose;
+    r.address = region->Descriptor().address;
+    r.length = region->Descriptor().length;
+    r.rkey = region->Descriptor().rkey;
+    r.range = owned_;
+    out.push_back(std::move(r));
+  };
+  add(ParameterRegion::Purpose::kMaster, shard_->array_region(0));
+  add(ParameterRegion::Purpose::kHalf, shard_->half_region());
+  return out;
 }
 
 absl::Time StepEngine::last_remote_access() const {

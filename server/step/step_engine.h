@@ -22,6 +22,11 @@
 //               exclusive for the optimizer's update).
 // The committed step is an atomic: step-state reads never wait for a step.
 // Every wait takes a deadline.
+//
+// Its calls take and answer the plain structs of step_types.h; server/rpc
+// does the wire decoding. One protobuf stays: v1::TrainingState, the
+// committed scalars as checkpoint files and replica transfers persist them
+// (TrainingState, Restore).
 
 #include <atomic>
 #include <cstdint>
@@ -38,12 +43,12 @@
 #include "absl/types/span.h"
 #include "common/job_spec.h"
 #include "proto/zeroshard/v1/checkpoint.pb.h"
-#include "proto/zeroshard/v1/shard.pb.h"
 #include "server/metrics/daemon_metrics.h"
 #include "server/ledger/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 #include "server/step/reduction.h"
 #include "server/step/shard_state.h"
+#include "server/step/step_types.h"
 #include "transport/transport.h"
 
 namespace zeroshard {
@@ -88,18 +93,17 @@ class StepEngine {
   // ---- Data ----
   // Stores initial parameters; every chunk is checked before any is
   // applied. FailedPrecondition after the first commit.
-  absl::Status InitParameters(const std::vector<v1::ParameterChunk>& chunks, uint64_t* elements);
+  absl::Status InitParameters(const std::vector<ParameterChunkIn>& chunks, uint64_t* elements);
   // Applies one pushed stream atomically: every chunk is checked first; on
-  // any error nothing changes. `payloads[i]` holds chunk i's bytes, read
-  // only during the call. `senders_current` (called with the reduction lock
+  // any error nothing changes. Each chunk's payload is read only during the
+  // call. `senders_current` (called with the reduction lock
   // held, and again after every wait that released it) says whether the
   // chunks' senders are still their ranks' current processes. Waits (until
   // `deadline`: DeadlineExceeded, nothing applied) while the out-of-order
   // budget is full.
-  absl::Status PushGradient(const std::vector<v1::GradientChunk>& chunks,
-                            const std::vector<absl::string_view>& payloads, absl::Time deadline,
-                            absl::FunctionRef<absl::Status()> senders_current,
-                            v1::PushGradientResponse* response);
+  absl::StatusOr<PushResult> PushGradient(const std::vector<GradientChunkIn>& chunks,
+                                          absl::Time deadline,
+                                          absl::FunctionRef<absl::Status()> senders_current);
   // Runs `join` (a rank table's update, which returns the incarnation a
   // newer process replaces, or 0) with the reduction lock held, then drops
   // what the replaced process left waiting in the reduction: a new
@@ -111,11 +115,12 @@ class StepEngine {
   // then calls `write` with consecutive chunks of at most
   // max_chunk_elements covering `range` in `dtype`, with no lock held (a
   // slow reader delays nobody); Aborted if a commit changes the parameters
-  // between two chunks. `write` returning false stops (Cancelled). A null
-  // `write` only validates and waits.
+  // between two chunks. `write` returning false stops (Cancelled); it may
+  // swap the chunk's data out (step_types.h). A null `write` only
+  // validates and waits.
   absl::Status Gather(uint64_t after_step, const FlatRange& range, DType dtype,
                       absl::Time deadline, uint64_t max_chunk_elements,
-                      const std::function<bool(v1::ParameterChunk&)>& write);
+                      const std::function<bool(ParameterChunkOut&)>& write);
   // Blocks (without holding any lock other requests need) until `step` is
   // committed or `deadline`; whether it is committed. Only the open step is
   // waited for: an older one answers true, a later one false, at once.
@@ -129,7 +134,7 @@ class StepEngine {
     bool fresh = false;  // prepared by this call (not earlier)
     const float* grad = nullptr;  // indexed like the owned range
     std::vector<uint32_t> no_grad;
-    v1::PrepareStepResponse result;
+    PrepareResult result;
   };
   // Phase 1, with commit_lock() held by the caller: checks the step's
   // gradient is complete, freezes it and answers its norm (a step prepared
@@ -140,25 +145,24 @@ class StepEngine {
   absl::StatusOr<Prepared> PrepareLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
   // Records whether the group's backup holds the prepared step; the
   // prepare's answer.
-  v1::PrepareStepResponse FinishPrepare(bool backup_in_sync)
+  PrepareResult FinishPrepare(bool backup_in_sync)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
   // Phase 2 with a checked clip coefficient: the update (or the skip), the
   // loss scale, the committed step. The committed step answers its
   // recorded commit. Times the optimizer's update alone (the metrics'
   // zeroshard_optimizer_seconds). Commit takes commit_lock(); CommitLocked
   // runs with it held by the caller.
-  absl::StatusOr<v1::CommitStepResponse> Commit(const v1::CommitStepRequest& request, float clip)
+  absl::StatusOr<CommitResult> Commit(const CommitRequest& request, float clip)
       ABSL_LOCKS_EXCLUDED(commit_mu_);
-  absl::StatusOr<v1::CommitStepResponse> CommitLocked(const v1::CommitStepRequest& request,
-                                                      float clip)
+  absl::StatusOr<CommitResult> CommitLocked(const CommitRequest& request, float clip)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
   // The commit's fields checked (lr, group_lrs, clip_coef named as `prefix`
   // + field); the clip coefficient (0 read as 1).
-  absl::StatusOr<float> CheckCommitFields(const v1::CommitStepRequest& request,
+  absl::StatusOr<float> CheckCommitFields(const CommitRequest& request,
                                           absl::string_view prefix) const;
   // The open step's state (committed step, last commit, prepared, progress,
   // the missing ranges unless `brief`); not the ranks.
-  void FillStepState(bool brief, v1::StepState* state) const;
+  StepProgress Progress(bool brief) const;
   bool prepared() const;
   // Passes over the gradient that summed contributions so far, and the
   // contributions they summed (tests).
@@ -171,22 +175,24 @@ class StepEngine {
   // ---- State dicts ----
   // The committed `array` over `range` in chunks (the first with the update
   // counts), each written with no lock held; Aborted when the state changes
-  // between two chunks; FailedPrecondition while prepared.
-  absl::Status ReadState(v1::StateArray array, const FlatRange& range,
-                         uint64_t max_chunk_elements,
-                         const std::function<bool(v1::StateChunk&)>& write);
+  // between two chunks; FailedPrecondition while prepared. `array` as sent
+  // (InvalidArgument naming "array" unless MASTER, EXP_AVG or EXP_AVG_SQ);
+  // `write` may swap the chunk's data out (step_types.h).
+  absl::Status ReadState(WireEnum array, const FlatRange& range, uint64_t max_chunk_elements,
+                         const std::function<bool(StateChunkOut&)>& write);
   // Checks every chunk (array, range, size, CRC, zeros where there is no
   // state, update counts; not the ranks), then applies them all. *changed
   // tells whether anything differed from what was held. Nothing changes on
   // any error.
-  absl::StatusOr<v1::WriteStateResponse> WriteState(const std::vector<v1::StateChunk>& chunks,
-                                                    bool* changed);
+  absl::StatusOr<WriteStateResult> WriteState(const std::vector<StateChunkIn>& chunks,
+                                              bool* changed);
 
   // ---- Snapshots and restores (checkpoints, replica transfers) ----
   // The lock that keeps every state change out; see the class comment.
   absl::Mutex& commit_lock() ABSL_LOCK_RETURNED(commit_mu_) { return commit_mu_; }
   // The committed scalars (step, loss scale, last commit; not the update
-  // counts, which ShardState holds).
+  // counts, which ShardState holds), in the form checkpoint files and
+  // replica transfers persist them: a protobuf on purpose.
   v1::TrainingState TrainingState() const;
   // The element counts of the model-state arrays a replica transfer sends
   // (ShardState's raw form, over the owned unpadded range), in order.
@@ -205,15 +211,16 @@ class StepEngine {
   // then prepared here, by forward. FailedPrecondition unless `step` is the
   // open step. With commit_lock() held.
   absl::Status TakeForwardedStep(uint64_t step, const float* grad,
-                                 const v1::PrepareStepResponse& result,
+                                 const PrepareResult& result,
                                  std::vector<uint32_t> no_grad)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
   // Books the copy's memory as replica (a backup) or under each array's
   // own category (a primary).
   void Rebook(bool replica);
 
-  // Adds PARAM_MASTER / PARAM_HALF regions when the job has a transport.
-  void FillParameterRegions(v1::ExchangeEndpointResponse* response) const;
+  // The master (and half) parameter regions over the owned range; none
+  // without a transport.
+  std::vector<ParameterRegion> ParameterRegions() const;
   // The last time the job handed out remote access to its regions (an
   // endpoint, a gather's go-ahead); they must stay mapped a read lease past.
   absl::Time last_remote_access() const;
@@ -224,7 +231,7 @@ class StepEngine {
 
  private:
   struct LastCommit {
-    v1::CommitStepResponse response;
+    CommitResult response;
     float clip_coef = 1.0f;
     float grad_norm = 0.0f;
     float lr = 0.0f;
@@ -232,8 +239,7 @@ class StepEngine {
   };
 
   StepEngine(const JobConfig* config, FlatRange owned, const Options& options);
-  absl::Status CheckChunk(const v1::GradientChunk& c, size_t index, absl::string_view payload,
-                          Contribution* out) const;
+  absl::Status CheckChunk(const GradientChunkIn& c, size_t index, Contribution* out) const;
   void UpdateLossScale(bool skipped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // 1 / (N_d * loss scale): what the summed gradient is multiplied by before
   // its norm is taken and the optimizer steps.
@@ -277,7 +283,7 @@ class StepEngine {
   // committed, and dropped when the ranks push the step again (the primary
   // died before any copy committed it).
   bool prepared_by_forward_ ABSL_GUARDED_BY(mu_) = false;
-  v1::PrepareStepResponse prepare_result_ ABSL_GUARDED_BY(mu_);
+  PrepareResult prepare_result_ ABSL_GUARDED_BY(mu_);
   // The prepared step's tensors without a gradient (layout indices,
   // ascending), which its commit skips.
   std::vector<uint32_t> prepared_no_grad_ ABSL_GUARDED_BY(mu_);

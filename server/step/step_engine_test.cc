@@ -78,14 +78,12 @@ class StepEngineTest : public ::testing::Test {
   }
 
   absl::Status Init(const std::vector<float>& params) {
-    v1::ParameterChunk c;
-    c.set_job_id(config_.job_id);
-    c.mutable_range()->set_begin(0);
-    c.mutable_range()->set_end(Total());
-    c.set_dtype(v1::DTYPE_FP32);
-    uint32_t crc = 0;
-    Fill({0, Total()}, params, c.mutable_data(), &crc);
-    c.set_crc32c(crc);
+    std::string data;
+    ParameterChunkIn c;
+    c.range = {0, Total()};
+    c.dtype = DTypeToProto(DType::kFp32);
+    Fill({0, Total()}, params, &data, &c.crc32c);
+    c.data = data;
     uint64_t elements = 0;
     return engine_->InitParameters({c}, &elements);
   }
@@ -93,35 +91,33 @@ class StepEngineTest : public ::testing::Test {
   // Rank `rank`'s gradient for `step` over [0, total) as one chunk.
   absl::Status Push(uint64_t step, uint32_t rank, const std::vector<float>& grad,
                     bool corrupt_crc = false) {
-    v1::GradientChunk c;
-    c.set_job_id(config_.job_id);
-    c.set_step(step);
-    c.set_rank(rank);
-    c.set_incarnation(1);
-    c.mutable_range()->set_begin(0);
-    c.mutable_range()->set_end(Total());
-    c.set_dtype(v1::DTYPE_FP32);
+    GradientChunkIn c;
+    c.step = step;
+    c.rank = rank;
+    c.incarnation = 1;
+    c.range = {0, Total()};
+    c.dtype = DTypeToProto(DType::kFp32);
     uint32_t crc = 0;
     std::string payload;
     Fill({0, Total()}, grad, &payload, &crc);
-    c.set_crc32c(corrupt_crc ? crc ^ 1 : crc);
-    v1::PushGradientResponse response;
-    return engine_->PushGradient({c}, {payload}, absl::Now() + absl::Seconds(10),
-                                 [] { return absl::OkStatus(); }, &response);
+    c.crc32c = corrupt_crc ? crc ^ 1 : crc;
+    c.payload = payload;
+    return engine_
+        ->PushGradient({c}, absl::Now() + absl::Seconds(10), [] { return absl::OkStatus(); })
+        .status();
   }
 
-  absl::StatusOr<v1::PrepareStepResponse> Prepare(uint64_t step) {
+  absl::StatusOr<PrepareResult> Prepare(uint64_t step) {
     absl::MutexLock lock(&engine_->commit_lock());
     absl::StatusOr<StepEngine::Prepared> p = engine_->PrepareLocked(step);
     if (!p.ok()) return p.status();
     return engine_->FinishPrepare(false);
   }
 
-  absl::StatusOr<v1::CommitStepResponse> Commit(uint64_t step, float lr) {
-    v1::CommitStepRequest r;
-    r.set_job_id(config_.job_id);
-    r.set_step(step);
-    r.set_lr(lr);
+  absl::StatusOr<CommitResult> Commit(uint64_t step, float lr) {
+    CommitRequest r;
+    r.step = step;
+    r.lr = lr;
     absl::StatusOr<float> clip = engine_->CheckCommitFields(r, "");
     if (!clip.ok()) return clip.status();
     return engine_->Commit(r, *clip);
@@ -131,8 +127,8 @@ class StepEngineTest : public ::testing::Test {
     std::vector<float> out(Total(), 0.0f);
     absl::Status s = engine_->Gather(
         after_step, {0, Total()}, DType::kFp32, absl::Now() + absl::Seconds(10), 1 << 20,
-        [&](v1::ParameterChunk& c) {
-          std::memcpy(out.data() + c.range().begin(), c.data().data(), c.data().size());
+        [&](ParameterChunkOut& c) {
+          std::memcpy(out.data() + c.range.begin, c.data.data(), c.data.size());
           return true;
         });
     EXPECT_TRUE(s.ok()) << s;
@@ -179,12 +175,12 @@ TEST_F(StepEngineTest, ThreeStepsMatchTorchAdamWOverTheAveragedGradient) {
     // Rank 1 first: the sum is in rank order whatever order pushes arrive in.
     ASSERT_TRUE(Push(step, 1, g1).ok());
     ASSERT_TRUE(Push(step, 0, g0).ok());
-    absl::StatusOr<v1::PrepareStepResponse> prepared = Prepare(step);
+    absl::StatusOr<PrepareResult> prepared = Prepare(step);
     ASSERT_TRUE(prepared.ok()) << prepared.status();
-    absl::StatusOr<v1::CommitStepResponse> committed = Commit(step, lrs[step - 1]);
+    absl::StatusOr<CommitResult> committed = Commit(step, lrs[step - 1]);
     ASSERT_TRUE(committed.ok()) << committed.status();
-    EXPECT_EQ(committed->committed_step(), step);
-    EXPECT_FALSE(committed->skipped());
+    EXPECT_EQ(committed->committed_step, step);
+    EXPECT_FALSE(committed->skipped);
 
     auto mean = [&](const TensorPlacement& p, const std::vector<int64_t>& shape) {
       return (slice(g0, p, shape) + slice(g1, p, shape)) / static_cast<float>(kWorld);
@@ -193,7 +189,7 @@ TEST_F(StepEngineTest, ThreeStepsMatchTorchAdamWOverTheAveragedGradient) {
     b.mutable_grad() = mean(pb, kShapeB);
     // The step's norm squared, as the engine answers it for the leader.
     const double norm_sq = (a.grad().square().sum() + b.grad().square().sum()).item<double>();
-    EXPECT_NEAR(prepared->grad_sq_sum(), norm_sq, 1e-5 * norm_sq);
+    EXPECT_NEAR(prepared->grad_sq_sum, norm_sq, 1e-5 * norm_sq);
     for (auto& group : opt.param_groups()) group.options().set_lr(lrs[step - 1]);
     opt.step();
 
@@ -213,7 +209,7 @@ TEST_F(StepEngineTest, PrepareWithARankMissingIsRefusedAndChangesNothing) {
   ASSERT_TRUE(Init(Random(Total(), 1)).ok());
   ASSERT_TRUE(Push(1, 0, Random(Total(), 2)).ok());
   const uint64_t before = StateHash();
-  absl::StatusOr<v1::PrepareStepResponse> prepared = Prepare(1);
+  absl::StatusOr<PrepareResult> prepared = Prepare(1);
   EXPECT_EQ(prepared.status().code(), absl::StatusCode::kFailedPrecondition) << prepared.status();
   EXPECT_EQ(StateHash(), before);
   EXPECT_FALSE(engine_->prepared());
@@ -257,9 +253,9 @@ TEST_F(StepEngineTest, BadCommitsAreRefusedAndChangeNothing) {
   ASSERT_TRUE(Commit(1, 0.01f).ok());
   // A repeated commit answers the recorded one and steps nothing again.
   const uint64_t committed = StateHash();
-  absl::StatusOr<v1::CommitStepResponse> again = Commit(1, 0.01f);
+  absl::StatusOr<CommitResult> again = Commit(1, 0.01f);
   ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(again->committed_step(), 1u);
+  EXPECT_EQ(again->committed_step, 1u);
   EXPECT_EQ(StateHash(), committed);
 }
 

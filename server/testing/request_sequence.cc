@@ -23,6 +23,7 @@
 #include "proto/zeroshard/v1/control.grpc.pb.h"
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
+#include "server/rpc/job_wire.h"
 #include "transport/transport.h"
 
 namespace zeroshard::testing {
@@ -654,7 +655,9 @@ std::string RequestWorld::ReplicaSnapshot() {
       continue;
     }
     v1::ReplicaGroupState state;
-    (*copy)->FillReplicaState(&state);
+    if (std::optional<ReplicaGroupStatus> r = (*copy)->ReplicaState(); r.has_value()) {
+      ToWire(*r, &state);
+    }
     absl::StrAppend(&out, "group ", group, ": ", reinterpret_cast<uintptr_t>(copy->get()),
                     " hash ", (*copy)->StateHash(), " ", state.ShortDebugString(), "\n");
   }
@@ -677,11 +680,10 @@ grpc::Status RequestWorld::Run(const Call& call) {
   if (absl::StatusOr<std::shared_ptr<Job>> backup =
           daemon_->jobs().Find(kReplicaJobId, kReplicaBackupGroup);
       backup.ok()) {
-    v1::ReplicaGroupState state;
-    (*backup)->FillReplicaState(&state);
+    const std::optional<ReplicaGroupStatus> state = (*backup)->ReplicaState();
     f.backup.present = true;
-    f.backup.epoch = state.epoch();
-    f.backup.committed = state.committed_step();
+    f.backup.epoch = state.has_value() ? state->epoch : 0;
+    f.backup.committed = state.has_value() ? state->committed_step : 0;
     f.backup.owned = (*backup)->owned_unpadded();
   }
   grpc::ClientContext ctx;

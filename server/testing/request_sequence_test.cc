@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "server/rpc/job_wire.h"
 
 namespace zeroshard::testing {
 namespace {
@@ -185,7 +186,11 @@ v1::ReplicaGroupState Backup(RequestWorld& world) {
   v1::ReplicaGroupState state;
   absl::StatusOr<std::shared_ptr<Job>> copy =
       world.daemon().jobs().Find(kReplicaJobId, kReplicaBackupGroup);
-  if (copy.ok()) (*copy)->FillReplicaState(&state);
+  if (copy.ok()) {
+    if (std::optional<ReplicaGroupStatus> r = (*copy)->ReplicaState(); r.has_value()) {
+      ToWire(*r, &state);
+    }
+  }
   return state;
 }
 
