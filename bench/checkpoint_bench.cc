@@ -138,8 +138,12 @@ int Main() {
   *reg.mutable_spec() = ToJobSpec(settings, *layout);
   reg.set_daemon_index(0);
   bool created = false;
+  JobManager::Registrant registrant;
+  registrant.may_create = true;
+  registrant.identity = "admin";
+  registrant.exempt = true;
   absl::StatusOr<std::shared_ptr<Job>> job =
-      (*daemon)->jobs().Register(reg, TokenDigest::Of("bench"), false, true, &created);
+      (*daemon)->jobs().Register(reg, TokenDigest::Of("bench"), false, registrant, &created);
   Check(job.status(), "RegisterJob");
   v1::JoinJobRequest join;
   join.set_job_id("bench");
