@@ -161,9 +161,9 @@ train_one_host() {
 }
 
 # psi DAEMON_LOG JOB: Ψ of JOB as the daemon logged its registration
-# ("job J registered: stage S, N_d 2, Ψ 67777, ..."; gpt_train prints it
-# to three figures only).
-psi() { sed -n "s/^zeroshardd: job $2 registered: .*, Ψ \([0-9]*\),.*/\1/p" "$1" | head -n 1; }
+# ("job J registered by IDENTITY: stage S, N_d 2, Ψ 67777, ..."; gpt_train
+# prints it to three figures only).
+psi() { sed -n "s/^zeroshardd: job $2 registered by .*, Ψ \([0-9]*\),.*/\1/p" "$1" | head -n 1; }
 
 # run_path PATH DAEMON_FLAGS_2HOST DAEMON_FLAGS_1HOST -- TRAINER_FLAGS...:
 # daemons 0 and 1 on hosts 0 and 1 and daemons 2 and 3 on host 0's

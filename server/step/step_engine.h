@@ -111,7 +111,8 @@ class StepEngine {
   // then calls `write` with consecutive chunks of at most
   // max_chunk_elements covering `range` in `dtype`, with no lock held (a
   // slow reader delays nobody); Aborted if a commit changes the parameters
-  // between two chunks. `write` returning false stops (Cancelled). A null
+  // between two chunks. Each chunk names the committed step its data is
+  // at (ParameterChunk.step; at least after_step). `write` returning false stops (Cancelled). A null
   // `write` only validates and waits.
   absl::Status Gather(uint64_t after_step, const FlatRange& range, DType dtype,
                       absl::Time deadline, uint64_t max_chunk_elements,
@@ -292,6 +293,9 @@ class StepEngine {
   // Bumped by every write of the parameters: a gather that sees it change
   // between chunks was torn by a commit.
   uint64_t params_version_ ABSL_GUARDED_BY(params_mu_) = 0;
+  // The committed step the parameters are at (a commit changes them before
+  // it publishes committed_step_): what a gather's chunks name.
+  uint64_t params_step_ ABSL_GUARDED_BY(params_mu_) = 0;
 
   std::atomic<int64_t> last_remote_access_ns_{0};
 };
