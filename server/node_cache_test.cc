@@ -27,13 +27,14 @@ uint64_t CacheBytes(Daemon& daemon, const std::string& job) {
   return daemon.ledger().JobBytes(job)[static_cast<int>(MemoryCategory::kParamCache)];
 }
 
-// The whole model as the owners serve it, one gather per daemon.
-std::vector<float> PerOwner(TestCluster& c, uint64_t step) {
+// The whole model as the owners serve it, one gather per daemon (in
+// `dtype`, widened to fp32: exact).
+std::vector<float> PerOwner(TestCluster& c, uint64_t step, v1::DType dtype = v1::DTYPE_FP32) {
   std::vector<float> all(c.total());
   for (int d = 0; d < c.num_daemons(); ++d) {
     const FlatRange r = c.DaemonRange(d);
     std::vector<float> part;
-    grpc::Status s = c.client(d).Gather(c.job(), step, r, &part);
+    grpc::Status s = c.client(d).Gather(c.job(), step, r, &part, 5000, dtype);
     EXPECT_TRUE(s.ok()) << s.error_message();
     if (part.size() == r.size()) std::memcpy(all.data() + r.begin, part.data(), r.size() * 4);
   }
@@ -84,6 +85,37 @@ TEST(NodeCacheTest, ADaemonServesTheWholeModelAsTheOwnersDoReadingThemOncePerSte
   EXPECT_EQ(std::memcmp(got.data(), PerOwner(c, 3).data(), c.total() * 4), 0);
 }
 
+// A bf16 job: the cache holds the half-precision copy; fp32 gathers (the
+// masters) are passed through to the owners, a chunk at a time.
+TEST(NodeCacheTest, HalfPrecisionIsCachedAndMastersPassThrough) {
+  TestCluster c(2, kWorld, 3, "nc-bf16", "", v1::DTYPE_BF16, /*node_cache=*/true);
+  std::mt19937 rng(11);
+  c.Init(RandomVector(rng, c.total(), 0.1f));
+  const uint64_t others = c.total() - c.DaemonRange(0).size();
+  for (uint64_t step = 0; step <= 2; ++step) {
+    if (step > 0) {
+      std::vector<std::vector<float>> grads;
+      for (uint32_t r = 0; r < kWorld; ++r) grads.push_back(RandomVector(rng, c.total(), 1.0f));
+      c.PushAll(step, grads);
+      c.Step(step, 1e-2f, 1.0f);
+    }
+    for (v1::DType dtype : {v1::DTYPE_BF16, v1::DTYPE_FP32}) {
+      const std::vector<float> want = PerOwner(c, step, dtype);
+      const double owner_gathers = RequestCount(c.daemon(1), "Gather");
+      std::vector<float> got;
+      grpc::Status s = c.client(0).Gather(c.job(), step, {0, c.total()}, &got, 5000, dtype);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      ASSERT_EQ(got.size(), c.total());
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), c.total() * 4), 0)
+          << "step " << step << " dtype " << dtype;
+      // bf16: one fetch of the step; fp32: daemon 1's part, passed through.
+      EXPECT_GE(RequestCount(c.daemon(1), "Gather") - owner_gathers, 1);
+    }
+    EXPECT_EQ(CacheBytes(c.daemon(0), c.job()), others * 2);
+    EXPECT_EQ((*c.daemon(0).jobs().Find(c.job()))->param_cache()->counts().fetches, step + 1);
+  }
+}
+
 TEST(NodeCacheTest, AStateWriteOutsideAStepIsServedAtOnce) {
   TestCluster c(2, kWorld, 3, "nc-write", "", v1::DTYPE_FP32, /*node_cache=*/true);
   std::mt19937 rng(8);
@@ -93,7 +125,8 @@ TEST(NodeCacheTest, AStateWriteOutsideAStepIsServedAtOnce) {
   // Every rank writes the same state dict to every daemon, then gathers.
   // Twice the values, alignment gaps zeros (as a write demands).
   std::vector<float> written(c.total(), 0.0f);
-  for (const TensorPlacement& t : testing::SampleLayout().tensors()) {
+  const Layout layout = testing::SampleLayout();
+  for (const TensorPlacement& t : layout.tensors()) {
     for (uint64_t e = t.range().begin; e < t.range().end; ++e) written[e] = 2 * got[e];
   }
   for (int d = 0; d < 2; ++d) {
