@@ -132,8 +132,12 @@ int Main() {
   *reg.mutable_spec() = ToJobSpec(settings, *layout);
   reg.set_daemon_index(0);
   bool created = false;
+  JobManager::Registrant registrant;
+  registrant.may_create = true;
+  registrant.identity = "admin";
+  registrant.exempt = true;
   absl::StatusOr<std::shared_ptr<Job>> job =
-      (*daemon)->jobs().Register(reg, TokenDigest::Of("bench"), false, JobManager::Registrant(), &created);
+      (*daemon)->jobs().Register(reg, TokenDigest::Of("bench"), false, registrant, &created);
   Check(job.status(), "RegisterJob");
   JoinRequest join;
   join.rank = 0;

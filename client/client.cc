@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/bulk_data_path.h"
+#include "client/local_daemon.h"
 #include "client/daemon_control.h"
 #include "client/daemon_reduce_collective.h"
 #include "client/heartbeat.h"
@@ -28,6 +29,8 @@ namespace {
 constexpr uint64_t kWriteStateChunkBytes = uint64_t{4} << 20;
 
 constexpr uint64_t kUploadPieceElements = 1ull << 20;  // 4 MiB of fp32 per stream
+// GatherRange's daemon index for a request sent to the node cache's path.
+constexpr uint32_t kNodeCachePath = ~0u;
 constexpr absl::string_view kStream = "stream";
 
 absl::Status Invalid(absl::string_view field, absl::string_view what) {
@@ -95,6 +98,11 @@ absl::Status ValidateConfig(const ClientConfig& c) {
                                                  c.max_grad_norm));
   }
   if (!PositiveFinite(c.rpc_timeout)) return Invalid("rpc_timeout", "must be positive and finite");
+  if (c.local_daemon < -1 || c.local_daemon >= static_cast<int>(c.daemons.size())) {
+    return Invalid("local_daemon",
+                   absl::StrCat("must be an index into daemons (", c.daemons.size(),
+                                ") or -1 (this machine's daemon), got ", c.local_daemon));
+  }
   if (c.cuda_device < -1) {
     return Invalid("cuda_device", absl::StrCat("must be a device index or -1 (host buffers only), "
                                                "got ",
@@ -228,6 +236,26 @@ absl::Status Client::Connect() {
       auto path = std::make_unique<BulkDataPath>(address, std::move(channel), bulk_, o);
       bulk_paths_.push_back(path.get());
       data_paths_.push_back(std::move(path));
+    }
+  }
+  if (c.node_cache && c.daemons.size() > 1) {
+    node_daemon_ = c.local_daemon;
+    if (node_daemon_ < 0) {
+      absl::StatusOr<int> found = FindLocalDaemon(c.daemons);
+      if (!found.ok()) {
+        std::fprintf(stderr, "zeroshard: rank %u: node cache off: %s\n", c.rank,
+                     std::string(found.status().message()).c_str());
+      } else if (*found < 0) {
+        std::fprintf(stderr,
+                     "zeroshard: rank %u: node cache off: no daemon of the job runs on this "
+                     "machine (set ClientConfig.local_daemon to name one)\n",
+                     c.rank);
+      }
+      node_daemon_ = found.ok() ? *found : -1;
+    }
+    if (node_daemon_ >= 0) {
+      const size_t d = static_cast<size_t>(node_daemon_);
+      node_path_ = std::make_unique<StreamDataPath>(placement_[d].address, channels[d]);
     }
   }
   channels_ = channels;
@@ -667,10 +695,21 @@ absl::Status Client::GatherRange(const FlatRange& range, DType dtype, uint64_t a
   const uint64_t request_elements =
       std::max<uint64_t>(1, std::min(config_.bucket_bytes, kMaxChunkBytes) / esize);
   std::vector<std::pair<uint32_t, FlatRange>> requests;  // (daemon, range)
-  for (uint32_t d = 0; d < map_.num_daemons(); ++d) {
-    const FlatRange piece = map_.DaemonRange(d).Intersect(range);
-    for (uint64_t b = piece.begin; b < piece.end; b += request_elements) {
-      requests.push_back({d, {b, std::min(piece.end, b + request_elements)}});
+  if (node_path_ != nullptr) {
+    // Node cache: the host daemon serves every slice (its own part from its
+    // parameters, the rest from its copy of the other daemons').
+    const FlatRange local = map_.DaemonRange(static_cast<uint32_t>(node_daemon_));
+    for (uint64_t b = range.begin; b < range.end; b += request_elements) {
+      requests.push_back({static_cast<uint32_t>(node_daemon_),
+                          {b, std::min(range.end, b + request_elements)}});
+      if (!local.Contains(requests.back().second)) requests.back().first = kNodeCachePath;
+    }
+  } else {
+    for (uint32_t d = 0; d < map_.num_daemons(); ++d) {
+      const FlatRange piece = map_.DaemonRange(d).Intersect(range);
+      for (uint64_t b = piece.begin; b < piece.end; b += request_elements) {
+        requests.push_back({d, {b, std::min(piece.end, b + request_elements)}});
+      }
     }
   }
   auto group = std::make_shared<CountDown>(static_cast<int64_t>(requests.size()));
@@ -681,7 +720,8 @@ absl::Status Client::GatherRange(const FlatRange& range, DType dtype, uint64_t a
                            r,              dtype,        config_.rpc_timeout};
     io_->Submit([this, d = daemon, spec, out, group, cancelled] {
       if (cancelled->load()) return group->Done(absl::CancelledError("gather abandoned"));
-      absl::StatusOr<uint64_t> bytes = data_paths_[d]->Gather(spec, out, RpcDeadline());
+      DataPath* path = d == kNodeCachePath ? node_path_.get() : data_paths_[d].get();
+      absl::StatusOr<uint64_t> bytes = path->Gather(spec, out, RpcDeadline());
       if (bytes.ok()) traffic_.AddGather(*bytes);
       group->Done(bytes.status());
     });

@@ -154,6 +154,14 @@ struct ClientConfig : JobSettings {
   // knows committed (a trainer reconnecting after a failure passes the last
   // step it saw committed), so that a backup behind it is never promoted.
   uint64_t known_committed_step = 0;
+  // The node cache (JobSettings::node_cache): the index in `daemons` of
+  // this rank's host daemon, which serves the rank's streamed gathers of
+  // other daemons' ranges from one copy per step. -1: found by Create, the
+  // first daemon whose host is one of this machine's addresses
+  // (client/local_daemon.h); when none is, this rank gathers from every
+  // owner as without the cache (said on stderr). Ignored without
+  // node_cache.
+  int local_daemon = -1;
   // The CUDA device whose memory PushGradients, GatherAll and Gather may be
   // given (MemoryKind::kCudaDevice); -1: host buffers only. With a device,
   // Create makes a copier on it (client/device_memory.h) and pins two gather
@@ -491,6 +499,11 @@ class Client {
   // data_paths_ (empty for "stream"), for activation stores.
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<BulkDataPath*> bulk_paths_;
+  // Node cache: the host daemon's index and its streaming path, which
+  // serves other daemons' ranges (bulk transports read only the daemon's
+  // own regions); -1 / null when the node cache is off for this rank.
+  int node_daemon_ = -1;
+  std::unique_ptr<StreamDataPath> node_path_;
   std::atomic<uint64_t> step_{0};  // read by pushing threads
   std::atomic<float> loss_scale_{1.0f};
   std::unique_ptr<StepCoordinator> coordinator_;

@@ -244,6 +244,68 @@ INSTANTIATE_TEST_SUITE_P(
                           info.param.transport);
     });
 
+// ---- The node cache: the host daemon serves the other daemons' ranges ----
+
+// Both daemons on loopback: every rank finds daemon 0 its host's daemon.
+// Training with the node cache ends with the parameters of training
+// without it, bit for bit, and daemon 1 serves a step's gathers once to
+// daemon 0 instead of once per rank and gather.
+TEST(ClientTest, TheNodeCacheTrainsBitIdenticallyReadingOtherDaemonsOncePerStep) {
+  for (const char* transport : {"stream", "inproc"}) {
+    Daemons daemons(2);
+    const Layout layout = SampleLayout();
+    const std::vector<float> init = InitialParams(layout);
+    constexpr uint32_t kWorld = 3;
+    constexpr int kSteps = 3;
+    std::map<bool, std::vector<float>> final_params;
+    std::map<bool, double> owner_gathers;
+    for (bool cached : {false, true}) {
+      const std::string job = absl::StrCat("node-cache-", transport, cached ? "-on" : "-off");
+      const double before = testing::RequestCount(*daemons.daemons[1], "Gather");
+      std::atomic<int> failures{0};
+      RunRanks(kWorld, [&](uint32_t rank) {
+        ClientConfig config = MakeConfig(job, daemons.addresses, rank, kWorld, 3, transport);
+        config.node_cache = cached;
+        std::unique_ptr<Client> client = Connect(config, layout, init.data());
+        if (client == nullptr) {
+          ++failures;
+          return;
+        }
+        std::vector<float> params(layout.total_elements());
+        for (int step = 1; step <= kSteps; ++step) {
+          absl::StatusOr<StepResult> r = TrainStep(*client, step, 0.01f, &params);
+          if (!r.ok()) {
+            ADD_FAILURE() << transport << " rank " << rank << " step " << step << ": "
+                          << r.status();
+            ++failures;
+            return;
+          }
+        }
+        if (rank == 0) {
+          final_params[cached].resize(layout.total_elements());
+          EXPECT_TRUE(client->GatherAll(final_params[cached].data(), DType::kFp32).ok());
+          if (cached) {
+            EXPECT_GT(daemons.daemons[0]->ledger().JobBytes(job)[static_cast<int>(
+                          MemoryCategory::kParamCache)],
+                      0u);
+          }
+        }
+        EXPECT_TRUE(client->Leave().ok());
+      });
+      ASSERT_EQ(failures.load(), 0) << transport;
+      owner_gathers[cached] = testing::RequestCount(*daemons.daemons[1], "Gather") - before;
+    }
+    EXPECT_EQ(final_params[true], final_params[false]) << transport;
+    // Without the cache each rank reads daemon 1 for each of its layers
+    // (stream) or waits on it per request (bulk); with it daemon 0 reads
+    // daemon 1 once per step, and the last GatherAll once more at most.
+    EXPECT_LE(owner_gathers[true], kSteps + 2) << transport;
+    EXPECT_GT(owner_gathers[false], owner_gathers[true] * 2) << transport;
+    std::printf("%s: Gather calls daemon 1 answered: %.0f without the node cache, %.0f with it\n",
+                transport, owner_gathers[false], owner_gathers[true]);
+  }
+}
+
 // ---- The cut rule: any split of the pushes works across ranks ----
 
 TEST(ClientTest, RanksMaySplitTheirPushesDifferently) {

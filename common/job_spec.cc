@@ -199,6 +199,10 @@ absl::Status ValidateJobSettings(const JobSettings& s, absl::string_view p) {
     return Invalid(p, "replicas",
                    "2 needs at least 2 daemons (each replica group's backup is the next daemon)");
   }
+  if (s.node_cache && s.replicas > 1) {
+    return Invalid(p, "node_cache",
+                   "needs replicas = 1 (a replicated job's gathers name their replica group)");
+  }
   for (size_t i = 0; i < s.daemons.size(); ++i) {
     const std::string field = absl::StrCat(p, "daemons[", i, "]");
     if (absl::Status st = ValidateHostPort(s.daemons[i], field); !st.ok()) return st;
@@ -323,6 +327,7 @@ v1::JobSpec ToJobSpec(const JobSettings& s, const Layout& layout) {
   spec.set_bucket_bytes(s.bucket_bytes);
   for (const std::string& d : s.daemons) spec.add_daemons(d);
   if (s.replicas > 1) spec.set_replicas(s.replicas);
+  if (s.node_cache) spec.set_node_cache(true);
   for (const ParamGroupSettings& g : s.param_groups) {
     v1::ParamGroup* out = spec.add_param_groups();
     out->set_lr(g.lr);
@@ -364,6 +369,7 @@ absl::StatusOr<JobConfig> ParseJobSpec(const v1::JobSpec& spec) {
   c.bucket_bytes = spec.bucket_bytes() == 0 ? kDefaultBucketBytes : spec.bucket_bytes();
   c.daemons.assign(spec.daemons().begin(), spec.daemons().end());
   c.replicas = spec.replicas() == 0 ? 1 : spec.replicas();
+  c.node_cache = spec.node_cache();
   if (spec.param_groups_size() > static_cast<int>(Layout::kMaxParamGroups)) {
     return absl::InvalidArgumentError(absl::StrCat("spec.param_groups: at most ",
                                                    Layout::kMaxParamGroups, ", got ",
@@ -503,6 +509,10 @@ std::string DescribeSpecDifference(const v1::JobSpec& registered, const v1::JobS
   }
   if (std::max(registered.replicas(), 1u) != std::max(got.replicas(), 1u)) {
     return differ("replicas", std::max(registered.replicas(), 1u), std::max(got.replicas(), 1u));
+  }
+  if (registered.node_cache() != got.node_cache()) {
+    return differ("node_cache", registered.node_cache() ? "true" : "false",
+                  got.node_cache() ? "true" : "false");
   }
   const std::string a = absl::StrJoin(registered.daemons(), ",");
   const std::string b = absl::StrJoin(got.daemons(), ",");

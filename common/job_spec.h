@@ -84,6 +84,10 @@ struct JobSettings {
   // Parameter groups, indexed by TensorSpec::group: empty means one group
   // with `optimizer`'s hyper-parameters; at most Layout::kMaxParamGroups.
   std::vector<ParamGroupSettings> param_groups;
+  // The node-level parameter cache (v1::JobSpec.node_cache): a daemon
+  // serves streamed gathers of other daemons' ranges from one copy per
+  // step. Needs replicas == 1.
+  bool node_cache = false;
 };
 
 // The number of parameter groups of a job (at least 1).

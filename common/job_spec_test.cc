@@ -109,6 +109,10 @@ TEST(JobSpecTest, ClientAndDaemonRefuseTheSameSettingsNamingTheField) {
       {"daemons", [](JobSettings& s) { s.daemons.clear(); }},
       {"daemons[1]", [](JobSettings& s) { s.daemons[1] = "nodeb"; }},
       {"daemons[1]", [](JobSettings& s) { s.daemons[1] = s.daemons[0]; }},
+      {"node_cache", [](JobSettings& s) {
+         s.node_cache = true;
+         s.replicas = 2;
+       }},
   };
   for (const Case& c : cases) {
     JobSettings s = Valid();
@@ -125,6 +129,19 @@ TEST(JobSpecTest, ClientAndDaemonRefuseTheSameSettingsNamingTheField) {
               std::string::npos)
         << daemon.status();
   }
+}
+
+TEST(JobSpecTest, NodeCacheRoundTripsAndRanksMustAgreeOnIt) {
+  JobSettings s = Valid();
+  s.node_cache = true;
+  const v1::JobSpec spec = ToJobSpec(s, TwoTensors());
+  EXPECT_TRUE(spec.node_cache());
+  absl::StatusOr<JobConfig> c = ParseJobSpec(spec);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->node_cache);
+  EXPECT_EQ(DescribeSpecDifference(spec, ToJobSpec(*c, c->layout)), "");
+  EXPECT_EQ(DescribeSpecDifference(spec, ToJobSpec(Valid(), TwoTensors())),
+            "node_cache: registered true, got false");
 }
 
 TEST(JobSpecTest, FingerprintMismatchIsRefused) {

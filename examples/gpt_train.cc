@@ -146,6 +146,12 @@ ABSL_FLAG(int, kill_rank, 0, "The rank --kill_at_step kills.");
 ABSL_FLAG(int, replicas, 1,
           "Copies of each daemon's partitions: 1, or 2 for a primary and a backup on the next "
           "daemon (needs 2 or more daemons); with 2, a daemon may die without losing a step.");
+ABSL_FLAG(bool, node_cache, false,
+          "The node cache: each rank gathers other daemons' partitions through its host's "
+          "daemon, which fetches them once per step for all its ranks (JobSpec.node_cache).");
+ABSL_FLAG(int, local_daemon, -1,
+          "With --node_cache: the index in --daemons of this rank's host daemon; -1: the first "
+          "daemon whose address is this machine's.");
 ABSL_FLAG(int, reconnects, -1,
           "After a failed step (a daemon died, a call timed out), reconnect in this process and "
           "continue at the committed step, at most this many times. -1: 8 with --replicas=2, "
@@ -364,6 +370,8 @@ int Main() {
   o.reconnects = absl::GetFlag(FLAGS_reconnects) >= 0 ? absl::GetFlag(FLAGS_reconnects)
                  : o.replicas > 1                     ? 8
                                                       : 0;
+  o.node_cache = absl::GetFlag(FLAGS_node_cache);
+  o.local_daemon = absl::GetFlag(FLAGS_local_daemon);
   o.corpus_dir = absl::GetFlag(FLAGS_corpus);
   o.transport = absl::GetFlag(FLAGS_transport);
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);

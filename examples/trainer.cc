@@ -86,6 +86,8 @@ ClientConfig MakeClientConfig(const TrainOptions& o) {
   c.rpc_timeout = o.rpc_timeout;
   c.step_timeout = o.step_timeout;
   c.replicas = o.replicas;
+  c.node_cache = o.node_cache;
+  c.local_daemon = o.local_daemon;
   return c;
 }
 

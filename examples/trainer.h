@@ -97,6 +97,11 @@ struct TrainOptions {
   // Replicated partitions (ClientConfig.replicas: 1, or 2 for a primary and
   // a backup of each daemon's partitions).
   uint32_t replicas = 1;
+  // The node cache (ClientConfig.node_cache): each rank gathers other
+  // daemons' ranges through its host's daemon (ClientConfig.local_daemon:
+  // -1 finds it).
+  bool node_cache = false;
+  int local_daemon = -1;
   // When a step fails (a daemon died, a call timed out), the rank drops its
   // client and reconnects in the same process, at most this many times in
   // the whole run: a new client (a new incarnation) reads where each replica

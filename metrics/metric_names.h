@@ -181,7 +181,7 @@ inline constexpr MetricSpec kAllMetrics[] = {
 // Values of the `category` label of zeroshard_memory_bytes.
 inline constexpr absl::string_view kMemoryCategories[] = {
     "param_master", "param_half", "grad",          "optim_m", "optim_v",
-    "activation",   "buffer",     "fragmentation", "replica",
+    "activation",   "buffer",     "fragmentation", "replica",  "param_cache",
 };
 
 // Bucket bounds for zeroshard_step_seconds, zeroshard_optimizer_seconds and

@@ -61,9 +61,10 @@ TEST(MetricNamesTest, NamesFollowTheConventions) {
 TEST(MetricNamesTest, MemoryCategoriesAreTheLedgers) {
   std::set<absl::string_view> categories(std::begin(kMemoryCategories),
                                          std::end(kMemoryCategories));
-  EXPECT_EQ(categories.size(), 9u);
+  EXPECT_EQ(categories.size(), 10u);
   EXPECT_EQ(categories.count("fragmentation"), 1u);
   EXPECT_EQ(categories.count("replica"), 1u);
+  EXPECT_EQ(categories.count("param_cache"), 1u);
 }
 
 // Every family registers, and a registry holding all of them exports what

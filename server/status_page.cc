@@ -111,7 +111,8 @@ void AppendMemory(const JobView& j, std::string* out) {
     total += j.bytes[i];
     const auto c = static_cast<MemoryCategory>(i);
     if (c != MemoryCategory::kActivation && c != MemoryCategory::kBuffer &&
-        c != MemoryCategory::kFragmentation && c != MemoryCategory::kReplica) {
+        c != MemoryCategory::kFragmentation && c != MemoryCategory::kReplica &&
+        c != MemoryCategory::kParamCache) {
       model_states += j.bytes[i];
     }
   }

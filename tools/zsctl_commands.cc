@@ -454,7 +454,8 @@ namespace {
 // The ledger categories zsctl memory shows, the model states first.
 constexpr const char* kCategories[] = {"param_master", "param_half",    "grad",
                                        "optim_m",      "optim_v",       "activation",
-                                       "buffer",       "fragmentation", "replica"};
+                                       "buffer",       "fragmentation", "replica",
+                                       "param_cache"};
 constexpr int kModelStateCategories = 5;
 
 uint64_t CategoryBytes(const v1::JobMemory& job, absl::string_view category) {

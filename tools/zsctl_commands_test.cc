@@ -609,7 +609,8 @@ TEST_P(ZsctlCheckpointTest, MemoryAsJsonHasEveryCategoryInBytes) {
     EXPECT_EQ(Whole(Member(job, "owned_partitions")), 1u);
     const Json& categories = Member(job, "categories");
     EXPECT_EQ(KeysOf(categories), Keys({"param_master", "param_half", "grad", "optim_m", "optim_v",
-                                     "activation", "buffer", "fragmentation", "replica"}));
+                                     "activation", "buffer", "fragmentation", "replica",
+                                     "param_cache"}));
     uint64_t model_states = 0;
     for (const char* c : {"param_master", "param_half", "grad", "optim_m", "optim_v"}) {
       model_states += Whole(Member(categories, c));

@@ -86,6 +86,19 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
     ro.ledger = resources.ledger;
     job->replica_ = std::make_unique<ReplicaGroup>(ro, job->spec_.get(), job->step_.get());
   }
+  if (c.node_cache && c.daemons.size() > 1) {
+    ParamCacheOptions po;
+    po.job_id = c.job_id;
+    po.dtype = c.precision;
+    po.total_elements = c.map.total_elements();
+    po.owned = job->owned_unpadded();
+    for (uint32_t d = 0; d < c.daemons.size(); ++d) {
+      if (d == daemon_index) continue;
+      po.owners.push_back({d, c.map.DaemonRange(d).Intersect({0, po.total_elements})});
+    }
+    po.ledger = resources.ledger;
+    job->param_cache_ = std::make_unique<ParamCache>(std::move(po));
+  }
   return job;
 }
 
@@ -275,6 +288,9 @@ absl::StatusOr<CheckpointLoaded> Job::LoadCheckpoint(const std::string& name) {
 
 void Job::StateChangedOutsideAStep() {
   if (replica_ != nullptr) replica_->MarkBackupStale(absl::OkStatus());
+  // The other daemons' parameters may have changed with this daemon's (a
+  // state dict or a checkpoint is written to every daemon): fetch again.
+  if (param_cache_ != nullptr) param_cache_->Drop();
 }
 
 ReplicaRole Job::role() const {

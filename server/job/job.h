@@ -41,6 +41,7 @@
 #include "common/job_spec.h"
 #include "proto/zeroshard/v1/checkpoint.pb.h"
 #include "proto/zeroshard/v1/common.pb.h"
+#include "server/cache/param_cache.h"
 #include "server/checkpoint/checkpoint_agent.h"
 #include "server/metrics/daemon_metrics.h"
 #include "server/job/rank_table.h"
@@ -177,6 +178,11 @@ class Job {
     return step_->Gather(after_step, range, dtype, deadline, max_chunk_elements, write);
   }
 
+  // The node cache (JobSpec.node_cache; server/cache/param_cache.h): the
+  // other daemons' parameters in the job's precision, one committed step at
+  // a time. Null unless the job asked for it.
+  ParamCache* param_cache() { return param_cache_.get(); }
+
   // ---- Step ----
   // A replicated job's primary brings its backup along before it answers a
   // prepare (with `token`, the caller's, passed on), and sends it the
@@ -256,6 +262,7 @@ class Job {
   std::unique_ptr<StepEngine> step_;
   std::unique_ptr<CheckpointAgent> checkpoints_;  // null without a checkpoint_dir
   std::unique_ptr<ReplicaGroup> replica_;         // null unless replicated
+  std::unique_ptr<ParamCache> param_cache_;       // null unless node_cache
 };
 
 }  // namespace zeroshard

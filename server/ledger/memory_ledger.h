@@ -33,11 +33,12 @@ enum class MemoryCategory : int {
   kBuffer,           // staging and communication buffers
   kFragmentation,    // reserved but unusable
   kReplica,          // a backup's copy of another daemon's replica group
+  kParamCache,       // the node cache: other daemons' parameters (server/cache)
 };
-inline constexpr int kNumMemoryCategories = 9;
+inline constexpr int kNumMemoryCategories = 10;
 
 // "param_master", "param_half", "grad", "optim_m", "optim_v", "activation",
-// "buffer", "fragmentation", "replica".
+// "buffer", "fragmentation", "replica", "param_cache".
 const char* MemoryCategoryName(MemoryCategory c);
 
 using CategoryBytes = std::array<uint64_t, kNumMemoryCategories>;

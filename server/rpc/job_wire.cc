@@ -204,6 +204,7 @@ void ToWire(const CheckpointLoaded& r, v1::LoadCheckpointResponse* out) {
 
 void SwapToWire(ParameterChunkOut& c, v1::ParameterChunk* out) {
   out->set_dtype(WireDType(c.dtype));
+  out->set_step(c.step);
   SetRange(c.range, out->mutable_range());
   out->set_crc32c(c.crc32c);
   out->mutable_data()->swap(c.data);

@@ -28,6 +28,7 @@
 #include "server/metrics/daemon_metrics.h"
 #include "server/job/job_manager.h"
 #include "server/ledger/memory_ledger.h"
+#include "server/rpc/grpc_param_fetcher.h"
 #include "server/rpc/stream_watchdog.h"
 #include "transport/transport.h"
 
@@ -49,6 +50,9 @@ struct ServiceContext {
   // How a primary reaches its backup (replicated jobs); set with `jobs`.
   ReplicaLink* replica_link = nullptr;
   absl::Duration replica_timeout = absl::Seconds(5);
+  // How node caches reach the owning daemons (node_cache jobs); null: a
+  // gather of another daemon's range is refused as in other jobs.
+  PeerGatherChannels* peer_gather = nullptr;
   absl::Time start;
   std::atomic<bool> draining{false};
   // gRPC's health service of this daemon's server (set once it is built;
@@ -194,6 +198,18 @@ class ShardService final : public v1::Shard::Service {
                       v1::PushGradientResponse* resp);
   absl::Status DoGather(grpc::ServerContext* ctx, const v1::GatherRequest& req,
                         grpc::ServerWriter<v1::ParameterChunk>* writer);
+  // A streamed gather of a node_cache job's range that is not all this
+  // daemon's: its own part from the step engine, the others from the job's
+  // node cache (filled from the owners once per step), or straight from
+  // the owners for an older step than the cache's or when the ledger has no
+  // room for a copy. Every chunk is of the step committed here when the
+  // request was served (ABORTED when a part is found at another).
+  // `deadline` bounds the wait for this daemon's commit (wait_ms); the
+  // fetches take up to the call's deadline.
+  absl::Status GatherThroughNodeCache(grpc::ServerContext* ctx, const v1::GatherRequest& req,
+                                      Job& job, const FlatRange& range, DType dtype,
+                                      absl::Time deadline, uint64_t chunk_elements,
+                                      grpc::ServerWriter<v1::ParameterChunk>* writer);
   absl::Status DoExchangeEndpoint(const grpc::ServerContext& call,
                                   const v1::ExchangeEndpointRequest& req,
                                   v1::ExchangeEndpointResponse* resp);

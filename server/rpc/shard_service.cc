@@ -3,8 +3,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/crc32c.h"
 #include "common/protocol.h"
 #include "server/rpc/job_wire.h"
+#include "server/rpc/grpc_param_fetcher.h"
 #include "server/rpc/services.h"
 
 namespace zeroshard {
@@ -218,6 +220,11 @@ absl::Status ShardService::DoGather(grpc::ServerContext* ctx, const v1::GatherRe
   const uint64_t chunk_elements =
       std::max<uint64_t>(1, ctx_->max_chunk_bytes / DTypeSize(*dtype));
   const FlatRange range{req.range().begin(), req.range().end()};
+  if ((*job)->param_cache() != nullptr && ctx_->peer_gather != nullptr &&
+      !(*job)->owned_unpadded().Contains(range)) {
+    return GatherThroughNodeCache(ctx, req, **job, range, *dtype, deadline, chunk_elements,
+                                  writer);
+  }
   if (req.wait_only()) {
     // The caller reads the range from the parameter regions itself.
     absl::Status s = (*job)->Gather(req.after_step(), range, *dtype, deadline, chunk_elements,
@@ -241,6 +248,152 @@ absl::Status ShardService::DoGather(grpc::ServerContext* ctx, const v1::GatherRe
                                     SwapBack(&message, chunk);
                                     return written;
                                   });
+  ctx_->metrics->RecordTraffic(req.job_id(), "gather", "stream", bytes);
+  if (watch->expired()) return ctx_->IdleStreamError("Gather");
+  return s;
+}
+
+absl::Status ShardService::GatherThroughNodeCache(grpc::ServerContext* ctx,
+                                                  const v1::GatherRequest& req, Job& job,
+                                                  const FlatRange& range, DType dtype,
+                                                  absl::Time deadline, uint64_t chunk_elements,
+                                                  grpc::ServerWriter<v1::ParameterChunk>* writer) {
+  const JobConfig& c = job.config();
+  if (req.wait_only()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "range: [", range.begin, ", ", range.end, ") lies outside the parameters this daemon ",
+        "owns [", job.owned_unpadded().begin, ", ", job.owned_unpadded().end,
+        "); a wait_only gather reads this daemon's own regions (the node cache serves streamed ",
+        "gathers only)"));
+  }
+  if (range.begin >= range.end || range.end > c.map.total_elements()) {
+    return absl::InvalidArgumentError(absl::StrCat("range: [", range.begin, ", ", range.end,
+                                                   ") is empty or outside the parameters [0, ",
+                                                   c.map.total_elements(), ")"));
+  }
+  if (req.after_step() > job.committed_step() + 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "after_step: job ", c.job_id, " has committed step ", job.committed_step(), "; step ",
+        req.after_step(), " cannot be committed before step ", job.committed_step() + 1));
+  }
+  if (!job.AwaitCommit(req.after_step(), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat("job ", c.job_id, ": step ", req.after_step(),
+                                                    " was not committed in time (committed: ",
+                                                    job.committed_step(), ")"));
+  }
+  // Every part is served at the step committed here now; an owner (or this
+  // daemon) found at another one tears the stream (ABORTED: gather again).
+  const uint64_t step = std::max(req.after_step(), job.committed_step());
+  // The fetch from the owners, and the wait for another gather's fetch,
+  // take up to the call's deadline (at most kMaxWaitMs): wait_ms bounds
+  // only the wait for this daemon's commit, as for other gathers.
+  deadline = std::min(DeadlineOf(ctx), absl::Now() + absl::Milliseconds(kMaxWaitMs));
+  const std::string token = PresentedToken(ctx->client_metadata()).value_or("");
+  GrpcParamFetcher fetcher(ctx_->peer_gather, &c, token);
+  const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(ctx);
+  const size_t esize = DTypeSize(dtype);
+  uint64_t bytes = 0;
+  v1::ParameterChunk chunk;
+  chunk.set_job_id(c.job_id);
+  chunk.set_dtype(WireDType(dtype));
+  chunk.set_step(step);
+  // Sends [b, e) of `src` (the bytes of element b first) in chunks.
+  auto send = [&](const FlatRange& part, const uint8_t* src) -> absl::Status {
+    for (uint64_t pos = part.begin; pos < part.end;) {
+      const uint64_t end = std::min(part.end, pos + chunk_elements);
+      chunk.set_data(reinterpret_cast<const char*>(src) + (pos - part.begin) * esize,
+                     (end - pos) * esize);
+      chunk.mutable_range()->set_begin(pos);
+      chunk.mutable_range()->set_end(end);
+      chunk.set_crc32c(Crc32c(chunk.data().data(), chunk.data().size()));
+      bytes += chunk.data().size();
+      if (!watch->Wait([&] { return writer->Write(chunk); })) {
+        return absl::CancelledError("the gathering client went away");
+      }
+      pos = end;
+    }
+    return absl::OkStatus();
+  };
+  const FlatRange owned = job.owned_unpadded();
+  std::shared_ptr<const ParamCache::Copy> copy;  // fetched once, for the parts outside `owned`
+  bool pass_through = dtype != job.param_cache()->dtype();
+  std::vector<uint8_t> piece;  // a pass-through part, booked as buffer while held
+  StreamBooking booking(ctx_->ledger);
+  absl::Status s;
+  const FlatRange parts[] = {{range.begin, std::min(range.end, owned.begin)},
+                             range.Intersect(owned),
+                             {std::max(range.begin, owned.end), range.end}};
+  for (const FlatRange& part : parts) {
+    if (!s.ok() || part.size() == 0) continue;
+    if (owned.Contains(part)) {
+      bool torn = false;
+      v1::ParameterChunk message;
+      message.set_job_id(c.job_id);
+      s = job.Gather(step, part, dtype, deadline, chunk_elements, [&](ParameterChunkOut& mine) {
+        if (mine.step != step) {
+          torn = true;
+          return false;
+        }
+        bytes += mine.data.size();
+        SwapToWire(mine, &message);
+        const bool written = watch->Wait([&] { return writer->Write(message); });
+        SwapBack(&message, mine);
+        return written;
+      });
+      if (torn) {
+        s = absl::AbortedError(absl::StrCat("job ", c.job_id, ": step ", step + 1,
+                                            " was committed while step ", step,
+                                            " was being gathered; gather again"));
+      }
+      continue;
+    }
+    if (!pass_through && copy == nullptr) {
+      absl::StatusOr<std::shared_ptr<const ParamCache::Copy>> got =
+          job.param_cache()->Get(step, fetcher, deadline);
+      if (got.ok()) {
+        copy = *std::move(got);
+      } else if (absl::IsFailedPrecondition(got.status()) ||
+                 absl::IsResourceExhausted(got.status())) {
+        // An older step than the cache's, or no room for a copy: this
+        // request goes to the owners itself.
+        if (absl::IsResourceExhausted(got.status())) {
+          std::fprintf(stderr, "zeroshardd: job %s: node cache off for step %llu: %s\n",
+                       c.job_id.c_str(), static_cast<unsigned long long>(step),
+                       std::string(got.status().message()).c_str());
+        }
+        pass_through = true;
+      } else {
+        s = got.status();
+        continue;
+      }
+    }
+    if (!pass_through) {
+      s = send(part, copy->At(part));
+      continue;
+    }
+    // Pass-through, one owner's piece of at most a chunk at a time.
+    for (uint64_t pos = part.begin; s.ok() && pos < part.end;) {
+      const uint32_t owner =
+          c.map.DaemonOf(static_cast<uint32_t>(pos / c.map.partition_elements()));
+      const FlatRange take{pos, std::min({part.end, pos + chunk_elements,
+                                          c.map.DaemonRange(owner).end})};
+      if (piece.size() < take.size() * esize) {
+        if (s = booking.Add(c.job_id, take.size() * esize - piece.size()); !s.ok()) break;
+        piece.resize(take.size() * esize);
+      }
+      absl::StatusOr<uint64_t> at = fetcher.Fetch(owner, take, dtype, step, deadline, piece.data());
+      if (!at.ok()) {
+        s = at.status();
+      } else if (*at != step) {
+        s = absl::AbortedError(absl::StrCat("job ", c.job_id, ": daemon ", owner,
+                                            " answered step ", *at, " for step ", step,
+                                            "; gather again"));
+      } else {
+        s = send(take, piece.data());
+      }
+      pos = take.end;
+    }
+  }
   ctx_->metrics->RecordTraffic(req.job_id(), "gather", "stream", bytes);
   if (watch->expired()) return ctx_->IdleStreamError("Gather");
   return s;

@@ -446,6 +446,7 @@ absl::Status StepEngine::Gather(uint64_t after_step, const FlatRange& range, DTy
   {
     absl::ReaderMutexLock lock(&params_mu_);
     version = params_version_;
+    chunk.step = params_step_;
   }
   for (uint64_t pos = range.begin; pos < range.end;) {
     const uint64_t end = std::min(range.end, pos + max_chunk_elements);
@@ -595,6 +596,11 @@ absl::StatusOr<CommitResult> StepEngine::CommitLocked(const CommitRequest& r, fl
                                      owned_unpadded_.size());
     }
     ++params_version_;
+    params_step_ = r.step;
+  } else {
+    // Unchanged parameters, now those of this step.
+    absl::MutexLock params_lock(&params_mu_);
+    params_step_ = r.step;
   }
   absl::MutexLock lock(&mu_);
   UpdateLossScale(r.skip);
@@ -659,6 +665,7 @@ void StepEngine::Restore(const v1::TrainingState& state,
     absl::MutexLock params_lock(&params_mu_);
     restore(*shard_);
     ++params_version_;
+    params_step_ = state.committed_step();
   }
   RestoreTrainingStateLocked(state);
 }

@@ -115,9 +115,10 @@ class StepEngine {
   // then calls `write` with consecutive chunks of at most
   // max_chunk_elements covering `range` in `dtype`, with no lock held (a
   // slow reader delays nobody); Aborted if a commit changes the parameters
-  // between two chunks. `write` returning false stops (Cancelled); it may
-  // swap the chunk's data out (step_types.h). A null `write` only
-  // validates and waits.
+  // between two chunks. Each chunk names the committed step its data is
+  // at (its `step`; at least after_step). `write` returning false stops
+  // (Cancelled); it may swap the chunk's data out (step_types.h). A null
+  // `write` only validates and waits.
   absl::Status Gather(uint64_t after_step, const FlatRange& range, DType dtype,
                       absl::Time deadline, uint64_t max_chunk_elements,
                       const std::function<bool(ParameterChunkOut&)>& write);
@@ -298,6 +299,9 @@ class StepEngine {
   // Bumped by every write of the parameters: a gather that sees it change
   // between chunks was torn by a commit.
   uint64_t params_version_ ABSL_GUARDED_BY(params_mu_) = 0;
+  // The committed step the parameters are at (a commit changes them before
+  // it publishes committed_step_): what a gather's chunks name.
+  uint64_t params_step_ ABSL_GUARDED_BY(params_mu_) = 0;
 
   std::atomic<int64_t> last_remote_access_ns_{0};
 };

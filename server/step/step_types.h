@@ -77,6 +77,7 @@ struct PushResult {
 struct ParameterChunkOut {
   FlatRange range;
   DType dtype = DType::kFp32;
+  uint64_t step = 0;  // the committed step the data is at
   std::string data;
   uint32_t crc32c = 0;  // of data
 };

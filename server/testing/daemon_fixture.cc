@@ -353,7 +353,8 @@ std::vector<v1::ParameterChunk> ParamChunks(const std::string& job, FlatRange ra
 }
 
 TestCluster::TestCluster(int num_daemons, uint32_t world, uint32_t stage, const std::string& job,
-                         const std::string& checkpoint_dir, v1::DType precision)
+                         const std::string& checkpoint_dir, v1::DType precision,
+                         bool node_cache)
     : layout_(SampleLayout()), job_(job), world_(world) {
   std::vector<std::string> addresses;
   for (int i = 0; i < num_daemons; ++i) {
@@ -362,6 +363,7 @@ TestCluster::TestCluster(int num_daemons, uint32_t world, uint32_t stage, const 
   }
   spec_ = MakeSpec(job, layout_, stage, world, addresses);
   spec_.set_precision(precision);
+  spec_.set_node_cache(node_cache);
   config_ = *ParseJobSpec(spec_);
   for (int i = 0; i < num_daemons; ++i) {
     clients_.push_back(std::make_unique<DaemonClient>(addresses[i]));

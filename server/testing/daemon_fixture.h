@@ -126,7 +126,7 @@ class TestCluster {
  public:
   TestCluster(int num_daemons, uint32_t world, uint32_t stage, const std::string& job,
               const std::string& checkpoint_dir = "",
-              v1::DType precision = v1::DTYPE_FP32);
+              v1::DType precision = v1::DTYPE_FP32, bool node_cache = false);
 
   uint64_t total() const { return config_.map.total_elements(); }
   const PartitionMap& map() const { return config_.map; }
