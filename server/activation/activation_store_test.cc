@@ -713,8 +713,10 @@ TEST_F(StoreTest, WaitingReservationsPlanAfterTheRoomOfThoseAhead) {
   }
 }
 
-// A free of slices whose spill is under way (or not yet begun) returns once
-// their files are gone.
+// A free of a slice whose spill is under way (or not yet begun) waits for
+// the write, and a job's free then returns with every file gone. (A single
+// key's free leaves its file to the remover, which runs when the disk is
+// idle: how soon depends on the machine's load, so it is not checked here.)
 TEST_F(StoreTest, AFreeDuringASpillReturnsWithTheFileGone) {
   constexpr uint64_t kSlice = 8 << 20;
   Start(2 * kSlice, /*spill=*/8 * kSlice);
@@ -729,7 +731,6 @@ TEST_F(StoreTest, AFreeDuringASpillReturnsWithTheFileGone) {
       absl::SleepFor(absl::Microseconds(20));
     }
     ASSERT_TRUE(store_->FreeKey(Owner(), Key(step, 0)).ok());
-    EXPECT_EQ(SpillFilesIn(spill_dir_), 0u) << "step " << step;
     a.join();
     ASSERT_TRUE(next.ok()) << next.status();
     ASSERT_TRUE(store_->FreeAll(Owner()).ok());
