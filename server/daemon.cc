@@ -344,7 +344,7 @@ void Daemon::StartServices(const std::string& bulk_error) {
   ctx.activation_metrics = &activation_metrics_;
   ctx.replica_link = jobs_->resources().replica_link;
   ctx.replica_timeout = jobs_->resources().replica_timeout;
-  peer_gather_ = std::make_unique<PeerGatherChannels>(options.tls);
+  peer_gather_ = std::make_unique<PeerChannels>(options.tls, "zeroshard.node_cache_channel");
   ctx.peer_gather = peer_gather_.get();
   ctx.start = absl::Now();
   ctx.tls = options.tls.enabled();

@@ -166,7 +166,7 @@ struct DaemonOptions {
 
 struct ServiceContext;
 class StreamWatchdog;
-class PeerGatherChannels;
+class PeerChannels;
 class ControlService;
 class ShardService;
 class AdminService;
@@ -227,7 +227,7 @@ class Daemon {
   ArenaTenancy arena_tenancy_;  // outlives the jobs, whose removal returns the arena key
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<ReplicaLink> replica_link_;  // before jobs_: they use it
-  std::unique_ptr<PeerGatherChannels> peer_gather_;  // node caches' reads from the owners
+  std::unique_ptr<PeerChannels> peer_gather_;  // node caches' reads from the owners
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<StreamWatchdog> stream_watchdog_;  // null: no stream idle timeout
   std::unique_ptr<ServiceContext> context_;

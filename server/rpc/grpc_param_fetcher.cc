@@ -13,36 +13,13 @@
 
 namespace zeroshard {
 
-absl::StatusOr<std::shared_ptr<grpc::Channel>> PeerGatherChannels::Channel(
-    const std::string& peer) {
-  absl::MutexLock lock(&mu_);
-  auto it = channels_.find(peer);
-  if (it != channels_.end()) return it->second;
-  absl::StatusOr<ChannelSecurity> security = MakeChannelSecurity(tls_, "", "--tls_");
-  if (!security.ok()) return security.status();
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  args.SetMaxSendMessageSize(-1);
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  args.SetInt("zeroshard.node_cache_channel", static_cast<int>(++channels_made_ & 0x7fffffff));
-  std::shared_ptr<grpc::Channel> channel = MakeChannel(peer, *security, args);
-  channels_.emplace(peer, channel);
-  return channel;
-}
-
-void PeerGatherChannels::Drop(const std::string& peer) {
-  absl::MutexLock lock(&mu_);
-  channels_.erase(peer);
-}
-
 absl::StatusOr<uint64_t> GrpcParamFetcher::Fetch(uint32_t owner, const FlatRange& range,
                                                  DType dtype, uint64_t after_step,
                                                  absl::Time deadline, void* dst) {
   const std::string& peer = config_->daemons[owner];
   const std::string what = absl::StrCat("node cache: Gather after step ", after_step, " range [",
                                         range.begin, ", ", range.end, ") from daemon ", peer);
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = channels_->Channel(peer);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = channels_->Get(peer);
   if (!channel.ok()) return channel.status();
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));

@@ -4,7 +4,7 @@
 // (server/cache/param_cache.h), over the Shard service's Gather, with the
 // daemon's own TLS files as the client side of mutual TLS and the bearer
 // token of the gather being served. One channel per peer address, opened on
-// first use and kept (PeerGatherChannels, one per daemon); a
+// first use and kept (PeerChannels, one per daemon); a
 // GrpcParamFetcher is made per served request.
 
 #include <map>
@@ -17,32 +17,15 @@
 #include "common/tls.h"
 #include "grpcpp/grpcpp.h"
 #include "server/cache/param_cache.h"
+#include "server/rpc/peer_channels.h"
 
 namespace zeroshard {
-
-// Thread-safe.
-class PeerGatherChannels {
- public:
-  // Reads no file yet: the credentials are made on the first call, and a
-  // failure to make them is every call's error.
-  explicit PeerGatherChannels(TlsFiles tls) : tls_(std::move(tls)) {}
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> Channel(const std::string& peer);
-  // Forgets the peer's channel (after UNAVAILABLE), so that the next call
-  // dials afresh.
-  void Drop(const std::string& peer);
-
- private:
-  const TlsFiles tls_;
-  absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
-  int64_t channels_made_ ABSL_GUARDED_BY(mu_) = 0;
-};
 
 class GrpcParamFetcher final : public ParamFetcher {
  public:
   // `config` (the job's) and `channels` outlive the fetcher; `token` is the
   // bearer token of the request being served.
-  GrpcParamFetcher(PeerGatherChannels* channels, const JobConfig* config, std::string token)
+  GrpcParamFetcher(PeerChannels* channels, const JobConfig* config, std::string token)
       : channels_(channels), config_(config), token_(std::move(token)) {}
 
   // One Gather stream to config.daemons[owner]; every chunk is checked
@@ -53,7 +36,7 @@ class GrpcParamFetcher final : public ParamFetcher {
                                  uint64_t after_step, absl::Time deadline, void* dst) override;
 
  private:
-  PeerGatherChannels* const channels_;
+  PeerChannels* const channels_;
   const JobConfig* const config_;
   const std::string token_;
 };

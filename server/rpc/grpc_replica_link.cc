@@ -37,29 +37,8 @@ absl::Status WriteStream(grpc::ClientWriter<Chunk>* writer, grpc::ClientContext*
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<grpc::Channel>> GrpcReplicaLink::Channel(const std::string& peer) {
-  absl::MutexLock lock(&mu_);
-  auto it = channels_.find(peer);
-  if (it != channels_.end()) return it->second;
-  absl::StatusOr<ChannelSecurity> security = MakeChannelSecurity(tls_, "", "--tls_");
-  if (!security.ok()) return security.status();
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  args.SetMaxSendMessageSize(-1);
-  // A peer that restarts is found again within a resync interval.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  args.SetInt("zeroshard.replica_link_channel", static_cast<int>(++channels_made_ & 0x7fffffff));
-  std::shared_ptr<grpc::Channel> channel = MakeChannel(peer, *security, args);
-  channels_.emplace(peer, channel);
-  return channel;
-}
-
 absl::Status GrpcReplicaLink::Checked(const std::string& peer, absl::Status s) {
-  if (absl::IsUnavailable(s)) {
-    absl::MutexLock lock(&mu_);
-    channels_.erase(peer);
-  }
+  if (absl::IsUnavailable(s)) channels_.Drop(peer);
   return s;
 }
 
@@ -80,7 +59,7 @@ absl::Status GrpcReplicaLink::RegisterBackup(const std::string& peer, const std:
 absl::StatusOr<v1::TransferStateResponse> GrpcReplicaLink::TransferState(
     const std::string& peer, const std::string& token,
     absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next, absl::Time deadline) {
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = Channel(peer);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = channels_.Get(peer);
   if (!channel.ok()) return channel.status();
   grpc::ClientContext context;
   Prepare(&context, token, deadline);
@@ -96,7 +75,7 @@ absl::StatusOr<v1::TransferStateResponse> GrpcReplicaLink::TransferState(
 absl::Status GrpcReplicaLink::ForwardGradient(
     const std::string& peer, const std::string& token,
     absl::FunctionRef<bool(v1::ForwardedGradientChunk*)> next, absl::Time deadline) {
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = Channel(peer);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = channels_.Get(peer);
   if (!channel.ok()) return channel.status();
   grpc::ClientContext context;
   Prepare(&context, token, deadline);
@@ -131,7 +110,7 @@ absl::Status GrpcReplicaLink::Unary(
     const std::string& peer, const std::string& token, absl::Time deadline, absl::string_view what,
     absl::FunctionRef<grpc::Status(const std::shared_ptr<grpc::Channel>&, grpc::ClientContext*)>
         call) {
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = Channel(peer);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = channels_.Get(peer);
   if (!channel.ok()) return channel.status();
   grpc::ClientContext context;
   Prepare(&context, token, deadline);

@@ -17,6 +17,7 @@
 #include "common/tls.h"
 #include "grpcpp/grpcpp.h"
 #include "server/replica/replica_link.h"
+#include "server/rpc/peer_channels.h"
 
 namespace zeroshard {
 
@@ -24,7 +25,8 @@ class GrpcReplicaLink final : public ReplicaLink {
  public:
   // Reads no file yet: the credentials are made on the first call, and a
   // failure to make them is every call's error.
-  explicit GrpcReplicaLink(TlsFiles tls) : tls_(std::move(tls)) {}
+  explicit GrpcReplicaLink(TlsFiles tls)
+      : channels_(std::move(tls), "zeroshard.replica_link_channel") {}
 
   absl::Status RegisterBackup(const std::string& peer, const std::string& token,
                               const v1::JobSpec& spec, uint32_t daemon_index,
@@ -42,8 +44,6 @@ class GrpcReplicaLink final : public ReplicaLink {
                               absl::Time deadline) override;
 
  private:
-  // The peer's channel, made on first use.
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> Channel(const std::string& peer);
   // Returns `s`; an UNAVAILABLE one drops the peer's channel first, so that
   // the next call dials afresh instead of waiting out the old channel's
   // reconnect backoff (a restarted peer is found at the next attempt).
@@ -56,12 +56,7 @@ class GrpcReplicaLink final : public ReplicaLink {
       absl::FunctionRef<grpc::Status(const std::shared_ptr<grpc::Channel>&, grpc::ClientContext*)>
           call);
 
-  const TlsFiles tls_;
-  absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
-  // Channels made so far: each gets its number as a channel argument, so
-  // that gRPC does not hand a new channel the old one's subchannel.
-  int64_t channels_made_ ABSL_GUARDED_BY(mu_) = 0;
+  PeerChannels channels_;
 };
 
 }  // namespace zeroshard

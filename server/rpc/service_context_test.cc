@@ -244,7 +244,7 @@ TEST_F(ServiceContextTest, MayCreateJobsTakesTheRegistrationTokenOrTheAdmins) {
 
 // The identity a registration's quotas count against: the admin (exempt),
 // the holders of the registration token together, or every anonymous
-// caller together (certificates: tls_test's RegistrationsCountPerCertificate).
+// caller together (certificates: security_test's TlsDaemonTest.RegistrationsCountPerCertificate).
 TEST_F(ServiceContextTest, RegistrantIsTheAdminTheRegistrationTokenOrAnonymous) {
   const TokenDigest job = TokenDigest::Of(kJobToken);
   JobManager::Registrant r = ctx_.RegistrantOf(*Call(), job);

@@ -52,7 +52,7 @@ struct ServiceContext {
   absl::Duration replica_timeout = absl::Seconds(5);
   // How node caches reach the owning daemons (node_cache jobs); null: a
   // gather of another daemon's range is refused as in other jobs.
-  PeerGatherChannels* peer_gather = nullptr;
+  PeerChannels* peer_gather = nullptr;
   absl::Time start;
   std::atomic<bool> draining{false};
   // gRPC's health service of this daemon's server (set once it is built;
