@@ -279,11 +279,13 @@ absl::Status Client::RegisterJobEverywhere(const Layout& layout, const Partition
   const v1::JobSpec spec = ToJobSpec(config_, layout);
   return ForEachDaemon([&](uint32_t d) -> absl::Status {
     // A group served away from its own daemon (promoted): that daemon, if
-    // it is back, holds backups only; if it is not, the job runs without it.
+    // it is back, holds backups only; if it is not, the job runs without it
+    // (its primary registers the job there itself once it answers), so a
+    // daemon that is silent holds the reconnect up for a second at most.
     const bool away = !placement_[d].home;
     absl::StatusOr<v1::RegisterJobResponse> registered = home_controls_[d]->RegisterJob(
         spec, d, away,
-        away ? absl::Now() + std::min(config_.rpc_timeout, absl::Seconds(5)) : RpcDeadline(),
+        away ? absl::Now() + std::min(config_.rpc_timeout, absl::Seconds(1)) : RpcDeadline(),
         config_.registration_token);
     if (away && !registered.ok()) return absl::OkStatus();
     ASSIGN_OR_RETURN(v1::RegisterJobResponse r, std::move(registered));

@@ -105,11 +105,18 @@ absl::StatusOr<std::vector<GroupPlacement>> ResolvePlacement(
   const absl::Time deadline = absl::Now() + o.wait;
   // Since when each group has seemed lost but for an unreachable daemon.
   std::map<uint32_t, absl::Time> lost_since;
+  // A daemon that did not answer keeps that view for rpc_timeout before it
+  // is asked again, so that each poll (a rank waiting for the leader's
+  // promotion) does not wait out a silent daemon's deadline once more.
+  std::vector<DaemonView> views(n);
+  std::vector<absl::Time> ask_after(n, absl::InfinitePast());
   for (bool first = true;; first = false) {
     if (!first) absl::SleepFor(absl::Milliseconds(100));
-    std::vector<DaemonView> views;
     for (uint32_t d = 0; d < n; ++d) {
-      views.push_back(Ask(stubs[d].get(), daemons[d], o.job_id, o.rpc_timeout));
+      if (absl::Now() < ask_after[d]) continue;
+      views[d] = Ask(stubs[d].get(), daemons[d], o.job_id, o.rpc_timeout);
+      ask_after[d] = views[d].kind == DaemonView::kUnreachable ? absl::Now() + o.rpc_timeout
+                                                                : absl::InfinitePast();
     }
     std::vector<GroupPlacement> out(n);
     std::string waiting;  // why a group is not placed yet

@@ -1,6 +1,7 @@
 #include "client/rpc.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/keepalive.h"
 
 namespace zeroshard {
 
@@ -16,6 +17,10 @@ std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address,
   // Reconnect quickly after a daemon restarts.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  // A daemon that stops answering (hung, stopped, cut off) fails the calls
+  // in flight to it within the liveness timeout, whatever their deadlines:
+  // the client's failover starts then, not at the call timeout.
+  SetChannelKeepalive(kDefaultLivenessTimeout, &args);
   return MakeChannel(address, security, args, target);
 }
 

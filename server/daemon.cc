@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "common/checkpoint_files.h"
 #include "common/job_spec.h"
+#include "common/keepalive.h"
 #include "common/protocol.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
@@ -70,6 +71,7 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
   if (o.join_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--join_timeout_seconds: must be >= 0 (0: never)");
   }
+  RETURN_IF_ERROR(ValidateLivenessTimeout(o.liveness_timeout, "--liveness_timeout_seconds"));
   if (o.job_idle_timeout < absl::ZeroDuration() ||
       (o.job_idle_timeout > absl::ZeroDuration() && o.job_idle_timeout <= o.rank_timeout)) {
     return absl::InvalidArgumentError(
@@ -319,10 +321,11 @@ void Daemon::StartJobs() {
   resources.checkpoint_dir = options.checkpoint_dir;
   resources.metrics = &metrics_;
   if (options.replica_link == nullptr) {
-    replica_link_ = std::make_unique<GrpcReplicaLink>(options.tls);
+    replica_link_ = std::make_unique<GrpcReplicaLink>(options.tls, options.liveness_timeout);
   }
   resources.replica_link =
       options.replica_link != nullptr ? options.replica_link : replica_link_.get();
+  resources.liveness_timeout = options.liveness_timeout;
   jobs_ = std::make_unique<JobManager>(jo, resources, &metrics_);
 }
 
@@ -344,7 +347,8 @@ void Daemon::StartServices(const std::string& bulk_error) {
   ctx.activation_metrics = &activation_metrics_;
   ctx.replica_link = jobs_->resources().replica_link;
   ctx.replica_timeout = jobs_->resources().replica_timeout;
-  peer_gather_ = std::make_unique<PeerChannels>(options.tls, "zeroshard.node_cache_channel");
+  peer_gather_ = std::make_unique<PeerChannels>(options.tls, "zeroshard.node_cache_channel",
+                                                options.liveness_timeout);
   ctx.peer_gather = peer_gather_.get();
   ctx.start = absl::Now();
   ctx.tls = options.tls.enabled();
@@ -388,6 +392,9 @@ absl::Status Daemon::StartGrpcServers() {
   if (options.rpc_memory_bytes != 0) quota.Resize(options.rpc_memory_bytes);
   builder.SetResourceQuota(quota);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
+  // Clients and peer daemons ping every second or two to find a silent
+  // daemon fast (common/keepalive.h).
+  SetServerKeepalivePolicy(&builder);
   builder.RegisterService(control_.get());
   builder.RegisterService(shard_.get());
   builder.RegisterService(admin_.get());

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/keepalive.h"
 #include "common/protocol.h"
 #include "common/tls.h"
 #include "grpcpp/grpcpp.h"
@@ -82,6 +83,11 @@ struct DaemonOptions {
   // A joined job no rank is heard from within this is removed (zero: never;
   // JobManager::Options::job_idle_timeout).
   absl::Duration job_idle_timeout = absl::Hours(1);
+  // A peer daemon silent this long (no answer to HTTP/2 keepalive pings,
+  // common/keepalive.h) fails the replica link's and the node cache's calls
+  // in flight to it, and a primary calls its silent backup again only once
+  // it answers a probe (--liveness_timeout_seconds; 0: off, else >= 2 s).
+  absl::Duration liveness_timeout = kDefaultLivenessTimeout;
   // Out-of-order gradient contributions each job may buffer (booked as
   // `buffer`); pushes past it wait.
   uint64_t reduction_buffer_bytes = 256ull << 20;

@@ -100,6 +100,11 @@ ABSL_FLAG(std::string, advertise_address, "",
 ABSL_FLAG(int, join_timeout_seconds, 120,
           "A job registered here that no rank joins within this many seconds is removed, so "
           "that registrations nobody follows up cannot hold --max_jobs or memory; 0: never.");
+ABSL_FLAG(int, liveness_timeout_seconds, 4,
+          "A peer daemon (a replica partner, a node cache's owner) that answers no keepalive "
+          "ping for this many seconds counts as gone: the calls in flight to it fail, and a "
+          "primary goes on with one copy and calls its backup again only once it answers a "
+          "probe. Trainers find a silent daemon the same way (4 s). 0: off; else at least 2.");
 ABSL_FLAG(int, job_idle_timeout_seconds, 3600,
           "A job whose ranks have all been silent (no heartbeat, no request) for this many "
           "seconds is removed with its memory, so a crashed run's state stays for the time a "
@@ -225,6 +230,7 @@ int main(int argc, char** argv) {
   options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_seconds));
   options.join_timeout = absl::Seconds(absl::GetFlag(FLAGS_join_timeout_seconds));
   options.job_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_job_idle_timeout_seconds));
+  options.liveness_timeout = absl::Seconds(absl::GetFlag(FLAGS_liveness_timeout_seconds));
   options.reduction_buffer_bytes = absl::GetFlag(FLAGS_reduction_buffer_bytes);
   options.reduction_hold = absl::Milliseconds(absl::GetFlag(FLAGS_reduction_hold_ms));
   options.staging_slots = absl::GetFlag(FLAGS_staging_slots);

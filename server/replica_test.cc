@@ -1585,13 +1585,16 @@ class HeldCommitLink final : public ReplicaLink {
                               absl::Time deadline) override {
     return inner_.ReleaseReplica(peer, token, request, deadline);
   }
+  absl::Status Probe(const std::string& peer, absl::Time deadline) override {
+    return inner_.Probe(peer, deadline);
+  }
 
   std::atomic<bool> hold{false};
   absl::Notification held;     // a commit is waiting at the link
   absl::Notification release;  // let it go
 
  private:
-  GrpcReplicaLink inner_{TlsFiles{}};
+  GrpcReplicaLink inner_{TlsFiles{}, kDefaultLivenessTimeout};
 };
 
 class StalledBackupTest : public ReplicaTest {

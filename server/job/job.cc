@@ -82,6 +82,7 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
     ro.role = role;
     ro.link = resources.replica_link;
     ro.timeout = resources.replica_timeout;
+    ro.liveness_timeout = resources.liveness_timeout;
     ro.transport = resources.transport;
     ro.ledger = resources.ledger;
     job->replica_ = std::make_unique<ReplicaGroup>(ro, job->spec_.get(), job->step_.get());

@@ -99,6 +99,10 @@ struct JobResources {
   // on with one copy, plus its bytes at 50 MB/s.
   ReplicaLink* replica_link = nullptr;
   absl::Duration replica_timeout = absl::Seconds(5);
+  // How long a peer daemon may stay silent before the replica link's calls
+  // to it fail and a primary stops calling it until it answers a probe
+  // (ReplicaGroup::Options::liveness_timeout).
+  absl::Duration liveness_timeout = absl::Seconds(4);
 };
 
 class Job {

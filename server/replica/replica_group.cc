@@ -153,6 +153,74 @@ ReplicaGroup::ReplicaGroup(Options options, const v1::JobSpec* spec, StepEngine*
     : options_(std::move(options)), spec_(spec), step_(step), config_(step->config()) {
   absl::MutexLock lock(&mu_);
   role_ = options_.role;
+  if (role_ == ReplicaRole::kPrimary) StartProberLocked();
+}
+
+ReplicaGroup::~ReplicaGroup() {
+  std::thread prober;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    prober = std::move(prober_);
+  }
+  if (prober.joinable()) prober.join();
+}
+
+void ReplicaGroup::StartProberLocked() {
+  if (prober_running_ || stopping_ || options_.link == nullptr ||
+      options_.liveness_timeout <= absl::ZeroDuration()) {
+    return;
+  }
+  // A thread that left its loop has set prober_running_ to false under mu_
+  // and takes no lock again: joining it here waits only for its return.
+  if (prober_.joinable()) prober_.join();
+  prober_running_ = true;
+  prober_ = std::thread([this] { RunProber(); });
+}
+
+void ReplicaGroup::RunProber() {
+  const absl::Duration period = std::max(options_.liveness_timeout / 4, absl::Milliseconds(100));
+  const absl::Duration probe_timeout =
+      std::max(options_.liveness_timeout / 2, absl::Milliseconds(200));
+  absl::Time last_answer = absl::Now();
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_ || role_ != ReplicaRole::kPrimary) {
+        prober_running_ = false;
+        return;
+      }
+    }
+    const absl::Status answered =
+        options_.link->Probe(options_.peer_address, absl::Now() + probe_timeout);
+    const absl::Time now = absl::Now();
+    absl::MutexLock lock(&mu_);
+    if (answered.ok()) {
+      last_answer = now;
+      if (peer_silent_) {
+        peer_silent_ = false;
+        next_resync_ = absl::InfinitePast();
+        std::fprintf(stderr,
+                     "zeroshardd: job %s replica group %u: the backup's daemon %s answers again "
+                     "(silent for %.1f s); its copy is brought up to date at the next step\n",
+                     config_.job_id.c_str(), options_.group, options_.peer_address.c_str(),
+                     absl::ToDoubleSeconds(now - silent_since_));
+      }
+    } else if (!peer_silent_ && now - last_answer >= options_.liveness_timeout) {
+      peer_silent_ = true;
+      silent_since_ = last_answer;
+      in_sync_ = false;
+      if (!one_copy_since_) one_copy_since_ = now;
+      std::fprintf(stderr,
+                   "zeroshardd: job %s replica group %u: the backup's daemon %s has not answered "
+                   "for %.1f s (%s; --liveness_timeout_seconds): the group goes on with one copy "
+                   "and calls it again once it answers\n",
+                   config_.job_id.c_str(), options_.group, options_.peer_address.c_str(),
+                   absl::ToDoubleSeconds(now - last_answer), std::string(answered.message()).c_str());
+    }
+    auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+    mu_.AwaitWithTimeout(absl::Condition(&stopping), period);
+  }
 }
 
 ReplicaRole ReplicaGroup::role() const {
@@ -201,18 +269,28 @@ ReplicaGroupStatus ReplicaGroup::State() const {
 void ReplicaGroup::MarkBackupStale(const absl::Status& why) {
   absl::MutexLock lock(&mu_);
   if (role_ != ReplicaRole::kPrimary) return;
+  // A backup that did not answer waits for the probe thread to hear from it.
+  const bool silent =
+      prober_running_ && (absl::IsUnavailable(why) || absl::IsDeadlineExceeded(why));
   if (!why.ok()) {
-    // At most once per resync interval while the backup stays away.
+    // At most once per resync interval (or silence) while the backup stays away.
     std::fprintf(stderr,
                  "zeroshardd: job %s replica group %u: %s (%s); the group goes on with one copy "
-                 "and tries again in %lld s\n",
+                 "and %s\n",
                  config_.job_id.c_str(), options_.group,
                  in_sync_ ? "the backup fell behind" : "the backup is still not current",
                  std::string(why.message()).c_str(),
-                 static_cast<long long>(absl::ToInt64Seconds(kResyncInterval)));
+                 silent ? "calls it again once its daemon answers"
+                        : absl::StrCat("tries again in ", absl::FormatDuration(kResyncInterval))
+                              .c_str());
   }
   in_sync_ = false;
   next_resync_ = why.ok() ? absl::InfinitePast() : absl::Now() + kResyncInterval;
+  if (!why.ok() && !one_copy_since_) one_copy_since_ = absl::Now();
+  if (silent && !peer_silent_) {
+    peer_silent_ = true;
+    silent_since_ = absl::Now();
+  }
 }
 
 absl::Status ReplicaGroup::Promote(const v1::PromoteRequest& r) {
@@ -253,6 +331,12 @@ absl::Status ReplicaGroup::PromoteLocked(const v1::PromoteRequest& r) {
   epoch_ = r.epoch();
   in_sync_ = false;  // its peer is gone; the next PrepareStep tries it again
   next_resync_ = absl::InfinitePast();
+  one_copy_since_ = absl::Now();
+  // Promoted because the old primary was gone: no step calls its daemon
+  // until it answers a heartbeat (without heartbeats, at the next step).
+  peer_silent_ = options_.link != nullptr && options_.liveness_timeout > absl::ZeroDuration();
+  silent_since_ = absl::Now();
+  StartProberLocked();
   std::fprintf(stderr, "zeroshardd: job %s replica group %u promoted to primary at epoch %llu\n",
                config_.job_id.c_str(), options_.group, static_cast<unsigned long long>(epoch_));
   return absl::OkStatus();
@@ -284,7 +368,7 @@ bool ReplicaGroup::ReplicatePrepared(const StepEngine::Prepared& prepared,
   {
     absl::MutexLock lock(&mu_);
     if (role_ != ReplicaRole::kPrimary || link == nullptr) return false;
-    if (!in_sync_ && absl::Now() < next_resync_) return false;
+    if (!in_sync_ && (peer_silent_ || absl::Now() < next_resync_)) return false;
     in_sync = in_sync_;
   }
   // Each call gets replica_timeout plus its bytes at the slowest rate
@@ -322,6 +406,16 @@ bool ReplicaGroup::ReplicatePrepared(const StepEngine::Prepared& prepared,
   }
   absl::MutexLock lock(&mu_);
   in_sync_ = true;
+  if (one_copy_since_) {
+    // The window in which a fault of this daemon would have lost the group.
+    std::fprintf(stderr,
+                 "zeroshardd: job %s replica group %u: the backup on %s is current again at step "
+                 "%llu; the group had one copy for %.1f s\n",
+                 config_.job_id.c_str(), options_.group, options_.peer_address.c_str(),
+                 static_cast<unsigned long long>(prepared.step),
+                 absl::ToDoubleSeconds(absl::Now() - *one_copy_since_));
+    one_copy_since_.reset();
+  }
   return true;
 }
 
@@ -652,9 +746,21 @@ absl::StatusOr<v1::TransferStateResponse> ReplicaGroup::AcceptState(
       shard.RestoreRaw(step_->optimizer(), n, src.data(), state.optimizer_steps(), tensor_steps);
     });
     absl::MutexLock lock(&mu_);
+    if (role_ == ReplicaRole::kPrimary) {
+      // A daemon that was silent (stopped, hung, cut off) past its peers'
+      // liveness timeout wakes to find its group promoted elsewhere.
+      std::fprintf(stderr,
+                   "zeroshardd: job %s replica group %u: this primary (epoch %llu) was replaced "
+                   "by the primary at epoch %llu on %s (this daemon was silent or cut off); it "
+                   "is the group's backup from now on, holding that primary's state\n",
+                   config_.job_id.c_str(), options_.group, static_cast<unsigned long long>(epoch_),
+                   static_cast<unsigned long long>(first.epoch()), options_.peer_address.c_str());
+    }
     role_ = ReplicaRole::kBackup;
     epoch_ = first.epoch();
     in_sync_ = true;
+    one_copy_since_.reset();
+    peer_silent_ = false;
   }
   v1::TransferStateResponse out;
   out.set_committed_step(state.committed_step());

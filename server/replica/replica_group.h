@@ -27,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -71,6 +72,16 @@ class ReplicaGroup {
     // The longest one replication call may take before the group goes on
     // with one copy, plus its bytes at 50 MB/s.
     absl::Duration timeout = absl::Seconds(5);
+    // Heartbeats from a primary to its backup's daemon: a thread of the
+    // group's probes it every liveness_timeout / 4 (ReplicaLink::Probe, each
+    // bounded by liveness_timeout / 2, no lock held). A backup whose daemon
+    // has not answered for liveness_timeout, or whose replication call
+    // ended UNAVAILABLE or DEADLINE_EXCEEDED, is silent: no step calls it
+    // (the group goes on with one copy, and no prepare waits out a dead
+    // peer's deadline) until a probe is answered; then the next step copies
+    // the state to it. Zero: no heartbeats; a failed backup is tried again
+    // a second later.
+    absl::Duration liveness_timeout = absl::Seconds(4);
     transport::Transport* transport = nullptr;  // bulk state transfers; may be null
     MemoryLedger* ledger = nullptr;
   };
@@ -78,6 +89,10 @@ class ReplicaGroup {
   // `spec` (re-registered on a peer that lost the job) and `step` must
   // outlive the group.
   ReplicaGroup(Options options, const v1::JobSpec* spec, StepEngine* step);
+  // Stops the probe thread (at most one probe's deadline).
+  ~ReplicaGroup();
+  ReplicaGroup(const ReplicaGroup&) = delete;
+  ReplicaGroup& operator=(const ReplicaGroup&) = delete;
 
   ReplicaRole role() const;
   uint64_t epoch() const;
@@ -89,7 +104,10 @@ class ReplicaGroup {
   ReplicaGroupStatus State() const;
   // The primary's copy changed outside a step (initial parameters, a load,
   // a state write): the backup copies the state again before the next
-  // step. `why` non-OK: a failure, logged, and retried after a pause.
+  // step. `why` non-OK: a failure, logged, and retried after a pause; one
+  // that says the backup's daemon did not answer (UNAVAILABLE,
+  // DEADLINE_EXCEEDED) waits for a probe to be answered instead
+  // (Options::liveness_timeout).
   void MarkBackupStale(const absl::Status& why);
 
   // ---- The primary's side ----
@@ -152,6 +170,12 @@ class ReplicaGroup {
   absl::Status SendGradient(const StepEngine::Prepared& prepared, const std::string& token,
                             absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_->commit_lock());
+  // Starts the probe thread unless it runs (joining a finished one first),
+  // when there is a link and a liveness timeout.
+  void StartProberLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The probe thread: heartbeats to the backup's daemon while this copy is
+  // the primary and the group runs.
+  void RunProber();
 
   const Options options_;
   const v1::JobSpec* const spec_;
@@ -166,6 +190,16 @@ class ReplicaGroup {
   bool in_sync_ ABSL_GUARDED_BY(mu_) = false;
   // Primary out of sync: the next attempt to bring the backup along.
   absl::Time next_resync_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // Primary: the backup's daemon did not answer; no step calls it until a
+  // probe is answered. Since when (its last answer).
+  bool peer_silent_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time silent_since_ ABSL_GUARDED_BY(mu_);
+  // Primary: since when the group has had one current copy (this one), for
+  // the report once the backup is current again; unset while in sync.
+  std::optional<absl::Time> one_copy_since_ ABSL_GUARDED_BY(mu_);
+  bool prober_running_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread prober_ ABSL_GUARDED_BY(mu_);
 
   // Backup: where a forward's chunks land until all are in (booked as
   // buffer on first use, released with the job). forward_mu_ lets one

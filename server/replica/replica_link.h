@@ -40,6 +40,9 @@ class ReplicaLink {
   virtual absl::Status CommitReplica(const std::string& peer, const std::string& token,
                                      const v1::CommitReplicaRequest& request,
                                      absl::Time deadline) = 0;
+  // grpc.health.v1.Health/Check on `peer` (no token): OK when its daemon
+  // answers at all, whatever it says; the call's error otherwise.
+  virtual absl::Status Probe(const std::string& peer, absl::Time deadline) = 0;
   virtual absl::Status ReleaseReplica(const std::string& peer, const std::string& token,
                                       const v1::ReleaseReplicaRequest& request,
                                       absl::Time deadline) = 0;

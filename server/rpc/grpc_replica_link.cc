@@ -1,6 +1,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
 #include "common/channel.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "proto/zeroshard/v1/control.grpc.pb.h"
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "server/rpc/grpc_replica_link.h"
@@ -117,6 +118,16 @@ absl::Status GrpcReplicaLink::Unary(
   const grpc::Status s = call(*channel, &context);
   if (!s.ok()) return Checked(peer, PeerError(s, peer, what));
   return absl::OkStatus();
+}
+
+absl::Status GrpcReplicaLink::Probe(const std::string& peer, absl::Time deadline) {
+  grpc::health::v1::HealthCheckRequest request;
+  grpc::health::v1::HealthCheckResponse response;
+  return Unary(peer, "", deadline, "Health.Check",
+               [&](const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* context) {
+                 return grpc::health::v1::Health::NewStub(channel)->Check(context, request,
+                                                                          &response);
+               });
 }
 
 }  // namespace zeroshard

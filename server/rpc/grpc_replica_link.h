@@ -25,8 +25,10 @@ class GrpcReplicaLink final : public ReplicaLink {
  public:
   // Reads no file yet: the credentials are made on the first call, and a
   // failure to make them is every call's error.
-  explicit GrpcReplicaLink(TlsFiles tls)
-      : channels_(std::move(tls), "zeroshard.replica_link_channel") {}
+  // `liveness_timeout`: a peer silent that long fails the calls in flight
+  // to it (PeerChannels).
+  GrpcReplicaLink(TlsFiles tls, absl::Duration liveness_timeout)
+      : channels_(std::move(tls), "zeroshard.replica_link_channel", liveness_timeout) {}
 
   absl::Status RegisterBackup(const std::string& peer, const std::string& token,
                               const v1::JobSpec& spec, uint32_t daemon_index,
@@ -42,6 +44,7 @@ class GrpcReplicaLink final : public ReplicaLink {
   absl::Status ReleaseReplica(const std::string& peer, const std::string& token,
                               const v1::ReleaseReplicaRequest& request,
                               absl::Time deadline) override;
+  absl::Status Probe(const std::string& peer, absl::Time deadline) override;
 
  private:
   // Returns `s`; an UNAVAILABLE one drops the peer's channel first, so that

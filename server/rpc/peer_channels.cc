@@ -16,6 +16,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> PeerChannels::Get(const std::stri
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetInt(tag_, static_cast<int>(++channels_made_ & 0x7fffffff));
+  SetChannelKeepalive(liveness_timeout_, &args);
   std::shared_ptr<grpc::Channel> channel = MakeChannel(peer, *security, args);
   channels_.emplace(peer, channel);
   return channel;

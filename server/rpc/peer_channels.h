@@ -13,6 +13,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/keepalive.h"
 #include "common/tls.h"
 #include "grpcpp/grpcpp.h"
 
@@ -23,7 +25,11 @@ class PeerChannels {
   // Reads no file yet: the credentials are made on the first Get, and a
   // failure to make them is every Get's error. `tag` names the channel
   // argument that numbers the channels made (e.g. "zeroshard.replica_link_channel").
-  PeerChannels(TlsFiles tls, std::string tag) : tls_(std::move(tls)), tag_(std::move(tag)) {}
+  // A peer silent for `liveness_timeout` fails every call in flight on its
+  // channel with UNAVAILABLE (common/keepalive.h; zero: no keepalive).
+  PeerChannels(TlsFiles tls, std::string tag,
+               absl::Duration liveness_timeout = kDefaultLivenessTimeout)
+      : tls_(std::move(tls)), tag_(std::move(tag)), liveness_timeout_(liveness_timeout) {}
 
   // The peer's channel: no message size limit, reconnect backoff 100 ms ..
   // 1 s (a peer that restarts is found again within a second).
@@ -35,6 +41,7 @@ class PeerChannels {
  private:
   const TlsFiles tls_;
   const std::string tag_;
+  const absl::Duration liveness_timeout_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
   // Channels made so far: each gets its number as a channel argument, so
