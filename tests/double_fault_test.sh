@@ -18,7 +18,16 @@
 #   R  B's job resumed (--resume=latest) on the restarted daemons: from the
 #      step-10 checkpoint to step 30, ending with U's parameters, bit for
 #      bit.
-# Printed: the seconds from the kills to the run's end, and its message.
+#   V  undisturbed, $W_STEPS steps (long enough to outlast W's faults).
+#   W  as V, daemon 1 killed after step 10 and started again at once,
+#      empty; once daemon 0 (primary of both groups now) reports both
+#      backups on daemon 1 current again, daemon 0 is killed too: the run
+#      goes on from daemon 1's copies and ends with V's parameters, bit for
+#      bit.
+# Printed: the seconds from the kills to the run's end, and its message;
+# for W the window in which a second fault would have lost a group (from
+# daemon 1's restart to both backups current: window_s=) and daemon 0's
+# lines that say so.
 #
 # Usage: double_fault_test.sh ZSRUN ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
@@ -133,6 +142,40 @@ ZSRUN_PID=""
 grep -q "resumed from checkpoint step-10" "$WORK/R.log" || fail "run R did not resume from step-10"
 cmp -s "$WORK/U.f32" "$WORK/R.f32" || fail "run R ended with other parameters than run U"
 log "run R: resumed from step-10, parameters equal to run U's"
+
+# W: one fault, the window until both groups have two copies again, then
+# the second fault.
+W_STEPS=150
+start_run V df-v --steps="$W_STEPS"
+wait "$ZSRUN_PID" || fail "run V did not finish: $(tail -n 5 "$WORK/V.log")"
+ZSRUN_PID=""
+start_run W df-w --steps="$W_STEPS"
+wait_step W 10
+kill -9 "${DAEMON_PIDS[1]}" 2>/dev/null
+wait "${DAEMON_PIDS[1]}" 2>/dev/null
+log "run W: daemon 1 killed (SIGKILL) after step $(zs_last_step "$WORK/W.log")"
+seen=$(wc -l <"$WORK/daemon0.log")
+start_daemon 1 "$((RESTARTS[1] + 1))" || fail "daemon 1 did not start again"
+RESTARTS[1]=$((RESTARTS[1] + 1))
+restarted=$(zs_now_ms)
+deadline=$((SECONDS + 60))
+until (($(tail -n +"$((seen + 1))" "$WORK/daemon0.log" | grep -c "job df-w replica group .* is current again") >= 2)); do
+  kill -0 "$ZSRUN_PID" 2>/dev/null || fail "run W ended before its backups were current again"
+  ((SECONDS < deadline)) || fail "run W: the backups on daemon 1 were not current again within 60 s"
+  sleep 0.05
+done
+echo "window_s=$(awk -v ms=$(($(zs_now_ms) - restarted)) 'BEGIN { printf "%.2f", ms / 1000 }')" \
+  "(daemon 1 restarted -> both backups current, step $(zs_last_step "$WORK/W.log"))"
+tail -n +"$((seen + 1))" "$WORK/daemon0.log" | grep "job df-w replica group" | cut -c1-240
+kill -9 "${DAEMON_PIDS[0]}" 2>/dev/null
+wait "${DAEMON_PIDS[0]}" 2>/dev/null
+log "run W: daemon 0 killed (SIGKILL) after step $(zs_last_step "$WORK/W.log")"
+wait "$ZSRUN_PID" || fail "run W did not finish after the second fault: $(tail -n 5 "$WORK/W.log")"
+ZSRUN_PID=""
+cmp -s "$WORK/V.f32" "$WORK/W.f32" || fail "run W ended with other parameters than run V"
+log "run W: survived the second fault, parameters equal to run V's"
+start_daemon 0 "$((RESTARTS[0] + 1))" || fail "daemon 0 did not start again"
+RESTARTS[0]=$((RESTARTS[0] + 1))
 
 start_run H df-h
 double_fault H 1
