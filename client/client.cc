@@ -111,6 +111,11 @@ absl::Status ValidateConfig(const ClientConfig& c) {
   if (!PositiveFinite(c.step_timeout)) {
     return Invalid("step_timeout", "must be positive and finite");
   }
+  if (!ValidateLivenessTimeout(c.liveness_timeout, "liveness_timeout").ok()) {
+    return Invalid("liveness_timeout",
+                   absl::StrCat("must be 0 (off) or between 2s and 1h, got ",
+                                absl::FormatDuration(c.liveness_timeout)));
+  }
   if (c.heartbeat_interval < absl::ZeroDuration() ||
       c.heartbeat_interval == absl::InfiniteDuration()) {
     return Invalid("heartbeat_interval", "must be finite and >= 0 (0: no heartbeats)");
@@ -215,15 +220,19 @@ absl::Status Client::Connect() {
     po.known_committed_step = c.known_committed_step;
     po.rpc_timeout = std::min(c.rpc_timeout, absl::Seconds(5));
     po.wait = c.step_timeout;
+    po.liveness_timeout = c.liveness_timeout;
     ASSIGN_OR_RETURN(placement_, ResolvePlacement(c.daemons, security, po));
   }
   for (uint32_t d = 0; d < c.daemons.size(); ++d) {
     const std::string& address = placement_[d].address;
     std::optional<ReplicaTarget> target;
     if (c.replicas > 1) target = ReplicaTarget{d, placement_[d].epoch};
-    std::shared_ptr<grpc::Channel> channel = MakeDaemonChannel(address, security, target);
+    std::shared_ptr<grpc::Channel> channel =
+        MakeDaemonChannel(address, security, target, c.liveness_timeout);
     home_controls_.push_back(std::make_unique<DaemonControl>(
-        c.daemons[d], target ? MakeDaemonChannel(c.daemons[d], security) : channel));
+        c.daemons[d], target ? MakeDaemonChannel(c.daemons[d], security, std::nullopt,
+                                                 c.liveness_timeout)
+                             : channel));
     channels.push_back(channel);
     controls_.push_back(std::make_unique<DaemonControl>(address, channel));
     controls.push_back(controls_.back().get());

@@ -103,6 +103,12 @@ struct ClientConfig : JobSettings {
   // alive (from RegisterModel until Leave or destruction). 0 disables it
   // (the daemons then count the rank connected only while it pushes).
   absl::Duration heartbeat_interval = absl::Seconds(5);
+  // A daemon that answers no keepalive ping for this long fails every call
+  // in flight to it with UNAVAILABLE, whatever the call's deadline, and a
+  // replicated job fails over from it as from a dead one (common/
+  // keepalive.h). 0: off (a silent daemon is found by call deadlines only);
+  // else at least 2 s.
+  absl::Duration liveness_timeout = absl::Seconds(4);
   // Data path: "stream" (the Shard streaming RPCs, always available), or a
   // bulk transport, which must be the daemons' --bulk_transport: "ucx",
   // "grpc" (transport/grpc one-sided Put/Get) or "inproc" (daemons in the

@@ -75,7 +75,7 @@ std::string NewestCheckpoint(const std::vector<std::string>& daemons,
     v1::ListCheckpointsRequest request;
     request.set_job_id(o.job_id);
     v1::ListCheckpointsResponse list;
-    if (!v1::Checkpoint::NewStub(MakeDaemonChannel(daemons[d], security))
+    if (!v1::Checkpoint::NewStub(MakeDaemonChannel(daemons[d], security, std::nullopt, o.liveness_timeout))
              ->ListCheckpoints(&context, request, &list)
              .ok() ||
         list.checkpoints().empty()) {
@@ -100,7 +100,7 @@ absl::StatusOr<std::vector<GroupPlacement>> ResolvePlacement(
   const uint32_t n = static_cast<uint32_t>(daemons.size());
   std::vector<std::unique_ptr<v1::Replica::Stub>> stubs;
   for (const std::string& address : daemons) {
-    stubs.push_back(v1::Replica::NewStub(MakeDaemonChannel(address, security)));
+    stubs.push_back(v1::Replica::NewStub(MakeDaemonChannel(address, security, std::nullopt, o.liveness_timeout)));
   }
   const absl::Time deadline = absl::Now() + o.wait;
   // Since when each group has seemed lost but for an unreachable daemon.

@@ -38,6 +38,8 @@ struct PlacementOptions {
   // A group whose only possible copy is on an unreachable daemon (the other
   // holder is up and has none) is given up after this long, not `wait`.
   absl::Duration lost_grace = absl::Seconds(10);
+  // The channels' keepalive (MakeDaemonChannel).
+  absl::Duration liveness_timeout = absl::Seconds(4);
 };
 
 // The placement of every group of the job on `daemons` (spec.daemons). A

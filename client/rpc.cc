@@ -1,13 +1,13 @@
 #include "client/rpc.h"
 
 #include "absl/strings/str_cat.h"
-#include "common/keepalive.h"
 
 namespace zeroshard {
 
 std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address,
                                                  const ChannelSecurity& security,
-                                                 std::optional<ReplicaTarget> target) {
+                                                 std::optional<ReplicaTarget> target,
+                                                 absl::Duration liveness_timeout) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
@@ -20,7 +20,7 @@ std::shared_ptr<grpc::Channel> MakeDaemonChannel(const std::string& address,
   // A daemon that stops answering (hung, stopped, cut off) fails the calls
   // in flight to it within the liveness timeout, whatever their deadlines:
   // the client's failover starts then, not at the call timeout.
-  SetChannelKeepalive(kDefaultLivenessTimeout, &args);
+  SetChannelKeepalive(liveness_timeout, &args);
   return MakeChannel(address, security, args, target);
 }
 

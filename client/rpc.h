@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/channel.h"
+#include "common/keepalive.h"
 #include "common/protocol.h"
 #include "grpcpp/grpcpp.h"
 
@@ -22,10 +23,13 @@ namespace zeroshard {
 // kMaxGrpcMessageBytes (common/protocol.h) each way. Does not connect: the
 // first RPC does.
 // With `target`, every call names a replica group and epoch (replicated
-// jobs, proto/zeroshard/v1/replica.proto).
+// jobs, proto/zeroshard/v1/replica.proto). A daemon silent for
+// `liveness_timeout` fails the calls in flight on the channel with
+// UNAVAILABLE (keepalive pings, common/keepalive.h; zero: none).
 std::shared_ptr<grpc::Channel> MakeDaemonChannel(
     const std::string& address, const ChannelSecurity& security,
-    std::optional<ReplicaTarget> target = std::nullopt);
+    std::optional<ReplicaTarget> target = std::nullopt,
+    absl::Duration liveness_timeout = kDefaultLivenessTimeout);
 
 void SetDeadline(grpc::ClientContext* context, absl::Time deadline);
 

@@ -136,6 +136,9 @@ ABSL_FLAG(int, activation_timing_steps, 0,
           "and local activation checkpoints step by step; rank 0 prints the median step time of "
           "each (needs stage 3). 0 = off.");
 ABSL_FLAG(double, rpc_timeout_s, 60, "Seconds a single call to a daemon may take.");
+ABSL_FLAG(double, liveness_timeout_s, 4,
+          "Seconds a daemon may answer no keepalive ping before every call to it fails and a "
+          "replicated job fails over from it (0: off; else at least 2).");
 ABSL_FLAG(double, step_timeout_s, 300,
           "Seconds a wait on the other ranks may take (a step's barrier, the start-up barrier).");
 ABSL_FLAG(int, kill_at_step, 0,
@@ -365,6 +368,7 @@ int Main() {
   o.max_grad_norm = static_cast<float>(absl::GetFlag(FLAGS_max_grad_norm));
   o.bucket_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_bucket_bytes));
   o.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
+  o.liveness_timeout = absl::Seconds(absl::GetFlag(FLAGS_liveness_timeout_s));
   o.step_timeout = absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s));
   o.replicas = static_cast<uint32_t>(std::max(absl::GetFlag(FLAGS_replicas), 0));
   o.reconnects = absl::GetFlag(FLAGS_reconnects) >= 0 ? absl::GetFlag(FLAGS_reconnects)

@@ -84,6 +84,7 @@ ClientConfig MakeClientConfig(const TrainOptions& o) {
   c.max_grad_norm = o.max_grad_norm;
   c.resume = o.resume;
   c.rpc_timeout = o.rpc_timeout;
+  c.liveness_timeout = o.liveness_timeout;
   c.step_timeout = o.step_timeout;
   c.replicas = o.replicas;
   c.node_cache = o.node_cache;

@@ -53,6 +53,8 @@ struct TrainOptions {
   std::string ucx_tls;               // UCX_TLS for "ucx" ("" = UCX's choice)
   // ClientConfig.rpc_timeout and .step_timeout.
   absl::Duration rpc_timeout = absl::Seconds(60);
+  // ClientConfig.liveness_timeout.
+  absl::Duration liveness_timeout = absl::Seconds(4);
   absl::Duration step_timeout = absl::Minutes(5);
   // ClientConfig.job_token and .tls (empty: ZS_JOB_TOKEN, ZS_TLS_*).
   std::string job_token;

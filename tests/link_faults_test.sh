@@ -14,7 +14,10 @@
 #   slow    host 1's eth0 sends at most $RATE (tc tbf).
 #   rclean  --replicas=2, undisturbed, $D_STEPS steps with a
 #           ${D_RPC_TIMEOUT_S} s call deadline (gpt_train --rpc_timeout_s; 20 s
-#           in the runs above): the reference for stopped.
+#           in the runs above) and the least liveness timeout, 2 s
+#           (gpt_train --liveness_timeout_s; the daemons'
+#           --liveness_timeout_seconds is 2 for every run): the reference
+#           for stopped.
 #   stopped as rclean, with daemon 1 (primary of replica group 1, backup of
 #           group 0) stopped (SIGSTOP) after step $STOP_AFTER for $STOP_S s,
 #           then continued (SIGCONT).
@@ -95,7 +98,8 @@ start_daemon() {
   local h="$1" out="$WORK/daemon$1.log" pid_file="$WORK/daemon$1.pid"
   # shellcheck disable=SC2016  # expanded by sh: its own pid, then the daemon's
   zs_on_host "$h" sh -c 'echo $$ >"$0"; exec "$@"' "$pid_file" \
-    "$ZEROSHARDD" --listen="${ZS_HOST_ADDRS[$h]}:0" --insecure --bulk_transport= >"$out" 2>&1 &
+    "$ZEROSHARDD" --listen="${ZS_HOST_ADDRS[$h]}:0" --insecure --bulk_transport= \
+      --liveness_timeout_seconds=2 >"$out" 2>&1 &
   local launcher=$!
   # Killed at teardown with its host: no "Killed" line for it.
   disown "$launcher"
@@ -219,11 +223,13 @@ fi
 QDISC=""
 
 # ---- rclean and stopped: --replicas=2, daemon 1 stopped for $STOP_S s ----
-start_run rclean --steps="$D_STEPS" --replicas=2 --rpc_timeout_s="$D_RPC_TIMEOUT_S"
+start_run rclean --steps="$D_STEPS" --replicas=2 --rpc_timeout_s="$D_RPC_TIMEOUT_S" \
+  --liveness_timeout_s=2
 finish_run rclean none
 report rclean rclean
 
-start_run stopped --steps="$D_STEPS" --replicas=2 --rpc_timeout_s="$D_RPC_TIMEOUT_S"
+start_run stopped --steps="$D_STEPS" --replicas=2 --rpc_timeout_s="$D_RPC_TIMEOUT_S" \
+  --liveness_timeout_s=2
 deadline=$((SECONDS + 60))
 until (($(zs_last_step "$WORK/stopped.rank0.log") >= STOP_AFTER)); do
   kill -0 "${RUN_PIDS[0]}" 2>/dev/null || fail "run stopped ended before step $STOP_AFTER"
