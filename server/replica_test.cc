@@ -209,6 +209,7 @@ class ReplicaTest : public ::testing::Test {
       o.read_lease = absl::ZeroDuration();  // removed jobs are freed at the next reap
       o.bulk_transport = BulkTransport(d);
       o.replica_link = LinkOf(d);
+      o.liveness_timeout = LivenessOf(d);
       absl::StatusOr<std::unique_ptr<Daemon>> started = Daemon::Start(o);
       ASSERT_TRUE(started.ok()) << started.status();
       daemons_.push_back(*std::move(started));
@@ -220,6 +221,8 @@ class ReplicaTest : public ::testing::Test {
   virtual std::string BulkTransport(int d) const { return ""; }
   // Daemon d's link to its backups (null: the daemon's own, over gRPC).
   virtual ReplicaLink* LinkOf(int d) { return nullptr; }
+  // Daemon d's --liveness_timeout_seconds.
+  virtual absl::Duration LivenessOf(int d) const { return kDefaultLivenessTimeout; }
 
   Daemon& daemon(int d) { return *daemons_[d]; }
 
@@ -1655,6 +1658,99 @@ TEST_F(StalledBackupTest, StalledBackupCommitStallsNothingElse) {
   std::shared_ptr<Job> backup = Copy(1, j.id, 0);
   ASSERT_NE(backup, nullptr);
   EXPECT_EQ(backup->committed_step(), 2u);
+}
+
+// The daemon's own link, with the backup's daemon made silent at will:
+// while `silent`, every probe answers UNAVAILABLE. Counts the calls that
+// reach (or would reach) the backup.
+class SilentBackupLink final : public ReplicaLink {
+ public:
+  absl::Status RegisterBackup(const std::string& peer, const std::string& token,
+                              const v1::JobSpec& spec, uint32_t daemon_index,
+                              absl::Time deadline) override {
+    ++calls;
+    return inner_.RegisterBackup(peer, token, spec, daemon_index, deadline);
+  }
+  absl::StatusOr<v1::TransferStateResponse> TransferState(
+      const std::string& peer, const std::string& token,
+      absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next, absl::Time deadline) override {
+    ++calls;
+    return inner_.TransferState(peer, token, next, deadline);
+  }
+  absl::Status ForwardGradient(const std::string& peer, const std::string& token,
+                               absl::FunctionRef<bool(v1::ForwardedGradientChunk*)> next,
+                               absl::Time deadline) override {
+    ++calls;
+    return inner_.ForwardGradient(peer, token, next, deadline);
+  }
+  absl::Status CommitReplica(const std::string& peer, const std::string& token,
+                             const v1::CommitReplicaRequest& request,
+                             absl::Time deadline) override {
+    ++calls;
+    return inner_.CommitReplica(peer, token, request, deadline);
+  }
+  absl::Status ReleaseReplica(const std::string& peer, const std::string& token,
+                              const v1::ReleaseReplicaRequest& request,
+                              absl::Time deadline) override {
+    return inner_.ReleaseReplica(peer, token, request, deadline);
+  }
+  absl::Status Probe(const std::string& peer, absl::Time deadline) override {
+    if (silent) return absl::UnavailableError("the backup's daemon is silent (test)");
+    return inner_.Probe(peer, deadline);
+  }
+
+  std::atomic<bool> silent{false};
+  std::atomic<int> calls{0};
+
+ private:
+  GrpcReplicaLink inner_{TlsFiles{}, kDefaultLivenessTimeout};
+};
+
+class SilentBackupTest : public ReplicaTest {
+ protected:
+  ReplicaLink* LinkOf(int d) override { return d == 0 ? &link_ : nullptr; }
+  absl::Duration LivenessOf(int d) const override { return kMinLivenessTimeout; }
+  SilentBackupLink link_;
+};
+
+// A primary whose backup's daemon answers no heartbeat for the liveness
+// timeout goes on with one copy and calls the backup from no step (no
+// prepare waits out a dead peer's deadline); once the daemon answers again
+// the next step copies the state and the copies are bit-identical.
+TEST_F(SilentBackupTest, NoStepCallsASilentBackupUntilItAnswersAgain) {
+  ::testing::internal::CaptureStderr();
+  const TestJob j = StartJob("silent-backup", 2);
+  for (const v1::PrepareStepResponse& p : RunStep(j, 1, {{0, 0, 1}, {1, 1, 1}})) {
+    EXPECT_TRUE(p.backup_in_sync());
+  }
+  link_.silent = true;
+  std::shared_ptr<Job> primary = Copy(0, j.id, 0);
+  ASSERT_NE(primary, nullptr);
+  // The heartbeats find it silent: the group no longer counts its backup.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (ReplicaStateOf(*primary).in_sync() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_FALSE(ReplicaStateOf(*primary).in_sync()) << "the heartbeats did not find it silent";
+  const int calls = link_.calls;
+  for (uint64_t step = 2; step <= 3; ++step) {
+    const std::vector<v1::PrepareStepResponse> p = RunStep(j, step, {{0, 0, 1}, {1, 1, 1}});
+    EXPECT_FALSE(p[0].backup_in_sync()) << step;
+  }
+  EXPECT_EQ(link_.calls, calls) << "a step called the silent backup";
+
+  link_.silent = false;
+  bool in_sync = false;
+  for (uint64_t step = 4; step <= 40 && !in_sync; ++step) {
+    absl::SleepFor(absl::Milliseconds(100));
+    in_sync = RunStep(j, step, {{0, 0, 1}, {1, 1, 1}})[0].backup_in_sync();
+  }
+  EXPECT_TRUE(in_sync) << "the backup was not brought up to date once its daemon answered";
+  EXPECT_TRUE(SameBits(Masters(*Copy(0, j.id, 0)), Masters(*Copy(1, j.id, 0))));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("has not answered for"), std::string::npos) << log;
+  EXPECT_NE(log.find("answers again"), std::string::npos) << log;
+  EXPECT_NE(log.find("is current again at step"), std::string::npos) << log;
 }
 
 class MixedTransportReplicaTest : public ReplicaTest {
