@@ -130,6 +130,8 @@ py::dict ClientDefaults(const ClientConfig& c, const GlooCollective::Options& gl
   d["micro_batches"] = c.micro_batches;
   d["transport"] = c.transport;
   d["ucx_tls"] = c.ucx_tls;
+  d["node_cache"] = c.node_cache;
+  d["local_daemon"] = c.local_daemon;
   return d;
 }
 
@@ -586,8 +588,11 @@ class PyClient {
            const std::string& collective_host, std::optional<int> cuda_device,
            const std::string& collective_kind, const py::object& param_groups,
            uint32_t micro_batches, bool insecure, const std::string& transport,
-           const std::string& ucx_tls, const py::object& loss_scale) {
+           const std::string& ucx_tls, const py::object& loss_scale, bool node_cache,
+           int local_daemon) {
     ClientConfig c;
+    c.node_cache = node_cache;      // ValidateConfig (in Create) refuses it with replicas 2
+    c.local_daemon = local_daemon;  // -1: found by Create (client/local_daemon.h)
     c.loss_scale = ParseLossScale(loss_scale);  // ValidateConfig (in Create) checks the values
     c.transport = transport;  // ValidateConfig (in Create) names a bad one
     c.ucx_tls = ucx_tls;
@@ -948,6 +953,17 @@ class PyClient {
   }
   uint64_t committed_step() const { return client_->committed_step(); }
   float loss_scale() const { return client_->loss_scale(); }
+  // The job's loss scaling as registered (ClientConfig.loss_scale).
+  py::dict LossScaleSettingsDict() const {
+    const LossScaleSettings& s = client_->config().loss_scale;
+    py::dict d;
+    d["dynamic"] = s.dynamic;
+    d["init_scale"] = s.initial_scale;
+    d["growth_factor"] = s.growth_factor;
+    d["backoff_factor"] = s.backoff_factor;
+    d["growth_interval"] = s.growth_interval;
+    return d;
+  }
 
   // `daemon`: an index into daemons; None: this rank's partition's daemon
   // (rank * len(daemons) / world_size).
@@ -1055,7 +1071,8 @@ PYBIND11_MODULE(_zeroshard, m) {
                     std::optional<std::string>, std::optional<std::string>, uint32_t,
                     const std::string&, std::optional<std::string>, const std::string&,
                     std::optional<int>, const std::string&, const py::object&, uint32_t,
-                    bool, const std::string&, const std::string&, const py::object&>(),
+                    bool, const std::string&, const std::string&, const py::object&, bool,
+                    int>(),
            py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
            py::arg("stage") = defaults.stage,
            py::arg("precision") = std::string(DTypeName(kPythonDefaultPrecision)),
@@ -1078,7 +1095,8 @@ PYBIND11_MODULE(_zeroshard, m) {
            py::arg("micro_batches") = defaults.micro_batches,
            py::arg("insecure") = defaults.insecure,
            py::arg("transport") = defaults.transport, py::arg("ucx_tls") = defaults.ucx_tls,
-           py::arg("loss_scale") = py::none(),
+           py::arg("loss_scale") = py::none(), py::arg("node_cache") = defaults.node_cache,
+           py::arg("local_daemon") = defaults.local_daemon,
            "Validates the config and starts the client's threads; connects to nothing. "
            "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
            "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
@@ -1117,7 +1135,13 @@ PYBIND11_MODULE(_zeroshard, m) {
            "scaling: a step whose gradients hold an inf or NaN is skipped and the scale "
            "multiplied by backoff_factor; after growth_interval steps in a row that were not "
            "skipped it is multiplied by growth_factor. The loss must be multiplied by "
-           "the `loss_scale` property before backward.")
+           "the `loss_scale` property before backward. "
+           "node_cache: the job's node cache (every rank passes the same; not with replicas=2): "
+           "a rank's streamed gathers of other daemons' ranges are served by its host's daemon, "
+           "which fetches each range once per committed step for all its local ranks. "
+           "local_daemon: with node_cache, the index in daemons of this rank's host daemon; -1 "
+           "(the default): the first daemon whose host is one of this machine's addresses, and "
+           "without one the rank gathers from every owner (said on stderr).")
       .def(
           "register_model",
           [](PyClient& self, const py::object& layout, const py::object& initial_params) {
@@ -1198,6 +1222,10 @@ PYBIND11_MODULE(_zeroshard, m) {
       .def_property_readonly("total_elements", &PyClient::total_elements,
                              "0 until register_model succeeds.")
       .def_property_readonly("committed_step", &PyClient::committed_step)
+      .def_property_readonly("loss_scale_settings", &PyClient::LossScaleSettingsDict,
+                             "The job's loss scaling as registered: dict(dynamic, init_scale, "
+                             "growth_factor, backoff_factor, growth_interval); a static scale "
+                             "(dynamic False) never moves.")
       .def_property_readonly("loss_scale", &PyClient::loss_scale,
                              "The scale to multiply the next step's loss by: the "
                              "job's initial scale until a step returns, then the "

@@ -191,3 +191,59 @@ def test_client_loss_scale_settings(daemons):
         zeroshard.Client(daemons, "loss-scale-bad", rank=0, world_size=1,
                          loss_scale={"backoff_factor": 2.0})
     assert info.value.code == "INVALID_ARGUMENT"
+
+
+def test_grad_scaler_state_dict_follows_the_daemons(daemons):
+    """state_dict() has torch GradScaler's keys with the daemons' scale and
+    the job's settings; its _growth_tracker, which the trainer follows from
+    the step results, agrees at every step with the count of good steps
+    since the daemons' scale last changed. load_state_dict accepts what
+    agrees with the daemons and refuses anything else, naming the key; a
+    trainer that joins a job past step 0 cannot tell the tracker."""
+    config = _config(daemons, "loss-scale-state")
+    model = shard_model(Net(), config, stage=2, lr=LR, betas=sc.BETAS, eps=sc.EPS)
+    scaler = GradScaler(model)
+    x, y = _data()
+    since_change, previous = 0, scaler.get_scale()
+    trackers = []
+    for s in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        scaler.scale(_loss(model, x[s], y[s], torch.float32)).backward()
+        scaler.step(model.optimizer)
+        scaler.update()
+        scale = scaler.get_scale()
+        since_change = 0 if (model.last_result["skipped"] or scale != previous) \
+            else since_change + 1
+        previous = scale
+        state = scaler.state_dict()
+        assert state == {"scale": scale, "growth_factor": LOSS_SCALE["growth_factor"],
+                         "backoff_factor": LOSS_SCALE["backoff_factor"],
+                         "growth_interval": LOSS_SCALE["growth_interval"],
+                         "_growth_tracker": since_change}, (s, state)
+        trackers.append(state["_growth_tracker"])
+    assert set(trackers) == {0, 1, 2}  # grew and was skipped in between
+    state = scaler.state_dict()
+    scaler.load_state_dict(dict(state))  # agrees: nothing to do
+    before = model.full_state_dict()
+    for key, value in [("scale", state["scale"] * 2), ("growth_factor", 4.0),
+                       ("backoff_factor", 0.25), ("growth_interval", 7),
+                       ("_growth_tracker", state["_growth_tracker"] + 1)]:
+        with pytest.raises(ValueError, match=key):
+            scaler.load_state_dict(dict(state, **{key: value}))
+    with pytest.raises(RuntimeError, match="empty"):
+        scaler.load_state_dict({})
+    assert scaler.state_dict() == state
+    after = model.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    # The same rank joining again (a restarted trainer) finds the job past
+    # step 0: it cannot tell the daemons' tracker, and says so.
+    again = shard_model(Net(), config, stage=2, lr=LR, betas=sc.BETAS, eps=sc.EPS)
+    rejoined = GradScaler(again)
+    with pytest.raises(RuntimeError, match="growth tracker"):
+        rejoined.state_dict()
+    with pytest.raises(RuntimeError, match="growth tracker"):
+        rejoined.load_state_dict(state)
+    with pytest.raises(ValueError, match="growth_interval"):
+        rejoined.load_state_dict(dict(state, growth_interval=7))
+    again.close()

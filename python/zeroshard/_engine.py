@@ -82,6 +82,13 @@ class Engine:
         self.client = Client(**config)
         self.save_pending = False
         self._activations = None  # (client, its ActivationStore), opened when first used
+        # The daemons' count of steps in a row without an inf or NaN since
+        # the loss scale last changed (GradScaler's _growth_tracker), as
+        # this trainer follows it from the step results; None while it has
+        # not seen every step since the job started (a resume, a rejoin
+        # past steps it did not see). The client cannot read the daemons'.
+        self.growth_tracker = None
+        self._seen_step = None
 
     # ---- construction ----
 
@@ -102,6 +109,8 @@ class Engine:
         become the daemons' state. Blocks until every rank joined."""
         initial = self.initial_values() if self.rank == 0 else None
         self.client.register_model(self.layout, initial)
+        self._seen_step = self.client.committed_step
+        self.growth_tracker = 0 if self._seen_step == 0 else None
 
     def rejoin(self):
         """A new client of the same job, after a failure (no upload, no
@@ -112,6 +121,9 @@ class Engine:
         client.register_model(self.layout, None)
         self.client = client
         self.save_pending = False
+        if client.committed_step != self._seen_step:
+            self.growth_tracker = None  # steps committed that this trainer did not see
+        self._seen_step = client.committed_step
 
     # ---- the step ----
 
@@ -137,7 +149,25 @@ class Engine:
     def step(self, push_seconds=0.0):
         result = self.client.step(self.group_lrs())
         result["push_wait_ms"] += 1000 * push_seconds
+        self._follow_loss_scale(result)
         return result
+
+    def _follow_loss_scale(self, result):
+        """GradScaler's rule for its growth tracker, which the daemons apply
+        at each commit: reset by a skipped step and by growth, else one
+        more. Loses track when a step was committed unseen."""
+        if self.growth_tracker is not None and result["step"] != self._seen_step + 1:
+            self.growth_tracker = None
+        self._seen_step = result["step"]
+        if self.growth_tracker is None:
+            return
+        settings = self.client.loss_scale_settings
+        if result["skipped"] or not settings["dynamic"]:
+            self.growth_tracker = 0
+        elif self.growth_tracker + 1 >= settings["growth_interval"]:
+            self.growth_tracker = 0
+        else:
+            self.growth_tracker += 1
 
     # ---- states ----
 

@@ -2,14 +2,47 @@
 P_os+g); each step pushes the gradients the backward passes accumulated in
 `p.grad` (as torch sums micro-batches: several backward passes per step
 are summed on the trainer), marks the parameters that got none, runs the
-step on the daemons and loads the new values into the parameters."""
+step on the daemons and loads the new values into the parameters.
+
+The trainer holds the model's parameters and gradients and a staging
+buffer of constant size, never a flat copy of the model:
+
+- Gradients go from `p.grad` to the client. A float32, contiguous CPU
+  gradient of at least a quarter of a bucket is pushed from `p.grad`
+  itself (the client copies it into its staging pool, C_B-sized buckets,
+  before the call returns). Everything else (smaller gradients, other
+  dtypes or strides, CUDA gradients, the zeros of frozen tensors, buffers
+  and parameters without a gradient) is packed in flat order into the
+  staging buffer, converted to float32 as torch's copy_ converts, and
+  pushed a bucket at a time.
+- Parameters come back layer by layer: stages 1-2 cut the layout into
+  layers of at most GATHER_LAYER_ELEMENTS elements (a larger tensor is a
+  layer of its own), and each layer is gathered straight into its
+  parameter (a float32, contiguous CPU tensor that fills its layer's range)
+  or into the staging buffer and copied from there into its parameters.
+  The client's layer gathers give the job's precision; a bf16 or fp16 job
+  loads the fp32 masters with one gather of the whole model instead (the
+  client has no ranged fp32 gather), into a flat buffer that is freed when
+  the load returns.
+
+What is pushed and loaded is the same, bit for bit, as pushing and
+loading the whole model in one flat float32 buffer: the daemons sum the
+same values however the pushes are split."""
 
 import time
 
-import numpy as np
 import torch
 
-from zeroshard import _engine
+from zeroshard._zeroshard import DEFAULTS
+
+# Stages 1-2 gather the parameters in layers of at most this many elements
+# (1 MiB of fp32): consecutive tensors are grouped up to it, a larger tensor
+# is a layer alone. A constant, not the job's bucket size, because layers
+# are part of the layout's fingerprint, which checkpoints are matched by.
+GATHER_LAYER_ELEMENTS = 1 << 18
+
+# The layout's alignment (elements; common/layout.h kDefaultAlignment).
+_ALIGNMENT = 64
 
 
 def unfrozen_message(name):
@@ -18,51 +51,206 @@ def unfrozen_message(name):
             "checkpoint, then shard anew with it trainable")
 
 
+def assign_layers(entries):
+    """Sets the layer of each entry of a stage 1-2 layout (in layout order):
+    parameters grouped in runs of at most GATHER_LAYER_ELEMENTS aligned
+    elements (a larger one alone), the buffers in one layer after them."""
+    layer, size = 0, 0
+    for e in entries:
+        if e.kind != "param":
+            continue
+        span = -(-e.numel // _ALIGNMENT) * _ALIGNMENT
+        if size > 0 and size + span > GATHER_LAYER_ELEMENTS:
+            layer, size = layer + 1, 0
+        e.layer = layer
+        size += span
+    for e in entries:
+        if e.kind != "param":
+            e.layer = layer + 1
+
+
+def copy_elements(src, lo, hi, out):
+    """Elements [lo, hi) of `src` in row-major (flat layout) order into the
+    1-d `out` (hi - lo elements), converted to out's dtype, without copying
+    more of `src` than those elements (a non-contiguous `src` is walked by
+    rows)."""
+    if src.is_contiguous():
+        out.copy_(src.reshape(-1)[lo:hi])
+        return
+    if src.dim() <= 1:
+        out.copy_(src.reshape(-1)[lo:hi])  # a strided 1-d view: no copy of src
+        return
+    row = src.numel() // src.shape[0]
+    pos = lo
+    while pos < hi:
+        i, start = divmod(pos, row)
+        if start == 0 and hi - pos >= row:  # whole rows
+            n = (hi - pos) // row
+            out[pos - lo:pos - lo + n * row].view((n,) + tuple(src.shape[1:])).copy_(
+                src[i:i + n])
+            pos += n * row
+        else:  # part of one row
+            end = min(hi, (i + 1) * row)
+            copy_elements(src[i], start, end - i * row, out[pos - lo:end - lo])
+            pos = end
+
+
 class FlatSharding:
-    """The step of a stage 1-2 job over `engine`'s entries."""
+    """The step of a stage 1-2 job over `engine`'s entries (whose layers
+    assign_layers set)."""
 
     def __init__(self, engine):
         self.engine = engine
-        total = engine.total
-        # Reused every step; the tensors share memory with the arrays.
-        self._flat_params = np.zeros(total, dtype=np.float32)
-        self._flat_grads = np.zeros(total, dtype=np.float32)
-        self._params_t = torch.from_numpy(self._flat_params)
-        self._grads_t = torch.from_numpy(self._flat_grads)
+        layout = engine.layout
+        self._fp32 = engine.config.get("precision", "fp32") == "fp32"
+        bucket_bytes = int(engine.config.get("bucket_bytes", DEFAULTS["bucket_bytes"]))
+        # Elements per packed push: one of the job's buckets (C_B).
+        self._push_elements = max(_ALIGNMENT, min(bucket_bytes // 4, engine.total))
+        self._direct_push_elements = max(1, self._push_elements // 4)
         self._trainable = [e for e in engine.entries if e.kind == "param" and not e.frozen]
         # Frozen by requires_grad=False (the others are in no group, and
         # torch.optim ignores their gradients too).
         self._not_requiring = [e for e in engine.entries
                                if e.kind == "param" and not e.param.requires_grad]
+        # (layer id, begin, end, [param entries]) of every layer holding
+        # parameters, in flat order.
+        self._layers = []
+        for e in engine.entries:
+            if e.kind != "param":
+                continue
+            if not self._layers or self._layers[-1][0] != e.layer:
+                begin, end = layout.layer_range(e.layer)
+                self._layers.append((e.layer, begin, end, []))
+            self._layers[-1][3].append(e)
+        gather_elements = 0
+        if self._fp32:
+            gather_elements = max([end - begin for _, begin, end, members in self._layers
+                                   if not self._direct(begin, end, members)], default=0)
+        # The staging buffer, allocated once: packed pushes, then layer
+        # gathers (never both at once).
+        self._staging = torch.zeros(max(self._push_elements, gather_elements),
+                                    dtype=torch.float32)
+        # Bytes of the flat fp32 buffer a bf16/fp16 job's load allocates
+        # while it runs (0 for fp32 jobs).
+        self.load_flat_bytes = 0 if self._fp32 else 4 * engine.total
+
+    @property
+    def staging_bytes(self):
+        return self._staging.numel() * self._staging.element_size()
+
+    @staticmethod
+    def _direct(begin, end, members):
+        """Whether the layer can be gathered straight into its parameter."""
+        if len(members) != 1:
+            return False
+        p = members[0].param
+        return (p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous()
+                and end - begin == members[0].numel)
+
+    def _grow_staging(self, elements):
+        """A parameter changed dtype or layout after sharding: its layer now
+        goes through the staging buffer, which grows to hold it."""
+        if elements > self._staging.numel():
+            self._staging = torch.zeros(elements, dtype=torch.float32)
 
     def load_params(self):
         """The daemons' masters into every registered parameter."""
-        self.engine.client.gather_all(self._flat_params)
+        client = self.engine.client
+        with torch.no_grad():
+            if not self._fp32:
+                flat = torch.zeros(self.engine.total, dtype=torch.float32)
+                client.gather_all(flat)
+                for e in self.engine.entries:
+                    if e.kind == "param":
+                        e.param.copy_(flat[e.offset:e.offset + e.numel].view(e.param.shape))
+                return
+            for layer, begin, end, members in self._layers:
+                if self._direct(begin, end, members):
+                    client.gather(layer, members[0].param.data.view(-1))
+                    continue
+                self._grow_staging(end - begin)
+                out = self._staging[:end - begin]
+                client.gather(layer, out)
+                for e in members:
+                    local = e.offset - begin
+                    e.param.copy_(out[local:local + e.numel].view(e.param.shape))
+
+    def _push_gradients(self):
+        """Pushes every element of the layout once (gradients, and zeros for
+        the rest) in flat order; returns the number of push calls."""
+        client = self.engine.client
+        staging = self._staging
+        limit = self._push_elements
+        calls = 0
+        # The packed push being filled: flat [begin, end) in staging[:end -
+        # begin], and the tensors without a gradient it covers.
+        begin = end = None
+        no_grad = []
+
+        def flush():
+            nonlocal begin, end, no_grad, calls
+            if begin is not None and end > begin:
+                client.push_gradients(begin, end, staging[:end - begin],
+                                      no_grad=self.engine.no_grad(no_grad))
+                calls += 1
+            begin = end = None
+            no_grad = []
+
+        def pack(e, grad, mark):
+            """e's elements (grad, or zeros when None) into packed pushes."""
+            nonlocal begin, end
+            pos, stop = e.offset, e.offset + e.numel
+            while pos < stop:
+                if begin is not None and pos != end:
+                    if pos - begin < limit:  # an alignment gap: zeros
+                        staging[end - begin:pos - begin].zero_()
+                        end = pos
+                    else:
+                        flush()
+                if begin is None:
+                    begin = end = pos
+                n = min(limit - (end - begin), stop - pos)
+                out = staging[end - begin:end - begin + n]
+                if grad is None:
+                    out.zero_()
+                else:
+                    copy_elements(grad, pos - e.offset, pos - e.offset + n, out)
+                if mark and (not no_grad or no_grad[-1] != e.index):
+                    no_grad.append(e.index)
+                end += n
+                pos += n
+                if end - begin == limit:
+                    flush()
+
         with torch.no_grad():
             for e in self.engine.entries:
-                if e.kind == "param":
-                    e.param.copy_(self._params_t[e.offset:e.offset + e.numel].view(e.param.shape))
+                if e.kind != "param" or e.frozen:
+                    pack(e, None, False)
+                    continue
+                g = e.param.grad
+                if g is None:
+                    pack(e, None, True)
+                elif (g.dtype == torch.float32 and g.device.type == "cpu"
+                      and g.is_contiguous() and e.numel >= self._direct_push_elements):
+                    flush()
+                    # Copied into the client's staging pool before it returns.
+                    client.push_gradients(e.offset, e.offset + e.numel, g.reshape(-1))
+                    calls += 1
+                else:
+                    pack(e, g, False)
+            flush()
+        return calls
 
     def step(self):
         """Pushes the gradients, steps on the daemons and loads the new
-        parameters; returns the step's result dict."""
+        parameters; returns the step's result dict (with `pushes`, this
+        rank's push_gradients calls)."""
         for e in self._not_requiring:
             if e.param.requires_grad:
                 raise ValueError(unfrozen_message(e.name))
-        no_grad = []
-        with torch.no_grad():
-            self._grads_t.zero_()
-            for e in self._trainable:
-                g = e.param.grad
-                if g is None:
-                    no_grad.append(e.index)
-                else:
-                    self._grads_t[e.offset:e.offset + e.numel].copy_(g.reshape(-1))
         start = time.perf_counter()
-        # Lent, not copied: _flat_grads is not written again before step()
-        # has taken the pushes in.
-        self.engine.client.push_gradients(0, self.engine.total, self._flat_grads, borrow=True,
-                                          no_grad=self.engine.no_grad(no_grad))
+        pushes = self._push_gradients()
         result = self.engine.step(time.perf_counter() - start)
+        result["pushes"] = pushes
         self.load_params()
         return result

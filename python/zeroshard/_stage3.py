@@ -230,6 +230,22 @@ class LayerSharding:
         for layer in self._ordered:
             self._free(layer)
 
+    @property
+    def held_bytes(self):
+        """Bytes of the layers gathered now."""
+        return self._held
+
+    @property
+    def gradient_bytes(self):
+        """Bytes of the layers' gradient buffers held now (arriving, or
+        waiting for their push)."""
+        held = {id(layer.grad): layer.grad for layer in self._ordered if layer.grad is not None}
+        for piece in self._bucket.pieces:
+            held[id(piece[2])] = piece[2]
+        for piece in self._deferred:
+            held[id(piece[2])] = piece[2]
+        return sum(t.numel() * t.element_size() for t in held.values())
+
     # ---- gather and free ----
 
     def _gather(self, layer):

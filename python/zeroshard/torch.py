@@ -29,7 +29,7 @@ import torch
 from zeroshard._zeroshard import DEFAULTS as _DEFAULTS, Error
 from zeroshard import _engine, _layout
 from zeroshard._engine import Engine, config_error
-from zeroshard._flat import FlatSharding
+from zeroshard._flat import FlatSharding, assign_layers
 from zeroshard import _offload
 from zeroshard._stage3 import LayerSharding, is_dense
 
@@ -179,6 +179,37 @@ def _split_names(params):
     return strip(params), names
 
 
+def _tensor_bytes(t):
+    return t.numel() * t.element_size()
+
+
+def _memory_report(engine, params, flat=None, sharded=None):
+    """What a trainer holds, by category, in bytes (see
+    ShardedModel.memory_report)."""
+    unique = list({id(p): p for p in params}.values())
+    psi = sum(p.numel() for p in unique)
+    grads = sum(_tensor_bytes(p.grad) for p in unique if p.grad is not None)
+    client = engine.client.memory_report()
+    report = {"stage": engine.stage, "psi": psi}
+    if sharded is None:
+        report["parameters"] = sum(_tensor_bytes(p) for p in unique)
+        report["gradients"] = grads
+        report["staging"] = flat.staging_bytes + client["buffer"]
+        report["gathered_layers"] = 0
+        report["load_transient"] = flat.load_flat_bytes
+    else:
+        report["parameters"] = 0
+        report["gradients"] = grads + sharded.gradient_bytes
+        report["staging"] = client["buffer"]
+        report["gathered_layers"] = sharded.held_bytes + client["param"] + client["param_half"]
+        report["load_transient"] = 0
+    report["client_staging"] = client["buffer"]
+    report["total"] = (report["parameters"] + report["gradients"] + report["staging"]
+                       + report["gathered_layers"])
+    report["ddp_bytes"] = 16 * psi
+    return report
+
+
 class _DaemonOptimizer(torch.optim.Optimizer):
     """A torch.optim.Optimizer whose step() runs on the daemons. Its
     param_groups are the job's parameter groups: LR schedulers set their
@@ -248,7 +279,9 @@ class ShardedOptimizer(_DaemonOptimizer):
     over the ranks: several backward passes before a step sum in p.grad as
     with torch), runs AdamW on the daemons and writes the new parameters
     into the tensors. A parameter whose grad is None on every rank is not
-    touched. Failures raise `zeroshard.Error`.
+    touched. The trainer holds the parameters, their gradients and a
+    staging buffer of constant size, no flat copy of them
+    (`memory_report()`). Failures raise `zeroshard.Error`.
     """
 
     def __init__(self, params, client_config, stage=1, lr=_LR,
@@ -269,6 +302,7 @@ class ShardedOptimizer(_DaemonOptimizer):
                 if p.numel() > 0:
                     entries.append(_layout.Entry(name, "param", p.shape, group=gi,
                                                  frozen=not p.requires_grad, param=p))
+        assign_layers(entries)
         engine = Engine(entries, self.param_groups, client_config, stage, max_grad_norm,
                         resume=resume)
         engine.register()
@@ -286,6 +320,12 @@ class ShardedOptimizer(_DaemonOptimizer):
         self._engine.rejoin()
         self._flat.load_params()
         return self._engine.client.committed_step
+
+    def memory_report(self):
+        """What this trainer holds, in bytes, by category: see
+        ShardedModel.memory_report (stages 1-2)."""
+        return _memory_report(self._engine, [e.param for e in self._engine.entries
+                                             if e.kind == "param"], flat=self._flat)
 
     @property
     def resumed_from(self):
@@ -430,8 +470,8 @@ class ShardedModel(torch.nn.Module):
             raise ValueError("reshard_after_forward: only stage 3 gathers (and frees) "
                              "parameters; stages 1-2 keep them on the trainer")
         if stage in (1, 2) and push_bucket_bytes is not None:
-            raise ValueError("push_bucket_bytes: stages 1-2 push the whole gradient in "
-                             "one call in step()")
+            raise ValueError("push_bucket_bytes: stages 1-2 push every gradient in step(), "
+                             "in buckets of the job's bucket_bytes")
         if not (isinstance(reshard_after_forward, bool) or callable(reshard_after_forward)):
             raise TypeError("reshard_after_forward: expected a bool or a callable taking a "
                             f"layer's name, got {type(reshard_after_forward).__name__}")
@@ -511,6 +551,8 @@ class ShardedModel(torch.nn.Module):
             e = _layout.Entry(name, "buffer", buf.shape, frozen=True, module=sub, key=key)
             e.layer = buffer_layer
             entries.append(e)
+        if stage in (1, 2):
+            assign_layers(entries)
 
         engine = Engine(entries, self.optimizer.param_groups, client_config, stage,
                         max_grad_norm, resume=resume, micro_batches=micro_batches)
@@ -591,7 +633,8 @@ class ShardedModel(torch.nn.Module):
     @push_bucket_bytes.setter
     def push_bucket_bytes(self, value):
         if self._sharded is None:
-            raise ValueError("push_bucket_bytes: stages 1-2 push the whole gradient in step()")
+            raise ValueError("push_bucket_bytes: stages 1-2 push every gradient in step(), in "
+                             "buckets of the job's bucket_bytes")
         self._sharded.bucket_bytes = _check_push_bucket_bytes(value)
 
     @property
@@ -635,6 +678,35 @@ class ShardedModel(torch.nn.Module):
             self._flat.load_params()
             return self._engine.client.committed_step
         return self._sharded.reconnect()
+
+    def memory_report(self):
+        """What this trainer holds now for the model's states, in bytes:
+
+          stage, psi       the stage; Ψ, the parameters' element count
+          parameters       the parameters' storage (stages 1-2: the model's
+                           own tensors; stage 3: 0, see gathered_layers)
+          gradients        p.grad tensors, and at stage 3 the layers'
+                           gradient buffers not yet pushed
+          staging          constant-size buffers: the client's staging pool
+                           (client_staging: staging_buffers buckets of C_B)
+                           and at stages 1-2 the trainer's packing and
+                           gather buffer (a bucket, or the largest layer
+                           gathered through it, never more than about
+                           max(C_B, 1 MiB) for float32 parameters that fill
+                           their layers)
+          gathered_layers  stage 3: the layers gathered now (their views'
+                           storage) and the client's prefetch buffers
+          load_transient   stages 1-2 in a bf16/fp16 job: the flat fp32
+                           buffer each parameter load allocates and frees
+                           (0 otherwise)
+          total            parameters + gradients + staging + gathered_layers
+          ddp_bytes        16Ψ, what a DDP rank with AdamW holds in fp32
+                           (parameters, gradients, two moments)
+
+        The Adam moments and the fp32 masters are on the daemons. Buffers
+        and activations are not counted."""
+        params = [p for _, p in self.module.named_parameters()]
+        return _memory_report(self._engine, params, flat=self._flat, sharded=self._sharded)
 
     @property
     def peak_param_bytes(self):
@@ -882,7 +954,9 @@ class GradScaler:
     `get_scale()` is the scale the next backward must use, the same on
     every rank (the daemons' after the last step). The job's settings are
     fixed when it is registered (the config's `loss_scale`); the daemons'
-    checkpoints hold the current scale.
+    checkpoints hold the current scale. `state_dict()` / `load_state_dict()`
+    have torch GradScaler's keys and report and check the daemons' state;
+    they cannot set it.
 
     Clipping (`max_grad_norm`) is applied by the daemons to the unscaled
     gradient: there is no `unscale_()` (it raises)."""
@@ -940,6 +1014,76 @@ class GradScaler:
         if new_scale is not None:
             raise ValueError("update: the loss scale is the daemons' (set loss_scale in the "
                              "config when the job is registered); new_scale cannot be set")
+
+    def get_growth_factor(self):
+        return float(self._optimizer.client.loss_scale_settings["growth_factor"])
+
+    def get_backoff_factor(self):
+        return float(self._optimizer.client.loss_scale_settings["backoff_factor"])
+
+    def get_growth_interval(self):
+        return int(self._optimizer.client.loss_scale_settings["growth_interval"])
+
+    def _growth_tracker(self):
+        tracker = self._optimizer._engine.growth_tracker
+        if tracker is None:
+            raise RuntimeError(
+                "GradScaler: the scale and the growth tracker (steps without inf/NaN since "
+                "the scale last changed) are the daemons', and this trainer has not seen "
+                "every step since the job started (it resumed or rejoined), so it cannot "
+                "tell the tracker (nor the scale before its first step); the daemons' "
+                "checkpoints (save_checkpoint, resume=) hold both")
+        return tracker
+
+    def state_dict(self):
+        """torch.cuda.amp.GradScaler.state_dict()'s keys, from the daemons'
+        state: `scale` is the daemons' current scale; growth_factor,
+        backoff_factor and growth_interval are the job's settings (a static
+        scale has factors 1: it never moves); `_growth_tracker` is the
+        daemons' count of steps without inf or NaN since the scale last
+        changed, which the client cannot read: this trainer follows it from
+        every step's result. RuntimeError when it has not seen every step
+        since the job started (after a resume or a rejoin): the daemons'
+        checkpoints hold the scale and the count."""
+        tracker = self._growth_tracker()
+        settings = self._optimizer.client.loss_scale_settings
+        return {"scale": self.get_scale(),
+                "growth_factor": float(settings["growth_factor"]),
+                "backoff_factor": float(settings["backoff_factor"]),
+                "growth_interval": int(settings["growth_interval"]),
+                "_growth_tracker": tracker}
+
+    def load_state_dict(self, state_dict):
+        """Checks a GradScaler state dict against the daemons' state. The
+        scale and the growth tracker live on the daemons, the settings are
+        fixed when the job is registered, and no call sets any of them: a
+        state dict that agrees with the daemons is accepted (nothing
+        changes), any other raises ValueError naming the key and both
+        values. To start a job from a saved scale, register it with
+        `loss_scale={"init_scale": scale, ...}` or resume from the daemons'
+        checkpoint (which holds the scale and the tracker). An empty dict
+        (a disabled torch GradScaler's) raises too."""
+        if not state_dict:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        settings = self._optimizer.client.loss_scale_settings
+        fixed = {"growth_factor": float(settings["growth_factor"]),
+                 "backoff_factor": float(settings["backoff_factor"]),
+                 "growth_interval": int(settings["growth_interval"])}
+        for key, have in fixed.items():
+            if key in state_dict and float(state_dict[key]) != have:
+                raise ValueError(f"load_state_dict: {key} is {state_dict[key]!r} in the state "
+                                 f"dict, {have!r} for this job (fixed when the job was "
+                                 "registered: config loss_scale)")
+        # Raises when this trainer cannot tell the daemons' scale and count.
+        mine = self.state_dict()
+        for key in ("scale", "_growth_tracker"):
+            if key in state_dict and float(state_dict[key]) != mine[key]:
+                raise ValueError(
+                    f"load_state_dict: {key} is {state_dict[key]!r} in the state dict, "
+                    f"{mine[key]!r} on the daemons, where it moves only by the job's steps "
+                    "(start a job from a saved scale with loss_scale={'init_scale': ...} in "
+                    "its config, or resume from a daemons' checkpoint, which holds both)")
 
 
 # The status codes after which a new connection may get on: a daemon gone
