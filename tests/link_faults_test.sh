@@ -56,7 +56,7 @@ RATE=100mbit
 STOP_AFTER=5
 STOP_S=30
 # Long enough that the job still runs when daemon 1 is continued.
-D_STEPS=200
+D_STEPS=400
 D_RPC_TIMEOUT_S=2
 # multi_host_test's model and flags.
 TRAINER_FLAGS=(--stage=3 --layers=4 --width=32 --heads=4 --seq_len=16 --batch=8

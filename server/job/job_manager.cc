@@ -253,6 +253,9 @@ uint64_t JobManager::idle_removed() const {
   return idle_removed_;
 }
 
+// A janitor pass this late is a pause of the whole daemon.
+constexpr absl::Duration kPauseReported = absl::Seconds(5);
+
 void JobManager::Tick() {
   const absl::Time now = absl::Now();
   std::vector<std::shared_ptr<Job>> unjoined;  // every copy of such jobs, and of idle ones
@@ -329,13 +332,28 @@ void JobManager::Tick() {
 }
 
 void JobManager::RunJanitor() {
+  absl::Time last = absl::Now();
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
       auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
       if (mu_.AwaitWithTimeout(absl::Condition(&stopping), options_.janitor_period)) return;
     }
+    // A janitor that wakes far too late ran in a process that was stopped
+    // (SIGSTOP), hung or starved: its peers and trainers may have fenced it
+    // meanwhile. Said once per pause; the replicated copies find out from
+    // the next state transfer or request (their epochs).
+    const absl::Time now = absl::Now();
+    if (now - last >= kPauseReported) {
+      std::fprintf(stderr,
+                   "zeroshardd: this daemon did not run for %.1f s (stopped, hung or starved): "
+                   "its peers may have fenced it meanwhile; a replicated job's copy that was "
+                   "replaced serves no request at its old epoch and becomes a backup at the "
+                   "new primary's next state transfer\n",
+                   absl::ToDoubleSeconds(now - last));
+    }
     Tick();
+    last = absl::Now();  // a long pass (freeing a large job) is no pause
   }
 }
 
