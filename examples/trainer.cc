@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "client/gloo_collective.h"
 #include "common/status_macros.h"
@@ -432,11 +433,15 @@ absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known
   return result;
 }
 
-// Failures a new connection may get past: a daemon gone or replaced, a call
+// Failures a new connection may get past: a daemon gone or replaced (one
+// restarted so fast that the next call reaches it, empty: NOT_FOUND "job
+// ... is not registered on this daemon", server/job/job_manager.cc), a call
 // or a step out of time, a step the daemons could not take.
 bool Reconnectable(const absl::Status& s) {
   return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsFailedPrecondition(s) ||
-         absl::IsAborted(s) || absl::IsCancelled(s);
+         absl::IsAborted(s) || absl::IsCancelled(s) ||
+         (absl::IsNotFound(s) &&
+          absl::StrContains(s.message(), "is not registered on this daemon"));
 }
 
 }  // namespace

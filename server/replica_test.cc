@@ -1205,6 +1205,18 @@ TEST_F(ReplicaTest, BadTransferStateChangesNothing) {
   // The primary's own copy at its own epoch is not overwritten.
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "is primary here at epoch 1",
                  [&] { return Replica(0).Transfer(TransferChunks(j, 0, 1, 1)); });
+  // Epochs a copy that holds state cannot be driven to: past the next one
+  // (the backup, and the primary, which would step down), and the largest.
+  {
+    std::vector<v1::ReplicaStateChunk> chunks = good;
+    for (auto& ch : chunks) ch.set_epoch(3);
+    reject(grpc::FAILED_PRECONDITION, "a transfer may carry 1 or 2", chunks);
+    for (auto& ch : chunks) ch.set_epoch(std::numeric_limits<uint64_t>::max());
+    reject(grpc::FAILED_PRECONDITION, "the largest epoch", chunks);
+  }
+  ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "a transfer may carry 1 or 2",
+                 [&] { return Replica(0).Transfer(TransferChunks(j, 0, 7, 1)); });
+  EXPECT_EQ(Copy(0, j.id, 0)->role(), ReplicaRole::kPrimary);
 
   // The chunks above, unchanged, are a valid transfer: the backup takes them.
   v1::TransferStateResponse resp;

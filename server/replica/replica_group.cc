@@ -153,6 +153,7 @@ ReplicaGroup::ReplicaGroup(Options options, const v1::JobSpec* spec, StepEngine*
     : options_(std::move(options)), spec_(spec), step_(step), config_(step->config()) {
   absl::MutexLock lock(&mu_);
   role_ = options_.role;
+  held_state_ = role_ == ReplicaRole::kPrimary;
   if (role_ == ReplicaRole::kPrimary) StartProberLocked();
 }
 
@@ -344,6 +345,20 @@ absl::Status ReplicaGroup::PromoteLocked(const v1::PromoteRequest& r) {
 
 absl::Status ReplicaGroup::CheckDrivenBy(uint64_t epoch, bool transfer) const {
   absl::MutexLock lock(&mu_);
+  if (transfer && epoch == std::numeric_limits<uint64_t>::max()) {
+    return absl::FailedPreconditionError(
+        "epoch: a transfer cannot carry the largest epoch (no later promotion could pass it)");
+  }
+  // A copy that holds state knows its group's epoch: the only newer one a
+  // primary can have is the next (a promotion steps it by one, and the
+  // group has no third copy to be promoted further while this one held
+  // state). A copy registered afresh (a restarted daemon) knows none yet.
+  if (transfer && held_state_ && epoch > epoch_ + 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "epoch: job ", config_.job_id, " replica group ", options_.group,
+        " holds state here at epoch ", epoch_, "; a transfer may carry ", epoch_, " or ",
+        epoch_ + 1, " (one promotion later), got ", epoch, "; nothing was changed"));
+  }
   const bool older = epoch < epoch_;
   const bool ok = transfer ? (epoch > epoch_ || (epoch == epoch_ && role_ == ReplicaRole::kBackup))
                            : (epoch == epoch_ && role_ == ReplicaRole::kBackup);
@@ -759,6 +774,7 @@ absl::StatusOr<v1::TransferStateResponse> ReplicaGroup::AcceptState(
     role_ = ReplicaRole::kBackup;
     epoch_ = first.epoch();
     in_sync_ = true;
+    held_state_ = true;
     one_copy_since_.reset();
     peer_silent_ = false;
   }

@@ -140,7 +140,8 @@ class ReplicaGroup {
       absl::FunctionRef<bool(v1::ForwardedGradientChunk*)> next);
   absl::StatusOr<v1::CommitStepResponse> CommitReplica(const v1::CommitReplicaRequest& request);
   // OK when a primary at `epoch` may drive this copy: it is the backup at
-  // that epoch (`transfer`: or at a lower one, or any role at a lower one).
+  // that epoch (`transfer`: or any role at a lower one; a copy that holds
+  // state only at epoch - 1, and never to the largest epoch).
   absl::Status CheckDrivenBy(uint64_t epoch, bool transfer) const;
 
  private:
@@ -188,6 +189,9 @@ class ReplicaGroup {
   // Backup: holds a copy of the primary's state. Primary: the backup took
   // the last forward.
   bool in_sync_ ABSL_GUARDED_BY(mu_) = false;
+  // This copy holds the group's state (a primary, or a backup that took a
+  // transfer): a transfer's epoch may then be at most one above its own.
+  bool held_state_ ABSL_GUARDED_BY(mu_) = false;
   // Primary out of sync: the next attempt to bring the backup along.
   absl::Time next_resync_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Primary: the backup's daemon did not answer; no step calls it until a
