@@ -8,9 +8,10 @@ The trainer holds the model's parameters and gradients and a staging
 buffer of constant size, never a flat copy of the model:
 
 - Gradients go from `p.grad` to the client. A float32, contiguous CPU
-  gradient of at least a quarter of a bucket is pushed from `p.grad`
-  itself (the client copies it into its staging pool, C_B-sized buckets,
-  before the call returns). Everything else (smaller gradients, other
+  gradient of at least 2**14 elements (or a quarter of a bucket) is lent
+  to the client from `p.grad` itself (it sends the buckets the gradient
+  covers whole from there and stages the rest in its pool of C_B-sized
+  buffers). Everything else (smaller gradients, other
   dtypes or strides, CUDA gradients, the zeros of frozen tensors, buffers
   and parameters without a gradient) is packed in flat order into the
   staging buffer, converted to float32 as torch's copy_ converts, and
@@ -106,7 +107,9 @@ class FlatSharding:
         bucket_bytes = int(engine.config.get("bucket_bytes", DEFAULTS["bucket_bytes"]))
         # Elements per packed push: one of the job's buckets (C_B).
         self._push_elements = max(_ALIGNMENT, min(bucket_bytes // 4, engine.total))
-        self._direct_push_elements = max(1, self._push_elements // 4)
+        # Gradients pushed from p.grad itself from this size on (smaller
+        # ones cost more in calls than their copy into the staging buffer).
+        self._direct_push_elements = max(1, min(self._push_elements // 4, 1 << 14))
         self._trainable = [e for e in engine.entries if e.kind == "param" and not e.frozen]
         # Frozen by requires_grad=False (the others are in no group, and
         # torch.optim ignores their gradients too).
@@ -127,9 +130,22 @@ class FlatSharding:
             gather_elements = max([end - begin for _, begin, end, members in self._layers
                                    if not self._direct(begin, end, members)], default=0)
         # The staging buffer, allocated once: packed pushes, then layer
-        # gathers (never both at once).
-        self._staging = torch.zeros(max(self._push_elements, gather_elements),
-                                    dtype=torch.float32)
+        # gathers (never both at once). Packed pushes need the longest run
+        # of tensors pushed through it (those not pushed from p.grad
+        # itself, foreseen from the parameters) up to a bucket; a longer
+        # run than foreseen (a large parameter without a gradient) grows it
+        # to a bucket, once.
+        pack_elements, run_begin = 0, None
+        for e in engine.entries:
+            if self._pushed_directly(e, e.param if e.kind == "param" else None):
+                run_begin = None
+                continue
+            if run_begin is None:
+                run_begin = e.offset
+            pack_elements = max(pack_elements, e.offset + e.numel - run_begin)
+        self._staging = torch.zeros(
+            max(min(pack_elements, self._push_elements), gather_elements, 1),
+            dtype=torch.float32)
         # Bytes of the flat fp32 buffer a bf16/fp16 job's load allocates
         # while it runs (0 for fp32 jobs).
         self.load_flat_bytes = 0 if self._fp32 else 4 * engine.total
@@ -137,6 +153,13 @@ class FlatSharding:
     @property
     def staging_bytes(self):
         return self._staging.numel() * self._staging.element_size()
+
+    def _pushed_directly(self, e, grad):
+        """Whether `grad`, entry e's gradient, is pushed as it is (not
+        packed into the staging buffer)."""
+        return (e.kind == "param" and not e.frozen and grad is not None
+                and grad.dtype == torch.float32 and grad.device.type == "cpu"
+                and grad.is_contiguous() and e.numel >= self._direct_push_elements)
 
     @staticmethod
     def _direct(begin, end, members):
@@ -180,7 +203,7 @@ class FlatSharding:
         the rest) in flat order; returns the number of push calls."""
         client = self.engine.client
         staging = self._staging
-        limit = self._push_elements
+        limit = min(self._push_elements, staging.numel())
         calls = 0
         # The packed push being filled: flat [begin, end) in staging[:end -
         # begin], and the tensors without a gradient it covers.
@@ -195,6 +218,14 @@ class FlatSharding:
                 calls += 1
             begin = end = None
             no_grad = []
+
+        def grow():
+            """The staging buffer to a whole bucket, keeping what it holds."""
+            nonlocal staging, limit
+            bigger = torch.zeros(self._push_elements, dtype=torch.float32)
+            bigger[:end - begin].copy_(staging[:end - begin])
+            self._staging = staging = bigger
+            limit = self._push_elements
 
         def pack(e, grad, mark):
             """e's elements (grad, or zeros when None) into packed pushes."""
@@ -219,7 +250,9 @@ class FlatSharding:
                     no_grad.append(e.index)
                 end += n
                 pos += n
-                if end - begin == limit:
+                if end - begin == limit and pos < stop and limit < self._push_elements:
+                    grow()
+                elif end - begin == limit:
                     flush()
 
         with torch.no_grad():
@@ -230,11 +263,14 @@ class FlatSharding:
                 g = e.param.grad
                 if g is None:
                     pack(e, None, True)
-                elif (g.dtype == torch.float32 and g.device.type == "cpu"
-                      and g.is_contiguous() and e.numel >= self._direct_push_elements):
+                elif self._pushed_directly(e, g):
                     flush()
-                    # Copied into the client's staging pool before it returns.
-                    client.push_gradients(e.offset, e.offset + e.numel, g.reshape(-1))
+                    # Lent: the client sends the buckets it covers whole
+                    # straight from p.grad (staging the rest) and holds the
+                    # tensor until the step has taken it in; nothing writes
+                    # p.grad before the engine's step below returns.
+                    client.push_gradients(e.offset, e.offset + e.numel, g.reshape(-1),
+                                          borrow=True)
                     calls += 1
                 else:
                     pack(e, g, False)
