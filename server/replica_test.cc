@@ -1566,10 +1566,8 @@ class BulkReplicaTest : public ReplicaTest {
   std::string BulkTransport(int d) const override { return "inproc"; }
 };
 
-// Daemon 0's primaries reach their backups over gRPC, but with `hold` set
-// its commits wait at the link until `release` (a backup that stalls while
-// it takes a commit).
-class HeldCommitLink final : public ReplicaLink {
+// The daemon's own link over gRPC, for tests to override a call or two.
+class ForwardingLink : public ReplicaLink {
  public:
   absl::Status RegisterBackup(const std::string& peer, const std::string& token,
                               const v1::JobSpec& spec, uint32_t daemon_index,
@@ -1589,10 +1587,6 @@ class HeldCommitLink final : public ReplicaLink {
   absl::Status CommitReplica(const std::string& peer, const std::string& token,
                              const v1::CommitReplicaRequest& request,
                              absl::Time deadline) override {
-    if (hold) {
-      if (!held.HasBeenNotified()) held.Notify();
-      release.WaitForNotificationWithDeadline(deadline);
-    }
     return inner_.CommitReplica(peer, token, request, deadline);
   }
   absl::Status ReleaseReplica(const std::string& peer, const std::string& token,
@@ -1604,12 +1598,28 @@ class HeldCommitLink final : public ReplicaLink {
     return inner_.Probe(peer, deadline);
   }
 
+ private:
+  GrpcReplicaLink inner_{TlsFiles{}, kDefaultLivenessTimeout};
+};
+
+// Daemon 0's primaries reach their backups over gRPC, but with `hold` set
+// its commits wait at the link until `release` (a backup that stalls while
+// it takes a commit).
+class HeldCommitLink final : public ForwardingLink {
+ public:
+  absl::Status CommitReplica(const std::string& peer, const std::string& token,
+                             const v1::CommitReplicaRequest& request,
+                             absl::Time deadline) override {
+    if (hold) {
+      if (!held.HasBeenNotified()) held.Notify();
+      release.WaitForNotificationWithDeadline(deadline);
+    }
+    return ForwardingLink::CommitReplica(peer, token, request, deadline);
+  }
+
   std::atomic<bool> hold{false};
   absl::Notification held;     // a commit is waiting at the link
   absl::Notification release;  // let it go
-
- private:
-  GrpcReplicaLink inner_{TlsFiles{}, kDefaultLivenessTimeout};
 };
 
 class StalledBackupTest : public ReplicaTest {
@@ -1675,47 +1685,39 @@ TEST_F(StalledBackupTest, StalledBackupCommitStallsNothingElse) {
 // The daemon's own link, with the backup's daemon made silent at will:
 // while `silent`, every probe answers UNAVAILABLE. Counts the calls that
 // reach (or would reach) the backup.
-class SilentBackupLink final : public ReplicaLink {
+class SilentBackupLink final : public ForwardingLink {
  public:
   absl::Status RegisterBackup(const std::string& peer, const std::string& token,
                               const v1::JobSpec& spec, uint32_t daemon_index,
                               absl::Time deadline) override {
     ++calls;
-    return inner_.RegisterBackup(peer, token, spec, daemon_index, deadline);
+    return ForwardingLink::RegisterBackup(peer, token, spec, daemon_index, deadline);
   }
   absl::StatusOr<v1::TransferStateResponse> TransferState(
       const std::string& peer, const std::string& token,
       absl::FunctionRef<bool(v1::ReplicaStateChunk*)> next, absl::Time deadline) override {
     ++calls;
-    return inner_.TransferState(peer, token, next, deadline);
+    return ForwardingLink::TransferState(peer, token, next, deadline);
   }
   absl::Status ForwardGradient(const std::string& peer, const std::string& token,
                                absl::FunctionRef<bool(v1::ForwardedGradientChunk*)> next,
                                absl::Time deadline) override {
     ++calls;
-    return inner_.ForwardGradient(peer, token, next, deadline);
+    return ForwardingLink::ForwardGradient(peer, token, next, deadline);
   }
   absl::Status CommitReplica(const std::string& peer, const std::string& token,
                              const v1::CommitReplicaRequest& request,
                              absl::Time deadline) override {
     ++calls;
-    return inner_.CommitReplica(peer, token, request, deadline);
-  }
-  absl::Status ReleaseReplica(const std::string& peer, const std::string& token,
-                              const v1::ReleaseReplicaRequest& request,
-                              absl::Time deadline) override {
-    return inner_.ReleaseReplica(peer, token, request, deadline);
+    return ForwardingLink::CommitReplica(peer, token, request, deadline);
   }
   absl::Status Probe(const std::string& peer, absl::Time deadline) override {
     if (silent) return absl::UnavailableError("the backup's daemon is silent (test)");
-    return inner_.Probe(peer, deadline);
+    return ForwardingLink::Probe(peer, deadline);
   }
 
   std::atomic<bool> silent{false};
   std::atomic<int> calls{0};
-
- private:
-  GrpcReplicaLink inner_{TlsFiles{}, kDefaultLivenessTimeout};
 };
 
 class SilentBackupTest : public ReplicaTest {
