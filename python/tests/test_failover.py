@@ -48,3 +48,16 @@ def test_daemon_killed_mid_run(stage, tmp_path):
 def test_reconnectable():
     assert not reconnectable(ValueError("UNAVAILABLE"))
     assert not reconnectable(zeroshard.Error("x"))  # no code
+
+
+def test_a_daemon_restarted_empty_is_reconnectable():
+    def error(code, message):
+        e = zeroshard.Error(message)
+        e.code = code
+        return e
+
+    assert reconnectable(error("UNAVAILABLE", "daemon a: Gather: connection reset"))
+    assert reconnectable(error(
+        "NOT_FOUND", 'daemon a: GetStepState j: job "j" is not registered on this daemon'))
+    assert not reconnectable(error("NOT_FOUND", "checkpoint step-7 of job j: no such checkpoint"))
+    assert not reconnectable(error("INVALID_ARGUMENT", "is not registered on this daemon"))

@@ -1095,8 +1095,15 @@ _RECONNECTABLE = frozenset(["UNAVAILABLE", "DEADLINE_EXCEEDED",
 
 def reconnectable(error):
     """Whether `error` (a zeroshard.Error) may be got past by
-    `ShardedModel.reconnect()` / `ShardedOptimizer.reconnect()`."""
-    return isinstance(error, Error) and getattr(error, "code", None) in _RECONNECTABLE
+    `ShardedModel.reconnect()` / `ShardedOptimizer.reconnect()`: a daemon
+    gone or replaced (one restarted so fast that the next call reached it
+    empty answers NOT_FOUND "... is not registered on this daemon"), a call
+    or a step out of time, a step the daemons could not take."""
+    if not isinstance(error, Error):
+        return False
+    code = getattr(error, "code", None)
+    return code in _RECONNECTABLE or (
+        code == "NOT_FOUND" and "is not registered on this daemon" in str(error))
 
 
 def _refuse_trainer_reconnect(config):
