@@ -124,6 +124,26 @@ inline constexpr MetricSpec kActivationSpillsTotal = {
     "Activations moved out of memory to make room.",
     {"job"}};
 
+inline constexpr MetricSpec kNodeCacheHitsTotal = {
+    "zeroshard_node_cache_hits_total",
+    MetricType::kCounter,
+    "Gathers of other daemons' ranges this daemon served from its node cache's copy of a step "
+    "(JobSpec.node_cache).",
+    {"job"}};
+
+inline constexpr MetricSpec kNodeCacheFetchesTotal = {
+    "zeroshard_node_cache_fetches_total",
+    MetricType::kCounter,
+    "Copies of a step's parameters this daemon's node cache fetched from their owners.",
+    {"job"}};
+
+inline constexpr MetricSpec kNodeCacheFetchBytesTotal = {
+    "zeroshard_node_cache_fetch_bytes_total",
+    MetricType::kCounter,
+    "Parameter bytes this daemon's node cache read from their owners (a copy that failed "
+    "included).",
+    {"job"}};
+
 inline constexpr MetricSpec kCheckpointSeconds = {
     "zeroshard_checkpoint_seconds",
     MetricType::kHistogram,
@@ -170,6 +190,9 @@ inline constexpr MetricSpec kAllMetrics[] = {
     kJobs,
     kMemoryBytes,
     kMemoryLimitBytes,
+    kNodeCacheFetchBytesTotal,
+    kNodeCacheFetchesTotal,
+    kNodeCacheHitsTotal,
     kOptimizerParamsPerSecond,
     kOptimizerSeconds,
     kRanksConnected,

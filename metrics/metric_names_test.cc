@@ -95,7 +95,9 @@ TEST(MetricNamesTest, AllFamiliesExportCleanly) {
                  kActivationSpillBytesTotal, kActivationSpillsTotal, kBuildInfo,
                  kCheckpointBytesTotal, kCheckpointLastCompleteStep,
                  kCheckpointLastCompleteTimestamp, kCheckpointSeconds, kCommBytesTotal, kJobs,
-                 kMemoryBytes, kMemoryLimitBytes, kOptimizerParamsPerSecond, kOptimizerSeconds,
+                 kMemoryBytes, kMemoryLimitBytes, kNodeCacheFetchBytesTotal,
+                 kNodeCacheFetchesTotal, kNodeCacheHitsTotal, kOptimizerParamsPerSecond,
+                 kOptimizerSeconds,
                  kRanksConnected, kRequestsTotal, kStepSeconds, kWorldSize>(registry);
   const std::vector<prometheus::MetricFamily> families = registry.Collect();
   ASSERT_EQ(families.size(), std::size(kAllMetrics));

@@ -8,8 +8,11 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "metrics/metric_names.h"
+#include "metrics/registry.h"
 #include "server/daemon.h"
 #include "server/job/job.h"
+#include "server/status_page.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {
@@ -25,6 +28,11 @@ constexpr uint32_t kWorld = 4;
 
 uint64_t CacheBytes(Daemon& daemon, const std::string& job) {
   return daemon.ledger().JobBytes(job)[static_cast<int>(MemoryCategory::kParamCache)];
+}
+
+// The job's series of `family` on the daemon's /metrics.
+double JobMetric(const Daemon& daemon, const metrics::MetricSpec& family, const std::string& job) {
+  return metrics::SumOf(daemon.registry().Collect(), family.name, {{"job", job}});
 }
 
 // The whole model as the owners serve it, one gather per daemon (in
@@ -78,7 +86,27 @@ TEST(NodeCacheTest, ADaemonServesTheWholeModelAsTheOwnersDoReadingThemOncePerSte
     EXPECT_EQ(RequestCount(c.daemon(1), "Gather") - owner_gathers, 1) << "step " << step;
     EXPECT_EQ(CacheBytes(c.daemon(0), c.job()), others * sizeof(float));
     EXPECT_EQ((*c.daemon(0).jobs().Find(c.job()))->param_cache()->counts().fetches, step + 1);
+    // On /metrics: per step one copy fetched (daemon 1's range), and the
+    // other five gathers served from it.
+    EXPECT_EQ(JobMetric(c.daemon(0), metrics::kNodeCacheFetchesTotal, c.job()), step + 1);
+    EXPECT_EQ(JobMetric(c.daemon(0), metrics::kNodeCacheHitsTotal, c.job()), 5 * (step + 1));
+    EXPECT_EQ(JobMetric(c.daemon(0), metrics::kNodeCacheFetchBytesTotal, c.job()),
+              (step + 1) * others * sizeof(float));
   }
+  EXPECT_EQ(JobMetric(c.daemon(1), metrics::kNodeCacheFetchesTotal, c.job()), 0);
+  // The status page's node-cache line says the same.
+  StatusPageSources sources;
+  const std::shared_ptr<Job> job = *c.daemon(0).jobs().Find(c.job());
+  sources.jobs = [job] { return std::vector<std::shared_ptr<Job>>{job}; };
+  sources.ledger = &c.daemon(0).ledger();
+  const std::string page = StatusPage(sources).Render();
+  EXPECT_NE(page.find(absl::StrCat("20 gather(s) served from a copy, 4 copies fetched from the "
+                                   "owners, ")),
+            std::string::npos)
+      << page;
+  EXPECT_NE(page.find(absl::StrCat("(", 4 * others * sizeof(float), " B) read from them")),
+            std::string::npos)
+      << page;
   // The owner's side works the same way.
   std::vector<float> got;
   ASSERT_TRUE(c.client(1).Gather(c.job(), 3, {0, c.total()}, &got).ok());

@@ -8,6 +8,7 @@
 #include "common/estimator.h"
 #include "common/format.h"
 #include "common/job_spec.h"
+#include "server/cache/param_cache.h"
 
 namespace zeroshard {
 namespace {
@@ -59,6 +60,8 @@ struct JobView {
   uint64_t formula_bytes = 0;  // the paper's partitioned terms for the owned elements
   double k = kAdamK;
   CategoryBytes bytes{};
+  bool node_cache = false;  // JobSpec.node_cache, with other daemons to cache
+  ParamCache::Counts cache;
   std::vector<RankStatus> ranks;  // the first kMaxRanksShown
   size_t ranks_not_shown = 0;
 };
@@ -148,6 +151,18 @@ void AppendMemory(const JobView& j, std::string* out) {
                     ", N_d = ", j.world_size, ", K = ", FormatSig3(j.k), ").");
   }
   absl::StrAppend(out, "<p class=\"note\">", HtmlEscape(note), "</p>\n");
+  if (j.node_cache) {
+    constexpr int kCacheCategory = static_cast<int>(MemoryCategory::kParamCache);
+    absl::StrAppend(
+        out, "<p class=\"note\" id=\"node-cache-", HtmlEscape(j.id), "\">",
+        HtmlEscape(absl::StrCat(
+            "Node cache: ", FormatBytes(static_cast<double>(j.bytes[kCacheCategory])),
+            " held (param_cache); ", j.cache.hits, " gather(s) served from a copy, ",
+            j.cache.fetches, " copies fetched from the owners, ",
+            FormatBytes(static_cast<double>(j.cache.bytes_fetched)), " (", j.cache.bytes_fetched,
+            " B) read from them.")),
+        "</p>\n");
+  }
 }
 
 }  // namespace
@@ -246,6 +261,10 @@ std::string StatusPage::Render(absl::Time now) {
     v.formula_bytes = DaemonModelStateFormulaBytes(c, job->owned_range());
     v.k = c.optimizer.kind == OptimizerKind::kSgdMomentum ? 8.0 : kAdamK;
     if (auto it = ledger.find(v.id); it != ledger.end()) v.bytes = it->second;
+    if (const ParamCache* cache = job->param_cache(); cache != nullptr) {
+      v.node_cache = true;
+      v.cache = cache->counts();
+    }
     std::vector<RankStatus> ranks =
         job->StepState(sources_.rank_timeout, /*brief=*/false).ranks;
     const size_t shown = std::min<size_t>(ranks.size(), kMaxRanksShown);

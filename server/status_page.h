@@ -7,7 +7,9 @@
 // step and steps per second, Ψ and the partitions this daemon owns; and the
 // job's ledger bytes by category as bars, beside the paper's formula for
 // the owned partitions (what Admin.MemoryReport calls formula_bytes) and
-// the paper's per-rank model states for the stage (common/estimator.h).
+// the paper's per-rank model states for the stage (common/estimator.h);
+// for a job with a node cache, a line with its param_cache bytes, hits,
+// copies fetched and bytes fetched (ParamCache::counts()).
 //
 // Like /metrics it needs no credentials, so it shows no more than /metrics
 // does: job ids, counts and byte counts; never tokens or parameter values.

@@ -1,6 +1,8 @@
 #include "server/cache/param_cache.h"
 
 #include <algorithm>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -47,18 +49,44 @@ absl::StatusOr<std::shared_ptr<ParamCache::Copy>> ParamCache::NewCopy() {
 }
 
 absl::Status ParamCache::FetchInto(Copy& copy, uint64_t step, ParamFetcher& fetcher,
-                                   absl::Time deadline) {
-  for (const auto& [owner, range] : options_->owners) {
-    if (range.size() == 0) continue;
-    absl::StatusOr<uint64_t> at = fetcher.Fetch(owner, range, options_->dtype, step, deadline,
-                                                copy.MutableAt(range));
-    if (!at.ok()) return at.status();
-    if (*at != step) {
-      return absl::AbortedError(absl::StrCat(
+                                   absl::Time deadline, uint64_t* bytes_fetched) {
+  // One fetch per owner, all in flight at once: owners_.size() - 1 threads
+  // of this fetch, the calling thread taking the first owner. Each writes
+  // only its own range of the copy and its own result slot; the joins
+  // order those writes before the reads below. Every fetch ends by
+  // `deadline` (ParamFetcher's contract), so the joins do too.
+  const std::vector<std::pair<uint32_t, FlatRange>>& owners = options_->owners;
+  std::vector<absl::StatusOr<uint64_t>> results(owners.size(), uint64_t{step});
+  auto fetch_one = [&](size_t i) {
+    const auto& [owner, range] = owners[i];
+    if (range.size() == 0) return;
+    results[i] = fetcher.Fetch(owner, range, options_->dtype, step, deadline,
+                               copy.MutableAt(range));
+  };
+  {
+    std::vector<std::thread> threads;
+    threads.reserve(owners.size());
+    for (size_t i = 1; i < owners.size(); ++i) threads.emplace_back(fetch_one, i);
+    if (!owners.empty()) fetch_one(0);
+    for (std::thread& t : threads) t.join();
+  }
+  // The first owner's error (in owner order), else the first later step.
+  absl::Status error;
+  for (size_t i = 0; i < owners.size(); ++i) {
+    const auto& [owner, range] = owners[i];
+    const absl::StatusOr<uint64_t>& at = results[i];
+    if (!at.ok()) {
+      if (error.ok() || absl::IsAborted(error)) error = at.status();
+      continue;
+    }
+    *bytes_fetched += range.size() * DTypeSize(options_->dtype);
+    if (*at != step && error.ok()) {
+      error = absl::AbortedError(absl::StrCat(
           "job ", options_->job_id, ": daemon ", owner, " answered the parameters of step ", *at,
           " for step ", step, " (it committed a later step meanwhile); gather again"));
     }
   }
+  if (!error.ok()) return error;
   copy.step_ = step;
   return absl::OkStatus();
 }
@@ -72,7 +100,10 @@ void ParamCache::Drop() {
 
 absl::StatusOr<std::shared_ptr<const ParamCache::Copy>> ParamCache::Get(uint64_t step,
                                                                         ParamFetcher& fetcher,
-                                                                        absl::Time deadline) {
+                                                                        absl::Time deadline,
+                                                                        Counts* served) {
+  Counts ignored;
+  if (served == nullptr) served = &ignored;
   std::shared_ptr<Copy> reuse;
   uint64_t mine = 0;
   uint64_t drops = 0;
@@ -81,6 +112,7 @@ absl::StatusOr<std::shared_ptr<const ParamCache::Copy>> ParamCache::Get(uint64_t
     while (true) {
       if (copy_ != nullptr && copy_->step() == step) {
         ++counts_.hits;
+        ++served->hits;
         return std::shared_ptr<const Copy>(copy_);
       }
       const uint64_t newest = std::max(copy_ != nullptr ? copy_->step() : 0,
@@ -121,9 +153,12 @@ absl::StatusOr<std::shared_ptr<const ParamCache::Copy>> ParamCache::Get(uint64_t
       s = fresh.status();
     }
   }
-  if (s.ok()) s = FetchInto(*copy, step, fetcher, deadline);
+  uint64_t bytes_fetched = 0;
+  if (s.ok()) s = FetchInto(*copy, step, fetcher, deadline, &bytes_fetched);
   if (!s.ok()) copy = nullptr;  // nothing left: the booking goes with it
+  served->bytes_fetched += bytes_fetched;
   absl::MutexLock lock(&mu_);
+  counts_.bytes_fetched += bytes_fetched;
   if (s.ok() && drops != drops_) {
     copy = nullptr;
     s = absl::AbortedError(absl::StrCat("job ", options_->job_id,
@@ -135,6 +170,7 @@ absl::StatusOr<std::shared_ptr<const ParamCache::Copy>> ParamCache::Get(uint64_t
   last_fetch_ = s;
   if (!s.ok()) return s;
   ++counts_.fetches;
+  ++served->fetches;
   copy_ = copy;
   return std::shared_ptr<const Copy>(std::move(copy));
 }

@@ -9,7 +9,9 @@
 // (server/rpc/grpc_param_fetcher.h over the Shard service; fakes in tests).
 //
 // Threads: Get is called from gRPC handler threads, concurrently. The first
-// caller for a step fetches with no lock held (single flight); the others
+// caller for a step fetches with no lock held (single flight): every owner
+// at once, one thread per owner beyond the first (which the caller's thread
+// takes), started for that fetch and joined before it ends; the others
 // wait for it until their own deadline. The cache's lock is a leaf, never
 // held across a fetch or while the caller copies bytes out.
 //
@@ -46,7 +48,8 @@ class ParamFetcher {
   // until done or `deadline`. Errors as the owner answers them
   // (Unavailable: unreachable; DeadlineExceeded; DataLoss: a reply that
   // does not match its checksum or range). On error `dst` may be partly
-  // written.
+  // written. Called from several threads at once, one per owner, for
+  // disjoint `dst` ranges.
   virtual absl::StatusOr<uint64_t> Fetch(uint32_t owner, const FlatRange& range, DType dtype,
                                          uint64_t after_step, absl::Time deadline,
                                          void* dst) = 0;
@@ -93,39 +96,52 @@ class ParamCache {
   uint64_t copy_bytes() const { return copy_bytes_; }
   DType dtype() const { return options_->dtype; }
 
+  // Fetches that completed (a copy published), Get calls answered from a
+  // published copy, and the bytes of the owners' Fetch calls that
+  // succeeded (those of a copy that failed as a whole included).
+  struct Counts {
+    uint64_t fetches = 0;
+    uint64_t hits = 0;
+    uint64_t bytes_fetched = 0;
+  };
+
   // The copy of committed step `step`, held by the caller until it lets go:
   //  - the cached one when it is at `step`;
   //  - otherwise, when a fetch of `step` is in flight, that one's result,
   //    waited for until `deadline` (DeadlineExceeded; the fetch goes on);
-  //  - otherwise this call fetches it with `fetcher` (every owner, after
-  //    `step`; no lock held), publishes it and replaces the older copy.
+  //  - otherwise this call fetches it with `fetcher` (every owner after
+  //    `step`, concurrently, each with `deadline`, from threads of this
+  //    call: `fetcher` must take concurrent Fetch calls; no lock held),
+  //    publishes it and replaces the older copy. It returns once every
+  //    owner's Fetch has returned, which each does by `deadline`.
   // Errors: FailedPrecondition when the cache holds or fetches a later
   // step than `step` (the caller passes the request through uncached);
   // ResourceExhausted when the ledger does not allow a copy (nothing
   // booked); Aborted when an owner answered a later step than `step` (it
   // committed the next one meanwhile; nothing published); a fetch's error
-  // as it came. A failed fetch leaves nothing (no copy, no booking) and is
+  // as it came (the first owner's, in `owners` order, when several
+  // failed). A failed fetch leaves nothing (no copy, no booking) and is
   // the error of the callers that waited for it.
+  // `served`, when not null, gets what this call added to counts(): a hit,
+  // a fetch, and the bytes it read from owners (also when the copy failed).
   absl::StatusOr<std::shared_ptr<const Copy>> Get(uint64_t step, ParamFetcher& fetcher,
-                                                  absl::Time deadline);
+                                                  absl::Time deadline, Counts* served = nullptr);
 
   // Forgets the published copy, and keeps a fetch in flight from
   // publishing (its callers get Aborted): the parameters changed outside a
   // step (a state write, a checkpoint load). Readers keep what they hold.
   void Drop();
 
-  // Fetches that completed, and Get calls answered from a published copy.
-  struct Counts {
-    uint64_t fetches = 0;
-    uint64_t hits = 0;
-  };
   Counts counts() const;
 
  private:
   // Books and allocates a copy, or reuses `reuse` (the cache's previous
   // copy, when nobody reads it).
   absl::StatusOr<std::shared_ptr<Copy>> NewCopy();
-  absl::Status FetchInto(Copy& copy, uint64_t step, ParamFetcher& fetcher, absl::Time deadline);
+  // Fetches every owner's range into `copy` concurrently (see Get) and adds
+  // the bytes of the owners' successful Fetch calls to `*bytes_fetched`.
+  absl::Status FetchInto(Copy& copy, uint64_t step, ParamFetcher& fetcher, absl::Time deadline,
+                         uint64_t* bytes_fetched);
 
   const std::shared_ptr<const ParamCacheOptions> options_;
   const uint64_t copy_bytes_;

@@ -5,6 +5,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 
@@ -27,6 +28,7 @@ class FakeOwners : public ParamFetcher {
     const uint64_t step = answer_step != 0 ? answer_step : after_step;
     auto* out = static_cast<float*>(dst);
     for (uint64_t e = range.begin; e < range.end; ++e) out[e - range.begin] = ValueAt(step, e);
+    absl::MutexLock lock(&mu);
     fetched.push_back({owner, range});
     return step;
   }
@@ -34,7 +36,8 @@ class FakeOwners : public ParamFetcher {
   absl::Notification* gate = nullptr;
   uint32_t fail_owner = ~0u;
   uint64_t answer_step = 0;  // 0: the step asked for
-  std::vector<std::pair<uint32_t, FlatRange>> fetched;
+  absl::Mutex mu;
+  std::vector<std::pair<uint32_t, FlatRange>> fetched ABSL_GUARDED_BY(mu);
 };
 
 // Daemon 1 of three owns [10, 20); daemons 0 and 2 own [0, 10) and [20, 25).
@@ -240,6 +243,94 @@ TEST(ParamCacheTest, AnOwnerAtALaterStepAbortsAndPublishesNothing) {
   absl::StatusOr<std::shared_ptr<const ParamCache::Copy>> c = cache.Get(5, owners, Soon());
   ASSERT_TRUE(c.ok());
   EXPECT_EQ((*c)->step(), 5u);
+}
+
+// Owners whose Fetch returns only once every owner's Fetch has started (or
+// at the caller's deadline, DeadlineExceeded): a cache that fetched them one
+// after another fails with it instead of hanging.
+class BarrierOwners : public ParamFetcher {
+ public:
+  explicit BarrierOwners(int owners) : owners_(owners) {}
+  absl::StatusOr<uint64_t> Fetch(uint32_t owner, const FlatRange& range, DType,
+                                 uint64_t after_step, absl::Time deadline, void* dst) override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++started_;
+      auto all = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return started_ >= owners_; };
+      if (!mu_.AwaitWithDeadline(absl::Condition(&all), deadline)) {
+        return absl::DeadlineExceededError("not every owner's fetch started");
+      }
+    }
+    if (owner == fail_owner) return absl::UnavailableError("owner down");
+    auto* out = static_cast<float*>(dst);
+    for (uint64_t e = range.begin; e < range.end; ++e) {
+      out[e - range.begin] = ValueAt(after_step, e);
+    }
+    return after_step;
+  }
+  uint32_t fail_owner = ~0u;
+
+ private:
+  const int owners_;
+  absl::Mutex mu_;
+  int started_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Daemon 2 of five owns [20, 30); the others own 10 elements each, the last
+// 5 ([40, 45)).
+ParamCacheOptions FiveDaemons(MemoryLedger* ledger) {
+  ParamCacheOptions o = Options(ledger);
+  o.total_elements = 45;
+  o.owned = {20, 30};
+  o.owners = {{0, {0, 10}}, {1, {10, 20}}, {3, {30, 40}}, {4, {40, 45}}};
+  return o;
+}
+
+TEST(ParamCacheTest, FetchesEveryOwnerAtOnce) {
+  MemoryLedger ledger(0);
+  ParamCache cache(FiveDaemons(&ledger));
+  BarrierOwners owners(4);
+  ParamCache::Counts served;
+  absl::StatusOr<std::shared_ptr<const ParamCache::Copy>> copy =
+      cache.Get(7, owners, Soon(), &served);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  for (FlatRange r : {FlatRange{0, 20}, FlatRange{30, 45}}) {
+    const float* got = reinterpret_cast<const float*>((*copy)->At(r));
+    for (uint64_t e = r.begin; e < r.end; ++e) EXPECT_EQ(got[e - r.begin], ValueAt(7, e)) << e;
+  }
+  EXPECT_EQ(served.fetches, 1u);
+  EXPECT_EQ(served.hits, 0u);
+  EXPECT_EQ(served.bytes_fetched, 35 * sizeof(float));
+  ParamCache::Counts again;
+  ASSERT_TRUE(cache.Get(7, owners, Soon(), &again).ok());
+  EXPECT_EQ(again.fetches, 0u);
+  EXPECT_EQ(again.hits, 1u);
+  EXPECT_EQ(again.bytes_fetched, 0u);
+  EXPECT_EQ(cache.counts().fetches, 1u);
+  EXPECT_EQ(cache.counts().hits, 1u);
+  EXPECT_EQ(cache.counts().bytes_fetched, 35 * sizeof(float));
+}
+
+TEST(ParamCacheTest, OneOwnerFailingAmongConcurrentFetchesFailsTheCopy) {
+  MemoryLedger ledger(0);
+  ParamCache cache(FiveDaemons(&ledger));
+  BarrierOwners owners(4);
+  owners.fail_owner = 3;  // while 0, 1 and 4 answer
+  ParamCache::Counts served;
+  absl::StatusOr<std::shared_ptr<const ParamCache::Copy>> copy =
+      cache.Get(7, owners, Soon(), &served);
+  EXPECT_EQ(copy.status().code(), absl::StatusCode::kUnavailable) << copy.status();
+  EXPECT_EQ(Booked(ledger), 0u);
+  EXPECT_EQ(served.fetches, 0u);
+  EXPECT_EQ(served.bytes_fetched, 25 * sizeof(float));  // what 0, 1 and 4 sent
+  EXPECT_EQ(cache.counts().fetches, 0u);
+  // Nothing was published: the next caller fetches again (and the barrier,
+  // passed once, no longer holds anyone).
+  owners.fail_owner = ~0u;
+  ParamCache::Counts next;
+  ASSERT_TRUE(cache.Get(7, owners, Soon(), &next).ok());
+  EXPECT_EQ(next.fetches, 1u);
+  EXPECT_EQ(next.hits, 0u);
 }
 
 }  // namespace

@@ -16,6 +16,9 @@ DaemonMetrics::DaemonMetrics(prometheus::Registry* registry, MemoryLedger* ledge
       checkpoint_bytes_(metrics::Register<metrics::kCheckpointBytesTotal>(*registry)),
       checkpoint_step_(metrics::Register<metrics::kCheckpointLastCompleteStep>(*registry)),
       checkpoint_time_(metrics::Register<metrics::kCheckpointLastCompleteTimestamp>(*registry)),
+      node_cache_hits_(metrics::Register<metrics::kNodeCacheHitsTotal>(*registry)),
+      node_cache_fetches_(metrics::Register<metrics::kNodeCacheFetchesTotal>(*registry)),
+      node_cache_fetch_bytes_(metrics::Register<metrics::kNodeCacheFetchBytesTotal>(*registry)),
       params_per_second_(metrics::Register<metrics::kOptimizerParamsPerSecond>(*registry).Add({})),
       jobs_(metrics::Register<metrics::kJobs>(*registry).Add({})),
       ranks_(metrics::Register<metrics::kRanksConnected>(*registry)),
@@ -74,6 +77,15 @@ void DaemonMetrics::SetCheckpointComplete(const std::string& job, uint64_t step)
   checkpoint_time_.Add({{"job", job}}).Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
 }
 
+void DaemonMetrics::RecordNodeCache(const std::string& job, uint64_t hits, uint64_t fetches,
+                                    uint64_t bytes_fetched) {
+  // Every family gets the job's series at its first record, zeros included,
+  // so a job's hit rate reads 0 rather than nothing.
+  node_cache_hits_.Add({{"job", job}}).Increment(static_cast<double>(hits));
+  node_cache_fetches_.Add({{"job", job}}).Increment(static_cast<double>(fetches));
+  node_cache_fetch_bytes_.Add({{"job", job}}).Increment(static_cast<double>(bytes_fetched));
+}
+
 void DaemonMetrics::SetJobs(size_t jobs) { jobs_.Set(static_cast<double>(jobs)); }
 
 void DaemonMetrics::SetRanks(const std::string& job, uint32_t connected, uint32_t world_size) {
@@ -90,6 +102,9 @@ void DaemonMetrics::RemoveJob(const std::string& job) {
   metrics::RemoveSeries(checkpoint_bytes_, "job", job);
   metrics::RemoveSeries(checkpoint_step_, "job", job);
   metrics::RemoveSeries(checkpoint_time_, "job", job);
+  metrics::RemoveSeries(node_cache_hits_, "job", job);
+  metrics::RemoveSeries(node_cache_fetches_, "job", job);
+  metrics::RemoveSeries(node_cache_fetch_bytes_, "job", job);
   metrics::RemoveSeries(ranks_, "job", job);
   metrics::RemoveSeries(world_size_, "job", job);
   absl::MutexLock lock(&mu_);

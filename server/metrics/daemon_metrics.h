@@ -41,6 +41,10 @@ class DaemonMetrics {
   void RecordCheckpointWrite(const std::string& job, absl::Duration took, uint64_t bytes);
   // A checkpoint of the job at `step` was completed (its manifest written).
   void SetCheckpointComplete(const std::string& job, uint64_t step);
+  // What one Gather served by the node cache did (ParamCache::Get's
+  // `served`): hits, copies fetched and the bytes read from owners.
+  void RecordNodeCache(const std::string& job, uint64_t hits, uint64_t fetches,
+                       uint64_t bytes_fetched);
   void SetJobs(size_t jobs);
   void SetRanks(const std::string& job, uint32_t connected, uint32_t world_size);
   // Removes every series of these families labelled with the job. No other
@@ -59,6 +63,9 @@ class DaemonMetrics {
   prometheus::Family<prometheus::Counter>& checkpoint_bytes_;
   prometheus::Family<prometheus::Gauge>& checkpoint_step_;
   prometheus::Family<prometheus::Gauge>& checkpoint_time_;
+  prometheus::Family<prometheus::Counter>& node_cache_hits_;
+  prometheus::Family<prometheus::Counter>& node_cache_fetches_;
+  prometheus::Family<prometheus::Counter>& node_cache_fetch_bytes_;
   prometheus::Gauge& params_per_second_;
   prometheus::Gauge& jobs_;
   prometheus::Family<prometheus::Gauge>& ranks_;

@@ -31,7 +31,8 @@ class GrpcParamFetcher final : public ParamFetcher {
   // One Gather stream to config.daemons[owner]; every chunk is checked
   // (CRC-32C, dtype, ranges in order covering `range`, one step) before its
   // bytes count: DataLoss naming the owner otherwise. The owner's codes
-  // pass through, named with its address.
+  // pass through, named with its address. Thread-safe: the node cache
+  // calls it for every owner at once.
   absl::StatusOr<uint64_t> Fetch(uint32_t owner, const FlatRange& range, DType dtype,
                                  uint64_t after_step, absl::Time deadline, void* dst) override;
 

@@ -348,8 +348,10 @@ absl::Status ShardService::GatherThroughNodeCache(grpc::ServerContext* ctx,
       continue;
     }
     if (!pass_through && copy == nullptr) {
+      ParamCache::Counts served;
       absl::StatusOr<std::shared_ptr<const ParamCache::Copy>> got =
-          job.param_cache()->Get(step, fetcher, deadline);
+          job.param_cache()->Get(step, fetcher, deadline, &served);
+      ctx_->metrics->RecordNodeCache(c.job_id, served.hits, served.fetches, served.bytes_fetched);
       if (got.ok()) {
         copy = *std::move(got);
       } else if (absl::IsFailedPrecondition(got.status()) ||
