@@ -791,7 +791,9 @@ int Main() {
   std::unique_ptr<grpc::Server> sink = builder.BuildAndStart();
   if (sink == nullptr || sink_port == 0) Die("the sink server did not start");
   const std::string sink_address = absl::StrCat("127.0.0.1:", sink_port);
-  GrpcReplicaLink link{TlsFiles{}};
+  // No keepalive: the sink below is a bare server without the daemon's ping
+  // policy.
+  GrpcReplicaLink link{TlsFiles{}, absl::ZeroDuration()};
 
   Workload w = MakeWorkload(addresses);
   const uint64_t group_n[kDaemons] = {w.group[0].size(), w.group[1].size()};

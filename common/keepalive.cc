@@ -23,7 +23,12 @@ void SetChannelKeepalive(absl::Duration timeout, grpc::ChannelArguments* args) {
       std::max(absl::ToInt64Milliseconds(timeout / 2), absl::ToInt64Milliseconds(kMinKeepaliveInterval)));
   args->SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, half_ms);
   args->SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, half_ms);
-  args->SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Only while calls are in flight: then a thread of this process polls
+  // the connection (a waiting call's), and a ping's answer is read at
+  // once. On an idle channel of a process with no gRPC server nothing may
+  // read it for seconds (gRPC's backup poller), and the watchdog would
+  // close a healthy connection.
+  args->SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
   // By default a client stops pinging after two pings with no data frame
   // sent between them, and then sends one at most every 5 minutes: a call
   // that only receives (a Gather's stream) would never find its peer

@@ -9,9 +9,9 @@
 // stack answering a ping proves it alive.
 //
 // A ping goes out every timeout/2 while the connection is otherwise quiet
-// and must be answered within timeout/2; pings are sent with or without
-// calls in flight, and whether or not the client sent data since the last
-// one. Daemons accept pings as often as every kMinKeepaliveInterval / 2
+// and must be answered within timeout/2; pings are sent while calls are in
+// flight (an idle channel finds a silent peer at its next call), whether or
+// not the client sent data since the last one. Daemons accept pings as often as every kMinKeepaliveInterval / 2
 // (SetServerKeepalivePolicy); a faster client is sent GOAWAY by the server,
 // so timeouts below kMinLivenessTimeout are refused by
 // ValidateLivenessTimeout.

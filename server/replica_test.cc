@@ -217,6 +217,10 @@ class ReplicaTest : public ::testing::Test {
     }
   }
 
+  // The daemons first: their probe threads call the links of derived
+  // fixtures, which go before the base's members.
+  void TearDown() override { daemons_.clear(); }
+
   // Daemon d's bulk transport (empty: none, state copies in the stream).
   virtual std::string BulkTransport(int d) const { return ""; }
   // Daemon d's link to its backups (null: the daemon's own, over gRPC).
@@ -1723,7 +1727,6 @@ class SilentBackupLink final : public ForwardingLink {
 class SilentBackupTest : public ReplicaTest {
  protected:
   ReplicaLink* LinkOf(int d) override { return d == 0 ? &link_ : nullptr; }
-  absl::Duration LivenessOf(int d) const override { return kMinLivenessTimeout; }
   SilentBackupLink link_;
 };
 

@@ -183,21 +183,29 @@ void ReplicaGroup::RunProber() {
   const absl::Duration period = std::max(options_.liveness_timeout / 4, absl::Milliseconds(100));
   const absl::Duration probe_timeout =
       std::max(options_.liveness_timeout / 2, absl::Milliseconds(200));
-  absl::Time last_answer = absl::Now();
+  {
+    absl::MutexLock lock(&mu_);
+    last_answer_ = absl::Now();
+  }
   for (;;) {
+    uint64_t epoch = 0;
     {
       absl::MutexLock lock(&mu_);
       if (stopping_ || role_ != ReplicaRole::kPrimary) {
         prober_running_ = false;
         return;
       }
+      epoch = epoch_;
     }
     const absl::Status answered =
         options_.link->Probe(options_.peer_address, absl::Now() + probe_timeout);
     const absl::Time now = absl::Now();
     absl::MutexLock lock(&mu_);
+    // Demoted (or promoted again) during the probe: its answer is about a
+    // group this copy no longer leads at that epoch.
+    if (stopping_ || role_ != ReplicaRole::kPrimary || epoch_ != epoch) continue;
     if (answered.ok()) {
-      last_answer = now;
+      last_answer_ = now;
       if (peer_silent_) {
         peer_silent_ = false;
         next_resync_ = absl::InfinitePast();
@@ -207,9 +215,9 @@ void ReplicaGroup::RunProber() {
                      config_.job_id.c_str(), options_.group, options_.peer_address.c_str(),
                      absl::ToDoubleSeconds(now - silent_since_));
       }
-    } else if (!peer_silent_ && now - last_answer >= options_.liveness_timeout) {
+    } else if (!peer_silent_ && now - last_answer_ >= options_.liveness_timeout) {
       peer_silent_ = true;
-      silent_since_ = last_answer;
+      silent_since_ = last_answer_;
       in_sync_ = false;
       if (!one_copy_since_) one_copy_since_ = now;
       std::fprintf(stderr,
@@ -217,7 +225,7 @@ void ReplicaGroup::RunProber() {
                    "for %.1f s (%s; --liveness_timeout_seconds): the group goes on with one copy "
                    "and calls it again once it answers\n",
                    config_.job_id.c_str(), options_.group, options_.peer_address.c_str(),
-                   absl::ToDoubleSeconds(now - last_answer), std::string(answered.message()).c_str());
+                   absl::ToDoubleSeconds(now - last_answer_), std::string(answered.message()).c_str());
     }
     auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
     mu_.AwaitWithTimeout(absl::Condition(&stopping), period);
@@ -421,6 +429,9 @@ bool ReplicaGroup::ReplicatePrepared(const StepEngine::Prepared& prepared,
   }
   absl::MutexLock lock(&mu_);
   in_sync_ = true;
+  // The backup answered: a heartbeat that failed meanwhile is outdated.
+  peer_silent_ = false;
+  last_answer_ = absl::Now();
   if (one_copy_since_) {
     // The window in which a fault of this daemon would have lost the group.
     std::fprintf(stderr,

@@ -198,6 +198,9 @@ class ReplicaGroup {
   // probe is answered. Since when (its last answer).
   bool peer_silent_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time silent_since_ ABSL_GUARDED_BY(mu_);
+  // Primary: when the backup's daemon last answered (a heartbeat, or a
+  // replication call that succeeded).
+  absl::Time last_answer_ ABSL_GUARDED_BY(mu_);
   // Primary: since when the group has had one current copy (this one), for
   // the report once the backup is current again; unset while in sync.
   std::optional<absl::Time> one_copy_since_ ABSL_GUARDED_BY(mu_);
