@@ -341,10 +341,6 @@ absl::Status ReplicaGroup::PromoteLocked(const v1::PromoteRequest& r) {
   in_sync_ = false;  // its peer is gone; the next PrepareStep tries it again
   next_resync_ = absl::InfinitePast();
   one_copy_since_ = absl::Now();
-  // Promoted because the old primary was gone: no step calls its daemon
-  // until it answers a heartbeat (without heartbeats, at the next step).
-  peer_silent_ = options_.link != nullptr && options_.liveness_timeout > absl::ZeroDuration();
-  silent_since_ = absl::Now();
   StartProberLocked();
   std::fprintf(stderr, "zeroshardd: job %s replica group %u promoted to primary at epoch %llu\n",
                config_.job_id.c_str(), options_.group, static_cast<unsigned long long>(epoch_));
@@ -402,6 +398,18 @@ bool ReplicaGroup::ReplicatePrepared(const StepEngine::Prepared& prepared,
            absl::Seconds(static_cast<double>(bytes) / kMinReplicaBytesPerSecond);
   };
   if (!in_sync) {
+    // A backup that is not current (the old primary after a promotion, a
+    // restarted or silent peer): ask its daemon first, briefly, so that a
+    // peer that is gone costs this step a probe, not a transfer's deadline.
+    if (options_.liveness_timeout > absl::ZeroDuration()) {
+      absl::Status answered = link->Probe(
+          options_.peer_address,
+          absl::Now() + std::min(options_.liveness_timeout / 4, absl::Seconds(1)));
+      if (!answered.ok()) {
+        MarkBackupStale(answered);
+        return false;
+      }
+    }
     const uint64_t state_bytes = 3 * n * sizeof(float);
     absl::Status s = SendState(token, deadline(state_bytes));
     if (absl::IsNotFound(s)) {

@@ -79,8 +79,10 @@ class ReplicaGroup {
     // ended UNAVAILABLE or DEADLINE_EXCEEDED, is silent: no step calls it
     // (the group goes on with one copy, and no prepare waits out a dead
     // peer's deadline) until a probe is answered; then the next step copies
-    // the state to it. Zero: no heartbeats; a failed backup is tried again
-    // a second later.
+    // the state to it. Before a state transfer (a backup not current, as
+    // the old primary after a promotion) the step probes it itself, for
+    // liveness_timeout / 4 (1 s at most). Zero: no heartbeats; a failed
+    // backup is tried again a second later.
     absl::Duration liveness_timeout = absl::Seconds(4);
     transport::Transport* transport = nullptr;  // bulk state transfers; may be null
     MemoryLedger* ledger = nullptr;
