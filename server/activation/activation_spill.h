@@ -1,14 +1,8 @@
 #pragma once
 
 // Where the activation store puts slices that do not fit its arena: one file
-// per slice under --spill_dir, written and read with io_uring.
-//
-// SpillDirectory owns a daemon's files in the directory. Several daemons may
-// share one directory: each takes an instance lock (flock on
-// `zeroshard-spill.<instance>.lock`) for its lifetime and names its files
-// `zeroshard-spill.<instance>.<n>`. At start a daemon removes the files of
-// instances whose lock nobody holds any more (daemons that were killed);
-// nothing else in the directory is touched.
+// per slice in an InstanceDirectory (server/disk) under --spill_dir, written
+// and read with io_uring.
 //
 // SpillIo runs asynchronous reads and writes on one io_uring ring: callers
 // queue them (never waiting for the disk; the kernel's workers do), a thread
@@ -34,62 +28,6 @@
 struct io_uring;
 
 namespace zeroshard {
-
-class SpillDirectory {
- public:
-  // The alignment direct I/O gets here: buffers, lengths and offsets of
-  // O_DIRECT reads and writes are multiples of it.
-  static constexpr uint64_t kDirectAlignment = 4096;
-
-  enum class DirectIo { kIfSupported, kNever };
-  // Creates `dir` if missing, removes the files of dead instances, takes a
-  // new instance lock, and probes whether O_DIRECT works there (a file
-  // system that refuses it with EINVAL, like tmpfs before Linux 6.6, gets
-  // buffered I/O through the page cache; so does kNever). Blocks on the
-  // file system. InvalidArgument for an empty path; the errno text naming
-  // the path when the directory cannot be used; FailedPrecondition (as
-  // MakeDirectories) for a directory owned by neither this user nor root,
-  // or writable by group or others without the sticky bit. Directories it
-  // makes are mode 0700, files 0600.
-  static absl::StatusOr<std::unique_ptr<SpillDirectory>> Open(
-      const std::string& dir, DirectIo direct_io = DirectIo::kIfSupported);
-  // Removes this instance's remaining files and its lock.
-  ~SpillDirectory();
-
-  const std::string& dir() const { return dir_; }
-  // Whether files are opened with O_DIRECT.
-  bool direct() const { return direct_; }
-  // Files of dead instances (and their locks) removed by Open.
-  size_t removed_at_open() const { return removed_at_open_; }
-
-  // A path for a new file of this instance (never the same twice).
-  std::string NewPath();
-  // Opens `path` for writing (a new file: anything already there, a link
-  // included, is an error) or reading (not through a link); O_DIRECT when
-  // direct(). Blocks on the file system; returns the descriptor, which the
-  // caller closes, or the errno text naming the path.
-  absl::StatusOr<int> OpenForWrite(const std::string& path) const;
-  absl::StatusOr<int> OpenForRead(const std::string& path) const;
-  // Removes a file of this instance; a missing file is not an error.
-  static void Remove(const std::string& path);
-
-  // Whether `name` is a spill file or lock of some instance (the names Open
-  // may remove).
-  static bool IsSpillName(absl::string_view name);
-
- private:
-  explicit SpillDirectory(std::string dir) : dir_(std::move(dir)) {}
-  absl::Status TakeLock();
-  void RemoveDeadInstances();
-  absl::Status ProbeDirect(DirectIo direct_io);
-
-  const std::string dir_;
-  std::string instance_;
-  int lock_fd_ = -1;
-  bool direct_ = false;
-  size_t removed_at_open_ = 0;
-  std::atomic<uint64_t> next_file_{1};
-};
 
 class SpillIo {
  public:

@@ -130,9 +130,10 @@ absl::StatusOr<std::unique_ptr<ActivationStore>> ActivationStore::Create(
     if (options.spill_bytes == 0) {
       return absl::InvalidArgumentError("--spill_bytes: must be > 0 with --spill_dir");
     }
-    ASSIGN_OR_RETURN(s->spill_dir_, SpillDirectory::Open(options.spill_dir));
+    ASSIGN_OR_RETURN(s->spill_dir_,
+                     InstanceDirectory::Open(options.spill_dir, InstanceDirectory::SpillNaming()));
     ASSIGN_OR_RETURN(s->io_, SpillIo::Create(options.io_queue_depth));
-    if (s->spill_dir_->direct()) s->alignment_ = SpillDirectory::kDirectAlignment;
+    if (s->spill_dir_->direct()) s->alignment_ = InstanceDirectory::kDirectAlignment;
   }
   // One alignment unit more than asked for, so that the arena holds
   // arena_bytes (rounded down to the alignment) wherever the region starts.
@@ -333,7 +334,7 @@ void ActivationStore::RemoveDroppedFiles(Removal removal) {
     }
     uint64_t removed_bytes = 0;
     for (const DroppedFile& f : files) {
-      SpillDirectory::Remove(f.path);
+      spill_dir_->Remove(f.path);
       removed_bytes += f.bytes;
     }
     absl::MutexLock lock(&mu_);
@@ -618,7 +619,7 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
         break;
       }
     }
-    SpillDirectory::Remove(path);
+    spill_dir_->Remove(path);
     unlinked = true;
   }
   if (!failure.empty()) Log(failure);

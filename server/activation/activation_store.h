@@ -16,23 +16,23 @@
 // free block and the fragmentation always add up to the region, and they
 // move between those entries without changing the total.
 //
-// Spill: with a SpillDirectory, a slice that does not fit makes room by
-// moving the same job's oldest stored slices (lowest step, then lowest
-// layer: backward fetches them last) to files, up to --spill_bytes; pinned,
-// reserved and busy slices never move. A fetch of a spilled slice reads it
-// back (a miss); a prefetch does so ahead of time. A file is dropped when
-// its slice is read back or freed, and removed once no spill write or
-// read-back is in flight: on a file system mounted with online discard
-// (`-o discard`) each removal sends the disk a discard of the file's blocks,
-// which slowed reads of 32 MiB spill files on ext4 by about a fifth when
-// each file was removed right after its read. So a backward pass's files go
-// when its read-backs pause or end (on the store's remover thread, one file
-// at a time while the disk stays idle; "idle" is this store's own spill
-// I/O: daemons sharing a directory do not see each other's). The oldest go
-// at once when a spill needs their space, and every dropped file of the
-// store (any job's) before a free of a whole step, of all of a rank's slices
-// or of a job returns. With direct I/O, blocks are aligned to
-// SpillDirectory::kDirectAlignment so that they go to the files without a
+// Spill: with an InstanceDirectory (server/disk) at --spill_dir, a slice that
+// does not fit makes room by moving the same job's oldest stored slices
+// (lowest step, then lowest layer: backward fetches them last) to files, up
+// to --spill_bytes; pinned, reserved and busy slices never move. A fetch of a
+// spilled slice reads it back (a miss); a prefetch does so ahead of time. A
+// file is dropped when its slice is read back or freed, and removed once no
+// spill write or read-back is in flight: on a file system mounted with online
+// discard (`-o discard`) each removal sends the disk a discard of the file's
+// blocks, which slowed reads of 32 MiB spill files on ext4 by about a fifth
+// when each file was removed right after its read. So a backward pass's files
+// go when its read-backs pause or end (on the store's remover thread, one
+// file at a time while the disk stays idle; "idle" is this store's own spill
+// I/O: daemons sharing a directory do not see each other's). The oldest go at
+// once when a spill needs their space, and every dropped file of the store
+// (any job's) before a free of a whole step, of all of a rank's slices or of
+// a job returns. With direct I/O, blocks are aligned to
+// InstanceDirectory::kDirectAlignment so that they go to the files without a
 // copy; otherwise to 64 bytes.
 //
 // Slices are keyed by their owner (job, rank) and their ActivationKey
@@ -79,6 +79,7 @@
 #include "server/activation/activation_allocator.h"
 #include "server/activation/activation_metrics.h"
 #include "server/activation/activation_spill.h"
+#include "server/disk/instance_directory.h"
 #include "server/ledger/memory_ledger.h"
 #include "transport/transport.h"
 
@@ -274,7 +275,7 @@ class ActivationStore {
   uint64_t spill_capacity() const { return spill_dir_ == nullptr ? 0 : options_.spill_bytes; }
   // The arena's block alignment.
   uint64_t alignment() const { return alignment_; }
-  const SpillDirectory* spill_directory() const { return spill_dir_.get(); }
+  const InstanceDirectory* spill_directory() const { return spill_dir_.get(); }
 
   struct Stats {
     uint64_t arena_free = 0;
@@ -433,7 +434,7 @@ class ActivationStore {
   uint64_t skew_ = 0;
   uint64_t alignment_ = 64;
   uint64_t capacity_ = 0;
-  std::unique_ptr<SpillDirectory> spill_dir_;
+  std::unique_ptr<InstanceDirectory> spill_dir_;
   // Declared after everything its callbacks touch except the state below,
   // and reset first by the destructor.
   std::unique_ptr<SpillIo> io_;

@@ -10,7 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/activation/activation_spill.h"
+#include "server/disk/instance_directory.h"
 
 namespace zeroshard::testing {
 
@@ -30,7 +30,10 @@ size_t SpillFilesIn(const std::string& dir) {
   if (d == nullptr) return 0;
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
-    if (SpillDirectory::IsSpillName(name) && !absl::StrContains(name, ".lock")) ++n;
+    if (InstanceDirectory::IsInstanceFileName(name, InstanceDirectory::SpillNaming().prefix) &&
+        !absl::StrContains(name, ".lock")) {
+      ++n;
+    }
   }
   ::closedir(d);
   return n;
