@@ -7,22 +7,31 @@
 namespace zeroshard {
 namespace {
 
-absl::Status CheckCommon(int stage, double params, uint32_t world_size, double k) {
-  if (stage < 0 || stage > 3) {
-    return absl::InvalidArgumentError(absl::StrCat("stage: must be 0..3, got ", stage));
-  }
+absl::Status CheckParams(double params) {
   if (!std::isfinite(params) || params <= 0 || params > 9.2e18) {
     return absl::InvalidArgumentError(
         absl::StrCat("params: must be a positive finite count below 2^63, got ", params));
   }
-  if (world_size == 0) {
-    return absl::InvalidArgumentError("world_size: N_d must be >= 1, got 0");
-  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckK(double k) {
   if (!std::isfinite(k) || k < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("optimizer_k: must be a finite K >= 0, got ", k));
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckCommon(int stage, double params, uint32_t world_size, double k) {
+  if (stage < 0 || stage > 3) {
+    return absl::InvalidArgumentError(absl::StrCat("stage: must be 0..3, got ", stage));
+  }
+  if (absl::Status s = CheckParams(params); !s.ok()) return s;
+  if (world_size == 0) {
+    return absl::InvalidArgumentError("world_size: N_d must be >= 1, got 0");
+  }
+  return CheckK(k);
 }
 
 // Bytes per parameter held by one rank at `stage`.
@@ -62,6 +71,19 @@ absl::StatusOr<double> MaxParameters(int stage, double device_bytes, uint32_t wo
   }
   double p, g, o;
   return device_bytes / BytesPerParam(stage, world_size, k, &p, &g, &o);
+}
+
+absl::StatusOr<DaemonStateEstimate> EstimateDaemonStates(double params, uint32_t daemons,
+                                                         double k) {
+  if (absl::Status s = CheckParams(params); !s.ok()) return s;
+  if (daemons == 0) return absl::InvalidArgumentError("daemons: must be >= 1, got 0");
+  if (absl::Status s = CheckK(k); !s.ok()) return s;
+  const double owned = params / daemons;
+  DaemonStateEstimate e;
+  e.ram_bytes = (k + 4 + 2) * owned;
+  e.state_dir_ram_bytes = (4 + 2) * owned + kStateDirBufferBytes;
+  e.state_dir_disk_bytes = k * owned;
+  return e;
 }
 
 absl::StatusOr<ActivationEstimate> EstimateActivations(double batch, double seq_len,

@@ -6,6 +6,7 @@
 // All byte counts are per data-parallel rank, mixed-precision training with
 // fp16/bf16 parameters and gradients (2 bytes each) and K bytes of optimizer
 // state per parameter (K = 12 for mixed-precision Adam: fp32 master, m, v).
+// EstimateDaemonStates is zeroshard's own: what one daemon holds per job.
 
 #include <cstdint>
 
@@ -35,6 +36,26 @@ absl::StatusOr<ModelStateEstimate> EstimateModelStates(int stage, double params,
 // not rounded). Same errors as above; device_bytes 0 is InvalidArgument.
 absl::StatusOr<double> MaxParameters(int stage, double device_bytes, uint32_t world_size,
                                      double k = kAdamK);
+
+// What one zeroshard daemon holds for a job it shards, mixed precision: each
+// of `daemons` daemons owns Ψ/daemons elements and holds, per owned element,
+// the fp32 gradient accumulator (4 B) and the half-precision copy (2 B) in
+// RAM, plus the fp32 master and moments (K bytes) in RAM, or on its
+// --state_dir behind a constant set of chunk buffers.
+struct DaemonStateEstimate {
+  double ram_bytes = 0;             // (K + 4 + 2)Ψ/D: every model state in RAM
+  double state_dir_ram_bytes = 0;   // (4 + 2)Ψ/D + kStateDirBufferBytes
+  double state_dir_disk_bytes = 0;  // KΨ/D (the file rounds up to whole chunks)
+};
+
+// The RAM a job on --state_dir keeps for streaming its file: DiskResidence's
+// default 4 buffers x 3 slots (master, m, v) x 2^18-element chunks x 4 B.
+inline constexpr double kStateDirBufferBytes = 4.0 * 3 * (1 << 18) * 4;
+
+// InvalidArgument naming the field: params <= 0 or not finite or above 2^63,
+// daemons 0, k < 0 or not finite.
+absl::StatusOr<DaemonStateEstimate> EstimateDaemonStates(double params, uint32_t daemons,
+                                                         double k = kAdamK);
 
 // ZeRO-R activation checkpoints of a transformer: one checkpoint of B*T*H
 // half-precision elements per layer.

@@ -61,6 +61,28 @@ TEST(Estimator, OtherOptimizerK) {
   EXPECT_DOUBLE_EQ(e->bytes_per_rank, 4e9 + 8e9 / 4);
 }
 
+TEST(Estimator, DaemonStates) {
+  EXPECT_EQ(kStateDirBufferBytes, 12.0 * 1024 * 1024);
+  // Ψ = 3e9 on 2 daemons, Adam: 1.5e9 owned elements each; 18 B each in RAM,
+  // or 6 B in RAM (gradient, half copy) beside the 12 MiB of chunk buffers
+  // and 12 B on disk.
+  absl::StatusOr<DaemonStateEstimate> e = EstimateDaemonStates(3e9, 2);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->ram_bytes, 27e9);
+  EXPECT_EQ(e->state_dir_ram_bytes, 9e9 + 12582912);
+  EXPECT_EQ(e->state_dir_disk_bytes, 18e9);
+  // SGD with momentum (K = 8), Ψ = 1e9 on 4 daemons: 2.5e8 owned elements.
+  e = EstimateDaemonStates(1e9, 4, 8);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->ram_bytes, 3.5e9);
+  EXPECT_EQ(e->state_dir_ram_bytes, 1.5e9 + 12582912);
+  EXPECT_EQ(e->state_dir_disk_bytes, 2e9);
+  // One daemon owns everything: ZeRO's baseline plus the fp32 gradient.
+  e = EstimateDaemonStates(7.5e9, 1);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->ram_bytes, 18 * 7.5e9);
+}
+
 TEST(Estimator, Activations) {
   // Paper §6.1: 100B model, B=32, T=1024, MP=16: per-layer checkpoint of
   // B*T*H half elements; P_a divides by the MP degree, P_a+cpu leaves ~0.
@@ -90,6 +112,13 @@ TEST(Estimator, RejectsBadInputNamingTheField) {
   EXPECT_NE(field_of(EstimateActivations(0, 1, 1, 1, 1).status()).find("batch"),
             std::string::npos);
   EXPECT_EQ(EstimateModelStates(1, 0, 8).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(field_of(EstimateDaemonStates(1e9, 0).status()).find("daemons"), std::string::npos);
+  EXPECT_NE(field_of(EstimateDaemonStates(0, 2).status()).find("params"), std::string::npos);
+  EXPECT_NE(field_of(EstimateDaemonStates(INFINITY, 2).status()).find("params"),
+            std::string::npos);
+  EXPECT_NE(field_of(EstimateDaemonStates(1e9, 2, NAN).status()).find("optimizer_k"),
+            std::string::npos);
+  EXPECT_EQ(EstimateDaemonStates(1e9, 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

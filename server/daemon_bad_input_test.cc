@@ -865,6 +865,26 @@ TEST_F(BadInputTest, Admin) {
   v1::EstimateResponse resp;
   ASSERT_TRUE(client_->admin->Estimate(&ctx, req, &resp).ok());
   EXPECT_NEAR(resp.stages(1).model_state_bytes(), 31.40625e9, 1);
+  // No daemon count: one daemon per rank, 7.5e9/64 owned elements each.
+  EXPECT_EQ(resp.daemon().daemons(), 64u);
+  EXPECT_EQ(resp.daemon().ram_bytes(), 18 * 7.5e9 / 64);
+  EXPECT_EQ(resp.daemon().state_dir_ram_bytes(), 6 * 7.5e9 / 64 + 12 * 1024 * 1024);
+  EXPECT_EQ(resp.daemon().state_dir_disk_bytes(), 12 * 7.5e9 / 64);
+  // 3e9 parameters on 2 daemons, whatever the ranks: 1.5e9 elements each.
+  grpc::ClientContext ctx2;
+  req.set_parameters(3e9);
+  req.set_daemons(2);
+  ASSERT_TRUE(client_->admin->Estimate(&ctx2, req, &resp).ok());
+  EXPECT_EQ(resp.daemon().daemons(), 2u);
+  EXPECT_EQ(resp.daemon().ram_bytes(), 27e9);
+  EXPECT_EQ(resp.daemon().state_dir_ram_bytes(), 9e9 + 12582912);
+  EXPECT_EQ(resp.daemon().state_dir_disk_bytes(), 18e9);
+  // A daemon without --state_dir keeps every job in RAM: nothing on disk.
+  grpc::ClientContext ctx3;
+  v1::StatusResponse status;
+  ASSERT_TRUE(client_->admin->Status(&ctx3, v1::StatusRequest(), &status).ok());
+  ASSERT_EQ(status.jobs_size(), 1);
+  EXPECT_EQ(status.jobs(0).state_disk_bytes(), 0u);
 }
 
 }  // namespace

@@ -1,7 +1,10 @@
 // zsctl: the zeroshard operator tool.
 //
 //   zsctl estimate --params 7.5e9 --dp 64 [--device_memory 32GiB] [--optimizer_k 12]
-//       The paper's model-state memory and communication per rank, stage by stage.
+//                  [--daemons N]
+//       The paper's model-state memory and communication per rank, stage by stage;
+//       then one daemon's share when N daemons (default: --dp) shard the job, in
+//       RAM or with --state_dir.
 //   zsctl status --daemons HOST:PORT[,HOST:PORT...]
 //   zsctl memory --daemons HOST:PORT[,...] [--job J]
 //       Bytes by category per job per daemon, next to the paper's formula.
@@ -43,7 +46,9 @@ ABSL_FLAG(uint32_t, dp, 1, "Data-parallel degree N_d.");
 ABSL_FLAG(std::string, device_memory, "",
           "Device memory for the largest-model column, e.g. 32GiB, 32GB, 80e9.");
 ABSL_FLAG(double, optimizer_k, 12, "Optimizer-state bytes per parameter K (12 = mixed-precision Adam).");
-ABSL_FLAG(std::string, daemons, "127.0.0.1:7070", "Comma-separated daemon addresses.");
+ABSL_FLAG(std::string, daemons, "",
+          "Comma-separated daemon addresses (default 127.0.0.1:7070); estimate: the number "
+          "of daemons sharding the job (default --dp).");
 ABSL_FLAG(std::string, job, "", "Only this job (memory); the job (checkpoint).");
 ABSL_FLAG(std::string, name, "",
           "Checkpoint name (checkpoint save, load, verify; load and verify also take "
@@ -76,6 +81,12 @@ constexpr char kUsage[] =
     "usage: zsctl estimate|status|memory|health|drain|token|export [flags]\n"
     "       zsctl checkpoint save|load|list|verify [flags]\n"
     "       --output=json: estimate, status and memory print one JSON document\n";
+
+// --daemons as the daemons' addresses.
+std::string DaemonAddresses() {
+  const std::string daemons = absl::GetFlag(FLAGS_daemons);
+  return daemons.empty() ? "127.0.0.1:7070" : daemons;
+}
 
 int TimeoutMs(int default_ms) {
   const int t = absl::GetFlag(FLAGS_timeout_ms);
@@ -165,12 +176,13 @@ int main(int argc, char** argv) {
     o.world_size = absl::GetFlag(FLAGS_dp);
     o.device_memory = absl::GetFlag(FLAGS_device_memory);
     o.optimizer_k = absl::GetFlag(FLAGS_optimizer_k);
+    o.daemons = absl::GetFlag(FLAGS_daemons);
     out = json ? zeroshard::tools::RunEstimateJson(o) : zeroshard::tools::RunEstimate(o);
   } else if (command == "token") {
     out = zeroshard::tools::RunToken();
   } else if (command == "status" || command == "memory" || command == "drain") {
     zeroshard::tools::AdminOptions o;
-    o.daemons = absl::GetFlag(FLAGS_daemons);
+    o.daemons = DaemonAddresses();
     o.job = absl::GetFlag(FLAGS_job);
     o.timeout_ms = TimeoutMs(5000);
     out = Secured(o.daemons, &o.security, [&]() -> absl::StatusOr<std::string> {
@@ -186,12 +198,12 @@ int main(int argc, char** argv) {
     });
   } else if (command == "health") {
     zeroshard::tools::AdminOptions o;
-    o.daemons = absl::GetFlag(FLAGS_daemons);
+    o.daemons = DaemonAddresses();
     o.timeout_ms = TimeoutMs(30000);
     out = Secured(o.daemons, &o.security, [&] { return zeroshard::tools::RunHealth(o); });
   } else if (command == "checkpoint") {
     zeroshard::tools::CheckpointOptions o;
-    o.daemons = absl::GetFlag(FLAGS_daemons);
+    o.daemons = DaemonAddresses();
     o.job = absl::GetFlag(FLAGS_job);
     o.name = absl::GetFlag(FLAGS_name);
     o.timeout_ms = TimeoutMs(600000);

@@ -101,6 +101,7 @@ constexpr const char* kStageFormulas[] = {"(4+K)Ψ", "4Ψ+KΨ/N_d", "2Ψ+(2+K)Ψ
 struct EstimateInput {
   double psi = 0;
   double device_bytes = 0;  // 0: no --device_memory
+  uint32_t daemons = 0;     // --daemons, or the world size
 };
 
 absl::StatusOr<EstimateInput> CheckEstimateOptions(const EstimateOptions& options) {
@@ -116,7 +117,28 @@ absl::StatusOr<EstimateInput> CheckEstimateOptions(const EstimateOptions& option
     if (!d.ok()) return d.status();
     in.device_bytes = *d;
   }
+  in.daemons = options.world_size;
+  if (!options.daemons.empty()) {
+    const absl::string_view text = absl::StripAsciiWhitespace(options.daemons);
+    if (!absl::SimpleAtoi(text, &in.daemons) || in.daemons == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--daemons: estimate takes the number of daemons (>= 1), got \"", text, "\""));
+    }
+  }
   return in;
+}
+
+// The block after the stage table: one daemon's share, in RAM or with
+// --state_dir.
+std::string DaemonBlock(const DaemonStateEstimate& e, const EstimateInput& in) {
+  return absl::StrFormat(
+      "\nPer daemon (D = %u daemon%s, Ψ/D = %s owned parameters each):\n"
+      "  RAM %s (all model states in RAM: (K+4+2)Ψ/D)\n"
+      "  with --state_dir: RAM %s + NVMe %s ((4+2)Ψ/D + %s of chunk buffers, KΨ/D)\n",
+      in.daemons, in.daemons == 1 ? "" : "s", FormatCount(in.psi / in.daemons),
+      FormatBytes(e.ram_bytes), FormatBytes(e.state_dir_ram_bytes),
+      FormatBytes(e.state_dir_disk_bytes),
+      absl::StrCat(kStateDirBufferBytes / (1 << 20), " MiB"));
 }
 
 // A byte count or element count as a whole number (as a double past 2^64).
@@ -172,6 +194,10 @@ absl::StatusOr<std::string> RunEstimate(const EstimateOptions& options) {
     absl::StrAppendFormat(&out, "\nmax Ψ: largest model whose states fit %s per device.\n",
                           FormatBytes(device));
   }
+  absl::StatusOr<DaemonStateEstimate> d =
+      EstimateDaemonStates(in->psi, in->daemons, options.optimizer_k);
+  if (!d.ok()) return d.status();
+  absl::StrAppend(&out, DaemonBlock(*d, *in));
   return out;
 }
 
@@ -205,6 +231,14 @@ absl::StatusOr<std::string> RunEstimateJson(const EstimateOptions& options) {
     }
     doc["stages"].push_back(std::move(s));
   }
+  absl::StatusOr<DaemonStateEstimate> d =
+      EstimateDaemonStates(in->psi, in->daemons, options.optimizer_k);
+  if (!d.ok()) return d.status();
+  Json& daemon = doc["daemon"];
+  daemon["daemons"] = in->daemons;
+  daemon["ram_bytes"] = Whole(d->ram_bytes);
+  daemon["state_dir_ram_bytes"] = Whole(d->state_dir_ram_bytes);
+  daemon["state_dir_disk_bytes"] = Whole(d->state_dir_disk_bytes);
   return JsonDocument(doc);
 }
 
@@ -507,6 +541,11 @@ absl::StatusOr<std::string> RunMemory(const AdminOptions& options) {
       absl::StrAppendFormat(&out, "    %-14s %14s  paper formula for %u owned partition(s): %s\n",
                             "model states", FormatBytes(ModelStateBytes(j)), j.owned_partitions(),
                             FormatBytes(j.formula_bytes()));
+      if (j.state_disk_bytes() > 0) {
+        absl::StrAppendFormat(&out, "    %-14s %14s  (%u B) the state file, not in the RAM above\n",
+                              "on --state_dir", FormatBytes(j.state_disk_bytes()),
+                              j.state_disk_bytes());
+      }
     }
   }
   return out;
@@ -532,6 +571,7 @@ absl::Status RunMemoryJson(const AdminOptions& options, std::string* document) {
           }
           job["model_state_bytes"] = ModelStateBytes(j);
           job["formula_bytes"] = j.formula_bytes();
+          job["state_disk_bytes"] = j.state_disk_bytes();
           jobs.push_back(std::move(job));
         }
       },

@@ -34,19 +34,26 @@ absl::StatusOr<double> ParseCount(absl::string_view text);
 // "32GiB", "32GB", "80e9", "512MiB", "1024" (bytes) -> bytes.
 absl::StatusOr<double> ParseBytes(absl::string_view text);
 
+// After the paper's table, RunEstimate prints what one zeroshard daemon holds
+// when `daemons` daemons own Ψ in equal parts (common/estimator.h
+// EstimateDaemonStates): every model state in RAM, or with --state_dir the
+// RAM beside the NVMe bytes of the state file.
 struct EstimateOptions {
   std::string params;
   uint32_t world_size = 1;
   std::string device_memory;  // empty: no largest-model column
   double optimizer_k = 12;
+  std::string daemons;        // a count >= 1; empty: world_size
 };
+// InvalidArgument for bad input, naming the flag or the formula's input.
 absl::StatusOr<std::string> RunEstimate(const EstimateOptions& options);
 // {"parameters", "world_size", "optimizer_k", "device_memory_bytes" (null
 // without --device_memory), "stages": [{"stage", "name", "formula",
 // "param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes",
 // "comm_elements", "comm_bytes_per_step", "max_parameters" (null without
-// --device_memory)}]}, byte counts rounded to whole bytes. The same errors as
-// RunEstimate, with no document.
+// --device_memory)}], "daemon": {"daemons", "ram_bytes",
+// "state_dir_ram_bytes", "state_dir_disk_bytes"}}, byte counts rounded to
+// whole bytes. The same errors as RunEstimate, with no document.
 absl::StatusOr<std::string> RunEstimateJson(const EstimateOptions& options);
 
 // The credentials zsctl talks with (TLS and the bearer token): a job's token
@@ -80,8 +87,10 @@ absl::StatusOr<std::string> RunMemory(const AdminOptions& options);
 //   memory: "total_bytes", "memory_limit_bytes", "jobs": [{"job_id", "stage",
 //     "parameters", "world_size", "owned_partitions", "categories":
 //     {"param_master", "param_half", "grad", "optim_m", "optim_v",
-//     "activation", "buffer", "fragmentation"}, "model_state_bytes",
-//     "formula_bytes"}].
+//     "activation", "buffer", "fragmentation", "replica", "param_cache"},
+//     "model_state_bytes", "formula_bytes", "state_disk_bytes" (the job's
+//     model-state file on the daemon's --state_dir, not in the categories,
+//     which count RAM; 0 when in RAM)}].
 absl::Status RunStatusJson(const AdminOptions& options, std::string* document);
 absl::Status RunMemoryJson(const AdminOptions& options, std::string* document);
 

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -19,12 +20,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "client/testing/training_data.h"
 #include "common/checkpoint_files.h"
+#include "common/format.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "server/daemon.h"
@@ -112,6 +115,48 @@ TEST(Zsctl, EstimatePrintsThePapersFigures) {
   ASSERT_TRUE(out.ok());
   EXPECT_NE(out->find("7.64B"), std::string::npos) << *out;
   EXPECT_NE(out->find("128B"), std::string::npos) << *out;
+  // Without --daemons, one daemon per rank: 7.5e9/64 = 117M elements each,
+  // 18 B each in RAM (2.11 GB), or 6 B + 12 MiB (716 MB) beside 12 B on disk.
+  EXPECT_TRUE(absl::StrContains(
+      *out, "Per daemon (D = 64 daemons, Ψ/D = 117M owned parameters each):\n"
+            "  RAM 2.11 GB (all model states in RAM: (K+4+2)Ψ/D)\n"
+            "  with --state_dir: RAM 716 MB + NVMe 1.41 GB"))
+      << *out;
+  // After the table and its note.
+  EXPECT_GT(out->find("Per daemon"), out->find("max Ψ: largest model")) << *out;
+}
+
+TEST(Zsctl, EstimatePrintsOneDaemonsShare) {
+  EstimateOptions o;
+  o.params = "3e9";
+  o.world_size = 2;
+  o.daemons = "2";
+  absl::StatusOr<std::string> out = RunEstimate(o);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::printf("zsctl estimate --params 3e9 --dp 2 --daemons 2:\n%s", out->c_str());
+  // 1.5e9 owned elements: 27 GB in RAM; 9 GB + 12 MiB in RAM and 18 GB on disk.
+  EXPECT_TRUE(absl::StrContains(
+      *out, "\nPer daemon (D = 2 daemons, Ψ/D = 1.50B owned parameters each):\n"
+            "  RAM 27.0 GB (all model states in RAM: (K+4+2)Ψ/D)\n"
+            "  with --state_dir: RAM 9.01 GB + NVMe 18.0 GB ((4+2)Ψ/D + 12 MiB of chunk "
+            "buffers, KΨ/D)\n"))
+      << *out;
+  // The daemon count is independent of the ranks; K comes from --optimizer_k.
+  o.daemons = "1";
+  o.optimizer_k = 8;
+  out = RunEstimate(o);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(absl::StrContains(*out, "Per daemon (D = 1 daemon, Ψ/D = 3.00B owned"))
+      << *out;
+  EXPECT_TRUE(absl::StrContains(*out, "  RAM 42.0 GB (")) << *out;
+  EXPECT_TRUE(absl::StrContains(*out, "RAM 18.0 GB + NVMe 24.0 GB")) << *out;
+  for (const char* bad : {"0", "x", "-1", "2.5", "4294967296"}) {
+    o.daemons = bad;
+    for (const absl::StatusOr<std::string>& r : {RunEstimate(o), RunEstimateJson(o)}) {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+      EXPECT_TRUE(absl::StrContains(r.status().message(), "--daemons")) << r.status();
+    }
+  }
 }
 
 TEST(Zsctl, ParsesTheOutputFlag) {
@@ -136,8 +181,8 @@ TEST(Zsctl, EstimateAsJsonHasThePapersFiguresInBytes) {
   ASSERT_TRUE(out.ok()) << out.status();
   std::printf("zsctl estimate --output=json:\n%s", out->c_str());
   Json doc = ParseDocument(*out);
-  EXPECT_EQ(KeysOf(doc),
-            Keys({"parameters", "world_size", "optimizer_k", "device_memory_bytes", "stages"}));
+  EXPECT_EQ(KeysOf(doc), Keys({"parameters", "world_size", "optimizer_k", "device_memory_bytes",
+                               "stages", "daemon"}));
   EXPECT_EQ(Whole(Member(doc, "parameters")), 7500000000u);
   EXPECT_EQ(Whole(Member(doc, "world_size")), 64u);
   EXPECT_EQ(Number(Member(doc, "optimizer_k")), 12);
@@ -165,6 +210,14 @@ TEST(Zsctl, EstimateAsJsonHasThePapersFiguresInBytes) {
     EXPECT_TRUE(Member(s, "max_parameters").is_null());
   }
   EXPECT_EQ(Text(Member(stages[2], "formula")), "2Ψ+(2+K)Ψ/N_d");
+  // One daemon per rank: 7.5e9/64 elements, 18, 6 (+ 12 MiB) and 12 B each.
+  const Json& daemon = Member(doc, "daemon");
+  EXPECT_EQ(KeysOf(daemon),
+            Keys({"daemons", "ram_bytes", "state_dir_ram_bytes", "state_dir_disk_bytes"}));
+  EXPECT_EQ(Whole(Member(daemon, "daemons")), 64u);
+  EXPECT_EQ(Whole(Member(daemon, "ram_bytes")), 2109375000u);
+  EXPECT_EQ(Whole(Member(daemon, "state_dir_ram_bytes")), 703125000u + 12582912u);
+  EXPECT_EQ(Whole(Member(daemon, "state_dir_disk_bytes")), 1406250000u);
 
   o.device_memory = "32GB";
   out = RunEstimateJson(o);
@@ -177,6 +230,18 @@ TEST(Zsctl, EstimateAsJsonHasThePapersFiguresInBytes) {
   EXPECT_DOUBLE_EQ(Number(Member(Member(doc, "stages")[3], "max_parameters")), 128e9);
 
   EXPECT_EQ(RunEstimateJson(EstimateOptions()).status().code(), absl::StatusCode::kInvalidArgument);
+
+  o.params = "3e9";
+  o.world_size = 2;
+  o.daemons = "2";
+  out = RunEstimateJson(o);
+  ASSERT_TRUE(out.ok()) << out.status();
+  doc = ParseDocument(*out);
+  const Json& two = Member(doc, "daemon");
+  EXPECT_EQ(Whole(Member(two, "daemons")), 2u);
+  EXPECT_EQ(Whole(Member(two, "ram_bytes")), 27000000000u);
+  EXPECT_EQ(Whole(Member(two, "state_dir_ram_bytes")), 9012582912u);
+  EXPECT_EQ(Whole(Member(two, "state_dir_disk_bytes")), 18000000000u);
 }
 
 TEST(Zsctl, EstimateRejectsBadInput) {
@@ -601,7 +666,8 @@ TEST_P(ZsctlCheckpointTest, MemoryAsJsonHasEveryCategoryInBytes) {
     ASSERT_EQ(jobs.size(), 1u) << out;
     const Json& job = jobs[0];
     EXPECT_EQ(KeysOf(job), Keys({"job_id", "stage", "parameters", "world_size", "owned_partitions",
-                              "categories", "model_state_bytes", "formula_bytes"}));
+                              "categories", "model_state_bytes", "formula_bytes",
+                              "state_disk_bytes"}));
     EXPECT_EQ(Text(Member(job, "job_id")), kJob);
     EXPECT_EQ(Whole(Member(job, "stage")), 2u);
     EXPECT_EQ(Whole(Member(job, "parameters")), layout_.parameter_count());
@@ -618,6 +684,7 @@ TEST_P(ZsctlCheckpointTest, MemoryAsJsonHasEveryCategoryInBytes) {
     EXPECT_GT(Whole(Member(categories, "param_master")), 0u);
     EXPECT_EQ(Whole(Member(job, "model_state_bytes")), model_states);
     EXPECT_GT(Whole(Member(job, "formula_bytes")), 0u);
+    EXPECT_EQ(Whole(Member(job, "state_disk_bytes")), 0u);  // no --state_dir
     // The same figures as the text, which prints each category's exact bytes.
     for (const std::string& c : KeysOf(categories)) {
       EXPECT_TRUE(absl::StrContains(*text, absl::StrCat(c, " "))) << c;
@@ -638,6 +705,60 @@ TEST_P(ZsctlCheckpointTest, MemoryAsJsonHasEveryCategoryInBytes) {
             "UNAVAILABLE");
   EXPECT_EQ(KeysOf(Member(partial, "daemons")[1]),
             Keys({"address", "total_bytes", "memory_limit_bytes", "jobs"}));
+  // Nothing on disk: the text is as it was, without a --state_dir line.
+  EXPECT_FALSE(absl::StrContains(*text, "state_dir")) << *text;
+}
+
+// A daemon with --state_dir (no --state_memory): a bf16 job's masters and
+// moments live in a file, 12 bytes per owned element in whole chunks of 1024
+// elements. zsctl memory shows the file beside the RAM categories, which
+// hold no masters and no moments; Admin.Status carries the same bytes.
+TEST(ZsctlMemory, ShowsTheStateFileOnDisk) {
+  char tmpl[] = "/tmp/zsctl-state-dir-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  {
+    constexpr char kJob[] = "zsctl-disk";
+    testing::TestCluster cluster(1, 1, 2, kJob, "", v1::DTYPE_BF16, false, dir);
+    absl::StatusOr<std::shared_ptr<Job>> job = cluster.daemon(0).jobs().Find(kJob);
+    ASSERT_TRUE(job.ok()) << job.status();
+    const uint64_t chunks = ((*job)->owned_range().size() + 1023) / 1024;
+    const uint64_t disk = chunks * 1024 * 12;
+    ASSERT_GT(chunks, 0u);
+
+    AdminOptions o;
+    o.daemons = cluster.daemon(0).address();
+    o.job = kJob;
+    o.security = ChannelSecurity::Plaintext(testing::kTestToken);
+    absl::StatusOr<std::string> text = RunMemory(o);
+    ASSERT_TRUE(text.ok()) << text.status();
+    std::printf("zsctl memory --job=%s (--state_dir):\n%s", kJob, text->c_str());
+    const std::string line = absl::StrFormat(
+        "    on --state_dir %14s  (%u B) the state file, not in the RAM above\n",
+        FormatBytes(disk), disk);
+    EXPECT_TRUE(absl::StrContains(*text, line)) << *text;
+    for (const char* ram_only : {"param_master", "optim_m", "optim_v"}) {
+      EXPECT_TRUE(absl::StrContains(*text, absl::StrFormat("    %-14s %14s  (0 B)\n", ram_only,
+                                                           FormatBytes(0))))
+          << ram_only << "\n"
+          << *text;
+    }
+
+    std::string document;
+    ASSERT_TRUE(RunMemoryJson(o, &document).ok()) << document;
+    const Json doc = ParseDocument(document);
+    const Json& jobs = Member(Member(doc, "daemons")[0], "jobs");
+    ASSERT_EQ(jobs.size(), 1u) << document;
+    EXPECT_EQ(Whole(Member(jobs[0], "state_disk_bytes")), disk);
+    EXPECT_EQ(Whole(Member(Member(jobs[0], "categories"), "optim_m")), 0u);
+
+    grpc::ClientContext ctx;
+    v1::StatusResponse status;
+    ASSERT_TRUE(cluster.client(0).admin->Status(&ctx, v1::StatusRequest(), &status).ok());
+    ASSERT_EQ(status.jobs_size(), 1);
+    EXPECT_EQ(status.jobs(0).state_disk_bytes(), disk);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // --- zsctl health -------------------------------------------------------------

@@ -44,6 +44,7 @@ grpc::Status AdminService::MemoryReport(grpc::ServerContext* call,
     m->set_parameters(c.layout.parameter_count());
     m->set_owned_partitions(static_cast<uint32_t>(job->owned_partitions().size()));
     m->set_formula_bytes(DaemonModelStateFormulaBytes(c, job->owned_range()));
+    m->set_state_disk_bytes(job->state_disk_bytes());
   }
   resp->set_memory_limit_bytes(ctx_->ledger->limit());
   resp->set_total_bytes(ctx_->ledger->total());
@@ -67,6 +68,7 @@ grpc::Status AdminService::Status(grpc::ServerContext* call, const v1::StatusReq
     j->set_committed_step(job->committed_step());
     j->set_parameters(job->config().layout.parameter_count());
     for (uint32_t p : job->owned_partitions()) j->add_owned_partitions(p);
+    j->set_state_disk_bytes(job->state_disk_bytes());
     if (std::optional<ReplicaGroupStatus> r = job->ReplicaState(); r.has_value()) {
       ToWire(*r, j->mutable_replica());
     }
@@ -92,6 +94,14 @@ grpc::Status AdminService::Estimate(grpc::ServerContext*, const v1::EstimateRequ
       s->set_max_parameters(*max);
     }
   }
+  const uint32_t daemons = req->daemons() == 0 ? req->world_size() : req->daemons();
+  absl::StatusOr<DaemonStateEstimate> d = EstimateDaemonStates(req->parameters(), daemons, k);
+  if (!d.ok()) return ctx_->Done(__func__, d.status());
+  v1::DaemonEstimate* de = resp->mutable_daemon();
+  de->set_daemons(daemons);
+  de->set_ram_bytes(d->ram_bytes);
+  de->set_state_dir_ram_bytes(d->state_dir_ram_bytes);
+  de->set_state_dir_disk_bytes(d->state_dir_disk_bytes);
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
