@@ -64,6 +64,9 @@ struct BulkDataPath::Endpoint {
   transport::RegionDescriptor staging;
   uint32_t slots = 0;
   uint64_t slot_bytes = 0;
+  // No master region: a half-precision job whose masters are on the
+  // daemon's --state_dir; fp32 gathers then go over the streaming path.
+  bool has_master = false;
   transport::RegionDescriptor master;
   FlatRange master_range;
   bool has_half = false;
@@ -136,7 +139,7 @@ absl::Status BulkDataPath::ParseEndpoint(const v1::ExchangeEndpointResponse& res
         "daemon ", address(), " serves bulk transport ", TransportKindName(resp.transport()),
         ", this client uses ", TransportKindName(transport_->kind())));
   }
-  bool has_staging = false, has_master = false;
+  bool has_staging = false;
   for (const v1::RemoteRegion& r : resp.regions()) {
     const FlatRange range{r.range().begin(), r.range().end()};
     switch (r.purpose()) {
@@ -147,7 +150,7 @@ absl::Status BulkDataPath::ParseEndpoint(const v1::ExchangeEndpointResponse& res
       case v1::REGION_PURPOSE_PARAM_MASTER:
         ep->master = ToDescriptor(r);
         ep->master_range = range;
-        has_master = r.length() >= range.size() * sizeof(float);
+        ep->has_master = r.length() >= range.size() * sizeof(float);
         break;
       case v1::REGION_PURPOSE_PARAM_HALF:
         ep->half = ToDescriptor(r);
@@ -163,8 +166,9 @@ absl::Status BulkDataPath::ParseEndpoint(const v1::ExchangeEndpointResponse& res
         break;
     }
   }
-  if (!has_staging || !has_master) {
-    return bad("the reply lacks a GRAD_STAGING or a well-formed PARAM_MASTER region");
+  if (!has_staging || (!ep->has_master && !ep->has_half)) {
+    return bad(
+        "the reply lacks a GRAD_STAGING or a well-formed PARAM_MASTER or PARAM_HALF region");
   }
   const uint64_t slots = resp.staging_slots(), slot_bytes = resp.staging_slot_bytes();
   if (slots < 1 || slot_bytes < 1 || slot_bytes > ep->staging.length / slots) {
@@ -445,6 +449,9 @@ absl::StatusOr<uint64_t> BulkDataPath::Gather(const GatherRequestSpec& request, 
   const JobKey key{request.job_id, request.rank, request.incarnation};
   for (int attempt = 0;; ++attempt) {
     ASSIGN_OR_RETURN(std::shared_ptr<const Endpoint> ep, GetEndpoint(key, deadline));
+    if (request.dtype == DType::kFp32 && !ep->has_master) {
+      return stream_.Gather(request, dst, deadline);
+    }
     Attempt a = GetOnce(*ep, request, dst, deadline);
     if (!a.retry || attempt > 0) return a.result;
   }

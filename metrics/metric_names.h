@@ -174,6 +174,13 @@ inline constexpr MetricSpec kBuildInfo = {
     "Always 1; the version label says which build runs.",
     {"version"}};
 
+inline constexpr MetricSpec kStateDiskBytes = {
+    "zeroshard_state_disk_bytes",
+    MetricType::kGauge,
+    "Bytes of the job's model states (fp32 masters, optimizer moments) in its file on "
+    "--state_dir; absent for a job whose states are all in RAM.",
+    {"job"}};
+
 // Every family above, in name order.
 inline constexpr MetricSpec kAllMetrics[] = {
     kActivationFetchSeconds,
@@ -197,6 +204,7 @@ inline constexpr MetricSpec kAllMetrics[] = {
     kOptimizerSeconds,
     kRanksConnected,
     kRequestsTotal,
+    kStateDiskBytes,
     kStepSeconds,
     kWorldSize,
 };

@@ -98,7 +98,8 @@ TEST(MetricNamesTest, AllFamiliesExportCleanly) {
                  kMemoryBytes, kMemoryLimitBytes, kNodeCacheFetchBytesTotal,
                  kNodeCacheFetchesTotal, kNodeCacheHitsTotal, kOptimizerParamsPerSecond,
                  kOptimizerSeconds,
-                 kRanksConnected, kRequestsTotal, kStepSeconds, kWorldSize>(registry);
+                 kRanksConnected, kRequestsTotal, kStateDiskBytes, kStepSeconds,
+                 kWorldSize>(registry);
   const std::vector<prometheus::MetricFamily> families = registry.Collect();
   ASSERT_EQ(families.size(), std::size(kAllMetrics));
   EXPECT_TRUE(CheckExportsContract(families).ok()) << CheckExportsContract(families);

@@ -90,20 +90,7 @@ class CheckpointTest : public ::testing::Test {
 
   // A whole save on every daemon of the cluster.
   static void SaveAll(TestCluster& c, const std::string& name, uint64_t step) {
-    std::vector<v1::PartManifest> parts;
-    for (int d = 0; d < c.num_daemons(); ++d) {
-      grpc::Status s = Save(c, d, name, step);
-      ASSERT_TRUE(s.ok()) << s.error_message();
-    }
-    for (int d = 0; d < c.num_daemons(); ++d) {
-      v1::CheckpointStatus st = WaitWritten(c, d, name);
-      ASSERT_EQ(st.state(), v1::CheckpointStatus::STATE_WRITTEN) << st.error();
-      parts.push_back(st.part());
-    }
-    for (int d = 0; d < c.num_daemons(); ++d) {
-      grpc::Status s = Complete(c, name, parts, d);
-      ASSERT_TRUE(s.ok()) << s.error_message();
-    }
+    c.SaveCheckpoint(name, step);
   }
 
   static grpc::Status Load(TestCluster& c, int d, const std::string& name,

@@ -80,6 +80,9 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
   if (!o.spill_dir.empty() && o.activation_arena_bytes == 0) {
     return absl::InvalidArgumentError("--spill_dir: needs an arena (--activation_arena_bytes > 0)");
   }
+  if (o.state_dir.empty() && o.state_memory_bytes != 0) {
+    return absl::InvalidArgumentError("--state_memory: needs --state_dir");
+  }
   if (!o.spill_dir.empty() && o.spill_bytes == 0) {
     return absl::InvalidArgumentError("--spill_bytes: must be > 0 with --spill_dir");
   }
@@ -261,6 +264,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
                     "--rpc_memory_bytes (booked at start, within --memory_limit)");
   }
   if (options.activation_arena_bytes > 0) RETURN_IF_ERROR(d->StartActivations());
+  if (!options.state_dir.empty()) {
+    ASSIGN_OR_RETURN(d->state_dir_, InstanceDirectory::Open(options.state_dir,
+                                                            InstanceDirectory::StateNaming()));
+    Log(absl::StrCat("model states beyond ", options.state_memory_bytes,
+                     " bytes of RAM go to ", options.state_dir,
+                     d->state_dir_->direct() ? " (O_DIRECT)" : " (buffered)"));
+  }
+  d->state_memory_ = std::make_unique<StateMemoryBudget>(options.state_memory_bytes);
   d->StartJobs();
   d->StartServices(bulk_error);
   if (!options.metrics_listen.empty()) {
@@ -326,6 +337,9 @@ void Daemon::StartJobs() {
   resources.replica_link =
       options.replica_link != nullptr ? options.replica_link : replica_link_.get();
   resources.liveness_timeout = options.liveness_timeout;
+  resources.state_disk.dir = state_dir_.get();
+  resources.state_disk.chunk_elements = options.state_chunk_elements;
+  resources.state_memory = state_memory_.get();
   jobs_ = std::make_unique<JobManager>(jo, resources, &metrics_);
 }
 

@@ -19,6 +19,7 @@
 #include "server/activation/activation_metrics.h"
 #include "server/activation/activation_store.h"
 #include "server/activation/arena_tenancy.h"
+#include "server/disk/instance_directory.h"
 #include "server/metrics/daemon_metrics.h"
 #include "server/job/job_manager.h"
 #include "server/ledger/memory_ledger.h"
@@ -115,6 +116,17 @@ struct DaemonOptions {
   std::string spill_dir;
   // Bytes of spill files at most (with spill_dir).
   uint64_t spill_bytes = 4ull << 30;
+  // Model states beyond RAM (ZeRO-Infinity's NVMe offload): with a
+  // state_dir (local NVMe; created if missing, 0700; state files of daemons
+  // killed earlier are removed at start), a job's fp32 masters and optimizer
+  // moments stay in RAM while every RAM-resident job's fit in
+  // state_memory_bytes, and live in a file there otherwise (server/step/
+  // shard_state.h). Replicated jobs stay in RAM. Empty: all in RAM.
+  std::string state_dir;
+  uint64_t state_memory_bytes = 0;
+  // Elements per chunk of a state file (a multiple of 1024; tests use small
+  // ones to cut a small model into many chunks).
+  uint64_t state_chunk_elements = DiskResidence{}.chunk_elements;
 
   // How this daemon's primaries reach their backups; null: over gRPC with
   // `tls` (tests put a link of their own here; it must outlive the daemon).
@@ -232,6 +244,9 @@ class Daemon {
   std::unique_ptr<ActivationStore> activations_;
   ArenaTenancy arena_tenancy_;  // outlives the jobs, whose removal returns the arena key
   std::unique_ptr<ShardOptimizer> optimizer_;
+  // Outlive the jobs, whose state files and budget they are.
+  std::unique_ptr<InstanceDirectory> state_dir_;  // null without --state_dir
+  std::unique_ptr<StateMemoryBudget> state_memory_;
   std::unique_ptr<ReplicaLink> replica_link_;  // before jobs_: they use it
   std::unique_ptr<PeerChannels> peer_gather_;  // node caches' reads from the owners
   std::unique_ptr<JobManager> jobs_;

@@ -163,6 +163,7 @@ TEST(DaemonMetrics, RemoveJobRemovesEverySeriesOfTheJob) {
     daemon_metrics.SetCheckpointComplete(job, 1);
     daemon_metrics.SetRanks(job, 1, 2);
     daemon_metrics.RecordNodeCache(job, 1, 1, 4096);
+    daemon_metrics.SetStateDisk(job, 1 << 20);
     activation_metrics.RecordHit(job);
     activation_metrics.RecordMiss(job);
     activation_metrics.RecordSpill(job, 4096);

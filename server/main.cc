@@ -141,6 +141,13 @@ ABSL_FLAG(std::string, spill_dir, "",
           "Directory for activation slices that do not fit the arena (created if missing; spill "
           "files of killed daemons are removed at start); empty = no spilling.");
 ABSL_FLAG(uint64_t, spill_bytes, 4ull << 30, "Bytes of spill files at most (with --spill_dir).");
+ABSL_FLAG(std::string, state_dir, "",
+          "Directory (local NVMe) for jobs' fp32 masters and optimizer moments that do not fit "
+          "in --state_memory (created if missing; state files of killed daemons are removed at "
+          "start); empty = all model states in RAM. Replicated jobs stay in RAM.");
+ABSL_FLAG(uint64_t, state_memory, 0,
+          "With --state_dir: bytes of fp32 masters and moments that jobs may keep in RAM; a "
+          "job whose states do not fit beside the others' goes to --state_dir.");
 ABSL_FLAG(int, drain_seconds, 10, "On SIGTERM, how long in-flight requests may finish.");
 
 namespace {
@@ -241,6 +248,8 @@ int main(int argc, char** argv) {
   options.activation_arena_bytes = absl::GetFlag(FLAGS_activation_arena_bytes);
   options.spill_dir = absl::GetFlag(FLAGS_spill_dir);
   options.spill_bytes = absl::GetFlag(FLAGS_spill_bytes);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.state_memory_bytes = absl::GetFlag(FLAGS_state_memory);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.health_listen = absl::GetFlag(FLAGS_health_listen);
   if (options.metrics_listen.empty() && absl::GetFlag(FLAGS_metrics_port) >= 0) {

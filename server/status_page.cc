@@ -60,6 +60,7 @@ struct JobView {
   uint64_t formula_bytes = 0;  // the paper's partitioned terms for the owned elements
   double k = kAdamK;
   CategoryBytes bytes{};
+  uint64_t state_disk_bytes = 0;  // the state file on --state_dir
   bool node_cache = false;  // JobSpec.node_cache, with other daemons to cache
   ParamCache::Counts cache;
   std::vector<RankStatus> ranks;  // the first kMaxRanksShown
@@ -151,6 +152,15 @@ void AppendMemory(const JobView& j, std::string* out) {
                     ", N_d = ", j.world_size, ", K = ", FormatSig3(j.k), ").");
   }
   absl::StrAppend(out, "<p class=\"note\">", HtmlEscape(note), "</p>\n");
+  if (j.state_disk_bytes > 0) {
+    absl::StrAppend(
+        out, "<p class=\"note\" id=\"state-disk-", HtmlEscape(j.id), "\">",
+        HtmlEscape(absl::StrCat(
+            "On disk (--state_dir): ", FormatBytes(static_cast<double>(j.state_disk_bytes)),
+            " (", j.state_disk_bytes,
+            " B) of fp32 masters and optimizer moments, outside the bars above (RAM).")),
+        "</p>\n");
+  }
   if (j.node_cache) {
     constexpr int kCacheCategory = static_cast<int>(MemoryCategory::kParamCache);
     absl::StrAppend(
@@ -261,6 +271,7 @@ std::string StatusPage::Render(absl::Time now) {
     v.formula_bytes = DaemonModelStateFormulaBytes(c, job->owned_range());
     v.k = c.optimizer.kind == OptimizerKind::kSgdMomentum ? 8.0 : kAdamK;
     if (auto it = ledger.find(v.id); it != ledger.end()) v.bytes = it->second;
+    v.state_disk_bytes = job->state_disk_bytes();
     if (const ParamCache* cache = job->param_cache(); cache != nullptr) {
       v.node_cache = true;
       v.cache = cache->counts();

@@ -55,15 +55,20 @@ absl::StatusOr<CheckpointSaved> CheckpointAgent::Save(const std::string& name, u
     }
     start = absl::Now();
     state = step_->TrainingState();
+    absl::Status copied;
     step_->ReadModelStates([&](const ShardState& shard) {
       std::vector<float*> dst;
       for (size_t i = 0; i < files.size(); ++i) dst.push_back(writer_.buffer(i));
-      shard.CopyOut(n, dst.data());
+      copied = shard.CopyOut(n, dst.data());
       state.set_optimizer_steps(shard.optimizer_steps());
       for (v1::TensorStep& t : shard.TensorStepsApart()) {
         *state.add_tensor_steps() = std::move(t);
       }
     });
+    if (!copied.ok()) {
+      writer_.Release(/*failed=*/true);
+      return copied;
+    }
   }
   const absl::Duration stall = absl::Now() - start;
   writer_.StartWrite(name, step_->owned_unpadded(), files, state);
@@ -209,13 +214,16 @@ absl::StatusOr<CheckpointLoaded> CheckpointAgent::Load(const std::string& reques
     tensor_steps.insert(tensor_steps.end(), part.state().tensor_steps().begin(),
                         part.state().tensor_steps().end());
   }
+  absl::Status restored;
   {
     absl::MutexLock commit_lock(&step_->commit_lock());
     step_->Restore(state, [&](ShardState& shard) {
-      shard.Restore(step_->optimizer(), n, src.data(), state.optimizer_steps(), tensor_steps);
+      restored =
+          shard.Restore(step_->optimizer(), n, src.data(), state.optimizer_steps(), tensor_steps);
     });
   }
-  writer_.Release(/*failed=*/false);
+  writer_.Release(/*failed=*/!restored.ok());
+  if (!restored.ok()) return restored;
   CheckpointLoaded out;
   out.name = *name;
   out.step = state.committed_step();

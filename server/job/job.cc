@@ -38,7 +38,26 @@ Job::Job(std::unique_ptr<JobConfig> config, std::unique_ptr<v1::JobSpec> spec,
       owned_partitions_(config_->map.PartitionsOfDaemon(daemon_index)),
       ranks_(RankOptions(*config_, resources, config_->map.DaemonRange(daemon_index))) {}
 
-Job::~Job() = default;
+Job::~Job() {
+  if (state_memory_taken_ > 0) resources_.state_memory->Give(state_memory_taken_);
+}
+
+bool StateMemoryBudget::Take(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (bytes > bytes_ - used_) return false;
+  used_ += bytes;
+  return true;
+}
+
+void StateMemoryBudget::Give(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  used_ -= std::min(bytes, used_);
+}
+
+uint64_t StateMemoryBudget::used() const {
+  absl::MutexLock lock(&mu_);
+  return used_;
+}
 
 absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec spec,
                                                  uint32_t daemon_index,
@@ -61,8 +80,25 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
   so.reduction_buffer_bytes = resources.reduction_buffer_bytes;
   so.reduction_hold = resources.reduction_hold;
   so.replica = role == ReplicaRole::kBackup;
+  // With a --state_dir, the masters and moments go to disk unless they fit
+  // in --state_memory; a replicated job's stay in RAM (a backup reads them).
+  if (resources.state_disk.dir != nullptr && c.replicas <= 1) {
+    const FlatRange owned = c.map.DaemonRange(daemon_index);
+    CategoryBytes in_ram = ShardState::Footprint(c, owned);
+    const uint64_t states = in_ram[static_cast<int>(MemoryCategory::kParamMaster)] +
+                            in_ram[static_cast<int>(MemoryCategory::kOptimM)] +
+                            in_ram[static_cast<int>(MemoryCategory::kOptimV)];
+    if (resources.state_memory != nullptr && resources.state_memory->Take(states)) {
+      job->state_memory_taken_ = states;
+    } else {
+      so.disk = resources.state_disk;
+    }
+  }
   ASSIGN_OR_RETURN(job->step_,
                    StepEngine::Create(job->config_.get(), c.map.DaemonRange(daemon_index), so));
+  if (job->state_disk_bytes() > 0 && resources.metrics != nullptr) {
+    resources.metrics->SetStateDisk(c.job_id, job->state_disk_bytes());
+  }
   if (!resources.checkpoint_dir.empty()) {
     CheckpointAgent::Options co;
     co.root = resources.checkpoint_dir;

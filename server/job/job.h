@@ -83,6 +83,25 @@ struct JobStepState {
   std::vector<RankStatus> ranks;  // every rank in order; empty when brief
 };
 
+// The bytes of fp32 masters and optimizer moments that jobs may keep in RAM
+// on a daemon with a --state_dir (--state_memory): a job whose states fit
+// beside the other RAM-resident jobs' stays in RAM, the others go to disk.
+// Thread-safe.
+class StateMemoryBudget {
+ public:
+  explicit StateMemoryBudget(uint64_t bytes) : bytes_(bytes) {}
+  // Takes `bytes` when they fit (true), else takes nothing (false).
+  bool Take(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  void Give(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t used() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  const uint64_t bytes_;
+  mutable absl::Mutex mu_;
+  uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 // What a job borrows from its daemon; everything must outlive the job.
 struct JobResources {
   MemoryLedger* ledger = nullptr;
@@ -103,6 +122,10 @@ struct JobResources {
   // to it fail and a primary stops calling it until it answers a probe
   // (ReplicaGroup::Options::liveness_timeout).
   absl::Duration liveness_timeout = absl::Seconds(4);
+  // --state_dir: where model states that do not stay in RAM go (`disk.dir`
+  // null: all in RAM), and the budget of those that stay.
+  DiskResidence state_disk;
+  StateMemoryBudget* state_memory = nullptr;
 };
 
 class Job {
@@ -133,6 +156,8 @@ class Job {
   FlatRange owned_range() const { return step_->owned(); }
   // Owned elements below total_elements (real parameters plus alignment gaps).
   FlatRange owned_unpadded() const { return step_->owned_unpadded(); }
+  // The bytes of this job's model states on --state_dir (0: all in RAM).
+  uint64_t state_disk_bytes() const { return step_->disk_bytes(); }
 
   // ---- Ranks ----
   // See Control.JoinJob. FailedPrecondition naming the field and both values
@@ -267,6 +292,8 @@ class Job {
   std::unique_ptr<CheckpointAgent> checkpoints_;  // null without a checkpoint_dir
   std::unique_ptr<ReplicaGroup> replica_;         // null unless replicated
   std::unique_ptr<ParamCache> param_cache_;       // null unless node_cache
+  // What this job took from resources_.state_memory (given back when it goes).
+  uint64_t state_memory_taken_ = 0;
 };
 
 }  // namespace zeroshard

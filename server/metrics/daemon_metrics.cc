@@ -21,6 +21,7 @@ DaemonMetrics::DaemonMetrics(prometheus::Registry* registry, MemoryLedger* ledge
       node_cache_fetch_bytes_(metrics::Register<metrics::kNodeCacheFetchBytesTotal>(*registry)),
       params_per_second_(metrics::Register<metrics::kOptimizerParamsPerSecond>(*registry).Add({})),
       jobs_(metrics::Register<metrics::kJobs>(*registry).Add({})),
+      state_disk_(metrics::Register<metrics::kStateDiskBytes>(*registry)),
       ranks_(metrics::Register<metrics::kRanksConnected>(*registry)),
       world_size_(metrics::Register<metrics::kWorldSize>(*registry)) {
   metrics::Register<metrics::kMemoryLimitBytes>(*registry).Add({}).Set(
@@ -93,7 +94,12 @@ void DaemonMetrics::SetRanks(const std::string& job, uint32_t connected, uint32_
   world_size_.Add({{"job", job}}).Set(world_size);
 }
 
+void DaemonMetrics::SetStateDisk(const std::string& job, uint64_t bytes) {
+  state_disk_.Add({{"job", job}}).Set(static_cast<double>(bytes));
+}
+
 void DaemonMetrics::RemoveJob(const std::string& job) {
+  metrics::RemoveSeries(state_disk_, "job", job);
   metrics::RemoveSeries(memory_, "job", job);
   metrics::RemoveSeries(comm_, "job", job);
   metrics::RemoveSeries(step_seconds_, "job", job);

@@ -45,6 +45,8 @@ class DaemonMetrics {
   // `served`): hits, copies fetched and the bytes read from owners.
   void RecordNodeCache(const std::string& job, uint64_t hits, uint64_t fetches,
                        uint64_t bytes_fetched);
+  // The bytes of the job's state file on --state_dir (set at registration).
+  void SetStateDisk(const std::string& job, uint64_t bytes);
   void SetJobs(size_t jobs);
   void SetRanks(const std::string& job, uint32_t connected, uint32_t world_size);
   // Removes every series of these families labelled with the job. No other
@@ -68,6 +70,7 @@ class DaemonMetrics {
   prometheus::Family<prometheus::Counter>& node_cache_fetch_bytes_;
   prometheus::Gauge& params_per_second_;
   prometheus::Gauge& jobs_;
+  prometheus::Family<prometheus::Gauge>& state_disk_;
   prometheus::Family<prometheus::Gauge>& ranks_;
   prometheus::Family<prometheus::Gauge>& world_size_;
 

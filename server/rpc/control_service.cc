@@ -37,7 +37,11 @@ grpc::Status ControlService::RegisterJob(grpc::ServerContext* call,
     Log(absl::StrCat("job ", c.job_id, " registered: stage ", c.stage, ", N_d ", c.world_size,
                      ", Ψ ", c.layout.parameter_count(), ", partitions ",
                      (*job)->owned_partitions().size(), " owned here, by ",
-                     ctx_->RegistrantOf(*call, *token).identity));
+                     ctx_->RegistrantOf(*call, *token).identity,
+                     (*job)->state_disk_bytes() == 0
+                         ? std::string()
+                         : absl::StrCat("; masters and moments on --state_dir (",
+                                        (*job)->state_disk_bytes(), " bytes)")));
   }
   return ctx_->Done(__func__, absl::OkStatus());
 }

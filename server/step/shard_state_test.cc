@@ -184,8 +184,10 @@ TEST_F(ShardStateTest, StepsMatchAPerTensorReferenceBitForBit) {
   for (const FlatRange& r : ranges) {
     shards.push_back(Create(config, r));
     ASSERT_NE(shards.back(), nullptr);
-    shards.back()->WriteMasters(optimizer_.get(), r.begin, init.data() + r.begin, DType::kFp32,
-                                r.size());
+    ASSERT_TRUE(shards.back()
+                    ->WriteMasters(optimizer_.get(), r.begin, init.data() + r.begin,
+                                   DType::kFp32, r.size())
+                    .ok());
   }
   for (uint64_t step = 1; step <= kNoGrad.size(); ++step) {
     SCOPED_TRACE(::testing::Message() << "step " << step);
@@ -202,11 +204,11 @@ TEST_F(ShardStateTest, StepsMatchAPerTensorReferenceBitForBit) {
       ASSERT_TRUE(s.Step(optimizer_.get(), groups, grad.data() + r.begin, r, no_grad).ok());
       EXPECT_EQ(s.optimizer_steps(), step);
       std::vector<float> got(r.size());
-      s.ReadArray(StateArrayKind::kMaster, r, got.data());
+      ASSERT_TRUE(s.ReadArray(StateArrayKind::kMaster, r, got.data()).ok());
       EXPECT_TRUE(SameBits(got.data(), ref.param.data() + r.begin, r.size()));
-      s.ReadArray(StateArrayKind::kExpAvg, r, got.data());
+      ASSERT_TRUE(s.ReadArray(StateArrayKind::kExpAvg, r, got.data()).ok());
       EXPECT_TRUE(SameBits(got.data(), ref.m.data() + r.begin, r.size()));
-      s.ReadArray(StateArrayKind::kExpAvgSq, r, got.data());
+      ASSERT_TRUE(s.ReadArray(StateArrayKind::kExpAvgSq, r, got.data()).ok());
       EXPECT_TRUE(SameBits(got.data(), ref.v.data() + r.begin, r.size()));
       EXPECT_EQ(Steps(s.TensorStepsIn(r)), ref.StepsIn(r));
     }
@@ -217,7 +219,7 @@ TEST_F(ShardStateTest, StepsMatchAPerTensorReferenceBitForBit) {
   // The frozen tensor is bit for bit what it was initialised with, and the
   // gaps are still zeros.
   std::vector<float> all(kTotal);
-  shards[0]->ReadArray(StateArrayKind::kMaster, {0, kTotal}, all.data());
+  ASSERT_TRUE(shards[0]->ReadArray(StateArrayKind::kMaster, {0, kTotal}, all.data()).ok());
   const FlatRange frozen = layout.tensors()[kFrozen].range();
   EXPECT_TRUE(SameBits(all.data() + frozen.begin, init.data() + frozen.begin, frozen.size()));
   for (uint64_t gap : {10, 11, 17, 18, 19, 27, 34, 35, 45, 46, 47, 51}) {
@@ -239,7 +241,7 @@ TEST_F(ShardStateTest, BadGroupHyperParamsWriteNothing) {
   std::unique_ptr<ShardState> s = Create(config, {0, kTotal});
   std::mt19937 rng(3);
   const std::vector<float> init = TensorValues(layout, rng, 1.0f);
-  s->WriteMasters(optimizer_.get(), 0, init.data(), DType::kFp32, kTotal);
+  ASSERT_TRUE(s->WriteMasters(optimizer_.get(), 0, init.data(), DType::kFp32, kTotal).ok());
   const uint64_t before = HashOf(*s);
   std::vector<StepHyperParams> groups = GroupsAt(config, 1);
   groups[1].beta2 = 1.5;
@@ -295,8 +297,9 @@ class TrainedShardTest : public ShardStateTest {
     std::unique_ptr<ShardState> s = Create(config_, owned);
     std::mt19937 rng(5);
     const std::vector<float> init = TensorValues(layout_, rng, 1.0f);
-    s->WriteMasters(optimizer_.get(), owned.begin, init.data() + owned.begin, DType::kFp32,
-                    owned.size());
+    EXPECT_TRUE(s->WriteMasters(optimizer_.get(), owned.begin, init.data() + owned.begin,
+                                DType::kFp32, owned.size())
+                    .ok());
     for (uint64_t step = 1; step <= kNoGrad.size(); ++step) {
       const std::vector<float> grad = TensorValues(layout_, rng, 0.1f);
       EXPECT_TRUE(s->Step(optimizer_.get(), GroupsAt(config_, step), grad.data() + owned.begin,
@@ -317,11 +320,11 @@ TEST_F(TrainedShardTest, CheckpointFormIsDenseWithZerosForFrozenMoments) {
   ASSERT_EQ(shard_->checkpoint_arrays(), 3u);
   std::vector<std::vector<float>> out(3, std::vector<float>(n, -1.0f));
   float* dst[3] = {out[0].data(), out[1].data(), out[2].data()};
-  shard_->CopyOut(n, dst);
+  ASSERT_TRUE(shard_->CopyOut(n, dst).ok());
   // Dense: indexed like the owned range, what ReadArray reads.
   for (size_t i = 0; i < 3; ++i) {
     std::vector<float> read(n);
-    shard_->ReadArray(static_cast<StateArrayKind>(i + 1), owned_, read.data());
+    ASSERT_TRUE(shard_->ReadArray(static_cast<StateArrayKind>(i + 1), owned_, read.data()).ok());
     EXPECT_TRUE(SameBits(out[i].data(), read.data(), n)) << "array " << i;
   }
   // The frozen tensor's moments are zeros; its neighbours' are not.
@@ -337,16 +340,16 @@ TEST_F(TrainedShardTest, CheckpointFormIsDenseWithZerosForFrozenMoments) {
   }
   const float* src[3] = {out[0].data(), out[1].data(), out[2].data()};
   std::unique_ptr<ShardState> restored = Create(config_, owned_);
-  restored->Restore(optimizer_.get(), n, src, shard_->optimizer_steps(),
-                    shard_->TensorStepsApart());
+  ASSERT_TRUE(restored->Restore(optimizer_.get(), n, src, shard_->optimizer_steps(),
+                    shard_->TensorStepsApart()).ok());
   EXPECT_EQ(HashOf(*restored), HashOf(*shard_));
   EXPECT_EQ(Steps(restored->TensorStepsIn(owned_)), Steps(shard_->TensorStepsIn(owned_)));
   std::vector<float> m(n);
-  restored->ReadArray(StateArrayKind::kExpAvg, owned_, m.data());
+  ASSERT_TRUE(restored->ReadArray(StateArrayKind::kExpAvg, owned_, m.data()).ok());
   for (uint64_t x = 20; x < 27; ++x) EXPECT_EQ(m[x - owned_.begin], 0.0f) << x;
   // Without the counts every tensor counts the commits: another state.
   std::unique_ptr<ShardState> uncounted = Create(config_, owned_);
-  uncounted->Restore(optimizer_.get(), n, src, shard_->optimizer_steps(), {});
+  ASSERT_TRUE(uncounted->Restore(optimizer_.get(), n, src, shard_->optimizer_steps(), {}).ok());
   EXPECT_NE(HashOf(*uncounted), HashOf(*shard_));
   EXPECT_TRUE(uncounted->TensorStepsApart().empty());
   // Counts may name tensors the range does not hold (another daemon's part
@@ -363,7 +366,7 @@ TEST_F(TrainedShardTest, CheckpointFormIsDenseWithZerosForFrozenMoments) {
   a.set_tensor(kA);
   a.set_steps(77);
   steps.push_back(a);
-  inner->Restore(optimizer_.get(), 17, inner_src, shard_->optimizer_steps(), steps);
+  ASSERT_TRUE(inner->Restore(optimizer_.get(), 17, inner_src, shard_->optimizer_steps(), steps).ok());
   EXPECT_EQ(Steps(inner->TensorStepsIn({13, 30})),
             (std::map<uint32_t, uint64_t>{{kB, 3}, {kC, 4}}));
 }
@@ -378,7 +381,7 @@ TEST_F(TrainedShardTest, TransferFormIsCompactAndRestoresTheSameState) {
   // The raw moment array skips the frozen tensor: element 28 (c's first) sits
   // 7 places earlier than in the dense form.
   std::vector<float> dense(n);
-  shard_->ReadArray(StateArrayKind::kExpAvg, owned_, dense.data());
+  ASSERT_TRUE(shard_->ReadArray(StateArrayKind::kExpAvg, owned_, dense.data()).ok());
   EXPECT_EQ(shard_->array(1)[28 - owned_.begin - 7], dense[28 - owned_.begin]);
   EXPECT_EQ(shard_->array(1)[19 - owned_.begin], dense[19 - owned_.begin]);
   const float* src[3] = {shard_->array(0), shard_->array(1), shard_->array(2)};
@@ -445,19 +448,19 @@ TEST_F(TrainedShardTest, WritesNeedZerosWhereThereIsNoState) {
   EXPECT_EQ(HashOf(*s), trained);
   // Writing moments over [8, 30) changes that range only and reads back.
   std::vector<float> before(kTotal), after(kTotal);
-  s->ReadArray(StateArrayKind::kExpAvg, all, before.data());
-  s->WriteArray(optimizer_.get(), StateArrayKind::kExpAvg, {8, 30}, moments.data() + 8);
-  s->ReadArray(StateArrayKind::kExpAvg, all, after.data());
+  ASSERT_TRUE(s->ReadArray(StateArrayKind::kExpAvg, all, before.data()).ok());
+  ASSERT_TRUE(s->WriteArray(optimizer_.get(), StateArrayKind::kExpAvg, {8, 30}, moments.data() + 8).ok());
+  ASSERT_TRUE(s->ReadArray(StateArrayKind::kExpAvg, all, after.data()).ok());
   for (uint64_t i = 0; i < kTotal; ++i) {
     EXPECT_EQ(after[i], i >= 8 && i < 30 ? moments[i] : before[i]) << i;
   }
   // The other moment and the masters did not move.
   std::vector<float> v(kTotal);
-  s->ReadArray(StateArrayKind::kExpAvgSq, all, v.data());
+  ASSERT_TRUE(s->ReadArray(StateArrayKind::kExpAvgSq, all, v.data()).ok());
   EXPECT_NE(v[8], moments[8]);
   // Masters, frozen ones included.
-  s->WriteArray(optimizer_.get(), StateArrayKind::kMaster, {8, 30}, masters.data() + 8);
-  s->ReadArray(StateArrayKind::kMaster, {8, 30}, after.data());
+  ASSERT_TRUE(s->WriteArray(optimizer_.get(), StateArrayKind::kMaster, {8, 30}, masters.data() + 8).ok());
+  ASSERT_TRUE(s->ReadArray(StateArrayKind::kMaster, {8, 30}, after.data()).ok());
   EXPECT_TRUE(SameBits(after.data(), masters.data() + 8, 22));
   // SGD has no second moment.
   std::unique_ptr<ShardState> sgd = Create(MakeConfig(layout_, OptimizerKind::kSgdMomentum), all);
@@ -476,9 +479,9 @@ TEST_F(ShardStateTest, MasterWritesRewriteTheHalfCopy) {
       Create(MakeConfig(layout, OptimizerKind::kAdamW, DType::kBf16), {0, kTotal});
   std::vector<float> values(kTotal, 0.0f);
   for (uint64_t i = 28; i < 34; ++i) values[i] = 1.0f + 0.001f * static_cast<float>(i);
-  s->WriteArray(optimizer_.get(), StateArrayKind::kMaster, {28, 34}, values.data() + 28);
+  ASSERT_TRUE(s->WriteArray(optimizer_.get(), StateArrayKind::kMaster, {28, 34}, values.data() + 28).ok());
   std::vector<uint16_t> half(6);
-  s->Read(28, 6, DType::kBf16, half.data());
+  ASSERT_TRUE(s->Read(28, 6, DType::kBf16, half.data()).ok());
   for (uint64_t i = 0; i < 6; ++i) EXPECT_EQ(half[i], FloatToBf16(values[28 + i])) << i;
 }
 

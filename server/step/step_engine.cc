@@ -56,7 +56,7 @@ absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(const JobConfig* 
   // step before anything is allocated or touched: a job that does not fit is
   // refused whole, and concurrent registrations cannot each pass the limit
   // with part of theirs.
-  CategoryBytes footprint = ShardState::Footprint(c, owned);
+  CategoryBytes footprint = ShardState::Footprint(c, owned, false, options.disk);
   footprint[static_cast<int>(grad_cat)] += n * sizeof(float);
   if (replica) footprint = BookedAsReplica(footprint);
   absl::Status allocated = [&]() -> absl::Status {
@@ -65,8 +65,10 @@ absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(const JobConfig* 
     {
       absl::MutexLock lock(&engine->params_mu_);
       ASSIGN_OR_RETURN(engine->shard_,
-                       ShardState::Create(c, owned, &booked, options.transport, replica));
+                       ShardState::Create(c, owned, &booked, options.transport, replica,
+                                          options.disk));
       engine->tensors_ = &engine->shard_->tensors();
+      engine->disk_bytes_ = engine->shard_->disk_bytes();
     }
     absl::MutexLock lock(&engine->mu_);
     ASSIGN_OR_RETURN(engine->grad_,
@@ -96,6 +98,11 @@ absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(const JobConfig* 
                                                         options.optimizer, options.ledger);
   engine->loss_scale_ = c.loss_scale.initial_scale;
   return engine;
+}
+
+absl::Status StepEngine::disk_damaged() const {
+  absl::ReaderMutexLock lock(&params_mu_);
+  return shard_->damaged();
 }
 
 // ---- Data ----
@@ -148,10 +155,10 @@ absl::Status StepEngine::InitParameters(const std::vector<ParameterChunkIn>& chu
   for (size_t i = 0; i < chunks.size(); ++i) {
     const ParameterChunkIn& c = chunks[i];
     const uint64_t n = c.range.size();
-    shard_->WriteMasters(options_.optimizer, c.range.begin, c.data.data(), types[i], n);
+    RETURN_IF_ERROR(
+        shard_->WriteMasters(options_.optimizer, c.range.begin, c.data.data(), types[i], n));
     total += n;
   }
-  shard_->RefreshHalfCopy(options_.optimizer);
   ++params_version_;
   *elements = total;
   return absl::OkStatus();
@@ -460,7 +467,8 @@ absl::Status StepEngine::Gather(uint64_t after_step, const FlatRange& range, DTy
             "job ", config_->job_id, ": the parameters changed (step ", committed_step(),
             " was committed) while they were being gathered; gather again"));
       }
-      shard_->Read(pos, end - pos, dtype, data->data());
+      RETURN_IF_ERROR(shard_->damaged());
+      RETURN_IF_ERROR(shard_->Read(pos, end - pos, dtype, data->data()));
     }
     chunk.range = {pos, end};
     chunk.crc32c = Crc32c(data->data(), data->size());
@@ -760,6 +768,7 @@ absl::Status StepEngine::ReadState(WireEnum wire_array, const FlatRange& range,
     }
     absl::ReaderMutexLock params_lock(&params_mu_);
     RETURN_IF_ERROR(shard_->CheckArray(array, "array"));
+    RETURN_IF_ERROR(shard_->damaged());
     version = params_version_;
     for (const v1::TensorStep& t : shard_->TensorStepsIn(range)) {
       chunk.tensor_steps.push_back({t.tensor(), t.steps()});
@@ -777,7 +786,8 @@ absl::Status StepEngine::ReadState(WireEnum wire_array, const FlatRange& range,
                                                ": the state changed while it was being read; "
                                                "read it again"));
       }
-      shard_->ReadArray(array, {pos, end}, reinterpret_cast<float*>(data->data()));
+      RETURN_IF_ERROR(
+          shard_->ReadArray(array, {pos, end}, reinterpret_cast<float*>(data->data())));
     }
     chunk.range = {pos, end};
     chunk.crc32c = Crc32c(data->data(), data->size());
@@ -861,9 +871,12 @@ absl::StatusOr<WriteStateResult> StepEngine::WriteState(const std::vector<StateC
     for (const TensorStepCount& t : c.tensor_steps) {
       changes = changes || !shard_->HasTensorStep(t.tensor, t.steps);
     }
-    changes = changes || (!c.data.empty() &&
-                          !shard_->Holds(arrays[i], c.range,
-                                         reinterpret_cast<const float*>(c.data.data())));
+    if (!changes && !c.data.empty()) {
+      ASSIGN_OR_RETURN(const bool holds,
+                       shard_->Holds(arrays[i], c.range,
+                                     reinterpret_cast<const float*>(c.data.data())));
+      changes = !holds;
+    }
   }
   uint32_t steps = 0;
   for (size_t i = 0; i < chunks.size() && changes; ++i) {
@@ -874,8 +887,13 @@ absl::StatusOr<WriteStateResult> StepEngine::WriteState(const std::vector<StateC
     }
     if (c.data.empty()) continue;
     const FlatRange r = c.range;
-    shard_->WriteArray(options_.optimizer, arrays[i], r,
-                       reinterpret_cast<const float*>(c.data.data()));
+    if (absl::Status s = shard_->WriteArray(options_.optimizer, arrays[i], r,
+                                            reinterpret_cast<const float*>(c.data.data()));
+        !s.ok()) {
+      // The state on disk is damaged: later reads are refused.
+      ++params_version_;
+      return s;
+    }
     elements += r.size();
   }
   if (changes) ++params_version_;

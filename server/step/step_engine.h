@@ -66,6 +66,8 @@ class StepEngine {
     absl::Duration reduction_hold = absl::ZeroDuration();
     // A backup's copy: every byte booked as replica.
     bool replica = false;
+    // Where the masters and moments live when not in RAM (ShardState).
+    DiskResidence disk;
   };
 
   // Allocates the model states of `owned` (the daemon's padded range) and
@@ -89,6 +91,10 @@ class StepEngine {
   const OwnedTensors& tensors() const { return *tensors_; }
   uint64_t committed_step() const { return committed_step_.load(std::memory_order_acquire); }
   float loss_scale() const;
+  // The bytes of the model states' file on --state_dir (0: all in RAM), and
+  // what is known of its health (ShardState::damaged).
+  uint64_t disk_bytes() const { return disk_bytes_; }
+  absl::Status disk_damaged() const;
 
   // ---- Data ----
   // Stores initial parameters; every chunk is checked before any is
@@ -304,6 +310,7 @@ class StepEngine {
   uint64_t params_step_ ABSL_GUARDED_BY(params_mu_) = 0;
 
   std::atomic<int64_t> last_remote_access_ns_{0};
+  uint64_t disk_bytes_ = 0;  // set by Create
 };
 
 }  // namespace zeroshard

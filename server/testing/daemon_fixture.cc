@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/channel.h"
 #include "common/crc32c.h"
@@ -354,11 +355,23 @@ std::vector<v1::ParameterChunk> ParamChunks(const std::string& job, FlatRange ra
 
 TestCluster::TestCluster(int num_daemons, uint32_t world, uint32_t stage, const std::string& job,
                          const std::string& checkpoint_dir, v1::DType precision,
-                         bool node_cache)
+                         bool node_cache, const std::string& state_dir,
+                         uint64_t state_chunk_elements)
     : layout_(SampleLayout()), job_(job), world_(world) {
   std::vector<std::string> addresses;
   for (int i = 0; i < num_daemons; ++i) {
-    daemons_.push_back(StartDaemon(0, 1, checkpoint_dir));
+    DaemonOptions options;
+    options.checkpoint_dir = checkpoint_dir;
+    options.listen = "127.0.0.1:0";
+    options.optimizer_threads = 1;
+    options.read_lease = absl::ZeroDuration();
+    if (!state_dir.empty()) {
+      options.state_dir = absl::StrCat(state_dir, "/d", i);
+      options.state_chunk_elements = state_chunk_elements;
+    }
+    absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(options);
+    EXPECT_TRUE(d.ok()) << d.status();
+    daemons_.push_back(d.ok() ? *std::move(d) : nullptr);
     addresses.push_back(daemons_.back()->address());
   }
   spec_ = MakeSpec(job, layout_, stage, world, addresses);
@@ -420,11 +433,64 @@ float TestCluster::Step(uint64_t step, float lr, float max_norm) {
 }
 
 std::vector<float> TestCluster::GatherAll(uint64_t after_step) {
+  return GatherAll(after_step, v1::DTYPE_FP32);
+}
+
+void TestCluster::SaveCheckpoint(const std::string& name, uint64_t step) {
+  std::vector<v1::PartManifest> parts;
+  for (int d = 0; d < num_daemons(); ++d) {
+    v1::SaveCheckpointRequest req;
+    req.set_job_id(job_);
+    req.set_name(name);
+    req.set_step(step);
+    v1::SaveCheckpointResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = client(d).checkpoint->SaveCheckpoint(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+  for (int d = 0; d < num_daemons(); ++d) {
+    v1::GetCheckpointStatusRequest req;
+    req.set_job_id(job_);
+    req.set_name(name);
+    req.set_wait_ms(30000);
+    v1::CheckpointStatus st;
+    grpc::ClientContext ctx;
+    grpc::Status s = client(d).checkpoint->GetCheckpointStatus(&ctx, req, &st);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(st.state(), v1::CheckpointStatus::STATE_WRITTEN) << st.error();
+    parts.push_back(st.part());
+  }
+  for (int d = 0; d < num_daemons(); ++d) {
+    v1::CompleteCheckpointRequest req;
+    req.set_job_id(job_);
+    req.set_name(name);
+    for (const v1::PartManifest& p : parts) *req.add_parts() = p;
+    v1::CompleteCheckpointResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = client(d).checkpoint->CompleteCheckpoint(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+}
+
+grpc::Status TestCluster::LoadCheckpoint(const std::string& name) {
+  for (int d = 0; d < num_daemons(); ++d) {
+    v1::LoadCheckpointRequest req;
+    req.set_job_id(job_);
+    req.set_name(name);
+    v1::LoadCheckpointResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = client(d).checkpoint->LoadCheckpoint(&ctx, req, &resp);
+    if (!s.ok()) return s;
+  }
+  return grpc::Status::OK;
+}
+
+std::vector<float> TestCluster::GatherAll(uint64_t after_step, v1::DType dtype) {
   std::vector<float> out(total());
   for (int d = 0; d < num_daemons(); ++d) {
     const FlatRange r = DaemonRange(d);
     std::vector<float> part;
-    grpc::Status s = client(d).Gather(job_, after_step, r, &part);
+    grpc::Status s = client(d).Gather(job_, after_step, r, &part, 5000, dtype);
     EXPECT_TRUE(s.ok()) << s.error_message();
     EXPECT_EQ(part.size(), r.size());
     std::copy(part.begin(), part.end(), out.begin() + r.begin);

@@ -124,9 +124,13 @@ std::vector<v1::ParameterChunk> ParamChunks(const std::string& job, FlatRange ra
 // daemon, combines the norms, clips and commits.
 class TestCluster {
  public:
+  // With `state_dir`, daemon d keeps the job's masters and moments in
+  // `state_dir`/d<d> (DaemonOptions::state_dir, no state memory), in chunks
+  // of `state_chunk_elements`.
   TestCluster(int num_daemons, uint32_t world, uint32_t stage, const std::string& job,
               const std::string& checkpoint_dir = "",
-              v1::DType precision = v1::DTYPE_FP32, bool node_cache = false);
+              v1::DType precision = v1::DTYPE_FP32, bool node_cache = false,
+              const std::string& state_dir = "", uint64_t state_chunk_elements = 1024);
 
   uint64_t total() const { return config_.map.total_elements(); }
   const PartitionMap& map() const { return config_.map; }
@@ -149,6 +153,14 @@ class TestCluster {
   // Prepares and commits `step`; returns the clip coefficient used.
   float Step(uint64_t step, float lr, float max_norm);
   std::vector<float> GatherAll(uint64_t after_step);
+  // The same as `dtype` (values converted to float).
+  std::vector<float> GatherAll(uint64_t after_step, v1::DType dtype);
+  // A whole checkpoint `name` of committed step `step` on every daemon
+  // (SaveCheckpoint, the writes awaited, CompleteCheckpoint); EXPECTs
+  // success.
+  void SaveCheckpoint(const std::string& name, uint64_t step);
+  // LoadCheckpoint of `name` on every daemon; the first error, if any.
+  grpc::Status LoadCheckpoint(const std::string& name);
   // Every trainable tensor's update count, as the daemons answer ReadState
   // (EXPECTs the daemons holding a tensor to agree).
   std::map<uint32_t, uint64_t> TensorSteps();

@@ -1,0 +1,134 @@
+// Daemons with --state_dir (every job's fp32 masters and optimizer moments in
+// a file, in chunks of 1024 elements) train a job exactly as daemons holding
+// them in RAM: stages 1-3, fp32 and bf16, tensors without a gradient in
+// some steps, 20 steps, the same gathered parameters bit for bit after every
+// step (fp32 gathers of a bf16 job read the masters from the file). A
+// checkpoint saved from disk resumes on RAM daemons and one saved in RAM on
+// disk daemons. The ledger books no moments; /metrics and the status page
+// show the file's bytes.
+
+#include <filesystem>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "metrics/metric_names.h"
+#include "metrics/registry.h"
+#include "server/daemon.h"
+#include "server/testing/daemon_fixture.h"
+
+namespace zeroshard {
+namespace {
+
+using testing::RandomVector;
+using testing::TestCluster;
+
+constexpr int kDaemons = 2;
+constexpr uint32_t kWorld = 2;
+constexpr int kSteps = 20;
+
+class StateDirTest : public ::testing::TestWithParam<std::tuple<uint32_t, v1::DType>> {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/zs-state-dir-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // Pushes the same gradients to both clusters and commits `step` on both.
+  static void StepBoth(TestCluster& a, TestCluster& b, uint64_t step, std::mt19937& rng) {
+    std::vector<std::vector<float>> grads;
+    for (uint32_t r = 0; r < kWorld; ++r) grads.push_back(RandomVector(rng, a.total(), 0.1f));
+    // Tensor 1 without a gradient every third step: its count falls behind.
+    const std::vector<uint32_t> no_grad =
+        step % 3 == 0 ? std::vector<uint32_t>{1} : std::vector<uint32_t>{};
+    const float lr = 0.01f * (1.0f + 0.05f * static_cast<float>(step));
+    for (TestCluster* c : {&a, &b}) {
+      c->PushAll(step, grads, no_grad);
+      c->Step(step, lr, 1.0f);
+    }
+  }
+
+  static void ExpectSameParameters(TestCluster& a, TestCluster& b, uint64_t step,
+                                   v1::DType precision) {
+    const std::vector<float> pa = a.GatherAll(step);
+    const std::vector<float> pb = b.GatherAll(step);
+    ASSERT_EQ(pa.size(), pb.size());
+    ASSERT_EQ(std::memcmp(pa.data(), pb.data(), pa.size() * sizeof(float)), 0)
+        << "fp32 masters differ after step " << step;
+    if (precision != v1::DTYPE_FP32) {
+      const std::vector<float> ha = a.GatherAll(step, precision);
+      const std::vector<float> hb = b.GatherAll(step, precision);
+      ASSERT_EQ(std::memcmp(ha.data(), hb.data(), ha.size() * sizeof(float)), 0)
+          << "half copies differ after step " << step;
+    }
+  }
+
+  std::string dir_;
+};
+
+TEST_P(StateDirTest, TrainsBitForBitAsInRam) {
+  const auto [stage, precision] = GetParam();
+  TestCluster ram(kDaemons, kWorld, stage, "job", dir_ + "/ckpt-ram", precision);
+  TestCluster disk(kDaemons, kWorld, stage, "job", dir_ + "/ckpt-disk", precision, false,
+                   dir_ + "/states");
+  std::mt19937 rng(stage * 7 + static_cast<uint32_t>(precision));
+  const std::vector<float> init = RandomVector(rng, ram.total(), 1.0f);
+  ram.Init(init);
+  disk.Init(init);
+  ExpectSameParameters(ram, disk, 0, precision);
+  for (uint64_t step = 1; step <= kSteps; ++step) {
+    StepBoth(ram, disk, step, rng);
+    ExpectSameParameters(ram, disk, step, precision);
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_EQ(ram.TensorSteps(), disk.TensorSteps());
+  // Where the bytes are: no moments (and, for bf16, no masters) in RAM.
+  for (int d = 0; d < kDaemons; ++d) {
+    const CategoryBytes b = disk.daemon(d).ledger().JobBytes("job");
+    EXPECT_EQ(b[static_cast<int>(MemoryCategory::kOptimM)], 0u);
+    EXPECT_EQ(b[static_cast<int>(MemoryCategory::kOptimV)], 0u);
+    EXPECT_GT(b[static_cast<int>(MemoryCategory::kBuffer)], 0u);
+    if (precision != v1::DTYPE_FP32) {
+      EXPECT_EQ(b[static_cast<int>(MemoryCategory::kParamMaster)], 0u);
+    }
+    const CategoryBytes r = ram.daemon(d).ledger().JobBytes("job");
+    EXPECT_GT(r[static_cast<int>(MemoryCategory::kOptimM)], 0u);
+    // 12 (bf16) or 8 (fp32) bytes per owned element, whole chunks.
+    const uint64_t owned = disk.map().DaemonRange(d).size();
+    const uint64_t per = precision == v1::DTYPE_FP32 ? 8 : 12;
+    const uint64_t chunks = (owned + 1023) / 1024;
+    EXPECT_EQ(metrics::SumOf(disk.daemon(d).registry().Collect(), metrics::kStateDiskBytes.name,
+                             {{"job", "job"}}),
+              static_cast<double>(chunks * 1024 * per));
+  }
+  // Checkpoints cross between RAM and disk both ways.
+  disk.SaveCheckpoint("from-disk", kSteps);
+  ram.SaveCheckpoint("from-ram", kSteps);
+  TestCluster ram2(kDaemons, kWorld, stage, "job", dir_ + "/ckpt-disk", precision);
+  TestCluster disk2(kDaemons, kWorld, stage, "job", dir_ + "/ckpt-ram", precision, false,
+                    dir_ + "/states2");
+  ASSERT_TRUE(ram2.LoadCheckpoint("from-disk").ok());
+  ASSERT_TRUE(disk2.LoadCheckpoint("from-ram").ok());
+  ExpectSameParameters(ram, ram2, kSteps, precision);
+  ExpectSameParameters(ram, disk2, kSteps, precision);
+  for (uint64_t step = kSteps + 1; step <= kSteps + 3; ++step) {
+    StepBoth(ram2, disk2, step, rng);
+    ExpectSameParameters(ram2, disk2, step, precision);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    StagesAndPrecisions, StateDirTest,
+    ::testing::Values(std::make_tuple(1u, v1::DTYPE_BF16), std::make_tuple(2u, v1::DTYPE_BF16),
+                      std::make_tuple(3u, v1::DTYPE_BF16), std::make_tuple(3u, v1::DTYPE_FP32)),
+    [](const ::testing::TestParamInfo<std::tuple<uint32_t, v1::DType>>& info) {
+      return "Stage" + std::to_string(std::get<0>(info.param)) +
+             (std::get<1>(info.param) == v1::DTYPE_FP32 ? "Fp32" : "Bf16");
+    });
+
+}  // namespace
+}  // namespace zeroshard
