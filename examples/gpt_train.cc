@@ -69,7 +69,9 @@ ABSL_FLAG(int, batch, 8, "Global batch (sequences per step over all ranks).");
 ABSL_FLAG(std::string, preset, "",
           "A model size in place of --layers/--width/--heads/--seq_len: 1b (20 blocks, width "
           "2048, 16 heads, 32 tokens: 1.01B parameters; stage 3 with --report=false keeps the "
-          "trainers to a few layers' worth of memory).");
+          "trainers to a few layers' worth of memory) or 3b (39 blocks, width 2560, 20 heads, "
+          "32 tokens: 3.07B parameters; its model states need daemons with --state_dir on a "
+          "24 GB machine).");
 ABSL_FLAG(double, lr, 3e-3, "Learning rate.");
 ABSL_FLAG(double, weight_decay, 0.01, "AdamW weight decay.");
 ABSL_FLAG(double, max_grad_norm, 1.0, "Gradient clipping norm (0 = off).");
@@ -357,8 +359,13 @@ int Main() {
     o.model.width = 2048;
     o.model.heads = 16;
     o.model.seq_len = 32;
+  } else if (preset == "3b") {
+    o.model.layers = 39;
+    o.model.width = 2560;
+    o.model.heads = 20;
+    o.model.seq_len = 32;
   } else if (!preset.empty()) {
-    std::fprintf(stderr, "gpt_train: --preset: 1b or empty, got \"%s\"\n", preset.c_str());
+    std::fprintf(stderr, "gpt_train: --preset: 1b, 3b or empty, got \"%s\"\n", preset.c_str());
     return 2;
   }
   o.steps = absl::GetFlag(FLAGS_steps);

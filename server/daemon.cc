@@ -83,6 +83,9 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
   if (o.state_dir.empty() && o.state_memory_bytes != 0) {
     return absl::InvalidArgumentError("--state_memory: needs --state_dir");
   }
+  if (o.state_dir.empty() && o.state_gradients) {
+    return absl::InvalidArgumentError("--state_gradients: needs --state_dir");
+  }
   if (!o.spill_dir.empty() && o.spill_bytes == 0) {
     return absl::InvalidArgumentError("--spill_bytes: must be > 0 with --spill_dir");
   }
@@ -339,6 +342,7 @@ void Daemon::StartJobs() {
   resources.liveness_timeout = options.liveness_timeout;
   resources.state_disk.dir = state_dir_.get();
   resources.state_disk.chunk_elements = options.state_chunk_elements;
+  resources.state_disk.gradient = options.state_gradients;
   resources.state_memory = state_memory_.get();
   jobs_ = std::make_unique<JobManager>(jo, resources, &metrics_);
 }

@@ -124,6 +124,10 @@ struct DaemonOptions {
   // shard_state.h). Replicated jobs stay in RAM. Empty: all in RAM.
   std::string state_dir;
   uint64_t state_memory_bytes = 0;
+  // With state_dir: a disk-resident job's gradient accumulator too, as a
+  // file mapping there that the kernel writes back and evicts under memory
+  // pressure (server/disk/mapped_file.h): RAM keeps the half copy alone.
+  bool state_gradients = false;
   // Elements per chunk of a state file (a multiple of 1024; tests use small
   // ones to cut a small model into many chunks).
   uint64_t state_chunk_elements = DiskResidence{}.chunk_elements;

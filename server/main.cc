@@ -145,6 +145,10 @@ ABSL_FLAG(std::string, state_dir, "",
           "Directory (local NVMe) for jobs' fp32 masters and optimizer moments that do not fit "
           "in --state_memory (created if missing; state files of killed daemons are removed at "
           "start); empty = all model states in RAM. Replicated jobs stay in RAM.");
+ABSL_FLAG(bool, state_gradients, false,
+          "With --state_dir: the gradient accumulators of jobs whose states are on disk are "
+          "file mappings there too, which the kernel writes back and evicts under memory "
+          "pressure (4 bytes per owned parameter out of RAM).");
 ABSL_FLAG(uint64_t, state_memory, 0,
           "With --state_dir: bytes of fp32 masters and moments that jobs may keep in RAM; a "
           "job whose states do not fit beside the others' goes to --state_dir.");
@@ -250,6 +254,7 @@ int main(int argc, char** argv) {
   options.spill_bytes = absl::GetFlag(FLAGS_spill_bytes);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.state_memory_bytes = absl::GetFlag(FLAGS_state_memory);
+  options.state_gradients = absl::GetFlag(FLAGS_state_gradients);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.health_listen = absl::GetFlag(FLAGS_health_listen);
   if (options.metrics_listen.empty() && absl::GetFlag(FLAGS_metrics_port) >= 0) {

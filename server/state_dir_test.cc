@@ -4,8 +4,8 @@
 // some steps, 20 steps, the same gathered parameters bit for bit after every
 // step (fp32 gathers of a bf16 job read the masters from the file). A
 // checkpoint saved from disk resumes on RAM daemons and one saved in RAM on
-// disk daemons. The ledger books no moments; /metrics and the status page
-// show the file's bytes.
+// disk daemons. The ledger books no moments (nor, with --state_gradients,
+// the gradient); /metrics shows the files' bytes.
 
 #include <filesystem>
 #include <random>
@@ -29,7 +29,9 @@ constexpr int kDaemons = 2;
 constexpr uint32_t kWorld = 2;
 constexpr int kSteps = 20;
 
-class StateDirTest : public ::testing::TestWithParam<std::tuple<uint32_t, v1::DType>> {
+// Stage, precision, and whether the gradient is a file mapping too.
+class StateDirTest
+    : public ::testing::TestWithParam<std::tuple<uint32_t, v1::DType, bool>> {
  protected:
   void SetUp() override {
     char tmpl[] = "/tmp/zs-state-dir-test-XXXXXX";
@@ -71,10 +73,10 @@ class StateDirTest : public ::testing::TestWithParam<std::tuple<uint32_t, v1::DT
 };
 
 TEST_P(StateDirTest, TrainsBitForBitAsInRam) {
-  const auto [stage, precision] = GetParam();
+  const auto [stage, precision, gradients] = GetParam();
   TestCluster ram(kDaemons, kWorld, stage, "job", dir_ + "/ckpt-ram", precision);
   TestCluster disk(kDaemons, kWorld, stage, "job", dir_ + "/ckpt-disk", precision, false,
-                   dir_ + "/states");
+                   dir_ + "/states", 1024, gradients);
   std::mt19937 rng(stage * 7 + static_cast<uint32_t>(precision));
   const std::vector<float> init = RandomVector(rng, ram.total(), 1.0f);
   ram.Init(init);
@@ -92,6 +94,13 @@ TEST_P(StateDirTest, TrainsBitForBitAsInRam) {
     EXPECT_EQ(b[static_cast<int>(MemoryCategory::kOptimM)], 0u);
     EXPECT_EQ(b[static_cast<int>(MemoryCategory::kOptimV)], 0u);
     EXPECT_GT(b[static_cast<int>(MemoryCategory::kBuffer)], 0u);
+    const MemoryCategory grad_category =
+        stage >= 2 ? MemoryCategory::kGrad : MemoryCategory::kBuffer;
+    if (gradients) {
+      EXPECT_EQ(b[static_cast<int>(MemoryCategory::kGrad)], 0u);
+    } else if (grad_category == MemoryCategory::kGrad) {
+      EXPECT_GT(b[static_cast<int>(MemoryCategory::kGrad)], 0u);
+    }
     if (precision != v1::DTYPE_FP32) {
       EXPECT_EQ(b[static_cast<int>(MemoryCategory::kParamMaster)], 0u);
     }
@@ -101,9 +110,10 @@ TEST_P(StateDirTest, TrainsBitForBitAsInRam) {
     const uint64_t owned = disk.map().DaemonRange(d).size();
     const uint64_t per = precision == v1::DTYPE_FP32 ? 8 : 12;
     const uint64_t chunks = (owned + 1023) / 1024;
+    const uint64_t grad_file = gradients ? owned * sizeof(float) : 0;
     EXPECT_EQ(metrics::SumOf(disk.daemon(d).registry().Collect(), metrics::kStateDiskBytes.name,
                              {{"job", "job"}}),
-              static_cast<double>(chunks * 1024 * per));
+              static_cast<double>(chunks * 1024 * per + grad_file));
   }
   // Checkpoints cross between RAM and disk both ways.
   disk.SaveCheckpoint("from-disk", kSteps);
@@ -123,11 +133,16 @@ TEST_P(StateDirTest, TrainsBitForBitAsInRam) {
 
 INSTANTIATE_TEST_SUITE_P(
     StagesAndPrecisions, StateDirTest,
-    ::testing::Values(std::make_tuple(1u, v1::DTYPE_BF16), std::make_tuple(2u, v1::DTYPE_BF16),
-                      std::make_tuple(3u, v1::DTYPE_BF16), std::make_tuple(3u, v1::DTYPE_FP32)),
-    [](const ::testing::TestParamInfo<std::tuple<uint32_t, v1::DType>>& info) {
+    ::testing::Values(std::make_tuple(1u, v1::DTYPE_BF16, false),
+                      std::make_tuple(2u, v1::DTYPE_BF16, false),
+                      std::make_tuple(3u, v1::DTYPE_BF16, false),
+                      std::make_tuple(3u, v1::DTYPE_FP32, false),
+                      std::make_tuple(2u, v1::DTYPE_BF16, true),
+                      std::make_tuple(3u, v1::DTYPE_BF16, true)),
+    [](const ::testing::TestParamInfo<std::tuple<uint32_t, v1::DType, bool>>& info) {
       return "Stage" + std::to_string(std::get<0>(info.param)) +
-             (std::get<1>(info.param) == v1::DTYPE_FP32 ? "Fp32" : "Bf16");
+             (std::get<1>(info.param) == v1::DTYPE_FP32 ? "Fp32" : "Bf16") +
+             (std::get<2>(info.param) ? "GradientOnDisk" : "");
     });
 
 }  // namespace

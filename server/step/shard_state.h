@@ -67,6 +67,10 @@ struct DiskResidence {
   unsigned queue_depth = 8;
   // How long one transfer may take before the state is called damaged.
   absl::Duration io_timeout = absl::Seconds(120);
+  // The gradient accumulator too (StepEngine): a MappedFile in `dir` that
+  // the kernel writes back and evicts under memory pressure, out of the
+  // ledger (4 bytes per owned element).
+  bool gradient = false;
 };
 
 class ShardState {

@@ -57,7 +57,8 @@ absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(const JobConfig* 
   // refused whole, and concurrent registrations cannot each pass the limit
   // with part of theirs.
   CategoryBytes footprint = ShardState::Footprint(c, owned, false, options.disk);
-  footprint[static_cast<int>(grad_cat)] += n * sizeof(float);
+  const bool grad_on_disk = options.disk.dir != nullptr && options.disk.gradient;
+  if (!grad_on_disk) footprint[static_cast<int>(grad_cat)] += n * sizeof(float);
   if (replica) footprint = BookedAsReplica(footprint);
   absl::Status allocated = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(LedgerReservation booked,
@@ -71,9 +72,22 @@ absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(const JobConfig* 
       engine->disk_bytes_ = engine->shard_->disk_bytes();
     }
     absl::MutexLock lock(&engine->mu_);
+    if (grad_on_disk) {
+      absl::StatusOr<std::unique_ptr<MappedFile>> file =
+          MappedFile::Create(options.disk.dir, std::max<uint64_t>(n, 1) * sizeof(float));
+      if (!file.ok()) {
+        return absl::Status(file.status().code(),
+                            absl::StrCat("job ", c.job_id, ": ", file.status().message()));
+      }
+      engine->grad_file_ = *std::move(file);
+      engine->grad_data_ = static_cast<float*>(engine->grad_file_->data());
+      engine->disk_bytes_ += engine->grad_file_->size();
+      return absl::OkStatus();
+    }
     ASSIGN_OR_RETURN(engine->grad_,
                      LedgerArray<float>::Create(
                          &booked, replica ? MemoryCategory::kReplica : grad_cat, n));
+    engine->grad_data_ = engine->grad_.data();
     return absl::OkStatus();
   }();
   if (!allocated.ok()) {
@@ -94,7 +108,7 @@ absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(const JobConfig* 
   ro.mode = c.reduction;
   ro.pending_budget_bytes = options.reduction_buffer_bytes;
   ro.tensors = engine->tensors_;
-  engine->reduction_ = std::make_unique<ReductionState>(ro, engine->grad_.data(),
+  engine->reduction_ = std::make_unique<ReductionState>(ro, engine->grad_data_,
                                                         options.optimizer, options.ledger);
   engine->loss_scale_ = c.loss_scale.initial_scale;
   return engine;
@@ -687,7 +701,7 @@ absl::Status StepEngine::TakeForwardedStep(uint64_t step, const float* grad,
         "step: the backup of job ", config_->job_id, " is at committed step ", committed_step(),
         ", got the gradient of step ", step));
   }
-  std::memcpy(grad_.data() + (owned_unpadded_.begin - owned_.begin), grad,
+  std::memcpy(grad_data_ + (owned_unpadded_.begin - owned_.begin), grad,
               owned_unpadded_.size() * sizeof(float));
   prepared_no_grad_ = std::move(no_grad);
   prepare_result_ = result;

@@ -47,6 +47,7 @@
 #include "server/ledger/memory_ledger.h"
 #include "server/optimizer/optimizer.h"
 #include "server/step/reduction.h"
+#include "server/disk/mapped_file.h"
 #include "server/step/shard_state.h"
 #include "server/step/step_types.h"
 #include "transport/transport.h"
@@ -282,6 +283,10 @@ class StepEngine {
 
   mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(params_mu_);
   LedgerArray<float> grad_ ABSL_GUARDED_BY(mu_);  // the reduced (summed) gradient
+  // On disk (DiskResidence::gradient): the gradient's file mapping in place
+  // of grad_'s memory.
+  std::unique_ptr<MappedFile> grad_file_ ABSL_GUARDED_BY(mu_);
+  float* grad_data_ ABSL_GUARDED_BY(mu_) = nullptr;  // grad_'s or grad_file_'s
   std::unique_ptr<ReductionState> reduction_ ABSL_GUARDED_BY(mu_);
   uint64_t reduction_changes_ ABSL_GUARDED_BY(mu_) = 0;  // wakes pushes waiting for budget
   bool prepared_ ABSL_GUARDED_BY(mu_) = false;

@@ -356,7 +356,7 @@ std::vector<v1::ParameterChunk> ParamChunks(const std::string& job, FlatRange ra
 TestCluster::TestCluster(int num_daemons, uint32_t world, uint32_t stage, const std::string& job,
                          const std::string& checkpoint_dir, v1::DType precision,
                          bool node_cache, const std::string& state_dir,
-                         uint64_t state_chunk_elements)
+                         uint64_t state_chunk_elements, bool state_gradients)
     : layout_(SampleLayout()), job_(job), world_(world) {
   std::vector<std::string> addresses;
   for (int i = 0; i < num_daemons; ++i) {
@@ -368,6 +368,7 @@ TestCluster::TestCluster(int num_daemons, uint32_t world, uint32_t stage, const 
     if (!state_dir.empty()) {
       options.state_dir = absl::StrCat(state_dir, "/d", i);
       options.state_chunk_elements = state_chunk_elements;
+      options.state_gradients = state_gradients;
     }
     absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(options);
     EXPECT_TRUE(d.ok()) << d.status();
