@@ -98,7 +98,8 @@ cmd_test() {
   #     Tests tagged no_asan say in their BUILD file why they cannot run there.
   run_phase asan no bazel test --config=asan -k --build_tests_only \
     --test_tag_filters=-gpu,-manual,-no_asan \
-    //server:all //client:all //transport/... //tests:all "$@"
+    //server:all //server/disk:all //server/step:shard_state_disk_test //client:all \
+    //transport/... //tests:all "$@"
   # (c) Tests tagged `stress`, each run ${runs} times under ASan+UBSan
   #     (ZS_STRESS_RUNS overrides). None tagged yet is not a failure.
   run_phase stress yes bazel test --config=asan -k --build_tests_only \

@@ -83,6 +83,9 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
   if (o.state_dir.empty() && o.state_memory_bytes != 0) {
     return absl::InvalidArgumentError("--state_memory: needs --state_dir");
   }
+  if (o.state_dir.empty() && o.state_disk_limit_bytes != 0) {
+    return absl::InvalidArgumentError("--state_disk_limit: needs --state_dir");
+  }
   if (o.state_dir.empty() && o.state_gradients) {
     return absl::InvalidArgumentError("--state_gradients: needs --state_dir");
   }
@@ -274,7 +277,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
                      " bytes of RAM go to ", options.state_dir,
                      d->state_dir_->direct() ? " (O_DIRECT)" : " (buffered)"));
   }
-  d->state_memory_ = std::make_unique<StateMemoryBudget>(options.state_memory_bytes);
+  d->state_memory_ = std::make_unique<ByteBudget>(options.state_memory_bytes);
+  if (options.state_disk_limit_bytes > 0) {
+    d->state_disk_limit_ = std::make_unique<ByteBudget>(options.state_disk_limit_bytes);
+  }
   d->StartJobs();
   d->StartServices(bulk_error);
   if (!options.metrics_listen.empty()) {
@@ -344,6 +350,7 @@ void Daemon::StartJobs() {
   resources.state_disk.chunk_elements = options.state_chunk_elements;
   resources.state_disk.gradient = options.state_gradients;
   resources.state_memory = state_memory_.get();
+  resources.state_disk_limit = state_disk_limit_.get();
   jobs_ = std::make_unique<JobManager>(jo, resources, &metrics_);
 }
 

@@ -128,6 +128,11 @@ struct DaemonOptions {
   // file mapping there that the kernel writes back and evicts under memory
   // pressure (server/disk/mapped_file.h): RAM keeps the half copy alone.
   bool state_gradients = false;
+  // With state_dir: the bytes every job's files there may take together
+  // (a job that would pass it is refused with RESOURCE_EXHAUSTED); 0: as
+  // much as the disk holds (each file's blocks are allocated when its job
+  // registers, so a full disk refuses the job then).
+  uint64_t state_disk_limit_bytes = 0;
   // Elements per chunk of a state file (a multiple of 1024; tests use small
   // ones to cut a small model into many chunks).
   uint64_t state_chunk_elements = DiskResidence{}.chunk_elements;
@@ -250,7 +255,8 @@ class Daemon {
   std::unique_ptr<ShardOptimizer> optimizer_;
   // Outlive the jobs, whose state files and budget they are.
   std::unique_ptr<InstanceDirectory> state_dir_;  // null without --state_dir
-  std::unique_ptr<StateMemoryBudget> state_memory_;
+  std::unique_ptr<ByteBudget> state_memory_;
+  std::unique_ptr<ByteBudget> state_disk_limit_;  // null: no --state_disk_limit
   std::unique_ptr<ReplicaLink> replica_link_;  // before jobs_: they use it
   std::unique_ptr<PeerChannels> peer_gather_;  // node caches' reads from the owners
   std::unique_ptr<JobManager> jobs_;

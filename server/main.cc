@@ -149,6 +149,9 @@ ABSL_FLAG(bool, state_gradients, false,
           "With --state_dir: the gradient accumulators of jobs whose states are on disk are "
           "file mappings there too, which the kernel writes back and evicts under memory "
           "pressure (4 bytes per owned parameter out of RAM).");
+ABSL_FLAG(uint64_t, state_disk_limit, 0,
+          "With --state_dir: bytes all jobs' files there may take together (a job that would "
+          "pass it is refused); 0 = as much as the disk holds.");
 ABSL_FLAG(uint64_t, state_memory, 0,
           "With --state_dir: bytes of fp32 masters and moments that jobs may keep in RAM; a "
           "job whose states do not fit beside the others' goes to --state_dir.");
@@ -255,6 +258,7 @@ int main(int argc, char** argv) {
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.state_memory_bytes = absl::GetFlag(FLAGS_state_memory);
   options.state_gradients = absl::GetFlag(FLAGS_state_gradients);
+  options.state_disk_limit_bytes = absl::GetFlag(FLAGS_state_disk_limit);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.health_listen = absl::GetFlag(FLAGS_health_listen);
   if (options.metrics_listen.empty() && absl::GetFlag(FLAGS_metrics_port) >= 0) {

@@ -7,6 +7,9 @@
 // disk daemons. The ledger books no moments (nor, with --state_gradients,
 // the gradient); /metrics shows the files' bytes.
 
+#include <unistd.h>
+
+#include <cstring>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -129,6 +132,45 @@ TEST_P(StateDirTest, TrainsBitForBitAsInRam) {
     StepBoth(ram2, disk2, step, rng);
     ExpectSameParameters(ram2, disk2, step, precision);
   }
+}
+
+// A state file that fails under the daemon (cut short: reads past its end)
+// in the middle of a commit: the commit fails, and from then on the job's
+// steps, gathers and state reads are refused, naming the file, until it is
+// registered again.
+TEST(StateDirDamageTest, ADamagedStateRefusesStepsGathersAndReads) {
+  char tmpl[] = "/tmp/zs-state-dir-damage-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  {
+    TestCluster c(1, 1, 3, "job", "", v1::DTYPE_BF16, false, dir + "/states");
+    std::mt19937 rng(3);
+    c.Init(RandomVector(rng, c.total(), 1.0f));
+    c.PushAll(1, {RandomVector(rng, c.total(), 0.1f)});
+    c.Step(1, 0.01f, 1.0f);
+    std::string path;
+    for (const auto& e : std::filesystem::directory_iterator(dir + "/states/d0")) {
+      if (e.path().filename().string().find(".lock") == std::string::npos) path = e.path();
+    }
+    ASSERT_FALSE(path.empty());
+    ASSERT_EQ(::truncate(path.c_str(), 3 * 1024 * 12), 0);  // 3 of the chunks
+    c.PushAll(2, {RandomVector(rng, c.total(), 0.1f)});
+    v1::PrepareStepResponse prepared;
+    ASSERT_TRUE(c.client(0).Prepare("job", 2, &prepared).ok());
+    grpc::Status commit = c.client(0).Commit("job", 2, 0.01f);
+    EXPECT_FALSE(commit.ok());
+    std::vector<float> out;
+    grpc::Status gather = c.client(0).Gather("job", 1, c.DaemonRange(0), &out, 0, v1::DTYPE_BF16);
+    EXPECT_EQ(gather.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_NE(gather.error_message().find(path), std::string::npos) << gather.error_message();
+    EXPECT_EQ(c.client(0).Commit("job", 2, 0.01f).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(c.client(0)
+                  .ReadState("job", 0, v1::STATE_ARRAY_EXP_AVG, c.DaemonRange(0), &out)
+                  .error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -217,9 +217,9 @@ absl::StatusOr<CheckpointLoaded> CheckpointAgent::Load(const std::string& reques
   absl::Status restored;
   {
     absl::MutexLock commit_lock(&step_->commit_lock());
-    step_->Restore(state, [&](ShardState& shard) {
-      restored =
-          shard.Restore(step_->optimizer(), n, src.data(), state.optimizer_steps(), tensor_steps);
+    restored = step_->Restore(state, [&](ShardState& shard) {
+      return shard.Restore(step_->optimizer(), n, src.data(), state.optimizer_steps(),
+                           tensor_steps);
     });
   }
   writer_.Release(/*failed=*/!restored.ok());

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -29,13 +30,28 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Create(InstanceDirectory
     return absl::InternalError(
         absl::StrCat("mapped file ", path, ": ", what, ": ", std::strerror(err)));
   };
+  // Through the page cache (a mapping is), whatever the directory's files
+  // otherwise use.
+  if (const int flags = ::fcntl(*fd, F_GETFL); flags >= 0 && (flags & O_DIRECT) != 0) {
+    ::fcntl(*fd, F_SETFL, flags & ~O_DIRECT);
+  }
   int rc = 0;
   do {
     rc = ::fallocate(*fd, 0, 0, static_cast<off_t>(bytes));
   } while (rc != 0 && errno == EINTR);
-  // A file system without fallocate: the size alone (the blocks then come
-  // at write-back).
-  if (rc != 0 && errno == EOPNOTSUPP) rc = ::ftruncate(*fd, static_cast<off_t>(bytes));
+  if (rc != 0 && errno == EOPNOTSUPP) {
+    // A file system without fallocate: zeros written, so that the kernel's
+    // write-back never needs a block the disk may not have.
+    static const char kZeros[1 << 16] = {};
+    for (uint64_t off = 0; off < bytes;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(sizeof(kZeros), bytes - off));
+      const ssize_t w = ::pwrite(*fd, kZeros, n, static_cast<off_t>(off));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) return fail(w < 0 ? errno : ENOSPC, "writing zeros");
+      off += static_cast<uint64_t>(w);
+    }
+    rc = 0;
+  }
   if (rc != 0) return fail(errno, "allocating");
   void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
   if (data == MAP_FAILED) return fail(errno, "mapping");

@@ -40,21 +40,22 @@ Job::Job(std::unique_ptr<JobConfig> config, std::unique_ptr<v1::JobSpec> spec,
 
 Job::~Job() {
   if (state_memory_taken_ > 0) resources_.state_memory->Give(state_memory_taken_);
+  if (state_disk_taken_ > 0) resources_.state_disk_limit->Give(state_disk_taken_);
 }
 
-bool StateMemoryBudget::Take(uint64_t bytes) {
+bool ByteBudget::Take(uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   if (bytes > bytes_ - used_) return false;
   used_ += bytes;
   return true;
 }
 
-void StateMemoryBudget::Give(uint64_t bytes) {
+void ByteBudget::Give(uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   used_ -= std::min(bytes, used_);
 }
 
-uint64_t StateMemoryBudget::used() const {
+uint64_t ByteBudget::used() const {
   absl::MutexLock lock(&mu_);
   return used_;
 }
@@ -92,6 +93,19 @@ absl::StatusOr<std::unique_ptr<Job>> Job::Create(JobConfig config, v1::JobSpec s
       job->state_memory_taken_ = states;
     } else {
       so.disk = resources.state_disk;
+      const uint64_t on_disk =
+          ShardState::DiskFootprint(c, owned, so.disk) +
+          (so.disk.gradient ? std::max<uint64_t>(owned.size(), 1) * sizeof(float) : 0);
+      ByteBudget* limit = resources.state_disk_limit;
+      if (limit != nullptr) {
+        if (!limit->Take(on_disk)) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "job ", c.job_id, ": its model states need ", on_disk,
+              " bytes on --state_dir, and --state_disk_limit (", limit->bytes(), " bytes) has ",
+              limit->bytes() - std::min(limit->used(), limit->bytes()), " left"));
+        }
+        job->state_disk_taken_ = on_disk;
+      }
     }
   }
   ASSIGN_OR_RETURN(job->step_,

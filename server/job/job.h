@@ -83,13 +83,14 @@ struct JobStepState {
   std::vector<RankStatus> ranks;  // every rank in order; empty when brief
 };
 
-// The bytes of fp32 masters and optimizer moments that jobs may keep in RAM
-// on a daemon with a --state_dir (--state_memory): a job whose states fit
-// beside the other RAM-resident jobs' stays in RAM, the others go to disk.
-// Thread-safe.
-class StateMemoryBudget {
+// Bytes that jobs take and give back: on a daemon with a --state_dir, the
+// fp32 masters and optimizer moments jobs may keep in RAM (--state_memory: a
+// job whose states fit beside the other RAM-resident jobs' stays in RAM,
+// the others go to disk), and the bytes their files may take on disk
+// (--state_disk_limit). Thread-safe.
+class ByteBudget {
  public:
-  explicit StateMemoryBudget(uint64_t bytes) : bytes_(bytes) {}
+  explicit ByteBudget(uint64_t bytes) : bytes_(bytes) {}
   // Takes `bytes` when they fit (true), else takes nothing (false).
   bool Take(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void Give(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
@@ -125,7 +126,8 @@ struct JobResources {
   // --state_dir: where model states that do not stay in RAM go (`disk.dir`
   // null: all in RAM), and the budget of those that stay.
   DiskResidence state_disk;
-  StateMemoryBudget* state_memory = nullptr;
+  ByteBudget* state_memory = nullptr;
+  ByteBudget* state_disk_limit = nullptr;  // null: as much as the disk holds
 };
 
 class Job {
@@ -292,8 +294,10 @@ class Job {
   std::unique_ptr<CheckpointAgent> checkpoints_;  // null without a checkpoint_dir
   std::unique_ptr<ReplicaGroup> replica_;         // null unless replicated
   std::unique_ptr<ParamCache> param_cache_;       // null unless node_cache
-  // What this job took from resources_.state_memory (given back when it goes).
+  // What this job took from resources_.state_memory and state_disk_limit
+  // (given back when it goes).
   uint64_t state_memory_taken_ = 0;
+  uint64_t state_disk_taken_ = 0;
 };
 
 }  // namespace zeroshard

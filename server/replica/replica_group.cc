@@ -776,9 +776,11 @@ absl::StatusOr<v1::TransferStateResponse> ReplicaGroup::AcceptState(
     if (role() == ReplicaRole::kPrimary) step_->Rebook(/*replica=*/true);
     const std::vector<v1::TensorStep> tensor_steps(state.tensor_steps().begin(),
                                                    state.tensor_steps().end());
+    // In RAM (a replicated job's states never go to disk): cannot fail.
     step_->Restore(state, [&](ShardState& shard) {
       shard.RestoreRaw(step_->optimizer(), n, src.data(), state.optimizer_steps(), tensor_steps);
-    });
+      return absl::OkStatus();
+    }).IgnoreError();
     absl::MutexLock lock(&mu_);
     if (role_ == ReplicaRole::kPrimary) {
       // A daemon that was silent (stopped, hung, cut off) past its peers'

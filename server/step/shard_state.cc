@@ -241,6 +241,15 @@ absl::Status ShardState::damaged() const {
   return damaged_;
 }
 
+void ShardState::MarkDamaged(const absl::Status& why) {
+  if (!on_disk()) return;
+  absl::MutexLock lock(&disk_mu_);
+  if (!damaged_.ok()) return;
+  damaged_ = absl::FailedPreconditionError(absl::StrCat(
+      "job ", buffer_job_, ": the model states in ", file_->path(), " are damaged (",
+      why.message(), "); remove the job and register it again from a checkpoint"));
+}
+
 FlatRange ShardState::ChunkRange(uint64_t chunk) const {
   const uint64_t begin = owned_.begin + chunk * chunk_elements_;
   return {begin, std::min(owned_.end, begin + chunk_elements_)};
@@ -302,10 +311,12 @@ absl::Status ShardState::DiskPass(const FlatRange& range, bool write_back, Chunk
   }
   const absl::Status drained = file_->WaitAll(deadline());
   if (error.ok()) error = drained;
-  if (!error.ok() && (wrote || drained.code() == absl::StatusCode::kDeadlineExceeded)) {
+  // A pass that wrote, or a drain that left transfers in flight (the
+  // buffers may still change under the next pass), damages the state.
+  if (!error.ok() && (wrote || file_->in_flight() > 0)) {
     damaged_ = absl::FailedPreconditionError(absl::StrCat(
-        "job ", buffer_job_, ": the model states in ", file_->path(),
-        " are damaged (", error.message(), "); resume the job from a checkpoint"));
+        "job ", buffer_job_, ": the model states in ", file_->path(), " are damaged (",
+        error.message(), "); remove the job and register it again from a checkpoint"));
   }
   return error;
 }
@@ -437,6 +448,7 @@ absl::Status ShardState::Step(ShardOptimizer* optimizer, absl::Span<const StepHy
     b.size = r.size();
     return b;
   };
+  if (on_disk()) RETURN_IF_ERROR(damaged());
   if (!on_disk()) {
     for (const Run& run : runs) {
       const uint64_t moment = tensors_.MomentIndex(run.range.begin);
@@ -511,6 +523,8 @@ absl::Status ShardState::Restore(ShardOptimizer* optimizer, size_t n, const floa
                                  uint64_t optimizer_steps,
                                  absl::Span<const v1::TensorStep> tensor_steps) {
   if (on_disk()) {
+    // The half copy is rewritten in the same pass: a restore lands whole
+    // or damages the state.
     const uint64_t end = owned_.begin + n;
     RETURN_IF_ERROR(DiskPass(owned_, true, [&](const FlatRange& chunk, const ChunkArrays& a) {
       const FlatRange held = chunk.Intersect({owned_.begin, end});
@@ -527,10 +541,14 @@ absl::Status ShardState::Restore(ShardOptimizer* optimizer, size_t n, const floa
           tensors_.ForEachUnfrozen(held, copy);
         }
       }
+      if (!half_.empty()) {
+        optimizer->ConvertOut(half_.data() + (chunk.begin - owned_.begin), precision_, a[0],
+                              chunk.size());
+      }
       return absl::OkStatus();
     }));
     SetAllSteps(optimizer_steps, tensor_steps);
-    return RefreshHalfCopy(optimizer);
+    return absl::OkStatus();
   }
   std::memcpy(master_.data(), src[0], n * sizeof(float));
   std::memset(master_.data() + n, 0, (master_.size() - n) * sizeof(float));
@@ -635,13 +653,21 @@ absl::Status ShardState::CheckWrite(StateArrayKind array, const FlatRange& range
 absl::StatusOr<bool> ShardState::Holds(StateArrayKind array, const FlatRange& range,
                                        const float* src) const {
   if (on_disk() && (array != StateArrayKind::kMaster || masters_on_disk_)) {
-    // CheckWrite has found zeros in `src` where the file holds zeros.
+    // Frozen tensors' moments are not state (CheckWrite accepts -0.0
+    // there): compared, like in RAM, only where the state is.
     const size_t slot = static_cast<size_t>(array) - 1;
     bool same = true;
     RETURN_IF_ERROR(DiskPass(range, false, [&](const FlatRange& chunk, const ChunkArrays& a) {
+      auto compare = [&](const FlatRange& r) {
+        same = same && std::memcmp(a[slot] + (r.begin - chunk.begin),
+                                   src + (r.begin - range.begin), r.size() * sizeof(float)) == 0;
+      };
       const FlatRange r = chunk.Intersect(range);
-      same = same && std::memcmp(a[slot] + (r.begin - chunk.begin), src + (r.begin - range.begin),
-                                 r.size() * sizeof(float)) == 0;
+      if (array == StateArrayKind::kMaster) {
+        compare(r);
+      } else {
+        tensors_.ForEachUnfrozen(r, compare);
+      }
       return absl::OkStatus();
     }));
     return same;

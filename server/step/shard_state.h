@@ -107,6 +107,9 @@ class ShardState {
   uint64_t disk_bytes() const;
   // OK, or why the state on disk is damaged (see the class comment).
   absl::Status damaged() const;
+  // Damages the state (on disk) because `why`: a caller's change that
+  // landed in part. No-op in RAM.
+  void MarkDamaged(const absl::Status& why);
 
   const OwnedTensors& tensors() const { return tensors_; }
 

@@ -338,5 +338,42 @@ TEST_F(ShardStateDiskTest, ATransferThatFailsMidStepDamagesTheState) {
   EXPECT_EQ(s.CopyOut(owned.size(), dst.data()).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// A restore whose first read fails changes nothing; one that fails half way
+// damages the state; a state write's -0.0 in a frozen tensor's moments
+// (where nothing is kept) holds what is held, as in RAM.
+TEST_F(ShardStateDiskTest, RestoresLandWholeOrDamageTheState) {
+  const Layout layout = MakeLayout();
+  const JobConfig c = MakeConfig(layout, DType::kBf16, OptimizerKind::kAdamW);
+  const FlatRange owned{0, layout.total_elements()};
+  absl::StatusOr<std::unique_ptr<ShardState>> made = Create(c, owned, disk_);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ShardState& s = **made;
+  std::string path;
+  for (const auto& e : std::filesystem::directory_iterator(dir_path_ + "/states")) {
+    if (e.path().filename().string().find(".lock") == std::string::npos) path = e.path();
+  }
+  // -0.0 in a frozen tensor's moments: nothing held there, nothing changes.
+  const auto& frozen = layout.tensors()[3];
+  ASSERT_TRUE(frozen.spec.frozen);
+  const FlatRange fr = frozen.range();
+  std::vector<float> negative_zeros(fr.size(), -0.0f);
+  ASSERT_TRUE(s.CheckWrite(StateArrayKind::kExpAvg, fr, negative_zeros.data(), "w").ok());
+  absl::StatusOr<bool> holds = s.Holds(StateArrayKind::kExpAvg, fr, negative_zeros.data());
+  ASSERT_TRUE(holds.ok()) << holds.status();
+  EXPECT_TRUE(*holds);
+
+  const size_t n = owned.size();
+  std::vector<std::vector<float>> arrays(3, std::vector<float>(n, 0.5f));
+  std::vector<const float*> src = {arrays[0].data(), arrays[1].data(), arrays[2].data()};
+  ASSERT_EQ(::truncate(path.c_str(), 0), 0);
+  EXPECT_FALSE(s.Restore(optimizer_.get(), n, src.data(), 1, {}).ok());
+  EXPECT_TRUE(s.damaged().ok()) << s.damaged();
+  EXPECT_EQ(s.optimizer_steps(), 0u);
+  const uint64_t chunks = (n + 1023) / 1024;
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(chunks / 2 * 1024 * 12)), 0);
+  EXPECT_FALSE(s.Restore(optimizer_.get(), n, src.data(), 1, {}).ok());
+  EXPECT_EQ(s.damaged().code(), absl::StatusCode::kFailedPrecondition) << s.damaged();
+}
+
 }  // namespace
 }  // namespace zeroshard

@@ -165,12 +165,19 @@ absl::Status StepEngine::InitParameters(const std::vector<ParameterChunkIn>& chu
     types[i] = *dt;
   }
   absl::MutexLock lock(&params_mu_);
+  RETURN_IF_ERROR(shard_->damaged());
   uint64_t total = 0;
   for (size_t i = 0; i < chunks.size(); ++i) {
     const ParameterChunkIn& c = chunks[i];
     const uint64_t n = c.range.size();
-    RETURN_IF_ERROR(
-        shard_->WriteMasters(options_.optimizer, c.range.begin, c.data.data(), types[i], n));
+    if (absl::Status s =
+            shard_->WriteMasters(options_.optimizer, c.range.begin, c.data.data(), types[i], n);
+        !s.ok()) {
+      // Only on disk: the chunks before this one have landed.
+      if (total > 0) shard_->MarkDamaged(s);
+      ++params_version_;
+      return s;
+    }
     total += n;
   }
   ++params_version_;
@@ -457,6 +464,8 @@ absl::Status StepEngine::Gather(uint64_t after_step, const FlatRange& range, DTy
     }
   }
   if (!write) {
+    // The reader reads the regions itself: a damaged state is refused here.
+    RETURN_IF_ERROR(disk_damaged());
     NoteRemoteAccess();
     return absl::OkStatus();
   }
@@ -495,6 +504,7 @@ absl::Status StepEngine::Gather(uint64_t after_step, const FlatRange& range, DTy
 // ---- Step ----
 
 absl::StatusOr<StepEngine::Prepared> StepEngine::PrepareLocked(uint64_t step) {
+  RETURN_IF_ERROR(disk_damaged());
   absl::MutexLock lock(&mu_);
   if (step != committed_step() + 1) {
     return absl::FailedPreconditionError(absl::StrCat("step: job ", config_->job_id,
@@ -579,6 +589,7 @@ absl::StatusOr<CommitResult> StepEngine::Commit(const CommitRequest& r, float cl
 }
 
 absl::StatusOr<CommitResult> StepEngine::CommitLocked(const CommitRequest& r, float clip) {
+  RETURN_IF_ERROR(disk_damaged());
   const float* grad = nullptr;
   double grad_scale = 1.0;
   std::vector<uint32_t> no_grad;
@@ -611,7 +622,12 @@ absl::StatusOr<CommitResult> StepEngine::CommitLocked(const CommitRequest& r, fl
       groups[g].grad_scale = grad_scale;
     }
     const absl::Time start = absl::Now();
-    RETURN_IF_ERROR(shard_->Step(options_.optimizer, groups, grad, owned_unpadded_, no_grad));
+    if (absl::Status s = shard_->Step(options_.optimizer, groups, grad, owned_unpadded_, no_grad);
+        !s.ok()) {
+      // On disk, part of the step may have landed (the state is damaged).
+      ++params_version_;
+      return s;
+    }
     // The update alone: what zeroshard_optimizer_seconds measures.
     if (options_.metrics != nullptr) {
       options_.metrics->RecordCommit(config_->job_id, absl::Now() - start,
@@ -680,16 +696,18 @@ void StepEngine::ReadModelStates(absl::FunctionRef<void(const ShardState&)> read
   read(*shard_);
 }
 
-void StepEngine::Restore(const v1::TrainingState& state,
-                         absl::FunctionRef<void(ShardState&)> restore) {
+absl::Status StepEngine::Restore(const v1::TrainingState& state,
+                                 absl::FunctionRef<absl::Status(ShardState&)> restore) {
   absl::MutexLock lock(&mu_);
   {
     absl::MutexLock params_lock(&params_mu_);
-    restore(*shard_);
+    const absl::Status restored = restore(*shard_);
     ++params_version_;
+    if (!restored.ok()) return restored;
     params_step_ = state.committed_step();
   }
   RestoreTrainingStateLocked(state);
+  return absl::OkStatus();
 }
 
 absl::Status StepEngine::TakeForwardedStep(uint64_t step, const float* grad,
@@ -863,6 +881,7 @@ absl::StatusOr<WriteStateResult> StepEngine::WriteState(const std::vector<StateC
                      " is prepared: write the state once it is committed"));
   }
   absl::MutexLock params_lock(&params_mu_);
+  RETURN_IF_ERROR(shard_->damaged());
   uint64_t elements = 0;
   for (size_t i = 0; i < chunks.size(); ++i) {
     const StateChunkIn& c = chunks[i];
@@ -904,7 +923,9 @@ absl::StatusOr<WriteStateResult> StepEngine::WriteState(const std::vector<StateC
     if (absl::Status s = shard_->WriteArray(options_.optimizer, arrays[i], r,
                                             reinterpret_cast<const float*>(c.data.data()));
         !s.ok()) {
-      // The state on disk is damaged: later reads are refused.
+      // Only on disk. Part of the stream may have landed: the state is
+      // neither the old one nor the new one.
+      if (steps > 0 || elements > 0) shard_->MarkDamaged(s);
       ++params_version_;
       return s;
     }

@@ -211,8 +211,11 @@ class StepEngine {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
   // Replaces the state: the model states by `restore` (exclusive), the
   // scalars by `state`; the open step's contributions are dropped. With
-  // commit_lock() held by the caller.
-  void Restore(const v1::TrainingState& state, absl::FunctionRef<void(ShardState&)> restore)
+  // commit_lock() held by the caller. When `restore` fails, its error is
+  // returned and the scalars stay as they were (a restore that failed half
+  // way on disk has damaged the model states: ShardState).
+  absl::Status Restore(const v1::TrainingState& state,
+                       absl::FunctionRef<absl::Status(ShardState&)> restore)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
   // A backup takes its primary's prepared step (the reduced gradient of the
   // owned unpadded range, its result and its no-grad list): the step is
