@@ -173,6 +173,38 @@ TEST(StateDirDamageTest, ADamagedStateRefusesStepsGathersAndReads) {
   std::filesystem::remove_all(dir);
 }
 
+// --state_disk_limit: a job whose files would pass it is refused whole at
+// registration, naming the limit; one that fits registers.
+TEST(StateDirLimitTest, AJobPastTheDiskLimitIsRefused) {
+  char tmpl[] = "/tmp/zs-state-dir-limit-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  {
+    const Layout layout = testing::SampleLayout();
+    DaemonOptions options;
+    options.listen = "127.0.0.1:0";
+    options.state_dir = dir + "/states";
+    options.state_chunk_elements = 1024;
+    // SampleLayout on one daemon: 10 chunks of 12 KiB; room for 8.
+    options.state_disk_limit_bytes = 8 * 1024 * 12;
+    absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(options);
+    ASSERT_TRUE(d.ok()) << d.status();
+    testing::DaemonClient client((*d)->address());
+    v1::JobSpec spec = testing::MakeSpec("big", layout, 3, 1, {(*d)->address()});
+    spec.set_precision(v1::DTYPE_BF16);
+    grpc::Status s = client.Register(spec, 0);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+    EXPECT_NE(s.error_message().find("--state_disk_limit"), std::string::npos)
+        << s.error_message();
+    EXPECT_EQ((*d)->ledger().total(), 0u);
+    // fp32: 8 bytes per element on disk, 10 chunks of 8 KiB: it fits.
+    v1::JobSpec small = testing::MakeSpec("small", layout, 3, 1, {(*d)->address()});
+    s = client.Register(small, 0);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+  std::filesystem::remove_all(dir);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     StagesAndPrecisions, StateDirTest,
     ::testing::Values(std::make_tuple(1u, v1::DTYPE_BF16, false),
