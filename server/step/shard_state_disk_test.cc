@@ -221,6 +221,15 @@ class ShardStateDiskTest : public ::testing::Test {
     }
   }
 
+  // The one state file in the directory (a test with one disk state).
+  std::string StateFilePath() const {
+    std::string path;
+    for (const auto& e : std::filesystem::directory_iterator(dir_path_ + "/states")) {
+      if (e.path().filename().string().find(".lock") == std::string::npos) path = e.path();
+    }
+    return path;
+  }
+
   MemoryLedger ledger_{0};
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::string dir_path_;
@@ -307,10 +316,7 @@ TEST_F(ShardStateDiskTest, ATransferThatFailsMidStepDamagesTheState) {
   absl::StatusOr<std::unique_ptr<ShardState>> made = Create(c, owned, disk_);
   ASSERT_TRUE(made.ok()) << made.status();
   ShardState& s = **made;
-  std::string path;
-  for (const auto& e : std::filesystem::directory_iterator(dir_path_ + "/states")) {
-    if (e.path().filename().string().find(".lock") == std::string::npos) path = e.path();
-  }
+  const std::string path = StateFilePath();
   ASSERT_FALSE(path.empty());
   const std::vector<float> grad(owned.size(), 0.01f);
   const std::vector<StepHyperParams> groups = GroupHyperParams(c);
@@ -348,10 +354,7 @@ TEST_F(ShardStateDiskTest, RestoresLandWholeOrDamageTheState) {
   absl::StatusOr<std::unique_ptr<ShardState>> made = Create(c, owned, disk_);
   ASSERT_TRUE(made.ok()) << made.status();
   ShardState& s = **made;
-  std::string path;
-  for (const auto& e : std::filesystem::directory_iterator(dir_path_ + "/states")) {
-    if (e.path().filename().string().find(".lock") == std::string::npos) path = e.path();
-  }
+  const std::string path = StateFilePath();
   // -0.0 in a frozen tensor's moments: nothing held there, nothing changes.
   const auto& frozen = layout.tensors()[3];
   ASSERT_TRUE(frozen.spec.frozen);
