@@ -23,6 +23,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/crc32c.h"
+#include "common/status_macros.h"
 #include "common/job_id.h"
 #include "common/job_spec.h"
 #include "common/protocol.h"
@@ -293,21 +294,52 @@ absl::Status SyncDirectory(const std::string& dir) {
 absl::Status WriteArrayFile(const std::string& dir, const std::string& name, const void* data,
                             uint64_t bytes, std::atomic<uint64_t>* progress,
                             v1::CheckpointFile* out) {
+  return WriteArrayFileFrom(dir, name, bytes, progress, out,
+                            [&](ArraySink sink) { return sink(data, bytes); });
+}
+
+absl::Status WriteArrayFileFrom(const std::string& dir, const std::string& name, uint64_t bytes,
+                                std::atomic<uint64_t>* progress, v1::CheckpointFile* out,
+                                absl::FunctionRef<absl::Status(ArraySink)> source) {
   out->Clear();
   out->set_name(name);
   out->set_bytes(bytes);
   out->set_block_bytes(kCheckpointBlockBytes);
   return WriteFileAtomically(dir, name, [&](int fd, const std::string& tmp) -> absl::Status {
-    const char* p = static_cast<const char*>(data);
-    uint32_t whole = 0;
-    for (uint64_t off = 0; off < bytes; off += kCheckpointBlockBytes) {
-      const uint64_t n = std::min(kCheckpointBlockBytes, bytes - off);
-      // One pass over the bytes: the block's CRC; the file's follows from it.
-      const uint32_t block = Crc32c(p + off, n);
+    uint64_t off = 0;       // bytes written so far
+    uint32_t whole = 0;     // CRC-32C of the finished blocks
+    uint32_t block = 0;     // of the block being filled
+    uint64_t in_block = 0;  // its bytes so far
+    auto finish_block = [&] {
       out->add_block_crc32c(block);
-      whole = Crc32cCombine(whole, block, n);
-      if (absl::Status s = WriteAll(fd, p + off, n, off, tmp, progress); !s.ok()) return s;
+      whole = Crc32cCombine(whole, block, in_block);
+      block = 0;
+      in_block = 0;
+    };
+    const absl::Status produced = source([&](const void* data, uint64_t n) -> absl::Status {
+      if (n > bytes - off) {
+        return absl::InternalError(absl::StrCat("checkpoint: ", name, ": more than ", bytes,
+                                                " bytes produced"));
+      }
+      const char* p = static_cast<const char*>(data);
+      for (uint64_t done = 0; done < n;) {
+        // One pass over the bytes: the block's CRC; the file's follows from it.
+        const uint64_t k = std::min(n - done, kCheckpointBlockBytes - in_block);
+        block = Crc32cCombine(block, Crc32c(p + done, k), k);
+        in_block += k;
+        RETURN_IF_ERROR(WriteAll(fd, p + done, k, off, tmp, progress));
+        off += k;
+        done += k;
+        if (in_block == kCheckpointBlockBytes) finish_block();
+      }
+      return absl::OkStatus();
+    });
+    RETURN_IF_ERROR(produced);
+    if (off != bytes) {
+      return absl::InternalError(absl::StrCat("checkpoint: ", name, ": ", off, " of ", bytes,
+                                              " bytes produced"));
     }
+    if (in_block > 0) finish_block();
     out->set_crc32c(whole);
     return absl::OkStatus();
   });

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/flat_range.h"
@@ -117,6 +118,16 @@ absl::Status FileError(int err, absl::string_view what, absl::string_view path);
 absl::Status WriteArrayFile(const std::string& dir, const std::string& name, const void* data,
                             uint64_t bytes, std::atomic<uint64_t>* progress,
                             v1::CheckpointFile* out);
+// What WriteArrayFileFrom's source hands each piece of the file to, in
+// order; an error from it ends the source.
+using ArraySink = absl::FunctionRef<absl::Status(const void* data, uint64_t bytes)>;
+// WriteArrayFile of bytes a source produces piece by piece (of any sizes)
+// instead of one buffer: `source` calls the sink with consecutive pieces of
+// `bytes` bytes in all. Internal when the pieces do not add up to `bytes`;
+// the source's error otherwise, with the file untouched as above.
+absl::Status WriteArrayFileFrom(const std::string& dir, const std::string& name, uint64_t bytes,
+                                std::atomic<uint64_t>* progress, v1::CheckpointFile* out,
+                                absl::FunctionRef<absl::Status(ArraySink)> source);
 // Writes a binary protobuf to dir/name atomically, as above.
 absl::Status WriteProtoFile(const std::string& dir, const std::string& name,
                             const google::protobuf::Message& message);

@@ -1,5 +1,6 @@
 #include "common/checkpoint_files.h"
 
+#include <iterator>
 #include <unistd.h>
 
 #include <filesystem>
@@ -82,6 +83,43 @@ class CheckpointFilesTest : public ::testing::Test {
 
   std::string root_;
 };
+
+// An array file written from pieces of odd sizes, across block boundaries,
+// is the file written from one buffer: the same bytes, CRC and block CRCs.
+// Pieces that do not add up to the size leave nothing.
+TEST_F(CheckpointFilesTest, PiecesWriteTheSameFileAsOneBuffer) {
+  const uint64_t bytes = 2 * kCheckpointBlockBytes + 12345;
+  std::string data(bytes, '\0');
+  for (uint64_t i = 0; i < bytes; ++i) data[i] = static_cast<char>((i * 131) >> 3);
+  v1::CheckpointFile whole, pieces;
+  ASSERT_TRUE(WriteArrayFile(root_, "whole", data.data(), bytes, nullptr, &whole).ok());
+  std::atomic<uint64_t> progress{0};
+  ASSERT_TRUE(WriteArrayFileFrom(root_, "pieces", bytes, &progress, &pieces,
+                                 [&](ArraySink sink) -> absl::Status {
+                                   uint64_t off = 0;
+                                   for (uint64_t k = 1; off < bytes; k = k * 3 + 7) {
+                                     const uint64_t n = std::min(k, bytes - off);
+                                     if (absl::Status s = sink(data.data() + off, n); !s.ok()) {
+                                       return s;
+                                     }
+                                     off += n;
+                                   }
+                                   return absl::OkStatus();
+                                 })
+                  .ok());
+  EXPECT_EQ(progress.load(), bytes);
+  EXPECT_EQ(pieces.crc32c(), whole.crc32c());
+  ASSERT_EQ(pieces.block_crc32c_size(), 3);
+  for (int b = 0; b < 3; ++b) EXPECT_EQ(pieces.block_crc32c(b), whole.block_crc32c(b)) << b;
+  std::ifstream in(root_ + "/pieces", std::ios::binary);
+  const std::string read((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(read, data);
+  v1::CheckpointFile short_file;
+  const absl::Status s = WriteArrayFileFrom(root_, "short", bytes, nullptr, &short_file,
+                                            [&](ArraySink sink) { return sink(data.data(), 10); });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_FALSE(std::filesystem::exists(root_ + "/short"));
+}
 
 TEST_F(CheckpointFilesTest, NamesFollowTheRule) {
   EXPECT_TRUE(ValidateCheckpointName("step-20", false).ok());

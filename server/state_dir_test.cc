@@ -11,11 +11,13 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "common/checkpoint_files.h"
 #include "gtest/gtest.h"
 #include "metrics/metric_names.h"
 #include "metrics/registry.h"
@@ -118,13 +120,31 @@ TEST_P(StateDirTest, TrainsBitForBitAsInRam) {
                              {{"job", "job"}}),
               static_cast<double>(chunks * 1024 * per + grad_file));
   }
-  // Checkpoints cross between RAM and disk both ways.
+  // Checkpoints cross between RAM and disk both ways. A disk-resident
+  // save is written from the state file: no snapshot buffers in RAM.
+  const uint64_t buffers_before =
+      disk.daemon(0).ledger().JobBytes("job")[static_cast<int>(MemoryCategory::kBuffer)];
   disk.SaveCheckpoint("from-disk", kSteps);
+  EXPECT_EQ(disk.daemon(0).ledger().JobBytes("job")[static_cast<int>(MemoryCategory::kBuffer)],
+            buffers_before);
   ram.SaveCheckpoint("from-ram", kSteps);
   TestCluster ram2(kDaemons, kWorld, stage, "job", dir_ + "/ckpt-disk", precision);
   TestCluster disk2(kDaemons, kWorld, stage, "job", dir_ + "/ckpt-ram", precision, false,
                     dir_ + "/states2");
   ASSERT_TRUE(ram2.LoadCheckpoint("from-disk").ok());
+  // A checkpoint with a damaged block: every block is checked before the
+  // state is touched, so the load is refused and the job stays usable.
+  {
+    ram.SaveCheckpoint("broken", kSteps);
+    const std::string file = CheckpointPartDir(dir_ + "/ckpt-ram", "job", "broken", 0) + "/" +
+                             ArrayFilesOf(disk2.spec())[1];
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    f.put('\x7f');
+    f.close();
+    grpc::Status broken = disk2.LoadCheckpoint("broken");
+    EXPECT_EQ(broken.error_code(), grpc::StatusCode::DATA_LOSS) << broken.error_message();
+  }
   ASSERT_TRUE(disk2.LoadCheckpoint("from-ram").ok());
   ExpectSameParameters(ram, ram2, kSteps, precision);
   ExpectSameParameters(ram, disk2, kSteps, precision);

@@ -38,9 +38,15 @@ absl::StatusOr<CheckpointSaved> CheckpointAgent::Save(const std::string& name, u
   }
   const std::vector<std::string> files = ArrayFilesOf(*spec_);
   const uint64_t n = step_->owned_unpadded().size();
-  // The buffers are claimed (allocated and faulted in on the first save)
-  // before the commit lock: training goes on meanwhile.
-  if (absl::Status s = writer_.Claim(n, files.size()); !s.ok()) return s;
+  // States on disk are written from their file under the commit lock (the
+  // stall is the whole write, no copy in RAM); others are copied into the
+  // writer's buffers, claimed (allocated and faulted in on the first save)
+  // before the commit lock, and written in the background.
+  const bool from_disk = step_->states_on_disk();
+  if (absl::Status s = from_disk ? writer_.Claim(0, 0) : writer_.Claim(n, files.size());
+      !s.ok()) {
+    return s;
+  }
   // Holding the commit lock keeps every step out while the copy runs: the
   // training stall. Gathers go on (they share the parameter lock).
   absl::Time start;
@@ -57,21 +63,31 @@ absl::StatusOr<CheckpointSaved> CheckpointAgent::Save(const std::string& name, u
     state = step_->TrainingState();
     absl::Status copied;
     step_->ReadModelStates([&](const ShardState& shard) {
-      std::vector<float*> dst;
-      for (size_t i = 0; i < files.size(); ++i) dst.push_back(writer_.buffer(i));
-      copied = shard.CopyOut(n, dst.data());
       state.set_optimizer_steps(shard.optimizer_steps());
       for (v1::TensorStep& t : shard.TensorStepsApart()) {
         *state.add_tensor_steps() = std::move(t);
       }
+      if (from_disk) {
+        // Ends the claim.
+        copied = writer_.WriteNow(
+            name, step_->owned_unpadded(), files, state, [&](size_t i, ArraySink sink) {
+              return shard.StreamOut(i, n, [&](const float* data, size_t count) {
+                return sink(data, count * sizeof(float));
+              });
+            });
+        return;
+      }
+      std::vector<float*> dst;
+      for (size_t i = 0; i < files.size(); ++i) dst.push_back(writer_.buffer(i));
+      copied = shard.CopyOut(n, dst.data());
     });
     if (!copied.ok()) {
-      writer_.Release(/*failed=*/true);
+      if (!from_disk) writer_.Release(/*failed=*/true);
       return copied;
     }
   }
   const absl::Duration stall = absl::Now() - start;
-  writer_.StartWrite(name, step_->owned_unpadded(), files, state);
+  if (!from_disk) writer_.StartWrite(name, step_->owned_unpadded(), files, state);
   CheckpointSaved out;
   out.step = state.committed_step();
   out.bytes = n * sizeof(float) * files.size();
@@ -194,17 +210,34 @@ absl::StatusOr<CheckpointLoaded> CheckpointAgent::Load(const std::string& reques
   CheckpointReader reader(root, *m);
   if (absl::Status s = reader.CheckReadable(owned, files); !s.ok()) return s;
   const uint64_t n = owned.size();
-  if (absl::Status s = writer_.Claim(n, files.size()); !s.ok()) return s;
-  // Read and check everything before touching the state, with no lock held.
+  // States on disk are restored from the files chunk by chunk (no copy in
+  // RAM); others through the writer's buffers.
+  const bool to_disk = step_->states_on_disk();
+  if (absl::Status s = to_disk ? writer_.Claim(0, 0) : writer_.Claim(n, files.size());
+      !s.ok()) {
+    return s;
+  }
+  // Read and check everything before touching the state, with no lock held
+  // (on disk: every block's CRC through a scratch buffer of one block, then
+  // read again in the restore).
   uint64_t bytes_read = 0;
   std::vector<const float*> src;
+  std::vector<float> scratch(to_disk ? std::min<uint64_t>(n, kCheckpointBlockBytes / 4) : 0);
   for (size_t i = 0; i < files.size(); ++i) {
-    float* dst = writer_.buffer(i);
-    if (absl::Status s = reader.ReadRange(files[i], owned, dst, &bytes_read); !s.ok()) {
+    absl::Status s;
+    if (to_disk) {
+      for (uint64_t pos = owned.begin; s.ok() && pos < owned.end; pos += scratch.size()) {
+        const FlatRange r{pos, std::min<uint64_t>(owned.end, pos + scratch.size())};
+        s = reader.ReadRange(files[i], r, scratch.data(), &bytes_read);
+      }
+    } else {
+      src.push_back(writer_.buffer(i));
+      s = reader.ReadRange(files[i], owned, writer_.buffer(i), &bytes_read);
+    }
+    if (!s.ok()) {
       writer_.Release(/*failed=*/true);
       return s;
     }
-    src.push_back(dst);
   }
   const v1::TrainingState& state = m->state();
   // Each part lists the counts of the tensors it overlaps that differ from
@@ -218,8 +251,16 @@ absl::StatusOr<CheckpointLoaded> CheckpointAgent::Load(const std::string& reques
   {
     absl::MutexLock commit_lock(&step_->commit_lock());
     restored = step_->Restore(state, [&](ShardState& shard) {
-      return shard.Restore(step_->optimizer(), n, src.data(), state.optimizer_steps(),
-                           tensor_steps);
+      if (!to_disk) {
+        return shard.Restore(step_->optimizer(), n, src.data(), state.optimizer_steps(),
+                             tensor_steps);
+      }
+      return shard.RestoreFrom(
+          step_->optimizer(), n,
+          [&](size_t i, const FlatRange& r, float* dst) {
+            return reader.ReadRange(files[i], r, dst, &bytes_read);
+          },
+          state.optimizer_steps(), tensor_steps);
     });
   }
   writer_.Release(/*failed=*/!restored.ok());

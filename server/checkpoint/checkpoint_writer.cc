@@ -73,22 +73,45 @@ void CheckpointWriter::Release(bool failed) {
   claimed_ = false;
 }
 
-void CheckpointWriter::StartWrite(std::string name, FlatRange range, std::vector<std::string> files,
-                                v1::TrainingState state) {
-  absl::MutexLock lock(&mu_);
+void CheckpointWriter::BeginLocked(const std::string& name, uint64_t bytes_total) {
   status_.emplace();
   status_->state = CheckpointProgress::State::kWriting;
   status_->name = name;
-  status_->bytes_total = range.size() * sizeof(float) * files.size();
+  status_->bytes_total = bytes_total;
   bytes_written_ = 0;
+}
+
+void CheckpointWriter::StartWrite(std::string name, FlatRange range, std::vector<std::string> files,
+                                v1::TrainingState state) {
+  absl::MutexLock lock(&mu_);
+  BeginLocked(name, range.size() * sizeof(float) * files.size());
   writer_ = std::thread([this, name = std::move(name), range, files = std::move(files),
                          state = std::move(state)]() mutable {
-    Write(std::move(name), range, std::move(files), std::move(state));
+    const ArraySource buffers = [this, range](size_t i, ArraySink sink) {
+      float* data = nullptr;
+      {
+        absl::MutexLock lock(&mu_);
+        data = buffers_[i].data();  // stable: buffers change only under a claim
+      }
+      return sink(data, range.size() * sizeof(float));
+    };
+    Write(std::move(name), range, std::move(files), std::move(state), buffers).IgnoreError();
   });
 }
 
-void CheckpointWriter::Write(std::string name, FlatRange range, std::vector<std::string> files,
-                           v1::TrainingState state) {
+absl::Status CheckpointWriter::WriteNow(std::string name, FlatRange range,
+                                        std::vector<std::string> files, v1::TrainingState state,
+                                        const ArraySource& source) {
+  {
+    absl::MutexLock lock(&mu_);
+    BeginLocked(name, range.size() * sizeof(float) * files.size());
+  }
+  return Write(std::move(name), range, std::move(files), std::move(state), source);
+}
+
+absl::Status CheckpointWriter::Write(std::string name, FlatRange range,
+                                     std::vector<std::string> files, v1::TrainingState state,
+                                     const ArraySource& source) {
   const absl::Time start = absl::Now();
   v1::PartManifest part;
   part.set_daemon_index(options_.daemon_index);
@@ -100,13 +123,8 @@ void CheckpointWriter::Write(std::string name, FlatRange range, std::vector<std:
       CheckpointPartDir(options_.root, options_.job_id, name, options_.daemon_index);
   absl::Status s = MakeDirectories(dir);
   for (size_t i = 0; s.ok() && i < files.size(); ++i) {
-    float* data = nullptr;
-    {
-      absl::MutexLock lock(&mu_);
-      data = buffers_[i].data();  // stable: buffers change only under a claim
-    }
-    s = WriteArrayFile(dir, files[i], data, range.size() * sizeof(float), &bytes_written_,
-                       part.add_files());
+    s = WriteArrayFileFrom(dir, files[i], range.size() * sizeof(float), &bytes_written_,
+                           part.add_files(), [&](ArraySink sink) { return source(i, sink); });
   }
   const absl::Duration took = absl::Now() - start;
   part.set_write_seconds(absl::ToDoubleSeconds(took));
@@ -131,6 +149,7 @@ void CheckpointWriter::Write(std::string name, FlatRange range, std::vector<std:
     status_->error = s;
   }
   claimed_ = false;
+  return s;
 }
 
 absl::StatusOr<CheckpointProgress> CheckpointWriter::Status(const std::string& name,

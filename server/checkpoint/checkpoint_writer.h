@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <thread>
@@ -26,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/checkpoint_files.h"
 #include "common/flat_range.h"
 #include "proto/zeroshard/v1/checkpoint.pb.h"
 #include "server/metrics/daemon_metrics.h"
@@ -81,14 +83,27 @@ class CheckpointWriter {
   void StartWrite(std::string name, FlatRange range, std::vector<std::string> files,
                   v1::TrainingState state);
 
+  // Array i's bytes of a part, handed to the sink piece by piece.
+  using ArraySource = std::function<absl::Status(size_t array, ArraySink sink)>;
+  // Writes `name`'s part from `source` on the calling thread instead of from
+  // the buffers (a disk-resident job's states, read from their file: no
+  // second copy in RAM), and ends the claim (Claim(0, 0) holds no
+  // buffers). Blocks until written; returns the write's result, which
+  // Status then reports as for StartWrite.
+  absl::Status WriteNow(std::string name, FlatRange range, std::vector<std::string> files,
+                        v1::TrainingState state, const ArraySource& source);
+
   // The last save's status; waits up to `wait` for a write in progress.
   // NotFound when `name` is not the last save this daemon started for the
   // job.
   absl::StatusOr<CheckpointProgress> Status(const std::string& name, absl::Duration wait);
 
  private:
-  void Write(std::string name, FlatRange range, std::vector<std::string> files,
-             v1::TrainingState state);
+  // Sets the status to writing `name`.
+  void BeginLocked(const std::string& name, uint64_t bytes_total)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Write(std::string name, FlatRange range, std::vector<std::string> files,
+                     v1::TrainingState state, const ArraySource& source);
 
   const Options options_;
 

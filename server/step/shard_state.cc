@@ -565,6 +565,46 @@ absl::Status ShardState::Restore(ShardOptimizer* optimizer, size_t n, const floa
   return RefreshHalfCopy(optimizer);
 }
 
+absl::Status ShardState::StreamOut(
+    size_t array, size_t n,
+    absl::FunctionRef<absl::Status(const float* data, size_t count)> sink) const {
+  const FlatRange range{owned_.begin, owned_.begin + n};
+  return DiskPass(range, false, [&](const FlatRange& chunk, const ChunkArrays& a) {
+    const FlatRange r = chunk.Intersect(range);
+    return sink(a[array] + (r.begin - chunk.begin), r.size());
+  });
+}
+
+absl::Status ShardState::RestoreFrom(
+    ShardOptimizer* optimizer, size_t n,
+    absl::FunctionRef<absl::Status(size_t array, const FlatRange& range, float* dst)> read,
+    uint64_t optimizer_steps, absl::Span<const v1::TensorStep> tensor_steps) {
+  const FlatRange restored{owned_.begin, owned_.begin + n};
+  RETURN_IF_ERROR(DiskPass(owned_, true, [&](const FlatRange& chunk, const ChunkArrays& a) {
+    const FlatRange held = chunk.Intersect(restored);
+    for (size_t i = 0; i < checkpoint_arrays(); ++i) {
+      std::memset(a[i], 0, chunk.size() * sizeof(float));
+      if (held.empty()) continue;
+      RETURN_IF_ERROR(read(i, held, a[i] + (held.begin - chunk.begin)));
+      if (i == 0) continue;
+      // Frozen tensors keep no moments: zeros, whatever the checkpoint says.
+      const auto [first, last] = tensors_.In(held);
+      for (size_t e = first; e < last; ++e) {
+        if (!tensors_.entries()[e].frozen) continue;
+        const FlatRange f = tensors_.entries()[e].range.Intersect(held);
+        std::memset(a[i] + (f.begin - chunk.begin), 0, f.size() * sizeof(float));
+      }
+    }
+    if (!half_.empty()) {
+      optimizer->ConvertOut(half_.data() + (chunk.begin - owned_.begin), precision_, a[0],
+                            chunk.size());
+    }
+    return absl::OkStatus();
+  }));
+  SetAllSteps(optimizer_steps, tensor_steps);
+  return absl::OkStatus();
+}
+
 uint64_t ShardState::raw_elements(size_t i, uint64_t n) const {
   if (i == 0) return n;
   uint64_t count = 0;

@@ -158,6 +158,22 @@ class ShardState {
   absl::Status Restore(ShardOptimizer* optimizer, size_t n, const float* const* src,
                        uint64_t optimizer_steps, absl::Span<const v1::TensorStep> tensor_steps);
 
+  // On disk, checkpoints without a second copy of the states in RAM:
+  // StreamOut hands the first n owned elements of checkpoint array `array`
+  // to `sink` chunk by chunk, in order (the values CopyOut copies);
+  // RestoreFrom is Restore with each chunk's values filled by `read(array,
+  // range, dst)` (range.size() floats of checkpoint array `array`, ranges
+  // inside the first n owned elements, in order). A read that fails damages
+  // the state, as any failure after the first write does: check the
+  // checkpoint first.
+  absl::Status StreamOut(size_t array, size_t n,
+                         absl::FunctionRef<absl::Status(const float* data, size_t count)> sink)
+      const;
+  absl::Status RestoreFrom(
+      ShardOptimizer* optimizer, size_t n,
+      absl::FunctionRef<absl::Status(size_t array, const FlatRange& range, float* dst)> read,
+      uint64_t optimizer_steps, absl::Span<const v1::TensorStep> tensor_steps);
+
   // ---- State transfers (raw: the arrays as held, moments in moment space) ----
   // Elements of raw array i (i < checkpoint_arrays()) that cover the first
   // `n` owned elements.

@@ -70,6 +70,7 @@ absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(const JobConfig* 
                                           options.disk));
       engine->tensors_ = &engine->shard_->tensors();
       engine->disk_bytes_ = engine->shard_->disk_bytes();
+      engine->states_on_disk_ = engine->shard_->on_disk();
     }
     absl::MutexLock lock(&engine->mu_);
     if (grad_on_disk) {

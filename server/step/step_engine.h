@@ -95,6 +95,8 @@ class StepEngine {
   // The bytes of the model states' file on --state_dir (0: all in RAM), and
   // what is known of its health (ShardState::damaged).
   uint64_t disk_bytes() const { return disk_bytes_; }
+  // Whether the masters and moments live in a file (ShardState::on_disk).
+  bool states_on_disk() const { return states_on_disk_; }
   absl::Status disk_damaged() const;
 
   // ---- Data ----
@@ -319,6 +321,7 @@ class StepEngine {
 
   std::atomic<int64_t> last_remote_access_ns_{0};
   uint64_t disk_bytes_ = 0;  // set by Create
+  bool states_on_disk_ = false;  // set by Create
 };
 
 }  // namespace zeroshard
