@@ -46,8 +46,9 @@ void StreamWatchdog::Run() {
       const int64_t since = w->waiting_since_ns_.load(std::memory_order_relaxed);
       if (since == 0 || now - since <= idle_ns || w->expired()) continue;
       w->expired_.store(true, std::memory_order_release);
-      w->cancel_();
+      // Counted before the cancel: whoever the cancel wakes sees the count.
       cancelled_.fetch_add(1, std::memory_order_relaxed);
+      w->cancel_();
     }
   }
 }
