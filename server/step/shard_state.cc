@@ -523,32 +523,15 @@ absl::Status ShardState::Restore(ShardOptimizer* optimizer, size_t n, const floa
                                  uint64_t optimizer_steps,
                                  absl::Span<const v1::TensorStep> tensor_steps) {
   if (on_disk()) {
-    // The half copy is rewritten in the same pass: a restore lands whole
-    // or damages the state.
-    const uint64_t end = owned_.begin + n;
-    RETURN_IF_ERROR(DiskPass(owned_, true, [&](const FlatRange& chunk, const ChunkArrays& a) {
-      const FlatRange held = chunk.Intersect({owned_.begin, end});
-      for (size_t i = 0; i < checkpoint_arrays(); ++i) {
-        std::memset(a[i], 0, chunk.size() * sizeof(float));
-        auto copy = [&](const FlatRange& r) {
-          std::memcpy(a[i] + (r.begin - chunk.begin), src[i] + (r.begin - owned_.begin),
-                      r.size() * sizeof(float));
-        };
-        if (held.empty()) continue;
-        if (i == 0) {
-          copy(held);
-        } else {
-          tensors_.ForEachUnfrozen(held, copy);
-        }
-      }
-      if (!half_.empty()) {
-        optimizer->ConvertOut(half_.data() + (chunk.begin - owned_.begin), precision_, a[0],
-                              chunk.size());
-      }
-      return absl::OkStatus();
-    }));
-    SetAllSteps(optimizer_steps, tensor_steps);
-    return absl::OkStatus();
+    // RestoreFrom with the values taken from `src` (one pass, the half copy
+    // in it: a restore lands whole or damages the state).
+    return RestoreFrom(
+        optimizer, n,
+        [&](size_t i, const FlatRange& r, float* dst) {
+          std::memcpy(dst, src[i] + (r.begin - owned_.begin), r.size() * sizeof(float));
+          return absl::OkStatus();
+        },
+        optimizer_steps, tensor_steps);
   }
   std::memcpy(master_.data(), src[0], n * sizeof(float));
   std::memset(master_.data() + n, 0, (master_.size() - n) * sizeof(float));
