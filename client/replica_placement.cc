@@ -200,6 +200,8 @@ absl::StatusOr<std::vector<GroupPlacement>> ResolvePlacement(
       v1::ReplicaState state;
       const grpc::Status s = stubs[*backup]->Promote(&context, promote, &state);
       if (!s.ok()) {
+        // ABORTED: the backup still reaches its primary, which this rank
+        // does not; the placement is read again until the wait ends.
         waiting = DaemonError(s, daemons[*backup], "Promote").ToString();
         lost = s.error_code() == grpc::StatusCode::FAILED_PRECONDITION;
         continue;

@@ -53,6 +53,9 @@ using testing::SampleLayout;
 
 constexpr uint32_t kWorld = 4;  // two partitions per daemon
 constexpr char kWrongToken[] = "zeroshard-some-other-jobs-token";
+// The daemons' admin token: the operator's authority, which may replace a
+// primary that still serves (a trainer's job token may not).
+constexpr char kAdminToken[] = "zeroshard-replica-test-admin-token";
 constexpr float kLr = 0.01f;
 
 void SetDeadline(grpc::ClientContext* ctx, int seconds = 30) {
@@ -210,6 +213,7 @@ class ReplicaTest : public ::testing::Test {
       o.bulk_transport = BulkTransport(d);
       o.replica_link = LinkOf(d);
       o.liveness_timeout = LivenessOf(d);
+      o.admin_token = kAdminToken;
       absl::StatusOr<std::unique_ptr<Daemon>> started = Daemon::Start(o);
       ASSERT_TRUE(started.ok()) << started.status();
       daemons_.push_back(*std::move(started));
@@ -250,9 +254,16 @@ class ReplicaTest : public ::testing::Test {
   DaemonClient& Plain(int d) { return Target(d, 0, 0); }
   // Daemon d's own group at the first epoch: how trainers reach a new job.
   DaemonClient& Home(int d) { return Target(d, d, 1); }
+  // The Replica service of daemon d with the job's token, as trainers call it.
   ReplicaClient& Replica(int d) {
     std::unique_ptr<ReplicaClient>& c = replica_clients_[d];
     if (c == nullptr) c = std::make_unique<ReplicaClient>(addresses_[d]);
+    return *c;
+  }
+  // The same with the admin token (an operator's failover).
+  ReplicaClient& Operator(int d) {
+    std::unique_ptr<ReplicaClient>& c = operator_clients_[d];
+    if (c == nullptr) c = std::make_unique<ReplicaClient>(addresses_[d], kAdminToken);
     return *c;
   }
 
@@ -625,6 +636,7 @@ class ReplicaTest : public ::testing::Test {
   std::vector<std::string> addresses_;
   std::map<std::tuple<int, uint32_t, uint64_t>, std::unique_ptr<DaemonClient>> targets_;
   std::map<int, std::unique_ptr<ReplicaClient>> replica_clients_;
+  std::map<int, std::unique_ptr<ReplicaClient>> operator_clients_;
 };
 
 // ---- 1. The backup follows its primary bit for bit ----
@@ -788,7 +800,7 @@ TEST_F(ReplicaTest, PromoteAndFence) {
   const TestJob j = StartJob("promote", 3);
   // A backup that never copied its primary cannot take over.
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "holds no current copy",
-                 [&] { return Replica(1).Promote(j.id, 0, 2, 0); });
+                 [&] { return Operator(1).Promote(j.id, 0, 2, 0); });
 
   for (uint64_t step = 1; step <= 2; ++step) {
     for (const v1::PrepareStepResponse& p : RunStep(j, step, {{0, 0, 1}, {1, 1, 1}})) {
@@ -803,25 +815,25 @@ TEST_F(ReplicaTest, PromoteAndFence) {
   // the job committed a step it has not.
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION,
                  "epoch: a promotion steps the backup's epoch (1) by one: must be 2, got 1",
-                 [&] { return Replica(0).Promote(j.id, 1, 1, 2); });
+                 [&] { return Operator(0).Promote(j.id, 1, 1, 2); });
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "must be 2, got 0",
-                 [&] { return Replica(0).Promote(j.id, 1, 0, 2); });
+                 [&] { return Operator(0).Promote(j.id, 1, 0, 2); });
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "must be 2, got 18446744073709551615",
-                 [&] { return Replica(0).Promote(j.id, 1, UINT64_MAX, 2); });
+                 [&] { return Operator(0).Promote(j.id, 1, UINT64_MAX, 2); });
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "must be 2, got 5",
-                 [&] { return Replica(0).Promote(j.id, 1, 5, 2); });
+                 [&] { return Operator(0).Promote(j.id, 1, 5, 2); });
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "behind",
-                 [&] { return Replica(0).Promote(j.id, 1, 2, 3); });
+                 [&] { return Operator(0).Promote(j.id, 1, 2, 3); });
   // A group a daemon does not hold.
   ExpectRejected(j.id, grpc::NOT_FOUND, "not group 7",
-                 [&] { return Replica(0).Promote(j.id, 7, 5, 2); });
+                 [&] { return Operator(0).Promote(j.id, 7, 5, 2); });
 
   // Group 0's backup on daemon 1 takes over at epoch 2; its bytes move from
   // replica to the primary's categories.
   const CategoryBytes before = daemon(1).ledger().JobBytes(j.id);
   const uint64_t total_before = daemon(1).ledger().total();
   v1::ReplicaState promoted;
-  grpc::Status s = Replica(1).Promote(j.id, 0, 2, 2, &promoted);
+  grpc::Status s = Operator(1).Promote(j.id, 0, 2, 2, &promoted);
   ASSERT_TRUE(s.ok()) << s.error_message();
   {
     const CategoryBytes after = daemon(1).ledger().JobBytes(j.id);
@@ -840,9 +852,9 @@ TEST_F(ReplicaTest, PromoteAndFence) {
   EXPECT_EQ(g0->epoch(), 2u);
   EXPECT_EQ(g0->committed_step(), 2u);
   // The same promotion again is idempotent; another epoch is refused.
-  EXPECT_TRUE(Replica(1).Promote(j.id, 0, 2, 2).ok());
+  EXPECT_TRUE(Operator(1).Promote(j.id, 0, 2, 2).ok());
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "is primary here at epoch 2",
-                 [&] { return Replica(1).Promote(j.id, 0, 3, 2); });
+                 [&] { return Operator(1).Promote(j.id, 0, 3, 2); });
 
   // The promoted copy serves epoch 2, not epoch 1.
   std::vector<float> out;
@@ -897,7 +909,7 @@ TEST_F(ReplicaTest, PromoteAndFence) {
   EXPECT_EQ(Copy(1, j.id, 0)->epoch(), 2u);
   // Not current: it cannot be promoted back.
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "holds no current copy",
-                 [&] { return Replica(0).Promote(j.id, 0, 2, 3); });
+                 [&] { return Operator(0).Promote(j.id, 0, 2, 3); });
 
   // The new primary runs step 3 (its ranks join it first): it copies its
   // state to the old primary, a backup at epoch 2 from then on, and forwards
@@ -968,7 +980,7 @@ TEST_F(ReplicaTest, StalledForwardStallsNoPromote) {
   absl::SleepFor(absl::Milliseconds(300));  // the backup is waiting for the rest
 
   const absl::Time t0 = absl::Now();
-  grpc::Status promoted = Replica(1).Promote(j.id, 0, 2, 1);  // its own 30 s deadline
+  grpc::Status promoted = Operator(1).Promote(j.id, 0, 2, 1);  // its own 30 s deadline
   const absl::Duration took = absl::Now() - t0;
   EXPECT_TRUE(promoted.ok()) << promoted.error_message();
   EXPECT_LT(took, absl::Seconds(5)) << "the promotion waited for the stalled forward";
@@ -989,6 +1001,42 @@ TEST_F(ReplicaTest, StalledForwardStallsNoPromote) {
       << "the replaced primary's forward was taken";
 }
 
+// A trainer holds the job's token, not the authority to replace a primary
+// that serves: its Promote takes effect only once the backup cannot reach
+// the primary either (the backup asks the primary's daemon first). The
+// admin token may replace a live primary; a trainer's Promote of one is
+// refused (ABORTED: the leader waits and reads the placement again) and
+// changes nothing. Once the primary's daemon is gone, the same Promote
+// works, without waiting out a deadline.
+TEST_F(ReplicaTest, ATrainersPromoteReplacesOnlyAPrimaryThatIsGone) {
+  const TestJob j = SyncedJob("trainer-promote");
+  const std::string before = Snapshot(j.id);
+  ExpectRejected(j.id, grpc::ABORTED, "still serves it (epoch 1, committed step 1)",
+                 [&] { return Replica(1).Promote(j.id, 0, 2, 1); });
+  ExpectRejected(j.id, grpc::ABORTED, "cannot reach either",
+                 [&] { return Replica(0).Promote(j.id, 1, 2, 1); });
+  EXPECT_EQ(Snapshot(j.id), before);
+  EXPECT_EQ(Copy(1, j.id, 0)->role(), ReplicaRole::kBackup);
+  EXPECT_EQ(Copy(0, j.id, 0)->role(), ReplicaRole::kPrimary);
+  // The job goes on as placed, both backups in sync.
+  for (const v1::PrepareStepResponse& p : RunStep(j, 2, {{0, 0, 1}, {1, 1, 1}})) {
+    EXPECT_TRUE(p.backup_in_sync());
+  }
+
+  // Daemon 0 goes away: group 0's backup on daemon 1 finds it gone.
+  daemons_[0]->Shutdown(absl::Seconds(1));
+  daemons_[0].reset();
+  const absl::Time t0 = absl::Now();
+  grpc::Status s = Replica(1).Promote(j.id, 0, 2, 2);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  EXPECT_EQ(Copy(1, j.id, 0)->role(), ReplicaRole::kPrimary);
+  EXPECT_EQ(Copy(1, j.id, 0)->epoch(), 2u);
+  EXPECT_EQ(Copy(1, j.id, 0)->committed_step(), 2u);
+  // The same promotion again is idempotent (no question to the dead peer).
+  EXPECT_TRUE(Replica(1).Promote(j.id, 0, 2, 2).ok());
+}
+
 TEST_F(ReplicaTest, PromoteCountsThePreparedStep) {
   const TestJob j = SyncedJob("prepared");
   const std::vector<std::vector<float>> grads = Grads(j.total(), 2);
@@ -1006,8 +1054,8 @@ TEST_F(ReplicaTest, PromoteCountsThePreparedStep) {
   EXPECT_TRUE(held.prepared()) << held.ShortDebugString();
   EXPECT_TRUE(held.in_sync()) << held.ShortDebugString();
   ExpectRejected(j.id, grpc::FAILED_PRECONDITION, "behind",
-                 [&] { return Replica(1).Promote(j.id, 0, 2, 3); });
-  ASSERT_TRUE(Replica(1).Promote(j.id, 0, 2, 2).ok());
+                 [&] { return Operator(1).Promote(j.id, 0, 2, 3); });
+  ASSERT_TRUE(Operator(1).Promote(j.id, 0, 2, 2).ok());
   // The leader finishes step 2 on the promoted copy.
   ASSERT_TRUE(Target(1, 0, 2).JoinAll(j.spec).ok());
   v1::PrepareStepResponse again;
@@ -1040,7 +1088,7 @@ TEST_F(ReplicaTest, PromotedCopyTakesTheStepPushedAgain) {
   v1::PrepareStepResponse p;
   ASSERT_TRUE(Target(0, 0, 1).Prepare(j.id, 2, &p).ok());
   ASSERT_TRUE(p.backup_in_sync());
-  ASSERT_TRUE(Replica(1).Promote(j.id, 0, 2, 1).ok());
+  ASSERT_TRUE(Operator(1).Promote(j.id, 0, 2, 1).ok());
   ASSERT_TRUE(Target(1, 0, 2).JoinAll(j.spec).ok());
   // The ranks join the promoted copy and push the same gradients again.
   grpc::Status pushed = push_all(Target(1, 0, 2));
@@ -1400,7 +1448,7 @@ TEST_F(ReplicaTest, BadReleaseReplicaChangesNothing) {
   ExpectRejected(j.id, grpc::NOT_FOUND, "not group 4", [&] { return c.Release(j.id, 4, 1); });
   EXPECT_TRUE(daemon(1).jobs().Find(j.id, 0).ok());
   // Promoted at epoch 2, the copy is released by nobody at epoch 1.
-  ASSERT_TRUE(c.Promote(j.id, 0, 2, 1).ok());
+  ASSERT_TRUE(Operator(1).Promote(j.id, 0, 2, 1).ok());
   ExpectRejected(j.id, grpc::ABORTED, "the sender was replaced",
                  [&] { return c.Release(j.id, 0, 1); });
   ASSERT_TRUE(daemon(1).jobs().Find(j.id, 0).ok());
@@ -1517,6 +1565,8 @@ TEST_F(ReplicaTest, RestartedBackupIsRefilled) {
     it = std::get<0>(it->first) == 1 ? targets_.erase(it) : std::next(it);
   }
   replica_clients_.erase(1);
+  operator_clients_.erase(1);
+  // Its primary gone, the trainers' Promote (the job token) takes effect.
   ASSERT_TRUE(Replica(0).Promote(j.id, 1, 2, 2).ok());
   ASSERT_TRUE(Target(0, 1, 2).JoinAll(j.spec).ok());
   const std::vector<Where> placement = {{0, 0, 1}, {0, 1, 2}};
@@ -1600,6 +1650,12 @@ class ForwardingLink : public ReplicaLink {
   }
   absl::Status Probe(const std::string& peer, absl::Time deadline) override {
     return inner_.Probe(peer, deadline);
+  }
+  absl::StatusOr<v1::ReplicaState> GetReplicaState(const std::string& peer,
+                                                   const std::string& token,
+                                                   const std::string& job_id,
+                                                   absl::Time deadline) override {
+    return inner_.GetReplicaState(peer, token, job_id, deadline);
   }
 
  private:

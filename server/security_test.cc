@@ -830,6 +830,68 @@ TEST_F(TlsDaemonTest, DaemonCertificatePassesTheRoleCheck) {
   }
 }
 
+// Promote under mutual TLS: a trainer's certificate (with the job's token)
+// cannot replace a primary that still serves (the backup asks its primary's
+// daemon first: ABORTED, nothing changed); a daemon or admin certificate
+// may (here the backup then refuses for its own reason: it never copied the
+// primary). Once the primary's daemon is gone, the trainer's Promote gets
+// past that check to the same reason.
+TEST_F(TlsDaemonTest, ATrainerCertificateCannotReplaceALivePrimary) {
+  DaemonOptions o;
+  o.tls = Pair("server", "ca");
+  std::unique_ptr<Daemon> other = Start(o);
+  ASSERT_NE(other, nullptr);
+  v1::JobSpec spec = MakeSpec("replicated", SampleLayout(), 2, 2,
+                              {daemon_->address(), other->address()});
+  spec.set_replicas(2);
+  auto channel_to = [&](const std::string& address, const std::string& leaf) {
+    absl::StatusOr<ChannelSecurity> sec = MakeChannelSecurity(Pair(leaf, "ca"), kTestToken, "");
+    EXPECT_TRUE(sec.ok()) << sec.status();
+    return MakeChannel(address, sec.ok() ? *sec : ChannelSecurity(), grpc::ChannelArguments());
+  };
+  const std::string addresses[2] = {daemon_->address(), other->address()};
+  for (uint32_t d = 0; d < 2; ++d) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::RegisterJobRequest req;
+    *req.mutable_spec() = spec;
+    req.set_daemon_index(d);
+    v1::RegisterJobResponse resp;
+    const grpc::Status s =
+        v1::Control::NewStub(channel_to(addresses[d], "client"))->RegisterJob(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  // Group 0's backup is on the other daemon.
+  auto promote = [&](const std::string& leaf) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::PromoteRequest req;
+    req.set_job_id("replicated");
+    req.set_group(0);
+    req.set_epoch(2);
+    v1::ReplicaState resp;
+    return v1::Replica::NewStub(channel_to(other->address(), leaf))->Promote(&ctx, req, &resp);
+  };
+  grpc::Status s = promote("client");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("still serves it"));
+  for (const std::string leaf : {"server", "admin"}) {
+    s = promote(leaf);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << leaf << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("holds no current copy")) << leaf;
+  }
+  absl::StatusOr<std::shared_ptr<Job>> backup = other->jobs().Find("replicated", 0);
+  ASSERT_TRUE(backup.ok()) << backup.status();
+  EXPECT_EQ((*backup)->role(), ReplicaRole::kBackup);
+  EXPECT_EQ((*backup)->epoch(), 1u);
+
+  daemon_->Shutdown(absl::Seconds(1));
+  daemon_.reset();
+  s = promote("client");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("holds no current copy"));
+}
+
 // Under mutual TLS each certificate is an identity with its own job quota
 // (--max_jobs_per_identity) and memory quota (--max_memory_per_identity).
 TEST_F(TlsDaemonTest, RegistrationsCountPerCertificate) {

@@ -22,9 +22,15 @@
 #             bytes, and VerifyCheckpoint asked of it with the job's token:
 #             a clear error (DATA_LOSS or INVALID_ARGUMENT, not UNKNOWN or
 #             a crash), and the daemon still answers Admin.Status.
+#   promote   two more daemons serving mutual TLS (a throwaway PKI from
+#             make_test_certs.sh), a job with replicas = 2 registered on both
+#             with a trainer's certificate, and that certificate's Promote
+#             of the backup of group 0 while its primary serves: refused
+#             (ABORTED), the backup still a backup at epoch 1.
 # Everything started is killed on exit; the test fails if any check failed.
 #
-# Usage: attack_test.sh ZEROSHARDD GPT_TRAIN STREAM_FLOOD (runfiles paths).
+# Usage: attack_test.sh ZEROSHARDD GPT_TRAIN STREAM_FLOOD MAKE_TEST_CERTS
+# (runfiles paths).
 set -u
 # zs_kill_all, zs_fail, zs_abspath, zs_median.
 source "$(dirname "$0")/lib.sh"
@@ -32,6 +38,7 @@ source "$(dirname "$0")/lib.sh"
 ZEROSHARDD="$(zs_abspath "$1")"
 GPT_TRAIN="$(zs_abspath "$2")"
 STREAM_FLOOD="$(zs_abspath "$3")"
+MAKE_TEST_CERTS="$(zs_abspath "$4")"
 WORK="$(mktemp -d "${TEST_TMPDIR:-/tmp}/attack.XXXXXX")"
 CKPT="$WORK/checkpoints"
 JOB=attack-test
@@ -52,11 +59,15 @@ TRAINER_PID=""
 FLOOD_PID=""
 STATUS_PID=""
 REGISTER_PID=""
+TLS_PIDS=()
 FAILED=0
 
 log() { echo "[attack_test] $*"; }
 
-cleanup() { zs_kill_all "$FLOOD_PID" "$STATUS_PID" "$REGISTER_PID" "$TRAINER_PID" "$DAEMON_PID"; }
+cleanup() {
+  zs_kill_all "$FLOOD_PID" "$STATUS_PID" "$REGISTER_PID" "$TRAINER_PID" "$DAEMON_PID" \
+    "${TLS_PIDS[@]}"
+}
 trap cleanup EXIT
 trap 'exit 143' TERM INT
 
@@ -190,6 +201,37 @@ verify="$(value "$WORK/manifest.out" manifest_verify)"
 [[ "$manifest_rc" == 0 && ("$verify" == DATA_LOSS || "$verify" == INVALID_ARGUMENT) &&
   "$(value "$WORK/manifest.out" manifest_alive)" == 1 ]] && kill -0 "$DAEMON_PID" 2>/dev/null
 check $? "manifest" "checkpoint $saved_name's MANIFEST with 2^62-byte blocks: VerifyCheckpoint $verify, daemon alive"
+
+# ---- a trainer certificate's Promote ----
+CERTS="$WORK/certs"
+mkdir -p "$CERTS"
+bash "$MAKE_TEST_CERTS" "$CERTS" >"$WORK/certs.log" 2>&1 || fail "make_test_certs.sh failed"
+TLS_ADDRS=()
+for d in 0 1; do
+  "$ZEROSHARDD" --listen=127.0.0.1:0 --tls_cert="$CERTS/server.crt" \
+    --tls_key="$CERTS/server.key" --tls_ca="$CERTS/ca.crt" >"$WORK/tls$d.log" 2>&1 &
+  TLS_PIDS+=($!)
+  addr=""
+  deadline=$((SECONDS + 30))
+  while ((SECONDS < deadline)); do
+    addr="$(sed -n 's/^zeroshardd listening on //p' "$WORK/tls$d.log" | head -n 1)"
+    [[ -n "$addr" ]] && break
+    kill -0 "${TLS_PIDS[$d]}" 2>/dev/null || fail "TLS zeroshardd $d exited at start"
+    sleep 0.1
+  done
+  [[ -n "$addr" ]] || fail "TLS zeroshardd $d printed no address within 30 s"
+  TLS_ADDRS+=("$addr")
+done
+"$STREAM_FLOOD" --target="${TLS_ADDRS[0]}" --peer="${TLS_ADDRS[1]}" --mode=promote \
+  --job=attack-replicated --token="$(token)" --tls_cert="$CERTS/client.crt" \
+  --tls_key="$CERTS/client.key" --tls_ca="$CERTS/ca.crt" >"$WORK/promote.out" \
+  2>"$WORK/promote.log"
+promote_rc=$?
+cat "$WORK/promote.out" "$WORK/promote.log"
+[[ "$promote_rc" == 0 && "$(value "$WORK/promote.out" promote_code)" == ABORTED &&
+  "$(value "$WORK/promote.out" promote_backup_role)" == BACKUP &&
+  "$(value "$WORK/promote.out" promote_backup_epoch)" == 1 ]]
+check $? "promote" "a trainer certificate's Promote of a live primary: $(value "$WORK/promote.out" promote_code), the backup still $(value "$WORK/promote.out" promote_backup_role) at epoch $(value "$WORK/promote.out" promote_backup_epoch)"
 
 if ((FAILED)); then
   fail "a check failed"

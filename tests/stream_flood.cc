@@ -19,6 +19,13 @@
 //                    daemon to VerifyCheckpoint it: the answer's code
 //                    (manifest_verify=<CODE>, its message on stderr), and
 //                    whether Admin.Status answers after (manifest_alive=).
+//   --mode=promote   over mutual TLS with --tls_cert/--tls_key/--tls_ca (a
+//                    trainer's certificate), registers job --job with
+//                    replicas = 2 on --target (daemon 0) and --peer (daemon
+//                    1), then asks daemon 1 to promote its backup of group 0
+//                    while daemon 0, its primary, serves: the answer's code
+//                    (promote_code=<CODE>, its message on stderr) and the
+//                    backup's role after (promote_backup_role=).
 //
 // --token, when not empty, goes with every call as "authorization: Bearer".
 // Exit 0 when the run took place (the caller judges the figures), 1 when it
@@ -44,16 +51,18 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/channel.h"
 #include "common/job_spec.h"
 #include "common/layout.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/admin.grpc.pb.h"
 #include "proto/zeroshard/v1/checkpoint.grpc.pb.h"
 #include "proto/zeroshard/v1/control.grpc.pb.h"
+#include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 
 ABSL_FLAG(std::string, target, "", "The daemon, HOST:PORT.");
-ABSL_FLAG(std::string, mode, "flood", "flood, status or register.");
+ABSL_FLAG(std::string, mode, "flood", "flood, status, register, manifest or promote.");
 ABSL_FLAG(std::string, token, "", "Bearer token sent with every call; empty: none.");
 ABSL_FLAG(int, streams, 3000, "flood: calls held open.");
 ABSL_FLAG(int, channels, 30, "flood: TCP connections the calls are spread over.");
@@ -62,6 +71,10 @@ ABSL_FLAG(int, calls, 64, "register: RegisterJob calls.");
 ABSL_FLAG(std::string, checkpoint_dir, "", "manifest: the daemon's --checkpoint_dir.");
 ABSL_FLAG(std::string, job, "", "manifest: the job whose checkpoint is rewritten.");
 ABSL_FLAG(std::string, name, "", "manifest: the checkpoint rewritten.");
+ABSL_FLAG(std::string, peer, "", "promote: the second daemon, HOST:PORT.");
+ABSL_FLAG(std::string, tls_cert, "", "promote: the caller's certificate (PEM).");
+ABSL_FLAG(std::string, tls_key, "", "promote: its key (PEM).");
+ABSL_FLAG(std::string, tls_ca, "", "promote: the CA that signs the daemons' certificates.");
 
 namespace zs = zeroshard;
 namespace v1 = zeroshard::v1;
@@ -287,11 +300,82 @@ int HostileManifest(const std::string& target, const std::string& token) {
   return 0;
 }
 
+int Promote(const std::string& target, const std::string& token) {
+  const std::string peer = absl::GetFlag(FLAGS_peer);
+  const std::string job = absl::GetFlag(FLAGS_job);
+  if (peer.empty() || job.empty()) {
+    std::fputs("stream_flood: --mode=promote needs --peer and --job\n", stderr);
+    return 2;
+  }
+  absl::StatusOr<zs::ChannelSecurity> security = zs::MakeChannelSecurity(
+      zs::TlsFiles{absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                   absl::GetFlag(FLAGS_tls_ca)},
+      token, "--tls");
+  if (!security.ok()) {
+    std::fprintf(stderr, "promote: %s\n", std::string(security.status().message()).c_str());
+    return 2;
+  }
+  absl::StatusOr<zs::Layout> layout = zs::Layout::Create({zs::TensorSpec{"w", {256}}});
+  if (!layout.ok()) return 1;
+  zs::JobSettings settings;
+  settings.job_id = job;
+  settings.stage = 3;
+  settings.world_size = 2;
+  settings.replicas = 2;
+  settings.daemons = {target, peer};
+  const std::shared_ptr<grpc::Channel> channels[2] = {
+      zs::MakeChannel(target, *security, grpc::ChannelArguments()),
+      zs::MakeChannel(peer, *security, grpc::ChannelArguments())};
+  auto deadline = [] { return std::chrono::system_clock::now() + std::chrono::seconds(10); };
+  for (uint32_t d = 0; d < 2; ++d) {
+    v1::RegisterJobRequest request;
+    *request.mutable_spec() = zs::ToJobSpec(settings, *layout);
+    request.set_daemon_index(d);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(deadline());
+    v1::RegisterJobResponse response;
+    const grpc::Status s = v1::Control::NewStub(channels[d])->RegisterJob(&ctx, request, &response);
+    if (!s.ok()) {
+      std::fprintf(stderr, "promote: RegisterJob on daemon %u: %s: %s\n", d,
+                   CodeName(s.error_code()).c_str(), s.error_message().c_str());
+      return 1;
+    }
+  }
+  std::unique_ptr<v1::Replica::Stub> replica = v1::Replica::NewStub(channels[1]);
+  v1::PromoteRequest request;
+  request.set_job_id(job);
+  request.set_group(0);
+  request.set_epoch(2);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(deadline());
+  v1::ReplicaState promoted;
+  const grpc::Status s = replica->Promote(&ctx, request, &promoted);
+  std::printf("promote_code=%s\n", CodeName(s.error_code()).c_str());
+  std::fprintf(stderr, "promote: %s\n", s.error_message().c_str());
+  grpc::ClientContext state_ctx;
+  state_ctx.set_deadline(deadline());
+  v1::GetReplicaStateRequest state_request;
+  state_request.set_job_id(job);
+  v1::ReplicaState state;
+  const grpc::Status read = replica->GetReplicaState(&state_ctx, state_request, &state);
+  if (!read.ok()) {
+    std::fprintf(stderr, "promote: GetReplicaState: %s\n", read.error_message().c_str());
+    return 1;
+  }
+  for (const v1::ReplicaGroupState& g : state.groups()) {
+    if (g.group() != 0) continue;
+    std::printf("promote_backup_role=%s\npromote_backup_epoch=%llu\n",
+                g.role() == v1::REPLICA_ROLE_PRIMARY ? "PRIMARY" : "BACKUP",
+                static_cast<unsigned long long>(g.epoch()));
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "stream_flood --target HOST:PORT --mode flood|status|register|manifest [--token T]");
+      "stream_flood --target HOST:PORT --mode flood|status|register|manifest|promote [--token T]");
   absl::ParseCommandLine(argc, argv);
   const std::string target = absl::GetFlag(FLAGS_target);
   const std::string mode = absl::GetFlag(FLAGS_mode);
@@ -304,7 +388,9 @@ int main(int argc, char** argv) {
   if (mode == "status") return StatusProbe(target, token);
   if (mode == "register") return Register(target, token);
   if (mode == "manifest") return HostileManifest(target, token);
-  std::fprintf(stderr, "stream_flood: --mode must be flood, status, register or manifest, not %s\n",
+  if (mode == "promote") return Promote(target, token);
+  std::fprintf(stderr,
+               "stream_flood: --mode must be flood, status, register, manifest or promote, not %s\n",
                mode.c_str());
   return 2;
 }

@@ -302,6 +302,44 @@ void ReplicaGroup::MarkBackupStale(const absl::Status& why) {
   }
 }
 
+absl::Status ReplicaGroup::CheckPrimaryGone(const std::string& token, absl::Time deadline) const {
+  uint64_t epoch = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (role_ == ReplicaRole::kPrimary) return absl::OkStatus();
+    epoch = epoch_;
+  }
+  const std::string what = absl::StrCat("job ", config_.job_id, " replica group ", options_.group);
+  if (options_.link == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": this daemon has no link to the group's primary at ", options_.peer_address,
+        " to check it is gone; only a daemon or admin certificate, or the admin token, may "
+        "promote this backup"));
+  }
+  absl::StatusOr<v1::ReplicaState> peer =
+      options_.link->GetReplicaState(options_.peer_address, token, config_.job_id, deadline);
+  if (!peer.ok()) {
+    if (absl::IsUnavailable(peer.status()) || absl::IsDeadlineExceeded(peer.status()) ||
+        absl::IsNotFound(peer.status())) {
+      return absl::OkStatus();
+    }
+    return absl::AbortedError(absl::StrCat(
+        what, ": could not tell whether the primary at ", options_.peer_address,
+        " is gone (", peer.status().message(), "); the backup stays a backup: try again"));
+  }
+  for (const v1::ReplicaGroupState& g : peer->groups()) {
+    if (g.group() == options_.group && g.role() == v1::REPLICA_ROLE_PRIMARY && g.epoch() >= epoch) {
+      return absl::AbortedError(absl::StrCat(
+          what, ": its primary at ", options_.peer_address, " still serves it (epoch ", g.epoch(),
+          ", committed step ", g.committed_step(),
+          "); a trainer's Promote replaces only a primary that its backup cannot reach either "
+          "(a daemon or admin certificate, or the admin token, may replace a live one): "
+          "nothing was changed"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReplicaGroup::Promote(const v1::PromoteRequest& r) {
   absl::MutexLock commit_lock(&step_->commit_lock());
   const bool was_backup = role() == ReplicaRole::kBackup;

@@ -127,6 +127,18 @@ class ReplicaGroup {
   // ---- The backup's side (the Replica service) ----
   // See Replica.Promote.
   absl::Status Promote(const v1::PromoteRequest& request);
+  // Before a Promote from a caller that may not replace a primary that
+  // still serves (a trainer: docs/security.md): asks the primary's daemon,
+  // over the link with `token` and no lock held, which copies of the job it
+  // holds, waiting until `deadline` at most. OK when it does not serve the
+  // group any more: it did not answer (UNAVAILABLE, DEADLINE_EXCEEDED), no
+  // longer has the job (NOT_FOUND), or holds the group only as a backup or
+  // at an older epoch; also when this copy is the primary already (the
+  // promotion is then idempotent or refused by Promote). Aborted when the
+  // primary answers as the group's primary at this copy's epoch or a newer
+  // one, or when its daemon's answer is another error (it is not known to
+  // be gone); FailedPrecondition without a link.
+  absl::Status CheckPrimaryGone(const std::string& token, absl::Time deadline) const;
   // `first` is the stream's first chunk (which named this copy), `next`
   // reads the following ones (false at the end). Nothing changes on any
   // error; a refused forward or commit marks the copy out of sync (it waits

@@ -43,6 +43,12 @@ class ReplicaLink {
   // grpc.health.v1.Health/Check on `peer` (no token): OK when its daemon
   // answers at all, whatever it says; the call's error otherwise.
   virtual absl::Status Probe(const std::string& peer, absl::Time deadline) = 0;
+  // Replica.GetReplicaState of `job_id` on `peer`: the copies of the job
+  // its daemon holds (a backup asks whether its primary still serves).
+  virtual absl::StatusOr<v1::ReplicaState> GetReplicaState(const std::string& peer,
+                                                           const std::string& token,
+                                                           const std::string& job_id,
+                                                           absl::Time deadline) = 0;
   virtual absl::Status ReleaseReplica(const std::string& peer, const std::string& token,
                                       const v1::ReleaseReplicaRequest& request,
                                       absl::Time deadline) = 0;

@@ -130,4 +130,20 @@ absl::Status GrpcReplicaLink::Probe(const std::string& peer, absl::Time deadline
                });
 }
 
+absl::StatusOr<v1::ReplicaState> GrpcReplicaLink::GetReplicaState(const std::string& peer,
+                                                                  const std::string& token,
+                                                                  const std::string& job_id,
+                                                                  absl::Time deadline) {
+  v1::GetReplicaStateRequest request;
+  request.set_job_id(job_id);
+  v1::ReplicaState response;
+  absl::Status s = Unary(
+      peer, token, deadline, "GetReplicaState",
+      [&](const std::shared_ptr<grpc::Channel>& channel, grpc::ClientContext* context) {
+        return v1::Replica::NewStub(channel)->GetReplicaState(context, request, &response);
+      });
+  if (!s.ok()) return s;
+  return response;
+}
+
 }  // namespace zeroshard

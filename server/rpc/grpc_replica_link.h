@@ -45,6 +45,10 @@ class GrpcReplicaLink final : public ReplicaLink {
                               const v1::ReleaseReplicaRequest& request,
                               absl::Time deadline) override;
   absl::Status Probe(const std::string& peer, absl::Time deadline) override;
+  absl::StatusOr<v1::ReplicaState> GetReplicaState(const std::string& peer,
+                                                   const std::string& token,
+                                                   const std::string& job_id,
+                                                   absl::Time deadline) override;
 
  private:
   // Returns `s`; an UNAVAILABLE one drops the peer's channel first, so that

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/auth.h"
 #include "server/rpc/peer_role.h"
 #include "server/rpc/job_wire.h"
 #include "server/rpc/services.h"
@@ -11,6 +12,10 @@ namespace {
 
 // The longest a backup reads a primary's state for one transfer.
 constexpr absl::Duration kMaxTransferWait = absl::Minutes(30);
+// The longest a backup waits for its primary's daemon to say whether it
+// still serves, before a trainer's Promote: a live daemon answers in
+// milliseconds; a stopped or cut-off one is taken as gone after this.
+constexpr absl::Duration kPrimaryCheckWait = absl::Seconds(1);
 
 // The replica group of a copy: FailedPrecondition for a job that is not
 // replicated.
@@ -39,8 +44,16 @@ absl::Status ReplicaService::FillState(const grpc::ServerContext& call, const st
 }
 
 // GetReplicaState and Promote demand no certificate role: trainers call them
-// on failover (client/replica_placement.cc) with the trainer role. The calls
-// between daemons below demand the daemon role under mutual TLS.
+// on failover (client/replica_placement.cc) with the trainer role, and a
+// trainer's Promote takes effect only once the backup finds its primary
+// gone (ReplicaGroup::CheckPrimaryGone). The calls between daemons below
+// demand the daemon role under mutual TLS.
+bool ReplicaService::MayReplaceLivePrimary(const grpc::ServerContext& call) const {
+  if (ctx_->RequireAdmin(call).ok()) return true;
+  return ctx_->tls && (RequirePeerRole(call, PeerRole::kDaemon, true).ok() ||
+                       RequirePeerRole(call, PeerRole::kAdmin, true).ok());
+}
+
 grpc::Status ReplicaService::GetReplicaState(grpc::ServerContext* call,
                                              const v1::GetReplicaStateRequest* req,
                                              v1::ReplicaState* resp) {
@@ -52,6 +65,17 @@ grpc::Status ReplicaService::Promote(grpc::ServerContext* call, const v1::Promot
   absl::StatusOr<ReplicaGroup*> group =
       GroupOf(ctx_->FindCopy(*call, req->job_id(), req->group()));
   if (!group.ok()) return ctx_->Done(__func__, group.status());
+  // A trainer (or any other holder of the job's token) promotes only a
+  // backup whose primary is gone for the backup too: it cannot demote a
+  // primary that serves.
+  if (!MayReplaceLivePrimary(*call)) {
+    const absl::Time deadline =
+        std::min(absl::FromChrono(call->deadline()), absl::Now() + kPrimaryCheckWait);
+    const std::string token = PresentedToken(call->client_metadata()).value_or("");
+    if (absl::Status s = (*group)->CheckPrimaryGone(token, deadline); !s.ok()) {
+      return ctx_->Done(__func__, s);
+    }
+  }
   if (absl::Status s = (*group)->Promote(*req); !s.ok()) return ctx_->Done(__func__, s);
   return ctx_->Done(__func__, FillState(*call, req->job_id(), resp));
 }

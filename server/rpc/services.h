@@ -264,6 +264,9 @@ class ReplicaService final : public v1::Replica::Service {
                               v1::ReleaseReplicaResponse* resp) override;
 
  private:
+  // Whether the caller may promote a backup whose primary still serves: the
+  // admin token, or under mutual TLS a daemon or admin certificate.
+  bool MayReplaceLivePrimary(const grpc::ServerContext& call) const;
   absl::Status FillState(const grpc::ServerContext& call, const std::string& id,
                          v1::ReplicaState* out);
 
