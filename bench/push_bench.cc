@@ -1,0 +1,364 @@
+// How close the gradient push of today's design comes to its own limit, in
+// one process run:
+//   push      N_d = --ranks ranks (threads of this process), each with its
+//             own zeroshard::Client with transport "ucx" over shared memory
+//             (UCX_TLS=posix,cma,self), against ONE in-process daemon
+//             serving --bulk_transport=ucx with zeroshardd's defaults
+//             (--optimizer_threads: the CPUs this process may use, which
+//             also sum the staged gradients; 4 staging slots per rank;
+//             50 ms reduction hold), all in one job of --elements fp32
+//             parameters, stage 2, world_size = N_d, daemon reduction.
+//             Each repetition every rank pushes its whole gradient at once
+//             (borrowed: BufferUse::kBorrow, each rank its own buffer), and
+//             the figure is N_d * 4 * elements bytes / (the time from the
+//             first rank's PushGradients call until the last rank's ticket
+//             completes). A bulk push's ticket completes when the daemon has
+//             answered the push of its last bucket, and the daemon answers a
+//             staged push once it has summed it into the job's gradient, so
+//             this is the time to move and reduce every rank's gradient. The
+//             optimizer step between repetitions (Step on every rank, as a
+//             trainer ends a step) is not counted.
+//   one_pass  the roofline of the reduction alone, in the same process: as
+//             many threads as the daemon's optimizer threads read N_d
+//             distinct contribution buffers of --elements fp32 each (already
+//             in memory) and read-modify-write one fp32 accumulator of
+//             --elements (acc[i] += c_r[i] for every rank r), the elements
+//             split across the threads in contiguous ranges, each thread
+//             summing all ranks for its range in one sweep (in blocks that
+//             stay in L1 across the ranks). Figure: N_d * 4 * elements /
+//             time. This is the least the daemon must do per step: one pass
+//             over the bytes pushed.
+//   perftest  `ucx_perftest -t ucp_put_bw` between two processes on
+//             loopback, same UCX_TLS, message size = the client's bucket C_B
+//             (bench/perftest.h): what UCX itself moves with these settings.
+// push and one_pass report the median of --reps repetitions after one
+// warm-up, perftest the median of --perftest_runs runs (the host is shared;
+// medians keep one noisy moment from deciding a ratio). The last line is the
+// summary:
+//   push_gbps=A one_pass_gbps=B perftest_gbps=C push_vs_one_pass=A/B
+//   push_vs_perftest=A/C
+// What push_vs_one_pass means: today's push first copies every byte into a
+// staging slot of the daemon (the UCX Put, one pass that reads the rank's
+// gradient and writes the slot) and then the daemon sums the slot into the
+// job's gradient (a second pass over the same bytes). Both passes share the
+// host's memory bandwidth and cores with each other, so even perfectly
+// overlapped a push moves each byte twice where one_pass moves it once: a
+// ratio near 0.5 is the push-based design's ceiling, and what lies below it
+// is the design's own overheads (RPCs, slot turnover, holds, threads).
+// push_vs_perftest compares the push with UCX's bare put bandwidth, whose
+// message sits in the caches (each side one buffer of C_B).
+//
+//   bazel run -c opt --config=clang //bench:push_bench -- --ranks=4 --elements=67108864
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "bench/perftest.h"
+#include "bench/stats.h"
+#include "client/client.h"
+#include "server/daemon.h"
+
+ABSL_FLAG(int, ranks, 4, "N_d: ranks (threads of this process, each with its own client)");
+ABSL_FLAG(uint64_t, elements, 64ull << 20, "fp32 parameters in the job (Ψ)");
+ABSL_FLAG(uint64_t, bucket_bytes, 32ull << 20, "the client's bucket C_B (and perftest's message)");
+ABSL_FLAG(int, reps, 5, "timed repetitions after one warm-up (the median is reported)");
+ABSL_FLAG(int, perftest_runs, 3, "ucx_perftest runs (the median is reported)");
+ABSL_FLAG(std::string, ucx_tls, "posix,cma,self", "UCX_TLS for the clients, daemon and perftest");
+ABSL_FLAG(std::string, perftest, "ucx_perftest", "the ucx_perftest binary (PATH is searched)");
+
+namespace zeroshard {
+namespace {
+
+using bench::Median;
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string Each(const std::vector<double>& values) {
+  std::string out;
+  for (double v : values) absl::StrAppend(&out, out.empty() ? "" : ", ", absl::StrFormat("%.2f", v));
+  return out;
+}
+
+// A reusable barrier of `n` threads; Abort releases every waiter (false).
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  bool Wait() {
+    absl::MutexLock lock(&mu_);
+    if (aborted_) return false;
+    const uint64_t generation = generation_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.SignalAll();
+      return true;
+    }
+    while (generation_ == generation && !aborted_) cv_.Wait(&mu_);
+    return !aborted_;
+  }
+  void Abort() {
+    absl::MutexLock lock(&mu_);
+    aborted_ = true;
+    cv_.SignalAll();
+  }
+
+ private:
+  const int n_;
+  absl::Mutex mu_;
+  absl::CondVar cv_;
+  int arrived_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+struct PushResult {
+  std::vector<double> gbps;       // each timed repetition's figure
+  std::vector<double> slowest_s;  // each timed repetition's longest single-rank push
+  std::vector<double> step_s;     // each timed repetition's Step (rank 0), not counted
+  // The last step's gradient norm as the leader computed it (NaN: none),
+  // against the norm of the mean of the ranks' gradients: a check that the
+  // daemon summed every byte.
+  double grad_norm = NAN, expected_norm = NAN;
+};
+
+// Every rank pushes its whole gradient at once, reps + 1 times (the first
+// warms up), with a Step after each round.
+absl::StatusOr<PushResult> MeasurePush(Daemon& daemon, int ranks, uint64_t n, int reps) {
+  absl::StatusOr<Layout> layout =
+      Layout::Create({{"w", {static_cast<int64_t>(n)}, DType::kFp32, 0}});
+  if (!layout.ok()) return layout.status();
+  ClientConfig base;
+  base.job_token = "push-bench-job-token";
+  base.daemons = {daemon.address()};
+  base.job_id = "push-bench";
+  base.world_size = ranks;
+  base.stage = 2;
+  base.precision = DType::kFp32;
+  base.bucket_bytes = absl::GetFlag(FLAGS_bucket_bytes);
+  base.max_grad_norm = 0;
+  base.transport = "ucx";
+  base.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  base.rpc_timeout = absl::Seconds(120);
+  base.step_timeout = absl::Seconds(300);
+
+  const uint64_t total = layout->total_elements();
+  const std::vector<float> init(total, 0.5f);
+  // [rep][rank]: when the rank called PushGradients, when its ticket completed.
+  std::vector<std::vector<double>> start(reps + 1, std::vector<double>(ranks, 0));
+  std::vector<std::vector<double>> end = start;
+  std::vector<double> step_s(reps + 1, 0);
+  double grad_norm = NAN;
+  Barrier barrier(ranks);
+  absl::Mutex mu;
+  absl::Status first_error;
+  auto fail = [&](const absl::Status& s) {
+    {
+      absl::MutexLock lock(&mu);
+      if (first_error.ok()) first_error = s;
+    }
+    barrier.Abort();
+  };
+  auto rank_main = [&](int rank) {
+    ClientConfig c = base;
+    c.rank = rank;
+    // Before the client: a borrowed gradient must outlive the sends, which
+    // the client's destructor waits for. Multiples of 2^-10: exact sums.
+    std::vector<float> grads(total, static_cast<float>(rank + 1) / 1024.0f);
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(c);
+    if (!client.ok()) return fail(client.status());
+    if (absl::Status s = (*client)->RegisterModel(*layout, init.data()); !s.ok()) return fail(s);
+    for (int rep = 0; rep <= reps; ++rep) {
+      if (!barrier.Wait()) return;
+      start[rep][rank] = Now();
+      absl::StatusOr<PushTicket> t =
+          (*client)->PushGradients({0, total}, grads.data(), DType::kFp32, 0, BufferUse::kBorrow);
+      if (!t.ok()) return fail(t.status());
+      if (absl::Status s = t->Wait(absl::Now() + absl::Seconds(300)); !s.ok()) return fail(s);
+      end[rep][rank] = Now();
+      const double t0 = Now();
+      absl::StatusOr<StepResult> r = (*client)->Step(1e-4f);
+      if (!r.ok()) return fail(r.status());
+      if (rank == 0) {
+        step_s[rep] = Now() - t0;
+        if (r->have_norm) grad_norm = r->grad_norm;
+      }
+    }
+    (*client)->Leave().IgnoreError();
+    client->reset();
+  };
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) threads.emplace_back(rank_main, r);
+  for (std::thread& t : threads) t.join();
+  if (!first_error.ok()) return first_error;
+
+  PushResult out;
+  out.grad_norm = grad_norm;
+  // Every element of the mean gradient is (1 + ... + N_d) / N_d / 1024.
+  out.expected_norm = std::sqrt(static_cast<double>(total)) * (ranks + 1) / 2.0 / 1024.0;
+  const double bytes = static_cast<double>(ranks) * sizeof(float) * static_cast<double>(total);
+  for (int rep = 1; rep <= reps; ++rep) {
+    const double t0 = *std::min_element(start[rep].begin(), start[rep].end());
+    const double t1 = *std::max_element(end[rep].begin(), end[rep].end());
+    double slowest = 0;
+    for (int r = 0; r < ranks; ++r) slowest = std::max(slowest, end[rep][r] - start[rep][r]);
+    out.gbps.push_back(bytes / (t1 - t0) / 1e9);
+    out.slowest_s.push_back(slowest);
+    out.step_s.push_back(step_s[rep]);
+  }
+  return out;
+}
+
+// acc[begin, end) += every contribution's [begin, end), in one sweep: blocks
+// of kBlock elements of acc stay in L1 while each rank's block is added.
+void SumRange(const std::vector<const float*>& contributions, float* acc, uint64_t begin,
+              uint64_t end) {
+  constexpr uint64_t kBlock = 2048;  // 8 KiB of acc
+  for (uint64_t b = begin; b < end; b += kBlock) {
+    const uint64_t e = std::min(end, b + kBlock);
+    float* __restrict a = acc + b;
+    for (const float* contribution : contributions) {
+      const float* __restrict c = contribution + b;
+      for (uint64_t i = 0; i < e - b; ++i) a[i] += c[i];
+    }
+  }
+}
+
+// The reduction alone: `threads` threads sum `ranks` contributions of `n`
+// fp32 into one accumulator; each timed repetition's GB/s.
+std::vector<double> MeasureOnePass(int ranks, uint64_t n, int threads, int reps) {
+  std::vector<std::vector<float>> contributions;
+  std::vector<const float*> pointers;
+  for (int r = 0; r < ranks; ++r) {
+    contributions.emplace_back(n, static_cast<float>(r + 1) / 1024.0f);
+    pointers.push_back(contributions.back().data());
+  }
+  std::vector<float> acc(n, 0.0f);
+  const double bytes = static_cast<double>(ranks) * sizeof(float) * static_cast<double>(n);
+  std::vector<double> out;
+  for (int rep = 0; rep <= reps; ++rep) {
+    const double t0 = Now();
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      const uint64_t begin = n * t / threads, end = n * (t + 1) / threads;
+      pool.emplace_back(SumRange, std::cref(pointers), acc.data(), begin, end);
+    }
+    for (std::thread& t : pool) t.join();
+    bench::KeepWrites(acc.data());
+    const double t1 = Now();
+    if (rep > 0) out.push_back(bytes / (t1 - t0) / 1e9);
+  }
+  return out;
+}
+
+int Main() {
+  const int ranks = std::max(1, absl::GetFlag(FLAGS_ranks));
+  const uint64_t n = std::max<uint64_t>(1, absl::GetFlag(FLAGS_elements));
+  const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
+  DaemonOptions o;
+  o.bulk_transport = "ucx";
+  o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  // As zeroshardd's default; the optimizer threads also sum staged gradients.
+  o.optimizer_threads = DefaultOptimizerThreads();
+  // Loopback, and every peer is this process: UCX keys may go out over tcp.
+  o.ucx_trust_peers = true;
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(o);
+  if (!daemon.ok()) {
+    std::fprintf(stderr, "daemon: %s\n", daemon.status().ToString().c_str());
+    return 1;
+  }
+  if ((*daemon)->bulk_transport() == nullptr) {
+    std::fprintf(stderr, "the daemon could not initialise UCX\n");
+    return 1;
+  }
+  const double bytes = static_cast<double>(ranks) * sizeof(float) * static_cast<double>(n);
+  std::printf(
+      "job: %llu fp32 parameters (%.1f MiB), %d ranks (threads, borrowed pushes), stage 2, "
+      "1 daemon with %d optimizer threads, C_B %llu B, UCX_TLS=%s; %.1f MiB pushed per "
+      "repetition\n",
+      static_cast<unsigned long long>(n), n * 4 / 1048576.0, ranks, o.optimizer_threads,
+      static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)),
+      absl::GetFlag(FLAGS_ucx_tls).c_str(), bytes / 1048576.0);
+  std::printf("%s\n", bench::DescribeCopyThreshold().c_str());
+  std::fflush(stdout);
+
+  double push = NAN;
+  {
+    absl::StatusOr<PushResult> r = MeasurePush(**daemon, ranks, n, reps);
+    if (!r.ok()) {
+      std::printf("push: failed: %s\n", r.status().ToString().c_str());
+    } else {
+      push = Median(r->gbps);
+      std::printf(
+          "push: %.3f GB/s (%.1f ms for all %d ranks' gradients; median of %s); longest "
+          "single-rank push %.1f ms; Step (not counted) %.1f ms\n",
+          push, bytes / push / 1e6, ranks, Each(r->gbps).c_str(), Median(r->slowest_s) * 1e3,
+          Median(r->step_s) * 1e3);
+      std::printf("gradient norm of the last step %.6g (the ranks' mean gradient: %.6g)\n",
+                  r->grad_norm, r->expected_norm);
+      if (!(std::abs(r->grad_norm - r->expected_norm) <= 1e-3 * r->expected_norm)) {
+        std::printf("push: the daemon's gradient norm is not the ranks' mean gradient's\n");
+        push = NAN;
+      }
+    }
+    std::fflush(stdout);
+  }
+  // The roofline's buffers exist only while it runs.
+  double one_pass = NAN;
+  {
+    const std::vector<double> g = MeasureOnePass(ranks, n, o.optimizer_threads, reps);
+    one_pass = Median(g);
+    std::printf(
+        "one_pass: %.3f GB/s (%.1f ms to sum %d contributions into one accumulator on %d "
+        "threads; median of %s)\n",
+        one_pass, bytes / one_pass / 1e6, ranks, o.optimizer_threads, Each(g).c_str());
+    std::fflush(stdout);
+  }
+  std::string why;
+  std::vector<double> perftest_runs;
+  for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_perftest_runs)); ++i) {
+    const double g = bench::PerftestPutGbps(absl::GetFlag(FLAGS_bucket_bytes),
+                                            absl::GetFlag(FLAGS_perftest),
+                                            absl::GetFlag(FLAGS_ucx_tls), &why);
+    if (std::isnan(g)) break;
+    perftest_runs.push_back(g);
+  }
+  const double perftest = Median(perftest_runs);
+  if (std::isnan(perftest)) {
+    std::printf("perftest: %s\n", why.c_str());
+  } else {
+    std::printf("perftest ucp_put_bw, %llu B messages: %.3f GB/s (median of %s)\n",
+                static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)), perftest,
+                Each(perftest_runs).c_str());
+  }
+  std::printf(
+      "push_gbps=%.3f one_pass_gbps=%.3f perftest_gbps=%.3f push_vs_one_pass=%.3f "
+      "push_vs_perftest=%.3f\n",
+      push, one_pass, perftest, push / one_pass, push / perftest);
+  return std::isnan(push) ? 1 : 0;
+}
+
+}  // namespace
+}  // namespace zeroshard
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return zeroshard::Main();
+}
