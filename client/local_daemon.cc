@@ -10,6 +10,7 @@
 #include <cstring>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace zeroshard {
@@ -44,6 +45,7 @@ bool IsLoopback(const sockaddr* a) {
 }  // namespace
 
 std::string HostOfAddress(absl::string_view address) {
+  if (absl::StartsWith(address, "unix:")) return "localhost";  // a socket of this machine
   const size_t colon = address.rfind(':');
   absl::string_view host = colon == absl::string_view::npos ? address : address.substr(0, colon);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {

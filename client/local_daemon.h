@@ -12,7 +12,8 @@
 
 namespace zeroshard {
 
-// The host of a "HOST:PORT" address (IPv6 without its brackets).
+// The host of a "HOST:PORT" address (IPv6 without its brackets);
+// "localhost" for a unix socket ("unix:PATH").
 std::string HostOfAddress(absl::string_view address);
 
 // The index of the first of `daemons` ("HOST:PORT") whose host is an

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/job_id.h"
@@ -38,12 +39,30 @@ absl::string_view OptimizerKindName(OptimizerKind kind) {
   return "unknown";
 }
 
+bool IsUnixSocketAddress(absl::string_view address) {
+  return absl::StartsWith(address, kUnixSocketPrefix);
+}
+
 absl::Status ValidateHostPort(absl::string_view address, absl::string_view field) {
   auto bad = [&] {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": must be HOST:PORT, got \"", address.substr(0, kMaxAddressBytes + 4), "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": must be HOST:PORT or unix:/ABSOLUTE/PATH, got \"",
+                     address.substr(0, kMaxAddressBytes + 4), "\""));
   };
   if (address.empty() || address.size() > kMaxAddressBytes) return bad();
+  if (IsUnixSocketAddress(address)) {
+    const absl::string_view path = address.substr(sizeof(kUnixSocketPrefix) - 1);
+    if (path.size() < 2 || path.front() != '/') return bad();
+    if (path.size() > kMaxUnixSocketPathBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": the socket path ", path, " has ", path.size(), " bytes; a unix socket's path ",
+          "may have ", kMaxUnixSocketPathBytes, " at most (choose a shorter directory)"));
+    }
+    for (char ch : path) {
+      if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f || ch == ',') return bad();
+    }
+    return absl::OkStatus();
+  }
   const size_t colon = address.rfind(':');
   if (colon == absl::string_view::npos || colon == 0) return bad();
   const absl::string_view host = address.substr(0, colon);

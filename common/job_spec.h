@@ -113,9 +113,20 @@ inline uint32_t BackedUpGroup(uint32_t daemon, uint32_t daemons) {
 // "ClientConfig.optimizer.beta1: must be in [0, 1), got 1.5").
 absl::Status ValidateJobSettings(const JobSettings& settings, absl::string_view prefix);
 
+// A daemon on this machine's unix socket: "unix:" and an absolute path
+// (gRPC's form). Only processes that may write the socket file (and search
+// its directory) connect: a single-node job's daemon in a 0700 directory is
+// out of other users' reach, and nobody else can take its address first.
+inline constexpr char kUnixSocketPrefix[] = "unix:";
+// sockaddr_un.sun_path holds 108 bytes with the terminating NUL.
+inline constexpr size_t kMaxUnixSocketPathBytes = 107;
+bool IsUnixSocketAddress(absl::string_view address);
+
 // OK iff `address` is HOST:PORT: at most kMaxAddressBytes, a non-empty host
 // before the last ':' and a port of 1..5 digits after it (IPv6 hosts in
-// brackets). InvalidArgument naming `field` otherwise.
+// brackets); or unix:/ABSOLUTE/PATH, the path at most
+// kMaxUnixSocketPathBytes, without control characters or ','.
+// InvalidArgument naming `field` otherwise.
 absl::Status ValidateHostPort(absl::string_view address, absl::string_view field);
 
 // The daemon's view of a job: validated settings, the layout and the

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 
@@ -46,6 +47,8 @@ absl::Status ValidateTlsFiles(const TlsFiles& f, absl::string_view prefix) {
 }
 
 bool IsLoopbackAddress(absl::string_view address) {
+  // A unix socket (common/job_spec.h) is this machine's only.
+  if (absl::StartsWith(address, "unix:")) return true;
   absl::string_view host = address;
   if (absl::ConsumePrefix(&host, "[")) {
     const size_t end = host.find(']');

@@ -30,7 +30,7 @@ absl::Status ValidateTlsFiles(const TlsFiles& files, absl::string_view prefix);
 
 // True for addresses only this host can reach: 127.0.0.0/8, [::1] (and
 // [::ffff:127.x.y.z]), localhost (HOST:PORT or HOST alone; a bare IPv6
-// address needs its brackets).
+// address needs its brackets), and unix sockets (unix:PATH).
 bool IsLoopbackAddress(absl::string_view address);
 
 // A caller's side of the same rule (docs/security.md): a process that sends

@@ -1,11 +1,17 @@
 #include "server/daemon.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/checkpoint_files.h"
 #include "common/job_spec.h"
@@ -44,6 +50,37 @@ constexpr int kRpcThreadsKeptPolling = 256;
 constexpr int kMaxStreamsPerConnection = 256;
 
 void Log(const std::string& line) { std::fprintf(stderr, "zeroshardd: %s\n", line.c_str()); }
+
+// The path of a --listen=unix:PATH socket.
+std::string SocketPath(const std::string& listen) {
+  return listen.substr(sizeof(kUnixSocketPrefix) - 1);
+}
+
+// A unix socket is as private as its directory: it must exist, belong to
+// this user (or root) and be closed to group and others, so that no other
+// user reaches the socket or puts another in its place.
+absl::Status CheckSocketDirectory(const std::string& listen) {
+  const std::string path = SocketPath(listen);
+  const std::string dir = path.substr(0, std::max<size_t>(path.rfind('/'), 1));
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--listen=", listen, ": its directory ", dir, ": ", std::strerror(errno),
+        " (create it, mode 0700, owned by the daemon's user)"));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--listen=", listen, ": ", dir, " is not a directory"));
+  }
+  if ((st.st_uid != ::geteuid() && st.st_uid != 0) || (st.st_mode & 077) != 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "--listen=%s: the socket's directory %s (owner uid %d, mode %04o) must belong to the "
+        "daemon's user and be closed to group and others, or other users could reach the "
+        "socket: chmod 700 %s",
+        listen, dir, st.st_uid, st.st_mode & 07777, dir));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ValidateOptions(const DaemonOptions& o) {
   RETURN_IF_ERROR(ValidateHostPort(o.listen, "--listen"));
@@ -146,6 +183,11 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
 // address to advertise: peers would be handed one they cannot dial.
 absl::Status GrpcBulkAddresses(const DaemonOptions& o, std::string* listen,
                                std::string* advertise) {
+  if (IsUnixSocketAddress(o.listen) && o.bulk_listen.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--bulk_transport=grpc listens on TCP: with --listen=", o.listen,
+        " give --bulk_listen_address=HOST:PORT (e.g. 127.0.0.1:0)"));
+  }
   *listen = !o.bulk_listen.empty() ? o.bulk_listen
                                    : o.listen.substr(0, o.listen.rfind(':')) + ":0";
   *advertise = o.advertise_address;
@@ -402,6 +444,8 @@ absl::Status Daemon::StartGrpcServers() {
   // Shutdown, and server reflection for tools without the .proto files.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  const bool unix_socket = IsUnixSocketAddress(options.listen);
+  if (unix_socket) RETURN_IF_ERROR(CheckSocketDirectory(options.listen));
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, credentials, &port_);
   builder.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
@@ -431,7 +475,16 @@ absl::Status Daemon::StartGrpcServers() {
     return absl::UnavailableError(
         absl::StrCat("--listen: cannot bind ", options.listen, " (in use or not local?)"));
   }
-  address_ = options.listen.substr(0, options.listen.rfind(':') + 1) + std::to_string(port_);
+  if (unix_socket) {
+    // Only this user connects (connect(2) needs write permission on it).
+    if (::chmod(SocketPath(options.listen).c_str(), 0600) != 0) {
+      return absl::UnavailableError(absl::StrCat("--listen=", options.listen,
+                                                 ": chmod 600: ", std::strerror(errno)));
+    }
+    address_ = options.listen;
+  } else {
+    address_ = options.listen.substr(0, options.listen.rfind(':') + 1) + std::to_string(port_);
+  }
   context_->health = server_->GetHealthCheckService();
   if (!options.health_listen.empty()) {
     // Plaintext on purpose: it carries only the serving status.

@@ -17,7 +17,9 @@
 #include "server/ledger/system_resources.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0",
-          "HOST:PORT to serve gRPC on; port 0 picks a free port (printed at start).");
+          "HOST:PORT to serve gRPC on; port 0 picks a free port (printed at start). Or "
+          "unix:/ABSOLUTE/PATH, a unix socket in a directory of this user's closed to group "
+          "and others (mode 0700), which only this user can reach.");
 ABSL_FLAG(int, metrics_port, -1,
           "Port of the Prometheus /metrics endpoint on 127.0.0.1 (only this machine can "
           "scrape it; see --metrics_listen); 0 picks a free port (printed at start); -1 = off.");

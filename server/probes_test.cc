@@ -3,6 +3,10 @@
 // reflection (the zeroshard services listed without their .proto files).
 // Neither needs a token.
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
 #include <memory>
 #include <set>
 #include <string>
@@ -161,6 +165,52 @@ TEST(ProbesTest, ReflectionListsTheServices) {
         "zeroshard.v1.Checkpoint", "zeroshard.v1.Activation", "grpc.health.v1.Health"}) {
     EXPECT_EQ(names.count(want), 1u) << want << " is not listed";
   }
+}
+
+// A daemon on a unix socket (--listen=unix:PATH), as the single-node Slurm
+// script runs it: only in a directory of this user's closed to others, the
+// socket itself mode 0600; trainers reach it at the same address (a job
+// spec naming it registers, joins and answers).
+TEST(ProbesTest, ServesAUnixSocketInAPrivateDirectory) {
+  // In /tmp: TEST_TMPDIR's path may be longer than a socket's address holds.
+  std::string dir = "/tmp/zs-probes-test.XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string address = absl::StrCat("unix:", dir, "/d.sock");
+
+  // A directory others may enter is refused, naming the fix.
+  ASSERT_EQ(::chmod(dir.c_str(), 0755), 0);
+  DaemonOptions o;
+  o.listen = address;
+  absl::StatusOr<std::unique_ptr<Daemon>> refused = Daemon::Start(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("chmod 700"), absl::string_view::npos)
+      << refused.status();
+
+  ASSERT_EQ(::chmod(dir.c_str(), 0700), 0);
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ((*d)->address(), address);
+  struct stat st {};
+  ASSERT_EQ(::stat((dir + "/d.sock").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  grpc::Status status;
+  EXPECT_EQ(Check(address, &status), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  testing::DaemonClient client(address);
+  const v1::JobSpec spec = testing::MakeSpec("on-a-socket", testing::SampleLayout(), 3, 1, {address});
+  grpc::Status s = client.Register(spec, 0);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  s = client.JoinAll(spec);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+
+  // A path longer than a socket's address holds is refused before binding.
+  o.listen = absl::StrCat("unix:", dir, "/", std::string(kMaxUnixSocketPathBytes, 's'));
+  absl::StatusOr<std::unique_ptr<Daemon>> too_long = Daemon::Start(o);
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument) << too_long.status();
+  d->reset();
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -8,7 +8,8 @@
 #
 # Submitted with `sbatch --wait` for one node and 2 tasks: one zeroshardd,
 # two gpt_train ranks at stage 3. Checked: the job exits 0; its output has
-# rank 0's last step, the daemon's log (serving plaintext on loopback), the
+# rank 0's last step, the daemon's log (serving plaintext on a unix socket
+# in a private directory), the
 # `zsctl memory` report of the job sampled while it trained (every ledger
 # category of the model states) and of the daemon after it; the daemon was
 # stopped by SIGTERM and no process of the job is left.
@@ -256,12 +257,17 @@ run_job() {
   [[ -z "$left" ]] || zs_fail "$name: processes of the job left running: $(ps -o pid,args -p $left)"
 }
 
-# One node: the daemon serves plaintext on loopback.
+# One node: the daemon serves plaintext on a unix socket in a directory
+# only the job's user can enter, not on a TCP port another user could take.
 run_job loopback "$ZS_PORT"
-grep -q "^0: zeroshardd listening on 127.0.0.1:$ZS_PORT$" "$OUT" ||
-  zs_fail "loopback: the daemon did not listen on 127.0.0.1:$ZS_PORT"
+SOCK="$(sed -n 's/^zeroshard.sbatch: [0-9:]* ZS_DAEMONS=\(unix:\/.*\)$/\1/p' "$OUT")"
+[[ -n "$SOCK" ]] || zs_fail "loopback: ZS_DAEMONS is not a unix socket"
+grep -qxF "0: zeroshardd listening on $SOCK" "$OUT" ||
+  zs_fail "loopback: the daemon did not listen on $SOCK"
 grep -q "^0: zeroshardd serving plaintext$" "$OUT" || zs_fail "loopback: the daemon did not serve plaintext"
-grep -q "^daemon 127.0.0.1:$ZS_PORT  total " <<<"$REPORT" || zs_fail "loopback: the report names no daemon"
+grep -qF "daemon $SOCK  total " <<<"$REPORT" || zs_fail "loopback: the report names no daemon"
+[[ ! -e "${SOCK#unix:}" && ! -e "$(dirname "${SOCK#unix:}")" ]] ||
+  zs_fail "loopback: the socket's directory was left behind"
 
 # Mutual TLS, as on several nodes: the daemon on every interface with the
 # certificate of its node ("%n", the node being called localhost here, which

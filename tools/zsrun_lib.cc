@@ -324,12 +324,16 @@ absl::StatusOr<std::vector<std::string>> ParseAddressList(absl::string_view list
   for (absl::string_view entry : absl::StrSplit(list, ',')) {
     entry = absl::StripAsciiWhitespace(entry);
     if (entry.empty()) continue;
+    if (absl::StartsWith(entry, "unix:/")) {  // a daemon's unix socket
+      out.emplace_back(entry);
+      continue;
+    }
     const size_t colon = entry.rfind(':');
     int port = 0;
     if (colon == absl::string_view::npos || colon == 0 ||
         !absl::SimpleAtoi(entry.substr(colon + 1), &port) || port <= 0 || port > 65535) {
       return absl::InvalidArgumentError(
-          absl::StrCat("daemon address \"", entry, "\" is not HOST:PORT"));
+          absl::StrCat("daemon address \"", entry, "\" is not HOST:PORT or unix:/PATH"));
     }
     out.emplace_back(entry);
   }
