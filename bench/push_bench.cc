@@ -44,7 +44,11 @@
 // host's memory bandwidth and cores with each other, so even perfectly
 // overlapped a push moves each byte twice where one_pass moves it once: a
 // ratio near 0.5 is the push-based design's ceiling, and what lies below it
-// is the design's own overheads (RPCs, slot turnover, holds, threads).
+// is the design's own overheads (RPCs, slot turnover, holds, threads). A
+// single run can land somewhat above 0.5: the sum may find the end of a
+// freshly written slot still in the last-level cache, and on a shared host
+// the two figures, though from the same run, are not measured at the same
+// moment (run it several times).
 // push_vs_perftest compares the push with UCX's bare put bandwidth, whose
 // message sits in the caches (each side one buffer of C_B).
 //
