@@ -1,6 +1,7 @@
 #include "client/checkpoint_driver.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <thread>
@@ -184,7 +185,8 @@ absl::StatusOr<LatestLoad> CheckpointDriver::LoadLatestVerified(absl::Time deadl
                                           " verifies: ", absl::StrJoin(out.skipped, "; ")));
 }
 
-absl::StatusOr<std::vector<v1::CheckpointInfo>> CheckpointDriver::List(absl::Time deadline) {
+absl::StatusOr<std::vector<v1::ListCheckpointsResponse>> CheckpointDriver::ListEach(
+    absl::Time deadline) {
   std::vector<v1::ListCheckpointsResponse> out(stubs_.size());
   RETURN_IF_ERROR(ForEach(stubs_.size(), [&](size_t d) -> absl::Status {
     v1::ListCheckpointsRequest req;
@@ -194,6 +196,54 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> CheckpointDriver::List(absl::Tim
     const grpc::Status s = stubs_[d]->ListCheckpoints(&ctx, req, &out[d]);
     return s.ok() ? absl::OkStatus() : DaemonError(s, addresses_[d], "ListCheckpoints");
   }));
+  return out;
+}
+
+bool CheckpointDriver::CompletePending(const std::vector<v1::ListCheckpointsResponse>& lists,
+                                       absl::Time deadline) {
+  const uint32_t n = static_cast<uint32_t>(stubs_.size());
+  std::map<std::string, std::map<uint32_t, v1::PartManifest>> pending;  // name -> index -> part
+  for (const v1::ListCheckpointsResponse& r : lists) {
+    for (const v1::PendingCheckpointPart& p : r.pending()) {
+      if (p.part().daemon_count() == n && p.part().daemon_index() < n) {
+        pending[p.name()].emplace(p.part().daemon_index(), p.part());
+      }
+    }
+  }
+  bool completed = false;
+  for (const auto& [name, parts] : pending) {
+    if (parts.size() != n) continue;  // a part is missing (or still being written)
+    v1::CompleteCheckpointRequest complete;
+    complete.set_job_id(job_id_);
+    complete.set_name(name);
+    for (const auto& [index, part] : parts) *complete.add_parts() = part;
+    const absl::Status s = ForEach(n, [&](size_t d) -> absl::Status {
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, deadline);
+      v1::CompleteCheckpointResponse r;
+      const grpc::Status st = stubs_[d]->CompleteCheckpoint(&ctx, complete, &r);
+      return st.ok() ? absl::OkStatus() : DaemonError(st, addresses_[d], "CompleteCheckpoint");
+    });
+    if (s.ok()) {
+      std::fprintf(stderr,
+                   "zeroshard: job %s: completed checkpoint %s (step %llu) from the parts its "
+                   "daemons saved before removing the idle job\n",
+                   job_id_.c_str(), name.c_str(),
+                   static_cast<unsigned long long>(parts.begin()->second.state().committed_step()));
+      completed = true;
+    } else {
+      std::fprintf(stderr, "zeroshard: job %s: checkpoint %s stays incomplete: %s\n",
+                   job_id_.c_str(), name.c_str(), std::string(s.message()).c_str());
+    }
+  }
+  return completed;
+}
+
+absl::StatusOr<std::vector<v1::CheckpointInfo>> CheckpointDriver::List(absl::Time deadline) {
+  ASSIGN_OR_RETURN(std::vector<v1::ListCheckpointsResponse> out, ListEach(deadline));
+  if (CompletePending(out, deadline)) {
+    ASSIGN_OR_RETURN(out, ListEach(deadline));
+  }
   // Complete on every daemon: in every list.
   std::map<std::string, int> seen;
   for (const auto& r : out) {

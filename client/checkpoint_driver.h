@@ -75,7 +75,12 @@ class CheckpointDriver {
   // checkpoint; DataLoss naming each one when none verifies. Reads every
   // file of each candidate once to verify it before the load reads it again.
   absl::StatusOr<LatestLoad> LoadLatestVerified(absl::Time deadline);
-  // The checkpoints complete on every daemon (by step).
+  // The checkpoints complete on every daemon (by step). First completes
+  // those whose parts are all on the daemons without a MANIFEST (the
+  // daemons saved their parts of an idle job before removing it,
+  // ListCheckpointsResponse.pending): CompleteCheckpoint on every daemon
+  // with the parts; one that does not complete (the job registered again
+  // has another shape) stays pending and is said on stderr.
   absl::StatusOr<std::vector<v1::CheckpointInfo>> List(absl::Time deadline);
   // VerifyCheckpoint of every part p of `name` ("latest" resolved by daemon
   // 0) on daemon p (modulo the daemons here). The checkpoint verified, with
@@ -84,6 +89,11 @@ class CheckpointDriver {
                                                       absl::Time deadline);
 
  private:
+  // ListCheckpoints on every daemon.
+  absl::StatusOr<std::vector<v1::ListCheckpointsResponse>> ListEach(absl::Time deadline);
+  // Completes what `lists` show pending on every daemon; whether any was.
+  bool CompletePending(const std::vector<v1::ListCheckpointsResponse>& lists, absl::Time deadline);
+
   const std::string job_id_;
   const std::vector<std::string> addresses_;
   std::vector<std::unique_ptr<v1::Checkpoint::Stub>> stubs_;

@@ -652,6 +652,49 @@ absl::StatusOr<std::vector<v1::CheckpointManifest>> ListCompleteCheckpoints(
   return out;
 }
 
+absl::StatusOr<std::vector<PendingPart>> ListPendingParts(absl::string_view root,
+                                                          absl::string_view job_id) {
+  std::vector<PendingPart> out;
+  const std::string dir = CheckpointJobDir(root, job_id);
+  std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), ::closedir);
+  if (d == nullptr) {
+    if (errno == ENOENT) return out;
+    return FileError(errno, "listing", dir);
+  }
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d.get())) {
+    const std::string n = e->d_name;
+    if (ValidateCheckpointName(n, false).ok()) names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());
+  for (const std::string& n : names) {
+    const std::string checkpoint = CheckpointDir(root, job_id, n);
+    struct stat st;
+    if (::stat(absl::StrCat(checkpoint, "/", kManifestFile).c_str(), &st) == 0) continue;
+    std::unique_ptr<DIR, int (*)(DIR*)> parts(::opendir(checkpoint.c_str()), ::closedir);
+    while (parts != nullptr && out.size() < kMaxPendingParts) {
+      const dirent* e = ::readdir(parts.get());
+      if (e == nullptr) break;
+      uint32_t index = 0;
+      if (!absl::StartsWith(e->d_name, "part-") ||
+          !absl::SimpleAtoi(absl::StripPrefix(e->d_name, "part-"), &index)) {
+        continue;
+      }
+      PendingPart pending;
+      pending.name = n;
+      // A part still being written has no PART file yet; one that does not
+      // parse, or names another index, is not offered.
+      if (ReadProtoFile(absl::StrCat(checkpoint, "/", e->d_name, "/", kPartManifestFile),
+                        &pending.part)
+              .ok() &&
+          pending.part.daemon_index() == index) {
+        out.push_back(std::move(pending));
+      }
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<std::string> ResolveCheckpointName(absl::string_view root,
                                                   absl::string_view job_id,
                                                   absl::string_view name) {

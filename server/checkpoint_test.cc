@@ -12,9 +12,12 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 #include <utility>
 #include <vector>
 
+#include "client/checkpoint_driver.h"
+#include "common/channel.h"
 #include "common/checkpoint_files.h"
 #include "common/crc32c.h"
 #include "common/job_spec.h"
@@ -143,6 +146,107 @@ TEST_P(CheckpointPrecisionTest, LoadRestoresTheSavedStateBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(Precisions, CheckpointPrecisionTest,
                          ::testing::Values(v1::DTYPE_FP32, v1::DTYPE_BF16, v1::DTYPE_FP16));
+
+// Daemons whose job's ranks all fell silent past --job_idle_timeout_seconds
+// (a crashed run) save it before removing it: each daemon writes its part
+// of "idle-step-N" (no client is there to complete it: ListCheckpoints
+// offers the parts as pending); the client of the run that resumes (the
+// same job registered again) completes the checkpoint from every daemon's
+// part and loads it: the state the silent job had, bit for bit.
+TEST_F(CheckpointTest, AnIdleJobIsSavedBeforeItsRemovalAndResumes) {
+  auto idle = [](DaemonOptions& o) {
+    o.rank_timeout = absl::Milliseconds(300);
+    o.job_idle_timeout = absl::Milliseconds(600);
+  };
+  TestCluster c(2, 2, 3, "idle", dir_, v1::DTYPE_FP32, false, "", 1024, false, idle);
+  std::mt19937 rng(7);
+  c.Init(RandomVector(rng, c.total(), 1.0f));
+  Train(c, 2, 0, 3, rng);
+  const uint64_t h0 = Hash(c, 0), h1 = Hash(c, 1);
+  const std::vector<float> before = c.GatherAll(3);
+
+  // Silence: each daemon saves its part and removes the job.
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while ((c.daemon(0).jobs().size() != 0 || c.daemon(1).jobs().size() != 0) &&
+         absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_EQ(c.daemon(0).jobs().size() + c.daemon(1).jobs().size(), 0u) << "the idle job stayed";
+  for (int d = 0; d < 2; ++d) {
+    v1::ListCheckpointsRequest req;
+    req.set_job_id(c.job());
+    v1::ListCheckpointsResponse list;
+    grpc::ClientContext ctx;
+    const grpc::Status s = c.client(d).checkpoint->ListCheckpoints(&ctx, req, &list);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(list.checkpoints_size(), 0) << list.ShortDebugString();
+    // The daemons share the directory here: each lists both parts.
+    ASSERT_EQ(list.pending_size(), 2) << list.ShortDebugString();
+    std::set<uint32_t> parts;
+    for (const v1::PendingCheckpointPart& p : list.pending()) {
+      EXPECT_EQ(p.name(), "idle-step-3");
+      EXPECT_EQ(p.part().state().committed_step(), 3u);
+      parts.insert(p.part().daemon_index());
+    }
+    EXPECT_EQ(parts, (std::set<uint32_t>{0, 1}));
+  }
+
+  // The run restarts: the job registered again, its ranks joined.
+  std::vector<std::string> addresses;
+  for (int d = 0; d < 2; ++d) {
+    ASSERT_TRUE(c.client(d).Register(c.spec(), d).ok());
+    ASSERT_TRUE(c.client(d).JoinAll(c.spec()).ok());
+    addresses.push_back(c.daemon(d).address());
+  }
+  std::unique_ptr<CheckpointDriver> driver = CheckpointDriver::Connect(
+      c.job(), addresses, ChannelSecurity::Plaintext(testing::kTestToken));
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  absl::StatusOr<std::vector<v1::CheckpointInfo>> listed = driver->List(deadline);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].name(), "idle-step-3");
+  EXPECT_EQ((*listed)[0].step(), 3u);
+  absl::StatusOr<LatestLoad> loaded = driver->LoadLatestVerified(deadline);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->loaded.name(), "idle-step-3");
+  EXPECT_EQ(loaded->loaded.step(), 3u);
+  EXPECT_EQ(c.GatherAll(3), before);
+  EXPECT_EQ(Hash(c, 0), h0);
+  EXPECT_EQ(Hash(c, 1), h1);
+  Train(c, 2, 3, 1, rng);  // training goes on
+}
+
+// A job of one daemon is its own whole checkpoint: the daemon writes the
+// MANIFEST too. A job idle at a step the trainers saved is not saved again.
+TEST_F(CheckpointTest, AnIdleJobOfOneDaemonIsSavedComplete) {
+  auto idle = [](DaemonOptions& o) {
+    o.rank_timeout = absl::Milliseconds(300);
+    o.job_idle_timeout = absl::Milliseconds(600);
+  };
+  for (const bool saved_by_trainers : {false, true}) {
+    SCOPED_TRACE(saved_by_trainers ? "saved by the trainers" : "not saved");
+    const std::string job = saved_by_trainers ? "idle-one-saved" : "idle-one";
+    TestCluster c(1, 1, 2, job, dir_, v1::DTYPE_FP32, false, "", 1024, false, idle);
+    std::mt19937 rng(9);
+    c.Init(RandomVector(rng, c.total(), 1.0f));
+    Train(c, 1, 0, 2, rng);
+    if (saved_by_trainers) SaveAll(c, "s2", 2);
+    const absl::Time until = absl::Now() + absl::Seconds(30);
+    while (c.daemon(0).jobs().size() != 0 && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    ASSERT_EQ(c.daemon(0).jobs().size(), 0u);
+    absl::StatusOr<std::vector<v1::CheckpointManifest>> complete =
+        ListCompleteCheckpoints(dir_, job);
+    ASSERT_TRUE(complete.ok()) << complete.status();
+    ASSERT_EQ(complete->size(), 1u);
+    EXPECT_EQ((*complete)[0].name(), saved_by_trainers ? "s2" : "idle-step-2");
+    EXPECT_EQ((*complete)[0].state().committed_step(), 2u);
+    absl::StatusOr<std::vector<PendingPart>> pending = ListPendingParts(dir_, job);
+    ASSERT_TRUE(pending.ok()) << pending.status();
+    EXPECT_TRUE(pending->empty());
+  }
+}
 
 TEST_F(CheckpointTest, LoadReslicesOntoAnotherPartitioning) {
   std::vector<float> saved;

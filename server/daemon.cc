@@ -363,6 +363,10 @@ void Daemon::StartJobs() {
   jo.rank_timeout = options.rank_timeout;
   jo.join_timeout = options.join_timeout;
   jo.job_idle_timeout = options.job_idle_timeout;
+  // Runs only once jobs exist, so after the services were made.
+  jo.before_idle_removal = [this](const std::shared_ptr<Job>& job) {
+    if (checkpoint_ != nullptr) checkpoint_->SaveBeforeIdleRemoval(job);
+  };
   jo.max_jobs = options.max_jobs;
   jo.max_jobs_per_identity = options.max_jobs_per_identity;
   if (ActivationStore* store = activations_.get(); store != nullptr) {

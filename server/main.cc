@@ -110,8 +110,9 @@ ABSL_FLAG(int, liveness_timeout_seconds, 4,
 ABSL_FLAG(int, job_idle_timeout_seconds, 3600,
           "A job whose ranks have all been silent (no heartbeat, no request) for this many "
           "seconds is removed with its memory, so a crashed run's state stays for the time a "
-          "restart needs and not for good; nothing is saved first (a restart resumes from the "
-          "job's last checkpoint). 0: never.");
+          "restart needs and not for good. With --checkpoint_dir each daemon first saves its "
+          "part of checkpoint idle-step-<committed step> (unless one of that step exists), "
+          "which the resumed run's client completes and loads as its latest. 0: never.");
 ABSL_FLAG(int, rank_timeout_seconds, 30,
           "A joined rank not heard from (heartbeat, push) this long is no longer connected.");
 ABSL_FLAG(uint64_t, reduction_buffer_bytes, 256ull << 20,

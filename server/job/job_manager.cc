@@ -259,6 +259,8 @@ constexpr absl::Duration kPauseReported = absl::Seconds(5);
 void JobManager::Tick() {
   const absl::Time now = absl::Now();
   std::vector<std::shared_ptr<Job>> unjoined;  // every copy of such jobs, and of idle ones
+  // Idle jobs: the home copy, then every copy.
+  std::vector<std::pair<std::shared_ptr<Job>, std::vector<std::shared_ptr<Job>>>> idle;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, entry] : jobs_) {
@@ -271,20 +273,37 @@ void JobManager::Tick() {
           continue;
         }
         ++unjoined_removed_;
+        for (const auto& [group, copy] : entry.copies) unjoined.push_back(copy);
       } else {
         if (options_.job_idle_timeout == absl::ZeroDuration() ||
             job.LastHeard() + options_.job_idle_timeout > now) {
           continue;
         }
-        ++idle_removed_;
-        std::fprintf(stderr,
-                     "zeroshardd: job %s removed: no rank heard from for %s "
-                     "(--job_idle_timeout_seconds)\n",
-                     id.c_str(), absl::FormatDuration(options_.job_idle_timeout).c_str());
+        idle.emplace_back(home->second, std::vector<std::shared_ptr<Job>>());
+        for (const auto& [group, copy] : entry.copies) idle.back().second.push_back(copy);
       }
-      for (const auto& [group, copy] : entry.copies) unjoined.push_back(copy);
     }
   }
+  for (const auto& [home, copies] : idle) {
+    if (options_.before_idle_removal) {
+      for (const std::shared_ptr<Job>& copy : copies) {
+        if (copy->role() == ReplicaRole::kPrimary) options_.before_idle_removal(copy);
+      }
+    }
+    // A rank heard from while the hook ran keeps the job.
+    if (home->LastHeard() + options_.job_idle_timeout > absl::Now()) continue;
+    {
+      absl::MutexLock lock(&mu_);
+      ++idle_removed_;
+    }
+    std::fprintf(stderr,
+                 "zeroshardd: job %s removed: no rank heard from for %s "
+                 "(--job_idle_timeout_seconds)\n",
+                 home->config().job_id.c_str(),
+                 absl::FormatDuration(options_.job_idle_timeout).c_str());
+    unjoined.insert(unjoined.end(), copies.begin(), copies.end());
+  }
+  idle.clear();
   for (const std::shared_ptr<Job>& job : unjoined) Remove(job);
   unjoined.clear();  // the retired list holds them now: reapable below
   std::vector<std::shared_ptr<Job>> reap;

@@ -45,9 +45,15 @@ class JobManager {
     // A job whose home copy (a primary) had ranks joined and has heard from
     // none of them (join, heartbeat, any rank request) for this long is
     // removed with every copy: a crashed run's state stays for the time a
-    // restart needs, not for good. Nothing is saved first: a restart resumes
-    // from the job's last checkpoint. Zero: never.
+    // restart needs, not for good (before_idle_removal may save it first).
+    // Zero: never.
     absl::Duration job_idle_timeout = absl::Hours(1);
+    // Called on the janitor thread, with no manager lock held, for each
+    // primary copy of a job about to be removed as idle, before anything is
+    // removed (the daemon saves the copy's checkpoint part there). It may
+    // block: the janitor waits. A job whose ranks were heard from meanwhile
+    // stays.
+    std::function<void(const std::shared_ptr<Job>& job)> before_idle_removal;
     // Called by Remove, on its thread with no manager lock held, before the
     // job leaves the registry (so before a job of the same id can be
     // registered again), for what the daemon keeps for a job outside it: its

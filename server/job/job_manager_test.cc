@@ -534,6 +534,35 @@ TEST_F(JobManagerTest, AJobNoRankIsHeardFromIsRemovedAfterTheIdleTimeout) {
   EXPECT_EQ(manager_->unjoined_removed(), 0u);
 }
 
+// Before an idle job goes, the hook (the daemon's save) runs for each of its
+// primary copies, not its backups; a job a rank was heard from while the
+// hook ran (a restarted rank's first call) stays.
+TEST_F(JobManagerTest, BeforeIdleRemovalSeesPrimariesAndARankHeardMeanwhileKeepsTheJob) {
+  JobManager::Options o;
+  o.read_lease = absl::ZeroDuration();
+  o.janitor_period = absl::Hours(1);
+  o.job_idle_timeout = absl::Milliseconds(300);
+  std::vector<std::string> seen;
+  o.before_idle_removal = [&](const std::shared_ptr<Job>& job) {
+    seen.push_back(absl::StrCat(job->config().job_id, "/", job->daemon_index()));
+    if (job->config().job_id == "back") EXPECT_TRUE(job->CheckRank(0, 1, "").ok());
+  };
+  Make(o);
+  std::shared_ptr<Job> gone = *Register(Spec("gone", 2, 2));  // and the backup of group 1
+  std::shared_ptr<Job> back = *Register(Spec("back"));
+  ASSERT_TRUE(JoinRank0(gone).ok());
+  ASSERT_TRUE(JoinRank0(back).ok());
+  gone.reset();
+  back.reset();
+  absl::SleepFor(absl::Milliseconds(400));
+  manager_->Tick();
+  EXPECT_EQ(seen, (std::vector<std::string>{"back/0", "gone/0"}));
+  EXPECT_EQ(manager_->idle_removed(), 1u);
+  EXPECT_FALSE(manager_->Find("gone").ok());
+  EXPECT_FALSE(manager_->Find("gone", 1).ok());
+  EXPECT_TRUE(manager_->Find("back").ok()) << "a job heard from during the hook was removed";
+}
+
 // Removing a copy that is no longer registered retires nothing a second time.
 TEST_F(JobManagerTest, RemoveTwiceRetiresOnce) {
   JobManager::Options o;

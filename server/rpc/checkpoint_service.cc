@@ -12,6 +12,10 @@ namespace {
 
 void Log(const std::string& line) { std::fprintf(stderr, "zeroshardd: %s\n", line.c_str()); }
 
+// The longest a save before an idle job's removal may write (the janitor
+// waits for it).
+constexpr absl::Duration kIdleSaveWait = absl::Minutes(30);
+
 absl::Status CheckpointDirSet(const ServiceContext& ctx) {
   if (!ctx.checkpoint_dir.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(
@@ -120,7 +124,71 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext* call,
     i->set_bytes(bytes);
     i->set_completed_unix_ms(m.completed_unix_ms());
   }
+  absl::StatusOr<std::vector<PendingPart>> pending =
+      ListPendingParts(ctx_->checkpoint_dir, req->job_id());
+  if (!pending.ok()) return ctx_->Done(__func__, pending.status());
+  for (PendingPart& p : *pending) {
+    v1::PendingCheckpointPart* out = resp->add_pending();
+    out->set_name(std::move(p.name));
+    *out->mutable_part() = std::move(p.part);
+  }
   return ctx_->Done(__func__, absl::OkStatus());
+}
+
+void CheckpointService::SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job) {
+  if (ctx_->checkpoint_dir.empty()) return;
+  const JobConfig& config = job->config();
+  const uint64_t step = job->committed_step();
+  const uint32_t part = job->daemon_index();  // its replica group
+  const std::string what =
+      absl::StrCat("job ", config.job_id, " (idle): part ", part, " of checkpoint");
+  if (step == 0) return;  // nothing trained since the parameters were set
+  // Saved already at this step (the trainers' own checkpoint, or an idle
+  // save a resume came from): nothing new to keep.
+  absl::StatusOr<std::vector<v1::CheckpointManifest>> complete =
+      ListCompleteCheckpoints(ctx_->checkpoint_dir, config.job_id);
+  if (complete.ok()) {
+    for (const v1::CheckpointManifest& m : *complete) {
+      if (m.state().committed_step() == step) return;
+    }
+  }
+  const std::string name = absl::StrCat("idle-step-", step);
+  absl::Status s = ctx_->ClaimFiles(*job);
+  if (s.ok()) s = ctx_->CheckCheckpointQuota(*job);
+  if (s.ok()) s = job->SaveCheckpoint(name, step).status();
+  absl::StatusOr<CheckpointProgress> done = absl::UnknownError("not saved");
+  if (!s.ok()) done = s;
+  if (s.ok()) {
+    const absl::Time deadline = absl::Now() + kIdleSaveWait;
+    do {
+      done = job->CheckpointStatus(name, absl::Seconds(10));
+    } while (done.ok() && done->state == CheckpointProgress::State::kWriting &&
+             absl::Now() < deadline);
+  }
+  if (done.ok() && done->state == CheckpointProgress::State::kFailed) {
+    done = done->error.ok() ? absl::UnknownError("the write failed") : done->error;
+  }
+  if (done.ok() && done->state != CheckpointProgress::State::kWritten) {
+    done = absl::DeadlineExceededError(absl::StrCat("still writing after ",
+                                                    absl::FormatDuration(kIdleSaveWait)));
+  }
+  if (!done.ok()) {
+    Log(absl::StrCat(what, " ", name, " (step ", step, ") was not saved before its removal: ",
+                     done.status().ToString()));
+    return;
+  }
+  // A job of one daemon is its own whole checkpoint; the others' parts are
+  // completed by the client that resumes the job (ListCheckpoints.pending).
+  if (config.map.num_daemons() == 1 && done->part.has_value()) {
+    absl::StatusOr<uint64_t> completed = job->CompleteCheckpoint(name, {*done->part});
+    Log(completed.ok() ? absl::StrCat("job ", config.job_id, " (idle): saved checkpoint ", name,
+                                      " before its removal")
+                       : absl::StrCat(what, " ", name, " written, not completed: ",
+                                      completed.status().ToString()));
+    return;
+  }
+  Log(absl::StrCat(what, " ", name, " (step ", step, ") written before its removal; the ",
+                   "client that resumes the job completes it with the other daemons' parts"));
 }
 
 grpc::Status CheckpointService::VerifyCheckpoint(grpc::ServerContext* call,

@@ -293,6 +293,14 @@ class CheckpointService final : public v1::Checkpoint::Service {
   grpc::Status VerifyCheckpoint(grpc::ServerContext*, const v1::VerifyCheckpointRequest* req,
                                 v1::VerifyCheckpointResponse* resp) override;
 
+  // Before a primary copy of an idle job is removed (JobManager::Options::
+  // before_idle_removal), with --checkpoint_dir: saves its part of
+  // checkpoint "idle-step-<committed step>" unless a complete checkpoint of
+  // that step exists, blocking until written (30 min at most), and writes
+  // the MANIFEST too when the job has one daemon. Failures are logged;
+  // nothing is returned.
+  void SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job);
+
  private:
   ServiceContext* const ctx_;
 };

@@ -356,7 +356,8 @@ std::vector<v1::ParameterChunk> ParamChunks(const std::string& job, FlatRange ra
 TestCluster::TestCluster(int num_daemons, uint32_t world, uint32_t stage, const std::string& job,
                          const std::string& checkpoint_dir, v1::DType precision,
                          bool node_cache, const std::string& state_dir,
-                         uint64_t state_chunk_elements, bool state_gradients)
+                         uint64_t state_chunk_elements, bool state_gradients,
+                         const std::function<void(DaemonOptions&)>& customize)
     : layout_(SampleLayout()), job_(job), world_(world) {
   std::vector<std::string> addresses;
   for (int i = 0; i < num_daemons; ++i) {
@@ -370,6 +371,7 @@ TestCluster::TestCluster(int num_daemons, uint32_t world, uint32_t stage, const 
       options.state_chunk_elements = state_chunk_elements;
       options.state_gradients = state_gradients;
     }
+    if (customize) customize(options);
     absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(options);
     EXPECT_TRUE(d.ok()) << d.status();
     daemons_.push_back(d.ok() ? *std::move(d) : nullptr);

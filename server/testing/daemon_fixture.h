@@ -128,11 +128,13 @@ class TestCluster {
   // `state_dir`/d<d> (DaemonOptions::state_dir, no state memory), in chunks
   // of `state_chunk_elements`, and with `state_gradients` its gradient
   // accumulator as a file mapping there.
+  // `customize`, if set, changes each daemon's options before it starts.
   TestCluster(int num_daemons, uint32_t world, uint32_t stage, const std::string& job,
               const std::string& checkpoint_dir = "",
               v1::DType precision = v1::DTYPE_FP32, bool node_cache = false,
               const std::string& state_dir = "", uint64_t state_chunk_elements = 1024,
-              bool state_gradients = false);
+              bool state_gradients = false,
+              const std::function<void(DaemonOptions&)>& customize = nullptr);
 
   uint64_t total() const { return config_.map.total_elements(); }
   const PartitionMap& map() const { return config_.map; }
