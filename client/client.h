@@ -270,9 +270,11 @@ class Client {
   // weight decay, no moment update, its update count unchanged). Name a
   // tensor in every push that covers part of it, or in none.
   // InvalidArgument for an index that is not ascending or outside `range`;
-  // Unimplemented for any `no_grad_tensors` with a trainer collective
-  // (reduction mode TRAINER_COLLECTIVE cannot carry the marks: push zeros
-  // without them there).
+  // With the Gloo trainer collective the ranks agree on the marks in each
+  // Step (a tensor is without a gradient when every rank marked it in every
+  // micro-batch). Unimplemented for any `no_grad_tensors` with the NCCL
+  // trainer collective, which cannot carry them: push zeros without them
+  // there.
   absl::StatusOr<PushTicket> PushGradients(const FlatRange& range, const void* grads, DType dtype,
                                            uint32_t micro_batch = 0,
                                            BufferUse use = BufferUse::kCopy,

@@ -190,7 +190,8 @@ GlooCollective::~GlooCollective() {
 uint64_t GlooCollective::allocated_bytes() const {
   const CollectiveJob& j = job();
   return plan().total_elements() * sizeof(float) +
-         uint64_t{j.world_size - 1} * chunk_elements_ * sizeof(float) + staging_size_;
+         uint64_t{j.world_size - 1} * chunk_elements_ * sizeof(float) + staging_size_ +
+         marks_size_;
 }
 
 absl::Status GlooCollective::Allocate(const CollectiveJob& job, const BucketPlan& plan) {
@@ -224,7 +225,13 @@ absl::Status GlooCollective::Allocate(const CollectiveJob& job, const BucketPlan
   }
   std::unique_ptr<uint8_t[]> staging_buffer(new (std::nothrow) uint8_t[staging]);
   if (staging_buffer == nullptr) return exhausted(staging, "the push bucket");
+  // Every rank's no-gradient marks, a byte per tensor (ExchangeMarks).
+  const uint64_t marks = uint64_t{job.world_size} * job.layout->tensors().size();
+  std::unique_ptr<uint8_t[]> marks_buffer(new (std::nothrow) uint8_t[std::max<uint64_t>(marks, 1)]);
+  if (marks_buffer == nullptr) return exhausted(marks, "the ranks' no-gradient marks");
   chunk_elements_ = chunk_elements;
+  marks_ = std::move(marks_buffer);
+  marks_size_ = marks;
   acc_ = std::move(acc);
   recv_ = std::move(recv);
   staging_ = std::move(staging_buffer);
@@ -441,6 +448,70 @@ absl::Status GlooCollective::Exchange(absl::Time deadline) {
   }
   job().traffic->AddCollectiveSent(sent_bytes);
   job().traffic->AddCollectiveReceived(received_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status GlooCollective::ExchangeMarks(std::vector<uint8_t>* marks, absl::Time deadline) {
+  const CollectiveJob& job = this->job();
+  const uint32_t n = job.world_size;
+  const uint32_t p = job.rank;
+  const size_t count = marks->size();
+  if (n == 1 || count == 0) return absl::OkStatus();
+  if (context_ == nullptr) RETURN_IF_ERROR(Connect(deadline));
+  uint8_t* all = marks_.get();
+  std::memcpy(all + uint64_t{p} * count, marks->data(), count);
+  const uint64_t slot = next_slot_++;
+  uint64_t sent_bytes = 0, received_bytes = 0;
+  std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> from(n);
+  std::unique_ptr<::gloo::transport::UnboundBuffer> mine;
+  std::vector<uint8_t> received(n);
+  uint32_t waiting_for = n;  // the peer whose marks are awaited (n: none)
+  absl::Status status = CatchGloo(deadline, "", [&] {
+    mine = context_->createUnboundBuffer(all + uint64_t{p} * count, count);
+    int sends = 0;
+    for (uint32_t q = 0; q < n; ++q) {
+      if (q == p) continue;
+      from[q] = context_->createUnboundBuffer(all + uint64_t{q} * count, count);
+      from[q]->recv(static_cast<int>(q), slot);
+      mine->send(static_cast<int>(q), slot);
+      sent_bytes += count;
+      ++sends;
+    }
+    for (uint32_t q = 0; q < n; ++q) {
+      if (from[q] == nullptr) continue;
+      waiting_for = q;
+      if (!from[q]->waitRecv(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("receive aborted");
+      received[q] = 1;
+      received_bytes += count;
+    }
+    waiting_for = n;
+    for (; sends > 0; --sends) {
+      if (!mine->waitSend(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("send aborted");
+    }
+  });
+  job.traffic->AddCollectiveSent(sent_bytes);
+  if (!status.ok()) {
+    std::string message = absl::StrCat(
+        kWhat, ": rank ", p, ", no-gradient marks, ",
+        waiting_for < n ? absl::StrCat("receiving from rank ", waiting_for) : std::string("sending"),
+        ": ", status.message());
+    if (waiting_for < n) {
+      const std::vector<uint32_t> missing = MissingPeers(
+          n, waiting_for, received, [&](uint32_t q) { return from[q].get(); },
+          [&](uint32_t) { received_bytes += count; });
+      absl::StrAppend(&message, "; nothing had come from rank(s) ", absl::StrJoin(missing, ", "),
+                      " by then (not running, not in this step, or its connection failed)");
+    }
+    job.traffic->AddCollectiveReceived(received_bytes);
+    return absl::Status(status.code(), message);
+  }
+  job.traffic->AddCollectiveReceived(received_bytes);
+  // A tensor is without a gradient when every rank says so.
+  for (size_t t = 0; t < count; ++t) {
+    uint8_t every = 1;
+    for (uint32_t q = 0; q < n && every != 0; ++q) every = all[uint64_t{q} * count + t];
+    (*marks)[t] = every != 0 ? 1 : 0;
+  }
   return absl::OkStatus();
 }
 

@@ -100,6 +100,10 @@ class GlooCollective final : public TrainerCollective {
                           DType dtype, absl::Time deadline) override;
   absl::Status Exchange(absl::Time deadline) override;
   absl::StatusOr<const void*> WireBucket(const FlatRange& bucket, absl::Time deadline) override;
+  bool carries_marks() const override { return true; }
+  // An all-gather of every rank's marks (a byte per tensor, in marks_),
+  // then their minimum.
+  absl::Status ExchangeMarks(std::vector<uint8_t>* marks, absl::Time deadline) override;
   absl::Status ExchangeGather(const FlatRange& range, void* dst, DType dtype,
                               absl::Time deadline) override;
 
@@ -116,6 +120,8 @@ class GlooCollective final : public TrainerCollective {
   std::unique_ptr<float[]> recv_;       // (world_size - 1) * chunk_elements_, by peer
   std::unique_ptr<uint8_t[]> staging_;  // one bucket of the wire dtype
   uint64_t staging_size_ = 0;
+  std::unique_ptr<uint8_t[]> marks_;    // world_size x tensors, by rank
+  uint64_t marks_size_ = 0;
 
   // Gloo objects: created by Connect, used by the exchanges.
   std::shared_ptr<gloo::Context> context_;

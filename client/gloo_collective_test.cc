@@ -38,6 +38,7 @@ class FakeDataPath final : public DataPath {
     FlatRange range;
     DType dtype;
     std::string data;
+    std::vector<uint32_t> no_grad_tensors;
   };
   explicit FakeDataPath(std::string address) : address_(std::move(address)) {}
   const std::string& address() const override { return address_; }
@@ -50,7 +51,8 @@ class FakeDataPath final : public DataPath {
     }
     const size_t bytes = push.range.size() * DTypeSize(push.dtype);
     received_.push_back({push.step, push.rank, push.micro_batch, push.micro_batches, push.range,
-                         push.dtype, std::string(static_cast<const char*>(push.data), bytes)});
+                         push.dtype, std::string(static_cast<const char*>(push.data), bytes),
+                         push.no_grad_tensors});
     return bytes;
   }
   absl::StatusOr<uint64_t> InitParameters(const ParameterUpload&, absl::Time) override {
@@ -217,9 +219,12 @@ TEST(GlooCollectiveTest, SumsInRankOrderAndPushesOnlyItsPartition) {
       if (q != p) others += job.map.UnpaddedPartition(q).size() * 4;
     }
     const uint64_t own = job.map.UnpaddedPartition(p).size() * 4;
+    // And each step a byte per tensor to and from every peer: the ranks'
+    // no-gradient marks.
+    const uint64_t marks = (kWorld - 1) * job.layout.tensors().size();
     EXPECT_EQ(t.push, 2 * own) << "rank " << p;
-    EXPECT_EQ(t.collective_sent, 2 * others) << "rank " << p;
-    EXPECT_EQ(t.collective_received, 2 * (kWorld - 1) * own) << "rank " << p;
+    EXPECT_EQ(t.collective_sent, 2 * (others + marks)) << "rank " << p;
+    EXPECT_EQ(t.collective_received, 2 * ((kWorld - 1) * own + marks)) << "rank " << p;
   }
   EXPECT_LT(job.map.UnpaddedPartition(2).size(), job.map.UnpaddedPartition(0).size());
   // Rank 2 receives nothing in the last round (see TestLayout).
@@ -280,6 +285,62 @@ TEST(GlooCollectiveTest, MicroBatchesAndHalfInputsAreSummedInOrder) {
   const std::vector<float> got = job.Assembled(1);
   EXPECT_EQ(0, std::memcmp(got.data(), expected.data(), total * 4));
   EXPECT_EQ(job.traffic[0].Total().push, job.map.UnpaddedPartition(0).size() * 2);
+}
+
+// No-gradient marks: a tensor is pushed as without a gradient only when
+// every rank marked it in every micro-batch (as torch.optim skips a
+// parameter whose .grad no rank's backward set); each push of rank p names
+// those of its bucket's tensors, also for a tensor that spans partitions.
+TEST(GlooCollectiveTest, MarksNameTheTensorsNoRankHadAGradientFor) {
+  constexpr uint32_t kWorld = 3;
+  constexpr uint32_t kMicro = 2;
+  Job job(kWorld, 2, DType::kFp32, kMicro);
+  const uint64_t total = job.layout.total_elements();
+  // Tensor 2 (c, across partitions): marked everywhere. Tensor 0 (a): by
+  // every rank but in micro-batch 0 only. Tensor 1 (b): by ranks 0 and 1.
+  auto marks = [](uint32_t r, uint32_t m) {
+    std::vector<uint32_t> t;
+    if (m == 0) t.push_back(0);
+    if (r != 2) t.push_back(1);
+    t.push_back(2);
+    return t;
+  };
+  for (uint64_t step = 1; step <= 2; ++step) {
+    RunRanks(kWorld, [&](uint32_t r) {
+      GlooCollective& c = *job.collectives[r];
+      const std::vector<float> g(total, 1.0f);
+      for (uint32_t m = 0; m < kMicro; ++m) {
+        // Step 2 marks nothing: every tensor has a gradient again.
+        if (step == 1) ASSERT_TRUE(c.MarkNoGradient(step, m, marks(r, m)).ok());
+        ASSERT_TRUE(c.Reduce(step, m, {0, total}, g.data(), DType::kFp32, BufferUse::kCopy,
+                             MemoryKind::kHost, absl::Now() + absl::Seconds(10))
+                        .ok());
+      }
+      const absl::Status s = c.Finish(step, absl::Now() + absl::Seconds(20));
+      EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s;
+    });
+    const FlatRange c_range = job.layout.tensors()[2].range();
+    int named = 0;
+    for (const auto& d : job.daemons) {
+      for (const auto& r : d->received()) {
+        if (r.step != step) continue;
+        std::vector<uint32_t> expected;
+        if (step == 1 && !r.range.Intersect(c_range).empty()) expected.push_back(2);
+        EXPECT_EQ(r.no_grad_tensors, expected)
+            << "step " << step << " rank " << r.rank << " [" << r.range.begin << ", "
+            << r.range.end << ")";
+        if (!expected.empty()) ++named;
+      }
+    }
+    if (step == 1) {
+      EXPECT_GE(named, 2) << "tensor c spans partitions: several pushes name it";
+    }
+  }
+  // The marks must be on layout tensors.
+  EXPECT_EQ(job.collectives[0]->MarkNoGradient(3, 0, {4}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(job.collectives[0]->MarkNoGradient(3, kMicro, {0}).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(GlooCollectiveTest, AMissingRankIsDeadlineExceededNotAHang) {
@@ -717,11 +778,13 @@ TEST(GlooCollectiveTest, TrainsLikeDaemonReduceThroughTheClient) {
   // from the 2 others, the others' partitions to them) and the parameter
   // all-gather's (its partition to the 2 others, theirs in); the daemons
   // see only partition 0, pushed and gathered.
+  // Besides, a byte per tensor to and from each of the 2 others: the marks.
   const uint64_t own = map.UnpaddedPartition(0).size() * 4;
+  const uint64_t marks = 2 * layout.tensors().size();
   EXPECT_EQ(last_step[1].push, own);
   EXPECT_EQ(last_step[1].gather, own);
-  EXPECT_EQ(last_step[1].collective_received, 2 * own + (total * 4 - own));
-  EXPECT_EQ(last_step[1].collective_sent, (total * 4 - own) + 2 * own);
+  EXPECT_EQ(last_step[1].collective_received, 2 * own + (total * 4 - own) + marks);
+  EXPECT_EQ(last_step[1].collective_sent, (total * 4 - own) + 2 * own + marks);
 }
 
 }  // namespace

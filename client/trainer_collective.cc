@@ -205,6 +205,7 @@ absl::Status TrainerCollective::Incomplete(uint64_t step) const {
 }
 
 absl::Status TrainerCollective::PushPartition(uint64_t step, absl::Time deadline,
+                                              const std::vector<uint32_t>& no_grad,
                                               std::vector<uint8_t>* confirmed, bool* read_failed) {
   *read_failed = false;
   const DType wire = plan_.wire_dtype();
@@ -229,6 +230,13 @@ absl::Status TrainerCollective::PushPartition(uint64_t step, absl::Time deadline
     push.range = b.range;
     push.dtype = wire;
     push.data = *data;
+    if (!no_grad.empty()) {
+      const auto [first, last] = job_.layout->TensorsIn(b.range);
+      for (auto it = std::lower_bound(no_grad.begin(), no_grad.end(), first);
+           it != no_grad.end() && *it < last; ++it) {
+        push.no_grad_tensors.push_back(*it);
+      }
+    }
     DataPath* daemon = job_.daemons[b.daemon];
     absl::StatusOr<uint64_t> sent =
         daemon->PushGradient(push, std::min(deadline, absl::Now() + job_.rpc_timeout));
@@ -245,13 +253,55 @@ absl::Status TrainerCollective::PushPartition(uint64_t step, absl::Time deadline
   return absl::OkStatus();
 }
 
-absl::Status TrainerCollective::MarkNoGradient(uint64_t, uint32_t,
+absl::Status TrainerCollective::MarkNoGradient(uint64_t step, uint32_t micro_batch,
                                                absl::Span<const uint32_t> tensors) {
   if (tensors.empty()) return absl::OkStatus();
-  return absl::UnimplementedError(absl::StrCat(
-      what_, ": cannot tell the daemons which tensors got no gradient (the ranks do not agree on ",
-      "them before pushing); push zeros without marking them, or use reduction mode DAEMON, ",
-      "which skips such tensors exactly as torch.optim does"));
+  if (!carries_marks()) {
+    return absl::UnimplementedError(absl::StrCat(
+        what_, ": cannot tell the daemons which tensors got no gradient (its ranks do not ",
+        "agree on them before pushing); push zeros without marking them, use the Gloo ",
+        "collective, or reduction mode DAEMON, which skip such tensors exactly as torch.optim ",
+        "does"));
+  }
+  if (!bound_.load(std::memory_order_acquire)) {
+    return absl::FailedPreconditionError("PushGradients before RegisterModel");
+  }
+  if (micro_batch >= job_.micro_batches) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "micro_batch: must be < micro_batches (", job_.micro_batches, "), got ", micro_batch));
+  }
+  const uint64_t count = job_.layout->tensors().size();
+  for (uint32_t t : tensors) {
+    if (t >= count) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("no_grad_tensors: ", t, " is not a tensor of the layout (", count, ")"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (marks_step_ != step) {
+    marks_.clear();
+    marks_step_ = step;
+  }
+  for (uint32_t t : tensors) marks_.insert(micro_batch * count + t);
+  return absl::OkStatus();
+}
+
+std::vector<uint8_t> TrainerCollective::LocalMarks(uint64_t step) const {
+  const uint64_t count = job_.layout->tensors().size();
+  std::vector<uint8_t> marks(count, 0);
+  if (marks_step_ != step || marks_.empty()) return marks;
+  for (uint64_t t = 0; t < count; ++t) {
+    bool every = true;
+    for (uint64_t mb = 0; mb < job_.micro_batches && every; ++mb) {
+      every = marks_.count(mb * count + t) != 0;
+    }
+    marks[t] = every ? 1 : 0;
+  }
+  return marks;
+}
+
+absl::Status TrainerCollective::ExchangeMarks(std::vector<uint8_t>*, absl::Time) {
+  return absl::UnimplementedError(absl::StrCat(what_, " does not exchange no-gradient marks"));
 }
 
 absl::Status TrainerCollective::Finish(uint64_t step, absl::Time deadline) {
@@ -260,6 +310,8 @@ absl::Status TrainerCollective::Finish(uint64_t step, absl::Time deadline) {
   }
   bool exchange = true;
   std::vector<uint8_t> confirmed;
+  std::vector<uint8_t> marks;  // this rank's, then every rank's (carries_marks())
+  std::vector<uint32_t> no_grad;  // the tensors no rank had a gradient for
   {
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(Broken());
@@ -284,6 +336,7 @@ absl::Status TrainerCollective::Finish(uint64_t step, absl::Time deadline) {
     }
     if (exchanged_step_ == step) {
       exchange = false;  // a retry: the rank sum is held, only pushes are left
+      no_grad = no_grad_;
     } else {
       exchanged_step_ = 0;
       if (absl::Status s = Incomplete(step); !s.ok()) {
@@ -292,14 +345,25 @@ absl::Status TrainerCollective::Finish(uint64_t step, absl::Time deadline) {
         return s;
       }
       confirmed_.assign(my_buckets_.size(), 0);
+      if (carries_marks()) marks = LocalMarks(step);
     }
     confirmed = confirmed_;
   }
   absl::Status status;
-  if (exchange) status = Exchange(deadline);
+  if (exchange && carries_marks()) {
+    status = ExchangeMarks(&marks, deadline);
+    if (status.ok()) {
+      for (size_t t = 0; t < marks.size(); ++t) {
+        if (marks[t] != 0) no_grad.push_back(static_cast<uint32_t>(t));
+      }
+      absl::MutexLock lock(&mu_);
+      no_grad_ = no_grad;
+    }
+  }
+  if (exchange && status.ok()) status = Exchange(deadline);
   const bool exchanged = status.ok();
   bool read_failed = false;
-  if (exchanged) status = PushPartition(step, deadline, &confirmed, &read_failed);
+  if (exchanged) status = PushPartition(step, deadline, no_grad, &confirmed, &read_failed);
   absl::MutexLock lock(&mu_);
   finishing_ = false;
   ResetContributions();

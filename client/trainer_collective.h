@@ -57,6 +57,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -74,9 +75,12 @@ class TrainerCollective : public Collective {
   absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch, const FlatRange& range,
                                     const void* grads, DType dtype, BufferUse use,
                                     MemoryKind memory, absl::Time deadline) final;
-  // Unimplemented for a non-empty `tensors`: the ranks would have to agree
-  // (an all-reduce of the marks) before rank p pushes partition p, which
-  // this collective does not do; reduction mode DAEMON carries the marks.
+  // With a subclass that carries marks (carries_marks()): recorded for the
+  // step; Finish has the ranks agree (ExchangeMarks) on the tensors that no
+  // rank had a gradient for in any micro-batch, and rank p's pushes of
+  // partition p name those, so the daemons skip them as torch.optim skips a
+  // parameter without a gradient. Otherwise Unimplemented for a non-empty
+  // `tensors` (reduction mode DAEMON carries the marks).
   absl::Status MarkNoGradient(uint64_t step, uint32_t micro_batch,
                               absl::Span<const uint32_t> tensors) final;
   absl::Status Finish(uint64_t step, absl::Time deadline) final;
@@ -140,6 +144,16 @@ class TrainerCollective : public Collective {
   virtual absl::Status FetchOwn(const FlatRange& own, void* own_dst, DType dtype,
                                 const FetchRange& fetch_own, absl::Time deadline);
 
+  // Whether the subclass implements ExchangeMarks. Every rank's Finish then
+  // calls it once per step before Exchange, marks or not.
+  virtual bool carries_marks() const { return false; }
+  // The ranks agree on the tensors no rank had a gradient for: `marks` (a
+  // byte per tensor of the layout, 1 where this rank had none in any
+  // micro-batch of the step) becomes the minimum over the ranks. Connects
+  // first where needed. An error breaks the collective. The default:
+  // Unimplemented.
+  virtual absl::Status ExchangeMarks(std::vector<uint8_t>* marks, absl::Time deadline);
+
   // The all-gather among the ranks: fills the other ranks' pieces of
   // `range` in `dst` (range.size() elements of `dtype`), with this rank's
   // piece already in place. Connects first where needed. An error breaks
@@ -163,8 +177,14 @@ class TrainerCollective : public Collective {
   // index into my_buckets_) is 0, setting it once the daemon confirms.
   // `read_failed`: the error came from WireBucket (which breaks the
   // collective), not from a push. Runs without mu_.
-  absl::Status PushPartition(uint64_t step, absl::Time deadline, std::vector<uint8_t>* confirmed,
+  // `no_grad`: the tensors no rank had a gradient for (ascending); each
+  // push names those overlapping its bucket.
+  absl::Status PushPartition(uint64_t step, absl::Time deadline,
+                             const std::vector<uint32_t>& no_grad, std::vector<uint8_t>* confirmed,
                              bool* read_failed);
+  // This rank's marks of `step` (MarkNoGradient), a byte per tensor: 1 for
+  // a tensor marked in every micro-batch.
+  std::vector<uint8_t> LocalMarks(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string what_;
 
@@ -190,6 +210,12 @@ class TrainerCollective : public Collective {
   // which of my_buckets_ the daemons confirmed.
   uint64_t exchanged_step_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint8_t> confirmed_ ABSL_GUARDED_BY(mu_);
+  // MarkNoGradient's marks for step marks_step_: micro_batch * tensors + t.
+  uint64_t marks_step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<uint64_t> marks_ ABSL_GUARDED_BY(mu_);
+  // The tensors of the step being pushed (or whose push failed: the retry
+  // pushes the same) that no rank had a gradient for, ascending.
+  std::vector<uint32_t> no_grad_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace zeroshard

@@ -142,9 +142,10 @@ def flat_params(named):
     return np.concatenate([named[n].detach().double().reshape(-1).numpy() for n in names])
 
 
-def train_reference(world_size, steps=STEPS, precision="fp32", set_to_none=True):
+def train_reference(world_size, steps=STEPS, precision="fp32", set_to_none=True,
+                    uniform=False):
     """Single-process AdamW: (params after `steps` as {name: tensor},
-    the clipped norms)."""
+    the clipped norms); `uniform` as in uses()."""
     model = make_model()
     if precision == "bf16":
         masters = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -165,7 +166,8 @@ def train_reference(world_size, steps=STEPS, precision="fp32", set_to_none=True)
         for r in range(world_size):
             for k in range(MICRO_BATCHES):
                 x, y = micro_batch(data, s, world_size, r, k)
-                (loss_of(model, x, y, s, r, k, world_size, precision) / world_size).backward()
+                (loss_of(model, x, y, s, r, k, world_size, precision, uniform)
+                 / world_size).backward()
         if precision == "bf16":
             for (n, p), (_, q) in zip(master_model.named_parameters(), model.named_parameters()):
                 p.grad = None if q.grad is None else q.grad.float()

@@ -65,10 +65,12 @@ def test_stage3_trainer_collective_equals_daemon_reduction(daemons, tmp_path):
     assert sum(pushes) == d_push
     assert 0 < sum(gathers) <= d_gather
     assert all(0 < p < d_push for p in pushes)
+    # Besides, a byte per tensor each way: the ranks' no-gradient marks.
     for rank, r in enumerate(trainer):
         other = 1 - rank
-        assert int(r["last_step"][3]) == pushes[rank] + gathers[other]
-        assert int(r["last_step"][2]) == pushes[other] + gathers[rank]
+        marks = int(r["last_step"][3]) - pushes[rank] - gathers[other]
+        assert 0 < marks < 1024
+        assert int(r["last_step"][2]) == pushes[other] + gathers[rank] + marks
     for r in trainer[1:]:
         np.testing.assert_array_equal(r["params"], trainer[0]["params"])
 

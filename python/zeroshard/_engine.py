@@ -71,10 +71,13 @@ class Engine:
                       micro_batches=micro_batches)
         self.config = config
         self.rank = config["rank"]
-        # The trainer collective cannot carry which tensors got no gradient
-        # (its ranks do not agree on them before pushing): there they are
-        # pushed as zeros and stepped, as DeepSpeed and FSDP1 do.
-        self.marks_no_grad = config.get("reduction", DEFAULTS["reduction"]) != "trainer"
+        # The NCCL trainer collective cannot carry which tensors got no
+        # gradient (its ranks do not agree on them before pushing): there
+        # they are pushed as zeros and stepped, as DeepSpeed and FSDP1 do.
+        # Daemon reduction and the Gloo collective skip them as torch does.
+        self.marks_no_grad = (
+            config.get("reduction", DEFAULTS["reduction"]) != "trainer"
+            or config.get("collective", DEFAULTS.get("collective", "gloo")) == "gloo")
         self.layout = _layout.make_layout(entries)
         self.total = self.layout.total_elements
         self.by_id = {id(e.param): e for e in entries if e.kind == "param"}
@@ -142,7 +145,7 @@ class Engine:
         return [float(g["lr"]) for g in self.groups]
 
     def no_grad(self, indices):
-        """The no-grad marks a push carries (none with the trainer
+        """The no-grad marks a push carries (none with the NCCL trainer
         collective)."""
         return sorted(indices) if self.marks_no_grad else []
 
