@@ -19,8 +19,13 @@
 //                 asynchronously (in bucket order) while backward goes on;
 //                 then clip_grad_norm_ and torch::optim::AdamW on every rank,
 //                 as TrainSingleProcess does.
-//   zeroshard s1, s2, s3
+//   zeroshard s1, s2, s3, s3 keep
 //                 examples::TrainRank at stage 1, 2 and 3, ranks as threads,
+//                 stage 3 with activation checkpoints in the trainer (each
+//                 layer recomputed in backward) and, "s3 keep", with
+//                 autograd's activations kept (TrainOptions::activations
+//                 "keep": no recomputation; parameters still freed after each
+//                 layer's forward and gathered again for its backward),
 //                 against 2 daemons in this process (1 optimizer thread each)
 //                 serving the "ucx" bulk transport over shared memory
 //                 (UCX_TLS=posix,cma,self); when the daemons cannot start UCX,
@@ -34,7 +39,7 @@
 // stage's final parameters and per-step losses are from ddp's, against the
 // oracle tests' tolerance (examples/oracle_diff.h). The last line is for the
 // largest preset that ran:
-//   stage1_vs_ddp=X stage2_vs_ddp=Y stage3_vs_ddp=Z
+//   stage1_vs_ddp=X stage2_vs_ddp=Y stage3_vs_ddp=Z stage3_keep_vs_ddp=W
 //
 //   bazel run -c opt --config=clang //bench:train_bench -- --presets=demo,50m
 
@@ -361,11 +366,14 @@ Contender RunDdp(const TrainOptions& base, int warmup) {
   return c;
 }
 
-Contender RunZeroshard(TrainOptions base, uint32_t stage, int warmup, const std::string& preset) {
+// `keep`: stage 3 with TrainOptions::activations "keep".
+Contender RunZeroshard(TrainOptions base, uint32_t stage, int warmup, const std::string& preset,
+                       bool keep = false) {
   Contender c;
-  c.name = absl::StrCat("zeroshard s", stage);
+  c.name = absl::StrCat("zeroshard s", stage, keep ? " keep" : "");
   base.stage = stage;
-  base.job_id = absl::StrCat("train-bench-", preset, "-s", stage);
+  base.job_id = absl::StrCat("train-bench-", preset, "-s", stage, keep ? "-keep" : "");
+  if (keep) base.activations = "keep";
   std::vector<absl::StatusOr<TrainResult>> results(kWorld, absl::UnknownError("not run"));
   std::vector<std::vector<StepReport>> reports(kWorld);
   std::vector<std::thread> threads;
@@ -397,7 +405,7 @@ double MeanMs(const std::vector<T>& v, double T::*field) {
 struct PresetResult {
   std::string name;
   uint64_t params = 0;
-  double ratio[4] = {NAN, NAN, NAN, NAN};  // by stage; [0] unused
+  double ratio[5] = {NAN, NAN, NAN, NAN, NAN};  // by stage, [4] s3 keep; [0] unused
 };
 
 PresetResult RunPreset(const Preset& p, const std::vector<std::string>& daemons,
@@ -432,9 +440,11 @@ PresetResult RunPreset(const Preset& p, const std::vector<std::string>& daemons,
   std::fflush(stdout);
 
   std::vector<Contender> cs;
-  for (uint32_t stage = 0; stage <= 3; ++stage) {
+  for (uint32_t i = 0; i <= 4; ++i) {
     const absl::Time start = absl::Now();
-    cs.push_back(stage == 0 ? RunDdp(base, p.warmup) : RunZeroshard(base, stage, p.warmup, p.name));
+    cs.push_back(i == 0   ? RunDdp(base, p.warmup)
+                 : i <= 3 ? RunZeroshard(base, i, p.warmup, p.name)
+                          : RunZeroshard(base, 3, p.warmup, p.name, /*keep=*/true));
     std::printf("%s: %d steps in %.1f s%s\n", cs.back().name.c_str(), base.steps, Seconds(start),
                 cs.back().status.ok() ? "" : " (failed)");
     std::fflush(stdout);
@@ -442,16 +452,16 @@ PresetResult RunPreset(const Preset& p, const std::vector<std::string>& daemons,
   const Contender& ddp = cs[0];
   const double ddp_tps = ddp.status.ok() ? tokens / ddp.median_step() : NAN;
 
-  std::printf("%-14s %12s %16s %8s\n", "contender", "tokens/s", "median step ms", "vs ddp");
+  std::printf("%-17s %12s %16s %8s\n", "contender", "tokens/s", "median step ms", "vs ddp");
   for (size_t i = 0; i < cs.size(); ++i) {
     const Contender& c = cs[i];
     if (!c.status.ok()) {
-      std::printf("%-14s failed: %s\n", c.name.c_str(), c.status.ToString().c_str());
+      std::printf("%-17s failed: %s\n", c.name.c_str(), c.status.ToString().c_str());
       continue;
     }
     const double tps = tokens / c.median_step();
     if (i > 0) out.ratio[i] = tps / ddp_tps;
-    std::printf("%-14s %12.1f %16.1f %8.3f\n", c.name.c_str(), tps, c.median_step() * 1e3,
+    std::printf("%-17s %12.1f %16.1f %8.3f\n", c.name.c_str(), tps, c.median_step() * 1e3,
                 tps / ddp_tps);
   }
 
@@ -477,7 +487,7 @@ PresetResult RunPreset(const Preset& p, const std::vector<std::string>& daemons,
                  push = MeanMs(c.zs_times, &T::push), wait = MeanMs(c.zs_times, &T::push_wait),
                  step = MeanMs(c.zs_times, &T::step), gather = MeanMs(c.zs_times, &T::gather);
     std::printf(
-        "  %-12s forward %8.1f  backward %8.1f  push %8.1f  push wait %8.1f  "
+        "  %-15s forward %8.1f  backward %8.1f  push %8.1f  push wait %8.1f  "
         "step wait %8.1f  gather %8.1f  other %6.1f  total %8.1f\n",
         c.name.c_str(), fwd, bwd, push, wait, step, gather,
         total - (fwd + bwd + push + wait + step + gather), total);
@@ -496,7 +506,7 @@ PresetResult RunPreset(const Preset& p, const std::vector<std::string>& daemons,
                         d.params_max <= examples::kOracleParamsMax &&
                         d.loss_max <= examples::kOracleLossRel;
     std::printf(
-        "  %-12s params relative L2 %.3g, max %.3g; loss max relative %.3g; final loss "
+        "  %-15s params relative L2 %.3g, max %.3g; loss max relative %.3g; final loss "
         "%.4f vs %.4f: %s\n",
         c.name.c_str(), d.params_rel, d.params_max, d.loss_max, c.result.losses.back(),
         ddp.result.losses.back(), within ? "within tolerance" : "NOT within tolerance");
@@ -554,8 +564,8 @@ int Main() {
     if (largest == nullptr || r.params > largest->params) largest = &r;
   }
   std::printf("\n%s:\n", largest->name.c_str());
-  std::printf("stage1_vs_ddp=%.3f stage2_vs_ddp=%.3f stage3_vs_ddp=%.3f\n", largest->ratio[1],
-              largest->ratio[2], largest->ratio[3]);
+  std::printf("stage1_vs_ddp=%.3f stage2_vs_ddp=%.3f stage3_vs_ddp=%.3f stage3_keep_vs_ddp=%.3f\n",
+              largest->ratio[1], largest->ratio[2], largest->ratio[3], largest->ratio[4]);
   return 0;
 }
 

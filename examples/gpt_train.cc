@@ -120,7 +120,9 @@ ABSL_FLAG(std::string, resume, "",
 ABSL_FLAG(std::string, activations, "local",
           "Stage 3: where activation checkpoints live between forward and backward: local (the "
           "trainer's memory) or daemon (the Activation service of daemon rank*daemons/"
-          "world_size, over --transport).");
+          "world_size, over --transport); or keep: no checkpoints, autograd keeps every "
+          "layer's activations and backward recomputes nothing (each layer's parameters are "
+          "still freed after its forward and gathered again for its backward).");
 ABSL_FLAG(int, activation_prefetch_depth, 2,
           "--activations=daemon: checkpoints fetched ahead of the layer backward needs.");
 ABSL_FLAG(int, activation_offloads_in_flight, 2,
@@ -436,14 +438,20 @@ int Main() {
   o.activation_keep_last =
       static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_activation_keep_last)));
   const int timing_steps = absl::GetFlag(FLAGS_activation_timing_steps);
-  if (o.activations != "local" && o.activations != "daemon") {
-    std::fprintf(stderr, "gpt_train: --activations: local or daemon, got \"%s\"\n",
+  if (o.activations != "local" && o.activations != "daemon" && o.activations != "keep") {
+    std::fprintf(stderr, "gpt_train: --activations: local, daemon or keep, got \"%s\"\n",
                  o.activations.c_str());
     return 2;
   }
-  if ((o.activations == "daemon" || timing_steps > 0) && o.stage != 3) {
-    std::fprintf(stderr, "gpt_train: --activations=daemon and --activation_timing_steps need "
-                         "--stage=3 (stages 0-2 keep autograd's activations)\n");
+  if ((o.activations != "local" || timing_steps > 0) && o.stage != 3) {
+    std::fprintf(stderr, "gpt_train: --activations=%s and --activation_timing_steps need "
+                         "--stage=3 (stages 0-2 keep autograd's activations)\n",
+                 o.activations.c_str());
+    return 2;
+  }
+  if (o.activations == "keep" && timing_steps > 0) {
+    std::fprintf(stderr, "gpt_train: --activation_timing_steps compares checkpoints in the "
+                         "daemon and the trainer; --activations=keep takes none\n");
     return 2;
   }
   const std::string progress_mode = absl::GetFlag(FLAGS_progress);

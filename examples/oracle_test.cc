@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include "examples/oracle_diff.h"
@@ -84,6 +85,35 @@ TEST_P(OracleTest, ShardedTrainingEqualsSingleProcessTraining) {
 INSTANTIATE_TEST_SUITE_P(StagesAndRanks, OracleTest,
                          ::testing::Combine(::testing::Values(1u, 2u, 3u),
                                             ::testing::Values(2u, 3u)));
+
+// Stage 3 keeping autograd's activations (--activations=keep: no
+// checkpoints, no recomputation; each layer's parameter bytes freed after
+// its forward and gathered again before its backward) trains bit for bit as
+// with checkpoints, and gathers as much (each layer twice a step).
+TEST(OracleTest, Stage3KeepingActivationsEqualsCheckpointsBitForBit) {
+  TrainOptions o = BaseOptions();
+  o.stage = 3;
+  o.steps = 6;
+  o.job_id = "oracle-s3-checkpoints";
+  const std::vector<TrainResult> checkpoints = RunRanks(o, 2, 2);
+  o.activations = "keep";
+  o.job_id = "oracle-s3-keep";
+  const std::vector<TrainResult> keep = RunRanks(o, 2, 2);
+  ASSERT_EQ(checkpoints.size(), 2u);
+  ASSERT_EQ(keep.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(keep[r].params.size(), checkpoints[r].params.size());
+    EXPECT_EQ(std::memcmp(keep[r].params.data(), checkpoints[r].params.data(),
+                          keep[r].params.size() * sizeof(float)),
+              0)
+        << "rank " << r << ": parameters differ";
+    EXPECT_EQ(keep[r].losses, checkpoints[r].losses) << "rank " << r;
+    EXPECT_EQ(keep[r].traffic.last_step.gather, checkpoints[r].traffic.last_step.gather)
+        << "rank " << r;
+    EXPECT_EQ(keep[r].traffic.last_step.push, checkpoints[r].traffic.last_step.push)
+        << "rank " << r;
+  }
+}
 
 // The trainer collective (--reduction=trainer): the 3 ranks reduce-scatter
 // over Gloo (TCP on loopback, one thread each) and each pushes only its own

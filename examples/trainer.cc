@@ -1,11 +1,13 @@
 #include "examples/trainer.h"
 
+
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <optional>
 
+#include "ATen/native/Resize.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
@@ -23,9 +25,10 @@ absl::Status CheckOptions(const TrainOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint_every: must be >= 0, got ", o.checkpoint_every));
   }
-  if (o.activations != "local" && o.activations != "daemon" && o.activations != "both") {
+  if (o.activations != "local" && o.activations != "daemon" && o.activations != "both" &&
+      o.activations != "keep") {
     return absl::InvalidArgumentError(absl::StrCat(
-        "activations: local, daemon or both, got \"", o.activations.substr(0, 64), "\""));
+        "activations: local, daemon, both or keep, got \"", o.activations.substr(0, 64), "\""));
   }
   if (o.activations != "local" && o.stage != 3) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -42,6 +45,42 @@ absl::Status CheckOptions(const TrainOptions& o) {
         o.global_batch));
   }
   return absl::OkStatus();
+}
+
+// Layer `layer`'s parameters as tensors with storage of their own (resizable),
+// copied from `flat` (whose first element is flat element `flat_begin`),
+// requiring gradients.
+std::vector<torch::Tensor> OwnedLayerParams(const Layout& layout, int layer, const float* flat,
+                                            uint64_t flat_begin) {
+  std::vector<torch::Tensor> out;
+  for (const TensorPlacement& t : layout.tensors()) {
+    if (t.spec.layer != static_cast<uint32_t>(layer)) continue;
+    torch::Tensor v = torch::empty(t.spec.shape, torch::kFloat32);
+    std::memcpy(v.data_ptr<float>(), flat + (t.offset - flat_begin), t.numel * sizeof(float));
+    out.push_back(v.requires_grad_(true));
+  }
+  return out;
+}
+
+// Frees the bytes of each tensor's storage: autograd keeps the tensors (and
+// views of them) for backward; FillLayerStorage gives them bytes again.
+void FreeLayerStorage(const std::vector<torch::Tensor>& params) {
+  for (const torch::Tensor& t : params) {
+    at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), 0);
+  }
+}
+
+// Allocates each tensor's storage again and copies its values from `flat`
+// (as OwnedLayerParams).
+void FillLayerStorage(const Layout& layout, int layer, const float* flat, uint64_t flat_begin,
+                      const std::vector<torch::Tensor>& params) {
+  size_t k = 0;
+  for (const TensorPlacement& t : layout.tensors()) {
+    if (t.spec.layer != static_cast<uint32_t>(layer)) continue;
+    const torch::Tensor& v = params[k++];
+    at::native::resize_bytes_cpu(v.storage().unsafeGetStorageImpl(), t.numel * sizeof(float));
+    std::memcpy(v.data_ptr<float>(), flat + (t.offset - flat_begin), t.numel * sizeof(float));
+  }
 }
 
 // Copies each parameter's gradient into its place in `flat` (gaps stay 0).
@@ -250,7 +289,7 @@ absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known
   // data path: declared after the client, it is destroyed first.
   InMemoryActivationStore local_checkpoints;
   std::unique_ptr<DaemonActivationStore> daemon_checkpoints;
-  if (o.activations != "local") {
+  if (o.activations == "daemon" || o.activations == "both") {
     const uint32_t daemon =
         static_cast<uint32_t>(uint64_t{o.rank} * o.daemons.size() / o.world_size);
     DaemonSliceStore::Options store;
@@ -307,6 +346,71 @@ absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known
         ASSIGN_OR_RETURN(PushTicket t,
                          client->PushGradients(r, full_grads.data() + r.begin, DType::kFp32,
                                                /*micro_batch=*/0, BufferUse::kBorrow));
+        tickets.push_back(std::move(t));
+        RETURN_IF_ERROR(MaybeKillForDrill(o, step, l, num_layers, tickets));
+      }
+      lap(times.push);
+    } else if (o.activations == "keep") {
+      activations_used = "keep";
+      // Forward with autograd: each layer's parameters in storage of their
+      // own, freed once the layer ran (autograd keeps the tensors).
+      std::vector<std::vector<torch::Tensor>> lp(num_layers);
+      absl::Status refill_error;
+      // Gathers layer l into its tensors' storage again (a hook in
+      // backward: errors are thrown to backward's caller).
+      auto refill = [&](int l) -> absl::Status {
+        ASSIGN_OR_RETURN(FlatRange r, layout.LayerRange(l));
+        ASSIGN_OR_RETURN(const void* view, client->GatherView(l));
+        const float* p = AsFloat(view, wire, r.size(), &layer_scratch);
+        FillLayerStorage(layout, l, p, r.begin, lp[l]);
+        return client->Release(l);
+      };
+      torch::Tensor x = tokens;
+      for (int l = 0; l < num_layers; ++l) {
+        ASSIGN_OR_RETURN(FlatRange r, layout.LayerRange(l));
+        lap(times.forward);
+        ASSIGN_OR_RETURN(const void* view, client->GatherView(l));
+        lap(times.gather);
+        const float* p = AsFloat(view, wire, r.size(), &layer_scratch);
+        lp[l] = OwnedLayerParams(layout, l, p, r.begin);
+        RETURN_IF_ERROR(client->Release(l));
+        torch::Tensor y = ForwardLayer(o.model, l, lp[l], x, targets);
+        FreeLayerStorage(lp[l]);
+        if (l + 1 < num_layers) {
+          // Runs when the gradient of this layer's output is ready: before
+          // autograd runs the layer's own backward.
+          y.register_hook([&, l](torch::Tensor g) {
+            absl::Status s = refill(l);
+            if (!s.ok()) {
+              if (refill_error.ok()) refill_error = s;
+              throw std::runtime_error(std::string(s.message()));
+            }
+            return g;
+          });
+        }
+        x = y;
+      }
+      loss = x.item<float>();
+      lap(times.forward);
+      if (on_backward) on_backward(step, *client);
+      RETURN_IF_ERROR(refill(num_layers - 1));
+      lap(times.gather);
+      try {
+        x.backward();
+      } catch (const std::exception& e) {
+        return refill_error.ok() ? absl::InternalError(absl::StrCat("backward: ", e.what()))
+                                 : refill_error;
+      }
+      lap(times.backward);
+      // Push layer by layer, last layer first; PushGradients copies into the
+      // client's staging pool before it returns.
+      for (int l = num_layers - 1; l >= 0; --l) {
+        ASSIGN_OR_RETURN(FlatRange r, layout.LayerRange(l));
+        grad_scratch.assign(r.size(), 0.0f);
+        FlattenGrads(layout, l, lp[l], grad_scratch.data(), r.begin);
+        lp[l].clear();
+        ASSIGN_OR_RETURN(PushTicket t,
+                         client->PushGradients(r, grad_scratch.data(), DType::kFp32));
         tickets.push_back(std::move(t));
         RETURN_IF_ERROR(MaybeKillForDrill(o, step, l, num_layers, tickets));
       }
