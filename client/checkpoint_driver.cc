@@ -6,10 +6,12 @@
 #include <map>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/rpc.h"
+#include "common/checkpoint_files.h"
 #include "common/protocol.h"
 #include "common/status_macros.h"
 
@@ -205,7 +207,10 @@ bool CheckpointDriver::CompletePending(const std::vector<v1::ListCheckpointsResp
   std::map<std::string, std::map<uint32_t, v1::PartManifest>> pending;  // name -> index -> part
   for (const v1::ListCheckpointsResponse& r : lists) {
     for (const v1::PendingCheckpointPart& p : r.pending()) {
-      if (p.part().daemon_count() == n && p.part().daemon_index() < n) {
+      // Only what daemons saved of an idle job; a save its trainers left
+      // incomplete stays so.
+      if (absl::StartsWith(p.name(), kIdleCheckpointPrefix) && p.part().daemon_count() == n &&
+          p.part().daemon_index() < n) {
         pending[p.name()].emplace(p.part().daemon_index(), p.part());
       }
     }

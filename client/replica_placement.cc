@@ -191,7 +191,8 @@ absl::StatusOr<std::vector<GroupPlacement>> ResolvePlacement(
         continue;
       }
       grpc::ClientContext context;
-      SetDeadline(&context, absl::Now() + o.rpc_timeout);
+      // The backup asks the primary's daemon for up to a second first.
+      SetDeadline(&context, absl::Now() + std::max(o.rpc_timeout, absl::Seconds(3)));
       v1::PromoteRequest promote;
       promote.set_job_id(o.job_id);
       promote.set_group(g);

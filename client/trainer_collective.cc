@@ -286,6 +286,12 @@ absl::Status TrainerCollective::MarkNoGradient(uint64_t step, uint32_t micro_bat
   return absl::OkStatus();
 }
 
+void TrainerCollective::ClearMarks(uint64_t step) {
+  if (marks_step_ != step) return;
+  marks_.clear();
+  marks_step_ = 0;
+}
+
 std::vector<uint8_t> TrainerCollective::LocalMarks(uint64_t step) const {
   const uint64_t count = job_.layout->tensors().size();
   std::vector<uint8_t> marks(count, 0);
@@ -342,6 +348,7 @@ absl::Status TrainerCollective::Finish(uint64_t step, absl::Time deadline) {
       if (absl::Status s = Incomplete(step); !s.ok()) {
         finishing_ = false;
         ResetContributions();
+        ClearMarks(step);  // the step's pushes are dropped with their marks
         return s;
       }
       confirmed_.assign(my_buckets_.size(), 0);
@@ -367,6 +374,7 @@ absl::Status TrainerCollective::Finish(uint64_t step, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   finishing_ = false;
   ResetContributions();
+  ClearMarks(step);  // used (a retry of the pushes keeps no_grad_)
   if (!exchanged || read_failed) {
     broken_ = status;
     exchanged_step_ = 0;

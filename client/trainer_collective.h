@@ -185,6 +185,8 @@ class TrainerCollective : public Collective {
   // This rank's marks of `step` (MarkNoGradient), a byte per tensor: 1 for
   // a tensor marked in every micro-batch.
   std::vector<uint8_t> LocalMarks(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the marks of `step` (Finish consumed them, or dropped the step).
+  void ClearMarks(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string what_;
 

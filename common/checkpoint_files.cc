@@ -661,13 +661,19 @@ absl::StatusOr<std::vector<PendingPart>> ListPendingParts(absl::string_view root
     if (errno == ENOENT) return out;
     return FileError(errno, "listing", dir);
   }
-  std::vector<std::string> names;
+  // Idle checkpoints by step, the highest first.
+  std::vector<std::pair<uint64_t, std::string>> names;
   while (const dirent* e = ::readdir(d.get())) {
     const std::string n = e->d_name;
-    if (ValidateCheckpointName(n, false).ok()) names.push_back(n);
+    uint64_t step = 0;
+    if (ValidateCheckpointName(n, false).ok() && absl::StartsWith(n, kIdleCheckpointPrefix) &&
+        absl::SimpleAtoi(absl::string_view(n).substr(sizeof(kIdleCheckpointPrefix) - 1), &step)) {
+      names.emplace_back(step, n);
+    }
   }
-  std::sort(names.begin(), names.end());
-  for (const std::string& n : names) {
+  std::sort(names.rbegin(), names.rend());
+  for (const auto& [step, n] : names) {
+    if (out.size() >= kMaxPendingParts) break;
     const std::string checkpoint = CheckpointDir(root, job_id, n);
     struct stat st;
     if (::stat(absl::StrCat(checkpoint, "/", kManifestFile).c_str(), &st) == 0) continue;

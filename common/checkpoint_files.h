@@ -146,17 +146,21 @@ absl::StatusOr<v1::CheckpointManifest> ReadManifest(absl::string_view root,
 // not parse or check is DataLoss.
 absl::StatusOr<std::vector<v1::CheckpointManifest>> ListCompleteCheckpoints(
     absl::string_view root, absl::string_view job_id);
-// A part on disk of a checkpoint without a MANIFEST (a daemon saved its
-// part of an idle job before removing it): CompleteCheckpoint with every
-// daemon's part makes it complete.
+// The checkpoints a daemon saves of a job it removes as idle are named this
+// and the committed step (--job_idle_timeout_seconds).
+inline constexpr char kIdleCheckpointPrefix[] = "idle-step-";
+// A part on disk of such a checkpoint without a MANIFEST (no client was
+// there to complete it): CompleteCheckpoint with every daemon's part makes
+// it complete.
 struct PendingPart {
   std::string name;
   v1::PartManifest part;
 };
 // At most this many pending parts are listed per job.
 inline constexpr size_t kMaxPendingParts = 64;
-// The parts written (PART file present) of a job's checkpoints that have no
-// MANIFEST, by name; at most kMaxPendingParts.
+// The parts written (PART file present) of a job's idle checkpoints
+// (kIdleCheckpointPrefix) that have no MANIFEST, the highest step first; at
+// most kMaxPendingParts.
 absl::StatusOr<std::vector<PendingPart>> ListPendingParts(absl::string_view root,
                                                           absl::string_view job_id);
 // `name`, or for "latest" the complete checkpoint with the highest step

@@ -83,6 +83,8 @@ absl::StatusOr<DaemonStateEstimate> EstimateDaemonStates(double params, uint32_t
   e.ram_bytes = (k + 4 + 2) * owned;
   e.state_dir_ram_bytes = (4 + 2) * owned + kStateDirBufferBytes;
   e.state_dir_disk_bytes = k * owned;
+  e.state_gradients_ram_bytes = 2 * owned + kStateDirBufferBytes;
+  e.state_gradients_disk_bytes = (k + 4) * owned;
   return e;
 }
 

@@ -46,6 +46,11 @@ struct DaemonStateEstimate {
   double ram_bytes = 0;             // (K + 4 + 2)Ψ/D: every model state in RAM
   double state_dir_ram_bytes = 0;   // (4 + 2)Ψ/D + kStateDirBufferBytes
   double state_dir_disk_bytes = 0;  // KΨ/D (the file rounds up to whole chunks)
+  // With --state_dir --state_gradients the fp32 gradient is a file mapping
+  // on the same disk too (the kernel pages it; its resident pages come and
+  // go with memory pressure): RAM keeps the half-precision copy.
+  double state_gradients_ram_bytes = 0;   // 2Ψ/D + kStateDirBufferBytes
+  double state_gradients_disk_bytes = 0;  // (K + 4)Ψ/D
 };
 
 // The RAM a job on --state_dir keeps for streaming its file: DiskResidence's

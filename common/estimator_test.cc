@@ -71,12 +71,17 @@ TEST(Estimator, DaemonStates) {
   EXPECT_EQ(e->ram_bytes, 27e9);
   EXPECT_EQ(e->state_dir_ram_bytes, 9e9 + 12582912);
   EXPECT_EQ(e->state_dir_disk_bytes, 18e9);
+  // --state_gradients: the half copy in RAM, the gradient on disk too.
+  EXPECT_EQ(e->state_gradients_ram_bytes, 3e9 + 12582912);
+  EXPECT_EQ(e->state_gradients_disk_bytes, 24e9);
   // SGD with momentum (K = 8), Ψ = 1e9 on 4 daemons: 2.5e8 owned elements.
   e = EstimateDaemonStates(1e9, 4, 8);
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_EQ(e->ram_bytes, 3.5e9);
   EXPECT_EQ(e->state_dir_ram_bytes, 1.5e9 + 12582912);
   EXPECT_EQ(e->state_dir_disk_bytes, 2e9);
+  EXPECT_EQ(e->state_gradients_ram_bytes, 0.5e9 + 12582912);
+  EXPECT_EQ(e->state_gradients_disk_bytes, 3e9);
   // One daemon owns everything: ZeRO's baseline plus the fp32 gradient.
   e = EstimateDaemonStates(7.5e9, 1);
   ASSERT_TRUE(e.ok()) << e.status();

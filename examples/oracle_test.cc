@@ -182,10 +182,13 @@ TEST_P(TrainerCollectiveOracleTest, EqualsSingleProcessTraining) {
         gathered_own += l.Intersect(map.UnpaddedPartition(r)).size() * 4;
       }
     }
+    // And the no-gradient marks, a byte per tensor to and from each peer.
+    const uint64_t marks = (kWorld - 1) * layout.tensors().size();
     EXPECT_EQ(t.push, own);
     EXPECT_EQ(t.gather, passes * gathered_own);
-    EXPECT_EQ(t.collective_received, (kWorld - 1) * own + passes * (gathered - gathered_own));
-    EXPECT_EQ(t.collective_sent, (all - own) + passes * (kWorld - 1) * gathered_own);
+    EXPECT_EQ(t.collective_received,
+              (kWorld - 1) * own + passes * (gathered - gathered_own) + marks);
+    EXPECT_EQ(t.collective_sent, (all - own) + passes * (kWorld - 1) * gathered_own + marks);
   }
 }
 

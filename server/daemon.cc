@@ -1,6 +1,8 @@
 #include "server/daemon.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -79,6 +81,19 @@ absl::Status CheckSocketDirectory(const std::string& listen) {
         "socket: chmod 700 %s",
         listen, dir, st.st_uid, st.st_mode & 07777, dir));
   }
+  // gRPC replaces a socket file it finds: refuse one a live daemon serves.
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path.data(), std::min(path.size(), sizeof(addr.sun_path) - 1));
+    const bool served = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
+    ::close(fd);
+    if (served) {
+      return absl::UnavailableError(absl::StrCat(
+          "--listen=", listen, ": another process serves this socket (a daemon running?)"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -148,6 +163,11 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
   }
   if (!o.bulk_listen.empty()) {
     RETURN_IF_ERROR(ValidateHostPort(o.bulk_listen, "--bulk_listen_address"));
+    if (IsUnixSocketAddress(o.bulk_listen)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--bulk_listen_address=", o.bulk_listen,
+          ": the grpc bulk transport listens on TCP (HOST:PORT), not on a unix socket"));
+    }
     if (!o.tls.enabled() && !o.insecure && !IsLoopbackAddress(o.bulk_listen)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--bulk_listen_address=", o.bulk_listen,
@@ -282,6 +302,8 @@ uint64_t AutoRpcMemoryBytes(uint64_t memory_limit_bytes) {
 Daemon::~Daemon() {
   Shutdown(absl::Seconds(1));
   Wait();
+  // Its hooks (the idle save) use the services, which go before it.
+  if (jobs_ != nullptr) jobs_->StopJanitor();
 }
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
@@ -365,7 +387,7 @@ void Daemon::StartJobs() {
   jo.job_idle_timeout = options.job_idle_timeout;
   // Runs only once jobs exist, so after the services were made.
   jo.before_idle_removal = [this](const std::shared_ptr<Job>& job) {
-    if (checkpoint_ != nullptr) checkpoint_->SaveBeforeIdleRemoval(job);
+    return checkpoint_ == nullptr || checkpoint_->SaveBeforeIdleRemoval(job);
   };
   jo.max_jobs = options.max_jobs;
   jo.max_jobs_per_identity = options.max_jobs_per_identity;

@@ -205,6 +205,12 @@ TEST(ProbesTest, ServesAUnixSocketInAPrivateDirectory) {
   s = client.JoinAll(spec);
   EXPECT_TRUE(s.ok()) << s.error_message();
 
+  // A second daemon on the same socket is refused: the first serves it.
+  absl::StatusOr<std::unique_ptr<Daemon>> second = Daemon::Start(o);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
+  s = client.JoinAll(spec);
+  EXPECT_TRUE(s.ok()) << "the first daemon stopped answering: " << s.error_message();
+
   // A path longer than a socket's address holds is refused before binding.
   o.listen = absl::StrCat("unix:", dir, "/", std::string(kMaxUnixSocketPathBytes, 's'));
   absl::StatusOr<std::unique_ptr<Daemon>> too_long = Daemon::Start(o);

@@ -74,10 +74,15 @@ struct ReplicaClient {
     req.set_job_id(job);
     return stub->GetReplicaState(&ctx, req, out);
   }
+  // `deadline_ms` > 0: the call's deadline that far away instead.
   grpc::Status Promote(const std::string& job, uint32_t group, uint64_t epoch,
-                       uint64_t committed_step, v1::ReplicaState* out = nullptr) {
+                       uint64_t committed_step, v1::ReplicaState* out = nullptr,
+                       int deadline_ms = 0) {
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
+    if (deadline_ms > 0) {
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
+    }
     v1::PromoteRequest req;
     req.set_job_id(job);
     req.set_group(group);
@@ -1015,6 +1020,14 @@ TEST_F(ReplicaTest, ATrainersPromoteReplacesOnlyAPrimaryThatIsGone) {
                  [&] { return Replica(1).Promote(j.id, 0, 2, 1); });
   ExpectRejected(j.id, grpc::ABORTED, "cannot reach either",
                  [&] { return Replica(0).Promote(j.id, 1, 2, 1); });
+  // A deadline too short for the backup to hear from its primary does not
+  // make the primary look gone (nor does one already past when the handler
+  // runs).
+  for (int ms : {300, 2}) {
+    EXPECT_EQ(Replica(1).Promote(j.id, 0, 2, 1, nullptr, ms).error_code(),
+              grpc::DEADLINE_EXCEEDED);
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // a handler still running has ended
   EXPECT_EQ(Snapshot(j.id), before);
   EXPECT_EQ(Copy(1, j.id, 0)->role(), ReplicaRole::kBackup);
   EXPECT_EQ(Copy(0, j.id, 0)->role(), ReplicaRole::kPrimary);

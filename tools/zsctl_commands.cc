@@ -134,11 +134,14 @@ std::string DaemonBlock(const DaemonStateEstimate& e, const EstimateInput& in) {
   return absl::StrFormat(
       "\nPer daemon (D = %u daemon%s, Ψ/D = %s owned parameters each):\n"
       "  RAM %s (all model states in RAM: (K+4+2)Ψ/D)\n"
-      "  with --state_dir: RAM %s + NVMe %s ((4+2)Ψ/D + %s of chunk buffers, KΨ/D)\n",
+      "  with --state_dir: RAM %s + NVMe %s ((4+2)Ψ/D + %s of chunk buffers, KΨ/D)\n"
+      "  with --state_dir --state_gradients: RAM %s + NVMe %s (2Ψ/D + the buffers, "
+      "(K+4)Ψ/D)\n",
       in.daemons, in.daemons == 1 ? "" : "s", FormatCount(in.psi / in.daemons),
       FormatBytes(e.ram_bytes), FormatBytes(e.state_dir_ram_bytes),
       FormatBytes(e.state_dir_disk_bytes),
-      absl::StrCat(kStateDirBufferBytes / (1 << 20), " MiB"));
+      absl::StrCat(kStateDirBufferBytes / (1 << 20), " MiB"),
+      FormatBytes(e.state_gradients_ram_bytes), FormatBytes(e.state_gradients_disk_bytes));
 }
 
 // A byte count or element count as a whole number (as a double past 2^64).
@@ -239,6 +242,8 @@ absl::StatusOr<std::string> RunEstimateJson(const EstimateOptions& options) {
   daemon["ram_bytes"] = Whole(d->ram_bytes);
   daemon["state_dir_ram_bytes"] = Whole(d->state_dir_ram_bytes);
   daemon["state_dir_disk_bytes"] = Whole(d->state_dir_disk_bytes);
+  daemon["state_gradients_ram_bytes"] = Whole(d->state_gradients_ram_bytes);
+  daemon["state_gradients_disk_bytes"] = Whole(d->state_gradients_disk_bytes);
   return JsonDocument(doc);
 }
 

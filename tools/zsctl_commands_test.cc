@@ -139,7 +139,9 @@ TEST(Zsctl, EstimatePrintsOneDaemonsShare) {
       *out, "\nPer daemon (D = 2 daemons, Ψ/D = 1.50B owned parameters each):\n"
             "  RAM 27.0 GB (all model states in RAM: (K+4+2)Ψ/D)\n"
             "  with --state_dir: RAM 9.01 GB + NVMe 18.0 GB ((4+2)Ψ/D + 12 MiB of chunk "
-            "buffers, KΨ/D)\n"))
+            "buffers, KΨ/D)\n"
+            "  with --state_dir --state_gradients: RAM 3.01 GB + NVMe 24.0 GB (2Ψ/D + the "
+            "buffers, (K+4)Ψ/D)\n"))
       << *out;
   // The daemon count is independent of the ranks; K comes from --optimizer_k.
   o.daemons = "1";
@@ -213,7 +215,8 @@ TEST(Zsctl, EstimateAsJsonHasThePapersFiguresInBytes) {
   // One daemon per rank: 7.5e9/64 elements, 18, 6 (+ 12 MiB) and 12 B each.
   const Json& daemon = Member(doc, "daemon");
   EXPECT_EQ(KeysOf(daemon),
-            Keys({"daemons", "ram_bytes", "state_dir_ram_bytes", "state_dir_disk_bytes"}));
+            Keys({"daemons", "ram_bytes", "state_dir_ram_bytes", "state_dir_disk_bytes",
+                  "state_gradients_ram_bytes", "state_gradients_disk_bytes"}));
   EXPECT_EQ(Whole(Member(daemon, "daemons")), 64u);
   EXPECT_EQ(Whole(Member(daemon, "ram_bytes")), 2109375000u);
   EXPECT_EQ(Whole(Member(daemon, "state_dir_ram_bytes")), 703125000u + 12582912u);
@@ -242,6 +245,8 @@ TEST(Zsctl, EstimateAsJsonHasThePapersFiguresInBytes) {
   EXPECT_EQ(Whole(Member(two, "ram_bytes")), 27000000000u);
   EXPECT_EQ(Whole(Member(two, "state_dir_ram_bytes")), 9012582912u);
   EXPECT_EQ(Whole(Member(two, "state_dir_disk_bytes")), 18000000000u);
+  EXPECT_EQ(Whole(Member(two, "state_gradients_ram_bytes")), 3012582912u);
+  EXPECT_EQ(Whole(Member(two, "state_gradients_disk_bytes")), 24000000000u);
 }
 
 TEST(Zsctl, EstimateRejectsBadInput) {

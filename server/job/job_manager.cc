@@ -24,12 +24,16 @@ JobManager::JobManager(Options options, JobResources resources, DaemonMetrics* m
   janitor_ = std::thread([this] { RunJanitor(); });
 }
 
-JobManager::~JobManager() {
+void JobManager::StopJanitor() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  janitor_.join();
+  if (janitor_.joinable()) janitor_.join();
+}
+
+JobManager::~JobManager() {
+  StopJanitor();
   std::vector<Retired> retired;
   std::map<std::string, Entry> jobs;
   {
@@ -286,9 +290,11 @@ void JobManager::Tick() {
   }
   for (const auto& [home, copies] : idle) {
     if (options_.before_idle_removal) {
+      bool ready = true;
       for (const std::shared_ptr<Job>& copy : copies) {
-        if (copy->role() == ReplicaRole::kPrimary) options_.before_idle_removal(copy);
+        if (copy->role() == ReplicaRole::kPrimary) ready &= options_.before_idle_removal(copy);
       }
+      if (!ready) continue;  // asked again at the next pass
     }
     // A rank heard from while the hook ran keeps the job.
     if (home->LastHeard() + options_.job_idle_timeout > absl::Now()) continue;

@@ -50,10 +50,11 @@ class JobManager {
     absl::Duration job_idle_timeout = absl::Hours(1);
     // Called on the janitor thread, with no manager lock held, for each
     // primary copy of a job about to be removed as idle, before anything is
-    // removed (the daemon saves the copy's checkpoint part there). It may
-    // block: the janitor waits. A job whose ranks were heard from meanwhile
-    // stays.
-    std::function<void(const std::shared_ptr<Job>& job)> before_idle_removal;
+    // removed (the daemon saves the copy's checkpoint part there): whether
+    // the copy may go now. While any answers false the job stays, and the
+    // next passes ask again. It should not block. A job a rank was heard
+    // from meanwhile stays.
+    std::function<bool(const std::shared_ptr<Job>& job)> before_idle_removal;
     // Called by Remove, on its thread with no manager lock held, before the
     // job leaves the registry (so before a job of the same id can be
     // registered again), for what the daemon keeps for a job outside it: its
@@ -74,6 +75,9 @@ class JobManager {
 
   // Starts the janitor. Everything borrowed must outlive the manager.
   JobManager(Options options, JobResources resources, DaemonMetrics* metrics);
+  // Stops the janitor (waits for a pass that runs); no pass runs after.
+  // Call it before what the janitor's hooks use goes. Idempotent.
+  void StopJanitor();
   // Stops the janitor; frees every job.
   ~JobManager();
 

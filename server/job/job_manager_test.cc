@@ -543,24 +543,35 @@ TEST_F(JobManagerTest, BeforeIdleRemovalSeesPrimariesAndARankHeardMeanwhileKeeps
   o.janitor_period = absl::Hours(1);
   o.job_idle_timeout = absl::Milliseconds(300);
   std::vector<std::string> seen;
+  // "later" is not ready at the first pass (its save still writes).
+  int later_asked = 0;
   o.before_idle_removal = [&](const std::shared_ptr<Job>& job) {
     seen.push_back(absl::StrCat(job->config().job_id, "/", job->daemon_index()));
     if (job->config().job_id == "back") EXPECT_TRUE(job->CheckRank(0, 1, "").ok());
+    if (job->config().job_id == "later") return ++later_asked > 1;
+    return true;
   };
   Make(o);
   std::shared_ptr<Job> gone = *Register(Spec("gone", 2, 2));  // and the backup of group 1
   std::shared_ptr<Job> back = *Register(Spec("back"));
+  std::shared_ptr<Job> later = *Register(Spec("later"));
   ASSERT_TRUE(JoinRank0(gone).ok());
   ASSERT_TRUE(JoinRank0(back).ok());
+  ASSERT_TRUE(JoinRank0(later).ok());
   gone.reset();
   back.reset();
+  later.reset();
   absl::SleepFor(absl::Milliseconds(400));
   manager_->Tick();
-  EXPECT_EQ(seen, (std::vector<std::string>{"back/0", "gone/0"}));
+  EXPECT_EQ(seen, (std::vector<std::string>{"back/0", "gone/0", "later/0"}));
   EXPECT_EQ(manager_->idle_removed(), 1u);
   EXPECT_FALSE(manager_->Find("gone").ok());
   EXPECT_FALSE(manager_->Find("gone", 1).ok());
   EXPECT_TRUE(manager_->Find("back").ok()) << "a job heard from during the hook was removed";
+  EXPECT_TRUE(manager_->Find("later").ok()) << "removed before the hook was ready";
+  manager_->Tick();
+  EXPECT_FALSE(manager_->Find("later").ok());
+  EXPECT_EQ(manager_->idle_removed(), 2u);
 }
 
 // Removing a copy that is no longer registered retires nothing a second time.

@@ -102,6 +102,8 @@ grpc::Status AdminService::Estimate(grpc::ServerContext*, const v1::EstimateRequ
   de->set_ram_bytes(d->ram_bytes);
   de->set_state_dir_ram_bytes(d->state_dir_ram_bytes);
   de->set_state_dir_disk_bytes(d->state_dir_disk_bytes);
+  de->set_state_gradients_ram_bytes(d->state_gradients_ram_bytes);
+  de->set_state_gradients_disk_bytes(d->state_gradients_disk_bytes);
   return ctx_->Done(__func__, absl::OkStatus());
 }
 

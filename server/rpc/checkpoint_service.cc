@@ -12,8 +12,8 @@ namespace {
 
 void Log(const std::string& line) { std::fprintf(stderr, "zeroshardd: %s\n", line.c_str()); }
 
-// The longest a save before an idle job's removal may write (the janitor
-// waits for it).
+// The longest an idle job is kept for its save, counted from the last time
+// a rank was heard.
 constexpr absl::Duration kIdleSaveWait = absl::Minutes(30);
 
 absl::Status CheckpointDirSet(const ServiceContext& ctx) {
@@ -135,60 +135,70 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext* call,
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
-void CheckpointService::SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job) {
-  if (ctx_->checkpoint_dir.empty()) return;
+bool CheckpointService::SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job) {
+  if (ctx_->checkpoint_dir.empty()) return true;
   const JobConfig& config = job->config();
   const uint64_t step = job->committed_step();
-  const uint32_t part = job->daemon_index();  // its replica group
-  const std::string what =
-      absl::StrCat("job ", config.job_id, " (idle): part ", part, " of checkpoint");
-  if (step == 0) return;  // nothing trained since the parameters were set
-  // Saved already at this step (the trainers' own checkpoint, or an idle
-  // save a resume came from): nothing new to keep.
-  absl::StatusOr<std::vector<v1::CheckpointManifest>> complete =
-      ListCompleteCheckpoints(ctx_->checkpoint_dir, config.job_id);
-  if (complete.ok()) {
-    for (const v1::CheckpointManifest& m : *complete) {
-      if (m.state().committed_step() == step) return;
+  if (step == 0) return true;  // nothing trained since the parameters were set
+  const std::string name = absl::StrCat(kIdleCheckpointPrefix, step);
+  const std::string what = absl::StrCat("job ", config.job_id, " (idle): part ",
+                                        job->daemon_index(), " of checkpoint ", name);
+  // A save that never ends does not keep the job for good.
+  const bool overdue = absl::Now() - job->LastHeard() > kIdleSaveWait;
+  absl::StatusOr<CheckpointProgress> progress = job->CheckpointStatus(name, absl::ZeroDuration());
+  if (absl::IsNotFound(progress.status())) {
+    // Not started. Saved already at this step (the trainers' own
+    // checkpoint, or the one a resume came from): nothing new to keep.
+    absl::StatusOr<std::vector<v1::CheckpointManifest>> complete =
+        ListCompleteCheckpoints(ctx_->checkpoint_dir, config.job_id);
+    if (complete.ok()) {
+      for (const v1::CheckpointManifest& m : *complete) {
+        if (m.state().committed_step() == step) return true;
+      }
     }
+    absl::Status s = ctx_->ClaimFiles(*job);
+    if (s.ok()) s = ctx_->CheckCheckpointQuota(*job);
+    if (s.ok()) s = job->SaveCheckpoint(name, step).status();
+    if (s.ok()) {
+      Log(absl::StrCat(what, " (step ", step, "): writing it before the job's removal"));
+      return false;
+    }
+    // The trainers' last save still writes: try again at a later pass.
+    if (absl::IsFailedPrecondition(s) && !overdue) return false;
+    Log(absl::StrCat(what, " (step ", step, ") was not saved before the job's removal: ",
+                     s.ToString()));
+    return true;
   }
-  const std::string name = absl::StrCat("idle-step-", step);
-  absl::Status s = ctx_->ClaimFiles(*job);
-  if (s.ok()) s = ctx_->CheckCheckpointQuota(*job);
-  if (s.ok()) s = job->SaveCheckpoint(name, step).status();
-  absl::StatusOr<CheckpointProgress> done = absl::UnknownError("not saved");
-  if (!s.ok()) done = s;
-  if (s.ok()) {
-    const absl::Time deadline = absl::Now() + kIdleSaveWait;
-    do {
-      done = job->CheckpointStatus(name, absl::Seconds(10));
-    } while (done.ok() && done->state == CheckpointProgress::State::kWriting &&
-             absl::Now() < deadline);
+  if (!progress.ok()) {
+    Log(absl::StrCat(what, ": ", progress.status().ToString(), "; the job is removed unsaved"));
+    return true;
   }
-  if (done.ok() && done->state == CheckpointProgress::State::kFailed) {
-    done = done->error.ok() ? absl::UnknownError("the write failed") : done->error;
-  }
-  if (done.ok() && done->state != CheckpointProgress::State::kWritten) {
-    done = absl::DeadlineExceededError(absl::StrCat("still writing after ",
-                                                    absl::FormatDuration(kIdleSaveWait)));
-  }
-  if (!done.ok()) {
-    Log(absl::StrCat(what, " ", name, " (step ", step, ") was not saved before its removal: ",
-                     done.status().ToString()));
-    return;
+  switch (progress->state) {
+    case CheckpointProgress::State::kWriting:
+      if (!overdue) return false;
+      Log(absl::StrCat(what, " still writing after ", absl::FormatDuration(kIdleSaveWait),
+                       "; the job is removed"));
+      return true;
+    case CheckpointProgress::State::kFailed:
+      Log(absl::StrCat(what, " failed: ", progress->error.ToString(),
+                       "; the job is removed unsaved"));
+      return true;
+    case CheckpointProgress::State::kWritten:
+      break;
   }
   // A job of one daemon is its own whole checkpoint; the others' parts are
   // completed by the client that resumes the job (ListCheckpoints.pending).
-  if (config.map.num_daemons() == 1 && done->part.has_value()) {
-    absl::StatusOr<uint64_t> completed = job->CompleteCheckpoint(name, {*done->part});
+  if (config.map.num_daemons() == 1 && progress->part.has_value()) {
+    absl::StatusOr<uint64_t> completed = job->CompleteCheckpoint(name, {*progress->part});
     Log(completed.ok() ? absl::StrCat("job ", config.job_id, " (idle): saved checkpoint ", name,
                                       " before its removal")
-                       : absl::StrCat(what, " ", name, " written, not completed: ",
+                       : absl::StrCat(what, " written, not completed: ",
                                       completed.status().ToString()));
-    return;
+    return true;
   }
-  Log(absl::StrCat(what, " ", name, " (step ", step, ") written before its removal; the ",
-                   "client that resumes the job completes it with the other daemons' parts"));
+  Log(absl::StrCat(what, " written before the job's removal; the client that resumes the job ",
+                   "completes it with the other daemons' parts"));
+  return true;
 }
 
 grpc::Status CheckpointService::VerifyCheckpoint(grpc::ServerContext* call,

@@ -11,7 +11,7 @@ namespace {
 
 absl::Status PeerError(const grpc::Status& s, const std::string& peer, absl::string_view what) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat(what, " on the backup ", peer, ": ", s.error_message()));
+                      absl::StrCat(what, " on the peer daemon ", peer, ": ", s.error_message()));
 }
 
 void Prepare(grpc::ClientContext* context, const std::string& token, absl::Time deadline) {

@@ -62,18 +62,32 @@ grpc::Status ReplicaService::GetReplicaState(grpc::ServerContext* call,
 
 grpc::Status ReplicaService::Promote(grpc::ServerContext* call, const v1::PromoteRequest* req,
                                      v1::ReplicaState* resp) {
-  absl::StatusOr<ReplicaGroup*> group =
-      GroupOf(ctx_->FindCopy(*call, req->job_id(), req->group()));
+  // The job is held for the whole call: the check below waits on the network.
+  const absl::StatusOr<std::shared_ptr<Job>> job =
+      ctx_->FindCopy(*call, req->job_id(), req->group());
+  absl::StatusOr<ReplicaGroup*> group = GroupOf(job);
   if (!group.ok()) return ctx_->Done(__func__, group.status());
   // A trainer (or any other holder of the job's token) promotes only a
   // backup whose primary is gone for the backup too: it cannot demote a
-  // primary that serves.
+  // primary that serves. The backup waits its own full time for the
+  // primary's answer, so that a caller's short deadline cannot make a live
+  // primary look gone.
   if (!MayReplaceLivePrimary(*call)) {
-    const absl::Time deadline =
-        std::min(absl::FromChrono(call->deadline()), absl::Now() + kPrimaryCheckWait);
+    const absl::Time check_deadline = absl::Now() + kPrimaryCheckWait;
+    if (absl::FromChrono(call->deadline()) < check_deadline + absl::Milliseconds(100)) {
+      return ctx_->Done(__func__, absl::DeadlineExceededError(absl::StrCat(
+                                      "Promote: the call's deadline leaves less than ",
+                                      absl::FormatDuration(kPrimaryCheckWait),
+                                      " to ask the group's primary whether it is gone; nothing "
+                                      "was changed")));
+    }
     const std::string token = PresentedToken(call->client_metadata()).value_or("");
-    if (absl::Status s = (*group)->CheckPrimaryGone(token, deadline); !s.ok()) {
+    if (absl::Status s = (*group)->CheckPrimaryGone(token, check_deadline); !s.ok()) {
       return ctx_->Done(__func__, s);
+    }
+    if (call->IsCancelled()) {
+      return ctx_->Done(__func__, absl::CancelledError("Promote: the caller cancelled the call; "
+                                                       "nothing was changed"));
     }
   }
   if (absl::Status s = (*group)->Promote(*req); !s.ok()) return ctx_->Done(__func__, s);
@@ -114,8 +128,10 @@ grpc::Status ReplicaService::TransferState(grpc::ServerContext* call,
   }
   const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(call);
   v1::ReplicaStateChunk first;
-  absl::StatusOr<ReplicaGroup*> group =
-      GroupOf(FirstChunk(ctx_, __func__, call, watch.get(), reader, &first));
+  // Held for the whole transfer (it may read for minutes).
+  const absl::StatusOr<std::shared_ptr<Job>> job =
+      FirstChunk(ctx_, __func__, call, watch.get(), reader, &first);
+  absl::StatusOr<ReplicaGroup*> group = GroupOf(job);
   if (!group.ok()) return ctx_->Done(__func__, group.status());
   // A bulk transfer reads the primary's arrays within the caller's deadline.
   const absl::Time deadline =
@@ -137,8 +153,9 @@ grpc::Status ReplicaService::ForwardGradient(grpc::ServerContext* call,
   }
   const std::unique_ptr<StreamWatch> watch = ctx_->WatchStream(call);
   v1::ForwardedGradientChunk first;
-  absl::StatusOr<ReplicaGroup*> group =
-      GroupOf(FirstChunk(ctx_, __func__, call, watch.get(), reader, &first));
+  const absl::StatusOr<std::shared_ptr<Job>> job =
+      FirstChunk(ctx_, __func__, call, watch.get(), reader, &first);
+  absl::StatusOr<ReplicaGroup*> group = GroupOf(job);
   if (!group.ok()) return ctx_->Done(__func__, group.status());
   absl::StatusOr<v1::ForwardGradientResponse> r = (*group)->AcceptGradient(
       first, [&](v1::ForwardedGradientChunk* c) { return NextChunk(watch.get(), reader, c); });

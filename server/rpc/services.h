@@ -294,12 +294,14 @@ class CheckpointService final : public v1::Checkpoint::Service {
                                 v1::VerifyCheckpointResponse* resp) override;
 
   // Before a primary copy of an idle job is removed (JobManager::Options::
-  // before_idle_removal), with --checkpoint_dir: saves its part of
-  // checkpoint "idle-step-<committed step>" unless a complete checkpoint of
-  // that step exists, blocking until written (30 min at most), and writes
-  // the MANIFEST too when the job has one daemon. Failures are logged;
-  // nothing is returned.
-  void SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job);
+  // before_idle_removal), with --checkpoint_dir: starts the save of its part
+  // of checkpoint "idle-step-<committed step>" (kIdleCheckpointPrefix)
+  // unless a complete checkpoint of that step exists, and answers false
+  // (keep the job) while it writes; once written, writes the MANIFEST too
+  // when the job has one daemon, and answers true (remove it). Never
+  // blocks on the write. Failures are logged and answer true; so does a
+  // save still writing 30 min after the job was last heard from.
+  bool SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job);
 
  private:
   ServiceContext* const ctx_;
