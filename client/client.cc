@@ -361,7 +361,13 @@ absl::StatusOr<uint64_t> Client::AgreedCommittedStep() {
     }
     const uint64_t low = states[lo].committed_step();
     const uint64_t high = states[hi].committed_step();
-    if (low == high) return high;
+    if (low == high) {
+      // A rank joining a job that has committed steps (a restarted trainer)
+      // takes the daemons' loss scale for its first step, not the initial one.
+      const float scale = states[hi].loss_scale();
+      if (high > 0 && std::isfinite(scale) && scale > 0) loss_scale_.store(scale);
+      return high;
+    }
     if (high == low + 1 && config_.rank == 0) {
       // The previous leader died between its CommitSteps: finish the step on
       // the daemons behind with the decision the others recorded, so every

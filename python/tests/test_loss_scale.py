@@ -237,9 +237,13 @@ def test_grad_scaler_state_dict_follows_the_daemons(daemons):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
     # The same rank joining again (a restarted trainer) finds the job past
-    # step 0: it cannot tell the daemons' tracker, and says so.
+    # step 0: it reads the daemons' scale, cannot tell their tracker, and
+    # says so.
     again = shard_model(Net(), config, stage=2, lr=LR, betas=sc.BETAS, eps=sc.EPS)
     rejoined = GradScaler(again)
+    # Its scale is the daemons' from the start, before its first step.
+    assert state["scale"] != LOSS_SCALE["init_scale"]
+    assert rejoined.get_scale() == state["scale"]
     with pytest.raises(RuntimeError, match="growth tracker"):
         rejoined.state_dict()
     with pytest.raises(RuntimeError, match="growth tracker"):
