@@ -454,58 +454,13 @@ absl::Status GlooCollective::Exchange(absl::Time deadline) {
 absl::Status GlooCollective::ExchangeMarks(std::vector<uint8_t>* marks, absl::Time deadline) {
   const CollectiveJob& job = this->job();
   const uint32_t n = job.world_size;
-  const uint32_t p = job.rank;
   const size_t count = marks->size();
   if (n == 1 || count == 0) return absl::OkStatus();
-  if (context_ == nullptr) RETURN_IF_ERROR(Connect(deadline));
   uint8_t* all = marks_.get();
-  std::memcpy(all + uint64_t{p} * count, marks->data(), count);
-  const uint64_t slot = next_slot_++;
-  uint64_t sent_bytes = 0, received_bytes = 0;
-  std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> from(n);
-  std::unique_ptr<::gloo::transport::UnboundBuffer> mine;
-  std::vector<uint8_t> received(n);
-  uint32_t waiting_for = n;  // the peer whose marks are awaited (n: none)
-  absl::Status status = CatchGloo(deadline, "", [&] {
-    mine = context_->createUnboundBuffer(all + uint64_t{p} * count, count);
-    int sends = 0;
-    for (uint32_t q = 0; q < n; ++q) {
-      if (q == p) continue;
-      from[q] = context_->createUnboundBuffer(all + uint64_t{q} * count, count);
-      from[q]->recv(static_cast<int>(q), slot);
-      mine->send(static_cast<int>(q), slot);
-      sent_bytes += count;
-      ++sends;
-    }
-    for (uint32_t q = 0; q < n; ++q) {
-      if (from[q] == nullptr) continue;
-      waiting_for = q;
-      if (!from[q]->waitRecv(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("receive aborted");
-      received[q] = 1;
-      received_bytes += count;
-    }
-    waiting_for = n;
-    for (; sends > 0; --sends) {
-      if (!mine->waitSend(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("send aborted");
-    }
-  });
-  job.traffic->AddCollectiveSent(sent_bytes);
-  if (!status.ok()) {
-    std::string message = absl::StrCat(
-        kWhat, ": rank ", p, ", no-gradient marks, ",
-        waiting_for < n ? absl::StrCat("receiving from rank ", waiting_for) : std::string("sending"),
-        ": ", status.message());
-    if (waiting_for < n) {
-      const std::vector<uint32_t> missing = MissingPeers(
-          n, waiting_for, received, [&](uint32_t q) { return from[q].get(); },
-          [&](uint32_t) { received_bytes += count; });
-      absl::StrAppend(&message, "; nothing had come from rank(s) ", absl::StrJoin(missing, ", "),
-                      " by then (not running, not in this step, or its connection failed)");
-    }
-    job.traffic->AddCollectiveReceived(received_bytes);
-    return absl::Status(status.code(), message);
-  }
-  job.traffic->AddCollectiveReceived(received_bytes);
+  std::memcpy(all + uint64_t{job.rank} * count, marks->data(), count);
+  RETURN_IF_ERROR(AllGatherPieces(
+      [&](uint32_t q) { return Piece{all + uint64_t{q} * count, count}; }, "no-gradient marks",
+      "this step", deadline));
   // A tensor is without a gradient when every rank says so.
   for (size_t t = 0; t < count; ++t) {
     uint8_t every = 1;
@@ -526,74 +481,79 @@ absl::StatusOr<const void*> GlooCollective::WireBucket(const FlatRange& bucket, 
 absl::Status GlooCollective::ExchangeGather(const FlatRange& range, void* dst, DType dtype,
                                             absl::Time deadline) {
   const CollectiveJob& job = this->job();
-  const uint32_t n = job.world_size;
-  const uint32_t p = job.rank;
-  if (n == 1) return absl::OkStatus();
-  if (context_ == nullptr) RETURN_IF_ERROR(Connect(deadline));
+  if (job.world_size == 1) return absl::OkStatus();
   const size_t esize = DTypeSize(dtype);
   auto* bytes = static_cast<uint8_t*>(dst);
-  // Rank q's piece of the range, and where it goes in `dst`.
-  auto piece = [&](uint32_t q) { return job.map->UnpaddedPartition(q).Intersect(range); };
-  auto offset = [&](const FlatRange& r) { return (r.begin - range.begin) * esize; };
-  const FlatRange own = piece(p);
-  absl::Status status;
-  {
-    const uint64_t slot = next_slot_++;
-    uint64_t sent_bytes = 0, received_bytes = 0;
-    // One buffer per peer over its piece of `dst` (so that a wait names
-    // the peer it waits for), and one over this rank's piece to send.
-    std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> from(n);
-    std::unique_ptr<::gloo::transport::UnboundBuffer> mine;
-    std::vector<uint8_t> received(n);
-    uint32_t waiting_for = n;  // the peer whose piece is awaited (n: none)
-    status = CatchGloo(deadline, "", [&] {
-      if (!own.empty()) {
-        mine = context_->createUnboundBuffer(bytes + offset(own), own.size() * esize);
+  // Rank q's piece of the range, where it goes in `dst`.
+  return AllGatherPieces(
+      [&](uint32_t q) {
+        const FlatRange r = job.map->UnpaddedPartition(q).Intersect(range);
+        return Piece{bytes + (r.begin - range.begin) * esize, r.size() * esize};
+      },
+      absl::StrCat("parameter all-gather of [", range.begin, ", ", range.end, ")"), "this gather",
+      deadline);
+}
+
+absl::Status GlooCollective::AllGatherPieces(const std::function<Piece(uint32_t)>& piece,
+                                       const std::string& what, const std::string& call,
+                                       absl::Time deadline) {
+  const CollectiveJob& job = this->job();
+  const uint32_t n = job.world_size;
+  const uint32_t p = job.rank;
+  if (context_ == nullptr) RETURN_IF_ERROR(Connect(deadline));
+  const Piece own = piece(p);
+  const uint64_t slot = next_slot_++;
+  uint64_t sent_bytes = 0, received_bytes = 0;
+  // One buffer per peer over its piece (so that a wait names the peer it
+  // waits for), and one over this rank's piece to send.
+  std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> from(n);
+  std::unique_ptr<::gloo::transport::UnboundBuffer> mine;
+  std::vector<uint8_t> received(n);
+  uint32_t waiting_for = n;  // the peer whose piece is awaited (n: none)
+  absl::Status status = CatchGloo(deadline, "", [&] {
+    if (own.bytes > 0) mine = context_->createUnboundBuffer(own.data, own.bytes);
+    int sends = 0;
+    for (uint32_t q = 0; q < n; ++q) {
+      if (q == p) continue;
+      const Piece theirs = piece(q);
+      if (theirs.bytes > 0) {
+        from[q] = context_->createUnboundBuffer(theirs.data, theirs.bytes);
+        from[q]->recv(static_cast<int>(q), slot);
       }
-      int sends = 0;
-      for (uint32_t q = 0; q < n; ++q) {
-        if (q == p) continue;
-        const FlatRange theirs = piece(q);
-        if (!theirs.empty()) {
-          from[q] = context_->createUnboundBuffer(bytes + offset(theirs), theirs.size() * esize);
-          from[q]->recv(static_cast<int>(q), slot);
-        }
-        if (mine != nullptr) {
-          mine->send(static_cast<int>(q), slot);
-          sent_bytes += own.size() * esize;
-          ++sends;
-        }
+      if (mine != nullptr) {
+        mine->send(static_cast<int>(q), slot);
+        sent_bytes += own.bytes;
+        ++sends;
       }
-      for (uint32_t q = 0; q < n; ++q) {
-        if (from[q] == nullptr) continue;
-        waiting_for = q;
-        if (!from[q]->waitRecv(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("receive aborted");
-        received[q] = 1;
-        received_bytes += piece(q).size() * esize;
-      }
-      waiting_for = n;
-      for (; sends > 0; --sends) {
-        if (!mine->waitSend(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("send aborted");
-      }
-    });
-    if (!status.ok()) {
-      std::string message = absl::StrCat(
-          kWhat, ": rank ", p, ", parameter all-gather of [", range.begin, ", ", range.end, "), ",
-          waiting_for < n ? absl::StrCat("receiving from rank ", waiting_for)
-                          : std::string("sending"),
-          ": ", status.message());
-      if (waiting_for < n) {
-        const std::vector<uint32_t> missing = MissingPeers(
-            n, waiting_for, received, [&](uint32_t q) { return from[q].get(); },
-            [&](uint32_t q) { received_bytes += piece(q).size() * esize; });
-        absl::StrAppend(&message, "; nothing had come from rank(s) ", absl::StrJoin(missing, ", "),
-                        " by then (not running, not in this gather, or its connection failed)");
-      }
-      status = absl::Status(status.code(), message);
     }
-    job.traffic->AddCollectiveSent(sent_bytes);
-    job.traffic->AddCollectiveReceived(received_bytes);
+    for (uint32_t q = 0; q < n; ++q) {
+      if (from[q] == nullptr) continue;
+      waiting_for = q;
+      if (!from[q]->waitRecv(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("receive aborted");
+      received[q] = 1;
+      received_bytes += piece(q).bytes;
+    }
+    waiting_for = n;
+    for (; sends > 0; --sends) {
+      if (!mine->waitSend(Remaining(deadline))) GLOO_THROW_IO_EXCEPTION("send aborted");
+    }
+  });
+  if (!status.ok()) {
+    std::string message = absl::StrCat(
+        kWhat, ": rank ", p, ", ", what, ", ",
+        waiting_for < n ? absl::StrCat("receiving from rank ", waiting_for) : std::string("sending"),
+        ": ", status.message());
+    if (waiting_for < n) {
+      const std::vector<uint32_t> missing = MissingPeers(
+          n, waiting_for, received, [&](uint32_t q) { return from[q].get(); },
+          [&](uint32_t q) { received_bytes += piece(q).bytes; });
+      absl::StrAppend(&message, "; nothing had come from rank(s) ", absl::StrJoin(missing, ", "),
+                      " by then (not running, not in ", call, ", or its connection failed)");
+    }
+    status = absl::Status(status.code(), message);
   }
+  job.traffic->AddCollectiveSent(sent_bytes);
+  job.traffic->AddCollectiveReceived(received_bytes);
   return status;
 }
 

@@ -49,6 +49,7 @@
 //                       run.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -109,6 +110,18 @@ class GlooCollective final : public TrainerCollective {
 
   // Rendezvous and connection (the first exchange).
   absl::Status Connect(absl::Time deadline);
+  // Rank q's piece of an all-gather: where it lies (in the caller's buffer
+  // for every rank), its size (0: none).
+  struct Piece {
+    uint8_t* data = nullptr;
+    uint64_t bytes = 0;
+  };
+  // Sends this rank's piece to every peer and receives each peer's into its
+  // place, connecting first where needed; `what` and `call` name the
+  // exchange in errors, which name the peers that sent nothing.
+  absl::Status AllGatherPieces(const std::function<Piece(uint32_t)>& piece,
+                               const std::string& what, const std::string& call,
+                               absl::Time deadline);
 
   const Options options_;
 
