@@ -298,9 +298,11 @@ class CheckpointService final : public v1::Checkpoint::Service {
   // of checkpoint "idle-step-<committed step>" (kIdleCheckpointPrefix)
   // unless a complete checkpoint of that step exists, and answers false
   // (keep the job) while it writes; once written, writes the MANIFEST too
-  // when the job has one daemon, and answers true (remove it). Never
-  // blocks on the write. Failures are logged and answer true; so does a
-  // save still writing 30 min after the job was last heard from.
+  // when the job has one daemon, and answers true (remove it). Does not
+  // wait for the write, except for a job on --state_dir, whose save writes
+  // before it returns (CheckpointAgent::Save). Failures are logged and
+  // answer true; so does a save still writing 30 min after the job was
+  // last heard from.
   bool SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job);
 
  private:
