@@ -488,6 +488,7 @@ absl::Status GlooCollective::ExchangeGather(const FlatRange& range, void* dst, D
   return AllGatherPieces(
       [&](uint32_t q) {
         const FlatRange r = job.map->UnpaddedPartition(q).Intersect(range);
+        if (r.empty()) return Piece{};
         return Piece{bytes + (r.begin - range.begin) * esize, r.size() * esize};
       },
       absl::StrCat("parameter all-gather of [", range.begin, ", ", range.end, ")"), "this gather",

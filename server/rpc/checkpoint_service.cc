@@ -12,8 +12,8 @@ namespace {
 
 void Log(const std::string& line) { std::fprintf(stderr, "zeroshardd: %s\n", line.c_str()); }
 
-// The longest an idle job is kept for its save, counted from the last time
-// a rank was heard.
+// The longest an idle job is kept for its save, counted from the first
+// janitor pass that found it idle.
 constexpr absl::Duration kIdleSaveWait = absl::Minutes(30);
 
 absl::Status CheckpointDirSet(const ServiceContext& ctx) {
@@ -135,6 +135,26 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext* call,
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
+absl::Time CheckpointService::IdleSince(const std::shared_ptr<Job>& job) {
+  absl::MutexLock lock(&idle_mu_);
+  // Entries of jobs gone another way (a rank came back, the job ended).
+  for (auto it = idle_since_.begin(); it != idle_since_.end();) {
+    it = it->second.job.expired() ? idle_since_.erase(it) : std::next(it);
+  }
+  auto [it, fresh] = idle_since_.try_emplace(job.get());
+  // A new job at the same address, or a rank heard from since: a new idle
+  // period.
+  if (fresh || it->second.job.lock() != job || job->LastHeard() > it->second.since) {
+    it->second = {job, absl::Now()};
+  }
+  return it->second.since;
+}
+
+void CheckpointService::ForgetIdle(const Job& job) {
+  absl::MutexLock lock(&idle_mu_);
+  idle_since_.erase(&job);
+}
+
 bool CheckpointService::SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job) {
   if (ctx_->checkpoint_dir.empty()) return true;
   const JobConfig& config = job->config();
@@ -143,8 +163,13 @@ bool CheckpointService::SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job) {
   const std::string name = absl::StrCat(kIdleCheckpointPrefix, step);
   const std::string what = absl::StrCat("job ", config.job_id, " (idle): part ",
                                         job->daemon_index(), " of checkpoint ", name);
-  // A save that never ends does not keep the job for good.
-  const bool overdue = absl::Now() - job->LastHeard() > kIdleSaveWait;
+  // A save that never ends does not keep the job for good: counted from the
+  // first pass that asked for this job.
+  const bool overdue = absl::Now() - IdleSince(job) > kIdleSaveWait;
+  const auto done = [&] {
+    ForgetIdle(*job);
+    return true;
+  };
   absl::StatusOr<CheckpointProgress> progress = job->CheckpointStatus(name, absl::ZeroDuration());
   if (absl::IsNotFound(progress.status())) {
     // Not started. Saved already at this step (the trainers' own
@@ -153,7 +178,7 @@ bool CheckpointService::SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job) {
         ListCompleteCheckpoints(ctx_->checkpoint_dir, config.job_id);
     if (complete.ok()) {
       for (const v1::CheckpointManifest& m : *complete) {
-        if (m.state().committed_step() == step) return true;
+        if (m.state().committed_step() == step) return done();
       }
     }
     absl::Status s = ctx_->ClaimFiles(*job);
@@ -167,22 +192,22 @@ bool CheckpointService::SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job) {
     if (absl::IsFailedPrecondition(s) && !overdue) return false;
     Log(absl::StrCat(what, " (step ", step, ") was not saved before the job's removal: ",
                      s.ToString()));
-    return true;
+    return done();
   }
   if (!progress.ok()) {
     Log(absl::StrCat(what, ": ", progress.status().ToString(), "; the job is removed unsaved"));
-    return true;
+    return done();
   }
   switch (progress->state) {
     case CheckpointProgress::State::kWriting:
       if (!overdue) return false;
       Log(absl::StrCat(what, " still writing after ", absl::FormatDuration(kIdleSaveWait),
                        "; the job is removed"));
-      return true;
+      return done();
     case CheckpointProgress::State::kFailed:
       Log(absl::StrCat(what, " failed: ", progress->error.ToString(),
                        "; the job is removed unsaved"));
-      return true;
+      return done();
     case CheckpointProgress::State::kWritten:
       break;
   }
@@ -194,11 +219,11 @@ bool CheckpointService::SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job) {
                                       " before its removal")
                        : absl::StrCat(what, " written, not completed: ",
                                       completed.status().ToString()));
-    return true;
+    return done();
   }
   Log(absl::StrCat(what, " written before the job's removal; the client that resumes the job ",
                    "completes it with the other daemons' parts"));
-  return true;
+  return done();
 }
 
 grpc::Status CheckpointService::VerifyCheckpoint(grpc::ServerContext* call,

@@ -171,8 +171,10 @@ grpc::Status ReplicaService::CommitReplica(grpc::ServerContext* call,
   if (absl::Status s = RequirePeerRole(*call, PeerRole::kDaemon, ctx_->tls); !s.ok()) {
     return ctx_->Done(__func__, s);
   }
-  absl::StatusOr<ReplicaGroup*> group =
-      GroupOf(ctx_->FindCopy(*call, req->job_id(), req->group()));
+  // Held for the call: the commit waits for the commit lock.
+  const absl::StatusOr<std::shared_ptr<Job>> job =
+      ctx_->FindCopy(*call, req->job_id(), req->group());
+  absl::StatusOr<ReplicaGroup*> group = GroupOf(job);
   if (!group.ok()) return ctx_->Done(__func__, group.status());
   absl::StatusOr<v1::CommitStepResponse> r = (*group)->CommitReplica(*req);
   if (!r.ok()) return ctx_->Done(__func__, r.status());

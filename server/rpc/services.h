@@ -8,11 +8,14 @@
 // and none holds a lock that another job's requests need.
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/auth.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -301,12 +304,22 @@ class CheckpointService final : public v1::Checkpoint::Service {
   // when the job has one daemon, and answers true (remove it). Does not
   // wait for the write, except for a job on --state_dir, whose save writes
   // before it returns (CheckpointAgent::Save). Failures are logged and
-  // answer true; so does a save still writing 30 min after the job was
-  // last heard from.
+  // answer true; so does a save still writing 30 min after the first pass
+  // that asked about the job.
   bool SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job);
 
  private:
+  // When SaveBeforeIdleRemoval first asked about `job` (now, the first time).
+  absl::Time IdleSince(const std::shared_ptr<Job>& job);
+  void ForgetIdle(const Job& job);
+
   ServiceContext* const ctx_;
+  struct IdleEntry {
+    std::weak_ptr<Job> job;
+    absl::Time since;
+  };
+  absl::Mutex idle_mu_;
+  std::map<const Job*, IdleEntry> idle_since_ ABSL_GUARDED_BY(idle_mu_);
 };
 
 // Activation checkpoints (proto/zeroshard/v1/activation.proto) over the
