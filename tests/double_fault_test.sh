@@ -94,13 +94,28 @@ start_run() {
   ZSRUN_PID=$!
 }
 
-# double_fault TAG RESTART...: kills both daemons after step 15, starts
-# again the ones listed, and waits for the run's end: LOST_MS is the time
-# from the kills to it, RC its exit.
+# wait_complete JOB NAME: until both daemons have written checkpoint NAME's
+# manifest (the trainers complete it in the background, a few steps after
+# the save on a loaded machine).
+wait_complete() {
+  local deadline=$((SECONDS + 60)) d
+  for d in 0 1; do
+    until grep -q "job $1 checkpoint $2 of step [0-9]* is complete" "$WORK/daemon$d.log"; do
+      ((SECONDS < deadline)) || fail "checkpoint $2 of job $1 was not complete within 60 s"
+      sleep 0.01
+    done
+  done
+}
+
+# double_fault TAG JOB RESTART...: kills both daemons after step 15 (once
+# the step-10 checkpoint is complete), starts again the ones listed, and
+# waits for the run's end: LOST_MS is the time from the kills to it, RC its
+# exit.
 double_fault() {
-  local tag="$1"
-  shift
+  local tag="$1" job="$2"
+  shift 2
   wait_step "$tag" 15
+  wait_complete "$job" step-10
   kill -9 "${DAEMON_PIDS[0]}" "${DAEMON_PIDS[1]}" 2>/dev/null
   local killed=$(zs_now_ms)
   wait "${DAEMON_PIDS[0]}" "${DAEMON_PIDS[1]}" 2>/dev/null
@@ -129,7 +144,7 @@ ZSRUN_PID=""
 [[ -s "$WORK/U.f32" ]] || fail "run U wrote no parameters"
 
 start_run B df-b
-double_fault B 0 1
+double_fault B df-b 0 1
 ((RC != 0)) || fail "run B finished although no copy of its state was left"
 grep -q "has no copy left" "$WORK/B.log" || fail "run B did not say that a group has no copy left"
 grep -q "the newest complete checkpoint is step-10 (step 10)" "$WORK/B.log" ||
@@ -178,7 +193,7 @@ start_daemon 0 "$((RESTARTS[0] + 1))" || fail "daemon 0 did not start again"
 RESTARTS[0]=$((RESTARTS[0] + 1))
 
 start_run H df-h
-double_fault H 1
+double_fault H df-h 1
 ((RC != 0)) || fail "run H finished although group 0's only copy was on a daemon that is gone"
 grep -q "has no copy left" "$WORK/H.log" || fail "run H did not say that a group has no copy left"
 grep -q "does not answer" "$WORK/H.log" || fail "run H did not name the daemon that does not answer"
