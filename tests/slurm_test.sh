@@ -198,7 +198,7 @@ run_job() {
   local t0=$SECONDS job
   job="$(cd "$DIR/job" &&
     env "$@" ZS_ZEROSHARDD="$ZEROSHARDD" ZS_ZSCTL="$ZSCTL" ZS_PORT="$port" \
-      ZS_MEMORY_INTERVAL=0.5 ZS_STOP_TIMEOUT=20 ZS_RUN_DIR="$DIR/run-$name" \
+      ZS_MEMORY_INTERVAL=0.5 ZS_STOP_TIMEOUT=20 ZS_RUN_DIR="${RUN_DIR:-$DIR/run-$name}" \
       ZS_DAEMON_ARGS="--memory_limit=1G" SLURM_CONF="$CONF" \
       sbatch --parsable --job-name="$name" --nodes=1 --ntasks=2 --time=5 --output="$OUT" \
       "$SCRIPT" "$GPT_TRAIN" --stage=3 --steps=150 --layers=2 --width=32 --heads=4 \
@@ -259,9 +259,15 @@ run_job() {
 
 # One node: the daemon serves plaintext on a unix socket in a directory
 # only the job's user can enter, not on a TCP port another user could take.
+# The job's directory has a path longer than a socket's address holds, so
+# the socket goes to a directory of its own under /tmp.
+RUN_DIR="$DIR/$(printf 'd%.0s' {1..100})/run-loopback"
 run_job loopback "$ZS_PORT"
+unset RUN_DIR
 SOCK="$(sed -n 's/^zeroshard.sbatch: [0-9:]* ZS_DAEMONS=\(unix:\/.*\)$/\1/p' "$OUT")"
 [[ -n "$SOCK" ]] || zs_fail "loopback: ZS_DAEMONS is not a unix socket"
+[[ "$SOCK" == unix:/tmp/zeroshard-sock-* ]] ||
+  zs_fail "loopback: the socket $SOCK is not in a directory of its own under /tmp"
 grep -qxF "0: zeroshardd listening on $SOCK" "$OUT" ||
   zs_fail "loopback: the daemon did not listen on $SOCK"
 grep -q "^0: zeroshardd serving plaintext$" "$OUT" || zs_fail "loopback: the daemon did not serve plaintext"
