@@ -522,6 +522,12 @@ absl::StatusOr<PushTicket> Client::PushGradients(const FlatRange& range, const v
                      "flat space [0, ", layout_.total_elements(), ")"));
   }
   if (!no_grad_tensors.empty()) {
+    if (!collective_->carries_no_grad_marks()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no_grad_tensors: the ", collective_->name(), " collective does not carry "
+          "no-gradient marks (Client::carries_no_grad_marks() is false); push zeros without "
+          "them (such tensors are then stepped), or use daemon reduction or the Gloo collective"));
+    }
     const auto [first, last] = layout_.TensorsIn(range);
     for (size_t i = 0; i < no_grad_tensors.size(); ++i) {
       const uint32_t t = no_grad_tensors[i];

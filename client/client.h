@@ -272,8 +272,9 @@ class Client {
   // InvalidArgument for an index that is not ascending or outside `range`;
   // With the Gloo trainer collective the ranks agree on the marks in each
   // Step (a tensor is without a gradient when every rank marked it in every
-  // micro-batch). Unimplemented for any `no_grad_tensors` with the NCCL
-  // trainer collective, which cannot carry them: push zeros without them
+  // micro-batch). A collective that does not carry marks (the NCCL trainer
+  // collective: carries_no_grad_marks() false) takes none:
+  // FailedPrecondition for any `no_grad_tensors`; push zeros without them
   // there.
   absl::StatusOr<PushTicket> PushGradients(const FlatRange& range, const void* grads, DType dtype,
                                            uint32_t micro_batch = 0,
@@ -430,6 +431,9 @@ class Client {
   uint64_t committed_step() const { return step_.load(); }
   // The scale to multiply the next step's loss by (fp16 loss scaling).
   float loss_scale() const { return loss_scale_.load(); }
+  // Whether PushGradients takes no_grad_tensors with this client's
+  // collective (Collective::carries_no_grad_marks()).
+  bool carries_no_grad_marks() const { return collective_->carries_no_grad_marks(); }
   // This process's incarnation for the rank (>= 1), fixed by Create.
   uint64_t incarnation() const { return incarnation_; }
 

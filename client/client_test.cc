@@ -453,8 +453,9 @@ class ToyTrainerCollective final : public Collective {
     std::memcpy(exchange_->grads(job_.rank).data() + range.begin, grads, range.size() * 4);
     return PushTicket();
   }
+  bool carries_no_grad_marks() const override { return false; }
   absl::Status MarkNoGradient(uint64_t, uint32_t, absl::Span<const uint32_t> tensors) override {
-    return tensors.empty() ? absl::OkStatus() : absl::UnimplementedError("no marks");
+    return tensors.empty() ? absl::OkStatus() : absl::FailedPreconditionError("no marks");
   }
   absl::Status Finish(uint64_t step, absl::Time deadline) override {
     if (!exchange_->Barrier(deadline)) return absl::DeadlineExceededError("reduce-scatter");
@@ -506,6 +507,18 @@ TEST(ClientTest, ATrainerCollectiveSlotsInAndMatchesDaemonReduce) {
           Client::Create(config, std::move(collective));
       if (!client.ok() || !(*client)->RegisterModel(layout, init.data()).ok()) {
         return void(++failures);
+      }
+      // A collective that carries no marks says so, and a push with marks is
+      // refused before anything is pushed.
+      EXPECT_EQ((*client)->carries_no_grad_marks(), mode == ReductionMode::kDaemon);
+      if (mode == ReductionMode::kTrainerCollective) {
+        const std::vector<float> zeros(total, 0.0f);
+        EXPECT_EQ((*client)
+                      ->PushGradients({0, total}, zeros.data(), DType::kFp32, 0,
+                                      BufferUse::kCopy, MemoryKind::kHost, {0})
+                      .status()
+                      .code(),
+                  absl::StatusCode::kFailedPrecondition);
       }
       for (int step = 1; step <= 3; ++step) {
         absl::StatusOr<StepResult> r = TrainStep(**client, step, 0.01f, &params[rank]);

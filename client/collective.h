@@ -112,12 +112,18 @@ class Collective {
                                             BufferUse use, MemoryKind memory,
                                             absl::Time deadline) = 0;
 
+  // Whether the collective takes MarkNoGradient's marks (daemon reduction
+  // and the Gloo trainer collective do; the NCCL trainer collective does
+  // not: its ranks have no exchange for them, and a tensor without a
+  // gradient is pushed as zeros and stepped there).
+  virtual bool carries_no_grad_marks() const = 0;
   // Records that this rank's contribution to micro-batch `micro_batch` of
   // `step` carries no gradient for `tensors` (layout indices, ascending;
   // their elements are pushed as zeros), before the Reduce that pushes
   // them. The daemons then skip a tensor in the step's update unless some
   // rank, in some micro-batch, pushed a gradient for it (GradientChunk.
-  // no_grad_tensors). Thread-safe like Reduce.
+  // no_grad_tensors). Thread-safe like Reduce. Only for a collective that
+  // carries_no_grad_marks() (FailedPrecondition otherwise).
   virtual absl::Status MarkNoGradient(uint64_t step, uint32_t micro_batch,
                                       absl::Span<const uint32_t> tensors) = 0;
 
@@ -132,6 +138,29 @@ class Collective {
   // Bytes of host memory the collective holds (staging buffers), fixed once
   // bound.
   virtual uint64_t staging_bytes() const = 0;
+
+ protected:
+  // MarkNoGradient's argument checks, shared by the collectives that take
+  // marks: bound (`bound`), `micro_batch` below job.micro_batches, every
+  // tensor a tensor of job.layout.
+  static absl::Status CheckMarks(const CollectiveJob& job, bool bound, uint32_t micro_batch,
+                                 absl::Span<const uint32_t> tensors) {
+    if (!bound) return absl::FailedPreconditionError("PushGradients before RegisterModel");
+    if (micro_batch >= job.micro_batches) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "micro_batch: must be < micro_batches (", job.micro_batches, "), got ", micro_batch));
+    }
+    const uint64_t count = job.layout->tensors().size();
+    for (uint32_t t : tensors) {
+      if (t >= count) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("no_grad_tensors: ", t, " is not a tensor of the layout (", count, ")"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ public:
 
   // Gathers parameters by exchanging them among the ranks, where the
   // collective can (gathers_parameters()): each rank fetches only the part

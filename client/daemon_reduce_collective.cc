@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/protocol.h"
+#include "common/status_macros.h"
 #include "common/stream_copy.h"
 
 namespace zeroshard {
@@ -248,13 +249,8 @@ absl::Status DaemonReduceCollective::BeginReduce(const Contribution& c, size_t f
 
 absl::Status DaemonReduceCollective::MarkNoGradient(uint64_t step, uint32_t micro_batch,
                                                     absl::Span<const uint32_t> tensors) {
-  if (!bound_.load(std::memory_order_acquire)) {
-    return absl::FailedPreconditionError("PushGradients before RegisterModel");
-  }
-  if (micro_batch >= job_.micro_batches) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "micro_batch: must be < micro_batches (", job_.micro_batches, "), got ", micro_batch));
-  }
+  RETURN_IF_ERROR(
+      CheckMarks(job_, bound_.load(std::memory_order_acquire), micro_batch, tensors));
   const uint64_t count = job_.layout->tensors().size();
   absl::MutexLock lock(&mu_);
   if (no_grad_step_ != step) {

@@ -69,6 +69,7 @@ class DaemonReduceCollective final : public Collective {
   absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch, const FlatRange& range,
                                     const void* grads, DType dtype, BufferUse use,
                                     MemoryKind memory, absl::Time deadline) override;
+  bool carries_no_grad_marks() const override { return true; }
   absl::Status MarkNoGradient(uint64_t step, uint32_t micro_batch,
                               absl::Span<const uint32_t> tensors) override;
   absl::Status Finish(uint64_t step, absl::Time deadline) override;

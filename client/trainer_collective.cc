@@ -257,26 +257,13 @@ absl::Status TrainerCollective::MarkNoGradient(uint64_t step, uint32_t micro_bat
                                                absl::Span<const uint32_t> tensors) {
   if (tensors.empty()) return absl::OkStatus();
   if (!carries_marks()) {
-    return absl::UnimplementedError(absl::StrCat(
-        what_, ": cannot tell the daemons which tensors got no gradient (its ranks do not ",
-        "agree on them before pushing); push zeros without marking them, use the Gloo ",
-        "collective, or reduction mode DAEMON, which skip such tensors exactly as torch.optim ",
-        "does"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        what_, " does not carry no-gradient marks (carries_no_grad_marks() is false): push ",
+        "zeros without marking them, or use the Gloo collective or reduction mode DAEMON"));
   }
-  if (!bound_.load(std::memory_order_acquire)) {
-    return absl::FailedPreconditionError("PushGradients before RegisterModel");
-  }
-  if (micro_batch >= job_.micro_batches) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "micro_batch: must be < micro_batches (", job_.micro_batches, "), got ", micro_batch));
-  }
+  RETURN_IF_ERROR(
+      CheckMarks(job_, bound_.load(std::memory_order_acquire), micro_batch, tensors));
   const uint64_t count = job_.layout->tensors().size();
-  for (uint32_t t : tensors) {
-    if (t >= count) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("no_grad_tensors: ", t, " is not a tensor of the layout (", count, ")"));
-    }
-  }
   absl::MutexLock lock(&mu_);
   if (marks_step_ != step) {
     marks_.clear();
@@ -307,7 +294,8 @@ std::vector<uint8_t> TrainerCollective::LocalMarks(uint64_t step) const {
 }
 
 absl::Status TrainerCollective::ExchangeMarks(std::vector<uint8_t>*, absl::Time) {
-  return absl::UnimplementedError(absl::StrCat(what_, " does not exchange no-gradient marks"));
+  // Finish calls it only when carries_marks().
+  return absl::InternalError(absl::StrCat(what_, ": ExchangeMarks without carries_marks()"));
 }
 
 absl::Status TrainerCollective::Finish(uint64_t step, absl::Time deadline) {

@@ -75,12 +75,14 @@ class TrainerCollective : public Collective {
   absl::StatusOr<PushTicket> Reduce(uint64_t step, uint32_t micro_batch, const FlatRange& range,
                                     const void* grads, DType dtype, BufferUse use,
                                     MemoryKind memory, absl::Time deadline) final;
-  // With a subclass that carries marks (carries_marks()): recorded for the
-  // step; Finish has the ranks agree (ExchangeMarks) on the tensors that no
-  // rank had a gradient for in any micro-batch, and rank p's pushes of
-  // partition p name those, so the daemons skip them as torch.optim skips a
-  // parameter without a gradient. Otherwise Unimplemented for a non-empty
-  // `tensors` (reduction mode DAEMON carries the marks).
+  // Whether the subclass exchanges marks among the ranks (carries_marks()).
+  bool carries_no_grad_marks() const final { return carries_marks(); }
+  // With a subclass that carries marks: recorded for the step; Finish has
+  // the ranks agree (ExchangeMarks) on the tensors that no rank had a
+  // gradient for in any micro-batch, and rank p's pushes of partition p
+  // name those, so the daemons skip them as torch.optim skips a parameter
+  // without a gradient. Otherwise FailedPrecondition for a non-empty
+  // `tensors`.
   absl::Status MarkNoGradient(uint64_t step, uint32_t micro_batch,
                               absl::Span<const uint32_t> tensors) final;
   absl::Status Finish(uint64_t step, absl::Time deadline) final;
@@ -150,8 +152,8 @@ class TrainerCollective : public Collective {
   // The ranks agree on the tensors no rank had a gradient for: `marks` (a
   // byte per tensor of the layout, 1 where this rank had none in any
   // micro-batch of the step) becomes the minimum over the ranks. Connects
-  // first where needed. An error breaks the collective. The default:
-  // Unimplemented.
+  // first where needed. An error breaks the collective. Called only when
+  // carries_marks(); a subclass that carries marks overrides it.
   virtual absl::Status ExchangeMarks(std::vector<uint8_t>* marks, absl::Time deadline);
 
   // The all-gather among the ranks: fills the other ranks' pieces of

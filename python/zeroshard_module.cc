@@ -953,6 +953,7 @@ class PyClient {
   }
   uint64_t committed_step() const { return client_->committed_step(); }
   float loss_scale() const { return client_->loss_scale(); }
+  bool carries_no_grad_marks() const { return client_->carries_no_grad_marks(); }
   // The job's loss scaling as registered (ClientConfig.loss_scale).
   py::dict LossScaleSettingsDict() const {
     const LossScaleSettings& s = client_->config().loss_scale;
@@ -1228,8 +1229,13 @@ PYBIND11_MODULE(_zeroshard, m) {
                              "(dynamic False) never moves.")
       .def_property_readonly("loss_scale", &PyClient::loss_scale,
                              "The scale to multiply the next step's loss by: the "
-                             "job's initial scale until a step returns, then the "
-                             "one that step's commit left (the daemons move it).")
+                             "job's initial scale until a step returns (the daemons' "
+                             "current one for a rank joining a job past step 0), then "
+                             "the one that step's commit left (the daemons move it).")
+      .def_property_readonly("carries_no_grad_marks", &PyClient::carries_no_grad_marks,
+                             "Whether push_gradients takes no_grad marks with this "
+                             "client's collective: daemon reduction and the Gloo "
+                             "trainer collective do, the NCCL one does not.")
       .def("partition_range", &PyClient::PartitionRange, py::arg("rank"),
            "(begin, end): the flat range of rank's partition (padding included: end may "
            "pass total_elements).")

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import torch
 
-from zeroshard._zeroshard import DEFAULTS, Client, Error
+from zeroshard._zeroshard import Client, Error
 from zeroshard import _layout
 
 
@@ -71,18 +71,16 @@ class Engine:
                       micro_batches=micro_batches)
         self.config = config
         self.rank = config["rank"]
-        # The NCCL trainer collective cannot carry which tensors got no
-        # gradient (its ranks do not agree on them before pushing): there
-        # they are pushed as zeros and stepped, as DeepSpeed and FSDP1 do.
-        # Daemon reduction and the Gloo collective skip them as torch does.
-        self.marks_no_grad = (
-            config.get("reduction", DEFAULTS["reduction"]) != "trainer"
-            or config.get("collective", DEFAULTS.get("collective", "gloo")) == "gloo")
         self.layout = _layout.make_layout(entries)
         self.total = self.layout.total_elements
         self.by_id = {id(e.param): e for e in entries if e.kind == "param"}
         self.buffers = [e for e in entries if e.kind == "buffer"]
         self.client = Client(**config)
+        # Daemon reduction and the Gloo collective skip a tensor no rank gave
+        # a gradient, as torch does; the NCCL trainer collective carries no
+        # marks: there such tensors are pushed as zeros and stepped, as
+        # DeepSpeed and FSDP1 do.
+        self.marks_no_grad = self.client.carries_no_grad_marks
         self.save_pending = False
         self._activations = None  # (client, its ActivationStore), opened when first used
         # The daemons' count of steps in a row without an inf or NaN since
