@@ -342,13 +342,9 @@ int Main() {
       absl::StrFormat("%.0f MiB", total / 1048576.0).c_str(), copy_gbps, copy_runs.size(),
       offload_gbps / copy_gbps);
   std::string why;
-  std::vector<double> perftest_runs;
-  for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_perftest_runs)); ++i) {
-    const double g = bench::PerftestPutGbps(slice, absl::GetFlag(FLAGS_perftest),
-                                             absl::GetFlag(FLAGS_ucx_tls), &why);
-    if (std::isnan(g)) break;
-    perftest_runs.push_back(g);
-  }
+  const std::vector<double> perftest_runs = bench::PerftestPutRuns(
+      slice, absl::GetFlag(FLAGS_perftest), absl::GetFlag(FLAGS_ucx_tls),
+      absl::GetFlag(FLAGS_perftest_runs), &why);
   const double perftest = Median(perftest_runs);
   if (std::isnan(perftest)) {
     std::printf("perftest: %s\n", why.c_str());

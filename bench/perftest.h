@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace zeroshard::bench {
 
@@ -15,5 +16,9 @@ namespace zeroshard::bench {
 // when none gave a result. Blocks up to about two minutes per attempt.
 double PerftestPutGbps(uint64_t size, const std::string& binary, const std::string& ucx_tls,
                        std::string* why);
+// PerftestPutGbps up to `runs` times (at least once), stopping at the first
+// that gives no result (*why says why): the figures of the runs that did.
+std::vector<double> PerftestPutRuns(uint64_t size, const std::string& binary,
+                                    const std::string& ucx_tls, int runs, std::string* why);
 
 }  // namespace zeroshard::bench

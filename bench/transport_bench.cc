@@ -441,13 +441,9 @@ int Main() {
   }
   const double gbps[2] = {runs[1].gbps, runs[2].gbps};
   std::string why;
-  std::vector<double> perftest_runs;
-  for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_perftest_runs)); ++i) {
-    const double g = bench::PerftestPutGbps(absl::GetFlag(FLAGS_bucket_bytes), absl::GetFlag(FLAGS_perftest),
-                                             absl::GetFlag(FLAGS_ucx_tls), &why);
-    if (std::isnan(g)) break;
-    perftest_runs.push_back(g);
-  }
+  const std::vector<double> perftest_runs = bench::PerftestPutRuns(
+      absl::GetFlag(FLAGS_bucket_bytes), absl::GetFlag(FLAGS_perftest),
+      absl::GetFlag(FLAGS_ucx_tls), absl::GetFlag(FLAGS_perftest_runs), &why);
   const double perftest = Median(perftest_runs);
   if (std::isnan(perftest)) {
     std::printf("perftest: %s\n", why.c_str());
