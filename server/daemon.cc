@@ -188,6 +188,11 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_rpc_threads: must be in 4..65536, got ", o.max_rpc_threads));
   }
+  if (o.max_calls_per_caller < 0 || o.max_calls_per_caller > o.max_rpc_threads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_calls_per_caller: must be in 1..--max_rpc_threads (", o.max_rpc_threads,
+        "), or 0 for three quarters of it, got ", o.max_calls_per_caller));
+  }
   if (o.stream_idle_timeout < absl::Seconds(1) && o.stream_idle_timeout != absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--stream_idle_timeout_seconds: must be >= 1 (0: never), got ",
@@ -453,6 +458,10 @@ void Daemon::StartServices(const std::string& bulk_error) {
     stream_watchdog_ = std::make_unique<StreamWatchdog>(options.stream_idle_timeout);
     ctx.stream_watchdog = stream_watchdog_.get();
   }
+  caller_calls_ = std::make_unique<CallerCalls>(options.max_calls_per_caller != 0
+                                                    ? options.max_calls_per_caller
+                                                    : std::max(1, options.max_rpc_threads * 3 / 4));
+  ctx.caller_calls = caller_calls_.get();
   control_ = std::make_unique<ControlService>(&ctx);
   shard_ = std::make_unique<ShardService>(&ctx);
   admin_ = std::make_unique<AdminService>(&ctx);
@@ -490,6 +499,9 @@ absl::Status Daemon::StartGrpcServers() {
   // Clients and peer daemons ping every second or two to find a silent
   // daemon fast (common/keepalive.h).
   SetServerKeepalivePolicy(&builder);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(CallerCallsInterceptorFactory(caller_calls_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(control_.get());
   builder.RegisterService(shard_.get());
   builder.RegisterService(admin_.get());

@@ -185,6 +185,11 @@ struct DaemonOptions {
   // RESOURCE_EXHAUSTED at once. Streams are only read after their token
   // opened a job here, so callers without one hold no thread.
   int max_rpc_threads = 256;
+  // Calls one caller (its bearer token; its address for calls without one)
+  // may have in flight at once (--max_calls_per_caller), so that others
+  // always find threads; a call past it is answered RESOURCE_EXHAUSTED.
+  // 0: three quarters of max_rpc_threads.
+  int max_calls_per_caller = 0;
   // A stream whose peer sends (or reads) nothing for this long is cancelled
   // (--stream_idle_timeout_seconds): a stalled trainer holds no thread,
   // reservation or activation slice past it.
@@ -193,6 +198,7 @@ struct DaemonOptions {
 
 struct ServiceContext;
 class StreamWatchdog;
+class CallerCalls;
 class PeerChannels;
 class ControlService;
 class ShardService;
@@ -261,6 +267,7 @@ class Daemon {
   std::unique_ptr<PeerChannels> peer_gather_;  // node caches' reads from the owners
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<StreamWatchdog> stream_watchdog_;  // null: no stream idle timeout
+  std::unique_ptr<CallerCalls> caller_calls_;         // outlives server_
   std::unique_ptr<ServiceContext> context_;
   std::unique_ptr<ControlService> control_;
   std::unique_ptr<ShardService> shard_;

@@ -56,6 +56,10 @@ ABSL_FLAG(int, max_rpc_threads, 256,
           "Threads serving gRPC requests, at most: each request in flight holds one, and one "
           "past them is answered RESOURCE_EXHAUSTED. Streams are read only after their token "
           "opened a job here.");
+ABSL_FLAG(int, max_calls_per_caller, 0,
+          "Calls one caller (a bearer token; an address for calls without one) may have in "
+          "flight at once, so that others always find threads; one past it is answered "
+          "RESOURCE_EXHAUSTED. 0: three quarters of --max_rpc_threads.");
 ABSL_FLAG(int, stream_idle_timeout_seconds, 60,
           "A stream whose peer sends (or reads) nothing for this many seconds is cancelled, "
           "releasing its thread and what it reserved; 0: never.");
@@ -218,6 +222,7 @@ int main(int argc, char** argv) {
   }
   options.max_checkpoint_bytes_per_identity = *identity_disk;
   options.max_rpc_threads = absl::GetFlag(FLAGS_max_rpc_threads);
+  options.max_calls_per_caller = absl::GetFlag(FLAGS_max_calls_per_caller);
   options.stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_seconds));
   options.tls = zeroshard::TlsFilesFromFlags();
   options.insecure = absl::GetFlag(FLAGS_insecure);

@@ -15,7 +15,9 @@
 #include "proto/zeroshard/v1/activation.grpc.pb.h"
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "server/daemon.h"
+#include "server/rpc/caller_calls.h"
 #include "server/testing/daemon_fixture.h"
 
 namespace zeroshard {
@@ -26,8 +28,9 @@ using testing::kTestToken;
 
 constexpr char kStrangerToken[] = "a-token-that-opens-nothing-here";
 
-std::unique_ptr<Daemon> Start(absl::Duration idle, int threads = 256) {
+std::unique_ptr<Daemon> Start(absl::Duration idle, int threads = 256, int calls_per_caller = 0) {
   DaemonOptions options;
+  options.max_calls_per_caller = calls_per_caller;
   options.listen = "127.0.0.1:0";
   options.activation_arena_bytes = 1 << 20;
   options.stream_idle_timeout = idle;
@@ -37,10 +40,10 @@ std::unique_ptr<Daemon> Start(absl::Duration idle, int threads = 256) {
   return d.ok() ? *std::move(d) : nullptr;
 }
 
-// A registered and joined one-daemon job, so that kTestToken opens a job.
-void AddJob(Daemon& daemon, const std::string& job) {
+// A registered and joined one-daemon job, so that `token` opens a job.
+void AddJob(Daemon& daemon, const std::string& job, const std::string& token = kTestToken) {
   const v1::JobSpec spec = testing::MakeSpec(job, testing::SampleLayout(), 2, 1, {daemon.address()});
-  DaemonClient client(daemon.address());
+  DaemonClient client(daemon.address(), token);
   ASSERT_TRUE(client.Register(spec, 0).ok());
   ASSERT_TRUE(client.Join(spec, 0).ok());
 }
@@ -150,7 +153,8 @@ TEST(StreamLimitsTest, AStreamStalledMidwayAppliesNothing) {
 TEST(StreamLimitsTest, RequestsInFlightHoldAtMostMaxRpcThreads) {
   constexpr int kThreads = 8;
   constexpr int kCalls = 24;
-  std::unique_ptr<Daemon> daemon = Start(absl::Seconds(2), kThreads);
+  // One caller may take every thread here: the bound under test is gRPC's.
+  std::unique_ptr<Daemon> daemon = Start(absl::Seconds(2), kThreads, kThreads);
   ASSERT_NE(daemon, nullptr);
   AddJob(*daemon, "job");
   // kCalls idle streams with the job's token, each on its own connection;
@@ -185,6 +189,130 @@ TEST(StreamLimitsTest, RequestsInFlightHoldAtMostMaxRpcThreads) {
   EXPECT_TRUE(client.StepState("job", &state).ok());
 }
 
+// Polls `call` every 10 ms until it returns `code` (at most 10 s); returns
+// the last status.
+template <typename Call>
+grpc::Status Until(grpc::StatusCode code, Call call) {
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  grpc::Status s = call();
+  while (s.error_code() != code && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(10));
+    s = call();
+  }
+  return s;
+}
+
+TEST(StreamLimitsTest, OneCallerHoldsAtMostMaxCallsPerCaller) {
+  constexpr int kThreads = 16;
+  constexpr int kPerCaller = 4;
+  std::unique_ptr<Daemon> daemon = Start(absl::Seconds(30), kThreads, kPerCaller);
+  ASSERT_NE(daemon, nullptr);
+  AddJob(*daemon, "job");
+  AddJob(*daemon, "other", "the-other-jobs-own-token");
+  // kPerCaller idle streams of the job's token, each on its own connection,
+  // held until cancelled below.
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  for (int i = 0; i < kPerCaller; ++i) contexts.push_back(std::make_unique<grpc::ClientContext>());
+  std::atomic<int> ended{0};
+  std::vector<std::thread> holders;
+  for (int i = 0; i < kPerCaller; ++i) {
+    holders.emplace_back([&, i] {
+      grpc::ChannelArguments args;
+      args.SetInt("zs.test_connection", i);
+      auto shard = v1::Shard::NewStub(
+          grpc::CreateCustomChannel(daemon->address(), grpc::InsecureChannelCredentials(), args));
+      grpc::ClientContext& ctx = *contexts[i];
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(25)));
+      ctx.AddMetadata(kAuthorizationMetadataKey, std::string(kBearerPrefix) + kTestToken);
+      v1::PushGradientResponse resp;
+      (void)shard->PushGradient(&ctx, &resp)->Finish();
+      ++ended;
+    });
+  }
+  DaemonClient job(daemon->address());
+  v1::StepState state;
+  // Once all of them are in, one more call of that token is refused...
+  grpc::Status s = Until(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                         [&] { return job.StepState("job", &state); });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_NE(s.error_message().find("--max_calls_per_caller=4"), std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(ended.load(), 0);
+  // ... while another job's caller is served, with threads to spare.
+  DaemonClient other(daemon->address(), "the-other-jobs-own-token");
+  for (int i = 0; i < 3; ++i) {
+    s = other.StepState("other", &state);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+  // When its calls end, the job's caller is served again.
+  for (auto& ctx : contexts) ctx->TryCancel();
+  for (std::thread& t : holders) t.join();
+  s = Until(grpc::StatusCode::OK, [&] { return job.StepState("job", &state); });
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// Calls without a token reach only gRPC's health and reflection services; a
+// reflection stream holds a thread while its peer keeps it open, so one
+// address may hold kTokenlessCallsPerAddress of them and the rest are
+// cancelled.
+TEST(StreamLimitsTest, TokenlessCallsAreBoundedPerAddress) {
+  std::unique_ptr<Daemon> daemon = Start(absl::Seconds(30));
+  ASSERT_NE(daemon, nullptr);
+  constexpr int kLimit = CallerCalls::kTokenlessCallsPerAddress;
+  constexpr int kCalls = kLimit + 4;
+  auto channel = grpc::CreateChannel(daemon->address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  struct Open {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call;
+    grpc::Status status;
+  };
+  std::vector<std::unique_ptr<Open>> open;
+  for (int i = 0; i < kCalls; ++i) {
+    auto o = std::make_unique<Open>();
+    o->ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(25)));
+    o->call = stub.PrepareCall(&o->ctx,
+                               "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                               &cq);
+    o->call->StartCall(reinterpret_cast<void*>(static_cast<intptr_t>(2 * i)));
+    open.push_back(std::move(o));
+  }
+  for (int i = 0; i < kCalls; ++i) {
+    open[i]->call->Finish(&open[i]->status, reinterpret_cast<void*>(static_cast<intptr_t>(2 * i + 1)));
+  }
+  // The calls past the limit end at once, cancelled; the others stay open.
+  int finished = 0;
+  int started = 0;
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (finished < kCalls - kLimit || started < kCalls) {
+    void* tag = nullptr;
+    bool ok = false;
+    const auto next = cq.AsyncNext(&tag, &ok, absl::ToChronoTime(until));
+    ASSERT_EQ(next, grpc::CompletionQueue::GOT_EVENT) << finished << " calls ended";
+    const intptr_t t = reinterpret_cast<intptr_t>(tag);
+    if (t % 2 == 0) {
+      ++started;
+      continue;
+    }
+    ++finished;
+    EXPECT_EQ(open[t / 2]->status.error_code(), grpc::StatusCode::CANCELLED);
+  }
+  // Nothing more ends for a while: kLimit streams are held.
+  void* tag = nullptr;
+  bool ok = false;
+  EXPECT_EQ(cq.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + absl::Milliseconds(500))),
+            grpc::CompletionQueue::TIMEOUT);
+  for (auto& o : open) o->ctx.TryCancel();
+  for (int i = finished; i < kCalls; ++i) {
+    ASSERT_EQ(cq.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + absl::Seconds(10))),
+              grpc::CompletionQueue::GOT_EVENT);
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
 TEST(StreamLimitsTest, BadLimitsAreRefusedAtStart) {
   DaemonOptions options;
   options.max_rpc_threads = 2;
@@ -196,6 +324,11 @@ TEST(StreamLimitsTest, BadLimitsAreRefusedAtStart) {
   s = Daemon::Start(options).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("--stream_idle_timeout_seconds"), std::string::npos) << s;
+  options.stream_idle_timeout = absl::Seconds(60);
+  options.max_calls_per_caller = 257;
+  s = Daemon::Start(options).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("--max_calls_per_caller"), std::string::npos) << s;
 }
 
 }  // namespace

@@ -27,6 +27,11 @@
 #             with a trainer's certificate, and that certificate's Promote
 #             of the backup of group 0 while its primary serves: refused
 #             (ABORTED), the backup still a backup at epoch 1.
+#   arena     one more daemon serving --bulk_transport=grpc with an
+#             activation arena: a job's rank takes the arena's key from
+#             ExchangeEndpoint and writes with it, the job ends, another job
+#             becomes the arena's tenant; the first job's saved key then
+#             neither writes nor reads (UNAVAILABLE), the new tenant's does.
 # Everything started is killed on exit; the test fails if any check failed.
 #
 # Usage: attack_test.sh ZEROSHARDD GPT_TRAIN STREAM_FLOOD MAKE_TEST_CERTS
@@ -59,14 +64,14 @@ TRAINER_PID=""
 FLOOD_PID=""
 STATUS_PID=""
 REGISTER_PID=""
-TLS_PIDS=()
+OTHER_PIDS=()
 FAILED=0
 
 log() { echo "[attack_test] $*"; }
 
 cleanup() {
   zs_kill_all "$FLOOD_PID" "$STATUS_PID" "$REGISTER_PID" "$TRAINER_PID" "$DAEMON_PID" \
-    "${TLS_PIDS[@]}"
+    "${OTHER_PIDS[@]}"
 }
 trap cleanup EXIT
 trap 'exit 143' TERM INT
@@ -92,6 +97,21 @@ value() { sed -n "s/^$2=//p" "$1" | tail -n 1; }
 
 threads() { ls "/proc/$DAEMON_PID/task" 2>/dev/null | wc -l; }
 
+# address PID LOG: waits (30 s at most) for the daemon PID to print its
+# address in LOG, and prints it; exits non-zero (its reason on stderr) if it
+# does not.
+address() {
+  local addr="" deadline=$((SECONDS + 30))
+  while ((SECONDS < deadline)); do
+    addr="$(sed -n 's/^zeroshardd listening on //p' "$2" | head -n 1)"
+    [[ -n "$addr" ]] && break
+    kill -0 "$1" 2>/dev/null || fail "zeroshardd ($2) exited at start" >&2
+    sleep 0.1
+  done
+  [[ -n "$addr" ]] || fail "zeroshardd ($2) printed no address within 30 s" >&2
+  echo "$addr"
+}
+
 # ---- the daemon ----
 export ZS_JOB_TOKEN="$(token)"
 export ZS_REGISTRATION_TOKEN="$(token)"
@@ -100,15 +120,7 @@ mkdir -p "$CKPT"
 "$ZEROSHARDD" --listen=127.0.0.1:0 --registration_token_file="$WORK/registration.token" \
   --checkpoint_dir="$CKPT" >"$WORK/daemon.log" 2>&1 &
 DAEMON_PID=$!
-ADDR=""
-deadline=$((SECONDS + 30))
-while ((SECONDS < deadline)); do
-  ADDR="$(sed -n 's/^zeroshardd listening on //p' "$WORK/daemon.log" | head -n 1)"
-  [[ -n "$ADDR" ]] && break
-  kill -0 "$DAEMON_PID" 2>/dev/null || fail "zeroshardd exited at start"
-  sleep 0.1
-done
-[[ -n "$ADDR" ]] || fail "zeroshardd printed no address within 30 s"
+ADDR="$(address "$DAEMON_PID" "$WORK/daemon.log")" || exit 1
 log "daemon at $ADDR, pid $DAEMON_PID"
 echo "threads_idle=$(threads)"
 
@@ -210,16 +222,8 @@ TLS_ADDRS=()
 for d in 0 1; do
   "$ZEROSHARDD" --listen=127.0.0.1:0 --tls_cert="$CERTS/server.crt" \
     --tls_key="$CERTS/server.key" --tls_ca="$CERTS/ca.crt" >"$WORK/tls$d.log" 2>&1 &
-  TLS_PIDS+=($!)
-  addr=""
-  deadline=$((SECONDS + 30))
-  while ((SECONDS < deadline)); do
-    addr="$(sed -n 's/^zeroshardd listening on //p' "$WORK/tls$d.log" | head -n 1)"
-    [[ -n "$addr" ]] && break
-    kill -0 "${TLS_PIDS[$d]}" 2>/dev/null || fail "TLS zeroshardd $d exited at start"
-    sleep 0.1
-  done
-  [[ -n "$addr" ]] || fail "TLS zeroshardd $d printed no address within 30 s"
+  OTHER_PIDS+=($!)
+  addr="$(address "${OTHER_PIDS[$d]}" "$WORK/tls$d.log")" || exit 1
   TLS_ADDRS+=("$addr")
 done
 "$STREAM_FLOOD" --target="${TLS_ADDRS[0]}" --peer="${TLS_ADDRS[1]}" --mode=promote \
@@ -232,6 +236,24 @@ cat "$WORK/promote.out" "$WORK/promote.log"
   "$(value "$WORK/promote.out" promote_backup_role)" == BACKUP &&
   "$(value "$WORK/promote.out" promote_backup_epoch)" == 1 ]]
 check $? "promote" "a trainer certificate's Promote of a live primary: $(value "$WORK/promote.out" promote_code), the backup still $(value "$WORK/promote.out" promote_backup_role) at epoch $(value "$WORK/promote.out" promote_backup_epoch)"
+
+# ---- an old tenant's arena key ----
+"$ZEROSHARDD" --listen=127.0.0.1:0 --bulk_transport=grpc --activation_arena_bytes=1048576 \
+  --registration_token_file="$WORK/registration.token" >"$WORK/arena.log" 2>&1 &
+OTHER_PIDS+=($!)
+arena_addr="$(address "${OTHER_PIDS[-1]}" "$WORK/arena.log")" || exit 1
+"$STREAM_FLOOD" --target="$arena_addr" --mode=arena_key --job=attack-arena --token="$(token)" \
+  --next_token="$(token)" --registration_token="$ZS_REGISTRATION_TOKEN" >"$WORK/arena.out" \
+  2>"$WORK/arena.err"
+arena_rc=$?
+cat "$WORK/arena.out" "$WORK/arena.err"
+[[ "$arena_rc" == 0 && "$(value "$WORK/arena.out" arena_first_put)" == OK &&
+  "$(value "$WORK/arena.out" arena_old_key_put)" == UNAVAILABLE &&
+  "$(value "$WORK/arena.out" arena_old_key_get)" == UNAVAILABLE &&
+  "$(value "$WORK/arena.out" arena_new_key_put)" == OK &&
+  "$(value "$WORK/arena.out" arena_new_key_get)" == OK &&
+  "$(value "$WORK/arena.out" arena_keys_differ)" == 1 ]]
+check $? "arena" "a former tenant's arena key: put $(value "$WORK/arena.out" arena_old_key_put), get $(value "$WORK/arena.out" arena_old_key_get); the next tenant's: put $(value "$WORK/arena.out" arena_new_key_put)"
 
 if ((FAILED)); then
   fail "a check failed"

@@ -26,6 +26,16 @@
 //                    while daemon 0, its primary, serves: the answer's code
 //                    (promote_code=<CODE>, its message on stderr) and the
 //                    backup's role after (promote_backup_role=).
+//   --mode=arena_key a daemon serving --bulk_transport=grpc with an activation
+//                    arena: job --job (one rank, this --token, the
+//                    registration token --registration_token) joins, gets the
+//                    arena's key from ExchangeEndpoint and writes the arena
+//                    with it; its rank leaves (the job ends); job <--job>-next
+//                    (token --next_token) joins and gets the arena; then the
+//                    first job's saved key is tried on the same connection:
+//                    arena_old_key_put=<CODE>, arena_old_key_get=<CODE>, and
+//                    the new tenant's: arena_new_key_put=, arena_new_key_get=,
+//                    arena_keys_differ=.
 //
 // --token, when not empty, goes with every call as "authorization: Bearer".
 // Exit 0 when the run took place (the caller judges the figures), 1 when it
@@ -48,9 +58,11 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/auth.h"
 #include "common/channel.h"
 #include "common/job_spec.h"
 #include "common/layout.h"
@@ -60,6 +72,7 @@
 #include "proto/zeroshard/v1/control.grpc.pb.h"
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
+#include "transport/transport.h"
 
 ABSL_FLAG(std::string, target, "", "The daemon, HOST:PORT.");
 ABSL_FLAG(std::string, mode, "flood", "flood, status, register, manifest or promote.");
@@ -75,6 +88,8 @@ ABSL_FLAG(std::string, peer, "", "promote: the second daemon, HOST:PORT.");
 ABSL_FLAG(std::string, tls_cert, "", "promote: the caller's certificate (PEM).");
 ABSL_FLAG(std::string, tls_key, "", "promote: its key (PEM).");
 ABSL_FLAG(std::string, tls_ca, "", "promote: the CA that signs the daemons' certificates.");
+ABSL_FLAG(std::string, registration_token, "", "arena_key: the daemon's registration token.");
+ABSL_FLAG(std::string, next_token, "", "arena_key: the second job's token.");
 
 namespace zs = zeroshard;
 namespace v1 = zeroshard::v1;
@@ -84,6 +99,9 @@ namespace {
 std::string CodeName(grpc::StatusCode code) {
   return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
 }
+
+// The layout of every job this tool registers: one small tensor.
+absl::StatusOr<zs::Layout> SmallLayout() { return zs::Layout::Create({zs::TensorSpec{"w", {256}}}); }
 
 void AddToken(grpc::ClientContext* ctx, const std::string& token) {
   if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
@@ -217,7 +235,7 @@ int StatusProbe(const std::string& target, const std::string& token) {
 int Register(const std::string& target, const std::string& token) {
   // A spec the daemon accepts, so that what refuses it is the missing
   // registration token and not the spec.
-  absl::StatusOr<zs::Layout> layout = zs::Layout::Create({zs::TensorSpec{"w", {256}}});
+  absl::StatusOr<zs::Layout> layout = SmallLayout();
   if (!layout.ok()) return 1;
   std::unique_ptr<v1::Control::Stub> stub =
       v1::Control::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
@@ -315,7 +333,7 @@ int Promote(const std::string& target, const std::string& token) {
     std::fprintf(stderr, "promote: %s\n", std::string(security.status().message()).c_str());
     return 2;
   }
-  absl::StatusOr<zs::Layout> layout = zs::Layout::Create({zs::TensorSpec{"w", {256}}});
+  absl::StatusOr<zs::Layout> layout = SmallLayout();
   if (!layout.ok()) return 1;
   zs::JobSettings settings;
   settings.job_id = job;
@@ -371,11 +389,157 @@ int Promote(const std::string& target, const std::string& token) {
   return 0;
 }
 
+// One job with one rank whose token is `token`: registers it (with the
+// registration token), joins rank 0 and exchanges endpoints over the grpc
+// bulk transport `bulk`. Returns the arena's region and the daemon's
+// transport address, or the failed call's status.
+struct ArenaLease {
+  zs::transport::RegionDescriptor arena;
+  std::string worker_address;
+};
+
+absl::StatusOr<ArenaLease> JoinAndLeaseArena(const std::string& target, const std::string& job,
+                                             const std::string& token,
+                                             zs::transport::Transport& bulk) {
+  absl::StatusOr<zs::Layout> layout = SmallLayout();
+  if (!layout.ok()) return layout.status();
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  auto context = [&](grpc::ClientContext* ctx) {
+    AddToken(ctx, token);
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  };
+  auto failed = [&](const char* rpc, const grpc::Status& s) {
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                        absl::StrCat(job, ": ", rpc, ": ", s.error_message()));
+  };
+  zs::JobSettings settings;
+  settings.job_id = job;
+  settings.stage = 3;
+  settings.daemons = {target};
+  v1::RegisterJobRequest reg;
+  *reg.mutable_spec() = zs::ToJobSpec(settings, *layout);
+  {
+    grpc::ClientContext ctx;
+    context(&ctx);
+    ctx.AddMetadata(zs::kRegistrationMetadataKey, absl::GetFlag(FLAGS_registration_token));
+    v1::RegisterJobResponse resp;
+    grpc::Status s = v1::Control::NewStub(channel)->RegisterJob(&ctx, reg, &resp);
+    if (!s.ok()) return failed("RegisterJob", s);
+  }
+  {
+    v1::JoinJobRequest join;
+    join.set_job_id(job);
+    join.set_rank(0);
+    join.set_layout_fingerprint(layout->fingerprint());
+    join.set_stage(3);
+    join.set_world_size(1);
+    join.set_precision(reg.spec().precision());
+    join.set_incarnation(1);
+    grpc::ClientContext ctx;
+    context(&ctx);
+    v1::JoinJobResponse resp;
+    grpc::Status s = v1::Control::NewStub(channel)->JoinJob(&ctx, join, &resp);
+    if (!s.ok()) return failed("JoinJob", s);
+  }
+  v1::ExchangeEndpointRequest req;
+  req.set_job_id(job);
+  req.set_rank(0);
+  req.set_incarnation(1);
+  req.set_transport(v1::TRANSPORT_KIND_GRPC);
+  req.set_worker_address(bulk.LocalAddress());
+  v1::ExchangeEndpointResponse resp;
+  grpc::ClientContext ctx;
+  context(&ctx);
+  grpc::Status s = v1::Shard::NewStub(channel)->ExchangeEndpoint(&ctx, req, &resp);
+  if (!s.ok()) return failed("ExchangeEndpoint", s);
+  for (const v1::RemoteRegion& r : resp.regions()) {
+    if (r.purpose() != v1::REGION_PURPOSE_ACTIVATION_ARENA) continue;
+    return ArenaLease{zs::transport::RegionDescriptor{r.address(), r.length(), r.rkey()},
+                      resp.worker_address()};
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat(job, ": ExchangeEndpoint lent no activation arena"));
+}
+
+int ArenaKey(const std::string& target, const std::string& token) {
+  const std::string job = absl::GetFlag(FLAGS_job);
+  const std::string next_token = absl::GetFlag(FLAGS_next_token);
+  if (job.empty() || token.empty() || next_token.empty()) {
+    std::fputs("stream_flood: --mode=arena_key needs --job, --token and --next_token\n", stderr);
+    return 2;
+  }
+  absl::StatusOr<std::unique_ptr<zs::transport::Transport>> bulk =
+      zs::transport::CreateTransport("grpc");
+  if (!bulk.ok()) {
+    std::fprintf(stderr, "arena_key: %s\n", bulk.status().ToString().c_str());
+    return 1;
+  }
+  absl::StatusOr<ArenaLease> first = JoinAndLeaseArena(target, job, token, **bulk);
+  if (!first.ok()) {
+    std::fprintf(stderr, "arena_key: %s\n", first.status().ToString().c_str());
+    return 1;
+  }
+  absl::StatusOr<std::unique_ptr<zs::transport::Connection>> connection =
+      (*bulk)->Connect(first->worker_address, absl::Now() + absl::Seconds(10));
+  if (!connection.ok()) {
+    std::fprintf(stderr, "arena_key: connect: %s\n", connection.status().ToString().c_str());
+    return 1;
+  }
+  std::string bytes(4096, '\x5a');
+  std::string back(bytes.size(), '\0');
+  auto put = [&](const zs::transport::RegionDescriptor& key) {
+    return (*connection)->Put(bytes.data(), bytes.size(), key, 0).Wait(absl::Now() + absl::Seconds(10));
+  };
+  auto get = [&](const zs::transport::RegionDescriptor& key) {
+    return (*connection)->Get(back.data(), back.size(), key, 0).Wait(absl::Now() + absl::Seconds(10));
+  };
+  const absl::Status own = put(first->arena);
+  std::printf("arena_first_put=%s\n", absl::StatusCodeToString(own.code()).c_str());
+  // The first job ends: its only rank leaves.
+  {
+    v1::LeaveRequest leave;
+    leave.set_job_id(job);
+    leave.set_rank(0);
+    leave.set_incarnation(1);
+    grpc::ClientContext ctx;
+    AddToken(&ctx, token);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::LeaveResponse resp;
+    grpc::Status s =
+        v1::Control::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))
+            ->Leave(&ctx, leave, &resp);
+    if (!s.ok()) {
+      std::fprintf(stderr, "arena_key: Leave: %s\n", s.error_message().c_str());
+      return 1;
+    }
+  }
+  absl::StatusOr<ArenaLease> next = JoinAndLeaseArena(target, job + "-next", next_token, **bulk);
+  if (!next.ok()) {
+    std::fprintf(stderr, "arena_key: %s\n", next.status().ToString().c_str());
+    return 1;
+  }
+  const absl::Status old_put = put(first->arena);
+  const absl::Status old_get = get(first->arena);
+  std::fprintf(stderr, "arena_key: the old key's put: %s\narena_key: its get: %s\n",
+               old_put.ToString().c_str(), old_get.ToString().c_str());
+  const absl::Status new_put = put(next->arena);
+  const absl::Status new_get = get(next->arena);
+  std::printf(
+      "arena_old_key_put=%s\narena_old_key_get=%s\narena_new_key_put=%s\narena_new_key_get=%s\n"
+      "arena_keys_differ=%d\n",
+      absl::StatusCodeToString(old_put.code()).c_str(),
+      absl::StatusCodeToString(old_get.code()).c_str(),
+      absl::StatusCodeToString(new_put.code()).c_str(),
+      absl::StatusCodeToString(new_get.code()).c_str(), first->arena.rkey != next->arena.rkey);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "stream_flood --target HOST:PORT --mode flood|status|register|manifest|promote [--token T]");
+      "stream_flood --target HOST:PORT --mode flood|status|register|manifest|promote|arena_key "
+      "[--token T]");
   absl::ParseCommandLine(argc, argv);
   const std::string target = absl::GetFlag(FLAGS_target);
   const std::string mode = absl::GetFlag(FLAGS_mode);
@@ -389,8 +553,10 @@ int main(int argc, char** argv) {
   if (mode == "register") return Register(target, token);
   if (mode == "manifest") return HostileManifest(target, token);
   if (mode == "promote") return Promote(target, token);
+  if (mode == "arena_key") return ArenaKey(target, token);
   std::fprintf(stderr,
-               "stream_flood: --mode must be flood, status, register, manifest or promote, not %s\n",
+               "stream_flood: --mode must be flood, status, register, manifest, promote or arena_key, "
+               "not %s\n",
                mode.c_str());
   return 2;
 }

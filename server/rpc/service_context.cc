@@ -26,6 +26,7 @@ absl::StatusOr<TokenDigest> ServiceContext::CallerToken(const grpc::ServerContex
   if (absl::Status s = ValidateToken(*token, "the bearer token"); !s.ok()) {
     return absl::UnauthenticatedError(s.message());
   }
+  if (caller_calls != nullptr) RETURN_IF_ERROR(caller_calls->Admit(call));
   return TokenDigest::Of(*token);
 }
 

@@ -31,6 +31,7 @@
 #include "server/metrics/daemon_metrics.h"
 #include "server/job/job_manager.h"
 #include "server/ledger/memory_ledger.h"
+#include "server/rpc/caller_calls.h"
 #include "server/rpc/grpc_param_fetcher.h"
 #include "server/rpc/stream_watchdog.h"
 #include "transport/transport.h"
@@ -76,6 +77,10 @@ struct ServiceContext {
   // Ends streams whose peer stopped (--stream_idle_timeout_seconds); null:
   // none (streams wait for as long as their deadline allows).
   StreamWatchdog* stream_watchdog = nullptr;
+  // Calls in flight per caller (--max_calls_per_caller); CallerToken refuses
+  // a call past the limit. Null: unbounded (services built without a
+  // daemon's server).
+  CallerCalls* caller_calls = nullptr;
 
   // Counts the request under its RPC name and result code.
   grpc::Status Done(const char* rpc, const absl::Status& status);
