@@ -772,6 +772,17 @@ absl::Status Client::GatherParameters(const FlatRange& range, DType dtype, uint6
 
 absl::Status Client::GatherAll(void* dst, DType dtype, MemoryKind memory) {
   if (!registered()) return absl::FailedPreconditionError("GatherAll before RegisterModel");
+  return GatherAll({0, layout_.total_elements()}, dst, dtype, memory);
+}
+
+absl::Status Client::GatherAll(const FlatRange& range, void* dst, DType dtype,
+                               MemoryKind memory) {
+  if (!registered()) return absl::FailedPreconditionError("GatherAll before RegisterModel");
+  if (range.empty() || range.end > layout_.total_elements()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("range: [", range.begin, ", ", range.end, ") is empty or outside the ",
+                     "flat space [0, ", layout_.total_elements(), ")"));
+  }
   if (dtype != DType::kFp32 && dtype != config_.precision) {
     return absl::InvalidArgumentError(absl::StrCat("dtype: must be fp32 or the job's precision (",
                                                    DTypeName(config_.precision), "), got ",
@@ -779,11 +790,10 @@ absl::Status Client::GatherAll(void* dst, DType dtype, MemoryKind memory) {
   }
   if (dst == nullptr) return absl::InvalidArgumentError("dst: null");
   if (memory == MemoryKind::kCudaDevice) {
-    RETURN_IF_ERROR(
-        CheckDeviceDestination("GatherAll", dst, layout_.total_elements() * DTypeSize(dtype)));
-    return GatherRangeToDevice({0, layout_.total_elements()}, dtype, dst);
+    RETURN_IF_ERROR(CheckDeviceDestination("GatherAll", dst, range.size() * DTypeSize(dtype)));
+    return GatherRangeToDevice(range, dtype, dst);
   }
-  return GatherParameters({0, layout_.total_elements()}, dtype, step_, dst, MemoryKind::kHost);
+  return GatherParameters(range, dtype, step_, dst, MemoryKind::kHost);
 }
 
 absl::Status Client::CheckDeviceDestination(absl::string_view call, const void* dst,

@@ -326,6 +326,13 @@ class Client {
   // NCCL collective takes device memory only, the Gloo one host memory
   // only: FailedPrecondition for the other kind).
   absl::Status GatherAll(void* dst, DType dtype, MemoryKind memory = MemoryKind::kHost);
+  // GatherAll of flat `range` only (non-empty, inside [0, total_elements()):
+  // InvalidArgument otherwise) into `dst` (range.size() elements of `dtype`),
+  // e.g. a layer's fp32 masters in a bf16 or fp16 job without a buffer for
+  // the whole model. Collective as GatherAll: with a collective that gathers
+  // parameters every rank gathers the same ranges in the same order.
+  absl::Status GatherAll(const FlatRange& range, void* dst, DType dtype,
+                         MemoryKind memory = MemoryKind::kHost);
 
   // Stage 3 (works in any stage): the parameters of `layer`
   // (Layout::LayerRange, layer_elements(layer) elements of the job's

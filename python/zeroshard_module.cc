@@ -755,18 +755,33 @@ class PyClient {
   // of the job's precision (the daemons' half-precision copy).
   void GatherAll(const py::object& out) {
     RequireRegistered("gather_all");
+    GatherFlat(FlatRange{0, client_->total_elements()}, out);
+  }
+
+  // Flat [begin, end) only, into `out` (end - begin values, as gather_all's).
+  void GatherRange(uint64_t begin, uint64_t end, const py::object& out) {
+    RequireRegistered("gather_range");
+    if (end <= begin || end > client_->total_elements()) {
+      throw py::value_error(absl::StrCat("gather_range: [", begin, ", ", end,
+                                         ") is empty or outside the flat space [0, ",
+                                         client_->total_elements(), ")"));
+    }
+    GatherFlat(FlatRange{begin, end}, out);
+  }
+
+  void GatherFlat(const FlatRange& range, const py::object& out) {
     DType dtype = DType::kFp32;
     if (IsTensor(out)) {
       const std::optional<DType> t = TorchDType(py::str(out.attr("dtype")));
       if (t == client_->config().precision) dtype = *t;
     }
     py::buffer_info keep;
-    const TensorData dst = WritableOut(out, client_->total_elements(), dtype, "out", &keep);
+    const TensorData dst = WritableOut(out, range.size(), dtype, "out", &keep);
     if (dst.memory == MemoryKind::kCudaDevice) SyncCurrentStream(out);
     absl::Status status;
     {
       py::gil_scoped_release release;
-      status = client_->GatherAll(dst.data, dtype, dst.memory);
+      status = client_->GatherAll(range, dst.data, dtype, dst.memory);
     }
     Check(status);
   }
@@ -1189,6 +1204,12 @@ PYBIND11_MODULE(_zeroshard, m) {
            "Writes every parameter of the last committed step into out: total_elements "
            "float32 values (a buffer or tensor; the daemons' fp32 masters), or a tensor of "
            "the job's precision (torch.bfloat16 in a bf16 job: the daemons' bf16 copy).")
+      .def("gather_range", &PyClient::GatherRange, py::arg("begin"), py::arg("end"),
+           py::arg("out"),
+           "gather_all of flat elements [begin, end) only, into out (end - begin values, "
+           "float32 or the job's precision): a layer's fp32 masters in a bf16 or fp16 job "
+           "without a buffer for the whole model. Every rank gathers the same ranges in the "
+           "same order when the trainer collective gathers parameters.")
       .def("save_checkpoint", &PyClient::SaveCheckpoint, py::arg("name"),
            "Saves the committed state under `name` (one rank, between steps; the daemons "
            "need --checkpoint_dir). Waits for this client's previous save to complete, then "

@@ -22,9 +22,8 @@ buffer of constant size, never a flat copy of the model:
   parameter (a float32, contiguous CPU tensor that fills its layer's range)
   or into the staging buffer and copied from there into its parameters.
   The client's layer gathers give the job's precision; a bf16 or fp16 job
-  loads the fp32 masters with one gather of the whole model instead (the
-  client has no ranged fp32 gather), into a flat buffer that is freed when
-  the load returns.
+  loads each layer's fp32 masters with a ranged gather of the layer's flat
+  range instead (`gather_range`), the same way.
 
 What is pushed and loaded is the same, bit for bit, as pushing and
 loading the whole model in one flat float32 buffer: the daemons sum the
@@ -125,10 +124,8 @@ class FlatSharding:
                 begin, end = layout.layer_range(e.layer)
                 self._layers.append((e.layer, begin, end, []))
             self._layers[-1][3].append(e)
-        gather_elements = 0
-        if self._fp32:
-            gather_elements = max([end - begin for _, begin, end, members in self._layers
-                                   if not self._direct(begin, end, members)], default=0)
+        gather_elements = max([end - begin for _, begin, end, members in self._layers
+                               if not self._direct(begin, end, members)], default=0)
         # The staging buffer, allocated once: packed pushes, then layer
         # gathers (never both at once). Packed pushes need the longest run
         # of tensors pushed through it (those not pushed from p.grad
@@ -179,21 +176,23 @@ class FlatSharding:
     def load_params(self):
         """The daemons' masters into every registered parameter."""
         client = self.engine.client
+
+        def gather(layer, begin, end, out):
+            """The layer's parameters as float32: the job's precision in an
+            fp32 job, the fp32 masters of its flat range otherwise."""
+            if self._fp32:
+                client.gather(layer, out)
+            else:
+                client.gather_range(begin, end, out)
+
         with torch.no_grad():
-            if not self._fp32:
-                flat = torch.zeros(self.engine.total, dtype=torch.float32)
-                client.gather_all(flat)
-                for e in self.engine.entries:
-                    if e.kind == "param":
-                        e.param.copy_(flat[e.offset:e.offset + e.numel].view(e.param.shape))
-                return
             for layer, begin, end, members in self._layers:
                 if self._direct(begin, end, members):
-                    client.gather(layer, members[0].param.data.view(-1))
+                    gather(layer, begin, end, members[0].param.data.view(-1))
                     continue
                 self._grow_staging(end - begin)
                 out = self._staging[:end - begin]
-                client.gather(layer, out)
+                gather(layer, begin, end, out)
                 for e in members:
                     local = e.offset - begin
                     e.param.copy_(out[local:local + e.numel].view(e.param.shape))
