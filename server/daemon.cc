@@ -191,7 +191,8 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
   if (o.max_calls_per_caller < 0 || o.max_calls_per_caller > o.max_rpc_threads) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_calls_per_caller: must be in 1..--max_rpc_threads (", o.max_rpc_threads,
-        "), or 0 for three quarters of it, got ", o.max_calls_per_caller));
+        "), or 0 for all of them but ", kRpcThreadsKeptForOthers, ", got ",
+        o.max_calls_per_caller));
   }
   if (o.stream_idle_timeout < absl::Seconds(1) && o.stream_idle_timeout != absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -458,9 +459,10 @@ void Daemon::StartServices(const std::string& bulk_error) {
     stream_watchdog_ = std::make_unique<StreamWatchdog>(options.stream_idle_timeout);
     ctx.stream_watchdog = stream_watchdog_.get();
   }
-  caller_calls_ = std::make_unique<CallerCalls>(options.max_calls_per_caller != 0
-                                                    ? options.max_calls_per_caller
-                                                    : std::max(1, options.max_rpc_threads * 3 / 4));
+  caller_calls_ = std::make_unique<CallerCalls>(
+      options.max_calls_per_caller != 0
+          ? options.max_calls_per_caller
+          : std::max(1, options.max_rpc_threads - kRpcThreadsKeptForOthers));
   ctx.caller_calls = caller_calls_.get();
   control_ = std::make_unique<ControlService>(&ctx);
   shard_ = std::make_unique<ShardService>(&ctx);

@@ -185,16 +185,21 @@ struct DaemonOptions {
   // RESOURCE_EXHAUSTED at once. Streams are only read after their token
   // opened a job here, so callers without one hold no thread.
   int max_rpc_threads = 256;
-  // Calls one caller (its bearer token; its address for calls without one)
-  // may have in flight at once (--max_calls_per_caller), so that others
-  // always find threads; a call past it is answered RESOURCE_EXHAUSTED.
-  // 0: three quarters of max_rpc_threads.
+  // Calls one caller (the bearer token of its calls) may have in flight at
+  // once (--max_calls_per_caller); a call past it is answered
+  // RESOURCE_EXHAUSTED before anything is read (server/rpc/caller_calls.h).
+  // 0: max_rpc_threads - kRpcThreadsKeptForOthers, so that the operator's
+  // calls and another job's find threads whatever one job's token holder
+  // does.
   int max_calls_per_caller = 0;
   // A stream whose peer sends (or reads) nothing for this long is cancelled
   // (--stream_idle_timeout_seconds): a stalled trainer holds no thread,
   // reservation or activation slice past it.
   absl::Duration stream_idle_timeout = absl::Seconds(60);
 };
+
+// Threads of --max_rpc_threads that one caller cannot take by default.
+inline constexpr int kRpcThreadsKeptForOthers = 16;
 
 struct ServiceContext;
 class StreamWatchdog;
@@ -232,6 +237,8 @@ class Daemon {
 
   JobManager& jobs() { return *jobs_; }
   MemoryLedger& ledger() { return ledger_; }
+  // Calls in flight per caller (--max_calls_per_caller).
+  const CallerCalls& caller_calls() const { return *caller_calls_; }
   // The bulk transport served, or null (see DaemonOptions::bulk_transport).
   transport::Transport* bulk_transport() const { return transport_.get(); }
   // The activation store, or null (DaemonOptions::activation_arena_bytes 0).

@@ -16,6 +16,7 @@
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "server/daemon.h"
 #include "server/rpc/caller_calls.h"
 #include "server/testing/daemon_fixture.h"
@@ -229,15 +230,21 @@ TEST(StreamLimitsTest, OneCallerHoldsAtMostMaxCallsPerCaller) {
       ++ended;
     });
   }
+  const uint64_t key = CallerCalls::TokenKey(std::string(kBearerPrefix) + kTestToken);
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (daemon->caller_calls().InFlight(key) < kPerCaller && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(daemon->caller_calls().InFlight(key), kPerCaller);
+  // With all of them in, one more call of that token is refused...
   DaemonClient job(daemon->address());
   v1::StepState state;
-  // Once all of them are in, one more call of that token is refused...
-  grpc::Status s = Until(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                         [&] { return job.StepState("job", &state); });
+  grpc::Status s = job.StepState("job", &state);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_NE(s.error_message().find("--max_calls_per_caller=4"), std::string::npos)
       << s.error_message();
   EXPECT_EQ(ended.load(), 0);
+  EXPECT_EQ(daemon->caller_calls().InFlight(key), kPerCaller);
   // ... while another job's caller is served, with threads to spare.
   DaemonClient other(daemon->address(), "the-other-jobs-own-token");
   for (int i = 0; i < 3; ++i) {
@@ -251,14 +258,13 @@ TEST(StreamLimitsTest, OneCallerHoldsAtMostMaxCallsPerCaller) {
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
-// Calls without a token reach only gRPC's health and reflection services; a
-// reflection stream holds a thread while its peer keeps it open, so one
-// address may hold kTokenlessCallsPerAddress of them and the rest are
-// cancelled.
-TEST(StreamLimitsTest, TokenlessCallsAreBoundedPerAddress) {
+// Server reflection needs no token, and its stream holds a thread while its
+// peer keeps it open: one address may hold kReflectionCallsPerAddress of
+// them, the rest are cancelled. Health checks meanwhile are answered.
+TEST(StreamLimitsTest, ReflectionStreamsAreBoundedPerAddress) {
   std::unique_ptr<Daemon> daemon = Start(absl::Seconds(30));
   ASSERT_NE(daemon, nullptr);
-  constexpr int kLimit = CallerCalls::kTokenlessCallsPerAddress;
+  constexpr int kLimit = CallerCalls::kReflectionCallsPerAddress;
   constexpr int kCalls = kLimit + 4;
   auto channel = grpc::CreateChannel(daemon->address(), grpc::InsecureChannelCredentials());
   grpc::GenericStub stub(channel);
@@ -303,6 +309,16 @@ TEST(StreamLimitsTest, TokenlessCallsAreBoundedPerAddress) {
   bool ok = false;
   EXPECT_EQ(cq.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + absl::Milliseconds(500))),
             grpc::CompletionQueue::TIMEOUT);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status s =
+        grpc::health::v1::Health::NewStub(channel)->Check(&ctx, request, &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  }
   for (auto& o : open) o->ctx.TryCancel();
   for (int i = finished; i < kCalls; ++i) {
     ASSERT_EQ(cq.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + absl::Seconds(10))),

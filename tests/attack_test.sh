@@ -31,7 +31,8 @@
 #             activation arena: a job's rank takes the arena's key from
 #             ExchangeEndpoint and writes with it, the job ends, another job
 #             becomes the arena's tenant; the first job's saved key then
-#             neither writes nor reads (UNAVAILABLE), the new tenant's does.
+#             neither writes nor reads (UNAVAILABLE: the region "no longer
+#             exists"), the new tenant's does.
 # Everything started is killed on exit; the test fails if any check failed.
 #
 # Usage: attack_test.sh ZEROSHARDD GPT_TRAIN STREAM_FLOOD MAKE_TEST_CERTS
@@ -252,7 +253,8 @@ cat "$WORK/arena.out" "$WORK/arena.err"
   "$(value "$WORK/arena.out" arena_old_key_get)" == UNAVAILABLE &&
   "$(value "$WORK/arena.out" arena_new_key_put)" == OK &&
   "$(value "$WORK/arena.out" arena_new_key_get)" == OK &&
-  "$(value "$WORK/arena.out" arena_keys_differ)" == 1 ]]
+  "$(value "$WORK/arena.out" arena_keys_differ)" == 1 ]] &&
+  (($(grep -c "no longer exists" "$WORK/arena.err") == 2))
 check $? "arena" "a former tenant's arena key: put $(value "$WORK/arena.out" arena_old_key_put), get $(value "$WORK/arena.out" arena_old_key_get); the next tenant's: put $(value "$WORK/arena.out" arena_new_key_put)"
 
 if ((FAILED)); then

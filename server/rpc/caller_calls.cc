@@ -1,6 +1,5 @@
 #include "server/rpc/caller_calls.h"
 
-#include <algorithm>
 #include <utility>
 
 #include "absl/hash/hash.h"
@@ -10,53 +9,52 @@
 
 namespace zeroshard {
 
-CallerCalls::Caller CallerCalls::CallerOf(
-    const std::multimap<grpc::string_ref, grpc::string_ref>& metadata, absl::string_view peer) {
-  auto it = metadata.find(kAuthorizationMetadataKey);
-  if (it != metadata.end()) {
-    return Caller{absl::HashOf(absl::string_view("token"),
-                               absl::string_view(it->second.data(), it->second.size())),
-                  true};
-  }
-  // "ipv4:10.0.0.1:5000", "ipv6:[::1]:5000": the host, without the port;
-  // "unix:/path" has no port.
+uint64_t CallerCalls::TokenKey(absl::string_view value) {
+  return absl::HashOf(absl::string_view("token"), value);
+}
+
+uint64_t CallerCalls::AddressKey(absl::string_view peer) {
+  // The host, without the port; "unix:PATH" has none.
   if (!absl::StartsWith(peer, "unix:")) {
     const size_t colon = peer.rfind(':');
     if (colon != absl::string_view::npos && colon > peer.find(':')) peer = peer.substr(0, colon);
   }
-  return Caller{absl::HashOf(absl::string_view("peer"), peer), false};
+  return absl::HashOf(absl::string_view("address"), peer);
 }
 
-void CallerCalls::Started(uint64_t key) {
+bool CallerCalls::Start(const void* call, uint64_t key, int limit) {
   absl::MutexLock lock(&mu_);
-  ++in_flight_[key];
+  int& held = in_flight_[key];
+  if (held < limit) {
+    ++held;
+    return true;
+  }
+  if (held == 0) in_flight_.erase(key);
+  refused_.insert(call);
+  return false;
 }
 
-void CallerCalls::Ended(uint64_t key) {
+void CallerCalls::End(const void* call, uint64_t key, bool counted) {
   absl::MutexLock lock(&mu_);
+  if (!counted) {
+    refused_.erase(call);
+    return;
+  }
   auto it = in_flight_.find(key);
-  if (it == in_flight_.end()) return;
-  if (--it->second <= 0) in_flight_.erase(it);
-}
-
-int CallerCalls::LimitOf(const Caller& caller) const {
-  return caller.has_token ? limit_ : std::min(limit_, kTokenlessCallsPerAddress);
-}
-
-bool CallerCalls::Within(const Caller& caller) const {
-  return InFlight(caller.key) <= LimitOf(caller);
+  if (it != in_flight_.end() && --it->second <= 0) in_flight_.erase(it);
 }
 
 absl::Status CallerCalls::Admit(const grpc::ServerContext& call) const {
-  const Caller caller = CallerOf(call.client_metadata(), call.peer());
-  const int held = InFlight(caller.key);
-  const int limit = LimitOf(caller);
-  if (held <= limit) return absl::OkStatus();
+  const void* id = static_cast<const grpc::ServerContextBase*>(&call);
+  {
+    absl::MutexLock lock(&mu_);
+    if (!refused_.contains(id)) return absl::OkStatus();
+  }
   return absl::ResourceExhaustedError(absl::StrCat(
-      "this caller (its token) already has ", held - 1,
-      " calls in flight on this daemon, its limit (--max_calls_per_caller=", limit,
-      "); wait for some to end, or raise the daemon's --max_calls_per_caller and "
-      "--max_rpc_threads"));
+      "this caller (its token) already has ", limit_,
+      " calls in flight on this daemon, its limit (--max_calls_per_caller=", limit_,
+      "); nothing was read: retry once some have ended, or raise the daemon's "
+      "--max_calls_per_caller and --max_rpc_threads"));
 }
 
 int CallerCalls::InFlight(uint64_t key) const {
@@ -65,18 +63,7 @@ int CallerCalls::InFlight(uint64_t key) const {
   return it == in_flight_.end() ? 0 : it->second;
 }
 
-size_t CallerCalls::callers() const {
-  absl::MutexLock lock(&mu_);
-  return in_flight_.size();
-}
-
 namespace {
-
-// gRPC's own services, which no handler of ours answers: past the limit
-// the interceptor cancels their calls itself.
-bool IsZeroshardMethod(const char* method) {
-  return absl::StartsWith(method == nullptr ? "" : method, "/zeroshard.");
-}
 
 class CallerCallsInterceptor final : public grpc::experimental::Interceptor {
  public:
@@ -84,29 +71,43 @@ class CallerCallsInterceptor final : public grpc::experimental::Interceptor {
       : calls_(calls), info_(info) {}
   // The call has ended: the server destroys its interceptors with it.
   ~CallerCallsInterceptor() override {
-    if (counted_) calls_->Ended(key_);
+    if (decided_) calls_->End(call_, key_, counted_);
   }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    if (methods->QueryInterceptionHookPoint(
-            grpc::experimental::InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
-      grpc::ServerContextBase* context = info_->server_context();
-      const CallerCalls::Caller caller = CallerCalls::CallerOf(
-          *methods->GetRecvInitialMetadata(), context == nullptr ? std::string() : context->peer());
-      key_ = caller.key;
-      calls_->Started(key_);
-      counted_ = true;
-      if (!IsZeroshardMethod(info_->method()) && !calls_->Within(caller) && context != nullptr) {
-        context->TryCancel();
-      }
+    if (!decided_ && methods->QueryInterceptionHookPoint(
+                         grpc::experimental::InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
+      Decide(*methods->GetRecvInitialMetadata());
     }
     methods->Proceed();
   }
 
  private:
+  void Decide(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) {
+    grpc::ServerContextBase* context = info_->server_context();
+    const absl::string_view method = info_->method() == nullptr ? "" : info_->method();
+    if (context == nullptr) return;
+    call_ = context;
+    if (absl::StartsWith(method, "/zeroshard.")) {
+      auto it = metadata.find(kAuthorizationMetadataKey);
+      if (it == metadata.end()) return;  // answered UNAUTHENTICATED at once
+      key_ = CallerCalls::TokenKey(absl::string_view(it->second.data(), it->second.size()));
+      decided_ = true;
+      counted_ = calls_->Start(context, key_, calls_->limit());
+      return;
+    }
+    if (!absl::StartsWith(method, "/grpc.reflection.")) return;
+    key_ = CallerCalls::AddressKey(context->peer());
+    decided_ = true;
+    counted_ = calls_->Start(context, key_, CallerCalls::kReflectionCallsPerAddress);
+    if (!counted_) context->TryCancel();
+  }
+
   CallerCalls* const calls_;
   grpc::experimental::ServerRpcInfo* const info_;
+  const void* call_ = nullptr;  // the call's context, as Admit() finds it
   uint64_t key_ = 0;
+  bool decided_ = false;
   bool counted_ = false;
 };
 

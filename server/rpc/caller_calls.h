@@ -2,17 +2,21 @@
 
 // Calls in flight per caller, so that one caller cannot hold every thread of
 // the daemon's gRPC server (--max_calls_per_caller). A caller is the bearer
-// token a call presents (all ranks of a job share one), or, for a call
-// without a token, the address it comes from (the host part of the peer).
+// token its zeroshard calls present (every rank of a job, and the job's
+// daemons calling each other for it, share one).
 //
-// A server interceptor (CallerCallsInterceptorFactory) counts each call from
-// the moment its metadata arrives to the moment it ends, whatever the
-// handler does. A zeroshard handler asks Admit() once it has read the token
-// (ServiceContext::CallerToken) and answers RESOURCE_EXHAUSTED when the
-// caller holds more than the limit, its own call included. Calls without a
-// token (only gRPC's health and reflection services answer those) are held
-// to kTokenlessCallsPerAddress per address; past it the interceptor cancels
-// them, as no handler of ours sees them.
+// A server interceptor (CallerCallsInterceptorFactory) decides each call
+// once, when its metadata arrives and before any handler runs: a call that
+// would give its caller more than the limit in flight is refused, the
+// others are counted until the call ends, whatever the handler does. A
+// zeroshard handler reads the decision through Admit(), called from
+// ServiceContext::CallerToken before anything is read, and answers a
+// refused call RESOURCE_EXHAUSTED. Calls without a token are not counted
+// (every zeroshard handler answers them UNAUTHENTICATED at once), nor are
+// gRPC's health checks (answered without a thread of their own). Server
+// reflection, whose stream holds a thread for as long as its peer keeps it
+// open and needs no token, is bounded by the address it comes from
+// (kReflectionCallsPerAddress); past it the interceptor cancels the call.
 //
 // Thread-safe; the interceptor's hooks run on gRPC's threads and never
 // block beyond this object's lock.
@@ -24,6 +28,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -34,53 +39,44 @@ namespace zeroshard {
 
 class CallerCalls {
  public:
-  // Calls without a token one address may have in flight: health checks and
-  // reflection take a moment each, and a reflection stream holds a thread
-  // for as long as its peer keeps it open.
-  static constexpr int kTokenlessCallsPerAddress = 16;
+  // Reflection streams one address may have open at once.
+  static constexpr int kReflectionCallsPerAddress = 16;
 
-  // Who a call comes from.
-  struct Caller {
-    uint64_t key = 0;
-    bool has_token = false;
-  };
-
-  // `limit`: calls one caller may have in flight, at least 1.
+  // `limit`: calls one token may have in flight, at least 1.
   explicit CallerCalls(int limit) : limit_(limit) {}
   CallerCalls(const CallerCalls&) = delete;
   CallerCalls& operator=(const CallerCalls&) = delete;
 
   int limit() const { return limit_; }
 
-  // The caller of a call: a hash of its bearer token when it presents one
-  // (`authorization` metadata, whatever its form), else of its peer's host.
-  static Caller CallerOf(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
-                         absl::string_view peer);
+  // The caller key of calls presenting `authorization` metadata `value`.
+  static uint64_t TokenKey(absl::string_view value);
+  // The caller key of reflection calls from `peer` (grpc::ServerContext::
+  // peer(): "ipv4:HOST:PORT", "ipv6:[HOST]:PORT", "unix:PATH").
+  static uint64_t AddressKey(absl::string_view peer);
 
-  // Counts a call of `key` as started / ended (the interceptor).
-  void Started(uint64_t key);
-  void Ended(uint64_t key);
+  // The interceptor: counts a call of `key` if the caller holds fewer than
+  // `limit` calls, and returns whether it did; otherwise remembers `call`
+  // as refused. End() undoes either, once the call has ended.
+  bool Start(const void* call, uint64_t key, int limit);
+  void End(const void* call, uint64_t key, bool counted);
 
-  // OK while the call's caller holds at most its limit (this call
-  // included); RESOURCE_EXHAUSTED naming the limit and its flag otherwise.
+  // OK unless the interceptor refused `call`; then RESOURCE_EXHAUSTED
+  // naming the limit and its flag. Never blocks beyond the lock.
   absl::Status Admit(const grpc::ServerContext& call) const;
-  // The same by caller: whether it is within its limit.
-  bool Within(const Caller& caller) const;
-  int LimitOf(const Caller& caller) const;
 
-  // Calls of `key` in flight now (tests, the status page).
+  // Calls of `key` in flight now (tests).
   int InFlight(uint64_t key) const;
-  // Callers with a call in flight.
-  size_t callers() const;
 
  private:
   const int limit_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, int> in_flight_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<const void*> refused_ ABSL_GUARDED_BY(mu_);
 };
 
-// Makes the interceptor that counts every call of a server in `calls`
-// (which must outlive the server).
+// Makes the interceptor that decides and counts every call of a server in
+// `calls` (which must outlive the server).
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
 CallerCallsInterceptorFactory(CallerCalls* calls);
 
