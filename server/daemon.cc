@@ -194,6 +194,13 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
         "), or 0 for all of them but ", kRpcThreadsKeptForOthers, ", got ",
         o.max_calls_per_caller));
   }
+  if (o.handshake_timeout < absl::Milliseconds(100) || o.handshake_timeout > absl::Hours(1) ||
+      o.connection_idle_timeout < absl::Seconds(1) || o.connection_idle_timeout > absl::Hours(24)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "handshake timeout (", absl::FormatDuration(o.handshake_timeout),
+        ") must be in 100ms..1h and connection idle timeout (",
+        absl::FormatDuration(o.connection_idle_timeout), ") in 1s..24h"));
+  }
   if (o.stream_idle_timeout < absl::Seconds(1) && o.stream_idle_timeout != absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--stream_idle_timeout_seconds: must be >= 1 (0: never), got ",
@@ -498,6 +505,11 @@ absl::Status Daemon::StartGrpcServers() {
   if (options.rpc_memory_bytes != 0) quota.Resize(options.rpc_memory_bytes);
   builder.SetResourceQuota(quota);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             static_cast<int>(absl::ToInt64Milliseconds(options.handshake_timeout)));
+  builder.AddChannelArgument(
+      GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(options.connection_idle_timeout)));
   // Clients and peer daemons ping every second or two to find a silent
   // daemon fast (common/keepalive.h).
   SetServerKeepalivePolicy(&builder);

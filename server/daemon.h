@@ -192,6 +192,13 @@ struct DaemonOptions {
   // calls and another job's find threads whatever one job's token holder
   // does.
   int max_calls_per_caller = 0;
+  // A connection that has not completed its handshake (TCP accepted, TLS
+  // and the HTTP/2 preface not done) within this is closed, so that peers
+  // which connect and send nothing hold a file descriptor only this long.
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  // A connection without a call for this long is closed (its client
+  // reconnects when it calls again).
+  absl::Duration connection_idle_timeout = absl::Minutes(10);
   // A stream whose peer sends (or reads) nothing for this long is cancelled
   // (--stream_idle_timeout_seconds): a stalled trainer holds no thread,
   // reservation or activation slice past it.

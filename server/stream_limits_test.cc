@@ -3,7 +3,15 @@
 // stops is cancelled after --stream_idle_timeout_seconds, and requests in
 // flight hold at most --max_rpc_threads threads.
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -329,6 +337,72 @@ TEST(StreamLimitsTest, ReflectionStreamsAreBoundedPerAddress) {
   }
 }
 
+// A peer that connects and sends nothing (no TLS, no HTTP/2 preface) holds
+// its connection only for the handshake timeout.
+TEST(StreamLimitsTest, AConnectionThatNeverHandshakesIsClosed) {
+  DaemonOptions options;
+  options.listen = "127.0.0.1:0";
+  options.handshake_timeout = absl::Milliseconds(500);
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(options);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string address = (*daemon)->address();
+  const int port = std::stoi(address.substr(address.rfind(':') + 1));
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0) << std::strerror(errno);
+  const absl::Time start = absl::Now();
+  // The server's preface (SETTINGS) may come first; then the close.
+  pollfd p{fd, POLLIN, 0};
+  char buffer[4096];
+  bool closed = false;
+  while (!closed && absl::Now() - start < absl::Seconds(10)) {
+    if (::poll(&p, 1, 1000) <= 0) continue;
+    const ssize_t n = ::recv(fd, buffer, sizeof(buffer), 0);
+    closed = n <= 0;
+  }
+  const absl::Duration held = absl::Now() - start;
+  ::close(fd);
+  EXPECT_TRUE(closed) << "the connection was still open after " << held;
+  EXPECT_LT(held, absl::Seconds(5));
+  // The daemon still serves.
+  DaemonClient client(address);
+  v1::StatusRequest request;
+  v1::StatusResponse response;
+  grpc::ClientContext ctx;
+  EXPECT_TRUE(client.admin->Status(&ctx, request, &response).ok());
+}
+
+// A connection without calls for the idle timeout is closed by the daemon;
+// its client reconnects for its next call.
+TEST(StreamLimitsTest, AnIdleConnectionIsClosedAndTheClientReconnects) {
+  DaemonOptions options;
+  options.listen = "127.0.0.1:0";
+  options.connection_idle_timeout = absl::Seconds(1);
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(options);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  DaemonClient client((*daemon)->address());
+  auto status = [&] {
+    v1::StatusRequest request;
+    v1::StatusResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    return client.admin->Status(&ctx, request, &response);
+  };
+  ASSERT_TRUE(status().ok());
+  EXPECT_EQ(client.channel->GetState(false), GRPC_CHANNEL_READY);
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (client.channel->GetState(false) == GRPC_CHANNEL_READY && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_NE(client.channel->GetState(false), GRPC_CHANNEL_READY)
+      << "the daemon kept an idle connection open";
+  EXPECT_TRUE(status().ok());
+}
+
 TEST(StreamLimitsTest, BadLimitsAreRefusedAtStart) {
   DaemonOptions options;
   options.max_rpc_threads = 2;
@@ -345,6 +419,11 @@ TEST(StreamLimitsTest, BadLimitsAreRefusedAtStart) {
   s = Daemon::Start(options).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("--max_calls_per_caller"), std::string::npos) << s;
+  options.max_calls_per_caller = 0;
+  options.handshake_timeout = absl::ZeroDuration();
+  s = Daemon::Start(options).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("handshake timeout"), std::string::npos) << s;
 }
 
 }  // namespace
