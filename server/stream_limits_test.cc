@@ -159,6 +159,18 @@ TEST(StreamLimitsTest, AStreamStalledMidwayAppliesNothing) {
   });
 }
 
+// One PushGradient call with kTestToken on a connection of its own
+// (`connection` tells them apart) that sends nothing; returns how it ended.
+grpc::Status IdlePush(const std::string& address, int connection, grpc::ClientContext* ctx) {
+  grpc::ChannelArguments args;
+  args.SetInt("zs.test_connection", connection);
+  auto shard =
+      v1::Shard::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  ctx->AddMetadata(kAuthorizationMetadataKey, std::string(kBearerPrefix) + kTestToken);
+  v1::PushGradientResponse resp;
+  return shard->PushGradient(ctx, &resp)->Finish();
+}
+
 TEST(StreamLimitsTest, RequestsInFlightHoldAtMostMaxRpcThreads) {
   constexpr int kThreads = 8;
   constexpr int kCalls = 24;
@@ -173,16 +185,9 @@ TEST(StreamLimitsTest, RequestsInFlightHoldAtMostMaxRpcThreads) {
   std::vector<std::thread> callers;
   for (int i = 0; i < kCalls; ++i) {
     callers.emplace_back([&, i] {
-      grpc::ChannelArguments args;
-      args.SetInt("zs.test_connection", i);
-      auto channel =
-          grpc::CreateCustomChannel(daemon->address(), grpc::InsecureChannelCredentials(), args);
-      auto shard = v1::Shard::NewStub(channel);
       grpc::ClientContext ctx;
       ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
-      ctx.AddMetadata(kAuthorizationMetadataKey, std::string(kBearerPrefix) + kTestToken);
-      v1::PushGradientResponse resp;
-      const grpc::Status s = shard->PushGradient(&ctx, &resp)->Finish();
+      const grpc::Status s = IdlePush(daemon->address(), i, &ctx);
       if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++exhausted;
       if (s.error_code() == grpc::StatusCode::CANCELLED) ++cancelled;
     });
@@ -226,15 +231,8 @@ TEST(StreamLimitsTest, OneCallerHoldsAtMostMaxCallsPerCaller) {
   std::vector<std::thread> holders;
   for (int i = 0; i < kPerCaller; ++i) {
     holders.emplace_back([&, i] {
-      grpc::ChannelArguments args;
-      args.SetInt("zs.test_connection", i);
-      auto shard = v1::Shard::NewStub(
-          grpc::CreateCustomChannel(daemon->address(), grpc::InsecureChannelCredentials(), args));
-      grpc::ClientContext& ctx = *contexts[i];
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(25)));
-      ctx.AddMetadata(kAuthorizationMetadataKey, std::string(kBearerPrefix) + kTestToken);
-      v1::PushGradientResponse resp;
-      (void)shard->PushGradient(&ctx, &resp)->Finish();
+      contexts[i]->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(25)));
+      (void)IdlePush(daemon->address(), i, contexts[i].get());
       ++ended;
     });
   }
