@@ -544,6 +544,63 @@ TEST(ClientTest, ATrainerCollectiveSlotsInAndMatchesDaemonReduce) {
   EXPECT_EQ(pushed[1], map.UnpaddedPartition(0).size() * 4);
 }
 
+// A ranged GatherAll is the same slice of the whole one, in a bf16 job both
+// as the fp32 masters and as the job's bf16 copy: ranges that start past
+// 0, cross the daemons' boundary, or lie inside a tensor. Bad ranges are
+// refused.
+TEST(ClientTest, ARangedGatherIsThatSliceOfTheWholeGather) {
+  Daemons daemons(2);
+  const Layout layout = SampleLayout();
+  const std::vector<float> init = InitialParams(layout);
+  const uint64_t total = layout.total_elements();
+  ClientConfig config = MakeConfig("ranged", daemons.addresses, 0, 2, 2);
+  config.precision = DType::kBf16;
+  // Two ranks, so that each daemon owns a partition; rank 0's client reads.
+  std::vector<std::unique_ptr<Client>> clients(2);
+  std::atomic<int> failures{0};
+  RunRanks(2, [&](uint32_t rank) {
+    ClientConfig c = config;
+    c.rank = rank;
+    clients[rank] = Connect(c, layout, init.data());
+    if (clients[rank] == nullptr) return void(++failures);
+    std::vector<float> params(total);
+    for (int step = 1; step <= 2; ++step) {
+      absl::StatusOr<StepResult> r = TrainStep(*clients[rank], step, 0.01f, &params);
+      if (!r.ok()) {
+        ADD_FAILURE() << r.status();
+        return void(++failures);
+      }
+    }
+  });
+  ASSERT_EQ(failures.load(), 0);
+  Client* client = clients[0].get();
+  std::vector<float> masters(total);
+  ASSERT_TRUE(client->GatherAll(masters.data(), DType::kFp32).ok());
+  std::vector<uint16_t> half(total);
+  ASSERT_TRUE(client->GatherAll(half.data(), DType::kBf16).ok());
+  const uint64_t boundary = client->partition_map().DaemonRange(0).end;
+  ASSERT_GT(boundary, 7u);
+  ASSERT_LT(boundary + 7, total);
+  for (const FlatRange& range : std::vector<FlatRange>{
+           {0, total}, {3, total - 5}, {boundary - 7, boundary + 7}, {1, 2}, {boundary, total}}) {
+    std::vector<float> fp32(range.size());
+    ASSERT_TRUE(client->GatherAll(range, fp32.data(), DType::kFp32).ok())
+        << range.begin << ".." << range.end;
+    EXPECT_EQ(0, std::memcmp(fp32.data(), masters.data() + range.begin, range.size() * 4))
+        << range.begin << ".." << range.end;
+    std::vector<uint16_t> bf16(range.size());
+    ASSERT_TRUE(client->GatherAll(range, bf16.data(), DType::kBf16).ok());
+    EXPECT_EQ(0, std::memcmp(bf16.data(), half.data() + range.begin, range.size() * 2))
+        << range.begin << ".." << range.end;
+  }
+  float x = 0;
+  for (const FlatRange& bad : std::vector<FlatRange>{{5, 5}, {0, total + 1}, {total, total + 1}}) {
+    EXPECT_EQ(client->GatherAll(bad, &x, DType::kFp32).code(), absl::StatusCode::kInvalidArgument)
+        << bad.begin << ".." << bad.end;
+  }
+  EXPECT_EQ(client->GatherAll({0, 1}, &x, DType::kFp16).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // ---- Caller mistakes ----
 
 TEST(ClientTest, BadConfigIsInvalidArgument) {

@@ -505,8 +505,9 @@ absl::Status Daemon::StartGrpcServers() {
   if (options.rpc_memory_bytes != 0) quota.Resize(options.rpc_memory_bytes);
   builder.SetResourceQuota(quota);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
-  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
-                             static_cast<int>(absl::ToInt64Milliseconds(options.handshake_timeout)));
+  builder.AddChannelArgument(
+      GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(options.handshake_timeout)));
   builder.AddChannelArgument(
       GRPC_ARG_MAX_CONNECTION_IDLE_MS,
       static_cast<int>(absl::ToInt64Milliseconds(options.connection_idle_timeout)));

@@ -59,8 +59,8 @@ ABSL_FLAG(int, max_rpc_threads, 256,
 ABSL_FLAG(int, max_calls_per_caller, 0,
           "Calls one caller (the bearer token of its calls: a job's ranks and its daemons share "
           "one) may have in flight at once; one past it is answered RESOURCE_EXHAUSTED before "
-          "anything is read. 0: all of --max_rpc_threads but 16, kept for the operator and "
-          "other jobs.");
+          "anything is read. 0: all of --max_rpc_threads but 16 (at least 1), kept for the "
+          "operator and other jobs.");
 ABSL_FLAG(int, stream_idle_timeout_seconds, 60,
           "A stream whose peer sends (or reads) nothing for this many seconds is cancelled, "
           "releasing its thread and what it reserved; 0: never.");

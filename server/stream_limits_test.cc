@@ -164,8 +164,8 @@ TEST(StreamLimitsTest, AStreamStalledMidwayAppliesNothing) {
 grpc::Status IdlePush(const std::string& address, int connection, grpc::ClientContext* ctx) {
   grpc::ChannelArguments args;
   args.SetInt("zs.test_connection", connection);
-  auto shard =
-      v1::Shard::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  auto shard = v1::Shard::NewStub(
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
   ctx->AddMetadata(kAuthorizationMetadataKey, std::string(kBearerPrefix) + kTestToken);
   v1::PushGradientResponse resp;
   return shard->PushGradient(ctx, &resp)->Finish();
@@ -291,7 +291,8 @@ TEST(StreamLimitsTest, ReflectionStreamsAreBoundedPerAddress) {
     open.push_back(std::move(o));
   }
   for (int i = 0; i < kCalls; ++i) {
-    open[i]->call->Finish(&open[i]->status, reinterpret_cast<void*>(static_cast<intptr_t>(2 * i + 1)));
+    open[i]->call->Finish(&open[i]->status,
+                          reinterpret_cast<void*>(static_cast<intptr_t>(2 * i + 1)));
   }
   // The calls past the limit end at once, cancelled; the others stay open.
   int finished = 0;

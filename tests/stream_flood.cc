@@ -101,7 +101,9 @@ std::string CodeName(grpc::StatusCode code) {
 }
 
 // The layout of every job this tool registers: one small tensor.
-absl::StatusOr<zs::Layout> SmallLayout() { return zs::Layout::Create({zs::TensorSpec{"w", {256}}}); }
+absl::StatusOr<zs::Layout> SmallLayout() {
+  return zs::Layout::Create({zs::TensorSpec{"w", {256}}});
+}
 
 void AddToken(grpc::ClientContext* ctx, const std::string& token) {
   if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
@@ -488,10 +490,14 @@ int ArenaKey(const std::string& target, const std::string& token) {
   std::string bytes(4096, '\x5a');
   std::string back(bytes.size(), '\0');
   auto put = [&](const zs::transport::RegionDescriptor& key) {
-    return (*connection)->Put(bytes.data(), bytes.size(), key, 0).Wait(absl::Now() + absl::Seconds(10));
+    return (*connection)
+        ->Put(bytes.data(), bytes.size(), key, 0)
+        .Wait(absl::Now() + absl::Seconds(10));
   };
   auto get = [&](const zs::transport::RegionDescriptor& key) {
-    return (*connection)->Get(back.data(), back.size(), key, 0).Wait(absl::Now() + absl::Seconds(10));
+    return (*connection)
+        ->Get(back.data(), back.size(), key, 0)
+        .Wait(absl::Now() + absl::Seconds(10));
   };
   const absl::Status own = put(first->arena);
   std::printf("arena_first_put=%s\n", absl::StatusCodeToString(own.code()).c_str());
@@ -555,8 +561,8 @@ int main(int argc, char** argv) {
   if (mode == "promote") return Promote(target, token);
   if (mode == "arena_key") return ArenaKey(target, token);
   std::fprintf(stderr,
-               "stream_flood: --mode must be flood, status, register, manifest, promote or arena_key, "
-               "not %s\n",
+               "stream_flood: --mode must be flood, status, register, manifest, promote or "
+               "arena_key, not %s\n",
                mode.c_str());
   return 2;
 }

@@ -143,9 +143,6 @@ class FlatSharding:
         self._staging = torch.zeros(
             max(min(pack_elements, self._push_elements), gather_elements, 1),
             dtype=torch.float32)
-        # Bytes of the flat fp32 buffer a bf16/fp16 job's load allocates
-        # while it runs (0 for fp32 jobs).
-        self.load_flat_bytes = 0 if self._fp32 else 4 * engine.total
 
     @property
     def staging_bytes(self):

@@ -196,13 +196,11 @@ def _memory_report(engine, params, flat=None, sharded=None):
         report["gradients"] = grads
         report["staging"] = flat.staging_bytes + client["buffer"]
         report["gathered_layers"] = 0
-        report["load_transient"] = flat.load_flat_bytes
     else:
         report["parameters"] = 0
         report["gradients"] = grads + sharded.gradient_bytes
         report["staging"] = client["buffer"]
         report["gathered_layers"] = sharded.held_bytes + client["param"] + client["param_half"]
-        report["load_transient"] = 0
     report["client_staging"] = client["buffer"]
     report["total"] = (report["parameters"] + report["gradients"] + report["staging"]
                        + report["gathered_layers"])
@@ -696,9 +694,6 @@ class ShardedModel(torch.nn.Module):
                            their layers)
           gathered_layers  stage 3: the layers gathered now (their views'
                            storage) and the client's prefetch buffers
-          load_transient   stages 1-2 in a bf16/fp16 job: the flat fp32
-                           buffer each parameter load allocates and frees
-                           (0 otherwise)
           total            parameters + gradients + staging + gathered_layers
           ddp_bytes        16Ψ, what a DDP rank with AdamW holds in fp32
                            (parameters, gradients, two moments)

@@ -55,6 +55,11 @@ grpc::Status AdminService::MemoryReport(grpc::ServerContext* call,
 // Lists the jobs the caller's token opens (all with the admin token).
 grpc::Status AdminService::Status(grpc::ServerContext* call, const v1::StatusRequest*,
                                   v1::StatusResponse* resp) {
+  // Answered without a token too, so CallerToken may not run: the caller
+  // bound is checked here.
+  if (ctx_->caller_calls != nullptr) {
+    if (absl::Status s = ctx_->caller_calls->Admit(*call); !s.ok()) return ctx_->Done(__func__, s);
+  }
   resp->set_version(ctx_->version);
   resp->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - ctx_->start));
   resp->set_draining(ctx_->draining.load());
