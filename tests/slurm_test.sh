@@ -188,7 +188,7 @@ job_pids() {
 }
 
 # run_job NAME PORT [VAR=VALUE...]: the script for 1 node and 2 tasks with
-# these variables, training a small model for 150 steps (a few seconds:
+# these variables, training a small model for 400 steps (several seconds:
 # several samples of its memory); waits for it, prints its output and checks
 # what every job's output must show. Sets OUT and JOB_ID (slurm-N).
 run_job() {
@@ -198,10 +198,10 @@ run_job() {
   local t0=$SECONDS job
   job="$(cd "$DIR/job" &&
     env "$@" ZS_ZEROSHARDD="$ZEROSHARDD" ZS_ZSCTL="$ZSCTL" ZS_PORT="$port" \
-      ZS_MEMORY_INTERVAL=0.5 ZS_STOP_TIMEOUT=20 ZS_RUN_DIR="${RUN_DIR:-$DIR/run-$name}" \
+      ZS_MEMORY_INTERVAL=0.2 ZS_STOP_TIMEOUT=20 ZS_RUN_DIR="${RUN_DIR:-$DIR/run-$name}" \
       ZS_DAEMON_ARGS="--memory_limit=1G" SLURM_CONF="$CONF" \
       sbatch --parsable --job-name="$name" --nodes=1 --ntasks=2 --time=5 --output="$OUT" \
-      "$SCRIPT" "$GPT_TRAIN" --stage=3 --steps=150 --layers=2 --width=32 --heads=4 \
+      "$SCRIPT" "$GPT_TRAIN" --stage=3 --steps=400 --layers=2 --width=32 --heads=4 \
       --seq_len=16 --batch=8 --threads=1 --transport=stream --progress=lines --report=false)" ||
     zs_fail "$name: sbatch did not take the job"
   log "$name: submitted job $job"
@@ -230,7 +230,7 @@ run_job() {
     grep -q "$1" "$OUT" || zs_fail "$name: $2"
   }
   expect "^zeroshard.sbatch: [0-9:]* job $JOB_ID: 1 daemon(s) " "no job line"
-  expect "^0: step 150/150 loss " "rank 0 did not report step 150/150"
+  expect "^0: step 400/400 loss " "rank 0 did not report step 400/400"
   expect "^zeroshard.sbatch: [0-9:]* trainers exited with code 0$" "the trainers did not exit 0"
   expect "^0: zeroshardd: job $JOB_ID registered: stage 3, N_d 2" "no daemon log in the output"
   expect "^==== zsctl memory: job $JOB_ID while it trained" "no memory report of the job"
