@@ -18,6 +18,7 @@ import torch
 import stage3_common as sc
 import zeroshard
 from binaries import running_daemons
+from client_checks import refuse_whole_model_gather
 from zeroshard.torch import GradScaler, shard_model
 
 STEPS = 16
@@ -115,26 +116,12 @@ def _config(daemons, job, **extra):
                 loss_scale=LOSS_SCALE, **extra)
 
 
-class _NoWholeModelGather:
-    """The client, except that gather_all (a buffer for the whole model's
-    fp32 masters) is refused: stages 1-2 load layer by layer."""
-
-    def __init__(self, client):
-        self._client = client
-
-    def gather_all(self, out):
-        raise AssertionError("stages 1-2 loaded the whole model's masters at once")
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
-
-
 @pytest.mark.parametrize("stage", [2, 3])
 def test_fp16_dynamic_loss_scale_matches_reference(daemons, stage):
     model = shard_model(Net(), _config(daemons, f"loss-scale-{stage}"), stage=stage,
                         lr=LR, betas=sc.BETAS, eps=sc.EPS, weight_decay=0.01)
     if stage < 3:
-        model._engine.client = _NoWholeModelGather(model._engine.client)
+        refuse_whole_model_gather(model)
     scaler = GradScaler(model)
     x, y = _data()
     dtype = torch.float16 if stage == 3 else torch.float32

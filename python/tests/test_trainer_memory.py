@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from binaries import running_daemons
+from client_checks import refuse_whole_model_gather
 from zeroshard.torch import ShardedOptimizer, shard_model
 
 BUCKET_BYTES = 64 << 10
@@ -37,20 +38,6 @@ def _net(width):
 def _config(daemons, job, precision="fp32"):
     return dict(daemons=daemons, job_id=job, rank=0, world_size=1, precision=precision,
                 bucket_bytes=BUCKET_BYTES, rpc_timeout=30.0, step_timeout=60.0)
-
-
-class _NoWholeModelGather:
-    """The client, except that gather_all (a buffer for the whole model's
-    fp32 masters) is refused: stages 1-2 load layer by layer."""
-
-    def __init__(self, client):
-        self._client = client
-
-    def gather_all(self, out):
-        raise AssertionError("the load gathered the whole model's masters at once")
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
 
 
 def _storage(t):
@@ -118,7 +105,7 @@ def test_stage12_trainer_holds_model_and_a_constant_pool(daemons, stage, precisi
                             _config(daemons, f"memory-{stage}-{width}-{precision}", precision),
                             stage=stage, lr=1e-3)
         if precision != "fp32":
-            model._engine.client = _NoWholeModelGather(model._engine.client)
+            refuse_whole_model_gather(model)
         try:
             params = list(model.module.parameters())
             param_bytes = sum(p.numel() * p.element_size() for p in params)
