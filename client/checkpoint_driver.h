@@ -29,6 +29,10 @@ struct CheckpointStarted {
   uint64_t step = 0;
   uint64_t bytes = 0;              // over all daemons
   double snapshot_seconds = 0;     // the slowest daemon's snapshot
+  // Client::SaveCheckpoint: the failure of the save before this one, which
+  // did not complete (its message names it); OK when it did, or there was
+  // none.
+  absl::Status previous;
 };
 
 // What LoadLatestVerified loaded, and the newer checkpoints it passed over.

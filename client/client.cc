@@ -880,21 +880,41 @@ absl::StatusOr<CheckpointStarted> Client::SaveCheckpoint(const std::string& name
   if (!registered()) return absl::FailedPreconditionError("SaveCheckpoint before RegisterModel");
   RETURN_IF_ERROR(ValidateCheckpointName(name, false));
   if (checkpoint_finisher_.joinable()) {
-    absl::StatusOr<CheckpointCompleted> previous = AwaitCheckpoint();
-    if (!previous.ok()) {
-      return absl::Status(previous.status().code(),
-                          absl::StrCat("the previous checkpoint \"", checkpoint_pending_,
-                                       "\" failed: ", previous.status().message()));
+    // A save already waited for in vain is not waited for again: each save
+    // until it completes is refused at once.
+    if (!checkpoint_finished_->WaitForNotificationWithTimeout(
+            checkpoint_waited_ ? absl::ZeroDuration() : config_.checkpoint_wait)) {
+      checkpoint_waited_ = true;
+      return absl::UnavailableError(absl::StrCat(
+          "checkpoint \"", name, "\" was not started: the previous one, \"", checkpoint_pending_,
+          "\", started ", absl::ToInt64Seconds(absl::Now() - checkpoint_started_),
+          " s ago, is not yet written on every daemon (a daemon's checkpoint disk is hung or "
+          "slow); training goes on, and every save is refused at once until it is "
+          "(ClientConfig::checkpoint_wait)"));
+    }
+  }
+  absl::Status previous;
+  if (checkpoint_finisher_.joinable()) {
+    absl::StatusOr<CheckpointCompleted> completed = AwaitCheckpoint();
+    if (!completed.ok()) {
+      previous = absl::Status(completed.status().code(),
+                              absl::StrCat("checkpoint \"", checkpoint_pending_,
+                                           "\" did not complete: ", completed.status().message()));
     }
   }
   ASSIGN_OR_RETURN(CheckpointStarted started,
                    checkpoints_->Start(name, step_.load(), RpcDeadline()));
+  started.previous = std::move(previous);
   checkpoint_pending_ = name;
   checkpoint_result_.reset();
   const absl::Time deadline = absl::Now() + config_.step_timeout;
-  checkpoint_finisher_ = std::thread([this, name, deadline] {
+  checkpoint_started_ = absl::Now();
+  checkpoint_waited_ = false;
+  checkpoint_finished_ = std::make_shared<absl::Notification>();
+  checkpoint_finisher_ = std::thread([this, name, deadline, finished = checkpoint_finished_] {
     // Only this thread writes the result until the training thread joins it.
     checkpoint_result_ = checkpoints_->Finish(name, deadline);
+    finished->Notify();
   });
   return started;
 }

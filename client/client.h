@@ -55,6 +55,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/activation_store.h"
@@ -99,6 +100,11 @@ struct ClientConfig : JobSettings {
   float max_grad_norm = 0.0f;  // 0: no clipping (the leader's applies)
   absl::Duration rpc_timeout = absl::Seconds(60);
   absl::Duration step_timeout = absl::Minutes(5);
+  // How long SaveCheckpoint waits for the previous save to complete (its
+  // parts written on every daemon). Past it the new save is not started:
+  // Unavailable, and training goes on, so that a hung or far too slow
+  // checkpoint disk stalls a step by at most this long.
+  absl::Duration checkpoint_wait = absl::Seconds(10);
   // Liveness: every this often the client tells each daemon the rank is
   // alive (from RegisterModel until Leave or destruction). 0 disables it
   // (the daemons then count the rank connected only while it pushes).
@@ -370,8 +376,11 @@ class Client {
   // background, and a background thread of the client completes the
   // checkpoint (the job manifest) once every part is on disk; the next step
   // may run meanwhile. Blocks for the snapshots (the training stall) and up
-  // to step_timeout for a previous save. InvalidArgument for a bad name;
-  // the daemons' errors pass through (FailedPrecondition without
+  // to checkpoint_wait for a previous save. InvalidArgument for a bad name;
+  // Unavailable, nothing started, while the previous save is not complete
+  // after checkpoint_wait or a daemon's checkpoint disk does not answer
+  // (its --disk_timeout_seconds); a previous save that failed is reported
+  // in CheckpointStarted::previous; the daemons' errors pass through (FailedPrecondition without
   // --checkpoint_dir, ResourceExhausted when the snapshot does not fit).
   absl::StatusOr<CheckpointStarted> SaveCheckpoint(const std::string& name);
   // Waits (up to step_timeout) for the last save to complete; its result.
@@ -531,6 +540,10 @@ class Client {
   std::vector<std::string> resume_skipped_;
   // The background completion of the last save (training thread only).
   std::thread checkpoint_finisher_;
+  // Notified by checkpoint_finisher_ as it ends; when it started.
+  std::shared_ptr<absl::Notification> checkpoint_finished_;
+  absl::Time checkpoint_started_;
+  bool checkpoint_waited_ = false;  // a save timed out waiting for it
   std::optional<absl::StatusOr<CheckpointCompleted>> checkpoint_result_;
   std::string checkpoint_pending_;  // name of the save being completed
 

@@ -145,6 +145,9 @@ ABSL_FLAG(double, liveness_timeout_s, 4,
           "replicated job fails over from it (0: off; else at least 2).");
 ABSL_FLAG(double, step_timeout_s, 300,
           "Seconds a wait on the other ranks may take (a step's barrier, the start-up barrier).");
+ABSL_FLAG(double, checkpoint_wait_s, 10,
+          "Seconds a checkpoint save waits for the previous one to complete; past it the save "
+          "is skipped (reported) and training goes on.");
 ABSL_FLAG(int, kill_at_step, 0,
           "Failure drill: in this step, the rank named by --kill_rank kills its own process "
           "(SIGKILL) once half of its layers' gradients are pushed; only in a process that was "
@@ -217,6 +220,7 @@ void CheckpointLine(const StepReport& r, bool midline) {
   if (midline) std::printf("\n");
   if (r.checkpoint->ok()) {
     const CheckpointStarted& c = **r.checkpoint;
+    if (!c.previous.ok()) std::printf("%s\n", c.previous.ToString().c_str());
     std::printf("checkpoint %s: step %llu, %s, snapshot %.3g ms\n", c.name.c_str(),
                 static_cast<unsigned long long>(c.step),
                 FormatBytes(static_cast<double>(c.bytes)).c_str(), c.snapshot_seconds * 1e3);
@@ -379,6 +383,7 @@ int Main() {
   o.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
   o.liveness_timeout = absl::Seconds(absl::GetFlag(FLAGS_liveness_timeout_s));
   o.step_timeout = absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s));
+  o.checkpoint_wait = absl::Seconds(absl::GetFlag(FLAGS_checkpoint_wait_s));
   o.replicas = static_cast<uint32_t>(std::max(absl::GetFlag(FLAGS_replicas), 0));
   o.reconnects = absl::GetFlag(FLAGS_reconnects) >= 0 ? absl::GetFlag(FLAGS_reconnects)
                  : o.replicas > 1                     ? 8

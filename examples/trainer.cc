@@ -126,6 +126,7 @@ ClientConfig MakeClientConfig(const TrainOptions& o) {
   c.rpc_timeout = o.rpc_timeout;
   c.liveness_timeout = o.liveness_timeout;
   c.step_timeout = o.step_timeout;
+  c.checkpoint_wait = o.checkpoint_wait;
   c.replicas = o.replicas;
   c.node_cache = o.node_cache;
   c.local_daemon = o.local_daemon;
@@ -487,11 +488,15 @@ absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known
     std::optional<absl::StatusOr<CheckpointStarted>> saving;
     if (saves && step % o.checkpoint_every == 0) {
       // Blocks for the daemons' snapshots (and for the previous save to
-      // complete); the write goes on during the next steps.
+      // complete, up to ClientConfig::checkpoint_wait); the write goes on
+      // during the next steps. A save a hung or slow checkpoint disk keeps
+      // from starting or completing (Unavailable) is reported with the
+      // step, and training goes on.
       saving = client->SaveCheckpoint(absl::StrCat("step-", step));
       if (saving->ok()) {
         saved = true;
-      } else if (!absl::IsAlreadyExists(saving->status())) {
+      } else if (!absl::IsAlreadyExists(saving->status()) &&
+                 !absl::IsUnavailable(saving->status())) {
         return saving->status();
       }
     }

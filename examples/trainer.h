@@ -64,8 +64,11 @@ struct TrainOptions {
   // committed steps rank 0 saves checkpoint "step-<k>" (k the committed
   // step); 0: never. The last save is awaited before the rank leaves. A
   // save that fails ends the training with its error, except AlreadyExists
-  // (StepReport::checkpoint).
+  // and Unavailable (a hung or slow checkpoint disk), which are reported
+  // (StepReport::checkpoint) and training goes on.
   int checkpoint_every = 0;
+  // ClientConfig.checkpoint_wait.
+  absl::Duration checkpoint_wait = absl::Seconds(10);
   // Stage 3: where each layer's activation checkpoint (its input) lives
   // between the forward pass and the layer's recomputation in backward
   // (examples/activation_store.h):

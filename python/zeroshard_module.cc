@@ -856,6 +856,8 @@ class PyClient {
     d["step"] = r.step;
     d["bytes"] = r.bytes;
     d["snapshot_seconds"] = r.snapshot_seconds;
+    // Why the save before this one did not complete; empty when it did.
+    d["previous_error"] = r.previous.ok() ? std::string() : r.previous.ToString();
     return d;
   }
 
@@ -1212,10 +1214,13 @@ PYBIND11_MODULE(_zeroshard, m) {
            "same order when the trainer collective gathers parameters.")
       .def("save_checkpoint", &PyClient::SaveCheckpoint, py::arg("name"),
            "Saves the committed state under `name` (one rank, between steps; the daemons "
-           "need --checkpoint_dir). Waits for this client's previous save to complete, then "
-           "returns once every daemon holds its snapshot: dict(name, step, bytes, "
-           "snapshot_seconds). The daemons write in the background and the client completes "
-           "the checkpoint when every part is on disk; training may go on meanwhile.")
+           "need --checkpoint_dir). Waits (up to ClientConfig.checkpoint_wait, 10 s) for this "
+           "client's previous save to complete, then returns once every daemon holds its "
+           "snapshot: dict(name, step, bytes, snapshot_seconds, previous_error: why the "
+           "previous save did not complete, or empty). The daemons write in the background and "
+           "the client completes the checkpoint when every part is on disk; training may go on "
+           "meanwhile. Raises UNAVAILABLE, nothing saved, while the previous save is not "
+           "complete or a daemon's checkpoint disk does not answer: training may go on.")
       .def("await_checkpoint", &PyClient::AwaitCheckpoint,
            "Waits (up to step_timeout) for the last save to complete: dict(name, step, bytes, "
            "write_seconds). Raises FAILED_PRECONDITION if there was none.")

@@ -124,6 +124,9 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
     return absl::InvalidArgumentError("--join_timeout_seconds: must be >= 0 (0: never)");
   }
   RETURN_IF_ERROR(ValidateLivenessTimeout(o.liveness_timeout, "--liveness_timeout_seconds"));
+  if (o.disk_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--disk_timeout_seconds: must be > 0");
+  }
   if (o.job_idle_timeout < absl::ZeroDuration() ||
       (o.job_idle_timeout > absl::ZeroDuration() && o.job_idle_timeout <= o.rank_timeout)) {
     return absl::InvalidArgumentError(
@@ -447,6 +450,13 @@ void Daemon::StartServices(const std::string& bulk_error) {
   ctx.bulk = transport_.get();
   ctx.bulk_error = bulk_error;
   ctx.checkpoint_dir = options.checkpoint_dir;
+  if (!options.checkpoint_dir.empty()) {
+    checkpoint_disk_ = std::make_unique<DiskWorker>(
+        absl::StrCat("--checkpoint_dir ", options.checkpoint_dir),
+        absl::StrCat("--disk_timeout_seconds=", absl::ToDoubleSeconds(options.disk_timeout)),
+        options.disk_timeout);
+    ctx.checkpoint_disk = checkpoint_disk_.get();
+  }
   ctx.max_checkpoint_bytes_per_identity = options.max_checkpoint_bytes_per_identity;
   ctx.activations = activations_.get();
   ctx.arena_tenancy = &arena_tenancy_;

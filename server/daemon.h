@@ -19,6 +19,7 @@
 #include "server/activation/activation_metrics.h"
 #include "server/activation/activation_store.h"
 #include "server/activation/arena_tenancy.h"
+#include "server/disk/disk_worker.h"
 #include "server/disk/instance_directory.h"
 #include "server/metrics/daemon_metrics.h"
 #include "server/job/job_manager.h"
@@ -104,6 +105,13 @@ struct DaemonOptions {
   // Checkpoint RPCs are refused. Resharding a checkpoint across daemons
   // needs every part readable here: a shared filesystem, or copies.
   std::string checkpoint_dir;
+  // The longest a request handler waits for a call on checkpoint_dir (an
+  // owner file, the quota walk, a listing, a manifest): past it the request
+  // is answered UNAVAILABLE naming the directory, and while that call has
+  // not returned every other is refused at once, so a hung disk stalls a
+  // save for at most this long and holds no handler thread
+  // (--disk_timeout_seconds; > 0).
+  absl::Duration disk_timeout = absl::Seconds(10);
   // Activation checkpoints (the Activation service): an arena of this many
   // bytes, allocated and booked in the ledger at start (through the bulk
   // transport when there is one). 0: no arena, and the Activation RPCs are
@@ -282,6 +290,9 @@ class Daemon {
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<StreamWatchdog> stream_watchdog_;  // null: no stream idle timeout
   std::unique_ptr<CallerCalls> caller_calls_;         // outlives server_
+  // Null without --checkpoint_dir. A call stuck on a hung disk at shutdown
+  // is left to finish when the disk answers (the process is ending).
+  std::unique_ptr<DiskWorker> checkpoint_disk_;
   std::unique_ptr<ServiceContext> context_;
   std::unique_ptr<ControlService> control_;
   std::unique_ptr<ShardService> shard_;

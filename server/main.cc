@@ -112,6 +112,12 @@ ABSL_FLAG(int, liveness_timeout_seconds, 4,
           "ping for this many seconds counts as gone: the calls in flight to it fail, and a "
           "primary goes on with one copy and calls its backup again only once it answers a "
           "probe. Trainers find a silent daemon the same way (4 s). 0: off; else at least 2.");
+ABSL_FLAG(int, disk_timeout_seconds, 10,
+          "The longest a request waits for a call on --checkpoint_dir (an owner file, the quota "
+          "walk, a listing, a manifest): past it the request is answered UNAVAILABLE and, until "
+          "that call returns, every other is refused at once, so a hung disk stalls a "
+          "checkpoint save for at most this long. Writes of checkpoint data go on in the "
+          "background whatever their length.");
 ABSL_FLAG(int, job_idle_timeout_seconds, 3600,
           "A job whose ranks have all been silent (no heartbeat, no request) for this many "
           "seconds is removed with its memory, so a crashed run's state stays for the time a "
@@ -261,6 +267,7 @@ int main(int argc, char** argv) {
   options.bulk_listen = absl::GetFlag(FLAGS_bulk_listen_address);
   options.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  options.disk_timeout = absl::Seconds(absl::GetFlag(FLAGS_disk_timeout_seconds));
   options.activation_arena_bytes = absl::GetFlag(FLAGS_activation_arena_bytes);
   options.spill_dir = absl::GetFlag(FLAGS_spill_dir);
   options.spill_bytes = absl::GetFlag(FLAGS_spill_bytes);

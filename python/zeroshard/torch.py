@@ -892,11 +892,15 @@ class ShardedModel(torch.nn.Module):
         """Saves the daemons' committed state (fp32 masters, moments, step
         counts, loss scale) with this rank's buffers under `name`. Call it
         on one rank (rank 0) after a step; the daemons need
-        --checkpoint_dir. Waits for the previous save to complete, then
-        returns once every daemon holds its snapshot: dict(name, step,
-        bytes, snapshot_seconds); the files are written in the background
-        (`await_checkpoint()` waits). The LR scheduler and the data position
-        are the caller's to save."""
+        --checkpoint_dir. Waits (up to 10 s) for the previous save to
+        complete, then returns once every daemon holds its snapshot:
+        dict(name, step, bytes, snapshot_seconds, previous_error: why the
+        previous save did not complete, or ""); the files are written in
+        the background (`await_checkpoint()` waits). Raises zeroshard.Error
+        with code UNAVAILABLE, nothing saved, while the previous save is not
+        complete or a daemon's checkpoint disk does not answer (a hung or
+        slow disk): training may go on. The LR scheduler and the data
+        position are the caller's to save."""
         return self._engine.save_checkpoint(name)
 
     def await_checkpoint(self):

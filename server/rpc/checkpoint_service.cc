@@ -4,6 +4,7 @@
 #include "common/checkpoint_files.h"
 #include "common/job_id.h"
 #include "common/protocol.h"
+#include "common/status_macros.h"
 #include "server/rpc/job_wire.h"
 #include "server/rpc/services.h"
 
@@ -36,8 +37,7 @@ grpc::Status CheckpointService::SaveCheckpoint(grpc::ServerContext* call,
                                                v1::SaveCheckpointResponse* resp) {
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
-  if (absl::Status s = ctx_->ClaimFiles(**job); !s.ok()) return ctx_->Done(__func__, s);
-  if (absl::Status s = ctx_->CheckCheckpointQuota(**job); !s.ok()) return ctx_->Done(__func__, s);
+  if (absl::Status s = ctx_->PrepareSave(**job); !s.ok()) return ctx_->Done(__func__, s);
   absl::StatusOr<CheckpointSaved> r = (*job)->SaveCheckpoint(req->name(), req->step());
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   ToWire(*r, resp);
@@ -74,8 +74,13 @@ grpc::Status CheckpointService::CompleteCheckpoint(grpc::ServerContext* call,
                                                    v1::CompleteCheckpointResponse* resp) {
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
-  absl::StatusOr<uint64_t> r = (*job)->CompleteCheckpoint(
-      req->name(), std::vector<v1::PartManifest>(req->parts().begin(), req->parts().end()));
+  // Reads this daemon's part manifest and writes MANIFEST: on the disk
+  // worker, which holds the job until it is done.
+  absl::StatusOr<uint64_t> r = ctx_->OnCheckpointDisk<uint64_t>(
+      [job = *job, name = req->name(),
+       parts = std::vector<v1::PartManifest>(req->parts().begin(), req->parts().end())] {
+        return job->CompleteCheckpoint(name, parts);
+      });
   if (!r.ok()) return ctx_->Done(__func__, r.status());
   resp->set_step(*r);
   Log(absl::StrCat("job ", req->job_id(), " checkpoint ", req->name(), " of step ", resp->step(),
@@ -107,10 +112,19 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext* call,
   if (s.ok()) s = ctx_->AuthorizeJobFiles(*call, req->job_id());
   if (s.ok()) s = CheckpointDirSet(*ctx_);
   if (!s.ok()) return ctx_->Done(__func__, s);
-  absl::StatusOr<std::vector<v1::CheckpointManifest>> all =
-      ListCompleteCheckpoints(ctx_->checkpoint_dir, req->job_id());
-  if (!all.ok()) return ctx_->Done(__func__, all.status());
-  for (const v1::CheckpointManifest& m : *all) {
+  struct Listing {
+    std::vector<v1::CheckpointManifest> complete;
+    std::vector<PendingPart> pending;
+  };
+  absl::StatusOr<Listing> listed = ctx_->OnCheckpointDisk<Listing>(
+      [dir = ctx_->checkpoint_dir, id = req->job_id()]() -> absl::StatusOr<Listing> {
+        Listing l;
+        ASSIGN_OR_RETURN(l.complete, ListCompleteCheckpoints(dir, id));
+        ASSIGN_OR_RETURN(l.pending, ListPendingParts(dir, id));
+        return l;
+      });
+  if (!listed.ok()) return ctx_->Done(__func__, listed.status());
+  for (const v1::CheckpointManifest& m : listed->complete) {
     v1::CheckpointInfo* i = resp->add_checkpoints();
     i->set_name(m.name());
     i->set_step(m.state().committed_step());
@@ -124,10 +138,7 @@ grpc::Status CheckpointService::ListCheckpoints(grpc::ServerContext* call,
     i->set_bytes(bytes);
     i->set_completed_unix_ms(m.completed_unix_ms());
   }
-  absl::StatusOr<std::vector<PendingPart>> pending =
-      ListPendingParts(ctx_->checkpoint_dir, req->job_id());
-  if (!pending.ok()) return ctx_->Done(__func__, pending.status());
-  for (PendingPart& p : *pending) {
+  for (PendingPart& p : listed->pending) {
     v1::PendingCheckpointPart* out = resp->add_pending();
     out->set_name(std::move(p.name));
     *out->mutable_part() = std::move(p.part);
@@ -181,8 +192,7 @@ bool CheckpointService::SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job) {
         if (m.state().committed_step() == step) return done();
       }
     }
-    absl::Status s = ctx_->ClaimFiles(*job);
-    if (s.ok()) s = ctx_->CheckCheckpointQuota(*job);
+    absl::Status s = ctx_->PrepareSave(*job);
     if (s.ok()) s = job->SaveCheckpoint(name, step).status();
     if (s.ok()) {
       Log(absl::StrCat(what, " (step ", step, "): writing it before the job's removal"));

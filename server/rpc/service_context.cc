@@ -139,55 +139,99 @@ absl::Status ServiceContext::CheckFilesOwner(const std::string& job_id,
       "resume it, use that run's token (ZS_JOB_TOKEN), or choose another job id"));
 }
 
-absl::Status ServiceContext::ClaimFiles(const Job& job) const {
-  if (checkpoint_dir.empty()) return absl::OkStatus();
-  const std::string& id = job.config().job_id;
-  absl::StatusOr<std::string> owner = ReadCheckpointOwner(checkpoint_dir, id);
-  if (!owner.ok()) return owner.status();
-  if (owner->empty()) {
-    RETURN_IF_ERROR(WriteCheckpointOwner(checkpoint_dir, id, job.token().ToHex()));
-  } else {
-    const std::optional<TokenDigest> recorded = TokenDigest::FromHex(*owner);
-    if (!recorded.has_value() || !recorded->Matches(job.token())) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "job ", id, "'s checkpoints on this daemon were saved with another job token; this job "
-          "cannot save beside them (choose another job id)"));
+namespace {
+
+// What a save's checks of the checkpoint directory need, by value: they may
+// run on the disk worker after the handler stopped waiting for them.
+struct SaveClaim {
+  std::string dir;
+  std::string job_id;
+  TokenDigest token;
+  // The job's registrant; nullopt when it is no longer registered.
+  std::optional<JobManager::Registrant> registrant;
+  uint64_t checkpoint_bytes = 0;  // of one save of the job on this daemon
+  uint64_t quota = 0;             // 0: no bound
+
+  // ServiceContext::ClaimFiles.
+  absl::Status ClaimFiles() const {
+    if (dir.empty()) return absl::OkStatus();
+    absl::StatusOr<std::string> owner = ReadCheckpointOwner(dir, job_id);
+    if (!owner.ok()) return owner.status();
+    if (owner->empty()) {
+      RETURN_IF_ERROR(WriteCheckpointOwner(dir, job_id, token.ToHex()));
+    } else {
+      const std::optional<TokenDigest> recorded = TokenDigest::FromHex(*owner);
+      if (!recorded.has_value() || !recorded->Matches(token)) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "job ", job_id, "'s checkpoints on this daemon were saved with another job token; "
+            "this job cannot save beside them (choose another job id)"));
+      }
     }
+    if (!registrant.has_value() || registrant->exempt || registrant->identity.empty()) {
+      return absl::OkStatus();
+    }
+    absl::StatusOr<std::string> identity = ReadCheckpointIdentity(dir, job_id);
+    if (!identity.ok()) return identity.status();
+    if (!identity->empty()) return absl::OkStatus();
+    return WriteCheckpointIdentity(dir, job_id, registrant->identity);
   }
-  absl::StatusOr<JobManager::Registrant> registrant = jobs->RegisteredBy(id);
-  if (!registrant.ok() || registrant->exempt || registrant->identity.empty()) {
+
+  // ServiceContext::CheckCheckpointQuota.
+  absl::Status CheckQuota() const {
+    if (dir.empty() || quota == 0) return absl::OkStatus();
+    absl::StatusOr<std::string> identity = ReadCheckpointIdentity(dir, job_id);
+    if (!identity.ok()) return identity.status();
+    if (identity->empty()) {
+      if (!registrant.has_value() || registrant->exempt) return absl::OkStatus();
+      *identity = registrant->identity;
+    }
+    absl::StatusOr<uint64_t> used = CheckpointBytesOfIdentity(dir, *identity);
+    if (!used.ok()) return used.status();
+    if (checkpoint_bytes > quota || *used > quota - checkpoint_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job ", job_id, ": a checkpoint of ", FormatBytes(checkpoint_bytes),
+          " would take the checkpoints of ", *identity, " on this daemon to ",
+          FormatBytes(*used + checkpoint_bytes), ", past its ",
+          "--max_checkpoint_bytes_per_identity of ", FormatBytes(quota),
+          "; nothing was saved: have the daemon's operator remove old checkpoints of its jobs "
+          "from --checkpoint_dir"));
+    }
     return absl::OkStatus();
   }
-  absl::StatusOr<std::string> identity = ReadCheckpointIdentity(checkpoint_dir, id);
-  if (!identity.ok()) return identity.status();
-  if (!identity->empty()) return absl::OkStatus();
-  return WriteCheckpointIdentity(checkpoint_dir, id, registrant->identity);
+};
+
+SaveClaim SaveClaimOf(const ServiceContext& ctx, const Job& job) {
+  SaveClaim c;
+  c.dir = ctx.checkpoint_dir;
+  c.job_id = job.config().job_id;
+  c.token = job.token();
+  absl::StatusOr<JobManager::Registrant> registrant = ctx.jobs->RegisteredBy(c.job_id);
+  if (registrant.ok()) c.registrant = *std::move(registrant);
+  c.checkpoint_bytes =
+      job.owned_unpadded().size() * sizeof(float) * ArrayFilesOf(job.spec()).size();
+  c.quota = ctx.max_checkpoint_bytes_per_identity;
+  return c;
+}
+
+}  // namespace
+
+absl::Status ServiceContext::ClaimFiles(const Job& job) const {
+  return SaveClaimOf(*this, job).ClaimFiles();
 }
 
 absl::Status ServiceContext::CheckCheckpointQuota(const Job& job) const {
-  if (checkpoint_dir.empty() || max_checkpoint_bytes_per_identity == 0) return absl::OkStatus();
-  const std::string& id = job.config().job_id;
-  absl::StatusOr<std::string> identity = ReadCheckpointIdentity(checkpoint_dir, id);
-  if (!identity.ok()) return identity.status();
-  if (identity->empty()) {
-    absl::StatusOr<JobManager::Registrant> registrant = jobs->RegisteredBy(id);
-    if (!registrant.ok() || registrant->exempt) return absl::OkStatus();
-    *identity = registrant->identity;
-  }
-  absl::StatusOr<uint64_t> used = CheckpointBytesOfIdentity(checkpoint_dir, *identity);
-  if (!used.ok()) return used.status();
-  const uint64_t bytes =
-      job.owned_unpadded().size() * sizeof(float) * ArrayFilesOf(job.spec()).size();
-  const uint64_t quota = max_checkpoint_bytes_per_identity;
-  if (bytes > quota || *used > quota - bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "job ", id, ": a checkpoint of ", FormatBytes(bytes), " would take the checkpoints of ",
-        *identity, " on this daemon to ", FormatBytes(*used + bytes), ", past its ",
-        "--max_checkpoint_bytes_per_identity of ", FormatBytes(quota),
-        "; nothing was saved: have the daemon's operator remove old checkpoints of its jobs "
-        "from --checkpoint_dir"));
-  }
-  return absl::OkStatus();
+  return SaveClaimOf(*this, job).CheckQuota();
+}
+
+absl::Status ServiceContext::PrepareSave(const Job& job) const {
+  if (checkpoint_dir.empty()) return absl::OkStatus();
+  const SaveClaim claim = SaveClaimOf(*this, job);
+  return OnCheckpointDisk<bool>([claim]() -> absl::StatusOr<bool> {
+           RETURN_IF_ERROR(claim.ClaimFiles());
+           RETURN_IF_ERROR(claim.CheckQuota());
+           return true;
+         })
+      .status();
 }
 
 absl::Status ServiceContext::CheckStreamCaller(const grpc::ServerContext& call,

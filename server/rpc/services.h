@@ -8,6 +8,7 @@
 // and none holds a lock that another job's requests need.
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -28,6 +29,7 @@
 #include "server/activation/activation_metrics.h"
 #include "server/activation/activation_store.h"
 #include "server/activation/arena_tenancy.h"
+#include "server/disk/disk_worker.h"
 #include "server/metrics/daemon_metrics.h"
 #include "server/job/job_manager.h"
 #include "server/ledger/memory_ledger.h"
@@ -48,6 +50,12 @@ struct ServiceContext {
   transport::Transport* bulk = nullptr;  // null: no bulk data path
   std::string bulk_error;                // why bulk is null
   std::string checkpoint_dir;            // empty: checkpoints are refused
+  // Runs the handlers' short calls on checkpoint_dir (owner files, the
+  // quota walk, listings, manifests), so that a hung disk holds its thread
+  // and answers every handler within --disk_timeout_seconds
+  // (server/disk/disk_worker.h). Null: on the handler's thread (services
+  // built without a daemon).
+  DiskWorker* checkpoint_disk = nullptr;
   ActivationStore* activations = nullptr;  // null: --activation_arena_bytes=0
   ArenaTenancy* arena_tenancy = nullptr;    // with `activations`
   ActivationMetrics* activation_metrics = nullptr;
@@ -120,6 +128,16 @@ struct ServiceContext {
   // in them, else its registrant's) past
   // max_checkpoint_bytes_per_identity. Walks the checkpoint directory.
   absl::Status CheckCheckpointQuota(const Job& job) const;
+  // Before `job` saves: ClaimFiles, then CheckCheckpointQuota, on
+  // checkpoint_disk (Unavailable when its disk does not answer in time).
+  absl::Status PrepareSave(const Job& job) const;
+  // Runs `fn` on checkpoint_disk (on this thread without one). `fn` must
+  // own what it uses: after a timeout it may still run, with nobody waiting.
+  template <typename T>
+  absl::StatusOr<T> OnCheckpointDisk(std::function<absl::StatusOr<T>()> fn) const {
+    if (checkpoint_disk == nullptr) return fn();
+    return checkpoint_disk->Call<T>(std::move(fn));
+  }
   // Whether the caller may create a job: always without a registration
   // token; with one, when it presented it (kRegistrationMetadataKey) or its
   // bearer token `caller` is the admin's.

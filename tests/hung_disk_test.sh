@@ -1,0 +1,257 @@
+#!/bin/bash
+# A daemon's checkpoint disk that stops answering stalls training for at
+# most the configured waits, not for as long as it hangs, and the job ends
+# with the parameters, bit for bit, of the same job undisturbed.
+#
+# Two zeroshardd on loopback; daemon 1's --checkpoint_dir is on an ext4
+# filesystem of its own (a loop mount of a file, in a private mount
+# namespace), which `fsfreeze -f` makes hang: every write to it blocks until
+# `fsfreeze -u`, as under a failing drive or a lost NFS server. Two
+# gpt_train ranks train a small GPT at ZeRO stage 3 for $STEPS steps over
+# the streaming RPCs, rank 0 saving a checkpoint every $EVERY steps, with
+# --disk_timeout_seconds=$DISK_TIMEOUT_S on the daemons and
+# --checkpoint_wait_s=$WAIT_S on the trainers:
+#   clean   nothing disturbed: the parameters to match, the step gaps.
+#   write   daemon 1's disk frozen for $FREEZE_S s once rank 0 passed step
+#           $FREEZE_AFTER (the job's first save claimed its files there):
+#           the next save's part hangs in its write. The save after it
+#           waits $WAIT_S s for it, then is skipped (UNAVAILABLE), and every
+#           later one at once until the disk answers and the part completes.
+#   first   another job (its first save must write the job's owner file on
+#           daemon 1's disk) with the disk frozen from the start for
+#           $FREEZE_S s: that save is answered UNAVAILABLE after
+#           $DISK_TIMEOUT_S s (the daemon's call on its disk timed out) and
+#           the next ones at once, until the disk answers.
+# Checked: every rank exits 0, rank 0's --dump_params equals clean's, the
+# longest wall-clock gap between two of rank 0's steps stays under half the
+# freeze (before daemons bounded their disk calls it was the whole freeze),
+# the skipped saves say why, and each run's last checkpoint completes.
+# Printed per run: the longest step gap beside clean's, the skipped saves,
+# and daemon 1's lines about its disk.
+#
+# Needs root (mount, fsfreeze) and mkfs.ext4; where any is missing or
+# refused, the test says so and passes without running.
+#
+# Usage: hung_disk_test.sh ZEROSHARDD GPT_TRAIN (runfiles paths).
+set -u
+# zs_fail, zs_abspath, zs_kill_all.
+source "$(dirname "$0")/lib.sh"
+
+# mount, mkfs.ext4 and fsfreeze live in sbin, which bazel's test
+# environment leaves off PATH.
+PATH="$PATH:/usr/sbin:/sbin"
+
+log() { echo "[hung_disk_test] $*"; }
+
+skip() {
+  log "SKIPPED: $*"
+  exit 0
+}
+
+# The loop mount lives in a mount namespace of this test's own: it goes
+# with the test, whatever way the test ends.
+if [[ -z "${ZS_HUNG_DISK_NS:-}" ]]; then
+  (($(id -u) == 0)) || skip "needs root (mount, fsfreeze)"
+  for tool in unshare mount umount mkfs.ext4 fsfreeze; do
+    command -v "$tool" >/dev/null || skip "no $tool command here"
+  done
+  unshare --mount --propagation private true 2>/dev/null ||
+    skip "cannot make a mount namespace here"
+  ZS_HUNG_DISK_NS=1 exec unshare --mount --propagation private "$0" "$@"
+fi
+
+ZEROSHARDD="$(zs_abspath "$1")"
+GPT_TRAIN="$(zs_abspath "$2")"
+WORK="$(mktemp -d "${TEST_TMPDIR:-/tmp}/hung_disk.XXXXXX")"
+export ZS_JOB_TOKEN="hung-disk-test-job-token-0123"
+STEPS=1200
+EVERY=20
+FREEZE_AFTER=25
+FREEZE_S=10
+DISK_TIMEOUT_S=2
+WAIT_S=2
+# One run, at most.
+RUN_TIMEOUT_S=240
+TRAINER_FLAGS=(--stage=3 --steps="$STEPS" --checkpoint_every="$EVERY" --layers=4 --width=32
+  --heads=4 --seq_len=16 --batch=8 --transport=stream --threads=1 --report=false
+  --progress=lines --world_size=2 --checkpoint_wait_s="$WAIT_S")
+MNT="$WORK/mnt"
+FROZEN=0
+DAEMON_PIDS=()
+DAEMON_ADDRS=()
+RUN_PIDS=()
+
+cleanup() {
+  ((FROZEN)) && fsfreeze -u "$MNT" 2>/dev/null
+  zs_kill_all "${RUN_PIDS[@]}" "${DAEMON_PIDS[@]}"
+  umount "$MNT" 2>/dev/null
+}
+trap cleanup EXIT
+trap 'exit 143' TERM INT
+
+fail() { zs_fail "$@"; }
+
+truncate -s 512M "$WORK/disk.img" && mkfs.ext4 -q -F "$WORK/disk.img" >/dev/null 2>&1 ||
+  skip "mkfs.ext4 failed"
+mkdir -p "$MNT"
+mount -o loop "$WORK/disk.img" "$MNT" 2>"$WORK/mount.out" ||
+  skip "mount -o loop refused: $(cat "$WORK/mount.out")"
+# Whether this filesystem can be frozen at all.
+fsfreeze -f "$MNT" 2>"$WORK/freeze.out" || skip "fsfreeze refused: $(cat "$WORK/freeze.out")"
+fsfreeze -u "$MNT"
+
+# start_daemon I DIR: daemon I on loopback with --checkpoint_dir DIR; sets
+# DAEMON_PIDS[I] and DAEMON_ADDRS[I] once it printed its address (30 s).
+start_daemon() {
+  local i="$1" out="$WORK/daemon$1.log"
+  "$ZEROSHARDD" --listen=127.0.0.1:0 --bulk_transport= --checkpoint_dir="$2" \
+    --disk_timeout_seconds="$DISK_TIMEOUT_S" >"$out" 2>&1 &
+  DAEMON_PIDS[$i]=$!
+  local deadline=$((SECONDS + 30)) addr=""
+  while ((SECONDS < deadline)); do
+    addr="$(sed -n 's/^zeroshardd listening on //p' "$out" | head -n 1)"
+    if [[ -n "$addr" ]]; then
+      DAEMON_ADDRS[$i]="$addr"
+      return 0
+    fi
+    kill -0 "${DAEMON_PIDS[$i]}" 2>/dev/null || break
+    sleep 0.1
+  done
+  return 1
+}
+
+# stamp: each line of standard input after the wall clock in seconds.
+stamp() {
+  local line
+  while IFS= read -r line; do printf '%s %s\n' "$EPOCHREALTIME" "$line"; done
+}
+
+# start_run TAG: the 2-rank job hung-disk-TAG in the background; each rank's
+# output, every line stamped, to $WORK/TAG.rankR.log, ending with its exit
+# status ("exit=N"); rank 0 dumps the parameters to $WORK/TAG.f32.
+start_run() {
+  local tag="$1" r dump
+  for r in 0 1; do
+    dump=()
+    ((r == 0)) && dump=(--dump_params="$WORK/$tag.f32")
+    {
+      timeout -k 5 "$RUN_TIMEOUT_S" "$GPT_TRAIN" "${TRAINER_FLAGS[@]}" --rank="$r" \
+        --job_id="hung-disk-$tag" --daemons="${DAEMON_ADDRS[0]},${DAEMON_ADDRS[1]}" \
+        "${dump[@]}" 2>&1
+      echo "exit=$?"
+    } | stamp >"$WORK/$tag.rank$r.log" &
+    RUN_PIDS[$r]=$!
+  done
+}
+
+# last_step TAG: the last step rank 0 of run TAG reported; 0 if none yet.
+last_step() {
+  local s
+  s="$(sed -n 's|^[0-9.]* step \([0-9]*\)/.*|\1|p' "$WORK/$1.rank0.log" | tail -n 1)"
+  echo "${s:-0}"
+}
+
+# wait_for_step TAG S: until rank 0 of run TAG reported step S (60 s).
+wait_for_step() {
+  local deadline=$((SECONDS + 60))
+  until (($(last_step "$1") >= $2)); do
+    kill -0 "${RUN_PIDS[0]}" 2>/dev/null || fail "run $1 ended before step $2"
+    ((SECONDS < deadline)) || fail "run $1: rank 0 did not reach step $2"
+    sleep 0.05
+  done
+}
+
+# finish_run TAG: waits for run TAG; both ranks must exit 0, rank 0's
+# parameters equal clean's and its last checkpoint complete.
+finish_run() {
+  local tag="$1" r
+  for r in 0 1; do
+    wait "${RUN_PIDS[$r]}"
+    grep -q ' exit=0$' "$WORK/$tag.rank$r.log" ||
+      fail "run $tag: rank $r failed or ran past $RUN_TIMEOUT_S s"
+  done
+  RUN_PIDS=()
+  [[ -s "$WORK/$tag.f32" ]] || fail "run $tag wrote no parameters"
+  if [[ "$tag" != clean ]]; then
+    cmp -s "$WORK/clean.f32" "$WORK/$tag.f32" ||
+      fail "run $tag ended with other parameters than run clean"
+    log "run $tag: both ranks exited 0, parameters identical to run clean"
+  fi
+  grep -q " checkpoint step-$STEPS complete: " "$WORK/$tag.rank0.log" ||
+    fail "run $tag: its last checkpoint, step-$STEPS, did not complete"
+}
+
+# max_gap TAG: the longest wall-clock gap in seconds between two
+# consecutive steps rank 0 of run TAG reported.
+max_gap() {
+  awk '$2 == "step" { if (seen) { g = $1 - t; if (g > m) m = g } t = $1; seen = 1 }
+       END { printf "%.2f", m }' "$WORK/$1.rank0.log"
+}
+
+# check_gap TAG: prints TAG's longest step gap beside clean's; fails when it
+# is half the freeze or more.
+check_gap() {
+  local gap
+  gap="$(max_gap "$1")"
+  echo "run=$1 max_step_gap_s=$gap clean_max_step_gap_s=$(max_gap clean) freeze_s=$FREEZE_S" \
+    "disk_timeout_s=$DISK_TIMEOUT_S checkpoint_wait_s=$WAIT_S"
+  awk -v g="$gap" -v f="$FREEZE_S" 'BEGIN { exit !(g < f / 2) }' ||
+    fail "run $1: training stalled ${gap} s with the disk frozen for $FREEZE_S s"
+}
+
+# print_skipped TAG: how many saves rank 0 of run TAG skipped, and the
+# first two.
+print_skipped() {
+  log "run $1: $(grep -c ' not saved: ' "$WORK/$1.rank0.log") saves skipped; the first two:"
+  grep ' not saved: ' "$WORK/$1.rank0.log" | head -n 2 | cut -d' ' -f2- | cut -c1-400
+}
+
+# freeze_for S: daemon 1's disk frozen for S seconds, then thawed.
+freeze_for() {
+  fsfreeze -f "$MNT" || fail "fsfreeze -f failed"
+  FROZEN=1
+  log "daemon 1's checkpoint disk frozen"
+  sleep "$1"
+  fsfreeze -u "$MNT" || fail "fsfreeze -u failed"
+  FROZEN=0
+  log "daemon 1's checkpoint disk thawed after $1 s"
+}
+
+start_daemon 0 "$WORK/ckpt0" || fail "daemon 0 did not start"
+start_daemon 1 "$MNT/ckpt" || fail "daemon 1 did not start"
+log "daemons at ${DAEMON_ADDRS[0]} and ${DAEMON_ADDRS[1]} (its --checkpoint_dir on $MNT)"
+
+# ---- clean ----
+start_run clean
+finish_run clean
+log "run clean: $STEPS steps, parameters dumped"
+
+# ---- write: frozen while a part is written ----
+start_run write
+wait_for_step write "$FREEZE_AFTER"
+freeze_for "$FREEZE_S"
+finish_run write
+check_gap write
+grep -q 'was not started: the previous one' "$WORK/write.rank0.log" ||
+  fail "run write: no save was skipped while the disk was frozen"
+print_skipped write
+
+# ---- first: frozen before the job's first save ----
+fsfreeze -f "$MNT" || fail "fsfreeze -f failed"
+FROZEN=1
+log "daemon 1's checkpoint disk frozen"
+start_run first
+sleep "$FREEZE_S"
+fsfreeze -u "$MNT" || fail "fsfreeze -u failed"
+FROZEN=0
+log "daemon 1's checkpoint disk thawed after $FREEZE_S s"
+finish_run first
+check_gap first
+grep -q "did not answer within --disk_timeout_seconds=$DISK_TIMEOUT_S" \
+  "$WORK/first.rank0.log" || fail "run first: no save timed out on daemon 1's disk"
+grep -q "has not returned for" "$WORK/first.rank0.log" ||
+  fail "run first: no save was refused at once while daemon 1's disk hung"
+print_skipped first
+log "daemon 1 about its disk:"
+grep -- '--checkpoint_dir' "$WORK/daemon1.log" | cut -c1-300
+log "PASSED"
