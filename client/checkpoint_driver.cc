@@ -18,6 +18,9 @@
 namespace zeroshard {
 namespace {
 
+// Between CompleteCheckpoint calls to a daemon whose disk did not answer.
+constexpr absl::Duration kCompleteRetryWait = absl::Seconds(1);
+
 // Runs fn(d) for every daemon on its own thread; the first error by daemon
 // order. The calls are blocking RPCs with deadlines, so this ends.
 absl::Status ForEach(size_t n, const std::function<absl::Status(size_t)>& fn) {
@@ -118,11 +121,20 @@ absl::StatusOr<CheckpointCompleted> CheckpointDriver::Finish(const std::string& 
   complete.set_name(name);
   for (const auto& p : parts) *complete.add_parts() = p;
   RETURN_IF_ERROR(ForEach(stubs_.size(), [&](size_t d) -> absl::Status {
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, deadline);
-    v1::CompleteCheckpointResponse r;
-    const grpc::Status s = stubs_[d]->CompleteCheckpoint(&ctx, complete, &r);
-    return s.ok() ? absl::OkStatus() : DaemonError(s, addresses_[d], "CompleteCheckpoint");
+    // Idempotent: asked again while the daemon's disk does not answer
+    // (UNAVAILABLE), until the deadline.
+    for (;;) {
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, deadline);
+      v1::CompleteCheckpointResponse r;
+      const grpc::Status s = stubs_[d]->CompleteCheckpoint(&ctx, complete, &r);
+      if (s.ok()) return absl::OkStatus();
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE ||
+          absl::Now() + kCompleteRetryWait >= deadline) {
+        return DaemonError(s, addresses_[d], "CompleteCheckpoint");
+      }
+      absl::SleepFor(kCompleteRetryWait);
+    }
   }));
   CheckpointCompleted done;
   done.name = name;

@@ -902,9 +902,14 @@ absl::StatusOr<CheckpointStarted> Client::SaveCheckpoint(const std::string& name
                                            "\" did not complete: ", completed.status().message()));
     }
   }
-  ASSIGN_OR_RETURN(CheckpointStarted started,
-                   checkpoints_->Start(name, step_.load(), RpcDeadline()));
-  started.previous = std::move(previous);
+  absl::StatusOr<CheckpointStarted> started =
+      checkpoints_->Start(name, step_.load(), RpcDeadline());
+  if (!started.ok()) {
+    if (previous.ok()) return started.status();
+    return absl::Status(started.status().code(),
+                        absl::StrCat(started.status().message(), " (and ", previous.message(), ")"));
+  }
+  started->previous = std::move(previous);
   checkpoint_pending_ = name;
   checkpoint_result_.reset();
   const absl::Time deadline = absl::Now() + config_.step_timeout;

@@ -378,9 +378,11 @@ class Client {
   // may run meanwhile. Blocks for the snapshots (the training stall) and up
   // to checkpoint_wait for a previous save. InvalidArgument for a bad name;
   // Unavailable, nothing started, while the previous save is not complete
-  // after checkpoint_wait or a daemon's checkpoint disk does not answer
-  // (its --disk_timeout_seconds); a previous save that failed is reported
-  // in CheckpointStarted::previous; the daemons' errors pass through (FailedPrecondition without
+  // after checkpoint_wait; Unavailable when a daemon's checkpoint disk does
+  // not answer (its --disk_timeout_seconds: the other daemons may have
+  // written their parts of the save, which stay incomplete); a previous
+  // save that failed is reported in CheckpointStarted::previous (or in the
+  // error); the daemons' errors pass through (FailedPrecondition without
   // --checkpoint_dir, ResourceExhausted when the snapshot does not fit).
   absl::StatusOr<CheckpointStarted> SaveCheckpoint(const std::string& name);
   // Waits (up to step_timeout) for the last save to complete; its result.

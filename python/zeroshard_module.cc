@@ -123,6 +123,7 @@ py::dict ClientDefaults(const ClientConfig& c, const GlooCollective::Options& gl
   d["bucket_bytes"] = c.bucket_bytes;
   d["rpc_timeout"] = absl::ToDoubleSeconds(c.rpc_timeout);
   d["step_timeout"] = absl::ToDoubleSeconds(c.step_timeout);
+  d["checkpoint_wait"] = absl::ToDoubleSeconds(c.checkpoint_wait);
   d["replicas"] = c.replicas;
   d["reduction"] = ReductionName(c.reduction);
   d["collective_host"] = gloo.hostname;
@@ -589,7 +590,7 @@ class PyClient {
            const std::string& collective_kind, const py::object& param_groups,
            uint32_t micro_batches, bool insecure, const std::string& transport,
            const std::string& ucx_tls, const py::object& loss_scale, bool node_cache,
-           int local_daemon) {
+           int local_daemon, double checkpoint_wait) {
     ClientConfig c;
     c.node_cache = node_cache;      // ValidateConfig (in Create) refuses it with replicas 2
     c.local_daemon = local_daemon;  // -1: found by Create (client/local_daemon.h)
@@ -660,6 +661,7 @@ class PyClient {
     c.max_grad_norm = max_grad_norm;
     c.rpc_timeout = absl::Seconds(rpc_timeout);
     c.step_timeout = absl::Seconds(step_timeout);
+    c.checkpoint_wait = absl::Seconds(checkpoint_wait);
     c.resume = resume.value_or("");
     client_ = Check(Client::Create(std::move(c), std::move(collective)));
   }
@@ -1090,7 +1092,7 @@ PYBIND11_MODULE(_zeroshard, m) {
                     const std::string&, std::optional<std::string>, const std::string&,
                     std::optional<int>, const std::string&, const py::object&, uint32_t,
                     bool, const std::string&, const std::string&, const py::object&, bool,
-                    int>(),
+                    int, double>(),
            py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
            py::arg("stage") = defaults.stage,
            py::arg("precision") = std::string(DTypeName(kPythonDefaultPrecision)),
@@ -1115,6 +1117,7 @@ PYBIND11_MODULE(_zeroshard, m) {
            py::arg("transport") = defaults.transport, py::arg("ucx_tls") = defaults.ucx_tls,
            py::arg("loss_scale") = py::none(), py::arg("node_cache") = defaults.node_cache,
            py::arg("local_daemon") = defaults.local_daemon,
+           py::arg("checkpoint_wait") = absl::ToDoubleSeconds(defaults.checkpoint_wait),
            "Validates the config and starts the client's threads; connects to nothing. "
            "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
            "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
@@ -1214,7 +1217,7 @@ PYBIND11_MODULE(_zeroshard, m) {
            "same order when the trainer collective gathers parameters.")
       .def("save_checkpoint", &PyClient::SaveCheckpoint, py::arg("name"),
            "Saves the committed state under `name` (one rank, between steps; the daemons "
-           "need --checkpoint_dir). Waits (up to ClientConfig.checkpoint_wait, 10 s) for this "
+           "need --checkpoint_dir). Waits (up to checkpoint_wait seconds, 10 by default) for this "
            "client's previous save to complete, then returns once every daemon holds its "
            "snapshot: dict(name, step, bytes, snapshot_seconds, previous_error: why the "
            "previous save did not complete, or empty). The daemons write in the background and "

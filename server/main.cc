@@ -113,8 +113,9 @@ ABSL_FLAG(int, liveness_timeout_seconds, 4,
           "primary goes on with one copy and calls its backup again only once it answers a "
           "probe. Trainers find a silent daemon the same way (4 s). 0: off; else at least 2.");
 ABSL_FLAG(int, disk_timeout_seconds, 10,
-          "The longest a request waits for a call on --checkpoint_dir (an owner file, the quota "
-          "walk, a listing, a manifest): past it the request is answered UNAVAILABLE and, until "
+          "The longest a checkpoint request waits for the daemon's call on --checkpoint_dir (an "
+          "owner file, the quota walk, a listing, a manifest): past it the request is answered "
+          "UNAVAILABLE and, until "
           "that call returns, every other is refused at once, so a hung disk stalls a "
           "checkpoint save for at most this long. Writes of checkpoint data go on in the "
           "background whatever their length.");

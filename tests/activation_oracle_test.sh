@@ -18,7 +18,7 @@
 #
 # Usage: activation_oracle_test.sh ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
-# zs_kill_all, zs_fail.
+# zs_kill_all, zs_fail, zs_daemon_address.
 source "$(dirname "$0")/lib.sh"
 
 ZEROSHARDD="$1"
@@ -51,17 +51,7 @@ start_daemon() {
   "$ZEROSHARDD" --listen=127.0.0.1:0 --bulk_transport=ucx --ucx_tls=tcp --ucx_trust_peers \
     --activation_arena_bytes=20480 --spill_dir="$SPILL" >"$out" 2>&1 &
   DAEMON_PIDS[$i]=$!
-  local deadline=$((SECONDS + 30)) addr=""
-  while ((SECONDS < deadline)); do
-    addr="$(sed -n 's/^zeroshardd listening on //p' "$out" | head -n 1)"
-    if [[ -n "$addr" ]]; then
-      DAEMON_ADDRS[$i]="$addr"
-      return 0
-    fi
-    kill -0 "${DAEMON_PIDS[$i]}" 2>/dev/null || break
-    sleep 0.1
-  done
-  return 1
+  DAEMON_ADDRS[$i]="$(zs_daemon_address "$out" "${DAEMON_PIDS[$i]}")"
 }
 
 # train TAG FLAGS...: both ranks; rank 0 dumps to $WORK/TAG.f32.

@@ -34,7 +34,7 @@
 #
 # Usage: hung_disk_test.sh ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
-# zs_fail, zs_abspath, zs_kill_all.
+# zs_fail, zs_abspath, zs_kill_all, zs_daemon_address.
 source "$(dirname "$0")/lib.sh"
 
 # mount, mkfs.ext4 and fsfreeze live in sbin, which bazel's test
@@ -52,7 +52,8 @@ skip() {
 # with the test, whatever way the test ends.
 if [[ -z "${ZS_HUNG_DISK_NS:-}" ]]; then
   (($(id -u) == 0)) || skip "needs root (mount, fsfreeze)"
-  for tool in unshare mount umount mkfs.ext4 fsfreeze; do
+  [[ -n "${EPOCHREALTIME:-}" ]] || skip "needs bash 5 (EPOCHREALTIME)"
+  for tool in unshare mount umount mkfs.ext4 fsfreeze setsid; do
     command -v "$tool" >/dev/null || skip "no $tool command here"
   done
   unshare --mount --propagation private true 2>/dev/null ||
@@ -77,12 +78,16 @@ TRAINER_FLAGS=(--stage=3 --steps="$STEPS" --checkpoint_every="$EVERY" --layers=4
   --progress=lines --world_size=2 --checkpoint_wait_s="$WAIT_S")
 MNT="$WORK/mnt"
 FROZEN=0
+FROZEN_AT=0
 DAEMON_PIDS=()
 DAEMON_ADDRS=()
 RUN_PIDS=()
 
 cleanup() {
   ((FROZEN)) && fsfreeze -u "$MNT" 2>/dev/null
+  local f
+  # The trainers' timeout wrappers pass SIGTERM on to the trainers.
+  for f in "$WORK"/*.pid; do [[ -f "$f" ]] && kill "$(<"$f")" 2>/dev/null; done
   zs_kill_all "${RUN_PIDS[@]}" "${DAEMON_PIDS[@]}"
   umount "$MNT" 2>/dev/null
 }
@@ -107,17 +112,7 @@ start_daemon() {
   "$ZEROSHARDD" --listen=127.0.0.1:0 --bulk_transport= --checkpoint_dir="$2" \
     --disk_timeout_seconds="$DISK_TIMEOUT_S" >"$out" 2>&1 &
   DAEMON_PIDS[$i]=$!
-  local deadline=$((SECONDS + 30)) addr=""
-  while ((SECONDS < deadline)); do
-    addr="$(sed -n 's/^zeroshardd listening on //p' "$out" | head -n 1)"
-    if [[ -n "$addr" ]]; then
-      DAEMON_ADDRS[$i]="$addr"
-      return 0
-    fi
-    kill -0 "${DAEMON_PIDS[$i]}" 2>/dev/null || break
-    sleep 0.1
-  done
-  return 1
+  DAEMON_ADDRS[$i]="$(zs_daemon_address "$out" "${DAEMON_PIDS[$i]}")"
 }
 
 # stamp: each line of standard input after the wall clock in seconds.
@@ -137,7 +132,9 @@ start_run() {
     {
       timeout -k 5 "$RUN_TIMEOUT_S" "$GPT_TRAIN" "${TRAINER_FLAGS[@]}" --rank="$r" \
         --job_id="hung-disk-$tag" --daemons="${DAEMON_ADDRS[0]},${DAEMON_ADDRS[1]}" \
-        "${dump[@]}" 2>&1
+        "${dump[@]}" 2>&1 &
+      echo $! >"$WORK/$tag.rank$r.pid"
+      wait $!
       echo "exit=$?"
     } | stamp >"$WORK/$tag.rank$r.log" &
     RUN_PIDS[$r]=$!
@@ -206,15 +203,21 @@ print_skipped() {
   grep ' not saved: ' "$WORK/$1.rank0.log" | head -n 2 | cut -d' ' -f2- | cut -c1-400
 }
 
-# freeze_for S: daemon 1's disk frozen for S seconds, then thawed.
-freeze_for() {
+# freeze: daemon 1's disk frozen. A process of its own thaws it 120 s later
+# should this test be killed before it does (a frozen filesystem stays
+# frozen, and its writers stuck, until someone thaws it).
+freeze() {
   fsfreeze -f "$MNT" || fail "fsfreeze -f failed"
   FROZEN=1
+  FROZEN_AT=$SECONDS
+  setsid sh -c 'sleep 120; fsfreeze -u "$0" 2>/dev/null' "$MNT" </dev/null >/dev/null 2>&1 &
   log "daemon 1's checkpoint disk frozen"
-  sleep "$1"
+}
+
+thaw() {
   fsfreeze -u "$MNT" || fail "fsfreeze -u failed"
   FROZEN=0
-  log "daemon 1's checkpoint disk thawed after $1 s"
+  log "daemon 1's checkpoint disk thawed after $((SECONDS - FROZEN_AT)) s"
 }
 
 start_daemon 0 "$WORK/ckpt0" || fail "daemon 0 did not start"
@@ -229,7 +232,9 @@ log "run clean: $STEPS steps, parameters dumped"
 # ---- write: frozen while a part is written ----
 start_run write
 wait_for_step write "$FREEZE_AFTER"
-freeze_for "$FREEZE_S"
+freeze
+sleep "$FREEZE_S"
+thaw
 finish_run write
 check_gap write
 grep -q 'was not started: the previous one' "$WORK/write.rank0.log" ||
@@ -237,14 +242,16 @@ grep -q 'was not started: the previous one' "$WORK/write.rank0.log" ||
 print_skipped write
 
 # ---- first: frozen before the job's first save ----
-fsfreeze -f "$MNT" || fail "fsfreeze -f failed"
-FROZEN=1
-log "daemon 1's checkpoint disk frozen"
+freeze
 start_run first
 sleep "$FREEZE_S"
-fsfreeze -u "$MNT" || fail "fsfreeze -u failed"
-FROZEN=0
-log "daemon 1's checkpoint disk thawed after $FREEZE_S s"
+# On a loaded machine the job may take long to reach its second save:
+# thawed once a save was refused at once (60 s at most).
+deadline=$((SECONDS + 60))
+until grep -q "has not returned for" "$WORK/first.rank0.log" || ((SECONDS >= deadline)); do
+  sleep 0.2
+done
+thaw
 finish_run first
 check_gap first
 grep -q "did not answer within --disk_timeout_seconds=$DISK_TIMEOUT_S" \

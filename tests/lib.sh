@@ -83,6 +83,23 @@ zs_last_step() {
   echo "${s:-0}"
 }
 
+# zs_daemon_address LOG PID: the address zeroshardd PID printed to LOG
+# ("zeroshardd listening on ADDR") once it has (at most 30 s); returns 1,
+# printing nothing, when the daemon exits or says nothing by then.
+zs_daemon_address() {
+  local deadline=$((SECONDS + 30)) addr
+  while ((SECONDS < deadline)); do
+    addr="$(sed -n 's/^zeroshardd listening on //p' "$1" | head -n 1)"
+    if [[ -n "$addr" ]]; then
+      echo "$addr"
+      return 0
+    fi
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.1
+  done
+  return 1
+}
+
 # zs_now_ms: the wall clock in milliseconds.
 zs_now_ms() { date +%s%3N; }
 

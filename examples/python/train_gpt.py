@@ -586,7 +586,16 @@ def main(argv):
         if leader:
             progress.update(step, losses[-1], end - start, traffic)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
-                model.save_checkpoint(f"step-{step}")
+                try:
+                    saved = model.save_checkpoint(f"step-{step}")
+                    if saved["previous_error"]:
+                        print(saved["previous_error"], flush=True)
+                except zeroshard.Error as e:
+                    # A hung or slow checkpoint disk holds the save up:
+                    # reported, and training goes on.
+                    if e.code != "UNAVAILABLE":
+                        raise
+                    print(f"checkpoint step-{step} not saved: {e}", flush=True)
 
     memory = client.memory_report()
     loss_after = held_out_loss()

@@ -25,7 +25,9 @@ absl::Status CheckpointWriter::Claim(uint64_t elements, size_t arrays) {
   absl::MutexLock lock(&mu_);
   if (claimed_) {
     if (status_.has_value() && status_->state == CheckpointProgress::State::kWriting) {
-      return absl::FailedPreconditionError(absl::StrCat(
+      // Transient (and a hung disk's symptom): UNAVAILABLE, as for a save
+      // the disk worker refuses.
+      return absl::UnavailableError(absl::StrCat(
           "job ", options_.job_id, ": checkpoint \"", status_->name,
           "\" is still being written (", bytes_written_.load(), " of ", status_->bytes_total,
           " bytes); try again when GetCheckpointStatus reports it written"));

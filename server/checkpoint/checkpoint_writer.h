@@ -65,8 +65,8 @@ class CheckpointWriter {
 
   const std::string& root() const { return options_.root; }
 
-  // Claims the buffers for a save or a load: FailedPrecondition while a
-  // write (or another claim) holds them. Allocates `arrays` buffers of
+  // Claims the buffers for a save or a load: Unavailable while a write
+  // holds them, FailedPrecondition while another claim does. Allocates `arrays` buffers of
   // `elements` floats on first use and touches every page (ResourceExhausted
   // past the ledger's limit, nothing allocated). Call it without job locks. The claim ends with StartWrite (a save) or
   // Release (a load, or a save that failed before writing).

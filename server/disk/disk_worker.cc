@@ -114,7 +114,8 @@ void DiskWorker::Loop(std::shared_ptr<State> state) {
 absl::Status DiskWorker::Run(std::function<absl::Status()> fn) {
   auto task = std::make_shared<State::Task>();
   task->fn = std::move(fn);
-  State& s = *state_;
+  const std::shared_ptr<State> state = state_;
+  State& s = *state;
   absl::MutexLock lock(&s.mu);
   const absl::Time now = absl::Now();
   if (s.StuckLocked(now)) {

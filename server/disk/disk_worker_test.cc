@@ -44,7 +44,7 @@ TEST(DiskWorkerTest, AHungCallTimesOutAndLaterCallsAreRefusedAtOnceUntilItReturn
 
   // Past the timeout the disk counts as hung: refused without waiting, and
   // the refused call never runs.
-  absl::SleepFor(absl::Milliseconds(50));
+  absl::SleepFor(kTimeout);
   start = absl::Now();
   absl::Status refused = w.Run([ran] {
     ++*ran;

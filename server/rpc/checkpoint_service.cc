@@ -198,8 +198,9 @@ bool CheckpointService::SaveBeforeIdleRemoval(const std::shared_ptr<Job>& job) {
       Log(absl::StrCat(what, " (step ", step, "): writing it before the job's removal"));
       return false;
     }
-    // The trainers' last save still writes: try again at a later pass.
-    if (absl::IsFailedPrecondition(s) && !overdue) return false;
+    // The trainers' last save still writes, or the disk does not answer: try
+    // again at a later pass.
+    if ((absl::IsFailedPrecondition(s) || absl::IsUnavailable(s)) && !overdue) return false;
     Log(absl::StrCat(what, " (step ", step, ") was not saved before the job's removal: ",
                      s.ToString()));
     return done();
