@@ -1,6 +1,7 @@
 #include "examples/activation_store.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -14,6 +15,14 @@ uint64_t TensorBytes(const torch::Tensor& t) {
 
 absl::Status NoCheckpoint(int layer) {
   return absl::NotFoundError(absl::StrCat("no activation checkpoint for layer ", layer));
+}
+
+// The store has no room for a checkpoint (RESOURCE_EXHAUSTED), or its
+// daemon cannot make any now (UNAVAILABLE: its spill disk hangs, or it is
+// gone, which the next step finds): the trainer keeps it, and the step's
+// result is the same.
+bool NoRoom(const absl::Status& s) {
+  return absl::IsResourceExhausted(s) || absl::IsUnavailable(s);
 }
 
 }  // namespace
@@ -71,17 +80,46 @@ void DaemonActivationStore::Hold(uint64_t bytes) {
 }
 
 absl::Status DaemonActivationStore::BeginStep(uint64_t step) {
-  if (!saved_.empty() || !kept_.empty() || !offloads_.empty() || !fetches_.empty()) {
+  if (!saved_.empty() || !kept_.empty() || !refused_.empty() || !offloads_.empty() ||
+      !fetches_.empty()) {
     RETURN_IF_ERROR(EndStep());
   }
   step_ = step;
   return absl::OkStatus();
 }
 
+void DaemonActivationStore::KeepRefused(int layer, torch::Tensor t, const absl::Status& why) {
+  if (refusing_ == 0) {
+    std::fprintf(stderr,
+                 "activation checkpoints: the store refused layer %d of step %llu (%s); kept in "
+                 "the trainer while it refuses them\n",
+                 layer, static_cast<unsigned long long>(step_), why.ToString().c_str());
+  }
+  ++refusing_;
+  ++refused_count_;
+  refused_this_step_ = true;
+  refused_.push_back({layer, std::move(t)});
+}
+
+void DaemonActivationStore::NoteRefusals() {
+  if (refusing_ > 0 && !refused_this_step_) {
+    std::fprintf(stderr,
+                 "activation checkpoints: the store took every one of step %llu (%llu kept in "
+                 "the trainer before)\n",
+                 static_cast<unsigned long long>(step_), static_cast<unsigned long long>(refusing_));
+    refusing_ = 0;
+  }
+  refused_this_step_ = false;
+}
 absl::Status DaemonActivationStore::RetireOffload() {
   InFlight& f = offloads_.front();
   const absl::Status s = f.ticket.Wait(Deadline());
   if (absl::IsDeadlineExceeded(s)) return s;  // still lent: keep it
+  if (NoRoom(s)) {
+    KeepRefused(f.layer, std::move(f.tensor), s);
+    offloads_.pop_front();
+    return absl::OkStatus();
+  }
   held_ -= TensorBytes(f.tensor);
   offloads_.pop_front();
   return s;
@@ -132,9 +170,13 @@ absl::Status DaemonActivationStore::Offload(int layer, torch::Tensor t) {
   while (offloads_.size() >= std::max<uint32_t>(1, options_.max_offloads_in_flight)) {
     RETURN_IF_ERROR(RetireOffload());
   }
-  ASSIGN_OR_RETURN(ActivationTicket ticket,
-                   store_->Offload(Key(layer), t.data_ptr(), TensorBytes(t)));
-  offloads_.push_back({layer, std::move(t), std::move(ticket)});
+  absl::StatusOr<ActivationTicket> ticket = store_->Offload(Key(layer), t.data_ptr(), TensorBytes(t));
+  if (!ticket.ok()) {
+    if (!NoRoom(ticket.status())) return ticket.status();
+    KeepRefused(layer, std::move(t), ticket.status());
+    return absl::OkStatus();
+  }
+  offloads_.push_back({layer, std::move(t), *std::move(ticket)});
   return absl::OkStatus();
 }
 
@@ -190,6 +232,9 @@ absl::StatusOr<torch::Tensor> DaemonActivationStore::Load(int layer) {
   if (auto k = FindKept(layer); k != kept_.end()) {
     t = std::move(k->tensor);  // never left the trainer
     kept_.erase(k);
+  } else if (auto r = FindRefused(layer); r != refused_.end()) {
+    t = std::move(r->tensor);  // the store had no room for it
+    refused_.erase(r);
   } else {
     if (fetches_.count(layer) == 0) RETURN_IF_ERROR(StartFetch(layer));  // out of order
     auto it = fetches_.find(layer);
@@ -223,6 +268,7 @@ absl::Status DaemonActivationStore::Drain() {
 
 absl::Status DaemonActivationStore::EndStep() {
   absl::Status s = Drain();
+  NoteRefusals();
   // Fetched slices were freed one by one; this frees what backward did not
   // fetch, or a free that failed, so nothing of the step outlives it.
   absl::Status f = store_->FreeStep(step_, Deadline()).status();
@@ -231,6 +277,8 @@ absl::Status DaemonActivationStore::EndStep() {
   loaded_bytes_ = 0;
   for (const Kept& k : kept_) held_ -= TensorBytes(k.tensor);
   kept_.clear();
+  for (const Kept& k : refused_) held_ -= TensorBytes(k.tensor);
+  refused_.clear();
   saved_.clear();
   order_.clear();
   next_ = 0;

@@ -120,6 +120,10 @@ class DaemonActivationStore final : public ActivationStore {
 
   // The client store's counters.
   SliceStoreStats stats() const { return store_->Stats(); }
+  // Checkpoints the store refused for want of room (RESOURCE_EXHAUSTED: its
+  // arena and spill space are full; UNAVAILABLE: a daemon whose spill disk
+  // hangs), kept in the trainer instead; over all steps.
+  uint64_t refused() const { return refused_count_; }
 
  private:
   struct Shape {
@@ -155,7 +159,20 @@ class DaemonActivationStore final : public ActivationStore {
     return std::find_if(kept_.begin(), kept_.end(),
                         [layer](const Kept& k) { return k.layer == layer; });
   }
-  bool IsKept(int layer) { return FindKept(layer) != kept_.end(); }
+  std::deque<Kept>::iterator FindRefused(int layer) {
+    return std::find_if(refused_.begin(), refused_.end(),
+                        [layer](const Kept& k) { return k.layer == layer; });
+  }
+  // Kept in the trainer: the latest, or refused by the store.
+  bool IsKept(int layer) {
+    return FindKept(layer) != kept_.end() || FindRefused(layer) != refused_.end();
+  }
+  // Keeps `t`, which the store refused with `why`, in the trainer; its
+  // bytes stay counted.
+  void KeepRefused(int layer, torch::Tensor t, const absl::Status& why);
+  // At the end of a step: says so when a step without refusals ends a run
+  // of them.
+  void NoteRefusals();
   // Waits for everything in flight (errors dropped: the first is returned).
   absl::Status Drain();
 
@@ -165,6 +182,10 @@ class DaemonActivationStore final : public ActivationStore {
   std::map<int, Shape> saved_;  // this step's checkpoints, by layer
   uint64_t step_bytes_ = 0;
   std::deque<Kept> kept_;  // saved, not offloaded, oldest first
+  std::deque<Kept> refused_;  // this step's, the store had no room for them
+  uint64_t refused_count_ = 0;
+  uint64_t refusing_ = 0;  // refusals since a step without any
+  bool refused_this_step_ = false;
   std::deque<InFlight> offloads_;
   std::map<int, InFlight> fetches_;
   std::vector<int> order_;

@@ -84,6 +84,69 @@ TEST(ActivationStoreTest, DaemonStoreOverALocalClientStoreHoldsOnlyItsDepth) {
   EXPECT_TRUE(absl::IsNotFound(store.Load(3).status()));
 }
 
+// A LocalSliceStore that has no room for some layers' slices: layer 2's
+// offload fails at once with RESOURCE_EXHAUSTED (a full arena), layer 5's on
+// its ticket with UNAVAILABLE (a daemon whose spill disk hangs), in step 1
+// only; layer 7's always fails with DATA_LOSS, in step 2 only.
+class RefusingStore final : public ActivationSliceStore {
+ public:
+  std::string name() const override { return "refusing"; }
+  absl::StatusOr<ActivationTicket> Offload(const ActivationKey& key, const void* data,
+                                           uint64_t bytes) override {
+    if (key.step == 1 && key.layer == 2) return absl::ResourceExhaustedError("arena full");
+    if (key.step == 1 && key.layer == 5) {
+      return ActivationTicket::Ready(absl::UnavailableError("spill disk hung"));
+    }
+    if (key.step == 2 && key.layer == 7) return ActivationTicket::Ready(absl::DataLossError("bad"));
+    return inner_.Offload(key, data, bytes);
+  }
+  absl::StatusOr<ActivationTicket> StartFetch(const ActivationKey& key, void* dst, uint64_t bytes,
+                                              AfterFetch then) override {
+    return inner_.StartFetch(key, dst, bytes, then);
+  }
+  absl::StatusOr<ActivationTicket> Prefetch(absl::Span<const ActivationKey> keys) override {
+    return inner_.Prefetch(keys);
+  }
+  absl::StatusOr<uint64_t> Free(const ActivationKey& key, absl::Time deadline) override {
+    return inner_.Free(key, deadline);
+  }
+  absl::StatusOr<uint64_t> FreeStep(uint64_t step, absl::Time deadline) override {
+    return inner_.FreeStep(step, deadline);
+  }
+  SliceStoreStats Stats() const override { return inner_.Stats(); }
+
+ private:
+  LocalSliceStore inner_;
+};
+
+// Checkpoints the store has no room for stay in the trainer and load as
+// saved; another failure is the step's error.
+TEST(ActivationStoreTest, CheckpointsTheStoreHasNoRoomForStayInTheTrainer) {
+  DaemonActivationStore::Options o;
+  o.keep_last = 0;
+  DaemonActivationStore store(std::make_unique<RefusingStore>(), o);
+  ASSERT_TRUE(store.BeginStep(1).ok());
+  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(store.Save(l, Checkpoint(l)).ok());
+  std::vector<int> order;
+  for (int l = kLayers - 1; l >= 0; --l) order.push_back(l);
+  ASSERT_TRUE(store.BeginBackward(order).ok());
+  for (int l : order) {
+    absl::StatusOr<torch::Tensor> t = store.Load(l);
+    ASSERT_TRUE(t.ok()) << "layer " << l << ": " << t.status();
+    EXPECT_TRUE(SameBytes(*t, Checkpoint(l))) << "layer " << l;
+  }
+  ASSERT_TRUE(store.EndStep().ok());
+  EXPECT_EQ(store.refused(), 2u);
+  EXPECT_EQ(store.bytes(), 0u);
+
+  ASSERT_TRUE(store.BeginStep(2).ok());
+  absl::Status failed;
+  for (int l = 0; l < kLayers && failed.ok(); ++l) failed = store.Save(l, Checkpoint(l));
+  if (failed.ok()) failed = store.BeginBackward(order);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kDataLoss) << failed;
+  EXPECT_EQ(store.refused(), 2u);
+}
+
 TEST(ActivationStoreTest, DaemonStoreOverAStandInDaemon) {
   for (uint32_t keep_last : {0u, 1u, 3u}) {
     SCOPED_TRACE(keep_last);

@@ -699,6 +699,10 @@ int Main() {
                   static_cast<unsigned long long>(a.spilled_fetches),
                   static_cast<unsigned long long>(a.streamed),
                   static_cast<unsigned long long>(a.failures));
+      if (result->activations_refused > 0) {
+        std::printf("  %llu checkpoints the daemon had no room for were kept in the trainer\n",
+                    static_cast<unsigned long long>(result->activations_refused));
+      }
     }
     if (!activation_memory.empty()) {
       std::printf("  the daemons' arenas after the last step's forward pass (ledger):\n%s",

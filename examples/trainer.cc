@@ -531,7 +531,10 @@ absl::StatusOr<TrainResult> TrainConnected(const TrainOptions& o, uint64_t known
     result.activation_bytes = main_store.peak_bytes();
     result.activation_step_bytes =
         std::max(main_store.peak_step_bytes(), local_checkpoints.peak_step_bytes());
-    if (daemon_checkpoints != nullptr) result.activation_stats = daemon_checkpoints->stats();
+    if (daemon_checkpoints != nullptr) {
+      result.activation_stats = daemon_checkpoints->stats();
+      result.activations_refused = daemon_checkpoints->refused();
+    }
   }
   if (o.final_params) {
     result.params.resize(total);

@@ -176,6 +176,9 @@ struct TrainResult {
   std::string activation_store;  // the store's name
   // The daemon store's counters ("daemon", "both").
   std::optional<SliceStoreStats> activation_stats;
+  // Checkpoints the daemon store had no room for, kept in the trainer
+  // (DaemonActivationStore::refused).
+  uint64_t activations_refused = 0;
   // The checkpoint the job resumed from (TrainOptions::resume).
   std::optional<v1::LoadCheckpointResponse> resumed_from;
   // Rank 0 with checkpoint_every: the last save, completed.

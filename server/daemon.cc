@@ -380,6 +380,7 @@ absl::Status Daemon::StartActivations() {
   ao.arena_bytes = options.activation_arena_bytes;
   ao.spill_dir = options.spill_dir;
   ao.spill_bytes = options.spill_bytes;
+  ao.disk_timeout = options.disk_timeout;
   ao.reservation_lease = options.read_lease;
   ASSIGN_OR_RETURN(activations_,
                    ActivationStore::Create(ao, transport_.get(), &ledger_, &activation_metrics_));

@@ -75,6 +75,7 @@ struct ActivationStore::Slice {
   // fetched since: the next fetch reports it as a miss all the same.
   bool read_back = false;
   absl::Time lease_end = absl::InfiniteFuture();
+  absl::Time spill_started;  // of its spill write in flight (kSpilling)
   absl::Status io_error;  // of its last spill write or read-back
 };
 
@@ -134,6 +135,13 @@ absl::StatusOr<std::unique_ptr<ActivationStore>> ActivationStore::Create(
                      InstanceDirectory::Open(options.spill_dir, InstanceDirectory::SpillNaming()));
     ASSIGN_OR_RETURN(s->io_, SpillIo::Create(options.io_queue_depth));
     if (s->spill_dir_->direct()) s->alignment_ = InstanceDirectory::kDirectAlignment;
+    if (options.disk_timeout <= absl::ZeroDuration()) {
+      return absl::InvalidArgumentError("--disk_timeout_seconds: must be > 0");
+    }
+    s->spill_opener_ = std::make_unique<DiskWorker>(
+        absl::StrCat("--spill_dir ", options.spill_dir),
+        absl::StrCat("--disk_timeout_seconds=", absl::ToDoubleSeconds(options.disk_timeout)),
+        options.disk_timeout);
   }
   // One alignment unit more than asked for, so that the arena holds
   // arena_bytes (rounded down to the alignment) wherever the region starts.
@@ -402,6 +410,52 @@ std::string ActivationStore::NoRoomMessage(uint64_t bytes, uint64_t block) const
                       "or spill space");
 }
 
+bool ActivationStore::SpillHungLocked(absl::Time now) const {
+  for (const Slice* s : spilling_) {
+    if (now - s->spill_started > options_.disk_timeout) return true;
+  }
+  return spill_opener_ != nullptr && spill_opener_->Busy() > options_.disk_timeout;
+}
+
+std::string ActivationStore::SpillHungMessage() const {
+  return absl::StrCat("--spill_dir ", options_.spill_dir,
+                      " has not completed a spill write within --disk_timeout_seconds=",
+                      absl::ToDoubleSeconds(options_.disk_timeout),
+                      " (its disk is hung or far too slow): nothing is spilled until it does, so "
+                      "there is no room for this slice; keep it in the trainer meanwhile");
+}
+
+absl::StatusOr<int> ActivationStore::CreateSpillFile(const std::string& path) {
+  // The file, if the creation ends after its caller stopped waiting: closed
+  // and removed then, on the opener's thread.
+  struct Created {
+    absl::Mutex mu;
+    bool abandoned ABSL_GUARDED_BY(mu) = false;
+    int fd ABSL_GUARDED_BY(mu) = -1;
+  };
+  auto created = std::make_shared<Created>();
+  const absl::Status s =
+      spill_opener_->Run([dir = spill_dir_, path, created]() -> absl::Status {
+        absl::StatusOr<int> fd = dir->OpenForWrite(path);
+        if (!fd.ok()) return fd.status();
+        absl::MutexLock lock(&created->mu);
+        if (created->abandoned) {
+          ::close(*fd);
+          dir->Remove(path);
+        } else {
+          created->fd = *fd;
+        }
+        return absl::OkStatus();
+      });
+  absl::MutexLock lock(&created->mu);
+  if (s.ok()) return created->fd;
+  created->abandoned = true;
+  // Created between the timeout and now: this thread must not wait for a
+  // removal on that disk, so the file stays, as one a crash leaves.
+  if (created->fd >= 0) ::close(created->fd);
+  return s;
+}
+
 absl::Status ActivationStore::PlanRoomLocked(const JobEntry& entry, uint64_t block,
                                              const Slice* exclude, uint64_t slice_bytes,
                                              std::vector<std::shared_ptr<Slice>>* victims) const {
@@ -417,6 +471,9 @@ absl::Status ActivationStore::PlanRoomLocked(const JobEntry& entry, uint64_t blo
     behind_others |= plan.Allocate(w->bytes).has_value();
   }
   if (plan.Fits(slice_bytes)) return absl::OkStatus();  // the writes in flight make room
+  if (spill_dir_ != nullptr && SpillHungLocked(absl::Now())) {
+    return absl::UnavailableError(SpillHungMessage());
+  }
   if (spill_dir_ != nullptr) {
     uint64_t spill_free = options_.spill_bytes - std::min(options_.spill_bytes, spill_used_);
     for (const auto& [id, s] : entry.slices) {
@@ -446,6 +503,7 @@ std::vector<ActivationStore::IoStart> ActivationStore::BeginSpillsLocked(
   std::vector<IoStart> io;
   for (const auto& v : victims) {
     v->state = Slice::State::kSpilling;
+    v->spill_started = absl::Now();
     v->io_error = absl::OkStatus();
     v->file = spill_dir_->NewPath();
     v->file_bytes = spill_dir_->direct() ? v->block : v->bytes;
@@ -509,9 +567,15 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
       }
     }
     absl::StatusOr<int> fd =
-        r.write ? spill_dir_->OpenForWrite(r.path) : spill_dir_->OpenForRead(r.path);
+        r.write ? CreateSpillFile(r.path) : spill_dir_->OpenForRead(r.path);
     if (!fd.ok()) {
       if (r.write) {
+        // Not created by this call (O_EXCL), or not yet: nothing to remove
+        // on a disk that may hang.
+        {
+          absl::MutexLock lock(&mu_);
+          ForgetFileLocked(*r.slice);
+        }
         OnSpillWritten(r.slice, fd.status(), std::nullopt);
       } else {
         OnReadBack(r.slice, fd.status(), false);
@@ -603,8 +667,9 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
         slice->state = Slice::State::kStored;
         if (stays) {
           if (!status.ok()) {
-            failure = absl::StrCat("spilling ", Describe(slice->job, slice->id), " to ",
-                                   slice->file, " failed (it stays in memory): ", status.message());
+            failure = absl::StrCat("spilling ", Describe(slice->job, slice->id),
+                                   slice->file.empty() ? "" : absl::StrCat(" to ", slice->file),
+                                   " failed (it stays in memory): ", status.message());
             slice->io_error = status;
           }
           ForgetFileLocked(*slice);
@@ -733,13 +798,15 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
       return false;
     };
     bool timed_out = false;
+    // Spill writes that do not end within the disk timeout: the disk hangs.
+    const absl::Time wait_until = std::min(deadline, absl::Now() + options_.disk_timeout);
     if (victims.empty()) {
       // Room comes from writes already in flight: wait for any change.
       while (generation_ == seen && !slice->detached && !timed_out) {
-        timed_out = changed_.WaitWithDeadline(&mu_, deadline);
+        timed_out = changed_.WaitWithDeadline(&mu_, wait_until);
       }
     } else {
-      while (busy() && !timed_out) timed_out = changed_.WaitWithDeadline(&mu_, deadline);
+      while (busy() && !timed_out) timed_out = changed_.WaitWithDeadline(&mu_, wait_until);
     }
     auto leave_queue = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       waiting_for_room_.remove(slice.get());
@@ -764,6 +831,9 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
       if (waiting_for_room_.empty()) resumed = ContinueHintsLocked(jobs_.at(slice->job));
       return slice;
     }
+    if (timed_out && wait_until < deadline && SpillHungLocked(absl::Now())) {
+      return give_up(absl::UnavailableError(SpillHungMessage()));
+    }
     for (const auto& v : victims) {
       if (!v->io_error.ok()) {
         return give_up(absl::Status(v->io_error.code(),
@@ -771,7 +841,7 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
                                                  ": ", v->io_error.message())));
       }
     }
-    if (timed_out || absl::Now() >= deadline) {
+    if (absl::Now() >= deadline) {
       return give_up(absl::DeadlineExceededError(absl::StrCat(
           "waiting for spill writes to make room for ", Describe(owner.job_id, slice->id))));
     }
@@ -975,7 +1045,9 @@ absl::Status ActivationStore::EnsureInArena(const std::shared_ptr<Slice>& slice,
       }
       return false;
     };
-    while (waiting() && !timed_out) timed_out = changed_.WaitWithDeadline(&mu_, deadline);
+    // Spill writes that do not end within the disk timeout: the disk hangs.
+    const absl::Time wait_until = std::min(deadline, absl::Now() + options_.disk_timeout);
+    while (waiting() && !timed_out) timed_out = changed_.WaitWithDeadline(&mu_, wait_until);
     for (const auto& v : victims) {
       if (!v->io_error.ok()) {
         return absl::Status(v->io_error.code(),
@@ -983,6 +1055,11 @@ absl::Status ActivationStore::EnsureInArena(const std::shared_ptr<Slice>& slice,
                                          " back: ", v->io_error.message()));
       }
     }
+    if (timed_out && wait_until < deadline && SpillHungLocked(absl::Now()) &&
+        !allocator_.Fits(slice->bytes)) {
+      return absl::UnavailableError(SpillHungMessage());
+    }
+    if (timed_out && wait_until < deadline) continue;  // plan again
     if (timed_out && !allocator_.Fits(slice->bytes)) {
       return absl::DeadlineExceededError(absl::StrCat(
           "waiting for room to read ", Describe(slice->job, slice->id), " back"));

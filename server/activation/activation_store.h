@@ -77,6 +77,7 @@
 #include "common/activation_protocol.h"
 #include "proto/zeroshard/v1/shard.pb.h"
 #include "server/activation/activation_allocator.h"
+#include "server/disk/disk_worker.h"
 #include "server/activation/activation_metrics.h"
 #include "server/activation/activation_spill.h"
 #include "server/disk/instance_directory.h"
@@ -123,6 +124,12 @@ class ActivationStore {
     // thread (tests call Tick()).
     absl::Duration janitor_period = absl::Milliseconds(100);
     unsigned io_queue_depth = 64;
+    // A spill write (its file's creation included) not done within this
+    // counts the spill directory as hung: a reservation waiting for it ends
+    // UNAVAILABLE, and while one is that old nothing more is spilled (room
+    // that needs a spill is UNAVAILABLE at once). Creations run on a thread
+    // of their own, so that a hung disk holds no request's thread.
+    absl::Duration disk_timeout = absl::Seconds(10);
     // Whether a remover thread removes dropped files once the disk is idle
     // (see the top). false (tests): only spills that need their space, frees
     // of a step or more and the destructor remove them.
@@ -338,6 +345,13 @@ class ActivationStore {
   absl::StatusOr<std::shared_ptr<Slice>> ReserveSlice(const SliceOwner& owner,
                                                       const ActivationKey& key, uint64_t bytes,
                                                       bool stream, absl::Time deadline);
+  // Whether a spill write (or a file's creation) has been in flight for
+  // longer than options_.disk_timeout; the sentence that says so.
+  bool SpillHungLocked(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string SpillHungMessage() const;
+  // A new spill file, created on spill_opener_ (Unavailable when the disk
+  // does not answer within options_.disk_timeout).
+  absl::StatusOr<int> CreateSpillFile(const std::string& path);
   // Makes room for a block of `block` bytes: picks victims (the job's oldest
   // stored slices, never `exclude`) whose spilling, with the spills already
   // in flight, frees a block that large once the reservations waiting
@@ -345,7 +359,8 @@ class ActivationStore {
   // blocks; starts nothing. No victims with OK: wait for the I/O in flight
   // (spills, and read-backs whose slices can then move) or for those ahead
   // to have their room, and plan again. RESOURCE_EXHAUSTED when even all of
-  // them would not do.
+  // them would not do; UNAVAILABLE when it would need a spill while the
+  // spill directory is hung (SpillHungLocked).
   absl::Status PlanRoomLocked(const JobEntry& entry, uint64_t block, const Slice* exclude,
                               uint64_t slice_bytes, std::vector<std::shared_ptr<Slice>>* victims)
       const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -434,7 +449,9 @@ class ActivationStore {
   uint64_t skew_ = 0;
   uint64_t alignment_ = 64;
   uint64_t capacity_ = 0;
-  std::unique_ptr<InstanceDirectory> spill_dir_;
+  // Shared with the calls left on spill_opener_ by a hung disk.
+  std::shared_ptr<InstanceDirectory> spill_dir_;
+  std::unique_ptr<DiskWorker> spill_opener_;  // creates spill files; with spill_dir_
   // Declared after everything its callbacks touch except the state below,
   // and reset first by the destructor.
   std::unique_ptr<SpillIo> io_;
