@@ -75,7 +75,6 @@ struct ActivationStore::Slice {
   // fetched since: the next fetch reports it as a miss all the same.
   bool read_back = false;
   absl::Time lease_end = absl::InfiniteFuture();
-  absl::Time spill_started;  // of its spill write in flight (kSpilling)
   absl::Status io_error;  // of its last spill write or read-back
 };
 
@@ -138,7 +137,7 @@ absl::StatusOr<std::unique_ptr<ActivationStore>> ActivationStore::Create(
     if (options.disk_timeout <= absl::ZeroDuration()) {
       return absl::InvalidArgumentError("--disk_timeout_seconds: must be > 0");
     }
-    s->spill_opener_ = std::make_unique<DiskWorker>(
+    s->spill_disk_ = std::make_unique<DiskWorker>(
         absl::StrCat("--spill_dir ", options.spill_dir),
         absl::StrCat("--disk_timeout_seconds=", absl::ToDoubleSeconds(options.disk_timeout)),
         options.disk_timeout);
@@ -220,7 +219,7 @@ ActivationStore::~ActivationStore() {
     }
     jobs_.clear();
   }
-  RemoveDroppedFiles(Removal::kNow);
+  RemoveDroppedFiles(Removal::kNow);  // what a hung disk keeps goes with the next start
   ledger_->Release(kDaemonLedgerEntry, MemoryCategory::kActivation, region_bytes_);
   ledger_->Release(kDaemonLedgerEntry, MemoryCategory::kFragmentation, region_bytes_);
   ledger_->RemoveJobIfEmpty(kDaemonLedgerEntry);
@@ -311,7 +310,7 @@ bool ActivationStore::OverSpillBytesLocked() const {
   return spill_used_ + dropped_bytes_ > options_.spill_bytes;
 }
 
-void ActivationStore::RemoveDroppedFiles(Removal removal) {
+bool ActivationStore::RemoveDroppedFiles(Removal removal) {
   absl::MutexLock removing(&remove_mu_);
   for (;;) {
     std::vector<DroppedFile> files;
@@ -329,7 +328,7 @@ void ActivationStore::RemoveDroppedFiles(Removal removal) {
           more = !dropped_files_.empty() && OverSpillBytesLocked();
           break;
       }
-      if (!more) return;
+      if (!more) return true;
       if (removal == Removal::kNow) {  // all at once
         files.assign(std::make_move_iterator(dropped_files_.begin()),
                      std::make_move_iterator(dropped_files_.end()));
@@ -341,12 +340,21 @@ void ActivationStore::RemoveDroppedFiles(Removal removal) {
       removing_files_ = files.size();
     }
     uint64_t removed_bytes = 0;
+    std::vector<std::string> paths;
     for (const DroppedFile& f : files) {
-      spill_dir_->Remove(f.path);
+      paths.push_back(f.path);
       removed_bytes += f.bytes;
     }
+    const bool removed = RemoveSpillFiles(std::move(paths));
     absl::MutexLock lock(&mu_);
     removing_files_ = 0;
+    if (!removed) {
+      // The disk does not answer: kept for a later pass (removing one twice
+      // is harmless).
+      dropped_files_.insert(dropped_files_.begin(), std::make_move_iterator(files.begin()),
+                            std::make_move_iterator(files.end()));
+      return false;
+    }
     dropped_bytes_ -= removed_bytes;
   }
 }
@@ -411,10 +419,17 @@ std::string ActivationStore::NoRoomMessage(uint64_t bytes, uint64_t block) const
 }
 
 bool ActivationStore::SpillHungLocked(absl::Time now) const {
-  for (const Slice* s : spilling_) {
-    if (now - s->spill_started > options_.disk_timeout) return true;
-  }
-  return spill_opener_ != nullptr && spill_opener_->Busy() > options_.disk_timeout;
+  if (!spilling_.empty() && now - spill_progress_at_ > options_.disk_timeout) return true;
+  return spill_disk_ != nullptr && spill_disk_->Busy() > options_.disk_timeout;
+}
+
+bool ActivationStore::RemoveSpillFiles(std::vector<std::string> paths) {
+  return spill_disk_
+      ->Run([dir = spill_dir_, paths = std::move(paths)] {
+        for (const std::string& p : paths) dir->Remove(p);
+        return absl::OkStatus();
+      })
+      .ok();
 }
 
 std::string ActivationStore::SpillHungMessage() const {
@@ -435,7 +450,7 @@ absl::StatusOr<int> ActivationStore::CreateSpillFile(const std::string& path) {
   };
   auto created = std::make_shared<Created>();
   const absl::Status s =
-      spill_opener_->Run([dir = spill_dir_, path, created]() -> absl::Status {
+      spill_disk_->Run([dir = spill_dir_, path, created]() -> absl::Status {
         absl::StatusOr<int> fd = dir->OpenForWrite(path);
         if (!fd.ok()) return fd.status();
         absl::MutexLock lock(&created->mu);
@@ -461,8 +476,10 @@ absl::Status ActivationStore::PlanRoomLocked(const JobEntry& entry, uint64_t blo
                                              std::vector<std::shared_ptr<Slice>>* victims) const {
   victims->clear();
   ArenaAllocator plan = allocator_;
+  // The room of writes in flight comes when they end: not while they hang.
+  const bool hung = spill_dir_ != nullptr && SpillHungLocked(absl::Now());
   for (const Slice* s : spilling_) {
-    if (!s->pinned && s->holds == 0) plan.Free(s->offset - skew_);
+    if (!hung && !s->pinned && s->holds == 0) plan.Free(s->offset - skew_);
   }
   bool behind_others = false;  // room goes first to reservations waiting ahead
   for (const Slice* w : waiting_for_room_) {
@@ -471,9 +488,7 @@ absl::Status ActivationStore::PlanRoomLocked(const JobEntry& entry, uint64_t blo
     behind_others |= plan.Allocate(w->bytes).has_value();
   }
   if (plan.Fits(slice_bytes)) return absl::OkStatus();  // the writes in flight make room
-  if (spill_dir_ != nullptr && SpillHungLocked(absl::Now())) {
-    return absl::UnavailableError(SpillHungMessage());
-  }
+  if (hung) return absl::UnavailableError(SpillHungMessage());
   if (spill_dir_ != nullptr) {
     uint64_t spill_free = options_.spill_bytes - std::min(options_.spill_bytes, spill_used_);
     for (const auto& [id, s] : entry.slices) {
@@ -502,8 +517,9 @@ std::vector<ActivationStore::IoStart> ActivationStore::BeginSpillsLocked(
     const std::vector<std::shared_ptr<Slice>>& victims) {
   std::vector<IoStart> io;
   for (const auto& v : victims) {
+    // Progress is counted from the first write of a run.
+    if (spilling_.empty()) spill_progress_at_ = absl::Now();
     v->state = Slice::State::kSpilling;
-    v->spill_started = absl::Now();
     v->io_error = absl::OkStatus();
     v->file = spill_dir_->NewPath();
     v->file_bytes = spill_dir_->direct() ? v->block : v->bytes;
@@ -550,7 +566,7 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
       absl::MutexLock lock(&mu_);
       over = OverSpillBytesLocked();
     }
-    if (over) RemoveDroppedFiles(Removal::kToFitSpillBytes);
+    if (over) RemoveDroppedFiles(Removal::kToFitSpillBytes);  // a hung disk: no spill (below)
   }
   std::vector<std::function<void()>> checksums;  // of spills, run once all is queued
   for (IoStart& r : io) {
@@ -561,7 +577,11 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
         absl::MutexLock lock(&mu_);
         freed = r.slice->detached;
       }
-      if (freed) {  // before its write began: nothing to write
+      if (freed) {  // before its write began: nothing written, no file to remove
+        {
+          absl::MutexLock lock(&mu_);
+          ForgetFileLocked(*r.slice);
+        }
         OnSpillWritten(r.slice, absl::OkStatus(), std::nullopt);
         continue;
       }
@@ -651,6 +671,7 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
 void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status,
                                      std::optional<uint32_t> crc) {
   bool unlinked = false;  // the file was removed: the slice stays in memory
+  bool removal_failed = false;  // its disk did not answer: the file is dropped
   std::string failure;
   for (;;) {
     std::string path;
@@ -664,6 +685,7 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
         path = slice->file;  // removed below with no lock held, then back here
       } else {
         spilling_.erase(slice.get());
+        spill_progress_at_ = absl::Now();
         slice->state = Slice::State::kStored;
         if (stays) {
           if (!status.ok()) {
@@ -672,7 +694,11 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
                                    " failed (it stays in memory): ", status.message());
             slice->io_error = status;
           }
-          ForgetFileLocked(*slice);
+          if (removal_failed) {
+            DropFileLocked(*slice);  // removed later, once the disk answers
+          } else {
+            ForgetFileLocked(*slice);
+          }
         } else {
           if (crc.has_value()) slice->crc = crc;
           FreeBlockLocked(*slice);
@@ -684,7 +710,7 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
         break;
       }
     }
-    spill_dir_->Remove(path);
+    removal_failed = !RemoveSpillFiles({path});
     unlinked = true;
   }
   if (!failure.empty()) Log(failure);
@@ -721,7 +747,7 @@ void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Stat
 }
 
 void ActivationStore::AwaitIoEndLocked(const std::vector<std::shared_ptr<Slice>>& slices) {
-  const absl::Time until = absl::Now() + kIoEndWait;
+  const absl::Time until = absl::Now() + std::min(kIoEndWait, options_.disk_timeout);
   // A freed slice whose spill write or read-back is in flight loses its
   // file when that ends (OnSpillWritten, OnReadBack).
   auto busy = [](const Slice& s) {
@@ -1322,7 +1348,10 @@ void ActivationStore::RunRemover() {
       mu_.Await(absl::Condition(&work));
       if (stop_) return;
     }
-    RemoveDroppedFiles(Removal::kWhenDiskIdle);
+    if (!RemoveDroppedFiles(Removal::kWhenDiskIdle)) {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Seconds(1));
+    }
   }
 }
 

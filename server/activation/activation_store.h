@@ -46,7 +46,7 @@
 // it. Waits (for room, for a read-back) end at the caller's deadline
 // (DeadlineExceeded; what was started goes on in the background and changes
 // nothing the caller relied on); a free's wait for the spill I/O of the
-// slices it freed ends after 30 s. File I/O
+// slices it freed ends after 30 s or the disk timeout. File I/O
 // completes on SpillIo's thread; a janitor thread drops bulk reservations
 // not committed within their lease; a remover thread removes dropped files
 // once the disk is idle.
@@ -124,11 +124,13 @@ class ActivationStore {
     // thread (tests call Tick()).
     absl::Duration janitor_period = absl::Milliseconds(100);
     unsigned io_queue_depth = 64;
-    // A spill write (its file's creation included) not done within this
-    // counts the spill directory as hung: a reservation waiting for it ends
-    // UNAVAILABLE, and while one is that old nothing more is spilled (room
-    // that needs a spill is UNAVAILABLE at once). Creations run on a thread
-    // of their own, so that a hung disk holds no request's thread.
+    // Spill writes in flight of which none ends within this (or a file's
+    // creation or removal that runs this long) count the spill directory as
+    // hung: a reservation waiting for room ends UNAVAILABLE, and while it is
+    // hung nothing more is spilled (room that needs a spill is UNAVAILABLE
+    // at once). Creations and removals run on a thread of their own, so
+    // that a hung disk holds no request's thread. Longer than the write of
+    // the largest slice.
     absl::Duration disk_timeout = absl::Seconds(10);
     // Whether a remover thread removes dropped files once the disk is idle
     // (see the top). false (tests): only spills that need their space, frees
@@ -234,8 +236,8 @@ class ActivationStore {
   // `step`, or every slice of the owner's rank. Reservations go too. Their
   // spill files are dropped (see the top): FreeStep and FreeAll return once
   // every dropped file of the store is gone (unless the spill I/O in flight
-  // of the slices they free has not ended within 30 s; those files go when
-  // it ends), FreeKey leaves them to be removed when the disk's spill I/O
+  // of the slices they free has not ended within 30 s or the disk timeout,
+  // or the disk does not answer: those files go later), FreeKey leaves them to be removed when the disk's spill I/O
   // pauses.
   absl::StatusOr<Freed> FreeKey(const SliceOwner& owner, const ActivationKey& key);
   // The end of a bulk fetch that read the slice where its reservation put
@@ -345,13 +347,17 @@ class ActivationStore {
   absl::StatusOr<std::shared_ptr<Slice>> ReserveSlice(const SliceOwner& owner,
                                                       const ActivationKey& key, uint64_t bytes,
                                                       bool stream, absl::Time deadline);
-  // Whether a spill write (or a file's creation) has been in flight for
-  // longer than options_.disk_timeout; the sentence that says so.
+  // Whether spill writes are in flight and none has ended for longer than
+  // options_.disk_timeout, or a file's creation or removal has run that
+  // long; the sentence that says so.
   bool SpillHungLocked(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string SpillHungMessage() const;
-  // A new spill file, created on spill_opener_ (Unavailable when the disk
+  // A new spill file, created on spill_disk_ (Unavailable when the disk
   // does not answer within options_.disk_timeout).
   absl::StatusOr<int> CreateSpillFile(const std::string& path);
+  // Removes spill files on spill_disk_; false when the disk did not answer
+  // within options_.disk_timeout (they may go later, or not at all).
+  bool RemoveSpillFiles(std::vector<std::string> paths);
   // Makes room for a block of `block` bytes: picks victims (the job's oldest
   // stored slices, never `exclude`) whose spilling, with the spills already
   // in flight, frees a block that large once the reservations waiting
@@ -376,9 +382,9 @@ class ActivationStore {
   // it had none.
   void OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status,
                       std::optional<uint32_t> crc) ABSL_LOCKS_EXCLUDED(mu_);
-  // Waits (at most kIoEndWait, mu_ released meanwhile) until none of
-  // `slices` has a spill write or read-back in flight (whose end drops the
-  // file of a freed slice).
+  // Waits (at most kIoEndWait or the disk timeout, mu_ released meanwhile)
+  // until none of `slices` has a spill write or read-back in flight (whose
+  // end drops the file of a freed slice).
   void AwaitIoEndLocked(const std::vector<std::shared_ptr<Slice>>& slices)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status, bool crc_ok)
@@ -417,17 +423,19 @@ class ActivationStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts a state change and wakes every waiter.
   void NotifyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Removes dropped files (file system calls, no lock held but remove_mu_
-  // and mu_ briefly) until none is left that `removal` takes.
-  void RemoveDroppedFiles(Removal removal) ABSL_LOCKS_EXCLUDED(mu_, remove_mu_);
+  // Removes dropped files (on spill_disk_, no lock held but remove_mu_ and
+  // mu_ briefly) until none is left that `removal` takes. False when the
+  // disk did not answer within options_.disk_timeout: those files stay
+  // dropped, for a later call.
+  bool RemoveDroppedFiles(Removal removal) ABSL_LOCKS_EXCLUDED(mu_, remove_mu_);
   // Whether the remover thread has files to remove now.
   bool RemovableLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether the live spill files and the dropped ones together pass
   // --spill_bytes.
   bool OverSpillBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // remover_: RemoveDroppedFiles(kWhenDiskIdle) whenever RemovableLocked(),
-  // until stop_. Request threads and SpillIo's thread never wait for those
-  // removals.
+  // until stop_ (once a second while the disk does not answer). Request
+  // threads and SpillIo's thread never wait for those removals.
   void RunRemover();
   absl::Status CommitIncoming(const std::shared_ptr<Slice>& slice, uint32_t crc32c)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -449,9 +457,10 @@ class ActivationStore {
   uint64_t skew_ = 0;
   uint64_t alignment_ = 64;
   uint64_t capacity_ = 0;
-  // Shared with the calls left on spill_opener_ by a hung disk.
+  // Shared with the calls left on spill_disk_ by a hung disk.
   std::shared_ptr<InstanceDirectory> spill_dir_;
-  std::unique_ptr<DiskWorker> spill_opener_;  // creates spill files; with spill_dir_
+  // Creates and removes spill files; with spill_dir_.
+  std::unique_ptr<DiskWorker> spill_disk_;
   // Declared after everything its callbacks touch except the state below,
   // and reset first by the destructor.
   std::unique_ptr<SpillIo> io_;
@@ -466,6 +475,8 @@ class ActivationStore {
   ArenaAllocator allocator_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
   std::set<Slice*> spilling_ ABSL_GUARDED_BY(mu_);  // writes in flight
+  // When a spill write last ended, or the first of spilling_ began.
+  absl::Time spill_progress_at_ ABSL_GUARDED_BY(mu_);
   // Reservations waiting for room, oldest first. Room goes to them in this
   // order, and each plans its spills counting the room of those ahead of it
   // that fit the plan: a later one does not take the room an earlier one's

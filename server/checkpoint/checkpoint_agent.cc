@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <cstdio>
+
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -16,7 +18,7 @@ CheckpointAgent::CheckpointAgent(Options options, const v1::JobSpec* spec, StepE
       spec_(spec),
       step_(step),
       config_(step->config()),
-      writer_([&] {
+      writer_(std::make_shared<CheckpointWriter>([&] {
         CheckpointWriter::Options o;
         o.root = options_.root;
         o.job_id = config_.job_id;
@@ -25,12 +27,25 @@ CheckpointAgent::CheckpointAgent(Options options, const v1::JobSpec* spec, StepE
         o.ledger = options_.ledger;
         o.metrics = options_.metrics;
         return o;
-      }()) {}
+      }())) {}
+
+CheckpointAgent::~CheckpointAgent() {
+  if (!writer_->AwaitIdle(kWriteWaitAtRemoval)) {
+    std::fprintf(stderr,
+                 "zeroshardd: job %s: a checkpoint write is still in progress %s after the job's "
+                 "removal began (its disk hangs?); it goes on, and its buffers are freed when it "
+                 "ends\n",
+                 config_.job_id.c_str(), absl::FormatDuration(kWriteWaitAtRemoval).c_str());
+    return;
+  }
+  // The write's thread drops its reference right after it ends the claim.
+  for (int i = 0; i < 1000 && writer_.use_count() > 1; ++i) absl::SleepFor(absl::Milliseconds(1));
+}
 
 absl::StatusOr<CheckpointSaved> CheckpointAgent::Save(const std::string& name, uint64_t step) {
   if (absl::Status s = ValidateCheckpointName(name, false); !s.ok()) return s;
   const std::string manifest =
-      absl::StrCat(CheckpointDir(writer_.root(), config_.job_id, name), "/",
+      absl::StrCat(CheckpointDir(writer_->root(), config_.job_id, name), "/",
                    kManifestFile);
   if (::access(manifest.c_str(), F_OK) == 0) {
     return absl::AlreadyExistsError(absl::StrCat("checkpoint ", config_.job_id, "/", name,
@@ -43,7 +58,7 @@ absl::StatusOr<CheckpointSaved> CheckpointAgent::Save(const std::string& name, u
   // writer's buffers, claimed (allocated and faulted in on the first save)
   // before the commit lock, and written in the background.
   const bool from_disk = step_->states_on_disk();
-  if (absl::Status s = from_disk ? writer_.Claim(0, 0) : writer_.Claim(n, files.size());
+  if (absl::Status s = from_disk ? writer_->Claim(0, 0) : writer_->Claim(n, files.size());
       !s.ok()) {
     return s;
   }
@@ -54,7 +69,7 @@ absl::StatusOr<CheckpointSaved> CheckpointAgent::Save(const std::string& name, u
   {
     absl::MutexLock commit_lock(&step_->commit_lock());
     if (step != step_->committed_step()) {
-      writer_.Release(/*failed=*/true);
+      writer_->Release(/*failed=*/true);
       return absl::FailedPreconditionError(
           absl::StrCat("step: job ", config_.job_id, " has committed step ",
                        step_->committed_step(), ", asked to save ", step));
@@ -69,7 +84,7 @@ absl::StatusOr<CheckpointSaved> CheckpointAgent::Save(const std::string& name, u
       }
       if (from_disk) {
         // Ends the claim.
-        copied = writer_.WriteNow(
+        copied = writer_->WriteNow(
             name, step_->owned_unpadded(), files, state, [&](size_t i, ArraySink sink) {
               return shard.StreamOut(i, n, [&](const float* data, size_t count) {
                 return sink(data, count * sizeof(float));
@@ -78,16 +93,16 @@ absl::StatusOr<CheckpointSaved> CheckpointAgent::Save(const std::string& name, u
         return;
       }
       std::vector<float*> dst;
-      for (size_t i = 0; i < files.size(); ++i) dst.push_back(writer_.buffer(i));
+      for (size_t i = 0; i < files.size(); ++i) dst.push_back(writer_->buffer(i));
       copied = shard.CopyOut(n, dst.data());
     });
     if (!copied.ok()) {
-      if (!from_disk) writer_.Release(/*failed=*/true);
+      if (!from_disk) writer_->Release(/*failed=*/true);
       return copied;
     }
   }
   const absl::Duration stall = absl::Now() - start;
-  if (!from_disk) writer_.StartWrite(name, step_->owned_unpadded(), files, state);
+  if (!from_disk) writer_->StartWrite(name, step_->owned_unpadded(), files, state);
   CheckpointSaved out;
   out.step = state.committed_step();
   out.bytes = n * sizeof(float) * files.size();
@@ -100,7 +115,7 @@ absl::StatusOr<CheckpointSaved> CheckpointAgent::Save(const std::string& name, u
 
 absl::StatusOr<CheckpointProgress> CheckpointAgent::Status(const std::string& name,
                                                            absl::Duration wait) {
-  return writer_.Status(name, wait);
+  return writer_->Status(name, wait);
 }
 
 absl::StatusOr<uint64_t> CheckpointAgent::Complete(const std::string& name,
@@ -113,7 +128,7 @@ absl::StatusOr<uint64_t> CheckpointAgent::Complete(const std::string& name,
   }
   // This daemon's part must be the one it wrote.
   v1::PartManifest mine;
-  const std::string root = writer_.root();
+  const std::string root = writer_->root();
   if (absl::Status s = ReadProtoFile(
           absl::StrCat(CheckpointPartDir(root, config_.job_id, name, options_.daemon_index), "/",
                        kPartManifestFile),
@@ -182,7 +197,7 @@ absl::StatusOr<uint64_t> CheckpointAgent::Complete(const std::string& name,
 
 absl::StatusOr<CheckpointLoaded> CheckpointAgent::Load(const std::string& requested) {
   const absl::Time start = absl::Now();
-  const std::string root = writer_.root();
+  const std::string root = writer_->root();
   absl::StatusOr<std::string> name = ResolveCheckpointName(root, config_.job_id, requested);
   if (!name.ok()) return name.status();
   absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(root, config_.job_id, *name);
@@ -213,7 +228,7 @@ absl::StatusOr<CheckpointLoaded> CheckpointAgent::Load(const std::string& reques
   // States on disk are restored from the files chunk by chunk (no copy in
   // RAM); others through the writer's buffers.
   const bool to_disk = step_->states_on_disk();
-  if (absl::Status s = to_disk ? writer_.Claim(0, 0) : writer_.Claim(n, files.size());
+  if (absl::Status s = to_disk ? writer_->Claim(0, 0) : writer_->Claim(n, files.size());
       !s.ok()) {
     return s;
   }
@@ -231,11 +246,11 @@ absl::StatusOr<CheckpointLoaded> CheckpointAgent::Load(const std::string& reques
         s = reader.ReadRange(files[i], r, scratch.data(), &bytes_read);
       }
     } else {
-      src.push_back(writer_.buffer(i));
-      s = reader.ReadRange(files[i], owned, writer_.buffer(i), &bytes_read);
+      src.push_back(writer_->buffer(i));
+      s = reader.ReadRange(files[i], owned, writer_->buffer(i), &bytes_read);
     }
     if (!s.ok()) {
-      writer_.Release(/*failed=*/true);
+      writer_->Release(/*failed=*/true);
       return s;
     }
   }
@@ -263,7 +278,7 @@ absl::StatusOr<CheckpointLoaded> CheckpointAgent::Load(const std::string& reques
           state.optimizer_steps(), tensor_steps);
     });
   }
-  writer_.Release(/*failed=*/!restored.ok());
+  writer_->Release(/*failed=*/!restored.ok());
   if (!restored.ok()) return restored;
   CheckpointLoaded out;
   out.name = *name;

@@ -59,6 +59,11 @@ class CheckpointAgent {
   // `spec` (the job's, written into manifests) and `step` must outlive the
   // agent.
   CheckpointAgent(Options options, const v1::JobSpec* spec, StepEngine* step);
+  // Waits up to kWriteWaitAtRemoval for a write in progress, so that the
+  // writer normally goes with the agent; past it (a hung disk) the write
+  // goes on and its writer goes when it ends.
+  ~CheckpointAgent();
+  static constexpr absl::Duration kWriteWaitAtRemoval = absl::Seconds(10);
 
   // Snapshots the committed state (holding the commit lock for the copy
   // only) and starts writing it in the background.
@@ -79,7 +84,9 @@ class CheckpointAgent {
   const v1::JobSpec* const spec_;
   StepEngine* const step_;
   const JobConfig& config_;
-  CheckpointWriter writer_;
+  // Shared with its write in progress, which may outlive the agent (a hung
+  // disk: the job can go meanwhile).
+  const std::shared_ptr<CheckpointWriter> writer_;
 };
 
 }  // namespace zeroshard

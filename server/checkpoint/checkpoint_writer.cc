@@ -12,15 +12,6 @@ namespace zeroshard {
 
 CheckpointWriter::CheckpointWriter(Options options) : options_(std::move(options)) {}
 
-CheckpointWriter::~CheckpointWriter() {
-  std::thread writer;
-  {
-    absl::MutexLock lock(&mu_);
-    writer = std::move(writer_);
-  }
-  if (writer.joinable()) writer.join();
-}
-
 absl::Status CheckpointWriter::Claim(uint64_t elements, size_t arrays) {
   absl::MutexLock lock(&mu_);
   if (claimed_) {
@@ -57,8 +48,6 @@ absl::Status CheckpointWriter::Claim(uint64_t elements, size_t arrays) {
     }
     allocated_by_claim_ = true;
   }
-  // The previous writer thread has ended (it clears claimed_ last).
-  if (writer_.joinable()) writer_.join();
   claimed_ = true;
   return absl::OkStatus();
 }
@@ -87,8 +76,8 @@ void CheckpointWriter::StartWrite(std::string name, FlatRange range, std::vector
                                 v1::TrainingState state) {
   absl::MutexLock lock(&mu_);
   BeginLocked(name, range.size() * sizeof(float) * files.size());
-  writer_ = std::thread([this, name = std::move(name), range, files = std::move(files),
-                         state = std::move(state)]() mutable {
+  std::thread([this, self = shared_from_this(), name = std::move(name), range,
+               files = std::move(files), state = std::move(state)]() mutable {
     const ArraySource buffers = [this, range](size_t i, ArraySink sink) {
       float* data = nullptr;
       {
@@ -98,7 +87,7 @@ void CheckpointWriter::StartWrite(std::string name, FlatRange range, std::vector
       return sink(data, range.size() * sizeof(float));
     };
     Write(std::move(name), range, std::move(files), std::move(state), buffers).IgnoreError();
-  });
+  }).detach();
 }
 
 absl::Status CheckpointWriter::WriteNow(std::string name, FlatRange range,
@@ -152,6 +141,12 @@ absl::Status CheckpointWriter::Write(std::string name, FlatRange range,
   }
   claimed_ = false;
   return s;
+}
+
+bool CheckpointWriter::AwaitIdle(absl::Duration max) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !claimed_; };
+  return mu_.AwaitWithTimeout(absl::Condition(&idle), max);
 }
 
 absl::StatusOr<CheckpointProgress> CheckpointWriter::Status(const std::string& name,

@@ -12,12 +12,15 @@
 // saves and loads: a save's stall is a copy into warm memory. They are
 // freed with the job.
 //
-// Thread-safe. Blocking: only WaitForWrite / Status with a wait, and the
-// destructor (which joins the writer).
+// Thread-safe. Blocking: only Status with a wait. Held in a shared_ptr: a
+// write in progress holds the writer until it ends, so that the job can go
+// while its disk hangs (the write then ends, and the writer goes, when the
+// disk answers; the ledger and metrics it was given must outlive that).
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -48,7 +51,7 @@ struct CheckpointProgress {
   absl::Status error;                    // kFailed: why
 };
 
-class CheckpointWriter {
+class CheckpointWriter : public std::enable_shared_from_this<CheckpointWriter> {
  public:
   struct Options {
     std::string root;  // --checkpoint_dir
@@ -59,9 +62,8 @@ class CheckpointWriter {
     DaemonMetrics* metrics = nullptr;  // may be null
   };
 
+  // Make it with std::make_shared (StartWrite shares it with its thread).
   explicit CheckpointWriter(Options options);
-  // Waits for a write in progress to end.
-  ~CheckpointWriter();
 
   const std::string& root() const { return options_.root; }
 
@@ -78,7 +80,8 @@ class CheckpointWriter {
   void Release(bool failed);
 
   // Writes the claimed buffers as `name`'s part (the files named `files`,
-  // buffer i to files[i]) in the background and ends the claim when done.
+  // buffer i to files[i]) on a thread of its own, which holds this writer,
+  // and ends the claim when done.
   // `range` is the flat range the buffers hold.
   void StartWrite(std::string name, FlatRange range, std::vector<std::string> files,
                   v1::TrainingState state);
@@ -92,6 +95,10 @@ class CheckpointWriter {
   // Status then reports as for StartWrite.
   absl::Status WriteNow(std::string name, FlatRange range, std::vector<std::string> files,
                         v1::TrainingState state, const ArraySource& source);
+
+  // Waits up to `max` for no claim (and so no write) to be in progress;
+  // whether none is.
+  bool AwaitIdle(absl::Duration max);
 
   // The last save's status; waits up to `wait` for a write in progress.
   // NotFound when `name` is not the last save this daemon started for the
@@ -112,7 +119,6 @@ class CheckpointWriter {
   bool allocated_by_claim_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<LedgerArray<float>> buffers_ ABSL_GUARDED_BY(mu_);
   std::optional<CheckpointProgress> status_ ABSL_GUARDED_BY(mu_);  // of the last save
-  std::thread writer_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> bytes_written_{0};
 };
 
