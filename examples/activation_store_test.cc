@@ -32,6 +32,28 @@ bool SameBytes(const torch::Tensor& a, const torch::Tensor& b) {
          std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.numel() * ca.element_size()) == 0;
 }
 
+// The layers in the order backward loads them.
+std::vector<int> BackwardOrder() {
+  std::vector<int> order;
+  for (int l = kLayers - 1; l >= 0; --l) order.push_back(l);
+  return order;
+}
+
+// One step: every layer saved, then loaded in backward order, each load
+// equal to its save.
+void RunStep(ActivationStore& store, uint64_t step) {
+  ASSERT_TRUE(store.BeginStep(step).ok());
+  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(store.Save(l, Checkpoint(l)).ok());
+  ASSERT_TRUE(store.BeginBackward(BackwardOrder()).ok());
+  for (int l : BackwardOrder()) {
+    absl::StatusOr<torch::Tensor> t = store.Load(l);
+    ASSERT_TRUE(t.ok()) << "step " << step << " layer " << l << ": " << t.status();
+    EXPECT_TRUE(SameBytes(*t, Checkpoint(l))) << "step " << step << " layer " << l;
+  }
+  ASSERT_TRUE(store.EndStep().ok());
+  EXPECT_EQ(store.bytes(), 0u);
+}
+
 // Two steps of forward saves and backward loads; every load equals its save.
 // `keep_last`: DaemonActivationStore::Options::keep_last.
 void RunSteps(ActivationStore& store, bool keeps_all, uint32_t keep_last = 1) {
@@ -41,20 +63,7 @@ void RunSteps(ActivationStore& store, bool keeps_all, uint32_t keep_last = 1) {
     largest = std::max<uint64_t>(largest, t.numel() * t.element_size());
     total += t.numel() * t.element_size();
   }
-  for (uint64_t step = 1; step <= 2; ++step) {
-    ASSERT_TRUE(store.BeginStep(step).ok());
-    for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(store.Save(l, Checkpoint(l)).ok());
-    std::vector<int> order;
-    for (int l = kLayers - 1; l >= 0; --l) order.push_back(l);
-    ASSERT_TRUE(store.BeginBackward(order).ok());
-    for (int l : order) {
-      absl::StatusOr<torch::Tensor> t = store.Load(l);
-      ASSERT_TRUE(t.ok()) << t.status();
-      EXPECT_TRUE(SameBytes(*t, Checkpoint(l))) << "step " << step << " layer " << l;
-    }
-    ASSERT_TRUE(store.EndStep().ok());
-    EXPECT_EQ(store.bytes(), 0u);
-  }
+  for (uint64_t step = 1; step <= 2; ++step) RunStep(store, step);
   EXPECT_EQ(store.peak_step_bytes(), total);
   if (keeps_all) {
     EXPECT_EQ(store.peak_bytes(), total);
@@ -125,24 +134,13 @@ TEST(ActivationStoreTest, CheckpointsTheStoreHasNoRoomForStayInTheTrainer) {
   DaemonActivationStore::Options o;
   o.keep_last = 0;
   DaemonActivationStore store(std::make_unique<RefusingStore>(), o);
-  ASSERT_TRUE(store.BeginStep(1).ok());
-  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(store.Save(l, Checkpoint(l)).ok());
-  std::vector<int> order;
-  for (int l = kLayers - 1; l >= 0; --l) order.push_back(l);
-  ASSERT_TRUE(store.BeginBackward(order).ok());
-  for (int l : order) {
-    absl::StatusOr<torch::Tensor> t = store.Load(l);
-    ASSERT_TRUE(t.ok()) << "layer " << l << ": " << t.status();
-    EXPECT_TRUE(SameBytes(*t, Checkpoint(l))) << "layer " << l;
-  }
-  ASSERT_TRUE(store.EndStep().ok());
+  RunStep(store, 1);
   EXPECT_EQ(store.refused(), 2u);
-  EXPECT_EQ(store.bytes(), 0u);
 
   ASSERT_TRUE(store.BeginStep(2).ok());
   absl::Status failed;
   for (int l = 0; l < kLayers && failed.ok(); ++l) failed = store.Save(l, Checkpoint(l));
-  if (failed.ok()) failed = store.BeginBackward(order);
+  if (failed.ok()) failed = store.BeginBackward(BackwardOrder());
   EXPECT_EQ(failed.code(), absl::StatusCode::kDataLoss) << failed;
   EXPECT_EQ(store.refused(), 2u);
 }

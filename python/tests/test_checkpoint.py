@@ -85,6 +85,7 @@ def test_save_and_await_while_training(trained):
     # Masters and both Adam moments, alignment padding included.
     assert info["save"]["bytes"] >= 3 * 4 * n
     assert info["save"]["snapshot_seconds"] >= 0
+    assert info["save"]["previous_error"] == ""  # the first save
     assert info["await"]["name"] == cw.CHECKPOINT
     assert info["await"]["step"] == cw.SAVE_AT
     assert info["await"]["bytes"] == info["save"]["bytes"]
@@ -97,6 +98,12 @@ def test_save_and_await_while_training(trained):
     for name in info["names"]:
         assert torch.equal(torch.from_numpy(arrays[f"saved:{name}"]),
                            torch.from_numpy(trained[1][1][f"saved:{name}"]))
+
+
+def test_a_save_waits_for_the_previous_one_ten_seconds_by_default():
+    # Past it the save raises UNAVAILABLE and training may go on
+    # (tests/hung_disk_test.sh runs that against a frozen disk).
+    assert zeroshard._zeroshard.DEFAULTS["checkpoint_wait"] == 10.0
 
 
 def test_export_reads_back_bit_for_bit(cluster, trained, tmp_path):

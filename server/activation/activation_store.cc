@@ -339,23 +339,24 @@ bool ActivationStore::RemoveDroppedFiles(Removal removal) {
       }
       removing_files_ = files.size();
     }
+    // One file a call, so that the disk timeout bounds one removal.
     uint64_t removed_bytes = 0;
-    std::vector<std::string> paths;
-    for (const DroppedFile& f : files) {
-      paths.push_back(f.path);
-      removed_bytes += f.bytes;
+    size_t removed = 0;
+    while (removed < files.size() && RemoveSpillFiles({files[removed].path})) {
+      removed_bytes += files[removed].bytes;
+      ++removed;
     }
-    const bool removed = RemoveSpillFiles(std::move(paths));
     absl::MutexLock lock(&mu_);
     removing_files_ = 0;
-    if (!removed) {
-      // The disk does not answer: kept for a later pass (removing one twice
-      // is harmless).
-      dropped_files_.insert(dropped_files_.begin(), std::make_move_iterator(files.begin()),
+    dropped_bytes_ -= removed_bytes;
+    if (removed < files.size()) {
+      // The disk does not answer: the rest kept for a later pass (removing
+      // one twice is harmless).
+      dropped_files_.insert(dropped_files_.begin(),
+                            std::make_move_iterator(files.begin() + removed),
                             std::make_move_iterator(files.end()));
       return false;
     }
-    dropped_bytes_ -= removed_bytes;
   }
 }
 
@@ -442,7 +443,7 @@ std::string ActivationStore::SpillHungMessage() const {
 
 absl::StatusOr<int> ActivationStore::CreateSpillFile(const std::string& path) {
   // The file, if the creation ends after its caller stopped waiting: closed
-  // and removed then, on the opener's thread.
+  // and removed then, on spill_disk_'s thread.
   struct Created {
     absl::Mutex mu;
     bool abandoned ABSL_GUARDED_BY(mu) = false;
@@ -625,11 +626,17 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
         }
       };
       queued =
-          io_->Write(file, r.address, r.length, deadline, [file, join, end_part](absl::Status s) {
-            ::close(file);
-            join->status = std::move(s);
-            end_part();
-          });
+          io_->Write(file, r.address, r.length, deadline,
+                     [this, file, join, end_part](absl::Status s) {
+                       ::close(file);
+                       {
+                         // The disk answered: the hang clock starts again.
+                         absl::MutexLock lock(&mu_);
+                         spill_progress_at_ = absl::Now();
+                       }
+                       join->status = std::move(s);
+                       end_part();
+                     });
       if (queued.ok() && take) {
         checksums.push_back([join, end_part, address = r.address, n = r.crc_bytes] {
           join->crc = Crc32c(address, n);
@@ -685,7 +692,6 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
         path = slice->file;  // removed below with no lock held, then back here
       } else {
         spilling_.erase(slice.get());
-        spill_progress_at_ = absl::Now();
         slice->state = Slice::State::kStored;
         if (stays) {
           if (!status.ok()) {
@@ -747,14 +753,16 @@ void ActivationStore::OnReadBack(const std::shared_ptr<Slice>& slice, absl::Stat
 }
 
 void ActivationStore::AwaitIoEndLocked(const std::vector<std::shared_ptr<Slice>>& slices) {
-  const absl::Time until = absl::Now() + std::min(kIoEndWait, options_.disk_timeout);
+  const absl::Time until = absl::Now() + kIoEndWait;
   // A freed slice whose spill write or read-back is in flight loses its
-  // file when that ends (OnSpillWritten, OnReadBack).
+  // file when that ends (OnSpillWritten, OnReadBack). Not waited for while
+  // the disk hangs (checked every second).
   auto busy = [](const Slice& s) {
     return s.state == Slice::State::kSpilling || s.state == Slice::State::kReading;
   };
   for (const auto& s : slices) {
-    while (busy(*s) && !changed_.WaitWithDeadline(&mu_, until)) {
+    while (busy(*s) && absl::Now() < until && !SpillHungLocked(absl::Now())) {
+      changed_.WaitWithDeadline(&mu_, std::min(until, absl::Now() + absl::Seconds(1)));
     }
   }
 }

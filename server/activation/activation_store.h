@@ -46,7 +46,7 @@
 // it. Waits (for room, for a read-back) end at the caller's deadline
 // (DeadlineExceeded; what was started goes on in the background and changes
 // nothing the caller relied on); a free's wait for the spill I/O of the
-// slices it freed ends after 30 s or the disk timeout. File I/O
+// slices it freed ends after 30 s, or at once while the disk hangs. File I/O
 // completes on SpillIo's thread; a janitor thread drops bulk reservations
 // not committed within their lease; a remover thread removes dropped files
 // once the disk is idle.
@@ -236,8 +236,8 @@ class ActivationStore {
   // `step`, or every slice of the owner's rank. Reservations go too. Their
   // spill files are dropped (see the top): FreeStep and FreeAll return once
   // every dropped file of the store is gone (unless the spill I/O in flight
-  // of the slices they free has not ended within 30 s or the disk timeout,
-  // or the disk does not answer: those files go later), FreeKey leaves them to be removed when the disk's spill I/O
+  // of the slices they free has not ended within 30 s, or the disk hangs:
+  // those files go later), FreeKey leaves them to be removed when the disk's spill I/O
   // pauses.
   absl::StatusOr<Freed> FreeKey(const SliceOwner& owner, const ActivationKey& key);
   // The end of a bulk fetch that read the slice where its reservation put
@@ -382,9 +382,9 @@ class ActivationStore {
   // it had none.
   void OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status,
                       std::optional<uint32_t> crc) ABSL_LOCKS_EXCLUDED(mu_);
-  // Waits (at most kIoEndWait or the disk timeout, mu_ released meanwhile)
-  // until none of `slices` has a spill write or read-back in flight (whose
-  // end drops the file of a freed slice).
+  // Waits (at most kIoEndWait, and not while the spill disk hangs; mu_
+  // released meanwhile) until none of `slices` has a spill write or
+  // read-back in flight (whose end drops the file of a freed slice).
   void AwaitIoEndLocked(const std::vector<std::shared_ptr<Slice>>& slices)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnReadBack(const std::shared_ptr<Slice>& slice, absl::Status status, bool crc_ok)
@@ -475,7 +475,8 @@ class ActivationStore {
   ArenaAllocator allocator_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
   std::set<Slice*> spilling_ ABSL_GUARDED_BY(mu_);  // writes in flight
-  // When a spill write last ended, or the first of spilling_ began.
+  // When the disk last completed a spill write, or the first of spilling_
+  // began.
   absl::Time spill_progress_at_ ABSL_GUARDED_BY(mu_);
   // Reservations waiting for room, oldest first. Room goes to them in this
   // order, and each plans its spills counting the room of those ahead of it

@@ -30,16 +30,13 @@ CheckpointAgent::CheckpointAgent(Options options, const v1::JobSpec* spec, StepE
       }())) {}
 
 CheckpointAgent::~CheckpointAgent() {
-  if (!writer_->AwaitIdle(kWriteWaitAtRemoval)) {
+  if (!writer_->Retire(kWriteWaitAtRemoval)) {
     std::fprintf(stderr,
                  "zeroshardd: job %s: a checkpoint write is still in progress %s after the job's "
                  "removal began (its disk hangs?); it goes on, and its buffers are freed when it "
                  "ends\n",
                  config_.job_id.c_str(), absl::FormatDuration(kWriteWaitAtRemoval).c_str());
-    return;
   }
-  // The write's thread drops its reference right after it ends the claim.
-  for (int i = 0; i < 1000 && writer_.use_count() > 1; ++i) absl::SleepFor(absl::Milliseconds(1));
 }
 
 absl::StatusOr<CheckpointSaved> CheckpointAgent::Save(const std::string& name, uint64_t step) {

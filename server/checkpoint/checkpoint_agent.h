@@ -59,9 +59,9 @@ class CheckpointAgent {
   // `spec` (the job's, written into manifests) and `step` must outlive the
   // agent.
   CheckpointAgent(Options options, const v1::JobSpec* spec, StepEngine* step);
-  // Waits up to kWriteWaitAtRemoval for a write in progress, so that the
-  // writer normally goes with the agent; past it (a hung disk) the write
-  // goes on and its writer goes when it ends.
+  // Waits up to kWriteWaitAtRemoval for a write in progress and frees the
+  // snapshot buffers; past it (a hung disk) the write goes on, and frees
+  // them when it ends (CheckpointWriter::Retire).
   ~CheckpointAgent();
   static constexpr absl::Duration kWriteWaitAtRemoval = absl::Seconds(10);
 

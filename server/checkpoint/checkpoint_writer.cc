@@ -87,7 +87,29 @@ void CheckpointWriter::StartWrite(std::string name, FlatRange range, std::vector
       return sink(data, range.size() * sizeof(float));
     };
     Write(std::move(name), range, std::move(files), std::move(state), buffers).IgnoreError();
+    // Its job went while the disk hung: what it booked goes now.
+    std::vector<LedgerArray<float>> orphaned_buffers;
+    {
+      absl::MutexLock lock(&mu_);
+      if (orphaned_) orphaned_buffers = std::move(buffers_);
+    }
+    if (!orphaned_buffers.empty()) {
+      orphaned_buffers.clear();
+      options_.ledger->RemoveJobIfEmpty(options_.job_id);
+    }
   }).detach();
+}
+
+bool CheckpointWriter::Retire(absl::Duration max) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !claimed_; };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&idle), max)) {
+    orphaned_ = true;
+    return false;
+  }
+  // Released here, not by whichever thread lets go of the writer last.
+  buffers_.clear();
+  return true;
 }
 
 absl::Status CheckpointWriter::WriteNow(std::string name, FlatRange range,
@@ -127,7 +149,13 @@ absl::Status CheckpointWriter::Write(std::string name, FlatRange range,
       ::unlink(absl::StrCat(dir, "/", f.name()).c_str());
     }
   }
-  if (s.ok() && options_.metrics != nullptr) {
+  bool orphaned;
+  {
+    absl::MutexLock lock(&mu_);
+    orphaned = orphaned_;
+  }
+  // An orphaned writer's job is gone, and with it the job's metrics.
+  if (s.ok() && options_.metrics != nullptr && !orphaned) {
     options_.metrics->RecordCheckpointWrite(options_.job_id, took, bytes_written_.load());
   }
   absl::MutexLock lock(&mu_);
@@ -141,12 +169,6 @@ absl::Status CheckpointWriter::Write(std::string name, FlatRange range,
   }
   claimed_ = false;
   return s;
-}
-
-bool CheckpointWriter::AwaitIdle(absl::Duration max) {
-  absl::MutexLock lock(&mu_);
-  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !claimed_; };
-  return mu_.AwaitWithTimeout(absl::Condition(&idle), max);
 }
 
 absl::StatusOr<CheckpointProgress> CheckpointWriter::Status(const std::string& name,

@@ -12,10 +12,12 @@
 // saves and loads: a save's stall is a copy into warm memory. They are
 // freed with the job.
 //
-// Thread-safe. Blocking: only Status with a wait. Held in a shared_ptr: a
-// write in progress holds the writer until it ends, so that the job can go
-// while its disk hangs (the write then ends, and the writer goes, when the
-// disk answers; the ledger and metrics it was given must outlive that).
+// Thread-safe. Blocking: only Status with a wait, and Retire. Held in a
+// shared_ptr: a write in progress holds the writer until it ends, so that
+// the job can go while its disk hangs (the write then ends, and the writer
+// goes, when the disk answers; the ledger it was given must outlive that:
+// the daemon's does, but for a process that destroys its daemon and goes
+// on while a disk hangs).
 
 #include <atomic>
 #include <cstdint>
@@ -96,9 +98,12 @@ class CheckpointWriter : public std::enable_shared_from_this<CheckpointWriter> {
   absl::Status WriteNow(std::string name, FlatRange range, std::vector<std::string> files,
                         v1::TrainingState state, const ArraySource& source);
 
-  // Waits up to `max` for no claim (and so no write) to be in progress;
-  // whether none is.
-  bool AwaitIdle(absl::Duration max);
+  // The owner goes (its job is removed): waits up to `max` for no claim
+  // (and so no write) to be in progress, then frees the buffers and returns
+  // true. Past `max` (a hung disk) returns false: the write goes on, and
+  // when it ends its thread frees the buffers and removes the job's ledger
+  // entry if that leaves it empty, and records no metrics.
+  bool Retire(absl::Duration max);
 
   // The last save's status; waits up to `wait` for a write in progress.
   // NotFound when `name` is not the last save this daemon started for the
@@ -120,6 +125,7 @@ class CheckpointWriter : public std::enable_shared_from_this<CheckpointWriter> {
   std::vector<LedgerArray<float>> buffers_ ABSL_GUARDED_BY(mu_);
   std::optional<CheckpointProgress> status_ ABSL_GUARDED_BY(mu_);  // of the last save
   std::atomic<uint64_t> bytes_written_{0};
+  bool orphaned_ ABSL_GUARDED_BY(mu_) = false;  // Retire gave up waiting
 };
 
 }  // namespace zeroshard
