@@ -879,6 +879,7 @@ absl::Status Client::Prefetch(uint32_t layer) {
 absl::StatusOr<CheckpointStarted> Client::SaveCheckpoint(const std::string& name) {
   if (!registered()) return absl::FailedPreconditionError("SaveCheckpoint before RegisterModel");
   RETURN_IF_ERROR(ValidateCheckpointName(name, false));
+  absl::Status previous;  // the previous save's failure
   if (checkpoint_finisher_.joinable()) {
     // A save already waited for in vain is not waited for again: each save
     // until it completes is refused at once.
@@ -892,9 +893,6 @@ absl::StatusOr<CheckpointStarted> Client::SaveCheckpoint(const std::string& name
           "slow); training goes on, and every save is refused at once until it is "
           "(ClientConfig::checkpoint_wait)"));
     }
-  }
-  absl::Status previous;
-  if (checkpoint_finisher_.joinable()) {
     absl::StatusOr<CheckpointCompleted> completed = AwaitCheckpoint();
     if (!completed.ok()) {
       previous = absl::Status(completed.status().code(),

@@ -229,10 +229,10 @@ absl::StatusOr<torch::Tensor> DaemonActivationStore::Load(int layer) {
   loaded_bytes_ = 0;
   RETURN_IF_ERROR(RetireDoneOffloads());
   torch::Tensor t;
-  if (auto k = FindKept(layer); k != kept_.end()) {
+  if (auto k = Find(kept_, layer); k != kept_.end()) {
     t = std::move(k->tensor);  // never left the trainer
     kept_.erase(k);
-  } else if (auto r = FindRefused(layer); r != refused_.end()) {
+  } else if (auto r = Find(refused_, layer); r != refused_.end()) {
     t = std::move(r->tensor);  // the store had no room for it
     refused_.erase(r);
   } else {

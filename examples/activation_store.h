@@ -155,17 +155,12 @@ class DaemonActivationStore final : public ActivationStore {
     int layer = 0;
     torch::Tensor tensor;
   };
-  std::deque<Kept>::iterator FindKept(int layer) {
-    return std::find_if(kept_.begin(), kept_.end(),
-                        [layer](const Kept& k) { return k.layer == layer; });
-  }
-  std::deque<Kept>::iterator FindRefused(int layer) {
-    return std::find_if(refused_.begin(), refused_.end(),
-                        [layer](const Kept& k) { return k.layer == layer; });
+  static std::deque<Kept>::iterator Find(std::deque<Kept>& in, int layer) {
+    return std::find_if(in.begin(), in.end(), [layer](const Kept& k) { return k.layer == layer; });
   }
   // Kept in the trainer: the latest, or refused by the store.
   bool IsKept(int layer) {
-    return FindKept(layer) != kept_.end() || FindRefused(layer) != refused_.end();
+    return Find(kept_, layer) != kept_.end() || Find(refused_, layer) != refused_.end();
   }
   // Keeps `t`, which the store refused with `why`, in the trainer; its
   // bytes stay counted.

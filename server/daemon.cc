@@ -454,8 +454,7 @@ void Daemon::StartServices(const std::string& bulk_error) {
   if (!options.checkpoint_dir.empty()) {
     checkpoint_disk_ = std::make_unique<DiskWorker>(
         absl::StrCat("--checkpoint_dir ", options.checkpoint_dir),
-        absl::StrCat("--disk_timeout_seconds=", absl::ToDoubleSeconds(options.disk_timeout)),
-        options.disk_timeout);
+        DiskTimeoutFlag(options.disk_timeout), options.disk_timeout);
     ctx.checkpoint_disk = checkpoint_disk_.get();
   }
   ctx.max_checkpoint_bytes_per_identity = options.max_checkpoint_bytes_per_identity;

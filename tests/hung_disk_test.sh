@@ -43,7 +43,7 @@
 #
 # Usage: hung_disk_test.sh ZEROSHARDD GPT_TRAIN (runfiles paths).
 set -u
-# zs_fail, zs_abspath, zs_kill_all, zs_daemon_address.
+# zs_fail, zs_abspath, zs_kill_all, zs_daemon_address, zs_last_step.
 source "$(dirname "$0")/lib.sh"
 
 # mount, mkfs.ext4 and fsfreeze live in sbin, which bazel's test
@@ -163,17 +163,10 @@ start_checkpoint_run() {
   start_run "$1" 2 "${DAEMON_ADDRS[0]},${DAEMON_ADDRS[1]}" "${TRAINER_FLAGS[@]}"
 }
 
-# last_step TAG: the last step rank 0 of run TAG reported; 0 if none yet.
-last_step() {
-  local s
-  s="$(sed -n 's|^[0-9.]* step \([0-9]*\)/.*|\1|p' "$WORK/$1.rank0.log" | tail -n 1)"
-  echo "${s:-0}"
-}
-
 # wait_for_step TAG S: until rank 0 of run TAG reported step S (60 s).
 wait_for_step() {
   local deadline=$((SECONDS + 60))
-  until (($(last_step "$1") >= $2)); do
+  until (($(zs_last_step "$WORK/$1.rank0.log") >= $2)); do
     kill -0 "${RUN_PIDS[0]}" 2>/dev/null || fail "run $1 ended before step $2"
     ((SECONDS < deadline)) || fail "run $1: rank 0 did not reach step $2"
     sleep 0.05

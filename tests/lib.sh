@@ -76,10 +76,12 @@ zs_step_times() {
 }
 
 # zs_last_step LOG: the last step rank 0 reported in LOG ("[rank 0] step
-# S/..." under zsrun, "step S/..." in a rank's own log); 0 if none yet.
+# S/..." under zsrun, "step S/..." in a rank's own log, either after a
+# wall-clock stamp "SECONDS.FRACTION "); 0 if none yet.
 zs_last_step() {
   local s
-  s="$(sed -n 's|^\(\[rank 0\] \)\{0,1\}step \([0-9]*\)/.*|\2|p' "$1" | tail -n 1)"
+  s="$(sed -n 's|^\([0-9][0-9.]* \)\{0,1\}\(\[rank 0\] \)\{0,1\}step \([0-9]*\)/.*|\3|p' "$1" |
+    tail -n 1)"
   echo "${s:-0}"
 }
 

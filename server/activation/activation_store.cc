@@ -139,8 +139,7 @@ absl::StatusOr<std::unique_ptr<ActivationStore>> ActivationStore::Create(
     }
     s->spill_disk_ = std::make_unique<DiskWorker>(
         absl::StrCat("--spill_dir ", options.spill_dir),
-        absl::StrCat("--disk_timeout_seconds=", absl::ToDoubleSeconds(options.disk_timeout)),
-        options.disk_timeout);
+        DiskTimeoutFlag(options.disk_timeout), options.disk_timeout);
   }
   // One alignment unit more than asked for, so that the arena holds
   // arena_bytes (rounded down to the alignment) wherever the region starts.
@@ -342,7 +341,7 @@ bool ActivationStore::RemoveDroppedFiles(Removal removal) {
     // One file a call, so that the disk timeout bounds one removal.
     uint64_t removed_bytes = 0;
     size_t removed = 0;
-    while (removed < files.size() && RemoveSpillFiles({files[removed].path})) {
+    while (removed < files.size() && RemoveSpillFile(files[removed].path)) {
       removed_bytes += files[removed].bytes;
       ++removed;
     }
@@ -424,10 +423,10 @@ bool ActivationStore::SpillHungLocked(absl::Time now) const {
   return spill_disk_ != nullptr && spill_disk_->Busy() > options_.disk_timeout;
 }
 
-bool ActivationStore::RemoveSpillFiles(std::vector<std::string> paths) {
+bool ActivationStore::RemoveSpillFile(const std::string& path) {
   return spill_disk_
-      ->Run([dir = spill_dir_, paths = std::move(paths)] {
-        for (const std::string& p : paths) dir->Remove(p);
+      ->Run([dir = spill_dir_, path] {
+        dir->Remove(path);
         return absl::OkStatus();
       })
       .ok();
@@ -435,9 +434,8 @@ bool ActivationStore::RemoveSpillFiles(std::vector<std::string> paths) {
 
 std::string ActivationStore::SpillHungMessage() const {
   return absl::StrCat("--spill_dir ", options_.spill_dir,
-                      " has not completed a spill write within --disk_timeout_seconds=",
-                      absl::ToDoubleSeconds(options_.disk_timeout),
-                      " (its disk is hung or far too slow): nothing is spilled until it does, so "
+                      " has not completed a spill write within ",
+                      DiskTimeoutFlag(options_.disk_timeout), " (its disk is hung or far too slow): nothing is spilled until it does, so "
                       "there is no room for this slice; keep it in the trainer meanwhile");
 }
 
@@ -716,7 +714,7 @@ void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::
         break;
       }
     }
-    removal_failed = !RemoveSpillFiles({path});
+    removal_failed = !RemoveSpillFile(path);
     unlinked = true;
   }
   if (!failure.empty()) Log(failure);
@@ -864,9 +862,6 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
       leave_queue();
       if (waiting_for_room_.empty()) resumed = ContinueHintsLocked(jobs_.at(slice->job));
       return slice;
-    }
-    if (timed_out && wait_until < deadline && SpillHungLocked(absl::Now())) {
-      return give_up(absl::UnavailableError(SpillHungMessage()));
     }
     for (const auto& v : victims) {
       if (!v->io_error.ok()) {
@@ -1089,11 +1084,8 @@ absl::Status ActivationStore::EnsureInArena(const std::shared_ptr<Slice>& slice,
                                          " back: ", v->io_error.message()));
       }
     }
-    if (timed_out && wait_until < deadline && SpillHungLocked(absl::Now()) &&
-        !allocator_.Fits(slice->bytes)) {
-      return absl::UnavailableError(SpillHungMessage());
-    }
-    if (timed_out && wait_until < deadline) continue;  // plan again
+    // Plan again: while the disk hangs, PlanRoomLocked says so.
+    if (timed_out && wait_until < deadline) continue;
     if (timed_out && !allocator_.Fits(slice->bytes)) {
       return absl::DeadlineExceededError(absl::StrCat(
           "waiting for room to read ", Describe(slice->job, slice->id), " back"));

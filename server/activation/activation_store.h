@@ -355,9 +355,9 @@ class ActivationStore {
   // A new spill file, created on spill_disk_ (Unavailable when the disk
   // does not answer within options_.disk_timeout).
   absl::StatusOr<int> CreateSpillFile(const std::string& path);
-  // Removes spill files on spill_disk_; false when the disk did not answer
-  // within options_.disk_timeout (they may go later, or not at all).
-  bool RemoveSpillFiles(std::vector<std::string> paths);
+  // Removes a spill file on spill_disk_; false when the disk did not
+  // answer within options_.disk_timeout (it may go later, or not at all).
+  bool RemoveSpillFile(const std::string& path);
   // Makes room for a block of `block` bytes: picks victims (the job's oldest
   // stored slices, never `exclude`) whose spilling, with the spills already
   // in flight, frees a block that large once the reservations waiting

@@ -22,6 +22,10 @@ std::string Seconds(absl::Duration d) {
 
 }  // namespace
 
+std::string DiskTimeoutFlag(absl::Duration timeout) {
+  return absl::StrCat("--disk_timeout_seconds=", absl::ToDoubleSeconds(timeout));
+}
+
 struct DiskWorker::State {
   struct Task {
     std::function<absl::Status()> fn;

@@ -28,6 +28,9 @@
 
 namespace zeroshard {
 
+// How --disk_timeout_seconds names itself in messages ("...=10").
+std::string DiskTimeoutFlag(absl::Duration timeout);
+
 class DiskWorker {
  public:
   // `what` names the directory in errors and logs, e.g.

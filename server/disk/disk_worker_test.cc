@@ -13,6 +13,13 @@ namespace {
 
 constexpr absl::Duration kTimeout = absl::Milliseconds(300);
 
+// Until the worker's call in progress has returned (2 s at most).
+void AwaitIdle(const DiskWorker& w) {
+  for (int i = 0; i < 200 && w.Busy() > absl::ZeroDuration(); ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
 
 TEST(DiskWorkerTest, RunsCallsAndReturnsTheirResults) {
   DiskWorker w("--checkpoint_dir /d", "--disk_timeout_seconds=0.3", kTimeout);
@@ -57,9 +64,7 @@ TEST(DiskWorkerTest, AHungCallTimesOutAndLaterCallsAreRefusedAtOnceUntilItReturn
 
   // The disk answers: the worker serves again.
   disk->Notify();
-  for (int i = 0; i < 200 && w.Busy() > absl::ZeroDuration(); ++i) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  AwaitIdle(w);
   EXPECT_TRUE(w.Run([ran] {
                 ++*ran;
                 return absl::OkStatus();
@@ -89,9 +94,7 @@ TEST(DiskWorkerTest, ACallNobodyWaitsForAnyMoreIsDroppedUnrun) {
             absl::StatusCode::kUnavailable);
   first.join();
   disk->Notify();
-  for (int i = 0; i < 200 && w.Busy() > absl::ZeroDuration(); ++i) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  AwaitIdle(w);
   EXPECT_TRUE(w.Run([] { return absl::OkStatus(); }).ok());
   EXPECT_EQ(ran->load(), 0);
 }

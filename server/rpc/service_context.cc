@@ -226,12 +226,10 @@ absl::Status ServiceContext::CheckCheckpointQuota(const Job& job) const {
 absl::Status ServiceContext::PrepareSave(const Job& job) const {
   if (checkpoint_dir.empty()) return absl::OkStatus();
   const SaveClaim claim = SaveClaimOf(*this, job);
-  return OnCheckpointDisk<bool>([claim]() -> absl::StatusOr<bool> {
-           RETURN_IF_ERROR(claim.ClaimFiles());
-           RETURN_IF_ERROR(claim.CheckQuota());
-           return true;
-         })
-      .status();
+  return OnCheckpointDisk([claim] {
+    RETURN_IF_ERROR(claim.ClaimFiles());
+    return claim.CheckQuota();
+  });
 }
 
 absl::Status ServiceContext::CheckStreamCaller(const grpc::ServerContext& call,

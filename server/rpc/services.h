@@ -133,6 +133,9 @@ struct ServiceContext {
   absl::Status PrepareSave(const Job& job) const;
   // Runs `fn` on checkpoint_disk (on this thread without one). `fn` must
   // own what it uses: after a timeout it may still run, with nobody waiting.
+  absl::Status OnCheckpointDisk(std::function<absl::Status()> fn) const {
+    return checkpoint_disk == nullptr ? fn() : checkpoint_disk->Run(std::move(fn));
+  }
   template <typename T>
   absl::StatusOr<T> OnCheckpointDisk(std::function<absl::StatusOr<T>()> fn) const {
     if (checkpoint_disk == nullptr) return fn();
