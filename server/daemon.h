@@ -110,8 +110,8 @@ struct DaemonOptions {
   // is answered UNAVAILABLE naming the directory, and while that call has
   // not returned every other is refused at once, so a hung disk stalls a
   // save for at most this long and holds no handler thread. The same bound
-  // for a spill write under spill_dir (ActivationStore::Options::
-  // disk_timeout). (--disk_timeout_seconds; > 0.)
+  // for spill writes under spill_dir that make no progress
+  // (ActivationStore::Options::disk_timeout). (--disk_timeout_seconds; > 0.)
   absl::Duration disk_timeout = absl::Seconds(10);
   // Activation checkpoints (the Activation service): an arena of this many
   // bytes, allocated and booked in the ledger at start (through the bulk

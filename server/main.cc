@@ -118,9 +118,10 @@ ABSL_FLAG(int, disk_timeout_seconds, 10,
           "UNAVAILABLE and, until "
           "that call returns, every other is refused at once, so a hung disk stalls a "
           "checkpoint save for at most this long. Writes of checkpoint data go on in the "
-          "background whatever their length. A spill write under --spill_dir not done within "
-          "it counts that disk as hung: nothing is spilled until it is done, and an offload "
-          "that needs room is answered UNAVAILABLE.");
+          "background whatever their length. Spill writes under --spill_dir of which the disk "
+          "completes none within it count that disk as hung: nothing is spilled until one "
+          "completes, and an offload that needs room is answered UNAVAILABLE (longer than the "
+          "write of the largest activation slice).");
 ABSL_FLAG(int, job_idle_timeout_seconds, 3600,
           "A job whose ranks have all been silent (no heartbeat, no request) for this many "
           "seconds is removed with its memory, so a crashed run's state stays for the time a "
