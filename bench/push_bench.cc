@@ -1,6 +1,5 @@
-// How close the gradient push of today's design comes to its own limit, in
-// one process run:
-//   push      N_d = --ranks ranks (threads of this process), each with its
+// How close the gradient push comes to its own limit, in one process run:
+//   put       N_d = --ranks ranks (threads of this process), each with its
 //             own zeroshard::Client with transport "ucx" over shared memory
 //             (UCX_TLS=posix,cma,self), against ONE in-process daemon
 //             serving --bulk_transport=ucx with zeroshardd's defaults
@@ -8,6 +7,9 @@
 //             also sum the staged gradients; 4 staging slots per rank;
 //             50 ms reduction hold), all in one job of --elements fp32
 //             parameters, stage 2, world_size = N_d, daemon reduction.
+//             Each rank's gradient lies in plain memory
+//             (ClientConfig::push_memory off): every bucket is Put into a
+//             staging slot of the daemon, which then sums the slot.
 //             Each repetition every rank pushes its whole gradient at once
 //             (borrowed: BufferUse::kBorrow, each rank its own buffer), and
 //             the figure is N_d * 4 * elements bytes / (the time from the
@@ -18,6 +20,10 @@
 //             this is the time to move and reduce every rank's gradient. The
 //             optimizer step between repetitions (Step on every rank, as a
 //             trainer ends a step) is not counted.
+//   push      the same with each rank's gradient in its client's push memory
+//             (Client::AllocatePushMemory): the daemon maps it once and sums
+//             every bucket straight from the trainer's memory, announced by
+//             the same staged PushGradient (no Put, no slot write).
 //   one_pass  the roofline of the reduction alone, in the same process: as
 //             many threads as the daemon's optimizer threads read N_d
 //             distinct contribution buffers of --elements fp32 each (already
@@ -33,24 +39,19 @@
 //   perftest  `ucx_perftest -t ucp_put_bw` between two processes on
 //             loopback, same UCX_TLS, message size = the client's bucket C_B
 //             (bench/perftest.h): what UCX itself moves with these settings.
-// push and one_pass report the median of --reps repetitions after one
+// put, push and one_pass report the median of --reps repetitions after one
 // warm-up, perftest the median of --perftest_runs runs (the host is shared;
 // medians keep one noisy moment from deciding a ratio). The last line is the
 // summary:
-//   push_gbps=A one_pass_gbps=B perftest_gbps=C push_vs_one_pass=A/B
-//   push_vs_perftest=A/C
-// What push_vs_one_pass means: today's push first copies every byte into a
-// staging slot of the daemon (the UCX Put, one pass that reads the rank's
-// gradient and writes the slot) and then the daemon sums the slot into the
-// job's gradient (a second pass over the same bytes). Both passes share the
-// host's memory bandwidth and cores with each other, so even perfectly
-// overlapped a push moves each byte twice where one_pass moves it once: a
-// ratio near 0.5 is the push-based design's ceiling, and what lies below it
-// is the design's own overheads (RPCs, slot turnover, holds, threads). A
-// single run can land somewhat above 0.5: the daemon's overwriting sum moves
-// a little less than one_pass's read-modify-write, and on a shared host the
-// two figures, though from the same run, are not measured at the same moment
-// (run it several times).
+//   put_gbps=P push_gbps=A one_pass_gbps=B perftest_gbps=C
+//   put_vs_one_pass=P/B push_vs_perftest=A/C push_vs_one_pass=A/B
+// What the ratios mean: a put moves every byte twice (the Put reads the
+// rank's gradient and writes the slot, then the daemon's sum reads the slot)
+// where one_pass moves it once, so put_vs_one_pass cannot pass about 0.5;
+// the push from push memory is one pass, and what separates it from 1 is the
+// design's own overheads (RPCs, slot turnover, holds, threads). On a shared
+// host the figures, though from the same run, are not measured at the same
+// moment (run it several times).
 // push_vs_perftest compares the push with UCX's bare put bandwidth, whose
 // message sits in the caches (each side one buffer of C_B).
 //
@@ -148,7 +149,10 @@ struct PushResult {
 
 // Every rank pushes its whole gradient at once, reps + 1 times (the first
 // warms up), with a Step after each round.
-absl::StatusOr<PushResult> MeasurePush(Daemon& daemon, int ranks, uint64_t n, int reps) {
+// `in_push_memory`: each rank's gradient lies in its client's push memory
+// (the daemon sums it in place); else in plain memory (Put into the slots).
+absl::StatusOr<PushResult> MeasurePush(Daemon& daemon, int ranks, uint64_t n, int reps,
+                                       bool in_push_memory) {
   absl::StatusOr<Layout> layout =
       Layout::Create({{"w", {static_cast<int64_t>(n)}, DType::kFp32, 0}});
   if (!layout.ok()) return layout.status();
@@ -165,6 +169,7 @@ absl::StatusOr<PushResult> MeasurePush(Daemon& daemon, int ranks, uint64_t n, in
   base.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   base.rpc_timeout = absl::Seconds(120);
   base.step_timeout = absl::Seconds(300);
+  base.push_memory = in_push_memory;
 
   const uint64_t total = layout->total_elements();
   const std::vector<float> init(total, 0.5f);
@@ -188,15 +193,28 @@ absl::StatusOr<PushResult> MeasurePush(Daemon& daemon, int ranks, uint64_t n, in
     c.rank = rank;
     // Before the client: a borrowed gradient must outlive the sends, which
     // the client's destructor waits for. Multiples of 2^-10: exact sums.
-    std::vector<float> grads(total, static_cast<float>(rank + 1) / 1024.0f);
+    std::vector<float> heap;
+    std::shared_ptr<transport::PushMemory> memory;
     absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(c);
     if (!client.ok()) return fail(client.status());
+    float* grads = nullptr;
+    if (in_push_memory) {
+      absl::StatusOr<std::shared_ptr<transport::PushMemory>> m =
+          (*client)->AllocatePushMemory(total * sizeof(float));
+      if (!m.ok()) return fail(m.status());
+      memory = *std::move(m);
+      grads = static_cast<float*>(memory->data());
+    } else {
+      heap.resize(total);
+      grads = heap.data();
+    }
+    std::fill(grads, grads + total, static_cast<float>(rank + 1) / 1024.0f);
     if (absl::Status s = (*client)->RegisterModel(*layout, init.data()); !s.ok()) return fail(s);
     for (int rep = 0; rep <= reps; ++rep) {
       if (!barrier.Wait()) return;
       start[rep][rank] = Now();
       absl::StatusOr<PushTicket> t =
-          (*client)->PushGradients({0, total}, grads.data(), DType::kFp32, 0, BufferUse::kBorrow);
+          (*client)->PushGradients({0, total}, grads, DType::kFp32, 0, BufferUse::kBorrow);
       if (!t.ok()) return fail(t.status());
       if (absl::Status s = t->Wait(absl::Now() + absl::Seconds(300)); !s.ok()) return fail(s);
       end[rep][rank] = Now();
@@ -320,27 +338,32 @@ int Main() {
   std::printf("%s\n", bench::DescribeCopyThreshold().c_str());
   std::fflush(stdout);
 
-  double push = NAN;
-  {
-    absl::StatusOr<PushResult> r = MeasurePush(**daemon, ranks, n, reps);
+  // put: gradients in plain memory, Put into the daemon's slots; push:
+  // gradients in push memory, summed by the daemon in place.
+  auto measure = [&](const char* what, bool in_push_memory) {
+    double gbps = NAN;
+    absl::StatusOr<PushResult> r = MeasurePush(**daemon, ranks, n, reps, in_push_memory);
     if (!r.ok()) {
-      std::printf("push: failed: %s\n", r.status().ToString().c_str());
+      std::printf("%s: failed: %s\n", what, r.status().ToString().c_str());
     } else {
-      push = Median(r->gbps);
+      gbps = Median(r->gbps);
       std::printf(
-          "push: %.3f GB/s (%.1f ms for all %d ranks' gradients; median of %s); longest "
+          "%s: %.3f GB/s (%.1f ms for all %d ranks' gradients; median of %s); longest "
           "single-rank push %.1f ms; Step (not counted) %.1f ms\n",
-          push, bytes / push / 1e6, ranks, Each(r->gbps).c_str(), Median(r->slowest_s) * 1e3,
-          Median(r->step_s) * 1e3);
-      std::printf("gradient norm of the last step %.6g (the ranks' mean gradient: %.6g)\n",
-                  r->grad_norm, r->expected_norm);
+          what, gbps, bytes / gbps / 1e6, ranks, Each(r->gbps).c_str(),
+          Median(r->slowest_s) * 1e3, Median(r->step_s) * 1e3);
+      std::printf("%s: gradient norm of the last step %.6g (the ranks' mean gradient: %.6g)\n",
+                  what, r->grad_norm, r->expected_norm);
       if (!(std::abs(r->grad_norm - r->expected_norm) <= 1e-3 * r->expected_norm)) {
-        std::printf("push: the daemon's gradient norm is not the ranks' mean gradient's\n");
-        push = NAN;
+        std::printf("%s: the daemon's gradient norm is not the ranks' mean gradient's\n", what);
+        gbps = NAN;
       }
     }
     std::fflush(stdout);
-  }
+    return gbps;
+  };
+  const double put = measure("put", false);
+  const double push = measure("push", true);
   // The roofline's buffers exist only while it runs.
   double one_pass = NAN;
   {
@@ -365,9 +388,9 @@ int Main() {
                 Each(perftest_runs).c_str());
   }
   std::printf(
-      "push_gbps=%.3f one_pass_gbps=%.3f perftest_gbps=%.3f push_vs_one_pass=%.3f "
-      "push_vs_perftest=%.3f\n",
-      push, one_pass, perftest, push / one_pass, push / perftest);
+      "put_gbps=%.3f push_gbps=%.3f one_pass_gbps=%.3f perftest_gbps=%.3f "
+      "put_vs_one_pass=%.3f push_vs_perftest=%.3f push_vs_one_pass=%.3f\n",
+      put, push, one_pass, perftest, put / one_pass, push / perftest, push / one_pass);
   return std::isnan(push) ? 1 : 0;
 }
 

@@ -77,6 +77,7 @@ struct RunResult {
   std::vector<uint16_t> half;      // the same in the job's half precision
   TrafficBytes last_step;          // rank 0's
   double bulk_push_bytes = 0;      // what the daemons counted as pushed in bulk
+  double pulled_bytes = 0;         // ... as summed in place from push memory
 };
 
 // Bytes the daemon counted under zeroshard_comm_bytes_total{op="push",
@@ -86,7 +87,9 @@ double PushBytes(const Daemon& daemon, const std::string& transport_name) {
                         {{"op", "push"}, {"transport", transport_name}});
 }
 
-RunResult RunSteps(const BulkCase& c, const std::string& transport) {
+// `push_memory`: ClientConfig::push_memory (the staging pool in push
+// memory, which the daemons, in this process, read in place).
+RunResult RunSteps(const BulkCase& c, const std::string& transport, bool push_memory = true) {
   const std::string bulk = c.transport;  // what the daemons serve
   RunResult result;
   const Layout layout = testing::SampleLayout();
@@ -134,6 +137,7 @@ RunResult RunSteps(const BulkCase& c, const std::string& transport) {
       config.io_threads = 2;
       config.transport = transport;
       config.ucx_tls = c.tls;
+      config.push_memory = push_memory;
       // Rank 0 gathers over one connection per daemon, the others over two.
       config.bulk_progress_threads = rank == 0 ? 1 : 2;
       absl::StatusOr<std::unique_ptr<Client>> client = Client::Create(config);
@@ -148,7 +152,10 @@ RunResult RunSteps(const BulkCase& c, const std::string& transport) {
       if (rank == 0) {
         result.last_step = (*client)->TrafficReport().last_step;
         // Before rank 0 leaves: the daemons drop a job's series with it.
-        for (const auto& d : daemons) result.bulk_push_bytes += PushBytes(*d, bulk);
+        for (const auto& d : daemons) {
+          result.bulk_push_bytes += PushBytes(*d, bulk);
+          result.pulled_bytes += PushBytes(*d, "push_memory");
+        }
         if (c.precision != DType::kFp32) {
           result.half.resize(total);
           ASSERT_TRUE((*client)->GatherAll(result.half.data(), c.precision).ok());
@@ -173,22 +180,32 @@ class BulkClientTest : public ::testing::TestWithParam<BulkCase> {};
 
 TEST_P(BulkClientTest, ParametersAreBitIdenticalToStream) {
   const BulkCase& c = GetParam();
-  RunResult bulk = RunSteps(c, c.transport);
-  if (bulk.skipped) GTEST_SKIP() << bulk.why;
+  // Buckets Put into the daemons' staging slots, and summed in place from
+  // the clients' push memory.
+  RunResult put = RunSteps(c, c.transport, /*push_memory=*/false);
+  if (put.skipped) GTEST_SKIP() << put.why;
+  ASSERT_FALSE(HasFailure());
+  RunResult pulled = RunSteps(c, c.transport, /*push_memory=*/true);
   ASSERT_FALSE(HasFailure());
   RunResult stream = RunSteps(c, "stream");
   ASSERT_FALSE(HasFailure());
-  ASSERT_EQ(bulk.fp32.size(), stream.fp32.size());
-  EXPECT_EQ(0, std::memcmp(bulk.fp32.data(), stream.fp32.data(), bulk.fp32.size() * 4));
-  EXPECT_EQ(bulk.half, stream.half);
-  // Per-operation traffic is the same whichever transport carried it.
-  EXPECT_EQ(bulk.last_step.push, stream.last_step.push);
-  EXPECT_EQ(bulk.last_step.gather, stream.last_step.gather);
-  EXPECT_GT(bulk.last_step.push, 0u);
-  // The pushes really went over the bulk transport (not the streams), and
-  // only there: the daemon labels streamed pushes "stream".
-  EXPECT_GT(bulk.bulk_push_bytes, 0);
-  EXPECT_EQ(stream.bulk_push_bytes, 0);
+  for (const RunResult* bulk : {&put, &pulled}) {
+    ASSERT_EQ(bulk->fp32.size(), stream.fp32.size());
+    EXPECT_EQ(0, std::memcmp(bulk->fp32.data(), stream.fp32.data(), bulk->fp32.size() * 4));
+    EXPECT_EQ(bulk->half, stream.half);
+    // Per-operation traffic is the same whichever transport carried it.
+    EXPECT_EQ(bulk->last_step.push, stream.last_step.push);
+    EXPECT_EQ(bulk->last_step.gather, stream.last_step.gather);
+    EXPECT_GT(bulk->last_step.push, 0u);
+  }
+  // The pushes really went where asked (not over the streams), and only
+  // there: the daemon labels streamed pushes "stream", put ones with the
+  // bulk transport, pulled ones "push_memory".
+  EXPECT_GT(put.bulk_push_bytes, 0);
+  EXPECT_EQ(put.pulled_bytes, 0);
+  EXPECT_GT(pulled.pulled_bytes, 0);
+  EXPECT_EQ(pulled.bulk_push_bytes, 0);
+  EXPECT_EQ(stream.bulk_push_bytes + stream.pulled_bytes, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(

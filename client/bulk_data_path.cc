@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -77,6 +78,11 @@ struct BulkDataPath::Endpoint {
   // Regions of other purposes (e.g. the activation arena), for PutRegion /
   // GetRegion.
   std::vector<std::pair<v1::RegionPurpose, transport::RegionDescriptor>> others;
+  // Push memories by PushMemories serial: the daemon's id for it, 0 when the
+  // daemon could not map it (its pushes are Put).
+  mutable absl::Mutex pull_mu;
+  mutable std::map<uint64_t, uint32_t> pull_ids ABSL_GUARDED_BY(pull_mu);
+  mutable bool pull_refusal_printed ABSL_GUARDED_BY(pull_mu) = false;
 
   const transport::RegionDescriptor* Other(v1::RegionPurpose purpose) const {
     for (const auto& [p, d] : others) {
@@ -252,8 +258,68 @@ absl::StatusOr<uint64_t> BulkDataPath::FenceSlot(const GradientPush& push, uint3
   return resp.applied_generation();
 }
 
+BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
+                                          absl::Span<const GradientPush> pushes,
+                                          absl::Time deadline) {
+  Pull pull;
+  if (options_.push_memories == nullptr || pushes.empty()) return pull;
+  uint64_t serial = 0;
+  for (const GradientPush& push : pushes) {
+    const uint64_t bytes = PushBytes(push);
+    std::optional<PushMemories::Found> found =
+        bytes <= kMaxChunkBytes ? options_.push_memories->Find(push.data, bytes) : std::nullopt;
+    if (!found.has_value() || (serial != 0 && found->serial != serial)) return Pull{};
+    serial = found->serial;
+    pull.memory = std::move(found->memory);
+    pull.offsets.push_back(found->offset);
+  }
+  {
+    absl::MutexLock lock(&ep.pull_mu);
+    if (auto it = ep.pull_ids.find(serial); it != ep.pull_ids.end()) {
+      if (it->second == 0) return Pull{};
+      pull.id = it->second;
+      return pull;
+    }
+  }
+  // Mapped once per endpoint; two threads may both ask, and the daemon then
+  // maps it twice (harmless: both ids read the same memory).
+  const GradientPush& first = pushes.front();
+  v1::MapPushMemoryRequest req;
+  req.set_job_id(first.job_id);
+  req.set_rank(first.rank);
+  req.set_incarnation(first.incarnation);
+  req.set_pid(pull.memory->pid());
+  req.set_fd(pull.memory->fd());
+  req.set_name(pull.memory->name());
+  req.set_bytes(pull.memory->size());
+  v1::MapPushMemoryResponse resp;
+  grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  const grpc::Status status = stream_.stub()->MapPushMemory(&context, req, &resp);
+  absl::MutexLock lock(&ep.pull_mu);
+  if (status.ok() && resp.id() != 0) {
+    ep.pull_ids[serial] = pull.id = resp.id();
+    return pull;
+  }
+  const absl::Status s = status.ok() ? absl::DataLossError("MapPushMemory answered id 0")
+                                     : DaemonError(status, address(), "MapPushMemory");
+  // A refusal stays for this endpoint; a lost call is asked again next time.
+  if (!absl::IsUnavailable(s) && !absl::IsDeadlineExceeded(s) && !absl::IsCancelled(s)) {
+    ep.pull_ids[serial] = 0;
+    if (!ep.pull_refusal_printed) {
+      ep.pull_refusal_printed = true;
+      std::fprintf(stderr,
+                   "zeroshard client: daemon %s does not read this rank's push memory in place "
+                   "(%s); its gradients are put into the staging slots\n",
+                   address().c_str(), std::string(s.message()).c_str());
+    }
+  }
+  return Pull{};
+}
+
 bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush> pushes,
-                              absl::Time deadline, std::vector<absl::StatusOr<uint64_t>>* results) {
+                              const Pull& pull, absl::Time deadline,
+                              std::vector<absl::StatusOr<uint64_t>>* results) {
   auto fence = [&](uint32_t slot, uint64_t generation) {
     return FenceSlot(pushes.front(), slot, generation);
   };
@@ -276,16 +342,18 @@ bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush>
   const StagingSlots::Lease lease = acquired->lease;
   std::vector<GradientPush> sent;
   std::vector<StagingSlots::PushKey> sent_keys;
+  std::vector<uint64_t> sent_offsets;
   for (size_t i : send) {
     sent.push_back(pushes[i]);
     sent_keys.push_back(keys[i]);
+    if (pull.id != 0) sent_offsets.push_back(pull.offsets[i]);
   }
   auto finish = [&](const absl::Status& s) {
     for (size_t i : send)
       (*results)[i] = s.ok() ? absl::StatusOr<uint64_t>(PushBytes(pushes[i])) : s;
   };
   absl::Status s;
-  {
+  if (pull.id == 0) {
     // Back to back from the slot's start, in order; all in flight at once.
     std::vector<transport::Completion> puts;
     puts.reserve(sent.size());
@@ -317,6 +385,10 @@ bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush>
         chunk->set_staged(true);
         chunk->set_staging_slot(lease.slot);
         chunk->set_staging_generation(lease.generation);
+        if (pull.id != 0) {
+          chunk->set_push_memory(pull.id);
+          chunk->set_push_memory_offset(sent_offsets[i]);
+        }
       },
       deadline, address());
   // ALREADY_EXISTS: the daemon holds this contribution (the staged bytes have
@@ -372,7 +444,8 @@ std::vector<absl::StatusOr<uint64_t>> BulkDataPath::PushGradients(
       for (size_t i : todo) results[i] = ep.status();
       break;
     }
-    if (bytes > (*ep)->slot_bytes) {
+    const Pull pull = PlanPull(**ep, batch, deadline);
+    if (pull.id == 0 && bytes > (*ep)->slot_bytes) {
       // More than a slot: one by one, and a push larger than a slot alone (a
       // bucket wider in fp32 than in the wire type) inline.
       for (size_t i : todo) {
@@ -382,7 +455,7 @@ std::vector<absl::StatusOr<uint64_t>> BulkDataPath::PushGradients(
       break;
     }
     std::vector<absl::StatusOr<uint64_t>> got(batch.size());
-    const bool retry = PushStaged(**ep, batch, deadline, &got);
+    const bool retry = PushStaged(**ep, batch, pull, deadline, &got);
     std::vector<size_t> failed;
     bool held_elsewhere = false;
     for (size_t k = 0; k < todo.size(); ++k) {

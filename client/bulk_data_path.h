@@ -30,6 +30,17 @@
 // staging_slots pushes to one daemon are in flight; further ones wait (until
 // their deadline) for a slot. Nothing is allocated per push.
 //
+// Push memory (same host): pushes whose bytes all lie in one of the
+// client's push memories (Options::push_memories, client/push_memories.h)
+// are not Put: the daemon maps that memory once (MapPushMemory) and sums
+// the pushes straight from it, announced by the same staged PushGradient
+// with the memory's id and each push's offset. The slot lease, generation
+// and fence work as for a Put into the slot (a pulled push holds a slot
+// without writing it), so a push whose RPC failed is resolved the same way
+// before its bytes count as free. Where the daemon cannot map the memory
+// (another host, another pid namespace, no permission), the pushes are Put
+// as before; the refusal is printed once per endpoint.
+//
 // Connections: `connections` per daemon. The Puts of all pushes take the
 // first, so one progress thread copies gradients while the daemon applies the
 // previous slot; the Gets of a gather take each connection in turn.
@@ -50,6 +61,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "client/data_path.h"
+#include "client/push_memories.h"
 #include "client/staging_slots.h"
 #include "client/stream_data_path.h"
 #include "grpcpp/grpcpp.h"
@@ -95,6 +107,8 @@ class BulkDataPath final : public DataPath {
     // Deadline of a FenceStagingSlot (its own: the push it resolves may have
     // run out of time already).
     absl::Duration fence_timeout = absl::Seconds(60);
+    // The client's push memories; null: every push is Put.
+    std::shared_ptr<const PushMemories> push_memories;
   };
 
   // `channel` is the daemon's channel (shared with the control plane).
@@ -174,6 +188,13 @@ class BulkDataPath final : public DataPath {
     absl::StatusOr<uint64_t> result;
     bool retry = false;
   };
+  // Where the daemon reads a batch of pushes in place: push memory `id` (0:
+  // nowhere, the pushes are Put), the push i at offsets[i].
+  struct Pull {
+    uint32_t id = 0;
+    std::shared_ptr<const transport::PushMemory> memory;  // held for the push
+    std::vector<uint64_t> offsets;
+  };
 
   // The endpoint for `key`, exchanging and connecting when there is none.
   absl::StatusOr<std::shared_ptr<const Endpoint>> GetEndpoint(const JobKey& key,
@@ -190,8 +211,13 @@ class BulkDataPath final : public DataPath {
   // unanswered attempt turned out to have delivered are not sent again.
   // Sets one result per push; returns whether the endpoint was lost before
   // anything was announced (the caller may try once more).
-  bool PushStaged(const Endpoint& ep, absl::Span<const GradientPush> pushes, absl::Time deadline,
-                  std::vector<absl::StatusOr<uint64_t>>* results);
+  bool PushStaged(const Endpoint& ep, absl::Span<const GradientPush> pushes, const Pull& pull,
+                  absl::Time deadline, std::vector<absl::StatusOr<uint64_t>>* results);
+  // Whether the daemon of `ep` reads `pushes` in place: they all lie in one
+  // push memory (each at most a chunk) that it mapped, or maps now
+  // (MapPushMemory, bounded by `deadline`). Never an error: what cannot be
+  // pulled is Put.
+  Pull PlanPull(const Endpoint& ep, absl::Span<const GradientPush> pushes, absl::Time deadline);
   Attempt GetOnce(const Endpoint& ep, const GatherRequestSpec& request, void* dst,
                   absl::Time deadline);
   absl::StatusOr<uint64_t> FenceSlot(const GradientPush& push, uint32_t slot,

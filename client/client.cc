@@ -54,7 +54,8 @@ uint64_t NextIncarnation() {
   return next;
 }
 
-absl::StatusOr<std::unique_ptr<Collective>> DefaultCollective(const ClientConfig& config) {
+absl::StatusOr<std::unique_ptr<Collective>> DefaultCollective(
+    const ClientConfig& config, std::shared_ptr<PushMemories> push_memories) {
   if (config.reduction == ReductionMode::kTrainerCollective) {
     return absl::InvalidArgumentError(
         "ClientConfig.reduction: the trainer collective is not built into this client; pass "
@@ -66,6 +67,7 @@ absl::StatusOr<std::unique_ptr<Collective>> DefaultCollective(const ClientConfig
   o.wire_dtype = config.precision;
   o.staging_buffers = config.staging_buffers;
   o.sender_threads = config.sender_threads;
+  if (config.push_memory && config.transport != kStream) o.push_memories = std::move(push_memories);
   ASSIGN_OR_RETURN(std::unique_ptr<DaemonReduceCollective> c, DaemonReduceCollective::Create(o));
   return std::unique_ptr<Collective>(std::move(c));
 }
@@ -149,10 +151,12 @@ absl::Status ValidateConfig(const ClientConfig& c) {
   return absl::OkStatus();
 }
 
-Client::Client(ClientConfig config, std::unique_ptr<Collective> collective)
+Client::Client(ClientConfig config, std::unique_ptr<Collective> collective,
+               std::shared_ptr<PushMemories> push_memories)
     : config_(std::move(config)),
       incarnation_(NextIncarnation()),
       collective_(std::move(collective)),
+      push_memories_(std::move(push_memories)),
       loss_scale_(config_.loss_scale.initial_scale) {}
 
 Client::~Client() {
@@ -171,10 +175,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientConfig config,
   config.tls = TlsFilesFromEnvironment(config.tls);
   config.insecure = InsecureOrEnvironment(config.insecure);
   RETURN_IF_ERROR(ValidateConfig(config));
+  auto push_memories = std::make_shared<PushMemories>();
   if (collective == nullptr) {
-    ASSIGN_OR_RETURN(collective, DefaultCollective(config));
+    ASSIGN_OR_RETURN(collective, DefaultCollective(config, push_memories));
   }
-  std::unique_ptr<Client> client(new Client(std::move(config), std::move(collective)));
+  std::unique_ptr<Client> client(
+      new Client(std::move(config), std::move(collective), std::move(push_memories)));
   RETURN_IF_ERROR(client->Connect());
   return client;
 }
@@ -242,6 +248,7 @@ absl::Status Client::Connect() {
       BulkDataPath::Options o;
       o.connections = c.bulk_progress_threads;
       o.fence_timeout = c.rpc_timeout;
+      o.push_memories = push_memories_;
       auto path = std::make_unique<BulkDataPath>(address, std::move(channel), bulk_, o);
       bulk_paths_.push_back(path.get());
       data_paths_.push_back(std::move(path));
@@ -505,6 +512,11 @@ absl::Status Client::UploadInitialParams(const float* params) {
     }
     return absl::OkStatus();
   });
+}
+
+absl::StatusOr<std::shared_ptr<transport::PushMemory>> Client::AllocatePushMemory(
+    size_t bytes) {
+  return push_memories_->Allocate(bytes);
 }
 
 absl::StatusOr<PushTicket> Client::PushGradients(const FlatRange& range, const void* grads,

@@ -64,6 +64,7 @@
 #include "client/data_path.h"
 #include "client/device_memory.h"
 #include "client/executor.h"
+#include "client/push_memories.h"
 #include "client/replica_placement.h"
 #include "client/step_coordinator.h"
 #include "client/traffic.h"
@@ -128,6 +129,12 @@ struct ClientConfig : JobSettings {
   // thread to every daemon. A gather's Gets are spread over them, so they
   // copy in parallel; a daemon's gradient Puts all take the first.
   int bulk_progress_threads = 2;
+  // Bulk transports: keep the gradient staging pool in push memory
+  // (AllocatePushMemory), so that a daemon on the same host sums staged
+  // buckets straight from it instead of from a copy Put into its staging
+  // slot. Where a daemon cannot map it (another host or pid namespace), the
+  // buckets are Put as without it.
+  bool push_memory = true;
   // Gradient buckets in flight at once (each on its own thread): a bulk
   // push holds one of the daemon's staging slots (--staging_slots, 4 by
   // default) from its Put until the daemon has summed it, so up to that
@@ -282,6 +289,16 @@ class Client {
   // collective: carries_no_grad_marks() false) takes none:
   // FailedPrecondition for any `no_grad_tensors`; push zeros without them
   // there.
+  // Gradient memory that a daemon on the same host reads in place: a
+  // bulk-transport push (BufferUse::kBorrow) whose buckets lie in it is not
+  // copied into the daemon's staging slot; the daemon sums it from here
+  // (transport/shm/push_memory.h says what it checks). `bytes` rounded up to
+  // whole pages, zeroed. Keep gradients there (e.g. a DDP-style flat
+  // gradient buffer) and push with kBorrow. Works with any client: where the
+  // daemons cannot map it, or on the "stream" path, pushes from it are sent
+  // as from any memory. ResourceExhausted when the system refuses the memory.
+  absl::StatusOr<std::shared_ptr<transport::PushMemory>> AllocatePushMemory(size_t bytes);
+
   absl::StatusOr<PushTicket> PushGradients(const FlatRange& range, const void* grads, DType dtype,
                                            uint32_t micro_batch = 0,
                                            BufferUse use = BufferUse::kCopy,
@@ -458,7 +475,8 @@ class Client {
  private:
   friend class ClientTestPeer;  // tests: replaces data paths before RegisterModel
 
-  Client(ClientConfig config, std::unique_ptr<Collective> collective);
+  Client(ClientConfig config, std::unique_ptr<Collective> collective,
+         std::shared_ptr<PushMemories> push_memories);
 
   absl::Time RpcDeadline() const { return absl::Now() + config_.rpc_timeout; }
   // Step with the learning rates checked (`group_lrs` empty: `lr` for every
@@ -523,6 +541,8 @@ class Client {
   std::vector<std::unique_ptr<DaemonControl>> controls_;
   std::vector<std::unique_ptr<DaemonControl>> home_controls_;
   std::vector<GroupPlacement> placement_;
+  // Shared with the bulk data paths and the built-in collective's pool.
+  const std::shared_ptr<PushMemories> push_memories_;
   std::shared_ptr<BulkTransport> bulk_;  // null for "stream"
   std::vector<std::unique_ptr<DataPath>> data_paths_;
   // By daemon index: the channels, and the bulk data paths among

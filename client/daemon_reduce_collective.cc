@@ -51,11 +51,19 @@ absl::StatusOr<std::unique_ptr<DaemonReduceCollective>> DaemonReduceCollective::
         absl::StrCat("bucket_bytes: too small, got ", options.bucket_bytes));
   }
   std::unique_ptr<DaemonReduceCollective> c(new DaemonReduceCollective(options));
-  // Pinnable: CUDA copies may land in it.
-  c->storage_ = PinnableBuffer(c->buffer_bytes_ * c->buffer_count_);
-  if (c->storage_.data() == nullptr) {
+  // Pinnable (whole pages): CUDA copies may land in it.
+  c->storage_bytes_ = c->buffer_bytes_ * c->buffer_count_;
+  if (options.push_memories != nullptr) {
+    ASSIGN_OR_RETURN(c->push_memory_, options.push_memories->Allocate(c->storage_bytes_),
+                     "the gradient staging pool");
+    c->storage_ = static_cast<uint8_t*>(c->push_memory_->data());
+  } else {
+    c->heap_ = PinnableBuffer(c->storage_bytes_);
+    c->storage_ = c->heap_.data();
+  }
+  if (c->storage_ == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "allocating the ", c->buffer_bytes_ * c->buffer_count_, "-byte gradient staging pool"));
+        "allocating the ", c->storage_bytes_, "-byte gradient staging pool"));
   }
   {
     absl::MutexLock lock(&c->mu_);
@@ -67,7 +75,7 @@ absl::StatusOr<std::unique_ptr<DaemonReduceCollective>> DaemonReduceCollective::
 
 DaemonReduceCollective::~DaemonReduceCollective() {
   senders_.reset();
-  if (pinned_) job_.device->Unpin(storage_.data());
+  if (pinned_) job_.device->Unpin(storage_);
 }
 
 absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
@@ -96,7 +104,7 @@ absl::Status DaemonReduceCollective::Bind(const CollectiveJob& job) {
   if (!plan.ok()) return plan.status();
   // Device gradients are copied into the staging pool by DMA: pinned once.
   if (job.device != nullptr) {
-    if (absl::Status s = job.device->Pin(storage_.data(), storage_.size()); !s.ok()) {
+    if (absl::Status s = job.device->Pin(storage_, storage_bytes_); !s.ok()) {
       return absl::FailedPreconditionError(
           absl::StrCat("pinning the gradient staging pool for CUDA copies: ", s.message()));
     }

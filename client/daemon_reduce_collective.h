@@ -47,6 +47,7 @@
 #include "client/bucket_plan.h"
 #include "client/collective.h"
 #include "client/executor.h"
+#include "client/push_memories.h"
 
 namespace zeroshard {
 
@@ -57,6 +58,10 @@ class DaemonReduceCollective final : public Collective {
     DType wire_dtype = DType::kFp32;       // the job's precision
     uint32_t staging_buffers = 4;          // >= 2
     int sender_threads = 4;                // >= 1
+    // Where the staging pool is allocated: one push memory from here (so
+    // that a daemon on the same host sums staged buckets in place), or,
+    // when null, plain host memory.
+    std::shared_ptr<PushMemories> push_memories;
   };
 
   // Allocates the staging pool. InvalidArgument for a bad option.
@@ -110,7 +115,7 @@ class DaemonReduceCollective final : public Collective {
 
   explicit DaemonReduceCollective(const Options& options);
 
-  uint8_t* buffer(int i) { return storage_.data() + static_cast<size_t>(i) * buffer_bytes_; }
+  uint8_t* buffer(int i) { return storage_ + static_cast<size_t>(i) * buffer_bytes_; }
   uint64_t KeyOf(uint32_t micro_batch, size_t index) const {
     return micro_batch * plan_.buckets().size() + index;
   }
@@ -180,8 +185,13 @@ class DaemonReduceCollective final : public Collective {
   const Options options_;
   const uint64_t buffer_bytes_;
   const uint32_t buffer_count_;
-  PinnableBuffer storage_;  // buffer_count_ * buffer_bytes_
-  bool pinned_ = false;     // storage_ pinned by job_.device (Bind)
+  // The staging pool, buffer_count_ * buffer_bytes_ (page-aligned, whole
+  // pages: pinnable): in push_memory_ or in heap_.
+  uint8_t* storage_ = nullptr;
+  size_t storage_bytes_ = 0;
+  PinnableBuffer heap_;
+  std::shared_ptr<transport::PushMemory> push_memory_;
+  bool pinned_ = false;  // storage_ pinned by job_.device (Bind)
 
   // Written once by Bind, before bound_ is set; read-only afterwards.
   CollectiveJob job_;

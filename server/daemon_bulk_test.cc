@@ -18,6 +18,7 @@
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
 #include "transport/host_address.h"
+#include "transport/shm/push_memory.h"
 #include "transport/transport.h"
 
 namespace zeroshard {
@@ -216,19 +217,19 @@ TEST_P(DaemonBulkTest, StagedPushesAreValidatedAndMatchInlineOnes) {
     return client_->Push(c);
   });
   ASSERT_GE(chunks.size(), 3u);
-  ExpectRejected(grpc::INVALID_ARGUMENT, "slot and generation", [&] {
+  ExpectRejected(grpc::INVALID_ARGUMENT, "slot, generation", [&] {
     std::vector<v1::GradientChunk> c = {chunks[0], chunks[1]};
     Stage(&c);
     c[1].set_staging_slot(1);
     return client_->Push(c);
   });
-  ExpectRejected(grpc::INVALID_ARGUMENT, "slot and generation", [&] {
+  ExpectRejected(grpc::INVALID_ARGUMENT, "slot, generation", [&] {
     std::vector<v1::GradientChunk> c = {chunks[0], chunks[1]};
     Stage(&c);
     c[1].set_staging_generation(c[0].staging_generation() + 1);
     return client_->Push(c);
   });
-  ExpectRejected(grpc::INVALID_ARGUMENT, "dtype, slot and generation", [&] {
+  ExpectRejected(grpc::INVALID_ARGUMENT, "dtype, slot, generation", [&] {
     // An fp32 payload after a bf16 one could start misaligned.
     std::vector<v1::GradientChunk> c = {chunks[0], chunks[1]};
     Stage(&c);
@@ -326,6 +327,177 @@ TEST_P(DaemonBulkTest, LeaveRemovesJobWithItsStaging) {
   EXPECT_EQ(daemon_->jobs().retired(), 0u);
   EXPECT_EQ(daemon_->ledger().total(), 0u);
 }
+
+// Push memory (same host): the daemon maps a trainer's sealed memfd and sums
+// staged chunks straight from it. This process is the trainer; the daemon
+// in it opens the memory through /proc like any daemon on the host.
+grpc::Status MapMemory(DaemonClient& c, uint32_t rank, uint64_t incarnation,
+                       const transport::PushMemory& m, v1::MapPushMemoryResponse* resp,
+                       const std::string& name = "") {
+  grpc::ClientContext ctx;
+  v1::MapPushMemoryRequest req;
+  req.set_job_id("job");
+  req.set_rank(rank);
+  req.set_incarnation(incarnation);
+  req.set_pid(m.pid());
+  req.set_fd(m.fd());
+  req.set_name(name.empty() ? m.name() : name);
+  req.set_bytes(m.size());
+  return c.shard->MapPushMemory(&ctx, req, resp);
+}
+
+class DaemonPushMemoryTest : public DaemonBulkTest {
+ protected:
+  void SetUp() override {
+    DaemonBulkTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    chunks_ = GradientChunks("job", 1, 0, config_.map, {0, config_.map.total_elements()},
+                             grad_.data(), kChunk);
+    uint64_t bytes = 0;
+    for (const v1::GradientChunk& c : chunks_) bytes += c.data().size();
+    absl::StatusOr<std::unique_ptr<transport::PushMemory>> m =
+        transport::PushMemory::Create(bytes + 4096);
+    ASSERT_TRUE(m.ok()) << m.status();
+    memory_ = *std::move(m);
+    v1::MapPushMemoryResponse r;
+    grpc::Status st = MapMemory(*client_, 0, testing::kTestIncarnation, *memory_, &r);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_GE(r.id(), 1u);
+    id_ = r.id();
+    staging_state_ = *(*daemon_->jobs().Find("job"))->Staging(0, testing::kTestIncarnation, false);
+    ASSERT_EQ(staging_state_->push_memories(), 1u);
+  }
+
+  // Writes the chunks' payloads into the push memory, 4096 bytes in and then
+  // back to back, and makes them the staged chunks of one pulled push: slot
+  // `slot`'s next generation; the slot itself is not written.
+  void StageInMemory(std::vector<v1::GradientChunk>* chunks, uint32_t slot = 0) {
+    uint64_t at = 4096;
+    ++generation_[slot];
+    for (v1::GradientChunk& c : *chunks) {
+      std::memcpy(static_cast<char*>(memory_->data()) + at, c.data().data(), c.data().size());
+      c.set_staged(true);
+      c.set_staging_slot(slot);
+      c.set_staging_generation(generation_[slot]);
+      c.set_push_memory(id_);
+      c.set_push_memory_offset(at);
+      c.set_crc32c(0);
+      at += c.data().size();
+      c.clear_data();
+    }
+  }
+
+  std::vector<v1::GradientChunk> chunks_;
+  std::unique_ptr<transport::PushMemory> memory_;
+  uint32_t id_ = 0;
+  std::shared_ptr<RankStaging> staging_state_;
+};
+
+TEST_P(DaemonPushMemoryTest, PulledPushesAreSummedInPlaceLikeInlineOnes) {
+  std::vector<v1::GradientChunk> pulled = chunks_;
+  StageInMemory(&pulled);
+  // More than a slot holds: a pulled push is not bounded by the slot.
+  uint64_t bytes = 0;
+  for (const v1::GradientChunk& c : chunks_) bytes += c.data().size();
+  ASSERT_GT(bytes, endpoint_.staging_slot_bytes() / 2);
+  grpc::Status st = client_->Push(pulled);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(staging_state_->pulled_bytes(), bytes);
+  for (uint32_t r = 1; r < kWorld; ++r) {
+    ASSERT_TRUE(client_->Push(GradientChunks("job", 1, r, config_.map,
+                                             {0, config_.map.total_elements()}, grad_.data(),
+                                             kChunk)).ok());
+  }
+  v1::PrepareStepResponse p;
+  ASSERT_TRUE(client_->Prepare("job", 1, &p).ok());
+  const double expected = 0.25 * 0.25 * config_.map.total_elements();
+  EXPECT_NEAR(p.grad_sq_sum(), expected, expected * 1e-6);
+  // A replay of the applied generation reads nothing.
+  ExpectRejected(grpc::FAILED_PRECONDITION, "already applied",
+                 [&] { return client_->Push(pulled); });
+  EXPECT_EQ(staging_state_->pulled_bytes(), bytes);
+}
+
+TEST_P(DaemonPushMemoryTest, BadPushMemoryInputChangesNothing) {
+  v1::MapPushMemoryResponse r;
+  // Not that memory's secret, another job, a rank without an endpoint.
+  std::string other = memory_->name();
+  other.back() = other.back() == 'a' ? 'b' : 'a';
+  ExpectRejected(grpc::FAILED_PRECONDITION, "is not the memfd", [&] {
+    return MapMemory(*client_, 0, testing::kTestIncarnation, *memory_, &r, other);
+  });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "push memory", [&] {
+    return MapMemory(*client_, 0, testing::kTestIncarnation, *memory_, &r, "not-ours");
+  });
+  ExpectRejected(grpc::FAILED_PRECONDITION, "ExchangeEndpoint", [&] {
+    return MapMemory(*client_, 1, testing::kTestIncarnation, *memory_, &r);
+  });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "rank", [&] {
+    return MapMemory(*client_, kWorld, testing::kTestIncarnation, *memory_, &r);
+  });
+  EXPECT_EQ(staging_state_->push_memories(), 1u);
+  // Pushes naming a memory that is not there, bytes past its end, an offset
+  // without a memory, chunks naming different memories.
+  auto pulled = [&](auto edit) {
+    std::vector<v1::GradientChunk> c = {chunks_[0], chunks_[1]};
+    StageInMemory(&c);
+    edit(c);
+    return [this, c] { return client_->Push(c); };
+  };
+  ExpectRejected(grpc::INVALID_ARGUMENT, "push_memory",
+                 pulled([&](auto& c) { for (auto& x : c) x.set_push_memory(id_ + 1); }));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "overrun push memory", pulled([&](auto& c) {
+                   c[1].set_push_memory_offset(memory_->size() - 4);
+                 }));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "overrun push memory", pulled([&](auto& c) {
+                   c[1].set_push_memory_offset(~uint64_t{0} - 2);
+                 }));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "without a push_memory", pulled([&](auto& c) {
+                   for (auto& x : c) x.set_push_memory(0);
+                 }));
+  ExpectRejected(grpc::INVALID_ARGUMENT, "push memory",
+                 pulled([&](auto& c) { c[1].set_push_memory(0); }));
+  EXPECT_EQ(staging_state_->pulled_bytes(), 0u);
+  // At most kMaxPushMemories per rank process.
+  for (uint32_t i = 1; i < RankStaging::kMaxPushMemories; ++i) {
+    ASSERT_TRUE(MapMemory(*client_, 0, testing::kTestIncarnation, *memory_, &r).ok());
+  }
+  ExpectRejected(grpc::RESOURCE_EXHAUSTED, "push memories", [&] {
+    return MapMemory(*client_, 0, testing::kTestIncarnation, *memory_, &r);
+  });
+}
+
+// A pulled push whose RPC the trainer gave up on is fenced like a put one: a
+// fenced generation is never read, and nothing of a replaced rank process
+// (a zombie) is read or mapped once its successor joined.
+TEST_P(DaemonPushMemoryTest, FencedGenerationsAndFencedIncarnationsAreNeverRead) {
+  std::vector<v1::GradientChunk> late = {chunks_[0]};
+  StageInMemory(&late);
+  v1::FenceStagingSlotResponse fenced;
+  ASSERT_TRUE(Fence(*client_, 0, 0, late[0].staging_generation(), &fenced).ok());
+  EXPECT_EQ(fenced.applied_generation(), 0u);
+  ExpectRejected(grpc::FAILED_PRECONDITION, "fenced", [&] { return client_->Push(late); });
+  EXPECT_EQ(staging_state_->pulled_bytes(), 0u);
+  // A new process takes over rank 0; the old one's announcements and maps
+  // are refused before anything is opened or read.
+  ASSERT_TRUE(client_->Join(spec_, 0, testing::kTestIncarnation + 1).ok());
+  std::vector<v1::GradientChunk> zombie = {chunks_[1]};
+  StageInMemory(&zombie);
+  ExpectRejected(grpc::FAILED_PRECONDITION, "incarnation",
+                 [&] { return client_->Push(zombie); });
+  v1::MapPushMemoryResponse r;
+  ExpectRejected(grpc::FAILED_PRECONDITION, "incarnation", [&] {
+    return MapMemory(*client_, 0, testing::kTestIncarnation, *memory_, &r);
+  });
+  EXPECT_EQ(staging_state_->pulled_bytes(), 0u);
+  EXPECT_EQ(staging_state_->push_memories(), 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, DaemonPushMemoryTest,
+                         ::testing::Values(BulkParam{"inproc", "", "Inproc"},
+                                           BulkParam{"ucx", "tcp", "UcxTcp"},
+                                           BulkParam{"ucx", "posix,cma,self", "UcxShm"}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 INSTANTIATE_TEST_SUITE_P(Transports, DaemonBulkTest,
                          ::testing::Values(BulkParam{"inproc", "", "Inproc"},

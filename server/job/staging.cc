@@ -38,12 +38,22 @@ RankStaging::~RankStaging() {
 }
 
 absl::Status RankStaging::Apply(uint32_t slot, uint64_t generation, uint64_t length,
-                                absl::FunctionRef<absl::Status(absl::string_view)> apply) {
+                                absl::FunctionRef<absl::Status(absl::string_view)> apply,
+                                uint32_t push_memory) {
   if (slot >= slots_) {
     return absl::InvalidArgumentError(
         absl::StrCat("staging_slot: must be < ", slots_, ", got ", slot));
   }
-  if (length > slot_bytes_) {
+  std::shared_ptr<const transport::PeerMemory> memory;
+  if (push_memory != 0) {
+    absl::MutexLock lock(&memories_mu_);
+    if (push_memory > memories_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "push_memory: ", push_memory, " is not one MapPushMemory answered for this rank "
+          "process (it has mapped ", memories_.size(), ")"));
+    }
+    memory = memories_[push_memory - 1];
+  } else if (length > slot_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("staged chunks of ", length,
                                                    " bytes do not fit a staging slot of ",
                                                    slot_bytes_, " bytes"));
@@ -59,11 +69,51 @@ absl::Status RankStaging::Apply(uint32_t slot, uint64_t generation, uint64_t len
         generation <= s.fenced ? "fenced" : "already applied", " (applied up to ", s.applied,
         ", fenced up to ", s.fenced, "); write the slot again with a new generation"));
   }
-  const absl::string_view payload(static_cast<const char*>(region_->base()) + slot * slot_bytes_,
-                                  length);
+  const absl::string_view payload =
+      memory != nullptr
+          ? memory->bytes()
+          : absl::string_view(static_cast<const char*>(region_->base()) + slot * slot_bytes_,
+                              length);
   absl::Status status = apply(payload);
-  if (status.ok()) s.applied = generation;
+  if (status.ok()) {
+    s.applied = generation;
+    if (memory != nullptr) {
+      absl::MutexLock lock(&memories_mu_);
+      pulled_bytes_ += length;
+    }
+  }
   return status;
+}
+
+absl::StatusOr<uint32_t> RankStaging::MapPushMemory(int64_t pid, int64_t fd,
+                                                    absl::string_view name, uint64_t bytes) {
+  auto full = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(memories_mu_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this rank process has mapped ", kMaxPushMemories,
+        " push memories already, the most a rank process may; push from one of those or "
+        "through the staging slots"));
+  };
+  {
+    absl::MutexLock lock(&memories_mu_);
+    if (memories_.size() >= kMaxPushMemories) return full();
+  }
+  absl::StatusOr<std::unique_ptr<transport::PeerMemory>> opened =
+      transport::PeerMemory::Open(pid, fd, name, bytes);
+  if (!opened.ok()) return opened.status();
+  absl::MutexLock lock(&memories_mu_);
+  if (memories_.size() >= kMaxPushMemories) return full();
+  memories_.push_back(*std::move(opened));
+  return static_cast<uint32_t>(memories_.size());
+}
+
+uint32_t RankStaging::push_memories() const {
+  absl::MutexLock lock(&memories_mu_);
+  return static_cast<uint32_t>(memories_.size());
+}
+
+uint64_t RankStaging::pulled_bytes() const {
+  absl::MutexLock lock(&memories_mu_);
+  return pulled_bytes_;
 }
 
 absl::StatusOr<uint64_t> RankStaging::Fence(uint32_t slot, uint64_t generation) {

@@ -9,11 +9,18 @@
 // the same lock, so once a fence has answered nothing reads the slot's old
 // bytes any more and the rank may write it again.
 //
-// Thread-safe. Books its region as `buffer` in the ledger for its lifetime.
+// A staged push's bytes may instead lie in the rank's push memory
+// (MapPushMemory: a trainer on the same host keeps its gradients in sealed
+// shared memory the daemon maps read-only): the slot's generation then
+// fences the read of those bytes exactly as it fences the slot's.
+//
+// Thread-safe. Books its region as `buffer` in the ledger for its lifetime
+// (push memories are the trainer's memory: booked nowhere here).
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
@@ -21,6 +28,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "server/ledger/memory_ledger.h"
+#include "transport/shm/push_memory.h"
 #include "transport/transport.h"
 
 namespace zeroshard {
@@ -44,8 +52,23 @@ class RankStaging {
   // the generation was applied or fenced already), calls `apply` with the
   // slot's first `length` bytes, and on OK records the generation as
   // applied. Blocks while another push or a fence holds the slot.
+  // With `push_memory` (>= 1, an id MapPushMemory returned; InvalidArgument
+  // otherwise), `apply` gets that whole memory instead, whatever `length`:
+  // it slices and bounds-checks the payloads itself.
   absl::Status Apply(uint32_t slot, uint64_t generation, uint64_t length,
-                     absl::FunctionRef<absl::Status(absl::string_view payload)> apply);
+                     absl::FunctionRef<absl::Status(absl::string_view payload)> apply,
+                     uint32_t push_memory = 0);
+  // Maps the rank's push memory (transport::PeerMemory::Open, which the
+  // caller's arguments go to unchanged) and returns its id (>= 1). Blocks
+  // while the file is opened and mapped, holding no slot. ResourceExhausted
+  // past kMaxPushMemories; Open's error otherwise.
+  static constexpr uint32_t kMaxPushMemories = 16;
+  absl::StatusOr<uint32_t> MapPushMemory(int64_t pid, int64_t fd, absl::string_view name,
+                                         uint64_t bytes);
+  // Push memories mapped, and bytes of them handed to an `apply` that
+  // succeeded, since creation.
+  uint32_t push_memories() const;
+  uint64_t pulled_bytes() const;
   // Fences every generation <= `generation` of `slot`, after waiting for a
   // push that reads the slot to finish; returns the slot's newest applied
   // generation (0: none). InvalidArgument for a slot out of range.
@@ -66,6 +89,11 @@ class RankStaging {
   const uint64_t slot_bytes_;
   std::unique_ptr<transport::Region> region_;
   std::unique_ptr<Slot[]> slot_state_;
+  mutable absl::Mutex memories_mu_;
+  // By id - 1; shared with the pushes that read them.
+  std::vector<std::shared_ptr<const transport::PeerMemory>> memories_
+      ABSL_GUARDED_BY(memories_mu_);
+  uint64_t pulled_bytes_ ABSL_GUARDED_BY(memories_mu_) = 0;
 };
 
 }  // namespace zeroshard

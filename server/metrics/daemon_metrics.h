@@ -31,7 +31,8 @@ class DaemonMetrics {
 
   void RecordRequest(absl::string_view rpc, const absl::Status& status);
   // op: "push", "gather", "init"; transport: "stream" (the Shard streaming
-  // RPCs) or the bulk transport's kind ("ucx", "grpc", "inproc").
+  // RPCs), the bulk transport's kind ("ucx", "grpc", "inproc"), or
+  // "push_memory" (summed in place from a trainer's push memory).
   void RecordTraffic(const std::string& job, absl::string_view op, absl::string_view transport,
                      uint64_t bytes);
   // A committed step: the optimizer's wall time over `elements` parameters.

@@ -217,6 +217,8 @@ class ShardService final : public v1::Shard::Service {
                                 v1::ExchangeEndpointResponse* resp) override;
   grpc::Status FenceStagingSlot(grpc::ServerContext*, const v1::FenceStagingSlotRequest* req,
                                 v1::FenceStagingSlotResponse* resp) override;
+  grpc::Status MapPushMemory(grpc::ServerContext*, const v1::MapPushMemoryRequest* req,
+                             v1::MapPushMemoryResponse* resp) override;
   grpc::Status ReadState(grpc::ServerContext* ctx, const v1::ReadStateRequest* req,
                          grpc::ServerWriter<v1::StateChunk>* writer) override;
   grpc::Status WriteState(grpc::ServerContext* ctx, grpc::ServerReader<v1::StateChunk>* reader,

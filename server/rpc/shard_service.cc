@@ -153,12 +153,19 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
     const v1::GradientChunk& c = chunks[i];
     if (c.staging_slot() != first.staging_slot() ||
         c.staging_generation() != first.staging_generation() || c.rank() != first.rank() ||
-        c.incarnation() != first.incarnation() || c.dtype() != first.dtype()) {
+        c.incarnation() != first.incarnation() || c.dtype() != first.dtype() ||
+        c.push_memory() != first.push_memory()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "chunk ", i, ": the staged chunks of a push name one rank, incarnation, dtype, slot ",
-          "and generation (chunk 0's: rank ", first.rank(), ", incarnation ", first.incarnation(),
-          ", dtype ", first.dtype(), ", slot ", first.staging_slot(), ", generation ",
-          first.staging_generation(), ")"));
+          "chunk ", i, ": the staged chunks of a push name one rank, incarnation, dtype, slot, ",
+          "generation and push memory (chunk 0's: rank ", first.rank(), ", incarnation ",
+          first.incarnation(), ", dtype ", first.dtype(), ", slot ", first.staging_slot(),
+          ", generation ", first.staging_generation(), ", push memory ", first.push_memory(),
+          ")"));
+    }
+    if (c.push_memory() == 0 && c.push_memory_offset() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk ", i, ": push_memory_offset ", c.push_memory_offset(),
+          " without a push_memory"));
     }
     if (!c.data().empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -178,18 +185,33 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
   if (!staging.ok()) return staging.status();
   // The slot's lock is held while the job reads the bytes: a fence of the
   // slot waits for this push, and refuses it if it came first.
+  const bool pulled = first.push_memory() != 0;
   absl::Status s = (*staging)->Apply(
       first.staging_slot(), first.staging_generation(), length,
-      [&](absl::string_view slot) -> absl::Status {
+      [&](absl::string_view source) -> absl::Status {
         for (size_t i = 0, at = 0; i < chunks.size(); at += lengths[i], ++i) {
-          views[i].payload = slot.substr(at, lengths[i]);
+          if (!pulled) {
+            views[i].payload = source.substr(at, lengths[i]);
+            continue;
+          }
+          // In the trainer's memory: each payload where its chunk says.
+          const uint64_t offset = chunks[i].push_memory_offset();
+          if (offset > source.size() || lengths[i] > source.size() - offset) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "chunk ", i, ": ", lengths[i], " bytes at push_memory_offset ", offset,
+                " overrun push memory ", first.push_memory(), " (", source.size(), " bytes)"));
+          }
+          views[i].payload = source.substr(offset, lengths[i]);
         }
         absl::StatusOr<PushResult> r = job->PushGradient(views, deadline);
         if (!r.ok()) return r.status();
         ToWire(*r, resp);
         return absl::OkStatus();
-      });
-  if (s.ok()) ctx_->metrics->RecordTraffic(id, "push", ctx_->bulk->kind(), length);
+      },
+      first.push_memory());
+  if (s.ok()) {
+    ctx_->metrics->RecordTraffic(id, "push", pulled ? "push_memory" : ctx_->bulk->kind(), length);
+  }
   return s;
 }
 
@@ -531,6 +553,21 @@ grpc::Status ShardService::FenceStagingSlot(grpc::ServerContext* call,
   absl::StatusOr<uint64_t> applied = (*staging)->Fence(req->slot(), req->generation());
   if (!applied.ok()) return ctx_->Done(__func__, applied.status());
   resp->set_applied_generation(*applied);
+  return ctx_->Done(__func__, absl::OkStatus());
+}
+
+grpc::Status ShardService::MapPushMemory(grpc::ServerContext* call,
+                                         const v1::MapPushMemoryRequest* req,
+                                         v1::MapPushMemoryResponse* resp) {
+  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
+  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  absl::StatusOr<std::shared_ptr<RankStaging>> staging =
+      (*job)->Staging(req->rank(), req->incarnation(), /*create=*/false);
+  if (!staging.ok()) return ctx_->Done(__func__, staging.status());
+  absl::StatusOr<uint32_t> id =
+      (*staging)->MapPushMemory(req->pid(), req->fd(), req->name(), req->bytes());
+  if (!id.ok()) return ctx_->Done(__func__, id.status());
+  resp->set_id(*id);
   return ctx_->Done(__func__, absl::OkStatus());
 }
 

@@ -1,0 +1,139 @@
+#include "transport/shm/push_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+
+namespace zeroshard::transport {
+namespace {
+
+constexpr absl::string_view kNamePrefix = "zeroshard-push-";
+
+std::string ErrnoText(int error) { return absl::StrCat(std::strerror(error), " (errno ", error, ")"); }
+
+// "zeroshard-push-" and 32 hex digits of getrandom().
+absl::StatusOr<std::string> SecretName() {
+  char secret[16];
+  size_t got = 0;
+  while (got < sizeof(secret)) {
+    const ssize_t n = ::getrandom(secret + got, sizeof(secret) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("push memory: getrandom for its name: ", ErrnoText(errno)));
+    }
+    got += static_cast<size_t>(n);
+  }
+  return absl::StrCat(kNamePrefix, absl::BytesToHexString(absl::string_view(secret, sizeof(secret))));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PushMemory>> PushMemory::Create(size_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("push memory: 0 bytes");
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  if (bytes > SIZE_MAX - page) return absl::InvalidArgumentError("push memory: too large");
+  const size_t size = (bytes + page - 1) / page * page;
+  absl::StatusOr<std::string> name = SecretName();
+  if (!name.ok()) return name.status();
+  const int fd = ::memfd_create(name->c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("push memory: memfd_create: ", ErrnoText(errno)));
+  }
+  auto fail = [&](absl::string_view what) {
+    const int error = errno;
+    ::close(fd);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("push memory of ", size, " bytes: ", what, ": ", ErrnoText(error)));
+  };
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0) return fail("ftruncate");
+  // Sealed before anyone else can open it: its size is fixed for good.
+  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return fail("F_ADD_SEALS");
+  }
+  void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (data == MAP_FAILED) return fail("mmap");
+  return std::unique_ptr<PushMemory>(new PushMemory(data, size, fd, *std::move(name)));
+}
+
+PushMemory::PushMemory(void* data, size_t size, int fd, std::string name)
+    : data_(data), size_(size), fd_(fd), pid_(::getpid()), name_(std::move(name)) {}
+
+PushMemory::~PushMemory() {
+  ::munmap(data_, size_);
+  ::close(fd_);
+}
+
+bool PushMemory::Contains(const void* p, size_t n, uint64_t* offset) const {
+  const auto at = reinterpret_cast<uintptr_t>(p), base = reinterpret_cast<uintptr_t>(data_);
+  if (at < base || at - base > size_ || n > size_ - (at - base)) return false;
+  *offset = at - base;
+  return true;
+}
+
+absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Open(int64_t pid, int64_t fd,
+                                                             absl::string_view name,
+                                                             uint64_t bytes) {
+  if (pid <= 0 || pid > INT32_MAX || fd < 0 || fd > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("push memory: pid ", pid, " or fd ", fd, " out of range"));
+  }
+  if (bytes == 0 || bytes > SIZE_MAX / 2) {
+    return absl::InvalidArgumentError(absl::StrCat("push memory: ", bytes, " bytes"));
+  }
+  if (name.size() > kMaxPushMemoryName || name.substr(0, kNamePrefix.size()) != kNamePrefix ||
+      name.find_first_of(absl::string_view("/\0 ", 3)) != absl::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("push memory: a name \"", kNamePrefix, "...\" of at most ",
+                     kMaxPushMemoryName, " characters without '/', NUL or space"));
+  }
+  const std::string path = absl::StrCat("/proc/", pid, "/fd/", fd);
+  const int own = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY);
+  if (own < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "push memory: cannot open ", path, ": ", ErrnoText(errno),
+        " (the trainer runs on another host or in another pid namespace, or this daemon may "
+        "not open its files)"));
+  }
+  auto refuse = [&](absl::string_view why) {
+    ::close(own);
+    return absl::FailedPreconditionError(absl::StrCat("push memory ", path, ": ", why));
+  };
+  // What was opened, checked on the open file itself (the trainer's fd
+  // number may name another file by now).
+  char link[256];
+  const std::string self = absl::StrCat("/proc/self/fd/", own);
+  const ssize_t n = ::readlink(self.c_str(), link, sizeof(link));
+  const std::string expected = absl::StrCat("/memfd:", name, " (deleted)");
+  if (n < 0 || absl::string_view(link, static_cast<size_t>(n)) != expected) {
+    return refuse(absl::StrCat("is not the memfd \"", name, "\""));
+  }
+  const int seals = ::fcntl(own, F_GET_SEALS);
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) return refuse("is not sealed against shrinking");
+  struct stat st;
+  if (::fstat(own, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 0 ||
+      static_cast<uint64_t>(st.st_size) < bytes) {
+    return refuse(absl::StrCat("is shorter than ", bytes, " bytes"));
+  }
+  void* data = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, own, 0);
+  const int error = errno;
+  ::close(own);
+  if (data == MAP_FAILED) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("push memory ", path, ": mmap of ", bytes, " bytes: ", ErrnoText(error)));
+  }
+  return std::unique_ptr<PeerMemory>(new PeerMemory(data, bytes));
+}
+
+PeerMemory::~PeerMemory() { ::munmap(const_cast<void*>(data_), size_); }
+
+}  // namespace zeroshard::transport
