@@ -73,6 +73,7 @@ constexpr RpcInfo kRpcs[kNumRpcs] = {
     {"Replica.ForwardGradient", true},
     {"Replica.CommitReplica", false},
     {"Replica.ReleaseReplica", false},
+    {"Shard.MapPushMemory", false},
 };
 
 // ---------------------------------------------------------------------------
@@ -97,6 +98,7 @@ struct Fixer {
   uint32_t max_wait_ms = 100;
   const v1::PartManifest* last_part = nullptr;  // may be null
   BackupCopy backup;
+  const transport::PushMemory* push_memory = nullptr;
 
   bool on(Fixup f) const { return (fixups & f) != 0; }
   void Job(std::string* id) const {
@@ -263,6 +265,16 @@ void Fix(const Fixer& f, v1::FenceStagingSlotRequest* r) {
   f.Job(r->mutable_job_id());
   r->set_rank(f.Rank(r->rank()));
   r->set_incarnation(f.Incarnation(r->incarnation()));
+}
+void Fix(const Fixer& f, v1::MapPushMemoryRequest* r) {
+  f.Job(r->mutable_job_id());
+  r->set_rank(f.Rank(r->rank()));
+  r->set_incarnation(f.Incarnation(r->incarnation()));
+  if (f.on(kLiveRank) && f.push_memory != nullptr) {
+    r->set_pid(f.push_memory->pid());
+    r->set_fd(f.push_memory->fd());
+    r->set_name(f.push_memory->name());
+  }
 }
 void Fix(const Fixer& f, v1::ReadStateRequest* r) {
   f.Job(r->mutable_job_id());
@@ -571,6 +583,10 @@ absl::StatusOr<std::unique_ptr<RequestWorld>> RequestWorld::Create(const Options
   std::string dir = TempDirectory();
   if (dir.empty()) return absl::InternalError("cannot create a temporary directory");
   std::unique_ptr<RequestWorld> w(new RequestWorld(options, std::move(dir)));
+  absl::StatusOr<std::unique_ptr<transport::PushMemory>> memory =
+      transport::PushMemory::Create(1 << 20);
+  if (!memory.ok()) return memory.status();
+  w->push_memory_ = *std::move(memory);
   DaemonOptions o;
   o.listen = "127.0.0.1:0";
   o.memory_limit_bytes = options.memory_limit_bytes;
@@ -674,6 +690,7 @@ grpc::Status RequestWorld::Run(const Call& call) {
   f.layout = &live_->config().layout;
   f.max_wait_ms = options_.max_wait_ms;
   f.last_part = last_part_.get();
+  f.push_memory = push_memory_.get();
   if (absl::StatusOr<std::shared_ptr<Job>> live = daemon_->jobs().Find(kLiveJobId); live.ok()) {
     f.committed = (*live)->committed_step();
   }
@@ -841,6 +858,8 @@ grpc::Status RequestWorld::Run(const Call& call) {
       ZS_UNARY(replica, CommitReplica, v1::CommitReplicaRequest, v1::CommitStepResponse)
     case Rpc::kReleaseReplica:
       ZS_UNARY(replica, ReleaseReplica, v1::ReleaseReplicaRequest, v1::ReleaseReplicaResponse)
+    case Rpc::kMapPushMemory:
+      ZS_UNARY(shard, MapPushMemory, v1::MapPushMemoryRequest, v1::MapPushMemoryResponse)
   }
 #undef ZS_UNARY
   return grpc::Status(grpc::StatusCode::INTERNAL, "no such rpc");
@@ -1329,6 +1348,22 @@ std::vector<std::pair<std::string, std::vector<Call>>> SeedSequences() {
     fence.set_slot(0);
     fence.set_generation(1);
     c.push_back(One(Rpc::kFenceStagingSlot, kLive, fence));
+    // The world's push memory mapped (kLiveRank names it), and a push
+    // summed from it.
+    v1::MapPushMemoryRequest map;
+    map.set_job_id(kLiveJobId);
+    map.set_rank(0);
+    map.set_incarnation(kTestIncarnation);
+    map.set_bytes(4096);
+    c.push_back(One(Rpc::kMapPushMemory, kLive, map));
+    v1::GradientChunk pulled = Gradient(0, 1, Range(1000, 2000), 0.0f);
+    pulled.clear_data();
+    pulled.set_staged(true);
+    pulled.set_staging_slot(1);
+    pulled.set_staging_generation(1);
+    pulled.set_push_memory(1);
+    c.push_back(
+        Stream(Rpc::kPushGradient, kLive | kLiveStep, std::vector<v1::GradientChunk>{pulled}));
     v1::GradientChunk staged = Gradient(0, 1, Range(0, 1000), 0.0f);
     staged.clear_data();
     staged.set_staged(true);

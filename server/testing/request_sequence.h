@@ -35,6 +35,7 @@
 #include "proto/zeroshard/v1/replica.grpc.pb.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
+#include "transport/shm/push_memory.h"
 #include "transport/transport.h"
 
 namespace zeroshard::testing {
@@ -81,8 +82,9 @@ enum class Rpc : uint8_t {
   kForwardGradient,  // client stream
   kCommitReplica,
   kReleaseReplica,
+  kMapPushMemory,
 };
-inline constexpr int kNumRpcs = 37;
+inline constexpr int kNumRpcs = 38;
 
 // "Service.Method".
 const char* RpcName(Rpc rpc);
@@ -101,7 +103,9 @@ enum Fixup : uint8_t {
   // a ReadState and in every chunk of a WriteState; a JoinJob also gets the
   // live job's fingerprint, stage, world size and precision.
   // Replica RPCs: the group is kReplicaBackupGroup and the epoch that copy's
-  // (Promote: one above it), in every chunk of a stream.
+  // (Promote: one above it), in every chunk of a stream. A MapPushMemory
+  // names the world's push memory (its pid, fd and name; the bytes as
+  // given).
   kLiveRank = 1 << 1,
   // CRC-32C fields of chunks are recomputed over their data, a
   // CommitActivation's is that of the bytes last put (see kFitData); a
@@ -246,6 +250,8 @@ class RequestWorld {
   // ReserveActivation (kFitData), and the CRC-32C of the last put.
   std::unique_ptr<transport::Transport> peer_;
   std::unique_ptr<transport::Connection> arena_connection_;
+  // A trainer's push memory, for MapPushMemory (kLiveRank).
+  std::unique_ptr<transport::PushMemory> push_memory_;
   transport::RegionDescriptor arena_;
   uint32_t last_put_crc_ = 0;
 };

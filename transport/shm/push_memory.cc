@@ -97,7 +97,25 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Open(int64_t pid, int64_
                      kMaxPushMemoryName, " characters without '/', NUL or space"));
   }
   const std::string path = absl::StrCat("/proc/", pid, "/fd/", fd);
-  const int own = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY);
+  const std::string expected = absl::StrCat("/memfd:", name, " (deleted)");
+  char link[256];
+  // Before opening anything: the file must look like that memfd (an open of
+  // a FIFO or a device could block or act on it).
+  const ssize_t before = ::readlink(path.c_str(), link, sizeof(link));
+  if (before < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "push memory: cannot read ", path, ": ", ErrnoText(errno),
+        " (the trainer runs on another host or in another pid namespace, or this daemon may "
+        "not see its files)"));
+  }
+  struct stat st;
+  if (absl::string_view(link, static_cast<size_t>(before)) != expected ||
+      ::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("push memory ", path, ": is not the memfd \"", name, "\""));
+  }
+  // Non-blocking, in case the trainer put another file there since.
+  const int own = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
   if (own < 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "push memory: cannot open ", path, ": ", ErrnoText(errno),
@@ -110,16 +128,13 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Open(int64_t pid, int64_
   };
   // What was opened, checked on the open file itself (the trainer's fd
   // number may name another file by now).
-  char link[256];
   const std::string self = absl::StrCat("/proc/self/fd/", own);
   const ssize_t n = ::readlink(self.c_str(), link, sizeof(link));
-  const std::string expected = absl::StrCat("/memfd:", name, " (deleted)");
   if (n < 0 || absl::string_view(link, static_cast<size_t>(n)) != expected) {
     return refuse(absl::StrCat("is not the memfd \"", name, "\""));
   }
   const int seals = ::fcntl(own, F_GET_SEALS);
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) return refuse("is not sealed against shrinking");
-  struct stat st;
   if (::fstat(own, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 0 ||
       static_cast<uint64_t>(st.st_size) < bytes) {
     return refuse(absl::StrCat("is shorter than ", bytes, " bytes"));

@@ -79,6 +79,13 @@ TEST(PushMemoryTest, OpenRefusesWhatIsNotThatSealedMemory) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("sealed"), std::string::npos) << s;
   ::close(unsealed);
+  // A FIFO in that fd's place is refused without blocking on it.
+  int fifo[2];
+  ASSERT_EQ(::pipe(fifo), 0);
+  EXPECT_EQ(PeerMemory::Open(pid, fifo[0], name, 4096).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ::close(fifo[0]);
+  ::close(fifo[1]);
   // An fd that is not open, a process that does not exist.
   EXPECT_EQ(PeerMemory::Open(pid, 1 << 20, name, 4096).status().code(),
             absl::StatusCode::kFailedPrecondition);
