@@ -29,11 +29,12 @@ using testing::FakeShard;
 constexpr uint64_t kIncarnation = 7;
 
 struct Rig {
-  explicit Rig(FakeShard::Options o = {}) {
+  explicit Rig(FakeShard::Options o = {}, std::shared_ptr<PushMemories> memories = nullptr) {
     fake = *FakeShard::Start(o);
     BulkDataPath::Options po;
     po.connections = 2;
     po.fence_timeout = absl::Seconds(5);
+    po.push_memories = std::move(memories);
     path = std::make_unique<BulkDataPath>(
         fake->address(), MakeDaemonChannel(fake->address(), ChannelSecurity::Plaintext()),
         *BulkTransport::Create("inproc", {}), po);
@@ -105,6 +106,32 @@ int Count(const std::vector<std::string>& events, absl::string_view prefix) {
   return static_cast<int>(std::count_if(events.begin(), events.end(), [&](const std::string& e) {
     return absl::StartsWith(e, prefix);
   }));
+}
+
+// A daemon that cannot map the client's push memory (this stand-in answers
+// MapPushMemory UNIMPLEMENTED, as one on another host answers
+// FAILED_PRECONDITION): pushes from it are Put into the slots like any
+// others, and the daemon is asked once per endpoint.
+TEST(BulkDataPathTest, PushesFromPushMemoryTheDaemonCannotMapArePut) {
+  auto memories = std::make_shared<PushMemories>();
+  absl::StatusOr<std::shared_ptr<transport::PushMemory>> memory = memories->Allocate(4096);
+  ASSERT_TRUE(memory.ok());
+  Rig rig({}, memories);
+  float* values = static_cast<float*>((*memory)->data());
+  for (int i = 0; i < 512; ++i) values[i] = 0.25f * i;
+  for (int k = 0; k < 2; ++k) {
+    GradientPush p = Grad(256 * k, 0).Push();
+    p.data = values + 256 * k;
+    absl::StatusOr<uint64_t> sent = rig.path->PushGradient(p, In(absl::Seconds(5)));
+    ASSERT_TRUE(sent.ok()) << sent.status();
+  }
+  const std::vector<FakeShard::Applied> applied = rig.fake->applied();
+  ASSERT_EQ(applied.size(), 2u);
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(applied[k].bytes,
+              std::string(reinterpret_cast<const char*>(values + 256 * k), 256 * 4));
+  }
+  EXPECT_EQ(rig.fake->push_memory_maps(), 1);
 }
 
 // Buckets that fit one slot together (the short last buckets of several

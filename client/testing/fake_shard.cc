@@ -84,6 +84,18 @@ std::vector<std::string> FakeShard::events() const {
   return events_;
 }
 
+int FakeShard::push_memory_maps() const {
+  absl::MutexLock lock(&mu_);
+  return push_memory_maps_;
+}
+
+grpc::Status FakeShard::MapPushMemory(grpc::ServerContext*, const v1::MapPushMemoryRequest*,
+                                      v1::MapPushMemoryResponse*) {
+  absl::MutexLock lock(&mu_);
+  ++push_memory_maps_;
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this stand-in reads its slots only");
+}
+
 int FakeShard::exchanges() const {
   absl::MutexLock lock(&mu_);
   return exchanges_;

@@ -70,10 +70,15 @@ class FakeShard final : public v1::Shard::Service {
   // "announce S G", "apply S G", "refuse S G", "fence S G -> A", in order.
   std::vector<std::string> events() const;
   int exchanges() const;
+  // MapPushMemory calls (answered UNIMPLEMENTED: this stand-in reads its
+  // slots only).
+  int push_memory_maps() const;
 
   // Blocks until no staged push is being handled (or 10 s).
   void WaitIdle() const;
 
+  grpc::Status MapPushMemory(grpc::ServerContext* context, const v1::MapPushMemoryRequest* request,
+                             v1::MapPushMemoryResponse* response) override;
   grpc::Status ExchangeEndpoint(grpc::ServerContext* context,
                                 const v1::ExchangeEndpointRequest* request,
                                 v1::ExchangeEndpointResponse* response) override;
@@ -115,6 +120,7 @@ class FakeShard final : public v1::Shard::Service {
   grpc::Status push_status_ ABSL_GUARDED_BY(mu_);
   int pushes_running_ ABSL_GUARDED_BY(mu_) = 0;
   int exchanges_ ABSL_GUARDED_BY(mu_) = 0;
+  int push_memory_maps_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Applied> applied_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
 };
