@@ -294,7 +294,8 @@ BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
   req.set_bytes(pull.memory->size());
   v1::MapPushMemoryResponse resp;
   grpc::ClientContext context;
-  SetDeadline(&context, deadline);
+  // Its own bound: a push that cannot be pulled is still Put in time.
+  SetDeadline(&context, std::min(deadline, absl::Now() + absl::Seconds(5)));
   const grpc::Status status = stream_.stub()->MapPushMemory(&context, req, &resp);
   absl::MutexLock lock(&ep.pull_mu);
   if (status.ok() && resp.id() != 0) {
@@ -403,10 +404,29 @@ bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush>
   }
   // The daemon may still be about to read the slot, or may have applied it:
   // fence it before the slot is written again, and learn which.
-  const absl::StatusOr<bool> applied = slots_.Resolve(lease, sent_keys, fence);
+  absl::StatusOr<bool> applied = slots_.Resolve(lease, sent_keys, fence);
+  if (!applied.ok() && pull.id != 0) {
+    // The bytes are in the caller's memory, which the quarantined slot does
+    // not keep from being reused: wait for a fence, or for the daemon's
+    // reads to have ended (it reads a pulled push only before its deadline).
+    applied = AwaitPulledFence(sent.front(), lease, deadline, applied.status());
+  }
   if (LostDaemonOrJob(s)) DropEndpoint(&ep);
   finish(applied.ok() && *applied ? absl::OkStatus() : s);
   return false;
+}
+
+absl::StatusOr<bool> BulkDataPath::AwaitPulledFence(const GradientPush& push,
+                                                    const StagingSlots::Lease& lease,
+                                                    absl::Time deadline, absl::Status failed) {
+  const absl::Time give_up = deadline + options_.fence_timeout;
+  while (absl::Now() < give_up) {
+    absl::SleepFor(std::min(absl::Seconds(1), give_up - absl::Now()));
+    absl::StatusOr<uint64_t> applied = FenceSlot(push, lease.slot, lease.generation);
+    if (applied.ok()) return *applied == lease.generation;
+    failed = applied.status();
+  }
+  return failed;
 }
 
 absl::StatusOr<uint64_t> BulkDataPath::PushGradient(const GradientPush& push,

@@ -37,9 +37,12 @@
 // with the memory's id and each push's offset. The slot lease, generation
 // and fence work as for a Put into the slot (a pulled push holds a slot
 // without writing it), so a push whose RPC failed is resolved the same way
-// before its bytes count as free. Where the daemon cannot map the memory
-// (another host, another pid namespace, no permission), the pushes are Put
-// as before; the refusal is printed once per endpoint.
+// before its bytes count as free; when that fence fails, the push waits
+// (fencing again once a second) until a fence answers or fence_timeout past
+// its deadline, since the caller's memory, unlike a slot, is reused as soon
+// as the push returns. Where the daemon cannot map the memory (another
+// host, another pid namespace, no permission), the pushes are Put as before;
+// the refusal is printed once per endpoint.
 //
 // Connections: `connections` per daemon. The Puts of all pushes take the
 // first, so one progress thread copies gradients while the daemon applies the
@@ -222,6 +225,14 @@ class BulkDataPath final : public DataPath {
                   absl::Time deadline);
   absl::StatusOr<uint64_t> FenceSlot(const GradientPush& push, uint32_t slot,
                                      uint64_t generation);
+  // A pulled push (`lease`, announced with `deadline`) whose fence failed
+  // (`failed`): fences again once a second until one answers (whether the
+  // daemon applied it) or until Options::fence_timeout past `deadline`
+  // (the last error: the daemon reads a pulled push only before its
+  // deadline, and its reads have long ended). Blocks until then.
+  absl::StatusOr<bool> AwaitPulledFence(const GradientPush& push,
+                                        const StagingSlots::Lease& lease, absl::Time deadline,
+                                        absl::Status failed);
   // One Put (`put`) or Get of a region access; `retry` as for pushes.
   // `while_copying` runs once the operation is issued (first attempt only,
   // when `*ran` is false; sets it).

@@ -450,7 +450,7 @@ TEST_P(DaemonPushMemoryTest, BadPushMemoryInputChangesNothing) {
                    c[1].set_push_memory_offset(memory_->size() - 4);
                  }));
   ExpectRejected(grpc::INVALID_ARGUMENT, "overrun push memory", pulled([&](auto& c) {
-                   c[1].set_push_memory_offset(~uint64_t{0} - 2);
+                   c[1].set_push_memory_offset(~uint64_t{0} - 3);
                  }));
   ExpectRejected(grpc::INVALID_ARGUMENT, "without a push_memory", pulled([&](auto& c) {
                    for (auto& x : c) x.set_push_memory(0);
@@ -458,12 +458,30 @@ TEST_P(DaemonPushMemoryTest, BadPushMemoryInputChangesNothing) {
   ExpectRejected(grpc::INVALID_ARGUMENT, "push memory",
                  pulled([&](auto& c) { c[1].set_push_memory(0); }));
   EXPECT_EQ(staging_state_->pulled_bytes(), 0u);
+  ExpectRejected(grpc::INVALID_ARGUMENT, "not a multiple of 4", pulled([&](auto& c) {
+                   c[1].set_push_memory_offset(c[1].push_memory_offset() + 2);
+                 }));
+  // The same memory again: the same id, nothing mapped twice.
+  ASSERT_TRUE(MapMemory(*client_, 0, testing::kTestIncarnation, *memory_, &r).ok());
+  EXPECT_EQ(r.id(), id_);
+  EXPECT_EQ(staging_state_->push_memories(), 1u);
+  // Larger than a rank process may map (twice the job's fp32 gradient and
+  // 1 GiB): sparse, nothing of it is touched.
+  absl::StatusOr<std::unique_ptr<transport::PushMemory>> huge =
+      transport::PushMemory::Create((size_t{1} << 30) + (size_t{1} << 24));
+  ASSERT_TRUE(huge.ok());
+  ExpectRejected(grpc::RESOURCE_EXHAUSTED, "bytes of push memory mapped", [&] {
+    return MapMemory(*client_, 0, testing::kTestIncarnation, **huge, &r);
+  });
   // At most kMaxPushMemories per rank process.
+  std::vector<std::unique_ptr<transport::PushMemory>> more;
   for (uint32_t i = 1; i < RankStaging::kMaxPushMemories; ++i) {
-    ASSERT_TRUE(MapMemory(*client_, 0, testing::kTestIncarnation, *memory_, &r).ok());
+    more.push_back(*transport::PushMemory::Create(4096));
+    ASSERT_TRUE(MapMemory(*client_, 0, testing::kTestIncarnation, *more.back(), &r).ok());
   }
+  more.push_back(*transport::PushMemory::Create(4096));
   ExpectRejected(grpc::RESOURCE_EXHAUSTED, "push memories", [&] {
-    return MapMemory(*client_, 0, testing::kTestIncarnation, *memory_, &r);
+    return MapMemory(*client_, 0, testing::kTestIncarnation, *more.back(), &r);
   });
 }
 

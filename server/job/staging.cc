@@ -1,6 +1,9 @@
 #include "server/job/staging.h"
 
+#include <sys/random.h>
+
 #include <algorithm>
+#include <atomic>
 
 #include "absl/strings/str_cat.h"
 
@@ -39,7 +42,7 @@ RankStaging::~RankStaging() {
 
 absl::Status RankStaging::Apply(uint32_t slot, uint64_t generation, uint64_t length,
                                 absl::FunctionRef<absl::Status(absl::string_view)> apply,
-                                uint32_t push_memory) {
+                                uint32_t push_memory, absl::Time deadline) {
   if (slot >= slots_) {
     return absl::InvalidArgumentError(
         absl::StrCat("staging_slot: must be < ", slots_, ", got ", slot));
@@ -47,12 +50,14 @@ absl::Status RankStaging::Apply(uint32_t slot, uint64_t generation, uint64_t len
   std::shared_ptr<const transport::PeerMemory> memory;
   if (push_memory != 0) {
     absl::MutexLock lock(&memories_mu_);
-    if (push_memory > memories_.size()) {
+    for (const Mapped& m : memories_) {
+      if (m.id == push_memory) memory = m.memory;
+    }
+    if (memory == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "push_memory: ", push_memory, " is not one MapPushMemory answered for this rank "
           "process (it has mapped ", memories_.size(), ")"));
     }
-    memory = memories_[push_memory - 1];
   } else if (length > slot_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("staged chunks of ", length,
                                                    " bytes do not fit a staging slot of ",
@@ -68,6 +73,11 @@ absl::Status RankStaging::Apply(uint32_t slot, uint64_t generation, uint64_t len
         "staging slot ", slot, " generation ", generation, " is ",
         generation <= s.fenced ? "fenced" : "already applied", " (applied up to ", s.applied,
         ", fenced up to ", s.fenced, "); write the slot again with a new generation"));
+  }
+  if (memory != nullptr && absl::Now() >= deadline) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "staging slot ", slot, " generation ", generation,
+        ": the push's deadline passed before its turn; nothing of the trainer's memory read"));
   }
   const absl::string_view payload =
       memory != nullptr
@@ -85,25 +95,66 @@ absl::Status RankStaging::Apply(uint32_t slot, uint64_t generation, uint64_t len
   return status;
 }
 
+namespace {
+
+// Push memory ids: unique within this process, from a random start, so that
+// an id a trainer kept from a daemon that restarted names nothing here.
+uint32_t NextPushMemoryId() {
+  static std::atomic<uint32_t> next{[] {
+    uint32_t r = 0;
+    if (::getrandom(&r, sizeof(r), 0) != static_cast<ssize_t>(sizeof(r))) r = 1;
+    return r;
+  }()};
+  uint32_t id = 0;
+  while (id == 0) id = next.fetch_add(1, std::memory_order_relaxed);
+  return id;
+}
+
+}  // namespace
+
 absl::StatusOr<uint32_t> RankStaging::MapPushMemory(int64_t pid, int64_t fd,
-                                                    absl::string_view name, uint64_t bytes) {
-  auto full = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(memories_mu_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "this rank process has mapped ", kMaxPushMemories,
-        " push memories already, the most a rank process may; push from one of those or "
-        "through the staging slots"));
+                                                    absl::string_view name, uint64_t bytes,
+                                                    uint64_t max_bytes) {
+  // Refusals and the same memory again are answered without opening
+  // anything; the checks are repeated once it is open.
+  auto admit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(memories_mu_) -> absl::StatusOr<uint32_t> {
+    for (const Mapped& m : memories_) {
+      if (m.name == name) return m.id;
+    }
+    if (memories_.size() >= kMaxPushMemories) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this rank process has mapped ", kMaxPushMemories,
+          " push memories already, the most a rank process may; push from one of those or "
+          "through the staging slots"));
+    }
+    if (bytes > max_bytes || mapped_bytes_ > max_bytes - bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "push memory of ", bytes, " bytes: this rank process may have at most ", max_bytes,
+          " bytes of push memory mapped (twice the job's fp32 gradient and 1 GiB), and has ",
+          mapped_bytes_));
+    }
+    return 0u;
   };
   {
     absl::MutexLock lock(&memories_mu_);
-    if (memories_.size() >= kMaxPushMemories) return full();
+    if (++map_calls_ > kMaxPushMemoryCalls) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this rank process has called MapPushMemory ", kMaxPushMemoryCalls,
+          " times already, the most a rank process may; push through the staging slots"));
+    }
+    absl::StatusOr<uint32_t> admitted = admit();
+    if (!admitted.ok() || *admitted != 0) return admitted;
   }
   absl::StatusOr<std::unique_ptr<transport::PeerMemory>> opened =
       transport::PeerMemory::Open(pid, fd, name, bytes);
   if (!opened.ok()) return opened.status();
   absl::MutexLock lock(&memories_mu_);
-  if (memories_.size() >= kMaxPushMemories) return full();
-  memories_.push_back(*std::move(opened));
-  return static_cast<uint32_t>(memories_.size());
+  absl::StatusOr<uint32_t> admitted = admit();
+  if (!admitted.ok() || *admitted != 0) return admitted;
+  const uint32_t id = NextPushMemoryId();
+  memories_.push_back({id, std::string(name), *std::move(opened)});
+  mapped_bytes_ += bytes;
+  return id;
 }
 
 uint32_t RankStaging::push_memories() const {

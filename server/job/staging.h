@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/ledger/memory_ledger.h"
 #include "transport/shm/push_memory.h"
 #include "transport/transport.h"
@@ -52,19 +53,27 @@ class RankStaging {
   // the generation was applied or fenced already), calls `apply` with the
   // slot's first `length` bytes, and on OK records the generation as
   // applied. Blocks while another push or a fence holds the slot.
-  // With `push_memory` (>= 1, an id MapPushMemory returned; InvalidArgument
+  // With `push_memory` (an id MapPushMemory returned; InvalidArgument
   // otherwise), `apply` gets that whole memory instead, whatever `length`:
-  // it slices and bounds-checks the payloads itself.
+  // it slices and bounds-checks the payloads itself; and a push whose
+  // `deadline` has passed when it gets the slot is DeadlineExceeded, unread
+  // (a trainer that could not fence the slot may reuse its memory once the
+  // deadline is well past, docs/protocol.md).
   absl::Status Apply(uint32_t slot, uint64_t generation, uint64_t length,
                      absl::FunctionRef<absl::Status(absl::string_view payload)> apply,
-                     uint32_t push_memory = 0);
+                     uint32_t push_memory = 0, absl::Time deadline = absl::InfiniteFuture());
   // Maps the rank's push memory (transport::PeerMemory::Open, which the
-  // caller's arguments go to unchanged) and returns its id (>= 1). Blocks
-  // while the file is opened and mapped, holding no slot. ResourceExhausted
-  // past kMaxPushMemories; Open's error otherwise.
+  // caller's arguments go to unchanged) and returns its id: never 0, unique
+  // within this daemon process. The same name again answers the same id
+  // (nothing is opened). Blocks while the descriptor is taken and mapped,
+  // holding no slot. ResourceExhausted past kMaxPushMemories memories, past
+  // `max_bytes` mapped in all, or past kMaxPushMemoryCalls calls (answered
+  // or refused: a rank process that keeps naming what cannot be mapped
+  // stops being heard); Open's error otherwise.
   static constexpr uint32_t kMaxPushMemories = 16;
+  static constexpr uint32_t kMaxPushMemoryCalls = 64;
   absl::StatusOr<uint32_t> MapPushMemory(int64_t pid, int64_t fd, absl::string_view name,
-                                         uint64_t bytes);
+                                         uint64_t bytes, uint64_t max_bytes);
   // Push memories mapped, and bytes of them handed to an `apply` that
   // succeeded, since creation.
   uint32_t push_memories() const;
@@ -89,10 +98,15 @@ class RankStaging {
   const uint64_t slot_bytes_;
   std::unique_ptr<transport::Region> region_;
   std::unique_ptr<Slot[]> slot_state_;
+  struct Mapped {
+    uint32_t id = 0;
+    std::string name;
+    std::shared_ptr<const transport::PeerMemory> memory;  // shared with the pushes reading it
+  };
   mutable absl::Mutex memories_mu_;
-  // By id - 1; shared with the pushes that read them.
-  std::vector<std::shared_ptr<const transport::PeerMemory>> memories_
-      ABSL_GUARDED_BY(memories_mu_);
+  std::vector<Mapped> memories_ ABSL_GUARDED_BY(memories_mu_);
+  uint64_t mapped_bytes_ ABSL_GUARDED_BY(memories_mu_) = 0;
+  uint32_t map_calls_ ABSL_GUARDED_BY(memories_mu_) = 0;
   uint64_t pulled_bytes_ ABSL_GUARDED_BY(memories_mu_) = 0;
 };
 

@@ -191,5 +191,59 @@ TEST_F(RankStagingTest, AFenceWaitsForThePushReadingItsSlot) {
   EXPECT_EQ(Apply(0, 2, 8).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// Push memory: the same name maps once; what a rank process may map is
+// bounded; a pulled push reads the whole memory, never once its deadline has
+// passed, and only under its slot's generation rules.
+TEST_F(RankStagingTest, PushMemoriesAreBoundedAndReadOnlyInTime) {
+  absl::StatusOr<std::unique_ptr<transport::PushMemory>> m = transport::PushMemory::Create(4096);
+  ASSERT_TRUE(m.ok());
+  std::memcpy((*m)->data(), "pulled", 6);
+  const uint64_t max = uint64_t{1} << 20;
+  absl::StatusOr<uint32_t> id = staging_->MapPushMemory((*m)->pid(), (*m)->fd(), (*m)->name(),
+                                                        (*m)->size(), max);
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_NE(*id, 0u);
+  EXPECT_EQ(*staging_->MapPushMemory((*m)->pid(), (*m)->fd(), (*m)->name(), (*m)->size(), max),
+            *id);
+  EXPECT_EQ(staging_->push_memories(), 1u);
+  // Past the bytes a rank process may map: refused before anything is opened.
+  absl::StatusOr<std::unique_ptr<transport::PushMemory>> big =
+      transport::PushMemory::Create(max);
+  ASSERT_TRUE(big.ok());
+  EXPECT_THAT(staging_->MapPushMemory((*big)->pid(), (*big)->fd(), (*big)->name(),
+                                      (*big)->size(), max).status().message(),
+              HasSubstr("at most 1048576 bytes of push memory"));
+  // A pulled push gets the memory, not the slot, and is applied once.
+  std::string payload;
+  auto pull = [&](uint64_t generation, absl::Time deadline) {
+    return staging_->Apply(
+        0, generation, 6,
+        [&](absl::string_view p) {
+          ++applies_;
+          payload = std::string(p.substr(0, 6));
+          return absl::OkStatus();
+        },
+        *id, deadline);
+  };
+  EXPECT_EQ(pull(1, absl::InfinitePast()).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(applies_, 0);
+  ASSERT_TRUE(pull(1, absl::InfiniteFuture()).ok());
+  EXPECT_EQ(payload, "pulled");
+  EXPECT_EQ(staging_->pulled_bytes(), 6u);
+  EXPECT_THAT(pull(1, absl::InfiniteFuture()).message(), HasSubstr("already applied"));
+  EXPECT_EQ(staging_->Apply(0, 2, 6, [](absl::string_view) { return absl::OkStatus(); }, *id + 1)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(applies_, 1);
+  // Calls are counted, answered or refused.
+  for (uint32_t i = 3; i < RankStaging::kMaxPushMemoryCalls; ++i) {
+    staging_->MapPushMemory(1 << 30, 0, (*m)->name() + "x", 4096, max).IgnoreError();
+  }
+  EXPECT_THAT(staging_->MapPushMemory((*m)->pid(), (*m)->fd(), (*m)->name(), (*m)->size(), max)
+                  .status()
+                  .message(),
+              HasSubstr("MapPushMemory 64 times"));
+}
+
 }  // namespace
 }  // namespace zeroshard

@@ -196,6 +196,11 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
           }
           // In the trainer's memory: each payload where its chunk says.
           const uint64_t offset = chunks[i].push_memory_offset();
+          if (offset % esize != 0) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "chunk ", i, ": push_memory_offset ", offset, " is not a multiple of ", esize,
+                " (the payload's element size)"));
+          }
           if (offset > source.size() || lengths[i] > source.size() - offset) {
             return absl::InvalidArgumentError(absl::StrCat(
                 "chunk ", i, ": ", lengths[i], " bytes at push_memory_offset ", offset,
@@ -208,7 +213,7 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
         ToWire(*r, resp);
         return absl::OkStatus();
       },
-      first.push_memory());
+      first.push_memory(), deadline);
   if (s.ok()) {
     ctx_->metrics->RecordTraffic(id, "push", pulled ? "push_memory" : ctx_->bulk->kind(), length);
   }
@@ -564,8 +569,13 @@ grpc::Status ShardService::MapPushMemory(grpc::ServerContext* call,
   absl::StatusOr<std::shared_ptr<RankStaging>> staging =
       (*job)->Staging(req->rank(), req->incarnation(), /*create=*/false);
   if (!staging.ok()) return ctx_->Done(__func__, staging.status());
-  absl::StatusOr<uint32_t> id =
-      (*staging)->MapPushMemory(req->pid(), req->fd(), req->name(), req->bytes());
+  // Twice the job's gradient in fp32 (a trainer's gradients and its
+  // staging pool), and 1 GiB: what reads of holes in it could make this
+  // daemon's memory grow by, at most, per rank process.
+  const uint64_t max_bytes = 2 * (*job)->config().map.total_elements() * sizeof(float) +
+                             (uint64_t{1} << 30);
+  absl::StatusOr<uint32_t> id = (*staging)->MapPushMemory(req->pid(), req->fd(), req->name(),
+                                                          req->bytes(), max_bytes);
   if (!id.ok()) return ctx_->Done(__func__, id.status());
   resp->set_id(*id);
   return ctx_->Done(__func__, absl::OkStatus());

@@ -3,7 +3,10 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -87,8 +90,9 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Open(int64_t pid, int64_
     return absl::InvalidArgumentError(
         absl::StrCat("push memory: pid ", pid, " or fd ", fd, " out of range"));
   }
-  if (bytes == 0 || bytes > SIZE_MAX / 2) {
-    return absl::InvalidArgumentError(absl::StrCat("push memory: ", bytes, " bytes"));
+  if (bytes == 0 || bytes > kMaxPushMemoryBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("push memory: bytes must be in 1..",
+                                                   kMaxPushMemoryBytes, ", got ", bytes));
   }
   if (name.size() > kMaxPushMemoryName || name.substr(0, kNamePrefix.size()) != kNamePrefix ||
       name.find_first_of(absl::string_view("/\0 ", 3)) != absl::string_view::npos) {
@@ -96,55 +100,52 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Open(int64_t pid, int64_
         absl::StrCat("push memory: a name \"", kNamePrefix, "...\" of at most ",
                      kMaxPushMemoryName, " characters without '/', NUL or space"));
   }
-  const std::string path = absl::StrCat("/proc/", pid, "/fd/", fd);
-  const std::string expected = absl::StrCat("/memfd:", name, " (deleted)");
-  char link[256];
-  // Before opening anything: the file must look like that memfd (an open of
-  // a FIFO or a device could block or act on it).
-  const ssize_t before = ::readlink(path.c_str(), link, sizeof(link));
-  if (before < 0) {
+  const std::string where = absl::StrCat("push memory (fd ", fd, " of process ", pid, ")");
+  // The trainer's open file itself, duplicated: nothing is opened by path
+  // (no filesystem is asked anything, whatever the descriptor names).
+  const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+  if (pidfd < 0) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "push memory: cannot read ", path, ": ", ErrnoText(errno),
-        " (the trainer runs on another host or in another pid namespace, or this daemon may "
-        "not see its files)"));
+        where, ": pidfd_open: ", ErrnoText(errno),
+        " (the trainer runs on another host or in another pid namespace)"));
   }
-  struct stat st;
-  if (absl::string_view(link, static_cast<size_t>(before)) != expected ||
-      ::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("push memory ", path, ": is not the memfd \"", name, "\""));
-  }
-  // Non-blocking, in case the trainer put another file there since.
-  const int own = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  const int own = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, static_cast<int>(fd), 0));
+  const int got_errno = errno;
+  ::close(pidfd);
   if (own < 0) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "push memory: cannot open ", path, ": ", ErrnoText(errno),
-        " (the trainer runs on another host or in another pid namespace, or this daemon may "
-        "not open its files)"));
+        where, ": pidfd_getfd: ", ErrnoText(got_errno),
+        " (this daemon may not take the trainer's files: it needs the right to ptrace it, "
+        "e.g. the same user; or no such descriptor)"));
   }
   auto refuse = [&](absl::string_view why) {
     ::close(own);
-    return absl::FailedPreconditionError(absl::StrCat("push memory ", path, ": ", why));
+    return absl::FailedPreconditionError(absl::StrCat(where, ": ", why));
   };
-  // What was opened, checked on the open file itself (the trainer's fd
-  // number may name another file by now).
-  const std::string self = absl::StrCat("/proc/self/fd/", own);
-  const ssize_t n = ::readlink(self.c_str(), link, sizeof(link));
-  if (n < 0 || absl::string_view(link, static_cast<size_t>(n)) != expected) {
-    return refuse(absl::StrCat("is not the memfd \"", name, "\""));
-  }
+  // Only shmem and hugetlbfs files carry seals; tmpfs alone (a hugetlbfs
+  // file can lose its pages to a hole punched in it, and reads then fault).
   const int seals = ::fcntl(own, F_GET_SEALS);
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) return refuse("is not sealed against shrinking");
+  struct statfs fs;
+  if (::fstatfs(own, &fs) != 0 || fs.f_type != TMPFS_MAGIC) return refuse("is not on tmpfs");
+  const std::string self = absl::StrCat("/proc/self/fd/", own);
+  char link[256];
+  const ssize_t n = ::readlink(self.c_str(), link, sizeof(link));
+  if (n < 0 || absl::string_view(link, static_cast<size_t>(n)) !=
+                   absl::StrCat("/memfd:", name, " (deleted)")) {
+    return refuse(absl::StrCat("is not the memfd \"", name, "\""));
+  }
+  struct stat st;
   if (::fstat(own, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 0 ||
       static_cast<uint64_t>(st.st_size) < bytes) {
     return refuse(absl::StrCat("is shorter than ", bytes, " bytes"));
   }
   void* data = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, own, 0);
-  const int error = errno;
+  const int map_errno = errno;
   ::close(own);
   if (data == MAP_FAILED) {
     return absl::FailedPreconditionError(
-        absl::StrCat("push memory ", path, ": mmap of ", bytes, " bytes: ", ErrnoText(error)));
+        absl::StrCat(where, ": mmap of ", bytes, " bytes: ", ErrnoText(map_errno)));
   }
   return std::unique_ptr<PeerMemory>(new PeerMemory(data, bytes));
 }

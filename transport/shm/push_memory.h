@@ -11,16 +11,21 @@
 // sums a pushed gradient straight from there instead of from a staging slot
 // the trainer copied it into (one pass over the bytes instead of two).
 //
-// What the checks give the daemon: the opened file must be a memfd of
-// exactly that name (so the announcer knew the secret: it created the
-// memory, or its creator told it) and must be sealed against shrinking (so
-// no later truncation can turn the daemon's reads into SIGBUS), at least
-// `bytes` long. A trainer can still write its memory while the daemon reads
-// it: that changes only its own contribution, as sending other bytes would.
-// The open needs the daemon to see the trainer's process (same host and pid
-// namespace) and to be allowed to open its files (same user, or a daemon
-// with CAP_SYS_PTRACE); otherwise Open fails and the trainer sends through
-// the bulk transport as before.
+// How the daemon gets it: it duplicates the trainer's descriptor
+// (pidfd_open + pidfd_getfd), so no file is opened by path and no
+// filesystem is asked anything. What the checks give the daemon: the file
+// must be sealed against shrinking (only shared-memory files carry seals)
+// and live on tmpfs (not hugetlbfs), so no later truncation or hole can turn
+// the daemon's reads into SIGBUS; its name must be exactly the one given,
+// whose random part a process learns only from the trainer or by reading
+// its /proc files (rights that already let it read the trainer's memory);
+// it must be at least `bytes` long, at most kMaxPushMemoryBytes. A trainer
+// can still write its memory while the daemon reads it: that changes only
+// its own contribution, as sending other bytes would. The duplication needs
+// the daemon to see the trainer's process (same host and pid namespace) and
+// the right to ptrace it (same user without a stricter ptrace policy, or
+// CAP_SYS_PTRACE); otherwise Open fails and the trainer sends through the
+// bulk transport as before.
 
 #include <sys/types.h>
 
@@ -68,12 +73,13 @@ class PushMemory {
 // destroying it unmaps.
 class PeerMemory {
  public:
-  // Opens /proc/`pid`/fd/`fd` and maps its first `bytes` (> 0) read-only.
-  // FailedPrecondition when the file cannot be opened (another host, another
-  // pid namespace, no permission: the message says which errno) or is not a
-  // memfd named `name`, not sealed against shrinking, or shorter than
-  // `bytes`; InvalidArgument for a malformed argument. Reads nothing of the
-  // memory.
+  // Takes descriptor `fd` of process `pid` and maps its first `bytes`
+  // (1..kMaxPushMemoryBytes) read-only. FailedPrecondition when the
+  // descriptor cannot be taken (another host, another pid namespace, no
+  // right to ptrace the process, no such descriptor: the message says which
+  // errno) or is not a tmpfs memfd named `name` sealed against shrinking and
+  // at least `bytes` long; InvalidArgument for a malformed argument. Reads
+  // nothing of the memory; never blocks on a filesystem.
   static absl::StatusOr<std::unique_ptr<PeerMemory>> Open(int64_t pid, int64_t fd,
                                                           absl::string_view name,
                                                           uint64_t bytes);
@@ -95,5 +101,7 @@ class PeerMemory {
 
 // The longest name PushMemory gives and PeerMemory::Open accepts.
 inline constexpr size_t kMaxPushMemoryName = 64;
+// The most bytes PeerMemory::Open maps (callers bound it further).
+inline constexpr uint64_t kMaxPushMemoryBytes = uint64_t{1} << 40;
 
 }  // namespace zeroshard::transport
