@@ -99,6 +99,7 @@ struct Fixer {
   const v1::PartManifest* last_part = nullptr;  // may be null
   BackupCopy backup;
   const transport::PushMemory* push_memory = nullptr;
+  uint32_t push_memory_id = 0;  // what the last MapPushMemory answered (0: none)
 
   bool on(Fixup f) const { return (fixups & f) != 0; }
   void Job(std::string* id) const {
@@ -234,6 +235,9 @@ void Fix(const Fixer& f, v1::GradientChunk* c) {
   c->set_rank(f.Rank(c->rank()));
   c->set_incarnation(f.Incarnation(c->incarnation()));
   c->set_step(f.NextStep(c->step()));
+  if (f.on(kLiveRank) && c->push_memory() != 0 && f.push_memory_id != 0) {
+    c->set_push_memory(f.push_memory_id);
+  }
   if (f.on(kFitData) && !c->staged()) FitData(c->range(), c->dtype(), c->mutable_data());
   if (f.on(kChecksums)) c->set_crc32c(Crc32c(c->data().data(), c->data().size()));
 }
@@ -691,6 +695,7 @@ grpc::Status RequestWorld::Run(const Call& call) {
   f.max_wait_ms = options_.max_wait_ms;
   f.last_part = last_part_.get();
   f.push_memory = push_memory_.get();
+  f.push_memory_id = push_memory_id_;
   if (absl::StatusOr<std::shared_ptr<Job>> live = daemon_->jobs().Find(kLiveJobId); live.ok()) {
     f.committed = (*live)->committed_step();
   }
@@ -858,8 +863,14 @@ grpc::Status RequestWorld::Run(const Call& call) {
       ZS_UNARY(replica, CommitReplica, v1::CommitReplicaRequest, v1::CommitStepResponse)
     case Rpc::kReleaseReplica:
       ZS_UNARY(replica, ReleaseReplica, v1::ReleaseReplicaRequest, v1::ReleaseReplicaResponse)
-    case Rpc::kMapPushMemory:
-      ZS_UNARY(shard, MapPushMemory, v1::MapPushMemoryRequest, v1::MapPushMemoryResponse)
+    case Rpc::kMapPushMemory: {
+      v1::MapPushMemoryRequest request;
+      if (!Parse(call, f, &request)) return Unparsable(call);
+      v1::MapPushMemoryResponse response;
+      grpc::Status s = shard.MapPushMemory(&ctx, request, &response);
+      if (s.ok()) push_memory_id_ = response.id();
+      return s;
+    }
   }
 #undef ZS_UNARY
   return grpc::Status(grpc::StatusCode::INTERNAL, "no such rpc");
@@ -929,6 +940,7 @@ bool RequestWorld::Changed() {
 
 absl::Status RequestWorld::Restore(absl::Duration settle) {
   last_part_.reset();
+  push_memory_id_ = 0;
   if (!Changed()) return absl::OkStatus();
   live_.reset();
   JobManager& jobs = daemon_->jobs();

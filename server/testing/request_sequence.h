@@ -105,7 +105,8 @@ enum Fixup : uint8_t {
   // Replica RPCs: the group is kReplicaBackupGroup and the epoch that copy's
   // (Promote: one above it), in every chunk of a stream. A MapPushMemory
   // names the world's push memory (its pid, fd and name; the bytes as
-  // given).
+  // given); a chunk naming a push memory names the id the last
+  // MapPushMemory answered.
   kLiveRank = 1 << 1,
   // CRC-32C fields of chunks are recomputed over their data, a
   // CommitActivation's is that of the bytes last put (see kFitData); a
@@ -250,8 +251,10 @@ class RequestWorld {
   // ReserveActivation (kFitData), and the CRC-32C of the last put.
   std::unique_ptr<transport::Transport> peer_;
   std::unique_ptr<transport::Connection> arena_connection_;
-  // A trainer's push memory, for MapPushMemory (kLiveRank).
+  // A trainer's push memory, for MapPushMemory (kLiveRank), and the id the
+  // last MapPushMemory answered since Restore, which pulled chunks name.
   std::unique_ptr<transport::PushMemory> push_memory_;
+  uint32_t push_memory_id_ = 0;
   transport::RegionDescriptor arena_;
   uint32_t last_put_crc_ = 0;
 };
