@@ -39,12 +39,16 @@
 //   perftest  `ucx_perftest -t ucp_put_bw` between two processes on
 //             loopback, same UCX_TLS, message size = the client's bucket C_B
 //             (bench/perftest.h): what UCX itself moves with these settings.
-// put, push and one_pass report the median of --reps repetitions after one
-// warm-up, perftest the median of --perftest_runs runs (the host is shared;
-// medians keep one noisy moment from deciding a ratio). The last line is the
-// summary:
+// put and push report the median of --reps repetitions after one warm-up.
+// one_pass runs one repetition right after each of theirs (after the Step,
+// while the ranks wait), so that each repetition is compared with a roofline
+// measured on the same machine state: this host's memory bandwidth swings
+// by a third from one minute to the next. perftest reports the median of
+// --perftest_runs runs. The last line is the summary:
 //   put_gbps=P push_gbps=A one_pass_gbps=B perftest_gbps=C
-//   put_vs_one_pass=P/B push_vs_perftest=A/C push_vs_one_pass=A/B
+//   put_vs_one_pass=P' push_vs_perftest=A/C push_vs_one_pass=A'
+// where P' and A' are the medians of the repetitions' own ratios, and B the
+// median of every one_pass repetition.
 // What the ratios mean: a put moves every byte twice (the Put reads the
 // rank's gradient and writes the slot, then the daemon's sum reads the slot)
 // where one_pass moves it once, so put_vs_one_pass cannot pass about 0.5;
@@ -137,10 +141,75 @@ class Barrier {
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// acc[begin, end) += every contribution's [begin, end), in one sweep: 16
+// elements of acc at a time are loaded, every contribution's 16 added in
+// registers, and stored once (the daemon's SumSources' shape; as fast as
+// AVX-512 intrinsics here, and faster than summing rank by rank into an
+// L1-resident block of acc).
+void SumRange(const std::vector<const float*>& contributions, float* acc, uint64_t begin,
+              uint64_t end) {
+  typedef float V __attribute__((vector_size(64)));
+  constexpr uint64_t kW = sizeof(V) / sizeof(float);
+  const size_t k = contributions.size();
+  const float* const* src = contributions.data();
+  uint64_t i = begin;
+  for (; i + kW <= end; i += kW) {
+    V a;
+    std::memcpy(&a, acc + i, sizeof(V));
+    for (size_t r = 0; r < k; ++r) {
+      V c;
+      std::memcpy(&c, src[r] + i, sizeof(V));
+      a += c;
+    }
+    std::memcpy(acc + i, &a, sizeof(V));
+  }
+  for (; i < end; ++i) {
+    float a = acc[i];
+    for (size_t r = 0; r < k; ++r) a += src[r][i];
+    acc[i] = a;
+  }
+}
+
+// The reduction alone: `threads` threads sum `ranks` contributions of `n`
+// fp32 into one accumulator. Buffers allocated (and touched) once.
+class OnePass {
+ public:
+  OnePass(int ranks, uint64_t n, int threads) : n_(n), threads_(threads), acc_(n, 0.0f) {
+    for (int r = 0; r < ranks; ++r) {
+      contributions_.emplace_back(n, static_cast<float>(r + 1) / 1024.0f);
+      pointers_.push_back(contributions_.back().data());
+    }
+  }
+  // One repetition's GB/s.
+  double Rep() {
+    const double bytes =
+        static_cast<double>(pointers_.size()) * sizeof(float) * static_cast<double>(n_);
+    const double t0 = Now();
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads_; ++t) {
+      const uint64_t begin = n_ * t / threads_, end = n_ * (t + 1) / threads_;
+      pool.emplace_back(SumRange, std::cref(pointers_), acc_.data(), begin, end);
+    }
+    for (std::thread& t : pool) t.join();
+    bench::KeepWrites(acc_.data());
+    return bytes / (Now() - t0) / 1e9;
+  }
+
+ private:
+  const uint64_t n_;
+  const int threads_;
+  std::vector<std::vector<float>> contributions_;
+  std::vector<const float*> pointers_;
+  std::vector<float> acc_;
+};
+
 struct PushResult {
   std::vector<double> gbps;       // each timed repetition's figure
   std::vector<double> slowest_s;  // each timed repetition's longest single-rank push
   std::vector<double> step_s;     // each timed repetition's Step (rank 0), not counted
+  // Each timed repetition's roofline (one_pass, run right after it) and
+  // the repetition's figure over it.
+  std::vector<double> one_pass_gbps, vs_one_pass;
   // The last step's gradient norm as the leader computed it (NaN: none),
   // against the norm of the mean of the ranks' gradients: a check that the
   // daemon summed every byte.
@@ -151,8 +220,11 @@ struct PushResult {
 // warms up), with a Step after each round.
 // `in_push_memory`: each rank's gradient lies in its client's push memory
 // (the daemon sums it in place); else in plain memory (Put into the slots).
+// After each round's Step, rank 0 runs one repetition of `roofline` while
+// the other ranks wait: each push repetition has its roofline measured
+// moments later, on the same machine state.
 absl::StatusOr<PushResult> MeasurePush(Daemon& daemon, int ranks, uint64_t n, int reps,
-                                       bool in_push_memory) {
+                                       bool in_push_memory, OnePass& roofline) {
   absl::StatusOr<Layout> layout =
       Layout::Create({{"w", {static_cast<int64_t>(n)}, DType::kFp32, 0}});
   if (!layout.ok()) return layout.status();
@@ -177,6 +249,7 @@ absl::StatusOr<PushResult> MeasurePush(Daemon& daemon, int ranks, uint64_t n, in
   std::vector<std::vector<double>> start(reps + 1, std::vector<double>(ranks, 0));
   std::vector<std::vector<double>> end = start;
   std::vector<double> step_s(reps + 1, 0);
+  std::vector<double> one_pass(reps + 1, 0);
   double grad_norm = NAN;
   Barrier barrier(ranks);
   absl::Mutex mu;
@@ -224,6 +297,7 @@ absl::StatusOr<PushResult> MeasurePush(Daemon& daemon, int ranks, uint64_t n, in
       if (rank == 0) {
         step_s[rep] = Now() - t0;
         if (r->have_norm) grad_norm = r->grad_norm;
+        one_pass[rep] = roofline.Rep();
       }
     }
     (*client)->Leave().IgnoreError();
@@ -245,64 +319,10 @@ absl::StatusOr<PushResult> MeasurePush(Daemon& daemon, int ranks, uint64_t n, in
     double slowest = 0;
     for (int r = 0; r < ranks; ++r) slowest = std::max(slowest, end[rep][r] - start[rep][r]);
     out.gbps.push_back(bytes / (t1 - t0) / 1e9);
+    out.one_pass_gbps.push_back(one_pass[rep]);
+    out.vs_one_pass.push_back(out.gbps.back() / one_pass[rep]);
     out.slowest_s.push_back(slowest);
     out.step_s.push_back(step_s[rep]);
-  }
-  return out;
-}
-
-// acc[begin, end) += every contribution's [begin, end), in one sweep: 16
-// elements of acc at a time are loaded, every contribution's 16 added in
-// registers, and stored once (the daemon's SumSources' shape; as fast as
-// AVX-512 intrinsics here, and faster than summing rank by rank into an
-// L1-resident block of acc).
-void SumRange(const std::vector<const float*>& contributions, float* acc, uint64_t begin,
-              uint64_t end) {
-  typedef float V __attribute__((vector_size(64)));
-  constexpr uint64_t kW = sizeof(V) / sizeof(float);
-  const size_t k = contributions.size();
-  const float* const* src = contributions.data();
-  uint64_t i = begin;
-  for (; i + kW <= end; i += kW) {
-    V a;
-    std::memcpy(&a, acc + i, sizeof(V));
-    for (size_t r = 0; r < k; ++r) {
-      V c;
-      std::memcpy(&c, src[r] + i, sizeof(V));
-      a += c;
-    }
-    std::memcpy(acc + i, &a, sizeof(V));
-  }
-  for (; i < end; ++i) {
-    float a = acc[i];
-    for (size_t r = 0; r < k; ++r) a += src[r][i];
-    acc[i] = a;
-  }
-}
-
-// The reduction alone: `threads` threads sum `ranks` contributions of `n`
-// fp32 into one accumulator; each timed repetition's GB/s.
-std::vector<double> MeasureOnePass(int ranks, uint64_t n, int threads, int reps) {
-  std::vector<std::vector<float>> contributions;
-  std::vector<const float*> pointers;
-  for (int r = 0; r < ranks; ++r) {
-    contributions.emplace_back(n, static_cast<float>(r + 1) / 1024.0f);
-    pointers.push_back(contributions.back().data());
-  }
-  std::vector<float> acc(n, 0.0f);
-  const double bytes = static_cast<double>(ranks) * sizeof(float) * static_cast<double>(n);
-  std::vector<double> out;
-  for (int rep = 0; rep <= reps; ++rep) {
-    const double t0 = Now();
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) {
-      const uint64_t begin = n * t / threads, end = n * (t + 1) / threads;
-      pool.emplace_back(SumRange, std::cref(pointers), acc.data(), begin, end);
-    }
-    for (std::thread& t : pool) t.join();
-    bench::KeepWrites(acc.data());
-    const double t1 = Now();
-    if (rep > 0) out.push_back(bytes / (t1 - t0) / 1e9);
   }
   return out;
 }
@@ -318,6 +338,9 @@ int Main() {
   o.optimizer_threads = DefaultOptimizerThreads();
   // Loopback, and every peer is this process: UCX keys may go out over tcp.
   o.ucx_trust_peers = true;
+  // A job's memory is freed when its ranks leave, not during the next
+  // measurement.
+  o.read_lease = absl::ZeroDuration();
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(o);
   if (!daemon.ok()) {
     std::fprintf(stderr, "daemon: %s\n", daemon.status().ToString().c_str());
@@ -340,9 +363,22 @@ int Main() {
 
   // put: gradients in plain memory, Put into the daemon's slots; push:
   // gradients in push memory, summed by the daemon in place.
-  auto measure = [&](const char* what, bool in_push_memory) {
+  OnePass roofline(ranks, n, o.optimizer_threads);
+  std::vector<double> all_one_pass;
+  struct Figures {
     double gbps = NAN;
-    absl::StatusOr<PushResult> r = MeasurePush(**daemon, ranks, n, reps, in_push_memory);
+    double vs_one_pass = NAN;  // median of the repetitions' ratios
+  };
+  auto measure = [&](const char* what, bool in_push_memory) {
+    Figures f;
+    double& gbps = f.gbps;
+    absl::StatusOr<PushResult> r =
+        MeasurePush(**daemon, ranks, n, reps, in_push_memory, roofline);
+    // The job is gone and its memory freed before anything else runs.
+    for (int i = 0; i < 300 && (*daemon)->ledger().total() > 0; ++i) {
+      (*daemon)->jobs().Tick();
+      absl::SleepFor(absl::Milliseconds(100));
+    }
     if (!r.ok()) {
       std::printf("%s: failed: %s\n", what, r.status().ToString().c_str());
     } else {
@@ -354,27 +390,26 @@ int Main() {
           Median(r->slowest_s) * 1e3, Median(r->step_s) * 1e3);
       std::printf("%s: gradient norm of the last step %.6g (the ranks' mean gradient: %.6g)\n",
                   what, r->grad_norm, r->expected_norm);
+      all_one_pass.insert(all_one_pass.end(), r->one_pass_gbps.begin(), r->one_pass_gbps.end());
+      f.vs_one_pass = Median(r->vs_one_pass);
+      std::printf("%s: one_pass right after each repetition %s GB/s; %s_vs_one_pass %s\n", what,
+                  Each(r->one_pass_gbps).c_str(), what, Each(r->vs_one_pass).c_str());
       if (!(std::abs(r->grad_norm - r->expected_norm) <= 1e-3 * r->expected_norm)) {
         std::printf("%s: the daemon's gradient norm is not the ranks' mean gradient's\n", what);
         gbps = NAN;
+        f.vs_one_pass = NAN;
       }
     }
     std::fflush(stdout);
-    return gbps;
+    return f;
   };
-  const double put = measure("put", false);
-  const double push = measure("push", true);
-  // The roofline's buffers exist only while it runs.
-  double one_pass = NAN;
-  {
-    const std::vector<double> g = MeasureOnePass(ranks, n, o.optimizer_threads, reps);
-    one_pass = Median(g);
-    std::printf(
-        "one_pass: %.3f GB/s (%.1f ms to sum %d contributions into one accumulator on %d "
-        "threads; median of %s)\n",
-        one_pass, bytes / one_pass / 1e6, ranks, o.optimizer_threads, Each(g).c_str());
-    std::fflush(stdout);
-  }
+  const Figures put = measure("put", false);
+  const Figures push = measure("push", true);
+  const double one_pass = Median(all_one_pass);
+  std::printf(
+      "one_pass: %.3f GB/s (%.1f ms to sum %d contributions into one accumulator on %d "
+      "threads; median of the %zu repetitions above)\n",
+      one_pass, bytes / one_pass / 1e6, ranks, o.optimizer_threads, all_one_pass.size());
   std::string why;
   const std::vector<double> perftest_runs = bench::PerftestPutRuns(
       absl::GetFlag(FLAGS_bucket_bytes), absl::GetFlag(FLAGS_perftest),
@@ -390,8 +425,9 @@ int Main() {
   std::printf(
       "put_gbps=%.3f push_gbps=%.3f one_pass_gbps=%.3f perftest_gbps=%.3f "
       "put_vs_one_pass=%.3f push_vs_perftest=%.3f push_vs_one_pass=%.3f\n",
-      put, push, one_pass, perftest, put / one_pass, push / perftest, push / one_pass);
-  return std::isnan(push) ? 1 : 0;
+      put.gbps, push.gbps, one_pass, perftest, put.vs_one_pass, push.gbps / perftest,
+      push.vs_one_pass);
+  return std::isnan(push.gbps) ? 1 : 0;
 }
 
 }  // namespace
