@@ -69,6 +69,9 @@ ABSL_FLAG(std::string, transport, "stream", "the clients' data path (the daemons
 ABSL_FLAG(uint64_t, bucket_bytes, 32ull << 20, "the job's bucket C_B");
 ABSL_FLAG(bool, gather, true, "GatherAll in every step, as a stage-2 trainer does");
 ABSL_FLAG(int, daemons, 2, "daemons in this process");
+ABSL_FLAG(bool, push_memory, true,
+          "bulk transports: the clients' staging pools in push memory, which the daemons "
+          "sum in place (ClientConfig::push_memory); false: Put into the staging slots");
 ABSL_FLAG(int, optimizer_threads, 1, "each daemon's optimizer threads");
 ABSL_FLAG(bool, mutex_deadlock_detection, false,
           "keep absl::Mutex deadlock detection on (absl builds without NDEBUG turn it on): "
@@ -157,6 +160,7 @@ absl::StatusOr<RankRun> Measure(const std::vector<std::unique_ptr<Daemon>>& daem
   base.bucket_bytes = absl::GetFlag(FLAGS_bucket_bytes);
   base.max_grad_norm = 0;
   base.transport = absl::GetFlag(FLAGS_transport);
+  base.push_memory = absl::GetFlag(FLAGS_push_memory);
   base.sender_threads = 1;
   base.io_threads = 2;
   base.rpc_timeout = absl::Seconds(120);

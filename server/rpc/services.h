@@ -241,6 +241,13 @@ class ShardService final : public v1::Shard::Service {
                                       Job& job, const FlatRange& range, DType dtype,
                                       absl::Time deadline, uint64_t chunk_elements,
                                       grpc::ServerWriter<v1::ParameterChunk>* writer);
+  // The staging of the rank process ExchangeEndpoint served (the caller's
+  // credentials checked for the job), and the job when `job` is non-null.
+  absl::StatusOr<std::shared_ptr<RankStaging>> ExchangedStaging(const grpc::ServerContext& call,
+                                                                const std::string& job_id,
+                                                                uint32_t rank,
+                                                                uint64_t incarnation,
+                                                                std::shared_ptr<Job>* job = nullptr);
   absl::Status DoExchangeEndpoint(const grpc::ServerContext& call,
                                   const v1::ExchangeEndpointRequest& req,
                                   v1::ExchangeEndpointResponse* resp);

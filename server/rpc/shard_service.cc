@@ -547,13 +547,20 @@ grpc::Status ShardService::ExchangeEndpoint(grpc::ServerContext* call,
   return ctx_->Done(__func__, DoExchangeEndpoint(*call, *req, resp));
 }
 
+absl::StatusOr<std::shared_ptr<RankStaging>> ShardService::ExchangedStaging(
+    const grpc::ServerContext& call, const std::string& job_id, uint32_t rank,
+    uint64_t incarnation, std::shared_ptr<Job>* job) {
+  absl::StatusOr<std::shared_ptr<Job>> found = ctx_->FindJob(call, job_id);
+  if (!found.ok()) return found.status();
+  if (job != nullptr) *job = *found;
+  return (*found)->Staging(rank, incarnation, /*create=*/false);
+}
+
 grpc::Status ShardService::FenceStagingSlot(grpc::ServerContext* call,
                                             const v1::FenceStagingSlotRequest* req,
                                             v1::FenceStagingSlotResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
-  if (!job.ok()) return ctx_->Done(__func__, job.status());
   absl::StatusOr<std::shared_ptr<RankStaging>> staging =
-      (*job)->Staging(req->rank(), req->incarnation(), /*create=*/false);
+      ExchangedStaging(*call, req->job_id(), req->rank(), req->incarnation());
   if (!staging.ok()) return ctx_->Done(__func__, staging.status());
   absl::StatusOr<uint64_t> applied = (*staging)->Fence(req->slot(), req->generation());
   if (!applied.ok()) return ctx_->Done(__func__, applied.status());
@@ -564,15 +571,14 @@ grpc::Status ShardService::FenceStagingSlot(grpc::ServerContext* call,
 grpc::Status ShardService::MapPushMemory(grpc::ServerContext* call,
                                          const v1::MapPushMemoryRequest* req,
                                          v1::MapPushMemoryResponse* resp) {
-  absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
-  if (!job.ok()) return ctx_->Done(__func__, job.status());
+  std::shared_ptr<Job> job;
   absl::StatusOr<std::shared_ptr<RankStaging>> staging =
-      (*job)->Staging(req->rank(), req->incarnation(), /*create=*/false);
+      ExchangedStaging(*call, req->job_id(), req->rank(), req->incarnation(), &job);
   if (!staging.ok()) return ctx_->Done(__func__, staging.status());
   // Twice the job's gradient in fp32 (a trainer's gradients and its
   // staging pool), and 1 GiB: what reads of holes in it could make this
   // daemon's memory grow by, at most, per rank process.
-  const uint64_t max_bytes = 2 * (*job)->config().map.total_elements() * sizeof(float) +
+  const uint64_t max_bytes = 2 * job->config().map.total_elements() * sizeof(float) +
                              (uint64_t{1} << 30);
   absl::StatusOr<uint32_t> id = (*staging)->MapPushMemory(req->pid(), req->fd(), req->name(),
                                                           req->bytes(), max_bytes);
