@@ -240,7 +240,7 @@ absl::Status BulkDataPath::Finish(transport::Completion& completion, absl::Time 
 }
 
 absl::StatusOr<uint64_t> BulkDataPath::FenceSlot(const GradientPush& push, uint32_t slot,
-                                                 uint64_t generation) {
+                                                 uint64_t generation, absl::Time until) {
   v1::FenceStagingSlotRequest req;
   req.set_job_id(push.job_id);
   req.set_rank(push.rank);
@@ -249,7 +249,7 @@ absl::StatusOr<uint64_t> BulkDataPath::FenceSlot(const GradientPush& push, uint3
   req.set_generation(generation);
   v1::FenceStagingSlotResponse resp;
   grpc::ClientContext context;
-  SetDeadline(&context, absl::Now() + options_.fence_timeout);
+  SetDeadline(&context, std::min(until, absl::Now() + options_.fence_timeout));
   const grpc::Status status = stream_.stub()->FenceStagingSlot(&context, req, &resp);
   if (!status.ok()) {
     return DaemonError(status, address(),
@@ -268,7 +268,11 @@ BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
     const uint64_t bytes = PushBytes(push);
     std::optional<PushMemories::Found> found =
         bytes <= kMaxChunkBytes ? options_.push_memories->Find(push.data, bytes) : std::nullopt;
-    if (!found.has_value() || (serial != 0 && found->serial != serial)) return Pull{};
+    // The daemon takes offsets that are multiples of the element size.
+    if (!found.has_value() || (serial != 0 && found->serial != serial) ||
+        found->offset % DTypeSize(push.dtype) != 0) {
+      return Pull{};
+    }
     serial = found->serial;
     pull.memory = std::move(found->memory);
     pull.offsets.push_back(found->offset);
@@ -281,8 +285,8 @@ BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
       return pull;
     }
   }
-  // Mapped once per endpoint; two threads may both ask, and the daemon then
-  // maps it twice (harmless: both ids read the same memory).
+  // Asked once per endpoint; two threads may both ask, and the daemon
+  // answers the same id to both (it maps a name once).
   const GradientPush& first = pushes.front();
   v1::MapPushMemoryRequest req;
   req.set_job_id(first.job_id);
@@ -422,7 +426,7 @@ absl::StatusOr<bool> BulkDataPath::AwaitPulledFence(const GradientPush& push,
   const absl::Time give_up = deadline + options_.fence_timeout;
   while (absl::Now() < give_up) {
     absl::SleepFor(std::min(absl::Seconds(1), give_up - absl::Now()));
-    absl::StatusOr<uint64_t> applied = FenceSlot(push, lease.slot, lease.generation);
+    absl::StatusOr<uint64_t> applied = FenceSlot(push, lease.slot, lease.generation, give_up);
     if (applied.ok()) return *applied == lease.generation;
     failed = applied.status();
   }

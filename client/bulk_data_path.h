@@ -223,13 +223,16 @@ class BulkDataPath final : public DataPath {
   Pull PlanPull(const Endpoint& ep, absl::Span<const GradientPush> pushes, absl::Time deadline);
   Attempt GetOnce(const Endpoint& ep, const GatherRequestSpec& request, void* dst,
                   absl::Time deadline);
+  // Its deadline: fence_timeout from now, and at most `until`.
   absl::StatusOr<uint64_t> FenceSlot(const GradientPush& push, uint32_t slot,
-                                     uint64_t generation);
+                                     uint64_t generation,
+                                     absl::Time until = absl::InfiniteFuture());
   // A pulled push (`lease`, announced with `deadline`) whose fence failed
   // (`failed`): fences again once a second until one answers (whether the
   // daemon applied it) or until Options::fence_timeout past `deadline`
-  // (the last error: the daemon reads a pulled push only before its
-  // deadline, and its reads have long ended). Blocks until then.
+  // (the last error: the daemon starts no read of a pulled push past its
+  // deadline, and a read under way ends with the job lock's current work).
+  // Blocks until then.
   absl::StatusOr<bool> AwaitPulledFence(const GradientPush& push,
                                         const StagingSlots::Lease& lease, absl::Time deadline,
                                         absl::Status failed);

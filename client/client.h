@@ -296,7 +296,10 @@ class Client {
   // whole pages, zeroed. Keep gradients there (e.g. a DDP-style flat
   // gradient buffer) and push with kBorrow. Works with any client: where the
   // daemons cannot map it, or on the "stream" path, pushes from it are sent
-  // as from any memory. ResourceExhausted when the system refuses the memory.
+  // as from any memory. A daemon keeps a memory it mapped (booked in its
+  // ledger) until this rank process leaves or is replaced, and maps at most
+  // 16 per process (the staging pool is one): allocate few, long-lived
+  // memories. ResourceExhausted when the system refuses the memory.
   absl::StatusOr<std::shared_ptr<transport::PushMemory>> AllocatePushMemory(size_t bytes);
 
   absl::StatusOr<PushTicket> PushGradients(const FlatRange& range, const void* grads, DType dtype,

@@ -60,7 +60,7 @@ class DaemonReduceCollective final : public Collective {
     int sender_threads = 4;                // >= 1
     // Where the staging pool is allocated: one push memory from here (so
     // that a daemon on the same host sums staged buckets in place), or,
-    // when null, plain host memory.
+    // when null or when the system gives no push memory, plain host memory.
     std::shared_ptr<PushMemories> push_memories;
   };
 

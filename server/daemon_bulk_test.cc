@@ -336,7 +336,7 @@ TEST_P(DaemonBulkTest, LeaveRemovesJobWithItsStaging) {
 
 // Push memory (same host): the daemon maps a trainer's sealed memfd and sums
 // staged chunks straight from it. This process is the trainer; the daemon
-// in it opens the memory through /proc like any daemon on the host.
+// in it takes the memory's descriptor like any daemon on the host.
 grpc::Status MapMemory(DaemonClient& c, uint32_t rank, uint64_t incarnation,
                        const transport::PushMemory& m, v1::MapPushMemoryResponse* resp,
                        const std::string& name = "") {

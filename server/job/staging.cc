@@ -37,7 +37,13 @@ absl::StatusOr<std::unique_ptr<RankStaging>> RankStaging::Create(transport::Tran
 
 RankStaging::~RankStaging() {
   region_.reset();
-  ledger_->Release(job_id_, MemoryCategory::kBuffer, uint64_t{slots_} * slot_bytes_);
+  uint64_t mapped = 0;
+  {
+    absl::MutexLock lock(&memories_mu_);
+    mapped = mapped_bytes_;
+    memories_.clear();
+  }
+  ledger_->Release(job_id_, MemoryCategory::kBuffer, uint64_t{slots_} * slot_bytes_ + mapped);
 }
 
 absl::Status RankStaging::Apply(uint32_t slot, uint64_t generation, uint64_t length,
@@ -137,13 +143,14 @@ absl::StatusOr<uint32_t> RankStaging::MapPushMemory(int64_t pid, int64_t fd,
   };
   {
     absl::MutexLock lock(&memories_mu_);
-    if (++map_calls_ > kMaxPushMemoryCalls) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "this rank process has called MapPushMemory ", kMaxPushMemoryCalls,
-          " times already, the most a rank process may; push through the staging slots"));
-    }
     absl::StatusOr<uint32_t> admitted = admit();
     if (!admitted.ok() || *admitted != 0) return admitted;
+    // Only calls that open something count.
+    if (++map_calls_ > kMaxPushMemoryCalls) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this rank process has asked to map a push memory ", kMaxPushMemoryCalls,
+          " times already, the most a rank process may; push through the staging slots"));
+    }
   }
   absl::StatusOr<std::unique_ptr<transport::PeerMemory>> opened =
       transport::PeerMemory::Open(pid, fd, name, bytes);
@@ -151,6 +158,9 @@ absl::StatusOr<uint32_t> RankStaging::MapPushMemory(int64_t pid, int64_t fd,
   absl::MutexLock lock(&memories_mu_);
   absl::StatusOr<uint32_t> admitted = admit();
   if (!admitted.ok() || *admitted != 0) return admitted;
+  if (absl::Status s = ledger_->Reserve(job_id_, MemoryCategory::kBuffer, bytes); !s.ok()) {
+    return s;
+  }
   const uint32_t id = NextPushMemoryId();
   memories_.push_back({id, std::string(name), *std::move(opened)});
   mapped_bytes_ += bytes;

@@ -67,9 +67,12 @@ class RankStaging {
   // within this daemon process. The same name again answers the same id
   // (nothing is opened). Blocks while the descriptor is taken and mapped,
   // holding no slot. ResourceExhausted past kMaxPushMemories memories, past
-  // `max_bytes` mapped in all, or past kMaxPushMemoryCalls calls (answered
-  // or refused: a rank process that keeps naming what cannot be mapped
-  // stops being heard); Open's error otherwise.
+  // `max_bytes` mapped in all, or past kMaxPushMemoryCalls calls that tried
+  // to open a memory (mapped or refused: a rank process that keeps naming
+  // what cannot be mapped stops being heard); Open's error otherwise. The
+  // mapped bytes are booked in the ledger as `buffer` (reads of holes in
+  // the memory could make this daemon's memory grow by as much), so the
+  // ledger's refusal is ResourceExhausted too.
   static constexpr uint32_t kMaxPushMemories = 16;
   static constexpr uint32_t kMaxPushMemoryCalls = 64;
   absl::StatusOr<uint32_t> MapPushMemory(int64_t pid, int64_t fd, absl::string_view name,

@@ -235,14 +235,17 @@ TEST_F(RankStagingTest, PushMemoriesAreBoundedAndReadOnlyInTime) {
                 .code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(applies_, 1);
-  // Calls are counted, answered or refused.
-  for (uint32_t i = 3; i < RankStaging::kMaxPushMemoryCalls; ++i) {
+  // Calls that try to open a memory are counted, mapped or refused; the
+  // same name again is not.
+  for (uint32_t i = 1; i < RankStaging::kMaxPushMemoryCalls; ++i) {
     staging_->MapPushMemory(1 << 30, 0, (*m)->name() + "x", 4096, max).IgnoreError();
   }
-  EXPECT_THAT(staging_->MapPushMemory((*m)->pid(), (*m)->fd(), (*m)->name(), (*m)->size(), max)
+  EXPECT_EQ(*staging_->MapPushMemory((*m)->pid(), (*m)->fd(), (*m)->name(), (*m)->size(), max),
+            *id);
+  EXPECT_THAT(staging_->MapPushMemory((*big)->pid(), (*big)->fd(), (*big)->name(), 4096, max)
                   .status()
                   .message(),
-              HasSubstr("MapPushMemory 64 times"));
+              HasSubstr("map a push memory 64 times"));
 }
 
 }  // namespace

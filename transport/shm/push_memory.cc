@@ -10,7 +10,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -38,6 +40,36 @@ absl::StatusOr<std::string> SecretName() {
   return absl::StrCat(kNamePrefix, absl::BytesToHexString(absl::string_view(secret, sizeof(secret))));
 }
 
+// The mount id in a /proc/.../fdinfo/N file (a procfs read: whatever the
+// descriptor is, its filesystem is not asked anything); -1 when unreadable.
+int64_t MountIdOf(const std::string& fdinfo) {
+  const int fd = ::open(fdinfo.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char text[1024];
+  const ssize_t n = ::read(fd, text, sizeof(text) - 1);
+  ::close(fd);
+  if (n <= 0) return -1;
+  text[n] = '\0';
+  const char* at = std::strstr(text, "mnt_id:");
+  if (at == nullptr) return -1;
+  char* end = nullptr;
+  const long long id = std::strtoll(at + 7, &end, 10);
+  return end == at + 7 ? -1 : id;
+}
+
+// The kernel's internal shared-memory mount, where every memfd lives
+// (learned once from a memfd of this process's own); -1 when unknown.
+int64_t ShmMountId() {
+  static const int64_t id = [] {
+    const int fd = ::memfd_create("zeroshard-probe", MFD_CLOEXEC);
+    if (fd < 0) return int64_t{-1};
+    const int64_t mount = MountIdOf(absl::StrCat("/proc/self/fdinfo/", fd));
+    ::close(fd);
+    return mount;
+  }();
+  return id;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PushMemory>> PushMemory::Create(size_t bytes) {
@@ -47,7 +79,12 @@ absl::StatusOr<std::unique_ptr<PushMemory>> PushMemory::Create(size_t bytes) {
   const size_t size = (bytes + page - 1) / page * page;
   absl::StatusOr<std::string> name = SecretName();
   if (!name.ok()) return name.status();
-  const int fd = ::memfd_create(name->c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  int fd = -1;
+#ifdef MFD_NOEXEC_SEAL
+  // Where vm.memfd_noexec asks for it; kernels before 6.3 refuse the flag.
+  fd = ::memfd_create(name->c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL);
+#endif
+  if (fd < 0) fd = ::memfd_create(name->c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) {
     return absl::ResourceExhaustedError(
         absl::StrCat("push memory: memfd_create: ", ErrnoText(errno)));
@@ -101,6 +138,16 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Open(int64_t pid, int64_
                      kMaxPushMemoryName, " characters without '/', NUL or space"));
   }
   const std::string where = absl::StrCat("push memory (fd ", fd, " of process ", pid, ")");
+  // Only a descriptor on the shared-memory mount is taken: closing a
+  // descriptor of another filesystem (FUSE) may wait on that filesystem.
+  const int64_t shm = ShmMountId();
+  const int64_t mount = MountIdOf(absl::StrCat("/proc/", pid, "/fdinfo/", fd));
+  if (shm < 0 || mount != shm) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": ", mount < 0 ? "cannot read its fdinfo" : "is not a memfd",
+        " (the trainer runs on another host or in another pid namespace, this daemon may not "
+        "see its files, or the descriptor is not its push memory)"));
+  }
   // The trainer's open file itself, duplicated: nothing is opened by path
   // (no filesystem is asked anything, whatever the descriptor names).
   const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
@@ -117,6 +164,12 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Open(int64_t pid, int64_
         where, ": pidfd_getfd: ", ErrnoText(got_errno),
         " (this daemon may not take the trainer's files: it needs the right to ptrace it, "
         "e.g. the same user; or no such descriptor)"));
+  }
+  if (MountIdOf(absl::StrCat("/proc/self/fdinfo/", own)) != shm) {
+    // Swapped since the check: let go of it on a thread of its own, which
+    // a filesystem that never answers the close may keep.
+    std::thread([own] { ::close(own); }).detach();
+    return absl::FailedPreconditionError(absl::StrCat(where, ": is not a memfd"));
   }
   auto refuse = [&](absl::string_view why) {
     ::close(own);

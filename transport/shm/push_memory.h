@@ -6,14 +6,16 @@
 // size is sealed (it can neither shrink nor grow) and whose name carries a
 // 128-bit random secret. The trainer keeps its gradients there and tells the
 // daemon, over the authenticated control plane, its process id, the memory's
-// file descriptor number, the name and the size. The daemon opens the memory
-// through /proc/<pid>/fd/<fd> (PeerMemory::Open) and maps it read-only; it
-// sums a pushed gradient straight from there instead of from a staging slot
-// the trainer copied it into (one pass over the bytes instead of two).
+// file descriptor number, the name and the size. The daemon takes that
+// descriptor (PeerMemory::Open) and maps the memory read-only; it sums a
+// pushed gradient straight from there instead of from a staging slot the
+// trainer copied it into (one pass over the bytes instead of two).
 //
-// How the daemon gets it: it duplicates the trainer's descriptor
-// (pidfd_open + pidfd_getfd), so no file is opened by path and no
-// filesystem is asked anything. What the checks give the daemon: the file
+// How the daemon gets it: it reads the descriptor's mount in
+// /proc/<pid>/fdinfo/<fd> and takes only one on the kernel's shared-memory
+// mount, duplicating it (pidfd_open + pidfd_getfd) and checking the copy's
+// mount again, so no file is opened by path and no other filesystem (FUSE)
+// is asked anything, a close included. What the checks give the daemon: the file
 // must be sealed against shrinking (only shared-memory files carry seals)
 // and live on tmpfs (not hugetlbfs), so no later truncation or hole can turn
 // the daemon's reads into SIGBUS; its name must be exactly the one given,
@@ -25,7 +27,9 @@
 // the daemon to see the trainer's process (same host and pid namespace) and
 // the right to ptrace it (same user without a stricter ptrace policy, or
 // CAP_SYS_PTRACE); otherwise Open fails and the trainer sends through the
-// bulk transport as before.
+// bulk transport as before. Under Yama's ptrace_scope 1 (Ubuntu's default)
+// only a daemon that is the trainer's ancestor, or holds CAP_SYS_PTRACE
+// (root), may take it.
 
 #include <sys/types.h>
 

@@ -1,8 +1,11 @@
 #include "transport/shm/push_memory.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 
 #include "absl/status/status.h"
@@ -79,13 +82,20 @@ TEST(PushMemoryTest, OpenRefusesWhatIsNotThatSealedMemory) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("sealed"), std::string::npos) << s;
   ::close(unsealed);
-  // A FIFO in that fd's place is refused without blocking on it.
+  // A FIFO, or a file of another filesystem, in that fd's place is refused
+  // before it is taken (its mount is not the memfds').
   int fifo[2];
   ASSERT_EQ(::pipe(fifo), 0);
-  EXPECT_EQ(PeerMemory::Open(pid, fifo[0], name, 4096).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  s = PeerMemory::Open(pid, fifo[0], name, 4096).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("is not a memfd"), std::string::npos) << s;
   ::close(fifo[0]);
   ::close(fifo[1]);
+  const int file = ::open("/proc/self/status", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(file, 0);
+  s = PeerMemory::Open(pid, file, name, 4096).status();
+  EXPECT_NE(s.message().find("is not a memfd"), std::string::npos) << s;
+  ::close(file);
   // An fd that is not open, a process that does not exist.
   EXPECT_EQ(PeerMemory::Open(pid, 1 << 20, name, 4096).status().code(),
             absl::StatusCode::kFailedPrecondition);
@@ -106,6 +116,48 @@ TEST(PushMemoryTest, OpenRefusesWhatIsNotThatSealedMemory) {
             absl::StatusCode::kInvalidArgument);
   // And the real one still opens.
   EXPECT_TRUE(PeerMemory::Open(pid, fd, name, 4096).ok());
+}
+
+// The daemon and the trainer are two processes: a child creates the
+// memory and writes into it; this process maps it and reads that in place.
+TEST(PushMemoryTest, AnotherProcesssMemoryIsReadInPlace) {
+  int up[2], down[2];
+  ASSERT_EQ(::pipe(up), 0);
+  ASSERT_EQ(::pipe(down), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    absl::StatusOr<std::unique_ptr<PushMemory>> m = PushMemory::Create(4096);
+    if (!m.ok()) ::_exit(1);
+    std::memcpy((*m)->data(), "from the child", 14);
+    const std::string line = absl::StrCat((*m)->fd(), " ", (*m)->name(), "\n");
+    if (::write(up[1], line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+      ::_exit(2);
+    }
+    char done;
+    ::read(down[0], &done, 1);  // keeps the memory until the parent has read it
+    ::_exit(0);
+  }
+  char line[256] = {};
+  ssize_t got = 0;
+  while (got < static_cast<ssize_t>(sizeof(line)) - 1 && (got == 0 || line[got - 1] != '\n')) {
+    const ssize_t n = ::read(up[0], line + got, sizeof(line) - 1 - got);
+    if (n <= 0) break;
+    got += n;
+  }
+  int fd = -1;
+  char name[128] = {};
+  ASSERT_EQ(std::sscanf(line, "%d %127s", &fd, name), 2) << line;
+  absl::StatusOr<std::unique_ptr<PeerMemory>> peer = PeerMemory::Open(child, fd, name, 4096);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  EXPECT_EQ((*peer)->bytes().substr(0, 14), "from the child");
+  ASSERT_EQ(::write(down[1], "x", 1), 1);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  // The mapping outlives the child.
+  EXPECT_EQ((*peer)->bytes().substr(0, 14), "from the child");
+  for (int f : {up[0], up[1], down[0], down[1]}) ::close(f);
 }
 
 TEST(PushMemoryTest, CreateRefusesZeroBytes) {
