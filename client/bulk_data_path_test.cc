@@ -109,9 +109,9 @@ int Count(const std::vector<std::string>& events, absl::string_view prefix) {
 }
 
 // A daemon that cannot map the client's push memory (this stand-in answers
-// MapPushMemory UNIMPLEMENTED, as one on another host answers
-// FAILED_PRECONDITION): pushes from it are Put into the slots like any
-// others, and the daemon is asked once per endpoint.
+// MapPushMemory FAILED_PRECONDITION, as one on another host does): pushes
+// from it are Put into the slots like any others, and the daemon is asked
+// once per endpoint.
 TEST(BulkDataPathTest, PushesFromPushMemoryTheDaemonCannotMapArePut) {
   auto memories = std::make_shared<PushMemories>();
   absl::StatusOr<std::shared_ptr<transport::PushMemory>> memory = memories->Allocate(4096);

@@ -53,14 +53,15 @@ absl::StatusOr<std::unique_ptr<DaemonReduceCollective>> DaemonReduceCollective::
   std::unique_ptr<DaemonReduceCollective> c(new DaemonReduceCollective(options));
   // Pinnable (whole pages): CUDA copies may land in it.
   c->storage_bytes_ = c->buffer_bytes_ * c->buffer_count_;
-  absl::StatusOr<std::shared_ptr<transport::PushMemory>> shared =
-      options.push_memories != nullptr ? options.push_memories->Allocate(c->storage_bytes_)
-                                       : absl::UnavailableError("no push memories");
-  if (shared.ok()) {
-    c->push_memory_ = *std::move(shared);
-    c->storage_ = static_cast<uint8_t*>(c->push_memory_->data());
-  } else {
-    // Plain memory where the system gives no memfd (the pushes are Put).
+  if (options.push_memories != nullptr) {
+    if (auto shared = options.push_memories->Allocate(c->storage_bytes_); shared.ok()) {
+      c->push_memory_ = *std::move(shared);
+      c->storage_ = static_cast<uint8_t*>(c->push_memory_->data());
+    }
+  }
+  if (c->storage_ == nullptr) {
+    // Plain memory without push memories, or where the system gives no
+    // memfd (the pushes are Put).
     c->heap_ = PinnableBuffer(c->storage_bytes_);
     c->storage_ = c->heap_.data();
   }

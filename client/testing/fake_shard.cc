@@ -93,7 +93,10 @@ grpc::Status FakeShard::MapPushMemory(grpc::ServerContext*, const v1::MapPushMem
                                       v1::MapPushMemoryResponse*) {
   absl::MutexLock lock(&mu_);
   ++push_memory_maps_;
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this stand-in reads its slots only");
+  // What a daemon on another host answers: it cannot take the memory.
+  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                      "push memory: this stand-in cannot map a trainer's memory; it reads its "
+                      "slots only");
 }
 
 int FakeShard::exchanges() const {

@@ -70,8 +70,9 @@ class FakeShard final : public v1::Shard::Service {
   // "announce S G", "apply S G", "refuse S G", "fence S G -> A", in order.
   std::vector<std::string> events() const;
   int exchanges() const;
-  // MapPushMemory calls (answered UNIMPLEMENTED: this stand-in reads its
-  // slots only).
+  // MapPushMemory calls (each answered FAILED_PRECONDITION, as by a daemon
+  // that cannot map the trainer's memory: this stand-in reads its slots
+  // only).
   int push_memory_maps() const;
 
   // Blocks until no staged push is being handled (or 10 s).
