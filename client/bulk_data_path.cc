@@ -1,6 +1,11 @@
 #include "client/bulk_data_path.h"
 
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <map>
 #include <numeric>
@@ -82,6 +87,7 @@ struct BulkDataPath::Endpoint {
   // daemon could not map it (its pushes are Put).
   mutable absl::Mutex pull_mu;
   mutable std::map<uint64_t, uint32_t> pull_ids ABSL_GUARDED_BY(pull_mu);
+  mutable int64_t daemon_pid ABSL_GUARDED_BY(pull_mu) = 0;  // from MapPushMemory
   mutable bool pull_refusal_printed ABSL_GUARDED_BY(pull_mu) = false;
 
   const transport::RegionDescriptor* Other(v1::RegionPurpose purpose) const {
@@ -282,6 +288,7 @@ BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
     if (auto it = ep.pull_ids.find(serial); it != ep.pull_ids.end()) {
       if (it->second == 0) return Pull{};
       pull.id = it->second;
+      pull.daemon_pid = ep.daemon_pid;
       return pull;
     }
   }
@@ -304,6 +311,7 @@ BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
   absl::MutexLock lock(&ep.pull_mu);
   if (status.ok() && resp.id() != 0) {
     ep.pull_ids[serial] = pull.id = resp.id();
+    ep.daemon_pid = pull.daemon_pid = resp.daemon_pid();
     return pull;
   }
   const absl::Status s = status.ok() ? absl::DataLossError("MapPushMemory answered id 0")
@@ -413,23 +421,40 @@ bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush>
     // The bytes are in the caller's memory, which the quarantined slot does
     // not keep from being reused: wait for a fence, or for the daemon's
     // reads to have ended (it reads a pulled push only before its deadline).
-    applied = AwaitPulledFence(sent.front(), lease, deadline, applied.status());
+    applied = AwaitPulledFence(sent.front(), pull, lease, deadline, applied.status());
   }
   if (LostDaemonOrJob(s)) DropEndpoint(&ep);
   finish(applied.ok() && *applied ? absl::OkStatus() : s);
   return false;
 }
 
-absl::StatusOr<bool> BulkDataPath::AwaitPulledFence(const GradientPush& push,
+absl::StatusOr<bool> BulkDataPath::AwaitPulledFence(const GradientPush& push, const Pull& pull,
                                                     const StagingSlots::Lease& lease,
                                                     absl::Time deadline, absl::Status failed) {
+  // Readable once the daemon's process has exited (a killed daemon).
+  const int daemon = pull.daemon_pid > 0 && pull.daemon_pid <= INT32_MAX
+                         ? static_cast<int>(::syscall(SYS_pidfd_open,
+                                                      static_cast<pid_t>(pull.daemon_pid), 0))
+                         : -1;
+  if (daemon < 0 && errno == ESRCH && pull.daemon_pid > 0) return failed;  // already gone
   const absl::Time give_up = deadline + options_.fence_timeout;
   while (absl::Now() < give_up) {
-    absl::SleepFor(std::min(absl::Seconds(1), give_up - absl::Now()));
+    const int wait_ms = static_cast<int>(
+        absl::ToInt64Milliseconds(std::min(absl::Seconds(1), give_up - absl::Now())));
+    if (daemon >= 0) {
+      pollfd exited{daemon, POLLIN, 0};
+      if (::poll(&exited, 1, wait_ms) > 0) break;
+    } else {
+      absl::SleepFor(absl::Milliseconds(wait_ms));
+    }
     absl::StatusOr<uint64_t> applied = FenceSlot(push, lease.slot, lease.generation, give_up);
-    if (applied.ok()) return *applied == lease.generation;
+    if (applied.ok()) {
+      if (daemon >= 0) ::close(daemon);
+      return *applied == lease.generation;
+    }
     failed = applied.status();
   }
+  if (daemon >= 0) ::close(daemon);
   return failed;
 }
 

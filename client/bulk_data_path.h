@@ -195,6 +195,7 @@ class BulkDataPath final : public DataPath {
   // nowhere, the pushes are Put), the push i at offsets[i].
   struct Pull {
     uint32_t id = 0;
+    int64_t daemon_pid = 0;  // MapPushMemoryResponse.daemon_pid (0: unknown)
     std::shared_ptr<const transport::PushMemory> memory;  // held for the push
     std::vector<uint64_t> offsets;
   };
@@ -229,11 +230,13 @@ class BulkDataPath final : public DataPath {
                                      absl::Time until = absl::InfiniteFuture());
   // A pulled push (`lease`, announced with `deadline`) whose fence failed
   // (`failed`): fences again once a second until one answers (whether the
-  // daemon applied it) or until Options::fence_timeout past `deadline`
+  // daemon applied it), the daemon's process (`pull.daemon_pid`) has exited
+  // (`failed`: it reads nothing any more), or Options::fence_timeout past
+  // `deadline`
   // (the last error: the daemon starts no read of a pulled push past its
   // deadline, and a read under way ends with the job lock's current work).
   // Blocks until then.
-  absl::StatusOr<bool> AwaitPulledFence(const GradientPush& push,
+  absl::StatusOr<bool> AwaitPulledFence(const GradientPush& push, const Pull& pull,
                                         const StagingSlots::Lease& lease, absl::Time deadline,
                                         absl::Status failed);
   // One Put (`put`) or Get of a region access; `retry` as for pushes.

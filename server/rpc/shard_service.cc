@@ -1,3 +1,5 @@
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 
@@ -584,6 +586,7 @@ grpc::Status ShardService::MapPushMemory(grpc::ServerContext* call,
                                                           req->bytes(), max_bytes);
   if (!id.ok()) return ctx_->Done(__func__, id.status());
   resp->set_id(*id);
+  resp->set_daemon_pid(::getpid());
   return ctx_->Done(__func__, absl::OkStatus());
 }
 
