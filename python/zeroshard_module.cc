@@ -133,6 +133,7 @@ py::dict ClientDefaults(const ClientConfig& c, const GlooCollective::Options& gl
   d["ucx_tls"] = c.ucx_tls;
   d["node_cache"] = c.node_cache;
   d["local_daemon"] = c.local_daemon;
+  d["push_memory"] = c.push_memory;
   return d;
 }
 
@@ -575,6 +576,23 @@ class PyActivationStore {
   std::vector<std::pair<ActivationTicket, py::object>> lent_;
 };
 
+// Gradient memory a daemon on the same host reads in place
+// (Client::AllocatePushMemory): a writable buffer of float32 for
+// torch.frombuffer, whose tensors keep this object, and so the memory, alive.
+class PyPushMemory {
+ public:
+  explicit PyPushMemory(std::shared_ptr<transport::PushMemory> memory)
+      : memory_(std::move(memory)) {}
+  py::buffer_info Buffer() const {
+    return py::buffer_info(memory_->data(), sizeof(float), py::format_descriptor<float>::format(),
+                           static_cast<py::ssize_t>(memory_->size() / sizeof(float)));
+  }
+  size_t size() const { return memory_->size(); }
+
+ private:
+  const std::shared_ptr<transport::PushMemory> memory_;
+};
+
 // Owns the C++ client. Like the client, every method except push_gradients,
 // memory_report and traffic_report must be called from one thread at a time.
 class PyClient {
@@ -590,8 +608,9 @@ class PyClient {
            const std::string& collective_kind, const py::object& param_groups,
            uint32_t micro_batches, bool insecure, const std::string& transport,
            const std::string& ucx_tls, const py::object& loss_scale, bool node_cache,
-           int local_daemon, double checkpoint_wait) {
+           int local_daemon, double checkpoint_wait, bool push_memory) {
     ClientConfig c;
+    c.push_memory = push_memory;
     c.node_cache = node_cache;      // ValidateConfig (in Create) refuses it with replicas 2
     c.local_daemon = local_daemon;  // -1: found by Create (client/local_daemon.h)
     c.loss_scale = ParseLossScale(loss_scale);  // ValidateConfig (in Create) checks the values
@@ -814,6 +833,10 @@ class PyClient {
   void Prefetch(uint32_t layer) {
     RequireRegistered("prefetch");
     Check(client_->Prefetch(layer));
+  }
+
+  PyPushMemory AllocatePushMemory(uint64_t bytes) {
+    return PyPushMemory(Check(client_->AllocatePushMemory(bytes)));
   }
 
   void Leave() {
@@ -1092,7 +1115,7 @@ PYBIND11_MODULE(_zeroshard, m) {
                     const std::string&, std::optional<std::string>, const std::string&,
                     std::optional<int>, const std::string&, const py::object&, uint32_t,
                     bool, const std::string&, const std::string&, const py::object&, bool,
-                    int, double>(),
+                    int, double, bool>(),
            py::arg("daemons"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
            py::arg("stage") = defaults.stage,
            py::arg("precision") = std::string(DTypeName(kPythonDefaultPrecision)),
@@ -1118,6 +1141,7 @@ PYBIND11_MODULE(_zeroshard, m) {
            py::arg("loss_scale") = py::none(), py::arg("node_cache") = defaults.node_cache,
            py::arg("local_daemon") = defaults.local_daemon,
            py::arg("checkpoint_wait") = absl::ToDoubleSeconds(defaults.checkpoint_wait),
+           py::arg("push_memory") = defaults.push_memory,
            "Validates the config and starts the client's threads; connects to nothing. "
            "token: the job's secret (default: $ZS_JOB_TOKEN, which zsrun sets; required); "
            "tls_cert/tls_key/tls_ca: PEM files for mutual TLS to the daemons (default: "
@@ -1162,7 +1186,11 @@ PYBIND11_MODULE(_zeroshard, m) {
            "which fetches each range once per committed step for all its local ranks. "
            "local_daemon: with node_cache, the index in daemons of this rank's host daemon; -1 "
            "(the default): the first daemon whose host is one of this machine's addresses, and "
-           "without one the rank gathers from every owner (said on stderr).")
+           "without one the rank gathers from every owner (said on stderr). "
+           "push_memory: on a bulk transport, keep the client's gradient staging pool in push "
+           "memory (allocate_push_memory), so that a daemon on the same host sums staged "
+           "buckets from it in place instead of from a copy in its staging slot; zeroshard.torch "
+           "also keeps large gradients there.")
       .def(
           "register_model",
           [](PyClient& self, const py::object& layout, const py::object& initial_params) {
@@ -1247,6 +1275,14 @@ PYBIND11_MODULE(_zeroshard, m) {
            "Stage 3: starts gathering the layer in the background (a no-op when it is "
            "there already or no layer buffer is free); returns at once.")
       .def("leave", &PyClient::Leave)
+      .def("allocate_push_memory", &PyClient::AllocatePushMemory, py::arg("bytes"),
+           "Gradient memory a daemon on the same host sums from in place: `bytes` rounded up "
+           "to whole pages, zeroed; wrap it with torch.frombuffer(memory, dtype=torch.float32). "
+           "push_gradients(borrow=True) from it on a bulk transport is not copied into the "
+           "daemon's staging slot where the daemon can map it (else it is sent as from any "
+           "memory). A daemon keeps what it mapped until this rank leaves and maps at most 16 "
+           "per rank process (the client's staging pool is one): allocate few, long-lived "
+           "memories. Raises RESOURCE_EXHAUSTED when the system refuses the memory.")
       .def("memory_report", &PyClient::MemoryReport)
       .def("traffic_report", &PyClient::TrafficReport)
       .def_property_readonly("total_elements", &PyClient::total_elements,
@@ -1278,6 +1314,11 @@ PYBIND11_MODULE(_zeroshard, m) {
            "threads: its workers (1..16); checksums: a CRC-32C with every slice on a bulk "
            "transport (the streaming RPCs always check); rpc_timeout: seconds per operation "
            "(None: the client's). The client lives as long as the store.");
+
+  py::class_<PyPushMemory>(m, "PushMemory", py::buffer_protocol(),
+                           "Client.allocate_push_memory's memory: a writable float32 buffer.")
+      .def_buffer(&PyPushMemory::Buffer)
+      .def("__len__", &PyPushMemory::size, "Bytes.");
 
   py::class_<PyActivationTicket>(m, "ActivationTicket",
                                  "An activation store operation running in the background.")

@@ -296,6 +296,16 @@ int main(int argc, char** argv) {
                   ? "none"
                   : absl::StrCat(options.memory_limit_bytes, " bytes").c_str());
   std::printf("zeroshardd optimizer threads %d\n", options.optimizer_threads);
+  // What trainers may use besides the streaming RPCs (zsrun passes it on as
+  // ZS_TRANSPORT and ZS_UCX_TLS).
+  const zeroshard::transport::Transport* transport = (*daemon)->bulk_transport();
+  if (const absl::string_view bulk = transport ? transport->kind() : ""; bulk.empty()) {
+    std::printf("zeroshardd bulk transport none\n");
+  } else if (bulk == "ucx") {
+    std::printf("zeroshardd bulk transport ucx ucx_tls=%s\n", options.ucx_tls.c_str());
+  } else {
+    std::printf("zeroshardd bulk transport %.*s\n", static_cast<int>(bulk.size()), bulk.data());
+  }
   if ((*daemon)->metrics_port() != 0) {
     std::printf("zeroshardd metrics on port %d\n", (*daemon)->metrics_port());
   }

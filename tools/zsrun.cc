@@ -67,7 +67,9 @@ until each answers its gRPC health check as SERVING, then starts --nproc copies 
 TRAINER_COMMAND with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID,
 ZS_JOB_TOKEN, ZS_RESTART_COUNT, RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE (and ZS_METRICS_PORTS with
---metrics) set, and daemons and trainers with glibc's non-temporal copy
+--metrics; with daemons it started, ZS_TRANSPORT and ZS_UCX_TLS: the bulk
+transport every daemon serves, else "stream", which zeroshard.torch's
+init_from_env uses) set, and daemons and trainers with glibc's non-temporal copy
 threshold at --nt_copy_threshold in GLIBC_TUNABLES (unless that sets it). Trainer stdout/stderr lines are prefixed "[rank N] "; a
 lone "\r" (a progress bar) also ends a line and is kept, so bars redraw in
 place. Trainers read stdin from /dev/null.

@@ -47,6 +47,10 @@ struct Launcher::Proc {
   // Daemons only.
   std::string address;
   int metrics_port = 0;
+  // What it printed after "zeroshardd bulk transport ": "ucx", "grpc",
+  // "none" (empty until then), and a ucx one's UCX_TLS.
+  std::string bulk_transport;
+  std::string ucx_tls;
   std::string stderr_path;
 };
 
@@ -436,6 +440,10 @@ std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base
     vars.emplace_back("MASTER_PORT", absl::StrCat(env.master_port));
   }
   if (!env.collective_dir.empty()) vars.emplace_back("ZS_COLLECTIVE_DIR", env.collective_dir);
+  if (!env.transport.empty()) {
+    vars.emplace_back("ZS_TRANSPORT", env.transport);
+    vars.emplace_back("ZS_UCX_TLS", env.ucx_tls);
+  }
   std::vector<std::string> out;
   for (const std::string& entry : base) {
     const absl::string_view key = absl::string_view(entry).substr(0, entry.find('='));
@@ -803,6 +811,11 @@ absl::Status Launcher::StartDaemons() {
         raw->address = std::string(line);
       } else if (absl::ConsumePrefix(&line, "zeroshardd metrics on port ")) {
         if (!absl::SimpleAtoi(line, &raw->metrics_port)) raw->metrics_port = 0;
+      } else if (absl::ConsumePrefix(&line, "zeroshardd bulk transport ")) {
+        const size_t space = line.find(' ');
+        raw->bulk_transport = std::string(line.substr(0, space));
+        absl::string_view rest = space == line.npos ? "" : line.substr(space + 1);
+        if (absl::ConsumePrefix(&rest, "ucx_tls=")) raw->ucx_tls = std::string(rest);
       }
     });
     if (options_.verbose) {
@@ -821,7 +834,8 @@ absl::Status Launcher::StartDaemons() {
             *d, absl::StrCat("exited with code ", d->exit_code, " before printing its address"));
       }
       if (waiting == nullptr &&
-          (d->address.empty() || (options_.metrics && d->metrics_port == 0))) {
+          (d->address.empty() || d->bulk_transport.empty() ||
+           (options_.metrics && d->metrics_port == 0))) {
         waiting = d.get();
       }
     }
@@ -840,6 +854,20 @@ absl::Status Launcher::StartDaemons() {
   for (const auto& d : daemons_) {
     addresses_.push_back(d->address);
     if (options_.metrics) metrics_ports_.push_back(d->metrics_port);
+  }
+  // The trainers' data path: the daemons' bulk transport when every one
+  // serves the same (a ucx one with the same UCX_TLS), else the streaming
+  // RPCs, which every daemon serves.
+  transport_ = "stream";
+  ucx_tls_.clear();
+  const Proc& first = *daemons_.front();
+  bool same = first.bulk_transport == "ucx" || first.bulk_transport == "grpc";
+  for (const auto& d : daemons_) {
+    same = same && d->bulk_transport == first.bulk_transport && d->ucx_tls == first.ucx_tls;
+  }
+  if (same) {
+    transport_ = first.bulk_transport;
+    ucx_tls_ = first.ucx_tls;
   }
   return absl::OkStatus();
 }
@@ -953,6 +981,8 @@ absl::Status Launcher::StartTrainer(int rank, int restarts) {
   te.restart_count = restarts;
   te.master_port = master_port_;
   te.collective_dir = collective_dir_;
+  te.transport = transport_;
+  te.ucx_tls = ucx_tls_;
   SpawnSpec spec;
   spec.path = trainer_path_;
   spec.argv = options_.command;

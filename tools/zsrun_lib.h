@@ -177,6 +177,10 @@ class Launcher {
   std::vector<std::unique_ptr<Stream>> streams_;
   std::vector<std::string> addresses_;
   std::vector<int> metrics_ports_;
+  // The daemons' data path for the trainers (ZS_TRANSPORT, ZS_UCX_TLS);
+  // empty when zsrun started no daemons (the caller's variables stay).
+  std::string transport_;
+  std::string ucx_tls_;
   // The job's secret handed to every trainer: ZS_JOB_TOKEN from zsrun's own
   // environment, else a fresh one per run.
   std::string job_token_;
@@ -264,11 +268,19 @@ struct TrainerEnv {
   std::string master_addr = "127.0.0.1";
   int master_port = 0;
   std::string collective_dir;
+  // The data path of the daemons zsrun started, which zeroshard.torch's
+  // init_from_env takes as the client's transport and ucx_tls: ZS_TRANSPORT
+  // ("ucx" or "grpc" when every daemon serves it, else "stream") and
+  // ZS_UCX_TLS (the daemons' UCX_TLS; empty: UCX's choice). Empty
+  // `transport`: neither is set (the launcher's own values stay).
+  std::string transport;
+  std::string ucx_tls;
 };
 
 // `base` ("K=V" entries) with ZS_RANK, ZS_WORLD_SIZE, ZS_DAEMONS, ZS_JOB_ID,
 // ZS_JOB_TOKEN, ZS_REGISTRATION_TOKEN, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, ZS_RESTART_COUNT
-// (and ZS_METRICS_PORTS, MASTER_ADDR with MASTER_PORT, ZS_COLLECTIVE_DIR)
+// (and ZS_METRICS_PORTS, MASTER_ADDR with MASTER_PORT, ZS_COLLECTIVE_DIR,
+// ZS_TRANSPORT with ZS_UCX_TLS)
 // replacing any earlier values.
 std::vector<std::string> TrainerEnvironment(const std::vector<std::string>& base,
                                             const TrainerEnv& env);

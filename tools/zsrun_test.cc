@@ -268,6 +268,16 @@ TEST(TrainerEnvironmentTest, SetsTheRankVariablesAndReplacesOldOnes) {
                                        "ZS_COLLECTIVE_DIR=/run/zs/collective"}));
   EXPECT_THAT(TrainerEnvironment({"MASTER_PORT=1"}, te), ::testing::Not(::testing::Contains(
                                                              "MASTER_PORT=1")));
+  // No daemons of zsrun's: the launcher's own data path variables stay.
+  EXPECT_THAT(TrainerEnvironment({"ZS_TRANSPORT=grpc"}, te), ::testing::Contains("ZS_TRANSPORT=grpc"));
+  te.transport = "ucx";
+  te.ucx_tls = "posix,cma,self";
+  const std::vector<std::string> with_transport =
+      TrainerEnvironment({"ZS_TRANSPORT=grpc", "ZS_UCX_TLS=tcp"}, te);
+  EXPECT_THAT(with_transport, ::testing::IsSupersetOf({"ZS_TRANSPORT=ucx",
+                                                       "ZS_UCX_TLS=posix,cma,self"}));
+  EXPECT_THAT(with_transport, ::testing::Not(::testing::Contains("ZS_TRANSPORT=grpc")));
+  EXPECT_THAT(with_transport, ::testing::Not(::testing::Contains("ZS_UCX_TLS=tcp")));
 }
 
 TEST(WithNonTemporalThresholdTest, AddsTheTunableUnlessTheCallerSetIt) {
@@ -602,6 +612,36 @@ TEST(LauncherTest, TrainersGetTheNonTemporalCopyThreshold) {
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0);
   EXPECT_THAT(l.out(), HasSubstr("[rank 0] tunables=glibc.cpu.x86_non_temporal_threshold=4194304"));
+}
+
+// The data path zeroshard.torch's init_from_env takes: the bulk transport
+// every daemon serves (ucx with its UCX_TLS, or grpc), else the streaming
+// RPCs.
+TEST(LauncherTest, TrainersGetTheDaemonsDataPath) {
+  struct Case {
+    std::vector<std::string> daemon_args;
+    std::vector<std::string> expected;  // any of these
+  };
+  const Case cases[] = {
+      {{"--bulk_transport=grpc"}, {"transport=grpc tls="}},
+      {{"--bulk_transport="}, {"transport=stream tls="}},
+      // zeroshardd's default, where UCX starts here.
+      {{}, {"transport=ucx tls=posix,cma,self", "transport=stream tls="}},
+  };
+  for (const Case& c : cases) {
+    LaunchOptions o = ShellTrainers(2, 1, "echo \"transport=$ZS_TRANSPORT tls=$ZS_UCX_TLS\"");
+    o.daemon_args = c.daemon_args;
+    Launch l(o);
+    absl::StatusOr<int> code = l.Run();
+    ASSERT_TRUE(code.ok()) << code.status() << l.err();
+    EXPECT_EQ(*code, 0) << l.err();
+    const std::vector<std::string> lines = Lines(l.out());
+    ASSERT_EQ(lines.size(), 1u) << l.out();
+    std::vector<std::string> expected;
+    for (const std::string& e : c.expected) expected.push_back(absl::StrCat("[rank 0] ", e));
+    EXPECT_THAT(expected, ::testing::Contains(lines[0]))
+        << (c.daemon_args.empty() ? "" : c.daemon_args[0]);
+  }
 }
 
 // --- The zsrun binary ---------------------------------------------------------

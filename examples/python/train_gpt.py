@@ -516,7 +516,8 @@ def main(argv):
               f"{args.seq_len} tokens, tied token embedding and output; Ψ = "
               f"{format_count(psi)} parameters; global batch {args.batch} in "
               f"{args.accumulate} micro-batches per rank; {args.precision}; ZeRO stage "
-              f"{args.stage}; N_d = {world}; {len(config['daemons'])} daemon(s); corpus "
+              f"{args.stage}; N_d = {world}; {len(config['daemons'])} daemon(s) over "
+              f"{config.get('transport', 'stream')}; corpus "
               f"{args.corpus} ({format_bytes(len(corpus))})", flush=True)
 
     # Blocks until every rank has joined; rank 0's values (or the newest

@@ -6,7 +6,8 @@
 # (--overlap=compare); then a second run of the same job that resumes from
 # the newest checkpoint, trains to step 30 and compares its loss curve with
 # a single-process torch.optim.AdamW run (--compare_torch). Checks that both
-# ranks finished, that the held-out loss fell, that rank 0 printed the
+# ranks finished (over the data path zsrun's daemons serve), that the
+# held-out loss fell, that rank 0 printed the
 # memory report with the daemons' ledger and the overlap comparison, that
 # the resumed run started at step 20, and that its losses stay within 1e-3
 # of torch's. Skips (exit 0) only when the system Python lacks torch or
@@ -59,6 +60,9 @@ for rank in 0 1; do
 done
 check "a progress bar with loss, ms/step and bytes moved" \
   '^\[rank 0\] \[#+\] step 20/20  loss [0-9.]+ +[0-9.]+ ms/step  eta +[0-9]+ s  moved [0-9.]+ [kMG]?B/step'
+# zsrun's daemons serve UCX where it starts here, and the trainers use it
+# (init_from_env reads zsrun's ZS_TRANSPORT); else the streaming RPCs.
+check "the daemons' data path" '^\[rank 0\] GPT-2: .* 2 daemon\(s\) over (ucx|stream); '
 check "the memory report" '^\[rank 0\] ==== zeroshard memory report'
 check "the trainer's memory" '^\[rank 0\] Trainer rank 0 holds: staging buffers'
 check "the daemons' ledger" '^\[rank 0\]   daemon 127\.0\.0\.1:[0-9]+  total'

@@ -7,7 +7,7 @@ import zeroshard
 from zeroshard.torch import init_from_env
 
 ALL = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "ZS_RANK", "ZS_WORLD_SIZE",
-       "ZS_DAEMONS", "ZS_JOB_ID", "TORCHELASTIC_RUN_ID"]
+       "ZS_DAEMONS", "ZS_JOB_ID", "TORCHELASTIC_RUN_ID", "ZS_TRANSPORT", "ZS_UCX_TLS"]
 
 
 @pytest.fixture
@@ -35,6 +35,25 @@ def test_torchrun_variables_win_and_run_id_names_the_job(env):
     config = init_from_env(replicas=2, rpc_timeout=30.0)
     assert config == {"rank": 3, "world_size": 8, "daemons": ["node0:7070"],
                       "job_id": "run42", "replicas": 2, "rpc_timeout": 30.0}
+
+
+def test_zsrun_transport_is_the_clients_unless_given(env):
+    env.setenv("ZS_RANK", "0")
+    env.setenv("ZS_WORLD_SIZE", "1")
+    env.setenv("ZS_DAEMONS", "127.0.0.1:1")
+    env.setenv("ZS_JOB_ID", "j")
+    env.setenv("ZS_TRANSPORT", "ucx")
+    env.setenv("ZS_UCX_TLS", "posix,cma,self")
+    config = init_from_env()
+    assert config["transport"] == "ucx" and config["ucx_tls"] == "posix,cma,self", config
+    assert init_from_env(transport="stream")["transport"] == "stream"
+    assert "ucx_tls" not in init_from_env(transport="stream")
+    assert init_from_env(ucx_tls="tcp")["ucx_tls"] == "tcp"
+    env.setenv("ZS_TRANSPORT", "grpc")
+    config = init_from_env()
+    assert config["transport"] == "grpc" and "ucx_tls" not in config, config
+    env.setenv("ZS_TRANSPORT", "stream")
+    assert init_from_env()["transport"] == "stream"
 
 
 def test_keywords_replace_missing_variables(env):

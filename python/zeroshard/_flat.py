@@ -11,7 +11,14 @@ buffer of constant size, never a flat copy of the model:
   gradient of at least 2**14 elements (or a quarter of a bucket) is lent
   to the client from `p.grad` itself (it sends the buckets the gradient
   covers whole from there and stages the rest in its pool of C_B-sized
-  buffers). Everything else (smaller gradients, other
+  buffers). On a bulk transport (with the config's `push_memory`, on by
+  default) those gradients live in one push memory
+  (`Client.allocate_push_memory`), as DDP's `gradient_as_bucket_view`
+  keeps them in its buckets: the first step that finds such a `p.grad`
+  elsewhere (the first one, or after `zero_grad(set_to_none=True)` let
+  autograd allocate it anew) copies it to its place there and makes
+  `p.grad` that view, into which later backward passes accumulate in
+  place; a daemon on the same host then sums it straight from there. Everything else (smaller gradients, other
   dtypes or strides, CUDA gradients, the zeros of frozen tensors, buffers
   and parameters without a gradient) is packed in flat order into the
   staging buffer, converted to float32 as torch's copy_ converts, and
@@ -110,6 +117,16 @@ class FlatSharding:
         # ones cost more in calls than their copy into the staging buffer).
         self._direct_push_elements = max(1, min(self._push_elements // 4, 1 << 14))
         self._trainable = [e for e in engine.entries if e.kind == "param" and not e.frozen]
+        # Gradients lent from p.grad live in push memory on a bulk transport
+        # (see the module's docstring): entry index -> its float32 view there,
+        # made by the first step that lends one, for the client in
+        # _grad_client (a rejoin's new client allocates anew).
+        self._grad_memory_wanted = (
+            engine.config.get("transport", DEFAULTS["transport"]) != "stream"
+            and engine.config.get("push_memory", DEFAULTS["push_memory"]))
+        self._grad_views = {}
+        self._grad_view_ptrs = {}
+        self._grad_client = None
         # Frozen by requires_grad=False (the others are in no group, and
         # torch.optim ignores their gradients too).
         self._not_requiring = [e for e in engine.entries
@@ -194,6 +211,54 @@ class FlatSharding:
                     local = e.offset - begin
                     e.param.copy_(out[local:local + e.numel].view(e.param.shape))
 
+    @property
+    def grad_memory_bytes(self):
+        """Bytes of the push memory gradients live in (0 before the first
+        step that lends one, or without push memory)."""
+        return sum(v.numel() * v.element_size() for v in self._grad_views.values())
+
+    def holds_grad(self, grad):
+        """Whether `grad` is one of the views into the gradients' push
+        memory (counted in grad_memory_bytes)."""
+        view = self._grad_view_ptrs.get(grad.data_ptr())
+        return view is not None and view.shape == grad.shape
+
+    def _allocate_grad_views(self):
+        """One push memory for the gradients of every parameter whose
+        gradient would be lent (float32, contiguous, CPU, large enough),
+        each at a 64-element boundary, and their views."""
+        places, size = [], 0
+        for e in self._trainable:
+            p = e.param
+            if (p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous()
+                    and e.numel >= self._direct_push_elements):
+                places.append((e, size))
+                size += -(-e.numel // _ALIGNMENT) * _ALIGNMENT
+        client = self.engine.client
+        self._grad_client = client
+        self._grad_views, self._grad_view_ptrs = {}, {}
+        if size == 0:
+            return
+        memory = torch.frombuffer(client.allocate_push_memory(size * 4), dtype=torch.float32)
+        for e, offset in places:
+            self._grad_views[e.index] = memory[offset:offset + e.numel].view(e.param.shape)
+        self._grad_view_ptrs = {v.data_ptr(): v for v in self._grad_views.values()}
+
+    def _in_push_memory(self, e, grad):
+        """e's gradient `grad` (lent to the client) in its place in push
+        memory: moved there, and made e.param.grad, when it is elsewhere."""
+        if not self._grad_memory_wanted:
+            return grad
+        if self._grad_client is not self.engine.client:
+            self._allocate_grad_views()
+        view = self._grad_views.get(e.index)
+        if view is None or view.shape != grad.shape:
+            return grad
+        if view.data_ptr() != grad.data_ptr():
+            view.copy_(grad)
+            e.param.grad = view
+        return view
+
     def _push_gradients(self):
         """Pushes every element of the layout once (gradients, and zeros for
         the rest) in flat order; returns the number of push calls."""
@@ -261,6 +326,7 @@ class FlatSharding:
                     pack(e, None, True)
                 elif self._pushed_directly(e, g):
                     flush()
+                    g = self._in_push_memory(e, g)
                     # Lent: the client sends the buckets it covers whole
                     # straight from p.grad (staging the rest) and holds the
                     # tensor until the step has taken it in; nothing writes

@@ -94,6 +94,12 @@ def init_from_env(**overrides):
                   torchrun export it yourself)
       job_id      ZS_JOB_ID, else TORCHELASTIC_RUN_ID (torchrun's --rdzv_id)
                   when it is a valid job id
+      transport   ZS_TRANSPORT, when set: zsrun sets it to the bulk
+                  transport its daemons serve ("ucx" or "grpc" when every
+                  one serves it, else "stream"); unset, the client's
+                  default, "stream"
+      ucx_tls     ZS_UCX_TLS, with ZS_TRANSPORT=ucx (zsrun: the daemons'
+                  UCX_TLS)
 
     The job token is not copied: `Client` reads ZS_JOB_TOKEN itself. Keyword
     arguments are added to (or replace) what the environment gives, e.g.
@@ -135,6 +141,11 @@ def init_from_env(**overrides):
             raise config_error(
                 "ZS_JOB_ID: not set (and no usable TORCHELASTIC_RUN_ID)")
         config["job_id"] = job_id
+    transport = env.get("ZS_TRANSPORT")
+    if "transport" not in overrides and transport:
+        config["transport"] = transport
+        if transport == "ucx" and "ucx_tls" not in overrides and "ZS_UCX_TLS" in env:
+            config["ucx_tls"] = env["ZS_UCX_TLS"]
     config.update(overrides)
     return config
 
@@ -188,12 +199,16 @@ def _memory_report(engine, params, flat=None, sharded=None):
     ShardedModel.memory_report)."""
     unique = list({id(p): p for p in params}.values())
     psi = sum(p.numel() for p in unique)
-    grads = sum(_tensor_bytes(p.grad) for p in unique if p.grad is not None)
+    grads = sum(_tensor_bytes(p.grad) for p in unique if p.grad is not None
+                and (flat is None or not flat.holds_grad(p.grad)))
     client = engine.client.memory_report()
     report = {"stage": engine.stage, "psi": psi}
     if sharded is None:
         report["parameters"] = sum(_tensor_bytes(p) for p in unique)
-        report["gradients"] = grads
+        # The push memory holding the large gradients counts whole, also
+        # while some of its views are not p.grad.
+        report["gradients"] = grads + flat.grad_memory_bytes
+        report["grad_push_memory"] = flat.grad_memory_bytes
         report["staging"] = flat.staging_bytes + client["buffer"]
         report["gathered_layers"] = 0
     else:
@@ -201,6 +216,7 @@ def _memory_report(engine, params, flat=None, sharded=None):
         report["gradients"] = grads + sharded.gradient_bytes
         report["staging"] = client["buffer"]
         report["gathered_layers"] = sharded.held_bytes + client["param"] + client["param_half"]
+        report["grad_push_memory"] = 0
     report["client_staging"] = client["buffer"]
     report["total"] = (report["parameters"] + report["gradients"] + report["staging"]
                        + report["gathered_layers"])
@@ -685,6 +701,9 @@ class ShardedModel(torch.nn.Module):
                            own tensors; stage 3: 0, see gathered_layers)
           gradients        p.grad tensors, and at stage 3 the layers'
                            gradient buffers not yet pushed
+          grad_push_memory stages 1-2 on a bulk transport: the push memory
+                           the large gradients live in (part of
+                           gradients, whole once allocated)
           staging          constant-size buffers: the client's staging pool
                            (client_staging: staging_buffers buckets of C_B)
                            and at stages 1-2 the trainer's packing and

@@ -1,0 +1,171 @@
+"""Stage 1-2 gradients in push memory from Python: on a bulk transport the
+large float32 gradients live in one Client.allocate_push_memory, which the
+daemon on this host sums in place instead of a copy Put into its staging
+slot. Training is bit-identical to push_memory=False (the same losses,
+masters and trainer parameters), p.grad stays in the memory across steps
+and comes back to it after zero_grad(set_to_none=True), a parameter left
+without a gradient keeps None, and the daemon's traffic shows where the
+pushes were read from."""
+
+import re
+import urllib.request
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+from binaries import running_daemons
+from zeroshard.torch import shard_model
+
+STEPS = 4
+# 16 KiB buckets: gradients of 1024 elements or more are lent from p.grad,
+# and the weights cover whole buckets (which the client sends from there).
+BUCKET_BYTES = 1 << 14
+DAEMON_FLAGS = {
+    "grpc": ["--bulk_transport=grpc"],
+    "ucx": ["--bulk_transport=ucx", "--ucx_tls=posix,cma,self"],
+}
+
+_jobs = iter(range(1000))
+
+
+class Net(nn.Module):
+    """Lent gradients (the 64x128 and 128x128 weights) beside packed ones
+    (biases, the 128x8 weight), and a layer no backward reaches on step 2."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(64, 128)
+        self.middle = nn.Linear(128, 128)
+        self.skipped = nn.Linear(128, 128)
+        self.last = nn.Linear(128, 8)
+
+    def forward(self, x, step):
+        x = torch.tanh(self.middle(torch.tanh(self.first(x))))
+        if step != 2:
+            x = torch.tanh(self.skipped(x))
+        return self.last(x)
+
+
+@pytest.fixture(scope="module", params=["grpc", "ucx"])
+def daemon(request):
+    """(transport, address, metrics port) of one daemon serving it."""
+    procs = []
+    flags = DAEMON_FLAGS[request.param] + ["--metrics_port=0"]
+    with running_daemons(1, lambda i: flags, procs) as addresses:
+        port = None
+        for line in procs[0].stdout:
+            m = re.match(r"zeroshardd metrics on port (\d+)", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port is not None, "the daemon printed no metrics port"
+        yield request.param, addresses[0], port
+
+
+def _pushed_bytes(port):
+    """{transport label: bytes} of the daemon's received pushes."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    out = {}
+    for line in text.decode().splitlines():
+        if line.startswith("zeroshard_comm_bytes_total{") and 'op="push"' in line:
+            label = re.search(r'transport="([^"]*)"', line).group(1)
+            out[label] = out.get(label, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def _train(daemon, push_memory):
+    """STEPS steps of two backward passes each; zero_grad keeps the
+    gradients except before step 2 (set_to_none). Returns (losses, the
+    masters, the trainer's parameters, the daemon's pushed bytes by
+    transport, p.grad's storage of each large weight after each step, the
+    memory reports)."""
+    transport, address, port = daemon
+    config = dict(daemons=[address], job_id=f"grad-push-memory-{next(_jobs)}", rank=0,
+                  world_size=1, bucket_bytes=BUCKET_BYTES, rpc_timeout=30.0, step_timeout=60.0,
+                  transport=transport, push_memory=push_memory)
+    if transport == "ucx":
+        config["ucx_tls"] = "posix,cma,self"
+    before = _pushed_bytes(port)
+    try:
+        model = shard_model(Net(), config, stage=2, lr=1e-2, weight_decay=0.1)
+    except zeroshard.Error as e:
+        if transport == "ucx" and e.code == "UNAVAILABLE" and "ucx" in str(e).lower():
+            pytest.skip(f"UCX unavailable here: {e}")
+        raise
+    g = torch.Generator().manual_seed(1)
+    losses, storage, reports = [], [], []
+    large = [model.module.first.weight, model.module.middle.weight]
+    try:
+        for step in range(STEPS):
+            model.optimizer.zero_grad(set_to_none=(step == 2))
+            for _ in range(2):
+                x, y = torch.randn(16, 64, generator=g), torch.randn(16, 8, generator=g)
+                loss = nn.functional.mse_loss(model(x, step), y)
+                loss.backward()
+                losses.append(loss.detach())
+            if step == 2:
+                assert model.module.skipped.weight.grad is None
+            model.optimizer.step()
+            storage.append([p.grad.data_ptr() for p in large])
+            reports.append(model.memory_report())
+        masters = model.state_dict()
+        params = {k: v.detach().clone() for k, v in model.module.named_parameters()}
+        grads = {k: v.grad.clone() for k, v in model.module.named_parameters()
+                 if v.grad is not None}
+    finally:
+        model.close()
+    after = _pushed_bytes(port)
+    pushed = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    return losses, masters, params, grads, pushed, storage, reports
+
+
+def test_gradients_in_push_memory_train_as_without(daemon):
+    transport = daemon[0]
+    plain = _train(daemon, push_memory=False)
+    pulled = _train(daemon, push_memory=True)
+    for name, a, b in (("loss", plain[0], pulled[0]),):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"{name} {i}: {x} != {y}"
+    for which, a, b in (("master", plain[1], pulled[1]), ("parameter", plain[2], pulled[2]),
+                        ("gradient", plain[3], pulled[3])):
+        assert a.keys() == b.keys(), which
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{which} {k}"
+
+    # Where the daemon read the pushes: with push memory every push in
+    # place (the lent gradients from their memory, the packed ones from the
+    # client's staging pool), nothing Put; without it, everything Put.
+    large_bytes = (64 * 128 + 128 * 128) * 4
+    assert plain[4].get("push_memory", 0) == 0, plain[4]
+    assert plain[4].get(transport, 0) >= STEPS * large_bytes, plain[4]
+    assert pulled[4].get("push_memory", 0) == plain[4][transport], pulled[4]
+    assert pulled[4].get(transport, 0) == 0, pulled[4]
+
+    # p.grad of the large weights: elsewhere without push memory; with it,
+    # in the same place after every step, also after step 2's
+    # zero_grad(set_to_none=True) (autograd's new tensor moved back).
+    storage = pulled[5]
+    assert all(s == storage[0] for s in storage), storage
+    reports = pulled[6]
+    assert all(r["grad_push_memory"] >= large_bytes for r in reports), reports
+    assert all(r["grad_push_memory"] == 0 for r in plain[6]), plain[6]
+    # The memory is the large gradients' storage, not a copy beside them.
+    for r_plain, r_pulled in zip(plain[6], pulled[6]):
+        assert r_pulled["gradients"] - r_pulled["grad_push_memory"] <= (
+            r_plain["gradients"] - large_bytes), (r_plain, r_pulled)
+
+
+def test_push_memory_is_a_client_option():
+    assert zeroshard._zeroshard.DEFAULTS["push_memory"] is True
+    client = zeroshard.Client(["127.0.0.1:1"], "push-memory-option", 0, 1, token="push-memory-option-token",
+                              push_memory=False)
+    memory = client.allocate_push_memory(10000)
+    view = torch.frombuffer(memory, dtype=torch.float32)
+    assert view.numel() * 4 == len(memory) and len(memory) >= 10000
+    assert len(memory) % 4096 == 0 and torch.count_nonzero(view) == 0
+    del memory  # the tensor keeps the memory
+    view.fill_(1.5)
+    assert float(view.sum()) == 1.5 * view.numel()
