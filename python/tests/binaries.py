@@ -4,6 +4,7 @@ import contextlib
 import os
 import pathlib
 import json
+import re
 import subprocess
 import sys
 
@@ -56,6 +57,22 @@ def running_daemons(count, extra_args=lambda index: [], procs=None):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def daemon_with_metrics(extra_args=()):
+    """One daemon started with `extra_args` and --metrics_port=0: yields
+    (its address, its /metrics port)."""
+    procs = []
+    with running_daemons(1, lambda i: [*extra_args, "--metrics_port=0"], procs) as addresses:
+        port = None
+        for line in procs[0].stdout:
+            m = re.match(r"zeroshardd metrics on port (\d+)", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port is not None, "the daemon printed no metrics port"
+        yield addresses[0], port
 
 
 def run_workers(script, configs, outputs, timeout=240):

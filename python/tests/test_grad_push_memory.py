@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import zeroshard
-from binaries import running_daemons
+from binaries import daemon_with_metrics
 from zeroshard.torch import shard_model
 
 STEPS = 4
@@ -52,17 +52,8 @@ class Net(nn.Module):
 @pytest.fixture(scope="module", params=["grpc", "ucx"])
 def daemon(request):
     """(transport, address, metrics port) of one daemon serving it."""
-    procs = []
-    flags = DAEMON_FLAGS[request.param] + ["--metrics_port=0"]
-    with running_daemons(1, lambda i: flags, procs) as addresses:
-        port = None
-        for line in procs[0].stdout:
-            m = re.match(r"zeroshardd metrics on port (\d+)", line)
-            if m:
-                port = int(m.group(1))
-                break
-        assert port is not None, "the daemon printed no metrics port"
-        yield request.param, addresses[0], port
+    with daemon_with_metrics(DAEMON_FLAGS[request.param]) as (address, port):
+        yield request.param, address, port
 
 
 def _pushed_bytes(port):

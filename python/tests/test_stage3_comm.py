@@ -8,7 +8,6 @@ drop as designed. Runs one rank in this process against a daemon with
 --metrics_port, whose zeroshard_requests_total counts the PushGradient
 RPCs it served."""
 
-import re
 import urllib.request
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 import stage3_common as sc
-from binaries import running_daemons
+from binaries import daemon_with_metrics
 from zeroshard.torch import shard_model
 
 STEPS = 6
@@ -55,16 +54,8 @@ def _data():
 @pytest.fixture(scope="module")
 def daemon():
     """(address, metrics port) of one daemon serving /metrics."""
-    procs = []
-    with running_daemons(1, lambda i: ["--metrics_port=0"], procs) as addresses:
-        port = None
-        for line in procs[0].stdout:
-            m = re.match(r"zeroshardd metrics on port (\d+)", line)
-            if m:
-                port = int(m.group(1))
-                break
-        assert port is not None, "the daemon printed no metrics port"
-        yield addresses[0], port
+    with daemon_with_metrics() as address_and_port:
+        yield address_and_port
 
 
 def _push_rpcs(port):
