@@ -9,8 +9,10 @@ runs both, one after the other, each its own job on the same daemons):
           staging slot of the daemon, which then sums the slot.
 
 The model is --layers Linear(--width, --width) layers (Ψ = layers * width *
-(width + 1)); each step is one backward of a --batch-row batch (so that the
-gradients are fresh) and optimizer.step(), which pushes every gradient,
+(width + 1)); each step is zero_grad(set_to_none=False) (torch 1.x's
+default: the gradients stay where they are, in push memory with it), one
+backward of a --batch-row batch (so that the gradients are fresh) and
+optimizer.step(), which pushes every gradient,
 steps on the daemons and loads the parameters. Figures: the median over
 --steps timed steps (after --warmup) of the step() time and of the push
 wait inside it (`push_wait_ms`: from the first push until the daemons had

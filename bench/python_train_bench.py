@@ -12,6 +12,13 @@ one after the other:
           gradients during backward, clip_grad_norm_ and torch AdamW on the
           trainer (16Ψ per rank).
 
+Each is used the way its users accumulate gradients over --accumulate
+micro-batches: DDP all-reduces once per step (no_sync() for the first
+micro-batches), stage 3 pushes every micro-batch's gradients
+(gradient_accumulation_steps; its no_sync() would hold the whole gradient
+on the trainer), so stage 3 moves --accumulate times DDP's gradient bytes.
+The three run in this order, each after the previous one's job has ended.
+
 Each way runs --warmup steps, then --steps timed ones (the forward and
 backward of --accumulate micro-batches and the optimizer step); the figure
 is the global batch's tokens (--batch sequences of --seq_len) divided by the
@@ -94,7 +101,7 @@ def run_ddp(args, corpus):
         def step(batches):
             for i, (x, y) in enumerate(batches):
                 if i < len(batches) - 1:
-                    with model.no_sync():  # all-reduce once per step, as zeroshard pushes
+                    with model.no_sync():  # all-reduce once per step
                         (loss_of(model, x, y) / args.accumulate).backward()
                 else:
                     (loss_of(model, x, y) / args.accumulate).backward()

@@ -1318,7 +1318,7 @@ PYBIND11_MODULE(_zeroshard, m) {
   py::class_<PyPushMemory>(m, "PushMemory", py::buffer_protocol(),
                            "Client.allocate_push_memory's memory: a writable float32 buffer.")
       .def_buffer(&PyPushMemory::Buffer)
-      .def("__len__", &PyPushMemory::size, "Bytes.");
+      .def_property_readonly("nbytes", &PyPushMemory::size, "Its size in bytes.");
 
   py::class_<PyActivationTicket>(m, "ActivationTicket",
                                  "An activation store operation running in the background.")

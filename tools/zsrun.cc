@@ -48,7 +48,8 @@ ABSL_FLAG(bool, verbose, false, "Also show daemon stderr, as [daemon D] lines.")
 ABSL_FLAG(bool, peak_rss, false,
           "After the run, print each trainer's and daemon's peak resident set size (ru_maxrss).");
 ABSL_FLAG(bool, print_daemons, false,
-          "Start the daemons, print ZS_DAEMONS=..., and keep them until SIGINT/SIGTERM.");
+          "Start the daemons, print ZS_DAEMONS=... and ZS_TRANSPORT=... (ZS_UCX_TLS=... with "
+          "ucx), and keep them until SIGINT/SIGTERM.");
 ABSL_FLAG(uint64_t, nt_copy_threshold, zeroshard::tools::kNonTemporalCopyThreshold,
           "Bytes above which glibc's memcpy uses non-temporal stores in the daemons and trainers "
           "started (glibc.cpu.x86_non_temporal_threshold in GLIBC_TUNABLES, unless that sets it "
@@ -83,8 +84,9 @@ the trainers (a second one kills them); zsrun then exits 128+signal. The
 daemons zsrun started are stopped last.
 
   zsrun --daemons=2 --print_daemons
-prints ZS_DAEMONS=... and keeps the daemons until Ctrl-C, for trainers
-started elsewhere with --daemon_addresses.)";
+prints ZS_DAEMONS=... (and ZS_TRANSPORT=..., with ucx ZS_UCX_TLS=...) and
+keeps the daemons until Ctrl-C, for trainers started elsewhere with
+--daemon_addresses.)";
 
 zeroshard::tools::Launcher* g_launcher = nullptr;
 

@@ -48,7 +48,8 @@ struct Launcher::Proc {
   std::string address;
   int metrics_port = 0;
   // What it printed after "zeroshardd bulk transport ": "ucx", "grpc",
-  // "none" (empty until then), and a ucx one's UCX_TLS.
+  // "none" (empty: nothing, as a daemon of an older version), and a ucx
+  // one's UCX_TLS. Printed with its address, in one write.
   std::string bulk_transport;
   std::string ucx_tls;
   std::string stderr_path;
@@ -834,8 +835,7 @@ absl::Status Launcher::StartDaemons() {
             *d, absl::StrCat("exited with code ", d->exit_code, " before printing its address"));
       }
       if (waiting == nullptr &&
-          (d->address.empty() || d->bulk_transport.empty() ||
-           (options_.metrics && d->metrics_port == 0))) {
+          (d->address.empty() || (options_.metrics && d->metrics_port == 0))) {
         waiting = d.get();
       }
     }
@@ -857,7 +857,7 @@ absl::Status Launcher::StartDaemons() {
   }
   // The trainers' data path: the daemons' bulk transport when every one
   // serves the same (a ucx one with the same UCX_TLS), else the streaming
-  // RPCs, which every daemon serves.
+  // RPCs, which every daemon serves (also one that did not say).
   transport_ = "stream";
   ucx_tls_.clear();
   const Proc& first = *daemons_.front();
@@ -941,6 +941,10 @@ absl::Status Launcher::DaemonFailure(const Proc& daemon, absl::string_view what)
 
 int Launcher::HoldDaemons() {
   WriteAll(options_.stdout_fd, absl::StrCat("ZS_DAEMONS=", absl::StrJoin(addresses_, ","), "\n"));
+  WriteAll(options_.stdout_fd, absl::StrCat("ZS_TRANSPORT=", transport_, "\n"));
+  if (transport_ == "ucx") {
+    WriteAll(options_.stdout_fd, absl::StrCat("ZS_UCX_TLS=", ucx_tls_, "\n"));
+  }
   if (!metrics_ports_.empty()) {
     WriteAll(options_.stdout_fd,
              absl::StrCat("ZS_METRICS_PORTS=", absl::StrJoin(metrics_ports_, ","), "\n"));

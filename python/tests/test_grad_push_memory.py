@@ -2,11 +2,13 @@
 large float32 gradients live in one Client.allocate_push_memory, which the
 daemon on this host sums in place instead of a copy Put into its staging
 slot. Training is bit-identical to push_memory=False (the same losses,
-masters and trainer parameters), p.grad stays in the memory across steps
-and comes back to it after zero_grad(set_to_none=True), a parameter left
-without a gradient keeps None, and the daemon's traffic shows where the
-pushes were read from."""
+masters, trainer parameters and gradients), through shard_model and
+ShardedOptimizer; p.grad stays in the memory across steps and is moved
+back to it during backward after zero_grad(set_to_none=True), a
+parameter left without a gradient keeps None, and the daemon's traffic
+shows where the pushes were read from."""
 
+import os
 import re
 import urllib.request
 
@@ -16,7 +18,7 @@ from torch import nn
 
 import zeroshard
 from binaries import daemon_with_metrics
-from zeroshard.torch import shard_model
+from zeroshard.torch import ShardedOptimizer, shard_model
 
 STEPS = 4
 # 16 KiB buckets: gradients of 1024 elements or more are lent from p.grad,
@@ -67,12 +69,14 @@ def _pushed_bytes(port):
     return out
 
 
-def _train(daemon, push_memory):
-    """STEPS steps of two backward passes each; zero_grad keeps the
-    gradients except before step 2 (set_to_none). Returns (losses, the
-    masters, the trainer's parameters, the daemon's pushed bytes by
-    transport, p.grad's storage of each large weight after each step, the
-    memory reports)."""
+def _train(daemon, push_memory, api, zero):
+    """STEPS steps of two backward passes each, through shard_model (api
+    "model") or ShardedOptimizer ("optimizer"). zero_grad keeps the
+    gradients except before step 2 (zero "keep"), or drops them before
+    every step ("none"). Returns (losses, the masters, the trainer's
+    parameters and gradients, the daemon's pushed bytes by transport,
+    p.grad's storage of each large weight after each backward, memory
+    reports after each backward)."""
     transport, address, port = daemon
     config = dict(daemons=[address], job_id=f"grad-push-memory-{next(_jobs)}", rank=0,
                   world_size=1, bucket_bytes=BUCKET_BYTES, rpc_timeout=30.0, step_timeout=60.0,
@@ -80,32 +84,39 @@ def _train(daemon, push_memory):
     if transport == "ucx":
         config["ucx_tls"] = "posix,cma,self"
     before = _pushed_bytes(port)
+    net = Net()
     try:
-        model = shard_model(Net(), config, stage=2, lr=1e-2, weight_decay=0.1)
+        if api == "model":
+            model = shard_model(net, config, stage=2, lr=1e-2, weight_decay=0.1)
+            net, opt = model.module, model.optimizer
+        else:
+            model = opt = ShardedOptimizer(net.named_parameters(), config, stage=2, lr=1e-2,
+                                           weight_decay=0.1)
     except zeroshard.Error as e:
         if transport == "ucx" and e.code == "UNAVAILABLE" and "ucx" in str(e).lower():
             pytest.skip(f"UCX unavailable here: {e}")
         raise
     g = torch.Generator().manual_seed(1)
     losses, storage, reports = [], [], []
-    large = [model.module.first.weight, model.module.middle.weight]
+    large = [net.first.weight, net.middle.weight]
     try:
         for step in range(STEPS):
-            model.optimizer.zero_grad(set_to_none=(step == 2))
+            opt.zero_grad(set_to_none=(zero == "none" or step == 2))
             for _ in range(2):
                 x, y = torch.randn(16, 64, generator=g), torch.randn(16, 8, generator=g)
-                loss = nn.functional.mse_loss(model(x, step), y)
+                loss = nn.functional.mse_loss(net(x, step), y)
                 loss.backward()
                 losses.append(loss.detach())
-            if step == 2:
-                assert model.module.skipped.weight.grad is None
-            model.optimizer.step()
             storage.append([p.grad.data_ptr() for p in large])
             reports.append(model.memory_report())
-        masters = model.state_dict()
-        params = {k: v.detach().clone() for k, v in model.module.named_parameters()}
-        grads = {k: v.grad.clone() for k, v in model.module.named_parameters()
-                 if v.grad is not None}
+            opt.step()
+            if step == 2:  # no backward reached it: no gradient, as in torch
+                assert net.skipped.weight.grad is None
+        # The daemons' masters (ShardedOptimizer: its parameters are loaded
+        # from them after every step).
+        masters = model.state_dict() if api == "model" else {}
+        params = {k: v.detach().clone() for k, v in net.named_parameters()}
+        grads = {k: v.grad.clone() for k, v in net.named_parameters() if v.grad is not None}
     finally:
         model.close()
     after = _pushed_bytes(port)
@@ -113,50 +124,63 @@ def _train(daemon, push_memory):
     return losses, masters, params, grads, pushed, storage, reports
 
 
-def test_gradients_in_push_memory_train_as_without(daemon):
+def _daemon_may_take_descriptors():
+    """Whether a daemon this process started may take its descriptors
+    (pidfd_getfd): not under Yama ptrace_scope >= 1 without root, where only
+    an ancestor may (the daemon is a child here)."""
+    try:
+        scope = int(open("/proc/sys/kernel/yama/ptrace_scope").read())
+    except (OSError, ValueError):
+        scope = 0
+    return scope == 0 or os.geteuid() == 0
+
+
+@pytest.mark.parametrize("zero", ["keep", "none"])
+@pytest.mark.parametrize("api", ["model", "optimizer"])
+def test_gradients_in_push_memory_train_as_without(daemon, api, zero):
     transport = daemon[0]
-    plain = _train(daemon, push_memory=False)
-    pulled = _train(daemon, push_memory=True)
-    for name, a, b in (("loss", plain[0], pulled[0]),):
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert torch.equal(x, y), f"{name} {i}: {x} != {y}"
+    plain = _train(daemon, False, api, zero)
+    pulled = _train(daemon, True, api, zero)
+    for i, (x, y) in enumerate(zip(plain[0], pulled[0])):
+        assert torch.equal(x, y), f"loss {i}: {x} != {y}"
     for which, a, b in (("master", plain[1], pulled[1]), ("parameter", plain[2], pulled[2]),
                         ("gradient", plain[3], pulled[3])):
         assert a.keys() == b.keys(), which
         for k in a:
             assert torch.equal(a[k], b[k]), f"{which} {k}"
 
-    # Where the daemon read the pushes: with push memory every push in
-    # place (the lent gradients from their memory, the packed ones from the
-    # client's staging pool), nothing Put; without it, everything Put.
+    # p.grad of the large weights: with push memory in the same place after
+    # every backward, also after zero_grad(set_to_none=True) (autograd's new
+    # tensor moved there by the hook); the memory is their storage, not a
+    # copy beside them.
     large_bytes = (64 * 128 + 128 * 128) * 4
-    assert plain[4].get("push_memory", 0) == 0, plain[4]
-    assert plain[4].get(transport, 0) >= STEPS * large_bytes, plain[4]
-    assert pulled[4].get("push_memory", 0) == plain[4][transport], pulled[4]
-    assert pulled[4].get(transport, 0) == 0, pulled[4]
-
-    # p.grad of the large weights: elsewhere without push memory; with it,
-    # in the same place after every step, also after step 2's
-    # zero_grad(set_to_none=True) (autograd's new tensor moved back).
     storage = pulled[5]
     assert all(s == storage[0] for s in storage), storage
-    reports = pulled[6]
-    assert all(r["grad_push_memory"] >= large_bytes for r in reports), reports
+    assert all(r["grad_push_memory"] >= large_bytes for r in pulled[6]), pulled[6]
     assert all(r["grad_push_memory"] == 0 for r in plain[6]), plain[6]
-    # The memory is the large gradients' storage, not a copy beside them.
     for r_plain, r_pulled in zip(plain[6], pulled[6]):
         assert r_pulled["gradients"] - r_pulled["grad_push_memory"] <= (
             r_plain["gradients"] - large_bytes), (r_plain, r_pulled)
 
+    # Where the daemon read the pushes: with push memory every push in
+    # place (the lent gradients from their memory, the packed ones from the
+    # client's staging pool), nothing Put; without it, everything Put.
+    assert plain[4].get("push_memory", 0) == 0, plain[4]
+    assert plain[4].get(transport, 0) >= STEPS * large_bytes, plain[4]
+    if pulled[4].get("push_memory", 0) == 0 and not _daemon_may_take_descriptors():
+        pytest.skip("the daemon may not take this process's descriptors (Yama ptrace_scope)")
+    assert pulled[4].get("push_memory", 0) == plain[4][transport], pulled[4]
+    assert pulled[4].get(transport, 0) == 0, pulled[4]
+
 
 def test_push_memory_is_a_client_option():
     assert zeroshard._zeroshard.DEFAULTS["push_memory"] is True
-    client = zeroshard.Client(["127.0.0.1:1"], "push-memory-option", 0, 1, token="push-memory-option-token",
-                              push_memory=False)
+    client = zeroshard.Client(["127.0.0.1:1"], "push-memory-option", 0, 1,
+                              token="push-memory-option-token", push_memory=False)
     memory = client.allocate_push_memory(10000)
     view = torch.frombuffer(memory, dtype=torch.float32)
-    assert view.numel() * 4 == len(memory) and len(memory) >= 10000
-    assert len(memory) % 4096 == 0 and torch.count_nonzero(view) == 0
+    assert view.numel() * 4 == memory.nbytes and memory.nbytes >= 10000
+    assert memory.nbytes % 4096 == 0 and torch.count_nonzero(view) == 0
     del memory  # the tensor keeps the memory
     view.fill_(1.5)
     assert float(view.sum()) == 1.5 * view.numel()

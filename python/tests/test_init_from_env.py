@@ -52,6 +52,7 @@ def test_zsrun_transport_is_the_clients_unless_given(env):
     env.setenv("ZS_TRANSPORT", "grpc")
     config = init_from_env()
     assert config["transport"] == "grpc" and "ucx_tls" not in config, config
+    assert init_from_env(transport="ucx")["ucx_tls"] == "posix,cma,self"
     env.setenv("ZS_TRANSPORT", "stream")
     assert init_from_env()["transport"] == "stream"
 

@@ -76,6 +76,8 @@ class Engine:
         self.by_id = {id(e.param): e for e in entries if e.kind == "param"}
         self.buffers = [e for e in entries if e.kind == "buffer"]
         self.client = Client(**config)
+        # How many clients this engine has made (rejoin makes a new one).
+        self.client_generation = 0
         # Daemon reduction and the Gloo collective skip a tensor no rank gave
         # a gradient, as torch does; the NCCL trainer collective carries no
         # marks: there such tensors are pushed as zeros and stepped, as
@@ -121,6 +123,7 @@ class Engine:
         client = Client(**dict(self.config, resume=None))
         client.register_model(self.layout, None)
         self.client = client
+        self.client_generation += 1
         self.save_pending = False
         if client.committed_step != self._seen_step:
             self.growth_tracker = None  # steps committed that this trainer did not see

@@ -11,14 +11,16 @@ buffer of constant size, never a flat copy of the model:
   gradient of at least 2**14 elements (or a quarter of a bucket) is lent
   to the client from `p.grad` itself (it sends the buckets the gradient
   covers whole from there and stages the rest in its pool of C_B-sized
-  buffers). On a bulk transport (with the config's `push_memory`, on by
-  default) those gradients live in one push memory
-  (`Client.allocate_push_memory`), as DDP's `gradient_as_bucket_view`
-  keeps them in its buckets: the first step that finds such a `p.grad`
-  elsewhere (the first one, or after `zero_grad(set_to_none=True)` let
-  autograd allocate it anew) copies it to its place there and makes
-  `p.grad` that view, into which later backward passes accumulate in
-  place; a daemon on the same host then sums it straight from there. Everything else (smaller gradients, other
+  buffers). In an fp32 job with daemon reduction on a bulk transport
+  (with the config's `push_memory`, on by default) those gradients live in
+  one push memory (`Client.allocate_push_memory`, allocated with the
+  model), as DDP's `gradient_as_bucket_view` keeps them in its buckets: a
+  hook on each such parameter's AccumulateGrad node moves a `p.grad` that
+  autograd allocated elsewhere (the first backward, or the first after
+  `zero_grad(set_to_none=True)`) to its place there as soon as backward
+  has written it, and makes `p.grad` that view, into which later backward
+  passes accumulate in place; a daemon on the same host then sums it
+  straight from there. Everything else (smaller gradients, other
   dtypes or strides, CUDA gradients, the zeros of frozen tensors, buffers
   and parameters without a gradient) is packed in flat order into the
   staging buffer, converted to float32 as torch's copy_ converts, and
@@ -37,10 +39,11 @@ loading the whole model in one flat float32 buffer: the daemons sum the
 same values however the pushes are split."""
 
 import time
+import warnings
 
 import torch
 
-from zeroshard._zeroshard import DEFAULTS
+from zeroshard._zeroshard import DEFAULTS, Error
 
 # Stages 1-2 gather the parameters in layers of at most this many elements
 # (1 MiB of fp32): consecutive tensors are grouped up to it, a larger tensor
@@ -117,16 +120,27 @@ class FlatSharding:
         # ones cost more in calls than their copy into the staging buffer).
         self._direct_push_elements = max(1, min(self._push_elements // 4, 1 << 14))
         self._trainable = [e for e in engine.entries if e.kind == "param" and not e.frozen]
-        # Gradients lent from p.grad live in push memory on a bulk transport
-        # (see the module's docstring): entry index -> its float32 view there,
-        # made by the first step that lends one, for the client in
-        # _grad_client (a rejoin's new client allocates anew).
+        # Gradients lent from p.grad live in push memory (see the module's
+        # docstring) where a daemon may read them in place: fp32 jobs
+        # (a bf16 or fp16 job stages float32 gradients), daemon reduction
+        # (the trainer collective reduces them itself), bulk transports.
+        config = engine.config
         self._grad_memory_wanted = (
-            engine.config.get("transport", DEFAULTS["transport"]) != "stream"
-            and engine.config.get("push_memory", DEFAULTS["push_memory"]))
+            config.get("transport", DEFAULTS["transport"]) != "stream"
+            and config.get("push_memory", DEFAULTS["push_memory"]) and self._fp32
+            and config.get("reduction", DEFAULTS["reduction"]) == "daemon")
+        # Entry index -> its float32 view in the push memory of the client
+        # of generation _grad_generation (a rejoin's new client allocates
+        # anew); never given out (p.grad gets a view of it), so that what
+        # a caller does to p.grad leaves it as it is.
         self._grad_views = {}
-        self._grad_view_ptrs = {}
-        self._grad_client = None
+        self._grad_view_ptrs = set()
+        self._grad_memory_bytes = 0
+        self._grad_generation = None
+        self._accumulators = []  # the hooked AccumulateGrad nodes, kept alive
+        if self._grad_memory_wanted:
+            self._allocate_grad_views()
+            self._install_grad_hooks()
         # Frozen by requires_grad=False (the others are in no group, and
         # torch.optim ignores their gradients too).
         self._not_requiring = [e for e in engine.entries
@@ -213,20 +227,21 @@ class FlatSharding:
 
     @property
     def grad_memory_bytes(self):
-        """Bytes of the push memory gradients live in (0 before the first
-        step that lends one, or without push memory)."""
-        return sum(v.numel() * v.element_size() for v in self._grad_views.values())
+        """Bytes of the push memory the gradients live in (whole pages; 0
+        without one)."""
+        return self._grad_memory_bytes
 
     def holds_grad(self, grad):
-        """Whether `grad` is one of the views into the gradients' push
-        memory (counted in grad_memory_bytes)."""
-        view = self._grad_view_ptrs.get(grad.data_ptr())
-        return view is not None and view.shape == grad.shape
+        """Whether `grad` lies in the gradients' push memory (counted in
+        grad_memory_bytes)."""
+        return (grad.data_ptr(), tuple(grad.shape)) in self._grad_view_ptrs
 
     def _allocate_grad_views(self):
-        """One push memory for the gradients of every parameter whose
-        gradient would be lent (float32, contiguous, CPU, large enough),
-        each at a 64-element boundary, and their views."""
+        """One push memory of the current client for the gradients of every
+        parameter whose gradient would be lent (float32, contiguous, CPU,
+        large enough), each at a 64-element boundary, and their views. Where
+        the system refuses the memory, gradients stay where autograd puts
+        them (with a warning)."""
         places, size = [], 0
         for e in self._trainable:
             p = e.param
@@ -234,30 +249,54 @@ class FlatSharding:
                     and e.numel >= self._direct_push_elements):
                 places.append((e, size))
                 size += -(-e.numel // _ALIGNMENT) * _ALIGNMENT
-        client = self.engine.client
-        self._grad_client = client
-        self._grad_views, self._grad_view_ptrs = {}, {}
+        self._grad_generation = self.engine.client_generation
+        self._grad_views, self._grad_view_ptrs, self._grad_memory_bytes = {}, set(), 0
         if size == 0:
             return
-        memory = torch.frombuffer(client.allocate_push_memory(size * 4), dtype=torch.float32)
+        try:
+            memory = self.engine.client.allocate_push_memory(size * 4)
+        except Error as e:
+            warnings.warn(f"gradients stay in torch's memory, not push memory: {e}",
+                          RuntimeWarning)
+            self._grad_memory_wanted = False
+            return
+        base = torch.frombuffer(memory, dtype=torch.float32)
+        self._grad_memory_bytes = memory.nbytes
         for e, offset in places:
-            self._grad_views[e.index] = memory[offset:offset + e.numel].view(e.param.shape)
-        self._grad_view_ptrs = {v.data_ptr(): v for v in self._grad_views.values()}
+            view = base[offset:offset + e.numel].view(e.param.shape)
+            self._grad_views[e.index] = view
+            self._grad_view_ptrs.add((view.data_ptr(), tuple(view.shape)))
 
-    def _in_push_memory(self, e, grad):
-        """e's gradient `grad` (lent to the client) in its place in push
-        memory: moved there, and made e.param.grad, when it is elsewhere."""
-        if not self._grad_memory_wanted:
-            return grad
-        if self._grad_client is not self.engine.client:
+    def _install_grad_hooks(self):
+        with torch.enable_grad():
+            for e in self._trainable:
+                if e.index in self._grad_views and e.param.requires_grad:
+                    # The parameter's AccumulateGrad node: its hooks run once
+                    # p.grad holds the backward's gradient.
+                    accumulator = e.param.expand_as(e.param).grad_fn.next_functions[0][0]
+                    accumulator.register_hook(self._grad_hook(e))
+                    self._accumulators.append(accumulator)
+
+    def _grad_hook(self, e):
+        def grad_ready(*unused):
+            self._move_to_push_memory(e)
+        return grad_ready
+
+    def _move_to_push_memory(self, e):
+        """e.param.grad, when autograd (or the caller) put it elsewhere,
+        copied to its view in push memory, which becomes e.param.grad."""
+        grad = e.param.grad
+        if grad is None or not self._grad_memory_wanted:
+            return
+        if self._grad_generation != self.engine.client_generation:
             self._allocate_grad_views()
         view = self._grad_views.get(e.index)
-        if view is None or view.shape != grad.shape:
-            return grad
-        if view.data_ptr() != grad.data_ptr():
+        if (view is None or grad.data_ptr() == view.data_ptr() or grad.shape != view.shape
+                or not self._pushed_directly(e, grad)):
+            return
+        with torch.no_grad():
             view.copy_(grad)
-            e.param.grad = view
-        return view
+        e.param.grad = view.view(view.shape)
 
     def _push_gradients(self):
         """Pushes every element of the layout once (gradients, and zeros for
@@ -326,7 +365,10 @@ class FlatSharding:
                     pack(e, None, True)
                 elif self._pushed_directly(e, g):
                     flush()
-                    g = self._in_push_memory(e, g)
+                    # Where backward's hook did not (a gradient set by
+                    # the caller, or a rejoin's new client).
+                    self._move_to_push_memory(e)
+                    g = e.param.grad
                     # Lent: the client sends the buckets it covers whole
                     # straight from p.grad (staging the rest) and holds the
                     # tensor until the step has taken it in; nothing writes

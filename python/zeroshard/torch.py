@@ -98,8 +98,8 @@ def init_from_env(**overrides):
                   transport its daemons serve ("ucx" or "grpc" when every
                   one serves it, else "stream"); unset, the client's
                   default, "stream"
-      ucx_tls     ZS_UCX_TLS, with ZS_TRANSPORT=ucx (zsrun: the daemons'
-                  UCX_TLS)
+      ucx_tls     ZS_UCX_TLS, when the transport is "ucx" (zsrun: the
+                  daemons' UCX_TLS)
 
     The job token is not copied: `Client` reads ZS_JOB_TOKEN itself. Keyword
     arguments are added to (or replace) what the environment gives, e.g.
@@ -144,9 +144,9 @@ def init_from_env(**overrides):
     transport = env.get("ZS_TRANSPORT")
     if "transport" not in overrides and transport:
         config["transport"] = transport
-        if transport == "ucx" and "ucx_tls" not in overrides and "ZS_UCX_TLS" in env:
-            config["ucx_tls"] = env["ZS_UCX_TLS"]
     config.update(overrides)
+    if config.get("transport") == "ucx" and "ucx_tls" not in config and "ZS_UCX_TLS" in env:
+        config["ucx_tls"] = env["ZS_UCX_TLS"]
     return config
 
 
@@ -703,7 +703,7 @@ class ShardedModel(torch.nn.Module):
                            gradient buffers not yet pushed
           grad_push_memory stages 1-2 on a bulk transport: the push memory
                            the large gradients live in (part of
-                           gradients, whole once allocated)
+                           gradients, counted whole)
           staging          constant-size buffers: the client's staging pool
                            (client_staging: staging_buffers buckets of C_B)
                            and at stages 1-2 the trainer's packing and
