@@ -69,14 +69,15 @@ def _pushed_bytes(port):
     return out
 
 
-def _train(daemon, push_memory, api, zero):
+def _train(daemon, push_memory, api, zero, reconnect_after=None):
     """STEPS steps of two backward passes each, through shard_model (api
     "model") or ShardedOptimizer ("optimizer"). zero_grad keeps the
     gradients except before step 2 (zero "keep"), or drops them before
     every step ("none"). Returns (losses, the masters, the trainer's
     parameters and gradients, the daemon's pushed bytes by transport,
     p.grad's storage of each large weight after each backward, memory
-    reports after each backward)."""
+    reports after each backward). With reconnect_after, the model joins
+    again (model.reconnect(): a new client) after that step."""
     transport, address, port = daemon
     config = dict(daemons=[address], job_id=f"grad-push-memory-{next(_jobs)}", rank=0,
                   world_size=1, bucket_bytes=BUCKET_BYTES, rpc_timeout=30.0, step_timeout=60.0,
@@ -112,6 +113,8 @@ def _train(daemon, push_memory, api, zero):
             opt.step()
             if step == 2:  # no backward reached it: no gradient, as in torch
                 assert net.skipped.weight.grad is None
+            if step == reconnect_after:
+                model.reconnect()
         # The daemons' masters (ShardedOptimizer: its parameters are loaded
         # from them after every step).
         masters = model.state_dict() if api == "model" else {}
@@ -167,6 +170,24 @@ def test_gradients_in_push_memory_train_as_without(daemon, api, zero):
     # client's staging pool), nothing Put; without it, everything Put.
     assert plain[4].get("push_memory", 0) == 0, plain[4]
     assert plain[4].get(transport, 0) >= STEPS * large_bytes, plain[4]
+    if pulled[4].get("push_memory", 0) == 0 and not _daemon_may_take_descriptors():
+        pytest.skip("the daemon may not take this process's descriptors (Yama ptrace_scope)")
+    assert pulled[4].get("push_memory", 0) == plain[4][transport], pulled[4]
+    assert pulled[4].get(transport, 0) == 0, pulled[4]
+
+
+def test_a_reconnected_model_keeps_its_gradients_in_push_memory(daemon):
+    """A rejoin's new client gets a push memory of its own: the gradients
+    move there in the next backward and its pushes are read in place."""
+    transport = daemon[0]
+    plain = _train(daemon, False, "model", "keep")
+    pulled = _train(daemon, True, "model", "keep", reconnect_after=1)
+    for i, (x, y) in enumerate(zip(plain[0], pulled[0])):
+        assert torch.equal(x, y), f"loss {i}: {x} != {y}"
+    for k in plain[2]:
+        assert torch.equal(plain[2][k], pulled[2][k]), k
+    storage = pulled[5]
+    assert storage[0] == storage[1] and storage[2] == storage[3], storage
     if pulled[4].get("push_memory", 0) == 0 and not _daemon_may_take_descriptors():
         pytest.skip("the daemon may not take this process's descriptors (Yama ptrace_scope)")
     assert pulled[4].get("push_memory", 0) == plain[4][transport], pulled[4]
