@@ -289,15 +289,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "zeroshardd: %s\n", daemon.status().ToString().c_str());
     return 1;
   }
-  std::printf("zeroshardd listening on %s\n", (*daemon)->address().c_str());
-  std::printf("zeroshardd serving %s\n", options.tls.enabled() ? "mutual TLS" : "plaintext");
-  std::printf("zeroshardd memory limit %s\n",
-              options.memory_limit_bytes == 0
-                  ? "none"
-                  : absl::StrCat(options.memory_limit_bytes, " bytes").c_str());
-  std::printf("zeroshardd optimizer threads %d\n", options.optimizer_threads);
   // What trainers may use besides the streaming RPCs (zsrun passes it on as
-  // ZS_TRANSPORT and ZS_UCX_TLS).
+  // ZS_TRANSPORT and ZS_UCX_TLS): before the address, which launchers wait
+  // for.
   const zeroshard::transport::Transport* transport = (*daemon)->bulk_transport();
   if (const absl::string_view bulk = transport ? transport->kind() : ""; bulk.empty()) {
     std::printf("zeroshardd bulk transport none\n");
@@ -306,6 +300,13 @@ int main(int argc, char** argv) {
   } else {
     std::printf("zeroshardd bulk transport %.*s\n", static_cast<int>(bulk.size()), bulk.data());
   }
+  std::printf("zeroshardd listening on %s\n", (*daemon)->address().c_str());
+  std::printf("zeroshardd serving %s\n", options.tls.enabled() ? "mutual TLS" : "plaintext");
+  std::printf("zeroshardd memory limit %s\n",
+              options.memory_limit_bytes == 0
+                  ? "none"
+                  : absl::StrCat(options.memory_limit_bytes, " bytes").c_str());
+  std::printf("zeroshardd optimizer threads %d\n", options.optimizer_threads);
   if ((*daemon)->metrics_port() != 0) {
     std::printf("zeroshardd metrics on port %d\n", (*daemon)->metrics_port());
   }

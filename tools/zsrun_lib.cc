@@ -49,7 +49,7 @@ struct Launcher::Proc {
   int metrics_port = 0;
   // What it printed after "zeroshardd bulk transport ": "ucx", "grpc",
   // "none" (empty: nothing, as a daemon of an older version), and a ucx
-  // one's UCX_TLS. Printed with its address, in one write.
+  // one's UCX_TLS. Printed before its address.
   std::string bulk_transport;
   std::string ucx_tls;
   std::string stderr_path;

@@ -48,10 +48,13 @@ def running_daemons(count, extra_args=lambda index: [], procs=None):
                 [binary, "--listen=127.0.0.1:0", *extra_args(i)],
                 stdout=subprocess.PIPE, text=True)
             procs.append(proc)
-            line = proc.stdout.readline()
             prefix = "zeroshardd listening on "
-            assert line.startswith(prefix), f"daemon said {line!r}"
-            addresses.append(line[len(prefix):].strip())
+            said = []
+            while not said or not said[-1].startswith(prefix):
+                line = proc.stdout.readline()
+                assert line, f"daemon exited after saying {said!r}"
+                said.append(line)
+            addresses.append(said[-1][len(prefix):].strip())
         yield addresses
     finally:
         for proc in procs:

@@ -33,8 +33,8 @@ _jobs = iter(range(1000))
 
 
 class Net(nn.Module):
-    """Lent gradients (the 64x128 and 128x128 weights) beside packed ones
-    (biases, the 128x8 weight), and a layer no backward reaches on step 2."""
+    """Lent gradients (the weights) beside packed ones (the biases), and a
+    layer no backward reaches on step 2."""
 
     def __init__(self):
         super().__init__()
@@ -192,6 +192,35 @@ def test_a_reconnected_model_keeps_its_gradients_in_push_memory(daemon):
         pytest.skip("the daemon may not take this process's descriptors (Yama ptrace_scope)")
     assert pulled[4].get("push_memory", 0) == plain[4][transport], pulled[4]
     assert pulled[4].get(transport, 0) == 0, pulled[4]
+
+
+def test_a_closed_model_leaves_the_gradients_to_torch(daemon):
+    """close() removes the backward hooks: a later backward of the module
+    leaves p.grad where autograd puts it."""
+    transport, address, port = daemon
+    config = dict(daemons=[address], job_id=f"grad-push-memory-{next(_jobs)}", rank=0,
+                  world_size=1, bucket_bytes=BUCKET_BYTES, transport=transport)
+    if transport == "ucx":
+        config["ucx_tls"] = "posix,cma,self"
+    net = Net()
+    try:
+        model = shard_model(net, config, stage=2)
+    except zeroshard.Error as e:
+        if transport == "ucx" and e.code == "UNAVAILABLE" and "ucx" in str(e).lower():
+            pytest.skip(f"UCX unavailable here: {e}")
+        raise
+    x, y = torch.randn(4, 64), torch.randn(4, 8)
+    flat = model._flat
+    try:
+        nn.functional.mse_loss(net(x, 0), y).backward()
+        assert flat.holds_grad(net.first.weight.grad)
+        model.optimizer.step()
+    finally:
+        model.close()
+    net.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(net(x, 0), y).backward()
+    assert net.first.weight.grad is not None
+    assert not flat.holds_grad(net.first.weight.grad)
 
 
 def test_push_memory_is_a_client_option():

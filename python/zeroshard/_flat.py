@@ -40,6 +40,7 @@ same values however the pushes are split."""
 
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -138,6 +139,7 @@ class FlatSharding:
         self._grad_memory_bytes = 0
         self._grad_generation = None
         self._accumulators = []  # the hooked AccumulateGrad nodes, kept alive
+        self._hook_handles = []
         if self._grad_memory_wanted:
             self._allocate_grad_views()
             self._install_grad_hooks()
@@ -274,19 +276,34 @@ class FlatSharding:
                     # The parameter's AccumulateGrad node: its hooks run once
                     # p.grad holds the backward's gradient.
                     accumulator = e.param.expand_as(e.param).grad_fn.next_functions[0][0]
-                    accumulator.register_hook(self._grad_hook(e))
+                    self._hook_handles.append(accumulator.register_hook(self._grad_hook(e)))
                     self._accumulators.append(accumulator)
 
     def _grad_hook(self, e):
+        # Weak: a node outlives this object when its module is sharded
+        # again (the nodes' hooks are shared).
+        this = weakref.ref(self)
+
         def grad_ready(*unused):
-            self._move_to_push_memory(e)
+            flat = this()
+            if flat is not None:
+                flat._move_to_push_memory(e)
         return grad_ready
+
+    def close(self):
+        """Removes the backward hooks; the gradients already in push memory
+        stay there (the memory lives as long as they do)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles, self._accumulators = [], []
+        self._grad_memory_wanted = False
 
     def _move_to_push_memory(self, e):
         """e.param.grad, when autograd (or the caller) put it elsewhere,
         copied to its view in push memory, which becomes e.param.grad."""
         grad = e.param.grad
-        if grad is None or not self._grad_memory_wanted:
+        # A gradient with a graph (backward(create_graph=True)) keeps it.
+        if grad is None or grad.requires_grad or not self._grad_memory_wanted:
             return
         if self._grad_generation != self.engine.client_generation:
             self._allocate_grad_views()

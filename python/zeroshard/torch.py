@@ -359,6 +359,7 @@ class ShardedOptimizer(_DaemonOptimizer):
 
     def close(self):
         """Waits for a save not yet awaited, then leaves the job."""
+        self._flat.close()
         self._engine.close()
 
 
@@ -934,6 +935,8 @@ class ShardedModel(torch.nn.Module):
     def close(self):
         """Waits for a save not yet awaited, then leaves the job (the
         daemons free it once every rank has left)."""
+        if self._flat is not None:
+            self._flat.close()
         self._engine.close()
 
 
