@@ -10,6 +10,7 @@
 #include <map>
 #include <numeric>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "client/rpc.h"
 #include "common/protocol.h"
@@ -432,11 +433,14 @@ absl::StatusOr<bool> BulkDataPath::AwaitPulledFence(const GradientPush& push, co
                                                     const StagingSlots::Lease& lease,
                                                     absl::Time deadline, absl::Status failed) {
   // Readable once the daemon's process has exited (a killed daemon).
-  const int daemon = pull.daemon_pid > 0 && pull.daemon_pid <= INT32_MAX
-                         ? static_cast<int>(::syscall(SYS_pidfd_open,
-                                                      static_cast<pid_t>(pull.daemon_pid), 0))
-                         : -1;
-  if (daemon < 0 && errno == ESRCH && pull.daemon_pid > 0) return failed;  // already gone
+  int daemon = -1;
+  if (pull.daemon_pid > 0 && pull.daemon_pid <= INT32_MAX) {
+    daemon = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pull.daemon_pid), 0));
+    if (daemon < 0 && errno == ESRCH) return failed;  // already gone
+  }
+  absl::Cleanup close_daemon = [daemon] {
+    if (daemon >= 0) ::close(daemon);
+  };
   const absl::Time give_up = deadline + options_.fence_timeout;
   while (absl::Now() < give_up) {
     const int wait_ms = static_cast<int>(
@@ -448,13 +452,9 @@ absl::StatusOr<bool> BulkDataPath::AwaitPulledFence(const GradientPush& push, co
       absl::SleepFor(absl::Milliseconds(wait_ms));
     }
     absl::StatusOr<uint64_t> applied = FenceSlot(push, lease.slot, lease.generation, give_up);
-    if (applied.ok()) {
-      if (daemon >= 0) ::close(daemon);
-      return *applied == lease.generation;
-    }
+    if (applied.ok()) return *applied == lease.generation;
     failed = applied.status();
   }
-  if (daemon >= 0) ::close(daemon);
   return failed;
 }
 

@@ -232,10 +232,9 @@ class BulkDataPath final : public DataPath {
   // (`failed`): fences again once a second until one answers (whether the
   // daemon applied it), the daemon's process (`pull.daemon_pid`) has exited
   // (`failed`: it reads nothing any more), or Options::fence_timeout past
-  // `deadline`
-  // (the last error: the daemon starts no read of a pulled push past its
-  // deadline, and a read under way ends with the job lock's current work).
-  // Blocks until then.
+  // `deadline` (the last error: the daemon starts no read of a pulled push
+  // past its deadline, and a read under way ends with the job lock's
+  // current work). Blocks until then.
   absl::StatusOr<bool> AwaitPulledFence(const GradientPush& push, const Pull& pull,
                                         const StagingSlots::Lease& lease, absl::Time deadline,
                                         absl::Status failed);

@@ -587,7 +587,7 @@ class PyPushMemory {
     return py::buffer_info(memory_->data(), sizeof(float), py::format_descriptor<float>::format(),
                            static_cast<py::ssize_t>(memory_->size() / sizeof(float)));
   }
-  size_t size() const { return memory_->size(); }
+  size_t nbytes() const { return memory_->size(); }
 
  private:
   const std::shared_ptr<transport::PushMemory> memory_;
@@ -1318,7 +1318,7 @@ PYBIND11_MODULE(_zeroshard, m) {
   py::class_<PyPushMemory>(m, "PushMemory", py::buffer_protocol(),
                            "Client.allocate_push_memory's memory: a writable float32 buffer.")
       .def_buffer(&PyPushMemory::Buffer)
-      .def_property_readonly("nbytes", &PyPushMemory::size, "Its size in bytes.");
+      .def_property_readonly("nbytes", &PyPushMemory::nbytes, "Its size in bytes.");
 
   py::class_<PyActivationTicket>(m, "ActivationTicket",
                                  "An activation store operation running in the background.")

@@ -69,6 +69,27 @@ def _pushed_bytes(port):
     return out
 
 
+def _config(daemon, **extra):
+    """A one-rank job's client config on `daemon`, over its transport."""
+    transport, address, _ = daemon
+    config = dict(daemons=[address], job_id=f"grad-push-memory-{next(_jobs)}", rank=0,
+                  world_size=1, bucket_bytes=BUCKET_BYTES, transport=transport, **extra)
+    if transport == "ucx":
+        config["ucx_tls"] = "posix,cma,self"
+    return config
+
+
+def _sharded(transport, make):
+    """make() (a sharded model or optimizer); skips the test where UCX
+    cannot start."""
+    try:
+        return make()
+    except zeroshard.Error as e:
+        if transport == "ucx" and e.code == "UNAVAILABLE" and "ucx" in str(e).lower():
+            pytest.skip(f"UCX unavailable here: {e}")
+        raise
+
+
 def _train(daemon, push_memory, api, zero, reconnect_after=None):
     """STEPS steps of two backward passes each, through shard_model (api
     "model") or ShardedOptimizer ("optimizer"). zero_grad keeps the
@@ -78,25 +99,17 @@ def _train(daemon, push_memory, api, zero, reconnect_after=None):
     p.grad's storage of each large weight after each backward, memory
     reports after each backward). With reconnect_after, the model joins
     again (model.reconnect(): a new client) after that step."""
-    transport, address, port = daemon
-    config = dict(daemons=[address], job_id=f"grad-push-memory-{next(_jobs)}", rank=0,
-                  world_size=1, bucket_bytes=BUCKET_BYTES, rpc_timeout=30.0, step_timeout=60.0,
-                  transport=transport, push_memory=push_memory)
-    if transport == "ucx":
-        config["ucx_tls"] = "posix,cma,self"
+    transport, _, port = daemon
+    config = _config(daemon, rpc_timeout=30.0, step_timeout=60.0, push_memory=push_memory)
     before = _pushed_bytes(port)
     net = Net()
-    try:
-        if api == "model":
-            model = shard_model(net, config, stage=2, lr=1e-2, weight_decay=0.1)
-            net, opt = model.module, model.optimizer
-        else:
-            model = opt = ShardedOptimizer(net.named_parameters(), config, stage=2, lr=1e-2,
-                                           weight_decay=0.1)
-    except zeroshard.Error as e:
-        if transport == "ucx" and e.code == "UNAVAILABLE" and "ucx" in str(e).lower():
-            pytest.skip(f"UCX unavailable here: {e}")
-        raise
+    if api == "model":
+        model = _sharded(transport,
+                         lambda: shard_model(net, config, stage=2, lr=1e-2, weight_decay=0.1))
+        net, opt = model.module, model.optimizer
+    else:
+        model = opt = _sharded(transport, lambda: ShardedOptimizer(
+            net.named_parameters(), config, stage=2, lr=1e-2, weight_decay=0.1))
     g = torch.Generator().manual_seed(1)
     losses, storage, reports = [], [], []
     large = [net.first.weight, net.middle.weight]
@@ -138,6 +151,16 @@ def _daemon_may_take_descriptors():
     return scope == 0 or os.geteuid() == 0
 
 
+def _assert_read_in_place(transport, plain, pulled):
+    """The pushed bytes by transport of a run with push memory (`pulled`)
+    and without (`plain`): the daemon read every push in place and Put
+    none (skipped where it may not take the memory)."""
+    if pulled.get("push_memory", 0) == 0 and not _daemon_may_take_descriptors():
+        pytest.skip("the daemon may not take this process's descriptors (Yama ptrace_scope)")
+    assert pulled.get("push_memory", 0) == plain[transport], pulled
+    assert pulled.get(transport, 0) == 0, pulled
+
+
 @pytest.mark.parametrize("zero", ["keep", "none"])
 @pytest.mark.parametrize("api", ["model", "optimizer"])
 def test_gradients_in_push_memory_train_as_without(daemon, api, zero):
@@ -170,10 +193,7 @@ def test_gradients_in_push_memory_train_as_without(daemon, api, zero):
     # client's staging pool), nothing Put; without it, everything Put.
     assert plain[4].get("push_memory", 0) == 0, plain[4]
     assert plain[4].get(transport, 0) >= STEPS * large_bytes, plain[4]
-    if pulled[4].get("push_memory", 0) == 0 and not _daemon_may_take_descriptors():
-        pytest.skip("the daemon may not take this process's descriptors (Yama ptrace_scope)")
-    assert pulled[4].get("push_memory", 0) == plain[4][transport], pulled[4]
-    assert pulled[4].get(transport, 0) == 0, pulled[4]
+    _assert_read_in_place(transport, plain[4], pulled[4])
 
 
 def test_a_reconnected_model_keeps_its_gradients_in_push_memory(daemon):
@@ -188,27 +208,15 @@ def test_a_reconnected_model_keeps_its_gradients_in_push_memory(daemon):
         assert torch.equal(plain[2][k], pulled[2][k]), k
     storage = pulled[5]
     assert storage[0] == storage[1] and storage[2] == storage[3], storage
-    if pulled[4].get("push_memory", 0) == 0 and not _daemon_may_take_descriptors():
-        pytest.skip("the daemon may not take this process's descriptors (Yama ptrace_scope)")
-    assert pulled[4].get("push_memory", 0) == plain[4][transport], pulled[4]
-    assert pulled[4].get(transport, 0) == 0, pulled[4]
+    _assert_read_in_place(transport, plain[4], pulled[4])
 
 
 def test_a_closed_model_leaves_the_gradients_to_torch(daemon):
     """close() removes the backward hooks: a later backward of the module
     leaves p.grad where autograd puts it."""
-    transport, address, port = daemon
-    config = dict(daemons=[address], job_id=f"grad-push-memory-{next(_jobs)}", rank=0,
-                  world_size=1, bucket_bytes=BUCKET_BYTES, transport=transport)
-    if transport == "ucx":
-        config["ucx_tls"] = "posix,cma,self"
     net = Net()
-    try:
-        model = shard_model(net, config, stage=2)
-    except zeroshard.Error as e:
-        if transport == "ucx" and e.code == "UNAVAILABLE" and "ucx" in str(e).lower():
-            pytest.skip(f"UCX unavailable here: {e}")
-        raise
+    config = _config(daemon)
+    model = _sharded(daemon[0], lambda: shard_model(net, config, stage=2))
     x, y = torch.randn(4, 64), torch.randn(4, 8)
     flat = model._flat
     try:

@@ -38,12 +38,10 @@ def test_torchrun_variables_win_and_run_id_names_the_job(env):
 
 
 def test_zsrun_transport_is_the_clients_unless_given(env):
-    env.setenv("ZS_RANK", "0")
-    env.setenv("ZS_WORLD_SIZE", "1")
-    env.setenv("ZS_DAEMONS", "127.0.0.1:1")
-    env.setenv("ZS_JOB_ID", "j")
-    env.setenv("ZS_TRANSPORT", "ucx")
-    env.setenv("ZS_UCX_TLS", "posix,cma,self")
+    for name, value in {"ZS_RANK": "0", "ZS_WORLD_SIZE": "1", "ZS_DAEMONS": "127.0.0.1:1",
+                        "ZS_JOB_ID": "j", "ZS_TRANSPORT": "ucx",
+                        "ZS_UCX_TLS": "posix,cma,self"}.items():
+        env.setenv(name, value)
     config = init_from_env()
     assert config["transport"] == "ucx" and config["ucx_tls"] == "posix,cma,self", config
     assert init_from_env(transport="stream")["transport"] == "stream"
