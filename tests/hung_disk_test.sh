@@ -93,6 +93,7 @@ SPILL_FLAGS=(--stage=3 --steps="$SPILL_STEPS" --activations=daemon --layers=4 --
 MNT="$WORK/mnt"
 FROZEN=0
 FROZEN_AT=0
+THAW_PID=0
 DAEMON_PIDS=()
 DAEMON_ADDRS=()
 RUN_PIDS=()
@@ -225,16 +226,19 @@ print_skipped() {
 
 # freeze: the test filesystem frozen. A process of its own thaws it 120 s later
 # should this test be killed before it does (a frozen filesystem stays
-# frozen, and its writers stuck, until someone thaws it).
+# frozen, and its writers stuck, until someone thaws it); thaw stops that
+# process, so that it cannot thaw a later freeze early.
 freeze() {
   fsfreeze -f "$MNT" || fail "fsfreeze -f failed"
   FROZEN=1
   FROZEN_AT=$SECONDS
   setsid sh -c 'sleep 120; fsfreeze -u "$0" 2>/dev/null' "$MNT" </dev/null >/dev/null 2>&1 &
+  THAW_PID=$!
   log "the test filesystem frozen"
 }
 
 thaw() {
+  kill "$THAW_PID" 2>/dev/null
   fsfreeze -u "$MNT" || fail "fsfreeze -u failed"
   FROZEN=0
   log "the test filesystem thawed after $((SECONDS - FROZEN_AT)) s"
