@@ -5,7 +5,11 @@
 //             serving --bulk_transport=ucx with zeroshardd's defaults
 //             (--optimizer_threads: the CPUs this process may use, which
 //             also sum the staged gradients; 4 staging slots per rank;
-//             50 ms reduction hold), all in one job of --elements fp32
+//             50 ms reduction hold) except that its optimizer threads are
+//             pinned, one per CPU of --optimizer_cpus (zeroshardd's flag;
+//             "all" by default, as on a node whose CPUs are the daemon's;
+//             empty: unpinned, zeroshardd's default), all in one job of
+//             --elements fp32
 //             parameters, stage 2, world_size = N_d, daemon reduction.
 //             Each rank's gradient lies in plain memory
 //             (ClientConfig::push_memory off): every bucket is Put into a
@@ -84,6 +88,8 @@
 #include "bench/stats.h"
 #include "client/client.h"
 #include "server/daemon.h"
+#include "server/ledger/system_resources.h"
+#include "transport/shm/push_memory.h"
 
 ABSL_FLAG(int, ranks, 4, "N_d: ranks (threads of this process, each with its own client)");
 ABSL_FLAG(uint64_t, elements, 64ull << 20, "fp32 parameters in the job (Ψ)");
@@ -92,6 +98,8 @@ ABSL_FLAG(int, reps, 5, "timed repetitions after one warm-up (the median is repo
 ABSL_FLAG(int, perftest_runs, 3, "ucx_perftest runs (the median is reported)");
 ABSL_FLAG(std::string, ucx_tls, "posix,cma,self", "UCX_TLS for the clients, daemon and perftest");
 ABSL_FLAG(std::string, perftest, "ucx_perftest", "the ucx_perftest binary (PATH is searched)");
+ABSL_FLAG(std::string, optimizer_cpus, "all",
+          "the daemon's --optimizer_cpus (empty: unpinned, as zeroshardd by default)");
 
 namespace zeroshard {
 namespace {
@@ -171,35 +179,79 @@ void SumRange(const std::vector<const float*>& contributions, float* acc, uint64
 }
 
 // The reduction alone: `threads` threads sum `ranks` contributions of `n`
-// fp32 into one accumulator. Buffers allocated (and touched) once.
+// fp32 into one accumulator. Buffers allocated (and touched) once: the
+// contributions twice, in plain memory and in shared memory mapped as the
+// daemon maps a trainer's push memory (a PushMemory, taken again read-only
+// through PeerMemory::Open), each repetition timing both in turn.
 class OnePass {
  public:
+  struct Figures {
+    double plain_gbps = NAN;
+    double shared_gbps = NAN;  // NaN: the shared memory could not be mapped
+  };
+
   OnePass(int ranks, uint64_t n, int threads) : n_(n), threads_(threads), acc_(n, 0.0f) {
     for (int r = 0; r < ranks; ++r) {
-      contributions_.emplace_back(n, static_cast<float>(r + 1) / 1024.0f);
-      pointers_.push_back(contributions_.back().data());
+      const float value = static_cast<float>(r + 1) / 1024.0f;
+      plain_.emplace_back(n, value);
+      plain_pointers_.push_back(plain_.back().data());
+      absl::StatusOr<std::unique_ptr<transport::PushMemory>> m =
+          transport::PushMemory::Create(n * sizeof(float));
+      absl::StatusOr<std::unique_ptr<transport::PeerMemory>> peer =
+          m.ok() ? transport::PeerMemory::Open((*m)->pid(), (*m)->fd(), (*m)->name(),
+                                               n * sizeof(float))
+                 : m.status();
+      if (!peer.ok()) {
+        shared_error_ = peer.status().ToString();
+        continue;
+      }
+      std::fill_n(static_cast<float*>((*m)->data()), n, value);
+      shared_pointers_.push_back(reinterpret_cast<const float*>((*peer)->bytes().data()));
+      shared_.push_back(*std::move(m));
+      peers_.push_back(*std::move(peer));
+    }
+    if (shared_error_.empty()) {
+      // Every page mapped before the first timed pass, as the daemon's
+      // mapping is after the first step.
+      Sweep(shared_pointers_);
     }
   }
-  // One repetition's GB/s.
-  double Rep() {
+  // One repetition of each, the order alternating from one call to the next.
+  Figures Rep() {
+    Figures f;
+    const bool shared_first = (reps_++ % 2) == 1;
+    if (shared_first && shared_error_.empty()) f.shared_gbps = Sweep(shared_pointers_);
+    f.plain_gbps = Sweep(plain_pointers_);
+    if (!shared_first && shared_error_.empty()) f.shared_gbps = Sweep(shared_pointers_);
+    return f;
+  }
+  // Why there is no shared figure ("" when there is).
+  const std::string& shared_error() const { return shared_error_; }
+
+ private:
+  double Sweep(const std::vector<const float*>& contributions) {
     const double bytes =
-        static_cast<double>(pointers_.size()) * sizeof(float) * static_cast<double>(n_);
+        static_cast<double>(contributions.size()) * sizeof(float) * static_cast<double>(n_);
     const double t0 = Now();
     std::vector<std::thread> pool;
     for (int t = 0; t < threads_; ++t) {
       const uint64_t begin = n_ * t / threads_, end = n_ * (t + 1) / threads_;
-      pool.emplace_back(SumRange, std::cref(pointers_), acc_.data(), begin, end);
+      pool.emplace_back(SumRange, std::cref(contributions), acc_.data(), begin, end);
     }
     for (std::thread& t : pool) t.join();
     bench::KeepWrites(acc_.data());
     return bytes / (Now() - t0) / 1e9;
   }
 
- private:
   const uint64_t n_;
   const int threads_;
-  std::vector<std::vector<float>> contributions_;
-  std::vector<const float*> pointers_;
+  uint64_t reps_ = 0;
+  std::vector<std::vector<float>> plain_;
+  std::vector<const float*> plain_pointers_;
+  std::vector<std::unique_ptr<transport::PushMemory>> shared_;
+  std::vector<std::unique_ptr<transport::PeerMemory>> peers_;
+  std::vector<const float*> shared_pointers_;
+  std::string shared_error_;
   std::vector<float> acc_;
 };
 
@@ -210,6 +262,8 @@ struct PushResult {
   // Each timed repetition's roofline (one_pass, run right after it) and
   // the repetition's figure over it.
   std::vector<double> one_pass_gbps, vs_one_pass;
+  // The same against the roofline over shared memory (NaN: none).
+  std::vector<double> one_pass_shared_gbps, vs_one_pass_shared;
   // The last step's gradient norm as the leader computed it (NaN: none),
   // against the norm of the mean of the ranks' gradients: a check that the
   // daemon summed every byte.
@@ -249,7 +303,7 @@ absl::StatusOr<PushResult> MeasurePush(Daemon& daemon, int ranks, uint64_t n, in
   std::vector<std::vector<double>> start(reps + 1, std::vector<double>(ranks, 0));
   std::vector<std::vector<double>> end = start;
   std::vector<double> step_s(reps + 1, 0);
-  std::vector<double> one_pass(reps + 1, 0);
+  std::vector<OnePass::Figures> one_pass(reps + 1);
   double grad_norm = NAN;
   Barrier barrier(ranks);
   absl::Mutex mu;
@@ -319,8 +373,10 @@ absl::StatusOr<PushResult> MeasurePush(Daemon& daemon, int ranks, uint64_t n, in
     double slowest = 0;
     for (int r = 0; r < ranks; ++r) slowest = std::max(slowest, end[rep][r] - start[rep][r]);
     out.gbps.push_back(bytes / (t1 - t0) / 1e9);
-    out.one_pass_gbps.push_back(one_pass[rep]);
-    out.vs_one_pass.push_back(out.gbps.back() / one_pass[rep]);
+    out.one_pass_gbps.push_back(one_pass[rep].plain_gbps);
+    out.vs_one_pass.push_back(out.gbps.back() / one_pass[rep].plain_gbps);
+    out.one_pass_shared_gbps.push_back(one_pass[rep].shared_gbps);
+    out.vs_one_pass_shared.push_back(out.gbps.back() / one_pass[rep].shared_gbps);
     out.slowest_s.push_back(slowest);
     out.step_s.push_back(step_s[rep]);
   }
@@ -336,6 +392,16 @@ int Main() {
   o.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   // As zeroshardd's default; the optimizer threads also sum staged gradients.
   o.optimizer_threads = DefaultOptimizerThreads();
+  if (!absl::GetFlag(FLAGS_optimizer_cpus).empty()) {
+    absl::StatusOr<std::vector<int>> cpus = ParseCpuList(
+        absl::GetFlag(FLAGS_optimizer_cpus), AffinityCpuList(), "--optimizer_cpus");
+    if (!cpus.ok()) {
+      std::fprintf(stderr, "%s\n", cpus.status().ToString().c_str());
+      return 1;
+    }
+    o.optimizer_cpus = *std::move(cpus);
+    o.optimizer_threads = static_cast<int>(o.optimizer_cpus.size());
+  }
   // Loopback, and every peer is this process: UCX keys may go out over tcp.
   o.ucx_trust_peers = true;
   // A job's memory is freed when its ranks leave, not during the next
@@ -353,9 +419,12 @@ int Main() {
   const double bytes = static_cast<double>(ranks) * sizeof(float) * static_cast<double>(n);
   std::printf(
       "job: %llu fp32 parameters (%.1f MiB), %d ranks (threads, borrowed pushes), stage 2, "
-      "1 daemon with %d optimizer threads, C_B %llu B, UCX_TLS=%s; %.1f MiB pushed per "
+      "1 daemon with %d optimizer threads (%s), C_B %llu B, UCX_TLS=%s; %.1f MiB pushed per "
       "repetition\n",
       static_cast<unsigned long long>(n), n * 4 / 1048576.0, ranks, o.optimizer_threads,
+      o.optimizer_cpus.empty()
+          ? "unpinned"
+          : absl::StrCat("pinned to CPUs ", FormatCpuList(o.optimizer_cpus)).c_str(),
       static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)),
       absl::GetFlag(FLAGS_ucx_tls).c_str(), bytes / 1048576.0);
   std::printf("%s\n", bench::DescribeCopyThreshold().c_str());
@@ -364,10 +433,11 @@ int Main() {
   // put: gradients in plain memory, Put into the daemon's slots; push:
   // gradients in push memory, summed by the daemon in place.
   OnePass roofline(ranks, n, o.optimizer_threads);
-  std::vector<double> all_one_pass;
+  std::vector<double> all_one_pass, all_one_pass_shared;
   struct Figures {
     double gbps = NAN;
     double vs_one_pass = NAN;  // median of the repetitions' ratios
+    double vs_one_pass_shared = NAN;
   };
   auto measure = [&](const char* what, bool in_push_memory) {
     Figures f;
@@ -391,9 +461,16 @@ int Main() {
       std::printf("%s: gradient norm of the last step %.6g (the ranks' mean gradient: %.6g)\n",
                   what, r->grad_norm, r->expected_norm);
       all_one_pass.insert(all_one_pass.end(), r->one_pass_gbps.begin(), r->one_pass_gbps.end());
+      all_one_pass_shared.insert(all_one_pass_shared.end(), r->one_pass_shared_gbps.begin(),
+                                 r->one_pass_shared_gbps.end());
       f.vs_one_pass = Median(r->vs_one_pass);
+      f.vs_one_pass_shared = Median(r->vs_one_pass_shared);
       std::printf("%s: one_pass right after each repetition %s GB/s; %s_vs_one_pass %s\n", what,
                   Each(r->one_pass_gbps).c_str(), what, Each(r->vs_one_pass).c_str());
+      std::printf("%s: one_pass over shared memory right after each repetition %s GB/s; "
+                  "%s_vs_one_pass_shared %s\n",
+                  what, Each(r->one_pass_shared_gbps).c_str(), what,
+                  Each(r->vs_one_pass_shared).c_str());
       if (!(std::abs(r->grad_norm - r->expected_norm) <= 1e-3 * r->expected_norm)) {
         std::printf("%s: the daemon's gradient norm is not the ranks' mean gradient's\n", what);
         gbps = NAN;
@@ -410,6 +487,16 @@ int Main() {
       "one_pass: %.3f GB/s (%.1f ms to sum %d contributions into one accumulator on %d "
       "threads; median of the %zu repetitions above)\n",
       one_pass, bytes / one_pass / 1e6, ranks, o.optimizer_threads, all_one_pass.size());
+  const double one_pass_shared = Median(all_one_pass_shared);
+  if (roofline.shared_error().empty()) {
+    std::printf(
+        "one_pass over shared memory: %.3f GB/s (the same sum with the contributions in "
+        "push memory mapped read-only, as the daemon reads them; %.3f of one_pass)\n",
+        one_pass_shared, one_pass_shared / one_pass);
+  } else {
+    std::printf("one_pass over shared memory: not measured: %s\n",
+                roofline.shared_error().c_str());
+  }
   std::string why;
   const std::vector<double> perftest_runs = bench::PerftestPutRuns(
       absl::GetFlag(FLAGS_bucket_bytes), absl::GetFlag(FLAGS_perftest),
@@ -423,10 +510,11 @@ int Main() {
                 Each(perftest_runs).c_str());
   }
   std::printf(
-      "put_gbps=%.3f push_gbps=%.3f one_pass_gbps=%.3f perftest_gbps=%.3f "
-      "put_vs_one_pass=%.3f push_vs_perftest=%.3f push_vs_one_pass=%.3f\n",
-      put.gbps, push.gbps, one_pass, perftest, put.vs_one_pass, push.gbps / perftest,
-      push.vs_one_pass);
+      "put_gbps=%.3f push_gbps=%.3f one_pass_gbps=%.3f one_pass_shared_gbps=%.3f "
+      "perftest_gbps=%.3f put_vs_one_pass=%.3f push_vs_perftest=%.3f "
+      "push_vs_one_pass_shared=%.3f push_vs_one_pass=%.3f\n",
+      put.gbps, push.gbps, one_pass, one_pass_shared, perftest, put.vs_one_pass,
+      push.gbps / perftest, push.vs_one_pass_shared, push.vs_one_pass);
   return std::isnan(push.gbps) ? 1 : 0;
 }
 

@@ -103,6 +103,16 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("--optimizer_threads: must be in 1..256, got ", o.optimizer_threads));
   }
+  if (!o.optimizer_cpus.empty()) {
+    if (o.optimizer_cpus.size() != static_cast<size_t>(o.optimizer_threads)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--optimizer_cpus: ", o.optimizer_cpus.size(), " CPUs for ", o.optimizer_threads,
+          " optimizer threads (--optimizer_threads); give one CPU per thread"));
+    }
+    const std::vector<int> allowed = AffinityCpuList();
+    RETURN_IF_ERROR(
+        ParseCpuList(FormatCpuList(o.optimizer_cpus), allowed, "--optimizer_cpus").status());
+  }
   if (o.max_chunk_bytes < 1024 || o.max_chunk_bytes > kMaxChunkBytes) {
     return absl::InvalidArgumentError("max_chunk_bytes: must be in 1 KiB..64 MiB");
   }
@@ -327,6 +337,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   std::unique_ptr<Daemon> d(new Daemon(options));
   ShardOptimizer::Options oo;
   oo.num_threads = options.optimizer_threads;
+  oo.cpus = options.optimizer_cpus;
   ASSIGN_OR_RETURN(d->optimizer_, ShardOptimizer::Create(oo));
   if (!options.checkpoint_dir.empty()) {
     RETURN_IF_ERROR(MakeDirectories(options.checkpoint_dir), "--checkpoint_dir");

@@ -46,6 +46,10 @@ struct DaemonOptions {
   std::string listen = "127.0.0.1:0";  // HOST:PORT; port 0 picks a free one
   uint64_t memory_limit_bytes = 0;     // 0 = unlimited
   int optimizer_threads = 1;
+  // CPUs the optimizer threads are pinned to, one each
+  // (ShardOptimizer::Options::cpus; --optimizer_cpus): as many as
+  // optimizer_threads, each in this process's affinity mask. Empty: unpinned.
+  std::vector<int> optimizer_cpus;
   uint64_t max_chunk_bytes = 4ull << 20;  // gather chunk size
   std::string version = "dev";
   // HOST:PORT of the Prometheus /metrics endpoint; empty = off; port 0 picks.

@@ -10,6 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "server/daemon.h"
+#include "server/ledger/system_resources.h"
 #include "common/job_spec.h"
 #include "server/testing/daemon_fixture.h"
 
@@ -83,6 +84,38 @@ TEST_P(DaemonReduceTest, ReduceStepGatherEqualsOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Stages, DaemonReduceTest, ::testing::Values(1u, 2u, 3u));
+
+// --optimizer_cpus: one CPU of this process's mask per optimizer thread, or
+// the daemon does not start, saying why.
+TEST(DaemonTest, OptimizerCpusArePinnedOrRefused) {
+  const std::vector<int> allowed = AffinityCpuList();
+  ASSERT_FALSE(allowed.empty());
+  DaemonOptions o;
+  o.optimizer_threads = 1;
+  o.optimizer_cpus = {allowed.back()};
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Daemon::Start(o);
+  ASSERT_TRUE(d.ok()) << d.status();
+  (*d)->Shutdown(absl::Seconds(1));
+
+  o.optimizer_threads = 2;
+  d = Daemon::Start(o);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("--optimizer_cpus: 1 CPUs for 2 optimizer threads"),
+            absl::string_view::npos)
+      << d.status();
+  int outside = -1;
+  for (int c = 0; c < 1024 && outside < 0; ++c) {
+    if (!std::binary_search(allowed.begin(), allowed.end(), c)) outside = c;
+  }
+  o.optimizer_threads = 1;
+  o.optimizer_cpus = {outside};
+  d = Daemon::Start(o);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("CPU " + std::to_string(outside) +
+                                      " is not one this process may run on"),
+            absl::string_view::npos)
+      << d.status();
+}
 
 TEST(DaemonTest, DeterministicUnderShuffledArrival) {
   const uint32_t world = 4;

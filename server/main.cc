@@ -86,6 +86,13 @@ ABSL_FLAG(bool, ucx_trust_peers, false,
 ABSL_FLAG(int, optimizer_threads, 0,
           "Threads running the optimizer step (1..256); 0 = the CPUs this process may use: its "
           "affinity mask, lowered to its cgroup's CPU limit (cpu.max) rounded up.");
+ABSL_FLAG(std::string, optimizer_cpus, "",
+          "CPUs to pin the optimizer threads to, one thread per CPU: a Linux CPU list such as "
+          "0-7,16 (each CPU in this process's affinity mask), or all (every one of them, at "
+          "most 256). Every optimizer step and every sum of pushed gradients then runs on all "
+          "of them, the calling thread waiting, instead of on threads the scheduler may queue "
+          "behind each other while a CPU is idle. For CPUs set aside for the daemon; with "
+          "--optimizer_threads 0 the thread count is the CPUs'. Empty: unpinned.");
 ABSL_FLAG(std::string, bulk_transport, "ucx",
           "Bulk transport served to trainers (ExchangeEndpoint): ucx, grpc or inproc; empty = "
           "none. When it cannot initialise, the daemon serves the streaming RPCs only and "
@@ -256,6 +263,18 @@ int main(int argc, char** argv) {
     options.registration_token = *std::move(token);
   }
   options.optimizer_threads = absl::GetFlag(FLAGS_optimizer_threads);
+  if (!absl::GetFlag(FLAGS_optimizer_cpus).empty()) {
+    absl::StatusOr<std::vector<int>> cpus = zeroshard::ParseCpuList(
+        absl::GetFlag(FLAGS_optimizer_cpus), zeroshard::AffinityCpuList(), "--optimizer_cpus");
+    if (!cpus.ok()) {
+      std::fprintf(stderr, "zeroshardd: %s\n", cpus.status().ToString().c_str());
+      return 1;
+    }
+    options.optimizer_cpus = *std::move(cpus);
+    if (options.optimizer_threads == 0) {
+      options.optimizer_threads = static_cast<int>(options.optimizer_cpus.size());
+    }
+  }
   if (options.optimizer_threads == 0) {
     options.optimizer_threads = zeroshard::DefaultOptimizerThreads();
   }
@@ -306,7 +325,11 @@ int main(int argc, char** argv) {
               options.memory_limit_bytes == 0
                   ? "none"
                   : absl::StrCat(options.memory_limit_bytes, " bytes").c_str());
-  std::printf("zeroshardd optimizer threads %d\n", options.optimizer_threads);
+  std::printf("zeroshardd optimizer threads %d%s\n", options.optimizer_threads,
+              options.optimizer_cpus.empty()
+                  ? ""
+                  : absl::StrCat(" pinned to CPUs ", zeroshard::FormatCpuList(options.optimizer_cpus))
+                        .c_str());
   if ((*daemon)->metrics_port() != 0) {
     std::printf("zeroshardd metrics on port %d\n", (*daemon)->metrics_port());
   }

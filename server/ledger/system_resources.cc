@@ -239,6 +239,76 @@ int AffinityCpus() {
   return CPU_COUNT(&set);
 }
 
+std::vector<int> AffinityCpuList() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> out;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return out;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) out.push_back(c);
+  }
+  return out;
+}
+
+std::string FormatCpuList(const std::vector<int>& cpus) {
+  std::string out;
+  for (size_t i = 0; i < cpus.size();) {
+    size_t j = i;
+    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
+    absl::StrAppend(&out, out.empty() ? "" : ",", cpus[i]);
+    if (j > i) absl::StrAppend(&out, "-", cpus[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<int>> ParseCpuList(absl::string_view text,
+                                              const std::vector<int>& allowed,
+                                              absl::string_view flag) {
+  auto refuse = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, ": ", why, "; give a CPU list such as 0-3,8 of the CPUs this process may run on (",
+        allowed.empty() ? "unknown" : FormatCpuList(allowed), "), or all"));
+  };
+  text = absl::StripAsciiWhitespace(text);
+  if (text == "all") {
+    if (allowed.empty()) return refuse("this process's CPUs cannot be told");
+    if (allowed.size() > kMaxListedCpus) {
+      return std::vector<int>(allowed.begin(), allowed.begin() + kMaxListedCpus);
+    }
+    return allowed;
+  }
+  if (text.empty()) return refuse("empty");
+  std::vector<int> out;
+  for (absl::string_view entry : absl::StrSplit(text, ',')) {
+    std::pair<absl::string_view, absl::string_view> range =
+        absl::StrSplit(entry, absl::MaxSplits('-', 1));
+    const bool is_range = entry.find('-') != absl::string_view::npos;
+    int first = 0, last = 0;
+    if (!absl::SimpleAtoi(range.first, &first) || first < 0 ||
+        (is_range && (!absl::SimpleAtoi(range.second, &last) || last < first)) ||
+        range.first.empty() || (is_range && range.second.empty())) {
+      return refuse(absl::StrCat("\"", entry, "\" is not a CPU number or an ascending range"));
+    }
+    if (!is_range) last = first;
+    for (int c = first; c <= last; ++c) {
+      if (!std::binary_search(allowed.begin(), allowed.end(), c)) {
+        return refuse(absl::StrCat("CPU ", c, " is not one this process may run on"));
+      }
+      if (out.size() == kMaxListedCpus) {
+        return refuse(absl::StrCat("more than ", kMaxListedCpus, " CPUs"));
+      }
+      out.push_back(c);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  if (std::adjacent_find(out.begin(), out.end()) != out.end()) {
+    return refuse(absl::StrCat("CPU ", *std::adjacent_find(out.begin(), out.end()),
+                               " is listed twice"));
+  }
+  return out;
+}
+
 int UsableCpus() {
   int cpus = AffinityCpus();
   if (cpus <= 0) cpus = static_cast<int>(std::max<long>(::sysconf(_SC_NPROCESSORS_ONLN), 1));

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -53,6 +54,22 @@ double CgroupCpuLimit(const std::string& proc_self_cgroup_text, const std::strin
 
 // CPUs this process may run on (sched_getaffinity); 0 when unknown.
 int AffinityCpus();
+
+// The CPU numbers of this process's affinity mask, ascending; empty when
+// unknown.
+std::vector<int> AffinityCpuList();
+
+// A Linux CPU list ("0-3,8,10-11", the format of /sys and taskset -c) as
+// CPU numbers, ascending, or "all": every CPU of `allowed`. Each listed CPU
+// must be in `allowed` (the affinity mask: AffinityCpuList()), and a range
+// ascending; at most kMaxListedCpus CPUs. InvalidArgument naming `flag`, the
+// offending entry and the CPUs allowed otherwise (duplicates included).
+inline constexpr size_t kMaxListedCpus = 256;
+absl::StatusOr<std::vector<int>> ParseCpuList(absl::string_view text,
+                                              const std::vector<int>& allowed,
+                                              absl::string_view flag);
+// CPU numbers as a Linux CPU list, ranges merged ("0-3,8").
+std::string FormatCpuList(const std::vector<int>& cpus);
 
 // The CPUs this process may use: its affinity mask's count, lowered to its
 // cgroup's CPU limit rounded up; at least 1.

@@ -2,11 +2,13 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace zeroshard {
@@ -154,6 +156,40 @@ TEST_F(CgroupTest, V1CpuQuotaUnderTheControllersMount) {
   EXPECT_DOUBLE_EQ(CgroupCpuLimit(self, root_), 2.5);
   Write("cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "-1\n");
   EXPECT_EQ(CgroupCpuLimit(self, root_), 0.0);
+}
+
+TEST(ParseCpuList, TakesListsAndRangesOfAllowedCpus) {
+  const std::vector<int> allowed = {0, 1, 2, 3, 8, 10, 11};
+  EXPECT_EQ(*ParseCpuList("0-3,8", allowed, "--cpus"), (std::vector<int>{0, 1, 2, 3, 8}));
+  EXPECT_EQ(*ParseCpuList(" 11,2 ", allowed, "--cpus"), (std::vector<int>{2, 11}));
+  EXPECT_EQ(*ParseCpuList("10-10", allowed, "--cpus"), (std::vector<int>{10}));
+  EXPECT_EQ(*ParseCpuList("all", allowed, "--cpus"), allowed);
+  EXPECT_EQ(FormatCpuList({0, 1, 2, 3, 8, 10, 11}), "0-3,8,10-11");
+  EXPECT_EQ(FormatCpuList({}), "");
+}
+
+TEST(ParseCpuList, RefusesAnythingElseNamingTheFlagAndTheAllowedCpus) {
+  const std::vector<int> allowed = {0, 1, 2, 3};
+  for (const char* bad : {"", "x", "1-", "-1", "3-1", "0,,1", "0-9999999999", "4", "2-5",
+                          "1,1", "0-2,2", "1.5"}) {
+    absl::StatusOr<std::vector<int>> got = ParseCpuList(bad, allowed, "--cpus");
+    ASSERT_FALSE(got.ok()) << bad;
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(got.status().message()), ::testing::HasSubstr("--cpus: ")) << bad;
+    EXPECT_THAT(std::string(got.status().message()), ::testing::HasSubstr("(0-3)")) << bad;
+  }
+  EXPECT_FALSE(ParseCpuList("all", {}, "--cpus").ok());
+  // Bounded however large the mask.
+  std::vector<int> many(1000);
+  for (int i = 0; i < 1000; ++i) many[i] = i;
+  EXPECT_EQ(ParseCpuList("all", many, "--cpus")->size(), kMaxListedCpus);
+  EXPECT_FALSE(ParseCpuList("0-999", many, "--cpus").ok());
+}
+
+TEST(AffinityCpuList, IsTheAffinityMask) {
+  const std::vector<int> cpus = AffinityCpuList();
+  EXPECT_EQ(static_cast<int>(cpus.size()), AffinityCpus());
+  EXPECT_TRUE(std::is_sorted(cpus.begin(), cpus.end()));
 }
 
 TEST(UsableCpus, IsAtLeastOneAndAtMostTheAffinityMask) {

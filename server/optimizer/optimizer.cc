@@ -1,14 +1,19 @@
 #include "server/optimizer/optimizer.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <thread>
 #include <utility>
 
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "server/optimizer/kernels.h"
 
 #if defined(__x86_64__)
@@ -225,11 +230,31 @@ class ShardOptimizer::Pool {
  public:
   static constexpr size_t kRunsPerThread = 8;
 
-  explicit Pool(int num_threads) {
-    threads_.reserve(num_threads - 1);
-    for (int t = 1; t < num_threads; ++t) {
+  // `pinned`: num_threads workers, and the caller of Run only waits (Pin
+  // binds them); else num_threads - 1 workers and the caller works too.
+  Pool(int num_threads, bool pinned) : caller_works_(!pinned) {
+    const int workers = pinned ? num_threads : num_threads - 1;
+    threads_.reserve(workers);
+    for (int t = 0; t < workers; ++t) {
       threads_.emplace_back([this] { WorkerLoop(); });
     }
+  }
+
+  // Binds worker i to cpus[i] (one CPU per worker).
+  absl::Status Pin(const std::vector<int>& cpus) {
+    for (size_t t = 0; t < threads_.size() && t < cpus.size(); ++t) {
+      if (cpus[t] < 0 || cpus[t] >= CPU_SETSIZE) {
+        return absl::InvalidArgumentError(absl::StrCat("cpus: CPU ", cpus[t], " out of range"));
+      }
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(cpus[t], &set);
+      if (int e = pthread_setaffinity_np(threads_[t].native_handle(), sizeof(set), &set); e != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("cpus: pinning optimizer thread ", t,
+                                                       " to CPU ", cpus[t], ": ", strerror(e)));
+      }
+    }
+    return absl::OkStatus();
   }
 
   ~Pool() {
@@ -248,7 +273,7 @@ class ShardOptimizer::Pool {
       for (size_t i = 0; i < num_tasks; ++i) task(i);
       return;
     }
-    const size_t run = RunLength(num_tasks, threads_.size() + 1);
+    const size_t run = RunLength(num_tasks, threads_.size() + (caller_works_ ? 1 : 0));
     {
       absl::MutexLock lock(&mu_);
       task_ = &task;
@@ -259,7 +284,7 @@ class ShardOptimizer::Pool {
       ++generation_;
       start_cv_.SignalAll();
     }
-    Work(task, num_tasks, run);
+    if (caller_works_) Work(task, num_tasks, run);
     // Workers hold a reference to `task` until they check out.
     absl::MutexLock lock(&mu_);
     while (busy_ > 0) done_cv_.Wait(&mu_);
@@ -312,6 +337,7 @@ class ShardOptimizer::Pool {
   size_t num_tasks_ ABSL_GUARDED_BY(mu_) = 0;
   size_t run_ ABSL_GUARDED_BY(mu_) = 1;
   std::atomic<size_t> next_{0};
+  const bool caller_works_;
   std::vector<std::thread> threads_;
 };
 
@@ -331,17 +357,25 @@ absl::StatusOr<std::unique_ptr<ShardOptimizer>> ShardOptimizer::Create(
         "path: kernel path ", KernelPathName(path),
         " is not supported by this CPU or build"));
   }
-  return std::unique_ptr<ShardOptimizer>(new ShardOptimizer(
-      path, KernelsFor(path), options.num_threads, options.streaming_stores));
+  const bool pinned = !options.cpus.empty();
+  if (pinned && options.cpus.size() != static_cast<size_t>(options.num_threads)) {
+    return absl::InvalidArgumentError(absl::StrCat("cpus: ", options.cpus.size(),
+                                                   " CPUs for num_threads ", options.num_threads,
+                                                   "; give one CPU per thread"));
+  }
+  std::unique_ptr<ShardOptimizer> optimizer(new ShardOptimizer(
+      path, KernelsFor(path), options.num_threads, options.streaming_stores, pinned));
+  if (pinned) RETURN_IF_ERROR(optimizer->pool_->Pin(options.cpus));
+  return optimizer;
 }
 
 ShardOptimizer::ShardOptimizer(KernelPath path, const KernelSet* kernels,
-                               int num_threads, bool streaming_stores)
+                               int num_threads, bool streaming_stores, bool pinned)
     : path_(path),
       kernels_(kernels),
       num_threads_(num_threads),
       streaming_stores_(streaming_stores),
-      pool_(std::make_unique<Pool>(num_threads)) {}
+      pool_(std::make_unique<Pool>(num_threads, pinned)) {}
 
 ShardOptimizer::~ShardOptimizer() = default;
 

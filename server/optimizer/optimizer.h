@@ -105,7 +105,11 @@ struct GradStats {
 //
 // Threads: Create starts num_threads - 1 worker threads that live until the
 // ShardOptimizer is destroyed; every call also works on the calling thread,
-// so num_threads threads run it. A call splits its range into blocks of
+// so num_threads threads run it. With Options::cpus, Create starts one
+// worker per listed CPU instead, each pinned to its CPU, and a call's
+// thread only waits for them: every call then runs on all those CPUs (the
+// scheduler may otherwise queue a woken worker behind the calling thread on
+// one CPU while another stays idle, for milliseconds at a time). A call splits its range into blocks of
 // kBlockElems elements (each block's streams fit in L2), threads take runs
 // of consecutive blocks in turn (about eight runs per thread, so that each
 // streams through contiguous memory) and stream through them, and the call
@@ -139,10 +143,16 @@ class ShardOptimizer {
     int num_threads = 1;                  // 1..256
     KernelPath path = KernelPath::kAuto;  // force a path (tests, benchmarks)
     bool streaming_stores = true;         // see the class comment
+    // CPUs to pin the workers to, one each (see the class comment); empty:
+    // unpinned. When given, num_threads must be its size.
+    std::vector<int> cpus;
   };
 
-  // InvalidArgument if num_threads is out of range or `path` is not
-  // supported by this CPU (see KernelPathSupported).
+  // InvalidArgument if num_threads is out of range, differs from a
+  // non-empty cpus' size, or `path` is not supported by this CPU (see
+  // KernelPathSupported), or when a worker cannot be pinned (a CPU that is
+  // offline or outside the process's cpuset: pthread_setaffinity_np's
+  // error).
   static absl::StatusOr<std::unique_ptr<ShardOptimizer>> Create(
       const Options& options);
 
@@ -201,7 +211,7 @@ class ShardOptimizer {
   class Pool;
 
   ShardOptimizer(KernelPath path, const optimizer_internal::KernelSet* kernels,
-                 int num_threads, bool streaming_stores);
+                 int num_threads, bool streaming_stores, bool pinned);
 
   // Runs task(block) for every block of an n-element range; see the class
   // comment.

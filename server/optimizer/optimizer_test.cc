@@ -1,5 +1,8 @@
 #include "server/optimizer/optimizer.h"
 
+#include <dirent.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "gmock/gmock.h"
@@ -380,6 +384,87 @@ TEST(ThreadingTest, ConcurrentCallersAreSerialised) {
   ASSERT_TRUE(ref->Step(hp, b_ref.buffers()).ok());
   ExpectShardsEqual(a, a_ref, OptimizerKind::kAdamW);
   ExpectShardsEqual(b, b_ref, OptimizerKind::kAdamW);
+}
+
+// The threads of this process whose affinity is exactly `cpu`
+// (/proc/self/task/*/status, Cpus_allowed_list).
+int ThreadsPinnedTo(int cpu) {
+  int count = 0;
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return -1;
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    std::FILE* f = std::fopen(absl::StrCat("/proc/self/task/", e->d_name, "/status").c_str(), "r");
+    if (f == nullptr) continue;
+    char line[512];
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      if (std::strncmp(line, "Cpus_allowed_list:", 18) == 0) {
+        if (absl::StripAsciiWhitespace(line + 18) == absl::StrCat(cpu)) ++count;
+        break;
+      }
+    }
+    std::fclose(f);
+  }
+  closedir(dir);
+  return count;
+}
+
+// Pinned: one worker per listed CPU, pinned there, the caller only waiting;
+// the same bits as unpinned threads.
+TEST(ThreadingTest, PinnedWorkersRunOnTheirCpusWithTheSameBits) {
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(mask), &mask), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c) {
+    if (CPU_ISSET(c, &mask)) cpus.push_back(c);
+  }
+  const int before = ThreadsPinnedTo(cpus[0]);
+  ShardOptimizer::Options o = MakeOptions(BestKernelPath(), static_cast<int>(cpus.size()));
+  o.cpus = cpus;
+  absl::StatusOr<std::unique_ptr<ShardOptimizer>> pinned = ShardOptimizer::Create(o);
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  EXPECT_EQ((*pinned)->num_threads(), static_cast<int>(cpus.size()));
+  EXPECT_EQ(ThreadsPinnedTo(cpus[0]), before + 1);
+  auto unpinned = MakeOptimizer(BestKernelPath(), 3);
+  const size_t n = 7 * kBlock + 13;
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kSgdMomentum}) {
+    SCOPED_TRACE(OptimizerKindName(kind));
+    Shard a(n, 0, DType::kBf16, true, 5);
+    Shard b(n, 0, DType::kBf16, true, 5);
+    RunSteps(**pinned, kind, a, 2, 8);
+    RunSteps(*unpinned, kind, b, 2, 8);
+    ExpectShardsEqual(a, b, kind);
+  }
+  std::vector<float> g(n);
+  FillNormal(g.data(), n, 3, 1.0f, false);
+  const GradStats x = (*pinned)->SumSquaresAndFinite(g.data(), n, 0.5f);
+  const GradStats y = unpinned->SumSquaresAndFinite(g.data(), n, 0.5f);
+  EXPECT_EQ(std::memcmp(&x.sum_sq, &y.sum_sq, sizeof(double)), 0);
+  pinned->reset();
+  EXPECT_EQ(ThreadsPinnedTo(cpus[0]), before);
+}
+
+TEST(CreateTest, RejectsCpusThatDoNotFitTheThreadsOrTheMask) {
+  ShardOptimizer::Options o = MakeOptions(KernelPath::kAuto, 2);
+  o.cpus = {0};
+  absl::StatusOr<std::unique_ptr<ShardOptimizer>> got = ShardOptimizer::Create(o);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
+  EXPECT_THAT(std::string(got.status().message()), ::testing::HasSubstr("one CPU per thread"));
+  o = MakeOptions(KernelPath::kAuto, 1);
+  o.cpus = {CPU_SETSIZE};
+  EXPECT_EQ(ShardOptimizer::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(mask), &mask), 0);
+  for (int c = CPU_SETSIZE - 1; c >= 0; --c) {
+    if (CPU_ISSET(c, &mask)) continue;
+    o.cpus = {c};  // not this process's to take
+    got = ShardOptimizer::Create(o);
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
+    EXPECT_THAT(std::string(got.status().message()), ::testing::HasSubstr("pinning"));
+    break;
+  }
 }
 
 // ---------------------------------------------------------------------------
