@@ -7,10 +7,10 @@
 //             also sum the staged gradients; 4 staging slots per rank;
 //             50 ms reduction hold) except that its optimizer threads are
 //             pinned, one per CPU of --optimizer_cpus (zeroshardd's flag;
-//             "all" by default, as on a node whose CPUs are the daemon's;
-//             empty: unpinned, zeroshardd's default), all in one job of
-//             --elements fp32
-//             parameters, stage 2, world_size = N_d, daemon reduction.
+//             "all" by default: every CPU of this process, which the rank
+//             threads share; empty: unpinned, zeroshardd's default), all in
+//             one job of --elements fp32 parameters, stage 2, world_size =
+//             N_d, daemon reduction.
 //             Each rank's gradient lies in plain memory
 //             (ClientConfig::push_memory off): every bucket is Put into a
 //             staging slot of the daemon, which then sums the slot.

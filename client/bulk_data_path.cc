@@ -81,29 +81,6 @@ struct BulkDataPath::Endpoint {
   FlatRange half_range;
   // How long after a wait_only Gather its Gets may run.
   absl::Duration read_lease = absl::InfiniteDuration();
-  // The newest step a wait_only Gather on this endpoint confirmed committed,
-  // and the end of the read lease its answer started.
-  mutable absl::Mutex confirmed_mu;
-  mutable uint64_t confirmed_step ABSL_GUARDED_BY(confirmed_mu) = 0;
-  mutable absl::Time confirmed_until ABSL_GUARDED_BY(confirmed_mu) = absl::InfinitePast();
-
-  // The lease end under which a Get of parameters committed after
-  // `after_step` may run without asking again: a step no newer than the
-  // confirmed one, with at least half of its lease left. InfinitePast: ask.
-  absl::Time ConfirmedLeaseFor(uint64_t after_step) const {
-    absl::MutexLock lock(&confirmed_mu);
-    if (after_step > confirmed_step || absl::Now() + read_lease / 2 > confirmed_until) {
-      return absl::InfinitePast();
-    }
-    return confirmed_until;
-  }
-  void Confirm(uint64_t step, absl::Time lease_end) const {
-    absl::MutexLock lock(&confirmed_mu);
-    if (step >= confirmed_step) {
-      confirmed_step = step;
-      confirmed_until = lease_end;
-    }
-  }
   // Regions of other purposes (e.g. the activation arena), for PutRegion /
   // GetRegion.
   std::vector<std::pair<v1::RegionPurpose, transport::RegionDescriptor>> others;
@@ -553,24 +530,15 @@ absl::StatusOr<uint64_t> BulkDataPath::InitParameters(const ParameterUpload& upl
 
 BulkDataPath::Attempt BulkDataPath::GetOnce(const Endpoint& ep, const GatherRequestSpec& request,
                                             void* dst, absl::Time deadline) {
+  // The daemon validates the request and waits for the commit.
+  if (absl::Status s = stream_.AwaitCommitted(request, deadline); !s.ok()) {
+    if (LostDaemonOrJob(s)) DropEndpoint(&ep);
+    return {s};
+  }
+  // The regions stay readable for the read lease after that answer.
+  const absl::Time lease_end = absl::Now() + ep.read_lease;
   // Fp32 comes from the masters; the job's half precision from its copy.
   const bool half = request.dtype != DType::kFp32;
-  // Parameters of a step this endpoint's daemon has confirmed committed are
-  // read without asking again while half of that answer's lease is left: a
-  // second answer would say no more (the daemon commits no later step before
-  // this rank has pushed its gradients for it). Else the daemon validates
-  // the request and waits for the commit.
-  absl::Time lease_end = ep.ConfirmedLeaseFor(request.after_step);
-  if (lease_end == absl::InfinitePast() || (half && !ep.has_half) ||
-      !(half ? ep.half_range : ep.master_range).Contains(request.range)) {
-    if (absl::Status s = stream_.AwaitCommitted(request, deadline); !s.ok()) {
-      if (LostDaemonOrJob(s)) DropEndpoint(&ep);
-      return {s};
-    }
-    // The regions stay readable for the read lease after that answer.
-    lease_end = absl::Now() + ep.read_lease;
-    ep.Confirm(request.after_step, lease_end);
-  }
   if (half && !ep.has_half) {
     return {absl::InvalidArgumentError(absl::StrCat("daemon ", address(), ": ",
                                                     DescribeGather(request), ": dtype ",

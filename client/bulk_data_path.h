@@ -7,9 +7,7 @@
 // (`staged`); parameters are read with Get straight from the daemon's
 // PARAM_MASTER / PARAM_HALF region into the caller's buffer, after a Gather
 // RPC with `wait_only` has confirmed the step is committed, and within the
-// daemon's read lease. That confirmation serves every later read of the
-// same or an older step while at least half of its lease is left (one RPC
-// per daemon and step, not one per stage-3 layer). Initial parameters (and a push larger than a staging
+// daemon's read lease. Initial parameters (and a push larger than a staging
 // slot) use the streaming RPCs. The control plane stays on gRPC.
 //
 // Set-up is lazy: the first push or gather exchanges endpoints

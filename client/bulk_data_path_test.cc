@@ -102,40 +102,6 @@ TEST(BulkDataPathTest, PushesGoThroughTheSlotsWithIncreasingGenerations) {
   EXPECT_STREQ(rig.path->name(), "inproc");
 }
 
-// A daemon that confirmed a step committed is not asked again for that step
-// or an older one while at least half of its answer's read lease is left;
-// a newer step, a range outside its region, or a lease past its half asks
-// again (and the daemon's refusal of a bad range reaches the caller).
-TEST(BulkDataPathTest, AConfirmedStepIsReadWithoutAskingAgainWithinHalfTheLease) {
-  FakeShard::Options o;
-  o.read_lease_ms = 400;
-  Rig rig(o);
-  std::vector<float> got(10);
-  auto gather = [&](uint64_t after_step, FlatRange range) {
-    GatherRequestSpec g{"job", 0, kIncarnation, after_step, range, DType::kFp32,
-                        absl::ZeroDuration()};
-    return rig.path->Gather(g, got.data(), In(absl::Seconds(5)));
-  };
-  for (uint64_t step : {3, 3, 2, 3}) {
-    absl::StatusOr<uint64_t> read = gather(step, {10, 20});
-    ASSERT_TRUE(read.ok()) << read.status();
-    EXPECT_EQ(got[9], 0.5f * 19);
-  }
-  EXPECT_EQ(rig.fake->wait_only_gathers(), std::vector<uint64_t>({3}));
-  ASSERT_TRUE(gather(4, {0, 10}).ok());
-  ASSERT_TRUE(gather(4, {100, 110}).ok());
-  EXPECT_EQ(rig.fake->wait_only_gathers(), std::vector<uint64_t>({3, 4}));
-  // Outside the parameters: the daemon's answer, not a read.
-  absl::StatusOr<uint64_t> outside = gather(4, {2000, 2010});
-  EXPECT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument) << outside.status();
-  EXPECT_EQ(rig.fake->wait_only_gathers().size(), 2u);
-  // Past half the lease: asked again, and the new answer serves the next.
-  absl::SleepFor(absl::Milliseconds(250));
-  ASSERT_TRUE(gather(4, {0, 10}).ok());
-  ASSERT_TRUE(gather(4, {0, 10}).ok());
-  EXPECT_EQ(rig.fake->wait_only_gathers(), std::vector<uint64_t>({3, 4, 4}));
-}
-
 int Count(const std::vector<std::string>& events, absl::string_view prefix) {
   return static_cast<int>(std::count_if(events.begin(), events.end(), [&](const std::string& e) {
     return absl::StartsWith(e, prefix);

@@ -89,10 +89,11 @@ ABSL_FLAG(int, optimizer_threads, 0,
 ABSL_FLAG(std::string, optimizer_cpus, "",
           "CPUs to pin the optimizer threads to, one thread per CPU: a Linux CPU list such as "
           "0-7,16 (each CPU in this process's affinity mask), or all (every one of them, at "
-          "most 256). Every optimizer step and every sum of pushed gradients then runs on all "
-          "of them, the calling thread waiting, instead of on threads the scheduler may queue "
-          "behind each other while a CPU is idle. For CPUs set aside for the daemon; with "
-          "--optimizer_threads 0 the thread count is the CPUs'. Empty: unpinned.");
+          "most 256, whatever CPU quota a cgroup's cpu.max sets). Every optimizer step and "
+          "every sum of pushed gradients then runs on all of them, the calling thread waiting, "
+          "instead of on threads the scheduler may queue behind each other while a CPU is "
+          "idle. For CPUs set aside for the daemon; with --optimizer_threads 0 the thread count "
+          "is the CPUs'. Empty: unpinned.");
 ABSL_FLAG(std::string, bulk_transport, "ucx",
           "Bulk transport served to trainers (ExchangeEndpoint): ucx, grpc or inproc; empty = "
           "none. When it cannot initialise, the daemon serves the streaming RPCs only and "

@@ -223,8 +223,9 @@ absl::Status ValidateHyperParams(const StepHyperParams& hp) {
 }
 
 // ---------------------------------------------------------------------------
-// Thread pool: num_threads - 1 workers plus the calling thread take block
-// indices from a shared counter.
+// Thread pool: num_threads - 1 workers plus the calling thread, or (pinned)
+// num_threads workers while the calling thread waits, take block indices
+// from a shared counter.
 
 class ShardOptimizer::Pool {
  public:
@@ -250,8 +251,9 @@ class ShardOptimizer::Pool {
       CPU_ZERO(&set);
       CPU_SET(cpus[t], &set);
       if (int e = pthread_setaffinity_np(threads_[t].native_handle(), sizeof(set), &set); e != 0) {
-        return absl::InvalidArgumentError(absl::StrCat("cpus: pinning optimizer thread ", t,
-                                                       " to CPU ", cpus[t], ": ", strerror(e)));
+        return absl::InvalidArgumentError(
+            absl::StrCat("cpus: pinning optimizer thread ", t, " to CPU ", cpus[t], ": ",
+                         strerror(e), " (is the CPU offline or outside this process's cpuset?)"));
       }
     }
     return absl::OkStatus();
