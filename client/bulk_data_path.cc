@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <map>
 #include <numeric>
+#include <utility>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -81,6 +82,52 @@ struct BulkDataPath::Endpoint {
   FlatRange half_range;
   // How long after a wait_only Gather its Gets may run.
   absl::Duration read_lease = absl::InfiniteDuration();
+  // The newest step wait_only Gathers on this endpoint confirmed committed
+  // for `confirmed_dtype`, the end of the latest such answer's read lease,
+  // and the bytes read under those answers without asking that no request
+  // has reported yet (GatherRequest / LeaveRequest.unreported_read_bytes).
+  mutable absl::Mutex confirmed_mu;
+  mutable uint64_t confirmed_step ABSL_GUARDED_BY(confirmed_mu) = 0;
+  mutable DType confirmed_dtype ABSL_GUARDED_BY(confirmed_mu) = DType::kFp32;
+  mutable absl::Time confirmed_until ABSL_GUARDED_BY(confirmed_mu) = absl::InfinitePast();
+  mutable uint64_t unreported_reads ABSL_GUARDED_BY(confirmed_mu) = 0;
+
+  // The lease end under which a Get of `dtype` parameters committed after
+  // `after_step` may run without asking again: the daemon grants a lease
+  // (finite, > 0), the step is no newer than the confirmed one, and at
+  // least half of the lease is left. InfinitePast: ask.
+  absl::Time ConfirmedLeaseFor(uint64_t after_step, DType dtype) const {
+    if (read_lease <= absl::ZeroDuration() || read_lease == absl::InfiniteDuration()) {
+      return absl::InfinitePast();
+    }
+    absl::MutexLock lock(&confirmed_mu);
+    if (after_step > confirmed_step || dtype != confirmed_dtype ||
+        absl::Now() + read_lease / 2 > confirmed_until) {
+      return absl::InfinitePast();
+    }
+    return confirmed_until;
+  }
+  // An answer to a wait_only Gather of (step, dtype) whose lease ends at
+  // `lease_end`.
+  void Confirm(uint64_t step, DType dtype, absl::Time lease_end) const {
+    absl::MutexLock lock(&confirmed_mu);
+    if (dtype != confirmed_dtype) {
+      confirmed_dtype = dtype;
+      confirmed_step = step;
+      confirmed_until = lease_end;
+      return;
+    }
+    confirmed_step = std::max(confirmed_step, step);
+    confirmed_until = std::max(confirmed_until, lease_end);
+  }
+  void AddUnreported(uint64_t bytes) const {
+    absl::MutexLock lock(&confirmed_mu);
+    unreported_reads += bytes;
+  }
+  uint64_t TakeUnreported() const {
+    absl::MutexLock lock(&confirmed_mu);
+    return std::min(std::exchange(unreported_reads, 0), kMaxUnreportedReadBytes);
+  }
   // Regions of other purposes (e.g. the activation arena), for PutRegion /
   // GetRegion.
   std::vector<std::pair<v1::RegionPurpose, transport::RegionDescriptor>> others;
@@ -530,15 +577,30 @@ absl::StatusOr<uint64_t> BulkDataPath::InitParameters(const ParameterUpload& upl
 
 BulkDataPath::Attempt BulkDataPath::GetOnce(const Endpoint& ep, const GatherRequestSpec& request,
                                             void* dst, absl::Time deadline) {
-  // The daemon validates the request and waits for the commit.
-  if (absl::Status s = stream_.AwaitCommitted(request, deadline); !s.ok()) {
-    if (LostDaemonOrJob(s)) DropEndpoint(&ep);
-    return {s};
-  }
-  // The regions stay readable for the read lease after that answer.
-  const absl::Time lease_end = absl::Now() + ep.read_lease;
   // Fp32 comes from the masters; the job's half precision from its copy.
   const bool half = request.dtype != DType::kFp32;
+  // Parameters of a step (and dtype) this endpoint's daemon has confirmed
+  // committed are read without asking again while half of that answer's
+  // lease is left (shard.proto, read_lease_ms), and those reads are
+  // reported with the next request that asks. Else the daemon validates the
+  // request and waits for the commit.
+  absl::Time lease_end = absl::InfinitePast();
+  if (!request.range.empty() && (!half || ep.has_half) &&
+      (half ? ep.half_range : ep.master_range).Contains(request.range)) {
+    lease_end = ep.ConfirmedLeaseFor(request.after_step, request.dtype);
+  }
+  const bool asked = lease_end == absl::InfinitePast();
+  if (asked) {
+    const uint64_t report = ep.TakeUnreported();
+    if (absl::Status s = stream_.AwaitCommitted(request, deadline, report); !s.ok()) {
+      ep.AddUnreported(report);  // not counted by the daemon (unless only the answer was lost)
+      if (LostDaemonOrJob(s)) DropEndpoint(&ep);
+      return {s};
+    }
+    // The regions stay readable for the read lease after that answer.
+    lease_end = absl::Now() + ep.read_lease;
+    ep.Confirm(request.after_step, request.dtype, lease_end);
+  }
   if (half && !ep.has_half) {
     return {absl::InvalidArgumentError(absl::StrCat("daemon ", address(), ": ",
                                                     DescribeGather(request), ": dtype ",
@@ -560,7 +622,10 @@ BulkDataPath::Attempt BulkDataPath::GetOnce(const Endpoint& ep, const GatherRequ
       connection.Get(dst, bytes, region, (request.range.begin - held.begin) * esize);
   absl::Status s = Finish(get, std::min(deadline, lease_end),
                           [&] { return DescribeGather(request) + ": Get"; });
-  if (s.ok()) return {bytes};
+  if (s.ok()) {
+    if (!asked) ep.AddUnreported(bytes);
+    return {bytes};
+  }
   const bool lost = absl::IsUnavailable(s);
   if (lost) DropEndpoint(&ep);
   return {s, lost};
@@ -577,6 +642,15 @@ absl::StatusOr<uint64_t> BulkDataPath::Gather(const GatherRequestSpec& request, 
     Attempt a = GetOnce(*ep, request, dst, deadline);
     if (!a.retry || attempt > 0) return a.result;
   }
+}
+
+uint64_t BulkDataPath::TakeUnreportedReads() {
+  std::shared_ptr<const Endpoint> ep;
+  {
+    absl::MutexLock lock(&mu_);
+    ep = endpoint_;
+  }
+  return ep == nullptr ? 0 : ep->TakeUnreported();
 }
 
 absl::StatusOr<uint64_t> BulkDataPath::RegionLength(const RegionAccess& at,

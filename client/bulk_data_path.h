@@ -7,7 +7,12 @@
 // (`staged`); parameters are read with Get straight from the daemon's
 // PARAM_MASTER / PARAM_HALF region into the caller's buffer, after a Gather
 // RPC with `wait_only` has confirmed the step is committed, and within the
-// daemon's read lease. Initial parameters (and a push larger than a staging
+// daemon's read lease. That confirmation serves later reads of the same or
+// an older step in the same dtype while at least half of its lease is left
+// (a stage-3 layer's gathers after the step's first, not an RPC each);
+// those reads are reported to the daemon, for its traffic counters, in the
+// next wait_only Gather or by TakeUnreportedReads (the rank's Leave). A
+// daemon that grants no lease (read_lease_ms 0) is asked before every read. Initial parameters (and a push larger than a staging
 // slot) use the streaming RPCs. The control plane stays on gRPC.
 //
 // Set-up is lazy: the first push or gather exchanges endpoints
@@ -175,6 +180,11 @@ class BulkDataPath final : public DataPath {
 
   // ExchangeEndpoint calls that succeeded so far (for tests).
   uint64_t exchanges() const { return exchanges_.load(); }
+  // Bytes read under a confirmation without asking that no request has
+  // reported to the daemon yet; resets them (the caller reports them,
+  // LeaveRequest.unreported_read_bytes). At most kMaxUnreportedReadBytes.
+  uint64_t TakeUnreportedReads();
+
   // Staging slots quarantined now (for tests).
   int quarantined_slots() const { return slots_.quarantined(); }
 

@@ -102,6 +102,69 @@ TEST(BulkDataPathTest, PushesGoThroughTheSlotsWithIncreasingGenerations) {
   EXPECT_STREQ(rig.path->name(), "inproc");
 }
 
+// A daemon that confirmed a step committed is not asked again for that step
+// or an older one (same dtype) while at least half of its answer's read
+// lease is left; a newer step, a range outside its region or a lease past
+// its half asks again, and the next request that asks
+// reports the bytes read meanwhile (as TakeUnreportedReads hands them to a
+// Leave). The daemon's refusal of a bad range reaches the caller.
+TEST(BulkDataPathTest, AConfirmedStepIsReadWithoutAskingAgainWithinHalfTheLease) {
+  FakeShard::Options o;
+  o.read_lease_ms = 4000;
+  Rig rig(o);
+  std::vector<float> got(10);
+  auto gather = [&](uint64_t after_step, FlatRange range) {
+    GatherRequestSpec g{"job", 0, kIncarnation, after_step, range, DType::kFp32,
+                        absl::ZeroDuration()};
+    return rig.path->Gather(g, got.data(), In(absl::Seconds(5)));
+  };
+  // Each asking gather as (after_step, bytes it reported).
+  auto asked = [&] {
+    std::vector<std::pair<uint64_t, uint64_t>> out;
+    for (const FakeShard::WaitOnly& w : rig.fake->wait_only_gathers()) {
+      out.emplace_back(w.after_step, w.unreported_read_bytes);
+    }
+    return out;
+  };
+  using Asked = std::vector<std::pair<uint64_t, uint64_t>>;
+  for (uint64_t step : {3, 3, 2, 3}) {
+    absl::StatusOr<uint64_t> read = gather(step, {10, 20});
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(*read, 40u);
+    EXPECT_EQ(got[9], 0.5f * 19);
+  }
+  EXPECT_EQ(asked(), Asked({{3, 0}}));
+  ASSERT_TRUE(gather(4, {0, 10}).ok());
+  ASSERT_TRUE(gather(4, {100, 110}).ok());
+  EXPECT_EQ(asked(), Asked({{3, 0}, {4, 120}}));  // the 3 reads without asking
+  // Outside the parameters: the daemon's answer, not a read; the bytes its
+  // request reported stay to be reported again.
+  absl::StatusOr<uint64_t> outside = gather(4, {2000, 2010});
+  EXPECT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument) << outside.status();
+  EXPECT_EQ(asked().size(), 2u);
+  // Past half the lease: asked again, and the new answer serves the next.
+  absl::SleepFor(absl::Milliseconds(2100));
+  ASSERT_TRUE(gather(4, {0, 10}).ok());
+  ASSERT_TRUE(gather(4, {0, 10}).ok());
+  EXPECT_EQ(asked(), Asked({{3, 0}, {4, 120}, {4, 40}}));
+  // What a Leave would report: the last read, once.
+  EXPECT_EQ(rig.path->TakeUnreportedReads(), 40u);
+  EXPECT_EQ(rig.path->TakeUnreportedReads(), 0u);
+}
+
+// A daemon that grants no read lease (read_lease_ms 0) is asked before
+// every read.
+TEST(BulkDataPathTest, WithoutALeaseEveryReadAsks) {
+  Rig rig;
+  std::vector<float> got(10);
+  for (int i = 0; i < 3; ++i) {
+    GatherRequestSpec g{"job", 0, kIncarnation, 1, {10, 20}, DType::kFp32, absl::ZeroDuration()};
+    ASSERT_TRUE(rig.path->Gather(g, got.data(), In(absl::Seconds(5))).ok());
+  }
+  EXPECT_EQ(rig.fake->wait_only_gathers().size(), 3u);
+  EXPECT_EQ(rig.path->TakeUnreportedReads(), 0u);
+}
+
 int Count(const std::vector<std::string>& events, absl::string_view prefix) {
   return static_cast<int>(std::count_if(events.begin(), events.end(), [&](const std::string& e) {
     return absl::StartsWith(e, prefix);

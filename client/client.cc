@@ -966,8 +966,14 @@ absl::Status Client::Leave() {
   // A save being completed needs the job on the daemons.
   if (checkpoint_finisher_.joinable()) checkpoint_finisher_.join();
   heartbeat_.reset();
-  return ForEachDaemon(
-      [this](uint32_t d) { return controls_[d]->Leave(rank_id(), RpcDeadline()); });
+  // Parameter reads the daemons have not counted yet (BulkDataPath) go
+  // with the Leave.
+  return ForEachDaemon([this](uint32_t d) {
+    const uint64_t reads = d < bulk_paths_.size() && bulk_paths_[d] != nullptr
+                               ? bulk_paths_[d]->TakeUnreportedReads()
+                               : 0;
+    return controls_[d]->Leave(rank_id(), RpcDeadline(), reads);
+  });
 }
 
 ClientMemoryReport Client::MemoryReport() const {

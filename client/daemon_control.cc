@@ -133,13 +133,15 @@ absl::StatusOr<v1::CommitStepResponse> DaemonControl::CommitStep(
   return response;
 }
 
-absl::Status DaemonControl::Leave(const RankId& id, absl::Time deadline) {
+absl::Status DaemonControl::Leave(const RankId& id, absl::Time deadline,
+                                  uint64_t unreported_read_bytes) {
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   v1::LeaveRequest request;
   request.set_job_id(id.job_id);
   request.set_rank(id.rank);
   request.set_incarnation(id.incarnation);
+  request.set_unreported_read_bytes(unreported_read_bytes);
   v1::LeaveResponse response;
   return DaemonError(control_->Leave(&context, request, &response), address_, "Leave");
 }

@@ -62,7 +62,8 @@ class DaemonControl {
                                                       absl::Time deadline);
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::CommitStepRequest& request,
                                                     absl::Time deadline);
-  absl::Status Leave(const RankId& id, absl::Time deadline);
+  // Reports `unreported_read_bytes` (LeaveRequest.unreported_read_bytes).
+  absl::Status Leave(const RankId& id, absl::Time deadline, uint64_t unreported_read_bytes = 0);
   // Shard.ReadState: passes every chunk of the answer to `take`, in order;
   // an error from `take` cancels the call and is returned.
   absl::Status ReadState(const v1::ReadStateRequest& request, absl::Time deadline,

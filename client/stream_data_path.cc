@@ -230,9 +230,10 @@ absl::StatusOr<uint64_t> StreamDataPath::GatherOnce(const GatherRequestSpec& req
 }
 
 absl::Status StreamDataPath::AwaitCommitted(const GatherRequestSpec& request,
-                                          absl::Time deadline) {
+                                          absl::Time deadline, uint64_t unreported_read_bytes) {
   v1::GatherRequest req = GatherRequestProto(request);
   req.set_wait_only(true);
+  req.set_unreported_read_bytes(unreported_read_bytes);
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader = stub_->Gather(&context, req);

@@ -75,7 +75,9 @@ class StreamDataPath final : public DataPath {
 
   // A Gather with wait_only: blocks until the daemon has checked `request`
   // and the step it asks for is committed, or `deadline`; moves no data.
-  absl::Status AwaitCommitted(const GatherRequestSpec& request, absl::Time deadline);
+  // Reports `unreported_read_bytes` (GatherRequest.unreported_read_bytes).
+  absl::Status AwaitCommitted(const GatherRequestSpec& request, absl::Time deadline,
+                              uint64_t unreported_read_bytes = 0);
 
   // The Shard stub on the daemon's channel, for data paths that share it.
   v1::Shard::Stub* stub() const { return stub_.get(); }

@@ -19,6 +19,8 @@ inline constexpr uint64_t kMaxChunkBytes = uint64_t{64} << 20;
 inline constexpr int kMaxGrpcMessageBytes = 80 << 20;
 // Longest a Gather may ask the daemon to wait for a commit (wait_ms).
 inline constexpr uint32_t kMaxWaitMs = 600000;
+// GatherRequest / LeaveRequest.unreported_read_bytes: at most this (1 TiB).
+inline constexpr uint64_t kMaxUnreportedReadBytes = uint64_t{1} << 40;
 // Constant bucket size C_B (JobSpec.bucket_bytes).
 inline constexpr uint64_t kMinBucketBytes = 4096;
 inline constexpr uint64_t kMaxBucketBytes = uint64_t{1} << 30;

@@ -296,6 +296,17 @@ TEST_F(BadInputTest, JoinHeartbeatLeave) {
     v1::LeaveResponse resp;
     return client_->control->Leave(&ctx, req, &resp);
   });
+  // A valid rank whose report of its reads is out of bounds stays joined.
+  ExpectRejected(grpc::INVALID_ARGUMENT, "unreported_read_bytes: at most", [&] {
+    grpc::ClientContext ctx;
+    v1::LeaveRequest req;
+    req.set_incarnation(testing::kTestIncarnation);
+    req.set_job_id("job");
+    req.set_rank(0);
+    req.set_unreported_read_bytes(uint64_t{1} << 41);
+    v1::LeaveResponse resp;
+    return client_->control->Leave(&ctx, req, &resp);
+  });
   ExpectRejected(grpc::NOT_FOUND, "not registered", [&] {
     grpc::ClientContext ctx;
     v1::GetPartitionMapRequest req;
@@ -465,6 +476,27 @@ TEST_F(BadInputTest, GatherPrepareCommitInit) {
   });
   ExpectRejected(grpc::INVALID_ARGUMENT, "wait_ms",
                  [&] { return client_->Gather("job", 0, {0, 10}, &out, 700000); });
+  // A bulk reader's report of its reads: bounded, and only with wait_only.
+  auto report = [&](bool wait_only, uint64_t bytes) {
+    grpc::ClientContext ctx;
+    v1::GatherRequest req;
+    req.set_job_id("job");
+    req.mutable_range()->set_begin(0);
+    req.mutable_range()->set_end(10);
+    req.set_dtype(v1::DTYPE_FP32);
+    req.set_wait_only(wait_only);
+    req.set_unreported_read_bytes(bytes);
+    std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader =
+        client_->shard->Gather(&ctx, req);
+    v1::ParameterChunk chunk;
+    while (reader->Read(&chunk)) {
+    }
+    return reader->Finish();
+  };
+  ExpectRejected(grpc::INVALID_ARGUMENT, "unreported_read_bytes: at most 1099511627776",
+                 [&] { return report(true, (uint64_t{1} << 40) + 1); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "unreported_read_bytes: only with wait_only",
+                 [&] { return report(false, 4096); });
   ExpectRejected(grpc::FAILED_PRECONDITION, "cannot be committed before",
                  [&] { return client_->Gather("job", 5, {0, 10}, &out); });
   ExpectRejected(grpc::DEADLINE_EXCEEDED, "not committed in time",

@@ -15,6 +15,8 @@
 #include "common/job_spec.h"
 #include "common/protocol.h"
 #include "gtest/gtest.h"
+#include "metrics/metric_names.h"
+#include "metrics/registry.h"
 #include "server/daemon.h"
 #include "server/testing/daemon_fixture.h"
 #include "transport/host_address.h"
@@ -332,6 +334,42 @@ TEST_P(DaemonBulkTest, LeaveRemovesJobWithItsStaging) {
   daemon_->jobs().Tick();  // read lease 0: reaped now
   EXPECT_EQ(daemon_->jobs().retired(), 0u);
   EXPECT_EQ(daemon_->ledger().total(), 0u);
+}
+
+// Reads a rank made under an earlier wait_only Gather's lease without asking
+// are reported with its next wait_only Gather or its Leave, and counted as
+// gather traffic on the bulk transport with the reads that were asked for.
+TEST_P(DaemonBulkTest, ReportedReadsAreCountedAsGatherTraffic) {
+  auto gathered = [&] {
+    return metrics::SumOf(daemon_->registry().Collect(), metrics::kCommBytesTotal.name,
+                          {{"op", "gather"}, {"transport", GetParam().transport}});
+  };
+  const double before = gathered();
+  grpc::ClientContext ctx;
+  v1::GatherRequest req;
+  req.set_job_id("job");
+  req.mutable_range()->set_begin(0);
+  req.mutable_range()->set_end(10);
+  req.set_dtype(v1::DTYPE_FP32);
+  req.set_wait_only(true);
+  req.set_unreported_read_bytes(1000);
+  std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader =
+      client_->shard->Gather(&ctx, req);
+  v1::ParameterChunk chunk;
+  EXPECT_FALSE(reader->Read(&chunk));
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(gathered() - before, 40 + 1000);
+  // Rank 0 leaves with 500 more; rank 1 keeps the job (and its series).
+  grpc::ClientContext leave_ctx;
+  v1::LeaveRequest leave;
+  leave.set_job_id("job");
+  leave.set_rank(0);
+  leave.set_incarnation(testing::kTestIncarnation);
+  leave.set_unreported_read_bytes(500);
+  v1::LeaveResponse resp;
+  ASSERT_TRUE(client_->control->Leave(&leave_ctx, leave, &resp).ok());
+  EXPECT_FALSE(resp.job_removed());
+  EXPECT_EQ(gathered() - before, 40 + 1000 + 500);
 }
 
 // Push memory (same host): the daemon maps a trainer's sealed memfd and sums

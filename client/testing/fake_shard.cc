@@ -99,6 +99,11 @@ grpc::Status FakeShard::MapPushMemory(grpc::ServerContext*, const v1::MapPushMem
                       "slots only");
 }
 
+std::vector<FakeShard::WaitOnly> FakeShard::wait_only_gathers() const {
+  absl::MutexLock lock(&mu_);
+  return wait_only_gathers_;
+}
+
 int FakeShard::exchanges() const {
   absl::MutexLock lock(&mu_);
   return exchanges_;
@@ -127,6 +132,7 @@ grpc::Status FakeShard::ExchangeEndpoint(grpc::ServerContext*,
   response->set_transport(v1::TRANSPORT_KIND_INPROC);
   response->set_staging_slots(options_.staging_slots);
   response->set_staging_slot_bytes(options_.staging_slot_bytes);
+  response->set_read_lease_ms(options_.read_lease_ms);
   auto add = [&](v1::RegionPurpose purpose, const transport::Region& region) {
     v1::RemoteRegion* r = response->add_regions();
     r->set_purpose(purpose);
@@ -261,6 +267,8 @@ grpc::Status FakeShard::Gather(grpc::ServerContext*, const v1::GatherRequest* re
   if (request->range().end() > options_.master_elements) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range outside the parameters");
   }
+  absl::MutexLock lock(&mu_);
+  wait_only_gathers_.push_back({request->after_step(), request->unreported_read_bytes()});
   return grpc::Status::OK;
 }
 

@@ -40,6 +40,7 @@ class FakeShard final : public v1::Shard::Service {
     uint64_t master_elements = 1024;  // PARAM_MASTER holds element i = i * 0.5f
     uint64_t activation_arena_bytes = 0;  // 0: no arena region (activations streamed)
     uint64_t activation_spill_bytes = 64ull << 20;
+    uint32_t read_lease_ms = 0;  // ExchangeEndpoint's answer (0: none sent)
   };
   // Starts serving on 127.0.0.1:0.
   static absl::StatusOr<std::unique_ptr<FakeShard>> Start(const Options& options);
@@ -74,6 +75,12 @@ class FakeShard final : public v1::Shard::Service {
   // that cannot map the trainer's memory: this stand-in reads its slots
   // only).
   int push_memory_maps() const;
+  // Each wait_only Gather answered OK, in order.
+  struct WaitOnly {
+    uint64_t after_step = 0;
+    uint64_t unreported_read_bytes = 0;
+  };
+  std::vector<WaitOnly> wait_only_gathers() const;
 
   // Blocks until no staged push is being handled (or 10 s).
   void WaitIdle() const;
@@ -122,6 +129,7 @@ class FakeShard final : public v1::Shard::Service {
   int pushes_running_ ABSL_GUARDED_BY(mu_) = 0;
   int exchanges_ ABSL_GUARDED_BY(mu_) = 0;
   int push_memory_maps_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<WaitOnly> wait_only_gathers_ ABSL_GUARDED_BY(mu_);
   std::vector<Applied> applied_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
 };

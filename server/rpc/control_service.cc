@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/job_id.h"
+#include "common/protocol.h"
 #include "server/rpc/job_wire.h"
 #include "server/rpc/services.h"
 
@@ -91,8 +92,17 @@ grpc::Status ControlService::Leave(grpc::ServerContext* call, const v1::LeaveReq
                                    v1::LeaveResponse* resp) {
   absl::StatusOr<std::shared_ptr<Job>> job = ctx_->FindJob(*call, req->job_id());
   if (!job.ok()) return ctx_->Done(__func__, job.status());
+  if (req->unreported_read_bytes() > kMaxUnreportedReadBytes) {
+    return ctx_->Done(__func__, absl::InvalidArgumentError(absl::StrCat(
+                                    "unreported_read_bytes: at most ", kMaxUnreportedReadBytes,
+                                    ", got ", req->unreported_read_bytes())));
+  }
   absl::StatusOr<bool> last = (*job)->Leave(req->rank(), req->incarnation());
   if (!last.ok()) return ctx_->Done(__func__, last.status());
+  if (req->unreported_read_bytes() != 0 && ctx_->bulk != nullptr) {
+    ctx_->metrics->RecordTraffic(req->job_id(), "gather", ctx_->bulk->kind(),
+                                 req->unreported_read_bytes());
+  }
   Log(absl::StrCat("job ", req->job_id(), " rank ", req->rank(), " left"));
   const uint32_t world = (*job)->config().world_size;
   ctx_->metrics->SetRanks(req->job_id(),

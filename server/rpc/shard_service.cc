@@ -244,6 +244,15 @@ absl::Status ShardService::DoGather(grpc::ServerContext* ctx, const v1::GatherRe
     return absl::InvalidArgumentError(
         absl::StrCat("wait_ms: at most ", kMaxWaitMs, ", got ", req.wait_ms()));
   }
+  if (req.unreported_read_bytes() > kMaxUnreportedReadBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("unreported_read_bytes: at most ",
+                                                   kMaxUnreportedReadBytes, ", got ",
+                                                   req.unreported_read_bytes()));
+  }
+  if (req.unreported_read_bytes() != 0 && !req.wait_only()) {
+    return absl::InvalidArgumentError(
+        "unreported_read_bytes: only with wait_only (a bulk reader's report of its reads)");
+  }
   const absl::Time deadline =
       std::min(absl::Now() + absl::Milliseconds(req.wait_ms()), DeadlineOf(ctx));
   const uint64_t chunk_elements =
@@ -260,7 +269,7 @@ absl::Status ShardService::DoGather(grpc::ServerContext* ctx, const v1::GatherRe
                                     nullptr);
     if (s.ok() && ctx_->bulk != nullptr) {
       ctx_->metrics->RecordTraffic(req.job_id(), "gather", ctx_->bulk->kind(),
-                                   range.size() * DTypeSize(*dtype));
+                                   range.size() * DTypeSize(*dtype) + req.unreported_read_bytes());
     }
     return s;
   }
