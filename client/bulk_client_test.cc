@@ -78,6 +78,11 @@ struct RunResult {
   TrafficBytes last_step;          // rank 0's
   double bulk_push_bytes = 0;      // what the daemons counted as pushed in bulk
   double pulled_bytes = 0;         // ... as summed in place from push memory
+  // Parameter bytes the ranks received over the run, less what rank 0 has
+  // not reported (each other rank reported its rest with its Leave), and
+  // what the daemons counted as gathered, once the other ranks had left.
+  double client_gathered = 0;
+  double daemons_gathered = 0;
 };
 
 // Bytes the daemon counted under zeroshard_comm_bytes_total{op="push",
@@ -85,6 +90,12 @@ struct RunResult {
 double PushBytes(const Daemon& daemon, const std::string& transport_name) {
   return metrics::SumOf(daemon.registry().Collect(), metrics::kCommBytesTotal.name,
                         {{"op", "push"}, {"transport", transport_name}});
+}
+
+// ... {op="gather"}, over every transport.
+double GatherBytes(const Daemon& daemon) {
+  return metrics::SumOf(daemon.registry().Collect(), metrics::kCommBytesTotal.name,
+                        {{"op", "gather"}});
 }
 
 // `push_memory`: ClientConfig::push_memory (the staging pool in push
@@ -118,6 +129,8 @@ RunResult RunSteps(const BulkCase& c, const std::string& transport, bool push_me
   }
   std::vector<std::vector<float>> params(c.world, std::vector<float>(total));
   std::atomic<int> skipped{0};
+  std::atomic<uint64_t> others_gathered{0};
+  std::atomic<uint32_t> others_left{0};
   std::vector<std::thread> threads;
   for (uint32_t rank = 0; rank < c.world; ++rank) {
     threads.emplace_back([&, rank] {
@@ -149,18 +162,32 @@ RunResult RunSteps(const BulkCase& c, const std::string& transport, bool push_me
         ASSERT_TRUE(s.ok()) << transport << " rank " << rank << " step " << step << ": " << s;
       }
       ASSERT_TRUE((*client)->GatherAll(params[rank].data(), DType::kFp32).ok());
-      if (rank == 0) {
-        result.last_step = (*client)->TrafficReport().last_step;
-        // Before rank 0 leaves: the daemons drop a job's series with it.
-        for (const auto& d : daemons) {
-          result.bulk_push_bytes += PushBytes(*d, bulk);
-          result.pulled_bytes += PushBytes(*d, "push_memory");
-        }
-        if (c.precision != DType::kFp32) {
-          result.half.resize(total);
-          ASSERT_TRUE((*client)->GatherAll(result.half.data(), c.precision).ok());
-        }
+      if (rank != 0) {
+        others_gathered += (*client)->TrafficReport().total.gather;
+        ASSERT_TRUE((*client)->Leave().ok());
+        ++others_left;
+        return;
       }
+      result.last_step = (*client)->TrafficReport().last_step;
+      // Before rank 0 leaves: the daemons drop a job's series with it.
+      for (const auto& d : daemons) {
+        result.bulk_push_bytes += PushBytes(*d, bulk);
+        result.pulled_bytes += PushBytes(*d, "push_memory");
+      }
+      if (c.precision != DType::kFp32) {
+        result.half.resize(total);
+        ASSERT_TRUE((*client)->GatherAll(result.half.data(), c.precision).ok());
+      }
+      // The daemons' gather count with every other rank gone (the job
+      // and its series stay until rank 0 leaves).
+      for (int i = 0; i < 2000 && others_left + skipped < c.world - 1; ++i) {
+        absl::SleepFor(absl::Milliseconds(10));
+      }
+      ASSERT_EQ(others_left + skipped, c.world - 1);
+      const ClientTrafficReport t = (*client)->TrafficReport();
+      result.client_gathered =
+          static_cast<double>(others_gathered + t.total.gather - t.unreported_gather);
+      for (const auto& d : daemons) result.daemons_gathered += GatherBytes(*d);
       ASSERT_TRUE((*client)->Leave().ok());
     });
   }
@@ -206,6 +233,12 @@ TEST_P(BulkClientTest, ParametersAreBitIdenticalToStream) {
   EXPECT_GT(pulled.pulled_bytes, 0);
   EXPECT_EQ(pulled.bulk_push_bytes, 0);
   EXPECT_EQ(stream.bulk_push_bytes + stream.pulled_bytes, 0);
+  // The daemons counted every parameter byte the ranks read, those read
+  // under a read lease without asking included (reported later).
+  for (const RunResult* r : {&put, &pulled, &stream}) {
+    EXPECT_GT(r->client_gathered, 0);
+    EXPECT_EQ(r->daemons_gathered, r->client_gathered);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

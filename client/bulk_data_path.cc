@@ -84,33 +84,38 @@ struct BulkDataPath::Endpoint {
   absl::Duration read_lease = absl::InfiniteDuration();
   // The newest step wait_only Gathers on this endpoint confirmed committed
   // for `confirmed_dtype`, the end of the latest such answer's read lease,
-  // and the bytes read under those answers without asking that no request
-  // has reported yet (GatherRequest / LeaveRequest.unreported_read_bytes).
+  // the highest range end the daemon accepted (its parameters end there or
+  // later; the region may hold padding past them), and the bytes read under
+  // those answers without asking that no request has reported yet
+  // (GatherRequest / LeaveRequest.unreported_read_bytes).
   mutable absl::Mutex confirmed_mu;
   mutable uint64_t confirmed_step ABSL_GUARDED_BY(confirmed_mu) = 0;
   mutable DType confirmed_dtype ABSL_GUARDED_BY(confirmed_mu) = DType::kFp32;
   mutable absl::Time confirmed_until ABSL_GUARDED_BY(confirmed_mu) = absl::InfinitePast();
+  mutable uint64_t accepted_end ABSL_GUARDED_BY(confirmed_mu) = 0;
   mutable uint64_t unreported_reads ABSL_GUARDED_BY(confirmed_mu) = 0;
 
   // The lease end under which a Get of `dtype` parameters committed after
-  // `after_step` may run without asking again: the daemon grants a lease
-  // (finite, > 0), the step is no newer than the confirmed one, and at
+  // `after_step`, ending at `end`, may run without asking again: the daemon
+  // grants a lease (finite, > 0), the step is no newer than the confirmed
+  // one, the daemon has accepted a range ending at `end` or later, and at
   // least half of the lease is left. InfinitePast: ask.
-  absl::Time ConfirmedLeaseFor(uint64_t after_step, DType dtype) const {
+  absl::Time ConfirmedLeaseFor(uint64_t after_step, DType dtype, uint64_t end) const {
     if (read_lease <= absl::ZeroDuration() || read_lease == absl::InfiniteDuration()) {
       return absl::InfinitePast();
     }
     absl::MutexLock lock(&confirmed_mu);
-    if (after_step > confirmed_step || dtype != confirmed_dtype ||
+    if (after_step > confirmed_step || dtype != confirmed_dtype || end > accepted_end ||
         absl::Now() + read_lease / 2 > confirmed_until) {
       return absl::InfinitePast();
     }
     return confirmed_until;
   }
-  // An answer to a wait_only Gather of (step, dtype) whose lease ends at
-  // `lease_end`.
-  void Confirm(uint64_t step, DType dtype, absl::Time lease_end) const {
+  // An answer to a wait_only Gather of (step, dtype) for a range ending at
+  // `end` whose lease ends at `lease_end`.
+  void Confirm(uint64_t step, DType dtype, uint64_t end, absl::Time lease_end) const {
     absl::MutexLock lock(&confirmed_mu);
+    accepted_end = std::max(accepted_end, end);
     if (dtype != confirmed_dtype) {
       confirmed_dtype = dtype;
       confirmed_step = step;
@@ -124,9 +129,16 @@ struct BulkDataPath::Endpoint {
     absl::MutexLock lock(&confirmed_mu);
     unreported_reads += bytes;
   }
+  // At most kMaxUnreportedReadBytes; the rest waits for the next report.
   uint64_t TakeUnreported() const {
     absl::MutexLock lock(&confirmed_mu);
-    return std::min(std::exchange(unreported_reads, 0), kMaxUnreportedReadBytes);
+    const uint64_t taken = std::min(unreported_reads, kMaxUnreportedReadBytes);
+    unreported_reads -= taken;
+    return taken;
+  }
+  uint64_t Unreported() const {
+    absl::MutexLock lock(&confirmed_mu);
+    return unreported_reads;
   }
   // Regions of other purposes (e.g. the activation arena), for PutRegion /
   // GetRegion.
@@ -587,7 +599,7 @@ BulkDataPath::Attempt BulkDataPath::GetOnce(const Endpoint& ep, const GatherRequ
   absl::Time lease_end = absl::InfinitePast();
   if (!request.range.empty() && (!half || ep.has_half) &&
       (half ? ep.half_range : ep.master_range).Contains(request.range)) {
-    lease_end = ep.ConfirmedLeaseFor(request.after_step, request.dtype);
+    lease_end = ep.ConfirmedLeaseFor(request.after_step, request.dtype, request.range.end);
   }
   const bool asked = lease_end == absl::InfinitePast();
   if (asked) {
@@ -599,7 +611,7 @@ BulkDataPath::Attempt BulkDataPath::GetOnce(const Endpoint& ep, const GatherRequ
     }
     // The regions stay readable for the read lease after that answer.
     lease_end = absl::Now() + ep.read_lease;
-    ep.Confirm(request.after_step, request.dtype, lease_end);
+    ep.Confirm(request.after_step, request.dtype, request.range.end, lease_end);
   }
   if (half && !ep.has_half) {
     return {absl::InvalidArgumentError(absl::StrCat("daemon ", address(), ": ",
@@ -651,6 +663,15 @@ uint64_t BulkDataPath::TakeUnreportedReads() {
     ep = endpoint_;
   }
   return ep == nullptr ? 0 : ep->TakeUnreported();
+}
+
+uint64_t BulkDataPath::unreported_reads() const {
+  std::shared_ptr<const Endpoint> ep;
+  {
+    absl::MutexLock lock(&mu_);
+    ep = endpoint_;
+  }
+  return ep == nullptr ? 0 : ep->Unreported();
 }
 
 absl::StatusOr<uint64_t> BulkDataPath::RegionLength(const RegionAccess& at,

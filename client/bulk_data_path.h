@@ -8,12 +8,14 @@
 // PARAM_MASTER / PARAM_HALF region into the caller's buffer, after a Gather
 // RPC with `wait_only` has confirmed the step is committed, and within the
 // daemon's read lease. That confirmation serves later reads of the same or
-// an older step in the same dtype while at least half of its lease is left
-// (a stage-3 layer's gathers after the step's first, not an RPC each);
-// those reads are reported to the daemon, for its traffic counters, in the
-// next wait_only Gather or by TakeUnreportedReads (the rank's Leave). A
-// daemon that grants no lease (read_lease_ms 0) is asked before every read. Initial parameters (and a push larger than a staging
-// slot) use the streaming RPCs. The control plane stays on gRPC.
+// an older step in the same dtype, within the parameters the daemon has
+// accepted ranges of, while at least half of its lease is left (a stage-3
+// layer's gathers after the step's first wave, not an RPC each); those
+// reads are reported to the daemon, for its traffic counters, in the next
+// wait_only Gather or by TakeUnreportedReads (the rank's Leave), best
+// effort (docs/protocol.md). A daemon that grants no lease (read_lease_ms 0)
+// is asked before every read. Initial parameters (and a push larger than a
+// staging slot) use the streaming RPCs. The control plane stays on gRPC.
 //
 // Set-up is lazy: the first push or gather exchanges endpoints
 // (ExchangeEndpoint with the rank's incarnation) and connects, bounded by
@@ -184,6 +186,8 @@ class BulkDataPath final : public DataPath {
   // reported to the daemon yet; resets them (the caller reports them,
   // LeaveRequest.unreported_read_bytes). At most kMaxUnreportedReadBytes.
   uint64_t TakeUnreportedReads();
+  // The same without resetting them.
+  uint64_t unreported_reads() const;
 
   // Staging slots quarantined now (for tests).
   int quarantined_slots() const { return slots_.quarantined(); }
@@ -272,7 +276,7 @@ class BulkDataPath final : public DataPath {
   StagingSlots slots_;
   std::atomic<uint64_t> exchanges_{0};
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::shared_ptr<const Endpoint> endpoint_ ABSL_GUARDED_BY(mu_);
   bool exchanging_ ABSL_GUARDED_BY(mu_) = false;  // one thread sets up at a time
 };

@@ -104,8 +104,8 @@ TEST(BulkDataPathTest, PushesGoThroughTheSlotsWithIncreasingGenerations) {
 
 // A daemon that confirmed a step committed is not asked again for that step
 // or an older one (same dtype) while at least half of its answer's read
-// lease is left; a newer step, a range outside its region or a lease past
-// its half asks again, and the next request that asks
+// lease is left; a newer step, a range past the highest end it accepted or
+// outside its region, or a lease past its half asks again, and the next request that asks
 // reports the bytes read meanwhile (as TakeUnreportedReads hands them to a
 // Leave). The daemon's refusal of a bad range reaches the caller.
 TEST(BulkDataPathTest, AConfirmedStepIsReadWithoutAskingAgainWithinHalfTheLease) {
@@ -135,18 +135,22 @@ TEST(BulkDataPathTest, AConfirmedStepIsReadWithoutAskingAgainWithinHalfTheLease)
   }
   EXPECT_EQ(asked(), Asked({{3, 0}}));
   ASSERT_TRUE(gather(4, {0, 10}).ok());
-  ASSERT_TRUE(gather(4, {100, 110}).ok());
   EXPECT_EQ(asked(), Asked({{3, 0}, {4, 120}}));  // the 3 reads without asking
+  // Past the highest end the daemon accepted (the region may end in
+  // padding the daemon refuses): asked, then read without asking.
+  ASSERT_TRUE(gather(4, {100, 110}).ok());
+  ASSERT_TRUE(gather(4, {100, 110}).ok());
+  EXPECT_EQ(asked(), Asked({{3, 0}, {4, 120}, {4, 0}}));
   // Outside the parameters: the daemon's answer, not a read; the bytes its
   // request reported stay to be reported again.
   absl::StatusOr<uint64_t> outside = gather(4, {2000, 2010});
   EXPECT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument) << outside.status();
-  EXPECT_EQ(asked().size(), 2u);
+  EXPECT_EQ(asked().size(), 3u);
   // Past half the lease: asked again, and the new answer serves the next.
   absl::SleepFor(absl::Milliseconds(2100));
   ASSERT_TRUE(gather(4, {0, 10}).ok());
   ASSERT_TRUE(gather(4, {0, 10}).ok());
-  EXPECT_EQ(asked(), Asked({{3, 0}, {4, 120}, {4, 40}}));
+  EXPECT_EQ(asked(), Asked({{3, 0}, {4, 120}, {4, 0}, {4, 40}}));
   // What a Leave would report: the last read, once.
   EXPECT_EQ(rig.path->TakeUnreportedReads(), 40u);
   EXPECT_EQ(rig.path->TakeUnreportedReads(), 0u);

@@ -1000,6 +1000,9 @@ ClientTrafficReport Client::TrafficReport() const {
     r.prefetch_hits = layers_->hits();
     r.prefetch_misses = layers_->misses();
   }
+  for (const BulkDataPath* path : bulk_paths_) {
+    if (path != nullptr) r.unreported_gather += path->unreported_reads();
+  }
   return r;
 }
 

@@ -212,6 +212,10 @@ struct ClientTrafficReport {
   TrafficBytes current;    // since the last Step (or RegisterModel) returned
   uint64_t prefetch_hits = 0;    // layer gathers served by a prefetch
   uint64_t prefetch_misses = 0;  // layer gathers fetched on demand
+  // Of total.gather: bytes read from the daemons' parameter regions under a
+  // read lease that the daemons have not counted yet (reported with the
+  // next wait_only Gather to each, or with Leave; BulkDataPath).
+  uint64_t unreported_gather = 0;
 };
 
 class Client {
