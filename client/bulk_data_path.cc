@@ -656,21 +656,18 @@ absl::StatusOr<uint64_t> BulkDataPath::Gather(const GatherRequestSpec& request, 
   }
 }
 
+std::shared_ptr<const BulkDataPath::Endpoint> BulkDataPath::CachedEndpoint() const {
+  absl::MutexLock lock(&mu_);
+  return endpoint_;
+}
+
 uint64_t BulkDataPath::TakeUnreportedReads() {
-  std::shared_ptr<const Endpoint> ep;
-  {
-    absl::MutexLock lock(&mu_);
-    ep = endpoint_;
-  }
+  const std::shared_ptr<const Endpoint> ep = CachedEndpoint();
   return ep == nullptr ? 0 : ep->TakeUnreported();
 }
 
 uint64_t BulkDataPath::unreported_reads() const {
-  std::shared_ptr<const Endpoint> ep;
-  {
-    absl::MutexLock lock(&mu_);
-    ep = endpoint_;
-  }
+  const std::shared_ptr<const Endpoint> ep = CachedEndpoint();
   return ep == nullptr ? 0 : ep->Unreported();
 }
 

@@ -222,6 +222,8 @@ class BulkDataPath final : public DataPath {
   // Fills `ep` from the daemon's answer; DataLoss for a malformed one,
   // FailedPrecondition when the daemon serves another bulk transport.
   absl::Status ParseEndpoint(const v1::ExchangeEndpointResponse& resp, Endpoint* ep) const;
+  // The cached endpoint, null when there is none; never exchanges.
+  std::shared_ptr<const Endpoint> CachedEndpoint() const;
   // Forgets `stale` if it is still the cached endpoint.
   void DropEndpoint(const Endpoint* stale);
   // Puts `pushes` (of one rank process and step, together at most a slot)

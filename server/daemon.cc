@@ -109,9 +109,7 @@ absl::Status ValidateOptions(const DaemonOptions& o) {
           "--optimizer_cpus: ", o.optimizer_cpus.size(), " CPUs for ", o.optimizer_threads,
           " optimizer threads (--optimizer_threads); give one CPU per thread"));
     }
-    const std::vector<int> allowed = AffinityCpuList();
-    RETURN_IF_ERROR(
-        ParseCpuList(FormatCpuList(o.optimizer_cpus), allowed, "--optimizer_cpus").status());
+    RETURN_IF_ERROR(CheckCpuList(o.optimizer_cpus, AffinityCpuList(), "--optimizer_cpus"));
   }
   if (o.max_chunk_bytes < 1024 || o.max_chunk_bytes > kMaxChunkBytes) {
     return absl::InvalidArgumentError("max_chunk_bytes: must be in 1 KiB..64 MiB");

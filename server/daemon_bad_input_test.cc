@@ -279,34 +279,11 @@ TEST_F(BadInputTest, JoinHeartbeatLeave) {
     v1::HeartbeatResponse resp;
     return client_->control->Heartbeat(&ctx, req, &resp);
   });
-  ExpectRejected(grpc::NOT_FOUND, "not registered", [&] {
-    grpc::ClientContext ctx;
-    v1::LeaveRequest req;
-    req.set_incarnation(testing::kTestIncarnation);
-    req.set_job_id("nope");
-    v1::LeaveResponse resp;
-    return client_->control->Leave(&ctx, req, &resp);
-  });
-  ExpectRejected(grpc::INVALID_ARGUMENT, "rank", [&] {
-    grpc::ClientContext ctx;
-    v1::LeaveRequest req;
-    req.set_incarnation(testing::kTestIncarnation);
-    req.set_job_id("job");
-    req.set_rank(kWorld);
-    v1::LeaveResponse resp;
-    return client_->control->Leave(&ctx, req, &resp);
-  });
+  ExpectRejected(grpc::NOT_FOUND, "not registered", [&] { return client_->Leave("nope", 0); });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "rank", [&] { return client_->Leave("job", kWorld); });
   // A valid rank whose report of its reads is out of bounds stays joined.
-  ExpectRejected(grpc::INVALID_ARGUMENT, "unreported_read_bytes: at most", [&] {
-    grpc::ClientContext ctx;
-    v1::LeaveRequest req;
-    req.set_incarnation(testing::kTestIncarnation);
-    req.set_job_id("job");
-    req.set_rank(0);
-    req.set_unreported_read_bytes(uint64_t{1} << 41);
-    v1::LeaveResponse resp;
-    return client_->control->Leave(&ctx, req, &resp);
-  });
+  ExpectRejected(grpc::INVALID_ARGUMENT, "unreported_read_bytes: at most",
+                 [&] { return client_->Leave("job", 0, uint64_t{1} << 41); });
   ExpectRejected(grpc::NOT_FOUND, "not registered", [&] {
     grpc::ClientContext ctx;
     v1::GetPartitionMapRequest req;
@@ -478,7 +455,6 @@ TEST_F(BadInputTest, GatherPrepareCommitInit) {
                  [&] { return client_->Gather("job", 0, {0, 10}, &out, 700000); });
   // A bulk reader's report of its reads: bounded, and only with wait_only.
   auto report = [&](bool wait_only, uint64_t bytes) {
-    grpc::ClientContext ctx;
     v1::GatherRequest req;
     req.set_job_id("job");
     req.mutable_range()->set_begin(0);
@@ -486,12 +462,8 @@ TEST_F(BadInputTest, GatherPrepareCommitInit) {
     req.set_dtype(v1::DTYPE_FP32);
     req.set_wait_only(wait_only);
     req.set_unreported_read_bytes(bytes);
-    std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader =
-        client_->shard->Gather(&ctx, req);
-    v1::ParameterChunk chunk;
-    while (reader->Read(&chunk)) {
-    }
-    return reader->Finish();
+    std::vector<v1::ParameterChunk> chunks;
+    return client_->Gather(req, &chunks);
   };
   ExpectRejected(grpc::INVALID_ARGUMENT, "unreported_read_bytes: at most 1099511627776",
                  [&] { return report(true, (uint64_t{1} << 40) + 1); });

@@ -345,7 +345,6 @@ TEST_P(DaemonBulkTest, ReportedReadsAreCountedAsGatherTraffic) {
                           {{"op", "gather"}, {"transport", GetParam().transport}});
   };
   const double before = gathered();
-  grpc::ClientContext ctx;
   v1::GatherRequest req;
   req.set_job_id("job");
   req.mutable_range()->set_begin(0);
@@ -353,21 +352,13 @@ TEST_P(DaemonBulkTest, ReportedReadsAreCountedAsGatherTraffic) {
   req.set_dtype(v1::DTYPE_FP32);
   req.set_wait_only(true);
   req.set_unreported_read_bytes(1000);
-  std::unique_ptr<grpc::ClientReader<v1::ParameterChunk>> reader =
-      client_->shard->Gather(&ctx, req);
-  v1::ParameterChunk chunk;
-  EXPECT_FALSE(reader->Read(&chunk));
-  ASSERT_TRUE(reader->Finish().ok());
+  std::vector<v1::ParameterChunk> chunks;
+  ASSERT_TRUE(client_->Gather(req, &chunks).ok());
+  EXPECT_TRUE(chunks.empty());
   EXPECT_EQ(gathered() - before, 40 + 1000);
   // Rank 0 leaves with 500 more; rank 1 keeps the job (and its series).
-  grpc::ClientContext leave_ctx;
-  v1::LeaveRequest leave;
-  leave.set_job_id("job");
-  leave.set_rank(0);
-  leave.set_incarnation(testing::kTestIncarnation);
-  leave.set_unreported_read_bytes(500);
   v1::LeaveResponse resp;
-  ASSERT_TRUE(client_->control->Leave(&leave_ctx, leave, &resp).ok());
+  ASSERT_TRUE(client_->Leave("job", 0, 500, &resp).ok());
   EXPECT_FALSE(resp.job_removed());
   EXPECT_EQ(gathered() - before, 40 + 1000 + 500);
 }

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/status_macros.h"
 
 namespace zeroshard {
 namespace {
@@ -262,14 +263,40 @@ std::string FormatCpuList(const std::vector<int>& cpus) {
   return out;
 }
 
+namespace {
+
+absl::Status CpuListError(absl::string_view flag, absl::string_view why,
+                          const std::vector<int>& allowed) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      flag, ": ", why, "; give a CPU list such as 0-3,8 of the CPUs this process may run on (",
+      allowed.empty() ? "unknown" : FormatCpuList(allowed), "), or all"));
+}
+
+}  // namespace
+
+absl::Status CheckCpuList(const std::vector<int>& cpus, const std::vector<int>& allowed,
+                          absl::string_view flag) {
+  if (cpus.size() > kMaxListedCpus) {
+    return CpuListError(flag, absl::StrCat("more than ", kMaxListedCpus, " CPUs"), allowed);
+  }
+  for (int c : cpus) {
+    if (!std::binary_search(allowed.begin(), allowed.end(), c)) {
+      return CpuListError(flag, absl::StrCat("CPU ", c, " is not one this process may run on"),
+                          allowed);
+    }
+  }
+  std::vector<int> sorted = cpus;
+  std::sort(sorted.begin(), sorted.end());
+  if (auto twice = std::adjacent_find(sorted.begin(), sorted.end()); twice != sorted.end()) {
+    return CpuListError(flag, absl::StrCat("CPU ", *twice, " is listed twice"), allowed);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<int>> ParseCpuList(absl::string_view text,
                                               const std::vector<int>& allowed,
                                               absl::string_view flag) {
-  auto refuse = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, ": ", why, "; give a CPU list such as 0-3,8 of the CPUs this process may run on (",
-        allowed.empty() ? "unknown" : FormatCpuList(allowed), "), or all"));
-  };
+  auto refuse = [&](absl::string_view why) { return CpuListError(flag, why, allowed); };
   text = absl::StripAsciiWhitespace(text);
   if (text == "all") {
     if (allowed.empty()) return refuse("this process's CPUs cannot be told");
@@ -291,21 +318,11 @@ absl::StatusOr<std::vector<int>> ParseCpuList(absl::string_view text,
       return refuse(absl::StrCat("\"", entry, "\" is not a CPU number or an ascending range"));
     }
     if (!is_range) last = first;
-    for (int c = first; c <= last; ++c) {
-      if (!std::binary_search(allowed.begin(), allowed.end(), c)) {
-        return refuse(absl::StrCat("CPU ", c, " is not one this process may run on"));
-      }
-      if (out.size() == kMaxListedCpus) {
-        return refuse(absl::StrCat("more than ", kMaxListedCpus, " CPUs"));
-      }
-      out.push_back(c);
-    }
+    // Bounded: a range longer than the most CPUs a list may name is refused.
+    for (int c = first; c <= last && out.size() <= kMaxListedCpus; ++c) out.push_back(c);
   }
+  RETURN_IF_ERROR(CheckCpuList(out, allowed, flag));
   std::sort(out.begin(), out.end());
-  if (std::adjacent_find(out.begin(), out.end()) != out.end()) {
-    return refuse(absl::StrCat("CPU ", *std::adjacent_find(out.begin(), out.end()),
-                               " is listed twice"));
-  }
   return out;
 }
 

@@ -68,6 +68,10 @@ inline constexpr size_t kMaxListedCpus = 256;
 absl::StatusOr<std::vector<int>> ParseCpuList(absl::string_view text,
                                               const std::vector<int>& allowed,
                                               absl::string_view flag);
+// InvalidArgument, as ParseCpuList's, unless `cpus` are at most
+// kMaxListedCpus distinct CPUs of `allowed` (ascending).
+absl::Status CheckCpuList(const std::vector<int>& cpus, const std::vector<int>& allowed,
+                          absl::string_view flag);
 // CPU numbers as a Linux CPU list, ranges merged ("0-3,8").
 std::string FormatCpuList(const std::vector<int>& cpus);
 

@@ -119,8 +119,6 @@ grpc::Status DaemonClient::Init(const std::vector<v1::ParameterChunk>& chunks) {
 
 grpc::Status DaemonClient::Gather(const std::string& job, uint64_t after_step, FlatRange range,
                                   std::vector<float>* out, uint32_t wait_ms, v1::DType dtype) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx);
   v1::GatherRequest req;
   req.set_job_id(job);
   req.set_after_step(after_step);
@@ -128,16 +126,40 @@ grpc::Status DaemonClient::Gather(const std::string& job, uint64_t after_step, F
   req.mutable_range()->set_end(range.end);
   req.set_dtype(dtype);
   req.set_wait_ms(wait_ms);
-  auto reader = shard->Gather(&ctx, req);
-  v1::ParameterChunk chunk;
+  std::vector<v1::ParameterChunk> chunks;
+  grpc::Status s = Gather(req, &chunks);
   out->clear();
-  while (reader->Read(&chunk)) {
+  for (const v1::ParameterChunk& chunk : chunks) {
     const size_t n = chunk.range().end() - chunk.range().begin();
     const size_t old = out->size();
     out->resize(old + n);
     ToFloat(static_cast<DType>(chunk.dtype()), chunk.data().data(), out->data() + old, n);
   }
+  return s;
+}
+
+grpc::Status DaemonClient::Gather(const v1::GatherRequest& request,
+                                  std::vector<v1::ParameterChunk>* chunks) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  auto reader = shard->Gather(&ctx, request);
+  chunks->clear();
+  v1::ParameterChunk chunk;
+  while (reader->Read(&chunk)) chunks->push_back(chunk);
   return reader->Finish();
+}
+
+grpc::Status DaemonClient::Leave(const std::string& job, uint32_t rank,
+                                 uint64_t unreported_read_bytes, v1::LeaveResponse* resp) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::LeaveRequest req;
+  req.set_job_id(job);
+  req.set_rank(rank);
+  req.set_incarnation(kTestIncarnation);
+  req.set_unreported_read_bytes(unreported_read_bytes);
+  v1::LeaveResponse ignored;
+  return control->Leave(&ctx, req, resp != nullptr ? resp : &ignored);
 }
 
 grpc::Status DaemonClient::Prepare(const std::string& job, uint64_t step,

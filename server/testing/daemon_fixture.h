@@ -62,6 +62,11 @@ struct DaemonClient {
   grpc::Status Gather(const std::string& job, uint64_t after_step, FlatRange range,
                       std::vector<float>* out, uint32_t wait_ms = 5000,
                       v1::DType dtype = v1::DTYPE_FP32);
+  // Shard.Gather: every chunk of the answer, as it came.
+  grpc::Status Gather(const v1::GatherRequest& request, std::vector<v1::ParameterChunk>* chunks);
+  // Control.Leave as `rank` (kTestIncarnation).
+  grpc::Status Leave(const std::string& job, uint32_t rank, uint64_t unreported_read_bytes = 0,
+                     v1::LeaveResponse* resp = nullptr);
   grpc::Status Prepare(const std::string& job, uint64_t step, v1::PrepareStepResponse* resp);
   // As the leader (rank 0, kTestIncarnation).
   grpc::Status Commit(const std::string& job, uint64_t step, float lr, float clip = 1.0f,
