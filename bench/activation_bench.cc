@@ -18,7 +18,9 @@
 //   perftest       `ucx_perftest -t ucp_put_bw` between two processes on
 //                  loopback, message size --slice_bytes, same UCX_TLS
 //                  (every message into the same buffer, which the caches
-//                  partly hold);
+//                  partly hold), run right after each timed repetition of
+//                  offload+fetch (default options), so that each pair sees
+//                  the same state of this shared host;
 //   spill write    a second daemon with an arena of --spill_arena_bytes and
 //                  spill files under --dir: the client offloads
 //                  --spill_factor times the arena, so the daemon writes all
@@ -32,7 +34,8 @@
 //                  bytes in --slice_bytes pieces to a file in --dir.
 // The last line is the summary:
 //   offload_fraction=X spill_write_fraction=Y spill_read_fraction=Z
-// (X = offload+fetch, default options / perftest; Y, Z = spill / O_DIRECT of the same run).
+// (X = the median over repetitions of offload+fetch, default options, /
+// the perftest run right after it; Y, Z = spill / O_DIRECT of the same run).
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -71,7 +74,6 @@ ABSL_FLAG(uint64_t, slice_bytes, 32ull << 20,
           "bytes of one checkpoint slice (and perftest's message size)");
 ABSL_FLAG(uint64_t, bytes, 256ull << 20, "bytes offloaded and fetched per repetition");
 ABSL_FLAG(int, reps, 5, "timed repetitions after one warm-up (the median is reported)");
-ABSL_FLAG(int, perftest_runs, 3, "ucx_perftest runs (the median is reported)");
 ABSL_FLAG(int, prefetch_depth, 2, "fetches in flight ahead of the one waited for");
 ABSL_FLAG(uint64_t, spill_arena_bytes, 64ull << 20, "arena of the spilling daemon");
 ABSL_FLAG(int, spill_factor, 10, "the spilling job offloads this many times its daemon's arena");
@@ -283,6 +285,9 @@ int Main() {
   // First as the store is configured by default (no checksums on the bulk
   // transport: the summary's figure), then with checksums, for their cost.
   double offload_gbps = NAN;
+  std::vector<double> perftest_runs;  // one after each timed default repetition
+  std::vector<double> paired;         // each repetition / the perftest run after it
+  std::string why;
   for (const bool checksums : {false, true}) {
     const std::string label = checksums ? "offload+fetch with checksums" : "offload+fetch";
     absl::StatusOr<std::unique_ptr<Daemon>> daemon = StartDaemon(total + (64 << 20), "", 0);
@@ -307,6 +312,14 @@ int Main() {
       off.push_back(total / p->offload_seconds / 1e9);
       fetch.push_back(total / p->fetch_seconds / 1e9);
       both.push_back(2 * total / (p->offload_seconds + p->fetch_seconds) / 1e9);
+      if (!checksums) {
+        const double put = bench::PerftestPutGbps(slice, absl::GetFlag(FLAGS_perftest),
+                                                  absl::GetFlag(FLAGS_ucx_tls), &why);
+        if (!std::isnan(put)) {
+          perftest_runs.push_back(put);
+          paired.push_back(both.back() / put);
+        }
+      }
     }
     if (!store.ok()) std::printf("%s: %s\n", label.c_str(), store.status().ToString().c_str());
     if (!checksums) offload_gbps = Median(both);
@@ -341,16 +354,19 @@ int Main() {
       "offload+fetch at %.3f of it\n",
       absl::StrFormat("%.0f MiB", total / 1048576.0).c_str(), copy_gbps, copy_runs.size(),
       offload_gbps / copy_gbps);
-  std::string why;
-  const std::vector<double> perftest_runs = bench::PerftestPutRuns(
-      slice, absl::GetFlag(FLAGS_perftest), absl::GetFlag(FLAGS_ucx_tls),
-      absl::GetFlag(FLAGS_perftest_runs), &why);
   const double perftest = Median(perftest_runs);
+  const double offload_fraction = Median(paired);
   if (std::isnan(perftest)) {
     std::printf("perftest: %s\n", why.c_str());
   } else {
-    std::printf("perftest ucp_put_bw, %llu B messages: %.2f GB/s (median of %zu)\n",
-                static_cast<unsigned long long>(slice), perftest, perftest_runs.size());
+    std::string each;
+    for (double r : paired) absl::StrAppend(&each, each.empty() ? "" : " ", absl::StrFormat("%.3f", r));
+    std::printf(
+        "perftest ucp_put_bw, %llu B messages: %.2f GB/s (median of %zu, each right after a "
+        "repetition of offload+fetch); offload+fetch / perftest per repetition: %s "
+        "(median %.3f; medians' ratio %.3f)\n",
+        static_cast<unsigned long long>(slice), perftest, perftest_runs.size(), each.c_str(),
+        offload_fraction, offload_gbps / perftest);
   }
 
   // ---- spill write and read against O_DIRECT ----
@@ -412,7 +428,7 @@ int Main() {
     rmdir(spill_dir.c_str());
   }
   std::printf("offload_fraction=%.3f spill_write_fraction=%.3f spill_read_fraction=%.3f\n",
-              offload_gbps / perftest, spill_write / direct_write, spill_read / direct_read);
+              offload_fraction, spill_write / direct_write, spill_read / direct_read);
   return 0;
 }
 

@@ -158,7 +158,7 @@ absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint3
     // Summed at once when every contribution before it (or every other one
     // of the range) is waiting; else buffered, or held. An upper bound:
     // earlier chunks of the batch may bring this one's turn.
-    const bool waits = key == keys_.end() ? order != next : !WaitingUpTo(key->second, order);
+    const bool waits = key == keys_.end() ? order != next : !SumsNow(key->second, order);
     if (waits && !hold) *pending_bytes += c.payload.size();
     *bookkeeping_bytes += waits || hold ? kPendingEntryBytes : kAppliedBytes;
   }
@@ -196,7 +196,8 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       key.partition = static_cast<uint32_t>(c.range.begin / options_.partition_elements);
     }
     elements += n;
-    if (hold != nullptr && !Completes(key, micro_batches)) {
+    // A range whose sum is in flight takes its next ones as waiting.
+    if (hold != nullptr && (key.summing || !Completes(key, micro_batches))) {
       Pending& p = key.pending[order];
       p.dtype = c.dtype;
       p.crc32c = c.crc32c;
@@ -209,7 +210,7 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       ++pending_entries_;
       continue;
     }
-    if (WaitingUpTo(key, order)) {
+    if (SumsNow(key, order)) {
       // Next in order, or every one before it waits: summed now with the
       // waiting ones around it, from where it is.
       SumRun(c.range.begin, key, &c, order, grad_scale);
@@ -239,33 +240,118 @@ void ReductionState::SumRun(uint64_t begin, Key& key, const Contribution* c, uin
                             float grad_scale) {
   // The contributions in order, summed in one pass (the same bits as one
   // pass each).
-  absl::InlinedVector<ShardOptimizer::Source, 8> run;
-  const uint32_t from = key.next_order;
-  uint32_t next = from;
+  SumJob job;
+  job.begin = begin;
+  job.dst = grad_ + (begin - options_.owned.begin);
+  job.n = key.end - begin;
+  // Contribution 0 overwrites: the buffer holds the previous step's sum.
+  job.first = key.next_order == 0;
+  job.grad_scale = grad_scale;
+  job.optimizer = optimizer_;
+  uint32_t next = key.next_order;
   for (;; ++next) {
     if (c != nullptr && next == order) {
-      run.push_back({c->payload.data(), c->dtype});
+      job.run.push_back({c->payload.data(), c->dtype});
       key.crcs.push_back(c->crc32c);
       continue;
     }
     auto p = key.pending.find(next);
     if (p == key.pending.end()) break;
-    run.push_back({p->second.data(), p->second.dtype});
-    key.crcs.push_back(p->second.crc32c);
-  }
-  if (run.empty()) return;
-  Accumulate(begin, key, run, grad_scale);
-  applied_ += run.size();
-  for (uint32_t o = from; o < next; ++o) {
-    if (c == nullptr || o != order) {
-      ErasePending(key, key.pending.find(o), HeldContribution::State::kDone);
+    Pending& e = p->second;
+    // Moving the copy keeps its bytes where they are.
+    job.run.push_back({e.data(), e.dtype});
+    key.crcs.push_back(e.crc32c);
+    ++job.entries;
+    if (e.held != nullptr) {
+      e.held->state = HeldContribution::State::kSumming;
+      job.held.push_back(std::move(e.held));
+    } else {
+      job.copies.push_back(std::move(e.bytes));
     }
+    key.pending.erase(p);
   }
+  if (job.run.empty()) return;
+  ++sum_passes_;
+  summed_contributions_ += job.run.size();
+  key.next_order = next;
+  job.last = next == Expected(micro_batches_);
+  ++sums_in_flight_;
+  if (options_.defer_sums) {
+    key.summing = true;
+    ready_.push_back(std::move(job));
+    return;
+  }
+  RunSum(job);
+  Settle(key, job);
+  --sums_in_flight_;
+}
+
+void ReductionState::RunSum(SumJob& job) {
+  ShardOptimizer* const opt = job.optimizer;
+  if (job.last) {
+    // The run ends with the range's last one: its pass takes the range's
+    // norm too, block by block.
+    job.stats = opt->SumContributions(job.dst, job.run, job.n, job.first, &job.grad_scale);
+  } else if (job.run.size() > 1) {
+    opt->SumContributions(job.dst, job.run, job.n, job.first, nullptr);
+  } else if (job.first) {
+    opt->ConvertIn(job.dst, job.run[0].data, job.run[0].type, job.n);
+  } else {
+    opt->Accumulate(job.dst, job.run[0].data, job.run[0].type, job.n);
+  }
+}
+
+void ReductionState::Settle(Key& key, SumJob& job) {
+  if (job.last) key.stats = job.stats;
+  for (const std::shared_ptr<HeldContribution>& h : job.held) {
+    h->state = HeldContribution::State::kDone;
+  }
+  for (const std::vector<uint8_t>& b : job.copies) buffered_bytes_ -= b.size();
+  // Booked as waiting entries until now: counted as applied from here.
+  pending_entries_ -= job.entries;
+  applied_ += job.run.size();
+  job.held.clear();
+  job.copies.clear();
+  job.entries = 0;
+}
+
+std::vector<ReductionState::SumJob> ReductionState::TakeReadySums() {
+  std::vector<SumJob> out;
+  out.swap(ready_);
+  return out;
+}
+
+void ReductionState::FinishSum(SumJob job) {
+  --sums_in_flight_;
+  auto k = keys_.find(job.begin);
+  if (k == keys_.end()) {
+    // Not reached (Reset waits until no sum is in flight); the job's
+    // contributions are let go all the same.
+    Key gone;
+    Settle(gone, job);
+    ReleaseUnheld();
+    return;
+  }
+  Key& key = k->second;
+  Settle(key, job);
+  key.summing = false;
+  // What came for the range meanwhile, summed now as it would have been at
+  // once: the waiting run from next_order on holds a copy (an arrival that
+  // was not held), or completes the range. Held ones alone stay held.
+  bool sum = false;
+  uint32_t o = key.next_order;
+  for (auto p = key.pending.find(o); p != key.pending.end(); p = key.pending.find(++o)) {
+    if (p->second.held == nullptr) sum = true;
+  }
+  if (sum || (o > key.next_order && o == Expected(micro_batches_))) {
+    SumRun(job.begin, key, nullptr, 0, job.grad_scale);
+  }
+  ReleaseUnheld();
 }
 
 bool ReductionState::NextInOrder(const HeldContribution& held) const {
   auto k = keys_.find(held.begin);
-  return k != keys_.end() && k->second.next_order == held.order;
+  return k != keys_.end() && k->second.next_order == held.order && !k->second.summing;
 }
 
 void ReductionState::Unhold(HeldContribution* held, uint64_t reserved_pending, float grad_scale) {
@@ -277,7 +363,7 @@ void ReductionState::Unhold(HeldContribution* held, uint64_t reserved_pending, f
     Key& key = k->second;
     auto p = key.pending.find(order);
     if (p != key.pending.end() && p->second.held.get() == held) {
-      if (order == key.next_order) {
+      if (order == key.next_order && !key.summing) {
         SumRun(begin, key, nullptr, 0, grad_scale);
       } else {
         Pending& e = p->second;
@@ -309,28 +395,6 @@ void ReductionState::ReleaseUnheld() {
   if (const uint64_t now = BookkeepingNow(); now < bookkeeping_bytes_) {
     ledger_->Release(options_.job_id, MemoryCategory::kBuffer, bookkeeping_bytes_ - now);
     bookkeeping_bytes_ = now;
-  }
-}
-
-void ReductionState::Accumulate(uint64_t begin, Key& key,
-                                absl::Span<const ShardOptimizer::Source> run, float grad_scale) {
-  float* dst = grad_ + (begin - options_.owned.begin);
-  const size_t n = key.end - begin;
-  ++sum_passes_;
-  summed_contributions_ += run.size();
-  // Contribution 0 overwrites: the buffer holds the previous step's sum.
-  const bool first = key.next_order == 0;
-  key.next_order += static_cast<uint32_t>(run.size());
-  if (key.next_order == Expected(micro_batches_)) {
-    // The run ends with the last one: its pass takes the range's norm too,
-    // block by block.
-    key.stats = optimizer_->SumContributions(dst, run, n, first, &grad_scale);
-  } else if (run.size() > 1) {
-    optimizer_->SumContributions(dst, run, n, first, nullptr);
-  } else if (first) {
-    optimizer_->ConvertIn(dst, run[0].data, run[0].type, n);
-  } else {
-    optimizer_->Accumulate(dst, run[0].data, run[0].type, n);
   }
 }
 
@@ -406,6 +470,7 @@ uint32_t ReductionState::ReplaceRank(uint32_t rank) {
 }
 
 void ReductionState::Reset() {
+  ready_.clear();  // empty: the caller runs what it plans before letting go
   for (auto& [b, k] : keys_) {
     for (auto& [o, p] : k.pending) {
       if (p.held != nullptr) p.held->state = HeldContribution::State::kDropped;

@@ -13,7 +13,8 @@
 // budget, so that pushes of many tiny chunks are held to the daemon's limit.
 //
 // Wire-free: this sees flat ranges, order numbers and payload bytes, never a
-// protobuf. Not thread-safe: the Job calls it under its reduction lock.
+// protobuf. Not thread-safe: the Job calls it under its reduction lock
+// (with Options::defer_sums, the passes themselves run outside it).
 
 #include <cstdint>
 #include <map>
@@ -22,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -40,7 +42,8 @@ struct Contribution {
   uint32_t rank = 0;
   uint32_t micro_batch = 0;
   DType dtype = DType::kFp32;
-  // range.size() * DTypeSize(dtype) bytes, read during Check and Apply only.
+  // range.size() * DTypeSize(dtype) bytes, read during Check and Apply only
+  // (with Options::defer_sums, also until the passes Apply planned finish).
   absl::string_view payload;
   // Of payload as the sender computed it; 0 = not sent (a staged push).
   uint32_t crc32c = 0;
@@ -58,6 +61,7 @@ struct Contribution {
 struct HeldContribution {
   enum class State {
     kHeld,     // the reduction may still read the payload
+    kSumming,  // in a deferred sum (ReductionState::SumJob): still read, not droppable
     kDone,     // summed, or copied into the out-of-order buffer: let go
     kDropped,  // removed unsummed (the rank was replaced, the step reset)
   };
@@ -88,6 +92,34 @@ class ReductionState {
     // The tensors of the owned range (outlives the state); null: every
     // tensor counts as having a gradient.
     const OwnedTensors* tensors = nullptr;
+    // Sums are planned, not run: Apply and Unhold queue each range's pass
+    // as a SumJob that the caller takes (TakeReadySums), runs without its
+    // lock (RunSum) and hands back (FinishSum). Until then the range is
+    // busy: its next contributions wait (held or buffered) and are summed
+    // by FinishSum's follow-up. Off: every pass runs inside the call.
+    bool defer_sums = false;
+  };
+
+  // One planned pass over one range: its next contributions, in order,
+  // summed into grad (overwriting it when `first`); `last` when it
+  // ends the range, and then its norm lands in `stats`. Owns the
+  // out-of-order copies it reads (moved out of the buffer, still booked);
+  // the held contributions it reads are kSumming until FinishSum.
+  struct SumJob {
+    uint64_t begin = 0;
+    float* dst = nullptr;
+    size_t n = 0;
+    bool first = false;
+    bool last = false;
+    float grad_scale = 1.0f;
+    ShardOptimizer* optimizer = nullptr;
+    absl::InlinedVector<ShardOptimizer::Source, 8> run;
+    GradStats stats;  // set by RunSum when `last`
+   private:
+    friend class ReductionState;
+    std::vector<std::shared_ptr<HeldContribution>> held;
+    std::vector<std::vector<uint8_t>> copies;
+    uint32_t entries = 0;  // out-of-order entries taken (held or copied)
   };
 
   // `grad` (owned.size() floats), `optimizer` and `ledger` must outlive this.
@@ -127,7 +159,7 @@ class ReductionState {
   // from the next one in order on is waiting (buffered or held) is summed
   // with all of them in one pass. With `hold` (non-null; a batch of one
   // contribution whose payload the caller keeps valid until *hold leaves
-  // kHeld), a contribution that does not complete its range is held there
+  // kHeld and kSumming), a contribution that does not complete its range is held there
   // instead of being summed or copied: *hold is set to its handle.
   uint64_t Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
                  uint64_t reserved_pending, uint64_t reserved_bookkeeping, float grad_scale,
@@ -170,8 +202,24 @@ class ReductionState {
   // back to the ledger.
   uint32_t ReplaceRank(uint32_t rank);
   // Forgets the step (the summed gradient in `grad` stays until overwritten
-  // by the next step's first contributions) and frees the buffer.
+  // by the next step's first contributions) and frees the buffer. No sum
+  // may be in flight (sums_in_flight() == 0).
   void Reset();
+
+  // ---- Deferred sums (Options::defer_sums) ----
+  // The passes planned since the last call, in the order planned (each on
+  // its own range). The caller runs them with RunSum, with no lock of this
+  // state's held (it reads and writes only its job and its range of
+  // `grad`), then hands each back with FinishSum.
+  std::vector<SumJob> TakeReadySums();
+  // Runs one planned pass: blocks for the pass (the optimizer's threads).
+  static void RunSum(SumJob& job);
+  // Ends a pass: its range's norm recorded, its held contributions let go
+  // (kDone), its copies freed; the range is free again, and a run of
+  // contributions that waited for it is planned as the next job.
+  void FinishSum(SumJob job);
+  // Planned or running passes not yet finished.
+  uint32_t sums_in_flight() const { return sums_in_flight_; }
 
   const float* grad() const { return grad_; }
   // Passes over the gradient buffer that summed contributions, since
@@ -201,7 +249,8 @@ class ReductionState {
   struct Key {
     uint64_t end = 0;
     uint32_t partition = 0;
-    uint32_t next_order = 0;     // contributions applied so far, in order
+    uint32_t next_order = 0;     // contributions applied (or in a planned sum) so far, in order
+    bool summing = false;        // a deferred sum over the range is in flight
     std::vector<uint32_t> crcs;  // of the applied ones, by order
     std::map<uint32_t, Pending> pending;  // arrived ahead of their turn
     GradStats stats;                      // of the summed range, set by its last contribution
@@ -230,18 +279,21 @@ class ReductionState {
                         const std::map<uint64_t, uint64_t>& new_keys) const;
   // Sums, in one pass, the contributions from key.next_order on as far as
   // they are consecutive: `c` (if given) as number `order`, the others
-  // waiting in key.pending, which are let go.
+  // waiting in key.pending, which are let go; deferred (Options), plans
+  // the pass instead and marks the range busy.
   void SumRun(uint64_t begin, Key& key, const Contribution* c, uint32_t order, float grad_scale);
+  // Whether the range's next contributions could be summed now: it is not
+  // busy, and every one from next_order up to `order` waits.
+  bool SumsNow(const Key& key, uint32_t order) const {
+    return !key.summing && WaitingUpTo(key, order);
+  }
   // Removes pending entry `p` (its bytes no longer buffered; a held one
   // marked `state`).
   std::map<uint32_t, Pending>::iterator ErasePending(Key& key,
                                                      std::map<uint32_t, Pending>::iterator p,
                                                      HeldContribution::State state);
-  // Adds contributions key.next_order, key.next_order + 1, ... (`run`, in
-  // that order) of the range starting at `begin` in one pass and advances
-  // next_order; a run that ends with the last one also sets key.stats.
-  void Accumulate(uint64_t begin, Key& key, absl::Span<const ShardOptimizer::Source> run,
-                  float grad_scale);
+  // Lets a finished pass's contributions go and records its norm.
+  void Settle(Key& key, SumJob& job);
 
   const Options options_;
   float* const grad_;
@@ -260,6 +312,8 @@ class ReductionState {
   uint64_t bookkeeping_bytes_ = 0;  // booked as buffer, >= BookkeepingNow()
   uint64_t sum_passes_ = 0;
   uint64_t summed_contributions_ = 0;
+  std::vector<SumJob> ready_;   // planned, not yet taken (defer_sums)
+  uint32_t sums_in_flight_ = 0;  // planned, not yet finished
 };
 
 }  // namespace zeroshard

@@ -26,7 +26,7 @@ constexpr uint32_t kWorld = 3;
 constexpr uint64_t kN = 1000;
 
 struct Rig {
-  Rig() : ledger(0), grad(kN, -7.0f) {
+  explicit Rig(bool defer_sums = false) : ledger(0), grad(kN, -7.0f) {
     optimizer = *ShardOptimizer::Create(ShardOptimizer::Options{});
     ReductionState::Options o;
     o.job_id = "job";
@@ -35,6 +35,7 @@ struct Rig {
     o.partition_elements = kN;
     o.world_size = kWorld;
     o.pending_budget_bytes = 1 << 20;
+    o.defer_sums = defer_sums;
     state = std::make_unique<ReductionState>(o, grad.data(), optimizer.get(), &ledger);
     for (uint32_t r = 0; r < kWorld; ++r) {
       payload.emplace_back(kN);
@@ -69,6 +70,14 @@ struct Rig {
     return want;
   }
   bool SumIsExact() const { return std::memcmp(grad.data(), Expected().data(), kN * 4) == 0; }
+  // Deferred sums: runs and finishes what is planned (one pass, as the
+  // engine does with its lock released); how many there were.
+  size_t RunPlanned() {
+    std::vector<ReductionState::SumJob> jobs = state->TakeReadySums();
+    for (ReductionState::SumJob& job : jobs) ReductionState::RunSum(job);
+    for (ReductionState::SumJob& job : jobs) state->FinishSum(std::move(job));
+    return jobs.size();
+  }
 
   MemoryLedger ledger;
   std::vector<float> grad;
@@ -151,6 +160,91 @@ TEST(ReductionHoldTest, DroppedHeldOnesAreNotSummed) {
   rig.Push(2, false);
   EXPECT_TRUE(rig.state->Complete());
   EXPECT_TRUE(rig.SumIsExact());
+}
+
+// ---- Deferred sums (the engine runs each pass without its lock) ----
+
+TEST(ReductionDeferTest, ArrivalsDuringAPassWaitAndAreSummedByItsFollowUp) {
+  Rig rig(/*defer_sums=*/true);
+  rig.Push(0, false);  // next in order: planned, not run
+  EXPECT_EQ(rig.state->sums_in_flight(), 1u);
+  EXPECT_EQ(rig.grad[0], -7.0f);
+  // The range is busy: rank 1, next in order, is copied into the buffer
+  // (and Check booked the copy), rank 2, which completes it, is held.
+  rig.Push(1, false);
+  EXPECT_EQ(rig.state->pending_bytes(), kN * 4);
+  std::shared_ptr<HeldContribution> h2 = rig.Push(2, true);
+  ASSERT_NE(h2, nullptr);
+  EXPECT_EQ(h2->state, State::kHeld);
+  EXPECT_FALSE(rig.state->NextInOrder(*h2));
+  EXPECT_EQ(rig.RunPlanned(), 1u);
+  // The pass's follow-up takes ranks 1 and 2 in one pass; rank 2's bytes
+  // are being read: a rejoin of rank 2 cannot drop them.
+  EXPECT_EQ(h2->state, State::kSumming);  // planned by FinishSum, not yet taken
+  EXPECT_EQ(rig.state->ReplaceRank(2), 0u);
+  EXPECT_EQ(h2->state, State::kSumming);
+  EXPECT_EQ(rig.state->sums_in_flight(), 1u);
+  EXPECT_EQ(rig.RunPlanned(), 1u);
+  EXPECT_EQ(h2->state, State::kDone);
+  EXPECT_EQ(rig.state->sums_in_flight(), 0u);
+  EXPECT_EQ(rig.state->pending_bytes(), 0u);
+  EXPECT_EQ(rig.state->sum_passes(), 2u);
+  EXPECT_TRUE(rig.state->Complete());
+  EXPECT_TRUE(rig.SumIsExact());
+  rig.state->Reset();
+  EXPECT_EQ(rig.ledger.total(), 0u);
+}
+
+TEST(ReductionDeferTest, AHeldOneThatDoesNotCompleteStaysHeldAfterAPass) {
+  Rig rig(/*defer_sums=*/true);
+  rig.Push(0, false);
+  std::shared_ptr<HeldContribution> h1 = rig.Push(1, true);
+  EXPECT_EQ(rig.RunPlanned(), 1u);
+  EXPECT_EQ(rig.state->TakeReadySums().size(), 0u);
+  EXPECT_EQ(h1->state, State::kHeld);
+  EXPECT_TRUE(rig.state->NextInOrder(*h1));
+  // The last arrival sums the held one with itself.
+  EXPECT_EQ(rig.Push(2, true), nullptr);
+  EXPECT_EQ(h1->state, State::kSumming);
+  EXPECT_EQ(rig.state->sums_in_flight(), 1u);
+  EXPECT_EQ(rig.RunPlanned(), 1u);
+  EXPECT_EQ(h1->state, State::kDone);
+  EXPECT_EQ(rig.state->sum_passes(), 2u);
+  EXPECT_TRUE(rig.SumIsExact());
+}
+
+TEST(ReductionDeferTest, AHeldOneIsSummedWithACopyThatCameAfterItDuringAPass) {
+  Rig rig(/*defer_sums=*/true);
+  rig.Push(0, false);
+  std::shared_ptr<HeldContribution> h1 = rig.Push(1, true);
+  rig.Push(2, false);  // next but one: a copy, as inline
+  EXPECT_EQ(rig.state->pending_bytes(), kN * 4);
+  EXPECT_EQ(rig.RunPlanned(), 1u);
+  // Inline, rank 2's arrival would have summed rank 1 with it: so does the
+  // pass's follow-up.
+  EXPECT_EQ(h1->state, State::kSumming);
+  EXPECT_EQ(rig.RunPlanned(), 1u);
+  EXPECT_EQ(h1->state, State::kDone);
+  EXPECT_EQ(rig.state->pending_bytes(), 0u);
+  EXPECT_TRUE(rig.state->Complete());
+  EXPECT_TRUE(rig.SumIsExact());
+}
+
+TEST(ReductionDeferTest, DeferredAndInlineSumsHoldTheSameState) {
+  Rig inline_rig;
+  Rig deferred(/*defer_sums=*/true);
+  for (Rig* rig : {&inline_rig, &deferred}) {
+    rig->Push(1, false);
+    rig->Push(0, false);
+    rig->RunPlanned();
+    rig->Push(2, false);
+    rig->RunPlanned();
+  }
+  uint64_t a = 0, b = 0;
+  inline_rig.state->Hash(a);
+  deferred.state->Hash(b);
+  EXPECT_EQ(a, b);
+  EXPECT_TRUE(deferred.SumIsExact());
 }
 
 // ---- Tensors without a gradient ----

@@ -38,6 +38,7 @@ StepEngine::StepEngine(const JobConfig* config, FlatRange owned, const Options& 
 
 StepEngine::~StepEngine() {
   absl::MutexLock lock(&mu_);
+  if (reduction_ != nullptr) AwaitSumsLocked();
   reduction_.reset();  // releases its buffer booking before grad_ goes
 }
 
@@ -109,6 +110,8 @@ absl::StatusOr<std::unique_ptr<StepEngine>> StepEngine::Create(const JobConfig* 
   ro.mode = c.reduction;
   ro.pending_budget_bytes = options.reduction_buffer_bytes;
   ro.tensors = engine->tensors_;
+  // Each range's pass runs outside mu_ (RunReadySums).
+  ro.defer_sums = true;
   engine->reduction_ = std::make_unique<ReductionState>(ro, engine->grad_data_,
                                                         options.optimizer, options.ledger);
   engine->loss_scale_ = c.loss_scale.initial_scale;
@@ -278,6 +281,9 @@ absl::StatusOr<PushResult> StepEngine::PushGradient(
   }
   const uint32_t mbs = std::max<uint32_t>(chunks[0].micro_batches, 1);
   absl::MutexLock lock(&mu_);
+  // The forwarded step's reset below must not release the lock after the
+  // checks.
+  if (prepared_ && prepared_by_forward_) AwaitSumsLocked();
   // Every chunk's sender must be its rank's current process, checked under
   // the reduction lock (and again after any wait that released it), so a
   // rank that rejoins meanwhile fences it.
@@ -293,7 +299,7 @@ absl::StatusOr<PushResult> StepEngine::PushGradient(
   if (prepared_ && prepared_by_forward_) {
     // A promoted backup holding its dead primary's forward of a step no copy
     // committed: the ranks compute the step again, and it is reduced here.
-    reduction_->Reset();
+    ResetReductionLocked();
     prepared_ = false;
     prepared_by_forward_ = false;
     ++reduction_changes_;
@@ -347,8 +353,10 @@ absl::Status StepEngine::ApplyPush(const std::vector<Contribution>& batch, uint3
         *elements =
             reduction_->Apply(batch, micro_batches, pending, bookkeeping, GradScale(), held);
         ++reduction_changes_;
+        // Before returning: a pass may read the batch's payloads.
+        RunReadySums();
         return absl::OkStatus();
-      } else if (reduction_->pending_bytes() == 0) {
+      } else if (reduction_->pending_bytes() == 0 && reduction_->sums_in_flight() == 0) {
         return s;  // over the daemon's memory limit with nothing left to drain
       }
     }
@@ -378,12 +386,21 @@ absl::Status StepEngine::AwaitHeld(const Contribution& c, const std::shared_ptr<
   auto let_go = [&held]() { return held->state != State::kHeld; };
   mu_.AwaitWithDeadline(absl::Condition(&let_go),
                         std::min(deadline, absl::Now() + options_.reduction_hold));
+  // Only kHeld may be dropped or unheld below: a kSumming one is being
+  // read by another push's pass, which lets it go.
   while (held->state == State::kHeld) {
     // Still from the rank's current process (the lock was released)?
     if (absl::Status s = senders_current(); !s.ok()) {
       reduction_->DropHeld(held.get());
       ++reduction_changes_;
       return s;
+    }
+    if (prepared_) {
+      // Only a forwarded step is prepared with contributions waiting
+      // (TakeForwardedStep): it supersedes them, and its gradient is frozen.
+      reduction_->DropHeld(held.get());
+      ++reduction_changes_;
+      break;
     }
     // Held long enough: summed now if it is next in order, else buffered.
     const uint64_t bytes = reduction_->NextInOrder(*held) ? 0 : held->bytes;
@@ -394,6 +411,7 @@ absl::Status StepEngine::AwaitHeld(const Contribution& c, const std::shared_ptr<
              .ok())) {
       reduction_->Unhold(held.get(), bytes, GradScale());
       ++reduction_changes_;
+      RunReadySums();
       break;
     }
     // Back-pressure: wait for the buffer to drain, or for a later arrival
@@ -417,17 +435,48 @@ absl::Status StepEngine::AwaitHeld(const Contribution& c, const std::shared_ptr<
           "; nothing was applied"));
     }
   }
+  // Its bytes are read until the pass that took them ends (in-process
+  // work: no peer, bounded by one range's sum).
+  auto not_summing = [&held]() { return held->state != State::kSumming; };
+  mu_.Await(absl::Condition(&not_summing));
   if (held->state == State::kDropped) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", config_->job_id, ": rank ", c.rank, "'s range [", c.range.begin, ", ", c.range.end,
-        ") was dropped unsummed while it was held (the rank rejoined, or the "
-        "step was reset); push it again"));
+        ") was dropped unsummed while it was held (the rank rejoined, the "
+        "step was reset, or its primary's forward prepared it); push it again"));
   }
   return absl::OkStatus();
 }
 
+void StepEngine::RunReadySums() {
+  for (;;) {
+    std::vector<ReductionState::SumJob> jobs = reduction_->TakeReadySums();
+    if (jobs.empty()) return;
+    // Each job owns its range until FinishSum: pushes of other ranges, and
+    // of this one (they wait as held or buffered), go on meanwhile.
+    mu_.Unlock();
+    for (ReductionState::SumJob& job : jobs) ReductionState::RunSum(job);
+    mu_.Lock();
+    for (ReductionState::SumJob& job : jobs) reduction_->FinishSum(std::move(job));
+    ++reduction_changes_;
+  }
+}
+
+void StepEngine::AwaitSumsLocked() const {
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return reduction_->sums_in_flight() == 0;
+  };
+  mu_.Await(absl::Condition(&idle));
+}
+
+void StepEngine::ResetReductionLocked() {
+  AwaitSumsLocked();
+  reduction_->Reset();
+}
+
 StepEngine::ReductionCounts StepEngine::Reductions() const {
   absl::MutexLock lock(&mu_);
+  AwaitSumsLocked();
   return {reduction_->sum_passes(), reduction_->summed_contributions()};
 }
 
@@ -507,6 +556,9 @@ absl::Status StepEngine::Gather(uint64_t after_step, const FlatRange& range, DTy
 absl::StatusOr<StepEngine::Prepared> StepEngine::PrepareLocked(uint64_t step) {
   RETURN_IF_ERROR(disk_damaged());
   absl::MutexLock lock(&mu_);
+  // A range counts as complete once its last pass is planned: its norm and
+  // its gradient are there when the pass ends.
+  AwaitSumsLocked();
   if (step != committed_step() + 1) {
     return absl::FailedPreconditionError(absl::StrCat("step: job ", config_->job_id,
                                                       " is computing step ",
@@ -642,6 +694,7 @@ absl::StatusOr<CommitResult> StepEngine::CommitLocked(const CommitRequest& r, fl
     params_step_ = r.step;
   }
   absl::MutexLock lock(&mu_);
+  AwaitSumsLocked();  // none: pushes are refused while prepared
   UpdateLossScale(r.skip);
   reduction_->Reset();
   prepared_ = false;
@@ -700,6 +753,7 @@ void StepEngine::ReadModelStates(absl::FunctionRef<void(const ShardState&)> read
 absl::Status StepEngine::Restore(const v1::TrainingState& state,
                                  absl::FunctionRef<absl::Status(ShardState&)> restore) {
   absl::MutexLock lock(&mu_);
+  AwaitSumsLocked();  // held from here on: no pass starts before the reset
   {
     absl::MutexLock params_lock(&params_mu_);
     const absl::Status restored = restore(*shard_);
@@ -715,6 +769,7 @@ absl::Status StepEngine::TakeForwardedStep(uint64_t step, const float* grad,
                                            const PrepareResult& result,
                                            std::vector<uint32_t> no_grad) {
   absl::MutexLock lock(&mu_);
+  AwaitSumsLocked();  // the gradient is overwritten below
   if (step != committed_step() + 1) {
     return absl::FailedPreconditionError(absl::StrCat(
         "step: the backup of job ", config_->job_id, " is at committed step ", committed_step(),
@@ -746,7 +801,7 @@ bool StepEngine::prepared() const {
 
 void StepEngine::RestoreTrainingStateLocked(const v1::TrainingState& state) {
   // The open step's contributions belong to the replaced state.
-  reduction_->Reset();
+  ResetReductionLocked();
   prepared_ = false;
   prepared_by_forward_ = false;
   ++reduction_changes_;
@@ -992,6 +1047,7 @@ void StepEngine::NoteRemoteAccess() {
 
 void StepEngine::Hash(uint64_t& h) const {
   absl::MutexLock lock(&mu_);
+  AwaitSumsLocked();
   absl::ReaderMutexLock params_lock(&params_mu_);
   shard_->Hash(h);
   reduction_->Hash(h);

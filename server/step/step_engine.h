@@ -16,8 +16,10 @@
 //               prepared step; a checkpoint's snapshot copy). Never taken
 //               by pushes, gathers, state reads or step-state reads;
 //   mu_         the reduction and the step bookkeeping (held for
-//               bookkeeping and the pushes' accumulation; never for the
-//               optimizer, never for network I/O);
+//               bookkeeping; released for the pushes' accumulation, which
+//               runs each range's pass while that range is marked busy
+//               (ReductionState::SumJob); never held for the optimizer,
+//               never for network I/O);
 //   params_mu_  the model states (shared for a gather's chunk copy,
 //               exclusive for the optimizer's update).
 // The committed step is an atomic: step-state reads never wait for a step.
@@ -276,6 +278,17 @@ class StepEngine {
   absl::Status AwaitHeld(const Contribution& c, const std::shared_ptr<HeldContribution>& held,
                          absl::Time deadline, absl::FunctionRef<absl::Status()> senders_current)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs the reduction's planned passes (ReductionState::TakeReadySums)
+  // with mu_ released, then finishes them under it, until none is left:
+  // pushes of other ranges register while a range is summed. Blocks for
+  // the passes (the optimizer's threads).
+  void RunReadySums() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (mu_ released meanwhile) until no planned pass is in flight:
+  // before anything reads the whole gradient, overwrites it, or forgets
+  // the step. In-process work, no peer: bounded by the passes themselves.
+  void AwaitSumsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AwaitSumsLocked, then ReductionState::Reset.
+  void ResetReductionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const JobConfig* const config_;
   const Options options_;
