@@ -26,16 +26,18 @@
 //                  --spill_factor times the arena, so the daemon writes all
 //                  but the arena's worth to spill files to make room (after
 //                  a warm-up step that fits the arena); figure: bytes
-//                  spilled / time of the offloads;
+//                  spilled / time of the offloads; --reps steps;
 //   spill read     the same slices fetched back, last first, with the
 //                  prefetch hint a trainer gives: bytes read back from spill
 //                  files / time of the fetches;
 //   O_DIRECT       a plain sequential O_DIRECT write, then read, of the same
-//                  bytes in --slice_bytes pieces to a file in --dir.
+//                  bytes in --slice_bytes pieces to a file in --dir, right
+//                  after each spill step.
 // The last line is the summary:
 //   offload_fraction=X spill_write_fraction=Y spill_read_fraction=Z
 // (X = the median over repetitions of offload+fetch, default options, /
-// the perftest run right after it; Y, Z = spill / O_DIRECT of the same run).
+// the perftest run right after it; Y, Z = the medians of spill / the O_DIRECT
+// run right after it).
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -371,6 +373,7 @@ int Main() {
 
   // ---- spill write and read against O_DIRECT ----
   double spill_write = NAN, spill_read = NAN, direct_write = NAN, direct_read = NAN;
+  double write_fraction = NAN, read_fraction = NAN;
   {
     const uint64_t arena = absl::GetFlag(FLAGS_spill_arena_bytes);
     const int spill_slices =
@@ -392,35 +395,59 @@ int Main() {
         absl::StatusOr<Phase> warm =
             store.ok() ? OffloadAndFetch(**store, 1, warm_slices, sources, sinks, depth)
                        : absl::StatusOr<Phase>(store.status());
-        const double spilled_before =
-            DaemonCounter(**daemon, "zeroshard_activation_spill_bytes_total", "bench-spill");
-        absl::StatusOr<Phase> p =
-            warm.ok() ? OffloadAndFetch(**store, 2, spill_slices, sources, sinks, depth) : warm;
-        if (!p.ok()) {
-          std::printf("spill: %s\n", p.status().ToString().c_str());
-        } else {
+        // Each repetition a step of spill_slices, then the same bytes
+        // written and read with O_DIRECT right after it: each pair sees
+        // the same state of the disk.
+        std::vector<double> writes, reads, direct_writes, direct_reads, write_ratios, read_ratios;
+        uint64_t seen_fetches = warm.ok() ? warm->stats.spilled_fetches : 0;
+        for (int rep = 0; warm.ok() && rep < absl::GetFlag(FLAGS_reps); ++rep) {
+          const double spilled_before =
+              DaemonCounter(**daemon, "zeroshard_activation_spill_bytes_total", "bench-spill");
+          absl::StatusOr<Phase> p =
+              OffloadAndFetch(**store, 2 + rep, spill_slices, sources, sinks, depth);
+          if (!p.ok()) {
+            std::printf("spill: %s\n", p.status().ToString().c_str());
+            break;
+          }
           // What the daemon wrote to spill files (its counter), and what came
           // back from them (the fetches that missed the arena).
           const uint64_t spilled = static_cast<uint64_t>(
               DaemonCounter(**daemon, "zeroshard_activation_spill_bytes_total", "bench-spill") -
               spilled_before);
-          const uint64_t read_back =
-              (p->stats.spilled_fetches - warm->stats.spilled_fetches) * slice;
-          spill_write = spilled / p->offload_seconds / 1e9;
-          spill_read = read_back / p->fetch_seconds / 1e9;
+          const uint64_t read_back = (p->stats.spilled_fetches - seen_fetches) * slice;
+          seen_fetches = p->stats.spilled_fetches;
+          const auto [dw, dr] = DirectIo(dir, spilled, slice, &why);
+          if (std::isnan(dw)) {
+            std::printf("O_DIRECT: %s\n", why.c_str());
+            break;
+          }
+          writes.push_back(spilled / p->offload_seconds / 1e9);
+          reads.push_back(read_back / p->fetch_seconds / 1e9);
+          direct_writes.push_back(dw);
+          direct_reads.push_back(dr);
+          write_ratios.push_back(writes.back() / dw);
+          read_ratios.push_back(reads.back() / dr);
           std::printf(
               "spill (arena %.0f MiB, %d slices = %.0f MiB): %.0f MiB spilled in %.2f s "
-              "(%.2f GB/s), %llu slices read back (%.0f MiB) in %.2f s (%.2f GB/s)\n",
+              "(%.2f GB/s), %llu slices read back (%.0f MiB) in %.2f s (%.2f GB/s); O_DIRECT "
+              "sequential, same bytes, same directory: write %.2f GB/s, read %.2f GB/s\n",
               arena / 1048576.0, spill_slices, spill_total / 1048576.0, spilled / 1048576.0,
-              p->offload_seconds, spill_write, static_cast<unsigned long long>(read_back / slice),
-              read_back / 1048576.0, p->fetch_seconds, spill_read);
-          std::tie(direct_write, direct_read) = DirectIo(dir, spilled, slice, &why);
-          if (std::isnan(direct_write)) std::printf("O_DIRECT: %s\n", why.c_str());
-          std::printf(
-              "O_DIRECT sequential, same bytes, same directory: write %.2f GB/s, read "
-              "%.2f GB/s\n",
-              direct_write, direct_read);
+              p->offload_seconds, writes.back(),
+              static_cast<unsigned long long>(read_back / slice), read_back / 1048576.0,
+              p->fetch_seconds, reads.back(), dw, dr);
         }
+        if (!warm.ok()) std::printf("spill: %s\n", warm.status().ToString().c_str());
+        spill_write = Median(writes);
+        spill_read = Median(reads);
+        direct_write = Median(direct_writes);
+        direct_read = Median(direct_reads);
+        write_fraction = Median(write_ratios);
+        read_fraction = Median(read_ratios);
+        std::printf(
+            "spill: write %.2f GB/s against O_DIRECT %.2f, read %.2f against %.2f (medians of "
+            "%zu); per repetition write %.3f, read %.3f (medians of the ratios)\n",
+            spill_write, direct_write, spill_read, direct_read, writes.size(), write_fraction,
+            read_fraction);
         store = absl::CancelledError("done");
         if (client.ok()) (*client)->Leave().IgnoreError();
       }
@@ -428,7 +455,7 @@ int Main() {
     rmdir(spill_dir.c_str());
   }
   std::printf("offload_fraction=%.3f spill_write_fraction=%.3f spill_read_fraction=%.3f\n",
-              offload_fraction, spill_write / direct_write, spill_read / direct_read);
+              offload_fraction, write_fraction, read_fraction);
   return 0;
 }
 
