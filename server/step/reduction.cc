@@ -253,6 +253,7 @@ void ReductionState::SumRun(uint64_t begin, Key& key, const Contribution* c, uin
     if (c != nullptr && next == order) {
       job.run.push_back({c->payload.data(), c->dtype});
       key.crcs.push_back(c->crc32c);
+      ++applied_;  // booked as applied by Check (the others as waiting)
       continue;
     }
     auto p = key.pending.find(next);
@@ -309,7 +310,7 @@ void ReductionState::Settle(Key& key, SumJob& job) {
   for (const std::vector<uint8_t>& b : job.copies) buffered_bytes_ -= b.size();
   // Booked as waiting entries until now: counted as applied from here.
   pending_entries_ -= job.entries;
-  applied_ += job.run.size();
+  applied_ += job.entries;
   job.held.clear();
   job.copies.clear();
   job.entries = 0;

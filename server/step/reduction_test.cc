@@ -191,6 +191,10 @@ TEST(ReductionDeferTest, ArrivalsDuringAPassWaitAndAreSummedByItsFollowUp) {
   EXPECT_EQ(rig.state->sum_passes(), 2u);
   EXPECT_TRUE(rig.state->Complete());
   EXPECT_TRUE(rig.SumIsExact());
+  // What stays booked is the bookkeeping of a step summed inline.
+  Rig inline_rig;
+  for (uint32_t r = 0; r < kWorld; ++r) inline_rig.Push(r, false);
+  EXPECT_EQ(rig.ledger.total(), inline_rig.ledger.total());
   rig.state->Reset();
   EXPECT_EQ(rig.ledger.total(), 0u);
 }
@@ -244,6 +248,7 @@ TEST(ReductionDeferTest, DeferredAndInlineSumsHoldTheSameState) {
   inline_rig.state->Hash(a);
   deferred.state->Hash(b);
   EXPECT_EQ(a, b);
+  EXPECT_EQ(inline_rig.ledger.total(), deferred.ledger.total());
   EXPECT_TRUE(deferred.SumIsExact());
 }
 

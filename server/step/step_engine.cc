@@ -375,6 +375,12 @@ absl::Status StepEngine::ApplyPush(const std::vector<Contribution>& batch, uint3
       return absl::FailedPreconditionError(absl::StrCat(
           "job ", config_->job_id, " committed step ", step, " while this push waited"));
     }
+    if (prepared_) {
+      // A forward from the group's primary froze the step meanwhile.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", config_->job_id, " step ", step,
+          " was prepared while this push waited: its gradient is frozen until the commit"));
+    }
     RETURN_IF_ERROR(senders_current());
   }
 }
