@@ -94,7 +94,7 @@
 ABSL_FLAG(int, ranks, 4, "N_d: ranks (threads of this process, each with its own client)");
 ABSL_FLAG(uint64_t, elements, 64ull << 20, "fp32 parameters in the job (Ψ)");
 ABSL_FLAG(uint64_t, bucket_bytes, 32ull << 20, "the client's bucket C_B (and perftest's message)");
-ABSL_FLAG(int, reps, 5, "timed repetitions after one warm-up (the median is reported)");
+ABSL_FLAG(int, reps, 9, "timed repetitions after one warm-up (the median is reported)");
 ABSL_FLAG(int, perftest_runs, 3, "ucx_perftest runs (the median is reported)");
 ABSL_FLAG(std::string, ucx_tls, "posix,cma,self", "UCX_TLS for the clients, daemon and perftest");
 ABSL_FLAG(std::string, perftest, "ucx_perftest", "the ucx_perftest binary (PATH is searched)");

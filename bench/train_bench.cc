@@ -4,9 +4,10 @@
 //   demo  gpt_train's defaults: 4 blocks, width 64, 4 heads, seq_len 32,
 //         global batch 8;
 //   50m   16 blocks, width 512, 8 heads, seq_len 32, global batch 2
-//         (50.7M parameters; a small batch and 1 warm-up + 1 timed step,
-//         as torch's matrix products on the reference BLAS take tens of
-//         seconds per step on 2 shared cores).
+//         (50.7M parameters; a small batch and 1 warm-up + 3 timed steps:
+//         a step takes seconds on 2 shared cores, and the median of three
+//         is steadier than one step, whose backward alone swings by a
+//         third from one run to the next).
 //
 // The contenders, each for the same steps on the same batches (MakeBatch)
 // from the same initial parameters (GptInitialParams, one seed):
@@ -76,7 +77,7 @@
 #include "server/daemon.h"
 
 ABSL_FLAG(std::string, presets, "demo,50m", "model sizes to run, in order: demo, 50m");
-ABSL_FLAG(int, steps, -1, "timed steps per contender (-1: the preset's, demo 20, 50m 1)");
+ABSL_FLAG(int, steps, -1, "timed steps per contender (-1: the preset's, demo 20, 50m 3)");
 ABSL_FLAG(int, warmup, -1, "untimed steps before them (-1: the preset's, demo 2, 50m 1)");
 ABSL_FLAG(std::string, ucx_tls, "posix,cma,self", "UCX_TLS of the daemons and the trainers");
 ABSL_FLAG(std::string, corpus, "/usr/share/common-licenses", "directory of training text");
@@ -124,7 +125,7 @@ absl::StatusOr<Preset> GetPreset(const std::string& name) {
     p.model.heads = 8;
     p.model.seq_len = 32;
     p.global_batch = 2;
-    p.steps = 1;
+    p.steps = 3;
     p.warmup = 1;
   } else {
     return absl::InvalidArgumentError(absl::StrCat("--presets: demo or 50m, got \"", name, "\""));

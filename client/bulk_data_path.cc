@@ -324,6 +324,16 @@ absl::StatusOr<uint64_t> BulkDataPath::FenceSlot(const GradientPush& push, uint3
   return resp.applied_generation();
 }
 
+uint64_t BulkDataPath::PullSerial(const void* data, uint64_t bytes) const {
+  // As PlanPull takes it; whether the daemon maps the memory is asked there.
+  if (options_.push_memories == nullptr || bytes == 0 || bytes > kMaxChunkBytes ||
+      pulls_refused_.load(std::memory_order_relaxed)) {
+    return 0;
+  }
+  std::optional<PushMemories::Found> found = options_.push_memories->Find(data, bytes);
+  return found.has_value() ? found->serial : 0;
+}
+
 BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
                                           absl::Span<const GradientPush> pushes,
                                           absl::Time deadline) {
@@ -379,6 +389,7 @@ BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
   // A refusal stays for this endpoint; a lost call is asked again next time.
   if (!absl::IsUnavailable(s) && !absl::IsDeadlineExceeded(s) && !absl::IsCancelled(s)) {
     ep.pull_ids[serial] = 0;
+    pulls_refused_.store(true, std::memory_order_relaxed);
     if (!ep.pull_refusal_printed) {
       ep.pull_refusal_printed = true;
       std::fprintf(stderr,

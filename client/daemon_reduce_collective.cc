@@ -221,6 +221,10 @@ absl::Status DaemonReduceCollective::CheckArguments(uint32_t micro_batch,
 
 namespace {
 
+// The most pulled pushes one PushGradients call announces (each a chunk of
+// its stream and an entry the daemon checks and holds).
+constexpr size_t kMaxPullsPerCall = 64;
+
 bool Overlaps(const std::vector<FlatRange>& written, const FlatRange& r) {
   for (const FlatRange& w : written) {
     if (!w.Intersect(r).empty()) return true;
@@ -467,14 +471,24 @@ void DaemonReduceCollective::RunSends(uint32_t daemon) {
     absl::MutexLock lock(&mu_);
     std::deque<Queued>& queue = queued_[daemon];
     uint64_t bytes = 0;
+    // Pulls from one push memory go in one call, however many: the daemon
+    // reads their bytes where they are, and holds each until its range is
+    // complete, so one announcement per rank starts a range's sum sooner
+    // and costs the daemon's cores one RPC instead of one per bucket.
+    uint64_t pull_serial = 0;
     while (!queue.empty()) {
       const Queued& next = queue.front();
+      const uint64_t payload = plan_.buckets()[next.key % nb].range.size() * wire;
       // Counted as the daemon counts a stream's bytes (common/protocol.h).
-      const uint64_t b =
-          plan_.buckets()[next.key % nb].range.size() * wire + kPushChunkOverheadBytes;
-      if (!batch.empty() && (next.step != batch[0].step || next.attempt != batch[0].attempt ||
-                             bytes + b > options_.bucket_bytes)) {
-        break;
+      const uint64_t b = payload + kPushChunkOverheadBytes;
+      const uint64_t serial = job_.daemons[daemon]->PullSerial(next.data, payload);
+      if (!batch.empty()) {
+        if (next.step != batch[0].step || next.attempt != batch[0].attempt) break;
+        const bool pulled_too =
+            pull_serial != 0 && serial == pull_serial && batch.size() < kMaxPullsPerCall;
+        if (!pulled_too && (pull_serial != 0 || bytes + b > options_.bucket_bytes)) break;
+      } else {
+        pull_serial = serial;
       }
       bytes += b;
       batch.push_back(std::move(queue.front()));

@@ -44,6 +44,7 @@ class FakeDataPath final : public DataPath {
                         push.data, push.incarnation, push.no_grad_tensors});
     return bytes;
   }
+  uint64_t PullSerial(const void*, uint64_t) const override { return pull_serial; }
   std::vector<absl::StatusOr<uint64_t>> PushGradients(const std::vector<GradientPush>& pushes,
                                                       absl::Time deadline) override {
     {
@@ -68,6 +69,8 @@ class FakeDataPath final : public DataPath {
   absl::Status fail ABSL_GUARDED_BY(mu);
   absl::Duration delay = absl::ZeroDuration();
   bool keep_data = true;
+  // What PullSerial answers for every push (0: none is pulled).
+  uint64_t pull_serial = 0;
 
  private:
   std::string address_;
@@ -340,6 +343,37 @@ TEST(DaemonReduceCollectiveTest, SmallBucketsForOneDaemonTravelTogether) {
     }
     EXPECT_EQ(rig.traffic.Total().push, layout.total_elements() * 4 * kMicroBatches);
   }
+}
+
+// Pushes the daemon reads from one push memory itself (pulls) go in one
+// call however many bytes they cover: the call carries none of them.
+TEST(DaemonReduceCollectiveTest, PullsFromOnePushMemoryTravelTogether) {
+  const Layout layout = TestLayout();
+  constexpr uint64_t kBucketBytes = 4096;
+  Rig rig(layout, 2, 1, kBucketBytes);
+  const size_t nb = rig.collective->plan().buckets().size();
+  ASSERT_GT(nb, 8u);
+  rig.paths[0]->pull_serial = 7;
+  rig.paths[0]->delay = absl::Milliseconds(20);
+  const std::vector<float> g = Gradient(layout, 0.0f);
+  absl::StatusOr<PushTicket> t =
+      rig.Push(1, {0, layout.total_elements()}, g.data(), 0, BufferUse::kBorrow);
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE(rig.Finish(1).ok());
+  ASSERT_TRUE(t->Wait(absl::Now()).ok());
+  EXPECT_EQ(rig.Received().size(), nb);
+  absl::MutexLock lock(&rig.paths[0]->mu);
+  size_t pushes = 0;
+  uint64_t largest = 0;
+  for (const auto& [n, bytes] : rig.paths[0]->batches) {
+    pushes += n;
+    largest = std::max(largest, bytes);
+  }
+  EXPECT_EQ(pushes, nb);
+  // While the first calls are answered (20 ms each, one per sender
+  // thread), the rest queue up and leave together.
+  EXPECT_GT(largest, kBucketBytes);
+  EXPECT_LT(rig.paths[0]->batches.size(), nb);
 }
 
 // MarkNoGradient's marks reach the daemons in the chunk of every bucket that

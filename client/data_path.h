@@ -91,10 +91,18 @@ class DataPath {
   // DeadlineExceeded): the caller may push the same bytes again.
   virtual absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) = 0;
 
+  // The push memory (client/push_memories.h) from which this daemon would
+  // read a push of `bytes` bytes at `data` itself, only announced to it
+  // (a pull): its serial, unique in this process; 0 when the push would
+  // carry its bytes. Pushes of one serial may share one PushGradients call
+  // whatever their bytes: its request carries none of them. Never blocks.
+  virtual uint64_t PullSerial(const void* data, uint64_t bytes) const { return 0; }
+
   // Sends several contributions (to this daemon, together at most
-  // MaxPushStreamBytes of the job's C_B, common/protocol.h); one result per
-  // push, in order, each with PushGradient's meaning. Blocks until every one
-  // is answered or `deadline`. This default sends them one by one; a path
+  // MaxPushStreamBytes of the job's C_B, common/protocol.h, where a push
+  // PullSerial names counts kPushChunkOverheadBytes); one result per push,
+  // in order, each with PushGradient's meaning. Blocks until every one is
+  // answered or `deadline`. This default sends them one by one; a path
   // that can carry them in one request overrides it.
   virtual std::vector<absl::StatusOr<uint64_t>> PushGradients(
       const std::vector<GradientPush>& pushes, absl::Time deadline) {

@@ -172,12 +172,15 @@ bool ReductionState::Admit(uint64_t pending_bytes) const {
 
 uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
                                uint64_t reserved_pending, uint64_t reserved_bookkeeping,
-                               float grad_scale, std::shared_ptr<HeldContribution>* hold) {
+                               float grad_scale,
+                               std::vector<std::shared_ptr<HeldContribution>>* hold) {
   micro_batches_ = micro_batches;
   pending_bytes_ += reserved_pending;          // booked; trimmed to what stays buffered below
   bookkeeping_bytes_ += reserved_bookkeeping;  // likewise
   uint64_t elements = 0;
-  for (const Contribution& c : batch) {
+  if (hold != nullptr) hold->assign(batch.size(), nullptr);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Contribution& c = batch[i];
     if (options_.tensors != nullptr) {
       const auto [first, last] = options_.tensors->In(c.range);
       size_t skip = 0;
@@ -206,7 +209,7 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       p.held->begin = c.range.begin;
       p.held->order = order;
       p.held->bytes = c.payload.size();
-      *hold = p.held;
+      (*hold)[i] = p.held;
       ++pending_entries_;
       continue;
     }

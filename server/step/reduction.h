@@ -139,7 +139,7 @@ class ReductionState {
   // inside `batch`). Sets *pending_bytes to the out-of-order bytes applying
   // it would buffer, and *bookkeeping_bytes to an upper bound of what its
   // bookkeeping would grow by. Changes nothing.
-  // With `hold` (a batch of one to be held), pending_bytes is 0: a held
+  // With `hold` (a batch to be held), pending_bytes is 0: a held
   // contribution is not copied.
   absl::Status Check(const std::vector<Contribution>& batch, uint32_t micro_batches,
                      uint64_t* pending_bytes, uint64_t* bookkeeping_bytes, bool hold = false) const;
@@ -157,13 +157,14 @@ class ReductionState {
   // Returns the elements applied.
   // A contribution that arrives when every other contribution of its range
   // from the next one in order on is waiting (buffered or held) is summed
-  // with all of them in one pass. With `hold` (non-null; a batch of one
-  // contribution whose payload the caller keeps valid until *hold leaves
-  // kHeld and kSumming), a contribution that does not complete its range is held there
-  // instead of being summed or copied: *hold is set to its handle.
+  // with all of them in one pass. With `hold` (non-null; a batch whose
+  // payloads the caller keeps valid until each handle leaves kHeld and
+  // kSumming), a contribution that does not complete its range is held
+  // there instead of being summed or copied: (*hold)[i] is chunk i's
+  // handle, null for a chunk summed at once.
   uint64_t Apply(const std::vector<Contribution>& batch, uint32_t micro_batches,
                  uint64_t reserved_pending, uint64_t reserved_bookkeeping, float grad_scale,
-                 std::shared_ptr<HeldContribution>* hold = nullptr);
+                 std::vector<std::shared_ptr<HeldContribution>>* hold = nullptr);
   // Ends the holding of `held` if it is still kHeld: summed with the
   // contributions after it when it is next in order, else copied into the
   // out-of-order buffer, for which the caller has booked `reserved_pending`

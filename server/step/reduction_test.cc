@@ -55,9 +55,9 @@ struct Rig {
     uint64_t pending = 0, bookkeeping = 0;
     EXPECT_TRUE(state->Check(batch, 1, &pending, &bookkeeping, hold).ok());
     EXPECT_TRUE(ledger.Reserve("job", MemoryCategory::kBuffer, pending + bookkeeping).ok());
-    std::shared_ptr<HeldContribution> held;
+    std::vector<std::shared_ptr<HeldContribution>> held;
     state->Apply(batch, 1, pending, bookkeeping, 1.0f, hold ? &held : nullptr);
-    return held;
+    return held.empty() ? nullptr : held[0];
   }
   // The in-order sum, one contribution at a time.
   std::vector<float> Expected() const {

@@ -315,18 +315,34 @@ absl::StatusOr<PushResult> StepEngine::PushGradient(
         " is prepared: its gradient is complete and frozen until the commit"));
   }
   uint64_t elements = 0;
-  // A staged contribution may wait in its slot for the rest of its range,
-  // which the ranks' last micro-batch completes (earlier ones would only
-  // wait out the hold), when the push's deadline leaves room for twice the
-  // hold (its answer must reach the rank in time).
-  const bool may_hold = options_.reduction_hold > absl::ZeroDuration() &&
-                        config_->reduction == ReductionMode::kDaemon && chunks.size() == 1 &&
-                        chunks[0].staged && chunks[0].micro_batch + 1 == mbs &&
-                        deadline - absl::Now() >= 2 * options_.reduction_hold;
-  std::shared_ptr<HeldContribution> held;
+  // Staged contributions may wait in their slot (or the trainer's push
+  // memory) for the rest of their ranges, which the ranks' last
+  // micro-batch completes (earlier ones would only wait out the hold), when
+  // the push's deadline leaves room for twice the hold (its answer must
+  // reach the rank in time). The chunks of one push share one hold.
+  const bool may_hold =
+      options_.reduction_hold > absl::ZeroDuration() &&
+      config_->reduction == ReductionMode::kDaemon &&
+      std::all_of(chunks.begin(), chunks.end(),
+                  [mbs](const GradientChunkIn& c) {
+                    return c.staged && c.micro_batch + 1 == mbs;
+                  }) &&
+      deadline - absl::Now() >= 2 * options_.reduction_hold;
+  std::vector<std::shared_ptr<HeldContribution>> held;
   RETURN_IF_ERROR(
       ApplyPush(batch, mbs, deadline, senders_current, &elements, may_hold ? &held : nullptr));
-  if (held != nullptr) RETURN_IF_ERROR(AwaitHeld(batch[0], held, deadline, senders_current));
+  const absl::Time hold_until = absl::Now() + options_.reduction_hold;
+  for (size_t i = 0; i < held.size(); ++i) {
+    if (held[i] == nullptr) continue;
+    absl::Status s = AwaitHeld(batch[i], held[i], hold_until, deadline, senders_current);
+    if (s.ok()) continue;
+    ReleaseHeld(held);
+    if (batch.size() == 1) return s;
+    return absl::Status(
+        s.code(), absl::StrCat("chunk ", i, " of ", batch.size(), ": ", s.message(),
+                               "; the chunks of this push summed before it (", i,
+                               " of them, in order, and any summed at once) stay summed"));
+  }
   PushResult result;
   result.elements = elements;
   result.ranks_complete = reduction_->Complete() ? config_->world_size : 0;
@@ -335,7 +351,8 @@ absl::StatusOr<PushResult> StepEngine::PushGradient(
 
 absl::Status StepEngine::ApplyPush(const std::vector<Contribution>& batch, uint32_t micro_batches,
                             absl::Time deadline, absl::FunctionRef<absl::Status()> senders_current,
-                            uint64_t* elements, std::shared_ptr<HeldContribution>* held) {
+                            uint64_t* elements,
+                            std::vector<std::shared_ptr<HeldContribution>>* held) {
   const uint64_t step = committed_step() + 1;
   for (;;) {
     uint64_t pending = 0;
@@ -386,12 +403,11 @@ absl::Status StepEngine::ApplyPush(const std::vector<Contribution>& batch, uint3
 }
 
 absl::Status StepEngine::AwaitHeld(const Contribution& c, const std::shared_ptr<HeldContribution>& held,
-                            absl::Time deadline,
+                            absl::Time hold_until, absl::Time deadline,
                             absl::FunctionRef<absl::Status()> senders_current) {
   using State = HeldContribution::State;
   auto let_go = [&held]() { return held->state != State::kHeld; };
-  mu_.AwaitWithDeadline(absl::Condition(&let_go),
-                        std::min(deadline, absl::Now() + options_.reduction_hold));
+  mu_.AwaitWithDeadline(absl::Condition(&let_go), std::min(deadline, hold_until));
   // Only kHeld may be dropped or unheld below: a kSumming one is being
   // read by another push's pass, which lets it go.
   while (held->state == State::kHeld) {
@@ -452,6 +468,21 @@ absl::Status StepEngine::AwaitHeld(const Contribution& c, const std::shared_ptr<
         "step was reset, or its primary's forward prepared it); push it again"));
   }
   return absl::OkStatus();
+}
+
+void StepEngine::ReleaseHeld(const std::vector<std::shared_ptr<HeldContribution>>& held) {
+  using State = HeldContribution::State;
+  for (const std::shared_ptr<HeldContribution>& h : held) {
+    if (h == nullptr) continue;
+    if (h->state == State::kHeld) {
+      reduction_->DropHeld(h.get());
+      ++reduction_changes_;
+    }
+    // Read by another push's pass (in-process work, bounded by one
+    // range's sum) until that pass lets it go.
+    auto not_summing = [&h]() { return h->state != State::kSumming; };
+    mu_.Await(absl::Condition(&not_summing));
+  }
 }
 
 void StepEngine::RunReadySums() {

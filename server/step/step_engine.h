@@ -268,15 +268,22 @@ class StepEngine {
   // buffer is full; see Job::PushGradient.
   absl::Status ApplyPush(const std::vector<Contribution>& batch, uint32_t micro_batches,
                          absl::Time deadline, absl::FunctionRef<absl::Status()> senders_current,
-                         uint64_t* elements, std::shared_ptr<HeldContribution>* held = nullptr)
+                         uint64_t* elements,
+                         std::vector<std::shared_ptr<HeldContribution>>* held = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (mu_ released) while `held` (contribution `c`) is held, up to
-  // the hold time; then, its sender still current, sums or buffers it
+  // `hold_until`; then, its sender still current, sums or buffers it
   // itself. OK once it is let go; FailedPrecondition if it was dropped (or
   // senders_current's error); DeadlineExceeded (nothing applied) if the
   // buffer or the memory limit had no room for it by `deadline`.
   absl::Status AwaitHeld(const Contribution& c, const std::shared_ptr<HeldContribution>& held,
-                         absl::Time deadline, absl::FunctionRef<absl::Status()> senders_current)
+                         absl::Time hold_until, absl::Time deadline,
+                         absl::FunctionRef<absl::Status()> senders_current)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Lets go of every contribution of `held` still waiting (dropped
+  // unsummed) and waits for those being summed: the caller's payloads are
+  // read by no one once it returns. For a push that fails part way.
+  void ReleaseHeld(const std::vector<std::shared_ptr<HeldContribution>>& held)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs the reduction's planned passes (ReductionState::TakeReadySums)
   // with mu_ released, then finishes them under it, until none is left:

@@ -6,10 +6,14 @@
 
 #include "server/step/step_engine.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -58,13 +62,59 @@ class StepEngineTest : public ::testing::Test {
   void SetUp() override {
     config_ = MakeConfig();
     optimizer_ = *ShardOptimizer::Create(ShardOptimizer::Options{});
+    owned_ = config_.map.DaemonRange(0);
+    MakeEngine(absl::ZeroDuration());
+  }
+
+  // A new engine whose staged pushes of the last micro-batch are held up
+  // to `hold` (StepEngine::Options::reduction_hold).
+  void MakeEngine(absl::Duration hold) {
+    engine_.reset();
     StepEngine::Options o;
     o.ledger = &ledger_;
     o.optimizer = optimizer_.get();
-    owned_ = config_.map.DaemonRange(0);
+    o.reduction_hold = hold;
     absl::StatusOr<std::unique_ptr<StepEngine>> e = StepEngine::Create(&config_, owned_, o);
     ASSERT_TRUE(e.ok()) << e.status();
     engine_ = *std::move(e);
+  }
+
+  // Rank `rank`'s gradient for step 1 over `ranges`, one staged chunk each
+  // (the payloads read from `grad`, which must outlive the call), in one
+  // push; `current` stands for the sender check.
+  absl::Status PushStaged(uint32_t rank, const std::vector<FlatRange>& ranges,
+                          const std::vector<float>& grad,
+                          absl::FunctionRef<absl::Status()> current) {
+    std::vector<GradientChunkIn> chunks;
+    for (const FlatRange& r : ranges) {
+      GradientChunkIn c;
+      c.step = 1;
+      c.rank = rank;
+      c.incarnation = 1;
+      c.range = r;
+      c.dtype = DTypeToProto(DType::kFp32);
+      c.staged = true;
+      c.payload = absl::string_view(reinterpret_cast<const char*>(grad.data() + r.begin),
+                                    r.size() * sizeof(float));
+      chunks.push_back(c);
+    }
+    return engine_->PushGradient(chunks, absl::Now() + absl::Seconds(10), current).status();
+  }
+
+  // Both ranks' gradients for step 1, zero in the gap between the tensors.
+  std::vector<float> GapFree(uint64_t seed) {
+    std::vector<float> g = Random(Total(), seed);
+    for (uint64_t i = kShapeA[0] * kShapeA[1]; i < 16; ++i) g[i] = 0;
+    return g;
+  }
+  // The squared norm of the ranks' mean gradient, as PrepareStep answers it.
+  static double MeanNormSq(const std::vector<float>& g0, const std::vector<float>& g1) {
+    double sum = 0;
+    for (size_t i = 0; i < g0.size(); ++i) {
+      const double m = static_cast<double>(g0[i] + g1[i]) / kWorld;
+      sum += m * m;
+    }
+    return sum;
   }
 
   uint64_t Total() const { return config_.layout.total_elements(); }
@@ -272,6 +322,83 @@ TEST_F(StepEngineTest, GatherOfAStepNotCommittedTimesOutWithNoLockHeld) {
   s = engine_->Gather(0, {0, owned_.end + 64}, DType::kFp32, absl::Now() + absl::Seconds(1),
                       1 << 20, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+}
+
+// Two ranges; each rank announces both in one staged push (as a client does
+// for pulls from its push memory). Each range is summed once every rank's
+// chunk of it is there, in one pass, and a push is answered only once all
+// of its chunks are summed.
+TEST_F(StepEngineTest, AStagedPushOfSeveralChunksIsAnsweredOnceEachRangeIsSummedInOnePass) {
+  MakeEngine(absl::Seconds(2));
+  ASSERT_TRUE(Init(Random(Total(), 1)).ok());
+  const std::vector<FlatRange> ranges = {{0, 16}, {16, Total()}};
+  const std::vector<float> g0 = GapFree(11), g1 = GapFree(12);
+  std::atomic<bool> answered{false};
+  absl::Status first;
+  std::thread rank0([&] {
+    first = PushStaged(0, ranges, g0, [] { return absl::OkStatus(); });
+    answered = true;
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(answered);  // held: rank 1 has pushed nothing
+  EXPECT_TRUE(PushStaged(1, {ranges[0]}, g1, [] { return absl::OkStatus(); }).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(answered);  // its second range still waits for rank 1
+  EXPECT_TRUE(PushStaged(1, {ranges[1]}, g1, [] { return absl::OkStatus(); }).ok());
+  rank0.join();
+  ASSERT_TRUE(first.ok()) << first;
+  const StepEngine::ReductionCounts counts = engine_->Reductions();
+  EXPECT_EQ(counts.passes, 2u);  // one per range, both ranks in each
+  EXPECT_EQ(counts.contributions, 4u);
+  absl::StatusOr<PrepareResult> prepared = Prepare(1);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  const double want = MeanNormSq(g0, g1);
+  EXPECT_NEAR(prepared->grad_sq_sum, want, 1e-6 * want);
+}
+
+// A staged push of three chunks whose sender stops being current while its
+// second chunk is held: the first chunk's range was summed and stays so,
+// the second and third are let go unsummed (the error says which), and
+// nothing reads the push's payloads once it has returned.
+TEST_F(StepEngineTest, AStagedPushOfSeveralChunksThatFailsPartWayLetsGoOfTheRest) {
+  MakeEngine(absl::Milliseconds(500));
+  ASSERT_TRUE(Init(Random(Total(), 1)).ok());
+  const std::vector<FlatRange> ranges = {{0, 8}, {8, 16}, {16, Total()}};
+  std::vector<float> g0 = GapFree(21);
+  const std::vector<float> g1 = GapFree(22);
+  const std::vector<float> kept0 = g0;
+  std::atomic<bool> fenced{false};
+  absl::Status first;
+  std::thread rank0([&] {
+    first = PushStaged(0, ranges, g0, [&] {
+      return fenced ? absl::FailedPreconditionError("rank 0 rejoined") : absl::OkStatus();
+    });
+  });
+  absl::SleepFor(absl::Milliseconds(5));
+  // Rank 1's first range completes rank 0's: summed.
+  EXPECT_TRUE(PushStaged(1, {ranges[0]}, g1, [] { return absl::OkStatus(); }).ok());
+  fenced = true;
+  rank0.join();
+  ASSERT_FALSE(first.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(first)) << first;
+  EXPECT_NE(first.message().find("chunk 1 of 3"), std::string::npos) << first;
+  EXPECT_NE(first.message().find("stay summed"), std::string::npos) << first;
+  EXPECT_EQ(engine_->Reductions().passes, 1u);
+  // Rank 0's payloads are gone: a pass that read them would sum NaN.
+  std::fill(g0.begin(), g0.end(), std::numeric_limits<float>::quiet_NaN());
+  // Rank 1's other ranges wait (held, then buffered): rank 0's are not
+  // there; rank 0's next process pushes them again, which completes them.
+  ASSERT_TRUE(PushStaged(1, {ranges[1], ranges[2]}, g1, [] { return absl::OkStatus(); }).ok());
+  EXPECT_EQ(engine_->Reductions().passes, 1u);
+  ASSERT_TRUE(PushStaged(0, {ranges[1], ranges[2]}, kept0, [] { return absl::OkStatus(); }).ok());
+  const StepEngine::ReductionCounts counts = engine_->Reductions();
+  EXPECT_EQ(counts.passes, 3u);
+  EXPECT_EQ(counts.contributions, 6u);
+  absl::StatusOr<PrepareResult> prepared = Prepare(1);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  EXPECT_FALSE(prepared->found_inf_nan);
+  const double want = MeanNormSq(kept0, g1);
+  EXPECT_NEAR(prepared->grad_sq_sum, want, 1e-6 * want);
 }
 
 TEST(StepEngineLedger, AFootprintOverTheLimitAllocatesNothing) {
