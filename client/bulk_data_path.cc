@@ -325,13 +325,21 @@ absl::StatusOr<uint64_t> BulkDataPath::FenceSlot(const GradientPush& push, uint3
 }
 
 uint64_t BulkDataPath::PullSerial(const void* data, uint64_t bytes) const {
-  // As PlanPull takes it; whether the daemon maps the memory is asked there.
-  if (options_.push_memories == nullptr || bytes == 0 || bytes > kMaxChunkBytes ||
-      pulls_refused_.load(std::memory_order_relaxed)) {
-    return 0;
-  }
+  // As PlanPull takes it (at an offset any element size divides), once the
+  // daemon has mapped that memory for the current endpoint: a batch
+  // PlanPull would not pull is never larger than a slot.
+  if (options_.push_memories == nullptr || bytes == 0 || bytes > kMaxChunkBytes) return 0;
   std::optional<PushMemories::Found> found = options_.push_memories->Find(data, bytes);
-  return found.has_value() ? found->serial : 0;
+  if (!found.has_value() || found->offset % sizeof(float) != 0) return 0;
+  std::shared_ptr<const Endpoint> ep;
+  {
+    absl::MutexLock lock(&mu_);
+    ep = endpoint_;
+  }
+  if (ep == nullptr) return 0;
+  absl::MutexLock lock(&ep->pull_mu);
+  auto it = ep->pull_ids.find(found->serial);
+  return it != ep->pull_ids.end() && it->second != 0 ? found->serial : 0;
 }
 
 BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
@@ -389,7 +397,6 @@ BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
   // A refusal stays for this endpoint; a lost call is asked again next time.
   if (!absl::IsUnavailable(s) && !absl::IsDeadlineExceeded(s) && !absl::IsCancelled(s)) {
     ep.pull_ids[serial] = 0;
-    pulls_refused_.store(true, std::memory_order_relaxed);
     if (!ep.pull_refusal_printed) {
       ep.pull_refusal_printed = true;
       std::fprintf(stderr,

@@ -133,12 +133,12 @@ class BulkDataPath final : public DataPath {
   // Blocks until the daemon applied the chunk (or a fence proved it did).
   // `push.data` is read by the transport only during the call.
   absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) override;
-  // Whether the daemon would read such a push from this process's push
-  // memory (client/push_memories.h): not once it has refused one.
+  // Non-zero once the daemon has mapped the push memory (for the rank
+  // process now connected): a refused or not yet mapped one answers 0.
   uint64_t PullSerial(const void* data, uint64_t bytes) const override;
   // Pushes the daemon reads from one push memory are announced in one
   // request, whatever their bytes (the daemon holds them chunk by chunk:
-  // one that fails part way leaves those summed before summed,
+  // one that fails part way keeps what it applied before,
   // docs/protocol.md). Others that fit one staging slot together (of one
   // rank process, step and dtype) are put into it back to back and
   // announced in one request (one generation: applied all or none); the
@@ -283,9 +283,6 @@ class BulkDataPath final : public DataPath {
   const Options options_;
   StagingSlots slots_;
   std::atomic<uint64_t> exchanges_{0};
-  // Set once the daemon refuses to map a push memory of this process (it
-  // runs on another host, or will not): PullSerial answers 0 from then on.
-  std::atomic<bool> pulls_refused_{false};
 
   mutable absl::Mutex mu_;
   std::shared_ptr<const Endpoint> endpoint_ ABSL_GUARDED_BY(mu_);

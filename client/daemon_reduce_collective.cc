@@ -471,17 +471,20 @@ void DaemonReduceCollective::RunSends(uint32_t daemon) {
     absl::MutexLock lock(&mu_);
     std::deque<Queued>& queue = queued_[daemon];
     uint64_t bytes = 0;
-    // Pulls from one push memory go in one call, however many: the daemon
-    // reads their bytes where they are, and holds each until its range is
-    // complete, so one announcement per rank starts a range's sum sooner
-    // and costs the daemon's cores one RPC instead of one per bucket.
+    // Borrowed pulls from one push memory go in one call, however many: the
+    // daemon reads their bytes where they are, and holds each until its
+    // range is complete, so one announcement per rank starts a range's sum
+    // sooner and costs the daemon's cores one RPC instead of one per
+    // bucket. Buckets in the staging pool go as before: each answer frees
+    // its buffer for the next copy.
     uint64_t pull_serial = 0;
     while (!queue.empty()) {
       const Queued& next = queue.front();
       const uint64_t payload = plan_.buckets()[next.key % nb].range.size() * wire;
       // Counted as the daemon counts a stream's bytes (common/protocol.h).
       const uint64_t b = payload + kPushChunkOverheadBytes;
-      const uint64_t serial = job_.daemons[daemon]->PullSerial(next.data, payload);
+      const uint64_t serial =
+          next.buffer_index < 0 ? job_.daemons[daemon]->PullSerial(next.data, payload) : 0;
       if (!batch.empty()) {
         if (next.step != batch[0].step || next.attempt != batch[0].attempt) break;
         const bool pulled_too =

@@ -91,11 +91,12 @@ class DataPath {
   // DeadlineExceeded): the caller may push the same bytes again.
   virtual absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) = 0;
 
-  // The push memory (client/push_memories.h) from which this daemon would
-  // read a push of `bytes` bytes at `data` itself, only announced to it
-  // (a pull): its serial, unique in this process; 0 when the push would
-  // carry its bytes. Pushes of one serial may share one PushGradients call
-  // whatever their bytes: its request carries none of them. Never blocks.
+  // The push memory (client/push_memories.h) from which this daemon reads
+  // a push of `bytes` bytes at `data` itself, only announced to it (a
+  // pull): its serial, unique in this process; 0 when the push would carry
+  // its bytes (or is not known to be pulled yet). Pushes of one serial may
+  // share one PushGradients call whatever their bytes: its request carries
+  // none of them. Never blocks on the network.
   virtual uint64_t PullSerial(const void* data, uint64_t bytes) const { return 0; }
 
   // Sends several contributions (to this daemon, together at most

@@ -67,6 +67,7 @@ std::string DescribePushes(absl::Span<const GradientPush> pushes) {
 absl::Status SendGradientChunks(v1::Shard::Stub* stub, absl::Span<const GradientPush> pushes,
                                 absl::FunctionRef<void(size_t, v1::GradientChunk*)> chunk_of,
                                 absl::Time deadline, absl::string_view address) {
+  if (pushes.empty()) return absl::OkStatus();
   grpc::ClientContext context;
   SetDeadline(&context, deadline);
   // The call's headers go out with its first chunk, and its last chunk
@@ -87,7 +88,6 @@ absl::Status SendGradientChunks(v1::Shard::Stub* stub, absl::Span<const Gradient
     written = i + 1 < pushes.size() ? writer->Write(chunk)
                                     : writer->Write(chunk, grpc::WriteOptions().set_last_message());
   }
-  if (written && pushes.empty()) writer->WritesDone();
   const grpc::Status status = writer->Finish();
   if (!status.ok()) return DaemonError(status, address, DescribePushes(pushes));
   if (response.elements() != elements) {

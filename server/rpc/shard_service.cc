@@ -209,6 +209,7 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
                 " overrun push memory ", first.push_memory(), " (", source.size(), " bytes)"));
           }
           views[i].payload = source.substr(offset, lengths[i]);
+          views[i].pulled = true;
         }
         absl::StatusOr<PushResult> r = job->PushGradient(views, deadline);
         if (!r.ok()) return r.status();

@@ -319,13 +319,16 @@ absl::StatusOr<PushResult> StepEngine::PushGradient(
   // memory) for the rest of their ranges, which the ranks' last
   // micro-batch completes (earlier ones would only wait out the hold), when
   // the push's deadline leaves room for twice the hold (its answer must
-  // reach the rank in time). The chunks of one push share one hold.
+  // reach the rank in time): a push of one chunk, or of several pulled from
+  // the trainer's push memory (one announcement per rank), which share one
+  // hold. Several chunks put into one slot are applied all or none.
   const bool may_hold =
       options_.reduction_hold > absl::ZeroDuration() &&
       config_->reduction == ReductionMode::kDaemon &&
       std::all_of(chunks.begin(), chunks.end(),
-                  [mbs](const GradientChunkIn& c) {
-                    return c.staged && c.micro_batch + 1 == mbs;
+                  [&](const GradientChunkIn& c) {
+                    return c.staged && c.micro_batch + 1 == mbs &&
+                           (chunks.size() == 1 || c.pulled);
                   }) &&
       deadline - absl::Now() >= 2 * options_.reduction_hold;
   std::vector<std::shared_ptr<HeldContribution>> held;
@@ -339,9 +342,11 @@ absl::StatusOr<PushResult> StepEngine::PushGradient(
     ReleaseHeld(held);
     if (batch.size() == 1) return s;
     return absl::Status(
-        s.code(), absl::StrCat("chunk ", i, " of ", batch.size(), ": ", s.message(),
-                               "; the chunks of this push summed before it (", i,
-                               " of them, in order, and any summed at once) stay summed"));
+        s.code(),
+        absl::StrCat("chunk ", i, " of ", batch.size(), ": ", s.message(),
+                     "; other chunks of this push may have been applied before it failed (see "
+                     "docs/protocol.md: its generation is not applied as a whole, and the rank's "
+                     "next process replays the step)"));
   }
   PushResult result;
   result.elements = elements;

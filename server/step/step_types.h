@@ -59,6 +59,8 @@ struct GradientChunkIn {
   uint32_t micro_batch = 0;
   uint32_t micro_batches = 0;  // 0 reads as 1
   bool staged = false;  // the payload lies in the rank's staging slot
+  // The payload lies in the rank's push memory (staged, read in place).
+  bool pulled = false;
   // Layout indices, ascending, of tensors overlapping `range` with no
   // gradient.
   absl::Span<const uint32_t> no_grad_tensors;
