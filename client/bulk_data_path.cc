@@ -324,22 +324,35 @@ absl::StatusOr<uint64_t> BulkDataPath::FenceSlot(const GradientPush& push, uint3
   return resp.applied_generation();
 }
 
-uint64_t BulkDataPath::PullSerial(const void* data, uint64_t bytes) const {
+std::optional<PushMemories::Found> BulkDataPath::FindPullable(const void* data, uint64_t bytes,
+                                                             uint64_t align) const {
+  if (options_.push_memories == nullptr || bytes == 0 || bytes > kMaxChunkBytes) {
+    return std::nullopt;
+  }
+  std::optional<PushMemories::Found> found = options_.push_memories->Find(data, bytes);
+  if (!found.has_value() || found->offset % align != 0) return std::nullopt;
+  return found;
+}
+
+DataPath::PullMemory BulkDataPath::PullMemoryOf(const void* data, uint64_t bytes) const {
   // As PlanPull takes it (at an offset any element size divides), once the
   // daemon has mapped that memory for the current endpoint: a batch
   // PlanPull would not pull is never larger than a slot.
-  if (options_.push_memories == nullptr || bytes == 0 || bytes > kMaxChunkBytes) return 0;
-  std::optional<PushMemories::Found> found = options_.push_memories->Find(data, bytes);
-  if (!found.has_value() || found->offset % sizeof(float) != 0) return 0;
+  std::optional<PushMemories::Found> found = FindPullable(data, bytes, sizeof(float));
+  if (!found.has_value()) return {};
   std::shared_ptr<const Endpoint> ep;
   {
     absl::MutexLock lock(&mu_);
     ep = endpoint_;
   }
-  if (ep == nullptr) return 0;
-  absl::MutexLock lock(&ep->pull_mu);
-  auto it = ep->pull_ids.find(found->serial);
-  return it != ep->pull_ids.end() && it->second != 0 ? found->serial : 0;
+  if (ep == nullptr) return {};
+  {
+    absl::MutexLock lock(&ep->pull_mu);
+    auto it = ep->pull_ids.find(found->serial);
+    if (it == ep->pull_ids.end() || it->second == 0) return {};
+  }
+  return {found->serial, reinterpret_cast<uintptr_t>(found->memory->data()),
+          found->memory->size()};
 }
 
 BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
@@ -349,14 +362,10 @@ BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
   if (options_.push_memories == nullptr || pushes.empty()) return pull;
   uint64_t serial = 0;
   for (const GradientPush& push : pushes) {
-    const uint64_t bytes = PushBytes(push);
-    std::optional<PushMemories::Found> found =
-        bytes <= kMaxChunkBytes ? options_.push_memories->Find(push.data, bytes) : std::nullopt;
     // The daemon takes offsets that are multiples of the element size.
-    if (!found.has_value() || (serial != 0 && found->serial != serial) ||
-        found->offset % DTypeSize(push.dtype) != 0) {
-      return Pull{};
-    }
+    std::optional<PushMemories::Found> found =
+        FindPullable(push.data, PushBytes(push), DTypeSize(push.dtype));
+    if (!found.has_value() || (serial != 0 && found->serial != serial)) return Pull{};
     serial = found->serial;
     pull.memory = std::move(found->memory);
     pull.offsets.push_back(found->offset);

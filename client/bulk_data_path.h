@@ -63,6 +63,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -133,9 +134,9 @@ class BulkDataPath final : public DataPath {
   // Blocks until the daemon applied the chunk (or a fence proved it did).
   // `push.data` is read by the transport only during the call.
   absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) override;
-  // Non-zero once the daemon has mapped the push memory (for the rank
-  // process now connected): a refused or not yet mapped one answers 0.
-  uint64_t PullSerial(const void* data, uint64_t bytes) const override;
+  // Named once the daemon has mapped the push memory (for the rank
+  // process now connected): a refused or not yet mapped one is not.
+  PullMemory PullMemoryOf(const void* data, uint64_t bytes) const override;
   // Pushes the daemon reads from one push memory are announced in one
   // request, whatever their bytes (the daemon holds them chunk by chunk:
   // one that fails part way keeps what it applied before,
@@ -244,6 +245,10 @@ class BulkDataPath final : public DataPath {
   // (MapPushMemory, bounded by `deadline`). Never an error: what cannot be
   // pulled is Put.
   Pull PlanPull(const Endpoint& ep, absl::Span<const GradientPush> pushes, absl::Time deadline);
+  // The push memory that holds a push of `bytes` at `data` as a daemon
+  // reads it (whole, at most a chunk, at an offset `align` divides).
+  std::optional<PushMemories::Found> FindPullable(const void* data, uint64_t bytes,
+                                                  uint64_t align) const;
   Attempt GetOnce(const Endpoint& ep, const GatherRequestSpec& request, void* dst,
                   absl::Time deadline);
   // Its deadline: fence_timeout from now, and at most `until`.

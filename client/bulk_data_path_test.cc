@@ -187,7 +187,7 @@ TEST(BulkDataPathTest, PushesFromPushMemoryTheDaemonCannotMapArePut) {
   float* values = static_cast<float*>((*memory)->data());
   for (int i = 0; i < 512; ++i) values[i] = 0.25f * i;
   // Not mapped yet: the client's collective does not batch pushes from it.
-  EXPECT_EQ(rig.path->PullSerial(values, 1024), 0u);
+  EXPECT_EQ(rig.path->PullMemoryOf(values, 1024).serial, 0u);
   for (int k = 0; k < 2; ++k) {
     GradientPush p = Grad(256 * k, 0).Push();
     p.data = values + 256 * k;
@@ -201,7 +201,23 @@ TEST(BulkDataPathTest, PushesFromPushMemoryTheDaemonCannotMapArePut) {
               std::string(reinterpret_cast<const char*>(values + 256 * k), 256 * 4));
   }
   EXPECT_EQ(rig.fake->push_memory_maps(), 1);
-  EXPECT_EQ(rig.path->PullSerial(values, 1024), 0u);  // refused
+  EXPECT_EQ(rig.path->PullMemoryOf(values, 1024).serial, 0u);  // refused
+}
+
+// What a push memory holds, for the collective's batches: pushes inside it
+// whole, at offsets any element size divides.
+TEST(BulkDataPathTest, APullMemoryHoldsWhatADaemonReadsFromIt) {
+  alignas(8) static uint8_t bytes[4096];
+  const DataPath::PullMemory m{3, reinterpret_cast<uintptr_t>(bytes), sizeof(bytes)};
+  EXPECT_TRUE(m.Holds(bytes, 4096));
+  EXPECT_TRUE(m.Holds(bytes + 4092, 4));
+  EXPECT_FALSE(m.Holds(bytes + 4092, 8));  // past its end
+  EXPECT_FALSE(m.Holds(bytes + 2, 4));     // an odd offset
+  EXPECT_FALSE(m.Holds(bytes, 0));
+  const DataPath::PullMemory later{3, reinterpret_cast<uintptr_t>(bytes + 8), 4088};
+  EXPECT_FALSE(later.Holds(bytes + 4, 8));  // before its first byte
+  EXPECT_TRUE(later.Holds(bytes + 8, 8));
+  EXPECT_FALSE(DataPath::PullMemory{}.Holds(bytes, 4));  // none
 }
 
 // Buckets that fit one slot together (the short last buckets of several

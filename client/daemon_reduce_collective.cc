@@ -477,21 +477,19 @@ void DaemonReduceCollective::RunSends(uint32_t daemon) {
     // sooner and costs the daemon's cores one RPC instead of one per
     // bucket. Buckets in the staging pool go as before: each answer frees
     // its buffer for the next copy.
-    uint64_t pull_serial = 0;
+    DataPath::PullMemory pulled;  // the one the batch's first push is pulled from
     while (!queue.empty()) {
       const Queued& next = queue.front();
       const uint64_t payload = plan_.buckets()[next.key % nb].range.size() * wire;
       // Counted as the daemon counts a stream's bytes (common/protocol.h).
       const uint64_t b = payload + kPushChunkOverheadBytes;
-      const uint64_t serial =
-          next.buffer_index < 0 ? job_.daemons[daemon]->PullSerial(next.data, payload) : 0;
       if (!batch.empty()) {
         if (next.step != batch[0].step || next.attempt != batch[0].attempt) break;
-        const bool pulled_too =
-            pull_serial != 0 && serial == pull_serial && batch.size() < kMaxPullsPerCall;
-        if (!pulled_too && (pull_serial != 0 || bytes + b > options_.bucket_bytes)) break;
-      } else {
-        pull_serial = serial;
+        const bool pulled_too = next.buffer_index < 0 && pulled.Holds(next.data, payload) &&
+                                batch.size() < kMaxPullsPerCall;
+        if (!pulled_too && (pulled.serial != 0 || bytes + b > options_.bucket_bytes)) break;
+      } else if (next.buffer_index < 0) {
+        pulled = job_.daemons[daemon]->PullMemoryOf(next.data, payload);
       }
       bytes += b;
       batch.push_back(std::move(queue.front()));

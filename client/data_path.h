@@ -39,6 +39,7 @@
 #include "absl/time/time.h"
 #include "common/dtype.h"
 #include "common/flat_range.h"
+#include "common/protocol.h"
 
 namespace zeroshard {
 
@@ -91,17 +92,32 @@ class DataPath {
   // DeadlineExceeded): the caller may push the same bytes again.
   virtual absl::StatusOr<uint64_t> PushGradient(const GradientPush& push, absl::Time deadline) = 0;
 
-  // The push memory (client/push_memories.h) from which this daemon reads
-  // a push of `bytes` bytes at `data` itself, only announced to it (a
-  // pull): its serial, unique in this process; 0 when the push would carry
-  // its bytes (or is not known to be pulled yet). Pushes of one serial may
-  // share one PushGradients call whatever their bytes: its request carries
-  // none of them. Never blocks on the network.
-  virtual uint64_t PullSerial(const void* data, uint64_t bytes) const { return 0; }
+  // A push memory (client/push_memories.h) this daemon reads pushes from
+  // itself, only announced to it (pulls).
+  struct PullMemory {
+    uint64_t serial = 0;  // unique in this process; 0: none
+    uintptr_t begin = 0;  // the memory's first byte
+    uint64_t bytes = 0;
+    // Whether a push of `n` bytes at `p` is pulled from this memory too:
+    // inside it, at an offset any element size divides, and no larger
+    // than a chunk (common/protocol.h).
+    bool Holds(const void* p, uint64_t n) const {
+      const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+      return serial != 0 && n > 0 && n <= kMaxChunkBytes && at >= begin &&
+             at - begin <= bytes && n <= bytes - (at - begin) && (at - begin) % 4 == 0;
+    }
+  };
+
+  // The push memory this daemon reads a push of `bytes` bytes at `data`
+  // from, or none (serial 0) when the push would carry its bytes (or is not
+  // known to be pulled yet). Pushes it Holds may share one PushGradients
+  // call whatever their bytes: its request carries none of them. Never
+  // blocks on the network.
+  virtual PullMemory PullMemoryOf(const void* data, uint64_t bytes) const { return {}; }
 
   // Sends several contributions (to this daemon, together at most
   // MaxPushStreamBytes of the job's C_B, common/protocol.h, where a push
-  // PullSerial names counts kPushChunkOverheadBytes); one result per push,
+  // PullMemoryOf names counts kPushChunkOverheadBytes); one result per push,
   // in order, each with PushGradient's meaning. Blocks until every one is
   // answered or `deadline`. This default sends them one by one; a path
   // that can carry them in one request overrides it.
