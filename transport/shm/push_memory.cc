@@ -9,7 +9,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -23,6 +25,45 @@ namespace {
 constexpr absl::string_view kNamePrefix = "zeroshard-push-";
 
 std::string ErrnoText(int error) { return absl::StrCat(std::strerror(error), " (errno ", error, ")"); }
+
+// Maps `bytes` of `fd` read-only at an address whose offset within a 2 MiB
+// stretch differs from the previous mappings' (a page apart, cycling, never
+// 0, where 2 MiB-aligned arrays start). The daemon sums several ranks' push
+// memories at the same offsets in one pass, and memories mapped back to
+// back, each a whole number of 2 MiB long, start at one offset within 2
+// MiB: four 256 MiB memories so mapped were summed at 24-26 GB/s, the same
+// four staggered by 4 KiB at 32-45 GB/s (the daemon's sum on 2 threads, on
+// a 2-core AMD EPYC VM). MAP_FAILED with errno on failure.
+void* MapStaggered(int fd, size_t bytes) {
+  constexpr uintptr_t kStretch = uintptr_t{2} << 20;
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  static std::atomic<uint64_t> next{0};
+  const uintptr_t offsets = kStretch / page;  // page offsets within a stretch
+  if (offsets < 2) return ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  const uintptr_t stagger =
+      (next.fetch_add(1, std::memory_order_relaxed) % (offsets - 1) + 1) * page;
+  const uintptr_t length = (bytes + page - 1) / page * page;
+  // Room for the mapping wherever in the first stretch it starts.
+  const uintptr_t span = length + 2 * kStretch;
+  void* reserved =
+      ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (reserved == MAP_FAILED) return MAP_FAILED;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(reserved);
+  const uintptr_t at = (begin + kStretch - 1) / kStretch * kStretch + stagger;
+  void* data = ::mmap(reinterpret_cast<void*>(at), bytes, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0);
+  if (data == MAP_FAILED) {
+    const int error = errno;
+    ::munmap(reserved, span);
+    errno = error;
+    return MAP_FAILED;
+  }
+  // The reservation around it goes back.
+  if (at > begin) ::munmap(reserved, at - begin);
+  if (begin + span > at + length) {
+    ::munmap(reinterpret_cast<void*>(at + length), begin + span - (at + length));
+  }
+  return data;
+}
 
 // "zeroshard-push-" and 32 hex digits of getrandom().
 absl::StatusOr<std::string> SecretName() {
@@ -193,7 +234,7 @@ absl::StatusOr<std::unique_ptr<PeerMemory>> PeerMemory::Open(int64_t pid, int64_
       static_cast<uint64_t>(st.st_size) < bytes) {
     return refuse(absl::StrCat("is shorter than ", bytes, " bytes"));
   }
-  void* data = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, own, 0);
+  void* data = MapStaggered(own, bytes);
   const int map_errno = errno;
   ::close(own);
   if (data == MAP_FAILED) {

@@ -78,7 +78,9 @@ class PushMemory {
 class PeerMemory {
  public:
   // Takes descriptor `fd` of process `pid` and maps its first `bytes`
-  // (1..kMaxPushMemoryBytes) read-only. FailedPrecondition when the
+  // (1..kMaxPushMemoryBytes) read-only, at another page offset within 2
+  // MiB than this process's previous mappings (memories summed together are
+  // read faster so: push_memory.cc). FailedPrecondition when the
   // descriptor cannot be taken (another host, another pid namespace, no
   // right to ptrace the process, no such descriptor: the message says which
   // errno) or is not a tmpfs memfd named `name` sealed against shrinking and

@@ -6,7 +6,11 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
+#include <memory>
+#include <set>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -34,6 +38,33 @@ TEST(PushMemoryTest, APeerReadsWhatTheOwnerWritesInPlace) {
   // The peer's mapping outlives the owner's.
   mine->reset();
   EXPECT_EQ((*peer)->bytes()[5000], 42);
+}
+
+// Each mapping starts at another page within 2 MiB, never at 0 (memories
+// summed together at the same offsets are not read at one offset within
+// 2 MiB, nor at that of the daemon's 2 MiB-aligned arrays).
+TEST(PushMemoryTest, PeerMappingsStartAtDistinctOffsetsWithinTwoMiB) {
+  absl::StatusOr<std::unique_ptr<PushMemory>> mine = PushMemory::Create(size_t{4} << 20);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  std::memset((*mine)->data(), 3, (*mine)->size());
+  constexpr uintptr_t kStretch = uintptr_t{2} << 20;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  std::set<uintptr_t> offsets;
+  std::vector<std::unique_ptr<PeerMemory>> peers;
+  for (int i = 0; i < 8; ++i) {
+    absl::StatusOr<std::unique_ptr<PeerMemory>> peer =
+        PeerMemory::Open((*mine)->pid(), (*mine)->fd(), (*mine)->name(), (*mine)->size());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    const uintptr_t at = reinterpret_cast<uintptr_t>((*peer)->bytes().data());
+    EXPECT_EQ(at % page, 0u);
+    if (page < kStretch) EXPECT_NE(at % kStretch, 0u);
+    offsets.insert(at % kStretch);
+    ASSERT_EQ((*peer)->bytes().size(), (*mine)->size());
+    EXPECT_EQ((*peer)->bytes().front(), 3);
+    EXPECT_EQ((*peer)->bytes().back(), 3);
+    peers.push_back(*std::move(peer));
+  }
+  if (page * 9 <= kStretch) EXPECT_EQ(offsets.size(), 8u);
 }
 
 TEST(PushMemoryTest, TwoMemoriesHaveDistinctSecretNames) {
