@@ -490,9 +490,13 @@ PresetResult RunPreset(const Preset& p, const std::vector<std::string>& daemons,
       ratios[i].push_back(ddp.median_step() / c.median_step());
       const examples::OracleDiff d =
           examples::CompareWithReference(c.result.params, c.losses, ddp.result);
-      worst[i].params_rel = std::max(worst[i].params_rel, d.params_rel);
-      worst[i].params_max = std::max(worst[i].params_max, d.params_max);
-      worst[i].loss_max = std::max(worst[i].loss_max, d.loss_max);
+      // NaN (parameters gone to NaN) stays the worst.
+      auto keep_worst = [](double& worst_so_far, double x) {
+        if (std::isnan(x) || x > worst_so_far) worst_so_far = x;
+      };
+      keep_worst(worst[i].params_rel, d.params_rel);
+      keep_worst(worst[i].params_max, d.params_max);
+      keep_worst(worst[i].loss_max, d.loss_max);
     }
   };
   account(cs);
@@ -514,8 +518,12 @@ PresetResult RunPreset(const Preset& p, const std::vector<std::string>& daemons,
               p.rounds > 1 ? "vs ddp by round (the median is reported)" : "");
   for (size_t i = 0; i < cs.size(); ++i) {
     const Contender& c = cs[i];
-    if (!c.status.ok() || (i > 0 && ratios[i].empty())) {
+    if (!c.status.ok()) {
       std::printf("%-17s failed: %s\n", c.name.c_str(), c.status.ToString().c_str());
+      continue;
+    }
+    if (i > 0 && ratios[i].empty()) {
+      std::printf("%-17s no ratio: ddp failed in every round\n", c.name.c_str());
       continue;
     }
     // Over every round's timed steps; the ratio is the rounds' median.
@@ -570,6 +578,7 @@ PresetResult RunPreset(const Preset& p, const std::vector<std::string>& daemons,
   } else {
     std::printf("final parameters and per-step losses against fp32 ddp (not judged):\n");
   }
+  if (!ddp.status.ok()) std::printf("  none: ddp failed\n");
   for (size_t i = 1; i < cs.size(); ++i) {
     const Contender& c = cs[i];
     if (!c.status.ok() || !ddp.status.ok() || ratios[i].empty()) continue;
@@ -584,7 +593,7 @@ PresetResult RunPreset(const Preset& p, const std::vector<std::string>& daemons,
                                                     : "NOT within tolerance";
     std::printf(
         "  %-15s params relative L2 %.3g, max %.3g; loss max relative %.3g; final loss "
-        "%.4f vs %.4f: %s\n",
+        "(round 1) %.4f vs %.4f: %s\n",
         c.name.c_str(), d.params_rel, d.params_max, d.loss_max, c.result.losses.back(),
         ddp.result.losses.back(), verdict);
   }

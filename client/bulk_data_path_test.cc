@@ -204,6 +204,51 @@ TEST(BulkDataPathTest, PushesFromPushMemoryTheDaemonCannotMapArePut) {
   EXPECT_EQ(rig.path->PullMemoryOf(values, 1024).serial, 0u);  // refused
 }
 
+// A daemon that maps the client's push memory: once it has, PullMemoryOf
+// names that memory (serial, bounds), and pushes from it, together larger
+// than a slot, are announced in one request and read where they lie.
+TEST(BulkDataPathTest, PushesFromPushMemoryTheDaemonMapsArePulledTogether) {
+  auto memories = std::make_shared<PushMemories>();
+  absl::StatusOr<std::shared_ptr<transport::PushMemory>> memory = memories->Allocate(16384);
+  ASSERT_TRUE(memory.ok());
+  FakeShard::Options o;
+  o.map_push_memory = true;
+  Rig rig(o, memories);  // slots of 4096 bytes
+  float* values = static_cast<float*>((*memory)->data());
+  for (int i = 0; i < 4096; ++i) values[i] = 0.5f * i;
+  EXPECT_EQ(rig.path->PullMemoryOf(values, 1024).serial, 0u);  // not mapped yet
+  GradientPush first = Grad(0, 0).Push();
+  first.data = values;
+  absl::StatusOr<uint64_t> sent = rig.path->PushGradient(first, In(absl::Seconds(5)));
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  EXPECT_EQ(rig.fake->push_memory_maps(), 1);
+  const DataPath::PullMemory m = rig.path->PullMemoryOf(values + 256, 1024);
+  EXPECT_NE(m.serial, 0u);
+  EXPECT_EQ(m.begin, reinterpret_cast<uintptr_t>((*memory)->data()));
+  EXPECT_EQ(m.bytes, (*memory)->size());
+  EXPECT_TRUE(m.Holds(values + 4096 - 256, 1024));
+  EXPECT_EQ(rig.path->PullMemoryOf(values + 4096 - 256, 1024).serial, m.serial);
+  // 8 KiB of pushes for a 4 KiB slot: one announcement.
+  std::vector<GradientPush> pushes;
+  for (int k = 1; k <= 8; ++k) {
+    GradientPush p = Grad(256 * k, 0).Push();
+    p.data = values + 256 * k;
+    pushes.push_back(p);
+  }
+  const int announced = Count(rig.fake->events(), "announce");
+  std::vector<absl::StatusOr<uint64_t>> results =
+      rig.path->PushGradients(pushes, In(absl::Seconds(5)));
+  for (const absl::StatusOr<uint64_t>& r : results) ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(Count(rig.fake->events(), "announce"), announced + 1);
+  const std::vector<FakeShard::Applied> applied = rig.fake->applied();
+  ASSERT_EQ(applied.size(), 9u);
+  for (int k = 0; k <= 8; ++k) {
+    EXPECT_EQ(applied[k].range.begin, 256u * k);
+    EXPECT_EQ(applied[k].bytes,
+              std::string(reinterpret_cast<const char*>(values + 256 * k), 256 * 4));
+  }
+}
+
 // What a push memory holds, for the collective's batches: pushes inside it
 // whole, at offsets any element size divides.
 TEST(BulkDataPathTest, APullMemoryHoldsWhatADaemonReadsFromIt) {
@@ -212,7 +257,7 @@ TEST(BulkDataPathTest, APullMemoryHoldsWhatADaemonReadsFromIt) {
   EXPECT_TRUE(m.Holds(bytes, 4096));
   EXPECT_TRUE(m.Holds(bytes + 4092, 4));
   EXPECT_FALSE(m.Holds(bytes + 4092, 8));  // past its end
-  EXPECT_FALSE(m.Holds(bytes + 2, 4));     // an odd offset
+  EXPECT_FALSE(m.Holds(bytes + 2, 4));     // an offset 4 does not divide
   EXPECT_FALSE(m.Holds(bytes, 0));
   const DataPath::PullMemory later{3, reinterpret_cast<uintptr_t>(bytes + 8), 4088};
   EXPECT_FALSE(later.Holds(bytes + 4, 8));  // before its first byte

@@ -1,5 +1,7 @@
 #include "client/testing/fake_shard.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -89,14 +91,27 @@ int FakeShard::push_memory_maps() const {
   return push_memory_maps_;
 }
 
-grpc::Status FakeShard::MapPushMemory(grpc::ServerContext*, const v1::MapPushMemoryRequest*,
-                                      v1::MapPushMemoryResponse*) {
+grpc::Status FakeShard::MapPushMemory(grpc::ServerContext*,
+                                      const v1::MapPushMemoryRequest* request,
+                                      v1::MapPushMemoryResponse* response) {
   absl::MutexLock lock(&mu_);
   ++push_memory_maps_;
-  // What a daemon on another host answers: it cannot take the memory.
-  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                      "push memory: this stand-in cannot map a trainer's memory; it reads its "
-                      "slots only");
+  if (!options_.map_push_memory) {
+    // What a daemon on another host answers: it cannot take the memory.
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "push memory: this stand-in cannot map a trainer's memory; it reads its "
+                        "slots only");
+  }
+  absl::StatusOr<std::unique_ptr<transport::PeerMemory>> memory = transport::PeerMemory::Open(
+      request->pid(), request->fd(), request->name(), request->bytes());
+  if (!memory.ok()) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        std::string(memory.status().message()));
+  }
+  push_memory_ = *std::move(memory);
+  response->set_id(1);
+  response->set_daemon_pid(::getpid());
+  return grpc::Status::OK;
 }
 
 std::vector<FakeShard::WaitOnly> FakeShard::wait_only_gathers() const {
@@ -163,6 +178,25 @@ grpc::Status FakeShard::ApplyStaged(const std::vector<v1::GradientChunk>& chunks
                       (k.dtype() == v1::DTYPE_FP32 ? 4 : 2));
     bytes += lengths.back();
   }
+  // Pulled: each chunk read where it lies in the push memory, whatever
+  // their bytes together.
+  std::shared_ptr<const transport::PeerMemory> memory;
+  if (c.push_memory() != 0) {
+    absl::MutexLock lock(&mu_);
+    memory = push_memory_;
+    if (c.push_memory() != 1 || memory == nullptr) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no such push memory");
+    }
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (chunks[i].push_memory() != 1 ||
+          chunks[i].push_memory_offset() > memory->bytes().size() ||
+          lengths[i] > memory->bytes().size() - chunks[i].push_memory_offset()) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "a chunk lies outside the push memory");
+      }
+    }
+    bytes = 0;  // no slot bytes
+  }
   const std::string name = absl::StrCat(slot, " ", generation);
   absl::Duration before, during;
   {
@@ -197,10 +231,12 @@ grpc::Status FakeShard::ApplyStaged(const std::vector<v1::GradientChunk>& chunks
   }
   s.applied = generation;
   for (size_t i = 0; i < chunks.size(); at += lengths[i], ++i) {
+    const char* from =
+        memory != nullptr ? memory->bytes().data() + chunks[i].push_memory_offset() : at;
     applied_.push_back({slot,
                         generation,
                         {chunks[i].range().begin(), chunks[i].range().end()},
-                        std::string(at, lengths[i])});
+                        std::string(from, lengths[i])});
   }
   events_.push_back("apply " + name);
   return grpc::Status::OK;

@@ -28,6 +28,7 @@
 #include "common/flat_range.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/zeroshard/v1/shard.grpc.pb.h"
+#include "transport/shm/push_memory.h"
 #include "transport/transport.h"
 
 namespace zeroshard::testing {
@@ -41,6 +42,10 @@ class FakeShard final : public v1::Shard::Service {
     uint64_t activation_arena_bytes = 0;  // 0: no arena region (activations streamed)
     uint64_t activation_spill_bytes = 64ull << 20;
     uint32_t read_lease_ms = 0;  // ExchangeEndpoint's answer (0: none sent)
+    // MapPushMemory maps the trainer's memory (this process's: the fake
+    // runs in the test) and answers id 1; staged chunks naming it are read
+    // from there. Without it, every MapPushMemory is refused.
+    bool map_push_memory = false;
   };
   // Starts serving on 127.0.0.1:0.
   static absl::StatusOr<std::unique_ptr<FakeShard>> Start(const Options& options);
@@ -65,15 +70,15 @@ class FakeShard final : public v1::Shard::Service {
     uint32_t slot;
     uint64_t generation;
     FlatRange range;
-    std::string bytes;  // as read from the slot when applied
+    std::string bytes;  // as read from the slot (or push memory) when applied
   };
   std::vector<Applied> applied() const;
   // "announce S G", "apply S G", "refuse S G", "fence S G -> A", in order.
   std::vector<std::string> events() const;
   int exchanges() const;
-  // MapPushMemory calls (each answered FAILED_PRECONDITION, as by a daemon
-  // that cannot map the trainer's memory: this stand-in reads its slots
-  // only).
+  // MapPushMemory calls (without Options::map_push_memory each answered
+  // FAILED_PRECONDITION, as by a daemon that cannot map the trainer's
+  // memory).
   int push_memory_maps() const;
   // Each wait_only Gather answered OK, in order.
   struct WaitOnly {
@@ -129,6 +134,8 @@ class FakeShard final : public v1::Shard::Service {
   int pushes_running_ ABSL_GUARDED_BY(mu_) = 0;
   int exchanges_ ABSL_GUARDED_BY(mu_) = 0;
   int push_memory_maps_ ABSL_GUARDED_BY(mu_) = 0;
+  // The memory MapPushMemory mapped last (Options::map_push_memory), id 1.
+  std::shared_ptr<const transport::PeerMemory> push_memory_ ABSL_GUARDED_BY(mu_);
   std::vector<WaitOnly> wait_only_gathers_ ABSL_GUARDED_BY(mu_);
   std::vector<Applied> applied_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);

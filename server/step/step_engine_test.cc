@@ -81,11 +81,12 @@ class StepEngineTest : public ::testing::Test {
 
   // Rank `rank`'s gradient for step 1 over `ranges`, one staged chunk each
   // (the payloads read from `grad`, which must outlive the call; pulled
-  // from push memory, or put into a slot), in one push; `current` stands
-  // for the sender check.
+  // from push memory, or put into a slot), in one push due within
+  // `timeout`; `current` stands for the sender check.
   absl::Status PushStaged(uint32_t rank, const std::vector<FlatRange>& ranges,
                           const std::vector<float>& grad,
-                          absl::FunctionRef<absl::Status()> current, bool pulled = true) {
+                          absl::FunctionRef<absl::Status()> current, bool pulled = true,
+                          absl::Duration timeout = absl::Seconds(10)) {
     std::vector<GradientChunkIn> chunks;
     for (const FlatRange& r : ranges) {
       GradientChunkIn c;
@@ -100,7 +101,7 @@ class StepEngineTest : public ::testing::Test {
                                     r.size() * sizeof(float));
       chunks.push_back(c);
     }
-    return engine_->PushGradient(chunks, absl::Now() + absl::Seconds(10), current).status();
+    return engine_->PushGradient(chunks, absl::Now() + timeout, current).status();
   }
 
   // Both ranks' gradients for step 1, zero in the gap between the tensors.
@@ -366,8 +367,11 @@ TEST_F(StepEngineTest, SeveralChunksPutIntoOneSlotAreAppliedAtOnce) {
   const std::vector<FlatRange> ranges = {{0, 16}, {16, Total()}};
   const std::vector<float> g0 = GapFree(31);
   const absl::Time start = absl::Now();
-  ASSERT_TRUE(
-      PushStaged(0, ranges, g0, [] { return absl::OkStatus(); }, /*pulled=*/false).ok());
+  // Due in three hours: room for the hold (a push is held only when its
+  // deadline leaves twice the hold).
+  ASSERT_TRUE(PushStaged(0, ranges, g0, [] { return absl::OkStatus(); }, /*pulled=*/false,
+                         absl::Hours(3))
+                  .ok());
   // Not held: held, it would wait the hour.
   EXPECT_LT(absl::Now() - start, absl::Minutes(1));
   const StepEngine::ReductionCounts counts = engine_->Reductions();

@@ -33,7 +33,9 @@ std::string ErrnoText(int error) { return absl::StrCat(std::strerror(error), " (
 // back, each a whole number of 2 MiB long, start at one offset within 2
 // MiB: four 256 MiB memories so mapped were summed at 24-26 GB/s, the same
 // four staggered by 4 KiB at 32-45 GB/s (the daemon's sum on 2 threads, on
-// a 2-core AMD EPYC VM). MAP_FAILED with errno on failure.
+// a 2-core AMD EPYC VM). Where a page is 2 MiB or more, a plain mapping.
+// (Where shmem is given transparent huge pages, a staggered mapping still
+// maps them a base page at a time.) MAP_FAILED with errno on failure.
 void* MapStaggered(int fd, size_t bytes) {
   constexpr uintptr_t kStretch = uintptr_t{2} << 20;
   static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
