@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <map>
 #include <numeric>
+#include <tuple>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -149,6 +150,15 @@ struct BulkDataPath::Endpoint {
   mutable std::map<uint64_t, uint32_t> pull_ids ABSL_GUARDED_BY(pull_mu);
   mutable int64_t daemon_pid ABSL_GUARDED_BY(pull_mu) = 0;  // from MapPushMemory
   mutable bool pull_refusal_printed ABSL_GUARDED_BY(pull_mu) = false;
+
+  // What the daemon answered for push memory `serial`: its id (0: refused)
+  // and the daemon's pid; nullopt while it has not been asked.
+  std::optional<std::pair<uint32_t, int64_t>> PullId(uint64_t serial) const {
+    absl::MutexLock lock(&pull_mu);
+    auto it = pull_ids.find(serial);
+    if (it == pull_ids.end()) return std::nullopt;
+    return std::make_pair(it->second, daemon_pid);
+  }
 
   const transport::RegionDescriptor* Other(v1::RegionPurpose purpose) const {
     for (const auto& [p, d] : others) {
@@ -346,11 +356,8 @@ DataPath::PullMemory BulkDataPath::PullMemoryOf(const void* data, uint64_t bytes
     ep = endpoint_;
   }
   if (ep == nullptr) return {};
-  {
-    absl::MutexLock lock(&ep->pull_mu);
-    auto it = ep->pull_ids.find(found->serial);
-    if (it == ep->pull_ids.end() || it->second == 0) return {};
-  }
+  const std::optional<std::pair<uint32_t, int64_t>> id = ep->PullId(found->serial);
+  if (!id.has_value() || id->first == 0) return {};
   return {found->serial, reinterpret_cast<uintptr_t>(found->memory->data()),
           found->memory->size()};
 }
@@ -370,14 +377,10 @@ BulkDataPath::Pull BulkDataPath::PlanPull(const Endpoint& ep,
     pull.memory = std::move(found->memory);
     pull.offsets.push_back(found->offset);
   }
-  {
-    absl::MutexLock lock(&ep.pull_mu);
-    if (auto it = ep.pull_ids.find(serial); it != ep.pull_ids.end()) {
-      if (it->second == 0) return Pull{};
-      pull.id = it->second;
-      pull.daemon_pid = ep.daemon_pid;
-      return pull;
-    }
+  if (const std::optional<std::pair<uint32_t, int64_t>> id = ep.PullId(serial); id.has_value()) {
+    if (id->first == 0) return Pull{};
+    std::tie(pull.id, pull.daemon_pid) = *id;
+    return pull;
   }
   // Asked once per endpoint; two threads may both ask, and the daemon
   // answers the same id to both (it maps a name once).

@@ -418,15 +418,13 @@ absl::Status StepEngine::AwaitHeld(const Contribution& c, const std::shared_ptr<
   while (held->state == State::kHeld) {
     // Still from the rank's current process (the lock was released)?
     if (absl::Status s = senders_current(); !s.ok()) {
-      reduction_->DropHeld(held.get());
-      ++reduction_changes_;
+      DropHeldLocked(held.get());
       return s;
     }
     if (prepared_) {
       // Only a forwarded step is prepared with contributions waiting
       // (TakeForwardedStep): it supersedes them, and its gradient is frozen.
-      reduction_->DropHeld(held.get());
-      ++reduction_changes_;
+      DropHeldLocked(held.get());
       break;
     }
     // Held long enough: summed now if it is next in order, else buffered.
@@ -449,8 +447,7 @@ absl::Status StepEngine::AwaitHeld(const Contribution& c, const std::shared_ptr<
     };
     if (!mu_.AwaitWithDeadline(absl::Condition(&changed), deadline) &&
         held->state == State::kHeld) {
-      reduction_->DropHeld(held.get());
-      ++reduction_changes_;
+      DropHeldLocked(held.get());
       return absl::DeadlineExceededError(absl::StrCat(
           "job ", config_->job_id, ": rank ", c.rank, "'s range [", c.range.begin, ", ", c.range.end,
           ") was held for its range's other contributions, and then ",
@@ -462,10 +459,7 @@ absl::Status StepEngine::AwaitHeld(const Contribution& c, const std::shared_ptr<
           "; nothing was applied"));
     }
   }
-  // Its bytes are read until the pass that took them ends (in-process
-  // work: no peer, bounded by one range's sum).
-  auto not_summing = [&held]() { return held->state != State::kSumming; };
-  mu_.Await(absl::Condition(&not_summing));
+  AwaitNotSumming(*held);
   if (held->state == State::kDropped) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", config_->job_id, ": rank ", c.rank, "'s range [", c.range.begin, ", ", c.range.end,
@@ -476,18 +470,23 @@ absl::Status StepEngine::AwaitHeld(const Contribution& c, const std::shared_ptr<
 }
 
 void StepEngine::ReleaseHeld(const std::vector<std::shared_ptr<HeldContribution>>& held) {
-  using State = HeldContribution::State;
   for (const std::shared_ptr<HeldContribution>& h : held) {
     if (h == nullptr) continue;
-    if (h->state == State::kHeld) {
-      reduction_->DropHeld(h.get());
-      ++reduction_changes_;
-    }
-    // Read by another push's pass (in-process work, bounded by one
-    // range's sum) until that pass lets it go.
-    auto not_summing = [&h]() { return h->state != State::kSumming; };
-    mu_.Await(absl::Condition(&not_summing));
+    if (h->state == HeldContribution::State::kHeld) DropHeldLocked(h.get());
+    AwaitNotSumming(*h);
   }
+}
+
+void StepEngine::DropHeldLocked(HeldContribution* held) {
+  reduction_->DropHeld(held);
+  ++reduction_changes_;
+}
+
+void StepEngine::AwaitNotSumming(const HeldContribution& held) const {
+  // Its bytes are read until the pass that took them ends (in-process
+  // work: no peer, bounded by one range's sum).
+  auto not_summing = [&held]() { return held.state != HeldContribution::State::kSumming; };
+  mu_.Await(absl::Condition(&not_summing));
 }
 
 void StepEngine::RunReadySums() {

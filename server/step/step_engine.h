@@ -285,6 +285,11 @@ class StepEngine {
   // read by no one once it returns. For a push that fails part way.
   void ReleaseHeld(const std::vector<std::shared_ptr<HeldContribution>>& held)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops a held contribution unsummed (ReductionState::DropHeld) and
+  // wakes the waiters on the reduction.
+  void DropHeldLocked(HeldContribution* held) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (mu_ released) while another push's pass reads `held`.
+  void AwaitNotSumming(const HeldContribution& held) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs the reduction's planned passes (ReductionState::TakeReadySums)
   // with mu_ released, then finishes them under it, until none is left:
   // pushes of other ranges register while a range is summed. Blocks for
