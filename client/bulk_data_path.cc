@@ -17,6 +17,7 @@
 #include "client/rpc.h"
 #include "common/protocol.h"
 #include "common/status_macros.h"
+#include "transport/piece_plan.h"
 
 namespace zeroshard {
 namespace {
@@ -41,6 +42,11 @@ std::vector<StagingSlots::PushKey> KeysOf(absl::Span<const GradientPush> pushes)
   for (const GradientPush& p : pushes) keys.push_back({p.step, p.micro_batch, p.range});
   return keys;
 }
+
+// A region access (PutRegion / GetRegion) of at least twice this many
+// bytes is split over the endpoint's connections, in parts of at least this
+// many, starting at page boundaries.
+constexpr uint64_t kRegionPartBytes = 1 << 20;
 
 }  // namespace
 
@@ -727,15 +733,29 @@ BulkDataPath::Attempt BulkDataPath::RegionOnce(const Endpoint& ep, const RegionA
     return {absl::InvalidArgumentError(
         absl::StrCat("daemon ", address(), ": ", what(), ": ", s.message()))};
   }
-  transport::Connection& connection =
-      *ep.connections[ep.next_get.fetch_add(1, std::memory_order_relaxed) % ep.connections.size()];
-  transport::Completion op = put ? connection.Put(buffer, bytes, *region, offset)
-                                 : connection.Get(buffer, bytes, *region, offset);
+  // One part per connection (each on its own progress thread), so that one
+  // large access is copied by as many threads as the endpoint has.
+  const size_t first =
+      ep.next_get.fetch_add(1, std::memory_order_relaxed) % ep.connections.size();
+  transport::PiecePlan parts(
+      bytes, transport::PartBytes(bytes, ep.connections.size(), kRegionPartBytes, 4096));
+  std::vector<transport::Completion> ops;
+  while (!parts.done()) {
+    const transport::PiecePlan::Piece part = parts.Next();
+    transport::Connection& connection =
+        *ep.connections[(first + ops.size()) % ep.connections.size()];
+    uint8_t* local = static_cast<uint8_t*>(buffer) + part.offset;
+    ops.push_back(put ? connection.Put(local, part.length, *region, offset + part.offset)
+                      : connection.Get(local, part.length, *region, offset + part.offset));
+  }
   if (!*ran) {
     *ran = true;
     while_copying();
   }
-  absl::Status s = Finish(op, deadline, what);
+  // Every part is waited for (the buffer is the transport's until then);
+  // the first failure is the access's.
+  absl::Status s;
+  for (transport::Completion& op : ops) s.Update(Finish(op, deadline, what));
   if (s.ok()) return {bytes};
   const bool lost = absl::IsUnavailable(s);
   if (lost) DropEndpoint(&ep);

@@ -59,6 +59,8 @@
 // region the daemon hands the rank in ExchangeEndpoint (the activation arena,
 // REGION_PURPOSE_ACTIVATION_ARENA), on the same endpoint and connections, for
 // protocols that announce the bytes themselves (client/activation_store.h).
+// An access of 2 MiB or more is split into one part per connection, moved
+// side by side by their progress threads.
 
 #include <atomic>
 #include <cstdint>

@@ -609,5 +609,33 @@ TEST(BulkDataPathTest, PutAndGetIntoAnotherRegion) {
   EXPECT_TRUE(absl::StrContains(s.message(), "ACTIVATION_ARENA")) << s;
 }
 
+// An access long enough to be split over the endpoint's two connections
+// arrives whole and in place, at an odd length and offset.
+TEST(BulkDataPathTest, ALongRegionAccessSplitOverConnectionsArrivesWhole) {
+  FakeShard::Options o;
+  o.activation_arena_bytes = 4 << 20;
+  Rig rig(o);
+  const BulkDataPath::RegionAccess at{"job", 0, kIncarnation,
+                                      v1::REGION_PURPOSE_ACTIVATION_ARENA};
+  const uint64_t bytes = (3 << 20) + 123, offset = 4096 + 8;
+  std::string out(bytes, '\0'), in(bytes, '\0');
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(i * 7 + i / 4096);
+  ASSERT_TRUE(rig.path->PutRegion(at, offset, out.data(), bytes, In(absl::Seconds(5))).ok());
+  ASSERT_TRUE(rig.path->GetRegion(at, offset, in.data(), bytes, In(absl::Seconds(5))).ok());
+  EXPECT_TRUE(in == out);
+  // Read back in one short access each side of the part boundary too.
+  std::string head(4096, '\0');
+  ASSERT_TRUE(rig.path->GetRegion(at, offset, head.data(), head.size(), In(absl::Seconds(5))).ok());
+  EXPECT_EQ(head, out.substr(0, head.size()));
+  ASSERT_TRUE(rig.path
+                  ->GetRegion(at, offset + bytes - head.size(), head.data(), head.size(),
+                              In(absl::Seconds(5)))
+                  .ok());
+  EXPECT_EQ(head, out.substr(bytes - head.size()));
+  // Past the region: refused before anything moves.
+  absl::Status s = rig.path->PutRegion(at, (1 << 20) + 1, out.data(), bytes, In(absl::Seconds(5)));
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+}
+
 }  // namespace
 }  // namespace zeroshard

@@ -56,4 +56,18 @@ class PiecePlan {
   uint64_t offset_ = 0;
 };
 
+// The piece length that splits `length` bytes into at most `max_parts`
+// parts for movers that run side by side (one per connection): parts of at
+// least `min_part_bytes` (fewer parts, down to one, for shorter lengths),
+// each but the last a multiple of `align` (> 0). For PiecePlan(length, it).
+inline uint64_t PartBytes(uint64_t length, uint64_t max_parts, uint64_t min_part_bytes,
+                          uint64_t align) {
+  const uint64_t parts =
+      std::clamp<uint64_t>(min_part_bytes == 0 ? max_parts : length / min_part_bytes, 1,
+                           std::max<uint64_t>(max_parts, 1));
+  if (parts == 1) return length;
+  const uint64_t even = (length + parts - 1) / parts;
+  return (even + align - 1) / align * align;
+}
+
 }  // namespace zeroshard::transport

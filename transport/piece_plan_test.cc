@@ -73,5 +73,26 @@ TEST(PiecePlanTest, ReceiverTakesUpToTheLengthAndRefusesMore) {
   EXPECT_FALSE(plan.Take(1));
 }
 
+TEST(PartBytesTest, SplitsIntoAlignedPartsOfAtLeastTheMinimum) {
+  constexpr uint64_t kMiB = 1 << 20;
+  // Long enough for every part: as many parts as allowed.
+  EXPECT_EQ(PartBytes(32 * kMiB, 2, kMiB, 4096), 16 * kMiB);
+  EXPECT_EQ(AllPieces(PiecePlan(32 * kMiB, PartBytes(32 * kMiB, 4, kMiB, 4096))).size(), 4u);
+  // An odd length: parts but the last page-aligned, together exactly it.
+  const uint64_t odd = 3 * kMiB + 123;
+  const uint64_t part = PartBytes(odd, 2, kMiB, 4096);
+  EXPECT_EQ(part % 4096, 0u);
+  const std::vector<PiecePlan::Piece> pieces = AllPieces(PiecePlan(odd, part));
+  ASSERT_EQ(pieces.size(), 2u);
+  EXPECT_EQ(pieces[1].offset + pieces[1].length, odd);
+  EXPECT_GE(pieces[1].length, kMiB);
+  // Too short for two parts of the minimum, or one part allowed: whole.
+  EXPECT_EQ(PartBytes(kMiB + kMiB / 2, 2, kMiB, 4096), kMiB + kMiB / 2);
+  EXPECT_EQ(PartBytes(32 * kMiB, 1, kMiB, 4096), 32 * kMiB);
+  EXPECT_EQ(PartBytes(32 * kMiB, 0, kMiB, 4096), 32 * kMiB);
+  // Three allowed, length for two: two.
+  EXPECT_EQ(AllPieces(PiecePlan(2 * kMiB, PartBytes(2 * kMiB, 3, kMiB, 4096))).size(), 2u);
+}
+
 }  // namespace
 }  // namespace zeroshard::transport
