@@ -37,15 +37,33 @@ bool LostDaemonOrJob(const absl::Status& s) {
   return absl::IsUnavailable(s) || absl::IsNotFound(s) || absl::IsFailedPrecondition(s);
 }
 
+// A transport operation's failure after which its connection may be
+// closed: the peer failed (Unavailable), or an operation was aborted at its
+// deadline, which closes a UCX connection with peer error handling and
+// fails the other operations on it (Cancelled).
+bool ConnectionMayBeClosed(const absl::Status& s) {
+  return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsCancelled(s);
+}
+
+// Folds the status of one of several operations of a call into the call's:
+// the first failure, unless a later one is Unavailable (the call is then
+// retried on a fresh endpoint).
+void FoldStatus(absl::Status* call, absl::Status op) {
+  if (call->ok() || (absl::IsUnavailable(op) && !absl::IsUnavailable(*call))) {
+    *call = std::move(op);
+  }
+}
+
 std::vector<StagingSlots::PushKey> KeysOf(absl::Span<const GradientPush> pushes) {
   std::vector<StagingSlots::PushKey> keys;
   for (const GradientPush& p : pushes) keys.push_back({p.step, p.micro_batch, p.range});
   return keys;
 }
 
-// A region access (PutRegion / GetRegion) of at least twice this many
-// bytes is split over the endpoint's connections, in parts of at least this
-// many, starting at page boundaries.
+// A region access (PutRegion / GetRegion) of at least twice this many bytes
+// is split over the endpoint's connections: parts of about equal length
+// (each but the last a whole number of pages), as many as there are
+// connections and at most one per this many bytes.
 constexpr uint64_t kRegionPartBytes = 1 << 20;
 
 }  // namespace
@@ -73,7 +91,8 @@ absl::StatusOr<std::vector<std::unique_ptr<transport::Connection>>> BulkTranspor
 
 struct BulkDataPath::Endpoint {
   JobKey key;
-  // connections[0] carries the Puts; Gets take each in turn.
+  // connections[0] carries the pushes' Puts; Gets and the parts of region
+  // accesses take each in turn.
   std::vector<std::unique_ptr<transport::Connection>> connections;
   mutable std::atomic<size_t> next_get{0};
   transport::RegionDescriptor staging;
@@ -472,15 +491,14 @@ bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush>
       at += PushBytes(push);
     }
     for (transport::Completion& put : puts) {
-      absl::Status p = Finish(put, deadline, [&] { return DescribePushes(sent) + ": Put"; });
-      if (s.ok()) s = std::move(p);
+      FoldStatus(&s, Finish(put, deadline, [&] { return DescribePushes(sent) + ": Put"; }));
     }
   }
   if (!s.ok()) {
     // Nothing announced: the daemon applies no bytes of this generation.
     slots_.Release(lease);
     const bool lost = absl::IsUnavailable(s);
-    if (lost) DropEndpoint(&ep);
+    if (ConnectionMayBeClosed(s)) DropEndpoint(&ep);
     finish(s);
     return lost;
   }
@@ -675,7 +693,7 @@ BulkDataPath::Attempt BulkDataPath::GetOnce(const Endpoint& ep, const GatherRequ
     return {bytes};
   }
   const bool lost = absl::IsUnavailable(s);
-  if (lost) DropEndpoint(&ep);
+  if (ConnectionMayBeClosed(s)) DropEndpoint(&ep);
   return {s, lost};
 }
 
@@ -733,8 +751,9 @@ BulkDataPath::Attempt BulkDataPath::RegionOnce(const Endpoint& ep, const RegionA
     return {absl::InvalidArgumentError(
         absl::StrCat("daemon ", address(), ": ", what(), ": ", s.message()))};
   }
-  // One part per connection (each on its own progress thread), so that one
-  // large access is copied by as many threads as the endpoint has.
+  // Up to one part per connection, so that one large access is copied by
+  // as many progress threads as the connections are on (BulkTransport::
+  // ConnectAll puts them on distinct ones where it can).
   const size_t first =
       ep.next_get.fetch_add(1, std::memory_order_relaxed) % ep.connections.size();
   transport::PiecePlan parts(
@@ -752,13 +771,12 @@ BulkDataPath::Attempt BulkDataPath::RegionOnce(const Endpoint& ep, const RegionA
     *ran = true;
     while_copying();
   }
-  // Every part is waited for (the buffer is the transport's until then);
-  // the first failure is the access's.
+  // Every part is waited for (the buffer is the transport's until then).
   absl::Status s;
-  for (transport::Completion& op : ops) s.Update(Finish(op, deadline, what));
+  for (transport::Completion& op : ops) FoldStatus(&s, Finish(op, deadline, what));
   if (s.ok()) return {bytes};
   const bool lost = absl::IsUnavailable(s);
-  if (lost) DropEndpoint(&ep);
+  if (ConnectionMayBeClosed(s)) DropEndpoint(&ep);
   return {s, lost};
 }
 

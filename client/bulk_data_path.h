@@ -23,7 +23,9 @@
 // answer. One BulkDataPath serves one job.
 //
 // The cached endpoint is dropped when the daemon seems to have gone away or
-// lost the job: a transport operation fails with Unavailable, or a push or
+// lost the job: a transport operation fails with Unavailable (or is aborted
+// at its deadline, which may close its connection: DeadlineExceeded,
+// Cancelled for the others on that connection), or a push or
 // gather is answered Unavailable, NotFound (the job is unknown: a restarted
 // daemon) or FailedPrecondition (e.g. the staging region is missing). The
 // next call exchanges and connects again. A call whose Put or Get failed
@@ -53,14 +55,15 @@
 //
 // Connections: `connections` per daemon. The Puts of all pushes take the
 // first, so one progress thread copies gradients while the daemon applies the
-// previous slot; the Gets of a gather take each connection in turn.
+// previous slot; the Gets of a gather and the parts of a region access
+// (below) take each connection in turn.
 //
 // Other regions: PutRegion / GetRegion move bytes into and out of any other
 // region the daemon hands the rank in ExchangeEndpoint (the activation arena,
 // REGION_PURPOSE_ACTIVATION_ARENA), on the same endpoint and connections, for
 // protocols that announce the bytes themselves (client/activation_store.h).
-// An access of 2 MiB or more is split into one part per connection, moved
-// side by side by their progress threads.
+// An access of 2 MiB or more is split into up to one part per connection
+// (at most one per MiB), moved side by side by their progress threads.
 
 #include <atomic>
 #include <cstdint>
@@ -178,7 +181,8 @@ class BulkDataPath final : public DataPath {
   // fresh endpoint (both directions are idempotent). Errors:
   // FailedPrecondition when the daemon hands out no region of that purpose;
   // InvalidArgument for a range outside it; Unavailable (the endpoint is
-  // dropped; the next call exchanges again); DeadlineExceeded.
+  // dropped; the next call exchanges again); DeadlineExceeded (the endpoint
+  // is dropped too: the abort may have closed a connection).
   // `while_copying` runs on the calling thread while the transport copies
   // the first attempt's bytes (e.g. a checksum of `src`, which both only
   // read, or of memory the copy does not touch), before the call waits for

@@ -56,18 +56,23 @@ class PiecePlan {
   uint64_t offset_ = 0;
 };
 
-// The piece length that splits `length` bytes into at most `max_parts`
-// parts for movers that run side by side (one per connection): parts of at
-// least `min_part_bytes` (fewer parts, down to one, for shorter lengths),
-// each but the last a multiple of `align` (> 0). For PiecePlan(length, it).
+// The piece length that splits `length` bytes into parts for movers that
+// run side by side (one per connection), for PiecePlan(length, it): with
+// n = max(1, min(`max_parts`, `length` / `min_part_bytes`)) (`max_parts`
+// when `min_part_bytes` is 0), ceil(`length` / n) rounded up to a multiple
+// of `align` (0 counts as 1), so at most n parts, all that length but the
+// last, which takes the rest; `length` itself when n is 1.
 inline uint64_t PartBytes(uint64_t length, uint64_t max_parts, uint64_t min_part_bytes,
                           uint64_t align) {
+  const uint64_t most = std::max<uint64_t>(max_parts, 1);
   const uint64_t parts =
-      std::clamp<uint64_t>(min_part_bytes == 0 ? max_parts : length / min_part_bytes, 1,
-                           std::max<uint64_t>(max_parts, 1));
+      std::clamp<uint64_t>(min_part_bytes == 0 ? most : length / min_part_bytes, 1, most);
   if (parts == 1) return length;
-  const uint64_t even = (length + parts - 1) / parts;
-  return (even + align - 1) / align * align;
+  align = std::max<uint64_t>(align, 1);
+  // n >= 2, so `even` <= 2^63: rounding it up overflows for no `align`
+  // below 2^63.
+  const uint64_t even = length / parts + (length % parts != 0);
+  return even + (align - even % align) % align;
 }
 
 }  // namespace zeroshard::transport

@@ -92,6 +92,29 @@ TEST(PartBytesTest, SplitsIntoAlignedPartsOfAtLeastTheMinimum) {
   EXPECT_EQ(PartBytes(32 * kMiB, 0, kMiB, 4096), 32 * kMiB);
   // Three allowed, length for two: two.
   EXPECT_EQ(AllPieces(PiecePlan(2 * kMiB, PartBytes(2 * kMiB, 3, kMiB, 4096))).size(), 2u);
+  // Just over two minimums: the last part is the rest, below the minimum.
+  const std::vector<PiecePlan::Piece> rest =
+      AllPieces(PiecePlan(2 * kMiB + 1, PartBytes(2 * kMiB + 1, 2, kMiB, 4096)));
+  ASSERT_EQ(rest.size(), 2u);
+  EXPECT_EQ(rest[0].length, kMiB + 4096);
+  EXPECT_EQ(rest[1].length, kMiB - 4095);
+}
+
+TEST(PartBytesTest, EdgeCasesGiveAtMostTheAllowedPartsCoveringTheLength) {
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  EXPECT_EQ(PartBytes(0, 2, 1 << 20, 4096), 0u);
+  EXPECT_TRUE(AllPieces(PiecePlan(0, PartBytes(0, 2, 1 << 20, 4096))).empty());
+  // No minimum: as many parts as allowed, whatever the length.
+  EXPECT_EQ(AllPieces(PiecePlan(10, PartBytes(10, 3, 0, 1))).size(), 3u);
+  // Alignment 0 counts as 1; an alignment past the length leaves one part.
+  EXPECT_EQ(PartBytes(10, 2, 0, 0), 5u);
+  EXPECT_EQ(AllPieces(PiecePlan(10, PartBytes(10, 2, 0, 4096))).size(), 1u);
+  // The largest length: two parts that cover it, no overflow.
+  const uint64_t half = PartBytes(kMax, 2, 1, 4096);
+  EXPECT_EQ(half % 4096, 0u);
+  const std::vector<PiecePlan::Piece> huge = AllPieces(PiecePlan(kMax, half));
+  ASSERT_EQ(huge.size(), 2u);
+  EXPECT_EQ(huge[0].length + huge[1].length, kMax);
 }
 
 }  // namespace
