@@ -37,21 +37,21 @@ bool LostDaemonOrJob(const absl::Status& s) {
   return absl::IsUnavailable(s) || absl::IsNotFound(s) || absl::IsFailedPrecondition(s);
 }
 
-// A transport operation's failure after which its connection may be
-// closed: the peer failed (Unavailable), or an operation was aborted at its
-// deadline, which closes a UCX connection with peer error handling and
-// fails the other operations on it (Cancelled).
-bool ConnectionMayBeClosed(const absl::Status& s) {
-  return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsCancelled(s);
+// A transport operation's failure that says its connection is gone: the
+// peer failed (Unavailable), or the connection was closed (Cancelled: UCX
+// closes a connection with peer error handling to stop an operation aborted
+// at its deadline, and the other operations on it fail so). The endpoint is
+// dropped and the call tried once more on a fresh one. (The aborted
+// operation itself ends DeadlineExceeded, BulkDataPath::Finish.)
+bool ConnectionGone(const absl::Status& s) {
+  return absl::IsUnavailable(s) || absl::IsCancelled(s);
 }
 
 // Folds the status of one of several operations of a call into the call's:
-// the first failure, unless a later one is Unavailable (the call is then
-// retried on a fresh endpoint).
+// the first failure, unless a later one says its connection is gone (the
+// call is then tried again on a fresh endpoint).
 void FoldStatus(absl::Status* call, absl::Status op) {
-  if (call->ok() || (absl::IsUnavailable(op) && !absl::IsUnavailable(*call))) {
-    *call = std::move(op);
-  }
+  if (call->ok() || (ConnectionGone(op) && !ConnectionGone(*call))) *call = std::move(op);
 }
 
 std::vector<StagingSlots::PushKey> KeysOf(absl::Span<const GradientPush> pushes) {
@@ -497,8 +497,8 @@ bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush>
   if (!s.ok()) {
     // Nothing announced: the daemon applies no bytes of this generation.
     slots_.Release(lease);
-    const bool lost = absl::IsUnavailable(s);
-    if (ConnectionMayBeClosed(s)) DropEndpoint(&ep);
+    const bool lost = ConnectionGone(s);
+    if (lost) DropEndpoint(&ep);
     finish(s);
     return lost;
   }
@@ -692,8 +692,8 @@ BulkDataPath::Attempt BulkDataPath::GetOnce(const Endpoint& ep, const GatherRequ
     if (!asked) ep.AddUnreported(bytes);
     return {bytes};
   }
-  const bool lost = absl::IsUnavailable(s);
-  if (ConnectionMayBeClosed(s)) DropEndpoint(&ep);
+  const bool lost = ConnectionGone(s);
+  if (lost) DropEndpoint(&ep);
   return {s, lost};
 }
 
@@ -775,8 +775,8 @@ BulkDataPath::Attempt BulkDataPath::RegionOnce(const Endpoint& ep, const RegionA
   absl::Status s;
   for (transport::Completion& op : ops) FoldStatus(&s, Finish(op, deadline, what));
   if (s.ok()) return {bytes};
-  const bool lost = absl::IsUnavailable(s);
-  if (ConnectionMayBeClosed(s)) DropEndpoint(&ep);
+  const bool lost = ConnectionGone(s);
+  if (lost) DropEndpoint(&ep);
   return {s, lost};
 }
 

@@ -23,14 +23,14 @@
 // answer. One BulkDataPath serves one job.
 //
 // The cached endpoint is dropped when the daemon seems to have gone away or
-// lost the job: a transport operation fails with Unavailable (or is aborted
-// at its deadline, which may close its connection: DeadlineExceeded,
-// Cancelled for the others on that connection), or a push or
+// lost the job, or a connection is gone: a transport operation fails with
+// Unavailable or Cancelled (its connection closed, as UCX does to stop
+// another operation on it that was aborted at its deadline), or a push or
 // gather is answered Unavailable, NotFound (the job is unknown: a restarted
 // daemon) or FailedPrecondition (e.g. the staging region is missing). The
 // next call exchanges and connects again. A call whose Put or Get failed
-// with Unavailable before anything was announced retries once at once on a
-// fresh endpoint.
+// with Unavailable or Cancelled before anything was announced retries once
+// at once on a fresh endpoint.
 //
 // Staging (client/staging_slots.h): a push holds one slot from its Put until
 // the daemon answered; a push whose RPC failed or timed out fences its slot
@@ -177,12 +177,12 @@ class BulkDataPath final : public DataPath {
   // returns only once the transport has let go of the buffer, so the caller
   // owns `src` / `dst` again whenever the call returned. What the bytes mean,
   // and telling the daemon about them, is the caller's protocol. An
-  // operation that failed with Unavailable is retried once at once on a
-  // fresh endpoint (both directions are idempotent). Errors:
-  // FailedPrecondition when the daemon hands out no region of that purpose;
-  // InvalidArgument for a range outside it; Unavailable (the endpoint is
-  // dropped; the next call exchanges again); DeadlineExceeded (the endpoint
-  // is dropped too: the abort may have closed a connection).
+  // operation that failed with Unavailable or Cancelled (its connection
+  // gone) is retried once at once on a fresh endpoint (both directions are
+  // idempotent). Errors: FailedPrecondition when the daemon hands out no
+  // region of that purpose; InvalidArgument for a range outside it;
+  // Unavailable or Cancelled (the endpoint is dropped; the next call
+  // exchanges again); DeadlineExceeded.
   // `while_copying` runs on the calling thread while the transport copies
   // the first attempt's bytes (e.g. a checksum of `src`, which both only
   // read, or of memory the copy does not touch), before the call waits for
@@ -212,8 +212,9 @@ class BulkDataPath final : public DataPath {
     uint32_t rank = 0;
     uint64_t incarnation = 0;
   };
-  // One attempt of a staged push; `retry` is set when its Put failed with
-  // Unavailable (nothing announced) and the endpoint was dropped.
+  // One attempt of a gather or a region access; `retry` is set when its
+  // transport operation found its connection gone (Unavailable, Cancelled)
+  // and the endpoint was dropped.
   struct Attempt {
     absl::StatusOr<uint64_t> result;
     bool retry = false;
@@ -271,7 +272,7 @@ class BulkDataPath final : public DataPath {
   absl::StatusOr<bool> AwaitPulledFence(const GradientPush& push, const Pull& pull,
                                         const StagingSlots::Lease& lease, absl::Time deadline,
                                         absl::Status failed);
-  // One Put (`put`) or Get of a region access; `retry` as for pushes.
+  // One Put (`put`) or Get of a region access.
   // `while_copying` runs once the operation is issued (first attempt only,
   // when `*ran` is false; sets it).
   Attempt RegionOnce(const Endpoint& ep, const RegionAccess& at, bool put, uint64_t offset,

@@ -69,8 +69,8 @@ inline uint64_t PartBytes(uint64_t length, uint64_t max_parts, uint64_t min_part
       std::clamp<uint64_t>(min_part_bytes == 0 ? most : length / min_part_bytes, 1, most);
   if (parts == 1) return length;
   align = std::max<uint64_t>(align, 1);
-  // n >= 2, so `even` <= 2^63: rounding it up overflows for no `align`
-  // below 2^63.
+  // n >= 2, so `even` <= 2^63, and its round-up is `align` itself or below
+  // `even` + `align`: no overflow.
   const uint64_t even = length / parts + (length % parts != 0);
   return even + (align - even % align) % align;
 }

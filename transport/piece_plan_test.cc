@@ -73,7 +73,7 @@ TEST(PiecePlanTest, ReceiverTakesUpToTheLengthAndRefusesMore) {
   EXPECT_FALSE(plan.Take(1));
 }
 
-TEST(PartBytesTest, SplitsIntoAlignedPartsOfAtLeastTheMinimum) {
+TEST(PartBytesTest, SplitsIntoAlignedPartsTheLastTakingTheRest) {
   constexpr uint64_t kMiB = 1 << 20;
   // Long enough for every part: as many parts as allowed.
   EXPECT_EQ(PartBytes(32 * kMiB, 2, kMiB, 4096), 16 * kMiB);
