@@ -49,9 +49,14 @@ bool ConnectionGone(const absl::Status& s) {
 
 // Folds the status of one of several operations of a call into the call's:
 // the first failure, unless a later one says its connection is gone (the
-// call is then tried again on a fresh endpoint).
+// call is then tried again on a fresh endpoint) and none ran out of time
+// (the aborted one's own connection may have been closed to stop it, which
+// fails those after it Cancelled: the call timed out).
 void FoldStatus(absl::Status* call, absl::Status op) {
-  if (call->ok() || (ConnectionGone(op) && !ConnectionGone(*call))) *call = std::move(op);
+  if (call->ok() ||
+      (ConnectionGone(op) && !ConnectionGone(*call) && !absl::IsDeadlineExceeded(*call))) {
+    *call = std::move(op);
+  }
 }
 
 std::vector<StagingSlots::PushKey> KeysOf(absl::Span<const GradientPush> pushes) {
@@ -630,7 +635,7 @@ std::vector<absl::StatusOr<uint64_t>> BulkDataPath::PushGradients(
       for (size_t i : failed) results[i] = PushGradient(pushes[i], deadline);
       break;
     }
-    if (!retry || attempt > 0) break;
+    if (!retry || attempt > 0 || absl::Now() >= deadline) break;
     todo = std::move(failed);
   }
   return results;
@@ -706,7 +711,7 @@ absl::StatusOr<uint64_t> BulkDataPath::Gather(const GatherRequestSpec& request, 
       return stream_.Gather(request, dst, deadline);
     }
     Attempt a = GetOnce(*ep, request, dst, deadline);
-    if (!a.retry || attempt > 0) return a.result;
+    if (!a.retry || attempt > 0 || absl::Now() >= deadline) return a.result;
   }
 }
 
@@ -788,7 +793,7 @@ absl::Status BulkDataPath::RegionOp(const RegionAccess& at, bool put, uint64_t o
   for (int attempt = 0;; ++attempt) {
     ASSIGN_OR_RETURN(std::shared_ptr<const Endpoint> ep, GetEndpoint(key, deadline));
     Attempt a = RegionOnce(*ep, at, put, offset, buffer, bytes, deadline, while_copying, &ran);
-    if (!a.retry || attempt > 0) return a.result.status();
+    if (!a.retry || attempt > 0 || absl::Now() >= deadline) return a.result.status();
   }
 }
 

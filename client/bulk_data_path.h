@@ -29,8 +29,8 @@
 // gather is answered Unavailable, NotFound (the job is unknown: a restarted
 // daemon) or FailedPrecondition (e.g. the staging region is missing). The
 // next call exchanges and connects again. A call whose Put or Get failed
-// with Unavailable or Cancelled before anything was announced retries once
-// at once on a fresh endpoint.
+// with Unavailable or Cancelled before anything was announced, and did not
+// run out of time, retries once, at once, on a fresh endpoint.
 //
 // Staging (client/staging_slots.h): a push holds one slot from its Put until
 // the daemon answered; a push whose RPC failed or timed out fences its slot
@@ -178,8 +178,8 @@ class BulkDataPath final : public DataPath {
   // owns `src` / `dst` again whenever the call returned. What the bytes mean,
   // and telling the daemon about them, is the caller's protocol. An
   // operation that failed with Unavailable or Cancelled (its connection
-  // gone) is retried once at once on a fresh endpoint (both directions are
-  // idempotent). Errors: FailedPrecondition when the daemon hands out no
+  // gone) before `deadline` is retried once at once on a fresh endpoint
+  // (both directions are idempotent). Errors: FailedPrecondition when the daemon hands out no
   // region of that purpose; InvalidArgument for a range outside it;
   // Unavailable or Cancelled (the endpoint is dropped; the next call
   // exchanges again); DeadlineExceeded.
