@@ -70,6 +70,7 @@ std::vector<StagingSlots::PushKey> KeysOf(absl::Span<const GradientPush> pushes)
 // (each but the last a whole number of pages), as many as there are
 // connections and at most one per this many bytes.
 constexpr uint64_t kRegionPartBytes = 1 << 20;
+constexpr uint64_t kPageBytes = 4096;
 
 }  // namespace
 
@@ -99,7 +100,7 @@ struct BulkDataPath::Endpoint {
   // connections[0] carries the pushes' Puts; Gets and the parts of region
   // accesses take each in turn.
   std::vector<std::unique_ptr<transport::Connection>> connections;
-  mutable std::atomic<size_t> next_get{0};
+  mutable std::atomic<size_t> next_connection{0};
   transport::RegionDescriptor staging;
   uint32_t slots = 0;
   uint64_t slot_bytes = 0;
@@ -188,6 +189,11 @@ struct BulkDataPath::Endpoint {
     auto it = pull_ids.find(serial);
     if (it == pull_ids.end()) return std::nullopt;
     return std::make_pair(it->second, daemon_pid);
+  }
+
+  // The index of the connection for the next Get or region part, in turn.
+  size_t NextConnection() const {
+    return next_connection.fetch_add(1, std::memory_order_relaxed) % connections.size();
   }
 
   const transport::RegionDescriptor* Other(v1::RegionPurpose purpose) const {
@@ -345,6 +351,14 @@ absl::Status BulkDataPath::Finish(transport::Completion& completion, absl::Time 
                       absl::StrCat("daemon ", address(), ": ", what(), ": ", s.message()));
 }
 
+absl::Status BulkDataPath::FinishAll(absl::Span<transport::Completion> operations,
+                                     absl::Time deadline,
+                                     absl::FunctionRef<std::string()> what) {
+  absl::Status s;
+  for (transport::Completion& op : operations) FoldStatus(&s, Finish(op, deadline, what));
+  return s;
+}
+
 absl::StatusOr<uint64_t> BulkDataPath::FenceSlot(const GradientPush& push, uint32_t slot,
                                                  uint64_t generation, absl::Time until) {
   v1::FenceStagingSlotRequest req;
@@ -495,9 +509,8 @@ bool BulkDataPath::PushStaged(const Endpoint& ep, absl::Span<const GradientPush>
       puts.push_back(ep.connections[0]->Put(push.data, PushBytes(push), ep.staging, at));
       at += PushBytes(push);
     }
-    for (transport::Completion& put : puts) {
-      FoldStatus(&s, Finish(put, deadline, [&] { return DescribePushes(sent) + ": Put"; }));
-    }
+    s = FinishAll(absl::MakeSpan(puts), deadline,
+                  [&] { return DescribePushes(sent) + ": Put"; });
   }
   if (!s.ok()) {
     // Nothing announced: the daemon applies no bytes of this generation.
@@ -687,8 +700,7 @@ BulkDataPath::Attempt BulkDataPath::GetOnce(const Endpoint& ep, const GatherRequ
   }
   const size_t esize = DTypeSize(request.dtype);
   const uint64_t bytes = request.range.size() * esize;
-  transport::Connection& connection =
-      *ep.connections[ep.next_get.fetch_add(1, std::memory_order_relaxed) % ep.connections.size()];
+  transport::Connection& connection = *ep.connections[ep.NextConnection()];
   transport::Completion get =
       connection.Get(dst, bytes, region, (request.range.begin - held.begin) * esize);
   absl::Status s = Finish(get, std::min(deadline, lease_end),
@@ -759,10 +771,9 @@ BulkDataPath::Attempt BulkDataPath::RegionOnce(const Endpoint& ep, const RegionA
   // Up to one part per connection, so that one large access is copied by
   // as many progress threads as the connections are on (BulkTransport::
   // ConnectAll puts them on distinct ones where it can).
-  const size_t first =
-      ep.next_get.fetch_add(1, std::memory_order_relaxed) % ep.connections.size();
+  const size_t first = ep.NextConnection();
   transport::PiecePlan parts(
-      bytes, transport::PartBytes(bytes, ep.connections.size(), kRegionPartBytes, 4096));
+      bytes, transport::PartBytes(bytes, ep.connections.size(), kRegionPartBytes, kPageBytes));
   std::vector<transport::Completion> ops;
   while (!parts.done()) {
     const transport::PiecePlan::Piece part = parts.Next();
@@ -776,9 +787,7 @@ BulkDataPath::Attempt BulkDataPath::RegionOnce(const Endpoint& ep, const RegionA
     *ran = true;
     while_copying();
   }
-  // Every part is waited for (the buffer is the transport's until then).
-  absl::Status s;
-  for (transport::Completion& op : ops) FoldStatus(&s, Finish(op, deadline, what));
+  const absl::Status s = FinishAll(absl::MakeSpan(ops), deadline, what);
   if (s.ok()) return {bytes};
   const bool lost = ConnectionGone(s);
   if (lost) DropEndpoint(&ep);

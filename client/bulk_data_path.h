@@ -287,6 +287,11 @@ class BulkDataPath final : public DataPath {
   // `what` names the operation in an error (built only then).
   absl::Status Finish(transport::Completion& completion, absl::Time deadline,
                       absl::FunctionRef<std::string()> what);
+  // Finish for each of the operations of one call, in order, whatever the
+  // earlier ones returned (each buffer is the transport's until its own
+  // operation let go); the call's status as FoldStatus (.cc) gives it.
+  absl::Status FinishAll(absl::Span<transport::Completion> operations, absl::Time deadline,
+                         absl::FunctionRef<std::string()> what);
 
   const std::shared_ptr<BulkTransport> transport_;
   // Serves what the bulk transport does not (initial parameters, oversized
