@@ -83,6 +83,13 @@ absl::StatusOr<std::shared_ptr<BulkTransport>> BulkTransport::Create(
   return std::shared_ptr<BulkTransport>(new BulkTransport(kind, std::move(t)));
 }
 
+absl::StatusOr<std::shared_ptr<BulkTransport>> BulkTransport::Of(
+    std::unique_ptr<transport::Transport> transport) {
+  ASSIGN_OR_RETURN(v1::TransportKind kind,
+                   TransportKindFromName(transport->kind(), "the transport's kind"));
+  return std::shared_ptr<BulkTransport>(new BulkTransport(kind, std::move(transport)));
+}
+
 absl::StatusOr<std::vector<std::unique_ptr<transport::Connection>>> BulkTransport::ConnectAll(
     const std::string& peer_address, int n, absl::Time deadline) {
   std::vector<std::unique_ptr<transport::Connection>> connections;

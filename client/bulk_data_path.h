@@ -94,6 +94,10 @@ class BulkTransport {
   // factory's error otherwise (Unavailable when UCX cannot initialise).
   static absl::StatusOr<std::shared_ptr<BulkTransport>> Create(
       const std::string& name, const transport::BackendOptions& options);
+  // A BulkTransport over a transport made elsewhere (e.g. one wrapped by a
+  // test). InvalidArgument when its kind() is no bulk transport.
+  static absl::StatusOr<std::shared_ptr<BulkTransport>> Of(
+      std::unique_ptr<transport::Transport> transport);
 
   v1::TransportKind kind() const { return kind_; }
   const std::string& local_address() const { return transport_->LocalAddress(); }

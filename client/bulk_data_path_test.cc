@@ -20,12 +20,16 @@
 #include "client/rpc.h"
 #include "client/testing/fake_shard.h"
 #include "gtest/gtest.h"
+#include "transport/inproc/inproc_transport.h"
 #include "transport/piece_plan.h"
+#include "transport/testing/faulty_transport.h"
 
 namespace zeroshard {
 namespace {
 
 using testing::FakeShard;
+using transport::testing::FaultyTransport;
+using Mode = FaultyTransport::Mode;
 
 constexpr uint64_t kIncarnation = 7;
 
@@ -37,13 +41,19 @@ struct Rig {
     po.connections = 2;
     po.fence_timeout = absl::Seconds(5);
     po.push_memories = std::move(memories);
-    transport::BackendOptions bo;
-    bo.inproc.progress_threads = progress_threads;
+    transport::InprocTransportOptions to;
+    to.progress_threads = progress_threads;
+    auto wrapped = std::make_unique<FaultyTransport>(*transport::inproc::CreateInprocTransport(to));
+    faults = wrapped.get();
     path = std::make_unique<BulkDataPath>(
         fake->address(), MakeDaemonChannel(fake->address(), ChannelSecurity::Plaintext()),
-        *BulkTransport::Create("inproc", bo), po);
+        *BulkTransport::Of(std::move(wrapped)), po);
   }
   std::unique_ptr<FakeShard> fake;
+  // The client's transport: connections open unless a test closes or
+  // stalls them (numbered from 0 as the client connects; each endpoint
+  // makes two).
+  FaultyTransport* faults;
   std::unique_ptr<BulkDataPath> path;
 };
 
@@ -546,6 +556,107 @@ TEST(BulkDataPathTest, NotFoundDropsTheEndpoint) {
   EXPECT_EQ(rig.fake->exchanges(), 2);
 }
 
+// A connection found closed (Cancelled: UCX closes one to stop an operation
+// aborted at its deadline) drops the endpoint, and the call is tried once
+// more at once on a fresh one: a push whose Put failed (nothing announced,
+// so nothing applied), a gather, and a region access with one of its parts
+// on the closed connection. A call whose fresh connections are closed as
+// well fails, naming the daemon.
+TEST(BulkDataPathTest, APushWhosePutFindsItsConnectionClosedIsSentOnAFreshEndpoint) {
+  Rig rig;
+  const Grad a(0, 1.0f), b(256, 2.0f);
+  ASSERT_TRUE(rig.path->PushGradient(a.Push(), In(absl::Seconds(5))).ok());
+  ASSERT_EQ(rig.faults->connections_made(), 2);
+  rig.faults->SetMode(0, Mode::kClosed);  // the pushes' connection
+  absl::StatusOr<uint64_t> sent = rig.path->PushGradient(b.Push(), In(absl::Seconds(5)));
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  EXPECT_EQ(rig.path->exchanges(), 2u);
+  EXPECT_EQ(rig.faults->connections_made(), 4);
+  EXPECT_EQ(rig.faults->operations(0), 2);  // a's Put, and b's that failed
+  EXPECT_EQ(rig.faults->operations(2), 1);
+  const std::vector<FakeShard::Applied> applied = rig.fake->applied();
+  ASSERT_EQ(applied.size(), 2u);
+  EXPECT_EQ(applied[1].bytes, b.bytes());
+  EXPECT_EQ(Count(rig.fake->events(), "announce "), 2);
+  EXPECT_EQ(rig.path->quarantined_slots(), 0);
+}
+
+TEST(BulkDataPathTest, AGatherWhoseConnectionIsClosedIsReadOnAFreshEndpoint) {
+  Rig rig;
+  std::vector<float> got(10);
+  GatherRequestSpec g{"job", 0, kIncarnation, 0, {10, 20}, DType::kFp32, absl::ZeroDuration()};
+  ASSERT_TRUE(rig.path->Gather(g, got.data(), In(absl::Seconds(5))).ok());
+  rig.faults->SetMode(0, Mode::kClosed);
+  rig.faults->SetMode(1, Mode::kClosed);
+  std::fill(got.begin(), got.end(), 0.0f);
+  absl::StatusOr<uint64_t> read = rig.path->Gather(g, got.data(), In(absl::Seconds(5)));
+  ASSERT_TRUE(read.ok()) << read.status();
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(got[i], 0.5f * (10 + i));
+  EXPECT_EQ(rig.path->exchanges(), 2u);
+}
+
+TEST(BulkDataPathTest, ARegionAccessWithAPartOnAClosedConnectionIsRetriedOnce) {
+  FakeShard::Options o;
+  o.activation_arena_bytes = 4 << 20;
+  Rig rig(o, nullptr, /*progress_threads=*/2);
+  const BulkDataPath::RegionAccess at{"job", 0, kIncarnation,
+                                      v1::REGION_PURPOSE_ACTIVATION_ARENA};
+  ASSERT_TRUE(rig.path->RegionLength(at, In(absl::Seconds(5))).ok());
+  ASSERT_EQ(rig.faults->connections_made(), 2);
+  rig.faults->SetMode(1, Mode::kClosed);
+  const uint64_t bytes = 3 << 20;
+  std::string out(bytes, '\0'), in(bytes, '\0');
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(i * 13 + i / 4096);
+  absl::Status s = rig.path->PutRegion(at, 0, out.data(), bytes, In(absl::Seconds(5)));
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(rig.path->exchanges(), 2u);
+  // Both parts again, on the fresh endpoint's connections.
+  EXPECT_EQ(rig.faults->operations(2), 1);
+  EXPECT_EQ(rig.faults->operations(3), 1);
+  ASSERT_TRUE(rig.path->GetRegion(at, 0, in.data(), bytes, In(absl::Seconds(5))).ok());
+  EXPECT_TRUE(in == out);
+  // Once only: with the next endpoint's connections closed too, the access
+  // fails Cancelled, naming the daemon, and the next call connects again.
+  for (int c = 2; c < 6; ++c) rig.faults->SetMode(c, Mode::kClosed);
+  s = rig.path->GetRegion(at, 0, in.data(), bytes, In(absl::Seconds(5)));
+  EXPECT_TRUE(absl::IsCancelled(s)) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), rig.fake->address())) << s;
+  EXPECT_EQ(rig.path->exchanges(), 3u);
+  EXPECT_EQ(rig.faults->connections_made(), 6);
+  ASSERT_TRUE(rig.path->GetRegion(at, 0, in.data(), bytes, In(absl::Seconds(5))).ok());
+  EXPECT_EQ(rig.path->exchanges(), 4u);
+}
+
+// A call that ran out of time is not tried again, even though the abort of
+// its timed-out Put closed the connection and failed its other Put
+// Cancelled (as UCX does): it fails DeadlineExceeded, with nothing
+// announced. Its endpoint is kept; the next call finds the connection
+// closed and goes on a fresh one.
+TEST(BulkDataPathTest, APushThatRanOutOfTimeIsNotRetriedAndItsClosedConnectionIsReplacedLater) {
+  Rig rig;
+  const Grad a(0, 1.0f), b(256, 2.0f), c(512, 3.0f), d(768, 4.0f);
+  ASSERT_TRUE(rig.path->PushGradient(a.Push(), In(absl::Seconds(5))).ok());
+  rig.faults->SetMode(0, Mode::kStalled);
+  // b and c share a slot: two Puts on connection 0.
+  const std::vector<absl::StatusOr<uint64_t>> sent =
+      rig.path->PushGradients({b.Push(), c.Push()}, In(absl::Milliseconds(300)));
+  ASSERT_EQ(sent.size(), 2u);
+  for (const auto& r : sent) {
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  }
+  EXPECT_EQ(rig.faults->operations(0), 3);
+  EXPECT_EQ(rig.path->exchanges(), 1u);
+  EXPECT_EQ(Count(rig.fake->events(), "announce "), 1);
+  EXPECT_EQ(rig.path->quarantined_slots(), 0);
+  absl::StatusOr<uint64_t> later = rig.path->PushGradient(d.Push(), In(absl::Seconds(5)));
+  ASSERT_TRUE(later.ok()) << later.status();
+  EXPECT_EQ(rig.path->exchanges(), 2u);
+  EXPECT_EQ(rig.faults->operations(0), 4);  // found closed
+  const std::vector<FakeShard::Applied> applied = rig.fake->applied();
+  ASSERT_EQ(applied.size(), 2u);
+  EXPECT_EQ(applied[1].bytes, d.bytes());
+}
+
 // Many threads push distinct ranges with short and long deadlines while the
 // daemon is slow at random points: every push the client calls delivered
 // was applied exactly once with its own bytes, none was applied twice, and
@@ -614,8 +725,8 @@ TEST(BulkDataPathTest, PutAndGetIntoAnotherRegion) {
 }
 
 // An access long enough to be split over the endpoint's two connections
-// (on two progress threads) arrives whole and in place, at an odd length
-// and offset.
+// (on two progress threads) is, a part on each, and arrives whole and in
+// place, at an odd length and offset.
 TEST(BulkDataPathTest, ALongRegionAccessSplitOverConnectionsArrivesWhole) {
   FakeShard::Options o;
   o.activation_arena_bytes = 4 << 20;
@@ -628,6 +739,9 @@ TEST(BulkDataPathTest, ALongRegionAccessSplitOverConnectionsArrivesWhole) {
   ASSERT_TRUE(rig.path->PutRegion(at, offset, out.data(), bytes, In(absl::Seconds(5))).ok());
   ASSERT_TRUE(rig.path->GetRegion(at, offset, in.data(), bytes, In(absl::Seconds(5))).ok());
   EXPECT_TRUE(in == out);
+  // One part of each access on each connection.
+  EXPECT_EQ(rig.faults->operations(0), 2);
+  EXPECT_EQ(rig.faults->operations(1), 2);
   // Short reads (one part each) at the ends and across the parts' boundary.
   const uint64_t boundary = transport::PartBytes(bytes, 2, 1 << 20, 4096);
   for (const uint64_t at_byte : {uint64_t{0}, boundary - 4096, bytes - 8192}) {
@@ -638,6 +752,7 @@ TEST(BulkDataPathTest, ALongRegionAccessSplitOverConnectionsArrivesWhole) {
                     .ok());
     EXPECT_TRUE(piece == out.substr(at_byte, piece.size())) << at_byte;
   }
+  EXPECT_EQ(rig.faults->operations(0) + rig.faults->operations(1), 7);
   // Past the region: refused before anything moves.
   absl::Status s = rig.path->PutRegion(at, (1 << 20) + 1, out.data(), bytes, In(absl::Seconds(5)));
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
