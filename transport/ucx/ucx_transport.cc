@@ -900,6 +900,12 @@ void Worker::Close(const std::shared_ptr<Endpoint>& e, bool force,
   ucp_request_param_t params{};
   params.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                         UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  // UCX refuses to force-close an endpoint without peer error handling (a
+  // peer on this host): it answers INVALID_PARAM and leaves the endpoint
+  // open, with its requests, until the worker is destroyed, which releases
+  // them. A flush close would be no better: to a dead peer it never ends,
+  // and destroying the worker then fails UCX's check that the close request
+  // was released.
   params.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   params.cb.send = &Worker::OnCloseDone;
   params.user_data = e.get();

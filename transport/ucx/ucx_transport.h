@@ -35,8 +35,9 @@
 //   (UCP_ERR_HANDLING_MODE_PEER) whenever UCX_TLS allows it, and a failure
 //   is reported as Unavailable naming the peer, for the failed operation and
 //   every later one on that Connection. UCX 1.13's shared-memory transports
-//   cannot carry that mode, so when UCX_TLS names only those, a peer on this
-//   host is watched instead: its process through a pidfd (tested before each
+//   cannot carry that mode, and UCX picks them for a peer on this host where
+//   UCX_TLS allows, so a peer on this host (whatever UCX_TLS) is watched
+//   instead: its process through a pidfd (tested before each
 //   operation; a sleeping progress thread wakes when it exits; without pidfd
 //   support, /proc is read at most every 100 ms), or, for a peer in this
 //   process, its Transport. Operations waiting on a peer found gone are
@@ -45,7 +46,7 @@
 //   error handling, aborting an operation that has pieces in flight
 //   force-closes its Connection: that operation and every other one pending
 //   on it finish with Cancelled, and later ones fail; connect again. Without
-//   it (shared memory only), nothing more is posted and the pieces in flight
+//   it (a peer on this host), nothing more is posted and the pieces in flight
 //   are waited for (a peer found gone releases them). Aborting a Flush, or an
 //   operation none of whose pieces is in flight, touches nothing else.
 // - Destroying a Region unmaps it, but peers using software-emulated RMA

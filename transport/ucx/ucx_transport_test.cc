@@ -2,6 +2,8 @@
 // transport_conformance_test.cc (over tcp and shared memory).
 #include "transport/ucx/ucx_transport.h"
 
+#include <fcntl.h>
+
 #include <cstring>
 #include <memory>
 #include <string>
@@ -132,6 +134,59 @@ TEST_P(UcxTransportTest, UseAfterShutdownFailsCleanly) {
   EXPECT_TRUE(absl::IsFailedPrecondition((*connection)->Flush(Deadline())));
   server.reset();
   region->reset();  // after its Transport: still fine
+}
+
+// Descriptors this process has open.
+int OpenDescriptors() {
+  int n = 0;
+  for (int fd = 0; fd < 65536; ++fd) n += fcntl(fd, F_GETFD) != -1;
+  return n;
+}
+
+// A connection to a peer that went away (its Transport destroyed; a peer on
+// this host has no UCX peer error handling, so its going is noticed through
+// the transport registry or its process) is closed for good once dropped:
+// what UCX held for it (a socket, a shared-memory mapping) is let go, as
+// for a connection dropped before its peer went, not kept until the
+// Transport ends.
+TEST_P(UcxTransportTest, AConnectionToAPeerThatWentAwayIsReleasedWhenDropped) {
+  auto client = Make();
+  ASSERT_TRUE(client);
+  // A peer, a connection to it and a Put; then both dropped, the peer first
+  // or the connection first. Leaves the open descriptors where they were
+  // before, waiting up to 5 s for them to go.
+  auto round = [&](bool peer_first) {
+    const int before = OpenDescriptors();
+    auto server = Make();
+    ASSERT_TRUE(server);
+    auto region = server->AllocateRegion(4096, Access::kRemoteReadWrite);
+    ASSERT_TRUE(region.ok()) << region.status();
+    const RegionDescriptor descriptor = (*region)->Descriptor();
+    auto connection = client->Connect(server->LocalAddress(), Deadline());
+    ASSERT_TRUE(connection.ok()) << connection.status();
+    char byte = 1;
+    ASSERT_EQ((*connection)->Put(&byte, 1, descriptor, 0).Wait(Deadline()), absl::OkStatus());
+    if (peer_first) {
+      region->reset();
+      server.reset();
+      const absl::Status s = (*connection)->Put(&byte, 1, descriptor, 0).Wait(Deadline());
+      EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+    }
+    connection->reset();
+    region->reset();
+    server.reset();
+    const absl::Time until = absl::Now() + absl::Seconds(5);
+    int after = OpenDescriptors();
+    while (after != before && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(20));
+      after = OpenDescriptors();
+    }
+    EXPECT_EQ(after, before) << (peer_first ? "the peer went first" : "the connection went first");
+  };
+  round(false);  // whatever UCX sets up once per worker is there from here
+  round(false);
+  round(true);
+  round(true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, UcxTransportTest,
