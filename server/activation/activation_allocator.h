@@ -52,6 +52,8 @@ class ArenaAllocator {
   uint64_t fragmentation() const { return free_bytes_ - largest_free(); }
   size_t free_blocks() const { return free_.size(); }
   size_t used_blocks() const { return used_.size(); }
+  // The blocks allocated now: offset -> size, in address order.
+  const std::map<uint64_t, uint64_t>& used() const { return used_; }
 
   // Folds the allocator's state into `h` (FNV-1a), for tests that check a
   // refused request changed nothing.

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <cstdio>
 #include <deque>
@@ -786,6 +787,12 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
   auto resume_hints = absl::MakeCleanup([&] { StartIo(std::move(resumed), deadline); });
   {
     absl::MutexLock lock(&mu_);
+    if (has_tenant_ && !SameInstance(tenant_, owner.instance)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "this daemon's activation arena is lent to job ", tenant_id_,
+          "'s bulk transport (its key reaches the whole arena); keep this job's activation "
+          "checkpoints on the trainer, or on daemons of its own"));
+    }
     ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
     const Id id = MakeId(owner, key);
     if (auto it = entry->slices.find(id); it != entry->slices.end()) {
@@ -1367,6 +1374,33 @@ void ActivationStore::RunJanitor() {
 }
 
 // ---- Introspection ----
+
+bool ActivationStore::BeginTenancy(const std::shared_ptr<const void>& instance,
+                                   const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  if (has_tenant_) return SameInstance(tenant_, instance);
+  for (const auto& [id, e] : jobs_) {
+    if (!e.slices.empty() && !SameInstance(e.instance, instance)) return false;
+  }
+  // Every block in use is the new tenant's: zero the rest of the region.
+  uint64_t at = 0;
+  for (const auto& [offset, size] : allocator_.used()) {
+    std::memset(base_ + at, 0, skew_ + offset - at);
+    at = skew_ + offset + size;
+  }
+  std::memset(base_ + at, 0, region_bytes_ - at);
+  has_tenant_ = true;
+  tenant_ = instance;
+  tenant_id_ = job_id;
+  return true;
+}
+
+void ActivationStore::EndTenancy() {
+  absl::MutexLock lock(&mu_);
+  has_tenant_ = false;
+  tenant_.reset();
+  tenant_id_.clear();
+}
 
 absl::Status ActivationStore::IssueTenantKey() {
   if (transport_ == nullptr || region_ == nullptr) {

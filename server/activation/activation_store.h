@@ -263,6 +263,21 @@ class ActivationStore {
   // lease.
   void Tick();
 
+  // The arena's tenancy (ArenaTenancy lends the key): makes `instance` (job
+  // `job_id`) the one job whose slices the arena holds, unless another job
+  // instance holds any slice (reserved, stored, spilled or being read back):
+  // false then, and nothing changes. On true, every byte of the arena region
+  // outside the tenant's own blocks is zeroed first (under the store's lock,
+  // once per tenancy; a memset of up to the arena's size), so what former
+  // jobs left in freed blocks is not readable with the key; until
+  // EndTenancy(), other jobs' reservations are refused with
+  // FAILED_PRECONDITION naming the tenant. Checked under the lock every
+  // reservation takes, so no other job's slice enters the arena meanwhile.
+  bool BeginTenancy(const std::shared_ptr<const void>& instance, const std::string& job_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the tenancy: every job may reserve again.
+  void EndTenancy() ABSL_LOCKS_EXCLUDED(mu_);
+
   // The arena's key for its tenant (the one job the arena is lent to, see
   // ArenaTenancy): a registration of the arena's memory of its own, made when
   // a job becomes the tenant and destroyed when it stops being one, so that
@@ -474,6 +489,10 @@ class ActivationStore {
   uint64_t last_placement_ ABSL_GUARDED_BY(mu_) = 0;  // Reserve's numbers
   ArenaAllocator allocator_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
+  // The tenant (BeginTenancy), when has_tenant_.
+  bool has_tenant_ ABSL_GUARDED_BY(mu_) = false;
+  std::weak_ptr<const void> tenant_ ABSL_GUARDED_BY(mu_);
+  std::string tenant_id_ ABSL_GUARDED_BY(mu_);
   std::set<Slice*> spilling_ ABSL_GUARDED_BY(mu_);  // writes in flight
   // When the disk last completed a spill write, or the first of spilling_
   // began.

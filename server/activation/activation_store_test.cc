@@ -216,6 +216,49 @@ class StoreTest : public ::testing::Test {
   std::unique_ptr<ActivationStore> store_;
 };
 
+// A tenancy (the arena's key lent to one job) starts only while no other
+// job has a slice in the arena or its spill files, on an arena whose bytes
+// outside the tenant's own blocks are zero (what a former job left in a
+// freed block is not readable with the key), and keeps other jobs' slices
+// out until it ends.
+TEST_F(StoreTest, ATenancyStartsOnAZeroedArenaAndKeepsOtherJobsOut) {
+  Start(1 << 20, 0, /*bulk=*/true);
+  auto region_bytes = [&] {
+    std::string all(region_.length, '\0');
+    EXPECT_TRUE(conn_->Get(all.data(), all.size(), region_, 0).Wait(Deadline()).ok());
+    return all;
+  };
+  const std::string left = Pattern(7, 8192), kept = Pattern(9, 4096);
+  ASSERT_TRUE(Offload(Owner("b"), Key(1, 0), left).ok());
+  EXPECT_FALSE(store_->BeginTenancy(instance_, "a")) << "job b has a slice";
+  ASSERT_TRUE(store_->FreeKey(Owner("b"), Key(1, 0)).ok());
+  ASSERT_NE(region_bytes().find(left), std::string::npos) << "a freed block keeps its bytes";
+  ASSERT_TRUE(Put(Owner("a"), Key(1, 1), kept).ok());
+  ASSERT_TRUE(store_->BeginTenancy(instance_, "a"));
+  EXPECT_TRUE(store_->BeginTenancy(instance_, "a")) << "the tenant again";
+  std::string all = region_bytes();
+  EXPECT_EQ(all.find(left), std::string::npos);
+  // All zero but the tenant's slice, which is intact.
+  const size_t at = all.find(kept);
+  ASSERT_NE(at, std::string::npos);
+  all.replace(at, kept.size(), kept.size(), '\0');
+  EXPECT_EQ(all, std::string(all.size(), '\0'));
+  absl::StatusOr<std::string> got = Get(Owner("a"), Key(1, 1));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, kept);
+  // Other jobs are kept out, on both paths; the tenant is not.
+  absl::Status s = Offload(Owner("b"), Key(1, 2), left);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "lent to job a")) << s;
+  s = Put(Owner("b"), Key(1, 3), left);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_FALSE(store_->BeginTenancy(other_instance_, "b"));
+  EXPECT_TRUE(Offload(Owner("a"), Key(1, 4), left).ok());
+  store_->EndTenancy();
+  EXPECT_TRUE(Offload(Owner("b"), Key(1, 2), left).ok());
+  EXPECT_FALSE(store_->BeginTenancy(instance_, "a")) << "job b has a slice again";
+}
+
 TEST_F(StoreTest, BooksTheArenaAsJobsActivationFreeBlockAndFragmentation) {
   Start(1 << 20);
   EXPECT_EQ(store_->region_bytes(), (1u << 20) + 64);

@@ -536,16 +536,8 @@ absl::Status ShardService::DoExchangeEndpoint(const grpc::ServerContext& call,
   if (ctx_->activations != nullptr) {
     // The arena's key reaches every job's slices: lent to one job at a time.
     const Job* self = job->get();
-    absl::StatusOr<bool> lent = ctx_->arena_tenancy->Lend(self, req.job_id(), [&] {
-      for (const std::shared_ptr<Job>& other : ctx_->jobs->All()) {
-        if (other.get() != self &&
-            ctx_->ledger->JobBytes(other->config().job_id)[static_cast<int>(
-                MemoryCategory::kActivation)] > 0) {
-          return true;
-        }
-      }
-      return false;
-    }, ctx_->activations);
+    absl::StatusOr<bool> lent =
+        ctx_->arena_tenancy->Lend(self, *job, req.job_id(), ctx_->activations);
     if (!lent.ok()) return lent.status();
     if (*lent) ctx_->activations->FillRegion(resp);
   }
