@@ -56,7 +56,8 @@ uint32_t ReductionState::Expected(uint32_t micro_batches) const {
   return options_.mode == ReductionMode::kDaemon ? options_.world_size * mb : mb;
 }
 
-absl::Status ReductionState::CheckOne(const Contribution& c, size_t index, uint32_t order,
+absl::Status ReductionState::CheckOne(const std::map<uint64_t, Key>& keys, const Contribution& c,
+                                      size_t index, uint32_t order,
                                       const std::map<uint64_t, uint64_t>& new_keys) const {
   const FlatRange& r = c.range;
   // The range must equal an existing key or overlap none.
@@ -71,15 +72,15 @@ absl::Status ReductionState::CheckOne(const Contribution& c, size_t index, uint3
     if (it != m.end() && it->first < r.end) return absl::StrCat("[", it->first, ", ...)");
     return "";
   };
-  std::string clash = conflict(keys_, [](const Key& k) { return k.end; });
+  std::string clash = conflict(keys, [](const Key& k) { return k.end; });
   if (clash.empty()) clash = conflict(new_keys, [](uint64_t end) { return end; });
   if (!clash.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "chunk ", index, ".range ", RangeString(r), " overlaps the chunk ", clash,
         " pushed for this step: every rank must cut its gradients into the same chunks"));
   }
-  auto key = keys_.find(r.begin);
-  if (key == keys_.end()) return absl::OkStatus();
+  auto key = keys.find(r.begin);
+  if (key == keys.end()) return absl::OkStatus();
   const Key& k = key->second;
   uint32_t applied_crc = 0;
   if (order < k.next_order) {
@@ -134,11 +135,27 @@ uint64_t ReductionState::BookkeepingNow() const {
 absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint32_t micro_batches,
                                    uint64_t* pending_bytes, uint64_t* bookkeeping_bytes,
                                    bool hold) const {
+  return CheckAgainst(keys_, micro_batches_, batch, micro_batches, pending_bytes,
+                      bookkeeping_bytes, hold);
+}
+
+absl::Status ReductionState::CheckFresh(const std::vector<Contribution>& batch,
+                                        uint32_t micro_batches) const {
+  static const std::map<uint64_t, Key> kNone;
+  uint64_t pending = 0, bookkeeping = 0;
+  return CheckAgainst(kNone, 0, batch, micro_batches, &pending, &bookkeeping, false);
+}
+
+absl::Status ReductionState::CheckAgainst(const std::map<uint64_t, Key>& keys,
+                                          uint32_t micro_batches_now,
+                                          const std::vector<Contribution>& batch,
+                                          uint32_t micro_batches, uint64_t* pending_bytes,
+                                          uint64_t* bookkeeping_bytes, bool hold) const {
   *pending_bytes = 0;
   *bookkeeping_bytes = 0;
-  if (micro_batches_ != 0 && micro_batches != micro_batches_) {
+  if (micro_batches_now != 0 && micro_batches != micro_batches_now) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "chunk 0.micro_batches: this step uses ", micro_batches_, " micro-batches per rank, got ",
+        "chunk 0.micro_batches: this step uses ", micro_batches_now, " micro-batches per rank, got ",
         micro_batches));
   }
   std::map<uint64_t, uint64_t> new_keys;  // begin -> end, keys this batch creates
@@ -151,14 +168,14 @@ absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint3
           "chunk ", i, ": rank ", c.rank, " micro-batch ", c.micro_batch, " range ",
           RangeString(c.range), " appears twice in one push"));
     }
-    if (absl::Status s = CheckOne(c, i, order, new_keys); !s.ok()) return s;
-    auto key = keys_.find(c.range.begin);
-    if (key == keys_.end()) new_keys.emplace(c.range.begin, c.range.end);
-    const uint32_t next = key == keys_.end() ? 0 : key->second.next_order;
+    if (absl::Status s = CheckOne(keys, c, i, order, new_keys); !s.ok()) return s;
+    auto key = keys.find(c.range.begin);
+    if (key == keys.end()) new_keys.emplace(c.range.begin, c.range.end);
+    const uint32_t next = key == keys.end() ? 0 : key->second.next_order;
     // Summed at once when every contribution before it (or every other one
     // of the range) is waiting; else buffered, or held. An upper bound:
     // earlier chunks of the batch may bring this one's turn.
-    const bool waits = key == keys_.end() ? order != next : !SumsNow(key->second, order);
+    const bool waits = key == keys.end() ? order != next : !SumsNow(key->second, order);
     if (waits && !hold) *pending_bytes += c.payload.size();
     *bookkeeping_bytes += waits || hold ? kPendingEntryBytes : kAppliedBytes;
   }

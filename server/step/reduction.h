@@ -143,6 +143,9 @@ class ReductionState {
   // contribution is not copied.
   absl::Status Check(const std::vector<Contribution>& batch, uint32_t micro_batches,
                      uint64_t* pending_bytes, uint64_t* bookkeeping_bytes, bool hold = false) const;
+  // Check against an empty reduction (what Reset leaves): the batch's own
+  // errors only, for a push that would throw the state away first.
+  absl::Status CheckFresh(const std::vector<Contribution>& batch, uint32_t micro_batches) const;
   // Whether a checked batch needing `pending_bytes` fits the budget now: it
   // does when it buffers nothing, or when the buffer stays within budget.
   bool Admit(uint64_t pending_bytes) const;
@@ -276,8 +279,13 @@ class ReductionState {
   void ReleaseUnheld();
   uint32_t Order(const Contribution& c, uint32_t micro_batches) const;
   uint32_t Expected(uint32_t micro_batches) const;
-  absl::Status CheckOne(const Contribution& c, size_t index, uint32_t order,
-                        const std::map<uint64_t, uint64_t>& new_keys) const;
+  // Check's work against `keys` (keys_, or none) and `micro_batches_now`.
+  absl::Status CheckAgainst(const std::map<uint64_t, Key>& keys, uint32_t micro_batches_now,
+                            const std::vector<Contribution>& batch, uint32_t micro_batches,
+                            uint64_t* pending_bytes, uint64_t* bookkeeping_bytes,
+                            bool hold) const;
+  absl::Status CheckOne(const std::map<uint64_t, Key>& keys, const Contribution& c, size_t index,
+                        uint32_t order, const std::map<uint64_t, uint64_t>& new_keys) const;
   // Sums, in one pass, the contributions from key.next_order on as far as
   // they are consecutive: `c` (if given) as number `order`, the others
   // waiting in key.pending, which are let go; deferred (Options), plans

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/crc32c.h"
@@ -131,7 +132,10 @@ absl::StatusOr<uint32_t> StepEngine::JoinRank(uint32_t rank,
   // left in the out-of-order buffer before any push of the new one.
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(const uint64_t replaced, join());
-  return replaced == 0 ? 0 : reduction_->ReplaceRank(rank);
+  if (replaced == 0) return 0;
+  const uint32_t dropped = reduction_->ReplaceRank(rank);
+  ++reduction_changes_;  // pushes waiting for the buffer's room may fit now
+  return dropped;
 }
 
 absl::Status StepEngine::InitParameters(const std::vector<ParameterChunkIn>& chunks,
@@ -296,9 +300,11 @@ absl::StatusOr<PushResult> StepEngine::PushGradient(
           "chunk ", i, ".micro_batches: differs from chunk 0's (", mbs, ") in one push"));
     }
   }
-  if (prepared_ && prepared_by_forward_) {
+  if (prepared_ && prepared_by_forward_ && !committing_) {
     // A promoted backup holding its dead primary's forward of a step no copy
     // committed: the ranks compute the step again, and it is reduced here.
+    // A push the fresh reduction would refuse throws nothing away.
+    RETURN_IF_ERROR(reduction_->CheckFresh(batch, mbs));
     ResetReductionLocked();
     prepared_ = false;
     prepared_by_forward_ = false;
@@ -705,10 +711,17 @@ absl::StatusOr<CommitResult> StepEngine::CommitLocked(const CommitRequest& r, fl
     grad_scale = static_cast<double>(clip) / (static_cast<double>(config_->world_size) *
                                               static_cast<double>(loss_scale_));
     no_grad = prepared_no_grad_;
+    committing_ = true;
   }
+  auto committed = absl::MakeCleanup([this] {
+    absl::MutexLock lock(&mu_);
+    committing_ = false;
+  });
+  if (options_.while_committing) options_.while_committing();
   if (!r.skip) {
     // The frozen gradient is read without the reduction lock: pushes are
-    // refused while prepared, and commit_mu_ keeps other commits out.
+    // refused while prepared (committing_: also a step prepared by forward),
+    // and commit_mu_ keeps other commits out.
     absl::MutexLock params_lock(&params_mu_);
     std::vector<StepHyperParams> groups = GroupHyperParams(*config_);
     for (size_t g = 0; g < groups.size(); ++g) {

@@ -71,6 +71,9 @@ class StepEngine {
     bool replica = false;
     // Where the masters and moments live when not in RAM (ShardState).
     DiskResidence disk;
+    // Tests: called by Commit while it reads the prepared step's gradient,
+    // with none of the engine's locks held but commit_lock().
+    std::function<void()> while_committing;
   };
 
   // Allocates the model states of `owned` (the daemon's padded range) and
@@ -325,6 +328,10 @@ class StepEngine {
   // committed, and dropped when the ranks push the step again (the primary
   // died before any copy committed it).
   bool prepared_by_forward_ ABSL_GUARDED_BY(mu_) = false;
+  // CommitLocked is reading the prepared step's frozen gradient (with mu_
+  // released): a push then finds the step prepared, even one prepared by
+  // forward, which it would otherwise throw away.
+  bool committing_ ABSL_GUARDED_BY(mu_) = false;
   PrepareResult prepare_result_ ABSL_GUARDED_BY(mu_);
   // The prepared step's tensors without a gradient (layout indices,
   // ascending), which its commit skips.

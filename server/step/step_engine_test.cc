@@ -32,11 +32,11 @@ constexpr uint32_t kWorld = 2;
 const std::vector<int64_t> kShapeA = {3, 5};  // 15 elements at [0, 15)
 const std::vector<int64_t> kShapeB = {7};     // 7 elements at [16, 23)
 
-JobConfig MakeConfig() {
+JobConfig MakeConfig(uint32_t world = kWorld) {
   JobSettings s;
   s.job_id = "engine";
   s.stage = 2;
-  s.world_size = kWorld;
+  s.world_size = world;
   s.precision = DType::kFp32;
   s.optimizer.lr = 0.01f;
   s.optimizer.weight_decay = 0.1f;
@@ -256,6 +256,86 @@ TEST_F(StepEngineTest, ThreeStepsMatchTorchAdamWOverTheAveragedGradient) {
     }
     EXPECT_EQ(engine_->committed_step(), step);
   }
+}
+
+// A step this copy holds by forward (a backup whose primary died before any
+// copy committed it, which the ranks may push again): a push the fresh
+// reduction would refuse (a chunk twice) throws nothing away, and a push
+// that arrives while the step's commit reads the forwarded gradient finds
+// the step prepared, instead of throwing it away under the commit.
+TEST_F(StepEngineTest, AStepPreparedByForwardIsKeptFromARefusedPushAndDuringItsCommit) {
+  const std::vector<float> g = GapFree(2);
+  absl::Status during_commit = absl::UnknownError("no push during the commit");
+  engine_.reset();
+  StepEngine::Options o;
+  o.ledger = &ledger_;
+  o.optimizer = optimizer_.get();
+  o.while_committing = [&] { during_commit = Push(1, 0, g); };
+  absl::StatusOr<std::unique_ptr<StepEngine>> e = StepEngine::Create(&config_, owned_, o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  engine_ = *std::move(e);
+  ASSERT_TRUE(Init(Random(Total(), 1)).ok());
+  {
+    absl::MutexLock lock(&engine_->commit_lock());
+    PrepareResult result;
+    result.elements = engine_->owned_unpadded().size();
+    result.loss_scale = 1.0f;
+    ASSERT_TRUE(engine_
+                    ->TakeForwardedStep(1, g.data() + engine_->owned_unpadded().begin, result, {})
+                    .ok());
+  }
+  const uint64_t before = StateHash();
+  GradientChunkIn c;
+  c.step = 1;
+  c.rank = 0;
+  c.incarnation = 1;
+  c.range = {0, Total()};
+  c.dtype = DTypeToProto(DType::kFp32);
+  std::string payload;
+  Fill({0, Total()}, g, &payload, &c.crc32c);
+  c.payload = payload;
+  absl::Status s =
+      engine_
+          ->PushGradient({c, c}, absl::Now() + absl::Seconds(10), [] { return absl::OkStatus(); })
+          .status();
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_EQ(StateHash(), before);
+  EXPECT_TRUE(engine_->prepared());
+  absl::StatusOr<CommitResult> committed = Commit(1, 0.01f);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(during_commit)) << during_commit;
+  EXPECT_FALSE(engine_->prepared());
+}
+
+// A rank whose new process joins drops what its old one left in the
+// out-of-order buffer, and a push waiting for that room goes on at once.
+TEST_F(StepEngineTest, ARankRejoiningWakesAPushWaitingForTheRoomItsOldProcessHeld) {
+  config_ = MakeConfig(/*world=*/3);
+  engine_.reset();
+  StepEngine::Options o;
+  o.ledger = &ledger_;
+  o.optimizer = optimizer_.get();
+  o.reduction_buffer_bytes = Total() * sizeof(float);  // one push waits there
+  absl::StatusOr<std::unique_ptr<StepEngine>> e =
+      StepEngine::Create(&config_, config_.map.DaemonRange(0), o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  engine_ = *std::move(e);
+  ASSERT_TRUE(Init(Random(Total(), 1)).ok());
+  ASSERT_TRUE(Push(1, 1, GapFree(3)).ok());  // waits for rank 0's: buffered
+  absl::Status waited = absl::UnknownError("not answered");
+  absl::Time answered;
+  std::thread rank2([&] {
+    waited = Push(1, 2, GapFree(4));  // no room until rank 1's is dropped
+    answered = absl::Now();
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time joined = absl::Now();
+  absl::StatusOr<uint32_t> dropped = engine_->JoinRank(1, [] { return uint64_t{2}; });
+  rank2.join();
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(*dropped, 1u);
+  EXPECT_TRUE(waited.ok()) << waited;
+  EXPECT_LT(answered - joined, absl::Seconds(2));
 }
 
 TEST_F(StepEngineTest, PrepareWithARankMissingIsRefusedAndChangesNothing) {
