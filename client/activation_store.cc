@@ -319,6 +319,7 @@ absl::Status DaemonSliceStore::OffloadBulk(const ActivationKey& key, const void*
   ActivationKeyToProto(key, reserve.mutable_key());
   reserve.set_bytes(bytes);
   v1::ActivationPlacement placement;
+  const absl::Time asked = absl::Now();
   {
     grpc::ClientContext context;
     SetDeadline(&context, deadline);
@@ -330,15 +331,28 @@ absl::Status DaemonSliceStore::OffloadBulk(const ActivationKey& key, const void*
                                             What("ReserveActivation", key), ": reserved ",
                                             placement.bytes(), " bytes, asked for ", bytes));
   }
+  // The daemon drops the reservation at the end of its lease, counted from
+  // its answer (after `asked`), and may hand the block out again: the Put
+  // has half of it, and a Put stopped there leaves the other half for bytes
+  // already on their way (a transport that closes its connection to stop a
+  // Put lets them land) before that can happen.
+  absl::Time put_by = deadline;
+  if (placement.lease_ms() > 0) {
+    put_by = std::min(deadline, asked + absl::Milliseconds(placement.lease_ms()) / 2);
+  }
   uint32_t crc = 0;
   // The transport only reads `data` on a put.
   if (absl::Status s = MoveRegion(true, placement.offset(),
                                   const_cast<uint8_t*>(static_cast<const uint8_t*>(data)), bytes,
-                                  deadline, options_.checksums ? &crc : nullptr);
+                                  put_by, options_.checksums ? &crc : nullptr);
       !s.ok()) {
-    // Hand the reservation back rather than let it wait out the lease; the
-    // daemon drops it by itself if this does not arrive.
-    FreeRpc(key, false, Deadline()).IgnoreError();
+    // A Put refused before anything moved hands the reservation back at
+    // once; after any other failure bytes may still land in the block, so
+    // it waits out its lease on the daemon (the key is then unsure, and
+    // FreeStep frees it).
+    if (absl::IsInvalidArgument(s) || absl::IsFailedPrecondition(s)) {
+      FreeRpc(key, false, Deadline()).IgnoreError();
+    }
     return AddActivationContext(s, key);
   }
   v1::CommitActivationRequest commit;

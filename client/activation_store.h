@@ -38,7 +38,9 @@
 //
 // Deadlines: nothing blocks without one. Each RPC and each transport
 // operation is bounded by Options::rpc_timeout from the moment a worker
-// starts it; a ticket's Wait takes the caller's deadline.
+// starts it, and the Put into a reservation also by half the reservation's
+// lease (ActivationPlacement.lease_ms); a ticket's Wait takes the caller's
+// deadline.
 //
 // Errors (one meaning per code, the daemon's address and the key in the
 // message): InvalidArgument: a bad key, size or buffer, or a fetch whose

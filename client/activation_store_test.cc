@@ -17,11 +17,15 @@
 #include "client/rpc.h"
 #include "client/testing/fake_shard.h"
 #include "gtest/gtest.h"
+#include "transport/inproc/inproc_transport.h"
+#include "transport/testing/faulty_transport.h"
 
 namespace zeroshard {
 namespace {
 
+using testing::FakeActivation;
 using testing::FakeShard;
+using transport::testing::FaultyTransport;
 
 constexpr uint64_t kIncarnation = 5;
 
@@ -48,8 +52,11 @@ struct Rig {
     fake = shared;
     channel = MakeDaemonChannel(fake->address(), ChannelSecurity::Plaintext());
     if (bulk) {
-      path = std::make_unique<BulkDataPath>(
-          fake->address(), channel, *BulkTransport::Create("inproc", {}), BulkDataPath::Options{});
+      auto wrapped = std::make_unique<FaultyTransport>(*transport::inproc::CreateInprocTransport());
+      faults = wrapped.get();
+      path = std::make_unique<BulkDataPath>(fake->address(), channel,
+                                            *BulkTransport::Of(std::move(wrapped)),
+                                            BulkDataPath::Options{});
     }
     DaemonSliceStore::Options so;
     so.rpc_timeout = absl::Seconds(10);
@@ -73,6 +80,9 @@ struct Rig {
   FakeShard* fake = nullptr;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<BulkDataPath> path;
+  // The bulk path's transport (bulk only): connections open unless a test
+  // stalls or closes them.
+  FaultyTransport* faults = nullptr;
   std::unique_ptr<DaemonSliceStore> store;
 };
 
@@ -356,6 +366,36 @@ TEST(ActivationStoreTest, SlicesBeyondTheArenaSpillAndComeBack) {
   EXPECT_EQ(*freed, 2u * 16000);
   EXPECT_EQ(rig.fake->activation().slices(), 0u);
   EXPECT_EQ(rig.store->Stats().stored_bytes, 0u);
+}
+
+// A Put into a reservation has half the reservation's lease, whatever the
+// store's rpc_timeout (the daemon may hand the block out again at the
+// lease's end), and one that did not finish leaves the reservation to its
+// lease: bytes of a stopped Put may still land in the block.
+TEST(ActivationStoreTest, APutIntoAReservationHasHalfItsLease) {
+  Rig rig(true, 1 << 20);
+  rig.fake->activation().set_reservation_lease(absl::Milliseconds(400));
+  rig.faults->SetMode(0, FaultyTransport::Mode::kStalled);  // the endpoint's two
+  rig.faults->SetMode(1, FaultyTransport::Mode::kStalled);
+  const std::vector<uint8_t> a = Bytes(10000, 40);
+  const absl::Time start = absl::Now();
+  const absl::Status s = rig.Offload(Key(0), a);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(s)) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "rpc_timeout is 10 s";
+  FakeActivation::Counts counts = rig.fake->activation().counts();
+  EXPECT_EQ(counts.reserve, 1);
+  EXPECT_EQ(counts.commit, 0);
+  EXPECT_EQ(counts.free, 0);
+  // The connection of the stopped Put was closed by its abort: an offload
+  // that lands there connects again.
+  rig.faults->SetMode(1, FaultyTransport::Mode::kOpen);
+  for (uint32_t layer = 1; layer <= 2; ++layer) {
+    const absl::Status again = rig.Offload(Key(layer), a);
+    ASSERT_TRUE(again.ok()) << again;
+  }
+  std::vector<uint8_t> got;
+  ASSERT_TRUE(rig.Fetch(Key(1), &got, a.size()).ok());
+  EXPECT_EQ(got, a);
 }
 
 // FreeStep sends FreeActivations unless the daemon confirmed every slice of

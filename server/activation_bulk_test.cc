@@ -270,7 +270,9 @@ TEST_F(ActivationBulkTest, UncommittedReservationsExpireWithTheReadLease) {
   StartWith(absl::Milliseconds(200));
   const v1::ActivationOwner owner = MakeOwner("job", 0);
   const auto ledger = daemon_->ledger().Snapshot();
-  ASSERT_TRUE(act_->Reserve(owner, MakeKey(1, 0), 5000).ok());
+  v1::ActivationPlacement placement;
+  ASSERT_TRUE(act_->Reserve(owner, MakeKey(1, 0), 5000, &placement).ok());
+  EXPECT_EQ(placement.lease_ms(), 200u);  // the answer says so
   EXPECT_GT(Activation(), 0u);
   // The janitor drops it once the lease has passed.
   const absl::Time give_up = absl::Now() + absl::Seconds(10);

@@ -69,6 +69,11 @@ void FakeActivation::set_commit_delay(absl::Duration d) {
   commit_delay_ = d;
 }
 
+void FakeActivation::set_reservation_lease(absl::Duration d) {
+  absl::MutexLock lock(&mu_);
+  reservation_lease_ = d;
+}
+
 FakeActivation::Key FakeActivation::MakeKey(const v1::ActivationOwner& o,
                                             const v1::ActivationKey& k) {
   last_owner_ = absl::StrCat(o.job_id(), "/", o.rank(), "/", o.incarnation());
@@ -174,6 +179,7 @@ grpc::Status FakeActivation::ReserveActivation(grpc::ServerContext*,
   resp->set_offset(offset);
   resp->set_bytes(s.bytes);
   if (placements_) resp->set_placement(s.placement);
+  resp->set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(reservation_lease_)));
   return grpc::Status::OK;
 }
 

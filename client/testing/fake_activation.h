@@ -59,6 +59,9 @@ class FakeActivation final : public v1::Activation::Service {
   void set_fail_releases(bool on);
   // CommitActivation and OffloadActivation wait this long first.
   void set_commit_delay(absl::Duration d);
+  // ReserveActivation answers this lease (ActivationPlacement.lease_ms; 0
+  // by default: none said). Reservations are not dropped at its end.
+  void set_reservation_lease(absl::Duration d);
 
   grpc::Status ReserveActivation(grpc::ServerContext*, const v1::ReserveActivationRequest* req,
                                  v1::ActivationPlacement* resp) override;
@@ -122,6 +125,7 @@ class FakeActivation final : public v1::Activation::Service {
   std::string last_owner_ ABSL_GUARDED_BY(mu_);
   bool corrupt_crc_ ABSL_GUARDED_BY(mu_) = false;
   absl::Duration commit_delay_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  absl::Duration reservation_lease_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
   uint64_t last_placement_ ABSL_GUARDED_BY(mu_) = 0;
   bool placements_ ABSL_GUARDED_BY(mu_) = true;
   bool fail_releases_ ABSL_GUARDED_BY(mu_) = false;

@@ -293,6 +293,8 @@ class ActivationStore {
   // down to the alignment).
   uint64_t capacity() const { return capacity_; }
   uint64_t arena_bytes() const { return options_.arena_bytes; }
+  // How long a bulk reservation waits for its commit (Options).
+  absl::Duration reservation_lease() const { return options_.reservation_lease; }
   // The region's size, all booked: the arena and one alignment unit, of
   // which what lies outside the aligned arena counts as fragmentation.
   uint64_t region_bytes() const { return region_bytes_; }
