@@ -294,7 +294,7 @@ std::unique_ptr<transport::Transport> CreateBulkTransport(const DaemonOptions& o
   if (absl::IsFailedPrecondition(t.status()) && options.bulk_transport == "ucx") {
     *error = absl::StrCat("UCX is not started with --ucx_tls=\"", options.ucx_tls, "\": ",
                           t.status().message(),
-                          "; give --ucx_tls naming shared-memory or RDMA transports only, or "
+                          "; give --ucx_tls naming shared-memory transports only, or "
                           "--ucx_trust_peers on a trusted network (docs/security.md)");
   } else {
     *error = absl::StrCat(options.bulk_transport, " did not initialise: ", t.status().message());

@@ -167,11 +167,12 @@ struct DaemonOptions {
   // The secret a RegisterJob that creates a job must carry (or the admin
   // token); empty: any caller may create jobs.
   std::string registration_token;
-  // Start a "ucx" bulk transport even when UCX may emulate remote access in
-  // software (tcp, or UCX's own choice: ucx_tls empty), where a forged key
-  // reaches any memory of the daemon. Without it, the bulk transport starts
-  // only where it enforces remote keys (transport::Transport::
-  // enforces_remote_keys(); "ucx": ucx_tls names shared-memory or RDMA
+  // Start a "ucx" bulk transport even where a peer can reach memory of the
+  // daemon that no key it was given names (tcp, where UCX emulates remote
+  // access in software; RDMA, where UCX also serves keyless put and get
+  // messages; UCX's own choice: ucx_tls empty). Without it, the bulk
+  // transport starts only where it enforces remote keys (transport::
+  // Transport::enforces_remote_keys(); "ucx": ucx_tls names shared-memory
   // transports alone, and UCX selected only such); otherwise the daemon
   // serves the streaming RPCs only (logged, and ExchangeEndpoint says why).
   bool ucx_trust_peers = false;

@@ -78,11 +78,12 @@ ABSL_FLAG(std::string, registration_token_file, "",
           "registered need only the job's token. Empty: any caller may register jobs (up to "
           "--max_jobs).");
 ABSL_FLAG(bool, ucx_trust_peers, false,
-          "Start the UCX data path even when UCX may emulate remote access in software (tcp, "
-          "or UCX's own choice), where any peer that reaches UCX's listener can read and write "
-          "the daemon's memory with a forged key. Without it, UCX starts only when --ucx_tls "
-          "names shared-memory or RDMA transports alone; otherwise trainers use the stream "
-          "data path.");
+          "Start the UCX data path even where a peer that reaches UCX can read and write the "
+          "daemon's memory beyond the keys it was given: tcp (UCX emulates remote access in "
+          "software), RDMA (UCX also serves put and get messages that carry no key), or UCX's "
+          "own choice. Without it, UCX starts only when --ucx_tls names shared-memory "
+          "transports alone (on a trusted fabric, RDMA needs this flag); otherwise trainers use "
+          "the stream data path.");
 ABSL_FLAG(int, optimizer_threads, 0,
           "Threads running the optimizer step (1..256); 0 = the CPUs this process may use: its "
           "affinity mask, lowered to its cgroup's CPU limit (cpu.max) rounded up.");

@@ -396,7 +396,8 @@ class Transport {
   // else reachable only by peers that may read this process's memory anyway
   // (shared memory on this host, this process). False where a forged or
   // reused rkey reaches any memory of the process (UCX emulating RMA in
-  // software over tcp). Fixed for the Transport's life; never blocks.
+  // software over tcp, or serving keyless put and get messages beside RDMA).
+  // Fixed for the Transport's life; never blocks.
   // Keeping keys secret in transit is another matter (grpc: TlsFiles).
   virtual bool enforces_remote_keys() const = 0;
 };

@@ -15,22 +15,33 @@ constexpr char kSoftwareRma[] =
     "over which UCX emulates remote access in software and a forged key "
     "reaches any memory of this process";
 
+constexpr char kActiveMessageRma[] =
+    "over which the adapter checks keys, but UCX also serves remote access "
+    "in software on every connection (its put and get messages name an "
+    "address and carry no key), so a peer running a UCX of its own making "
+    "reaches any memory of this process";
+
 // UCX_TLS names (transports and UCX's aliases) that select only key-safe
-// transports.
+// transports: shared memory on this host.
 bool KeySafeTlsName(absl::string_view name) {
-  static const char* const kSafe[] = {
-      "posix", "sysv", "xpmem", "knem",  "cma",     "self",    "sm",
-      "shm",   "mm",   "rc",    "rc_v",  "rc_x",    "rc_mlx5", "dc",
-      "dc_x",  "dc_mlx5", "ud", "ud_v",  "ud_x",    "ud_mlx5", "ib"};
+  static const char* const kSafe[] = {"posix", "sysv", "xpmem", "knem", "cma",
+                                      "self",  "sm",   "shm",   "mm"};
   return std::any_of(std::begin(kSafe), std::end(kSafe),
                      [name](const char* safe) { return name == safe; });
 }
 
+// UCX_TLS names of RDMA transports (and aliases that select them).
+bool RdmaTlsName(absl::string_view name) {
+  static const char* const kRdma[] = {"rc",   "rc_v",    "rc_x", "rc_mlx5", "dc",
+                                      "dc_x", "dc_mlx5", "ud",   "ud_v",    "ud_x",
+                                      "ud_mlx5", "ib"};
+  return std::any_of(std::begin(kRdma), std::end(kRdma),
+                     [name](const char* rdma) { return name == rdma; });
+}
+
 // UCT transport names (the resources UCX selects) that are key-safe.
 bool KeySafeTransport(absl::string_view tl) {
-  static const char* const kSafe[] = {
-      "posix",    "sysv",    "xpmem",   "knem",     "cma",    "self",
-      "rc_verbs", "rc_mlx5", "dc_mlx5", "ud_verbs", "ud_mlx5"};
+  static const char* const kSafe[] = {"posix", "sysv", "xpmem", "knem", "cma", "self"};
   return std::any_of(std::begin(kSafe), std::end(kSafe),
                      [tl](const char* safe) { return tl == safe; });
 }
@@ -74,10 +85,13 @@ KeyEnforcement CheckRequestedTls(absl::string_view tls) {
     } else if (name == "tcp") {
       result.reason = absl::StrCat("UCX_TLS=\"", tls, "\" names tcp, ",
                                    kSoftwareRma);
+    } else if (RdmaTlsName(name)) {
+      result.reason = absl::StrCat("UCX_TLS=\"", tls, "\" names \"", name,
+                                   "\" (RDMA), ", kActiveMessageRma);
     } else {
       result.reason = absl::StrCat(
           "UCX_TLS=\"", tls, "\" names \"", name,
-          "\", which is not known to select shared memory or RDMA only: it "
+          "\", which is not known to select shared memory only: it "
           "may select tcp, ", kSoftwareRma);
     }
     return result;
@@ -100,8 +114,8 @@ KeyEnforcement DecideKeyEnforcement(absl::string_view tls,
     if (KeySafeTransport(tl)) continue;
     result.reason = absl::StrCat(
         "UCX_TLS=\"", tls, "\" selected ", absl::StrJoin(selected, ","),
-        ", and ", tl, " is not known to be shared memory or RDMA: a forged "
-        "key may reach memory it does not name");
+        ", and ", tl, " is not known to be shared memory on this host: a "
+        "forged key may reach memory it does not name");
     return result;
   }
   result.enforced = true;

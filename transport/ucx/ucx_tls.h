@@ -4,13 +4,17 @@
 // enforces_remote_keys()), decided from what UCX_TLS asks for and from the
 // transport resources UCX actually selected for it.
 //
-// A key is as good as enforced where the hardware checks it (RDMA: rc, dc,
-// ud and their variants check a key's region and access rights) or where
-// only processes that may read this process's memory anyway can reach it
-// (shared memory on this host: posix, sysv, xpmem, knem, cma, self; same
-// user, cma needs ptrace rights). Over tcp UCX emulates remote access in
-// software: its progress thread reads or writes whatever address a request
-// names, so a forged or reused key reaches any memory of the process.
+// A key is as good as enforced only where the processes that can reach
+// this one may read its memory anyway (shared memory on this host: posix,
+// sysv, xpmem, knem, cma, self; same user, cma needs ptrace rights). Over
+// tcp UCX emulates remote access in software: its progress thread reads or
+// writes whatever address a request names, so a forged or reused key
+// reaches any memory of the process. Over RDMA (rc, dc, ud and their
+// variants) the adapter checks the keys of the accesses it carries, but
+// UCX (with remote access enabled) also serves put and get messages on
+// every connection, whatever the transport, that name an address and carry
+// no key: a peer that sends them itself (a UCX of its own making) reaches
+// any memory of the process, so RDMA does not count either.
 //
 // Pure functions on strings: no UCX, no state.
 
@@ -35,7 +39,7 @@ struct KeyEnforcement {
 };
 
 // The first half of DecideKeyEnforcement(), for before UCX is initialised:
-// whether `tls` names only transports of the kinds above.
+// whether `tls` names only transports of the kind above.
 KeyEnforcement CheckRequestedTls(absl::string_view tls);
 
 // Enforced iff both:

@@ -58,14 +58,25 @@ TEST(SelectedTransportsTest, NothingFromOtherText) {
               IsEmpty());
 }
 
-TEST(DecideKeyEnforcementTest, SharedMemoryAndRdmaOnlyAreEnforced) {
+TEST(DecideKeyEnforcementTest, SharedMemoryOnlyIsEnforced) {
   EXPECT_TRUE(DecideKeyEnforcement("posix,cma,self", {"self", "posix", "cma"}).enforced);
   EXPECT_TRUE(DecideKeyEnforcement("sm", {"sysv", "posix", "cma"}).enforced);
-  EXPECT_TRUE(DecideKeyEnforcement(" rc_x , sm,self", {"rc_mlx5", "ud_mlx5", "posix", "self"})
-                  .enforced);
-  EXPECT_TRUE(DecideKeyEnforcement("ib", {"rc_verbs", "ud_verbs"}).enforced);
   const KeyEnforcement yes = DecideKeyEnforcement("posix", {"posix"});
   EXPECT_THAT(yes.reason, IsEmpty());
+}
+
+// The adapter checks the keys of RDMA accesses, but UCX also serves put and
+// get messages that carry an address and no key, on every connection.
+TEST(DecideKeyEnforcementTest, RdmaIsNot) {
+  for (const char* tls : {" rc_x , sm,self", "ib", "ud", "dc_mlx5,self"}) {
+    SCOPED_TRACE(tls);
+    const KeyEnforcement no = DecideKeyEnforcement(tls, {"rc_mlx5", "ud_mlx5", "posix", "self"});
+    EXPECT_FALSE(no.enforced);
+    EXPECT_THAT(no.reason, HasSubstr("(RDMA)"));
+    EXPECT_THAT(no.reason, HasSubstr("carry no key"));
+  }
+  // What UCX selected decides too.
+  EXPECT_FALSE(DecideKeyEnforcement("sm", {"posix", "rc_verbs"}).enforced);
 }
 
 // The daemon's former table, kept: anything that leaves UCX a choice that may

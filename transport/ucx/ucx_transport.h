@@ -19,8 +19,8 @@
 //   pieces, at most UcxTransportOptions::max_pieces_in_flight outstanding
 //   per operation.
 // - enforces_remote_keys() (ucx_tls.h): true when UCX_TLS names only
-//   shared-memory or RDMA transports and every transport UCX selected for it
-//   is one of them; false over tcp, and for an empty UCX_TLS, "all" or an
+//   shared-memory transports and every transport UCX selected for it is one
+//   of them; false over tcp and RDMA, and for an empty UCX_TLS, "all" or an
 //   exclusion list, which leave the choice to UCX.
 // - Memory from AllocateRegion is UCX-allocated (shared memory when posix or
 //   sysv is enabled): peers on the node then copy straight into and out of

@@ -196,8 +196,8 @@ INSTANTIATE_TEST_SUITE_P(Tls, UcxTransportTest,
                                                       : std::string("shm");
                          });
 
-// Shared memory and RDMA enforce keys (or reach only peers that could read
-// this process anyway); tcp, which UCX serves in software, does not.
+// Shared memory reaches only peers that could read this process anyway;
+// tcp, which UCX serves in software, does not enforce keys.
 TEST_P(UcxTransportTest, EnforcesRemoteKeysOnlyWithoutTcp) {
   auto transport = Make();
   ASSERT_NE(transport, nullptr);
