@@ -802,6 +802,12 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
           st == Slice::State::kPending || st == Slice::State::kReserved ? "reserved" : "stored",
           "; free it first"));
     }
+    if (entry->slices.size() >= options_.max_slices_per_job) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job ", owner.job_id, " holds ", entry->slices.size(),
+          " activation slices on this daemon, the most one job may; free those it has fetched "
+          "(FreeActivations) before offloading more"));
+    }
     slice = std::make_shared<Slice>();
     slice->id = id;
     slice->job = owner.job_id;

@@ -120,6 +120,10 @@ class ActivationStore {
     uint64_t spill_bytes = 0;  // bytes of spill files at most
     // A bulk reservation not committed within this is dropped.
     absl::Duration reservation_lease = absl::Seconds(30);
+    // Slices one job may hold (reserved, stored or spilled) at once: each
+    // costs the daemon bookkeeping and, spilled, a file, whatever its size.
+    // RESOURCE_EXHAUSTED past it.
+    size_t max_slices_per_job = size_t{1} << 16;
     // How often the janitor looks for expired reservations; zero: no janitor
     // thread (tests call Tick()).
     absl::Duration janitor_period = absl::Milliseconds(100);

@@ -74,6 +74,7 @@ class StoreTest : public ::testing::Test {
     o.reservation_lease = lease;
     o.janitor_period = absl::ZeroDuration();  // Tick() by hand
     o.idle_removals = idle_removals_;
+    o.max_slices_per_job = max_slices_per_job_;
     absl::StatusOr<std::unique_ptr<ActivationStore>> s =
         ActivationStore::Create(o, server_.get(), &ledger_, metrics_.get());
     ASSERT_TRUE(s.ok()) << s.status();
@@ -211,6 +212,7 @@ class StoreTest : public ::testing::Test {
   transport::RegionDescriptor region_;
   std::string spill_dir_;
   bool idle_removals_ = true;  // Start's ActivationStore::Options::idle_removals
+  size_t max_slices_per_job_ = size_t{1} << 16;
   std::shared_ptr<int> instance_;
   std::shared_ptr<int> other_instance_ = std::make_shared<int>(2);
   std::unique_ptr<ActivationStore> store_;
@@ -895,6 +897,27 @@ TEST_F(StoreTest, DroppedFilesGoWhenASpillNeedsTheirSpaceOrTheStepIsFreed) {
   ASSERT_TRUE(store_->FreeStep(Owner(), 2).ok());
   EXPECT_EQ(SpillFilesIn(spill_dir_), 0u);
   ExpectExactBooking();
+}
+
+// However small its slices, a job holds at most max_slices_per_job of them
+// (each costs bookkeeping and, spilled, a file): past it a reservation is
+// refused and changes nothing; other jobs are not counted against it.
+TEST_F(StoreTest, AJobHoldsAtMostItsShareOfSlices) {
+  max_slices_per_job_ = 4;
+  Start(1 << 20, 1 << 20);
+  for (uint32_t layer = 0; layer < 4; ++layer) {
+    ASSERT_TRUE(Offload(Owner(), Key(1, layer), Pattern(layer, 1)).ok());
+  }
+  const uint64_t hash = store_->StateHash();
+  absl::Status s = Offload(Owner(), Key(1, 4), Pattern(4, 1));
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "holds 4 activation slices")) << s;
+  s = store_->Reserve(Owner(), Key(1, 4), 1, Deadline()).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_EQ(store_->StateHash(), hash);
+  EXPECT_TRUE(Offload(Owner("b"), Key(1, 0), Pattern(9, 1)).ok());
+  ASSERT_TRUE(store_->FreeKey(Owner(), Key(1, 0)).ok());
+  EXPECT_TRUE(Offload(Owner(), Key(1, 4), Pattern(4, 1)).ok());
 }
 
 TEST_F(StoreTest, ArenaMustFitTheMemoryLimit) {
