@@ -177,15 +177,29 @@ uint64_t RankStaging::pulled_bytes() const {
   return pulled_bytes_;
 }
 
-absl::StatusOr<uint64_t> RankStaging::Fence(uint32_t slot, uint64_t generation) {
+absl::StatusOr<uint64_t> RankStaging::Fence(uint32_t slot, uint64_t generation,
+                                            absl::Time deadline) {
   if (slot >= slots_) {
     return absl::InvalidArgumentError(
         absl::StrCat("slot: must be < ", slots_, ", got ", slot));
   }
   Slot& s = slot_state_[slot];
-  absl::MutexLock lock(&s.mu);
+  // A push applying the slot holds its lock (at most its own deadline,
+  // which the daemon caps): wait for it until this fence's deadline.
+  absl::Duration pause = absl::Milliseconds(1);
+  while (!s.mu.TryLock()) {
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "staging slot ", slot, ": a push was still being applied from it at the deadline; "
+          "nothing was fenced, fence it again"));
+    }
+    absl::SleepFor(pause);
+    pause = std::min(2 * pause, absl::Milliseconds(10));
+  }
   s.fenced = std::max(s.fenced, generation);
-  return s.applied;
+  const uint64_t applied = s.applied;
+  s.mu.Unlock();
+  return applied;
 }
 
 }  // namespace zeroshard

@@ -81,10 +81,12 @@ class RankStaging {
   // succeeded, since creation.
   uint32_t push_memories() const;
   uint64_t pulled_bytes() const;
-  // Fences every generation <= `generation` of `slot`, after waiting for a
-  // push that reads the slot to finish; returns the slot's newest applied
-  // generation (0: none). InvalidArgument for a slot out of range.
-  absl::StatusOr<uint64_t> Fence(uint32_t slot, uint64_t generation);
+  // Fences every generation <= `generation` of `slot`, after waiting (until
+  // `deadline`) for a push that reads the slot to finish; returns the slot's
+  // newest applied generation (0: none). InvalidArgument for a slot out of
+  // range; DeadlineExceeded, with nothing fenced, when the push still reads
+  // it at the deadline.
+  absl::StatusOr<uint64_t> Fence(uint32_t slot, uint64_t generation, absl::Time deadline);
 
  private:
   struct Slot {

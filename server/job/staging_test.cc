@@ -20,6 +20,9 @@
 namespace zeroshard {
 namespace {
 
+absl::Time In(absl::Duration d) { return absl::Now() + d; }
+
+
 using ::testing::HasSubstr;
 
 constexpr uint32_t kSlots = 3;
@@ -114,7 +117,8 @@ TEST_F(RankStagingTest, BadArgumentsAreRefusedBeforeAnyRead) {
   EXPECT_EQ(applies_, 0);
   // None of them consumed a generation.
   EXPECT_TRUE(Apply(0, 1, 8).ok());
-  EXPECT_EQ(staging_->Fence(kSlots, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(staging_->Fence(kSlots, 1, In(absl::Seconds(10))).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(RankStagingTest, AGenerationIsAppliedAtMostOnce) {
@@ -134,13 +138,13 @@ TEST_F(RankStagingTest, AGenerationIsAppliedAtMostOnce) {
 TEST_F(RankStagingTest, AFailedApplyLeavesItsGenerationUnapplied) {
   const absl::Status s = Apply(0, 3, 8, nullptr, absl::DataLossError("bad chunk"));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << "apply's own error is returned";
-  EXPECT_EQ(staging_->Fence(0, 0).value_or(99), 0u) << "nothing applied";
+  EXPECT_EQ(staging_->Fence(0, 0, In(absl::Seconds(10))).value_or(99), 0u) << "nothing applied";
   EXPECT_TRUE(Apply(0, 3, 8).ok());
-  EXPECT_EQ(staging_->Fence(0, 0).value_or(99), 3u);
+  EXPECT_EQ(staging_->Fence(0, 0, In(absl::Seconds(10))).value_or(99), 3u);
 }
 
 TEST_F(RankStagingTest, AFenceRefusesEveryGenerationUpToIt) {
-  EXPECT_EQ(staging_->Fence(0, 4).value_or(99), 0u);
+  EXPECT_EQ(staging_->Fence(0, 4, In(absl::Seconds(10))).value_or(99), 0u);
   for (uint64_t g : {1, 4}) {
     const absl::Status s = Apply(0, g, 8);
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << g;
@@ -150,7 +154,7 @@ TEST_F(RankStagingTest, AFenceRefusesEveryGenerationUpToIt) {
   ASSERT_TRUE(Apply(0, 5, 8).ok());
   // A fence answers the newest applied generation, and a lower fence does
   // not lower the bar.
-  EXPECT_EQ(staging_->Fence(0, 2).value_or(99), 5u);
+  EXPECT_EQ(staging_->Fence(0, 2, In(absl::Seconds(10))).value_or(99), 5u);
   EXPECT_EQ(Apply(0, 5, 8).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(Apply(0, 6, 8).ok());
   // Other slots are not fenced.
@@ -176,11 +180,14 @@ TEST_F(RankStagingTest, AFenceWaitsForThePushReadingItsSlot) {
   std::atomic<bool> fenced{false};
   uint64_t applied = 99;
   std::thread fence([&] {
-    applied = staging_->Fence(0, 2).value_or(99);
+    applied = staging_->Fence(0, 2, In(absl::Seconds(10))).value_or(99);
     fenced = true;
   });
   // Another slot is fenced at once.
-  EXPECT_EQ(staging_->Fence(1, 1).value_or(99), 0u);
+  EXPECT_EQ(staging_->Fence(1, 1, In(absl::Seconds(10))).value_or(99), 0u);
+  // A fence whose deadline passes while the push reads fences nothing.
+  EXPECT_EQ(staging_->Fence(0, 2, In(absl::Milliseconds(50))).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
   absl::SleepFor(absl::Milliseconds(200));
   EXPECT_FALSE(fenced.load()) << "the fence answered while the push was reading the slot";
   finish.Notify();

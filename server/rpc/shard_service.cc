@@ -127,7 +127,11 @@ absl::Status ShardService::DoPush(grpc::ServerContext* ctx,
     return s;
   }
   const std::string& id = job->config().job_id;
-  const absl::Time deadline = DeadlineOf(ctx);
+  // A push waits (for buffer room, for its range's other contributions, for
+  // its slot) up to its deadline, and at most kMaxWaitMs: a fence of its
+  // slot waits for it.
+  const absl::Time deadline =
+      std::min(DeadlineOf(ctx), absl::Now() + absl::Milliseconds(kMaxWaitMs));
   const auto staged = std::count_if(chunks.begin(), chunks.end(),
                                     [](const v1::GradientChunk& c) { return c.staged(); });
   // Views of the messages' fields (and data): nothing is copied.
@@ -566,7 +570,8 @@ grpc::Status ShardService::FenceStagingSlot(grpc::ServerContext* call,
   absl::StatusOr<std::shared_ptr<RankStaging>> staging =
       ExchangedStaging(*call, req->job_id(), req->rank(), req->incarnation());
   if (!staging.ok()) return ctx_->Done(__func__, staging.status());
-  absl::StatusOr<uint64_t> applied = (*staging)->Fence(req->slot(), req->generation());
+  absl::StatusOr<uint64_t> applied =
+      (*staging)->Fence(req->slot(), req->generation(), DeadlineOf(call));
   if (!applied.ok()) return ctx_->Done(__func__, applied.status());
   resp->set_applied_generation(*applied);
   return ctx_->Done(__func__, absl::OkStatus());
