@@ -346,13 +346,10 @@ absl::Status DaemonSliceStore::OffloadBulk(const ActivationKey& key, const void*
                                   const_cast<uint8_t*>(static_cast<const uint8_t*>(data)), bytes,
                                   put_by, options_.checksums ? &crc : nullptr);
       !s.ok()) {
-    // A Put refused before anything moved hands the reservation back at
-    // once; after any other failure bytes may still land in the block, so
-    // it waits out its lease on the daemon (the key is then unsure, and
-    // FreeStep frees it).
-    if (absl::IsInvalidArgument(s) || absl::IsFailedPrecondition(s)) {
-      FreeRpc(key, false, Deadline()).IgnoreError();
-    }
+    // Hand the reservation back rather than let it wait out the lease (the
+    // daemon keeps its block until then, for bytes still on their way); the
+    // daemon drops it by itself if this does not arrive.
+    FreeRpc(key, false, Deadline()).IgnoreError();
     return AddActivationContext(s, key);
   }
   v1::CommitActivationRequest commit;

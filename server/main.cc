@@ -155,9 +155,10 @@ ABSL_FLAG(int, reduction_hold_ms, 50,
           "comes). The push's answer waits meanwhile; the rank's other staging slots go on.");
 ABSL_FLAG(std::string, ucx_tls, "posix,cma,self",
           "UCX_TLS for the UCX data path: \"posix,cma,self\" (shared memory, trainers on this "
-          "host), RDMA such as \"rc_x,sm,self\", or \"tcp\"; empty = UCX's choice. Over tcp (or "
-          "UCX's choice) UCX emulates remote access in software and starts only with "
-          "--ucx_trust_peers.");
+          "host), RDMA such as \"rc_x,sm,self\", or \"tcp\"; empty = UCX's choice. Anything "
+          "but shared memory starts only with --ucx_trust_peers: over tcp (or UCX's choice) UCX "
+          "emulates remote access in software, and beside RDMA it serves put and get messages "
+          "that carry no key.");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory for checkpoints (created if missing); empty: checkpoints are refused. "
           "Resharding reads other daemons' parts: share it between the daemons of a job.");

@@ -217,6 +217,7 @@ ActivationStore::~ActivationStore() {
         DropLocked(entry, slice);
       }
     }
+    ReleaseLingeringLocked([](const Slice&) { return true; });
     jobs_.clear();
   }
   RemoveDroppedFiles(Removal::kNow);  // what a hung disk keeps goes with the next start
@@ -249,6 +250,7 @@ bool ActivationStore::AllocateBlockLocked(Slice& slice) {
   slice.has_block = true;
   slice.offset = skew_ + *at;
   slice.block = allocator_.BlockSize(*at);
+  dirty_end_ = std::max(dirty_end_, slice.offset + slice.block);
   ledger_->Move(kDaemonLedgerEntry, MemoryCategory::kActivation, slice.job,
                 MemoryCategory::kActivation, slice.block);
   SyncFreeBookingLocked();
@@ -1230,9 +1232,17 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
     for (const auto& [id, slice] : entry->slices) {
       if (id.rank == owner.rank && match(id, *slice)) doomed.push_back(slice);
     }
+    const absl::Time now = absl::Now();
     for (const auto& slice : doomed) {
       ++freed.slices;
       freed.bytes += slice->bytes;
+      if (slice->state == Slice::State::kReserved && !slice->stream && slice->has_block &&
+          slice->lease_end > now) {
+        // A Put into the reservation may still land until its lease ends
+        // (one stopped at its deadline): the block stays its own until then.
+        ++slice->holds;
+        lingering_.push_back(slice);
+      }
       DropLocked(*entry, slice);
     }
     // The room just freed: the next hinted slices come back while the
@@ -1319,6 +1329,8 @@ void ActivationStore::RemoveJob(const std::string& job_id,
     }
     for (auto& [id, slice] : e.slices) all.push_back(slice);
     for (const auto& slice : all) DropLocked(e, slice);
+    // Its key is revoked: nothing of it lands any more.
+    ReleaseLingeringLocked([&](const Slice& slice) { return slice.job == job_id; });
     e.hinted.clear();
     // Kept as a tombstone, so that a request of the removed instance still
     // in flight stores nothing; pruned once the instance is gone.
@@ -1329,10 +1341,25 @@ void ActivationStore::RemoveJob(const std::string& job_id,
   RemoveDroppedFiles(Removal::kNow);
 }
 
+void ActivationStore::ReleaseLingeringLocked(const std::function<bool(const Slice&)>& which) {
+  for (auto it = lingering_.begin(); it != lingering_.end();) {
+    Slice& slice = **it;
+    if (!which(slice)) {
+      ++it;
+      continue;
+    }
+    --slice.holds;
+    ReleaseIfIdleLocked(slice);
+    it = lingering_.erase(it);
+  }
+  NotifyLocked();
+}
+
 void ActivationStore::Tick() {
   {
     absl::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
+    ReleaseLingeringLocked([now](const Slice& slice) { return slice.lease_end <= now; });
     for (auto it = jobs_.begin(); it != jobs_.end();) {
       JobEntry& e = it->second;
       std::vector<std::shared_ptr<Slice>> expired;
@@ -1385,16 +1412,26 @@ bool ActivationStore::BeginTenancy(const std::shared_ptr<const void>& instance,
                                    const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   if (has_tenant_) return SameInstance(tenant_, instance);
+  size_t tenant_blocks = 0;
   for (const auto& [id, e] : jobs_) {
-    if (!e.slices.empty() && !SameInstance(e.instance, instance)) return false;
+    const bool tenant = SameInstance(e.instance, instance);
+    if (!e.slices.empty() && !tenant) return false;
+    if (!tenant) continue;
+    for (const auto& [slice_id, slice] : e.slices) tenant_blocks += slice->has_block;
   }
-  // Every block in use is the new tenant's: zero the rest of the region.
+  // A block of a slice no longer listed (freed while being read, written,
+  // spilled or read back, or a freed reservation waiting out its lease)
+  // may hold another job's bytes still: not now.
+  if (allocator_.used_blocks() != tenant_blocks) return false;
+  // Every block in use is the new tenant's: zero the rest of what blocks
+  // ever covered (past dirty_end_ the region is as it was allocated, zero).
   uint64_t at = 0;
   for (const auto& [offset, size] : allocator_.used()) {
-    std::memset(base_ + at, 0, skew_ + offset - at);
+    if (at < dirty_end_) std::memset(base_ + at, 0, std::min(skew_ + offset, dirty_end_) - at);
     at = skew_ + offset + size;
   }
-  std::memset(base_ + at, 0, region_bytes_ - at);
+  if (at < dirty_end_) std::memset(base_ + at, 0, dirty_end_ - at);
+  dirty_end_ = std::min(dirty_end_, at);
   has_tenant_ = true;
   tenant_ = instance;
   tenant_id_ = job_id;

@@ -269,11 +269,14 @@ class ActivationStore {
 
   // The arena's tenancy (ArenaTenancy lends the key): makes `instance` (job
   // `job_id`) the one job whose slices the arena holds, unless another job
-  // instance holds any slice (reserved, stored, spilled or being read back):
-  // false then, and nothing changes. On true, every byte of the arena region
-  // outside the tenant's own blocks is zeroed first (under the store's lock,
-  // once per tenancy; a memset of up to the arena's size), so what former
-  // jobs left in freed blocks is not readable with the key; until
+  // instance holds any slice (reserved, stored, spilled or being read back)
+  // or a block of a slice no longer listed is still in use (a freed slice
+  // being read, written or read back, a freed reservation waiting out its
+  // lease): false then, and nothing changes. On true, every byte of the
+  // arena region outside the tenant's own blocks that a block has covered
+  // since the last tenancy began is zeroed first (under the store's lock),
+  // so what former jobs left in freed blocks is not readable with the key;
+  // until
   // EndTenancy(), other jobs' reservations are refused with
   // FAILED_PRECONDITION naming the tenant. Checked under the lock every
   // reservation takes, so no other job's slice enters the arena meanwhile.
@@ -462,6 +465,10 @@ class ActivationStore {
       ABSL_LOCKS_EXCLUDED(mu_);
   void AbandonIncoming(const std::shared_ptr<Slice>& slice) ABSL_LOCKS_EXCLUDED(mu_);
   void RunJanitor();
+  // Lets go of the lingering reservations `which` picks (their block is
+  // freed unless something else holds it).
+  void ReleaseLingeringLocked(const std::function<bool(const Slice&)>& which)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   MemoryLedger* const ledger_;
@@ -495,6 +502,12 @@ class ActivationStore {
   uint64_t last_placement_ ABSL_GUARDED_BY(mu_) = 0;  // Reserve's numbers
   ArenaAllocator allocator_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
+  // Freed bulk reservations whose lease has not ended, each with a hold on
+  // its block (a Put stopped at its deadline may still land there).
+  std::vector<std::shared_ptr<Slice>> lingering_ ABSL_GUARDED_BY(mu_);
+  // Region bytes below this may hold what a slice left; past it the region
+  // is as allocated (zero).
+  uint64_t dirty_end_ ABSL_GUARDED_BY(mu_) = 0;
   // The tenant (BeginTenancy), when has_tenant_.
   bool has_tenant_ ABSL_GUARDED_BY(mu_) = false;
   std::weak_ptr<const void> tenant_ ABSL_GUARDED_BY(mu_);

@@ -235,6 +235,12 @@ TEST_F(StoreTest, ATenancyStartsOnAZeroedArenaAndKeepsOtherJobsOut) {
   EXPECT_FALSE(store_->BeginTenancy(instance_, "a")) << "job b has a slice";
   ASSERT_TRUE(store_->FreeKey(Owner("b"), Key(1, 0)).ok());
   ASSERT_NE(region_bytes().find(left), std::string::npos) << "a freed block keeps its bytes";
+  // Another job's freed reservation keeps its block out its lease (a Put
+  // may still land there): not yet either.
+  ASSERT_TRUE(store_->Reserve(Owner("c"), Key(1, 5), 4096, Deadline()).ok());
+  ASSERT_TRUE(store_->FreeKey(Owner("c"), Key(1, 5)).ok());
+  EXPECT_FALSE(store_->BeginTenancy(instance_, "a"));
+  store_->RemoveJob("c", other_instance_);
   ASSERT_TRUE(Put(Owner("a"), Key(1, 1), kept).ok());
   ASSERT_TRUE(store_->BeginTenancy(instance_, "a"));
   EXPECT_TRUE(store_->BeginTenancy(instance_, "a")) << "the tenant again";
@@ -778,6 +784,9 @@ TEST_F(StoreTest, AFreeDuringASpillReturnsWithTheFileGone) {
     ASSERT_TRUE(store_->FreeKey(Owner(), Key(step, 0)).ok());
     a.join();
     ASSERT_TRUE(next.ok()) << next.status();
+    // Committed: freed at once (a freed reservation would keep its block
+    // out its lease).
+    ASSERT_TRUE(store_->Commit(Owner(), Key(step + 100, 0), std::nullopt).ok());
     ASSERT_TRUE(store_->FreeAll(Owner()).ok());
     EXPECT_EQ(store_->GetStats().spill_files, 0u);
     EXPECT_EQ(SpillFilesIn(spill_dir_), 0u);
@@ -902,6 +911,35 @@ TEST_F(StoreTest, DroppedFilesGoWhenASpillNeedsTheirSpaceOrTheStepIsFreed) {
 // However small its slices, a job holds at most max_slices_per_job of them
 // (each costs bookkeeping and, spilled, a file): past it a reservation is
 // refused and changes nothing; other jobs are not counted against it.
+// A bulk reservation freed before its lease ends (its Put stopped at its
+// deadline may still land) keeps its block until then; a committed slice's
+// block is freed at once, and the job's removal lets go of both.
+TEST_F(StoreTest, AFreedReservationKeepsItsBlockUntilItsLeaseEnds) {
+  Start(1 << 20, 0, /*bulk=*/true, /*lease=*/absl::Milliseconds(300));
+  const uint64_t free_before = store_->GetStats().arena_free;
+  ASSERT_TRUE(store_->Reserve(Owner(), Key(1, 0), 4096, Deadline()).ok());
+  const uint64_t free_reserved = store_->GetStats().arena_free;
+  EXPECT_LT(free_reserved, free_before);
+  ASSERT_TRUE(store_->FreeKey(Owner(), Key(1, 0)).ok());
+  store_->Tick();
+  EXPECT_EQ(store_->GetStats().arena_free, free_reserved) << "a Put may still land";
+  // The key may be reserved again, in another block; committed, it goes at once.
+  ASSERT_TRUE(store_->Reserve(Owner(), Key(1, 0), 4096, Deadline()).ok());
+  ASSERT_TRUE(store_->Commit(Owner(), Key(1, 0), std::nullopt).ok());
+  ASSERT_TRUE(store_->FreeKey(Owner(), Key(1, 0)).ok());
+  EXPECT_EQ(store_->GetStats().arena_free, free_reserved);
+  ExpectExactBooking();
+  absl::SleepFor(absl::Milliseconds(350));
+  store_->Tick();
+  EXPECT_EQ(store_->GetStats().arena_free, free_before);
+  // The job's removal does not wait for the lease.
+  ASSERT_TRUE(store_->Reserve(Owner(), Key(1, 1), 4096, Deadline()).ok());
+  ASSERT_TRUE(store_->FreeKey(Owner(), Key(1, 1)).ok());
+  store_->RemoveJob("a", instance_);
+  EXPECT_EQ(store_->GetStats().arena_free, free_before);
+  ExpectExactBooking();
+}
+
 TEST_F(StoreTest, AJobHoldsAtMostItsShareOfSlices) {
   max_slices_per_job_ = 4;
   Start(1 << 20, 1 << 20);

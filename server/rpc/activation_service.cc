@@ -74,7 +74,7 @@ absl::Status ActivationService::DoReserve(grpc::ServerContext* ctx,
   resp->set_bytes(p.bytes);
   resp->set_placement(p.placement);
   resp->set_lease_ms(static_cast<uint32_t>(std::clamp<int64_t>(
-      absl::ToInt64Milliseconds(ctx_->activations->reservation_lease()), 0, UINT32_MAX)));
+      absl::ToInt64Milliseconds(ctx_->activations->reservation_lease()), 1, UINT32_MAX)));
   return absl::OkStatus();
 }
 

@@ -328,7 +328,7 @@ TEST_F(StepEngineTest, ARankRejoiningWakesAPushWaitingForTheRoomItsOldProcessHel
     waited = Push(1, 2, GapFree(4));  // no room until rank 1's is dropped
     answered = absl::Now();
   });
-  absl::SleepFor(absl::Milliseconds(100));
+  absl::SleepFor(absl::Milliseconds(300));  // rank 2's push waits for room by then
   const absl::Time joined = absl::Now();
   absl::StatusOr<uint32_t> dropped = engine_->JoinRank(1, [] { return uint64_t{2}; });
   rank2.join();

@@ -1,5 +1,6 @@
 #include "transport/testing/faulty_transport.h"
 
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -58,16 +59,18 @@ class FaultyTransport::Faults {
     return modes_[index];
   }
 
-  // Counts one Put or Get on `index` and says how it behaves.
-  Mode Issue(int index) {
+  // Counts one Put or Get on `index` and says how it behaves; a stalled
+  // one is `stalled` (made under the same lock, so that an abort closing
+  // the connection meanwhile finds it).
+  Mode Issue(int index, const std::function<std::shared_ptr<CompletionState>()>& make_stalled,
+             std::shared_ptr<CompletionState>* stalled) {
     absl::MutexLock lock(&mu_);
     ++operations_[index];
+    if (modes_[index] == Mode::kStalled) {
+      *stalled = make_stalled();
+      stalled_[index].push_back(*stalled);
+    }
     return modes_[index];
-  }
-
-  void AddStalled(int index, const std::shared_ptr<CompletionState>& op) {
-    absl::MutexLock lock(&mu_);
-    stalled_[index].push_back(op);
   }
 
   // Marks `index` kClosed and hands back the operations stalled on it, for
@@ -144,16 +147,17 @@ class FaultyConnection final : public Connection {
  private:
   template <typename Forward>
   Completion Issue(Forward forward) {
-    switch (faults_->Issue(index_)) {
+    std::shared_ptr<CompletionState> stalled;
+    auto make = [this]() -> std::shared_ptr<CompletionState> {
+      return std::make_shared<StalledOperation>(faults_, index_);
+    };
+    switch (faults_->Issue(index_, make, &stalled)) {
       case Mode::kOpen:
         return forward();
       case Mode::kClosed:
         return Completion::Ready(Closed());
-      case Mode::kStalled: {
-        auto op = std::make_shared<StalledOperation>(faults_, index_);
-        faults_->AddStalled(index_, op);
-        return Completion(std::move(op));
-      }
+      case Mode::kStalled:
+        return Completion(std::move(stalled));
     }
     return Completion::Ready(absl::InternalError("faulty transport: unknown mode"));
   }

@@ -145,10 +145,10 @@ int OpenDescriptors() {
 
 // A connection to a peer that went away (its Transport destroyed; a peer on
 // this host has no UCX peer error handling, so its going is noticed through
-// the transport registry or its process) is closed for good once dropped:
-// what UCX held for it (a socket, a shared-memory mapping) is let go, as
-// for a connection dropped before its peer went, not kept until the
-// Transport ends.
+// the transport registry or its process) holds no descriptor once dropped
+// (UCX's socket to the peer), as for a connection dropped before its peer
+// went. (UCX keeps such an endpoint itself until the worker ends: see
+// Worker::Close.)
 TEST_P(UcxTransportTest, AConnectionToAPeerThatWentAwayIsReleasedWhenDropped) {
   auto client = Make();
   ASSERT_TRUE(client);
