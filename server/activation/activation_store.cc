@@ -86,6 +86,9 @@ struct ActivationStore::JobEntry {
   // Per rank, the spilled slices of its latest Prefetch hint that had no
   // room yet, in the hint's order: read back as frees make room.
   std::map<uint32_t, std::deque<Id>> hinted;
+  // Its freed reservations waiting out their lease (in lingering_, not in
+  // `slices`), counted against max_slices_per_job.
+  size_t lingering = 0;
 };
 
 bool ActivationStore::Id::operator<(const Id& o) const {
@@ -804,9 +807,9 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
           st == Slice::State::kPending || st == Slice::State::kReserved ? "reserved" : "stored",
           "; free it first"));
     }
-    if (entry->slices.size() >= options_.max_slices_per_job) {
+    if (entry->slices.size() + entry->lingering >= options_.max_slices_per_job) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "job ", owner.job_id, " holds ", entry->slices.size(),
+          "job ", owner.job_id, " holds ", entry->slices.size() + entry->lingering,
           " activation slices on this daemon, the most one job may; free those it has fetched "
           "(FreeActivations) before offloading more"));
     }
@@ -1241,6 +1244,7 @@ absl::StatusOr<ActivationStore::Freed> ActivationStore::FreeMatching(
         // A Put into the reservation may still land until its lease ends
         // (one stopped at its deadline): the block stays its own until then.
         ++slice->holds;
+        ++entry->lingering;
         lingering_.push_back(slice);
       }
       DropLocked(*entry, slice);
@@ -1329,8 +1333,8 @@ void ActivationStore::RemoveJob(const std::string& job_id,
     }
     for (auto& [id, slice] : e.slices) all.push_back(slice);
     for (const auto& slice : all) DropLocked(e, slice);
-    // Its key is revoked: nothing of it lands any more.
-    ReleaseLingeringLocked([&](const Slice& slice) { return slice.job == job_id; });
+    // Its freed reservations keep their blocks out their leases (bytes
+    // already sent may still land after its key is revoked).
     e.hinted.clear();
     // Kept as a tombstone, so that a request of the removed instance still
     // in flight stores nothing; pruned once the instance is gone.
@@ -1342,23 +1346,35 @@ void ActivationStore::RemoveJob(const std::string& job_id,
 }
 
 void ActivationStore::ReleaseLingeringLocked(const std::function<bool(const Slice&)>& which) {
-  for (auto it = lingering_.begin(); it != lingering_.end();) {
-    Slice& slice = **it;
+  size_t kept = 0;
+  bool released = false;
+  for (size_t i = 0; i < lingering_.size(); ++i) {
+    Slice& slice = *lingering_[i];
     if (!which(slice)) {
-      ++it;
+      lingering_[kept++] = std::move(lingering_[i]);
       continue;
     }
     --slice.holds;
     ReleaseIfIdleLocked(slice);
-    it = lingering_.erase(it);
+    released = true;
+    auto job = jobs_.find(slice.job);
+    if (job == jobs_.end()) continue;
+    JobEntry& e = job->second;
+    --e.lingering;
+    if ((e.removed || e.instance.expired()) && e.slices.empty() && e.lingering == 0) {
+      // The job's own removal found its booking still in use.
+      ledger_->RemoveJobIfEmpty(slice.job);
+    }
   }
-  NotifyLocked();
+  lingering_.resize(kept);
+  if (released) NotifyLocked();
 }
 
-void ActivationStore::Tick() {
+void ActivationStore::Tick() { Tick(absl::Now()); }
+
+void ActivationStore::Tick(absl::Time now) {
   {
     absl::MutexLock lock(&mu_);
-    const absl::Time now = absl::Now();
     ReleaseLingeringLocked([now](const Slice& slice) { return slice.lease_end <= now; });
     for (auto it = jobs_.begin(); it != jobs_.end();) {
       JobEntry& e = it->second;
@@ -1370,7 +1386,7 @@ void ActivationStore::Tick() {
         }
       }
       for (const auto& slice : expired) DropLocked(e, slice);
-      if (e.slices.empty() && e.instance.expired()) {
+      if (e.slices.empty() && e.lingering == 0 && e.instance.expired()) {
         it = jobs_.erase(it);
       } else {
         ++it;
@@ -1456,6 +1472,12 @@ absl::Status ActivationStore::IssueTenantKey() {
                                                           key.status().message()));
   }
   std::unique_ptr<transport::Region> old = *std::move(key);
+  {
+    // The key reaches the whole region: from here any byte of it may hold
+    // what its holder put there.
+    absl::MutexLock lock(&mu_);
+    dirty_end_ = region_bytes_;
+  }
   {
     absl::MutexLock lock(&key_mu_);
     tenant_key_.swap(old);

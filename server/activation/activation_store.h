@@ -264,8 +264,10 @@ class ActivationStore {
   void RemoveJob(const std::string& job_id, const std::shared_ptr<const void>& instance);
 
   // One janitor pass (exposed for tests): drops bulk reservations past their
-  // lease.
+  // lease, and lets go of the blocks of freed ones whose lease has ended;
+  // `now` stands for the time (tests).
   void Tick();
+  void Tick(absl::Time now);
 
   // The arena's tenancy (ArenaTenancy lends the key): makes `instance` (job
   // `job_id`) the one job whose slices the arena holds, unless another job
@@ -273,8 +275,8 @@ class ActivationStore {
   // or a block of a slice no longer listed is still in use (a freed slice
   // being read, written or read back, a freed reservation waiting out its
   // lease): false then, and nothing changes. On true, every byte of the
-  // arena region outside the tenant's own blocks that a block has covered
-  // since the last tenancy began is zeroed first (under the store's lock),
+  // arena region outside the tenant's own blocks is zeroed first (under the
+  // store's lock; before any key was issued, only what blocks covered),
   // so what former jobs left in freed blocks is not readable with the key;
   // until
   // EndTenancy(), other jobs' reservations are refused with
@@ -505,8 +507,9 @@ class ActivationStore {
   // Freed bulk reservations whose lease has not ended, each with a hold on
   // its block (a Put stopped at its deadline may still land there).
   std::vector<std::shared_ptr<Slice>> lingering_ ABSL_GUARDED_BY(mu_);
-  // Region bytes below this may hold what a slice left; past it the region
-  // is as allocated (zero).
+  // Region bytes below this may hold what a slice (or a key's holder) left;
+  // past it the region is as allocated (zero). The whole region once a key
+  // has been issued.
   uint64_t dirty_end_ ABSL_GUARDED_BY(mu_) = 0;
   // The tenant (BeginTenancy), when has_tenant_.
   bool has_tenant_ ABSL_GUARDED_BY(mu_) = false;
