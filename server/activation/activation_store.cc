@@ -115,6 +115,12 @@ bool SameInstance(const std::weak_ptr<const void>& a, const std::shared_ptr<cons
 
 }  // namespace
 
+std::string ArenaLentMessage(const std::string& tenant) {
+  return absl::StrCat("this daemon's activation arena is lent to job ", tenant,
+                      "'s bulk transport (its key reaches the whole arena); keep this job's "
+                      "activation checkpoints on the trainer, or on daemons of its own");
+}
+
 ActivationStore::Id ActivationStore::MakeId(const SliceOwner& owner, const ActivationKey& key) {
   return Id{key, owner.rank};
 }
@@ -793,10 +799,7 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
   {
     absl::MutexLock lock(&mu_);
     if (has_tenant_ && !SameInstance(tenant_, owner.instance)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "this daemon's activation arena is lent to job ", tenant_id_,
-          "'s bulk transport (its key reaches the whole arena); keep this job's activation "
-          "checkpoints on the trainer, or on daemons of its own"));
+      return absl::FailedPreconditionError(ArenaLentMessage(tenant_id_));
     }
     ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
     const Id id = MakeId(owner, key);

@@ -109,6 +109,10 @@ struct SlicePlacement {
   uint64_t placement = 0;
 };
 
+// Why another job's activation request is refused while the arena's key
+// is lent to job `tenant` (ArenaTenancy).
+std::string ArenaLentMessage(const std::string& tenant);
+
 class ActivationStore {
  private:
   struct Slice;

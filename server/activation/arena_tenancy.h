@@ -17,7 +17,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/activation/activation_store.h"
@@ -54,10 +53,7 @@ class ArenaTenancy {
   absl::Status Check(const Job* job) const {
     absl::MutexLock lock(&mu_);
     if (tenant_ == nullptr || tenant_ == job) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "this daemon's activation arena is lent to job ", tenant_id_,
-        "'s bulk transport (its key reaches the whole arena); keep this job's activation "
-        "checkpoints on the trainer, or on daemons of its own"));
+    return absl::FailedPreconditionError(ArenaLentMessage(tenant_id_));
   }
 
   // Called when `job` is removed: when it is the tenant, revokes its key.
