@@ -76,11 +76,12 @@ constexpr uint64_t kPageBytes = 4096;
 
 absl::StatusOr<std::shared_ptr<BulkTransport>> BulkTransport::Create(
     const std::string& name, const transport::BackendOptions& options) {
-  ASSIGN_OR_RETURN(v1::TransportKind kind, TransportKindFromName(name, "ClientConfig.transport"));
+  // The name first: nothing is created for one that is no bulk transport.
+  RETURN_IF_ERROR(TransportKindFromName(name, "ClientConfig.transport").status());
   ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> t,
                    transport::CreateTransport(name, options),
                    "ClientConfig.transport \"", name, "\"");
-  return std::shared_ptr<BulkTransport>(new BulkTransport(kind, std::move(t)));
+  return Of(std::move(t));
 }
 
 absl::StatusOr<std::shared_ptr<BulkTransport>> BulkTransport::Of(

@@ -798,7 +798,7 @@ absl::StatusOr<std::shared_ptr<ActivationStore::Slice>> ActivationStore::Reserve
   auto resume_hints = absl::MakeCleanup([&] { StartIo(std::move(resumed), deadline); });
   {
     absl::MutexLock lock(&mu_);
-    if (has_tenant_ && !SameInstance(tenant_, owner.instance)) {
+    if (!tenant_id_.empty() && !SameInstance(tenant_, owner.instance)) {
       return absl::FailedPreconditionError(ArenaLentMessage(tenant_id_));
     }
     ASSIGN_OR_RETURN(JobEntry * entry, EntryLocked(owner));
@@ -1430,7 +1430,7 @@ void ActivationStore::RunJanitor() {
 bool ActivationStore::BeginTenancy(const std::shared_ptr<const void>& instance,
                                    const std::string& job_id) {
   absl::MutexLock lock(&mu_);
-  if (has_tenant_) return SameInstance(tenant_, instance);
+  if (!tenant_id_.empty()) return SameInstance(tenant_, instance);
   size_t tenant_blocks = 0;
   for (const auto& [id, e] : jobs_) {
     const bool tenant = SameInstance(e.instance, instance);
@@ -1451,7 +1451,6 @@ bool ActivationStore::BeginTenancy(const std::shared_ptr<const void>& instance,
   }
   if (at < dirty_end_) std::memset(base_ + at, 0, dirty_end_ - at);
   dirty_end_ = std::min(dirty_end_, at);
-  has_tenant_ = true;
   tenant_ = instance;
   tenant_id_ = job_id;
   return true;
@@ -1459,7 +1458,6 @@ bool ActivationStore::BeginTenancy(const std::shared_ptr<const void>& instance,
 
 void ActivationStore::EndTenancy() {
   absl::MutexLock lock(&mu_);
-  has_tenant_ = false;
   tenant_.reset();
   tenant_id_.clear();
 }

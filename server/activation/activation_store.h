@@ -515,8 +515,8 @@ class ActivationStore {
   // past it the region is as allocated (zero). The whole region once a key
   // has been issued.
   uint64_t dirty_end_ ABSL_GUARDED_BY(mu_) = 0;
-  // The tenant (BeginTenancy), when has_tenant_.
-  bool has_tenant_ ABSL_GUARDED_BY(mu_) = false;
+  // The tenant (BeginTenancy) and its job id; an empty id: none (job ids
+  // are never empty).
   std::weak_ptr<const void> tenant_ ABSL_GUARDED_BY(mu_);
   std::string tenant_id_ ABSL_GUARDED_BY(mu_);
   std::set<Slice*> spilling_ ABSL_GUARDED_BY(mu_);  // writes in flight
