@@ -18,14 +18,21 @@
 // gradient and gathers all parameters per repetition; a repetition's figure
 // is (pushed + gathered bytes) / (push time + gather time), the optimizer
 // step in between not counted. Each path reports the median of --reps
-// repetitions after one warm-up, perftest the median of --perftest_runs
-// runs: the host is shared, and medians keep one noisy moment from deciding
-// the ratio. The
+// repetitions after one warm-up. The UCX path (borrowed pushes) and
+// perftest are measured in --rounds rounds, one ucx_perftest run and one
+// UCX measurement each, their order swapped each round: the host is
+// shared and its memory's speed drifts over seconds, so each round's
+// ratios compare figures taken seconds apart, and the median of the
+// rounds' ratios is reported (each round's printed too). The
 // gradient buffer is borrowed (BufferUse::kBorrow, as a trainer with a
 // persistent gradient buffer pushes); the UCX path is also measured with
 // copied pushes (BufferUse::kCopy: one more sweep through the client's
-// staging pool) for comparison. The last line is the summary:
-//   ucx_gbps=X stream_gbps=Y perftest_gbps=Z ucx_fraction=X/Z
+// staging pool) for comparison, once. The last line is the summary (the
+// figures the medians of every round's, the fractions the medians of the
+// rounds' ratios):
+//   ucx_gbps=X stream_gbps=Y perftest_gbps=Z gather_fraction=G ucx_fraction=F
+// where G is the UCX gather's GB/s over perftest's and F the UCX
+// push+gather's.
 //
 // --tls_compare measures instead what mutual TLS costs on the gRPC data
 // paths: the same job (borrowed pushes, then gathers) over "stream" (the
@@ -79,7 +86,9 @@
 ABSL_FLAG(uint64_t, bytes, 268435456, "bytes of fp32 parameters in the job (Ψ * 4)");
 ABSL_FLAG(uint64_t, bucket_bytes, 32ull << 20, "the client's bucket C_B (and perftest's message)");
 ABSL_FLAG(int, reps, 5, "timed repetitions after one warm-up (the median is reported)");
-ABSL_FLAG(int, perftest_runs, 3, "ucx_perftest runs (the median is reported)");
+ABSL_FLAG(int, rounds, 3,
+          "rounds of one ucx_perftest run and one UCX measurement (order swapped each "
+          "round); the ratios are the median of the rounds'");
 ABSL_FLAG(std::string, ucx_tls, "posix,cma,self", "UCX_TLS for the client, daemon and perftest");
 ABSL_FLAG(std::string, perftest, "ucx_perftest", "the ucx_perftest binary (PATH is searched)");
 ABSL_FLAG(bool, tls_compare, false,
@@ -394,23 +403,85 @@ int Main() {
   Run runs[3] = {{"ucx", BufferUse::kCopy, "ucx (copied push)"},
                  {"ucx", BufferUse::kBorrow, "ucx"},
                  {"stream", BufferUse::kBorrow, "stream"}};
-  for (Run& run : runs) {
-    if (std::string(run.transport) == "ucx" && (*daemon)->bulk_transport() == nullptr) {
-      std::printf("%s: the daemon could not initialise UCX; skipped\n", run.label);
-      continue;
-    }
-    absl::StatusOr<PathResult> r = Measure(**daemon, run.transport, run.use);
-    if (!r.ok()) {
-      std::printf("%s: failed: %s\n", run.label, r.status().ToString().c_str());
-      continue;
-    }
-    run.gbps = r->gbps;
-    run.push_gbps = r->push_gbps;
-    run.gather_gbps = r->gather_gbps;
+  const bool have_ucx = (*daemon)->bulk_transport() != nullptr;
+  auto report = [](const Run& run, const PathResult& r) {
     std::printf("%-17s push %.2f GB/s, gather %.2f GB/s, push+gather %.2f GB/s; "
                 "client staging buffer %llu B\n",
-                run.label, r->push_gbps, r->gather_gbps, r->gbps,
-                static_cast<unsigned long long>(r->client_buffer));
+                run.label, r.push_gbps, r.gather_gbps, r.gbps,
+                static_cast<unsigned long long>(r.client_buffer));
+    std::fflush(stdout);
+  };
+  for (Run* run : {&runs[0], &runs[2]}) {  // measured once; runs[1] in rounds below
+    if (std::string(run->transport) == "ucx" && !have_ucx) {
+      std::printf("%s: the daemon could not initialise UCX; skipped\n", run->label);
+      continue;
+    }
+    absl::StatusOr<PathResult> r = Measure(**daemon, run->transport, run->use);
+    if (!r.ok()) {
+      std::printf("%s: failed: %s\n", run->label, r.status().ToString().c_str());
+      continue;
+    }
+    run->gbps = r->gbps;
+    run->push_gbps = r->push_gbps;
+    run->gather_gbps = r->gather_gbps;
+    report(*run, *r);
+  }
+  // The UCX path against perftest, round by round.
+  const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
+  std::vector<double> ucx_push, ucx_gather, ucx_both, perftest_runs;
+  std::vector<double> gather_fractions, ucx_fractions;  // by round, where both ran
+  std::string why;
+  bool ucx_failed = !have_ucx, perftest_failed = false;
+  if (!have_ucx) std::printf("ucx: the daemon could not initialise UCX; skipped\n");
+  for (int round = 0; round < rounds; ++round) {
+    double perftest = NAN;
+    const PathResult* ucx = nullptr;
+    absl::StatusOr<PathResult> r = absl::UnknownError("not run");
+    for (int i = 0; i < 2; ++i) {
+      if ((round % 2 == 0 ? i : 1 - i) == 0) {
+        if (ucx_failed) continue;
+        r = Measure(**daemon, "ucx", BufferUse::kBorrow, {}, absl::StrCat("-round-", round));
+        if (!r.ok()) {
+          std::printf("ucx: failed: %s\n", r.status().ToString().c_str());
+          ucx_failed = true;
+          continue;
+        }
+        ucx = &*r;
+        ucx_push.insert(ucx_push.end(), r->push.begin(), r->push.end());
+        ucx_gather.insert(ucx_gather.end(), r->gather.begin(), r->gather.end());
+        ucx_both.insert(ucx_both.end(), r->both.begin(), r->both.end());
+      } else {
+        if (perftest_failed) continue;
+        perftest = bench::PerftestPutGbps(absl::GetFlag(FLAGS_bucket_bytes),
+                                          absl::GetFlag(FLAGS_perftest),
+                                          absl::GetFlag(FLAGS_ucx_tls), &why);
+        if (std::isnan(perftest)) {
+          perftest_failed = true;
+        } else {
+          perftest_runs.push_back(perftest);
+        }
+      }
+    }
+    if (ucx != nullptr && !std::isnan(perftest)) {
+      gather_fractions.push_back(ucx->gather_gbps / perftest);
+      ucx_fractions.push_back(ucx->gbps / perftest);
+      std::printf(
+          "round %d (%s first): ucx push %.2f GB/s, gather %.2f GB/s, push+gather %.2f GB/s; "
+          "perftest %.2f GB/s; gather %.3f of perftest, push+gather %.3f\n",
+          round + 1, round % 2 == 0 ? "ucx" : "perftest", ucx->push_gbps, ucx->gather_gbps,
+          ucx->gbps, perftest, gather_fractions.back(), ucx_fractions.back());
+      std::fflush(stdout);
+    }
+  }
+  if (!ucx_both.empty()) {
+    Run& run = runs[1];
+    run.push_gbps = Median(ucx_push);
+    run.gather_gbps = Median(ucx_gather);
+    run.gbps = Median(ucx_both);
+    std::printf("%-17s push %.2f GB/s, gather %.2f GB/s, push+gather %.2f GB/s (medians of %zu "
+                "repetitions over %d round%s)\n",
+                run.label, run.push_gbps, run.gather_gbps, run.gbps, ucx_both.size(), rounds,
+                rounds > 1 ? "s" : "");
   }
   // The least a push or a gather can do, in this process: one copy of the
   // same bytes between two buffers of --bytes, in C_B pieces, on one thread
@@ -439,13 +510,8 @@ int Main() {
         bytes / 1048576.0, Median(to_daemon), Median(to_trainer), to_daemon.size(),
         runs[1].push_gbps / Median(to_daemon), runs[1].gather_gbps / Median(to_trainer));
   }
-  const double gbps[2] = {runs[1].gbps, runs[2].gbps};
-  std::string why;
-  const std::vector<double> perftest_runs = bench::PerftestPutRuns(
-      absl::GetFlag(FLAGS_bucket_bytes), absl::GetFlag(FLAGS_perftest),
-      absl::GetFlag(FLAGS_ucx_tls), absl::GetFlag(FLAGS_perftest_runs), &why);
   const double perftest = Median(perftest_runs);
-  if (std::isnan(perftest)) {
+  if (perftest_runs.empty()) {
     std::printf("perftest: %s\n", why.c_str());
   } else {
     std::string each;
@@ -456,8 +522,10 @@ int Main() {
                 static_cast<unsigned long long>(absl::GetFlag(FLAGS_bucket_bytes)), perftest,
                 each.c_str());
   }
-  std::printf("ucx_gbps=%.3f stream_gbps=%.3f perftest_gbps=%.3f ucx_fraction=%.3f\n", gbps[0],
-              gbps[1], perftest, gbps[0] / perftest);
+  std::printf(
+      "ucx_gbps=%.3f stream_gbps=%.3f perftest_gbps=%.3f gather_fraction=%.3f "
+      "ucx_fraction=%.3f\n",
+      runs[1].gbps, runs[2].gbps, perftest, Median(gather_fractions), Median(ucx_fractions));
   return 0;
 }
 
