@@ -129,7 +129,7 @@ bool ReductionState::Completes(const Key& key, uint32_t micro_batches) const {
 
 uint64_t ReductionState::BookkeepingNow() const {
   return keys_.size() * kKeyBytes + applied_ * kAppliedBytes +
-         pending_entries_ * kPendingEntryBytes;
+         pending_entries_ * kPendingEntryBytes + pending_marks_ * sizeof(uint32_t);
 }
 
 absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint32_t micro_batches,
@@ -177,7 +177,9 @@ absl::Status ReductionState::CheckAgainst(const std::map<uint64_t, Key>& keys,
     // earlier chunks of the batch may bring this one's turn.
     const bool waits = key == keys.end() ? order != next : !SumsNow(key->second, order);
     if (waits && !hold) *pending_bytes += c.payload.size();
-    *bookkeeping_bytes += waits || hold ? kPendingEntryBytes : kAppliedBytes;
+    *bookkeeping_bytes += waits || hold
+                              ? kPendingEntryBytes + c.no_grad.size() * sizeof(uint32_t)
+                              : kAppliedBytes;
   }
   *bookkeeping_bytes += new_keys.size() * kKeyBytes;
   return absl::OkStatus();
@@ -198,15 +200,6 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
   if (hold != nullptr) hold->assign(batch.size(), nullptr);
   for (size_t i = 0; i < batch.size(); ++i) {
     const Contribution& c = batch[i];
-    if (options_.tensors != nullptr) {
-      const auto [first, last] = options_.tensors->In(c.range);
-      size_t skip = 0;
-      for (size_t i = first; i < last; ++i) {
-        const uint32_t index = options_.tensors->entries()[i].index;
-        while (skip < c.no_grad.size() && c.no_grad[skip] < index) ++skip;
-        if (skip == c.no_grad.size() || c.no_grad[skip] != index) has_grad_[i] = 1;
-      }
-    }
     const uint32_t order = Order(c, micro_batches);
     const size_t n = c.range.size();
     auto [it, inserted] = keys_.try_emplace(c.range.begin);
@@ -227,6 +220,8 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       p.held->order = order;
       p.held->bytes = c.payload.size();
       (*hold)[i] = p.held;
+      p.no_grad.assign(c.no_grad.begin(), c.no_grad.end());
+      pending_marks_ += p.no_grad.size();
       ++pending_entries_;
       continue;
     }
@@ -239,6 +234,8 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
     Pending& p = key.pending[order];
     p.dtype = c.dtype;
     p.crc32c = c.crc32c;
+    p.no_grad.assign(c.no_grad.begin(), c.no_grad.end());
+    pending_marks_ += p.no_grad.size();
     ++pending_entries_;
     p.bytes.assign(c.payload.begin(), c.payload.end());
     buffered_bytes_ += p.bytes.size();
@@ -252,6 +249,7 @@ std::map<uint32_t, ReductionState::Pending>::iterator ReductionState::ErasePendi
     Key& key, std::map<uint32_t, Pending>::iterator p, HeldContribution::State state) {
   if (p->second.held != nullptr) p->second.held->state = state;
   if (p->second.view.data() == nullptr) buffered_bytes_ -= p->second.bytes.size();
+  pending_marks_ -= p->second.no_grad.size();
   --pending_entries_;
   return key.pending.erase(p);
 }
@@ -273,6 +271,7 @@ void ReductionState::SumRun(uint64_t begin, Key& key, const Contribution* c, uin
     if (c != nullptr && next == order) {
       job.run.push_back({c->payload.data(), c->dtype});
       key.crcs.push_back(c->crc32c);
+      MarkGrads({begin, key.end}, c->no_grad);
       ++applied_;  // booked as applied by Check (the others as waiting)
       continue;
     }
@@ -282,6 +281,8 @@ void ReductionState::SumRun(uint64_t begin, Key& key, const Contribution* c, uin
     // Moving the copy keeps its bytes where they are.
     job.run.push_back({e.data(), e.dtype});
     key.crcs.push_back(e.crc32c);
+    MarkGrads({begin, key.end}, e.no_grad);
+    pending_marks_ -= e.no_grad.size();
     ++job.entries;
     if (e.held != nullptr) {
       e.held->state = HeldContribution::State::kSumming;
@@ -305,6 +306,17 @@ void ReductionState::SumRun(uint64_t begin, Key& key, const Contribution* c, uin
   RunSum(job);
   Settle(key, job);
   --sums_in_flight_;
+}
+
+void ReductionState::MarkGrads(FlatRange range, absl::Span<const uint32_t> no_grad) {
+  if (options_.tensors == nullptr) return;
+  const auto [first, last] = options_.tensors->In(range);
+  size_t skip = 0;
+  for (size_t i = first; i < last; ++i) {
+    const uint32_t index = options_.tensors->entries()[i].index;
+    while (skip < no_grad.size() && no_grad[skip] < index) ++skip;
+    if (skip == no_grad.size() || no_grad[skip] != index) has_grad_[i] = 1;
+  }
 }
 
 void ReductionState::RunSum(SumJob& job) {
@@ -504,6 +516,7 @@ void ReductionState::Reset() {
   buffered_bytes_ = 0;
   applied_ = 0;
   pending_entries_ = 0;
+  pending_marks_ = 0;
   if (pending_bytes_ + bookkeeping_bytes_ > 0) {
     ledger_->Release(options_.job_id, MemoryCategory::kBuffer, pending_bytes_ + bookkeeping_bytes_);
     pending_bytes_ = 0;
@@ -528,6 +541,7 @@ void ReductionState::Hash(uint64_t& h) const {
     for (const auto& [o, p] : k.pending) {
       HashValue(h, o);
       Fnv1aMix(h, p.data(), p.size());
+      for (uint32_t t : p.no_grad) HashValue(h, t);
     }
   }
 }

@@ -180,7 +180,9 @@ class ReductionState {
 
   // The trainable owned tensors that no applied contribution of the step
   // carried a gradient for (each overlapping contribution named it in
-  // no_grad), as layout indices, ascending: the commit skips them.
+  // no_grad), as layout indices, ascending: the commit skips them. Only
+  // summed contributions count: one dropped unsummed (DropHeld, ReplaceRank)
+  // marks nothing.
   std::vector<uint32_t> NoGradTensors() const;
 
   // Owned unpadded elements whose every contribution is in.
@@ -245,6 +247,9 @@ class ReductionState {
     // and the handle its sender waits on.
     absl::string_view view;
     std::shared_ptr<HeldContribution> held;
+    // The contribution's no_grad, marked into has_grad_ once it is summed
+    // (a contribution dropped unsummed marks nothing).
+    std::vector<uint32_t> no_grad;
     const uint8_t* data() const {
       return view.data() != nullptr ? reinterpret_cast<const uint8_t*>(view.data()) : bytes.data();
     }
@@ -301,6 +306,9 @@ class ReductionState {
   std::map<uint32_t, Pending>::iterator ErasePending(Key& key,
                                                      std::map<uint32_t, Pending>::iterator p,
                                                      HeldContribution::State state);
+  // Records that the contribution to `range` that named `no_grad` is summed:
+  // every tensor overlapping `range` that it does not name has a gradient.
+  void MarkGrads(FlatRange range, absl::Span<const uint32_t> no_grad);
   // Lets a finished pass's contributions go and records its norm.
   void Settle(Key& key, SumJob& job);
 
@@ -318,6 +326,7 @@ class ReductionState {
   uint64_t buffered_bytes_ = 0;   // held in `pending` entries
   uint64_t applied_ = 0;          // contributions applied (CRCs kept) this step
   uint64_t pending_entries_ = 0;  // contributions held in `pending` entries
+  uint64_t pending_marks_ = 0;    // no_grad indices kept in `pending` entries
   uint64_t bookkeeping_bytes_ = 0;  // booked as buffer, >= BookkeepingNow()
   uint64_t sum_passes_ = 0;
   uint64_t summed_contributions_ = 0;

@@ -350,13 +350,42 @@ TEST(ReductionNoGradTest, ATensorHasNoGradientOnlyIfNoContributionCarriedOne) {
   EXPECT_EQ(rig.ledger.total(), 0u);
 }
 
-// An out-of-order contribution (buffered, not yet summed) counts too.
-TEST(ReductionNoGradTest, ABufferedContributionCounts) {
+// An out-of-order contribution (buffered, not yet summed) counts once it
+// is summed.
+TEST(ReductionNoGradTest, ABufferedContributionCountsOnceSummed) {
   NoGradRig rig;
   rig.Push(1, 1, {200, 500}, {1, 4});  // waits for the three before it
   EXPECT_GT(rig.state->pending_bytes(), 0u);
+  EXPECT_EQ(rig.state->NoGradTensors(), (Indices{0, 1, 3, 4}));
+  rig.Push(0, 0, {200, 500}, {1, 2, 3, 4});
+  rig.Push(0, 1, {200, 500}, {1, 2, 3, 4});
+  EXPECT_EQ(rig.state->NoGradTensors(), (Indices{0, 1, 3, 4}));
+  rig.Push(1, 0, {200, 500}, {1, 2, 3, 4});  // the run up to the buffered one sums
+  EXPECT_EQ(rig.state->pending_bytes(), 0u);
   EXPECT_EQ(rig.state->NoGradTensors(), (Indices{0, 1, 4}));
   rig.state->Reset();
+  EXPECT_EQ(rig.ledger.total(), 0u);
+}
+
+// A contribution dropped unsummed (its rank's process was replaced) marks
+// nothing: the tensor it carried a gradient for has none unless the new
+// process's contribution carries one.
+TEST(ReductionNoGradTest, AContributionDroppedUnsummedMarksNothing) {
+  NoGradRig rig;
+  const FlatRange first{0, 200}, second{200, 500};
+  rig.Push(1, 0, second, {1, 2, 4});  // a gradient for t3; waits for rank 0's
+  EXPECT_GT(rig.state->pending_bytes(), 0u);
+  EXPECT_EQ(rig.state->ReplaceRank(1), 1u);
+  for (uint32_t rank = 0; rank < NoGradRig::kRanks; ++rank) {
+    for (uint32_t mb = 0; mb < NoGradRig::kMicroBatches; ++mb) {
+      rig.Push(rank, mb, first, {0, 1});
+      rig.Push(rank, mb, second, {1, 2, 3, 4});
+    }
+  }
+  ASSERT_TRUE(rig.state->Complete());
+  EXPECT_EQ(rig.state->NoGradTensors(), (Indices{0, 1, 3, 4}));
+  rig.state->Reset();
+  EXPECT_EQ(rig.ledger.total(), 0u);
 }
 
 // Without the owned tensors every tensor counts as having a gradient.
