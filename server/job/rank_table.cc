@@ -35,11 +35,19 @@ absl::StatusOr<uint64_t> RankTable::Join(uint32_t rank, uint64_t incarnation) {
         "epoch, or the rank's current incarnation, plus one day), got ", incarnation,
         "; a trainer's incarnation is its start time in microseconds"));
   }
+  if (incarnation == e.incarnation && e.left) {
+    // Its pushes may still be in flight against the region its Leave
+    // dropped: only a newer incarnation, which fences them, joins again.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "incarnation: rank ", rank, " of job ", options_.job_id, " left as incarnation ",
+        incarnation, "; a process that left joins again as a newer incarnation (a new client)"));
+  }
   uint64_t replaced = 0;
   if (incarnation > e.incarnation) {
     // A newer process for this rank: the old one's staging goes with it.
     replaced = e.incarnation;
     e.incarnation = incarnation;
+    e.left = false;
     e.staging.reset();
   }
   if (!e.joined) joined_.fetch_add(1, std::memory_order_acq_rel);
@@ -64,6 +72,11 @@ absl::Status RankTable::CheckLocked(uint32_t rank, uint64_t incarnation,
     return absl::InvalidArgumentError(absl::StrCat(field, "incarnation: must be >= 1"));
   }
   Entry& e = ranks_[rank];
+  if (e.left && incarnation == e.incarnation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " incarnation ", incarnation, " left job ", options_.job_id,
+        "; a process that left joins again as a newer incarnation (a new client)"));
+  }
   if (!e.joined || incarnation > e.incarnation) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank, " of job ", options_.job_id, " has not joined as incarnation ",
@@ -88,6 +101,7 @@ absl::StatusOr<bool> RankTable::Leave(uint32_t rank, uint64_t incarnation) {
   if (absl::Status s = CheckLocked(rank, incarnation, ""); !s.ok()) return s;
   Entry& e = ranks_[rank];
   e.joined = false;
+  e.left = true;
   e.staging.reset();
   const uint32_t left = joined_.fetch_sub(1, std::memory_order_acq_rel) - 1;
   if (left == 0) removed_ = true;
@@ -175,6 +189,7 @@ void RankTable::Hash(uint64_t& h) const {
   for (const Entry& e : ranks_) {
     Fnv1aMix(h, &e.incarnation, sizeof(e.incarnation));
     Fnv1aMix(h, &e.joined, sizeof(e.joined));
+    Fnv1aMix(h, &e.left, sizeof(e.left));
   }
 }
 

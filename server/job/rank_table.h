@@ -54,8 +54,10 @@ class RankTable {
   // `rank` joins as `incarnation` (>= 1; the caller checked both). A newer
   // incarnation than the rank's replaces the older process, whose staging
   // region is dropped: returns the replaced incarnation (0 when none). The
-  // same incarnation again is idempotent. FailedPrecondition for an older
-  // incarnation (it is fenced); InvalidArgument for one more than
+  // same incarnation again is idempotent while it is joined; once it left,
+  // only a newer one joins (a push of the one that left may still be in
+  // flight against the staging region its Leave dropped). FailedPrecondition
+  // for an older incarnation (it is fenced) or one that left; InvalidArgument for one more than
   // kMaxIncarnationAheadMicros past both this daemon's clock (microseconds
   // since the Unix epoch, what clients use) and the rank's incarnation;
   // NotFound once the job was removed.
@@ -92,6 +94,7 @@ class RankTable {
   struct Entry {
     uint64_t incarnation = 0;  // 0: never joined
     bool joined = false;
+    bool left = false;  // `incarnation` left: it never joins again
     absl::Time last_seen = absl::InfinitePast();
     uint64_t last_step_pushed = 0;
     std::shared_ptr<RankStaging> staging;

@@ -126,9 +126,17 @@ TEST_F(RankTableTest, TheLastRankToLeaveRemovesTheJob) {
   EXPECT_EQ(t.Check(0, 1, "").code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(t.Leave(0, 1).status().code(), absl::StatusCode::kFailedPrecondition)
       << "left twice";
-  // A rank that left may join again while others remain.
-  EXPECT_TRUE(t.Join(0, 1).ok());
-  EXPECT_EQ(t.Leave(0, 1).value_or(true), false);
+  // A rank that left joins again while others remain, as a newer
+  // incarnation only: pushes of the one that left may still be in flight.
+  absl::Status again = t.Join(0, 1).status();
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(again.message(), HasSubstr("left as incarnation 1"));
+  absl::Status check = t.Check(0, 1, "");
+  EXPECT_EQ(check.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(check.message(), HasSubstr("incarnation 1 left job job"));
+  EXPECT_EQ(t.joined(), 1u);
+  EXPECT_EQ(t.Join(0, 2).value_or(0), 1u);
+  EXPECT_EQ(t.Leave(0, 2).value_or(true), false);
   EXPECT_EQ(t.Leave(1, 1).value_or(false), true);
   EXPECT_EQ(t.joined(), 0u);
   // Removed: no rank joins any more.
