@@ -679,55 +679,37 @@ void ActivationStore::StartIo(std::vector<IoStart> io, absl::Time deadline) {
   for (const auto& take : checksums) take();
 }
 
-// A spill write's completion that drops the slice's file (the slice was
-// freed, pinned or fetched meanwhile) unlinks it before the slice leaves its
-// in-flight state: whoever waits for the I/O (a reservation, a fetch, a free
-// followed by a look at the directory) finds the file gone. The unlink runs
-// with no lock held; the slice stays kSpilling meanwhile, so nothing else
-// touches its file. (A read-back's file is dropped, not unlinked: OnReadBack.)
+// A spill write's completion. A slice freed, pinned or fetched meanwhile
+// (or whose write failed) stays in the arena and its file, if one was
+// created, is dropped: removed by the remover thread once the disk has no
+// spill I/O left, or first thing when the spill space is needed
+// (RemoveDroppedFiles), never on this thread, which completes every other
+// spill and read-back.
 void ActivationStore::OnSpillWritten(const std::shared_ptr<Slice>& slice, absl::Status status,
                                      std::optional<uint32_t> crc) {
-  bool unlinked = false;  // the file was removed: the slice stays in memory
-  bool removal_failed = false;  // its disk did not answer: the file is dropped
   std::string failure;
-  for (;;) {
-    std::string path;
-    {
-      absl::MutexLock lock(&mu_);
-      // Failed, freed, located or being fetched meanwhile: it stays in the
-      // arena (ReleaseIfIdleLocked frees a freed one's block).
-      const bool stays =
-          unlinked || !status.ok() || slice->detached || slice->pinned || slice->holds > 0;
-      if (stays && !unlinked && !slice->file.empty()) {
-        path = slice->file;  // removed below with no lock held, then back here
-      } else {
-        spilling_.erase(slice.get());
-        slice->state = Slice::State::kStored;
-        if (stays) {
-          if (!status.ok()) {
-            failure = absl::StrCat("spilling ", Describe(slice->job, slice->id),
-                                   slice->file.empty() ? "" : absl::StrCat(" to ", slice->file),
-                                   " failed (it stays in memory): ", status.message());
-            slice->io_error = status;
-          }
-          if (removal_failed) {
-            DropFileLocked(*slice);  // removed later, once the disk answers
-          } else {
-            ForgetFileLocked(*slice);
-          }
-        } else {
-          if (crc.has_value()) slice->crc = crc;
-          FreeBlockLocked(*slice);
-          slice->state = Slice::State::kSpilled;
-          if (metrics_ != nullptr) metrics_->RecordSpill(slice->job, slice->bytes);
-        }
-        ReleaseIfIdleLocked(*slice);
-        NotifyLocked();
-        break;
+  {
+    absl::MutexLock lock(&mu_);
+    spilling_.erase(slice.get());
+    slice->state = Slice::State::kStored;
+    // Failed, freed, located or being fetched meanwhile: it stays in the
+    // arena (ReleaseIfIdleLocked frees a freed one's block).
+    if (!status.ok() || slice->detached || slice->pinned || slice->holds > 0) {
+      if (!status.ok()) {
+        failure = absl::StrCat("spilling ", Describe(slice->job, slice->id),
+                               slice->file.empty() ? "" : absl::StrCat(" to ", slice->file),
+                               " failed (it stays in memory): ", status.message());
+        slice->io_error = status;
       }
+      if (!slice->file.empty()) DropFileLocked(*slice);
+    } else {
+      if (crc.has_value()) slice->crc = crc;
+      FreeBlockLocked(*slice);
+      slice->state = Slice::State::kSpilled;
+      if (metrics_ != nullptr) metrics_->RecordSpill(slice->job, slice->bytes);
     }
-    removal_failed = !RemoveSpillFile(path);
-    unlinked = true;
+    ReleaseIfIdleLocked(*slice);
+    NotifyLocked();
   }
   if (!failure.empty()) Log(failure);
 }
