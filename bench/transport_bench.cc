@@ -86,9 +86,10 @@
 ABSL_FLAG(uint64_t, bytes, 268435456, "bytes of fp32 parameters in the job (Ψ * 4)");
 ABSL_FLAG(uint64_t, bucket_bytes, 32ull << 20, "the client's bucket C_B (and perftest's message)");
 ABSL_FLAG(int, reps, 5, "timed repetitions after one warm-up (the median is reported)");
-ABSL_FLAG(int, rounds, 3,
+ABSL_FLAG(int, rounds, 4,
           "rounds of one ucx_perftest run and one UCX measurement (order swapped each "
-          "round); the ratios are the median of the rounds'");
+          "round: an even number puts each first as often); the ratios are the median of the "
+          "rounds'");
 ABSL_FLAG(std::string, ucx_tls, "posix,cma,self", "UCX_TLS for the client, daemon and perftest");
 ABSL_FLAG(std::string, perftest, "ucx_perftest", "the ucx_perftest binary (PATH is searched)");
 ABSL_FLAG(bool, tls_compare, false,
@@ -430,6 +431,7 @@ int Main() {
   const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
   std::vector<double> ucx_push, ucx_gather, ucx_both, perftest_runs;
   std::vector<double> gather_fractions, ucx_fractions;  // by round, where both ran
+  int ucx_rounds = 0;  // rounds whose UCX measurement ran
   std::string why;
   bool ucx_failed = !have_ucx, perftest_failed = false;
   if (!have_ucx) std::printf("ucx: the daemon could not initialise UCX; skipped\n");
@@ -447,6 +449,7 @@ int Main() {
           continue;
         }
         ucx = &*r;
+        ++ucx_rounds;
         ucx_push.insert(ucx_push.end(), r->push.begin(), r->push.end());
         ucx_gather.insert(ucx_gather.end(), r->gather.begin(), r->gather.end());
         ucx_both.insert(ucx_both.end(), r->both.begin(), r->both.end());
@@ -456,6 +459,7 @@ int Main() {
                                           absl::GetFlag(FLAGS_perftest),
                                           absl::GetFlag(FLAGS_ucx_tls), &why);
         if (std::isnan(perftest)) {
+          std::printf("perftest: %s\n", why.c_str());
           perftest_failed = true;
         } else {
           perftest_runs.push_back(perftest);
@@ -480,8 +484,8 @@ int Main() {
     run.gbps = Median(ucx_both);
     std::printf("%-17s push %.2f GB/s, gather %.2f GB/s, push+gather %.2f GB/s (medians of %zu "
                 "repetitions over %d round%s)\n",
-                run.label, run.push_gbps, run.gather_gbps, run.gbps, ucx_both.size(), rounds,
-                rounds > 1 ? "s" : "");
+                run.label, run.push_gbps, run.gather_gbps, run.gbps, ucx_both.size(), ucx_rounds,
+                ucx_rounds > 1 ? "s" : "");
   }
   // The least a push or a gather can do, in this process: one copy of the
   // same bytes between two buffers of --bytes, in C_B pieces, on one thread
@@ -511,9 +515,7 @@ int Main() {
         runs[1].push_gbps / Median(to_daemon), runs[1].gather_gbps / Median(to_trainer));
   }
   const double perftest = Median(perftest_runs);
-  if (perftest_runs.empty()) {
-    std::printf("perftest: %s\n", why.c_str());
-  } else {
+  if (!perftest_runs.empty()) {
     std::string each;
     for (double g : perftest_runs) {
       absl::StrAppend(&each, each.empty() ? "" : ", ", absl::StrFormat("%.2f", g));

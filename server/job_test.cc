@@ -357,7 +357,9 @@ TEST(JobTest, OutOfOrderBf16WaitsInItsWireBytes) {
       const uint64_t buffered =
           d->ledger().JobBytes("job")[static_cast<int>(MemoryCategory::kBuffer)] - before;
       EXPECT_GE(buffered, n * 2);
-      EXPECT_LT(buffered, n * 2 + (n / 512 + 8) * 300) << "more than the wire bytes booked";
+      // Beyond the wire bytes, each chunk's bookkeeping: a key and a waiting
+      // entry (416 B as reduction.h charges them).
+      EXPECT_LT(buffered, n * 2 + (n / 512 + 8) * 450) << "more than the wire bytes booked";
       ASSERT_TRUE(c.Push(chunks(0)).ok());
     }
     ASSERT_NO_FATAL_FAILURE(CommitFirstStep(c, n, &params[pass]));

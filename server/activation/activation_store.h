@@ -21,7 +21,9 @@
 // (lowest step, then lowest layer: backward fetches them last) to files, up
 // to --spill_bytes; pinned, reserved and busy slices never move. A fetch of a
 // spilled slice reads it back (a miss); a prefetch does so ahead of time. A
-// file is dropped when its slice is read back or freed, and removed once no
+// file is dropped when its slice is read back or freed (or, once its spill
+// write ends, when the slice was pinned, fetched or freed meanwhile or the
+// write failed: the slice stays in the arena), and removed once no
 // spill write or read-back is in flight: on a file system mounted with online
 // discard (`-o discard`) each removal sends the disk a discard of the file's
 // blocks, which slowed reads of 32 MiB spill files on ext4 by about a fifth

@@ -87,7 +87,7 @@ class RankTable {
   absl::Time LastHeard() const;
   // Every rank, in rank order, as heard from within `timeout`.
   std::vector<RankStatus> Ranks(absl::Duration timeout) const;
-  // Mixes the incarnations and joined flags into h (tests).
+  // Mixes the incarnations and the joined and left flags into h (tests).
   void Hash(uint64_t& h) const;
 
  private:

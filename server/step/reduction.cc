@@ -129,7 +129,7 @@ bool ReductionState::Completes(const Key& key, uint32_t micro_batches) const {
 
 uint64_t ReductionState::BookkeepingNow() const {
   return keys_.size() * kKeyBytes + applied_ * kAppliedBytes +
-         pending_entries_ * kPendingEntryBytes + pending_marks_ * sizeof(uint32_t);
+         pending_entries_ * kPendingEntryBytes + pending_marks_bytes_;
 }
 
 absl::Status ReductionState::Check(const std::vector<Contribution>& batch, uint32_t micro_batches,
@@ -178,7 +178,7 @@ absl::Status ReductionState::CheckAgainst(const std::map<uint64_t, Key>& keys,
     const bool waits = key == keys.end() ? order != next : !SumsNow(key->second, order);
     if (waits && !hold) *pending_bytes += c.payload.size();
     *bookkeeping_bytes += waits || hold
-                              ? kPendingEntryBytes + c.no_grad.size() * sizeof(uint32_t)
+                              ? kPendingEntryBytes + MarksBytes(c.no_grad.size())
                               : kAppliedBytes;
   }
   *bookkeeping_bytes += new_keys.size() * kKeyBytes;
@@ -221,7 +221,7 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       p.held->bytes = c.payload.size();
       (*hold)[i] = p.held;
       p.no_grad.assign(c.no_grad.begin(), c.no_grad.end());
-      pending_marks_ += p.no_grad.size();
+      pending_marks_bytes_ += MarksBytes(p.no_grad.size());
       ++pending_entries_;
       continue;
     }
@@ -235,7 +235,7 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
     p.dtype = c.dtype;
     p.crc32c = c.crc32c;
     p.no_grad.assign(c.no_grad.begin(), c.no_grad.end());
-    pending_marks_ += p.no_grad.size();
+    pending_marks_bytes_ += MarksBytes(p.no_grad.size());
     ++pending_entries_;
     p.bytes.assign(c.payload.begin(), c.payload.end());
     buffered_bytes_ += p.bytes.size();
@@ -249,7 +249,7 @@ std::map<uint32_t, ReductionState::Pending>::iterator ReductionState::ErasePendi
     Key& key, std::map<uint32_t, Pending>::iterator p, HeldContribution::State state) {
   if (p->second.held != nullptr) p->second.held->state = state;
   if (p->second.view.data() == nullptr) buffered_bytes_ -= p->second.bytes.size();
-  pending_marks_ -= p->second.no_grad.size();
+  pending_marks_bytes_ -= MarksBytes(p->second.no_grad.size());
   --pending_entries_;
   return key.pending.erase(p);
 }
@@ -282,7 +282,7 @@ void ReductionState::SumRun(uint64_t begin, Key& key, const Contribution* c, uin
     job.run.push_back({e.data(), e.dtype});
     key.crcs.push_back(e.crc32c);
     MarkGrads({begin, key.end}, e.no_grad);
-    pending_marks_ -= e.no_grad.size();
+    pending_marks_bytes_ -= MarksBytes(e.no_grad.size());
     ++job.entries;
     if (e.held != nullptr) {
       e.held->state = HeldContribution::State::kSumming;
@@ -516,7 +516,7 @@ void ReductionState::Reset() {
   buffered_bytes_ = 0;
   applied_ = 0;
   pending_entries_ = 0;
-  pending_marks_ = 0;
+  pending_marks_bytes_ = 0;
   if (pending_bytes_ + bookkeeping_bytes_ > 0) {
     ledger_->Release(options_.job_id, MemoryCategory::kBuffer, pending_bytes_ + bookkeeping_bytes_);
     pending_bytes_ = 0;

@@ -268,10 +268,13 @@ class ReductionState {
   // What the bookkeeping is charged, generously: a key (a map node holding
   // a Key), an applied contribution (its CRC, with the vector's growth), and
   // an out-of-order contribution beyond its booked payload copy (a map node
-  // and the copy's allocation).
+  // and the copy's allocation), and the copy of its no_grad marks.
   static constexpr uint64_t kKeyBytes = 160;
   static constexpr uint64_t kAppliedBytes = 8;
-  static constexpr uint64_t kPendingEntryBytes = 192;  // with a held one's handle
+  static constexpr uint64_t kPendingEntryBytes = 256;  // with a held one's handle
+  static uint64_t MarksBytes(size_t marks) {
+    return marks == 0 ? 0 : marks * sizeof(uint32_t) + 16;  // with its allocation's header
+  }
 
   uint64_t BookkeepingNow() const;
   // Whether every contribution of `key` from next_order up to `order` is
@@ -326,7 +329,7 @@ class ReductionState {
   uint64_t buffered_bytes_ = 0;   // held in `pending` entries
   uint64_t applied_ = 0;          // contributions applied (CRCs kept) this step
   uint64_t pending_entries_ = 0;  // contributions held in `pending` entries
-  uint64_t pending_marks_ = 0;    // no_grad indices kept in `pending` entries
+  uint64_t pending_marks_bytes_ = 0;  // MarksBytes of the `pending` entries' no_grad
   uint64_t bookkeeping_bytes_ = 0;  // booked as buffer, >= BookkeepingNow()
   uint64_t sum_passes_ = 0;
   uint64_t summed_contributions_ = 0;
