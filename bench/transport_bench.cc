@@ -405,13 +405,6 @@ int Main() {
                  {"ucx", BufferUse::kBorrow, "ucx"},
                  {"stream", BufferUse::kBorrow, "stream"}};
   const bool have_ucx = (*daemon)->bulk_transport() != nullptr;
-  auto report = [](const Run& run, const PathResult& r) {
-    std::printf("%-17s push %.2f GB/s, gather %.2f GB/s, push+gather %.2f GB/s; "
-                "client staging buffer %llu B\n",
-                run.label, r.push_gbps, r.gather_gbps, r.gbps,
-                static_cast<unsigned long long>(r.client_buffer));
-    std::fflush(stdout);
-  };
   for (Run* run : {&runs[0], &runs[2]}) {  // measured once; runs[1] in rounds below
     if (std::string(run->transport) == "ucx" && !have_ucx) {
       std::printf("%s: the daemon could not initialise UCX; skipped\n", run->label);
@@ -425,7 +418,11 @@ int Main() {
     run->gbps = r->gbps;
     run->push_gbps = r->push_gbps;
     run->gather_gbps = r->gather_gbps;
-    report(*run, *r);
+    std::printf("%-17s push %.2f GB/s, gather %.2f GB/s, push+gather %.2f GB/s; "
+                "client staging buffer %llu B\n",
+                run->label, r->push_gbps, r->gather_gbps, r->gbps,
+                static_cast<unsigned long long>(r->client_buffer));
+    std::fflush(stdout);
   }
   // The UCX path against perftest, round by round.
   const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
@@ -439,32 +436,38 @@ int Main() {
     double perftest = NAN;
     const PathResult* ucx = nullptr;
     absl::StatusOr<PathResult> r = absl::UnknownError("not run");
-    for (int i = 0; i < 2; ++i) {
-      if ((round % 2 == 0 ? i : 1 - i) == 0) {
-        if (ucx_failed) continue;
-        r = Measure(**daemon, "ucx", BufferUse::kBorrow, {}, absl::StrCat("-round-", round));
-        if (!r.ok()) {
-          std::printf("ucx: failed: %s\n", r.status().ToString().c_str());
-          ucx_failed = true;
-          continue;
-        }
-        ucx = &*r;
-        ++ucx_rounds;
-        ucx_push.insert(ucx_push.end(), r->push.begin(), r->push.end());
-        ucx_gather.insert(ucx_gather.end(), r->gather.begin(), r->gather.end());
-        ucx_both.insert(ucx_both.end(), r->both.begin(), r->both.end());
-      } else {
-        if (perftest_failed) continue;
-        perftest = bench::PerftestPutGbps(absl::GetFlag(FLAGS_bucket_bytes),
-                                          absl::GetFlag(FLAGS_perftest),
-                                          absl::GetFlag(FLAGS_ucx_tls), &why);
-        if (std::isnan(perftest)) {
-          std::printf("perftest: %s\n", why.c_str());
-          perftest_failed = true;
-        } else {
-          perftest_runs.push_back(perftest);
-        }
+    auto measure_ucx = [&] {
+      if (ucx_failed) return;
+      r = Measure(**daemon, "ucx", BufferUse::kBorrow, {}, absl::StrCat("-round-", round));
+      if (!r.ok()) {
+        std::printf("ucx: failed: %s\n", r.status().ToString().c_str());
+        ucx_failed = true;
+        return;
       }
+      ucx = &*r;
+      ++ucx_rounds;
+      ucx_push.insert(ucx_push.end(), r->push.begin(), r->push.end());
+      ucx_gather.insert(ucx_gather.end(), r->gather.begin(), r->gather.end());
+      ucx_both.insert(ucx_both.end(), r->both.begin(), r->both.end());
+    };
+    auto measure_perftest = [&] {
+      if (perftest_failed) return;
+      perftest = bench::PerftestPutGbps(absl::GetFlag(FLAGS_bucket_bytes),
+                                        absl::GetFlag(FLAGS_perftest),
+                                        absl::GetFlag(FLAGS_ucx_tls), &why);
+      if (std::isnan(perftest)) {
+        std::printf("perftest: %s\n", why.c_str());
+        perftest_failed = true;
+      } else {
+        perftest_runs.push_back(perftest);
+      }
+    };
+    if (round % 2 == 0) {
+      measure_ucx();
+      measure_perftest();
+    } else {
+      measure_perftest();
+      measure_ucx();
     }
     if (ucx != nullptr && !std::isnan(perftest)) {
       gather_fractions.push_back(ucx->gather_gbps / perftest);

@@ -211,18 +211,13 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
     elements += n;
     // A range whose sum is in flight takes its next ones as waiting.
     if (hold != nullptr && (key.summing || !Completes(key, micro_batches))) {
-      Pending& p = key.pending[order];
-      p.dtype = c.dtype;
-      p.crc32c = c.crc32c;
+      Pending& p = AddPending(key, order, c);
       p.view = c.payload;
       p.held = std::make_shared<HeldContribution>();
       p.held->begin = c.range.begin;
       p.held->order = order;
       p.held->bytes = c.payload.size();
       (*hold)[i] = p.held;
-      p.no_grad.assign(c.no_grad.begin(), c.no_grad.end());
-      pending_marks_bytes_ += MarksBytes(p.no_grad.size());
-      ++pending_entries_;
       continue;
     }
     if (SumsNow(key, order)) {
@@ -231,18 +226,24 @@ uint64_t ReductionState::Apply(const std::vector<Contribution>& batch, uint32_t 
       SumRun(c.range.begin, key, &c, order, grad_scale);
       continue;
     }
-    Pending& p = key.pending[order];
-    p.dtype = c.dtype;
-    p.crc32c = c.crc32c;
-    p.no_grad.assign(c.no_grad.begin(), c.no_grad.end());
-    pending_marks_bytes_ += MarksBytes(p.no_grad.size());
-    ++pending_entries_;
+    Pending& p = AddPending(key, order, c);
     p.bytes.assign(c.payload.begin(), c.payload.end());
     buffered_bytes_ += p.bytes.size();
   }
   // Give back what the caller's upper bounds over-reserved and what drained.
   ReleaseUnheld();
   return elements;
+}
+
+ReductionState::Pending& ReductionState::AddPending(Key& key, uint32_t order,
+                                                    const Contribution& c) {
+  Pending& p = key.pending[order];
+  p.dtype = c.dtype;
+  p.crc32c = c.crc32c;
+  p.no_grad.assign(c.no_grad.begin(), c.no_grad.end());
+  pending_marks_bytes_ += MarksBytes(p.no_grad.size());
+  ++pending_entries_;
+  return p;
 }
 
 std::map<uint32_t, ReductionState::Pending>::iterator ReductionState::ErasePending(

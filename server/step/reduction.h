@@ -304,6 +304,9 @@ class ReductionState {
   bool SumsNow(const Key& key, uint32_t order) const {
     return !key.summing && WaitingUpTo(key, order);
   }
+  // A pending entry for `c` at `order`, counted, with c's dtype, CRC and
+  // no_grad; the caller gives it its bytes (buffered or held where they are).
+  Pending& AddPending(Key& key, uint32_t order, const Contribution& c);
   // Removes pending entry `p` (its bytes no longer buffered; a held one
   // marked `state`).
   std::map<uint32_t, Pending>::iterator ErasePending(Key& key,
